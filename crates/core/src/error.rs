@@ -1,0 +1,55 @@
+//! The one error type of `stepgraph-core`. Every message names the thing that
+//! is wrong (the op, the value, the model, the line) and the shapes or values
+//! involved, so a user can act on it without reading the source.
+
+use thiserror::Error;
+
+/// Errors raised anywhere in the compiler and the CPU backend.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A model name that no named config matches.
+    #[error("unknown model name `{name}`; known models: {known}")]
+    UnknownModel { name: String, known: String },
+    /// A model configuration that cannot describe a valid network.
+    #[error("invalid model config `{model}`: {reason}")]
+    Config { model: String, reason: String },
+    /// An op applied to inputs whose shapes or dtypes it does not accept.
+    #[error("op `{op}`: {reason}")]
+    Op { op: String, reason: String },
+    /// A trace text that does not parse.
+    #[error("trace text, line {line}: {reason}")]
+    Parse { line: usize, reason: String },
+    /// A trace that breaks one of the IR invariants.
+    #[error("trace `{trace}` fails verification: {reason}")]
+    Verify { trace: String, reason: String },
+    /// Differentiation could not build the backward trace.
+    #[error("autodiff: {0}")]
+    Autodiff(String),
+    /// The memory planner or its checker found a problem.
+    #[error("memory plan: {0}")]
+    Plan(String),
+    /// The CPU backend could not run a program.
+    #[error("cpu backend: {0}")]
+    Cpu(String),
+    /// Bad data handed to a step: wrong length, token id out of range, ...
+    #[error("step input `{name}`: {reason}")]
+    Input { name: String, reason: String },
+    #[error("io error on `{path}`: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Shorthand for an [`Error::Op`] naming `op`.
+    pub fn op(op: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Op { op: op.into(), reason: reason.into() }
+    }
+}

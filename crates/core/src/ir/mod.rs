@@ -1,0 +1,533 @@
+//! The IR: typed ids, dtypes, tensor types, values, nodes and the [`Trace`].
+//!
+//! A trace is a straight-line SSA program over tensors with static shapes.
+//! Values live in one dense table indexed by [`ValueId`]; nodes in another
+//! indexed by [`NodeId`]. A value is either a *leaf* (a step input, a
+//! parameter or a piece of optimizer state: persistent or written between
+//! steps) or the output of exactly one node.
+//!
+//! **Invariants** (checked by [`verify::verify`] after every pass in debug builds):
+//! - every node input is a leaf or the output of an earlier node;
+//! - every non-leaf value is the output of exactly one node;
+//! - each node's output types are what its op's shape rule infers;
+//! - `saved` lists exactly the forward values that backward nodes read;
+//! - each state update pairs a leaf with a node value of the same type.
+
+pub mod parse;
+pub mod print;
+pub mod verify;
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::ops::Op;
+
+/// Index of a value in [`Trace::values`]; prints as `%12`.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct ValueId(pub u32);
+
+/// Index of a node in [`Trace::nodes`].
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct NodeId(pub u32);
+
+impl ValueId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+impl fmt::Display for ValueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.0)
+    }
+}
+
+/// Element types. `F64` exists for finite-difference checks on the CPU backend.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, serde::Serialize)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+    F64,
+    I32,
+    I64,
+    Bool,
+}
+
+impl DType {
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::F64,
+        DType::I32,
+        DType::I64,
+        DType::Bool,
+    ];
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::Bool => 1,
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::BF16 | DType::F16 | DType::F64)
+    }
+
+    pub fn is_int(self) -> bool {
+        matches!(self, DType::I32 | DType::I64)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F64 => "f64",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::Bool => "bool",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == s)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A dtype and a static shape. A scalar has an empty shape.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: impl Into<Vec<usize>>) -> Self {
+        TensorType { dtype, shape: shape.into() }
+    }
+
+    pub fn scalar(dtype: DType) -> Self {
+        TensorType { dtype, shape: vec![] }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.numel() as u64 * self.dtype.size() as u64
+    }
+
+    pub fn with_dtype(&self, dtype: DType) -> Self {
+        TensorType { dtype, shape: self.shape.clone() }
+    }
+
+    pub fn with_shape(&self, shape: impl Into<Vec<usize>>) -> Self {
+        TensorType { dtype: self.dtype, shape: shape.into() }
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}[", self.dtype)?;
+        for (i, d) in self.shape.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// What a value is to the step, which decides where its memory lives.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum ValueKind {
+    /// Written by the host before each step (token ids, targets, learning rate, step count).
+    Input { name: String },
+    /// A model parameter: persistent.
+    Param { name: String },
+    /// Optimizer state (AdamW moments): persistent.
+    State { name: String },
+    /// Produced by a node. Its memory comes from the arena.
+    Node(NodeId),
+}
+
+impl ValueKind {
+    pub fn is_leaf(&self) -> bool {
+        !matches!(self, ValueKind::Node(_))
+    }
+
+    pub fn leaf_name(&self) -> Option<&str> {
+        match self {
+            ValueKind::Input { name } | ValueKind::Param { name } | ValueKind::State { name } => {
+                Some(name)
+            }
+            ValueKind::Node(_) => None,
+        }
+    }
+}
+
+#[derive(Clone, PartialEq, Debug)]
+pub struct Value {
+    pub ty: TensorType,
+    pub kind: ValueKind,
+}
+
+/// Which part of the step a node belongs to; printed as section markers.
+#[derive(Copy, Clone, PartialEq, Eq, Debug, PartialOrd, Ord)]
+pub enum Phase {
+    Forward,
+    Backward,
+    Optimizer,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+        }
+    }
+}
+
+#[derive(Clone, PartialEq, Debug)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    pub phase: Phase,
+}
+
+/// What a trace output means to its caller.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum OutputKind {
+    /// The scalar loss.
+    Loss,
+    /// The gradient of a parameter (the parameter's leaf value).
+    Grad(ValueId),
+    /// Any other named result (logits of an inference trace, ...).
+    Named(String),
+}
+
+#[derive(Clone, PartialEq, Debug)]
+pub struct Output {
+    pub kind: OutputKind,
+    pub value: ValueId,
+}
+
+/// The new value of a persistent leaf after the step (parameters and optimizer
+/// state under `train`). The planner gives `new` the storage of `state`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Update {
+    pub state: ValueId,
+    pub new: ValueId,
+}
+
+/// One step program. See the module doc for its invariants.
+#[derive(Clone, PartialEq, Debug, Default)]
+pub struct Trace {
+    /// What the trace computes: `forward`, `grads`, `train`, or a test name.
+    pub name: String,
+    /// The pass that produced this version of the trace.
+    pub pass: String,
+    pub values: Vec<Value>,
+    pub nodes: Vec<Node>,
+    pub outputs: Vec<Output>,
+    pub updates: Vec<Update>,
+    /// Forward values read by backward nodes, kept alive across the boundary.
+    pub saved: Vec<ValueId>,
+}
+
+impl Trace {
+    pub fn value(&self, v: ValueId) -> &Value {
+        &self.values[v.index()]
+    }
+
+    pub fn ty(&self, v: ValueId) -> &TensorType {
+        &self.values[v.index()].ty
+    }
+
+    pub fn node(&self, n: NodeId) -> &Node {
+        &self.nodes[n.index()]
+    }
+
+    pub fn value_ids(&self) -> impl Iterator<Item = ValueId> {
+        (0..self.values.len() as u32).map(ValueId)
+    }
+
+    pub fn leaves(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|v| self.value(*v).kind.is_leaf())
+    }
+
+    pub fn params(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Param { .. }))
+    }
+
+    pub fn inputs(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Input { .. }))
+    }
+
+    /// The leaf called `name`, if any.
+    pub fn leaf_by_name(&self, name: &str) -> Option<ValueId> {
+        self.leaves().find(|v| self.value(*v).kind.leaf_name() == Some(name))
+    }
+
+    /// The node that defines `v`, or `None` for a leaf.
+    pub fn producer(&self, v: ValueId) -> Option<NodeId> {
+        match self.value(v).kind {
+            ValueKind::Node(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    pub fn loss(&self) -> Option<ValueId> {
+        self.outputs.iter().find(|o| o.kind == OutputKind::Loss).map(|o| o.value)
+    }
+
+    /// The gradient output of parameter `param`, if the trace has one.
+    pub fn grad_of(&self, param: ValueId) -> Option<ValueId> {
+        self.outputs
+            .iter()
+            .find(|o| o.kind == OutputKind::Grad(param))
+            .map(|o| o.value)
+    }
+
+    /// A short label for a value in reports: its leaf name, or `%N` with the op that made it.
+    pub fn describe(&self, v: ValueId) -> String {
+        match &self.value(v).kind {
+            ValueKind::Input { name } => format!("input {name}"),
+            ValueKind::Param { name } => format!("param {name}"),
+            ValueKind::State { name } => format!("state {name}"),
+            ValueKind::Node(n) => {
+                let node = self.node(*n);
+                let grad = self.outputs.iter().find_map(|o| match o.kind {
+                    OutputKind::Grad(p) if o.value == v => self.value(p).kind.leaf_name(),
+                    _ => None,
+                });
+                match grad {
+                    Some(p) => format!("{v} grad of {p}"),
+                    None => format!("{v} = {} ({})", node.op.name(), node.phase.name()),
+                }
+            }
+        }
+    }
+
+    /// Values that forward nodes define and backward/optimizer nodes read.
+    pub fn derive_saved(&self) -> Vec<ValueId> {
+        let mut seen = vec![false; self.values.len()];
+        let mut saved = Vec::new();
+        for node in self.nodes.iter().filter(|n| n.phase != Phase::Forward) {
+            for &i in &node.inputs {
+                let fwd = match self.producer(i) {
+                    Some(p) => self.node(p).phase == Phase::Forward,
+                    None => false,
+                };
+                if fwd && !seen[i.index()] {
+                    seen[i.index()] = true;
+                    saved.push(i);
+                }
+            }
+        }
+        saved.sort();
+        saved
+    }
+
+    /// Bytes of all leaves of one kind.
+    pub fn leaf_bytes(&self, pred: impl Fn(&ValueKind) -> bool) -> u64 {
+        self.values.iter().filter(|v| pred(&v.kind)).map(|v| v.ty.bytes()).sum()
+    }
+}
+
+/// Records ops on symbolic tensors into a [`Trace`], inferring every output type.
+pub struct Builder {
+    trace: Trace,
+    phase: Phase,
+}
+
+impl Builder {
+    pub fn new(name: impl Into<String>) -> Self {
+        Builder {
+            trace: Trace { name: name.into(), pass: "build".into(), ..Trace::default() },
+            phase: Phase::Forward,
+        }
+    }
+
+    /// Continue building on an existing trace (autodiff appends backward nodes).
+    pub fn from_trace(trace: Trace) -> Self {
+        Builder { trace, phase: Phase::Forward }
+    }
+
+    pub fn set_phase(&mut self, phase: Phase) {
+        self.phase = phase;
+    }
+
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    pub fn ty(&self, v: ValueId) -> &TensorType {
+        self.trace.ty(v)
+    }
+
+    pub fn shape(&self, v: ValueId) -> &[usize] {
+        &self.trace.ty(v).shape
+    }
+
+    pub fn dtype(&self, v: ValueId) -> DType {
+        self.trace.ty(v).dtype
+    }
+
+    fn add_value(&mut self, ty: TensorType, kind: ValueKind) -> ValueId {
+        let id = ValueId(self.trace.values.len() as u32);
+        self.trace.values.push(Value { ty, kind });
+        id
+    }
+
+    fn leaf(&mut self, kind: ValueKind, ty: TensorType) -> Result<ValueId> {
+        let name = kind.leaf_name().unwrap_or_default().to_string();
+        if name.is_empty() || name.chars().any(char::is_whitespace) {
+            return Err(Error::op("leaf", format!("invalid leaf name `{name}`")));
+        }
+        if self.trace.leaf_by_name(&name).is_some() {
+            return Err(Error::op("leaf", format!("duplicate leaf name `{name}`")));
+        }
+        Ok(self.add_value(ty, kind))
+    }
+
+    /// A step input written by the host before each step.
+    pub fn input(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {
+        self.leaf(ValueKind::Input { name: name.into() }, ty)
+    }
+
+    pub fn param(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {
+        self.leaf(ValueKind::Param { name: name.into() }, ty)
+    }
+
+    pub fn state(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {
+        self.leaf(ValueKind::State { name: name.into() }, ty)
+    }
+
+    /// Append a node, checking its inputs and inferring its output types.
+    pub fn push(&mut self, op: Op, inputs: &[ValueId]) -> Result<Vec<ValueId>> {
+        for &i in inputs {
+            if i.index() >= self.trace.values.len() {
+                return Err(Error::op(op.name(), format!("input {i} does not exist")));
+            }
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|&i| self.trace.ty(i)).collect();
+        let out_types = op.infer(&types).map_err(|reason| {
+            let shown: Vec<String> = types.iter().map(|t| t.to_string()).collect();
+            Error::op(op.name(), format!("{reason} (inputs: {})", shown.join(", ")))
+        })?;
+        let node_id = NodeId(self.trace.nodes.len() as u32);
+        let outputs: Vec<ValueId> = out_types
+            .into_iter()
+            .map(|t| self.add_value(t, ValueKind::Node(node_id)))
+            .collect();
+        self.trace.nodes.push(Node {
+            op,
+            inputs: inputs.to_vec(),
+            outputs: outputs.clone(),
+            phase: self.phase,
+        });
+        Ok(outputs)
+    }
+
+    /// [`Builder::push`] for ops with exactly one output.
+    pub fn push1(&mut self, op: Op, inputs: &[ValueId]) -> Result<ValueId> {
+        let name = op.name();
+        let outs = self.push(op, inputs)?;
+        match outs.as_slice() {
+            [v] => Ok(*v),
+            _ => Err(Error::op(name, format!("expected one output, got {}", outs.len()))),
+        }
+    }
+
+    pub fn output(&mut self, kind: OutputKind, value: ValueId) {
+        self.trace.outputs.push(Output { kind, value });
+    }
+
+    pub fn update(&mut self, state: ValueId, new: ValueId) {
+        self.trace.updates.push(Update { state, new });
+    }
+
+    /// Finish: number the values canonically (leaves first, then in node
+    /// order), record which values are saved for backward, and verify.
+    pub fn finish(self, pass: &str) -> Result<Trace> {
+        let mut trace = renumber(self.trace);
+        trace.pass = pass.into();
+        trace.saved = trace.derive_saved();
+        verify::verify(&trace)?;
+        Ok(trace)
+    }
+}
+
+/// Renumber values densely: leaves in creation order, then node outputs in
+/// node order, so a printed trace reads top to bottom with increasing ids.
+pub fn renumber(trace: Trace) -> Trace {
+    let n = trace.values.len();
+    let mut order: Vec<ValueId> = trace.leaves().collect();
+    for node in &trace.nodes {
+        order.extend(node.outputs.iter().copied());
+    }
+    let mut map = vec![ValueId(u32::MAX); n];
+    for (new, old) in order.iter().enumerate() {
+        map[old.index()] = ValueId(new as u32);
+    }
+    let m = |v: &ValueId| map[v.index()];
+    let values = order.iter().map(|old| trace.values[old.index()].clone()).collect();
+    Trace {
+        name: trace.name,
+        pass: trace.pass,
+        values,
+        nodes: trace
+            .nodes
+            .into_iter()
+            .map(|nd| Node {
+                op: nd.op,
+                inputs: nd.inputs.iter().map(m).collect(),
+                outputs: nd.outputs.iter().map(m).collect(),
+                phase: nd.phase,
+            })
+            .collect(),
+        outputs: trace
+            .outputs
+            .into_iter()
+            .map(|o| Output {
+                kind: match o.kind {
+                    OutputKind::Grad(p) => OutputKind::Grad(m(&p)),
+                    k => k,
+                },
+                value: m(&o.value),
+            })
+            .collect(),
+        updates: trace
+            .updates
+            .iter()
+            .map(|u| Update { state: m(&u.state), new: m(&u.new) })
+            .collect(),
+        saved: trace.saved.iter().map(m).collect(),
+    }
+}

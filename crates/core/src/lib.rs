@@ -1,0 +1,16 @@
+//! stepgraph core: the step compiler and the CPU reference backend.
+//!
+//! The pipeline: a model builder ([`models`]) records ops on symbolic tensors
+//! into a forward [`ir::Trace`]; [`autodiff`] turns it into a step trace
+//! (forward, loss, backward and optionally the optimizer); [`plan`] schedules
+//! the step and assigns every value an offset in one arena or a persistent
+//! buffer; [`cpu`] runs the planned program. Nothing here knows about CUDA.
+
+pub mod cpu;
+pub mod error;
+pub mod ir;
+pub mod models;
+pub mod ops;
+pub mod testing;
+
+pub use error::{Error, Result};

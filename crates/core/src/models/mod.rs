@@ -1,0 +1,2 @@
+//! Model configs and the GPT builder.
+pub mod config;

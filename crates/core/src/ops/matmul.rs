@@ -1,0 +1,181 @@
+//! Matrix products `op(a) · op(b)` with optional transposes and batch dims.
+//!
+//! `a` is `[..., m, k]` (`[..., k, m]` with `trans_a`), `b` is `[..., k, n]`
+//! (`[..., n, k]` with `trans_b`). Either operand may be 2-D while the other
+//! carries batch dims (a linear layer: activations `[B, T, in]` times a
+//! weight `[out, in]` with `trans_b`); otherwise batch dims must be equal.
+
+use super::{expect_float, expect_inputs, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use crate::cpu::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
+use crate::cpu::KernelIo;
+use crate::error::{Error, Result};
+use crate::ir::{Builder, DType, TensorType, ValueId};
+
+#[derive(Clone, PartialEq, Debug)]
+pub struct MatMul {
+    pub trans_a: bool,
+    pub trans_b: bool,
+}
+
+/// Resolved dimensions of one product.
+struct Dims {
+    batch_shape: Vec<usize>,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a_batched: bool,
+    b_batched: bool,
+}
+
+impl MatMul {
+    fn dims(&self, a: &[usize], b: &[usize]) -> std::result::Result<Dims, String> {
+        if a.len() < 2 || b.len() < 2 {
+            return Err("operands must have rank >= 2".into());
+        }
+        let (ab, am) = a.split_at(a.len() - 2);
+        let (bb, bm) = b.split_at(b.len() - 2);
+        let (m, ka) = if self.trans_a { (am[1], am[0]) } else { (am[0], am[1]) };
+        let (kb, n) = if self.trans_b { (bm[1], bm[0]) } else { (bm[0], bm[1]) };
+        if ka != kb {
+            return Err(format!("contraction sizes differ: {ka} and {kb}"));
+        }
+        let batch_shape = match (ab.is_empty(), bb.is_empty()) {
+            (_, true) => ab.to_vec(),
+            (true, false) => bb.to_vec(),
+            (false, false) if ab == bb => ab.to_vec(),
+            _ => return Err(format!("batch dims differ: {ab:?} and {bb:?}")),
+        };
+        Ok(Dims {
+            batch: batch_shape.iter().product(),
+            batch_shape,
+            m,
+            n,
+            k: ka,
+            a_batched: !ab.is_empty(),
+            b_batched: !bb.is_empty(),
+        })
+    }
+}
+
+impl OpDef for MatMul {
+    fn name(&self) -> &'static str {
+        "matmul"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        expect_inputs(inputs, 2)?;
+        expect_float(inputs[0], "a")?;
+        if inputs[0].dtype != inputs[1].dtype {
+            return Err(format!("dtypes differ: {} and {}", inputs[0].dtype, inputs[1].dtype));
+        }
+        let d = self.dims(&inputs[0].shape, &inputs[1].shape)?;
+        let mut shape = d.batch_shape;
+        shape.extend([d.m, d.n]);
+        Ok(vec![inputs[0].with_shape(shape)])
+    }
+    fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        let Some(g) = args.cotangents[0] else { return Ok(vec![None, None]) };
+        let (x, w) = (args.inputs[0], args.inputs[1]);
+        let (ta, tb) = (self.trans_a, self.trans_b);
+        // C = opA(A)·opB(B): dopA = G·opB(B)ᵀ and dopB = opA(A)ᵀ·G, transposed
+        // back where the operand is stored transposed.
+        let ga = if ta { b.matmul_into(w, g, tb, true, x)? } else { b.matmul_into(g, w, false, !tb, x)? };
+        let gb = if tb { b.matmul_into(g, x, true, ta, w)? } else { b.matmul_into(x, g, !ta, false, w)? };
+        Ok(vec![Some(ga), Some(gb)])
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        let d = self.dims(&io.in_ty(0).shape, &io.in_ty(1).shape).map_err(|e| Error::op("matmul", e))?;
+        let desc = GemmDesc {
+            batch: if d.a_batched { d.batch } else { 1 },
+            m: d.m,
+            n: d.n,
+            k: d.k,
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            broadcast_b: !d.b_batched,
+        };
+        macro_rules! run {
+            ($T:ty, $f:ident) => {{
+                let (a, bm, c) = (io.input::<$T>(0), io.input::<$T>(1), io.output::<$T>(0));
+                if d.a_batched || !d.b_batched {
+                    $f(&desc, a, bm, c);
+                } else {
+                    // `a` is shared and `b` batched: one product per batch entry.
+                    let one = GemmDesc { batch: 1, broadcast_b: false, ..desc };
+                    let (bs, cs) = (d.k * d.n, d.m * d.n);
+                    for i in 0..d.batch {
+                        $f(&one, a, &bm[i * bs..(i + 1) * bs], &mut c[i * cs..(i + 1) * cs]);
+                    }
+                }
+            }};
+        }
+        match io.out_ty(0).dtype {
+            DType::F32 => run!(f32, gemm_f32),
+            DType::F64 => run!(f64, gemm_f64),
+            DType::BF16 => run!(half::bf16, gemm_bf16),
+            DType::F16 => run!(half::f16, gemm_f16),
+            dt => return Err(Error::op("matmul", format!("no CPU kernel for {dt}"))),
+        }
+        Ok(())
+    }
+    fn lowering(&self) -> Lowering {
+        Lowering::Gemm { trans_a: self.trans_a, trans_b: self.trans_b }
+    }
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        vec![("trans_a", Attr::Bool(self.trans_a)), ("trans_b", Attr::Bool(self.trans_b))]
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "matmul").then(|| Ok(MatMul { trans_a: a.bool("trans_a")?, trans_b: a.bool("trans_b")? }))
+    }
+}
+
+impl Builder {
+    pub fn matmul(&mut self, a: ValueId, b: ValueId, trans_a: bool, trans_b: bool) -> Result<ValueId> {
+        self.push1(MatMul { trans_a, trans_b }.into(), &[a, b])
+    }
+
+    /// `x · Wᵀ (+ bias)` for `x: [..., in]` and a weight stored `[out, in]`, as PyTorch's `Linear`.
+    pub fn linear(&mut self, x: ValueId, weight: ValueId, bias: Option<ValueId>) -> Result<ValueId> {
+        let xs = self.shape(x).to_vec();
+        // Rank-2 `x` still goes through a batch-free product.
+        let y = if xs.len() == 1 {
+            let x2 = self.reshape(x, &[1, xs[0]])?;
+            let y = self.matmul(x2, weight, false, true)?;
+            let out = self.shape(y)[1];
+            self.reshape(y, &[out])?
+        } else {
+            self.matmul(x, weight, false, true)?
+        };
+        match bias {
+            Some(b) => self.add(y, b),
+            None => Ok(y),
+        }
+    }
+
+    /// A product whose result must have `like`'s shape: the cotangent of an
+    /// operand. When `like` has fewer batch dims than the product (a shared
+    /// weight), the batch is summed away: by folding it into the contraction
+    /// when the layout allows, else by a reduction.
+    fn matmul_into(&mut self, a: ValueId, b: ValueId, ta: bool, tb: bool, like: ValueId) -> Result<ValueId> {
+        let target = self.shape(like).to_vec();
+        let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
+        let rank = sa.len().max(sb.len());
+        if target.len() == rank {
+            return self.matmul(a, b, ta, tb);
+        }
+        // Both operands batched, result wanted 2-D. With the batch adjacent to
+        // the contracted axis (`a` stored [.., k, m] and `b` [.., k, n]),
+        // flattening the batch into k gives the sum directly.
+        if ta && !tb && sa.len() == rank && sb.len() == rank {
+            let fold = |s: &[usize]| -> Vec<usize> {
+                let rows: usize = s[..s.len() - 1].iter().product();
+                vec![rows, s[s.len() - 1]]
+            };
+            let a2 = self.reshape(a, &fold(&sa))?;
+            let b2 = self.reshape(b, &fold(&sb))?;
+            return self.matmul(a2, b2, true, false);
+        }
+        let full = self.matmul(a, b, ta, tb)?;
+        self.sum_to(full, &target)
+    }
+}

@@ -1,0 +1,351 @@
+//! Test support shared by unit tests, integration tests and the CUDA tests:
+//! host tensors in any dtype, an unplanned interpreter (every value its own
+//! buffer) and the finite-difference check of VJP rules.
+//!
+//! The VJP check tests ⟨J·u, v⟩ = ⟨u, Jᵀ·v⟩ in f64: `J·u` by central
+//! differences of the op's CPU kernel, `Jᵀ·v` by running the op's VJP rule
+//! (the backward ops it emits, on their CPU kernels).
+
+use std::collections::HashMap;
+
+use num_traits::ToPrimitive;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::cpu::{Float, KernelIo, TensorView};
+use crate::error::{Error, Result};
+use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use crate::ops::{Op, VjpArgs};
+
+/// A tensor in host memory, 8-byte aligned so every dtype can be viewed in place.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub ty: TensorType,
+    words: Vec<u64>,
+}
+
+impl HostTensor {
+    pub fn zeros(ty: TensorType) -> Self {
+        let words = vec![0u64; (ty.bytes() as usize).div_ceil(8)];
+        HostTensor { ty, words }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.ty.bytes() as usize]
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.ty.bytes() as usize;
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
+    }
+
+    /// Values converted from f64 (rounded to the dtype; ints truncated).
+    pub fn from_f64(ty: TensorType, data: &[f64]) -> Self {
+        assert_eq!(data.len(), ty.numel(), "data length for {ty}");
+        let mut t = HostTensor::zeros(ty.clone());
+        let b = t.bytes_mut();
+        fn put<T: bytemuck::Pod>(b: &mut [u8], data: &[f64], f: impl Fn(f64) -> T) {
+            let s: &mut [T] = bytemuck::cast_slice_mut(b);
+            for (o, &x) in s.iter_mut().zip(data) {
+                *o = f(x);
+            }
+        }
+        match ty.dtype {
+            DType::F32 => put(b, data, |x| x as f32),
+            DType::F64 => put(b, data, |x| x),
+            DType::BF16 => put(b, data, half::bf16::from_f64),
+            DType::F16 => put(b, data, half::f16::from_f64),
+            DType::I32 => put(b, data, |x| x as i32),
+            DType::I64 => put(b, data, |x| x as i64),
+            DType::Bool => put(b, data, |x| (x != 0.0) as u8),
+        }
+        t
+    }
+
+    pub fn to_f64(&self) -> Vec<f64> {
+        bytes_to_f64(self.ty.dtype, self.bytes())
+    }
+}
+
+/// Decodes raw bytes of `dtype` to f64.
+pub fn bytes_to_f64(dtype: DType, b: &[u8]) -> Vec<f64> {
+    fn get<T: bytemuck::Pod>(b: &[u8], f: impl Fn(T) -> f64) -> Vec<f64> {
+        b.chunks_exact(std::mem::size_of::<T>()).map(|c| f(bytemuck::pod_read_unaligned(c))).collect()
+    }
+    match dtype {
+        DType::F32 => get(b, |x: f32| x as f64),
+        DType::F64 => get(b, |x: f64| x),
+        DType::BF16 => get(b, |x: half::bf16| x.to_f64()),
+        DType::F16 => get(b, |x: half::f16| x.to_f64()),
+        DType::I32 => get(b, |x: i32| x as f64),
+        DType::I64 => get(b, |x: i64| x as f64),
+        DType::Bool => get(b, |x: u8| x as f64),
+    }
+}
+
+/// Runs `trace` with every value in its own buffer (no plan, no reuse), the
+/// leaves taken from `leaves`. Returns every value. The reference against
+/// which planned execution is compared.
+pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result<Vec<HostTensor>> {
+    let mut vals: Vec<HostTensor> = trace.values.iter().map(|v| HostTensor::zeros(v.ty.clone())).collect();
+    for v in trace.leaves() {
+        let t = leaves
+            .get(&v)
+            .ok_or_else(|| Error::Input { name: trace.describe(v), reason: "no value given".into() })?;
+        if t.ty != *trace.ty(v) {
+            return Err(Error::Input {
+                name: trace.describe(v),
+                reason: format!("expected {}, got {}", trace.ty(v), t.ty),
+            });
+        }
+        vals[v.index()] = t.clone();
+    }
+    for node in &trace.nodes {
+        let view = |t: &mut HostTensor| TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() };
+        let inputs: Vec<TensorView> = node.inputs.iter().map(|i| view(&mut vals[i.index()])).collect();
+        let mut outs: Vec<HostTensor> = node.outputs.iter().map(|o| HostTensor::zeros(trace.ty(*o).clone())).collect();
+        let outputs: Vec<TensorView> = outs.iter_mut().map(view).collect();
+        node.op.cpu(&KernelIo { inputs: &inputs, outputs: &outputs })?;
+        for (o, t) in node.outputs.iter().zip(outs) {
+            vals[o.index()] = t;
+        }
+    }
+    Ok(vals)
+}
+
+/// How to draw one input of an op under test.
+#[derive(Clone, Debug)]
+pub enum Arg {
+    /// Standard normal floats of this shape (f64 in the check).
+    Normal(Vec<usize>),
+    /// Floats in [0.5, 2): for ops defined on positive numbers (log, sqrt).
+    Positive(Vec<usize>),
+    /// Integer ids in `[0, max)` of this dtype and shape (not differentiated).
+    Ids { dtype: DType, shape: Vec<usize>, max: i64 },
+    /// Fixed values (not differentiated): learning rates, step counts, masks.
+    Fixed(TensorType, Vec<f64>),
+}
+
+fn draw(arg: &Arg, rng: &mut StdRng, dtype: DType) -> HostTensor {
+    match arg {
+        Arg::Normal(s) => {
+            let n = s.iter().product();
+            let d: Vec<f64> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+            HostTensor::from_f64(TensorType::new(dtype, s.clone()), &d)
+        }
+        Arg::Positive(s) => {
+            let n = s.iter().product();
+            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0.5..2.0)).collect();
+            HostTensor::from_f64(TensorType::new(dtype, s.clone()), &d)
+        }
+        Arg::Ids { dtype, shape, max } => {
+            let n = shape.iter().product();
+            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0..*max) as f64).collect();
+            HostTensor::from_f64(TensorType::new(*dtype, shape.clone()), &d)
+        }
+        Arg::Fixed(ty, d) => HostTensor::from_f64(ty.clone(), d),
+    }
+}
+
+fn differentiable(arg: &Arg) -> bool {
+    matches!(arg, Arg::Normal(_) | Arg::Positive(_))
+}
+
+/// Random inputs for `args` in `dtype` (floats) from `seed`.
+pub fn draw_inputs(args: &[Arg], dtype: DType, seed: u64) -> Vec<HostTensor> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    args.iter().map(|a| draw(a, &mut rng, dtype)).collect()
+}
+
+/// Runs one op on host tensors through its CPU kernel.
+pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    let mut b = Builder::new("op");
+    let ids: Vec<ValueId> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
+        .collect::<Result<_>>()?;
+    let outs = b.push(op.clone(), &ids)?;
+    let trace = b.finish("build")?;
+    let leaves: HashMap<ValueId, HostTensor> = trace.inputs().zip(inputs.iter().cloned()).collect();
+    let vals = interpret(&trace, &leaves)?;
+    // `finish` renumbers: outputs follow the inputs in order.
+    let first = inputs.len();
+    Ok((0..outs.len()).map(|k| vals[first + k].clone()).collect())
+}
+
+/// Result of a VJP check: both sides of ⟨J·u, v⟩ = ⟨u, Jᵀ·v⟩.
+#[derive(Debug, Clone, Copy)]
+pub struct VjpCheck {
+    pub jvp_fd: f64,
+    pub vjp: f64,
+}
+
+impl VjpCheck {
+    pub fn rel_err(&self) -> f64 {
+        (self.jvp_fd - self.vjp).abs() / self.jvp_fd.abs().max(self.vjp.abs()).max(1e-3)
+    }
+}
+
+/// The finite-difference check of `op`'s VJP rule in f64 on random inputs
+/// drawn from `args` with `seed`. Every float output gets a random cotangent.
+pub fn check_vjp(op: &Op, args: &[Arg], seed: u64) -> Result<VjpCheck> {
+    let x = draw_inputs(args, DType::F64, seed);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+    let u: Vec<Option<Vec<f64>>> = args
+        .iter()
+        .zip(&x)
+        .map(|(a, t)| differentiable(a).then(|| (0..t.ty.numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
+        .collect();
+
+    // Jᵀ·v through the VJP rule.
+    let mut b = Builder::new("vjp_check");
+    let xs: Vec<ValueId> = x
+        .iter()
+        .enumerate()
+        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
+        .collect::<Result<_>>()?;
+    let ys = b.push(op.clone(), &xs)?;
+    let mut vs = Vec::new();
+    let mut v_data = Vec::new();
+    for (j, &y) in ys.iter().enumerate() {
+        let ty = b.ty(y).clone();
+        if ty.dtype.is_float() {
+            let d: Vec<f64> = (0..ty.numel()).map(|_| StandardNormal.sample(&mut rng)).collect();
+            vs.push(Some(b.input(&format!("v{j}"), ty.clone())?));
+            v_data.push(Some(HostTensor::from_f64(ty, &d)));
+        } else {
+            vs.push(None);
+            v_data.push(None);
+        }
+    }
+    b.set_phase(crate::ir::Phase::Backward);
+    let gs = op.vjp(&mut b, &VjpArgs { inputs: &xs, outputs: &ys, cotangents: &vs })?;
+    if gs.len() != xs.len() {
+        return Err(Error::Autodiff(format!("`{}` VJP returned {} cotangents for {} inputs", op.name(), gs.len(), xs.len())));
+    }
+    for (i, g) in gs.iter().enumerate() {
+        if let Some(g) = g {
+            if b.ty(*g) != b.ty(xs[i]) {
+                return Err(Error::Autodiff(format!(
+                    "`{}` VJP gives input {i} a cotangent of type {}, expected {}",
+                    op.name(),
+                    b.ty(*g),
+                    b.ty(xs[i])
+                )));
+            }
+            b.output(OutputKind::Named(format!("g{i}")), *g);
+        }
+    }
+    let trace = b.finish("vjp_check")?;
+    let mut leaves = HashMap::new();
+    for v in trace.leaves() {
+        let name = trace.value(v).kind.leaf_name().unwrap_or_default().to_string();
+        let t = if let Some(i) = name.strip_prefix('x') {
+            x[i.parse::<usize>().unwrap()].clone()
+        } else {
+            let j: usize = name[1..].parse().unwrap();
+            v_data[j].clone().unwrap()
+        };
+        leaves.insert(v, t);
+    }
+    let vals = interpret(&trace, &leaves)?;
+    let mut vjp = 0.0;
+    for o in &trace.outputs {
+        if let OutputKind::Named(n) = &o.kind {
+            let i: usize = n[1..].parse().unwrap();
+            if let Some(ui) = &u[i] {
+                vjp += dot(ui, &vals[o.value.index()].to_f64());
+            }
+        }
+    }
+
+    // J·u by central differences.
+    let eps = 1e-6;
+    let shifted = |sign: f64| -> Result<Vec<HostTensor>> {
+        let xs: Vec<HostTensor> = x
+            .iter()
+            .zip(&u)
+            .map(|(t, ui)| match ui {
+                Some(ui) => {
+                    let d: Vec<f64> = t.to_f64().iter().zip(ui).map(|(a, b)| a + sign * eps * b).collect();
+                    HostTensor::from_f64(t.ty.clone(), &d)
+                }
+                None => t.clone(),
+            })
+            .collect();
+        run_op(op, &xs)
+    };
+    let (plus, minus) = (shifted(1.0)?, shifted(-1.0)?);
+    let mut jvp_fd = 0.0;
+    for (j, v) in v_data.iter().enumerate() {
+        if let Some(v) = v {
+            let d: Vec<f64> = plus[j].to_f64().iter().zip(minus[j].to_f64()).map(|(p, m)| (p - m) / (2.0 * eps)).collect();
+            jvp_fd += dot(&d, &v.to_f64());
+        }
+    }
+    Ok(VjpCheck { jvp_fd, vjp })
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Largest relative difference between two float tensors, relative to the
+/// largest magnitude of `b` (so tiny entries do not dominate).
+pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// `T::from_f64` for callers outside the cpu module.
+pub fn float_from_f64<T: Float>(x: f64) -> T {
+    T::from_f64(x)
+}
+
+/// f64 of an accumulator value.
+pub fn acc_to_f64<A: ToPrimitive>(a: A) -> f64 {
+    a.to_f64().unwrap_or(f64::NAN)
+}
+
+/// Is `v` a leaf named `name`?
+pub fn is_leaf_named(trace: &Trace, v: ValueId, name: &str) -> bool {
+    matches!(&trace.value(v).kind, ValueKind::Input { name: n } | ValueKind::Param { name: n } | ValueKind::State { name: n } if n == name)
+}
+
+/// Runs one op with every declared in-place pair sharing storage (where the
+/// two types match), as a planned program may. Compare with [`run_op`]: an
+/// op's kernel must give the same bits either way.
+pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
+    let out_types = op.infer(&types).map_err(|e| Error::op(op.name(), e))?;
+    let mut bufs: Vec<HostTensor> = inputs.to_vec();
+    let mut outs: Vec<HostTensor> = out_types.iter().map(|t| HostTensor::zeros(t.clone())).collect();
+    // Output k aliases input `alias[k]`, when it does.
+    let mut alias: Vec<Option<usize>> = vec![None; outs.len()];
+    let mut taken = vec![false; inputs.len()];
+    for (o, i) in op.inplace() {
+        if alias[o].is_none() && !taken[i] && out_types[o] == inputs[i].ty {
+            alias[o] = Some(i);
+            taken[i] = true;
+        }
+    }
+    let in_views: Vec<TensorView> =
+        bufs.iter_mut().map(|t| TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() }).collect();
+    let out_views: Vec<TensorView> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(k, t)| match alias[k] {
+            Some(i) => TensorView { ty: t.ty.clone(), ptr: in_views[i].ptr },
+            None => TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() },
+        })
+        .collect();
+    op.cpu(&KernelIo { inputs: &in_views, outputs: &out_views })?;
+    for (k, a) in alias.iter().enumerate() {
+        if let Some(i) = a {
+            outs[k] = bufs[*i].clone();
+        }
+    }
+    Ok(outs)
+}
