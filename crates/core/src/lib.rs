@@ -6,11 +6,14 @@
 //! the step and assigns every value an offset in one arena or a persistent
 //! buffer; [`cpu`] runs the planned program. Nothing here knows about CUDA.
 
+// pub mod autodiff; (enabled once ops::optim lands)
 pub mod cpu;
 pub mod error;
 pub mod ir;
 pub mod models;
 pub mod ops;
+pub mod passes;
+pub mod plan;
 pub mod testing;
 
 pub use error::{Error, Result};

@@ -1,1 +1,258 @@
-//! exec
+//! Running a planned program on the CPU.
+//!
+//! A [`CpuSession`] owns one host buffer for persistent state and one for the
+//! arena, laid out exactly as the [`MemoryPlan`] says. It runs the step
+//! eagerly (walking the trace, resolving each value's address from the plan
+//! at every node) or by replay: [`CpuSession::record`] resolves every kernel
+//! call's addresses once into a launch list, and [`CpuSession::replay`] runs
+//! that list, the CPU analogue of a CUDA graph. Both run the same kernels on
+//! the same addresses and so give the same bits.
+//!
+//! Between steps only step inputs are written and outputs read; token ids are
+//! checked against the tables and vocabularies that consume them before the
+//! step runs.
+
+use std::time::Instant;
+
+use crate::cpu::{KernelIo, TensorView};
+use crate::error::{Error, Result};
+use crate::ir::{DType, Trace, ValueId, ValueKind};
+use crate::ops::Op;
+use crate::plan::{MemoryPlan, Region};
+use crate::testing::HostTensor;
+
+/// Host memory aligned to 64 bytes (whole cache lines, and more than any dtype needs).
+struct HostBuffer {
+    words: Vec<[u64; 8]>,
+    len: usize,
+}
+
+impl HostBuffer {
+    /// A buffer of `len` bytes filled with 0xFF (NaN for every float type),
+    /// so a kernel that reads memory it never wrote shows up in tests.
+    fn new(len: usize) -> Self {
+        HostBuffer { words: vec![[u64::MAX; 8]; len.div_ceil(64).max(1)], len }
+    }
+
+    fn base(&mut self) -> *mut u8 {
+        self.words.as_mut_ptr() as *mut u8
+    }
+}
+
+/// One recorded kernel call: the node and the addresses of its operands.
+struct Launch {
+    node: usize,
+    inputs: Vec<TensorView>,
+    outputs: Vec<TensorView>,
+}
+
+/// A planned step program bound to host memory.
+pub struct CpuSession {
+    trace: Trace,
+    plan: MemoryPlan,
+    persistent: HostBuffer,
+    arena: HostBuffer,
+    launches: Option<Vec<Launch>>,
+    /// Inclusive id bounds for step inputs that index something: (input, rows, ignore index).
+    id_checks: Vec<(ValueId, i64, Option<i64>, &'static str)>,
+}
+
+impl CpuSession {
+    /// Allocates host memory for `plan`.
+    pub fn new(trace: Trace, plan: MemoryPlan) -> Result<Self> {
+        if plan.slots.len() != trace.values.len() {
+            return Err(Error::Cpu("the plan does not belong to this trace".into()));
+        }
+        let id_checks = id_checks(&trace);
+        Ok(CpuSession {
+            persistent: HostBuffer::new(plan.persistent_bytes as usize),
+            arena: HostBuffer::new(plan.arena_bytes as usize),
+            trace,
+            plan,
+            launches: None,
+            id_checks,
+        })
+    }
+
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    /// Bytes of host memory this session holds for the step.
+    pub fn held_bytes(&self) -> u64 {
+        (self.persistent.len + self.arena.len) as u64
+    }
+
+    fn ptr(&mut self, v: ValueId) -> *mut u8 {
+        let slot = self.plan.slot(v);
+        let base = match slot.region {
+            Region::Persistent => self.persistent.base(),
+            Region::Arena => self.arena.base(),
+        };
+        // SAFETY: the planner keeps every slot inside its region (check_plan verifies it).
+        unsafe { base.add(slot.offset as usize) }
+    }
+
+    fn view(&mut self, v: ValueId) -> TensorView {
+        TensorView { ty: self.trace.ty(v).clone(), ptr: self.ptr(v) }
+    }
+
+    /// Writes a leaf (parameter, optimizer state or step input).
+    pub fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
+        let val = self.trace.value(v);
+        if !val.kind.is_leaf() {
+            return Err(Error::Input { name: self.trace.describe(v), reason: "only leaves can be written".into() });
+        }
+        if data.ty != val.ty {
+            return Err(Error::Input {
+                name: self.trace.describe(v),
+                reason: format!("expected {}, got {}", val.ty, data.ty),
+            });
+        }
+        for &(input, rows, ignore, what) in &self.id_checks {
+            if input == v {
+                check_ids(what, data, rows, ignore)?;
+            }
+        }
+        let p = self.ptr(v);
+        // SAFETY: the slot holds exactly `ty.bytes()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.bytes().as_ptr(), p, data.bytes().len()) };
+        Ok(())
+    }
+
+    /// Writes the leaf called `name`.
+    pub fn write_named(&mut self, name: &str, data: &HostTensor) -> Result<()> {
+        let v = self.trace.leaf_by_name(name).ok_or_else(|| Error::Input {
+            name: name.into(),
+            reason: format!("trace `{}` has no leaf of that name", self.trace.name),
+        })?;
+        self.write(v, data)
+    }
+
+    /// Reads any value (meaningful for leaves and step outputs after a step).
+    pub fn read(&mut self, v: ValueId) -> HostTensor {
+        let mut t = HostTensor::zeros(self.trace.ty(v).clone());
+        let p = self.ptr(v);
+        let n = t.bytes().len();
+        // SAFETY: the slot holds exactly `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(p, t.bytes_mut().as_mut_ptr(), n) };
+        t
+    }
+
+    /// The loss of the last step, as f64.
+    pub fn loss(&mut self) -> Result<f64> {
+        let l = self.trace.loss().ok_or_else(|| Error::Cpu("the trace has no loss".into()))?;
+        Ok(self.read(l).to_f64()[0])
+    }
+
+    /// Runs one step kernel by kernel, resolving addresses from the plan at each node.
+    pub fn run_eager(&mut self) -> Result<()> {
+        for ni in 0..self.trace.nodes.len() {
+            let node = &self.trace.nodes[ni];
+            if node.op.view_of().is_some() {
+                continue;
+            }
+            let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+            let inputs: Vec<TensorView> = ins.iter().map(|&v| self.view(v)).collect();
+            let outputs: Vec<TensorView> = outs.iter().map(|&v| self.view(v)).collect();
+            run_node(&self.trace.nodes[ni].op, &inputs, &outputs)?;
+        }
+        Ok(())
+    }
+
+    /// Records the launch list with fixed addresses (once); returns the time it took.
+    pub fn record(&mut self) -> std::time::Duration {
+        let t0 = Instant::now();
+        let mut launches = Vec::new();
+        for ni in 0..self.trace.nodes.len() {
+            let node = &self.trace.nodes[ni];
+            if node.op.view_of().is_some() {
+                continue;
+            }
+            let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+            let inputs = ins.iter().map(|&v| self.view(v)).collect();
+            let outputs = outs.iter().map(|&v| self.view(v)).collect();
+            launches.push(Launch { node: ni, inputs, outputs });
+        }
+        self.launches = Some(launches);
+        t0.elapsed()
+    }
+
+    /// Runs the recorded launch list. Records it first if needed.
+    pub fn replay(&mut self) -> Result<()> {
+        if self.launches.is_none() {
+            self.record();
+        }
+        let launches = self.launches.as_ref().expect("recorded above");
+        for l in launches {
+            run_node(&self.trace.nodes[l.node].op, &l.inputs, &l.outputs)?;
+        }
+        Ok(())
+    }
+}
+
+fn run_node(op: &Op, inputs: &[TensorView], outputs: &[TensorView]) -> Result<()> {
+    op.cpu(&KernelIo { inputs, outputs })
+}
+
+/// Step inputs used as indices: token ids of an embedding (bounded by its
+/// rows) and targets of a cross-entropy (bounded by the vocabulary, with its
+/// ignore index allowed), followed through reshapes.
+fn id_checks(trace: &Trace) -> Vec<(ValueId, i64, Option<i64>, &'static str)> {
+    let mut checks = Vec::new();
+    for input in trace.inputs() {
+        if !trace.ty(input).dtype.is_int() {
+            continue;
+        }
+        // The input and every view of it.
+        let mut aliases = vec![input];
+        for node in &trace.nodes {
+            if let Some(i) = node.op.view_of() {
+                if aliases.contains(&node.inputs[i]) {
+                    aliases.push(node.outputs[0]);
+                }
+            }
+        }
+        for node in &trace.nodes {
+            match &node.op {
+                Op::Embedding(_) if aliases.contains(&node.inputs[0]) => {
+                    checks.push((input, trace.ty(node.inputs[1]).shape[0] as i64, None, "token id"));
+                }
+                Op::CrossEntropy(ce) if aliases.contains(&node.inputs[1]) => {
+                    let vocab = *trace.ty(node.inputs[0]).shape.last().unwrap_or(&0) as i64;
+                    checks.push((input, vocab, Some(ce.ignore_index), "target"));
+                }
+                _ => {}
+            }
+        }
+    }
+    checks
+}
+
+fn check_ids(what: &str, data: &HostTensor, rows: i64, ignore: Option<i64>) -> Result<()> {
+    let ids = data.to_f64();
+    for (pos, &id) in ids.iter().enumerate() {
+        let id = id as i64;
+        if Some(id) != ignore && !(0..rows).contains(&id) {
+            return Err(Error::Input {
+                name: format!("{what}s"),
+                reason: format!("{what} {id} at position {pos} is out of range [0, {rows})"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The leaves a step needs written, by kind, for callers that initialise them.
+pub fn leaves_of(trace: &Trace, pred: impl Fn(&ValueKind) -> bool) -> Vec<ValueId> {
+    trace.leaves().filter(|v| pred(&trace.value(*v).kind)).collect()
+}
+
+/// A scalar step input (learning rate, step count) as a host tensor.
+pub fn scalar_input(value: f64) -> HostTensor {
+    HostTensor::from_f64(crate::ir::TensorType::scalar(DType::F32), &[value])
+}

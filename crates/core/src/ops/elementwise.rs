@@ -1,7 +1,6 @@
 //! Pointwise ops: constant fills, unary maps (and their one-kernel
 //! backward), binary maps with numpy broadcasting, and dtype casts.
 
-use num_traits::Float as _;
 use num_traits::ToPrimitive;
 
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, BinaryFn, Lowering, OpDef, UnaryFn, VjpArgs};

@@ -1,0 +1,225 @@
+//! The GPT-family model builder: records the forward pass and loss of a
+//! [`Config`] on symbolic tensors into a [`Trace`], with litgpt's
+//! architecture choices (RMSNorm or LayerNorm, SwiGLU or GELU MLP, parallel
+//! or sequential residual, partial rotary, grouped-query attention, q/k/v
+//! biases, tied or untied head).
+//!
+//! Parameters carry Hugging Face Llama-style names (`model.embed_tokens.weight`,
+//! `model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...) so
+//! checkpoints map onto them by name; a GELU MLP uses `mlp.up_proj` and
+//! `mlp.down_proj`. Activations stay in the `[batch, tokens, heads, head]`
+//! layout that comes out of the projections: no permutes anywhere.
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+use super::config::{Config, MlpKind, NormKind};
+use crate::error::{Error, Result};
+use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use crate::ops::UnaryFn;
+use crate::testing::HostTensor;
+
+/// The loss the forward trace ends with.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum LossKind {
+    /// `sum(logits)`: the benchmark workloads W1/W3 (no targets).
+    Sum,
+    /// Mean cross-entropy against the `targets` input, ignoring [`IGNORE_INDEX`].
+    CrossEntropy,
+}
+
+impl LossKind {
+    pub fn parse(s: &str) -> Option<LossKind> {
+        match s {
+            "sum" => Some(LossKind::Sum),
+            "ce" | "cross-entropy" | "cross_entropy" => Some(LossKind::CrossEntropy),
+            _ => None,
+        }
+    }
+}
+
+/// Targets equal to this are skipped by the loss (PyTorch's default).
+pub const IGNORE_INDEX: i64 = -100;
+/// Name of the token-id step input.
+pub const TOKENS_INPUT: &str = "input_ids";
+/// Name of the target step input (cross-entropy only).
+pub const TARGETS_INPUT: &str = "targets";
+
+/// One forward workload: a model and the shape of its batch.
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    pub config: Config,
+    pub batch: usize,
+    pub seq: usize,
+    pub dtype: DType,
+    pub loss: LossKind,
+}
+
+impl ModelSpec {
+    fn check(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
+        self.config.validate()?;
+        if self.batch == 0 || self.seq == 0 {
+            return bad(format!("batch ({}) and sequence length ({}) must be positive", self.batch, self.seq));
+        }
+        if self.seq > self.config.block_size {
+            return bad(format!("sequence length {} exceeds the block size {}", self.seq, self.config.block_size));
+        }
+        if !self.dtype.is_float() {
+            return bad(format!("the model dtype must be a float type, not {}", self.dtype));
+        }
+        Ok(())
+    }
+}
+
+struct Gpt<'a> {
+    b: Builder,
+    cfg: &'a Config,
+    dtype: DType,
+}
+
+impl Gpt<'_> {
+    fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
+        self.b.param(name, TensorType::new(self.dtype, shape))
+    }
+
+    fn linear_params(&mut self, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<(ValueId, Option<ValueId>)> {
+        let w = self.param(&format!("{prefix}.weight"), &[out, inp])?;
+        let bias = if bias { Some(self.param(&format!("{prefix}.bias"), &[out])?) } else { None };
+        Ok((w, bias))
+    }
+
+    fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
+        let (w, bias) = self.linear_params(prefix, inp, out, bias)?;
+        self.b.linear(x, w, bias)
+    }
+
+    fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
+        let c = self.cfg.n_embd;
+        let w = self.param(&format!("{prefix}.weight"), &[c])?;
+        match self.cfg.norm {
+            NormKind::RmsNorm => self.b.rms_norm(x, w, self.cfg.norm_eps),
+            NormKind::LayerNorm => {
+                let bias = self.param(&format!("{prefix}.bias"), &[c])?;
+                self.b.layer_norm(x, w, bias, self.cfg.norm_eps)
+            }
+        }
+    }
+
+    fn attention(&mut self, x: ValueId, prefix: &str, batch: usize, seq: usize) -> Result<ValueId> {
+        let cfg = self.cfg;
+        let (hq, hkv, d, c) = (cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.n_embd);
+        let qkv_bias = cfg.bias || cfg.attn_qkv_bias;
+        let q = self.linear(x, &format!("{prefix}.q_proj"), c, hq * d, qkv_bias)?;
+        let k = self.linear(x, &format!("{prefix}.k_proj"), c, hkv * d, qkv_bias)?;
+        let v = self.linear(x, &format!("{prefix}.v_proj"), c, hkv * d, qkv_bias)?;
+        let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
+        let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
+        let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
+        let n_rot = cfg.n_rot();
+        if n_rot > 0 {
+            q = self.b.rope(q, n_rot, cfg.rope_base)?;
+            k = self.b.rope(k, n_rot, cfg.rope_base)?;
+        }
+        // litgpt and Hugging Face scale by the configured head size.
+        let scale = 1.0 / (d as f64).sqrt();
+        let o = self.b.attention(q, k, v, scale)?;
+        let o = self.b.reshape(o, &[batch, seq, hq * d])?;
+        self.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
+    }
+
+    fn mlp(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
+        let (c, i, bias) = (self.cfg.n_embd, self.cfg.intermediate_size, self.cfg.bias);
+        match self.cfg.mlp {
+            MlpKind::LlamaSwiGlu => {
+                let gate = self.linear(x, &format!("{prefix}.gate_proj"), c, i, bias)?;
+                let up = self.linear(x, &format!("{prefix}.up_proj"), c, i, bias)?;
+                let act = self.b.unary(UnaryFn::Silu, gate)?;
+                let h = self.b.mul(act, up)?;
+                self.linear(h, &format!("{prefix}.down_proj"), i, c, bias)
+            }
+            MlpKind::Gelu { approximate_tanh } => {
+                let h = self.linear(x, &format!("{prefix}.up_proj"), c, i, bias)?;
+                let f = if approximate_tanh { UnaryFn::GeluTanh } else { UnaryFn::GeluErf };
+                let h = self.b.unary(f, h)?;
+                self.linear(h, &format!("{prefix}.down_proj"), i, c, bias)
+            }
+        }
+    }
+}
+
+/// Records the forward pass and loss of `spec` into a trace named `forward`.
+pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
+    spec.check()?;
+    let cfg = &spec.config;
+    let (bsz, seq) = (spec.batch, spec.seq);
+    let mut g = Gpt { b: Builder::new("forward"), cfg, dtype: spec.dtype };
+    let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
+    let targets = match spec.loss {
+        LossKind::CrossEntropy => Some(g.b.input(TARGETS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),
+        LossKind::Sum => None,
+    };
+    let wte = g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])?;
+    let mut x = g.b.embedding(tokens, wte)?;
+    for layer in 0..cfg.n_layer {
+        let p = format!("model.layers.{layer}");
+        let h = g.norm(x, &format!("{p}.input_layernorm"))?;
+        let a = g.attention(h, &format!("{p}.self_attn"), bsz, seq)?;
+        if cfg.parallel_residual {
+            let h2 = if cfg.shared_attention_norm { h } else { g.norm(x, &format!("{p}.post_attention_layernorm"))? };
+            let m = g.mlp(h2, &format!("{p}.mlp"))?;
+            let am = g.b.add(a, m)?;
+            x = g.b.add(am, x)?;
+        } else {
+            x = g.b.add(a, x)?;
+            let h2 = g.norm(x, &format!("{p}.post_attention_layernorm"))?;
+            let m = g.mlp(h2, &format!("{p}.mlp"))?;
+            x = g.b.add(m, x)?;
+        }
+    }
+    let x = g.norm(x, "model.norm")?;
+    let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
+    let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
+    let logits = g.b.linear(x, head, head_bias)?;
+    let loss = match targets {
+        None => g.b.sum_all(logits)?,
+        Some(t) => {
+            let v = cfg.padded_vocab_size;
+            let l2 = g.b.reshape(logits, &[bsz * seq, v])?;
+            let t2 = g.b.reshape(t, &[bsz * seq])?;
+            g.b.cross_entropy(l2, t2, IGNORE_INDEX)?
+        }
+    };
+    g.b.output(OutputKind::Loss, loss);
+    g.b.finish("build")
+}
+
+/// Initial parameter values, as litgpt and Hugging Face initialise a fresh
+/// model: normal(0, 0.02) for matrices and embeddings, ones for norm
+/// weights, zeros for biases. Deterministic in `seed`; each parameter draws
+/// from its own stream, so adding a layer does not change the others.
+pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
+    trace
+        .params()
+        .enumerate()
+        .map(|(k, p)| {
+            let ty = trace.ty(p).clone();
+            let name = match &trace.value(p).kind {
+                ValueKind::Param { name } => name.as_str(),
+                _ => "",
+            };
+            let n = ty.numel();
+            let data: Vec<f64> = if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else if name.contains("norm") {
+                vec![1.0; n]
+            } else {
+                let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(k as u64));
+                let normal = Normal::new(0.0, 0.02).expect("valid normal");
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            };
+            (p, HostTensor::from_f64(ty, &data))
+        })
+        .collect()
+}

@@ -1,0 +1,464 @@
+//! Normalisations over the last axis: RMSNorm (LLaMA) and LayerNorm, each
+//! with one fused backward op, plus the [`Builder::rms_norm`] and
+//! [`Builder::layer_norm`] helpers.
+//!
+//! The forward ops also output their per-row statistics (`rstd`, and `mean`
+//! for LayerNorm) in the stat dtype ([`stat_dtype`]), so the backward reads
+//! them instead of reducing the rows again, and narrow data loses nothing in
+//! them. Weight and bias gradients are sums over rows, added in a fixed
+//! block order so they do not depend on the thread count.
+//!
+//! The statistics are real outputs and may receive cotangents (a finite
+//! difference check gives every output one); the backward ops take them as
+//! optional trailing inputs so the VJP stays exact. Models never
+//! differentiate through the statistics, and then those inputs are absent.
+
+use std::ops::Range;
+
+use num_traits::{Float as _, One, Zero};
+use rayon::prelude::*;
+
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use crate::cpu::{c, Float, KernelIo};
+use crate::error::{Error, Result};
+use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::with_float;
+
+/// The dtype of per-row statistics (rstd, mean, log-sum-exp): f64 for f64
+/// data, else f32, which is the accumulator type `T::Acc` of the data, so
+/// kernels store statistics without another rounding.
+pub fn stat_dtype(data: DType) -> DType {
+    if data == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Checks `x: [..., C]` (float, C > 0) and that every parameter is `[C]` of
+/// x's dtype. Returns C.
+fn check_rows(x: &TensorType, params: &[(&TensorType, &str)]) -> std::result::Result<usize, String> {
+    expect_float(x, "x")?;
+    let Some(&cdim) = x.shape.last() else {
+        return Err(format!("x must have rank >= 1 (the normalised axis is the last), got {x}"));
+    };
+    if cdim == 0 {
+        return Err(format!("the normalised (last) axis of x {x} is empty"));
+    }
+    let want = TensorType::new(x.dtype, [cdim]);
+    for (p, what) in params {
+        if **p != want {
+            return Err(format!("{what} must be {want} to match x {x}, got {p}"));
+        }
+    }
+    Ok(cdim)
+}
+
+/// The type of a per-row statistic of `x: [..., C]`: `[...]` in the stat dtype.
+fn stat_type(x: &TensorType) -> TensorType {
+    TensorType::new(stat_dtype(x.dtype), &x.shape[..x.rank() - 1])
+}
+
+fn expect_type(got: &TensorType, want: &TensorType, what: &str) -> std::result::Result<(), String> {
+    if got != want {
+        return Err(format!("{what} must be {want}, got {got}"));
+    }
+    Ok(())
+}
+
+/// Row-block size for the parameter-gradient sums. It depends only on the
+/// row count, so the partial sums and the order they are added in are fixed;
+/// at most `MAX_BLOCKS` partials of `width` accumulators exist at once.
+fn row_block(rows: usize) -> usize {
+    const MIN_ROWS: usize = 16;
+    const MAX_BLOCKS: usize = 256;
+    rows.div_ceil(MAX_BLOCKS).max(MIN_ROWS)
+}
+
+/// Runs `row(r, gx_row, partial)` for every row of `gx` (rows of `cdim`),
+/// blocks of rows in parallel, each block accumulating into its own `width`
+/// partial sums; returns the partials added in block order.
+fn rows_with_sums<T: Float>(
+    gx: &mut [T],
+    cdim: usize,
+    width: usize,
+    row: impl Fn(usize, &mut [T], &mut [T::Acc]) + Sync,
+) -> Vec<T::Acc> {
+    let rows = gx.len() / cdim;
+    let block = row_block(rows);
+    let nblocks = rows.div_ceil(block);
+    let mut partial = vec![T::Acc::zero(); nblocks * width];
+    gx.par_chunks_mut(block * cdim)
+        .zip(partial.par_chunks_mut(width))
+        .enumerate()
+        .for_each(|(bi, (gx_blk, part))| {
+            for (k, gx_row) in gx_blk.chunks_mut(cdim).enumerate() {
+                row(bi * block + k, gx_row, part);
+            }
+        });
+    let mut sums = vec![T::Acc::zero(); width];
+    sums.par_iter_mut().enumerate().with_min_len(256).for_each(|(k, s)| {
+        *s = (0..nblocks).fold(T::Acc::zero(), |a, bi| a + partial[bi * width + k]);
+    });
+    sums
+}
+
+fn row_range(r: usize, cdim: usize) -> Range<usize> {
+    r * cdim..(r + 1) * cdim
+}
+
+fn eps_attr(eps: f64) -> Vec<(&'static str, Attr)> {
+    vec![("eps", Attr::Float(eps))]
+}
+
+/// Zeros of `like`'s type, for a missing cotangent of y when only a
+/// statistic's cotangent flows.
+fn or_zeros(b: &mut Builder, g: Option<ValueId>, like: ValueId) -> Result<ValueId> {
+    match g {
+        Some(g) => Ok(g),
+        None => {
+            let ty = b.ty(like).clone();
+            b.full(0.0, ty)
+        }
+    }
+}
+
+// ---------------------------------------------------------------- rms_norm
+
+/// `y = x · rstd · w` with `rstd = 1/sqrt(mean(x²) + eps)` over the last axis.
+/// Inputs `x: [..., C]`, `w: [C]`; outputs `y` (x's type) and `rstd: [...]`.
+#[derive(Clone, PartialEq, Debug)]
+pub struct RmsNorm {
+    pub eps: f64,
+}
+
+fn rms_norm_fwd<T: Float>(x: &[T], w: &[T], eps: f64, y: &mut [T], rstd: &mut [T::Acc]) {
+    let cdim = w.len();
+    let wa: Vec<T::Acc> = w.iter().map(|v| v.acc()).collect();
+    let (eps, n): (T::Acc, T::Acc) = (c(eps), c(cdim as f64));
+    y.par_chunks_mut(cdim).zip(rstd.par_iter_mut()).enumerate().with_min_len(16).for_each(|(r, (yr, rs))| {
+        let xr = &x[row_range(r, cdim)];
+        let ss: T::Acc = xr.iter().map(|v| v.acc() * v.acc()).sum();
+        let inv = T::Acc::one() / (ss / n + eps).sqrt();
+        *rs = inv;
+        for ((o, xv), &wv) in yr.iter_mut().zip(xr).zip(&wa) {
+            *o = T::from_acc(xv.acc() * inv * wv);
+        }
+    });
+}
+
+impl OpDef for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        expect_inputs(inputs, 2)?;
+        check_rows(inputs[0], &[(inputs[1], "weight")])?;
+        Ok(vec![inputs[0].clone(), stat_type(inputs[0])])
+    }
+    fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        let (gy, grstd) = (args.cotangents[0], args.cotangents[1]);
+        if gy.is_none() && grstd.is_none() {
+            return Ok(vec![None, None]);
+        }
+        let gy = or_zeros(b, gy, args.outputs[0])?;
+        let mut ins = vec![args.inputs[0], args.inputs[1], args.outputs[1], gy];
+        ins.extend(grstd);
+        let g = b.push(RmsNormBackward { eps: self.eps }.into(), &ins)?;
+        Ok(vec![Some(g[0]), Some(g[1])])
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        with_float!(io.in_ty(0).dtype, T => {
+            rms_norm_fwd::<T>(io.input(0), io.input(1), self.eps, io.output(0), io.output(1));
+            Ok(())
+        })
+    }
+    fn lowering(&self) -> Lowering {
+        Lowering::Kernel("rms_norm")
+    }
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        eps_attr(self.eps)
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "rms_norm").then(|| Ok(RmsNorm { eps: a.float("eps")? }))
+    }
+}
+
+/// The backward of [`RmsNorm`]: inputs `(x, w, rstd, gy[, grstd])`, outputs
+/// `(gx, gw)` with, per row, `gx = rstd·(w⊙gy − x·rstd²·mean(x⊙w⊙gy))` (plus
+/// `−grstd·rstd³·x/C` when rstd has a cotangent) and `gw = Σ_rows gy⊙x·rstd`.
+/// `eps` is carried so the node prints like its forward and a backend may
+/// recompute rstd instead of saving it.
+#[derive(Clone, PartialEq, Debug)]
+pub struct RmsNormBackward {
+    pub eps: f64,
+}
+
+struct RmsGrads<'a, T: Float> {
+    x: &'a [T],
+    w: &'a [T],
+    rstd: &'a [T::Acc],
+    gy: &'a [T],
+    grstd: Option<&'a [T::Acc]>,
+}
+
+fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
+    let cdim = a.w.len();
+    let wa: Vec<T::Acc> = a.w.iter().map(|v| v.acc()).collect();
+    let n: T::Acc = c(cdim as f64);
+    let sums = rows_with_sums(gx, cdim, cdim, |r, gxr, part| {
+        let (xr, gyr) = (&a.x[row_range(r, cdim)], &a.gy[row_range(r, cdim)]);
+        let rs = a.rstd[r];
+        let dot: T::Acc = xr.iter().zip(gyr).zip(&wa).map(|((x, g), &w)| x.acc() * w * g.acc()).sum();
+        let gs = a.grstd.map_or(T::Acc::zero(), |g| g[r]);
+        let coef = rs * rs * rs * (dot + gs) / n;
+        for k in 0..cdim {
+            let (x, g) = (xr[k].acc(), gyr[k].acc());
+            gxr[k] = T::from_acc(rs * wa[k] * g - x * coef);
+            part[k] = part[k] + g * x * rs;
+        }
+    });
+    for (o, s) in gw.iter_mut().zip(sums) {
+        *o = T::from_acc(s);
+    }
+}
+
+impl OpDef for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "rms_norm_backward"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        if inputs.len() != 4 && inputs.len() != 5 {
+            return Err(format!("expects 4 inputs (x, w, rstd, gy) or 5 (.., grstd), got {}", inputs.len()));
+        }
+        let x = inputs[0];
+        check_rows(x, &[(inputs[1], "weight")])?;
+        expect_type(inputs[2], &stat_type(x), "rstd")?;
+        expect_type(inputs[3], x, "the cotangent of y")?;
+        if let Some(g) = inputs.get(4) {
+            expect_type(g, &stat_type(x), "the cotangent of rstd")?;
+        }
+        Ok(vec![x.clone(), inputs[1].clone()])
+    }
+    fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        no_vjp(self.name())
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        with_float!(io.in_ty(0).dtype, T => {
+            let a = RmsGrads::<T> {
+                x: io.input(0),
+                w: io.input(1),
+                rstd: io.input(2),
+                gy: io.input(3),
+                grstd: (io.inputs.len() > 4).then(|| io.input(4)),
+            };
+            rms_norm_bwd(a, io.output(0), io.output(1));
+            Ok(())
+        })
+    }
+    fn lowering(&self) -> Lowering {
+        Lowering::Kernel("rms_norm_backward")
+    }
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        eps_attr(self.eps)
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "rms_norm_backward").then(|| Ok(RmsNormBackward { eps: a.float("eps")? }))
+    }
+}
+
+// ---------------------------------------------------------------- layer_norm
+
+/// `y = (x − mean)·rstd·w + b` with `rstd = 1/sqrt(var + eps)` (biased
+/// variance) over the last axis. Inputs `x: [..., C]`, `w: [C]`, `b: [C]`;
+/// outputs `y`, `mean: [...]`, `rstd: [...]`.
+#[derive(Clone, PartialEq, Debug)]
+pub struct LayerNorm {
+    pub eps: f64,
+}
+
+fn layer_norm_fwd<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [T], mean: &mut [T::Acc], rstd: &mut [T::Acc]) {
+    let cdim = w.len();
+    let wa: Vec<T::Acc> = w.iter().map(|v| v.acc()).collect();
+    let ba: Vec<T::Acc> = b.iter().map(|v| v.acc()).collect();
+    let (eps, n): (T::Acc, T::Acc) = (c(eps), c(cdim as f64));
+    y.par_chunks_mut(cdim)
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .enumerate()
+        .with_min_len(16)
+        .for_each(|(r, (yr, (mu, rs)))| {
+            let xr = &x[row_range(r, cdim)];
+            let m = xr.iter().map(|v| v.acc()).sum::<T::Acc>() / n;
+            // Two passes: the variance of the centred values does not cancel.
+            let var = xr.iter().map(|v| (v.acc() - m) * (v.acc() - m)).sum::<T::Acc>() / n;
+            let inv = T::Acc::one() / (var + eps).sqrt();
+            (*mu, *rs) = (m, inv);
+            for k in 0..cdim {
+                yr[k] = T::from_acc((xr[k].acc() - m) * inv * wa[k] + ba[k]);
+            }
+        });
+}
+
+impl OpDef for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer_norm"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        expect_inputs(inputs, 3)?;
+        check_rows(inputs[0], &[(inputs[1], "weight"), (inputs[2], "bias")])?;
+        let st = stat_type(inputs[0]);
+        Ok(vec![inputs[0].clone(), st.clone(), st])
+    }
+    fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        let (gy, gmean, grstd) = (args.cotangents[0], args.cotangents[1], args.cotangents[2]);
+        if gy.is_none() && gmean.is_none() && grstd.is_none() {
+            return Ok(vec![None, None, None]);
+        }
+        let gy = or_zeros(b, gy, args.outputs[0])?;
+        let mut ins = vec![args.inputs[0], args.inputs[1], args.outputs[1], args.outputs[2], gy];
+        if gmean.is_some() || grstd.is_some() {
+            ins.push(or_zeros(b, gmean, args.outputs[1])?);
+            ins.push(or_zeros(b, grstd, args.outputs[2])?);
+        }
+        let g = b.push(LayerNormBackward { eps: self.eps }.into(), &ins)?;
+        Ok(vec![Some(g[0]), Some(g[1]), Some(g[2])])
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        with_float!(io.in_ty(0).dtype, T => {
+            layer_norm_fwd::<T>(
+                io.input(0),
+                io.input(1),
+                io.input(2),
+                self.eps,
+                io.output(0),
+                io.output(1),
+                io.output(2),
+            );
+            Ok(())
+        })
+    }
+    fn lowering(&self) -> Lowering {
+        Lowering::Kernel("layer_norm")
+    }
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        eps_attr(self.eps)
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "layer_norm").then(|| Ok(LayerNorm { eps: a.float("eps")? }))
+    }
+}
+
+/// The backward of [`LayerNorm`]: inputs `(x, w, mean, rstd, gy[, gmean,
+/// grstd])`, outputs `(gx, gw, gb)`. With `x̂ = (x − mean)·rstd` and
+/// `g = gy⊙w`, per row `gx = rstd·(g − mean(g) − x̂·mean(g⊙x̂))` (plus
+/// `gmean/C − grstd·rstd²·x̂/C` when the statistics have cotangents),
+/// `gw = Σ_rows gy⊙x̂`, `gb = Σ_rows gy`.
+#[derive(Clone, PartialEq, Debug)]
+pub struct LayerNormBackward {
+    pub eps: f64,
+}
+
+struct LnGrads<'a, T: Float> {
+    x: &'a [T],
+    w: &'a [T],
+    mean: &'a [T::Acc],
+    rstd: &'a [T::Acc],
+    gy: &'a [T],
+    gstats: Option<(&'a [T::Acc], &'a [T::Acc])>,
+}
+
+fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut [T]) {
+    let cdim = a.w.len();
+    let wa: Vec<T::Acc> = a.w.iter().map(|v| v.acc()).collect();
+    let n: T::Acc = c(cdim as f64);
+    let sums = rows_with_sums(gx, cdim, 2 * cdim, |r, gxr, part| {
+        let (xr, gyr) = (&a.x[row_range(r, cdim)], &a.gy[row_range(r, cdim)]);
+        let (m, rs) = (a.mean[r], a.rstd[r]);
+        let (mut sg, mut sgx) = (T::Acc::zero(), T::Acc::zero());
+        for k in 0..cdim {
+            let g = gyr[k].acc() * wa[k];
+            sg = sg + g;
+            sgx = sgx + g * (xr[k].acc() - m) * rs;
+        }
+        let (mg, mgx) = (sg / n, sgx / n);
+        let (gm, gr) = a.gstats.map_or((T::Acc::zero(), T::Acc::zero()), |(gm, gr)| (gm[r], gr[r]));
+        let (shift, stat_coef) = (gm / n, gr * rs * rs / n);
+        for k in 0..cdim {
+            let (gyk, xh) = (gyr[k].acc(), (xr[k].acc() - m) * rs);
+            gxr[k] = T::from_acc(rs * (gyk * wa[k] - mg - xh * mgx) + shift - stat_coef * xh);
+            part[k] = part[k] + gyk * xh;
+            part[cdim + k] = part[cdim + k] + gyk;
+        }
+    });
+    for k in 0..cdim {
+        gw[k] = T::from_acc(sums[k]);
+        gb[k] = T::from_acc(sums[cdim + k]);
+    }
+}
+
+impl OpDef for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "layer_norm_backward"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        if inputs.len() != 5 && inputs.len() != 7 {
+            return Err(format!(
+                "expects 5 inputs (x, w, mean, rstd, gy) or 7 (.., gmean, grstd), got {}",
+                inputs.len()
+            ));
+        }
+        let x = inputs[0];
+        check_rows(x, &[(inputs[1], "weight")])?;
+        let st = stat_type(x);
+        expect_type(inputs[2], &st, "mean")?;
+        expect_type(inputs[3], &st, "rstd")?;
+        expect_type(inputs[4], x, "the cotangent of y")?;
+        if inputs.len() == 7 {
+            expect_type(inputs[5], &st, "the cotangent of mean")?;
+            expect_type(inputs[6], &st, "the cotangent of rstd")?;
+        }
+        Ok(vec![x.clone(), inputs[1].clone(), inputs[1].clone()])
+    }
+    fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        no_vjp(self.name())
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        with_float!(io.in_ty(0).dtype, T => {
+            let a = LnGrads::<T> {
+                x: io.input(0),
+                w: io.input(1),
+                mean: io.input(2),
+                rstd: io.input(3),
+                gy: io.input(4),
+                gstats: (io.inputs.len() > 5).then(|| (io.input(5), io.input(6))),
+            };
+            layer_norm_bwd(a, io.output(0), io.output(1), io.output(2));
+            Ok(())
+        })
+    }
+    fn lowering(&self) -> Lowering {
+        Lowering::Kernel("layer_norm_backward")
+    }
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        eps_attr(self.eps)
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "layer_norm_backward").then(|| Ok(LayerNormBackward { eps: a.float("eps")? }))
+    }
+}
+
+// ---------------------------------------------------------------- builder helpers
+
+impl Builder {
+    /// RMSNorm of `x: [..., C]` with weight `w: [C]`; returns y (rstd stays in the trace for backward).
+    pub fn rms_norm(&mut self, x: ValueId, w: ValueId, eps: f64) -> Result<ValueId> {
+        let outs = self.push(RmsNorm { eps }.into(), &[x, w])?;
+        outs.first().copied().ok_or_else(|| Error::op("rms_norm", "produced no output"))
+    }
+
+    /// LayerNorm of `x: [..., C]` with weight and bias `[C]`; returns y.
+    pub fn layer_norm(&mut self, x: ValueId, w: ValueId, b: ValueId, eps: f64) -> Result<ValueId> {
+        let outs = self.push(LayerNorm { eps }.into(), &[x, w, b])?;
+        outs.first().copied().ok_or_else(|| Error::op("layer_norm", "produced no output"))
+    }
+}

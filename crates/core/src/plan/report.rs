@@ -1,0 +1,107 @@
+//! Plan reports: byte counts by category and the values live at the peak,
+//! as a struct that prints as text and serialises to JSON.
+
+use serde::Serialize;
+
+use super::{MemoryPlan, Region};
+use crate::ir::{OutputKind, Trace, ValueKind};
+
+/// One value live at the peak.
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveValue {
+    pub value: String,
+    pub bytes: u64,
+    pub ty: String,
+}
+
+/// What `stepgraph plan` reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanReport {
+    pub trace: String,
+    pub nodes: usize,
+    pub values: usize,
+    pub param_bytes: u64,
+    pub optimizer_state_bytes: u64,
+    pub persistent_bytes: u64,
+    pub gradient_bytes: u64,
+    pub saved_for_backward_bytes: u64,
+    pub arena_bytes: u64,
+    pub arena_floor_bytes: u64,
+    pub planned_peak_bytes: u64,
+    pub floor_bytes: u64,
+    /// `planned_peak_bytes / floor_bytes - 1`: what the placement loses to fragmentation.
+    pub overhead_vs_floor: f64,
+    pub peak_position: usize,
+    pub largest_at_peak: Vec<LiveValue>,
+}
+
+/// Summarises `plan` for `trace`, listing the `top` largest values live at the peak.
+pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
+    let param_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
+    let optimizer_state_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::State { .. }));
+    let gradient_bytes = trace
+        .outputs
+        .iter()
+        .filter(|o| matches!(o.kind, OutputKind::Grad(_)))
+        .map(|o| trace.ty(o.value).bytes())
+        .sum();
+    let saved_for_backward_bytes = trace.saved.iter().map(|v| trace.ty(*v).bytes()).sum();
+    let mut live: Vec<LiveValue> = plan
+        .groups
+        .iter()
+        .filter(|g| g.region == Region::Arena && g.start <= plan.peak_position && plan.peak_position <= g.end)
+        .map(|g| {
+            let v = g.members[0];
+            LiveValue { value: trace.describe(v), bytes: g.bytes, ty: trace.ty(v).to_string() }
+        })
+        .collect();
+    live.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+    live.truncate(top);
+    let floor = plan.floor_bytes();
+    PlanReport {
+        trace: trace.name.clone(),
+        nodes: trace.nodes.len(),
+        values: trace.values.len(),
+        param_bytes,
+        optimizer_state_bytes,
+        persistent_bytes: plan.persistent_bytes,
+        gradient_bytes,
+        saved_for_backward_bytes,
+        arena_bytes: plan.arena_bytes,
+        arena_floor_bytes: plan.arena_floor_bytes,
+        planned_peak_bytes: plan.planned_peak_bytes(),
+        floor_bytes: floor,
+        overhead_vs_floor: plan.planned_peak_bytes() as f64 / floor.max(1) as f64 - 1.0,
+        peak_position: plan.peak_position,
+        largest_at_peak: live,
+    }
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.3} GB", b as f64 / 1e9)
+}
+
+impl std::fmt::Display for PlanReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "plan for `{}`: {} nodes, {} values", self.trace, self.nodes, self.values)?;
+        writeln!(f, "  persistent       {:>14} B  {}", self.persistent_bytes, gb(self.persistent_bytes))?;
+        writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
+        writeln!(f, "    optimizer      {:>14} B  {}", self.optimizer_state_bytes, gb(self.optimizer_state_bytes))?;
+        writeln!(f, "  arena            {:>14} B  {}", self.arena_bytes, gb(self.arena_bytes))?;
+        writeln!(f, "    gradients      {:>14} B  {}  (outputs, planned in the arena)", self.gradient_bytes, gb(self.gradient_bytes))?;
+        writeln!(f, "    saved for bwd  {:>14} B  {}", self.saved_for_backward_bytes, gb(self.saved_for_backward_bytes))?;
+        writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))?;
+        writeln!(
+            f,
+            "  floor            {:>14} B  {}  (planned peak is {:+.2}% over it)",
+            self.floor_bytes,
+            gb(self.floor_bytes),
+            self.overhead_vs_floor * 100.0
+        )?;
+        writeln!(f, "  largest values live at the peak (node {}):", self.peak_position)?;
+        for l in &self.largest_at_peak {
+            writeln!(f, "    {:>12} B  {:<22} {}", l.bytes, l.ty, l.value)?;
+        }
+        Ok(())
+    }
+}
