@@ -245,7 +245,11 @@ fn train(
     opts.adamw.weight_decay = weight_decay;
     let (spec, _, step) = step_trace(args, StepKind::Train, &opts)?;
     if spec.config.vocab_size < 256 {
-        bail!("byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}", spec.config.name, spec.config.vocab_size);
+        bail!(
+            "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
+            spec.config.name,
+            spec.config.vocab_size
+        );
     }
     let (bsz, seq) = (spec.batch, spec.seq);
     if text.len() < seq + 2 {

@@ -6,7 +6,7 @@
 //! the step and assigns every value an offset in one arena or a persistent
 //! buffer; [`cpu`] runs the planned program. Nothing here knows about CUDA.
 
-// pub mod autodiff; (enabled once ops::optim lands)
+pub mod autodiff;
 pub mod cpu;
 pub mod error;
 pub mod ir;

@@ -90,9 +90,8 @@ pub fn bytes_to_f64(dtype: DType, b: &[u8]) -> Vec<f64> {
 pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result<Vec<HostTensor>> {
     let mut vals: Vec<HostTensor> = trace.values.iter().map(|v| HostTensor::zeros(v.ty.clone())).collect();
     for v in trace.leaves() {
-        let t = leaves
-            .get(&v)
-            .ok_or_else(|| Error::Input { name: trace.describe(v), reason: "no value given".into() })?;
+        let t =
+            leaves.get(&v).ok_or_else(|| Error::Input { name: trace.describe(v), reason: "no value given".into() })?;
         if t.ty != *trace.ty(v) {
             return Err(Error::Input {
                 name: trace.describe(v),
@@ -161,11 +160,8 @@ pub fn draw_inputs(args: &[Arg], dtype: DType, seed: u64) -> Vec<HostTensor> {
 /// Runs one op on host tensors through its CPU kernel.
 pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
     let mut b = Builder::new("op");
-    let ids: Vec<ValueId> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
-        .collect::<Result<_>>()?;
+    let ids: Vec<ValueId> =
+        inputs.iter().enumerate().map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone())).collect::<Result<_>>()?;
     let outs = b.push(op.clone(), &ids)?;
     let trace = b.finish("build")?;
     let leaves: HashMap<ValueId, HostTensor> = trace.inputs().zip(inputs.iter().cloned()).collect();
@@ -201,11 +197,8 @@ pub fn check_vjp(op: &Op, args: &[Arg], seed: u64) -> Result<VjpCheck> {
 
     // Jᵀ·v through the VJP rule.
     let mut b = Builder::new("vjp_check");
-    let xs: Vec<ValueId> = x
-        .iter()
-        .enumerate()
-        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
-        .collect::<Result<_>>()?;
+    let xs: Vec<ValueId> =
+        x.iter().enumerate().map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone())).collect::<Result<_>>()?;
     let ys = b.push(op.clone(), &xs)?;
     let mut vs = Vec::new();
     let mut v_data = Vec::new();
@@ -223,7 +216,12 @@ pub fn check_vjp(op: &Op, args: &[Arg], seed: u64) -> Result<VjpCheck> {
     b.set_phase(crate::ir::Phase::Backward);
     let gs = op.vjp(&mut b, &VjpArgs { inputs: &xs, outputs: &ys, cotangents: &vs })?;
     if gs.len() != xs.len() {
-        return Err(Error::Autodiff(format!("`{}` VJP returned {} cotangents for {} inputs", op.name(), gs.len(), xs.len())));
+        return Err(Error::Autodiff(format!(
+            "`{}` VJP returned {} cotangents for {} inputs",
+            op.name(),
+            gs.len(),
+            xs.len()
+        )));
     }
     for (i, g) in gs.iter().enumerate() {
         if let Some(g) = g {
@@ -281,7 +279,8 @@ pub fn check_vjp(op: &Op, args: &[Arg], seed: u64) -> Result<VjpCheck> {
     let mut jvp_fd = 0.0;
     for (j, v) in v_data.iter().enumerate() {
         if let Some(v) = v {
-            let d: Vec<f64> = plus[j].to_f64().iter().zip(minus[j].to_f64()).map(|(p, m)| (p - m) / (2.0 * eps)).collect();
+            let d: Vec<f64> =
+                plus[j].to_f64().iter().zip(minus[j].to_f64()).map(|(p, m)| (p - m) / (2.0 * eps)).collect();
             jvp_fd += dot(&d, &v.to_f64());
         }
     }

@@ -105,7 +105,8 @@ fn low_precision_kernels_track_f64() {
         if matches!(op, Op::Cast(_)) {
             continue;
         }
-        let reference: Vec<Vec<f64>> = run_op(&op, &draw_inputs(&args, DType::F64, 3)).unwrap().iter().map(HostTensor::to_f64).collect();
+        let reference: Vec<Vec<f64>> =
+            run_op(&op, &draw_inputs(&args, DType::F64, 3)).unwrap().iter().map(HostTensor::to_f64).collect();
         for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2), (DType::F16, 5e-3)] {
             // Low-precision inputs are rounded copies of the same f64 draws.
             let x: Vec<HostTensor> = draw_inputs(&args, DType::F64, 3)
@@ -131,9 +132,7 @@ fn shape_rules_name_the_problem() {
     assert!(err.contains("broadcast"), "{err}");
     let err = Op::from(Reshape { shape: vec![5] }).infer(&[&t(&[2, 3])]).unwrap_err();
     assert!(err.contains("cannot reshape 6 elements"), "{err}");
-    let err = Op::from(Binary { f: BinaryFn::Add })
-        .infer(&[&t(&[2]), &TensorType::new(DType::BF16, [2])])
-        .unwrap_err();
+    let err = Op::from(Binary { f: BinaryFn::Add }).infer(&[&t(&[2]), &TensorType::new(DType::BF16, [2])]).unwrap_err();
     assert!(err.contains("dtypes differ"), "{err}");
 }
 

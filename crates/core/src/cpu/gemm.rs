@@ -213,26 +213,12 @@ impl Strides {
         let (lhs_cs, lhs_rs) = if desc.trans_a { (m, 1) } else { (1, k) };
         // op(B)[p, j]: B is [k, n] -> p * n + j; B is [n, k] -> j * k + p.
         let (rhs_cs, rhs_rs) = if desc.trans_b { (k, 1) } else { (1, n) };
-        Strides {
-            lhs_cs,
-            lhs_rs,
-            rhs_cs,
-            rhs_rs,
-            dst_cs: 1,
-            dst_rs: n,
-        }
+        Strides { lhs_cs, lhs_rs, rhs_cs, rhs_rs, dst_cs: 1, dst_rs: n }
     }
 }
 
 /// One product `c = op(a) · op(b)`; operands are exactly one batch element.
-fn product<T: Native>(
-    desc: &GemmDesc,
-    strides: &Strides,
-    a: &[T],
-    b: &[T],
-    c: &mut [T],
-    parallelism: Parallelism,
-) {
+fn product<T: Native>(desc: &GemmDesc, strides: &Strides, a: &[T], b: &[T], c: &mut [T], parallelism: Parallelism) {
     let (m, n, k) = (desc.m, desc.n, desc.k);
     // These hold by construction in `gemm_native`; the unsafe call below
     // relies on them, so keep them checked even in release builds.
@@ -296,20 +282,13 @@ fn gemm_native<T: Native>(desc: &GemmDesc, a: &[T], b: &[T], c: &mut [T]) {
         product(desc, &strides, a, b, c, parallelism);
     };
     match schedule(desc) {
-        Schedule::Serial => c
-            .chunks_mut(c_step)
-            .enumerate()
-            .for_each(|(i, c)| run(i, c, Parallelism::None)),
+        Schedule::Serial => c.chunks_mut(c_step).enumerate().for_each(|(i, c)| run(i, c, Parallelism::None)),
         // `Rayon(0)` lets gemm use the current pool's thread count; that
         // count affects only which thread computes which output tile.
-        Schedule::ProductParallel => c
-            .chunks_mut(c_step)
-            .enumerate()
-            .for_each(|(i, c)| run(i, c, Parallelism::Rayon(0))),
-        Schedule::BatchParallel => c
-            .par_chunks_mut(c_step)
-            .enumerate()
-            .for_each(|(i, c)| run(i, c, Parallelism::None)),
+        Schedule::ProductParallel => {
+            c.chunks_mut(c_step).enumerate().for_each(|(i, c)| run(i, c, Parallelism::Rayon(0)))
+        }
+        Schedule::BatchParallel => c.par_chunks_mut(c_step).enumerate().for_each(|(i, c)| run(i, c, Parallelism::None)),
     }
 }
 
@@ -361,9 +340,7 @@ impl Half for f16 {
 fn widen<T: Half>(src: &[T]) -> Vec<f32> {
     let mut dst = vec![0.0f32; src.len()];
     if src.len() > CONVERT_CHUNK {
-        src.par_chunks(CONVERT_CHUNK)
-            .zip(dst.par_chunks_mut(CONVERT_CHUNK))
-            .for_each(|(s, d)| T::widen(s, d));
+        src.par_chunks(CONVERT_CHUNK).zip(dst.par_chunks_mut(CONVERT_CHUNK)).for_each(|(s, d)| T::widen(s, d));
     } else {
         T::widen(src, &mut dst);
     }
@@ -373,9 +350,7 @@ fn widen<T: Half>(src: &[T]) -> Vec<f32> {
 /// Rounds `src` into `dst`, round-to-nearest-even per `half`.
 fn narrow<T: Half>(src: &[f32], dst: &mut [T]) {
     if src.len() > CONVERT_CHUNK {
-        src.par_chunks(CONVERT_CHUNK)
-            .zip(dst.par_chunks_mut(CONVERT_CHUNK))
-            .for_each(|(s, d)| T::narrow(s, d));
+        src.par_chunks(CONVERT_CHUNK).zip(dst.par_chunks_mut(CONVERT_CHUNK)).for_each(|(s, d)| T::narrow(s, d));
     } else {
         T::narrow(src, dst);
     }
@@ -426,15 +401,7 @@ mod tests {
     const TRANS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
 
     fn desc(batch: usize, m: usize, n: usize, k: usize, ta: bool, tb: bool, bb: bool) -> GemmDesc {
-        GemmDesc {
-            batch,
-            m,
-            n,
-            k,
-            trans_a: ta,
-            trans_b: tb,
-            broadcast_b: bb,
-        }
+        GemmDesc { batch, m, n, k, trans_a: ta, trans_b: tb, broadcast_b: bb }
     }
 
     /// Uniform values in [-1, 1).
@@ -457,16 +424,8 @@ mod tests {
                 for j in 0..n {
                     let (mut acc, mut abs) = (0.0, 0.0);
                     for p in 0..k {
-                        let x = if d.trans_a {
-                            a[p * m + i]
-                        } else {
-                            a[i * k + p]
-                        };
-                        let y = if d.trans_b {
-                            b[j * k + p]
-                        } else {
-                            b[p * n + j]
-                        };
+                        let x = if d.trans_a { a[p * m + i] } else { a[i * k + p] };
+                        let y = if d.trans_b { b[j * k + p] } else { b[p * n + j] };
                         acc += x * y;
                         abs += (x * y).abs();
                     }
@@ -498,10 +457,7 @@ mod tests {
         for (idx, (&got, (&w, &s))) in c32.iter().zip(want.iter().zip(&scale)).enumerate() {
             // k * eps32 ≈ 7.7e-6 at k = 130 bounds the worst-case error.
             let tol = 1e-5 * s;
-            assert!(
-                (got as f64 - w).abs() <= tol,
-                "f32 {ctx} at {idx}: got {got}, want {w}, tol {tol}"
-            );
+            assert!((got as f64 - w).abs() <= tol, "f32 {ctx} at {idx}: got {got}, want {w}, tol {tol}");
         }
 
         // f64.
@@ -510,10 +466,7 @@ mod tests {
         gemm_f64(d, &a, &b, &mut c64);
         for (idx, (&got, (&w, &s))) in c64.iter().zip(want.iter().zip(&scale)).enumerate() {
             let tol = 1e-12 * s;
-            assert!(
-                (got - w).abs() <= tol,
-                "f64 {ctx} at {idx}: got {got}, want {w}, tol {tol}"
-            );
+            assert!((got - w).abs() <= tol, "f64 {ctx} at {idx}: got {got}, want {w}, tol {tol}");
         }
 
         check_half(d, &a, &b, bf16::from_f64, bf16::to_f64, gemm_bf16, "bf16");
@@ -547,10 +500,7 @@ mod tests {
             let w = to(from(w));
             let got = to(got);
             let tol = 1e-2 * w.abs() + 1e-5 * s;
-            assert!(
-                (got - w).abs() <= tol,
-                "{name} {d:?} at {idx}: got {got}, want {w}, tol {tol}"
-            );
+            assert!((got - w).abs() <= tol, "{name} {d:?} at {idx}: got {got}, want {w}, tol {tol}");
         }
     }
 
@@ -597,18 +547,9 @@ mod tests {
 
     #[test]
     fn schedules_cover_all_paths() {
-        assert_eq!(
-            schedule(&desc(1, 3, 3, 3, false, false, false)),
-            Schedule::Serial
-        );
-        assert_eq!(
-            schedule(&desc(5, 17, 65, 65, false, false, false)),
-            Schedule::BatchParallel
-        );
-        assert_eq!(
-            schedule(&desc(2, 130, 130, 130, false, false, false)),
-            Schedule::ProductParallel
-        );
+        assert_eq!(schedule(&desc(1, 3, 3, 3, false, false, false)), Schedule::Serial);
+        assert_eq!(schedule(&desc(5, 17, 65, 65, false, false, false)), Schedule::BatchParallel);
+        assert_eq!(schedule(&desc(2, 130, 130, 130, false, false, false)), Schedule::ProductParallel);
     }
 
     #[test]
@@ -632,11 +573,7 @@ mod tests {
 
                 // m == 0, n == 0, batch == 0: nothing to write, inputs may
                 // still be non-empty.
-                for d in [
-                    desc(2, 0, 5, 3, ta, tb, bb),
-                    desc(2, 4, 0, 3, ta, tb, bb),
-                    desc(0, 4, 5, 3, ta, tb, bb),
-                ] {
+                for d in [desc(2, 0, 5, 3, ta, tb, bb), desc(2, 4, 0, 3, ta, tb, bb), desc(0, 4, 5, 3, ta, tb, bb)] {
                     let a = vec![1.0f32; d.a_len()];
                     let b = vec![1.0f32; d.b_len()];
                     let mut c = vec![0.0f32; d.c_len()];
@@ -718,12 +655,7 @@ mod tests {
         let abuf = placed(a, offset, garbage);
         let bbuf = placed(b, offset, garbage);
         let mut cbuf = vec![garbage; d.c_len() + offset + 9];
-        run(
-            d,
-            &abuf[offset..offset + a.len()],
-            &bbuf[offset..offset + b.len()],
-            &mut cbuf[offset..offset + d.c_len()],
-        );
+        run(d, &abuf[offset..offset + a.len()], &bbuf[offset..offset + b.len()], &mut cbuf[offset..offset + d.c_len()]);
         cbuf[offset..offset + d.c_len()].to_vec()
     }
 
@@ -745,15 +677,9 @@ mod tests {
         // Thread count must not matter either: gemm only distributes output
         // tiles, and the batch split is per whole product.
         for threads in [1, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let again = as_bits(pool.install(|| run_at(d, a, b, 7, garbage, run)));
-            assert!(
-                first == again,
-                "{name} {d:?}: {threads} threads changed bits"
-            );
+            assert!(first == again, "{name} {d:?}: {threads} threads changed bits");
         }
     }
 
@@ -794,15 +720,7 @@ mod tests {
         let d = desc(1, 300, 260, 260, false, true, false);
         assert!(d.a_len() > CONVERT_CHUNK && d.b_len() > CONVERT_CHUNK);
         assert!(d.c_len() > CONVERT_CHUNK);
-        check_half(
-            &d,
-            &random(d.a_len(), 21),
-            &random(d.b_len(), 22),
-            bf16::from_f64,
-            bf16::to_f64,
-            gemm_bf16,
-            "bf16",
-        );
+        check_half(&d, &random(d.a_len(), 21), &random(d.b_len(), 22), bf16::from_f64, bf16::to_f64, gemm_bf16, "bf16");
     }
 
     #[test]

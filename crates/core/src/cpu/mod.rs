@@ -11,7 +11,7 @@
 //! input values and shapes, never on addresses or thread timing, so planned
 //! and unplanned runs, and replay and eager runs, agree bit for bit.
 
-// pub mod exec; (enabled once ops::embedding lands)
+pub mod exec;
 pub mod gemm;
 
 use std::fmt::Debug;

@@ -59,15 +59,7 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
-        DType::F32,
-        DType::BF16,
-        DType::F16,
-        DType::F64,
-        DType::I32,
-        DType::I64,
-        DType::Bool,
-    ];
+    pub const ALL: [DType; 7] = [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::I64, DType::Bool];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
@@ -180,9 +172,7 @@ impl ValueKind {
 
     pub fn leaf_name(&self) -> Option<&str> {
         match self {
-            ValueKind::Input { name } | ValueKind::Param { name } | ValueKind::State { name } => {
-                Some(name)
-            }
+            ValueKind::Input { name } | ValueKind::Param { name } | ValueKind::State { name } => Some(name),
             ValueKind::Node(_) => None,
         }
     }
@@ -308,10 +298,7 @@ impl Trace {
 
     /// The gradient output of parameter `param`, if the trace has one.
     pub fn grad_of(&self, param: ValueId) -> Option<ValueId> {
-        self.outputs
-            .iter()
-            .find(|o| o.kind == OutputKind::Grad(param))
-            .map(|o| o.value)
+        self.outputs.iter().find(|o| o.kind == OutputKind::Grad(param)).map(|o| o.value)
     }
 
     /// A short label for a value in reports: its leaf name, or `%N` with the op that made it.
@@ -368,10 +355,7 @@ pub struct Builder {
 
 impl Builder {
     pub fn new(name: impl Into<String>) -> Self {
-        Builder {
-            trace: Trace { name: name.into(), pass: "build".into(), ..Trace::default() },
-            phase: Phase::Forward,
-        }
+        Builder { trace: Trace { name: name.into(), pass: "build".into(), ..Trace::default() }, phase: Phase::Forward }
     }
 
     /// Continue building on an existing trace (autodiff appends backward nodes).
@@ -442,16 +426,9 @@ impl Builder {
             Error::op(op.name(), format!("{reason} (inputs: {})", shown.join(", ")))
         })?;
         let node_id = NodeId(self.trace.nodes.len() as u32);
-        let outputs: Vec<ValueId> = out_types
-            .into_iter()
-            .map(|t| self.add_value(t, ValueKind::Node(node_id)))
-            .collect();
-        self.trace.nodes.push(Node {
-            op,
-            inputs: inputs.to_vec(),
-            outputs: outputs.clone(),
-            phase: self.phase,
-        });
+        let outputs: Vec<ValueId> =
+            out_types.into_iter().map(|t| self.add_value(t, ValueKind::Node(node_id))).collect();
+        self.trace.nodes.push(Node { op, inputs: inputs.to_vec(), outputs: outputs.clone(), phase: self.phase });
         Ok(outputs)
     }
 
@@ -523,11 +500,7 @@ pub fn renumber(trace: Trace) -> Trace {
                 value: m(&o.value),
             })
             .collect(),
-        updates: trace
-            .updates
-            .iter()
-            .map(|u| Update { state: m(&u.state), new: m(&u.new) })
-            .collect(),
+        updates: trace.updates.iter().map(|u| Update { state: m(&u.state), new: m(&u.new) }).collect(),
         saved: trace.saved.iter().map(m).collect(),
     }
 }

@@ -63,7 +63,9 @@ pub fn parse(text: &str) -> Result<Trace> {
                 };
             }
             "saved" => {
-                saved = Some(rest.split(',').map(|s| parse_id(s)).collect::<std::result::Result<Vec<_>, _>>().map_err(err)?);
+                saved = Some(
+                    rest.split(',').map(|s| parse_id(s)).collect::<std::result::Result<Vec<_>, _>>().map_err(err)?,
+                );
             }
             "output" => {
                 let mut parts = rest.split_whitespace();
@@ -75,11 +77,15 @@ pub fn parse(text: &str) -> Result<Trace> {
                         let pname = parts.next().ok_or_else(|| err("grad output without a parameter name".into()))?;
                         let p = slots
                             .iter()
-                            .position(|s| matches!(s, Some(Value { kind: ValueKind::Param { name }, .. }) if name == pname))
+                            .position(
+                                |s| matches!(s, Some(Value { kind: ValueKind::Param { name }, .. }) if name == pname),
+                            )
                             .ok_or_else(|| err(format!("no parameter named `{pname}`")))?;
                         OutputKind::Grad(ValueId(p as u32))
                     }
-                    "value" => OutputKind::Named(parts.next().ok_or_else(|| err("value output without a name".into()))?.to_string()),
+                    "value" => OutputKind::Named(
+                        parts.next().ok_or_else(|| err("value output without a name".into()))?.to_string(),
+                    ),
                     k => return Err(err(format!("unknown output kind `{k}`"))),
                 };
                 trace.outputs.push(Output { kind, value });
@@ -145,7 +151,12 @@ fn parse_type(s: &str) -> std::result::Result<TensorType, String> {
 }
 
 /// `%a: T, %b: T = op %x, %y {k=v, k2=[1,2]}`
-fn parse_node(line: &str, id: NodeId, phase: Phase, slots: &mut Vec<Option<Value>>) -> std::result::Result<Node, String> {
+fn parse_node(
+    line: &str,
+    id: NodeId,
+    phase: Phase,
+    slots: &mut Vec<Option<Value>>,
+) -> std::result::Result<Node, String> {
     let (lhs, rhs) = line.split_once(" = ").ok_or("expected `%N: TYPE = op ...`")?;
     let (call, attr_text) = match rhs.find('{') {
         Some(p) => {

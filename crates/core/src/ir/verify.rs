@@ -15,7 +15,12 @@ pub fn verify(trace: &Trace) -> Result<()> {
     let mut last_phase = Phase::Forward;
     for (ni, node) in trace.nodes.iter().enumerate() {
         if node.phase < last_phase {
-            return Err(fail(format!("node {ni} ({}) is in phase {} after phase {}", node.op.name(), node.phase.name(), last_phase.name())));
+            return Err(fail(format!(
+                "node {ni} ({}) is in phase {} after phase {}",
+                node.op.name(),
+                node.phase.name(),
+                last_phase.name()
+            )));
         }
         last_phase = node.phase;
         for &i in &node.inputs {
@@ -27,12 +32,14 @@ pub fn verify(trace: &Trace) -> Result<()> {
             }
         }
         let types: Vec<_> = node.inputs.iter().map(|&i| trace.ty(i)).collect();
-        let inferred = node
-            .op
-            .infer(&types)
-            .map_err(|e| fail(format!("node {ni} ({}): {e}", node.op.name())))?;
+        let inferred = node.op.infer(&types).map_err(|e| fail(format!("node {ni} ({}): {e}", node.op.name())))?;
         if inferred.len() != node.outputs.len() {
-            return Err(fail(format!("node {ni} ({}) has {} outputs, its op makes {}", node.op.name(), node.outputs.len(), inferred.len())));
+            return Err(fail(format!(
+                "node {ni} ({}) has {} outputs, its op makes {}",
+                node.op.name(),
+                node.outputs.len(),
+                inferred.len()
+            )));
         }
         for (&o, t) in node.outputs.iter().zip(&inferred) {
             if o.index() >= n {
@@ -66,7 +73,12 @@ pub fn verify(trace: &Trace) -> Result<()> {
                     return Err(fail(format!("gradient {} is for {p}, which is not a parameter", o.value)));
                 }
                 if trace.ty(p) != trace.ty(o.value) {
-                    return Err(fail(format!("gradient {} has type {}, its parameter {}", o.value, trace.ty(o.value), trace.ty(p))));
+                    return Err(fail(format!(
+                        "gradient {} has type {}, its parameter {}",
+                        o.value,
+                        trace.ty(o.value),
+                        trace.ty(p)
+                    )));
                 }
             }
             _ => {}

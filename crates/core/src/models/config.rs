@@ -121,56 +121,16 @@ struct Named {
 
 /// Every named config, in the order [`Config::known_names`] lists them.
 const NAMED: &[Named] = &[
-    Named {
-        name: "open_llama_3b",
-        hf_repo: Some("openlm-research/open_llama_3b"),
-        build: open_llama_3b,
-    },
-    Named {
-        name: "Llama-2-7b-hf",
-        hf_repo: Some("meta-llama/Llama-2-7b-hf"),
-        build: llama_2_7b_hf,
-    },
-    Named {
-        name: "Meta-Llama-3-8B",
-        hf_repo: Some("meta-llama/Meta-Llama-3-8B"),
-        build: meta_llama_3_8b,
-    },
-    Named {
-        name: "Qwen2.5-7B",
-        hf_repo: Some("Qwen/Qwen2.5-7B"),
-        build: qwen2_5_7b,
-    },
-    Named {
-        name: "Mistral-7B-v0.1",
-        hf_repo: Some("mistralai/Mistral-7B-v0.1"),
-        build: mistral_7b_v0_1,
-    },
-    Named {
-        name: "pythia-14m",
-        hf_repo: Some("EleutherAI/pythia-14m"),
-        build: pythia_14m,
-    },
-    Named {
-        name: "pythia-160m",
-        hf_repo: Some("EleutherAI/pythia-160m"),
-        build: pythia_160m,
-    },
-    Named {
-        name: "tiny-llama",
-        hf_repo: None,
-        build: tiny_llama,
-    },
-    Named {
-        name: "tiny-neox",
-        hf_repo: None,
-        build: tiny_neox,
-    },
-    Named {
-        name: "w3-llama",
-        hf_repo: None,
-        build: w3_llama,
-    },
+    Named { name: "open_llama_3b", hf_repo: Some("openlm-research/open_llama_3b"), build: open_llama_3b },
+    Named { name: "Llama-2-7b-hf", hf_repo: Some("meta-llama/Llama-2-7b-hf"), build: llama_2_7b_hf },
+    Named { name: "Meta-Llama-3-8B", hf_repo: Some("meta-llama/Meta-Llama-3-8B"), build: meta_llama_3_8b },
+    Named { name: "Qwen2.5-7B", hf_repo: Some("Qwen/Qwen2.5-7B"), build: qwen2_5_7b },
+    Named { name: "Mistral-7B-v0.1", hf_repo: Some("mistralai/Mistral-7B-v0.1"), build: mistral_7b_v0_1 },
+    Named { name: "pythia-14m", hf_repo: Some("EleutherAI/pythia-14m"), build: pythia_14m },
+    Named { name: "pythia-160m", hf_repo: Some("EleutherAI/pythia-160m"), build: pythia_160m },
+    Named { name: "tiny-llama", hf_repo: None, build: tiny_llama },
+    Named { name: "tiny-neox", hf_repo: None, build: tiny_neox },
+    Named { name: "w3-llama", hf_repo: None, build: w3_llama },
 ];
 
 /// Extra names that resolve to a named config: litgpt calls Meta's 8B model
@@ -224,13 +184,7 @@ fn llama_base(name: &str) -> Config {
 /// tokenizer padded to a multiple of 128, LayerNorm, exact-erf GELU MLP of
 /// width `4 * n_embd`, parallel residual, RoPE on a quarter of each head,
 /// biases everywhere, untied head.
-fn neox_base(
-    name: &str,
-    block_size: usize,
-    n_layer: usize,
-    n_embd: usize,
-    n_head: usize,
-) -> Config {
+fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_head: usize) -> Config {
     Config {
         name: name.to_string(),
         block_size,
@@ -244,9 +198,7 @@ fn neox_base(
         intermediate_size: 4 * n_embd,
         norm: NormKind::LayerNorm,
         norm_eps: 1e-5,
-        mlp: MlpKind::Gelu {
-            approximate_tanh: false,
-        },
+        mlp: MlpKind::Gelu { approximate_tanh: false },
         parallel_residual: true,
         shared_attention_norm: false,
         rotary_percentage: 0.25,
@@ -343,11 +295,7 @@ fn tiny_llama() -> Config {
 }
 
 fn tiny_neox() -> Config {
-    Config {
-        vocab_size: 256,
-        padded_vocab_size: 256,
-        ..neox_base("tiny-neox", 256, 2, 64, 4)
-    }
+    Config { vocab_size: 256, padded_vocab_size: 256, ..neox_base("tiny-neox", 256, 2, 64, 4) }
 }
 
 /// Benchmark workload W3: a two-layer LLaMA 256 wide.
@@ -375,10 +323,7 @@ fn divides(divisor: usize, n: usize) -> bool {
 
 /// An [`Error::Config`] about `model`.
 fn config_error(model: &str, reason: impl Into<String>) -> Error {
-    Error::Config {
-        model: model.to_string(),
-        reason: reason.into(),
-    }
+    Error::Config { model: model.to_string(), reason: reason.into() }
 }
 
 impl Config {
@@ -390,18 +335,12 @@ impl Config {
     ///
     /// Any other name gives [`Error::UnknownModel`] listing the known names.
     pub fn named(name: &str) -> Result<Config> {
-        let target = ALIASES
-            .iter()
-            .find(|(alias, _)| *alias == name)
-            .map_or(name, |(_, canonical)| *canonical);
+        let target = ALIASES.iter().find(|(alias, _)| *alias == name).map_or(name, |(_, canonical)| *canonical);
         NAMED
             .iter()
             .find(|named| named.matches(target))
             .map(|named| (named.build)())
-            .ok_or_else(|| Error::UnknownModel {
-                name: name.to_string(),
-                known: Self::known_names().join(", "),
-            })
+            .ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: Self::known_names().join(", ") })
     }
 
     /// The names of every named config, in a stable order. Their Hugging
@@ -432,8 +371,7 @@ impl Config {
     pub fn with_overrides(mut self, overrides: &Overrides) -> Result<Config> {
         let old_n_embd = self.n_embd;
         let was_mha = self.n_query_groups == self.n_head;
-        let gelu_derived_width =
-            matches!(self.mlp, MlpKind::Gelu { .. }) && self.intermediate_size == 4 * old_n_embd;
+        let gelu_derived_width = matches!(self.mlp, MlpKind::Gelu { .. }) && self.intermediate_size == 4 * old_n_embd;
 
         if let Some(n_layer) = overrides.n_layer {
             self.n_layer = n_layer;
@@ -492,22 +430,13 @@ impl Config {
             return fail(format!("{what} must be positive, got 0"));
         }
         if !divides(self.n_head, self.n_embd) {
-            return fail(format!(
-                "n_embd {} is not divisible by n_head {}",
-                self.n_embd, self.n_head
-            ));
+            return fail(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head));
         }
         if !divides(self.n_query_groups, self.n_head) {
-            return fail(format!(
-                "n_head {} is not divisible by n_query_groups {}",
-                self.n_head, self.n_query_groups
-            ));
+            return fail(format!("n_head {} is not divisible by n_query_groups {}", self.n_head, self.n_query_groups));
         }
         if !(self.rotary_percentage.is_finite() && self.rotary_percentage >= 0.0) {
-            return fail(format!(
-                "rotary_percentage must be a finite number >= 0, got {}",
-                self.rotary_percentage
-            ));
+            return fail(format!("rotary_percentage must be a finite number >= 0, got {}", self.rotary_percentage));
         }
         if self.n_rot() > self.head_size {
             return fail(format!(
@@ -515,6 +444,17 @@ impl Config {
                 self.rotary_percentage,
                 self.n_rot(),
                 self.head_size
+            ));
+        }
+        // An odd rotary dimension only has a defined meaning (litgpt's and
+        // Hugging Face's broadcast of one rotated component) when it is the
+        // whole head: head size 1.
+        let n_rot = self.n_rot();
+        if n_rot % 2 == 1 && !(n_rot == 1 && self.head_size == 1) {
+            return fail(format!(
+                "rotary_percentage {} gives an odd rotary dimension n_rot {} for head_size {}; \
+                 rotary embeddings need an even n_rot (or head_size 1)",
+                self.rotary_percentage, n_rot, self.head_size
             ));
         }
         if self.vocab_size > self.padded_vocab_size {
@@ -525,16 +465,10 @@ impl Config {
         }
         // Written as negations so that NaN fails too.
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
-            return fail(format!(
-                "norm_eps must be a finite number > 0, got {}",
-                self.norm_eps
-            ));
+            return fail(format!("norm_eps must be a finite number > 0, got {}", self.norm_eps));
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
-            return fail(format!(
-                "rope_base must be a finite number > 0, got {}",
-                self.rope_base
-            ));
+            return fail(format!("rope_base must be a finite number > 0, got {}", self.rope_base));
         }
         // litgpt refuses this combination too: without a parallel residual
         // the MLP's input is not the attention's input, so it needs its own
@@ -597,20 +531,11 @@ impl Config {
     /// [`Config::from_hf_json`], naming the model after the directory that
     /// holds the file.
     pub fn from_hf_file(path: &Path) -> Result<Config> {
-        let file = if path.is_dir() {
-            path.join("config.json")
-        } else {
-            path.to_path_buf()
-        };
-        let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
-            path: file.display().to_string(),
-            source,
-        })?;
-        let dir_name = file
-            .parent()
-            .and_then(Path::file_name)
-            .and_then(|name| name.to_str())
-            .filter(|name| !name.is_empty());
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let text =
+            std::fs::read_to_string(&file).map_err(|source| Error::Io { path: file.display().to_string(), source })?;
+        let dir_name =
+            file.parent().and_then(Path::file_name).and_then(|name| name.to_str()).filter(|name| !name.is_empty());
         let name = match dir_name {
             Some(name) => name.to_string(),
             None => file.display().to_string(),
@@ -635,11 +560,7 @@ impl Config {
         let Some(obj) = value.as_object() else {
             return Err(config_error(name, "config.json must hold a JSON object"));
         };
-        let hf = HfJson {
-            model: name,
-            prefix: "",
-            obj,
-        };
+        let hf = HfJson { model: name, prefix: "", obj };
         let model_type = hf.str_req("model_type")?;
         let config = match model_type {
             "llama" | "mistral" | "qwen2" => hf.llama_like(model_type)?,
@@ -676,10 +597,7 @@ impl<'a> HfJson<'a> {
     }
 
     fn wrong_type(&self, key: &str, expected: &str, value: &Value) -> Error {
-        self.err(format!(
-            "key `{}{key}` must be {expected}, got {value}",
-            self.prefix
-        ))
+        self.err(format!("key `{}{key}` must be {expected}, got {value}", self.prefix))
     }
 
     fn missing(&self, key: &str) -> Error {
@@ -705,30 +623,21 @@ impl<'a> HfJson<'a> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
-        value
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| self.wrong_type(key, "a number", value))
+        value.as_f64().map(Some).ok_or_else(|| self.wrong_type(key, "a number", value))
     }
 
     fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
-        value
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| self.wrong_type(key, "true or false", value))
+        value.as_bool().map(Some).ok_or_else(|| self.wrong_type(key, "true or false", value))
     }
 
     fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
-        value
-            .as_str()
-            .map(Some)
-            .ok_or_else(|| self.wrong_type(key, "a string", value))
+        value.as_str().map(Some).ok_or_else(|| self.wrong_type(key, "a string", value))
     }
 
     fn str_req(&self, key: &str) -> Result<&'a str> {
@@ -740,14 +649,8 @@ impl<'a> HfJson<'a> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
-        let obj = value
-            .as_object()
-            .ok_or_else(|| self.wrong_type(key, "an object", value))?;
-        Ok(Some(HfJson {
-            model: self.model,
-            prefix,
-            obj,
-        }))
+        let obj = value.as_object().ok_or_else(|| self.wrong_type(key, "an object", value))?;
+        Ok(Some(HfJson { model: self.model, prefix, obj }))
     }
 
     /// Refuses a RoPE variant other than plain RoPE: `rope_type` (or the
@@ -770,12 +673,7 @@ impl<'a> HfJson<'a> {
     /// scaling. `transformers` 5 keeps both in a `rope_parameters` object;
     /// older versions use top-level keys, tried in the order of
     /// `base_keys` and `fraction_keys`.
-    fn rope(
-        &self,
-        base_keys: &[&str],
-        fraction_keys: &[&str],
-        default_fraction: f64,
-    ) -> Result<(f64, f64)> {
+    fn rope(&self, base_keys: &[&str], fraction_keys: &[&str], default_fraction: f64) -> Result<(f64, f64)> {
         let mut base = None;
         let mut fraction = None;
         if let Some(params) = self.nested("rope_parameters", "rope_parameters.")? {
@@ -788,9 +686,7 @@ impl<'a> HfJson<'a> {
             // still changes RoPE somehow; refuse it rather than guess.
             if scaling.get("rope_type").is_none() && scaling.get("type").is_none() {
                 if !scaling.obj.is_empty() {
-                    return Err(self.err(
-                        "rope_scaling is set but names no rope_type; RoPE scaling is not supported",
-                    ));
+                    return Err(self.err("rope_scaling is set but names no rope_type; RoPE scaling is not supported"));
                 }
             } else {
                 scaling.check_plain_rope()?;
@@ -803,10 +699,7 @@ impl<'a> HfJson<'a> {
         for key in fraction_keys {
             fraction = fraction.or(self.f64_opt(key)?);
         }
-        Ok((
-            base.unwrap_or(10000.0),
-            fraction.unwrap_or(default_fraction),
-        ))
+        Ok((base.unwrap_or(10000.0), fraction.unwrap_or(default_fraction)))
     }
 
     /// `max_position_embeddings`, shortened to the sliding window when one
@@ -814,14 +707,8 @@ impl<'a> HfJson<'a> {
     /// attention is plain causal attention, which is what litgpt does for
     /// Mistral-7B-v0.1 (block 4096).
     fn block_size(&self, default_positions: usize, sliding: bool) -> Result<usize> {
-        let positions = self
-            .usize_opt("max_position_embeddings")?
-            .unwrap_or(default_positions);
-        let window = if sliding {
-            self.usize_opt("sliding_window")?
-        } else {
-            None
-        };
+        let positions = self.usize_opt("max_position_embeddings")?.unwrap_or(default_positions);
+        let window = if sliding { self.usize_opt("sliding_window")? } else { None };
         Ok(window.map_or(positions, |window| positions.min(window)))
     }
 
@@ -925,11 +812,8 @@ impl<'a> HfJson<'a> {
         }
         // Older configs say `rotary_emb_base`/`rotary_pct`, newer ones
         // `rope_theta`/`partial_rotary_factor`.
-        let (rope_base, rotary_percentage) = self.rope(
-            &["rope_theta", "rotary_emb_base"],
-            &["partial_rotary_factor", "rotary_pct"],
-            0.25,
-        )?;
+        let (rope_base, rotary_percentage) =
+            self.rope(&["rope_theta", "rotary_emb_base"], &["partial_rotary_factor", "rotary_pct"], 0.25)?;
 
         Ok(Config {
             name: self.model.to_string(),
@@ -1019,14 +903,7 @@ mod tests {
     #[test]
     fn named_configs_have_the_litgpt_hyper_parameters() {
         let llama3 = named("Meta-Llama-3-8B");
-        assert_eq!(
-            (
-                llama3.vocab_size,
-                llama3.padded_vocab_size,
-                llama3.block_size
-            ),
-            (128000, 128256, 8192)
-        );
+        assert_eq!((llama3.vocab_size, llama3.padded_vocab_size, llama3.block_size), (128000, 128256, 8192));
         assert_eq!((llama3.n_query_groups, llama3.head_size), (8, 128));
         assert_eq!(llama3.rope_base, 500000.0);
 
@@ -1039,17 +916,9 @@ mod tests {
         assert_eq!((open.head_size, open.norm_eps), (100, 1e-6));
 
         let pythia = named("pythia-14m");
-        assert_eq!(
-            (pythia.vocab_size, pythia.padded_vocab_size),
-            (50254, 50304)
-        );
+        assert_eq!((pythia.vocab_size, pythia.padded_vocab_size), (50254, 50304));
         assert_eq!(pythia.intermediate_size, 4 * pythia.n_embd);
-        assert_eq!(
-            pythia.mlp,
-            MlpKind::Gelu {
-                approximate_tanh: false
-            }
-        );
+        assert_eq!(pythia.mlp, MlpKind::Gelu { approximate_tanh: false });
         assert_eq!((pythia.head_size, pythia.n_rot()), (32, 8));
         assert!(pythia.parallel_residual && pythia.bias && !pythia.tie_embeddings);
     }
@@ -1057,35 +926,20 @@ mod tests {
     #[test]
     fn small_configs() {
         let tiny = named("tiny-llama");
-        assert_eq!(
-            (tiny.n_layer, tiny.n_embd, tiny.n_head, tiny.n_query_groups),
-            (2, 64, 4, 2)
-        );
-        assert_eq!(
-            (tiny.head_size, tiny.intermediate_size, tiny.n_rot()),
-            (16, 128, 16)
-        );
+        assert_eq!((tiny.n_layer, tiny.n_embd, tiny.n_head, tiny.n_query_groups), (2, 64, 4, 2));
+        assert_eq!((tiny.head_size, tiny.intermediate_size, tiny.n_rot()), (16, 128, 16));
         assert_eq!((tiny.vocab_size, tiny.padded_vocab_size), (256, 256));
         assert_eq!(tiny.norm, NormKind::RmsNorm);
 
         let neox = named("tiny-neox");
         assert_eq!((neox.vocab_size, neox.padded_vocab_size), (256, 256));
-        assert_eq!(
-            (neox.head_size, neox.n_rot(), neox.intermediate_size),
-            (16, 4, 256)
-        );
+        assert_eq!((neox.head_size, neox.n_rot(), neox.intermediate_size), (16, 4, 256));
         assert_eq!(neox.norm, NormKind::LayerNorm);
         assert!(neox.parallel_residual && neox.bias && !neox.tie_embeddings);
 
         let w3 = named("w3-llama");
-        assert_eq!(
-            (w3.n_layer, w3.n_embd, w3.n_head, w3.head_size),
-            (2, 256, 4, 64)
-        );
-        assert_eq!(
-            (w3.intermediate_size, w3.vocab_size, w3.block_size),
-            (688, 32000, 2048)
-        );
+        assert_eq!((w3.n_layer, w3.n_embd, w3.n_head, w3.head_size), (2, 256, 4, 64));
+        assert_eq!((w3.intermediate_size, w3.vocab_size, w3.block_size), (688, 32000, 2048));
         assert_eq!((w3.norm_eps, w3.rope_base), (1e-6, 10000.0));
         // Embedding and head 2 * 32000 * 256, two layers, final norm.
         let layer = 2 * 256 + 4 * 256 * 256 + 3 * 256 * 688;
@@ -1108,11 +962,7 @@ mod tests {
 
     #[test]
     fn w2_overrides_give_head_size_one() {
-        let overrides = Overrides {
-            n_layer: Some(5),
-            n_embd: Some(28),
-            ..Overrides::default()
-        };
+        let overrides = Overrides { n_layer: Some(5), n_embd: Some(28), ..Overrides::default() };
         let w2 = named("Qwen2.5-7B").with_overrides(&overrides).unwrap();
         assert_eq!((w2.n_layer, w2.n_embd, w2.n_head), (5, 28, 28));
         assert_eq!((w2.head_size, w2.n_query_groups, w2.n_rot()), (1, 4, 1));
@@ -1122,20 +972,11 @@ mod tests {
 
     #[test]
     fn n_layer_override_keeps_the_rest() {
-        let overrides = Overrides {
-            n_layer: Some(10),
-            ..Overrides::default()
-        };
+        let overrides = Overrides { n_layer: Some(10), ..Overrides::default() };
         let full = named("open_llama_3b");
         let short = full.clone().with_overrides(&overrides).unwrap();
         assert_eq!(short.n_layer, 10);
-        assert_eq!(
-            Config {
-                n_layer: 26,
-                ..short.clone()
-            },
-            full
-        );
+        assert_eq!(Config { n_layer: 26, ..short.clone() }, full);
         // 26 layers of 123_910_400 parameters each in the full model.
         assert_eq!(short.param_count(), 3_426_473_600 - 16 * 123_910_400);
     }
@@ -1143,28 +984,16 @@ mod tests {
     #[test]
     fn head_overrides_keep_mha_and_gqa() {
         let mha = named("Llama-2-7b-hf")
-            .with_overrides(&Overrides {
-                n_embd: Some(256),
-                n_head: Some(4),
-                ..Overrides::default()
-            })
+            .with_overrides(&Overrides { n_embd: Some(256), n_head: Some(4), ..Overrides::default() })
             .unwrap();
         assert_eq!((mha.head_size, mha.n_query_groups), (64, 4));
 
-        let gqa = named("Meta-Llama-3-8B")
-            .with_overrides(&Overrides {
-                n_head: Some(16),
-                ..Overrides::default()
-            })
-            .unwrap();
+        let gqa =
+            named("Meta-Llama-3-8B").with_overrides(&Overrides { n_head: Some(16), ..Overrides::default() }).unwrap();
         assert_eq!((gqa.head_size, gqa.n_query_groups), (256, 8));
 
-        let explicit = named("tiny-llama")
-            .with_overrides(&Overrides {
-                n_query_groups: Some(1),
-                ..Overrides::default()
-            })
-            .unwrap();
+        let explicit =
+            named("tiny-llama").with_overrides(&Overrides { n_query_groups: Some(1), ..Overrides::default() }).unwrap();
         assert_eq!((explicit.n_query_groups, explicit.head_size), (1, 16));
     }
 
@@ -1184,11 +1013,7 @@ mod tests {
         assert_eq!((config.head_size, config.intermediate_size), (16, 256));
 
         let explicit = named("pythia-14m")
-            .with_overrides(&Overrides {
-                n_embd: Some(64),
-                intermediate_size: Some(100),
-                ..Overrides::default()
-            })
+            .with_overrides(&Overrides { n_embd: Some(64), intermediate_size: Some(100), ..Overrides::default() })
             .unwrap();
         assert_eq!(explicit.intermediate_size, 100);
     }
@@ -1203,11 +1028,7 @@ mod tests {
         assert_eq!(reason, "n_embd 100 is not divisible by n_head 3");
 
         let err = named("tiny-llama")
-            .with_overrides(&Overrides {
-                n_embd: Some(100),
-                n_head: Some(3),
-                ..Overrides::default()
-            })
+            .with_overrides(&Overrides { n_embd: Some(100), n_head: Some(3), ..Overrides::default() })
             .unwrap_err()
             .to_string();
         assert!(err.contains("tiny-llama") && err.contains("100") && err.contains('3'));
@@ -1220,126 +1041,43 @@ mod tests {
             let reason = config_reason(config.validate());
             assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
         };
-        check(
-            Config {
-                n_layer: 0,
-                ..base.clone()
-            },
-            "n_layer must be positive, got 0",
-        );
-        check(
-            Config {
-                n_head: 0,
-                ..base.clone()
-            },
-            "n_head must be positive",
-        );
-        check(
-            Config {
-                n_query_groups: 3,
-                ..base.clone()
-            },
-            "n_head 4 is not divisible by n_query_groups 3",
-        );
-        check(
-            Config {
-                rotary_percentage: 2.0,
-                ..base.clone()
-            },
-            "n_rot 32, more than head_size 16",
-        );
-        check(
-            Config {
-                rotary_percentage: -0.5,
-                ..base.clone()
-            },
-            "rotary_percentage",
-        );
-        check(
-            Config {
-                vocab_size: 300,
-                ..base.clone()
-            },
-            "vocab_size 300 is larger than padded_vocab_size 256",
-        );
-        check(
-            Config {
-                norm_eps: 0.0,
-                ..base.clone()
-            },
-            "norm_eps must be a finite number > 0, got 0",
-        );
-        check(
-            Config {
-                norm_eps: f64::NAN,
-                ..base.clone()
-            },
-            "norm_eps",
-        );
-        check(
-            Config {
-                rope_base: -1.0,
-                ..base.clone()
-            },
-            "rope_base must be a finite number > 0, got -1",
-        );
-        check(
-            Config {
-                shared_attention_norm: true,
-                ..base.clone()
-            },
-            "shared_attention_norm needs parallel_residual",
-        );
+        check(Config { n_layer: 0, ..base.clone() }, "n_layer must be positive, got 0");
+        check(Config { n_head: 0, ..base.clone() }, "n_head must be positive");
+        check(Config { n_query_groups: 3, ..base.clone() }, "n_head 4 is not divisible by n_query_groups 3");
+        check(Config { rotary_percentage: 2.0, ..base.clone() }, "n_rot 32, more than head_size 16");
+        check(Config { rotary_percentage: -0.5, ..base.clone() }, "rotary_percentage");
+        check(Config { vocab_size: 300, ..base.clone() }, "vocab_size 300 is larger than padded_vocab_size 256");
+        check(Config { norm_eps: 0.0, ..base.clone() }, "norm_eps must be a finite number > 0, got 0");
+        check(Config { norm_eps: f64::NAN, ..base.clone() }, "norm_eps");
+        check(Config { rope_base: -1.0, ..base.clone() }, "rope_base must be a finite number > 0, got -1");
+        check(Config { shared_attention_norm: true, ..base.clone() }, "shared_attention_norm needs parallel_residual");
     }
 
     #[test]
     fn zero_head_override_is_an_error_not_a_panic() {
-        let reason = config_reason(named("tiny-llama").with_overrides(&Overrides {
-            n_head: Some(0),
-            ..Overrides::default()
-        }));
+        let reason =
+            config_reason(named("tiny-llama").with_overrides(&Overrides { n_head: Some(0), ..Overrides::default() }));
         assert!(reason.contains("n_head must be positive"), "{reason}");
     }
 
     #[test]
     fn param_count_tied_shared_and_biases() {
         let base = named("tiny-neox");
-        let tied = Config {
-            tie_embeddings: true,
-            ..base.clone()
-        };
+        let tied = Config { tie_embeddings: true, ..base.clone() };
         assert_eq!(base.param_count() - tied.param_count(), 256 * 64);
-        let head_bias = Config {
-            lm_head_bias: true,
-            ..tied.clone()
-        };
+        let head_bias = Config { lm_head_bias: true, ..tied.clone() };
         assert_eq!(head_bias.param_count() - tied.param_count(), 256);
-        let shared = Config {
-            shared_attention_norm: true,
-            ..base.clone()
-        };
+        let shared = Config { shared_attention_norm: true, ..base.clone() };
         // One LayerNorm (weight and bias) fewer per layer.
         assert_eq!(base.param_count() - shared.param_count(), 2 * 2 * 64);
 
         let llama = named("tiny-llama");
-        let qkv_bias = Config {
-            attn_qkv_bias: true,
-            ..llama.clone()
-        };
+        let qkv_bias = Config { attn_qkv_bias: true, ..llama.clone() };
         // q 64 wide, k and v 2 groups of 16 each, in two layers.
-        assert_eq!(
-            qkv_bias.param_count() - llama.param_count(),
-            2 * (64 + 32 + 32)
-        );
-        let all_bias = Config {
-            bias: true,
-            ..llama.clone()
-        };
+        assert_eq!(qkv_bias.param_count() - llama.param_count(), 2 * (64 + 32 + 32));
+        let all_bias = Config { bias: true, ..llama.clone() };
         // q/k/v, o_proj, gate and up (128 each), down.
-        assert_eq!(
-            all_bias.param_count() - llama.param_count(),
-            2 * (128 + 64 + 2 * 128 + 64)
-        );
+        assert_eq!(all_bias.param_count() - llama.param_count(), 2 * (128 + 64 + 2 * 128 + 64));
     }
 
     #[test]
@@ -1532,34 +1270,15 @@ mod tests {
         // config.json only knows the embedding rows, so vocab_size is the
         // padded size; everything else matches litgpt.
         let llama3 = Config::from_hf_json(LLAMA_3_8B_JSON, "Meta-Llama-3-8B").unwrap();
-        assert_eq!(
-            llama3,
-            Config {
-                vocab_size: 128256,
-                ..named("Meta-Llama-3-8B")
-            }
-        );
+        assert_eq!(llama3, Config { vocab_size: 128256, ..named("Meta-Llama-3-8B") });
         assert_eq!(llama3.param_count(), 8_030_261_248);
 
         let qwen = Config::from_hf_json(QWEN2_5_7B_JSON, "Qwen2.5-7B").unwrap();
-        assert_eq!(
-            qwen,
-            Config {
-                vocab_size: 152064,
-                ..named("Qwen2.5-7B")
-            }
-        );
+        assert_eq!(qwen, Config { vocab_size: 152064, ..named("Qwen2.5-7B") });
         assert_eq!(qwen.param_count(), 7_615_616_512);
 
         let pythia = Config::from_hf_json(PYTHIA_14M_JSON, "pythia-14m").unwrap();
-        assert_eq!(
-            pythia,
-            Config {
-                vocab_size: 50304,
-                block_size: 2048,
-                ..named("pythia-14m")
-            }
-        );
+        assert_eq!(pythia, Config { vocab_size: 50304, block_size: 2048, ..named("pythia-14m") });
         assert_eq!(pythia.param_count(), 14_067_712);
     }
 
@@ -1567,23 +1286,13 @@ mod tests {
     fn hf_json_qwen2_w2_geometry() {
         let config = from_json(QWEN2_W2_JSON).unwrap();
         assert_eq!(config.name, "test-model");
-        assert_eq!(
-            (config.n_embd, config.n_head, config.n_query_groups),
-            (28, 28, 4)
-        );
-        assert_eq!(
-            (config.head_size, config.n_rot(), config.n_layer),
-            (1, 1, 5)
-        );
+        assert_eq!((config.n_embd, config.n_head, config.n_query_groups), (28, 28, 4));
+        assert_eq!((config.head_size, config.n_rot(), config.n_layer), (1, 1, 5));
         assert!(config.attn_qkv_bias && !config.bias);
         assert_eq!(config.block_size, 131072);
 
         let w2 = named("Qwen2.5-7B")
-            .with_overrides(&Overrides {
-                n_layer: Some(5),
-                n_embd: Some(28),
-                ..Overrides::default()
-            })
+            .with_overrides(&Overrides { n_layer: Some(5), n_embd: Some(28), ..Overrides::default() })
             .unwrap();
         assert_eq!(config.param_count(), w2.param_count());
     }
@@ -1597,45 +1306,26 @@ mod tests {
             "num_key_value_heads": null, "head_dim": 32}"#;
         let config = from_json(minimal).unwrap();
         assert_eq!((config.n_query_groups, config.head_size), (4, 32));
-        assert_eq!(
-            (config.rope_base, config.norm_eps, config.block_size),
-            (10000.0, 1e-6, 2048)
-        );
+        assert_eq!((config.rope_base, config.norm_eps, config.block_size), (10000.0, 1e-6, 2048));
         assert!(!config.tie_embeddings);
 
         let tied = from_json(&edit(minimal, "tie_word_embeddings", Value::Bool(true))).unwrap();
         assert!(tied.tie_embeddings);
 
-        let biased = edit(
-            &edit(minimal, "attention_bias", Value::Bool(true)),
-            "mlp_bias",
-            Value::Bool(true),
-        );
+        let biased = edit(&edit(minimal, "attention_bias", Value::Bool(true)), "mlp_bias", Value::Bool(true));
         let biased = from_json(&biased).unwrap();
         assert!(biased.bias && !biased.attn_qkv_bias);
 
         // transformers 5 keeps the RoPE base under rope_parameters.
-        let v5 = edit(
-            minimal,
-            "rope_parameters",
-            serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}),
-        );
+        let v5 = edit(minimal, "rope_parameters", serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}));
         assert_eq!(from_json(&v5).unwrap().rope_base, 500000.0);
 
         let tanh = from_json(&edit(PYTHIA_14M_JSON, "hidden_act", "gelu_new".into())).unwrap();
-        assert_eq!(
-            tanh.mlp,
-            MlpKind::Gelu {
-                approximate_tanh: true
-            }
-        );
+        assert_eq!(tanh.mlp, MlpKind::Gelu { approximate_tanh: true });
         let sequential = edit(PYTHIA_14M_JSON, "use_parallel_residual", Value::Bool(false));
         assert!(!from_json(&sequential).unwrap().parallel_residual);
-        let newer_rope = edit(
-            &edit(PYTHIA_14M_JSON, "rotary_pct", Value::Null),
-            "partial_rotary_factor",
-            serde_json::json!(0.5),
-        );
+        let newer_rope =
+            edit(&edit(PYTHIA_14M_JSON, "rotary_pct", Value::Null), "partial_rotary_factor", serde_json::json!(0.5));
         assert_eq!(from_json(&newer_rope).unwrap().n_rot(), 16);
     }
 
@@ -1645,30 +1335,12 @@ mod tests {
             let reason = config_reason(from_json(text));
             assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
         };
-        check(
-            &edit(LLAMA_2_7B_JSON, "model_type", "gpt2".into()),
-            "model_type `gpt2` is not supported",
-        );
-        check(
-            &edit(LLAMA_2_7B_JSON, "model_type", Value::Null),
-            "missing required key `model_type`",
-        );
-        check(
-            &edit(LLAMA_2_7B_JSON, "hidden_size", Value::Null),
-            "missing required key `hidden_size`",
-        );
-        check(
-            &edit(PYTHIA_14M_JSON, "num_hidden_layers", Value::Null),
-            "missing required key `num_hidden_layers`",
-        );
-        check(
-            &edit(LLAMA_2_7B_JSON, "hidden_size", "4096".into()),
-            "key `hidden_size` must be a non-negative integer",
-        );
-        check(
-            &edit(LLAMA_2_7B_JSON, "hidden_act", "gelu".into()),
-            "hidden_act `gelu` is not supported",
-        );
+        check(&edit(LLAMA_2_7B_JSON, "model_type", "gpt2".into()), "model_type `gpt2` is not supported");
+        check(&edit(LLAMA_2_7B_JSON, "model_type", Value::Null), "missing required key `model_type`");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_size", Value::Null), "missing required key `hidden_size`");
+        check(&edit(PYTHIA_14M_JSON, "num_hidden_layers", Value::Null), "missing required key `num_hidden_layers`");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_size", "4096".into()), "key `hidden_size` must be a non-negative integer");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_act", "gelu".into()), "hidden_act `gelu` is not supported");
         check(
             &edit(LLAMA_2_7B_JSON, "mlp_bias", Value::Bool(true)),
             "mlp_bias true with attention_bias false is not supported",
@@ -1678,21 +1350,10 @@ mod tests {
             "attention_bias true with mlp_bias false is not supported",
         );
         check(
-            &edit(
-                LLAMA_3_8B_JSON,
-                "rope_scaling",
-                serde_json::json!({"factor": 8.0, "rope_type": "llama3"}),
-            ),
+            &edit(LLAMA_3_8B_JSON, "rope_scaling", serde_json::json!({"factor": 8.0, "rope_type": "llama3"})),
             "rope_scaling.rope_type `llama3` (RoPE scaling) is not supported",
         );
-        check(
-            &edit(
-                LLAMA_2_7B_JSON,
-                "rope_scaling",
-                serde_json::json!({"factor": 2.0, "type": "linear"}),
-            ),
-            "`linear`",
-        );
+        check(&edit(LLAMA_2_7B_JSON, "rope_scaling", serde_json::json!({"factor": 2.0, "type": "linear"})), "`linear`");
         check(
             &edit(PYTHIA_14M_JSON, "hidden_act", "relu".into()),
             "hidden_act `relu` is not supported for model_type `gpt_neox`",
@@ -1708,10 +1369,7 @@ mod tests {
 
     #[test]
     fn hf_file_reads_a_file_or_directory() {
-        let dir = std::env::temp_dir().join(format!(
-            "stepgraph-config-test-{}/pythia-14m",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("stepgraph-config-test-{}/pythia-14m", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("config.json");
         std::fs::write(&file, PYTHIA_14M_JSON).unwrap();

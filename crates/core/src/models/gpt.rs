@@ -84,7 +84,13 @@ impl Gpt<'_> {
         self.b.param(name, TensorType::new(self.dtype, shape))
     }
 
-    fn linear_params(&mut self, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<(ValueId, Option<ValueId>)> {
+    fn linear_params(
+        &mut self,
+        prefix: &str,
+        inp: usize,
+        out: usize,
+        bias: bool,
+    ) -> Result<(ValueId, Option<ValueId>)> {
         let w = self.param(&format!("{prefix}.weight"), &[out, inp])?;
         let bias = if bias { Some(self.param(&format!("{prefix}.bias"), &[out])?) } else { None };
         Ok((w, bias))
@@ -122,8 +128,15 @@ impl Gpt<'_> {
             q = self.b.rope(q, n_rot, cfg.rope_base)?;
             k = self.b.rope(k, n_rot, cfg.rope_base)?;
         }
-        // litgpt and Hugging Face scale by the configured head size.
-        let scale = 1.0 / (d as f64).sqrt();
+        // litgpt and Hugging Face scale by the configured head size. With a
+        // rotary dimension of 1 (head size 1, as in workload W2) both
+        // duplicate the rotated component through a broadcast in their rope,
+        // which doubles every score; `rope` computes one copy and the scale
+        // carries the factor 2 (see ops/rope.rs).
+        let mut scale = 1.0 / (d as f64).sqrt();
+        if n_rot == 1 {
+            scale *= 2.0;
+        }
         let o = self.b.attention(q, k, v, scale)?;
         let o = self.b.reshape(o, &[batch, seq, hq * d])?;
         self.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)

@@ -2,6 +2,7 @@
 //! records a configuration's forward pass and loss as a trace ([`gpt`]).
 
 pub mod config;
-// pub mod gpt; (enabled once the nn ops land)
+pub mod gpt;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
+pub use gpt::{build_forward, init_params, LossKind, ModelSpec};

@@ -47,12 +47,8 @@ impl OpDef for Full {
         ]
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "full").then(|| {
-            Ok(Full {
-                value: a.float("value")?,
-                ty: TensorType::new(a.dtype("dtype")?, a.usizes("shape")?),
-            })
-        })
+        (name == "full")
+            .then(|| Ok(Full { value: a.float("value")?, ty: TensorType::new(a.dtype("dtype")?, a.usizes("shape")?) }))
     }
 }
 
@@ -339,11 +335,7 @@ impl BroadcastIndex {
             out_stride *= output[i];
             in_stride *= d_in;
         }
-        BroadcastIndex {
-            axes,
-            identity: input == output,
-            scalar: input.iter().product::<usize>() == 1,
-        }
+        BroadcastIndex { axes, identity: input == output, scalar: input.iter().product::<usize>() == 1 }
     }
 
     #[inline]

@@ -60,7 +60,9 @@ impl OpDef for Embedding {
         Ok(vec![table.with_shape(shape)])
     }
     fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        let Some(g) = args.cotangents[0] else { return Ok(vec![None, None]) };
+        let Some(g) = args.cotangents[0] else {
+            return Ok(vec![None, None]);
+        };
         let (ids, table) = (args.inputs[0], args.inputs[1]);
         let num_rows = b.shape(table)[0];
         let gt = b.push1(EmbeddingBackward { num_rows }.into(), &[ids, g])?;
@@ -167,7 +169,7 @@ impl OpDef for EmbeddingBackward {
                             acc.fill(<T as Float>::Acc::zero());
                             for &p in bucket {
                                 for (a, g) in acc.iter_mut().zip(&gy[p * width..(p + 1) * width]) {
-                                    *a = *a + g.acc();
+                                    *a += g.acc();
                                 }
                             }
                             for (o, a) in out.iter_mut().zip(acc.iter()) {

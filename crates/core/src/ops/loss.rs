@@ -268,7 +268,8 @@ fn backward_kernel<T: WithStat>(io: &KernelIo, targets: &[i64], ignore_index: i6
     // no row is kept (then every `a_n` is 0, as PyTorch's zero gradient).
     let scale = gloss / c::<<T as Float>::Acc>(kept.max(1) as f64);
     // The logits, in the output's storage (copied there unless aliased):
-    // every row is read in full before any of it is overwritten.
+    // each element is read just before it is overwritten and rows are
+    // independent, so sharing the logits' buffer is safe.
     let d = io.inplace::<T>(0, 0);
     d.par_chunks_mut(classes).enumerate().with_min_len((MIN_ELEMS_PER_TASK / classes).max(1)).for_each(|(n, row)| {
         let t = targets[n];

@@ -8,10 +8,17 @@
 //! means one struct plus one line in [`op_list!`]; the exhaustive matches the
 //! macro generates find every place that must know about it.
 
+pub mod attention;
 pub mod elementwise;
+pub mod embedding;
+pub mod loss;
 pub mod matmul;
 pub mod movement;
+pub mod norm;
+pub mod optim;
 pub mod reduce;
+pub mod rope;
+pub mod softmax;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -63,9 +70,7 @@ pub struct Attrs {
 
 impl Attrs {
     fn take(&mut self, key: &str) -> Result<Attr> {
-        self.map
-            .remove(key)
-            .ok_or_else(|| Error::op(&self.op, format!("missing attribute `{key}`")))
+        self.map.remove(key).ok_or_else(|| Error::op(&self.op, format!("missing attribute `{key}`")))
     }
 
     fn wrong(&self, key: &str, want: &str, got: &Attr) -> Error {
@@ -108,9 +113,7 @@ impl Attrs {
 
     pub fn usizes(&mut self, key: &str) -> Result<Vec<usize>> {
         let v = self.ints(key)?;
-        v.iter()
-            .map(|&i| usize::try_from(i).map_err(|_| self.wrong(key, "non-negative", &Attr::Int(i))))
-            .collect()
+        v.iter().map(|&i| usize::try_from(i).map_err(|_| self.wrong(key, "non-negative", &Attr::Int(i)))).collect()
     }
 
     pub fn dtype(&mut self, key: &str) -> Result<DType> {
@@ -175,7 +178,10 @@ pub enum Lowering {
     /// A type conversion.
     Cast,
     /// A (batched) matrix product for the BLAS library.
-    Gemm { trans_a: bool, trans_b: bool },
+    Gemm {
+        trans_a: bool,
+        trans_b: bool,
+    },
     /// A hand-written kernel family, named by template.
     Kernel(&'static str),
 }
@@ -282,6 +288,20 @@ op_list! {
     SliceBackward(movement::SliceBackward),
     Concat(movement::Concat),
     MatMul(matmul::MatMul),
+    RmsNorm(norm::RmsNorm),
+    RmsNormBackward(norm::RmsNormBackward),
+    LayerNorm(norm::LayerNorm),
+    LayerNormBackward(norm::LayerNormBackward),
+    Rope(rope::Rope),
+    Softmax(softmax::Softmax),
+    SoftmaxBackward(softmax::SoftmaxBackward),
+    Attention(attention::Attention),
+    AttentionBackward(attention::AttentionBackward),
+    Embedding(embedding::Embedding),
+    EmbeddingBackward(embedding::EmbeddingBackward),
+    CrossEntropy(loss::CrossEntropy),
+    CrossEntropyBackward(loss::CrossEntropyBackward),
+    AdamW(optim::AdamW),
 }
 
 /// Shared checks for shape rules.
@@ -308,7 +328,5 @@ pub(crate) fn expect_same(a: &TensorType, b: &TensorType, what: &str) -> std::re
 
 /// Errors for backward-only ops, which are never differentiated again.
 pub(crate) fn no_vjp(name: &str) -> Result<Vec<Option<ValueId>>> {
-    Err(Error::Autodiff(format!(
-        "`{name}` is a backward op; higher-order derivatives are not supported"
-    )))
+    Err(Error::Autodiff(format!("`{name}` is a backward op; higher-order derivatives are not supported")))
 }

@@ -20,13 +20,7 @@ fn gather(io: &KernelIo, input: usize, n: usize, src: impl Fn(usize) -> usize + 
         for i in r {
             // SAFETY: movement ops never alias input and output (no in-place
             // pairs), `src(i)` is in bounds of the input and chunks are disjoint.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (x + src(i) * size) as *const u8,
-                    (y + i * size) as *mut u8,
-                    size,
-                )
-            }
+            unsafe { std::ptr::copy_nonoverlapping((x + src(i) * size) as *const u8, (y + i * size) as *mut u8, size) }
         }
     });
 }
@@ -87,11 +81,7 @@ impl OpDef for Reshape {
         expect_inputs(inputs, 1)?;
         let n: usize = self.shape.iter().product();
         if n != inputs[0].numel() {
-            return Err(format!(
-                "cannot reshape {} elements to {:?} ({n} elements)",
-                inputs[0].numel(),
-                self.shape
-            ));
+            return Err(format!("cannot reshape {} elements to {:?} ({n} elements)", inputs[0].numel(), self.shape));
         }
         Ok(vec![inputs[0].with_shape(self.shape.clone())])
     }
@@ -326,8 +316,8 @@ impl OpDef for Concat {
         let mut out = first.shape.clone();
         out[self.axis] = 0;
         for t in inputs {
-            let same_rest = t.rank() == first.rank()
-                && (0..t.rank()).all(|i| i == self.axis || t.shape[i] == first.shape[i]);
+            let same_rest =
+                t.rank() == first.rank() && (0..t.rank()).all(|i| i == self.axis || t.shape[i] == first.shape[i]);
             if t.dtype != first.dtype || !same_rest {
                 return Err(format!("{t} does not match {first} outside axis {}", self.axis));
             }

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ir::{Builder, DType, TensorType, ValueId};
 use crate::with_float;
 
@@ -88,14 +88,11 @@ fn rows_with_sums<T: Float>(
     let block = row_block(rows);
     let nblocks = rows.div_ceil(block);
     let mut partial = vec![T::Acc::zero(); nblocks * width];
-    gx.par_chunks_mut(block * cdim)
-        .zip(partial.par_chunks_mut(width))
-        .enumerate()
-        .for_each(|(bi, (gx_blk, part))| {
-            for (k, gx_row) in gx_blk.chunks_mut(cdim).enumerate() {
-                row(bi * block + k, gx_row, part);
-            }
-        });
+    gx.par_chunks_mut(block * cdim).zip(partial.par_chunks_mut(width)).enumerate().for_each(|(bi, (gx_blk, part))| {
+        for (k, gx_row) in gx_blk.chunks_mut(cdim).enumerate() {
+            row(bi * block + k, gx_row, part);
+        }
+    });
     let mut sums = vec![T::Acc::zero(); width];
     sums.par_iter_mut().enumerate().with_min_len(256).for_each(|(k, s)| {
         *s = (0..nblocks).fold(T::Acc::zero(), |a, bi| a + partial[bi * width + k]);
@@ -277,16 +274,21 @@ pub struct LayerNorm {
     pub eps: f64,
 }
 
-fn layer_norm_fwd<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [T], mean: &mut [T::Acc], rstd: &mut [T::Acc]) {
+fn layer_norm_fwd<T: Float>(
+    x: &[T],
+    w: &[T],
+    b: &[T],
+    eps: f64,
+    y: &mut [T],
+    mean: &mut [T::Acc],
+    rstd: &mut [T::Acc],
+) {
     let cdim = w.len();
     let wa: Vec<T::Acc> = w.iter().map(|v| v.acc()).collect();
     let ba: Vec<T::Acc> = b.iter().map(|v| v.acc()).collect();
     let (eps, n): (T::Acc, T::Acc) = (c(eps), c(cdim as f64));
-    y.par_chunks_mut(cdim)
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .enumerate()
-        .with_min_len(16)
-        .for_each(|(r, (yr, (mu, rs)))| {
+    y.par_chunks_mut(cdim).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).enumerate().with_min_len(16).for_each(
+        |(r, (yr, (mu, rs)))| {
             let xr = &x[row_range(r, cdim)];
             let m = xr.iter().map(|v| v.acc()).sum::<T::Acc>() / n;
             // Two passes: the variance of the centred values does not cancel.
@@ -296,7 +298,8 @@ fn layer_norm_fwd<T: Float>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [T], me
             for k in 0..cdim {
                 yr[k] = T::from_acc((xr[k].acc() - m) * inv * wa[k] + ba[k]);
             }
-        });
+        },
+    );
 }
 
 impl OpDef for LayerNorm {
@@ -358,13 +361,16 @@ pub struct LayerNormBackward {
     pub eps: f64,
 }
 
+/// Per-row slices of (mean, rstd) or of their cotangents.
+type StatPair<'a, A> = (&'a [A], &'a [A]);
+
 struct LnGrads<'a, T: Float> {
     x: &'a [T],
     w: &'a [T],
     mean: &'a [T::Acc],
     rstd: &'a [T::Acc],
     gy: &'a [T],
-    gstats: Option<(&'a [T::Acc], &'a [T::Acc])>,
+    gstats: Option<StatPair<'a, T::Acc>>,
 }
 
 fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut [T]) {
@@ -452,13 +458,11 @@ impl OpDef for LayerNormBackward {
 impl Builder {
     /// RMSNorm of `x: [..., C]` with weight `w: [C]`; returns y (rstd stays in the trace for backward).
     pub fn rms_norm(&mut self, x: ValueId, w: ValueId, eps: f64) -> Result<ValueId> {
-        let outs = self.push(RmsNorm { eps }.into(), &[x, w])?;
-        outs.first().copied().ok_or_else(|| Error::op("rms_norm", "produced no output"))
+        Ok(self.push(RmsNorm { eps }.into(), &[x, w])?[0])
     }
 
     /// LayerNorm of `x: [..., C]` with weight and bias `[C]`; returns y.
     pub fn layer_norm(&mut self, x: ValueId, w: ValueId, b: ValueId, eps: f64) -> Result<ValueId> {
-        let outs = self.push(LayerNorm { eps }.into(), &[x, w, b])?;
-        outs.first().copied().ok_or_else(|| Error::op("layer_norm", "produced no output"))
+        Ok(self.push(LayerNorm { eps }.into(), &[x, w, b])?[0])
     }
 }

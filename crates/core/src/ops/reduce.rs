@@ -190,10 +190,7 @@ impl OpDef for Reduce {
         Lowering::Kernel("reduce")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        vec![
-            ("axes", Attr::Ints(self.axes.iter().map(|&a| a as i64).collect())),
-            ("keepdim", Attr::Bool(self.keepdim)),
-        ]
+        vec![("axes", Attr::Ints(self.axes.iter().map(|&a| a as i64).collect())), ("keepdim", Attr::Bool(self.keepdim))]
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         let kind = match name {
@@ -202,7 +199,8 @@ impl OpDef for Reduce {
             "max" => ReduceKind::Max,
             _ => return None,
         };
-        let mut build = || -> Result<Self> { Ok(Reduce { kind, axes: a.usizes("axes")?, keepdim: a.bool("keepdim")? }) };
+        let mut build =
+            || -> Result<Self> { Ok(Reduce { kind, axes: a.usizes("axes")?, keepdim: a.bool("keepdim")? }) };
         Some(build())
     }
 }
@@ -285,9 +283,7 @@ impl Builder {
             return Err(Error::op("sum_to", format!("cannot sum {xs:?} to a larger rank {shape:?}")));
         }
         let lead = xs.len() - shape.len();
-        let axes: Vec<usize> = (0..xs.len())
-            .filter(|&i| i < lead || (shape[i - lead] == 1 && xs[i] != 1))
-            .collect();
+        let axes: Vec<usize> = (0..xs.len()).filter(|&i| i < lead || (shape[i - lead] == 1 && xs[i] != 1)).collect();
         let s = if axes.is_empty() { x } else { self.sum(x, &axes, true)? };
         self.reshape(s, shape)
     }

@@ -54,7 +54,10 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             Region::Arena => plan.arena_bytes,
         };
         if slot.bytes < ty.bytes() || slot.offset + ty.bytes() > limit {
-            return fail(format!("{} ({ty}) does not fit its slot {slot:?} in a region of {limit} bytes", trace.describe(ValueId(v as u32))));
+            return fail(format!(
+                "{} ({ty}) does not fit its slot {slot:?} in a region of {limit} bytes",
+                trace.describe(ValueId(v as u32))
+            ));
         }
         let persistent = matches!(trace.values[v].kind, ValueKind::Param { .. } | ValueKind::State { .. });
         if persistent != (slot.region == Region::Persistent) && trace.values[v].kind.is_leaf() {
@@ -102,15 +105,14 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
                 continue;
             }
             // Overlapping bytes: order the two by birth.
-            let (first, kf, second, ks) = if (ca.start, *ka) <= (cb.start, *kb) { (ca, *ka, cb, *kb) } else { (cb, *kb, ca, *ka) };
+            let (first, kf, second, ks) =
+                if (ca.start, *ka) <= (cb.start, *kb) { (ca, *ka, cb, *kb) } else { (cb, *kb, ca, *ka) };
             let ok = if ca.region == Region::Persistent {
                 updates.contains(&(kf, ks)) || updates.contains(&(ks, kf)) || chained_update(&updates, kf, ks)
             } else if first.end < second.start {
                 true
             } else {
-                first.end == second.start
-                    && first.offset == second.offset
-                    && handover.contains(&(first.end, kf, ks))
+                first.end == second.start && first.offset == second.offset && handover.contains(&(first.end, kf, ks))
             };
             if !ok {
                 return fail(format!(

@@ -211,11 +211,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
             // other input of this node may read the same storage.
             let dies_here = span[ri].1 == pos;
             let same_type = trace.ty(o) == trace.ty(i);
-            let shared_read = node
-                .inputs
-                .iter()
-                .enumerate()
-                .any(|(j, &x)| j != ii && x != i && uf.find(x.index()) == ri);
+            let shared_read =
+                node.inputs.iter().enumerate().any(|(j, &x)| j != ii && x != i && uf.find(x.index()) == ri);
             let output_fresh = span[ro].0 == pos;
             if dies_here && same_type && !shared_read && output_fresh {
                 uf.union(i.index(), o.index());
@@ -259,12 +256,18 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         group_of[v] = group_index[r];
     }
 
-    // Persistent: big, 256-aligned buffers first so the small ones pack at the end with no padding.
+    // Persistent: 256-byte multiples first (aligned, no padding), then the
+    // small odd-sized ones by falling element size, each aligned to its
+    // element, so the buffer holds exactly the bytes of its values.
+    let elem = |g: &Group| trace.ty(g.members[0]).dtype.size() as u64;
     let mut pers: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Persistent).collect();
-    pers.sort_by_key(|&g| (groups[g].bytes % ARENA_ALIGN != 0, std::cmp::Reverse(groups[g].bytes), g));
+    pers.sort_by_key(|&g| {
+        let gr = &groups[g];
+        (gr.bytes % ARENA_ALIGN != 0, std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
+    });
     let mut off = 0u64;
     for &g in &pers {
-        let align = if groups[g].bytes % ARENA_ALIGN == 0 { ARENA_ALIGN } else { 8 };
+        let align = if groups[g].bytes % ARENA_ALIGN == 0 { ARENA_ALIGN } else { elem(&groups[g]) };
         off = off.div_ceil(align) * align;
         groups[g].offset = off;
         off += groups[g].bytes;
@@ -272,7 +275,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let persistent_bytes = off;
 
     let arena: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Arena).collect();
-    let intervals: Vec<(usize, usize, u64)> = arena.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
+    let intervals: Vec<(usize, usize, u64)> =
+        arena.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
     let offsets = if opts.reuse { assign_offsets(&intervals) } else { assign_disjoint(&intervals) };
     let mut arena_bytes = 0;
     for (k, &g) in arena.iter().enumerate() {
@@ -317,14 +321,110 @@ pub fn align_up(b: u64) -> u64 {
     b.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
 }
 
-/// Greedy-by-size offset assignment over `(start, end, bytes)` intervals:
-/// largest first; each at the lowest aligned offset that overlaps no placed
-/// interval alive at the same time.
+/// Offset assignment over `(start, end, bytes)` intervals, trying two
+/// strategies and keeping the smaller arena:
+/// - greedy by size: largest first, each at the lowest aligned offset that
+///   overlaps no placed interval alive at the same time;
+/// - outputs on top: intervals alive to the end of the step (`end ==
+///   last`, the gradients) stacked downward from a ceiling in birth order,
+///   the rest greedy by size below and between them. Activations then grow
+///   and shrink like a stack from the bottom while gradients grow from the
+///   top, the shape of a backward pass. The ceiling is swept upward from
+///   the floor until the rest fits under it.
 pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Vec<u64> {
-    let mut order: Vec<usize> = (0..items.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(items[i].2), items[i].0, i));
+    let by_size = greedy(items, &[], Order::Size);
+    let mut best = (extent(items, &by_size), by_size);
+    let last = items.iter().map(|i| i.1).max().unwrap_or(0);
+    let tail: Vec<usize> = {
+        let mut t: Vec<usize> = (0..items.len()).filter(|&i| items[i].1 == last && items[i].0 < last).collect();
+        t.sort_by_key(|&i| (items[i].0, i));
+        t
+    };
+    if tail.is_empty() {
+        return best.1;
+    }
+    let floor = live_floor(items);
+    for k in 0..=40u64 {
+        let ceiling = align_up(floor + floor * k / 400);
+        if ceiling >= best.0 {
+            break;
+        }
+        let mut fixed = Vec::with_capacity(tail.len());
+        let mut top = ceiling;
+        let mut fits = true;
+        for &i in &tail {
+            let size = align_up(items[i].2);
+            if size > top {
+                fits = false;
+                break;
+            }
+            top -= size;
+            fixed.push((i, top));
+        }
+        if !fits {
+            continue;
+        }
+        let mut done = false;
+        for order in [Order::Size, Order::Birth] {
+            let offsets = greedy(items, &fixed, order);
+            let e = extent(items, &offsets);
+            if e < best.0 {
+                best = (e, offsets);
+            }
+            done |= e <= ceiling;
+        }
+        if done {
+            break;
+        }
+    }
+    best.1
+}
+
+/// The largest sum of aligned sizes alive at one position.
+fn live_floor(items: &[(usize, usize, u64)]) -> u64 {
+    let last = items.iter().map(|i| i.1).max().unwrap_or(0);
+    let mut delta = vec![0i128; last + 2];
+    for &(s, e, b) in items {
+        delta[s] += align_up(b) as i128;
+        delta[e + 1] -= align_up(b) as i128;
+    }
+    let (mut live, mut best) = (0i128, 0i128);
+    for d in delta {
+        live += d;
+        best = best.max(live);
+    }
+    best as u64
+}
+
+fn extent(items: &[(usize, usize, u64)], offsets: &[u64]) -> u64 {
+    items.iter().zip(offsets).map(|(i, o)| o + align_up(i.2)).max().unwrap_or(0)
+}
+
+/// The order in which [`greedy`] places intervals.
+#[derive(Copy, Clone)]
+enum Order {
+    /// Largest first.
+    Size,
+    /// In allocation order, as a first-fit allocator would see them.
+    Birth,
+}
+
+/// Places every interval not in `fixed` (item, offset) at the lowest aligned
+/// offset free over its lifetime, in `order`.
+fn greedy(items: &[(usize, usize, u64)], fixed: &[(usize, u64)], order_by: Order) -> Vec<u64> {
     let mut offsets = vec![0u64; items.len()];
+    let mut is_fixed = vec![false; items.len()];
     let mut placed: Vec<usize> = Vec::with_capacity(items.len());
+    for &(i, o) in fixed {
+        offsets[i] = o;
+        is_fixed[i] = true;
+        placed.push(i);
+    }
+    let mut order: Vec<usize> = (0..items.len()).filter(|&i| !is_fixed[i]).collect();
+    match order_by {
+        Order::Size => order.sort_by_key(|&i| (std::cmp::Reverse(items[i].2), items[i].0, i)),
+        Order::Birth => order.sort_by_key(|&i| (items[i].0, std::cmp::Reverse(items[i].2), i)),
+    }
     let mut busy: Vec<(u64, u64)> = Vec::new();
     for &i in &order {
         let (s, e, b) = items[i];

@@ -39,12 +39,8 @@ pub struct PlanReport {
 pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
     let param_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
     let optimizer_state_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::State { .. }));
-    let gradient_bytes = trace
-        .outputs
-        .iter()
-        .filter(|o| matches!(o.kind, OutputKind::Grad(_)))
-        .map(|o| trace.ty(o.value).bytes())
-        .sum();
+    let gradient_bytes =
+        trace.outputs.iter().filter(|o| matches!(o.kind, OutputKind::Grad(_))).map(|o| trace.ty(o.value).bytes()).sum();
     let saved_for_backward_bytes = trace.saved.iter().map(|v| trace.ty(*v).bytes()).sum();
     let mut live: Vec<LiveValue> = plan
         .groups
@@ -88,8 +84,18 @@ impl std::fmt::Display for PlanReport {
         writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
         writeln!(f, "    optimizer      {:>14} B  {}", self.optimizer_state_bytes, gb(self.optimizer_state_bytes))?;
         writeln!(f, "  arena            {:>14} B  {}", self.arena_bytes, gb(self.arena_bytes))?;
-        writeln!(f, "    gradients      {:>14} B  {}  (outputs, planned in the arena)", self.gradient_bytes, gb(self.gradient_bytes))?;
-        writeln!(f, "    saved for bwd  {:>14} B  {}", self.saved_for_backward_bytes, gb(self.saved_for_backward_bytes))?;
+        writeln!(
+            f,
+            "    gradients      {:>14} B  {}  (outputs, planned in the arena)",
+            self.gradient_bytes,
+            gb(self.gradient_bytes)
+        )?;
+        writeln!(
+            f,
+            "    saved for bwd  {:>14} B  {}",
+            self.saved_for_backward_bytes,
+            gb(self.saved_for_backward_bytes)
+        )?;
         writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))?;
         writeln!(
             f,

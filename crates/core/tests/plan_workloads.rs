@@ -1,0 +1,74 @@
+//! The memory plans of the benchmark workloads (../shared/BENCHMARKS.md),
+//! computed without allocating anything: W1 must fit the 11.9 GB that
+//! PyTorch-based stacks peak at, every plan must sit within 2% of its own
+//! floor, and persistent bytes must be exactly the parameters (plus the
+//! optimizer state under `train`).
+
+use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::ir::{DType, Trace};
+use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
+
+fn workload(
+    name: &str,
+    o: Overrides,
+    dtype: DType,
+    batch: usize,
+    seq: usize,
+    loss: LossKind,
+    kind: StepKind,
+) -> (Trace, PlanReport) {
+    let config = Config::named(name).unwrap().with_overrides(&o).unwrap();
+    let fwd = build_forward(&ModelSpec { config, batch, seq, dtype, loss }).unwrap();
+    let step = build_step(&fwd, kind, &TrainOptions::default()).unwrap();
+    let p = plan(&step, PlanOptions::default()).unwrap();
+    check_plan(&step, &p).unwrap();
+    let r = plan_report(&step, &p, 5);
+    (step, r)
+}
+
+#[test]
+fn w1_fits_under_the_pytorch_peak_and_near_its_floor() {
+    let (_, r) = workload(
+        "open_llama_3b",
+        Overrides { n_layer: Some(10), ..Default::default() },
+        DType::F32,
+        1,
+        2048,
+        LossKind::Sum,
+        StepKind::Grads,
+    );
+    assert_eq!(r.param_bytes, 1_443_907_200 * 4);
+    assert_eq!(r.persistent_bytes, r.param_bytes);
+    assert_eq!(r.gradient_bytes, r.param_bytes);
+    assert!(r.planned_peak_bytes <= 11_900_000_000, "{r}");
+    assert!(r.overhead_vs_floor <= 0.02, "{r}");
+}
+
+#[test]
+fn w2_plan_is_near_its_floor() {
+    let (step, r) = workload(
+        "Qwen2.5-7B",
+        Overrides { n_layer: Some(5), n_embd: Some(28), ..Default::default() },
+        DType::BF16,
+        1,
+        4096,
+        LossKind::CrossEntropy,
+        StepKind::Grads,
+    );
+    assert_eq!(r.persistent_bytes, r.param_bytes);
+    assert!(r.overhead_vs_floor <= 0.02, "{r}");
+    // The 152k-vocabulary logits exist once: their gradient overwrites them in place.
+    let logits = 4096u64 * 152_064 * 2;
+    assert!(r.planned_peak_bytes < r.param_bytes + 2 * logits + 4_000_000_000, "{r}");
+    assert!(step.nodes.len() > 100);
+}
+
+#[test]
+fn train_step_keeps_optimizer_state_persistent() {
+    let (_, r) =
+        workload("tiny-llama", Overrides::default(), DType::BF16, 2, 64, LossKind::CrossEntropy, StepKind::Train);
+    assert_eq!(r.optimizer_state_bytes, 2 * r.param_bytes);
+    assert_eq!(r.persistent_bytes, 3 * r.param_bytes);
+    assert_eq!(r.gradient_bytes, 0, "train consumes its gradients");
+}
