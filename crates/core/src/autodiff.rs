@@ -45,17 +45,11 @@ impl StepKind {
 }
 
 /// Optimizer settings for [`StepKind::Train`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct TrainOptions {
     pub adamw: AdamW,
     /// dtype of the AdamW moments; `None` keeps the parameter's dtype, as PyTorch does.
     pub state_dtype: Option<DType>,
-}
-
-impl Default for TrainOptions {
-    fn default() -> Self {
-        TrainOptions { adamw: AdamW::default(), state_dtype: None }
-    }
 }
 
 /// Names of the step inputs that `train` adds.

@@ -19,10 +19,17 @@ use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKin
 use crate::ops::{Op, VjpArgs};
 
 /// A tensor in host memory, 8-byte aligned so every dtype can be viewed in place.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct HostTensor {
     pub ty: TensorType,
     words: Vec<u64>,
+}
+
+/// Equal types and equal bytes (the padding of the last word does not count).
+impl PartialEq for HostTensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.ty == other.ty && self.bytes() == other.bytes()
+    }
 }
 
 impl HostTensor {
@@ -38,6 +45,13 @@ impl HostTensor {
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.ty.bytes() as usize;
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
+    }
+
+    /// A tensor whose bytes are all 0xFF (NaN in every float type): what a
+    /// kernel finds in reused arena memory. Outputs start like this in tests.
+    pub fn garbage(ty: TensorType) -> Self {
+        let words = vec![u64::MAX; (ty.bytes() as usize).div_ceil(8)];
+        HostTensor { ty, words }
     }
 
     /// Values converted from f64 (rounded to the dtype; ints truncated).
@@ -103,7 +117,8 @@ pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result
     for node in &trace.nodes {
         let view = |t: &mut HostTensor| TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() };
         let inputs: Vec<TensorView> = node.inputs.iter().map(|i| view(&mut vals[i.index()])).collect();
-        let mut outs: Vec<HostTensor> = node.outputs.iter().map(|o| HostTensor::zeros(trace.ty(*o).clone())).collect();
+        let mut outs: Vec<HostTensor> =
+            node.outputs.iter().map(|o| HostTensor::garbage(trace.ty(*o).clone())).collect();
         let outputs: Vec<TensorView> = outs.iter_mut().map(view).collect();
         node.op.cpu(&KernelIo { inputs: &inputs, outputs: &outputs })?;
         for (o, t) in node.outputs.iter().zip(outs) {
@@ -320,7 +335,7 @@ pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
     let out_types = op.infer(&types).map_err(|e| Error::op(op.name(), e))?;
     let mut bufs: Vec<HostTensor> = inputs.to_vec();
-    let mut outs: Vec<HostTensor> = out_types.iter().map(|t| HostTensor::zeros(t.clone())).collect();
+    let mut outs: Vec<HostTensor> = out_types.iter().map(|t| HostTensor::garbage(t.clone())).collect();
     // Output k aliases input `alias[k]`, when it does.
     let mut alias: Vec<Option<usize>> = vec![None; outs.len()];
     let mut taken = vec![false; inputs.len()];

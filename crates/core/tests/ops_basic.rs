@@ -139,9 +139,11 @@ fn shape_rules_name_the_problem() {
 #[test]
 fn reductions_are_exact_on_known_values() {
     let x = HostTensor::from_f64(TensorType::new(DType::F64, [2, 3]), &[1.0, 5.0, 3.0, -2.0, 0.5, 4.0]);
-    let sum = run_op(&Reduce { kind: ReduceKind::Sum, axes: vec![1], keepdim: false }.into(), &[x.clone()]).unwrap();
+    let sum = run_op(&Reduce { kind: ReduceKind::Sum, axes: vec![1], keepdim: false }.into(), std::slice::from_ref(&x))
+        .unwrap();
     assert_eq!(sum[0].to_f64(), vec![9.0, 2.5]);
-    let max = run_op(&Reduce { kind: ReduceKind::Max, axes: vec![0], keepdim: true }.into(), &[x.clone()]).unwrap();
+    let max = run_op(&Reduce { kind: ReduceKind::Max, axes: vec![0], keepdim: true }.into(), std::slice::from_ref(&x))
+        .unwrap();
     assert_eq!(max[0].to_f64(), vec![1.0, 5.0, 4.0]);
     assert_eq!(max[0].ty.shape, vec![1, 3]);
     let mean = run_op(&Reduce { kind: ReduceKind::Mean, axes: vec![0, 1], keepdim: false }.into(), &[x]).unwrap();

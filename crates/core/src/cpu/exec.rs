@@ -234,9 +234,12 @@ fn id_checks(trace: &Trace) -> Vec<(ValueId, i64, Option<i64>, &'static str)> {
 }
 
 fn check_ids(what: &str, data: &HostTensor, rows: i64, ignore: Option<i64>) -> Result<()> {
-    let ids = data.to_f64();
+    let ids: Vec<i64> = match data.ty.dtype {
+        DType::I32 => bytemuck::cast_slice::<u8, i32>(data.bytes()).iter().map(|&x| x as i64).collect(),
+        DType::I64 => bytemuck::cast_slice::<u8, i64>(data.bytes()).to_vec(),
+        d => return Err(Error::Input { name: format!("{what}s"), reason: format!("ids must be i32 or i64, got {d}") }),
+    };
     for (pos, &id) in ids.iter().enumerate() {
-        let id = id as i64;
         if Some(id) != ignore && !(0..rows).contains(&id) {
             return Err(Error::Input {
                 name: format!("{what}s"),

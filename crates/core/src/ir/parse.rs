@@ -63,9 +63,7 @@ pub fn parse(text: &str) -> Result<Trace> {
                 };
             }
             "saved" => {
-                saved = Some(
-                    rest.split(',').map(|s| parse_id(s)).collect::<std::result::Result<Vec<_>, _>>().map_err(err)?,
-                );
+                saved = Some(rest.split(',').map(parse_id).collect::<std::result::Result<Vec<_>, _>>().map_err(err)?);
             }
             "output" => {
                 let mut parts = rest.split_whitespace();
@@ -172,8 +170,7 @@ fn parse_node(
     } else {
         args.split(',').map(parse_id).collect::<std::result::Result<Vec<_>, _>>()?
     };
-    let mut attrs = Attrs::default();
-    attrs.map = parse_attrs(attr_text)?;
+    let attrs = Attrs { op: name.to_string(), map: parse_attrs(attr_text)? };
     let op = Op::parse(name, attrs).map_err(|e| e.to_string())?;
     let mut outputs = Vec::new();
     for part in lhs.split(", %") {

@@ -165,7 +165,7 @@ impl OpDef for Reduce {
                     }
                     _ => {
                         let mut s = <T as Float>::Acc::zero();
-                        plan.for_each(base, |i| s = s + x[i].acc());
+                        plan.for_each(base, |i| s += x[i].acc());
                         if kind == ReduceKind::Mean { s / c::<<T as Float>::Acc>(count as f64) } else { s }
                     }
                 };

@@ -182,9 +182,9 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         }
     }
     // Lifetimes of view groups.
-    for v in 0..n {
+    for (v, &(start, end)) in life.iter().enumerate() {
         let r = uf.find(v);
-        span[r] = (span[r].0.min(life[v].0), span[r].1.max(life[v].1));
+        span[r] = (span[r].0.min(start), span[r].1.max(end));
     }
 
     let mut pinned = vec![false; n];
@@ -234,6 +234,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let mut group_index = vec![usize::MAX; n];
     let mut groups: Vec<Group> = Vec::new();
     let mut group_of = vec![0; n];
+    #[allow(clippy::needless_range_loop)] // `v` indexes three tables at once
     for v in 0..n {
         let r = uf.find(v);
         if group_index[r] == usize::MAX {
@@ -263,11 +264,11 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let mut pers: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Persistent).collect();
     pers.sort_by_key(|&g| {
         let gr = &groups[g];
-        (gr.bytes % ARENA_ALIGN != 0, std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
+        (!gr.bytes.is_multiple_of(ARENA_ALIGN), std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
     });
     let mut off = 0u64;
     for &g in &pers {
-        let align = if groups[g].bytes % ARENA_ALIGN == 0 { ARENA_ALIGN } else { elem(&groups[g]) };
+        let align = if groups[g].bytes.is_multiple_of(ARENA_ALIGN) { ARENA_ALIGN } else { elem(&groups[g]) };
         off = off.div_ceil(align) * align;
         groups[g].offset = off;
         off += groups[g].bytes;
