@@ -1,0 +1,66 @@
+// Shared by every stepgraph kernel source (prepended by the loader).
+//
+// Conventions:
+// - every kernel is `extern "C" __global__`, named `<op>_<dtype>` with dtype
+//   one of f32, bf16, f16, f64 (the storage type of its float tensors);
+// - arithmetic happens in `acc_t<T>`: float for f32/bf16/f16, double for f64;
+//   storage is rounded once, to nearest even;
+// - indices are 64-bit (`i64`): W2's logits alone hold 6.2e8 elements;
+// - no float atomics: every result is computed by one thread in a fixed
+//   order, so every run, eager or graph, gives the same bits;
+// - outputs are never read before they are written (arena memory is reused).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef long long i64;
+
+template <typename T> struct AccOf { typedef float type; };
+template <> struct AccOf<double> { typedef double type; };
+template <typename T> using acc_t = typename AccOf<T>::type;
+
+__device__ __forceinline__ float load(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ double load(const double* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float load(const __half* p, i64 i) { return __half2float(p[i]); }
+
+__device__ __forceinline__ void store(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(double* p, i64 i, double v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store(__half* p, i64 i, float v) { p[i] = __float2half_rn(v); }
+
+// Instantiates macro M(suffix, storage type) for every float dtype.
+#define SG_FOR_EACH_FLOAT(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half) M(f64, double)
+
+// Sum of `v` over the warp, the same value in every lane (fixed butterfly order).
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to
+// every thread. `scratch` holds 32 values. Deterministic: fixed tree.
+template <typename A> __device__ A block_sum(A v, A* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    A r = (lane < nwarps) ? scratch[lane] : A(0);
+    r = warp_sum(r);
+    return r;
+}
+template <typename A> __device__ A block_max(A v, A* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    A r = (lane < nwarps) ? scratch[lane] : A(-INFINITY);
+    r = warp_max(r);
+    return r;
+}

@@ -1,0 +1,14 @@
+//! The CUDA C kernel sources, kept in `crates/cuda/kernels/` and embedded in
+//! the binary. Each source is compiled as its own module with the shared
+//! header `common.cuh` prepended (NVRTC has no file system of our own).
+
+/// The header every source starts with: dtype helpers and conversions.
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// `(module name, source)` for every kernel source.
+pub const SOURCES: &[(&str, &str)] = &[];
+
+/// The full text NVRTC compiles for `module`.
+pub fn module_source(module: &str) -> Option<String> {
+    SOURCES.iter().find(|(name, _)| *name == module).map(|(name, src)| format!("{COMMON}\n#line 1 \"{name}.cu\"\n{src}"))
+}

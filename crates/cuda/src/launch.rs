@@ -1,0 +1,124 @@
+//! What a lowered node asks the device to do: kernel launches with fixed
+//! addresses and scalar arguments, or matrix products. Data only: the
+//! session turns these into driver calls, eagerly or under graph capture.
+
+use stepgraph_core::ir::TensorType;
+
+/// A tensor on the device: its type and its fixed address (from the plan).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DevTensor {
+    pub ty: TensorType,
+    pub ptr: u64,
+}
+
+/// One kernel argument, passed by value exactly as the CUDA C signature
+/// declares it (`Ptr` is any `T*`, `I64` a `long long`, `Struct` a
+/// `#[repr(C)]`-compatible struct passed by value, given as its bytes).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Struct(Vec<u8>),
+}
+
+impl Arg {
+    /// The bytes the driver copies for this argument.
+    pub fn bytes(&self) -> Vec<u8> {
+        match self {
+            Arg::Ptr(p) => p.to_ne_bytes().to_vec(),
+            Arg::I32(x) => x.to_ne_bytes().to_vec(),
+            Arg::I64(x) => x.to_ne_bytes().to_vec(),
+            Arg::F32(x) => x.to_ne_bytes().to_vec(),
+            Arg::F64(x) => x.to_ne_bytes().to_vec(),
+            Arg::Struct(b) => b.clone(),
+        }
+    }
+}
+
+/// A kernel launch. `module` names a source in [`crate::kernels::SOURCES`];
+/// `function` is an `extern "C" __global__` function in it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelLaunch {
+    pub module: &'static str,
+    pub function: String,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+    pub args: Vec<Arg>,
+}
+
+/// Element type of a matrix product.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum GemmType {
+    F32,
+    BF16,
+    F16,
+}
+
+/// `C[b] = op(A[b]) · op(B[b])` for row-major matrices, as the CPU's
+/// [`stepgraph_core::cpu::gemm::GemmDesc`]: `A[b]` is `[m, k]` (`[k, m]`
+/// with `trans_a`), `B[b]` is `[k, n]` (`[n, k]` with `trans_b`), `C[b]` is
+/// `[m, n]`. A stride of 0 shares one matrix across the batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmCall {
+    pub ty: GemmType,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    /// Element strides between batch entries.
+    pub stride_a: i64,
+    pub stride_b: i64,
+    pub stride_c: i64,
+}
+
+/// One device operation of a lowered node.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Launch {
+    Kernel(KernelLaunch),
+    Gemm(GemmCall),
+    /// Fill `bytes` bytes at `ptr` with `value` (a memset node in a graph).
+    Memset { ptr: u64, bytes: u64, value: u8 },
+    /// Copy `bytes` bytes device to device (views that were not aliased).
+    Copy { dst: u64, src: u64, bytes: u64 },
+}
+
+/// Grid size for `n` work items of `per_block` each.
+pub fn blocks(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block.max(1)).max(1) as u32
+}
+
+/// Appends the bytes of plain values as one `#[repr(C)]` struct argument.
+/// Fields must be pushed in declaration order with C alignment; this helper
+/// only supports 8-byte fields (`long long`, `double`, pointers), which need
+/// no padding.
+#[derive(Default)]
+pub struct StructArg(Vec<u8>);
+
+impl StructArg {
+    pub fn i64(mut self, x: i64) -> Self {
+        self.0.extend(x.to_ne_bytes());
+        self
+    }
+    pub fn i64s(mut self, xs: &[i64]) -> Self {
+        for x in xs {
+            self.0.extend(x.to_ne_bytes());
+        }
+        self
+    }
+    pub fn f64(mut self, x: f64) -> Self {
+        self.0.extend(x.to_ne_bytes());
+        self
+    }
+    pub fn build(self) -> Arg {
+        Arg::Struct(self.0)
+    }
+}

@@ -1,0 +1,26 @@
+//! stepgraph's CUDA backend.
+//!
+//! It receives a step trace and its [`stepgraph_core::plan::MemoryPlan`] and
+//! runs the step on an NVIDIA GPU: one device allocation holds the persistent
+//! buffer, the arena and the library workspace, laid out by the plan; each
+//! node lowers ([`lower`]) to kernel launches of CUDA C sources compiled at
+//! run time by NVRTC ([`nvrtc`]) or to cuBLASLt products ([`blas`]), with
+//! every address fixed. The session ([`session`]) runs that launch list
+//! eagerly or captures it once into one CUDA graph ([`graph`], the only
+//! module that knows graphs exist) and replays it.
+//!
+//! Everything is loaded dynamically (cudarc's `dynamic-loading`), so the
+//! crate builds and its CPU-side tests run on machines without CUDA.
+
+pub mod attention;
+pub mod blas;
+pub mod error;
+pub mod kernels;
+pub mod launch;
+pub mod lower;
+pub mod lower_basic;
+pub mod lower_nn;
+pub mod nvrtc;
+pub mod session;
+
+pub use error::{CudaError, Result};
