@@ -2,6 +2,8 @@
 //! allocating the model), `trace` (the forward or step trace as text) and
 //! `train` (a training run on the CPU backend).
 
+mod bench;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -46,6 +48,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Which::Step)]
         which: Which,
     },
+    /// Run a benchmark workload of BENCHMARKS.md on the GPU (eager or as one CUDA graph).
+    Bench(bench::BenchArgs),
     /// Train on a text file on the CPU backend (byte-level tokens).
     Train {
         #[command(flatten)]
@@ -219,6 +223,7 @@ fn run(cli: Cli) -> Result<()> {
                 Which::Step => print!("{step}"),
             }
         }
+        Command::Bench(args) => bench::run(&args)?,
         Command::Train { model, data, steps, lr, warmup, weight_decay, f32_state, seed } => {
             train(&model, &data, steps, lr, warmup, weight_decay, f32_state, seed)?;
         }

@@ -6,7 +6,12 @@
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
 /// `(module name, source)` for every kernel source.
-pub const SOURCES: &[(&str, &str)] = &[];
+pub const SOURCES: &[(&str, &str)] = &[
+    ("norm", include_str!("../kernels/norm.cu")),
+    ("rope", include_str!("../kernels/rope.cu")),
+    ("softmax", include_str!("../kernels/softmax.cu")),
+    ("loss", include_str!("../kernels/loss.cu")),
+];
 
 /// The full text NVRTC compiles for `module`.
 pub fn module_source(module: &str) -> Option<String> {

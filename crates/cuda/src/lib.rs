@@ -15,6 +15,7 @@
 pub mod attention;
 pub mod blas;
 pub mod error;
+pub mod graph;
 pub mod kernels;
 pub mod launch;
 pub mod lower;

@@ -1,56 +1,443 @@
-//! (being written) The CUDA session: API contract used by the GPU tests.
-use stepgraph_core::ir::{Trace, ValueId};
+//! A planned step bound to one GPU.
+//!
+//! [`CudaSession::new`] checks that the plan fits the device before
+//! allocating anything, then makes **one** device allocation laid out as
+//! `[persistent | arena | cuBLASLt workspace]`, compiles (or loads from the
+//! disk cache) the kernel modules the step needs, lowers every node to
+//! launches over fixed addresses and plans every matrix product once. The
+//! step then runs eagerly ([`CudaSession::run_eager`], launch by launch on
+//! one stream) or as one captured CUDA graph ([`CudaSession::capture`],
+//! [`CudaSession::replay`]) over the identical launch list. Between steps
+//! only step inputs are written and outputs read.
+//!
+//! Device memory is measured, not assumed: the driver's used memory
+//! (total − free) is sampled against a baseline taken right after the
+//! context exists, and reported next to the plan ([`MemoryReport`]).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{result as dr, CudaContext, CudaModule, CudaStream};
+use serde::Serialize;
+
+use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
+use stepgraph_core::ir::{Builder, Trace, ValueId};
 use stepgraph_core::ops::Op;
-use stepgraph_core::plan::MemoryPlan;
+use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
 use stepgraph_core::testing::HostTensor;
 
-use crate::error::Result;
+use crate::blas::Blas;
+use crate::error::{CudaError, Result};
+use crate::graph::StepGraph;
+use crate::launch::{DevTensor, KernelLaunch, Launch};
+use crate::lower::lower;
+use crate::nvrtc;
 
 /// Backend options.
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
-    /// Let cuBLASLt use TF32 for f32 products.
+    /// Let cuBLASLt use TF32 for f32 products (off by default: f32 means f32).
     pub tf32: bool,
 }
 
-/// A planned step bound to device memory.
+/// Planned and measured device memory of a session, in bytes.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MemoryReport {
+    /// Persistent buffer plus arena, from the plan.
+    pub planned_peak_bytes: u64,
+    /// cuBLASLt's workspace, inside the one allocation.
+    pub workspace_bytes: u64,
+    /// The one device allocation: plan plus workspace.
+    pub allocation_bytes: u64,
+    /// Driver-reported use right after the context was created.
+    pub baseline_bytes: u64,
+    /// Growth from loading the kernel modules.
+    pub modules_bytes: u64,
+    /// Growth from creating cuBLASLt and planning its products.
+    pub blas_bytes: u64,
+    /// Growth from capturing and instantiating the step graph (0 before capture).
+    pub graph_bytes: u64,
+    /// The most device memory this process held above the baseline.
+    pub device_peak_bytes: u64,
+}
+
+/// A resolved launch: functions looked up, arguments encoded.
+enum Prepared {
+    Kernel { func: cudarc::driver::sys::CUfunction, launch: KernelLaunch, args: Vec<Vec<u8>> },
+    Gemm(crate::launch::GemmCall),
+    Memset { ptr: u64, bytes: u64, value: u8 },
+    Copy { dst: u64, src: u64, bytes: u64 },
+}
+
+/// A planned step bound to device memory. See the module doc.
 pub struct CudaSession {
-    _trace: Trace,
+    trace: Trace,
+    plan: MemoryPlan,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    base: u64,
+    persistent_base: u64,
+    arena_base: u64,
+    prepared: Vec<Prepared>,
+    blas: Blas,
+    _modules: HashMap<&'static str, Arc<CudaModule>>,
+    graph: Option<StepGraph>,
+    id_checks: Vec<IdCheck>,
+    memory: MemoryReport,
+    total_device_bytes: u64,
+    pub arch: String,
+}
+
+/// Is there a usable NVIDIA GPU (the driver library and at least one device)?
+pub fn gpu_available() -> bool {
+    // SAFETY: dlopen check only.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    dr::init().is_ok() && dr::device::get_count().map(|n| n > 0).unwrap_or(false)
+}
+
+fn used_bytes() -> Result<(u64, u64)> {
+    let (free, total) = dr::mem_get_info()?;
+    Ok(((total - free) as u64, total as u64))
+}
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
 }
 
 impl CudaSession {
-    pub fn new(trace: Trace, _plan: MemoryPlan, _opts: CudaOptions) -> Result<Self> {
-        Ok(CudaSession { _trace: trace })
+    /// Binds `trace` planned by `plan` to GPU 0. Refuses, before allocating
+    /// anything, a plan that does not fit the device's free memory.
+    pub fn new(trace: Trace, plan: MemoryPlan, opts: CudaOptions) -> Result<Self> {
+        if !gpu_available() {
+            return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
+        }
+        let ctx = CudaContext::new(0)?;
+        // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
+        // the session orders everything on one stream itself.
+        // SAFETY: called before any allocation of this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let (baseline, total) = used_bytes()?;
+
+        let workspace = Blas::WORKSPACE_BYTES as u64;
+        let persistent = align(plan.persistent_bytes);
+        let arena = align(plan.arena_bytes);
+        let allocation = persistent + arena + workspace;
+        let free = total - baseline;
+        if allocation > free {
+            return Err(CudaError::DoesNotFit {
+                needed: allocation,
+                needed_gb: allocation as f64 / 1e9,
+                free,
+                free_gb: free as f64 / 1e9,
+            });
+        }
+        // SAFETY: a plain device allocation, freed in Drop.
+        let base = unsafe { dr::malloc_sync(allocation as usize) }?;
+        let (persistent_base, arena_base) = (base, base + persistent);
+        let workspace_base = arena_base + arena;
+        // Poison the arena: a kernel that reads memory nothing wrote shows up as NaN in tests.
+        // SAFETY: inside the allocation.
+        unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
+
+        let mut memory = MemoryReport {
+            planned_peak_bytes: plan.planned_peak_bytes(),
+            workspace_bytes: workspace,
+            allocation_bytes: allocation,
+            baseline_bytes: baseline,
+            ..MemoryReport::default()
+        };
+        let after_alloc = used_bytes()?.0;
+
+        let mut session_modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
+        let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
+        let view = |v: ValueId| -> DevTensor {
+            let s = plan.slot(v);
+            let b = match s.region {
+                Region::Persistent => persistent_base,
+                Region::Arena => arena_base,
+            };
+            DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
+        };
+        let mut launches = Vec::new();
+        for node in &trace.nodes {
+            let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
+            let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
+            launches.extend(lower(&node.op, &ins, &outs)?);
+        }
+        let mut prepared = Vec::with_capacity(launches.len());
+        let mut gemms = Vec::new();
+        for l in launches {
+            prepared.push(match l {
+                Launch::Kernel(k) => {
+                    if !session_modules.contains_key(k.module) {
+                        let cubin = nvrtc::compile(k.module, &arch)?;
+                        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+                        session_modules.insert(k.module, module);
+                    }
+                    let key = (k.module.to_string(), k.function.clone());
+                    let func = match functions.get(&key) {
+                        Some(f) => *f,
+                        None => {
+                            let f = session_modules[k.module].load_function(&k.function).map_err(|e| {
+                                CudaError::Driver(format!("kernel `{}` in module `{}`: {e:?}", k.function, k.module))
+                            })?;
+                            let raw = f.cu_function();
+                            // Kernels asking for more than the default 48 KiB of
+                            // shared memory must opt in; the function stays loaded
+                            // with its module, which the session keeps.
+                            if k.shared_bytes > 48 * 1024 {
+                                // SAFETY: a loaded function and a documented attribute.
+                                unsafe {
+                                    dr::function::set_function_attribute(
+                                        raw,
+                                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        k.shared_bytes as i32,
+                                    )
+                                }?;
+                            }
+                            functions.insert(key, raw);
+                            raw
+                        }
+                    };
+                    let args = k.args.iter().map(|a| a.bytes()).collect();
+                    Prepared::Kernel { func, launch: k, args }
+                }
+                Launch::Gemm(g) => {
+                    gemms.push(g.clone());
+                    Prepared::Gemm(g)
+                }
+                Launch::Memset { ptr, bytes, value } => Prepared::Memset { ptr, bytes, value },
+                Launch::Copy { dst, src, bytes } => Prepared::Copy { dst, src, bytes },
+            });
+        }
+        let after_modules = used_bytes()?.0;
+        let mut blas = Blas::new(workspace_base, workspace as usize, opts.tf32)?;
+        for g in &gemms {
+            blas.prepare(g)?;
+        }
+        stream.synchronize()?;
+        let after_blas = used_bytes()?.0;
+        memory.modules_bytes = after_modules.saturating_sub(after_alloc);
+        memory.blas_bytes = after_blas.saturating_sub(after_modules);
+        memory.device_peak_bytes = after_blas.saturating_sub(baseline);
+        let id_checks = id_checks(&trace);
+        Ok(CudaSession {
+            trace,
+            plan,
+            ctx,
+            stream,
+            base,
+            persistent_base,
+            arena_base,
+            prepared,
+            blas,
+            _modules: session_modules,
+            graph: None,
+            id_checks,
+            memory,
+            total_device_bytes: total,
+            arch,
+        })
     }
-    pub fn write(&mut self, _v: ValueId, _t: &HostTensor) -> Result<()> {
+
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// The memory report, with the peak sampled now included.
+    pub fn memory(&mut self) -> Result<MemoryReport> {
+        self.sample()?;
+        Ok(self.memory.clone())
+    }
+
+    pub fn total_device_bytes(&self) -> u64 {
+        self.total_device_bytes
+    }
+
+    fn sample(&mut self) -> Result<()> {
+        let used = used_bytes()?.0;
+        self.memory.device_peak_bytes = self.memory.device_peak_bytes.max(used.saturating_sub(self.memory.baseline_bytes));
         Ok(())
     }
-    pub fn write_named(&mut self, _name: &str, _t: &HostTensor) -> Result<()> {
+
+    fn slot_ptr(&self, s: Slot) -> u64 {
+        match s.region {
+            Region::Persistent => self.persistent_base + s.offset,
+            Region::Arena => self.arena_base + s.offset,
+        }
+    }
+
+    /// Writes a leaf (parameter, optimizer state or step input).
+    pub fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
+        let val = self.trace.value(v);
+        if !val.kind.is_leaf() {
+            return Err(stepgraph_core::Error::Input { name: self.trace.describe(v), reason: "only leaves can be written".into() }.into());
+        }
+        if data.ty != val.ty {
+            return Err(stepgraph_core::Error::Input {
+                name: self.trace.describe(v),
+                reason: format!("expected {}, got {}", val.ty, data.ty),
+            }
+            .into());
+        }
+        validate_ids(&self.id_checks, v, data)?;
+        let ptr = self.slot_ptr(self.plan.slot(v));
+        // SAFETY: the slot holds exactly the tensor's bytes; synchronised below
+        // so the host buffer may go away after return.
+        unsafe { dr::memcpy_htod_async(ptr, data.bytes(), self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
         Ok(())
     }
+
+    pub fn write_named(&mut self, name: &str, data: &HostTensor) -> Result<()> {
+        let v = self.trace.leaf_by_name(name).ok_or_else(|| stepgraph_core::Error::Input {
+            name: name.into(),
+            reason: format!("trace `{}` has no leaf of that name", self.trace.name),
+        })?;
+        self.write(v, data)
+    }
+
+    /// Reads any value after the step (leaves and step outputs are meaningful).
     pub fn read(&mut self, v: ValueId) -> Result<HostTensor> {
-        Ok(HostTensor::zeros(self._trace.ty(v).clone()))
+        let mut t = HostTensor::zeros(self.trace.ty(v).clone());
+        let ptr = self.slot_ptr(self.plan.slot(v));
+        // SAFETY: as for `write`.
+        unsafe { dr::memcpy_dtoh_async(t.bytes_mut(), ptr, self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
+        Ok(t)
     }
-    pub fn run_eager(&mut self) -> Result<()> {
-        Ok(())
-    }
-    pub fn capture(&mut self) -> Result<std::time::Duration> {
-        Ok(std::time::Duration::ZERO)
-    }
-    pub fn replay(&mut self) -> Result<()> {
-        Ok(())
-    }
+
     pub fn loss(&mut self) -> Result<f64> {
-        Ok(0.0)
+        let l = self.trace.loss().ok_or_else(|| CudaError::lower("loss", "the trace has no loss"))?;
+        Ok(self.read(l)?.to_f64()[0])
+    }
+
+    fn enqueue(&self) -> Result<()> {
+        let s = self.stream.cu_stream();
+        for p in &self.prepared {
+            match p {
+                Prepared::Kernel { func, launch, args } => {
+                    let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
+                    // SAFETY: `func` belongs to a module the session keeps; the
+                    // arguments match the kernel's signature (the lowering's
+                    // contract) and point into the session's allocation.
+                    unsafe { dr::launch_kernel(*func, launch.grid, launch.block, launch.shared_bytes, s, &mut params) }
+                        .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", launch.function)))?;
+                }
+                Prepared::Gemm(g) => self.blas.run(g, s)?,
+                // SAFETY: addresses inside the session's allocation.
+                Prepared::Memset { ptr, bytes, value } => unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?,
+                Prepared::Copy { dst, src, bytes } => unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step launch by launch and waits for it.
+    pub fn run_eager(&mut self) -> Result<()> {
+        self.enqueue()?;
+        self.stream.synchronize()?;
+        self.sample()
+    }
+
+    /// Captures the step into one CUDA graph (once); returns capture + instantiate time.
+    pub fn capture(&mut self) -> Result<Duration> {
+        let before = used_bytes()?.0;
+        let graph = StepGraph::capture(&self.stream, || self.enqueue())?;
+        self.stream.synchronize()?;
+        let t = graph.capture_time;
+        self.graph = Some(graph);
+        let after = used_bytes()?.0;
+        self.memory.graph_bytes = after.saturating_sub(before);
+        self.sample()?;
+        Ok(t)
+    }
+
+    /// Replays the captured step (capturing first if needed) and waits for it.
+    pub fn replay(&mut self) -> Result<()> {
+        if self.graph.is_none() {
+            self.capture()?;
+        }
+        self.graph.as_ref().expect("captured above").replay()?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Number of device operations in one step.
+    pub fn launch_count(&self) -> usize {
+        self.prepared.len()
     }
 }
 
-/// Is there a usable NVIDIA GPU (driver library and a device)?
-pub fn gpu_available() -> bool {
-    false
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        self.graph = None;
+        // SAFETY: nothing uses the allocation after the stream is idle.
+        let _ = unsafe { dr::free_sync(self.base) };
+        let _ = &self.ctx;
+    }
 }
 
-/// Runs one op on the GPU through its lowering (unplanned: every value its own bytes).
-pub fn run_op(_op: &Op, _inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
-    Ok(vec![])
+fn one_op_trace(op: &Op, inputs: &[HostTensor]) -> Result<(Trace, Vec<ValueId>, Vec<ValueId>)> {
+    let mut b = Builder::new("op");
+    let ids: Vec<ValueId> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
+        .collect::<std::result::Result<_, _>>()?;
+    let outs = b.push(op.clone(), &ids)?;
+    for (k, &o) in outs.iter().enumerate() {
+        b.output(stepgraph_core::ir::OutputKind::Named(format!("y{k}")), o);
+    }
+    let trace = b.finish("build")?;
+    let ins: Vec<ValueId> = trace.inputs().collect();
+    let outs: Vec<ValueId> = trace.outputs.iter().map(|o| o.value).collect();
+    Ok((trace, ins, outs))
+}
+
+fn run_with_plan(trace: Trace, plan: MemoryPlan, ins: &[ValueId], outs: &[ValueId], inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    let mut s = CudaSession::new(trace, plan, CudaOptions::default())?;
+    for (v, t) in ins.iter().zip(inputs) {
+        // Raw writes: a single op's inputs are not step inputs with index checks.
+        let ptr = s.slot_ptr(s.plan.slot(*v));
+        // SAFETY: the slot holds the tensor's bytes.
+        unsafe { dr::memcpy_htod_async(ptr, t.bytes(), s.stream.cu_stream()) }?;
+    }
+    s.run_eager()?;
+    outs.iter().map(|&o| s.read(o)).collect()
+}
+
+/// Runs one op on the GPU through its lowering, every value in its own bytes.
+pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    let (trace, ins, outs) = one_op_trace(op, inputs)?;
+    let p = plan(&trace, PlanOptions { reuse: false })?;
+    run_with_plan(trace, p, &ins, &outs, inputs)
+}
+
+/// Like [`run_op`], with every declared in-place pair of matching types
+/// sharing storage (the first pair per output and per input), as a planned
+/// step may run it. An op's kernels must give the same bits either way.
+pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    let (trace, ins, outs) = one_op_trace(op, inputs)?;
+    let mut p = plan(&trace, PlanOptions { reuse: false })?;
+    let mut taken = vec![false; ins.len()];
+    let mut done = vec![false; outs.len()];
+    for (o, i) in op.inplace() {
+        if !done[o] && !taken[i] && trace.ty(outs[o]) == trace.ty(ins[i]) {
+            p.slots[outs[o].index()] = p.slots[ins[i].index()];
+            done[o] = true;
+            taken[i] = true;
+        }
+    }
+    // The aliased input's bytes are also its output's: read outputs after the run.
+    run_with_plan(trace, p, &ins, &outs, inputs)
 }

@@ -53,8 +53,8 @@ pub struct CpuSession {
     persistent: HostBuffer,
     arena: HostBuffer,
     launches: Option<Vec<Launch>>,
-    /// Inclusive id bounds for step inputs that index something: (input, rows, ignore index).
-    id_checks: Vec<(ValueId, i64, Option<i64>, &'static str)>,
+    /// Step inputs that index something, checked when written.
+    id_checks: Vec<IdCheck>,
 }
 
 impl CpuSession {
@@ -113,11 +113,7 @@ impl CpuSession {
                 reason: format!("expected {}, got {}", val.ty, data.ty),
             });
         }
-        for &(input, rows, ignore, what) in &self.id_checks {
-            if input == v {
-                check_ids(what, data, rows, ignore)?;
-            }
-        }
+        validate_ids(&self.id_checks, v, data)?;
         let p = self.ptr(v);
         // SAFETY: the slot holds exactly `ty.bytes()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(data.bytes().as_ptr(), p, data.bytes().len()) };
@@ -199,10 +195,28 @@ fn run_node(op: &Op, inputs: &[TensorView], outputs: &[TensorView]) -> Result<()
     op.cpu(&KernelIo { inputs, outputs })
 }
 
-/// Step inputs used as indices: token ids of an embedding (bounded by its
-/// rows) and targets of a cross-entropy (bounded by the vocabulary, with its
-/// ignore index allowed), followed through reshapes.
-fn id_checks(trace: &Trace) -> Vec<(ValueId, i64, Option<i64>, &'static str)> {
+/// A step input used as indices: token ids of an embedding (bounded by its
+/// rows) or targets of a cross-entropy (bounded by the vocabulary, with its
+/// ignore index allowed). Every backend checks these on the host before a
+/// step, because a kernel cannot report an out-of-range index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IdCheck {
+    pub input: ValueId,
+    pub rows: i64,
+    pub ignore: Option<i64>,
+    pub what: &'static str,
+}
+
+/// Checks `data`, about to be written to `input`, against every check for it.
+pub fn validate_ids(checks: &[IdCheck], input: ValueId, data: &HostTensor) -> Result<()> {
+    for c in checks.iter().filter(|c| c.input == input) {
+        check_ids(c.what, data, c.rows, c.ignore)?;
+    }
+    Ok(())
+}
+
+/// The index checks of `trace`'s step inputs, followed through reshapes.
+pub fn id_checks(trace: &Trace) -> Vec<IdCheck> {
     let mut checks = Vec::new();
     for input in trace.inputs() {
         if !trace.ty(input).dtype.is_int() {
@@ -220,11 +234,11 @@ fn id_checks(trace: &Trace) -> Vec<(ValueId, i64, Option<i64>, &'static str)> {
         for node in &trace.nodes {
             match &node.op {
                 Op::Embedding(_) if aliases.contains(&node.inputs[0]) => {
-                    checks.push((input, trace.ty(node.inputs[1]).shape[0] as i64, None, "token id"));
+                    checks.push(IdCheck { input, rows: trace.ty(node.inputs[1]).shape[0] as i64, ignore: None, what: "token id" });
                 }
                 Op::CrossEntropy(ce) if aliases.contains(&node.inputs[1]) => {
                     let vocab = *trace.ty(node.inputs[0]).shape.last().unwrap_or(&0) as i64;
-                    checks.push((input, vocab, Some(ce.ignore_index), "target"));
+                    checks.push(IdCheck { input, rows: vocab, ignore: Some(ce.ignore_index), what: "target" });
                 }
                 _ => {}
             }

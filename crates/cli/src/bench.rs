@@ -1,0 +1,236 @@
+//! `stepgraph bench`: one benchmark workload of ../shared/BENCHMARKS.md on the
+//! GPU, eager or as one CUDA graph, reporting planned and measured memory
+//! and step times in the fields that document defines.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::cpu::exec::scalar_input;
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::{build_forward, init_params_fast, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::testing::HostTensor;
+use stepgraph_cuda::session::{CudaOptions, CudaSession, MemoryReport};
+
+#[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]
+pub enum Workload {
+    W1,
+    #[value(name = "w1-bf16")]
+    W1Bf16,
+    W2,
+    W3,
+    W5,
+}
+
+#[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Eager,
+    Graph,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[arg(long, value_enum)]
+    pub workload: Workload,
+    #[arg(long, value_enum, default_value_t = Mode::Graph)]
+    pub mode: Mode,
+    /// Timed steps (median and min are reported).
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Allow TF32 for f32 matrix products.
+    #[arg(long)]
+    pub tf32: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one benchmark run reports.
+#[derive(Serialize)]
+pub struct BenchReport {
+    pub workload: String,
+    pub mode: Mode,
+    pub gpu_arch: String,
+    pub params: u64,
+    pub tokens_per_step: usize,
+    pub launches_per_step: usize,
+    pub planned_peak_bytes: u64,
+    pub device_peak_bytes: u64,
+    /// Measured minus planned minus the reported fixed costs (workspace, modules, cuBLASLt, graph).
+    pub unexplained_bytes: i64,
+    pub memory: MemoryReport,
+    pub capture_ms: Option<f64>,
+    pub step_ms_median: f64,
+    pub step_ms_min: f64,
+    pub tokens_per_s: f64,
+    pub loss_first: f64,
+    pub loss_last: f64,
+}
+
+fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
+    let named = |name: &str, o: Overrides| -> Result<Config> { Ok(Config::named(name)?.with_overrides(&o)?) };
+    let ten = Overrides { n_layer: Some(10), ..Default::default() };
+    Ok(match w {
+        Workload::W1 | Workload::W1Bf16 => (
+            ModelSpec {
+                config: named("open_llama_3b", ten)?,
+                batch: 1,
+                seq: 2048,
+                dtype: if w == Workload::W1 { DType::F32 } else { DType::BF16 },
+                loss: LossKind::Sum,
+            },
+            StepKind::Grads,
+        ),
+        Workload::W2 => (
+            ModelSpec {
+                config: named("Qwen2.5-7B", Overrides { n_layer: Some(5), n_embd: Some(28), ..Default::default() })?,
+                batch: 1,
+                seq: 4096,
+                dtype: DType::BF16,
+                loss: LossKind::CrossEntropy,
+            },
+            StepKind::Grads,
+        ),
+        Workload::W3 => (
+            ModelSpec { config: named("w3-llama", Overrides::default())?, batch: 1, seq: 256, dtype: DType::F32, loss: LossKind::Sum },
+            StepKind::Grads,
+        ),
+        Workload::W5 => (
+            ModelSpec {
+                config: named("open_llama_3b", Overrides::default())?,
+                batch: 4,
+                seq: 2048,
+                dtype: DType::BF16,
+                loss: LossKind::CrossEntropy,
+            },
+            StepKind::Train,
+        ),
+    })
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let (spec, kind) = spec(args.workload)?;
+    let fwd = build_forward(&spec)?;
+    let mut opts = TrainOptions::default();
+    opts.adamw.weight_decay = 0.1;
+    let step = build_step(&fwd, kind, &opts)?;
+    let p = plan(&step, PlanOptions::default())?;
+    check_plan(&step, &p)?;
+    let params: u64 = fwd.params().map(|v| fwd.ty(v).numel() as u64).sum();
+    let mut s = CudaSession::new(step.clone(), p, CudaOptions { tf32: args.tf32 })?;
+    for (v, t) in init_params_fast(&fwd, 0) {
+        s.write_named(fwd.value(v).kind.leaf_name().expect("a parameter"), &t)?;
+    }
+    for v in step.leaves().collect::<Vec<_>>() {
+        if matches!(step.value(v).kind, stepgraph_core::ir::ValueKind::State { .. }) {
+            s.write(v, &HostTensor::zeros(step.ty(v).clone()))?;
+        }
+    }
+    let (b, t) = (spec.batch, spec.seq);
+    let ids_ty = TensorType::new(DType::I32, [b, t]);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let mut write_batch = |s: &mut CudaSession, it: usize| -> Result<()> {
+        let ids: Vec<f64> = (0..b * t).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
+        s.write_named(TOKENS_INPUT, &HostTensor::from_f64(ids_ty.clone(), &ids))?;
+        if spec.loss == LossKind::CrossEntropy {
+            // Labels are the inputs shifted by one, as Hugging Face's `labels=input_ids`.
+            let mut tg = vec![IGNORE_INDEX as f64; b * t];
+            for r in 0..b {
+                for c in 0..t - 1 {
+                    tg[r * t + c] = ids[r * t + c + 1];
+                }
+            }
+            s.write_named(TARGETS_INPUT, &HostTensor::from_f64(ids_ty.clone(), &tg))?;
+        }
+        if kind == StepKind::Train {
+            s.write_named(LR_INPUT, &scalar_input(1e-4))?;
+            s.write_named(STEP_INPUT, &scalar_input(it as f64))?;
+        }
+        Ok(())
+    };
+    let mut capture_ms = None;
+    let mut times = Vec::new();
+    let (mut loss_first, mut loss_last) = (f64::NAN, f64::NAN);
+    for it in 1..=args.warmup + args.steps {
+        write_batch(&mut s, it)?;
+        if args.mode == Mode::Graph && capture_ms.is_none() {
+            // Capture once, after one eager step has warmed up modules and plans.
+            s.run_eager()?;
+            capture_ms = Some(s.capture()?.as_secs_f64() * 1e3);
+        }
+        let t0 = Instant::now();
+        match args.mode {
+            Mode::Eager => s.run_eager()?,
+            Mode::Graph => s.replay()?,
+        }
+        let dt = t0.elapsed().as_secs_f64() * 1e3;
+        let loss = s.loss()?;
+        if it == 1 {
+            loss_first = loss;
+        }
+        loss_last = loss;
+        if it > args.warmup {
+            times.push(dt);
+        }
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
+    let median = if times.len() % 2 == 1 {
+        times[times.len() / 2]
+    } else {
+        (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
+    };
+    let mem = s.memory()?;
+    let explained = mem.allocation_bytes + mem.modules_bytes + mem.blas_bytes + mem.graph_bytes;
+    let report = BenchReport {
+        workload: format!("{:?}", args.workload).to_lowercase(),
+        mode: args.mode,
+        gpu_arch: s.arch.clone(),
+        params,
+        tokens_per_step: b * t,
+        launches_per_step: s.launch_count(),
+        planned_peak_bytes: mem.planned_peak_bytes,
+        device_peak_bytes: mem.device_peak_bytes,
+        unexplained_bytes: mem.device_peak_bytes as i64 - explained as i64,
+        capture_ms,
+        step_ms_median: median,
+        step_ms_min: times[0],
+        tokens_per_s: (b * t) as f64 / (median / 1e3),
+        loss_first,
+        loss_last,
+        memory: mem,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let gb = |x: u64| x as f64 / 1e9;
+        println!(
+            "{} {:?} on {}: planned {:.3} GB, device peak {:.3} GB (allocation {:.3}, modules {:.3}, cuBLASLt {:.3}, graph {:.3}, unexplained {:+.3}), step {:.2} ms median / {:.2} min, {:.0} tokens/s{}",
+            report.workload,
+            report.mode,
+            report.gpu_arch,
+            gb(report.planned_peak_bytes),
+            gb(report.device_peak_bytes),
+            gb(report.memory.allocation_bytes),
+            gb(report.memory.modules_bytes),
+            gb(report.memory.blas_bytes),
+            gb(report.memory.graph_bytes),
+            report.unexplained_bytes as f64 / 1e9,
+            report.step_ms_median,
+            report.step_ms_min,
+            report.tokens_per_s,
+            report.capture_ms.map(|c| format!(", capture {c:.1} ms")).unwrap_or_default()
+        );
+    }
+    Ok(())
+}

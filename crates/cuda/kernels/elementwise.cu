@@ -1,0 +1,250 @@
+// Pointwise kernels: constant fill, unary maps and their backward, binary
+// maps with numpy broadcasting, and dtype casts. They compute exactly the CPU
+// reference's formulas (crates/core/src/ops/elementwise.rs) in acc_t.
+//
+// Launch conventions (lower_basic.rs builds them):
+// - 1-D grid-stride loops over the n output elements, any grid and block;
+// - `full_<dt>(T* y, i64 n, double value)`;
+// - `<f>_<dt>(const T* x, T* y, i64 n, double p)` for every UnaryFn name f
+//   (p is pow's exponent, ignored by the others);
+// - `<f>_backward_<dt>(const T* x, const T* g, T* y, i64 n, double p)`;
+// - `<add|sub|mul|div>_<dt>(const T* a, const T* b, T* y, i64 n, BinaryShape s)`;
+// - `cast_<src>_<dst>(const S* x, D* y, i64 n)`.
+// In-place: y may equal x (unary), g (unary backward) or an input of the
+// output's shape (binary). Every thread reads element i of its inputs before
+// writing element i of y, and no pointer is __restrict__, so that is safe.
+//
+// The CPU reference never fuses a multiply and an add; formulas below use the
+// `_rn` intrinsics, which the compiler never contracts into an FMA, so every
+// basic operation rounds as on the CPU and only the library functions (exp,
+// tanh, ...) may differ in the last bits.
+
+// Threads per block of every kernel here (lower_basic.rs launches exactly this many).
+#define SG_EW_THREADS 256
+
+namespace sg_ew {
+
+constexpr int kMaxRank = 8;
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
+__device__ __forceinline__ float exp_(float a) { return expf(a); }
+__device__ __forceinline__ double exp_(double a) { return exp(a); }
+__device__ __forceinline__ float log_(float a) { return logf(a); }
+__device__ __forceinline__ double log_(double a) { return log(a); }
+__device__ __forceinline__ float tanh_(float a) { return tanhf(a); }
+__device__ __forceinline__ double tanh_(double a) { return tanh(a); }
+__device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double pow_(double a, double b) { return pow(a, b); }
+// The CPU computes erf in f64 for every accumulator type and rounds once.
+__device__ __forceinline__ float erf_(float a) { return (float)erf((double)a); }
+__device__ __forceinline__ double erf_(double a) { return erf(a); }
+
+// The CPU's f64 constants (ops/elementwise.rs), rounded to A where used.
+constexpr double kSqrt2OverPi = 0.7978845608028654;         // (2/π).sqrt()
+constexpr double kGeluC = 0.044715;
+constexpr double kGeluC3 = 3.0 * 0.044715;
+constexpr double kFrac1Sqrt2 = 0.70710678118654752440;       // FRAC_1_SQRT_2
+constexpr double kInvSqrt2Pi = 0.3989422804014327;          // 1 / (2π).sqrt()
+
+enum Fn { NEG, EXP, LOG, SQRT, RSQRT, TANH, SIGMOID, SILU, GELU_TANH, GELU_ERF, POW };
+
+template <typename A> __device__ __forceinline__ A gelu_tanh_inner(A x) {
+    // k * (x + c * x * x * x), left to right as on the CPU.
+    return mul_rn((A)kSqrt2OverPi, add_rn(x, mul_rn(mul_rn(mul_rn((A)kGeluC, x), x), x)));
+}
+
+template <typename A> __device__ __forceinline__ A sigmoid(A x) {
+    return div_rn(A(1), add_rn(A(1), exp_(-x)));
+}
+
+// f(x), as UnaryFn::eval.
+template <int F, typename A> __device__ __forceinline__ A eval(A x, double p) {
+    const A one = A(1), half = A(0.5);
+    switch (F) {
+        case NEG: return -x;
+        case EXP: return exp_(x);
+        case LOG: return log_(x);
+        case SQRT: return sqrt_rn(x);
+        case RSQRT: return div_rn(one, sqrt_rn(x));
+        case TANH: return tanh_(x);
+        case SIGMOID: return sigmoid(x);
+        case SILU: return div_rn(x, add_rn(one, exp_(-x)));
+        case GELU_TANH: return mul_rn(mul_rn(half, x), add_rn(one, tanh_(gelu_tanh_inner(x))));
+        case GELU_ERF: return mul_rn(mul_rn(half, x), add_rn(one, erf_(mul_rn(x, (A)kFrac1Sqrt2))));
+        default: return pow_(x, (A)p);
+    }
+}
+
+// f'(x), as UnaryFn::derivative.
+template <int F, typename A> __device__ __forceinline__ A derivative(A x, double p) {
+    const A one = A(1), half = A(0.5);
+    switch (F) {
+        case NEG: return -one;
+        case EXP: return exp_(x);
+        case LOG: return div_rn(one, x);
+        case SQRT: return div_rn(half, sqrt_rn(x));
+        case RSQRT: return div_rn(-half, mul_rn(x, sqrt_rn(x)));
+        case TANH: {
+            A t = tanh_(x);
+            return sub_rn(one, mul_rn(t, t));
+        }
+        case SIGMOID: {
+            A s = sigmoid(x);
+            return mul_rn(s, sub_rn(one, s));
+        }
+        case SILU: {
+            A s = sigmoid(x);
+            return mul_rn(s, add_rn(one, mul_rn(x, sub_rn(one, s))));
+        }
+        case GELU_TANH: {
+            A t = tanh_(gelu_tanh_inner(x));
+            A dinner = mul_rn((A)kSqrt2OverPi, add_rn(one, mul_rn(mul_rn((A)kGeluC3, x), x)));
+            A a = mul_rn(half, add_rn(one, t));
+            A b = mul_rn(mul_rn(mul_rn(half, x), sub_rn(one, mul_rn(t, t))), dinner);
+            return add_rn(a, b);
+        }
+        case GELU_ERF: {
+            A cdf = mul_rn(half, add_rn(one, erf_(mul_rn(x, (A)kFrac1Sqrt2))));
+            A pdf = mul_rn(exp_(mul_rn(mul_rn(-half, x), x)), (A)kInvSqrt2Pi);
+            return add_rn(cdf, mul_rn(x, pdf));
+        }
+        default: return mul_rn((A)p, pow_(x, (A)(p - 1.0)));
+    }
+}
+
+// Output shape and per-input element strides (0 on broadcast axes), after the
+// host merged contiguous axes. Axes [0, rank) are used; rank >= 1.
+struct BinaryShape {
+    i64 rank;
+    i64 size[kMaxRank];
+    i64 sa[kMaxRank];
+    i64 sb[kMaxRank];
+};
+
+// Input offsets of output element i. I is the index type of the divisions:
+// 32-bit when every index fits (much cheaper than 64-bit division).
+template <typename I>
+__device__ __forceinline__ void binary_offsets(const BinaryShape& s, i64 i, i64& ia, i64& ib) {
+    if (s.rank == 1) {
+        ia = i * s.sa[0];
+        ib = i * s.sb[0];
+        return;
+    }
+    I rem = (I)i;
+    ia = 0;
+    ib = 0;
+#pragma unroll
+    for (int d = kMaxRank - 1; d >= 0; --d) {
+        if (d < s.rank) {
+            I sz = (I)s.size[d];
+            I c = rem % sz;
+            rem /= sz;
+            ia += (i64)c * s.sa[d];
+            ib += (i64)c * s.sb[d];
+        }
+    }
+}
+
+enum BinFn { ADD, SUB, MUL, DIV };
+
+template <int F, typename A> __device__ __forceinline__ A binary_eval(A a, A b) {
+    switch (F) {
+        case ADD: return add_rn(a, b);
+        case SUB: return sub_rn(a, b);
+        case MUL: return mul_rn(a, b);
+        default: return div_rn(a, b);
+    }
+}
+
+template <int F, typename I, typename T>
+__device__ __forceinline__ void binary_loop(const T* a, const T* b, T* y, i64 n, const BinaryShape& s) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 ia, ib;
+        binary_offsets<I>(s, i, ia, ib);
+        store(y, i, binary_eval<F>(load(a, ia), load(b, ib)));
+    }
+}
+
+}  // namespace sg_ew
+
+#define SG_EW_LOOP(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// ---------------------------------------------------------------- full
+
+#define SG_FULL(dt, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) full_##dt(T* y, i64 n, double value) {               \
+        /* As T::from_f64: to the accumulator type first, then to storage. */      \
+        acc_t<T> v = (acc_t<T>)value;                                               \
+        SG_EW_LOOP(i, n) store(y, i, v);                                          \
+    }
+SG_FOR_EACH_FLOAT(SG_FULL)
+
+// ---------------------------------------------------------------- unary
+
+#define SG_UNARY(name, F, dt, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_##dt(const T* x, T* y, i64 n, double p) {                    \
+        SG_EW_LOOP(i, n) store(y, i, sg_ew::eval<sg_ew::F>(load(x, i), p));                      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) { \
+        SG_EW_LOOP(i, n) {                                                                       \
+            acc_t<T> xi = load(x, i), gi = load(g, i);                                             \
+            store(y, i, sg_ew::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p)));                    \
+        }                                                                                          \
+    }
+
+#define SG_UNARY_ALL(dt, T)                 \
+    SG_UNARY(neg, NEG, dt, T)               \
+    SG_UNARY(exp, EXP, dt, T)               \
+    SG_UNARY(log, LOG, dt, T)               \
+    SG_UNARY(sqrt, SQRT, dt, T)             \
+    SG_UNARY(rsqrt, RSQRT, dt, T)           \
+    SG_UNARY(tanh, TANH, dt, T)             \
+    SG_UNARY(sigmoid, SIGMOID, dt, T)       \
+    SG_UNARY(silu, SILU, dt, T)             \
+    SG_UNARY(gelu_tanh, GELU_TANH, dt, T)   \
+    SG_UNARY(gelu_erf, GELU_ERF, dt, T)     \
+    SG_UNARY(pow, POW, dt, T)
+SG_FOR_EACH_FLOAT(SG_UNARY_ALL)
+
+// ---------------------------------------------------------------- binary
+
+#define SG_BINARY(name, F, dt, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_##dt(const T* a, const T* b, T* y, i64 n, sg_ew::BinaryShape s) { \
+        if (n <= 0xffffffffLL)                                                                     \
+            sg_ew::binary_loop<sg_ew::F, unsigned int>(a, b, y, n, s);                             \
+        else                                                                                       \
+            sg_ew::binary_loop<sg_ew::F, unsigned long long>(a, b, y, n, s);                       \
+    }
+
+#define SG_BINARY_ALL(dt, T)     \
+    SG_BINARY(add, ADD, dt, T)   \
+    SG_BINARY(sub, SUB, dt, T)   \
+    SG_BINARY(mul, MUL, dt, T)   \
+    SG_BINARY(div, DIV, dt, T)
+SG_FOR_EACH_FLOAT(SG_BINARY_ALL)
+
+// ---------------------------------------------------------------- cast
+
+// As the CPU: through f64 (exact for every source), then to the target's
+// accumulator type and storage. For bf16/f16 targets that is f64 -> f32 ->
+// narrow, two roundings, exactly what the reference does.
+#define SG_CAST(sdt, S, ddt, D)                                                 \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) cast_##sdt##_##ddt(const S* x, D* y, i64 n) {    \
+        SG_EW_LOOP(i, n) store(y, i, (acc_t<D>)(double)load(x, i));           \
+    }
+#define SG_CAST_FROM(sdt, S)            \
+    SG_CAST(sdt, S, f32, float)         \
+    SG_CAST(sdt, S, bf16, __nv_bfloat16) \
+    SG_CAST(sdt, S, f16, __half)        \
+    SG_CAST(sdt, S, f64, double)
+SG_FOR_EACH_FLOAT(SG_CAST_FROM)

@@ -1,0 +1,84 @@
+// Rotary position embedding on x: [B, T, H, D], the GPT-NeoX / Hugging Face
+// `rotate_half` convention of crates/core/src/ops/rope.rs: with h = n_rot/2,
+// dimension i < h of every head pairs with i + h and rotates by
+// θ = t·base^(−2i/n_rot) (−θ when `inverse`); dimensions ≥ n_rot pass
+// through; n_rot == 1 scales dimension 0 by cos t − sin t (ignoring
+// `inverse`); n_rot == 0 is a copy.
+//
+// θ, cos θ and sin θ are computed in double and converted to acc_t once,
+// exactly as the CPU does, so every dtype sees the CPU's angles.
+//
+// `rope_<dtype>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse)`: one
+// block per (b, t) row of heads·dim elements (grid-striding over the B·T
+// rows), blockDim.x a multiple of 32. The block computes the angles of its
+// position into shared memory, ROPE_CHUNK pairs at a time, and every head of
+// the row reads them, so the double-precision trigonometry runs once per
+// (position, pair) rather than once per head.
+//
+// In place (y == x) is correct: one thread reads both elements of a pair
+// before it writes either, and no other thread touches that pair.
+
+#define ROPE_CHUNK 256  // pairs whose angles the block holds at once
+
+template <typename T>
+__device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,
+                          int inverse) {
+    typedef acc_t<T> A;
+    __shared__ A cs_tab[ROPE_CHUNK];
+    __shared__ A sn_tab[ROPE_CHUNK];
+    const int row = heads * dim;
+    const int half = n_rot / 2;  // 0 for n_rot in {0, 1}
+    const double sign = inverse ? -1.0 : 1.0;
+    for (i64 bt = blockIdx.x; bt < bt_rows; bt += gridDim.x) {
+        const i64 t = bt % seq;
+        const T* xr = x + bt * (i64)row;
+        T* yr = y + bt * (i64)row;
+        if (n_rot == 1) {
+            // The head-size-1 quirk: a diagonal scaling by cos t − sin t.
+            const double td = (double)t;
+            const A f = (A)(cos(td) - sin(td));
+            for (int k = threadIdx.x; k < row; k += blockDim.x) {
+                if (k % dim == 0)
+                    store(yr, k, load(xr, k) * f);
+                else if (x != y)
+                    yr[k] = xr[k];
+            }
+            continue;
+        }
+        for (int c0 = 0; c0 < half; c0 += ROPE_CHUNK) {
+            const int cn = min(half - c0, ROPE_CHUNK);
+            // The previous chunk (or row) is done with the table before it is refilled.
+            __syncthreads();
+            for (int i = threadIdx.x; i < cn; i += blockDim.x) {
+                const double theta = (double)t * pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
+                cs_tab[i] = (A)cos(theta);
+                sn_tab[i] = (A)(sign * sin(theta));
+            }
+            __syncthreads();
+            for (int k = threadIdx.x; k < heads * cn; k += blockDim.x) {
+                const int h = k / cn, j = k - h * cn;
+                const int i0 = h * dim + c0 + j, i1 = i0 + half;
+                const A a = load(xr, i0), b = load(xr, i1);
+                const A cs = cs_tab[j], sn = sn_tab[j];
+                store(yr, i0, a * cs - b * sn);
+                store(yr, i1, b * cs + a * sn);
+            }
+        }
+        // Dimensions [n_rot, dim) pass through bit for bit; in place they already hold x.
+        const int pass = dim - n_rot;
+        if (x != y && pass > 0)
+            for (int k = threadIdx.x; k < heads * pass; k += blockDim.x) {
+                const int h = k / pass, d = n_rot + (k - h * pass);
+                yr[h * dim + d] = xr[h * dim + d];
+            }
+    }
+}
+
+#define SG_ROPE_KERNEL(sfx, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(1024) rope_##sfx(const T* x, T* y, i64 bt_rows, i64 seq,      \
+                                                                  int heads, int dim, int n_rot, double base,  \
+                                                                  int inverse) {                               \
+        rope_rows<T>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse);                                    \
+    }
+
+SG_FOR_EACH_FLOAT(SG_ROPE_KERNEL)

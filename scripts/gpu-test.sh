@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks, in two halves because the GPU machine has no Rust:
+#
+#   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries into .carry/
+#   scripts/gpu-test.sh test         # on the GPU machine: every GPU test (the CPU cases re-run on CUDA)
+#   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
+#
+# With the `device` tool: build here, then run with carry [".carry"], e.g.
+#   run(command="bash scripts/gpu-test.sh test && bash scripts/gpu-test.sh bench", carry=[".carry"])
+# Logs and JSON go to $OUT (or ./gpu-out when $OUT is unset).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+case "${1:-}" in
+build)
+    rm -rf .carry && mkdir -p .carry/tests .carry/bench
+    cargo build --release -p stepgraph
+    cp target/release/stepgraph .carry/
+    cargo test --release -p stepgraph-cuda --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' |
+        while read -r name exe; do cp "$exe" ".carry/tests/$name"; done
+    cp ../shared/bench/torch_reference.py .carry/bench/
+    ls -la .carry .carry/tests
+    ;;
+test)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    status=0
+    for t in .carry/tests/*; do
+        echo "== $(basename "$t")"
+        "$t" --ignored --test-threads=1 2>&1 | tee "$OUT/test-$(basename "$t").log" || status=1
+    done
+    exit $status
+    ;;
+bench)
+    shift
+    workloads=${*:-w3 w1 w1-bf16 w2}
+    for w in $workloads; do
+        for mode in eager graph; do
+            echo "== stepgraph $w $mode"
+            .carry/stepgraph bench --workload "$w" --mode "$mode" --json | tee -a "$OUT/bench.jsonl" || echo "{\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench.jsonl"
+        done
+        tw=${w/-/}
+        for mode in eager reduce-overhead; do
+            echo "== torch $tw $mode"
+            PYTHONUNBUFFERED=1 python3 .carry/bench/torch_reference.py --workload "$tw" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl" || true
+        done
+    done
+    ;;
+*)
+    echo "usage: $0 build|test|bench [workloads]" >&2
+    exit 2
+    ;;
+esac
