@@ -245,7 +245,22 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         }
     }
     if let (Some(tol), Some(false)) = (args.tolerance, verdict) {
-        bail!("the loss's relative difference {loss_rel_diff:.3e} or the max gradient relative error {max_rel_err:.3e} exceeds the tolerance {tol:e}");
+        let over = |x: f64| !(x.is_finite() && x <= tol);
+        let mut failures = Vec::new();
+        if over(loss_rel_diff) {
+            failures.push(format!("the loss differs by {loss_rel_diff:.3e}"));
+        }
+        let bad: Vec<&GradRow> = rows.iter().filter(|r| over(r.rel_err)).collect();
+        if let Some(first) = bad.first() {
+            failures.push(format!(
+                "{} of {} gradients are off by more, worst `{}` at {:.3e}",
+                bad.len(),
+                rows.len(),
+                first.name,
+                first.rel_err
+            ));
+        }
+        bail!("above the tolerance {tol:e}: {}", failures.join("; "));
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! `train` (a training run on the CPU backend).
 
 mod bench;
+mod compare;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -50,6 +51,8 @@ enum Command {
     },
     /// Run a benchmark workload of BENCHMARKS.md on the GPU (eager or as one CUDA graph).
     Bench(bench::BenchArgs),
+    /// Compare one grads step's loss and gradients with a PyTorch reference (torch_reference.py --save DIR).
+    Compare(compare::CompareArgs),
     /// Train on a text file on the CPU backend (byte-level tokens).
     Train {
         #[command(flatten)]
@@ -224,6 +227,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Bench(args) => bench::run(&args)?,
+        Command::Compare(args) => compare::run(&args)?,
         Command::Train { model, data, steps, lr, warmup, weight_decay, f32_state, seed } => {
             train(&model, &data, steps, lr, warmup, weight_decay, f32_state, seed)?;
         }

@@ -34,12 +34,9 @@ pub enum Error {
     /// Bad data handed to a step: wrong length, token id out of range, ...
     #[error("step input `{name}`: {reason}")]
     Input { name: String, reason: String },
-    #[error("io error on `{path}`: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    // The cause is in the message, not a `#[source]`, so `{:#}` chains print it once.
+    #[error("io error on `{path}`: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
 }

@@ -9,69 +9,86 @@
 // then a fixed combining tree; no atomics), chosen from the shape only:
 //
 // - `<k>_rows_<dt>`: the innermost axis is reduced and rows are long; one
-//   block per output (grid-stride), blockDim.x a multiple of 32;
+//   block per output (grid-stride), blockDim.x a multiple of 32 (<= 1024);
 // - `<k>_warps_<dt>`: the innermost axis is reduced and rows are short; one
-//   warp per output, blockDim (32, W);
+//   warp per output, blockDim (32, W) (<= 256 threads);
 // - `<k>_cols_<dt>`: the innermost axis is kept; blockDim (32, BY) with BY a
 //   power of two <= 32: threadIdx.x walks 32 adjacent outputs (coalesced
 //   reads), threadIdx.y splits the reduced range, then a tree over y.
 //
-// k is sum, mean or max. Signatures:
-//   <k>_<layout>_<dt>(const T* x, T* y, i64 nout, i64 count, ReduceShape s)
+// k is sum or max; a mean is the sum kernel with `mean` = 1, which divides
+// by the count at the end as the CPU does. Signatures:
+//   <k>_<layout>_<dt>(const T* x, T* y, i64 nout, i64 count, i64 mean, ReduceShape s)
 //   max_backward_<layout>_<dt>(const T* x, const T* y, const T* g, T* gx,
 //                              i64 nout, i64 count, ReduceShape s)
 // where y and g of max_backward hold nout elements (the keepdim shape).
+// Grids are any size (grid-stride over outputs).
 //
 // Sums accumulate in acc_t in a different order from the CPU's sequential
 // loop, so they agree to rounding, not bit for bit; max and max_backward
-// are exact. The CPU's max ignores NaN like fmax; an empty group gives
-// -inf (max), 0 (sum) and NaN (mean) on both.
+// are exact (ties counted exactly, g / ties computed as on the CPU). The
+// CPU's max ignores NaN like fmax; an empty group gives -inf (max), 0 (sum)
+// and NaN (mean) on both.
 
 namespace sg_red {
 
-constexpr int kMaxRank = 8;
-enum Kind { SUM, MEAN, MAX };
+// Kept and reduced groups alternate after merging, so a rank-8 input has at
+// most 4 of each.
+constexpr int kMaxGroups = 4;
+enum Kind { SUM, MAX };
 
 struct ReduceShape {
     i64 nk;  // kept groups, outer to inner (0 for a full reduction)
-    i64 ksize[kMaxRank];
-    i64 kstride[kMaxRank];
+    i64 ksize[kMaxGroups];
+    i64 kstride[kMaxGroups];
     i64 nr;  // reduced groups, outer to inner (>= 1)
-    i64 rsize[kMaxRank];
-    i64 rstride[kMaxRank];
+    i64 rsize[kMaxGroups];
+    i64 rstride[kMaxGroups];
 };
 
-// I is the type of the index divisions: 32-bit when the whole input fits,
-// which is several times cheaper than 64-bit division.
-template <typename I> __device__ __forceinline__ i64 kept_offset(const ReduceShape& s, i64 o) {
-    if (s.nk == 0) return 0;
-    if (s.nk == 1) return o * s.kstride[0];
-    I rem = (I)o;
+// Offset of index `idx` of a row-major walk over n groups (n <= 4). 32-bit
+// division when every index fits (`wide` false), inlined; 64-bit division,
+// far larger and slower code, only for inputs of more than 2^32 elements,
+// out of line so the common path stays small. (Sizes and strides go by
+// value: taking the address of the kernel's struct would copy it to local
+// memory in every thread.)
+__device__ __noinline__ i64 walk_offset64(i64 idx, i64 n, i64 s0, i64 s1, i64 s2, i64 s3, i64 t0, i64 t1, i64 t2, i64 t3) {
+    const i64 size[kMaxGroups] = {s0, s1, s2, s3}, stride[kMaxGroups] = {t0, t1, t2, t3};
+    unsigned long long rem = (unsigned long long)idx;
     i64 off = 0;
 #pragma unroll
-    for (int d = kMaxRank - 1; d >= 0; --d) {
-        if (d < s.nk) {
-            I sz = (I)s.ksize[d];
-            off += (i64)(rem % sz) * s.kstride[d];
+    for (int d = kMaxGroups - 1; d >= 0; --d) {
+        if (d < n) {
+            unsigned long long sz = (unsigned long long)size[d];
+            off += (i64)(rem % sz) * stride[d];
             rem /= sz;
         }
     }
     return off;
 }
 
-template <typename I> __device__ __forceinline__ i64 red_offset(const ReduceShape& s, i64 r) {
-    if (s.nr == 1) return r * s.rstride[0];
-    I rem = (I)r;
+__device__ __forceinline__ i64 walk_offset(i64 idx, i64 n, const i64 (&size)[kMaxGroups], const i64 (&stride)[kMaxGroups], bool wide) {
+    if (n == 0) return 0;
+    if (n == 1) return idx * stride[0];
+    if (wide) return walk_offset64(idx, n, size[0], size[1], size[2], size[3], stride[0], stride[1], stride[2], stride[3]);
+    unsigned int rem = (unsigned int)idx;
     i64 off = 0;
 #pragma unroll
-    for (int d = kMaxRank - 1; d >= 0; --d) {
-        if (d < s.nr) {
-            I sz = (I)s.rsize[d];
-            off += (i64)(rem % sz) * s.rstride[d];
+    for (int d = kMaxGroups - 1; d >= 0; --d) {
+        if (d < n) {
+            unsigned int sz = (unsigned int)size[d];
+            off += (i64)(rem % sz) * stride[d];
             rem /= sz;
         }
     }
     return off;
+}
+
+__device__ __forceinline__ i64 kept_offset(const ReduceShape& s, i64 o, bool wide) {
+    return walk_offset(o, s.nk, s.ksize, s.kstride, wide);
+}
+__device__ __forceinline__ i64 red_offset(const ReduceShape& s, i64 r, bool wide) {
+    return walk_offset(r, s.nr, s.rsize, s.rstride, wide);
 }
 
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
@@ -92,10 +109,9 @@ template <int K, typename A> __device__ __forceinline__ A combine(A a, A b) {
     if constexpr (K == MAX) return max_(a, b);
     else return a + b;
 }
-// As the CPU: the mean divides the sum by the count converted to A.
-template <int K, typename A> __device__ __forceinline__ A finish(A a, i64 count) {
-    if constexpr (K == MEAN) return div_rn(a, (A)(double)count);
-    else return a;
+// As the CPU: a mean divides the sum by the count converted to A.
+template <typename A> __device__ __forceinline__ A finish(A a, i64 count, i64 mean) {
+    return mean ? div_rn(a, (A)(double)count) : a;
 }
 
 // Combines `v` over the warp, the same value in every lane (fixed butterfly).
@@ -117,33 +133,8 @@ template <int K, typename A> __device__ __forceinline__ A block_combine(A v, A* 
     return warp_combine<K>(r);
 }
 
-template <int K, typename T, typename I>
-__device__ __forceinline__ void rows(const T* x, T* y, i64 nout, i64 count, const ReduceShape& s) {
-    typedef acc_t<T> A;
-    __shared__ A scratch[32];
-    for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
-        i64 base = kept_offset<I>(s, o);
-        A acc = init<K, A>();
-        for (i64 r = threadIdx.x; r < count; r += blockDim.x) acc = combine<K>(acc, load(x, base + red_offset<I>(s, r)));
-        acc = block_combine<K>(acc, scratch);
-        if (threadIdx.x == 0) store(y, o, finish<K>(acc, count));
-    }
-}
-
-template <int K, typename T, typename I>
-__device__ __forceinline__ void warps(const T* x, T* y, i64 nout, i64 count, const ReduceShape& s) {
-    typedef acc_t<T> A;
-    for (i64 o = blockIdx.x * (i64)blockDim.y + threadIdx.y; o < nout; o += (i64)gridDim.x * blockDim.y) {
-        i64 base = kept_offset<I>(s, o);
-        A acc = init<K, A>();
-        for (i64 r = threadIdx.x; r < count; r += 32) acc = combine<K>(acc, load(x, base + red_offset<I>(s, r)));
-        acc = warp_combine<K>(acc);
-        if (threadIdx.x == 0) store(y, o, finish<K>(acc, count));
-    }
-}
-
 // Tree over threadIdx.y of `part[ty][tx]` (blockDim.y a power of two); the
-// result lands in part[0][tx]. Ends with a barrier.
+// result lands in part[0][tx]. Starts and ends with a barrier.
 template <typename A, typename F> __device__ __forceinline__ void tree_y(A (*part)[33], F f) {
     __syncthreads();
     for (int h = blockDim.y >> 1; h > 0; h >>= 1) {
@@ -152,72 +143,108 @@ template <typename A, typename F> __device__ __forceinline__ void tree_y(A (*par
     }
 }
 
-template <int K, typename T, typename I>
-__device__ __forceinline__ void cols(const T* x, T* y, i64 nout, i64 count, const ReduceShape& s) {
+// ---------------------------------------------------------------- reductions
+
+template <int K, typename T>
+__device__ __forceinline__ void rows(const T* x, T* y, i64 nout, i64 count, i64 mean, const ReduceShape& s) {
+    typedef acc_t<T> A;
+    __shared__ A scratch[32];
+    const bool wide = nout * count > 0xffffffffLL;
+    for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
+        i64 base = kept_offset(s, o, wide);
+        A acc = init<K, A>();
+        for (i64 r = threadIdx.x; r < count; r += blockDim.x) acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+        acc = block_combine<K>(acc, scratch);
+        if (threadIdx.x == 0) store(y, o, finish(acc, count, mean));
+    }
+}
+
+template <int K, typename T>
+__device__ __forceinline__ void warps(const T* x, T* y, i64 nout, i64 count, i64 mean, const ReduceShape& s) {
+    typedef acc_t<T> A;
+    const bool wide = nout * count > 0xffffffffLL;
+    // The loop bound depends on threadIdx.y only: whole warps stay together.
+    for (i64 o = blockIdx.x * (i64)blockDim.y + threadIdx.y; o < nout; o += (i64)gridDim.x * blockDim.y) {
+        i64 base = kept_offset(s, o, wide);
+        A acc = init<K, A>();
+        for (i64 r = threadIdx.x; r < count; r += 32) acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+        acc = warp_combine<K>(acc);
+        if (threadIdx.x == 0) store(y, o, finish(acc, count, mean));
+    }
+}
+
+template <int K, typename T>
+__device__ __forceinline__ void cols(const T* x, T* y, i64 nout, i64 count, i64 mean, const ReduceShape& s) {
     typedef acc_t<T> A;
     __shared__ A part[32][33];
+    const bool wide = nout * count > 0xffffffffLL;
     i64 tiles = (nout + 31) / 32;
     // The tile loop is uniform over the block: every thread reaches every barrier.
     for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
         i64 o = t * 32 + threadIdx.x;
         A acc = init<K, A>();
         if (o < nout) {
-            i64 base = kept_offset<I>(s, o);
-            for (i64 r = threadIdx.y; r < count; r += blockDim.y) acc = combine<K>(acc, load(x, base + red_offset<I>(s, r)));
+            i64 base = kept_offset(s, o, wide);
+            for (i64 r = threadIdx.y; r < count; r += blockDim.y) acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
         }
         part[threadIdx.y][threadIdx.x] = acc;
         tree_y(part, [](A a, A b) { return combine<K>(a, b); });
-        if (threadIdx.y == 0 && o < nout) store(y, o, finish<K>(part[0][threadIdx.x], count));
+        if (threadIdx.y == 0 && o < nout) store(y, o, finish(part[0][threadIdx.x], count, mean));
+        // part[0] is read above: the next tile must not overwrite it early.
         __syncthreads();
     }
 }
 
-// max_backward: g[o] / ties at every element equal to y[o], 0 elsewhere.
-template <typename T>
-__device__ __forceinline__ acc_t<T> share_of(const T* g, i64 o, long long ties) {
+// ---------------------------------------------------------------- max_backward
+
+// g[o] / ties at every element of group o equal to y[o], 0 elsewhere.
+template <typename T> __device__ __forceinline__ acc_t<T> share_of(const T* g, i64 o, long long ties) {
     typedef acc_t<T> A;
     return div_rn(load(g, o), (A)(double)(ties > 1 ? ties : 1));
 }
 
-template <typename T, typename I>
+template <typename T>
 __device__ __forceinline__ void mb_rows(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
     typedef acc_t<T> A;
     __shared__ long long scratch[32];
+    const bool wide = nout * count > 0xffffffffLL;
     for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
-        i64 base = kept_offset<I>(s, o);
+        i64 base = kept_offset(s, o, wide);
         A m = load(y, o);
         long long ties = 0;
-        for (i64 r = threadIdx.x; r < count; r += blockDim.x) ties += load(x, base + red_offset<I>(s, r)) == m;
+        for (i64 r = threadIdx.x; r < count; r += blockDim.x) ties += load(x, base + red_offset(s, r, wide)) == m;
         ties = block_combine<SUM>(ties, scratch);
         A share = share_of(g, o, ties);
         for (i64 r = threadIdx.x; r < count; r += blockDim.x) {
-            i64 i = base + red_offset<I>(s, r);
+            i64 i = base + red_offset(s, r, wide);
             store(gx, i, load(x, i) == m ? share : A(0));
         }
     }
 }
 
-template <typename T, typename I>
+template <typename T>
 __device__ __forceinline__ void mb_warps(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
     typedef acc_t<T> A;
+    const bool wide = nout * count > 0xffffffffLL;
     for (i64 o = blockIdx.x * (i64)blockDim.y + threadIdx.y; o < nout; o += (i64)gridDim.x * blockDim.y) {
-        i64 base = kept_offset<I>(s, o);
+        i64 base = kept_offset(s, o, wide);
         A m = load(y, o);
         long long ties = 0;
-        for (i64 r = threadIdx.x; r < count; r += 32) ties += load(x, base + red_offset<I>(s, r)) == m;
+        for (i64 r = threadIdx.x; r < count; r += 32) ties += load(x, base + red_offset(s, r, wide)) == m;
         ties = warp_combine<SUM>(ties);
         A share = share_of(g, o, ties);
         for (i64 r = threadIdx.x; r < count; r += 32) {
-            i64 i = base + red_offset<I>(s, r);
+            i64 i = base + red_offset(s, r, wide);
             store(gx, i, load(x, i) == m ? share : A(0));
         }
     }
 }
 
-template <typename T, typename I>
+template <typename T>
 __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
     typedef acc_t<T> A;
     __shared__ long long part[32][33];
+    const bool wide = nout * count > 0xffffffffLL;
     i64 tiles = (nout + 31) / 32;
     for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
         i64 o = t * 32 + threadIdx.x;
@@ -225,16 +252,16 @@ __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* g
         i64 base = 0;
         A m = A(0);
         if (o < nout) {
-            base = kept_offset<I>(s, o);
+            base = kept_offset(s, o, wide);
             m = load(y, o);
-            for (i64 r = threadIdx.y; r < count; r += blockDim.y) ties += load(x, base + red_offset<I>(s, r)) == m;
+            for (i64 r = threadIdx.y; r < count; r += blockDim.y) ties += load(x, base + red_offset(s, r, wide)) == m;
         }
         part[threadIdx.y][threadIdx.x] = ties;
         tree_y(part, [](long long a, long long b) { return a + b; });
         if (o < nout) {
             A share = share_of(g, o, part[0][threadIdx.x]);
             for (i64 r = threadIdx.y; r < count; r += blockDim.y) {
-                i64 i = base + red_offset<I>(s, r);
+                i64 i = base + red_offset(s, r, wide);
                 store(gx, i, load(x, i) == m ? share : A(0));
             }
         }
@@ -250,37 +277,26 @@ __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* g
 #define SG_RED_BOUND_warps 256
 #define SG_RED_BOUND_cols 1024
 
-// 32-bit index math when every input index fits in 32 bits.
-#define SG_RED_DISPATCH(call, total) \
-    if ((total) <= 0xffffffffLL) {   \
-        typedef unsigned int I;      \
-        call;                        \
-    } else {                         \
-        typedef unsigned long long I; \
-        call;                        \
+#define SG_REDUCE_LAYOUT(kname, K, layout, dt, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout)                                        \
+        kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, i64 mean, sg_red::ReduceShape s) {       \
+        sg_red::layout<sg_red::K, T>(x, y, nout, count, mean, s);                                              \
     }
 
-#define SG_REDUCE_LAYOUT(kname, K, layout, dt, T)                                                            \
-    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, sg_red::ReduceShape s) { \
-        SG_RED_DISPATCH((sg_red::layout<sg_red::K, T, I>(x, y, nout, count, s)), nout * count)             \
+#define SG_MAX_BACKWARD(layout, dt, T)                                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) max_backward_##layout##_##dt(          \
+        const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, sg_red::ReduceShape s) {               \
+        sg_red::mb_##layout<T>(x, y, g, gx, nout, count, s);                                                   \
     }
 
-#define SG_REDUCE_KIND(kname, K, dt, T)          \
-    SG_REDUCE_LAYOUT(kname, K, rows, dt, T)      \
-    SG_REDUCE_LAYOUT(kname, K, warps, dt, T)     \
-    SG_REDUCE_LAYOUT(kname, K, cols, dt, T)
-
-#define SG_MAX_BACKWARD(layout, dt, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) max_backward_##layout##_##dt(const T* x, const T* y, const T* g, T* gx, i64 nout, \
-                                                          i64 count, sg_red::ReduceShape s) {               \
-        SG_RED_DISPATCH((sg_red::mb_##layout<T, I>(x, y, g, gx, nout, count, s)), nout * count)             \
-    }
-
-#define SG_REDUCE_ALL(dt, T)            \
-    SG_REDUCE_KIND(sum, SUM, dt, T)     \
-    SG_REDUCE_KIND(mean, MEAN, dt, T)   \
-    SG_REDUCE_KIND(max, MAX, dt, T)     \
-    SG_MAX_BACKWARD(rows, dt, T)        \
-    SG_MAX_BACKWARD(warps, dt, T)       \
+#define SG_REDUCE_ALL(dt, T)                  \
+    SG_REDUCE_LAYOUT(sum, SUM, rows, dt, T)   \
+    SG_REDUCE_LAYOUT(sum, SUM, warps, dt, T)  \
+    SG_REDUCE_LAYOUT(sum, SUM, cols, dt, T)   \
+    SG_REDUCE_LAYOUT(max, MAX, rows, dt, T)   \
+    SG_REDUCE_LAYOUT(max, MAX, warps, dt, T)  \
+    SG_REDUCE_LAYOUT(max, MAX, cols, dt, T)   \
+    SG_MAX_BACKWARD(rows, dt, T)              \
+    SG_MAX_BACKWARD(warps, dt, T)             \
     SG_MAX_BACKWARD(cols, dt, T)
 SG_FOR_EACH_FLOAT(SG_REDUCE_ALL)

@@ -1,7 +1,428 @@
-//! (being written)
+//! Fused causal attention on the GPU: the lowering of `attention` and
+//! `attention_backward` to the kernels of `kernels/attention.cu`.
+//!
+//! # Algorithm
+//!
+//! Flash-attention style: nothing `T×T` is stored anywhere. Scores are
+//! computed tile by tile into registers, turned into probabilities and
+//! consumed at once; each query row keeps O(1) state (running max and sum)
+//! and the forward saves only its log-sum-exp. Softmax runs in base 2
+//! (`exp2(s·scale·log2 e − m)`), in `float` for f32/bf16/f16 storage and in
+//! `double` for f64; storage is rounded once.
+//!
+//! One launch for the forward and two for the backward:
+//!
+//! * `attention_fwd`: a block owns a tile of query rows of one (batch,
+//!   query head) and walks the key tiles `0..=diagonal` in order with an
+//!   online softmax; it writes `o` and `lse`.
+//! * `attention_bwd_kv`: a block owns a tile of key rows of one (batch, kv
+//!   head) and walks, in order, the query heads of its group and their query
+//!   tiles from the diagonal on. It recomputes `p = exp(s − lse)`,
+//!   `D_i = go_i·o_i − glse_i` and `ds = p·(go·v − D_i)` per tile and
+//!   accumulates `gv += pᵀ·go` and `gk += dsᵀ·q` in registers.
+//! * `attention_bwd_q`: a block owns a tile of query rows of one (batch,
+//!   query head) and walks the key tiles in order: `gq += ds·k`.
+//!
+//! Head sizes are bucketed (`D ≤ 1, 4, 16, 32, 64, 128, 256`), one kernel per
+//! bucket and dtype, zero-padded to the bucket. Buckets up to 16 use one
+//! thread per query row (the backward's key side: one thread per key and
+//! query slice, slices summed in a fixed order at the end); larger buckets
+//! are register-tiled: 256 threads, each owning 4 rows × a few columns of a
+//! score tile and 4 rows × `bucket/NX` dims of the accumulator, with the
+//! score reduction over `D` staged through shared memory in slices and the
+//! probability-times-rows products staged a few rows at a time (global loads
+//! for the next slice are in flight while the current one is used). All
+//! shared memory is static and under 48 KB, so no launch attribute is needed.
+//!
+//! # Determinism
+//!
+//! There are no atomics and no split reductions whose order depends on
+//! scheduling. Every output element is written by exactly one thread, which
+//! accumulates its terms in an order fixed by the code: key tiles in order
+//! for `o` and `gq`; query heads, then query tiles, then rows for `gk` and
+//! `gv`. Cross-thread sums (row max and sum in the forward, `D_i`, the slice
+//! sum of the small backward) use fixed butterfly or sequential orders, and
+//! the butterfly gives every lane the same bits. So the same inputs give the
+//! same bits on every run, eagerly or in a CUDA graph.
+
+use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::Op;
-use crate::error::Result;
-use crate::launch::{DevTensor, Launch};
-pub fn lower(op: &Op, _inputs: &[DevTensor], _outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    Err(crate::lower::not_routed(op))
+
+use crate::error::{CudaError, Result};
+use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
+
+/// The kernel source module.
+pub const MODULE: &str = "attention";
+
+/// Largest head size the kernels handle.
+pub const MAX_HEAD_SIZE: usize = 256;
+
+/// Head-size buckets, one kernel each: bucket `b` serves every `D <= b`.
+pub const BUCKETS: [usize; 7] = [1, 4, 16, 32, 64, 128, 256];
+
+/// Buckets up to this one use the one-thread-per-row kernels.
+const SMALL_MAX: usize = 16;
+
+/// Threads per block of the register-tiled kernels.
+const TILED_THREADS: u32 = 256;
+
+/// The three kernels of the op pair.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// `o`, `lse` from `q, k, v`; grid over query tiles.
+    Forward,
+    /// `gk`, `gv`; grid over key tiles of each kv head.
+    BackwardKv,
+    /// `gq`; grid over query tiles.
+    BackwardQ,
+}
+
+impl Pass {
+    fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "fwd",
+            Pass::BackwardKv => "bwd_kv",
+            Pass::BackwardQ => "bwd_q",
+        }
+    }
+}
+
+/// The bucket of head size `d` (`None` past [`MAX_HEAD_SIZE`]).
+pub fn bucket(d: usize) -> Option<usize> {
+    BUCKETS.iter().copied().find(|&b| d <= b)
+}
+
+/// Rows of T each block owns and threads per block, for a pass, the storage
+/// dtype and a bucket. Mirrors the tile sizes in `attention.cu` (`SMALL_NT`,
+/// `SKV_KB`, `Cfg<..>::{fwd, bq, bkv}`); a kernel launched with another
+/// geometry traps.
+pub fn geometry(pass: Pass, dtype: DType, bucket: usize) -> (usize, u32) {
+    let f64 = dtype == DType::F64;
+    if bucket <= SMALL_MAX {
+        return match pass {
+            Pass::Forward | Pass::BackwardQ => (128, 128),
+            Pass::BackwardKv => (32, 256),
+        };
+    }
+    let rows = match pass {
+        Pass::Forward | Pass::BackwardQ => {
+            if f64 {
+                32
+            } else {
+                64
+            }
+        }
+        Pass::BackwardKv => match (f64, bucket <= 64, bucket <= 128) {
+            (false, true, _) => 64,
+            (false, false, _) => 32,
+            (true, _, true) => 32,
+            (true, _, false) => 16,
+        },
+    };
+    (rows, TILED_THREADS)
+}
+
+/// The kernel's name: `attention_<pass>_d<bucket>_<dtype>`.
+pub fn kernel_name(pass: Pass, dtype: DType, bucket: usize) -> String {
+    format!("attention_{}_d{bucket}_{}", pass.name(), dtype_suffix(dtype).unwrap_or("?"))
+}
+
+fn dtype_suffix(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 => Some("f32"),
+        DType::BF16 => Some("bf16"),
+        DType::F16 => Some("f16"),
+        DType::F64 => Some("f64"),
+        _ => None,
+    }
+}
+
+/// Sizes of one attention problem, checked against what the kernels take.
+#[derive(Copy, Clone, Debug)]
+struct Dims {
+    dtype: DType,
+    b: usize,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    bucket: usize,
+}
+
+impl Dims {
+    fn of(op: &str, q: &TensorType, k: &TensorType) -> Result<Dims> {
+        let fail = |why: String| CudaError::lower(op, why);
+        if q.rank() != 4 || k.rank() != 4 {
+            return Err(fail(format!("q {q} and k {k} must be [B, T, heads, D]")));
+        }
+        dtype_suffix(q.dtype).ok_or_else(|| fail(format!("no attention kernel for {}", q.dtype)))?;
+        let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+        let hkv = k.shape[2];
+        if hkv == 0 || hq % hkv != 0 {
+            return Err(fail(format!("query heads {hq} must be a positive multiple of kv heads {hkv}")));
+        }
+        let bucket = bucket(d).ok_or_else(|| fail(format!("head size {d} is above the kernels' {MAX_HEAD_SIZE}")))?;
+        // Grid y and z are heads and batch; T, heads and D are passed as int.
+        if hq > 65535 || b > 65535 {
+            return Err(fail(format!("{hq} query heads or batch {b} exceed the grid limit 65535")));
+        }
+        if t > i32::MAX as usize || hq * d > i32::MAX as usize {
+            return Err(fail(format!("sequence length {t} or row size {hq}×{d} does not fit the kernels' int")));
+        }
+        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket })
+    }
+
+    /// No work: every output is empty (or, for D = 0, only lse is not).
+    fn empty(&self) -> bool {
+        self.b == 0 || self.t == 0 || self.hq == 0
+    }
+
+    fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
+        let (rows, threads) = geometry(pass, self.dtype, self.bucket);
+        let heads = if pass == Pass::BackwardKv { self.hkv } else { self.hq };
+        args.extend([
+            Arg::I32(self.t as i32),
+            Arg::I32(self.hq as i32),
+            Arg::I32(self.hkv as i32),
+            Arg::I32(self.d as i32),
+            Arg::F64(scale),
+        ]);
+        Launch::Kernel(KernelLaunch {
+            module: MODULE,
+            function: kernel_name(pass, self.dtype, self.bucket),
+            grid: (self.t.div_ceil(rows) as u32, heads as u32, self.b as u32),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+            args,
+        })
+    }
+}
+
+/// The device work of an `attention` or `attention_backward` node.
+pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
+    match op {
+        Op::Attention(a) => forward(a.scale, inputs, outputs),
+        Op::AttentionBackward(a) => backward(a.scale, inputs, outputs),
+        _ => Err(crate::lower::not_routed(op)),
+    }
+}
+
+fn expect_counts(op: &str, inputs: &[DevTensor], outputs: &[DevTensor], ins: &[usize], outs: usize) -> Result<()> {
+    if !ins.contains(&inputs.len()) || outputs.len() != outs {
+        return Err(CudaError::lower(
+            op,
+            format!("expects {ins:?} inputs and {outs} outputs, got {} and {}", inputs.len(), outputs.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale)`.
+fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
+    expect_counts("attention", inputs, outputs, &[3], 2)?;
+    let n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty)?;
+    if n.empty() {
+        return Ok(vec![]);
+    }
+    let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
+    Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale)])
+}
+
+/// `attention_bwd_kv(q, k, v, o, lse, go, glse, gk, gv, T, Hq, Hkv, D, scale)`, then
+/// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, T, Hq, Hkv, D, scale)`;
+/// `glse` is a null pointer when the node has no lse cotangent.
+fn backward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
+    expect_counts("attention_backward", inputs, outputs, &[6, 7], 3)?;
+    let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty)?;
+    if n.empty() || n.d == 0 {
+        return Ok(vec![]);
+    }
+    let mut common: Vec<Arg> = inputs[..6].iter().map(|t| Arg::Ptr(t.ptr)).collect();
+    common.push(Arg::Ptr(inputs.get(6).map_or(0, |t| t.ptr)));
+    let (gq, gk, gv) = (&outputs[0], &outputs[1], &outputs[2]);
+    let mut kv = common.clone();
+    kv.extend([Arg::Ptr(gk.ptr), Arg::Ptr(gv.ptr)]);
+    let mut q = common;
+    q.push(Arg::Ptr(gq.ptr));
+    Ok(vec![n.launch(Pass::BackwardKv, kv, scale), n.launch(Pass::BackwardQ, q, scale)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stepgraph_core::ops::attention::{Attention, AttentionBackward};
+
+    fn dev(dtype: DType, shape: &[usize], ptr: u64) -> DevTensor {
+        DevTensor { ty: TensorType::new(dtype, shape), ptr }
+    }
+
+    fn stat(dtype: DType) -> DType {
+        if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
+    fn kernel(l: &Launch) -> &KernelLaunch {
+        match l {
+            Launch::Kernel(k) => k,
+            other => panic!("expected a kernel launch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn buckets_cover_every_head_size() {
+        assert_eq!(bucket(0), Some(1));
+        assert_eq!(bucket(1), Some(1));
+        assert_eq!(bucket(3), Some(4));
+        assert_eq!(bucket(16), Some(16));
+        assert_eq!(bucket(17), Some(32));
+        assert_eq!(bucket(100), Some(128));
+        assert_eq!(bucket(256), Some(256));
+        assert_eq!(bucket(257), None);
+        for d in 1..=MAX_HEAD_SIZE {
+            let b = bucket(d).unwrap();
+            assert!(d <= b && (b == 1 || d > BUCKETS[BUCKETS.iter().position(|&x| x == b).unwrap() - 1]));
+        }
+    }
+
+    #[test]
+    fn forward_lowers_to_one_launch() {
+        // W1: B=1, T=2048, 32 heads of 100, f32.
+        let q = dev(DType::F32, &[1, 2048, 32, 100], 0x1000);
+        let k = dev(DType::F32, &[1, 2048, 32, 100], 0x2000);
+        let v = dev(DType::F32, &[1, 2048, 32, 100], 0x3000);
+        let o = dev(DType::F32, &[1, 2048, 32, 100], 0x4000);
+        let lse = dev(DType::F32, &[1, 32, 2048], 0x5000);
+        let op = Op::from(Attention { scale: 0.1 });
+        let l = lower(&op, &[q, k, v], &[o, lse]).unwrap();
+        assert_eq!(l.len(), 1);
+        let k = kernel(&l[0]);
+        assert_eq!(k.module, "attention");
+        assert_eq!(k.function, "attention_fwd_d128_f32");
+        assert_eq!(k.grid, (32, 32, 1));
+        assert_eq!(k.block, (256, 1, 1));
+        assert_eq!(k.shared_bytes, 0);
+        assert_eq!(
+            k.args,
+            vec![
+                Arg::Ptr(0x1000),
+                Arg::Ptr(0x2000),
+                Arg::Ptr(0x3000),
+                Arg::Ptr(0x4000),
+                Arg::Ptr(0x5000),
+                Arg::I32(2048),
+                Arg::I32(32),
+                Arg::I32(32),
+                Arg::I32(100),
+                Arg::F64(0.1),
+            ]
+        );
+    }
+
+    fn backward_launches(dtype: DType, b: usize, t: usize, hq: usize, hkv: usize, d: usize, glse: bool) -> Vec<Launch> {
+        let mut ins = vec![
+            dev(dtype, &[b, t, hq, d], 1),
+            dev(dtype, &[b, t, hkv, d], 2),
+            dev(dtype, &[b, t, hkv, d], 3),
+            dev(dtype, &[b, t, hq, d], 4),
+            dev(stat(dtype), &[b, hq, t], 5),
+            dev(dtype, &[b, t, hq, d], 6),
+        ];
+        if glse {
+            ins.push(dev(stat(dtype), &[b, hq, t], 7));
+        }
+        let outs = [dev(dtype, &[b, t, hq, d], 8), dev(dtype, &[b, t, hkv, d], 9), dev(dtype, &[b, t, hkv, d], 10)];
+        lower(&Op::from(AttentionBackward { scale: 1.0 }), &ins, &outs).unwrap()
+    }
+
+    #[test]
+    fn backward_lowers_to_key_then_query_side() {
+        // W2: T=4096, 28 query heads on 4 kv heads of size 1.
+        let l = backward_launches(DType::BF16, 2, 4096, 28, 4, 1, false);
+        assert_eq!(l.len(), 2);
+        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!(kv.function, "attention_bwd_kv_d1_bf16");
+        assert_eq!(kv.grid, (128, 4, 2));
+        assert_eq!(kv.block, (256, 1, 1));
+        assert_eq!(q.function, "attention_bwd_q_d1_bf16");
+        assert_eq!(q.grid, (32, 28, 2));
+        assert_eq!(q.block, (128, 1, 1));
+        let ptrs = |k: &KernelLaunch| -> Vec<u64> {
+            k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p) } else { None }).collect()
+        };
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 0, 9, 10]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8]);
+        assert_eq!(kv.args.len(), 14);
+        assert_eq!(q.args.len(), 13);
+        assert_eq!(kv.args[9..], [Arg::I32(4096), Arg::I32(28), Arg::I32(4), Arg::I32(1), Arg::F64(1.0)]);
+
+        let l = backward_launches(DType::F64, 1, 257, 8, 1, 256, true);
+        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!(kv.function, "attention_bwd_kv_d256_f64");
+        assert_eq!(kv.grid, (17, 1, 1));
+        assert_eq!(q.function, "attention_bwd_q_d256_f64");
+        assert_eq!(q.grid, (9, 8, 1));
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+
+    #[test]
+    fn every_bucket_and_dtype_has_its_geometry() {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            for &bk in &BUCKETS {
+                for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+                    let (rows, threads) = geometry(pass, dtype, bk);
+                    assert!(rows > 0 && threads % 32 == 0 && threads <= 1024);
+                    let name = kernel_name(pass, dtype, bk);
+                    assert!(name.starts_with("attention_") && !name.contains('?'), "{name}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_problems_launch_nothing_and_bad_ones_fail() {
+        assert!(backward_launches(DType::F32, 0, 5, 4, 2, 8, false).is_empty());
+        assert!(backward_launches(DType::F32, 1, 0, 4, 2, 8, true).is_empty());
+        assert!(backward_launches(DType::F32, 1, 5, 4, 2, 0, true).is_empty());
+        // D = 0 still has an lse to write.
+        let t = |s: &[usize]| dev(DType::F32, s, 1);
+        let l = lower(&Op::from(Attention { scale: 1.0 }), &[t(&[1, 3, 2, 0]), t(&[1, 3, 1, 0]), t(&[1, 3, 1, 0])], &[
+            t(&[1, 3, 2, 0]),
+            t(&[1, 2, 3]),
+        ])
+        .unwrap();
+        assert_eq!(kernel(&l[0]).function, "attention_fwd_d1_f32");
+        let big = lower(&Op::from(Attention { scale: 1.0 }), &[t(&[1, 3, 2, 257]), t(&[1, 3, 1, 257]), t(&[1, 3, 1, 257])], &[
+            t(&[1, 3, 2, 257]),
+            t(&[1, 2, 3]),
+        ]);
+        assert!(big.unwrap_err().to_string().contains("head size 257"));
+        let ints = TensorType::new(DType::I32, [1, 3, 2, 4]);
+        let i = DevTensor { ty: ints, ptr: 1 };
+        assert!(lower(&Op::from(Attention { scale: 1.0 }), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err());
+    }
+
+    /// The names the lowering asks for are the ones the source instantiates.
+    #[test]
+    fn source_instantiates_every_bucket() {
+        let src = crate::kernels::SOURCES
+            .iter()
+            .find(|(m, _)| *m == MODULE)
+            .map(|(_, s)| *s)
+            .expect("attention source is registered");
+        for &bk in &BUCKETS {
+            let inst = if bk <= SMALL_MAX { format!("SGA_SMALL(sfx, T, {bk})") } else { format!("SGA_TILED(sfx, T, {bk})") };
+            assert!(src.contains(&inst), "attention.cu does not instantiate {inst}");
+        }
+        for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+            for macro_arg in ["DS", "DM"] {
+                let pattern = format!("attention_{}_d##{macro_arg}##_##sfx(", pass.name());
+                assert!(src.contains(&pattern), "attention.cu has no entry point {pattern}");
+            }
+        }
+        assert!(src.contains("SG_FOR_EACH_FLOAT(SGA_ALL)"));
+    }
 }

@@ -7,10 +7,16 @@ pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
 /// `(module name, source)` for every kernel source.
 pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("../kernels/elementwise.cu")),
+    ("reduce", include_str!("../kernels/reduce.cu")),
+    ("movement", include_str!("../kernels/movement.cu")),
+    ("embedding", include_str!("../kernels/embedding.cu")),
+    ("adamw", include_str!("../kernels/adamw.cu")),
     ("norm", include_str!("../kernels/norm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("softmax", include_str!("../kernels/softmax.cu")),
     ("loss", include_str!("../kernels/loss.cu")),
+    ("attention", include_str!("../kernels/attention.cu")),
 ];
 
 /// The full text NVRTC compiles for `module`.

@@ -86,7 +86,7 @@ fn to_safetensors_dtype(dtype: DType) -> Dtype {
 
 /// An [`Error::Io`] on `path` from an I/O error.
 fn io_error(path: &Path, source: io::Error) -> Error {
-    Error::Io { path: path.display().to_string(), source }
+    Error::Io { path: path.display().to_string(), cause: source }
 }
 
 /// An [`Error::Io`] on `path` for a file whose contents are wrong.

@@ -533,7 +533,7 @@ impl Config {
     pub fn from_hf_file(path: &Path) -> Result<Config> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
         let text =
-            std::fs::read_to_string(&file).map_err(|source| Error::Io { path: file.display().to_string(), source })?;
+            std::fs::read_to_string(&file).map_err(|cause| Error::Io { path: file.display().to_string(), cause })?;
         let dir_name =
             file.parent().and_then(Path::file_name).and_then(|name| name.to_str()).filter(|name| !name.is_empty());
         let name = match dir_name {

@@ -1,0 +1,841 @@
+// Fused causal grouped-query attention, forward and backward, flash style.
+//
+// q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; o: [B, T, Hq, D]; lse: [B, Hq, T]
+// in the accumulator type. Query head h reads kv head h / (Hq / Hkv).
+// Nothing T×T is stored: the forward keeps a running max and sum per query
+// row and saves lse; the backward recomputes the probabilities from lse.
+// The design and the determinism argument are in crates/cuda/src/attention.rs;
+// the launch geometry there must match the tile constants below.
+//
+// Kernels (dtype suffix f32, bf16, f16, f64; V is the head-size bucket):
+//   attention_fwd_dV_<dt>     grid (ceil(T/rows), Hq, B)   o, lse
+//   attention_bwd_q_dV_<dt>   grid (ceil(T/rows), Hq, B)   gq
+//   attention_bwd_kv_dV_<dt>  grid (ceil(T/keys), Hkv, B)  gk, gv
+// V in {1, 4, 16}: one thread per query row (per key and query slice for
+// bwd_kv), D <= V. V in {32, 64, 128, 256}: register-tiled, D <= V.
+
+#define SGA_LOG2E 1.4426950408889634074
+#define SGA_LN2 0.69314718055994530942
+
+namespace sga {
+
+__device__ __forceinline__ float inf_of(float) { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ double inf_of(double) { return __longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ float ex2(float x) { return exp2f(x); }
+__device__ __forceinline__ double ex2(double x) { return exp2(x); }
+__device__ __forceinline__ float lg2(float x) { return log2f(x); }
+__device__ __forceinline__ double lg2(double x) { return log2(x); }
+__device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// The launch geometry is computed on the host (src/attention.rs) from the
+// same tile sizes; a launch that disagrees would skip rows, so it traps.
+__device__ __forceinline__ void check_launch(int rows_per_block, int threads, int Tn) {
+    if ((int)gridDim.x != (Tn + rows_per_block - 1) / rows_per_block || (int)blockDim.x != threads) __trap();
+}
+
+// N consecutive values from shared memory at p into r[0..N). p is aligned to
+// min(16, N * sizeof) bytes, so whole 16-byte (or 8-byte) vectors are used.
+template <int N> __device__ __forceinline__ void lds(float* r, const float* p) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const float4 x = reinterpret_cast<const float4*>(p)[i];
+            r[4 * i] = x.x;
+            r[4 * i + 1] = x.y;
+            r[4 * i + 2] = x.z;
+            r[4 * i + 3] = x.w;
+        }
+    } else if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const float2 x = reinterpret_cast<const float2*>(p)[i];
+            r[2 * i] = x.x;
+            r[2 * i + 1] = x.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = p[i];
+    }
+}
+template <int N> __device__ __forceinline__ void lds(double* r, const double* p) {
+    if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const double2 x = reinterpret_cast<const double2*>(p)[i];
+            r[2 * i] = x.x;
+            r[2 * i + 1] = x.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) r[i] = p[i];
+    }
+}
+// Four values to shared memory at p (16-byte aligned).
+__device__ __forceinline__ void sts4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void sts4(double* p, double a, double b, double c, double d) {
+    reinterpret_cast<double2*>(p)[0] = make_double2(a, b);
+    reinterpret_cast<double2*>(p)[1] = make_double2(c, d);
+}
+
+// Same value in all NX lanes of a group of NX consecutive lanes (NX <= 32,
+// a power of two); butterfly order, so every lane gets identical bits.
+template <int NX, typename A> __device__ __forceinline__ A group_max(A v) {
+#pragma unroll
+    for (int o = NX / 2; o > 0; o >>= 1) v = amax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+template <int NX, typename A> __device__ __forceinline__ A group_sum(A v) {
+#pragma unroll
+    for (int o = NX / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// ---------------------------------------------------------------------------
+// Register-tiled kernels.
+//
+// A block of NT = 256 threads owns R "rows" (query rows in fwd/bwd_q, key rows
+// in bwd_kv) and steps over tiles of C "columns" (keys, resp. query rows).
+// Thread t = ry * NX + cx owns rows 4ry..4ry+3; in a score tile it owns
+// columns CPT*cx..CPT*cx+CPT-1, and of a [R, DMAX] accumulator the dims
+// VW*cx + VW*NX*m + e (m < DPT/VW, e < VW).
+//
+// Phase 1 (scores): S[R, C] = X[R, D] · Y[C, D]^T, the reduction over D in
+// slices of DC dims staged transposed in shared memory (XT[d][row]).
+// Phase 2 (products): Acc[R, DMAX] += W[C, R]^T · Z[C, DMAX], where W is the
+// score tile turned into probabilities (or their gradients) and written to
+// shared memory column-major, and Z is staged KC full rows at a time.
+// Global loads for the next slice are issued into registers before the
+// current one is used (single-buffered prefetch).
+// ---------------------------------------------------------------------------
+
+template <typename A, int R_, int C_, int NX_, int DC_, int KC_, int DMAX_> struct Tile {
+    static constexpr int NT = 256, R = R_, C = C_, NX = NX_, DC = DC_, KC = KC_, DMAX = DMAX_;
+    static constexpr int RY = NT / NX, CPT = C / NX, DPT = DMAX / NX;
+    static constexpr int VEC = 16 / (int)sizeof(A);
+    static constexpr int VW = DPT < VEC ? DPT : VEC;
+    // Padded strides (multiples of 16 bytes): XT/W rows, YT rows, Z rows.
+    static constexpr int RS = R + VEC, CS = C + VEC, XS = DMAX + VEC;
+    static_assert(RY * NX == NT && RY * 4 == R, "four rows per thread");
+    static_assert(CPT * NX == C && DPT * NX == DMAX && DPT % VW == 0, "columns and dims split evenly");
+    static_assert(R * DC % NT == 0 && C * DC % NT == 0 && KC * DMAX % NT == 0 && C % KC == 0, "staging splits evenly");
+};
+
+// Tile shapes per accumulator type and head-size bucket. The row counts R
+// (and NT) are mirrored by the launch geometry in src/attention.rs.
+template <typename A, int DMAX> struct Cfg;
+// minb: blocks per SM asked of ptxas (__launch_bounds__), which caps registers at 128 for 2.
+template <int DMAX> struct Cfg<float, DMAX> {
+    static constexpr int minb = DMAX <= 128 ? 2 : 1;
+    typedef Tile<float, 64, 64, 16, 32, 16, DMAX> fwd;
+    typedef Tile<float, 64, 64, 16, 16, 16, DMAX> bq;
+    typedef Tile<float, (DMAX <= 64 ? 64 : 32), 64, (DMAX <= 64 ? 16 : 32), 16, 16, DMAX> bkv;
+};
+template <int DMAX> struct Cfg<double, DMAX> {
+    static constexpr int minb = 1;
+    typedef Tile<double, 32, 32, 32, 16, 8, DMAX> fwd;
+    typedef Tile<double, 32, 32, 32, 16, 8, DMAX> bq;
+    typedef Tile<double, (DMAX <= 128 ? 32 : 16), 64, (DMAX <= 128 ? 32 : 64), 16, 8, DMAX> bkv;
+};
+
+// A DC-dim slice (dims d0..d0+DC) of N rows (t0..t0+N) of one head, zero
+// outside T × D, held in registers and stored transposed: dst[dd * ld + row].
+// Thread t holds dim t % DC of rows t / DC + STEP * u.
+template <typename T, typename A, int N, int DC, int NT> struct Slice {
+    static_assert(NT % DC == 0 && N % (NT / DC) == 0, "slice splits evenly");
+    static constexpr int STEP = NT / DC, PER = N / STEP;
+    A r[PER];
+    __device__ __forceinline__ void fetch(const T* src, i64 stride, int t0, int Tn, int d0, int D) {
+        const int d = d0 + (int)threadIdx.x % DC, t = t0 + (int)threadIdx.x / DC;
+        const T* p = src + (i64)t * stride + d;
+        const i64 step = (i64)STEP * stride;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) r[u] = (t + STEP * u < Tn && d < D) ? (A)load(p, u * step) : A(0);
+    }
+    __device__ __forceinline__ void put(A* dst, int ld) const {
+        A* p = dst + ((int)threadIdx.x % DC) * ld + (int)threadIdx.x / DC;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) p[STEP * u] = r[u];
+    }
+};
+
+// N full rows (t0..t0+N, dims 0..DMAX) of one head, zero outside T × D,
+// stored row-major: dst[row * ld + d]. Thread t holds dim t % DMAX of rows
+// t / DMAX + STEP * u.
+template <typename T, typename A, int N, int DMAX, int NT> struct Rows {
+    static_assert(NT % DMAX == 0 && N % (NT / DMAX) == 0, "rows split evenly");
+    static constexpr int STEP = NT / DMAX, PER = N / STEP;
+    A r[PER];
+    __device__ __forceinline__ void fetch(const T* src, i64 stride, int t0, int Tn, int D) {
+        const int d = (int)threadIdx.x % DMAX, t = t0 + (int)threadIdx.x / DMAX;
+        const T* p = src + (i64)t * stride + d;
+        const i64 step = (i64)STEP * stride;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) r[u] = (t + STEP * u < Tn && d < D) ? (A)load(p, u * step) : A(0);
+    }
+    __device__ __forceinline__ void put(A* dst, int ld) const {
+        A* p = dst + ((int)threadIdx.x / DMAX) * ld + (int)threadIdx.x % DMAX;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) p[STEP * u * ld] = r[u];
+    }
+};
+
+// acc[r][c] += sum_dd XT[dd][4ry + r] * YT[dd][CPT*cx + c] over one staged slice.
+template <class Cf, typename A>
+__device__ __forceinline__ void dot_slice(A (&acc)[4][Cf::CPT], const A* XT, const A* YT, int ry, int cx) {
+#pragma unroll
+    for (int dd = 0; dd < Cf::DC; ++dd) {
+        A x[4], y[Cf::CPT];
+        lds<4>(x, XT + dd * Cf::RS + 4 * ry);
+        lds<Cf::CPT>(y, YT + dd * Cf::CS + Cf::CPT * cx);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < Cf::CPT; ++c) acc[r][c] += x[r] * y[c];
+    }
+}
+
+// acc[r][j] += sum_kk W[kk][4ry + r] * Z[kk][dim j] over KC staged rows.
+template <class Cf, typename A>
+__device__ __forceinline__ void mul_rows(A (&acc)[4][Cf::DPT], const A* W, const A* Z, int ry, int cx) {
+    constexpr int VW = Cf::VW;
+#pragma unroll
+    for (int kk = 0; kk < Cf::KC; ++kk) {
+        A w[4];
+        lds<4>(w, W + kk * Cf::RS + 4 * ry);
+#pragma unroll
+        for (int m = 0; m < Cf::DPT / VW; ++m) {
+            A z[VW];
+            lds<VW>(z, Z + kk * Cf::XS + VW * cx + VW * Cf::NX * m);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc[r][m * VW + e] += w[r] * z[e];
+        }
+    }
+}
+
+// Writes the thread's [4][CPT] tile to W[column][row] (stride RS).
+template <class Cf, typename A> __device__ __forceinline__ void put_tile(A* W, const A (&s)[4][Cf::CPT], int ry, int cx) {
+#pragma unroll
+    for (int c = 0; c < Cf::CPT; ++c) sts4(W + (Cf::CPT * cx + c) * Cf::RS + 4 * ry, s[0][c], s[1][c], s[2][c], s[3][c]);
+}
+
+// Stores the thread's [4][DPT] accumulator rows (times f) for rows < T, dims < D.
+template <class Cf, typename T, typename A>
+__device__ __forceinline__ void store_acc(T* base, i64 stride, int row0, int Tn, int D, const A (&acc)[4][Cf::DPT], const A (&f)[4],
+                                          int ry, int cx) {
+    constexpr int VW = Cf::VW;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int t = row0 + 4 * ry + r;
+        if (t >= Tn) continue;
+#pragma unroll
+        for (int m = 0; m < Cf::DPT / VW; ++m)
+#pragma unroll
+            for (int e = 0; e < VW; ++e) {
+                const int d = VW * cx + VW * Cf::NX * m + e;
+                if (d < D) store(base, (i64)t * stride + d, acc[r][m * VW + e] * f[r]);
+            }
+    }
+}
+
+// Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. of one
+// query head (zero past T); one warp per row, lanes over dims, fixed order.
+template <typename T, typename A>
+__device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, const A* lse, const A* glse, i64 stride,
+                          i64 stat, int Tn, int D) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int i = warp; i < n; i += nw) {
+        const int t = t0 + i;
+        A sum = A(0);
+        if (t < Tn)
+            for (int d = lane; d < D; d += 32) sum += (A)load(go, (i64)t * stride + d) * (A)load(o, (i64)t * stride + d);
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            Ls[i] = t < Tn ? lse[stat + t] * A(SGA_LOG2E) : A(0);
+            Ds[i] = t < Tn ? sum - (glse ? glse[stat + t] : A(0)) : A(0);
+        }
+    }
+}
+
+// Forward: the block owns R query rows; online softmax over key tiles of C.
+template <typename T, class Cf>
+__device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
+                          double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
+    constexpr int P1 = DC * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
+    __shared__ __align__(16) A sm[U + C * RS];
+    A* const XT = sm;            // q slice, [DC][RS]
+    A* const YT = sm + DC * RS;  // k slice, [DC][CS]
+    A* const Z = sm;             // v rows, [KC][XS]
+    A* const W = sm + U;         // probabilities, [C][RS]
+
+    check_launch(R, NT, Tn);
+    const int tid = threadIdx.x, ry = tid / NX, cx = tid % NX;
+    const int nqt = (Tn + R - 1) / R, qt = nqt - 1 - (int)blockIdx.x;  // longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
+    const int r0 = qt * R, last = imin(Tn - 1, r0 + R - 1);
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
+    const T* const qb = q + ((i64)b * Tn * Hq + h) * D;
+    const T* const kb = k + ((i64)b * Tn * Hkv + g) * D;
+    const T* const vb = v + ((i64)b * Tn * Hkv + g) * D;
+    const A c2 = A(scale * SGA_LOG2E), ninf = -inf_of(A(0));
+    const int nch = (D + DC - 1) / DC;
+
+    A acc[4][DPT], m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        m[r] = ninf;
+        l[r] = A(0);
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) acc[r][j] = A(0);
+    }
+
+    for (int k0 = 0; k0 <= last; k0 += C) {
+        A s[4][CPT];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) s[r][c] = A(0);
+        Slice<T, A, R, DC, NT> sq;
+        Slice<T, A, C, DC, NT> sk;
+        sq.fetch(qb, qs, r0, Tn, 0, D);
+        sk.fetch(kb, ks, k0, Tn, 0, D);
+        for (int ch = 0; ch < nch; ++ch) {
+            sq.put(XT, RS);
+            sk.put(YT, CS);
+            __syncthreads();
+            if (ch + 1 < nch) {
+                sq.fetch(qb, qs, r0, Tn, (ch + 1) * DC, D);
+                sk.fetch(kb, ks, k0, Tn, (ch + 1) * DC, D);
+            }
+            dot_slice<Cf>(s, XT, YT, ry, cx);
+            __syncthreads();
+        }
+        // Online softmax in base 2; every lane of a row group holds the same m, l.
+        A alpha[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = r0 + 4 * ry + r;
+            A mt = ninf;
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                s[r][c] = (k0 + CPT * cx + c <= row) ? s[r][c] * c2 : ninf;
+                mt = amax(mt, s[r][c]);
+            }
+            mt = group_max<NX>(mt);
+            const A mn = amax(m[r], mt), mref = (mn == ninf) ? A(0) : mn;
+            alpha[r] = ex2(m[r] - mref);
+            m[r] = mn;
+            A rs = A(0);
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                s[r][c] = ex2(s[r][c] - mref);
+                rs += s[r][c];
+            }
+            l[r] = l[r] * alpha[r] + group_sum<NX>(rs);
+#pragma unroll
+            for (int j = 0; j < DPT; ++j) acc[r][j] *= alpha[r];
+        }
+        put_tile<Cf>(W, s, ry, cx);
+        const int nkc = (imin(C, last + 1 - k0) + KC - 1) / KC;  // key chunks that can be unmasked
+        Rows<T, A, KC, Cf::DMAX, NT> zv;
+        zv.fetch(vb, ks, k0, Tn, D);
+        for (int kc = 0; kc < nkc; ++kc) {
+            zv.put(Z, XS);
+            __syncthreads();
+            if (kc + 1 < nkc) zv.fetch(vb, ks, k0 + (kc + 1) * KC, Tn, D);
+            mul_rows<Cf>(acc, W + kc * KC * RS, Z, ry, cx);
+            __syncthreads();
+        }
+    }
+
+    A inv[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) inv[r] = A(1) / l[r];
+    store_acc<Cf>(o + ((i64)b * Tn * Hq + h) * D, qs, r0, Tn, D, acc, inv, ry, cx);
+    if (cx == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int t = r0 + 4 * ry + r;
+            if (t < Tn) lse[((i64)b * Hq + h) * Tn + t] = (m[r] + lg2(l[r])) * A(SGA_LN2);
+        }
+    }
+}
+
+// Backward, query side: the block owns R query rows of one head and steps
+// over key tiles in order: gq_i = scale · sum_j p_ij (go_i·v_j − D_i) k_j.
+template <typename T, class Cf>
+__device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
+                         const acc_t<T>* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
+    constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
+    __shared__ __align__(16) A sm[U + C * RS + 2 * R];
+    A* const QT = sm;                   // q slice [DC][RS]
+    A* const GT = sm + DC * RS;         // go slice [DC][RS]
+    A* const KT = sm + 2 * DC * RS;     // k slice [DC][CS]
+    A* const VT = KT + DC * CS;         // v slice [DC][CS]
+    A* const Z = sm;                    // k rows [KC][XS]
+    A* const W = sm + U;                // ds tile [C][RS]
+    A* const Ls = W + C * RS;           // [R]
+    A* const Ds = Ls + R;               // [R]
+
+    check_launch(R, NT, Tn);
+    const int tid = threadIdx.x, ry = tid / NX, cx = tid % NX;
+    const int nqt = (Tn + R - 1) / R, qt = nqt - 1 - (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
+    const int r0 = qt * R, last = imin(Tn - 1, r0 + R - 1);
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const T *const qb = q + qoff, *const gob = go + qoff, *const kb = k + koff, *const vb = v + koff;
+    const A c2 = A(scale * SGA_LOG2E);
+    const int nch = (D + DC - 1) / DC;
+
+    row_stats(Ls, Ds, R, r0, o + qoff, gob, lse, glse, qs, ((i64)b * Hq + h) * Tn, Tn, D);
+    __syncthreads();
+    A L2[4], Di[4], acc[4][DPT];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        L2[r] = Ls[4 * ry + r];
+        Di[r] = Ds[4 * ry + r];
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) acc[r][j] = A(0);
+    }
+
+    for (int k0 = 0; k0 <= last; k0 += C) {
+        A s[4][CPT], dp[4][CPT];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) s[r][c] = dp[r][c] = A(0);
+        Slice<T, A, R, DC, NT> sq, sg;
+        Slice<T, A, C, DC, NT> sk, sv;
+        sq.fetch(qb, qs, r0, Tn, 0, D);
+        sg.fetch(gob, qs, r0, Tn, 0, D);
+        sk.fetch(kb, ks, k0, Tn, 0, D);
+        sv.fetch(vb, ks, k0, Tn, 0, D);
+        for (int ch = 0; ch < nch; ++ch) {
+            sq.put(QT, RS);
+            sg.put(GT, RS);
+            sk.put(KT, CS);
+            sv.put(VT, CS);
+            __syncthreads();
+            if (ch + 1 < nch) {
+                const int d0 = (ch + 1) * DC;
+                sq.fetch(qb, qs, r0, Tn, d0, D);
+                sg.fetch(gob, qs, r0, Tn, d0, D);
+                sk.fetch(kb, ks, k0, Tn, d0, D);
+                sv.fetch(vb, ks, k0, Tn, d0, D);
+            }
+            dot_slice<Cf>(s, QT, KT, ry, cx);
+            dot_slice<Cf>(dp, GT, VT, ry, cx);
+            __syncthreads();
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                const bool on = k0 + CPT * cx + c <= r0 + 4 * ry + r;
+                const A p = on ? ex2(s[r][c] * c2 - L2[r]) : A(0);
+                s[r][c] = p * (dp[r][c] - Di[r]);
+            }
+        put_tile<Cf>(W, s, ry, cx);
+        const int nkc = (imin(C, last + 1 - k0) + KC - 1) / KC;
+        Rows<T, A, KC, Cf::DMAX, NT> zk;
+        zk.fetch(kb, ks, k0, Tn, D);
+        for (int kc = 0; kc < nkc; ++kc) {
+            zk.put(Z, XS);
+            __syncthreads();
+            if (kc + 1 < nkc) zk.fetch(kb, ks, k0 + (kc + 1) * KC, Tn, D);
+            mul_rows<Cf>(acc, W + kc * KC * RS, Z, ry, cx);
+            __syncthreads();
+        }
+    }
+    const A f[4] = {A(scale), A(scale), A(scale), A(scale)};
+    store_acc<Cf>(gq + qoff, qs, r0, Tn, D, acc, f, ry, cx);
+}
+
+// Backward, key side: the block owns R key rows of one kv head and steps,
+// in order, over the query heads of its group and their query tiles:
+// gv_j = sum_i p_ij go_i, gk_j = scale · sum_i p_ij (go_i·v_j − D_i) q_i.
+template <typename T, class Cf>
+__device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
+                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
+    constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
+    __shared__ __align__(16) A sm[U + C * RS + 2 * C];
+    A* const KT = sm;                   // k slice [DC][RS]
+    A* const VT = sm + DC * RS;         // v slice [DC][RS]
+    A* const QT = sm + 2 * DC * RS;     // q slice [DC][CS]
+    A* const GT = QT + DC * CS;         // go slice [DC][CS]
+    A* const Z = sm;                    // go rows, then q rows [KC][XS]
+    A* const W = sm + U;                // p, then ds [C][RS]
+    A* const Ls = W + C * RS;           // [C]
+    A* const Ds = Ls + C;               // [C]
+
+    check_launch(R, NT, Tn);
+    const int tid = threadIdx.x, ry = tid / NX, cx = tid % NX;
+    const int j0 = blockIdx.x * R, g = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const T *const kb = k + koff, *const vb = v + koff;
+    const A c2 = A(scale * SGA_LOG2E);
+    const int nch = (D + DC - 1) / DC;
+
+    A ak[4][DPT], av[4][DPT];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) ak[r][j] = av[r][j] = A(0);
+
+    for (int h = g * G; h < (g + 1) * G; ++h) {
+        const i64 qoff = ((i64)b * Tn * Hq + h) * D, stat = ((i64)b * Hq + h) * Tn;
+        const T *const qb = q + qoff, *const gob = go + qoff;
+        for (int q0 = j0 / C * C; q0 < Tn; q0 += C) {
+            row_stats(Ls, Ds, C, q0, o + qoff, gob, lse, glse, qs, stat, Tn, D);
+            A s[4][CPT], dp[4][CPT];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) s[r][c] = dp[r][c] = A(0);
+            Slice<T, A, R, DC, NT> sk, sv;
+            Slice<T, A, C, DC, NT> sq, sg;
+            sk.fetch(kb, ks, j0, Tn, 0, D);
+            sv.fetch(vb, ks, j0, Tn, 0, D);
+            sq.fetch(qb, qs, q0, Tn, 0, D);
+            sg.fetch(gob, qs, q0, Tn, 0, D);
+            for (int ch = 0; ch < nch; ++ch) {
+                sk.put(KT, RS);
+                sv.put(VT, RS);
+                sq.put(QT, CS);
+                sg.put(GT, CS);
+                __syncthreads();
+                if (ch + 1 < nch) {
+                    const int d0 = (ch + 1) * DC;
+                    sk.fetch(kb, ks, j0, Tn, d0, D);
+                    sv.fetch(vb, ks, j0, Tn, d0, D);
+                    sq.fetch(qb, qs, q0, Tn, d0, D);
+                    sg.fetch(gob, qs, q0, Tn, d0, D);
+                }
+                dot_slice<Cf>(s, KT, QT, ry, cx);
+                dot_slice<Cf>(dp, VT, GT, ry, cx);
+                __syncthreads();
+            }
+            // s <- p, dp <- ds; zero where the query precedes the key or is past T.
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) {
+                    const int i = CPT * cx + c, t = q0 + i;
+                    const bool on = t >= j0 + 4 * ry + r && t < Tn;
+                    const A p = on ? ex2(s[r][c] * c2 - Ls[i]) : A(0);
+                    s[r][c] = p;
+                    dp[r][c] = p * (dp[r][c] - Ds[i]);
+                }
+            const int nqc = (imin(C, Tn - q0) + KC - 1) / KC;
+            put_tile<Cf>(W, s, ry, cx);
+            Rows<T, A, KC, Cf::DMAX, NT> z;
+            z.fetch(gob, qs, q0, Tn, D);
+            for (int kc = 0; kc < nqc; ++kc) {
+                z.put(Z, XS);
+                __syncthreads();
+                if (kc + 1 < nqc) z.fetch(gob, qs, q0 + (kc + 1) * KC, Tn, D);
+                mul_rows<Cf>(av, W + kc * KC * RS, Z, ry, cx);
+                __syncthreads();
+            }
+            put_tile<Cf>(W, dp, ry, cx);
+            z.fetch(qb, qs, q0, Tn, D);
+            for (int kc = 0; kc < nqc; ++kc) {
+                z.put(Z, XS);
+                __syncthreads();
+                if (kc + 1 < nqc) z.fetch(qb, qs, q0 + (kc + 1) * KC, Tn, D);
+                mul_rows<Cf>(ak, W + kc * KC * RS, Z, ry, cx);
+                __syncthreads();
+            }
+        }
+    }
+    const A one[4] = {A(1), A(1), A(1), A(1)}, f[4] = {A(scale), A(scale), A(scale), A(scale)};
+    store_acc<Cf>(gv + koff, ks, j0, Tn, D, av, one, ry, cx);
+    store_acc<Cf>(gk + koff, ks, j0, Tn, D, ak, f, ry, cx);
+}
+
+// ---------------------------------------------------------------------------
+// Small head sizes (D <= DS, DS in {1, 4, 16}): one thread per query row
+// (fwd, bwd_q) with key tiles staged in shared memory; bwd_kv uses one thread
+// per (key, query slice) and sums the slices in a fixed order at the end.
+// ---------------------------------------------------------------------------
+
+constexpr int SMALL_NT = 128;   // fwd and bwd_q: threads = query rows per block
+constexpr int SMALL_KT = 128;   // keys per staged tile
+constexpr int SKV_KB = 32;      // bwd_kv: keys per block (one per lane)
+constexpr int SKV_NS = 8;       // bwd_kv: query slices (one per warp)
+constexpr int SKV_QT = 64;      // bwd_kv: query rows per staged tile
+
+// Row t of one head into registers (zero past T or D).
+template <int DS, typename T, typename A> __device__ __forceinline__ void load_row(A (&r)[DS], const T* base, i64 stride, int t, int Tn, int D) {
+#pragma unroll
+    for (int d = 0; d < DS; ++d) r[d] = (t < Tn && d < D) ? (A)load(base, (i64)t * stride + d) : A(0);
+}
+
+// Keys k0..k0+KT of k and v (zero past T or D) into Ks, Vs [KT][DS].
+template <int DS, int NT, typename T, typename A>
+__device__ __forceinline__ void stage_kv(A* Ks, A* Vs, const T* kb, const T* vb, i64 ks, int k0, int Tn, int D) {
+    for (int e = threadIdx.x; e < SMALL_KT * DS; e += NT) {
+        const int t = k0 + e / DS, d = e % DS;
+        const bool ok = t < Tn && d < D;
+        Ks[e] = ok ? (A)load(kb, (i64)t * ks + d) : A(0);
+        Vs[e] = ok ? (A)load(vb, (i64)t * ks + d) : A(0);
+    }
+}
+
+template <typename T, int DS>
+__device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
+                          double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = SMALL_NT, KT = SMALL_KT;
+    __shared__ __align__(16) A Ks[KT * DS];
+    __shared__ __align__(16) A Vs[KT * DS];
+    check_launch(NT, NT, Tn);
+    const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
+    const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const A c2 = A(scale * SGA_LOG2E);
+    A qr[DS], acc[DS];
+    load_row<DS>(qr, q + qoff, qs, row, Tn, D);
+#pragma unroll
+    for (int d = 0; d < DS; ++d) acc[d] = A(0);
+    A m = -inf_of(A(0)), l = A(0);
+    for (int k0 = 0; k0 <= last; k0 += KT) {
+        stage_kv<DS, NT>(Ks, Vs, k + koff, v + koff, ks, k0, Tn, D);
+        __syncthreads();
+        const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
+        for (int j = 0; j < jend; ++j) {
+            A kr[DS], vr[DS];
+            lds<DS>(kr, Ks + j * DS);
+            A s = A(0);
+#pragma unroll
+            for (int d = 0; d < DS; ++d) s += qr[d] * kr[d];
+            s *= c2;
+            if (s > m) {  // new running max: rescale what was accumulated
+                const A alpha = ex2(m - s);
+                l *= alpha;
+#pragma unroll
+                for (int d = 0; d < DS; ++d) acc[d] *= alpha;
+                m = s;
+            }
+            const A p = ex2(s - m);
+            l += p;
+            lds<DS>(vr, Vs + j * DS);
+#pragma unroll
+            for (int d = 0; d < DS; ++d) acc[d] += p * vr[d];
+        }
+        __syncthreads();
+    }
+    if (row < Tn) {
+        const A inv = A(1) / l;
+#pragma unroll
+        for (int d = 0; d < DS; ++d)
+            if (d < D) store(o + qoff, (i64)row * qs + d, acc[d] * inv);
+        lse[((i64)b * Hq + h) * Tn + row] = (m + lg2(l)) * A(SGA_LN2);
+    }
+}
+
+template <typename T, int DS>
+__device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
+                         const acc_t<T>* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = SMALL_NT, KT = SMALL_KT;
+    __shared__ __align__(16) A Ks[KT * DS];
+    __shared__ __align__(16) A Vs[KT * DS];
+    check_launch(NT, NT, Tn);
+    const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
+    const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const i64 st = ((i64)b * Hq + h) * Tn + row;
+    const A c2 = A(scale * SGA_LOG2E);
+    A qr[DS], gr[DS], orow[DS], acc[DS];
+    load_row<DS>(qr, q + qoff, qs, row, Tn, D);
+    load_row<DS>(gr, go + qoff, qs, row, Tn, D);
+    load_row<DS>(orow, o + qoff, qs, row, Tn, D);
+    A Di = A(0);
+#pragma unroll
+    for (int d = 0; d < DS; ++d) {
+        Di += gr[d] * orow[d];
+        acc[d] = A(0);
+    }
+    A L2 = A(0);
+    if (row < Tn) {
+        if (glse) Di -= glse[st];
+        L2 = lse[st] * A(SGA_LOG2E);
+    }
+    for (int k0 = 0; k0 <= last; k0 += KT) {
+        stage_kv<DS, NT>(Ks, Vs, k + koff, v + koff, ks, k0, Tn, D);
+        __syncthreads();
+        const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
+        for (int j = 0; j < jend; ++j) {
+            A kr[DS], vr[DS];
+            lds<DS>(kr, Ks + j * DS);
+            lds<DS>(vr, Vs + j * DS);
+            A s = A(0), dp = A(0);
+#pragma unroll
+            for (int d = 0; d < DS; ++d) {
+                s += qr[d] * kr[d];
+                dp += gr[d] * vr[d];
+            }
+            const A ds = ex2(s * c2 - L2) * (dp - Di);
+#pragma unroll
+            for (int d = 0; d < DS; ++d) acc[d] += ds * kr[d];
+        }
+        __syncthreads();
+    }
+    if (row < Tn) {
+#pragma unroll
+        for (int d = 0; d < DS; ++d)
+            if (d < D) store(gq + qoff, (i64)row * qs + d, acc[d] * A(scale));
+    }
+}
+
+template <typename T, int DS>
+__device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
+                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef acc_t<T> A;
+    constexpr int NT = SKV_KB * SKV_NS, KB = SKV_KB, NS = SKV_NS, QT = SKV_QT;
+    constexpr int STG = 2 * QT * DS + 2 * QT, RED = NS * KB * DS;
+    __shared__ __align__(16) A sm[STG > RED ? STG : RED];
+    A* const Qs = sm;             // [QT][DS]
+    A* const Gs = sm + QT * DS;   // [QT][DS]
+    A* const Ls = Gs + QT * DS;   // [QT]
+    A* const Ds = Ls + QT;        // [QT]
+    check_launch(KB, NT, Tn);
+    const int lane = threadIdx.x & 31, sl = threadIdx.x >> 5;
+    const int j0 = blockIdx.x * KB, g = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int j = j0 + lane;
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const A c2 = A(scale * SGA_LOG2E);
+    A kr[DS], vr[DS], ak[DS], av[DS];
+    load_row<DS>(kr, k + koff, ks, j, Tn, D);
+    load_row<DS>(vr, v + koff, ks, j, Tn, D);
+#pragma unroll
+    for (int d = 0; d < DS; ++d) ak[d] = av[d] = A(0);
+
+    for (int h = g * G; h < (g + 1) * G; ++h) {
+        const i64 qoff = ((i64)b * Tn * Hq + h) * D, stat = ((i64)b * Hq + h) * Tn;
+        for (int q0 = j0 / QT * QT; q0 < Tn; q0 += QT) {
+            for (int e = threadIdx.x; e < QT * DS; e += NT) {
+                const int t = q0 + e / DS, d = e % DS;
+                const bool ok = t < Tn && d < D;
+                Qs[e] = ok ? (A)load(q + qoff, (i64)t * qs + d) : A(0);
+                Gs[e] = ok ? (A)load(go + qoff, (i64)t * qs + d) : A(0);
+            }
+            if ((int)threadIdx.x < QT) {
+                const int t = q0 + (int)threadIdx.x;
+                A di = A(0), l2 = A(0);
+                if (t < Tn) {
+                    for (int d = 0; d < D; ++d)
+                        di += (A)load(go + qoff, (i64)t * qs + d) * (A)load(o + qoff, (i64)t * qs + d);
+                    if (glse) di -= glse[stat + t];
+                    l2 = lse[stat + t] * A(SGA_LOG2E);
+                }
+                Ls[threadIdx.x] = l2;
+                Ds[threadIdx.x] = di;
+            }
+            __syncthreads();
+#pragma unroll 2
+            for (int u = 0; u < QT / NS; ++u) {
+                const int i = sl + NS * u, t = q0 + i;
+                if (t >= j && t < Tn) {
+                    A qv[DS], gvv[DS];
+                    lds<DS>(qv, Qs + i * DS);
+                    lds<DS>(gvv, Gs + i * DS);
+                    A s = A(0), dp = A(0);
+#pragma unroll
+                    for (int d = 0; d < DS; ++d) {
+                        s += qv[d] * kr[d];
+                        dp += gvv[d] * vr[d];
+                    }
+                    const A p = ex2(s * c2 - Ls[i]), ds = p * (dp - Ds[i]);
+#pragma unroll
+                    for (int d = 0; d < DS; ++d) {
+                        av[d] += p * gvv[d];
+                        ak[d] += ds * qv[d];
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    // Sum the NS slices in order: gv first, then gk (times scale).
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+        for (int d = 0; d < DS; ++d) sm[(sl * KB + lane) * DS + d] = pass == 0 ? av[d] : ak[d];
+        __syncthreads();
+        for (int e = threadIdx.x; e < KB * DS; e += NT) {
+            const int jj = e / DS, d = e % DS, t = j0 + jj;
+            A sum = A(0);
+#pragma unroll
+            for (int s = 0; s < NS; ++s) sum += sm[(s * KB + jj) * DS + d];
+            if (t < Tn && d < D) store(pass == 0 ? gv + koff : gk + koff, (i64)t * ks + d, pass == 0 ? sum : sum * A(scale));
+        }
+        __syncthreads();
+    }
+}
+
+}  // namespace sga
+
+// ---------------------------------------------------------------------------
+// Entry points.
+// ---------------------------------------------------------------------------
+
+#define SGA_FWD_PARAMS(T)                                                                                       \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,             \
+        acc_t<T> *__restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale
+#define SGA_BWD_INPUTS(T)                                                                                       \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o,       \
+        const acc_t<T> *__restrict__ lse, const T *__restrict__ go, const acc_t<T> *__restrict__ glse
+#define SGA_BQ_PARAMS(T) SGA_BWD_INPUTS(T), T *__restrict__ gq, int Tn, int Hq, int Hkv, int D, double scale
+#define SGA_BKV_PARAMS(T) \
+    SGA_BWD_INPUTS(T), T *__restrict__ gk, T *__restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale
+
+#define SGA_SMALL(sfx, T, DS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT) attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) { \
+        sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT) attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) { \
+        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                               \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                                      \
+        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) {                                                      \
+        sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                          \
+    }
+
+#define SGA_TILED(sfx, T, DM)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) {          \
+        sga::fwd_tiled<T, typename sga::Cfg<acc_t<T>, DM>::fwd>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);          \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) {         \
+        sga::bq_tiled<T, typename sga::Cfg<acc_t<T>, DM>::bq>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D,     \
+                                                              scale);                                           \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {       \
+        sga::bkv_tiled<T, typename sga::Cfg<acc_t<T>, DM>::bkv>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, \
+                                                                D, scale);                                      \
+    }
+
+#define SGA_ALL(sfx, T)                                                                                        \
+    SGA_SMALL(sfx, T, 1)                                                                                       \
+    SGA_SMALL(sfx, T, 4)                                                                                       \
+    SGA_SMALL(sfx, T, 16)                                                                                      \
+    SGA_TILED(sfx, T, 32) SGA_TILED(sfx, T, 64) SGA_TILED(sfx, T, 128) SGA_TILED(sfx, T, 256)
+
+SG_FOR_EACH_FLOAT(SGA_ALL)
