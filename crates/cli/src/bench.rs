@@ -51,6 +51,9 @@ pub struct BenchArgs {
     pub tf32: bool,
     #[arg(long)]
     pub json: bool,
+    /// Also time every launch of one eager step and print the slowest kernels.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// What one benchmark run reports.
@@ -190,6 +193,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
     };
+    if args.profile {
+        let prof = s.profile()?;
+        let total: f64 = prof.iter().map(|p| p.2).sum();
+        eprintln!("profile of one eager step ({total:.2} ms in launches):");
+        for (name, n, ms) in prof.iter().take(20) {
+            eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {name}", 100.0 * ms / total);
+        }
+    }
     let mem = s.memory()?;
     let explained = mem.allocation_bytes + mem.modules_bytes + mem.blas_bytes + mem.graph_bytes;
     let report = BenchReport {

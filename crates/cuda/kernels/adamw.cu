@@ -50,7 +50,9 @@ __device__ __forceinline__ double abs_(double a) { return fabs(a); }
 // gets reading a moment after writing it).
 __device__ __forceinline__ float stored(const float*, float x) { return x; }
 __device__ __forceinline__ double stored(const double*, double x) { return x; }
-__device__ __forceinline__ float stored(const __nv_bfloat16*, float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float stored(const __nv_bfloat16*, float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
 __device__ __forceinline__ float stored(const __half*, float x) { return __half2float(__float2half_rn(x)); }
 
 // PyTorch's lerp: a + w*(b - a) for |w| < 0.5, else b - (b - a)*(1 - w).
@@ -128,20 +130,20 @@ __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const
 
 }  // namespace sg_adamw
 
-#define SG_ADAMW(pdt, P, mdt, M, vdt, V)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
+#define SG_ADAMW(pdt, P, mdt, M, vdt, V)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step, \
-                                   P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,    \
-                                   double beta2, double eps, double wd) {                                          \
-        sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,    \
-                                  eps, wd);                                                                        \
+                                   P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,       \
+                                   double beta2, double eps, double wd) {                                             \
+        sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,       \
+                                  eps, wd);                                                                           \
     }
 
 // Moments in the parameter's dtype or in f32, each independently.
-#define SG_ADAMW_P(pdt, P)                        \
-    SG_ADAMW(pdt, P, pdt, P, pdt, P)              \
-    SG_ADAMW(pdt, P, f32, float, pdt, P)          \
-    SG_ADAMW(pdt, P, pdt, P, f32, float)          \
+#define SG_ADAMW_P(pdt, P)               \
+    SG_ADAMW(pdt, P, pdt, P, pdt, P)     \
+    SG_ADAMW(pdt, P, f32, float, pdt, P) \
+    SG_ADAMW(pdt, P, pdt, P, f32, float) \
     SG_ADAMW(pdt, P, f32, float, f32, float)
 SG_ADAMW_P(bf16, __nv_bfloat16)
 SG_ADAMW_P(f16, __half)

@@ -3,7 +3,8 @@
 // reference's formulas (crates/core/src/ops/elementwise.rs) in acc_t.
 //
 // Launch conventions (lower_basic.rs builds them):
-// - 1-D grid-stride loops over the n output elements, any grid and block;
+// - 1-D grid-stride loops over the n output elements: any grid, blockDim.x
+//   at most SG_EW_THREADS (256, the kernels' __launch_bounds__);
 // - `full_<dt>(T* y, i64 n, double value)`;
 // - `<f>_<dt>(const T* x, T* y, i64 n, double p)` for every UnaryFn name f
 //   (p is pow's exponent, ignored by the others);
@@ -177,59 +178,65 @@ __device__ __forceinline__ void binary_loop(const T* a, const T* b, T* y, i64 n,
 
 }  // namespace sg_ew
 
-#define SG_EW_LOOP(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// A grid-stride loop over [0, n).
+#define SG_EW_LOOP(i, n) \
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // ---------------------------------------------------------------- full
 
-#define SG_FULL(dt, T)                                                              \
-    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) full_##dt(T* y, i64 n, double value) {               \
-        /* As T::from_f64: to the accumulator type first, then to storage. */      \
-        acc_t<T> v = (acc_t<T>)value;                                               \
-        SG_EW_LOOP(i, n) store(y, i, v);                                          \
+#define SG_FULL(dt, T)                                                        \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)               \
+        full_##dt(T* y, i64 n, double value) {                                \
+        /* As T::from_f64: to the accumulator type first, then to storage. */ \
+        acc_t<T> v = (acc_t<T>)value;                                         \
+        SG_EW_LOOP(i, n) store(y, i, v);                                      \
     }
 SG_FOR_EACH_FLOAT(SG_FULL)
 
 // ---------------------------------------------------------------- unary
 
-#define SG_UNARY(name, F, dt, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_##dt(const T* x, T* y, i64 n, double p) {                    \
-        SG_EW_LOOP(i, n) store(y, i, sg_ew::eval<sg_ew::F>(load(x, i), p));                      \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) { \
-        SG_EW_LOOP(i, n) {                                                                       \
-            acc_t<T> xi = load(x, i), gi = load(g, i);                                             \
-            store(y, i, sg_ew::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p)));                    \
-        }                                                                                          \
+#define SG_UNARY(name, F, dt, T)                                                \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                 \
+        name##_##dt(const T* x, T* y, i64 n, double p) {                        \
+        SG_EW_LOOP(i, n) store(y, i, sg_ew::eval<sg_ew::F>(load(x, i), p));     \
+    }                                                                           \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                 \
+        name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) {   \
+        SG_EW_LOOP(i, n) {                                                      \
+            acc_t<T> xi = load(x, i), gi = load(g, i);                          \
+            store(y, i, sg_ew::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p))); \
+        }                                                                       \
     }
 
-#define SG_UNARY_ALL(dt, T)                 \
-    SG_UNARY(neg, NEG, dt, T)               \
-    SG_UNARY(exp, EXP, dt, T)               \
-    SG_UNARY(log, LOG, dt, T)               \
-    SG_UNARY(sqrt, SQRT, dt, T)             \
-    SG_UNARY(rsqrt, RSQRT, dt, T)           \
-    SG_UNARY(tanh, TANH, dt, T)             \
-    SG_UNARY(sigmoid, SIGMOID, dt, T)       \
-    SG_UNARY(silu, SILU, dt, T)             \
-    SG_UNARY(gelu_tanh, GELU_TANH, dt, T)   \
-    SG_UNARY(gelu_erf, GELU_ERF, dt, T)     \
+#define SG_UNARY_ALL(dt, T)               \
+    SG_UNARY(neg, NEG, dt, T)             \
+    SG_UNARY(exp, EXP, dt, T)             \
+    SG_UNARY(log, LOG, dt, T)             \
+    SG_UNARY(sqrt, SQRT, dt, T)           \
+    SG_UNARY(rsqrt, RSQRT, dt, T)         \
+    SG_UNARY(tanh, TANH, dt, T)           \
+    SG_UNARY(sigmoid, SIGMOID, dt, T)     \
+    SG_UNARY(silu, SILU, dt, T)           \
+    SG_UNARY(gelu_tanh, GELU_TANH, dt, T) \
+    SG_UNARY(gelu_erf, GELU_ERF, dt, T)   \
     SG_UNARY(pow, POW, dt, T)
 SG_FOR_EACH_FLOAT(SG_UNARY_ALL)
 
 // ---------------------------------------------------------------- binary
 
-#define SG_BINARY(name, F, dt, T)                                                                  \
-    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) name##_##dt(const T* a, const T* b, T* y, i64 n, sg_ew::BinaryShape s) { \
-        if (n <= 0xffffffffLL)                                                                     \
-            sg_ew::binary_loop<sg_ew::F, unsigned int>(a, b, y, n, s);                             \
-        else                                                                                       \
-            sg_ew::binary_loop<sg_ew::F, unsigned long long>(a, b, y, n, s);                       \
+#define SG_BINARY(name, F, dt, T)                                                \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                  \
+        name##_##dt(const T* a, const T* b, T* y, i64 n, sg_ew::BinaryShape s) { \
+        if (n <= 0xffffffffLL)                                                   \
+            sg_ew::binary_loop<sg_ew::F, unsigned int>(a, b, y, n, s);           \
+        else                                                                     \
+            sg_ew::binary_loop<sg_ew::F, unsigned long long>(a, b, y, n, s);     \
     }
 
-#define SG_BINARY_ALL(dt, T)     \
-    SG_BINARY(add, ADD, dt, T)   \
-    SG_BINARY(sub, SUB, dt, T)   \
-    SG_BINARY(mul, MUL, dt, T)   \
+#define SG_BINARY_ALL(dt, T)   \
+    SG_BINARY(add, ADD, dt, T) \
+    SG_BINARY(sub, SUB, dt, T) \
+    SG_BINARY(mul, MUL, dt, T) \
     SG_BINARY(div, DIV, dt, T)
 SG_FOR_EACH_FLOAT(SG_BINARY_ALL)
 
@@ -238,13 +245,14 @@ SG_FOR_EACH_FLOAT(SG_BINARY_ALL)
 // As the CPU: through f64 (exact for every source), then to the target's
 // accumulator type and storage. For bf16/f16 targets that is f64 -> f32 ->
 // narrow, two roundings, exactly what the reference does.
-#define SG_CAST(sdt, S, ddt, D)                                                 \
-    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS) cast_##sdt##_##ddt(const S* x, D* y, i64 n) {    \
-        SG_EW_LOOP(i, n) store(y, i, (acc_t<D>)(double)load(x, i));           \
+#define SG_CAST(sdt, S, ddt, D)                                     \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)     \
+        cast_##sdt##_##ddt(const S* x, D* y, i64 n) {               \
+        SG_EW_LOOP(i, n) store(y, i, (acc_t<D>)(double)load(x, i)); \
     }
-#define SG_CAST_FROM(sdt, S)            \
-    SG_CAST(sdt, S, f32, float)         \
+#define SG_CAST_FROM(sdt, S)             \
+    SG_CAST(sdt, S, f32, float)          \
     SG_CAST(sdt, S, bf16, __nv_bfloat16) \
-    SG_CAST(sdt, S, f16, __half)        \
+    SG_CAST(sdt, S, f16, __half)         \
     SG_CAST(sdt, S, f64, double)
 SG_FOR_EACH_FLOAT(SG_CAST_FROM)

@@ -23,11 +23,14 @@
 //
 // The CPU rejects a target outside [0, V) that is not the ignore index; a
 // kernel cannot, so such a row never reads out of bounds and turns the loss
-// (forward) or its row of dx (backward) into NaN, where it is noticed.
+// (forward) or its row of dx (backward, when a gradient flows to the row)
+// into NaN, where it is noticed.
 
 // −∞ without INFINITY, which NVRTC does not define (so common.cuh's
 // block_max, which spells it so, does not compile when instantiated).
-template <typename A> __device__ __forceinline__ A neg_inf() { return (A)__longlong_as_double(0xfff0000000000000LL); }
+template <typename A> __device__ __forceinline__ A neg_inf() {
+    return (A)__longlong_as_double((long long)0xfff0000000000000ULL);
+}
 
 // common.cuh's block_max with that −∞: max over the block (blockDim.x a
 // multiple of 32, at most 1024), returned to every thread; `scratch` holds
@@ -46,11 +49,14 @@ __device__ __forceinline__ i64 load_target(const void* tgt, int tgt_i64, i64 n) 
     return tgt_i64 ? ((const i64*)tgt)[n] : (i64)((const int*)tgt)[n];
 }
 
-template <typename A> __device__ __forceinline__ A quiet_nan() { return (A)__longlong_as_double(0x7ff8000000000000LL); }
+template <typename A> __device__ __forceinline__ A quiet_nan() {
+    return (A)__longlong_as_double(0x7ff8000000000000LL);
+}
 
 // log Σ exp(x − shift) + shift with shift the row max, or 0 when the max is
 // infinite (PyTorch's rule, as the CPU): an all −inf row gives −inf, not NaN.
-template <typename T> __device__ void cross_entropy_lse_rows(const T* __restrict__ x, acc_t<T>* __restrict__ lse, i64 rows, i64 cols) {
+template <typename T>
+__device__ void cross_entropy_lse_rows(const T* __restrict__ x, acc_t<T>* __restrict__ lse, i64 rows, i64 cols) {
     typedef acc_t<T> A;
     __shared__ A scratch[32];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {

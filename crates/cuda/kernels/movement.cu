@@ -6,7 +6,7 @@
 // both addresses, so a bf16 slice of 64-element rows moves 16-byte units.
 //
 // Launch conventions: 1-D grid-stride loops over the n units of the output
-// (concat: of the input), any grid and block.
+// (concat: of the input), any grid, blockDim.x at most SG_MV_THREADS (256).
 //   broadcast_<u>(const U* x, U* y, i64 n, GatherShape s)
 //   permute_<u>(const U* x, U* y, i64 n, GatherShape s)
 //       y[i] = x[offset(i)], offset from the output coordinates of i and the
@@ -47,19 +47,22 @@ template <typename I> __device__ __forceinline__ i64 gather_offset(const GatherS
     return off;
 }
 
-template <typename I, typename U> __device__ __forceinline__ void gather(const U* x, U* y, i64 n, const GatherShape& s) {
+template <typename I, typename U>
+__device__ __forceinline__ void gather(const U* x, U* y, i64 n, const GatherShape& s) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = x[gather_offset<I>(s, i)];
 }
 
-template <typename I, typename U> __device__ __forceinline__ void slice(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) {
+template <typename I, typename U>
+__device__ __forceinline__ void slice(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         I q = (I)i / (I)cy, r = (I)i % (I)cy;
         y[i] = x[(i64)q * cx + off + (i64)r];
     }
 }
 
-template <typename I, typename U> __device__ __forceinline__ void slice_backward(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) {
+template <typename I, typename U>
+__device__ __forceinline__ void slice_backward(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         I q = (I)i / (I)cy, j = (I)i % (I)cy;
         i64 jj = (i64)j;
@@ -67,7 +70,8 @@ template <typename I, typename U> __device__ __forceinline__ void slice_backward
     }
 }
 
-template <typename I, typename U> __device__ __forceinline__ void concat(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) {
+template <typename I, typename U>
+__device__ __forceinline__ void concat(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         I q = (I)i / (I)cx, r = (I)i % (I)cx;
         y[(i64)q * cy + off + (i64)r] = x[i];
@@ -87,21 +91,26 @@ template <typename I, typename U> __device__ __forceinline__ void concat(const U
         call;                         \
     }
 
-#define SG_MOVEMENT(u, U)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS) broadcast_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {                  \
-        SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                                                   \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS) permute_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {                    \
-        SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                                                   \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS) slice_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) {                   \
-        SG_MV_DISPATCH((sg_mv::slice<I, U>(x, y, n, cy, cx, off)), n)                                          \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS) slice_backward_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) {           \
-        SG_MV_DISPATCH((sg_mv::slice_backward<I, U>(x, y, n, cy, cx, lo)), n)                                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS) concat_##u(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) {                  \
-        SG_MV_DISPATCH((sg_mv::concat<I, U>(x, y, n, cx, cy, off)), n)                                         \
+#define SG_MOVEMENT(u, U)                                                     \
+    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
+        broadcast_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {        \
+        SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                  \
+    }                                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
+        permute_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {          \
+        SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                  \
+    }                                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
+        slice_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) {         \
+        SG_MV_DISPATCH((sg_mv::slice<I, U>(x, y, n, cy, cx, off)), n)         \
+    }                                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
+        slice_backward_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) { \
+        SG_MV_DISPATCH((sg_mv::slice_backward<I, U>(x, y, n, cy, cx, lo)), n) \
+    }                                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
+        concat_##u(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) {        \
+        SG_MV_DISPATCH((sg_mv::concat<I, U>(x, y, n, cx, cy, off)), n)        \
     }
 
 SG_MOVEMENT(u8, unsigned char)

@@ -93,7 +93,8 @@ __device__ void rms_norm_backward_gw_cols(const T* __restrict__ x, const acc_t<T
     const i64 c = (i64)blockIdx.x * NORM_COL_TILE + threadIdx.x;
     A s = A(0);
     if (c < cols)
-        for (i64 r = threadIdx.y; r < rows; r += NORM_ROW_LANES) s += load(gy, r * cols + c) * load(x, r * cols + c) * rstd[r];
+        for (i64 r = threadIdx.y; r < rows; r += NORM_ROW_LANES)
+            s += load(gy, r * cols + c) * load(x, r * cols + c) * rstd[r];
     part[threadIdx.y][threadIdx.x] = s;
     column_tree(part);
     if (threadIdx.y == 0 && c < cols) store(gw, c, part[0][threadIdx.x]);

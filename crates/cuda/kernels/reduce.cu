@@ -12,9 +12,10 @@
 //   block per output (grid-stride), blockDim.x a multiple of 32 (<= 1024);
 // - `<k>_warps_<dt>`: the innermost axis is reduced and rows are short; one
 //   warp per output, blockDim (32, W) (<= 256 threads);
-// - `<k>_cols_<dt>`: the innermost axis is kept; blockDim (32, BY) with BY a
-//   power of two <= 32: threadIdx.x walks 32 adjacent outputs (coalesced
-//   reads), threadIdx.y splits the reduced range, then a tree over y.
+// - `<k>_cols_<dt>`: the innermost axis is kept, or reduced in rows of at
+//   most 16; blockDim (32, BY) with BY a power of two <= 32: threadIdx.x
+//   walks 32 adjacent outputs (coalesced reads), threadIdx.y splits the
+//   reduced range, then a tree over y.
 //
 // k is sum or max; a mean is the sum kernel with `mean` = 1, which divides
 // by the count at the end as the CPU does. Signatures:
@@ -52,7 +53,8 @@ struct ReduceShape {
 // out of line so the common path stays small. (Sizes and strides go by
 // value: taking the address of the kernel's struct would copy it to local
 // memory in every thread.)
-__device__ __noinline__ i64 walk_offset64(i64 idx, i64 n, i64 s0, i64 s1, i64 s2, i64 s3, i64 t0, i64 t1, i64 t2, i64 t3) {
+__device__ __noinline__ i64 walk_offset64(i64 idx, i64 n, i64 s0, i64 s1, i64 s2, i64 s3, i64 t0, i64 t1, i64 t2,
+                                          i64 t3) {
     const i64 size[kMaxGroups] = {s0, s1, s2, s3}, stride[kMaxGroups] = {t0, t1, t2, t3};
     unsigned long long rem = (unsigned long long)idx;
     i64 off = 0;
@@ -67,10 +69,13 @@ __device__ __noinline__ i64 walk_offset64(i64 idx, i64 n, i64 s0, i64 s1, i64 s2
     return off;
 }
 
-__device__ __forceinline__ i64 walk_offset(i64 idx, i64 n, const i64 (&size)[kMaxGroups], const i64 (&stride)[kMaxGroups], bool wide) {
+__device__ __forceinline__ i64 walk_offset(i64 idx, i64 n, const i64 (&size)[kMaxGroups],
+                                          const i64 (&stride)[kMaxGroups], bool wide) {
     if (n == 0) return 0;
     if (n == 1) return idx * stride[0];
-    if (wide) return walk_offset64(idx, n, size[0], size[1], size[2], size[3], stride[0], stride[1], stride[2], stride[3]);
+    if (wide) {
+        return walk_offset64(idx, n, size[0], size[1], size[2], size[3], stride[0], stride[1], stride[2], stride[3]);
+    }
     unsigned int rem = (unsigned int)idx;
     i64 off = 0;
 #pragma unroll
@@ -138,7 +143,9 @@ template <int K, typename A> __device__ __forceinline__ A block_combine(A v, A* 
 template <typename A, typename F> __device__ __forceinline__ void tree_y(A (*part)[33], F f) {
     __syncthreads();
     for (int h = blockDim.y >> 1; h > 0; h >>= 1) {
-        if (threadIdx.y < h) part[threadIdx.y][threadIdx.x] = f(part[threadIdx.y][threadIdx.x], part[threadIdx.y + h][threadIdx.x]);
+        if (threadIdx.y < h) {
+            part[threadIdx.y][threadIdx.x] = f(part[threadIdx.y][threadIdx.x], part[threadIdx.y + h][threadIdx.x]);
+        }
         __syncthreads();
     }
 }
@@ -153,7 +160,9 @@ __device__ __forceinline__ void rows(const T* x, T* y, i64 nout, i64 count, i64 
     for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
         i64 base = kept_offset(s, o, wide);
         A acc = init<K, A>();
-        for (i64 r = threadIdx.x; r < count; r += blockDim.x) acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+        for (i64 r = threadIdx.x; r < count; r += blockDim.x) {
+            acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+        }
         acc = block_combine<K>(acc, scratch);
         if (threadIdx.x == 0) store(y, o, finish(acc, count, mean));
     }
@@ -185,7 +194,9 @@ __device__ __forceinline__ void cols(const T* x, T* y, i64 nout, i64 count, i64 
         A acc = init<K, A>();
         if (o < nout) {
             i64 base = kept_offset(s, o, wide);
-            for (i64 r = threadIdx.y; r < count; r += blockDim.y) acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+            for (i64 r = threadIdx.y; r < count; r += blockDim.y) {
+                acc = combine<K>(acc, load(x, base + red_offset(s, r, wide)));
+            }
         }
         part[threadIdx.y][threadIdx.x] = acc;
         tree_y(part, [](A a, A b) { return combine<K>(a, b); });
@@ -204,7 +215,8 @@ template <typename T> __device__ __forceinline__ acc_t<T> share_of(const T* g, i
 }
 
 template <typename T>
-__device__ __forceinline__ void mb_rows(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
+__device__ __forceinline__ void mb_rows(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count,
+                                        const ReduceShape& s) {
     typedef acc_t<T> A;
     __shared__ long long scratch[32];
     const bool wide = nout * count > 0xffffffffLL;
@@ -223,7 +235,8 @@ __device__ __forceinline__ void mb_rows(const T* x, const T* y, const T* g, T* g
 }
 
 template <typename T>
-__device__ __forceinline__ void mb_warps(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
+__device__ __forceinline__ void mb_warps(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count,
+                                         const ReduceShape& s) {
     typedef acc_t<T> A;
     const bool wide = nout * count > 0xffffffffLL;
     for (i64 o = blockIdx.x * (i64)blockDim.y + threadIdx.y; o < nout; o += (i64)gridDim.x * blockDim.y) {
@@ -241,7 +254,8 @@ __device__ __forceinline__ void mb_warps(const T* x, const T* y, const T* g, T* 
 }
 
 template <typename T>
-__device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, const ReduceShape& s) {
+__device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count,
+                                        const ReduceShape& s) {
     typedef acc_t<T> A;
     __shared__ long long part[32][33];
     const bool wide = nout * count > 0xffffffffLL;
@@ -277,26 +291,26 @@ __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* g
 #define SG_RED_BOUND_warps 256
 #define SG_RED_BOUND_cols 1024
 
-#define SG_REDUCE_LAYOUT(kname, K, layout, dt, T)                                                              \
-    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout)                                        \
-        kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, i64 mean, sg_red::ReduceShape s) {       \
-        sg_red::layout<sg_red::K, T>(x, y, nout, count, mean, s);                                              \
+#define SG_REDUCE_LAYOUT(kname, K, layout, dt, T)                                                         \
+    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout)                                   \
+        kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, i64 mean, sg_red::ReduceShape s) { \
+        sg_red::layout<sg_red::K, T>(x, y, nout, count, mean, s);                                         \
     }
 
-#define SG_MAX_BACKWARD(layout, dt, T)                                                                         \
-    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) max_backward_##layout##_##dt(          \
-        const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, sg_red::ReduceShape s) {               \
-        sg_red::mb_##layout<T>(x, y, g, gx, nout, count, s);                                                   \
+#define SG_MAX_BACKWARD(layout, dt, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) max_backward_##layout##_##dt( \
+        const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, sg_red::ReduceShape s) {      \
+        sg_red::mb_##layout<T>(x, y, g, gx, nout, count, s);                                          \
     }
 
-#define SG_REDUCE_ALL(dt, T)                  \
-    SG_REDUCE_LAYOUT(sum, SUM, rows, dt, T)   \
-    SG_REDUCE_LAYOUT(sum, SUM, warps, dt, T)  \
-    SG_REDUCE_LAYOUT(sum, SUM, cols, dt, T)   \
-    SG_REDUCE_LAYOUT(max, MAX, rows, dt, T)   \
-    SG_REDUCE_LAYOUT(max, MAX, warps, dt, T)  \
-    SG_REDUCE_LAYOUT(max, MAX, cols, dt, T)   \
-    SG_MAX_BACKWARD(rows, dt, T)              \
-    SG_MAX_BACKWARD(warps, dt, T)             \
+#define SG_REDUCE_ALL(dt, T)                 \
+    SG_REDUCE_LAYOUT(sum, SUM, rows, dt, T)  \
+    SG_REDUCE_LAYOUT(sum, SUM, warps, dt, T) \
+    SG_REDUCE_LAYOUT(sum, SUM, cols, dt, T)  \
+    SG_REDUCE_LAYOUT(max, MAX, rows, dt, T)  \
+    SG_REDUCE_LAYOUT(max, MAX, warps, dt, T) \
+    SG_REDUCE_LAYOUT(max, MAX, cols, dt, T)  \
+    SG_MAX_BACKWARD(rows, dt, T)             \
+    SG_MAX_BACKWARD(warps, dt, T)            \
     SG_MAX_BACKWARD(cols, dt, T)
 SG_FOR_EACH_FLOAT(SG_REDUCE_ALL)

@@ -11,7 +11,9 @@
 
 // −∞ without INFINITY, which NVRTC does not define (so common.cuh's
 // block_max, which spells it so, does not compile when instantiated).
-template <typename A> __device__ __forceinline__ A neg_inf() { return (A)__longlong_as_double(0xfff0000000000000LL); }
+template <typename A> __device__ __forceinline__ A neg_inf() {
+    return (A)__longlong_as_double((long long)0xfff0000000000000ULL);
+}
 
 // common.cuh's block_max with that −∞: max over the block (blockDim.x a
 // multiple of 32, at most 1024), returned to every thread; `scratch` holds

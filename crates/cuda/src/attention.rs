@@ -389,20 +389,24 @@ mod tests {
         assert!(backward_launches(DType::F32, 1, 5, 4, 2, 0, true).is_empty());
         // D = 0 still has an lse to write.
         let t = |s: &[usize]| dev(DType::F32, s, 1);
-        let l = lower(&Op::from(Attention { scale: 1.0 }), &[t(&[1, 3, 2, 0]), t(&[1, 3, 1, 0]), t(&[1, 3, 1, 0])], &[
-            t(&[1, 3, 2, 0]),
-            t(&[1, 2, 3]),
-        ])
+        let l = lower(
+            &Op::from(Attention { scale: 1.0 }),
+            &[t(&[1, 3, 2, 0]), t(&[1, 3, 1, 0]), t(&[1, 3, 1, 0])],
+            &[t(&[1, 3, 2, 0]), t(&[1, 2, 3])],
+        )
         .unwrap();
         assert_eq!(kernel(&l[0]).function, "attention_fwd_d1_f32");
-        let big = lower(&Op::from(Attention { scale: 1.0 }), &[t(&[1, 3, 2, 257]), t(&[1, 3, 1, 257]), t(&[1, 3, 1, 257])], &[
-            t(&[1, 3, 2, 257]),
-            t(&[1, 2, 3]),
-        ]);
+        let big = lower(
+            &Op::from(Attention { scale: 1.0 }),
+            &[t(&[1, 3, 2, 257]), t(&[1, 3, 1, 257]), t(&[1, 3, 1, 257])],
+            &[t(&[1, 3, 2, 257]), t(&[1, 2, 3])],
+        );
         assert!(big.unwrap_err().to_string().contains("head size 257"));
         let ints = TensorType::new(DType::I32, [1, 3, 2, 4]);
         let i = DevTensor { ty: ints, ptr: 1 };
-        assert!(lower(&Op::from(Attention { scale: 1.0 }), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err());
+        assert!(
+            lower(&Op::from(Attention { scale: 1.0 }), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err()
+        );
     }
 
     /// The names the lowering asks for are the ones the source instantiates.
@@ -414,7 +418,8 @@ mod tests {
             .map(|(_, s)| *s)
             .expect("attention source is registered");
         for &bk in &BUCKETS {
-            let inst = if bk <= SMALL_MAX { format!("SGA_SMALL(sfx, T, {bk})") } else { format!("SGA_TILED(sfx, T, {bk})") };
+            let inst =
+                if bk <= SMALL_MAX { format!("SGA_SMALL(sfx, T, {bk})") } else { format!("SGA_TILED(sfx, T, {bk})") };
             assert!(src.contains(&inst), "attention.cu does not instantiate {inst}");
         }
         for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {

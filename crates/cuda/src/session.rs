@@ -321,8 +321,11 @@ impl CudaSession {
     }
 
     fn enqueue(&self) -> Result<()> {
-        let s = self.stream.cu_stream();
-        for p in &self.prepared {
+        self.enqueue_list(&self.prepared, self.stream.cu_stream())
+    }
+
+    fn enqueue_list(&self, list: &[Prepared], s: cudarc::driver::sys::CUstream) -> Result<()> {
+        for p in list {
             match p {
                 Prepared::Kernel { func, launch, args } => {
                     let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
@@ -369,6 +372,45 @@ impl CudaSession {
         self.graph.as_ref().expect("captured above").replay()?;
         self.stream.synchronize()?;
         Ok(())
+    }
+
+    /// Runs one step eagerly with a timing event after every launch and
+    /// returns, per kernel name (cuBLASLt products as `gemm`), the launch
+    /// count and total milliseconds, slowest first. For finding where a
+    /// step's time goes; the events perturb timing slightly.
+    pub fn profile(&mut self) -> Result<Vec<(String, usize, f64)>> {
+        use cudarc::driver::sys::CUevent_flags;
+        let s = self.stream.cu_stream();
+        let mut events = Vec::with_capacity(self.prepared.len() + 1);
+        let new_event = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let first = new_event()?;
+        first.record(&self.stream)?;
+        for p in &self.prepared {
+            let one = std::slice::from_ref(p);
+            self.enqueue_list(one, s)?;
+            let e = new_event()?;
+            e.record(&self.stream)?;
+            events.push(e);
+        }
+        self.stream.synchronize()?;
+        let mut totals: HashMap<String, (usize, f64)> = HashMap::new();
+        let mut prev = &first;
+        for (p, e) in self.prepared.iter().zip(&events) {
+            let ms = prev.elapsed_ms(e)? as f64;
+            let name = match p {
+                Prepared::Kernel { launch, .. } => launch.function.clone(),
+                Prepared::Gemm(g) => format!("gemm_{:?}", g.ty).to_lowercase(),
+                Prepared::Memset { .. } => "memset".into(),
+                Prepared::Copy { .. } => "copy".into(),
+            };
+            let t = totals.entry(name).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms;
+            prev = e;
+        }
+        let mut out: Vec<(String, usize, f64)> = totals.into_iter().map(|(k, (n, ms))| (k, n, ms)).collect();
+        out.sort_by(|a, b| b.2.partial_cmp(&a.2).unwrap_or(std::cmp::Ordering::Equal));
+        Ok(out)
     }
 
     /// Number of device operations in one step.

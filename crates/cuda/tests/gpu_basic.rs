@@ -1,9 +1,15 @@
 //! The basic ops' CUDA kernels (fills, pointwise maps, casts, reductions,
-//! movement, embedding, AdamW) against the CPU reference, one op at a time
-//! through `stepgraph_cuda::session::run_op`, on random inputs from several
-//! seeds, every float dtype and odd shapes. Also: in-place runs (output
-//! sharing an input's storage) give the same bits as out-of-place runs, and
-//! the kernels without atomics are deterministic.
+//! movement, embedding, AdamW) against the CPU reference, on random inputs
+//! from several seeds, every float dtype (and, for movement, i32, i64 and
+//! bool) and odd shapes.
+//!
+//! Each test gathers its cases, one node each with every value in its own
+//! bytes (as `session::run_op`), into one trace and one `CudaSession`, runs
+//! it twice (the runs must agree bit for bit: no atomics) and compares every
+//! output with `stepgraph_core::testing::run_op`; a batch that fails is
+//! re-run case by case through `session::run_op` to name the culprit. The
+//! same batch with every declared in-place pair sharing storage (as
+//! `session::run_op_aliased`) must give the same bits as without.
 //!
 //! Tolerances: ops whose GPU formula is the CPU's sequence of correctly
 //! rounded operations (binary maps, casts, fills, max, max_backward,
@@ -495,7 +501,7 @@ fn max_backward_shares_ties_exactly() {
                 let seed = 7 + ties as u64;
                 let x = if ties { tied(&shape, dt, seed) } else { normal(&shape, dt, seed) };
                 let max = Op::from(Reduce { kind: ReduceKind::Max, axes: axes.clone(), keepdim: true });
-                let y = cpu(&max, &[x.clone()]).remove(0);
+                let y = cpu(&max, std::slice::from_ref(&x)).remove(0);
                 let g = normal(&y.ty.shape, dt, seed + 1);
                 let what = format!("max_backward {dt}{shape:?} axes {axes:?} ties {ties}");
                 cases.push(case(what, MaxBackward { axes: axes.clone() }, vec![x, y, g], Cmp::Exact));
@@ -508,14 +514,15 @@ fn max_backward_shares_ties_exactly() {
 // ---------------------------------------------------------------- movement
 
 /// Movement copies bits: floats of every width plus i32, i64 and bool.
-const MOVEMENT_DTYPES: [DType; 7] = [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::I64, DType::Bool];
+const MOVEMENT_DTYPES: [DType; 7] =
+    [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::I64, DType::Bool];
 
 fn movement_input(shape: &[usize], dt: DType, seed: u64) -> HostTensor {
     match dt {
         DType::I32 | DType::I64 => ids(dt, shape, 1 << 30, seed),
         DType::Bool => {
             let n: usize = shape.iter().product();
-            let bits: Vec<f64> = (0..n).map(|i| ((i as u64 * 7 + seed) % 3 == 0) as u8 as f64).collect();
+            let bits: Vec<f64> = (0..n).map(|i| (i as u64 * 7 + seed).is_multiple_of(3) as u8 as f64).collect();
             tensor(dt, shape, &bits)
         }
         _ => normal(shape, dt, seed),
@@ -770,7 +777,10 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
                 let p0 = normal(shape, pt, seed);
                 // Zero state (a first step) with the default hyperparameters, random state otherwise.
                 let (m0, v0) = if h == 0 {
-                    (HostTensor::zeros(TensorType::new(mt, shape.to_vec())), HostTensor::zeros(TensorType::new(vt, shape.to_vec())))
+                    (
+                        HostTensor::zeros(TensorType::new(mt, shape.to_vec())),
+                        HostTensor::zeros(TensorType::new(vt, shape.to_vec())),
+                    )
                 } else {
                     (normal(shape, mt, seed + 1), positive(shape, vt, seed + 2))
                 };
@@ -785,8 +795,9 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
         let mut cpu_inputs = Vec::new();
         for (n, (label, op, st, cs, gs)) in configs.iter().enumerate() {
             let grad = normal(&gs[0].ty.shape, gs[0].ty.dtype, 1000 * step as u64 + n as u64);
-            let args =
-                |s: &[HostTensor]| vec![s[0].clone(), grad.clone(), s[1].clone(), s[2].clone(), scalar(*st, lr), scalar(*st, step)];
+            let args = |s: &[HostTensor]| {
+                vec![s[0].clone(), grad.clone(), s[1].clone(), s[2].clone(), scalar(*st, lr), scalar(*st, step)]
+            };
             cases.push(case(format!("{label} step {step}"), op.clone(), args(gs), Cmp::Close));
             cpu_inputs.push(args(cs));
         }

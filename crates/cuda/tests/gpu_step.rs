@@ -75,6 +75,13 @@ fn tiny_models_match_the_cpu() {
                 assert!((lc - lg).abs() <= tol * lc.abs(), "{name} {dtype} {kind:?} step {it}: loss cpu {lc} gpu {lg}");
                 let mut checked = 0;
                 for o in step.outputs.iter().map(|o| o.value).chain(step.updates.iter().map(|u| u.state)) {
+                    // Softmax ignores a constant added to every key, so the key
+                    // bias's gradient is exactly zero and both backends return
+                    // rounding noise; AdamW turns noise into ±lr steps of
+                    // arbitrary sign. Nothing to compare there.
+                    if step.describe(o).contains("k_proj.bias") {
+                        continue;
+                    }
                     let (c, g) = (cpu.read(o).to_f64(), gpu.read(o).unwrap().to_f64());
                     let err = max_rel_diff(&g, &c);
                     assert!(err <= tol, "{name} {dtype} {kind:?} step {it}: {} differs by {err:e}", step.describe(o));

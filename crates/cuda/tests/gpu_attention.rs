@@ -1,0 +1,326 @@
+//! The fused attention kernels on the GPU against the CPU reference
+//! (`stepgraph_core::testing::run_op`), on fresh random inputs: every head
+//! size bucket (and sizes between buckets), MHA, GQA and MQA, sequence
+//! lengths around the tile sizes, batch 1 and 2, all four float dtypes,
+//! the backward with and without the lse cotangent, bitwise determinism,
+//! and the W1 and W2 benchmark shapes.
+//!
+//! Every test needs an NVIDIA GPU: `scripts/gpu-test.sh`.
+
+use std::ops::Range;
+
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::ops::attention::{Attention, AttentionBackward};
+use stepgraph_core::ops::Op;
+use stepgraph_core::testing::{draw_inputs, run_op as cpu_run, Arg, HostTensor};
+use stepgraph_cuda::session::run_op as gpu_run;
+
+const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
+const HEAD_SIZES: [usize; 7] = [1, 3, 16, 64, 100, 128, 256];
+const HEADS: [(usize, usize); 4] = [(4, 4), (4, 2), (8, 1), (28, 4)];
+const SEQ_LENS: [usize; 5] = [1, 5, 64, 65, 257];
+const BATCHES: [usize; 2] = [1, 2];
+
+/// Tolerance of o, gq, gk, gv (relative to the reference's largest magnitude).
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::BF16 => 2e-2,
+        DType::F16 => 5e-3,
+        DType::F64 => 1e-11,
+        d => panic!("no tolerance for {d}"),
+    }
+}
+
+/// lse is stored in the stat dtype (f32, or f64 for f64 inputs).
+fn stat(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn lse_tol(dtype: DType) -> f64 {
+    tol(stat(dtype))
+}
+
+/// Largest |got − want| over max(max |want|, 0.1): relative to the
+/// reference's scale, with a floor for outputs that are zero up to rounding
+/// (gq and gk at T = 1, where p = 1 and o = v make ds cancel exactly). NaN
+/// counts as infinitely wrong.
+fn err(got: &HostTensor, want: &HostTensor) -> f64 {
+    assert_eq!(got.ty, want.ty, "output types differ");
+    let (a, b) = (got.to_f64(), want.to_f64());
+    let scale = b.iter().fold(0.1f64, |m, x| m.max(x.abs()));
+    a.iter().zip(&b).fold(0.0f64, |m, (x, y)| {
+        let d = (x - y).abs() / scale;
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    })
+}
+
+#[derive(Copy, Clone, Debug)]
+struct Case {
+    dtype: DType,
+    b: usize,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    scale: f64,
+    seed: u64,
+}
+
+impl Case {
+    fn new(dtype: DType, b: usize, t: usize, (hq, hkv): (usize, usize), d: usize, seed: u64) -> Case {
+        Case { dtype, b, t, hq, hkv, d, scale: 1.0 / (d as f64).sqrt(), seed }
+    }
+
+    fn qkv(&self) -> Vec<HostTensor> {
+        let (b, t, hq, hkv, d) = (self.b, self.t, self.hq, self.hkv, self.d);
+        draw_inputs(
+            &[Arg::Normal(vec![b, t, hq, d]), Arg::Normal(vec![b, t, hkv, d]), Arg::Normal(vec![b, t, hkv, d])],
+            self.dtype,
+            self.seed,
+        )
+    }
+
+    /// The cotangents (go, glse) of (o, lse).
+    fn cotangents(&self) -> (HostTensor, HostTensor) {
+        let go = draw_inputs(&[Arg::Normal(vec![self.b, self.t, self.hq, self.d])], self.dtype, self.seed ^ 0x5eed);
+        let glse = draw_inputs(&[Arg::Normal(vec![self.b, self.hq, self.t])], stat(self.dtype), self.seed ^ 0x15e);
+        (go.into_iter().next().unwrap(), glse.into_iter().next().unwrap())
+    }
+}
+
+/// Collects mismatches so one run reports every failing case.
+#[derive(Default)]
+struct Report(Vec<String>);
+
+impl Report {
+    fn check(&mut self, case: &Case, what: &str, got: &HostTensor, want: &HostTensor, tol: f64) {
+        let e = err(got, want);
+        if e.is_nan() || e > tol {
+            self.0.push(format!("{case:?}: {what} off by {e:.3e} (tolerance {tol:.0e})"));
+        }
+    }
+
+    fn finish(self) {
+        assert!(self.0.is_empty(), "{} mismatches:\n{}", self.0.len(), self.0.join("\n"));
+    }
+}
+
+fn gpu(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
+    gpu_run(op, inputs).unwrap_or_else(|e| panic!("GPU {}: {e}", op.name()))
+}
+
+fn cpu(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
+    cpu_run(op, inputs).unwrap_or_else(|e| panic!("CPU {}: {e}", op.name()))
+}
+
+/// Forward, then the backward without and with glse (on the CPU forward's
+/// o and lse, so both sides see the same inputs), each against the CPU.
+fn check_case(c: &Case, report: &mut Report, slack: f64) {
+    let qkv = c.qkv();
+    let fwd = Op::from(Attention { scale: c.scale });
+    let want = cpu(&fwd, &qkv);
+    let got = gpu(&fwd, &qkv);
+    report.check(c, "o", &got[0], &want[0], tol(c.dtype) * slack);
+    report.check(c, "lse", &got[1], &want[1], lse_tol(c.dtype) * slack);
+
+    let (go, glse) = c.cotangents();
+    let bwd = Op::from(AttentionBackward { scale: c.scale });
+    let mut ins: Vec<HostTensor> = qkv.clone();
+    ins.extend([want[0].clone(), want[1].clone(), go]);
+    for with_glse in [false, true] {
+        if with_glse {
+            ins.push(glse.clone());
+        }
+        let want = cpu(&bwd, &ins);
+        let got = gpu(&bwd, &ins);
+        for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
+            let what = format!("{name}{}", if with_glse { " (with glse)" } else { "" });
+            report.check(c, &what, &got[k], &want[k], tol(c.dtype) * slack);
+        }
+    }
+}
+
+fn matrix(dtype: DType) {
+    let mut report = Report::default();
+    let mut seed = 1000 * DTYPES.iter().position(|&x| x == dtype).unwrap() as u64;
+    for &d in &HEAD_SIZES {
+        for &heads in &HEADS {
+            for &t in &SEQ_LENS {
+                for &b in &BATCHES {
+                    seed += 1;
+                    check_case(&Case::new(dtype, b, t, heads, d, seed), &mut report, 1.0);
+                }
+            }
+        }
+    }
+    report.finish();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn matches_cpu_f32() {
+    matrix(DType::F32);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn matches_cpu_bf16() {
+    matrix(DType::BF16);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn matches_cpu_f16() {
+    matrix(DType::F16);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn matches_cpu_f64() {
+    matrix(DType::F64);
+}
+
+/// Head sizes between the buckets (zero padding inside a bucket) and
+/// sequence lengths around every tile size (16, 32, 64, 128 rows).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn odd_head_sizes_and_tile_edges() {
+    let mut report = Report::default();
+    let mut seed = 7000;
+    for dtype in [DType::F32, DType::F64] {
+        for d in [2, 5, 15, 17, 31, 33, 63, 65, 127, 129, 200, 255] {
+            for t in [2, 16, 17, 31, 33, 127, 129, 130] {
+                seed += 1;
+                check_case(&Case::new(dtype, 1, t, (6, 3), d, seed), &mut report, 1.0);
+            }
+        }
+    }
+    report.finish();
+}
+
+/// Logits of unit scale (not 1/√D): the running max moves often and far,
+/// which exercises the online rescaling.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn large_logits() {
+    let mut report = Report::default();
+    let mut seed = 8000;
+    for dtype in DTYPES {
+        for d in [1, 4, 16, 64, 128] {
+            seed += 1;
+            let c = Case { scale: 1.0, ..Case::new(dtype, 2, 200, (4, 2), d, seed) };
+            check_case(&c, &mut report, 1.0);
+        }
+    }
+    report.finish();
+}
+
+/// Same inputs, same bits: no atomics, fixed accumulation orders.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn repeated_runs_give_identical_bits() {
+    for (i, (dtype, d, heads, t)) in [
+        (DType::F32, 100, (8, 2), 257),
+        (DType::F32, 1, (28, 4), 300),
+        (DType::BF16, 128, (4, 4), 129),
+        (DType::F16, 64, (8, 1), 200),
+        (DType::F64, 256, (4, 2), 70),
+        (DType::F32, 16, (4, 1), 513),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = Case::new(dtype, 2, t, heads, d, 9000 + i as u64);
+        let qkv = c.qkv();
+        let fwd = Op::from(Attention { scale: c.scale });
+        let a = gpu(&fwd, &qkv);
+        let b = gpu(&fwd, &qkv);
+        assert!(a == b, "{c:?}: two forward runs differ");
+        let (go, glse) = c.cotangents();
+        let mut ins = qkv;
+        ins.extend([a[0].clone(), a[1].clone(), go, glse]);
+        let bwd = Op::from(AttentionBackward { scale: c.scale });
+        let a = gpu(&bwd, &ins);
+        let b = gpu(&bwd, &ins);
+        assert!(a == b, "{c:?}: two backward runs differ");
+    }
+}
+
+/// Heads `range` of a tensor along `axis` (2 for [B, T, H, D], 1 for lse [B, H, T]).
+fn take_heads(t: &HostTensor, axis: usize, range: Range<usize>) -> HostTensor {
+    let s = &t.ty.shape;
+    let (outer, n, inner) = (s[..axis].iter().product::<usize>(), s[axis], s[axis + 1..].iter().product::<usize>());
+    let x = t.to_f64();
+    let mut out = Vec::with_capacity(outer * range.len() * inner);
+    for o in 0..outer {
+        for h in range.clone() {
+            let at = (o * n + h) * inner;
+            out.extend_from_slice(&x[at..at + inner]);
+        }
+    }
+    let mut shape = s.clone();
+    shape[axis] = range.len();
+    HostTensor::from_f64(TensorType::new(t.ty.dtype, shape), &out)
+}
+
+/// A benchmark-sized problem on the GPU, checked against the CPU on whole
+/// kv groups (query heads `kv·G..(kv+1)·G` with kv head `kv` form an
+/// independent problem), with the tolerance widened by √(T/256) for the
+/// longer sums.
+fn benchmark_shape(c: Case, kv_heads: &[usize]) {
+    let g = c.hq / c.hkv;
+    let slack = (c.t as f64 / 256.0).sqrt().max(1.0);
+    let qkv = c.qkv();
+    let fwd = Op::from(Attention { scale: c.scale });
+    let got = gpu(&fwd, &qkv);
+    let (go, glse) = c.cotangents();
+    let bwd = Op::from(AttentionBackward { scale: c.scale });
+    let mut ins = qkv.clone();
+    ins.extend([got[0].clone(), got[1].clone(), go, glse]);
+    let gotb = gpu(&bwd, &ins);
+
+    let mut report = Report::default();
+    for &kv in kv_heads {
+        let (qh, kh) = (kv * g..(kv + 1) * g, kv..kv + 1);
+        let sub = Case { hq: g, hkv: 1, ..c };
+        let part = |t: &HostTensor, kv_side: bool| take_heads(t, 2, if kv_side { kh.clone() } else { qh.clone() });
+        let sub_qkv = vec![part(&qkv[0], false), part(&qkv[1], true), part(&qkv[2], true)];
+        let want = cpu(&fwd, &sub_qkv);
+        report.check(&sub, &format!("o of kv group {kv}"), &part(&got[0], false), &want[0], tol(c.dtype) * slack);
+        let lse = take_heads(&got[1], 1, qh.clone());
+        report.check(&sub, &format!("lse of kv group {kv}"), &lse, &want[1], lse_tol(c.dtype) * slack);
+
+        let mut sub_ins = sub_qkv;
+        sub_ins.extend([part(&ins[3], false), lse, part(&ins[5], false), take_heads(&ins[6], 1, qh.clone())]);
+        let wantb = cpu(&bwd, &sub_ins);
+        for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
+            let g = part(&gotb[k], k > 0);
+            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], tol(c.dtype) * slack);
+        }
+    }
+    report.finish();
+}
+
+/// W1: B = 1, T = 2048, 32 heads of 100, f32.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn w1_shape_f32() {
+    benchmark_shape(Case::new(DType::F32, 1, 2048, (32, 32), 100, 11), &[0, 1, 17, 31]);
+}
+
+/// W2: T = 4096, 28 query heads on 4 kv heads of size 1.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn w2_shape() {
+    benchmark_shape(Case::new(DType::F32, 1, 4096, (28, 4), 1, 12), &[0, 3]);
+    benchmark_shape(Case::new(DType::BF16, 2, 4096, (28, 4), 1, 13), &[1]);
+}
