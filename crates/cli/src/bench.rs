@@ -103,7 +103,13 @@ fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
             StepKind::Grads,
         ),
         Workload::W3 => (
-            ModelSpec { config: named("w3-llama", Overrides::default())?, batch: 1, seq: 256, dtype: DType::F32, loss: LossKind::Sum },
+            ModelSpec {
+                config: named("w3-llama", Overrides::default())?,
+                batch: 1,
+                seq: 256,
+                dtype: DType::F32,
+                loss: LossKind::Sum,
+            },
             StepKind::Grads,
         ),
         Workload::W5 => (

@@ -19,8 +19,22 @@ fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
 #[test]
 fn plan_w1_json_has_the_acceptance_fields() {
     let (ok, out, err) = stepgraph(&[
-        "plan", "--model", "open_llama_3b", "--n-layer", "10", "--dtype", "f32", "--batch", "1", "--seq", "2048", "--loss",
-        "sum", "--step", "grads", "--json",
+        "plan",
+        "--model",
+        "open_llama_3b",
+        "--n-layer",
+        "10",
+        "--dtype",
+        "f32",
+        "--batch",
+        "1",
+        "--seq",
+        "2048",
+        "--loss",
+        "sum",
+        "--step",
+        "grads",
+        "--json",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -35,7 +49,19 @@ fn plan_w1_json_has_the_acceptance_fields() {
 #[test]
 fn plan_w2_text_report() {
     let (ok, out, err) = stepgraph(&[
-        "plan", "--model", "Qwen2.5-7B", "--n-layer", "5", "--n-embd", "28", "--dtype", "bf16", "--seq", "4096", "--loss", "ce",
+        "plan",
+        "--model",
+        "Qwen2.5-7B",
+        "--n-layer",
+        "5",
+        "--n-embd",
+        "28",
+        "--dtype",
+        "bf16",
+        "--seq",
+        "4096",
+        "--loss",
+        "ce",
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("planned peak") && out.contains("largest values live at the peak"), "{out}");

@@ -112,6 +112,9 @@ template <int NX, typename A> __device__ __forceinline__ A group_sum(A v) {
 // current one is used (single-buffered prefetch).
 // ---------------------------------------------------------------------------
 
+// Tile<A, R, C, NX, DC, KC, DMAX>: R rows per block, C columns per step, NX
+// threads per row group, DC dims per staged slice, KC rows per staged chunk,
+// DMAX the head-size bucket. Static shared memory stays under 48 KB.
 template <typename A, int R_, int C_, int NX_, int DC_, int KC_, int DMAX_> struct Tile {
     static constexpr int NT = 256, R = R_, C = C_, NX = NX_, DC = DC_, KC = KC_, DMAX = DMAX_;
     static constexpr int RY = NT / NX, CPT = C / NX, DPT = DMAX / NX;
@@ -219,15 +222,17 @@ __device__ __forceinline__ void mul_rows(A (&acc)[4][Cf::DPT], const A* W, const
 }
 
 // Writes the thread's [4][CPT] tile to W[column][row] (stride RS).
-template <class Cf, typename A> __device__ __forceinline__ void put_tile(A* W, const A (&s)[4][Cf::CPT], int ry, int cx) {
+template <class Cf, typename A>
+__device__ __forceinline__ void put_tile(A* W, const A (&s)[4][Cf::CPT], int ry, int cx) {
 #pragma unroll
-    for (int c = 0; c < Cf::CPT; ++c) sts4(W + (Cf::CPT * cx + c) * Cf::RS + 4 * ry, s[0][c], s[1][c], s[2][c], s[3][c]);
+    for (int c = 0; c < Cf::CPT; ++c)
+        sts4(W + (Cf::CPT * cx + c) * Cf::RS + 4 * ry, s[0][c], s[1][c], s[2][c], s[3][c]);
 }
 
 // Stores the thread's [4][DPT] accumulator rows (times f) for rows < T, dims < D.
 template <class Cf, typename T, typename A>
-__device__ __forceinline__ void store_acc(T* base, i64 stride, int row0, int Tn, int D, const A (&acc)[4][Cf::DPT], const A (&f)[4],
-                                          int ry, int cx) {
+__device__ __forceinline__ void store_acc(T* base, i64 stride, int row0, int Tn, int D, const A (&acc)[4][Cf::DPT],
+                                          const A (&f)[4], int ry, int cx) {
     constexpr int VW = Cf::VW;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -253,7 +258,8 @@ __device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, 
         const int t = t0 + i;
         A sum = A(0);
         if (t < Tn)
-            for (int d = lane; d < D; d += 32) sum += (A)load(go, (i64)t * stride + d) * (A)load(o, (i64)t * stride + d);
+            for (int d = lane; d < D; d += 32)
+                sum += (A)load(go, (i64)t * stride + d) * (A)load(o, (i64)t * stride + d);
         sum = warp_sum(sum);
         if (lane == 0) {
             Ls[i] = t < Tn ? lse[stat + t] * A(SGA_LOG2E) : A(0);
@@ -267,9 +273,11 @@ template <typename T, class Cf>
 __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
                           double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
+    constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
     constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
     constexpr int P1 = DC * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
+    static_assert(NX <= 32 && 32 % NX == 0, "a row group's lanes share a warp (row max and sum by shuffles)");
     __shared__ __align__(16) A sm[U + C * RS];
     A* const XT = sm;            // q slice, [DC][RS]
     A* const YT = sm + DC * RS;  // k slice, [DC][CS]
@@ -375,7 +383,8 @@ template <typename T, class Cf>
 __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
                          const acc_t<T>* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
+    constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
     constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
     constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
     __shared__ __align__(16) A sm[U + C * RS + 2 * R];
@@ -393,7 +402,8 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     const int nqt = (Tn + R - 1) / R, qt = nqt - 1 - (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
     const int r0 = qt * R, last = imin(Tn - 1, r0 + R - 1);
-    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
+    const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const T *const qb = q + qoff, *const gob = go + qoff, *const kb = k + koff, *const vb = v + koff;
     const A c2 = A(scale * SGA_LOG2E);
     const int nch = (D + DC - 1) / DC;
@@ -469,7 +479,8 @@ template <typename T, class Cf>
 __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
                           const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC, CPT = Cf::CPT, DPT = Cf::DPT;
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
+    constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
     constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
     constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
     __shared__ __align__(16) A sm[U + C * RS + 2 * C];
@@ -580,7 +591,8 @@ constexpr int SKV_NS = 8;       // bwd_kv: query slices (one per warp)
 constexpr int SKV_QT = 64;      // bwd_kv: query rows per staged tile
 
 // Row t of one head into registers (zero past T or D).
-template <int DS, typename T, typename A> __device__ __forceinline__ void load_row(A (&r)[DS], const T* base, i64 stride, int t, int Tn, int D) {
+template <int DS, typename T, typename A>
+__device__ __forceinline__ void load_row(A (&r)[DS], const T* base, i64 stride, int t, int Tn, int D) {
 #pragma unroll
     for (int d = 0; d < DS; ++d) r[d] = (t < Tn && d < D) ? (A)load(base, (i64)t * stride + d) : A(0);
 }
@@ -607,7 +619,8 @@ __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
     const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
     const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
-    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
+    const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const A c2 = A(scale * SGA_LOG2E);
     A qr[DS], acc[DS];
     load_row<DS>(qr, q + qoff, qs, row, Tn, D);
@@ -660,7 +673,8 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
     const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
     const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
-    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
+    const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
+    const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const i64 st = ((i64)b * Hq + h) * Tn + row;
     const A c2 = A(scale * SGA_LOG2E);
     A qr[DS], gr[DS], orow[DS], acc[DS];
@@ -785,7 +799,8 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
             A sum = A(0);
 #pragma unroll
             for (int s = 0; s < NS; ++s) sum += sm[(s * KB + jj) * DS + d];
-            if (t < Tn && d < D) store(pass == 0 ? gv + koff : gk + koff, (i64)t * ks + d, pass == 0 ? sum : sum * A(scale));
+            if (t < Tn && d < D)
+                store(pass == 0 ? gv + koff : gk + koff, (i64)t * ks + d, pass == 0 ? sum : sum * A(scale));
         }
         __syncthreads();
     }
@@ -797,45 +812,48 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 // Entry points.
 // ---------------------------------------------------------------------------
 
-#define SGA_FWD_PARAMS(T)                                                                                       \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,             \
+#define SGA_FWD_PARAMS(T)                                                                       \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o, \
         acc_t<T> *__restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale
-#define SGA_BWD_INPUTS(T)                                                                                       \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o,       \
+#define SGA_BWD_INPUTS(T)                                                                             \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o, \
         const acc_t<T> *__restrict__ lse, const T *__restrict__ go, const acc_t<T> *__restrict__ glse
 #define SGA_BQ_PARAMS(T) SGA_BWD_INPUTS(T), T *__restrict__ gq, int Tn, int Hq, int Hkv, int D, double scale
 #define SGA_BKV_PARAMS(T) \
     SGA_BWD_INPUTS(T), T *__restrict__ gk, T *__restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale
 
-#define SGA_SMALL(sfx, T, DS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT) attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) { \
-        sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                           \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT) attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) { \
-        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                               \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                                      \
-        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) {                                                      \
-        sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                          \
+#define SGA_SMALL(sfx, T, DS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
+        attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) {                                               \
+        sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
+        attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) {                                              \
+        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                     \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                            \
+        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) {                                            \
+        sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
     }
 
-#define SGA_TILED(sfx, T, DM)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) {          \
-        sga::fwd_tiled<T, typename sga::Cfg<acc_t<T>, DM>::fwd>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);          \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) {         \
-        sga::bq_tiled<T, typename sga::Cfg<acc_t<T>, DM>::bq>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D,     \
-                                                              scale);                                           \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb) attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {       \
-        sga::bkv_tiled<T, typename sga::Cfg<acc_t<T>, DM>::bkv>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, \
-                                                                D, scale);                                      \
+#define SGA_TILED_BOUNDS(T, DM) __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb)
+#define SGA_TILED(sfx, T, DM)                                                                          \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) { \
+        typedef typename sga::Cfg<acc_t<T>, DM>::fwd Cf;                                               \
+        sga::fwd_tiled<T, Cf>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
+    }                                                                                                  \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { \
+        typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                \
+        sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                     \
+    }                                                                                                  \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM)                                                 \
+        attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {                                            \
+        typedef typename sga::Cfg<acc_t<T>, DM>::bkv Cf;                                               \
+        sga::bkv_tiled<T, Cf>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
     }
 
-#define SGA_ALL(sfx, T)                                                                                        \
-    SGA_SMALL(sfx, T, 1)                                                                                       \
-    SGA_SMALL(sfx, T, 4)                                                                                       \
-    SGA_SMALL(sfx, T, 16)                                                                                      \
+#define SGA_ALL(sfx, T)                                                                            \
+    SGA_SMALL(sfx, T, 1) SGA_SMALL(sfx, T, 4) SGA_SMALL(sfx, T, 16)                                \
     SGA_TILED(sfx, T, 32) SGA_TILED(sfx, T, 64) SGA_TILED(sfx, T, 128) SGA_TILED(sfx, T, 256)
 
 SG_FOR_EACH_FLOAT(SGA_ALL)

@@ -15,7 +15,9 @@ pub enum CudaError {
     #[error("cuBLASLt: {0}")]
     Blas(String),
     /// The step does not fit the device: nothing was allocated.
-    #[error("the planned step needs {needed} bytes ({needed_gb:.2} GB) but the GPU has {free} bytes ({free_gb:.2} GB) free")]
+    #[error(
+        "the planned step needs {needed} bytes ({needed_gb:.2} GB) but the GPU has {free} bytes ({free_gb:.2} GB) free"
+    )]
     DoesNotFit { needed: u64, needed_gb: f64, free: u64, free_gb: f64 },
     /// An op this backend cannot lower (with the reason).
     #[error("cannot lower `{op}` to CUDA: {reason}")]

@@ -21,5 +21,8 @@ pub const SOURCES: &[(&str, &str)] = &[
 
 /// The full text NVRTC compiles for `module`.
 pub fn module_source(module: &str) -> Option<String> {
-    SOURCES.iter().find(|(name, _)| *name == module).map(|(name, src)| format!("{COMMON}\n#line 1 \"{name}.cu\"\n{src}"))
+    SOURCES
+        .iter()
+        .find(|(name, _)| *name == module)
+        .map(|(name, src)| format!("{COMMON}\n#line 1 \"{name}.cu\"\n{src}"))
 }

@@ -86,9 +86,17 @@ pub enum Launch {
     Kernel(KernelLaunch),
     Gemm(GemmCall),
     /// Fill `bytes` bytes at `ptr` with `value` (a memset node in a graph).
-    Memset { ptr: u64, bytes: u64, value: u8 },
+    Memset {
+        ptr: u64,
+        bytes: u64,
+        value: u8,
+    },
     /// Copy `bytes` bytes device to device (views that were not aliased).
-    Copy { dst: u64, src: u64, bytes: u64 },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    },
 }
 
 /// Grid size for `n` work items of `per_block` each.

@@ -14,7 +14,11 @@ pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec
         Op::Reshape(_) => {
             // Planned programs alias a view with its source; copy only when they do not.
             let (src, dst) = (&inputs[0], &outputs[0]);
-            Ok(if src.ptr == dst.ptr { vec![] } else { vec![Launch::Copy { dst: dst.ptr, src: src.ptr, bytes: src.ty.bytes() }] })
+            Ok(if src.ptr == dst.ptr {
+                vec![]
+            } else {
+                vec![Launch::Copy { dst: dst.ptr, src: src.ptr, bytes: src.ty.bytes() }]
+            })
         }
         Op::Attention(_) | Op::AttentionBackward(_) => crate::attention::lower(op, inputs, outputs),
         Op::RmsNorm(_)

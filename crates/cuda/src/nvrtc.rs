@@ -25,7 +25,8 @@ fn require() -> Result<()> {
     } else {
         Err(CudaError::Missing {
             lib: "nvrtc",
-            hint: "install the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel and put its lib folder on LD_LIBRARY_PATH".into(),
+            hint: "install the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel and put its lib folder on LD_LIBRARY_PATH"
+                .into(),
         })
     }
 }
@@ -123,7 +124,9 @@ fn compile_uncached(module: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     let cubin = unsafe {
         cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| fail(format!("{e:?}")))?;
         let mut buf = vec![0u8; size];
-        cudarc::nvrtc::sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char).result().map_err(|e| fail(format!("{e:?}")))?;
+        cudarc::nvrtc::sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+            .result()
+            .map_err(|e| fail(format!("{e:?}")))?;
         buf
     };
     unsafe { nr::destroy_program(prog) }.ok();
@@ -140,7 +143,10 @@ mod tests {
     fn every_kernel_compiles_for_sm_90() {
         if !available() {
             eprintln!("NVRTC not found: kernel compile check skipped (see .ci/run)");
-            assert!(std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(), "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing");
+            assert!(
+                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
             return;
         }
         let dir = std::env::temp_dir().join(format!("stepgraph-nvrtc-test-{}", std::process::id()));

@@ -264,7 +264,8 @@ impl CudaSession {
 
     fn sample(&mut self) -> Result<()> {
         let used = used_bytes()?.0;
-        self.memory.device_peak_bytes = self.memory.device_peak_bytes.max(used.saturating_sub(self.memory.baseline_bytes));
+        self.memory.device_peak_bytes =
+            self.memory.device_peak_bytes.max(used.saturating_sub(self.memory.baseline_bytes));
         Ok(())
     }
 
@@ -279,7 +280,11 @@ impl CudaSession {
     pub fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
         let val = self.trace.value(v);
         if !val.kind.is_leaf() {
-            return Err(stepgraph_core::Error::Input { name: self.trace.describe(v), reason: "only leaves can be written".into() }.into());
+            return Err(stepgraph_core::Error::Input {
+                name: self.trace.describe(v),
+                reason: "only leaves can be written".into(),
+            }
+            .into());
         }
         if data.ty != val.ty {
             return Err(stepgraph_core::Error::Input {
@@ -337,7 +342,9 @@ impl CudaSession {
                 }
                 Prepared::Gemm(g) => self.blas.run(g, s)?,
                 // SAFETY: addresses inside the session's allocation.
-                Prepared::Memset { ptr, bytes, value } => unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?,
+                Prepared::Memset { ptr, bytes, value } => {
+                    unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?
+                }
                 Prepared::Copy { dst, src, bytes } => unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?,
             }
         }
@@ -446,7 +453,13 @@ fn one_op_trace(op: &Op, inputs: &[HostTensor]) -> Result<(Trace, Vec<ValueId>, 
     Ok((trace, ins, outs))
 }
 
-fn run_with_plan(trace: Trace, plan: MemoryPlan, ins: &[ValueId], outs: &[ValueId], inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+fn run_with_plan(
+    trace: Trace,
+    plan: MemoryPlan,
+    ins: &[ValueId],
+    outs: &[ValueId],
+    inputs: &[HostTensor],
+) -> Result<Vec<HostTensor>> {
     let mut s = CudaSession::new(trace, plan, CudaOptions::default())?;
     for (v, t) in ins.iter().zip(inputs) {
         // Raw writes: a single op's inputs are not step inputs with index checks.

@@ -21,7 +21,7 @@ const HEADS: [(usize, usize); 4] = [(4, 4), (4, 2), (8, 1), (28, 4)];
 const SEQ_LENS: [usize; 5] = [1, 5, 64, 65, 257];
 const BATCHES: [usize; 2] = [1, 2];
 
-/// Tolerance of o, gq, gk, gv (relative to the reference's largest magnitude).
+/// Tolerance of o (relative to the reference's largest magnitude, see [`err`]).
 fn tol(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
@@ -45,14 +45,27 @@ fn lse_tol(dtype: DType) -> f64 {
     tol(stat(dtype))
 }
 
-/// Largest |got − want| over max(max |want|, 0.1): relative to the
-/// reference's scale, with a floor for outputs that are zero up to rounding
-/// (gq and gk at T = 1, where p = 1 and o = v make ds cancel exactly). NaN
-/// counts as infinitely wrong.
+/// Tolerance of gq, gk, gv. In f32, `ds = p·(go·v − D_i)` subtracts two sums
+/// of D products that nearly cancel when p sits on one key (at T = 1 exactly:
+/// o = v), which amplifies rounding by about √D·ε: up to 7e-6 at D = 256
+/// against an f64 reference on the CPU emulator of these kernels.
+fn grad_tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 {
+        2e-5
+    } else {
+        tol(dtype)
+    }
+}
+
+/// Largest |got − want| over max(max |want|, 1): relative to the reference's
+/// scale, with a floor for outputs that are zero up to rounding (gq and gk at
+/// T = 1, where p = 1 and o = v make `go·v − go·o` cancel exactly; both sides
+/// then hold only rounding noise of the O(1) terms). Inputs are unit normal,
+/// so the outputs are O(1). NaN counts as infinitely wrong.
 fn err(got: &HostTensor, want: &HostTensor) -> f64 {
     assert_eq!(got.ty, want.ty, "output types differ");
     let (a, b) = (got.to_f64(), want.to_f64());
-    let scale = b.iter().fold(0.1f64, |m, x| m.max(x.abs()));
+    let scale = b.iter().fold(1.0f64, |m, x| m.max(x.abs()));
     a.iter().zip(&b).fold(0.0f64, |m, (x, y)| {
         let d = (x - y).abs() / scale;
         if d.is_nan() {
@@ -144,7 +157,7 @@ fn check_case(c: &Case, report: &mut Report, slack: f64) {
         let got = gpu(&bwd, &ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let what = format!("{name}{}", if with_glse { " (with glse)" } else { "" });
-            report.check(c, &what, &got[k], &want[k], tol(c.dtype) * slack);
+            report.check(c, &what, &got[k], &want[k], grad_tol(c.dtype) * slack);
         }
     }
 }
@@ -304,7 +317,7 @@ fn benchmark_shape(c: Case, kv_heads: &[usize]) {
         let wantb = cpu(&bwd, &sub_ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let g = part(&gotb[k], k > 0);
-            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], tol(c.dtype) * slack);
+            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], grad_tol(c.dtype) * slack);
         }
     }
     report.finish();

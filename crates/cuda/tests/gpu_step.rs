@@ -56,7 +56,9 @@ fn step_inputs(step: &Trace, sp: &ModelSpec, it: usize, mut write: impl FnMut(&s
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn tiny_models_match_the_cpu() {
     let _ = GPU;
-    for (name, dtype, tol) in [("tiny-llama", DType::F32, 1e-4), ("tiny-neox", DType::F32, 1e-4), ("tiny-llama", DType::BF16, 3e-2)] {
+    for (name, dtype, tol) in
+        [("tiny-llama", DType::F32, 1e-4), ("tiny-neox", DType::F32, 1e-4), ("tiny-llama", DType::BF16, 3e-2)]
+    {
         for kind in [StepKind::Grads, StepKind::Train] {
             let sp = spec(name, dtype);
             let fwd = build_forward(&sp).unwrap();
@@ -84,6 +86,10 @@ fn tiny_models_match_the_cpu() {
                     }
                     let (c, g) = (cpu.read(o).to_f64(), gpu.read(o).unwrap().to_f64());
                     let err = max_rel_diff(&g, &c);
+                    // AdamW's first steps move each weight by about ±lr whatever the
+                    // gradient's size, so gradients equal to rounding become weight
+                    // differences of ~lr·(relative gradient error): allow 1e-3 there.
+                    let tol = if step.value(o).kind.is_leaf() { tol.max(1e-3) } else { tol };
                     assert!(err <= tol, "{name} {dtype} {kind:?} step {it}: {} differs by {err:e}", step.describe(o));
                     checked += 1;
                 }

@@ -234,7 +234,12 @@ pub fn id_checks(trace: &Trace) -> Vec<IdCheck> {
         for node in &trace.nodes {
             match &node.op {
                 Op::Embedding(_) if aliases.contains(&node.inputs[0]) => {
-                    checks.push(IdCheck { input, rows: trace.ty(node.inputs[1]).shape[0] as i64, ignore: None, what: "token id" });
+                    checks.push(IdCheck {
+                        input,
+                        rows: trace.ty(node.inputs[1]).shape[0] as i64,
+                        ignore: None,
+                        what: "token id",
+                    });
                 }
                 Op::CrossEntropy(ce) if aliases.contains(&node.inputs[1]) => {
                     let vocab = *trace.ty(node.inputs[0]).shape.last().unwrap_or(&0) as i64;

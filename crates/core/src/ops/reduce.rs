@@ -267,8 +267,13 @@ impl Builder {
         self.reduce(ReduceKind::Sum, x, axes, keepdim)
     }
 
-    /// Sum of every element: a scalar.
+    /// Sum of every element: a scalar. Reduces the last axis first, then
+    /// the rest: two reductions that each spread over the whole machine
+    /// (one output per row, then a short vector), where a single full
+    /// reduction of a large tensor would leave all its work to one place.
     pub fn sum_all(&mut self, x: ValueId) -> Result<ValueId> {
+        let rank = self.shape(x).len();
+        let x = if rank > 1 { self.sum(x, &[rank - 1], false)? } else { x };
         let axes: Vec<usize> = (0..self.shape(x).len()).collect();
         self.sum(x, &axes, false)
     }
