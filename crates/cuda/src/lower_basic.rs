@@ -45,6 +45,9 @@ const ADAMW_MAX_GRID: usize = 4096;
 /// Columns each embedding-backward thread accumulates (`kCols` in embedding.cu).
 const EMB_COLS_PER_THREAD: usize = 8;
 
+/// A grid or block size.
+type Dim3 = (u32, u32, u32);
+
 /// The launches of one basic-op node over fixed addresses.
 pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
     if !handles(op) {
@@ -268,9 +271,6 @@ fn pad(v: &[i64], fill: i64) -> Vec<i64> {
 }
 
 // ---------------------------------------------------------------- reductions
-
-/// A grid or block size.
-type Dim3 = (u32, u32, u32);
 
 /// (size, input element stride) of merged axis groups, outer to inner.
 type Groups = Vec<(i64, i64)>;
