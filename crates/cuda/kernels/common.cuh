@@ -15,6 +15,11 @@
 
 typedef long long i64;
 
+// NVRTC compiles without the C library's <math.h>, which is where INFINITY lives.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 template <typename T> struct AccOf { typedef float type; };
 template <> struct AccOf<double> { typedef double type; };
 template <typename T> using acc_t = typename AccOf<T>::type;

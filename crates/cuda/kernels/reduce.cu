@@ -101,7 +101,7 @@ __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); 
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
-// -inf without math.h's INFINITY, which NVRTC does not define.
+// -inf of A, exactly (NVRTC has no <math.h>).
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
 template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ULL); }
@@ -126,8 +126,9 @@ template <int K, typename A> __device__ __forceinline__ A warp_combine(A v) {
 }
 
 // Combines `v` over the block (blockDim.x a multiple of 32, at most 1024; y
-// and z 1), returned to every thread: a fixed tree as common.cuh's
-// block_sum, written here because common.cuh's block_max needs INFINITY.
+// and z 1), returned to every thread: the fixed tree of common.cuh's
+// block_sum/block_max as one template over the kind, which also serves the
+// integer tie counts of max_backward.
 template <int K, typename A> __device__ __forceinline__ A block_combine(A v, A* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     v = warp_combine<K>(v);

@@ -415,7 +415,7 @@ fn max_backward(m: &MaxBackward, inputs: &[DevTensor], gx: &DevTensor) -> Result
 const UNITS: [(u64, &str); 5] = [(16, "u128"), (8, "u64"), (4, "u32"), (2, "u16"), (1, "u8")];
 
 /// The widest copy unit dividing every byte quantity in `bytes` (run
-/// lengths, offsets, addresses). 0 divides by anything (an empty offset).
+/// lengths, offsets, addresses); an offset of 0 allows any unit.
 fn unit_for(bytes: &[u64]) -> (u64, &'static str) {
     *UNITS.iter().find(|(w, _)| bytes.iter().all(|b| b % w == 0)).expect("1 divides everything")
 }
@@ -476,9 +476,9 @@ fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
 }
 
-/// A chunked copy (`slice`, `slice_backward`, `concat`): element counts
-/// `n`, `a`, `b`, `c` (the kernel's three chunk arguments) scaled to the
-/// widest unit that divides them all and both addresses.
+/// A chunked copy (`slice`, `slice_backward`, `concat`) of `n` elements;
+/// `chunk` holds the kernel's three chunk arguments in elements. All are
+/// passed in the widest unit that divides their byte sizes and both addresses.
 fn chunked(kernel: &'static str, x: &DevTensor, y: &DevTensor, es: usize, n: usize, chunk: [usize; 3]) -> Launch {
     let es = es as u64;
     let mut q = vec![x.ptr, y.ptr];
