@@ -16,18 +16,10 @@ use rayon::prelude::*;
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
-use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
-/// The dtype of the loss and the log-sum-exp: f64 for f64 logits, else f32
-/// (the accumulator type, so narrow logits lose nothing in the statistics).
-pub fn stat_dtype(logits: DType) -> DType {
-    if logits == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
+pub use super::stat_dtype;
 
 /// Ties a logits storage type to the storage type of its statistics, whose
 /// accumulator is the same, so kernels read and write both without conversions.

@@ -304,6 +304,18 @@ op_list! {
     AdamW(optim::AdamW),
 }
 
+/// The dtype of statistics kept beside float data (rstd, mean, log-sum-exp,
+/// a loss): f64 for f64 data, else f32, the accumulator type of the data, so
+/// kernels store statistics without another rounding and narrow data loses
+/// nothing in them.
+pub fn stat_dtype(data: DType) -> DType {
+    if data == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 /// Shared checks for shape rules.
 pub(crate) fn expect_inputs(inputs: &[&TensorType], n: usize) -> std::result::Result<(), String> {
     if inputs.len() != n {

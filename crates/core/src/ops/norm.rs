@@ -21,19 +21,10 @@ use rayon::prelude::*;
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
-use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
-/// The dtype of per-row statistics (rstd, mean, log-sum-exp): f64 for f64
-/// data, else f32, which is the accumulator type `T::Acc` of the data, so
-/// kernels store statistics without another rounding.
-pub fn stat_dtype(data: DType) -> DType {
-    if data == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
+pub use super::stat_dtype;
 
 /// Checks `x: [..., C]` (float, C > 0) and that every parameter is `[C]` of
 /// x's dtype. Returns C.
