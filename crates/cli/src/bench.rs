@@ -203,7 +203,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let prof = s.profile()?;
         let total: f64 = prof.iter().map(|p| p.2).sum();
         eprintln!("profile of one eager step ({total:.2} ms in launches):");
-        for (name, n, ms) in prof.iter().take(20) {
+        for (name, n, ms) in prof.iter().take(40) {
             eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {name}", 100.0 * ms / total);
         }
     }

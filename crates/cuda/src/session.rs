@@ -406,7 +406,17 @@ impl CudaSession {
             let ms = prev.elapsed_ms(e)? as f64;
             let name = match p {
                 Prepared::Kernel { launch, .. } => launch.function.clone(),
-                Prepared::Gemm(g) => format!("gemm_{:?}", g.ty).to_lowercase(),
+                // Per shape and transposition, so a slow product shape stands out.
+                Prepared::Gemm(g) => format!(
+                    "gemm_{}_{}x{}x{}{}{}{}",
+                    format!("{:?}", g.ty).to_lowercase(),
+                    g.m,
+                    g.n,
+                    g.k,
+                    if g.trans_a { "_ta" } else { "" },
+                    if g.trans_b { "_tb" } else { "" },
+                    if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() }
+                ),
                 Prepared::Memset { .. } => "memset".into(),
                 Prepared::Copy { .. } => "copy".into(),
             };
