@@ -34,6 +34,23 @@
 //! for the next slice are in flight while the current one is used). All
 //! shared memory is static and under 48 KB, so no launch attribute is needed.
 //!
+//! # Tensor-core kernels (bf16, f16)
+//!
+//! For 16-bit storage and head sizes 17..=128 the three passes run on tensor
+//! cores instead (`kernels/attention_mma.cu`, one module per dtype and padded
+//! head size, e.g. `attention_mma_d112_bf16`, see `kernels.rs`): the
+//! same walks over tiles, with every product a `mma.sync.m16n8k16` (16-bit
+//! inputs, f32 accumulation) on fragments loaded by `ldmatrix` from tiles
+//! that `cp.async` brings in double-buffered. Head sizes are padded to a
+//! multiple of 16 ([`mma_width`]). A block is four warps over 64 rows (query
+//! rows, or key rows for `bwd_kv`); a warp owns 16 of them and keeps its
+//! scores, probabilities and accumulators in registers: the f32 result
+//! fragment of `q·kᵀ` is, rounded, the A fragment of `p·v`. Probabilities
+//! and score gradients are rounded to the storage type as product inputs, as
+//! in FlashAttention-2. Shared memory is dynamic (up to ~90 KB,
+//! [`mma_shared_bytes`]). `STEPGRAPH_ATTENTION=simt` selects the CUDA-core
+//! kernels for every dtype (for comparisons).
+//!
 //! # Determinism
 //!
 //! There are no atomics and no split reductions whose order depends on
@@ -53,6 +70,42 @@ use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
 
 /// The kernel source module.
 pub const MODULE: &str = "attention";
+
+/// Rows a tensor-core block owns (4 warps × 16) and its threads.
+const MMA_ROWS: usize = 64;
+const MMA_THREADS: u32 = 128;
+
+/// The padded head size of the tensor-core kernels for `dtype` and head
+/// size `d`, or `None` when the CUDA-core kernels serve it: bf16/f16 with
+/// `16 < d <= 128`, rounded up to a multiple of 16.
+pub fn mma_width(dtype: DType, d: usize) -> Option<usize> {
+    let sixteen_bit = matches!(dtype, DType::BF16 | DType::F16);
+    let forced_simt = std::env::var("STEPGRAPH_ATTENTION").is_ok_and(|v| v == "simt");
+    (sixteen_bit && d > 16 && d <= 128 && !forced_simt).then(|| d.div_ceil(16) * 16)
+}
+
+/// The variant module holding the tensor-core kernels for `dtype` at padded
+/// head size `dp` (one of [`crate::kernels::VARIANTS`]).
+fn mma_module(dtype: DType, dp: usize) -> &'static str {
+    let name = format!("attention_mma_d{dp}_{}", dtype_suffix(dtype).unwrap_or("?"));
+    crate::kernels::VARIANTS
+        .iter()
+        .map(|(m, _, _)| *m)
+        .find(|m| *m == name)
+        .unwrap_or_else(|| panic!("no kernel module {name}: mma_width and kernels::VARIANTS disagree"))
+}
+
+/// Dynamic shared memory of a tensor-core pass at padded head size `dp`;
+/// mirrors `Geo<DP>` in `attention_mma.cu`.
+pub fn mma_shared_bytes(pass: Pass, dp: usize) -> usize {
+    let row = (dp + 8) * 2;
+    let bwd_cols = if dp <= 64 { 64 } else { 32 };
+    match pass {
+        Pass::Forward => (MMA_ROWS + 4 * 64) * row,
+        Pass::BackwardQ => (2 * MMA_ROWS + 4 * bwd_cols) * row + 2 * MMA_ROWS * 4,
+        Pass::BackwardKv => (2 * MMA_ROWS + 4 * bwd_cols) * row + 4 * bwd_cols * 4,
+    }
+}
 
 /// Largest head size the kernels handle.
 pub const MAX_HEAD_SIZE: usize = 256;
@@ -147,6 +200,8 @@ struct Dims {
     hkv: usize,
     d: usize,
     bucket: usize,
+    /// `Some(padded head size)` when the tensor-core kernels run it.
+    mma: Option<usize>,
 }
 
 impl Dims {
@@ -169,7 +224,7 @@ impl Dims {
         if t > i32::MAX as usize || hq * d > i32::MAX as usize {
             return Err(fail(format!("sequence length {t} or row size {hq}×{d} does not fit the kernels' int")));
         }
-        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket })
+        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma: mma_width(q.dtype, d) })
     }
 
     /// No work: every output is empty (or, for D = 0, only lse is not).
@@ -178,7 +233,19 @@ impl Dims {
     }
 
     fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
-        let (rows, threads) = geometry(pass, self.dtype, self.bucket);
+        let (module, function, rows, threads, shared_bytes) = match self.mma {
+            Some(dp) => (
+                mma_module(self.dtype, dp),
+                format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
+                MMA_ROWS,
+                MMA_THREADS,
+                mma_shared_bytes(pass, dp) as u32,
+            ),
+            None => {
+                let (rows, threads) = geometry(pass, self.dtype, self.bucket);
+                (MODULE, kernel_name(pass, self.dtype, self.bucket), rows, threads, 0)
+            }
+        };
         let heads = if pass == Pass::BackwardKv { self.hkv } else { self.hq };
         args.extend([
             Arg::I32(self.t as i32),
@@ -188,11 +255,11 @@ impl Dims {
             Arg::F64(scale),
         ]);
         Launch::Kernel(KernelLaunch {
-            module: MODULE,
-            function: kernel_name(pass, self.dtype, self.bucket),
+            module,
+            function,
             grid: (self.t.div_ceil(rows) as u32, heads as u32, self.b as u32),
             block: (threads, 1, 1),
-            shared_bytes: 0,
+            shared_bytes,
             args,
         })
     }
@@ -366,6 +433,41 @@ mod tests {
         assert_eq!(q.grid, (9, 8, 1));
         assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
         assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+
+    #[test]
+    fn sixteen_bit_heads_of_17_to_128_run_on_tensor_cores() {
+        // W1-bf16: 32 heads of 100 → the d112 variant, 64 rows per block.
+        let t = |dtype, shape: &[usize], p| dev(dtype, shape, p);
+        let q = t(DType::BF16, &[1, 2048, 32, 100], 1);
+        let lse = t(DType::F32, &[1, 32, 2048], 5);
+        let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
+        let k = kernel(&l[0]);
+        assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_bf16", "attention_mma_fwd_d112_bf16"));
+        assert_eq!((k.grid, k.block), ((32, 32, 1), (128, 1, 1)));
+        assert_eq!(k.shared_bytes as usize, (64 + 4 * 64) * 120 * 2);
+        assert!(k.shared_bytes <= 227 * 1024);
+
+        let l = backward_launches(DType::F16, 2, 100, 8, 2, 64, true);
+        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!((kv.module, kv.function.as_str()), ("attention_mma_d64_f16", "attention_mma_bwd_kv_d64_f16"));
+        assert_eq!((kv.grid, kv.block), ((2, 2, 2), (128, 1, 1)));
+        assert_eq!(q.function, "attention_mma_bwd_q_d64_f16");
+        assert_eq!(q.grid, (2, 8, 2));
+        assert_eq!(kv.args.len(), 14);
+
+        // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
+        for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 64), (DType::F64, 100)] {
+            assert_eq!(mma_width(dtype, d), None);
+        }
+        for d in 17..=128 {
+            let dp = mma_width(DType::BF16, d).unwrap();
+            assert!(dp >= d && dp % 16 == 0 && dp - d < 16);
+            for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+                assert!(mma_shared_bytes(pass, dp) <= 227 * 1024);
+            }
+            assert!(mma_module(DType::F16, dp).ends_with("_f16"));
+        }
     }
 
     #[test]

@@ -38,7 +38,7 @@ impl Arg {
     }
 }
 
-/// A kernel launch. `module` names a source in [`crate::kernels::SOURCES`];
+/// A kernel launch. `module` names a module of [`crate::kernels::modules`];
 /// `function` is an `extern "C" __global__` function in it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelLaunch {

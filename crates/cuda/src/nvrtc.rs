@@ -110,6 +110,11 @@ fn compile_uncached(module: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     for d in include_dirs() {
         opts.push(format!("--include-path={d}"));
     }
+    // Register and spill counts per kernel, for tuning kernels.
+    let verbose = std::env::var_os("STEPGRAPH_NVRTC_VERBOSE").is_some();
+    if verbose {
+        opts.push("--ptxas-options=-v".into());
+    }
     // SAFETY: `prog` is a live program; options are plain strings.
     let res = unsafe { nr::compile_program(prog, &opts) };
     if res.is_err() {
@@ -118,6 +123,12 @@ fn compile_uncached(module: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
         let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().to_string();
         unsafe { nr::destroy_program(prog) }.ok();
         return Err(fail(log));
+    }
+    if verbose {
+        // SAFETY: the log of a program that was compiled.
+        if let Ok(log) = unsafe { nr::get_program_log(prog) } {
+            eprintln!("{module}: {}", unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy());
+        }
     }
     let mut size = 0usize;
     // SAFETY: size query and copy into a buffer of that size.
@@ -151,7 +162,7 @@ mod tests {
         }
         let dir = std::env::temp_dir().join(format!("stepgraph-nvrtc-test-{}", std::process::id()));
         std::env::set_var("STEPGRAPH_KERNEL_CACHE", &dir);
-        for (module, _) in kernels::SOURCES {
+        for module in kernels::modules() {
             let cubin = compile(module, "sm_90").unwrap_or_else(|e| panic!("{e}"));
             assert!(cubin.len() > 100, "{module}: empty CUBIN");
         }

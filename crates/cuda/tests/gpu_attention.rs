@@ -337,3 +337,39 @@ fn w2_shape() {
     benchmark_shape(Case::new(DType::F32, 1, 4096, (28, 4), 1, 12), &[0, 3]);
     benchmark_shape(Case::new(DType::BF16, 2, 4096, (28, 4), 1, 13), &[1]);
 }
+
+/// W1-bf16: B = 1, T = 2048, 32 heads of 100 in bf16 (tensor-core kernels).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn w1_shape_bf16() {
+    benchmark_shape(Case::new(DType::BF16, 1, 2048, (32, 32), 100, 14), &[0, 13, 31]);
+}
+
+/// The tensor-core kernels (bf16 and f16, head sizes 17..=128, padded to
+/// multiples of 16): every padded width, odd sizes inside one, MHA and GQA,
+/// sequence lengths around the 64-row blocks and the 32/64-column steps,
+/// batch 1 and 2, unit-scale logits too; the CUDA-core kernels
+/// (`STEPGRAPH_ATTENTION=simt`) on a few of the same cases for contrast.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn tensor_core_kernels_match_cpu() {
+    let mut report = Report::default();
+    let mut seed = 12000;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [17, 32, 40, 64, 80, 96, 100, 112, 128] {
+            for (heads, t, b) in [((4, 4), 1, 1), ((4, 2), 31, 2), ((8, 2), 64, 1), ((4, 1), 65, 1), ((6, 3), 200, 2)] {
+                seed += 1;
+                check_case(&Case::new(dtype, b, t, heads, d, seed), &mut report, 1.0);
+            }
+            seed += 1;
+            check_case(&Case { scale: 1.0, ..Case::new(dtype, 1, 130, (4, 2), d, seed) }, &mut report, 1.0);
+        }
+    }
+    std::env::set_var("STEPGRAPH_ATTENTION", "simt");
+    for d in [64, 100] {
+        seed += 1;
+        check_case(&Case::new(DType::BF16, 1, 200, (4, 2), d, seed), &mut report, 1.0);
+    }
+    std::env::remove_var("STEPGRAPH_ATTENTION");
+    report.finish();
+}
