@@ -1,6 +1,8 @@
 //! The `stepgraph` command line: `plan` (the memory plan of a step, without
-//! allocating the model), `trace` (the forward or step trace as text) and
-//! `train` (a training run on the CPU backend).
+//! allocating the model), `trace` (the forward or step trace as text),
+//! `train` (a training run on the CPU backend), `bench` (a benchmark
+//! workload on the GPU) and `compare` (one step's loss and gradients against
+//! a PyTorch reference, on the CPU or the CUDA backend).
 
 mod bench;
 mod compare;

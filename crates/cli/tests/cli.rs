@@ -103,3 +103,16 @@ fn bad_input_gets_clear_errors() {
         assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
     }
 }
+
+#[test]
+fn compare_errors_name_the_missing_gpu_or_reference() {
+    // Asking for CUDA without a GPU fails before anything is read.
+    if !stepgraph_cuda::session::gpu_available() {
+        let (ok, _, err) = stepgraph(&["compare", "--backend", "cuda", "--reference", "no/such/dir", "--loss", "sum"]);
+        assert!(!ok);
+        assert!(err.contains("--backend cuda needs an NVIDIA GPU") && err.contains("--backend cpu"), "{err}");
+    }
+    let (ok, _, err) = stepgraph(&["compare", "--backend", "cpu", "--reference", "no/such/dir", "--loss", "sum"]);
+    assert!(!ok);
+    assert!(err.contains("reading the reference's model config no/such/dir/config.json"), "{err}");
+}
