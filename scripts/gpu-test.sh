@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks, in two halves because the GPU machine has no Rust:
 #
-#   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries into .carry/
+#   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries + torch_reference.py into .carry/
 #   scripts/gpu-test.sh test         # on the GPU machine: every GPU test (the CPU cases re-run on CUDA)
 #   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
+#   scripts/gpu-compare.sh [CASE...] # on the GPU machine: loss and gradients against PyTorch (see that script)
 #
 # With the `device` tool: build here, then run with carry [".carry"], e.g.
 #   run(command="bash scripts/gpu-test.sh test && bash scripts/gpu-test.sh bench", carry=[".carry"])
