@@ -62,6 +62,10 @@ pub struct MemoryReport {
     pub graph_bytes: u64,
     /// The most device memory this process held above the baseline.
     pub device_peak_bytes: u64,
+    /// Wall milliseconds spent autotuning cuBLASLt algorithms while the
+    /// session was built (0 when off); not bytes, but a build cost reported
+    /// with the others. Per shape: [`CudaSession::gemm_tuning`].
+    pub gemm_tune_ms: f64,
 }
 
 /// A resolved launch: functions looked up, arguments encoded.
@@ -219,9 +223,18 @@ impl CudaSession {
             });
         }
         let after_modules = used_bytes()?.0;
-        let mut blas = Blas::new(workspace_base, workspace as usize, opts.tf32)?;
-        for g in &gemms {
-            blas.prepare(g)?;
+        let mut blas = Blas::new(workspace_base, workspace as usize, opts.tf32, crate::blas::autotune_from_env())?;
+        blas.plan_all(&gemms)?;
+        // Autotuning runs products on their real addresses. Nothing holds data
+        // yet (weights and inputs are written after construction), and a
+        // matmul output is never persistent (not a leaf, no in-place or view
+        // pair), so only the arena is offered: tuning writes nowhere else.
+        blas.autotune(&gemms, arena_base..arena_base + arena, &stream)?;
+        memory.gemm_tune_ms = blas.tuning().wall_ms;
+        if !blas.tuning().shapes.is_empty() {
+            // Re-poison what the timing runs overwrote, as above.
+            // SAFETY: inside the allocation.
+            unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
         }
         stream.synchronize()?;
         let after_blas = used_bytes()?.0;
@@ -428,6 +441,12 @@ impl CudaSession {
         let mut out: Vec<(String, usize, f64)> = totals.into_iter().map(|(k, (n, ms))| (k, n, ms)).collect();
         out.sort_by(|a, b| b.2.partial_cmp(&a.2).unwrap_or(std::cmp::Ordering::Equal));
         Ok(out)
+    }
+
+    /// What cuBLASLt autotuning chose per product shape when the session
+    /// was built (`STEPGRAPH_GEMM_AUTOTUNE=0` turns it off).
+    pub fn gemm_tuning(&self) -> &crate::blas::GemmTuning {
+        self.blas.tuning()
     }
 
     /// Number of device operations in one step.
