@@ -206,6 +206,26 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         for (name, n, ms) in prof.iter().take(40) {
             eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {name}", 100.0 * ms / total);
         }
+        let tuning = s.gemm_tuning();
+        if tuning.enabled {
+            eprintln!(
+                "cuBLASLt autotuning: {:.0} ms at build, saves {:.2} ms per step over the heuristic's first choice",
+                tuning.wall_ms,
+                tuning.saved_ms_per_step()
+            );
+            for sh in &tuning.shapes {
+                let ms = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.3}"));
+                eprintln!(
+                    "  {:<40} {:>3}x  candidate {}/{}  {} ms (heuristic's first {} ms)",
+                    sh.name,
+                    sh.calls,
+                    sh.chosen + 1,
+                    sh.candidates,
+                    ms(sh.chosen_ms),
+                    ms(sh.heuristic_ms)
+                );
+            }
+        }
     }
     let mem = s.memory()?;
     let explained = mem.allocation_bytes + mem.modules_bytes + mem.blas_bytes + mem.graph_bytes;

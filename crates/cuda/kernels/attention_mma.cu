@@ -1,26 +1,29 @@
-// Tensor-core flash attention for bf16 and f16 storage, head sizes 17..128.
+// Tensor-core flash attention for bf16, f16 and f32 storage, head sizes 17..128.
 //
 // Same op, layouts and results as attention.cu (q: [B, T, Hq, D]; k, v:
 // [B, T, Hkv, D]; lse: [B, Hq, T] in f32, natural log), computed with
-// `mma.sync.m16n8k16` (16-bit inputs, f32 accumulation) on fragments read
-// from shared memory with `ldmatrix`; global tiles arrive by `cp.async`,
-// double-buffered. The design, the launch geometry and the determinism
-// argument are in crates/cuda/src/attention.rs (`mma` section); the host
-// mirrors the tile sizes and shared-memory sizes below and a launch that
-// disagrees traps.
+// `mma.sync` on fragments read from shared memory; global tiles arrive by
+// `cp.async`. bf16/f16 use m16n8k16 (f32 accumulation, `ldmatrix`, tiles
+// double-buffered); f32 uses m16n8k8 on TF32 in three products (3xTF32),
+// which keeps f32 accuracy. The fragment traits `Tc16` and `Tc32` are all
+// that differs; the three kernels are written once over them. The design,
+// the launch geometry and the determinism argument are in
+// crates/cuda/src/attention.rs; the host mirrors the tile sizes and shared
+// memory sizes of `Geo` below, and a launch that disagrees traps.
 //
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128):
 //   attention_mma_fwd_dDP_<dt>     grid (ceil(T/64), Hq, B)        o, lse
 //   attention_mma_bwd_q_dDP_<dt>   grid (ceil(T/64), Hq, B)        gq
 //   attention_mma_bwd_kv_dDP_<dt>  grid (ceil(T/64), Hkv, B)       gk, gv
 //
-// Fragment layouts (PTX ISA, mma.m16n8k16, lane = 4·g + c): the A tile
+// Fragment layouts (PTX ISA, lane = 4·g + c): for m16n8k16 the A tile
 // (16×16, row-major) gives a lane rows g and g+8 at columns 2c, 2c+1 and
-// 2c+8, 2c+9; the B tile (16×8) columns g at rows 2c.. and 2c+8..; the f32
+// 2c+8, 2c+9; the B tile (16×8) column g at rows 2c.. and 2c+8..; the f32
 // C tile (16×8) rows g and g+8 at columns 2c, 2c+1. So a C tile pair is an A
 // tile as it stands: scores become the A operand of the next product without
-// leaving registers. Softmax runs in base 2 on f32 scores; probabilities are
-// rounded to the storage type only as the A operand of `p·v` (and the score
+// leaving registers (for m16n8k8 the same holds after renaming the depth
+// slots, see Tc32). Softmax runs in base 2 on f32 scores; in 16-bit storage
+// probabilities are rounded only as the A operand of `p·v` (and the score
 // gradients as that of `ds·k`, `dsᵀ·q`), as in FlashAttention-2.
 
 #define SGM_LOG2E 1.4426950408889634074f
@@ -33,18 +36,6 @@ typedef unsigned short u16;
 
 constexpr int NT = 128;  // four warps
 constexpr int BR = 64;   // rows a block owns: query rows (fwd, bwd_q) or key rows (bwd_kv)
-
-// Columns per step: keys (fwd, bwd_q) or query rows (bwd_kv). Narrower for
-// large heads so that the score and gradient tiles stay in registers.
-template <int DP> struct Geo {
-    static constexpr int SD = DP + 8;  // shared row stride: 16-byte rows, conflict-free ldmatrix
-    static constexpr int FWD_BC = 64;
-    static constexpr int BWD_BC = DP <= 64 ? 64 : 32;
-    // Shared memory bytes, mirrored by src/attention.rs.
-    static constexpr int FWD_SMEM = (BR + 4 * FWD_BC) * SD * 2;
-    static constexpr int BQ_SMEM = (2 * BR + 4 * BWD_BC) * SD * 2 + 2 * BR * 4;
-    static constexpr int BKV_SMEM = (2 * BR + 4 * BWD_BC) * SD * 2 + 4 * BWD_BC * 4;
-};
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -59,8 +50,8 @@ __device__ __forceinline__ void ldsm4t(u32* r, const u16* p) {
                  : "r"(smem_addr(p)));
 }
 
-template <typename T> struct Ty;
-template <> struct Ty<__nv_bfloat16> {
+template <typename T> struct Mma16;
+template <> struct Mma16<__nv_bfloat16> {
     static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -74,7 +65,7 @@ template <> struct Ty<__nv_bfloat16> {
         return *reinterpret_cast<u32*>(&v);
     }
 };
-template <> struct Ty<__half> {
+template <> struct Mma16<__half> {
     static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -88,30 +79,152 @@ template <> struct Ty<__half> {
     }
 };
 
-// The A fragment of rows m0..m0+15, columns k0..k0+15 of a [*, SD] tile.
-template <int SD> __device__ __forceinline__ void frag_a(u32* r, const u16* s, int m0, int k0, int lane) {
-    ldsm4(r, s + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + k0 + (lane >> 4) * 8);
-}
-// B fragments of two n-tiles from a tile stored [n][k] (rows are the
-// product's columns): n0..n0+15, k0..k0+15; r[0..1] for n0.., r[2..3] for n0+8..
-template <int SD> __device__ __forceinline__ void frag_b_nk(u32* r, const u16* s, int n0, int k0, int lane) {
-    ldsm4(r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + k0 + ((lane >> 3) & 1) * 8);
-}
-// The same from a tile stored [k][n] (transposed by ldmatrix).
-template <int SD> __device__ __forceinline__ void frag_b_kn(u32* r, const u16* s, int k0, int n0, int lane) {
-    ldsm4t(r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + n0 + (lane >> 4) * 8);
-}
+// ---------------------------------------------------------------------------
+// Fragment traits: what the kernels below need of a tensor-core product.
+//   E          shared-memory element (the storage type's bits)
+//   KS         reduction depth of one mma; PAD: shared row padding (elements)
+//   NBUF       shared buffers per streamed tile (2: the next tile loads
+//              while this one is used); HOLD: keep a block's own A operands
+//              (q, go) in registers rather than re-reading shared memory
+//   A, B       an A fragment (16 rows × KS) and the B fragments of two n-tiles
+//              (KS × 16 columns)
+//   load_a<SD>(a, s, m0, k0)     rows m0.., depth k0.. of a tile stored [m][k]
+//   load_b_nk<SD>(b, s, n0, k0)  from a tile stored [n][k] (k·qᵀ-like)
+//   load_b_kn<SD>(b, s, k0, n0)  from a tile stored [k][n] (p·v-like); its
+//                                depth order matches a_from_c's
+//   a_from_c(a, c)               the A fragment made of KS/8 f32 result tiles
+//   mma(c, a, b, t)              c += a·b for n-tile t of the pair
+// ---------------------------------------------------------------------------
 
-// The widest copy (elements) both the rows (D elements apart) and the base allow.
-__device__ __forceinline__ int vec_of(const void* p, int D) {
+// bf16/f16: m16n8k16 with f32 accumulation, fragments by ldmatrix.
+template <typename T> struct Tc16 {
+    typedef u16 E;
+    static constexpr int KS = 16, PAD = 8, NBUF = 2;
+    static constexpr bool HOLD = true;
+    struct A {
+        u32 r[4];
+    };
+    struct B {
+        u32 r[4];
+    };
+    template <int SD> static __device__ __forceinline__ void load_a(A& a, const E* s, int m0, int k0, int lane) {
+        ldsm4(a.r, s + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + k0 + (lane >> 4) * 8);
+    }
+    template <int SD> static __device__ __forceinline__ void load_b_nk(B& b, const E* s, int n0, int k0, int lane) {
+        ldsm4(b.r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + k0 + ((lane >> 3) & 1) * 8);
+    }
+    template <int SD> static __device__ __forceinline__ void load_b_kn(B& b, const E* s, int k0, int n0, int lane) {
+        ldsm4t(b.r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + n0 + (lane >> 4) * 8);
+    }
+    // A C tile pair is an A tile as it stands (rows g, g+8; columns 2c.. and 2c+8..).
+    static __device__ __forceinline__ void a_from_c(A& a, const float (*c)[4]) {
+        a.r[0] = Mma16<T>::pack(c[0][0], c[0][1]);
+        a.r[1] = Mma16<T>::pack(c[0][2], c[0][3]);
+        a.r[2] = Mma16<T>::pack(c[1][0], c[1][1]);
+        a.r[3] = Mma16<T>::pack(c[1][2], c[1][3]);
+    }
+    static __device__ __forceinline__ void mma(float* c, const A& a, const B& b, int t) {
+        Mma16<T>::mma(c, a.r, b.r[2 * t], b.r[2 * t + 1]);
+    }
+};
+
+// f32: m16n8k8 on TF32 in three products (3xTF32): x = hi + lo with hi, lo
+// TF32, and a·b ≈ lo_a·hi_b + hi_a·lo_b + hi_a·hi_b, which keeps about f32's
+// precision (the dropped lo·lo term is ~2⁻²² relative) at tensor-core speed.
+// Fragments are read with 32-bit shared loads; shared rows of DP + 4 words
+// keep them conflict-free (DP/4 even, so the stride/4 is odd).
+struct Tc32 {
+    typedef float E;
+    static constexpr int KS = 8, PAD = 4, NBUF = 1;
+    static constexpr bool HOLD = false;
+    struct A {
+        u32 hi[4], lo[4];
+    };
+    struct B {
+        u32 hi[4], lo[4];
+    };
+    static __device__ __forceinline__ void split(float x, u32& hi, u32& lo) {
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+    }
+    static __device__ __forceinline__ void set_a(A& a, float x0, float x1, float x2, float x3) {
+        split(x0, a.hi[0], a.lo[0]);
+        split(x1, a.hi[1], a.lo[1]);
+        split(x2, a.hi[2], a.lo[2]);
+        split(x3, a.hi[3], a.lo[3]);
+    }
+    // A (16×8): rows g, g+8 at depth c and c+4.
+    template <int SD> static __device__ __forceinline__ void load_a(A& a, const E* s, int m0, int k0, int lane) {
+        const E* p = s + (m0 + (lane >> 2)) * SD + k0 + (lane & 3);
+        set_a(a, p[0], p[8 * SD], p[4], p[8 * SD + 4]);
+    }
+    // B (8×8) per n-tile: column g at depth c and c+4.
+    template <int SD> static __device__ __forceinline__ void load_b_nk(B& b, const E* s, int n0, int k0, int lane) {
+        const E* p = s + (n0 + (lane >> 2)) * SD + k0 + (lane & 3);
+        split(p[0], b.hi[0], b.lo[0]);
+        split(p[4], b.hi[1], b.lo[1]);
+        split(p[8 * SD], b.hi[2], b.lo[2]);
+        split(p[8 * SD + 4], b.hi[3], b.lo[3]);
+    }
+    // Depth slots c and c+4 hold rows 2c and 2c+1 (the order a_from_c uses).
+    template <int SD> static __device__ __forceinline__ void load_b_kn(B& b, const E* s, int k0, int n0, int lane) {
+        const E* p = s + (k0 + 2 * (lane & 3)) * SD + n0 + (lane >> 2);
+        split(p[0], b.hi[0], b.lo[0]);
+        split(p[SD], b.hi[1], b.lo[1]);
+        split(p[8], b.hi[2], b.lo[2]);
+        split(p[SD + 8], b.hi[3], b.lo[3]);
+    }
+    // One C tile (rows g, g+8; columns 2c, 2c+1): depth slot c takes column
+    // 2c and slot c+4 column 2c+1, so no value leaves its lane.
+    static __device__ __forceinline__ void a_from_c(A& a, const float (*c)[4]) {
+        set_a(a, c[0][0], c[0][2], c[0][1], c[0][3]);
+    }
+    static __device__ __forceinline__ void mma1(float* c, const u32* a, u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ void mma(float* c, const A& a, const B& b, int t) {
+        mma1(c, a.lo, b.hi[2 * t], b.hi[2 * t + 1]);
+        mma1(c, a.hi, b.lo[2 * t], b.lo[2 * t + 1]);
+        mma1(c, a.hi, b.hi[2 * t], b.hi[2 * t + 1]);
+    }
+};
+
+template <typename T> struct TcOf {
+    typedef Tc16<T> type;
+};
+template <> struct TcOf<float> {
+    typedef Tc32 type;
+};
+
+// Tile sizes and shared memory per storage type and padded head size DP;
+// mirrored by src/attention.rs. Columns per step are keys (fwd, bwd_q) or
+// query rows (bwd_kv), narrower where the score tiles would crowd registers.
+template <typename T, int DP> struct Geo {
+    typedef typename TcOf<T>::type Tc;
+    typedef typename Tc::E E;
+    static constexpr int ES = (int)sizeof(E), SD = DP + Tc::PAD, NBUF = Tc::NBUF;
+    static constexpr int FWD_BC = ES == 2 ? 64 : 32;
+    static constexpr int BWD_BC = ES == 2 && DP <= 64 ? 64 : 32;
+    static constexpr int FWD_SMEM = (BR + 2 * NBUF * FWD_BC) * SD * ES;
+    static constexpr int BQ_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * BR * 4;
+    static constexpr int BKV_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * NBUF * BWD_BC * 4;
+    static_assert(DP % 16 == 0 && FWD_BC % 16 == 0 && BWD_BC % 16 == 0, "whole fragments");
+};
+
+// The widest copy (elements of ES bytes, at most 16 bytes) that both the rows
+// (D elements apart) and the base allow.
+template <int ES> __device__ __forceinline__ int vec_of(const void* p, int D) {
     const unsigned long long a = (unsigned long long)p;
-    if (D % 8 == 0 && a % 16 == 0) return 8;
-    if (D % 4 == 0 && a % 8 == 0) return 4;
-    if (D % 2 == 0 && a % 4 == 0) return 2;
+    for (int v = 16 / ES; v > 1; v >>= 1)
+        if (D % v == 0 && a % (unsigned long long)(v * ES) == 0) return v;
     return 1;
 }
 
-template <int BYTES> __device__ __forceinline__ void cp_async(u16* dst, const u16* src, bool ok) {
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
     const int n = ok ? BYTES : 0;  // 0 source bytes: the destination is zero-filled
     if constexpr (BYTES == 16)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
@@ -123,30 +236,30 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Rows t0..t0+ROWS of one head (row t at g + t·stride, D elements) into s
-// [ROWS][SD], zero past T and past D up to DP. Asynchronous for V ≥ 2.
-template <int V, int ROWS, int DP>
-__device__ __forceinline__ void tile_v(u16* s, const u16* g, int t0, int Tn, long long stride, int D) {
-    constexpr int CH = DP / V, SD = Geo<DP>::SD;
+// [ROWS][SD], zero past T and past D up to DP; by cp.async of V elements.
+template <int V, int ROWS, int DP, int SD, typename E>
+__device__ __forceinline__ void tile_v(E* s, const E* g, int t0, int Tn, long long stride, int D) {
+    constexpr int CH = DP / V;
     for (int i = threadIdx.x; i < ROWS * CH; i += NT) {
         const int r = i / CH, c = (i - r * CH) * V;
         const bool ok = t0 + r < Tn && c < D;
-        const u16* src = ok ? g + (long long)(t0 + r) * stride + c : g;
-        u16* dst = s + r * SD + c;
-        if constexpr (V == 1)
-            *dst = ok ? *src : (u16)0;
+        const E* src = ok ? g + (long long)(t0 + r) * stride + c : g;
+        E* dst = s + r * SD + c;
+        if constexpr (V * sizeof(E) < 4)
+            *dst = ok ? *src : (E)0;  // 2-byte rows: cp.async copies 4, 8 or 16 bytes
         else
-            cp_async<2 * V>(dst, src, ok);
+            cp_async<V * sizeof(E)>(dst, src, ok);
     }
 }
-template <int ROWS, int DP>
-__device__ __forceinline__ void tile(u16* s, const void* g, int vec, int t0, int Tn, long long stride, int D) {
-    const u16* p = (const u16*)g;
-    switch (vec) {
-        case 8: tile_v<8, ROWS, DP>(s, p, t0, Tn, stride, D); break;
-        case 4: tile_v<4, ROWS, DP>(s, p, t0, Tn, stride, D); break;
-        case 2: tile_v<2, ROWS, DP>(s, p, t0, Tn, stride, D); break;
-        default: tile_v<1, ROWS, DP>(s, p, t0, Tn, stride, D); break;
+template <int ROWS, int DP, int SD, typename E>
+__device__ __forceinline__ void tile(E* s, const void* g, int vec, int t0, int Tn, long long stride, int D) {
+    const E* p = (const E*)g;
+    if constexpr (sizeof(E) == 2) {
+        if (vec == 8) return tile_v<8, ROWS, DP, SD>(s, p, t0, Tn, stride, D);
     }
+    if (vec == 4) return tile_v<4, ROWS, DP, SD>(s, p, t0, Tn, stride, D);
+    if (vec == 2) return tile_v<2, ROWS, DP, SD>(s, p, t0, Tn, stride, D);
+    tile_v<1, ROWS, DP, SD>(s, p, t0, Tn, stride, D);
 }
 
 __device__ __forceinline__ unsigned dynamic_smem() {
@@ -161,11 +274,11 @@ __device__ __forceinline__ void check_launch(int rows, int Tn, int smem) {
 }
 
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. (zero past
-// T); n·(NT/n) threads, NT/n per row over dims, summed in a fixed order.
+// T); NT/N neighbouring threads per row over dims, summed in a fixed order.
 template <typename T, int N>
 __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T* o, const T* go, const float* lse,
                                           const float* glse, long long stride, long long stat, int Tn, int D) {
-    constexpr int PER = NT / N;  // threads per row: 2 or 4, neighbours in a warp
+    constexpr int PER = NT / N;
     const int i = threadIdx.x / PER, part = threadIdx.x % PER, t = t0 + i;
     float sum = 0.f;
     if (t < Tn)
@@ -185,12 +298,16 @@ __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T*
 template <typename T, int DP>
 __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
                     double scale) {
-    typedef Geo<DP> G;
-    constexpr int SD = G::SD, BC = G::FWD_BC, KT = DP / 16, NO = DP / 8, NS = BC / 8;
-    extern __shared__ __align__(16) u16 smem[];
-    u16* const Qs = smem;
-    u16* const Ks = Qs + BR * SD;      // two buffers of BC rows
-    u16* const Vs = Ks + 2 * BC * SD;  // two buffers of BC rows
+    typedef Geo<T, DP> G;
+    typedef typename G::Tc Tc;
+    typedef typename G::E E;
+    typedef typename Tc::A FA;
+    typedef typename Tc::B FB;
+    constexpr int SD = G::SD, BC = G::FWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    E* const Qs = reinterpret_cast<E*>(smem_bytes);
+    E* const Ks = Qs + BR * SD;       // NB buffers of BC rows
+    E* const Vs = Ks + NB * BC * SD;  // NB buffers of BC rows
     check_launch(BR, Tn, G::FWD_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -201,53 +318,63 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of(q, D), vk = vec_of(k, D), vv = vec_of(v, D);
+    const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
     const int last = min(q0 + BR, Tn) - 1, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    auto issue = [&](int j, int buf) {
+        tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
+        tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
+    };
 
-    tile<BR, DP>(Qs, qb, vq, q0, Tn, qs, D);
-    tile<BC, DP>(Ks, kb, vk, 0, Tn, ks, D);
-    tile<BC, DP>(Vs, vb, vv, 0, Tn, ks, D);
+    tile<BR, DP, SD>(Qs, qb, vec_of<G::ES>(q, D), q0, Tn, qs, D);
+    issue(0, 0);
     cp_commit();
 
-    u32 qf[KT][4];
+    FA qf[Tc::HOLD ? KT : 1];
     float acc[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    // The first key tile is not masked for any row, so m is finite after it.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int row0 = q0 + warp * 16 + g;  // this lane's rows: row0, row0 + 8
 
     for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) {
-            const int nb = (j + 1) & 1;
-            tile<BC, DP>(Ks + nb * BC * SD, kb, vk, (j + 1) * BC, Tn, ks, D);
-            tile<BC, DP>(Vs + nb * BC * SD, vb, vv, (j + 1) * BC, Tn, ks, D);
+        if (NB == 2 && j + 1 < ntiles) {
+            issue(j + 1, (j + 1) & 1);
             cp_commit();
             cp_wait<1>();
         } else {
             cp_wait<0>();
         }
         __syncthreads();
-        if (j == 0) {
+        if constexpr (Tc::HOLD) {
+            if (j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KT; ++kk) frag_a<SD>(qf[kk], Qs, warp * 16, kk * 16, lane);
+                for (int kk = 0; kk < KT; ++kk) Tc::template load_a<SD>(qf[kk], Qs, warp * 16, kk * KS, lane);
+            }
         }
-        const u16* const Kt = Ks + (j & 1) * BC * SD;
-        const u16* const Vt = Vs + (j & 1) * BC * SD;
+        const E* const Kt = Ks + (j % NB) * BC * SD;
+        const E* const Vt = Vs + (j % NB) * BC * SD;
         const int k0 = j * BC;
 
         float s[NS][4];
 #pragma unroll
         for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk)
+        for (int kk = 0; kk < KT; ++kk) {
+            FA qa;
+            if constexpr (Tc::HOLD)
+                qa = qf[kk];
+            else
+                Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
 #pragma unroll
             for (int np = 0; np < NS / 2; ++np) {
-                u32 bf[4];
-                frag_b_nk<SD>(bf, Kt, np * 16, kk * 16, lane);
-                Ty<T>::mma(s[2 * np], qf[kk], bf[0], bf[1]);
-                Ty<T>::mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_nk<SD>(bf, Kt, np * 16, kk * KS, lane);
+                Tc::mma(s[2 * np], qa, bf, 0);
+                Tc::mma(s[2 * np + 1], qa, bf, 1);
             }
+        }
 
         // Scale, mask (future keys, keys past T), running max.
         float mx[2] = {-INFINITY, -INFINITY};
@@ -265,7 +392,7 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float mn = fmaxf(m[r], mx[r]);  // finite: key k0 <= every row of this tile range
+            const float mn = fmaxf(m[r], mx[r]);
             alpha[r] = exp2f(m[r] - mn);
             m[r] = mn;
         }
@@ -289,19 +416,22 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
 
         // acc += p · v.
 #pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) {
-            u32 pa[4] = {Ty<T>::pack(s[2 * kc][0], s[2 * kc][1]), Ty<T>::pack(s[2 * kc][2], s[2 * kc][3]),
-                         Ty<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                         Ty<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+        for (int kc = 0; kc < BC / KS; ++kc) {
+            FA pa;
+            Tc::a_from_c(pa, &s[kc * (KS / 8)]);
 #pragma unroll
             for (int np = 0; np < DP / 16; ++np) {
-                u32 bf[4];
-                frag_b_kn<SD>(bf, Vt, kc * 16, np * 16, lane);
-                Ty<T>::mma(acc[2 * np], pa, bf[0], bf[1]);
-                Ty<T>::mma(acc[2 * np + 1], pa, bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_kn<SD>(bf, Vt, kc * KS, np * 16, lane);
+                Tc::mma(acc[2 * np], pa, bf, 0);
+                Tc::mma(acc[2 * np + 1], pa, bf, 1);
             }
         }
-        __syncthreads();  // the buffer of tile j is refilled at j + 1
+        __syncthreads();  // this tile's buffer is refilled next
+        if (NB == 1 && j + 1 < ntiles) {
+            issue(j + 1, 0);
+            cp_commit();
+        }
     }
 
     // The row sums were kept per lane; add the four lanes of a row (fixed order).
@@ -333,14 +463,18 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
 template <typename T, int DP>
 __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
                       const float* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
-    typedef Geo<DP> G;
-    constexpr int SD = G::SD, BC = G::BWD_BC, KT = DP / 16, NO = DP / 8, NS = BC / 8;
-    extern __shared__ __align__(16) u16 smem[];
-    u16* const Qs = smem;
-    u16* const Gs = Qs + BR * SD;
-    u16* const Ks = Gs + BR * SD;      // two buffers
-    u16* const Vs = Ks + 2 * BC * SD;  // two buffers
-    float* const Ls = reinterpret_cast<float*>(Vs + 2 * BC * SD);
+    typedef Geo<T, DP> G;
+    typedef typename G::Tc Tc;
+    typedef typename G::E E;
+    typedef typename Tc::A FA;
+    typedef typename Tc::B FB;
+    constexpr int SD = G::SD, BC = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    E* const Qs = reinterpret_cast<E*>(smem_bytes);
+    E* const Gs = Qs + BR * SD;
+    E* const Ks = Gs + BR * SD;       // NB buffers
+    E* const Vs = Ks + NB * BC * SD;  // NB buffers
+    float* const Ls = reinterpret_cast<float*>(Vs + NB * BC * SD);
     float* const Ds = Ls + BR;
     check_launch(BR, Tn, G::BQ_SMEM);
 
@@ -352,29 +486,30 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
     const long long qoff = (long long)b * Tn * qs + (long long)h * D;
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vk = vec_of(k, D), vv = vec_of(v, D);
+    const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
     const int last = min(q0 + BR, Tn) - 1, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    auto issue = [&](int j, int buf) {
+        tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
+        tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
+    };
 
-    tile<BR, DP>(Qs, q + qoff, vec_of(q, D), q0, Tn, qs, D);
-    tile<BR, DP>(Gs, go + qoff, vec_of(go, D), q0, Tn, qs, D);
-    tile<BC, DP>(Ks, kb, vk, 0, Tn, ks, D);
-    tile<BC, DP>(Vs, vb, vv, 0, Tn, ks, D);
+    tile<BR, DP, SD>(Qs, q + qoff, vec_of<G::ES>(q, D), q0, Tn, qs, D);
+    tile<BR, DP, SD>(Gs, go + qoff, vec_of<G::ES>(go, D), q0, Tn, qs, D);
+    issue(0, 0);
     cp_commit();
     row_stats<T, BR>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, qs, ((long long)b * Hq + h) * Tn, Tn, D);
 
-    u32 qf[KT][4], gf[KT][4];
+    FA qf[Tc::HOLD ? KT : 1], gf[Tc::HOLD ? KT : 1];
     float acc[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     const int row0 = q0 + warp * 16 + g;
-    float Lr[2], Dr[2];
+    float Lr[2] = {0.f, 0.f}, Dr[2] = {0.f, 0.f};
 
     for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) {
-            const int nb = (j + 1) & 1;
-            tile<BC, DP>(Ks + nb * BC * SD, kb, vk, (j + 1) * BC, Tn, ks, D);
-            tile<BC, DP>(Vs + nb * BC * SD, vb, vv, (j + 1) * BC, Tn, ks, D);
+        if (NB == 2 && j + 1 < ntiles) {
+            issue(j + 1, (j + 1) & 1);
             cp_commit();
             cp_wait<1>();
         } else {
@@ -382,10 +517,12 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
         }
         __syncthreads();
         if (j == 0) {
+            if constexpr (Tc::HOLD) {
 #pragma unroll
-            for (int kk = 0; kk < KT; ++kk) {
-                frag_a<SD>(qf[kk], Qs, warp * 16, kk * 16, lane);
-                frag_a<SD>(gf[kk], Gs, warp * 16, kk * 16, lane);
+                for (int kk = 0; kk < KT; ++kk) {
+                    Tc::template load_a<SD>(qf[kk], Qs, warp * 16, kk * KS, lane);
+                    Tc::template load_a<SD>(gf[kk], Gs, warp * 16, kk * KS, lane);
+                }
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -393,8 +530,8 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
                 Dr[r] = Ds[warp * 16 + g + r * 8];
             }
         }
-        const u16* const Kt = Ks + (j & 1) * BC * SD;
-        const u16* const Vt = Vs + (j & 1) * BC * SD;
+        const E* const Kt = Ks + (j % NB) * BC * SD;
+        const E* const Vt = Vs + (j % NB) * BC * SD;
         const int k0 = j * BC;
 
         float s[NS][4], dp[NS][4];
@@ -403,17 +540,26 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk)
+        for (int kk = 0; kk < KT; ++kk) {
+            FA qa, ga;
+            if constexpr (Tc::HOLD) {
+                qa = qf[kk];
+                ga = gf[kk];
+            } else {
+                Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
+                Tc::template load_a<SD>(ga, Gs, warp * 16, kk * KS, lane);
+            }
 #pragma unroll
             for (int np = 0; np < NS / 2; ++np) {
-                u32 bf[4];
-                frag_b_nk<SD>(bf, Kt, np * 16, kk * 16, lane);
-                Ty<T>::mma(s[2 * np], qf[kk], bf[0], bf[1]);
-                Ty<T>::mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
-                frag_b_nk<SD>(bf, Vt, np * 16, kk * 16, lane);
-                Ty<T>::mma(dp[2 * np], gf[kk], bf[0], bf[1]);
-                Ty<T>::mma(dp[2 * np + 1], gf[kk], bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_nk<SD>(bf, Kt, np * 16, kk * KS, lane);
+                Tc::mma(s[2 * np], qa, bf, 0);
+                Tc::mma(s[2 * np + 1], qa, bf, 1);
+                Tc::template load_b_nk<SD>(bf, Vt, np * 16, kk * KS, lane);
+                Tc::mma(dp[2 * np], ga, bf, 0);
+                Tc::mma(dp[2 * np + 1], ga, bf, 1);
             }
+        }
         // ds = p · (dp − D_i), p = exp2(s·scale·log2 e − L_i), zero where masked.
 #pragma unroll
         for (int n = 0; n < NS; ++n)
@@ -425,19 +571,22 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
             }
         // acc += ds · k.
 #pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) {
-            u32 pa[4] = {Ty<T>::pack(s[2 * kc][0], s[2 * kc][1]), Ty<T>::pack(s[2 * kc][2], s[2 * kc][3]),
-                         Ty<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                         Ty<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+        for (int kc = 0; kc < BC / KS; ++kc) {
+            FA da;
+            Tc::a_from_c(da, &s[kc * (KS / 8)]);
 #pragma unroll
             for (int np = 0; np < DP / 16; ++np) {
-                u32 bf[4];
-                frag_b_kn<SD>(bf, Kt, kc * 16, np * 16, lane);
-                Ty<T>::mma(acc[2 * np], pa, bf[0], bf[1]);
-                Ty<T>::mma(acc[2 * np + 1], pa, bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_kn<SD>(bf, Kt, kc * KS, np * 16, lane);
+                Tc::mma(acc[2 * np], da, bf, 0);
+                Tc::mma(acc[2 * np + 1], da, bf, 1);
             }
         }
         __syncthreads();
+        if (NB == 1 && j + 1 < ntiles) {
+            issue(j + 1, 0);
+            cp_commit();
+        }
     }
 
     T* const gb = gq + qoff;
@@ -464,15 +613,19 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 template <typename T, int DP>
 __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
                        const float* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
-    typedef Geo<DP> G;
-    constexpr int SD = G::SD, BQ = G::BWD_BC, KT = DP / 16, NO = DP / 8, NS = BQ / 8;
-    extern __shared__ __align__(16) u16 smem[];
-    u16* const Ks = smem;
-    u16* const Vs = Ks + BR * SD;
-    u16* const Qs = Vs + BR * SD;      // two buffers of BQ rows
-    u16* const Gs = Qs + 2 * BQ * SD;  // two buffers
-    float* const Ls = reinterpret_cast<float*>(Gs + 2 * BQ * SD);  // two buffers
-    float* const Ds = Ls + 2 * BQ;                                 // two buffers
+    typedef Geo<T, DP> G;
+    typedef typename G::Tc Tc;
+    typedef typename G::E E;
+    typedef typename Tc::A FA;
+    typedef typename Tc::B FB;
+    constexpr int SD = G::SD, BQ = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BQ / 8, NB = G::NBUF;
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    E* const Ks = reinterpret_cast<E*>(smem_bytes);
+    E* const Vs = Ks + BR * SD;
+    E* const Qs = Vs + BR * SD;       // NB buffers of BQ rows
+    E* const Gs = Qs + NB * BQ * SD;  // NB buffers
+    float* const Ls = reinterpret_cast<float*>(Gs + NB * BQ * SD);  // NB buffers
+    float* const Ds = Ls + NB * BQ;                                 // NB buffers
     check_launch(BR, Tn, G::BKV_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -480,17 +633,17 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     const int k0 = blockIdx.x * BR;  // the first blocks have the most query tiles: launched first
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of(q, D), vg = vec_of(go, D);
+    const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D);
     const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
-    tile<BR, DP>(Ks, k + koff, vec_of(k, D), k0, Tn, ks, D);
-    tile<BR, DP>(Vs, v + koff, vec_of(v, D), k0, Tn, ks, D);
+    tile<BR, DP, SD>(Ks, k + koff, vec_of<G::ES>(k, D), k0, Tn, ks, D);
+    tile<BR, DP, SD>(Vs, v + koff, vec_of<G::ES>(v, D), k0, Tn, ks, D);
     auto issue = [&](int step, int buf) {
         const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;
         const long long qoff = (long long)b * Tn * qs + (long long)h * D;
-        tile<BQ, DP>(Qs + buf * BQ * SD, q + qoff, vq, t0, Tn, qs, D);
-        tile<BQ, DP>(Gs + buf * BQ * SD, go + qoff, vg, t0, Tn, qs, D);
+        tile<BQ, DP, SD>(Qs + buf * BQ * SD, q + qoff, vq, t0, Tn, qs, D);
+        tile<BQ, DP, SD>(Gs + buf * BQ * SD, go + qoff, vg, t0, Tn, qs, D);
     };
     issue(0, 0);
     cp_commit();
@@ -503,12 +656,12 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     const int key0 = k0 + warp * 16 + g;  // this lane's keys: key0, key0 + 8
 
     for (int st = 0; st < steps; ++st) {
-        const int buf = st & 1;
+        const int buf = st % NB;
         const int h = hk * grp + st / per_head, t0 = (first + st % per_head) * BQ;
         const long long qoff = (long long)b * Tn * qs + (long long)h * D;
         row_stats<T, BQ>(Ls + buf * BQ, Ds + buf * BQ, t0, o + qoff, go + qoff, lse, glse, qs,
                          ((long long)b * Hq + h) * Tn, Tn, D);
-        if (st + 1 < steps) {
+        if (NB == 2 && st + 1 < steps) {
             issue(st + 1, buf ^ 1);
             cp_commit();
             cp_wait<1>();
@@ -516,8 +669,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             cp_wait<0>();
         }
         __syncthreads();
-        const u16* const Qt = Qs + buf * BQ * SD;
-        const u16* const Gt = Gs + buf * BQ * SD;
+        const E* const Qt = Qs + buf * BQ * SD;
+        const E* const Gt = Gs + buf * BQ * SD;
         const float* const Lt = Ls + buf * BQ;
         const float* const Dt = Ds + buf * BQ;
 
@@ -529,18 +682,18 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KT; ++kk) {
-            u32 ka[4], va[4];
-            frag_a<SD>(ka, Ks, warp * 16, kk * 16, lane);
-            frag_a<SD>(va, Vs, warp * 16, kk * 16, lane);
+            FA ka, va;
+            Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
+            Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
 #pragma unroll
             for (int np = 0; np < NS / 2; ++np) {
-                u32 bf[4];
-                frag_b_nk<SD>(bf, Qt, np * 16, kk * 16, lane);
-                Ty<T>::mma(s[2 * np], ka, bf[0], bf[1]);
-                Ty<T>::mma(s[2 * np + 1], ka, bf[2], bf[3]);
-                frag_b_nk<SD>(bf, Gt, np * 16, kk * 16, lane);
-                Ty<T>::mma(dp[2 * np], va, bf[0], bf[1]);
-                Ty<T>::mma(dp[2 * np + 1], va, bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_nk<SD>(bf, Qt, np * 16, kk * KS, lane);
+                Tc::mma(s[2 * np], ka, bf, 0);
+                Tc::mma(s[2 * np + 1], ka, bf, 1);
+                Tc::template load_b_nk<SD>(bf, Gt, np * 16, kk * KS, lane);
+                Tc::mma(dp[2 * np], va, bf, 0);
+                Tc::mma(dp[2 * np + 1], va, bf, 1);
             }
         }
         // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
@@ -555,25 +708,26 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             }
         // gv += pᵀ·go, gk += dsᵀ·q.
 #pragma unroll
-        for (int kc = 0; kc < BQ / 16; ++kc) {
-            u32 pa[4] = {Ty<T>::pack(s[2 * kc][0], s[2 * kc][1]), Ty<T>::pack(s[2 * kc][2], s[2 * kc][3]),
-                         Ty<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                         Ty<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-            u32 da[4] = {Ty<T>::pack(dp[2 * kc][0], dp[2 * kc][1]), Ty<T>::pack(dp[2 * kc][2], dp[2 * kc][3]),
-                         Ty<T>::pack(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
-                         Ty<T>::pack(dp[2 * kc + 1][2], dp[2 * kc + 1][3])};
+        for (int kc = 0; kc < BQ / KS; ++kc) {
+            FA pa, da;
+            Tc::a_from_c(pa, &s[kc * (KS / 8)]);
+            Tc::a_from_c(da, &dp[kc * (KS / 8)]);
 #pragma unroll
             for (int np = 0; np < DP / 16; ++np) {
-                u32 bf[4];
-                frag_b_kn<SD>(bf, Gt, kc * 16, np * 16, lane);
-                Ty<T>::mma(dv[2 * np], pa, bf[0], bf[1]);
-                Ty<T>::mma(dv[2 * np + 1], pa, bf[2], bf[3]);
-                frag_b_kn<SD>(bf, Qt, kc * 16, np * 16, lane);
-                Ty<T>::mma(dk[2 * np], da, bf[0], bf[1]);
-                Ty<T>::mma(dk[2 * np + 1], da, bf[2], bf[3]);
+                FB bf;
+                Tc::template load_b_kn<SD>(bf, Gt, kc * KS, np * 16, lane);
+                Tc::mma(dv[2 * np], pa, bf, 0);
+                Tc::mma(dv[2 * np + 1], pa, bf, 1);
+                Tc::template load_b_kn<SD>(bf, Qt, kc * KS, np * 16, lane);
+                Tc::mma(dk[2 * np], da, bf, 0);
+                Tc::mma(dk[2 * np + 1], da, bf, 1);
             }
         }
-        __syncthreads();  // buffers of this step are refilled at the next
+        __syncthreads();  // buffers of this step are refilled next
+        if (NB == 1 && st + 1 < steps) {
+            issue(st + 1, 0);
+            cp_commit();
+        }
     }
 
     const float sc = (float)scale;
@@ -633,4 +787,5 @@ SGM_ENTRY_OF(SGM_SFX, SGM_TYPE, SGM_DP)
     SGM_ENTRY(sfx, T, 112) SGM_ENTRY(sfx, T, 128)
 SGM_ALL(bf16, __nv_bfloat16)
 SGM_ALL(f16, __half)
+SGM_ALL(f32, float)
 #endif

@@ -34,22 +34,31 @@
 //! for the next slice are in flight while the current one is used). All
 //! shared memory is static and under 48 KB, so no launch attribute is needed.
 //!
-//! # Tensor-core kernels (bf16, f16)
+//! # Tensor-core kernels
 //!
-//! For 16-bit storage and head sizes 17..=128 the three passes run on tensor
-//! cores instead (`kernels/attention_mma.cu`, one module per dtype and padded
-//! head size, e.g. `attention_mma_d112_bf16`, see `kernels.rs`): the
-//! same walks over tiles, with every product a `mma.sync.m16n8k16` (16-bit
-//! inputs, f32 accumulation) on fragments loaded by `ldmatrix` from tiles
-//! that `cp.async` brings in double-buffered. Head sizes are padded to a
-//! multiple of 16 ([`mma_width`]). A block is four warps over 64 rows (query
-//! rows, or key rows for `bwd_kv`); a warp owns 16 of them and keeps its
-//! scores, probabilities and accumulators in registers: the f32 result
-//! fragment of `q·kᵀ` is, rounded, the A fragment of `p·v`. Probabilities
-//! and score gradients are rounded to the storage type as product inputs, as
-//! in FlashAttention-2. Shared memory is dynamic (up to ~90 KB,
-//! [`mma_shared_bytes`]). `STEPGRAPH_ATTENTION=simt` selects the CUDA-core
-//! kernels for every dtype (for comparisons).
+//! For head sizes 17..=128 in bf16, f16 and f32 the three passes run on
+//! tensor cores instead (`kernels/attention_mma.cu`, one module per dtype
+//! and padded head size, e.g. `attention_mma_d112_bf16`, see `kernels.rs`):
+//! the same walks over tiles, with every product a `mma.sync` on fragments
+//! read from tiles that `cp.async` brings into shared memory. Head sizes are
+//! padded to a multiple of 16 ([`mma_width`]). A block is four warps over 64
+//! rows (query rows, or key rows for `bwd_kv`); a warp owns 16 of them and
+//! keeps its scores, probabilities and accumulators in registers: the f32
+//! result fragment of `q·kᵀ` is the A fragment of `p·v` without leaving its
+//! lane.
+//!
+//! * bf16/f16: `m16n8k16` with f32 accumulation, fragments by `ldmatrix`,
+//!   tiles double-buffered. Probabilities and score gradients are rounded to
+//!   the storage type as product inputs, as in FlashAttention-2.
+//! * f32: `m16n8k8` on TF32 in three products per product (3xTF32: each
+//!   operand split into a TF32 head and a TF32 remainder, the remainder
+//!   product dropped), which keeps f32's accuracy (checked against the CPU
+//!   at the f32 tolerance) at tensor-core speed. This is not the TF32 that
+//!   `--tf32` allows for matmuls: no operand loses bits beyond ~2⁻²².
+//!
+//! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]).
+//! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
+//! (for comparisons).
 //!
 //! # Determinism
 //!
@@ -76,12 +85,12 @@ const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 
 /// The padded head size of the tensor-core kernels for `dtype` and head
-/// size `d`, or `None` when the CUDA-core kernels serve it: bf16/f16 with
-/// `16 < d <= 128`, rounded up to a multiple of 16.
+/// size `d`, or `None` when the CUDA-core kernels serve it: bf16, f16 and
+/// f32 with `16 < d <= 128`, rounded up to a multiple of 16.
 pub fn mma_width(dtype: DType, d: usize) -> Option<usize> {
-    let sixteen_bit = matches!(dtype, DType::BF16 | DType::F16);
+    let covered = matches!(dtype, DType::BF16 | DType::F16 | DType::F32);
     let forced_simt = std::env::var("STEPGRAPH_ATTENTION").is_ok_and(|v| v == "simt");
-    (sixteen_bit && d > 16 && d <= 128 && !forced_simt).then(|| d.div_ceil(16) * 16)
+    (covered && d > 16 && d <= 128 && !forced_simt).then(|| d.div_ceil(16) * 16)
 }
 
 /// The variant module holding the tensor-core kernels for `dtype` at padded
@@ -95,15 +104,20 @@ fn mma_module(dtype: DType, dp: usize) -> &'static str {
         .unwrap_or_else(|| panic!("no kernel module {name}: mma_width and kernels::VARIANTS disagree"))
 }
 
-/// Dynamic shared memory of a tensor-core pass at padded head size `dp`;
-/// mirrors `Geo<DP>` in `attention_mma.cu`.
-pub fn mma_shared_bytes(pass: Pass, dp: usize) -> usize {
-    let row = (dp + 8) * 2;
-    let bwd_cols = if dp <= 64 { 64 } else { 32 };
+/// Dynamic shared memory of a tensor-core pass for storage `dtype` at padded
+/// head size `dp`; mirrors `Geo<T, DP>` in `attention_mma.cu`: rows of
+/// `dp + pad` elements, `buffers` copies of each streamed tile, and f32 row
+/// statistics for the backward.
+pub fn mma_shared_bytes(pass: Pass, dtype: DType, dp: usize) -> usize {
+    let f32 = dtype == DType::F32;
+    let (elem, pad, buffers) = if f32 { (4, 4, 1) } else { (2, 8, 2) };
+    let row = (dp + pad) * elem;
+    let fwd_cols = if f32 { 32 } else { 64 };
+    let bwd_cols = if !f32 && dp <= 64 { 64 } else { 32 };
     match pass {
-        Pass::Forward => (MMA_ROWS + 4 * 64) * row,
-        Pass::BackwardQ => (2 * MMA_ROWS + 4 * bwd_cols) * row + 2 * MMA_ROWS * 4,
-        Pass::BackwardKv => (2 * MMA_ROWS + 4 * bwd_cols) * row + 4 * bwd_cols * 4,
+        Pass::Forward => (MMA_ROWS + 2 * buffers * fwd_cols) * row,
+        Pass::BackwardQ => (2 * MMA_ROWS + 2 * buffers * bwd_cols) * row + 2 * MMA_ROWS * 4,
+        Pass::BackwardKv => (2 * MMA_ROWS + 2 * buffers * bwd_cols) * row + 2 * buffers * bwd_cols * 4,
     }
 }
 
@@ -239,7 +253,7 @@ impl Dims {
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
                 MMA_ROWS,
                 MMA_THREADS,
-                mma_shared_bytes(pass, dp) as u32,
+                mma_shared_bytes(pass, self.dtype, dp) as u32,
             ),
             None => {
                 let (rows, threads) = geometry(pass, self.dtype, self.bucket);
@@ -356,18 +370,18 @@ mod tests {
 
     #[test]
     fn forward_lowers_to_one_launch() {
-        // W1: B=1, T=2048, 32 heads of 100, f32.
-        let q = dev(DType::F32, &[1, 2048, 32, 100], 0x1000);
-        let k = dev(DType::F32, &[1, 2048, 32, 100], 0x2000);
-        let v = dev(DType::F32, &[1, 2048, 32, 100], 0x3000);
-        let o = dev(DType::F32, &[1, 2048, 32, 100], 0x4000);
+        // B=1, T=2048, 32 heads of 256, f32 (above the tensor-core kernels' 128).
+        let q = dev(DType::F32, &[1, 2048, 32, 256], 0x1000);
+        let k = dev(DType::F32, &[1, 2048, 32, 256], 0x2000);
+        let v = dev(DType::F32, &[1, 2048, 32, 256], 0x3000);
+        let o = dev(DType::F32, &[1, 2048, 32, 256], 0x4000);
         let lse = dev(DType::F32, &[1, 32, 2048], 0x5000);
         let op = Op::from(Attention { scale: 0.1 });
         let l = lower(&op, &[q, k, v], &[o, lse]).unwrap();
         assert_eq!(l.len(), 1);
         let k = kernel(&l[0]);
         assert_eq!(k.module, "attention");
-        assert_eq!(k.function, "attention_fwd_d128_f32");
+        assert_eq!(k.function, "attention_fwd_d256_f32");
         assert_eq!(k.grid, (32, 32, 1));
         assert_eq!(k.block, (256, 1, 1));
         assert_eq!(k.shared_bytes, 0);
@@ -382,7 +396,7 @@ mod tests {
                 Arg::I32(2048),
                 Arg::I32(32),
                 Arg::I32(32),
-                Arg::I32(100),
+                Arg::I32(256),
                 Arg::F64(0.1),
             ]
         );
@@ -457,17 +471,27 @@ mod tests {
         assert_eq!(kv.args.len(), 14);
 
         // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
-        for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 64), (DType::F64, 100)] {
+        for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 1), (DType::F64, 100)] {
             assert_eq!(mma_width(dtype, d), None);
         }
-        for d in 17..=128 {
-            let dp = mma_width(DType::BF16, d).unwrap();
-            assert!(dp >= d && dp % 16 == 0 && dp - d < 16);
-            for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
-                assert!(mma_shared_bytes(pass, dp) <= 227 * 1024);
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for d in 17..=128 {
+                let dp = mma_width(dtype, d).unwrap();
+                assert!(dp >= d && dp.is_multiple_of(16) && dp - d < 16);
+                for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+                    // Two blocks of four warps fit an SM (228 KB).
+                    assert!(mma_shared_bytes(pass, dtype, dp) <= 113 * 1024, "{dtype} {dp} {pass:?}");
+                }
+                assert!(mma_module(dtype, dp).ends_with(dtype_suffix(dtype).unwrap()));
             }
-            assert!(mma_module(DType::F16, dp).ends_with("_f16"));
         }
+        // W1 (f32, 100 → 112): 3xTF32 kernels, single-buffered 32-key tiles.
+        let q = t(DType::F32, &[1, 2048, 32, 100], 1);
+        let lse = t(DType::F32, &[1, 32, 2048], 5);
+        let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
+        let k = kernel(&l[0]);
+        assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_f32", "attention_mma_fwd_d112_f32"));
+        assert_eq!(k.shared_bytes as usize, (64 + 2 * 32) * 116 * 4);
     }
 
     #[test]

@@ -49,6 +49,13 @@ pub const VARIANTS: &[(&str, &str, &str)] = mma_variants![
     ("attention_mma_d96_f16", "f16", "__half", "96"),
     ("attention_mma_d112_f16", "f16", "__half", "112"),
     ("attention_mma_d128_f16", "f16", "__half", "128"),
+    ("attention_mma_d32_f32", "f32", "float", "32"),
+    ("attention_mma_d48_f32", "f32", "float", "48"),
+    ("attention_mma_d64_f32", "f32", "float", "64"),
+    ("attention_mma_d80_f32", "f32", "float", "80"),
+    ("attention_mma_d96_f32", "f32", "float", "96"),
+    ("attention_mma_d112_f32", "f32", "float", "112"),
+    ("attention_mma_d128_f32", "f32", "float", "128"),
 ];
 
 /// Every module name: plain sources, then variants.

@@ -345,8 +345,8 @@ fn w1_shape_bf16() {
     benchmark_shape(Case::new(DType::BF16, 1, 2048, (32, 32), 100, 14), &[0, 13, 31]);
 }
 
-/// The tensor-core kernels (bf16 and f16, head sizes 17..=128, padded to
-/// multiples of 16): every padded width, odd sizes inside one, MHA and GQA,
+/// The tensor-core kernels (bf16, f16 and f32 by 3xTF32; head sizes 17..=128,
+/// padded to multiples of 16): every padded width, odd sizes inside one, MHA and GQA,
 /// sequence lengths around the 64-row blocks and the 32/64-column steps,
 /// batch 1 and 2, unit-scale logits too; the CUDA-core kernels
 /// (`STEPGRAPH_ATTENTION=simt`) on a few of the same cases for contrast.
@@ -355,7 +355,7 @@ fn w1_shape_bf16() {
 fn tensor_core_kernels_match_cpu() {
     let mut report = Report::default();
     let mut seed = 12000;
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         for d in [17, 32, 40, 64, 80, 96, 100, 112, 128] {
             for (heads, t, b) in [((4, 4), 1, 1), ((4, 2), 31, 2), ((8, 2), 64, 1), ((4, 1), 65, 1), ((6, 3), 200, 2)] {
                 seed += 1;
