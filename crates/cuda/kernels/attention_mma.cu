@@ -211,7 +211,8 @@ template <typename T, int DP> struct Geo {
     static constexpr int BWD_BC = ES == 2 && DP <= 64 ? 64 : 32;
     static constexpr int FWD_SMEM = (BR + 2 * NBUF * FWD_BC) * SD * ES;
     static constexpr int BQ_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * BR * 4;
-    static constexpr int BKV_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * NBUF * BWD_BC * 4;
+    // bwd_kv streams q, go and o tiles (o for the row terms D_i).
+    static constexpr int BKV_SMEM = (2 * BR + 3 * NBUF * BWD_BC) * SD * ES + 2 * BWD_BC * 4;
     static_assert(DP % 16 == 0 && FWD_BC % 16 == 0 && BWD_BC % 16 == 0, "whole fragments");
 };
 
@@ -624,8 +625,9 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     E* const Vs = Ks + BR * SD;
     E* const Qs = Vs + BR * SD;       // NB buffers of BQ rows
     E* const Gs = Qs + NB * BQ * SD;  // NB buffers
-    float* const Ls = reinterpret_cast<float*>(Gs + NB * BQ * SD);  // NB buffers
-    float* const Ds = Ls + NB * BQ;                                 // NB buffers
+    E* const Os = Gs + NB * BQ * SD;  // NB buffers
+    float* const Ls = reinterpret_cast<float*>(Os + NB * BQ * SD);
+    float* const Ds = Ls + BQ;
     check_launch(BR, Tn, G::BKV_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -633,7 +635,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     const int k0 = blockIdx.x * BR;  // the first blocks have the most query tiles: launched first
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D);
+    const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D), vo = vec_of<G::ES>(o, D);
     const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
@@ -644,6 +646,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         const long long qoff = (long long)b * Tn * qs + (long long)h * D;
         tile<BQ, DP, SD>(Qs + buf * BQ * SD, q + qoff, vq, t0, Tn, qs, D);
         tile<BQ, DP, SD>(Gs + buf * BQ * SD, go + qoff, vg, t0, Tn, qs, D);
+        tile<BQ, DP, SD>(Os + buf * BQ * SD, o + qoff, vo, t0, Tn, qs, D);
     };
     issue(0, 0);
     cp_commit();
@@ -658,9 +661,15 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     for (int st = 0; st < steps; ++st) {
         const int buf = st % NB;
         const int h = hk * grp + st / per_head, t0 = (first + st % per_head) * BQ;
-        const long long qoff = (long long)b * Tn * qs + (long long)h * D;
-        row_stats<T, BQ>(Ls + buf * BQ, Ds + buf * BQ, t0, o + qoff, go + qoff, lse, glse, qs,
-                         ((long long)b * Hq + h) * Tn, Tn, D);
+        // This step's lse and glse, loaded while the tiles arrive.
+        constexpr int PER = NT / BQ;  // neighbouring threads per row of the row terms
+        const int ri = threadIdx.x / PER, part = threadIdx.x % PER, rt = t0 + ri;
+        float lse_r = 0.f, glse_r = 0.f;
+        if (part == 0 && rt < Tn) {
+            const long long stat = ((long long)b * Hq + h) * Tn;
+            lse_r = lse[stat + rt];
+            glse_r = glse ? glse[stat + rt] : 0.f;
+        }
         if (NB == 2 && st + 1 < steps) {
             issue(st + 1, buf ^ 1);
             cp_commit();
@@ -671,8 +680,24 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         __syncthreads();
         const E* const Qt = Qs + buf * BQ * SD;
         const E* const Gt = Gs + buf * BQ * SD;
-        const float* const Lt = Ls + buf * BQ;
-        const float* const Dt = Ds + buf * BQ;
+        // L_i and D_i = go_i·o_i − glse_i of this step's rows, from the tiles
+        // in shared memory (zero-padded past D and T).
+        {
+            const T* const go_row = reinterpret_cast<const T*>(Gt + ri * SD);
+            const T* const o_row = reinterpret_cast<const T*>(Os + buf * BQ * SD + ri * SD);
+            float sum = 0.f;
+#pragma unroll 4
+            for (int d = part; d < DP; d += PER) sum += load(go_row, d) * load(o_row, d);
+#pragma unroll
+            for (int off = PER / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            if (part == 0) {
+                Ls[ri] = rt < Tn ? lse_r * SGM_LOG2E : 0.f;
+                Ds[ri] = rt < Tn ? sum - glse_r : 0.f;
+            }
+        }
+        __syncthreads();
+        const float* const Lt = Ls;
+        const float* const Dt = Ds;
 
         // sᵀ = k·qᵀ and dpᵀ = v·goᵀ, [16 keys × BQ queries] per warp.
         float s[NS][4], dp[NS][4];

@@ -49,9 +49,18 @@ fn lse_tol(dtype: DType) -> f64 {
 /// of D products that nearly cancel when p sits on one key (at T = 1 exactly:
 /// o = v), which amplifies rounding by about √D·ε: up to 7e-6 at D = 256
 /// against an f64 reference on the CPU emulator of these kernels.
-fn grad_tol(dtype: DType) -> f64 {
+///
+/// The f32 tensor-core kernels (3xTF32, head sizes 17..=128) round each
+/// product operand's remainder to TF32 and drop the remainder·remainder
+/// term: about 2⁻²² relative per product instead of f32's 2⁻²⁴, measured up
+/// to 2.6e-5 on unit-scale logits at D = 96..128 (peaked p, cancelling ds).
+fn grad_tol(dtype: DType, d: usize) -> f64 {
     if dtype == DType::F32 {
-        2e-5
+        if stepgraph_cuda::attention::mma_width(dtype, d).is_some() {
+            5e-5
+        } else {
+            2e-5
+        }
     } else {
         tol(dtype)
     }
@@ -157,7 +166,7 @@ fn check_case(c: &Case, report: &mut Report, slack: f64) {
         let got = gpu(&bwd, &ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let what = format!("{name}{}", if with_glse { " (with glse)" } else { "" });
-            report.check(c, &what, &got[k], &want[k], grad_tol(c.dtype) * slack);
+            report.check(c, &what, &got[k], &want[k], grad_tol(c.dtype, c.d) * slack);
         }
     }
 }
@@ -317,7 +326,7 @@ fn benchmark_shape(c: Case, kv_heads: &[usize]) {
         let wantb = cpu(&bwd, &sub_ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let g = part(&gotb[k], k > 0);
-            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], grad_tol(c.dtype) * slack);
+            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], grad_tol(c.dtype, c.d) * slack);
         }
     }
     report.finish();
