@@ -31,6 +31,14 @@ pub enum Error {
     /// The CPU backend could not run a program.
     #[error("cpu backend: {0}")]
     Cpu(String),
+    /// A collective op or its communicator failed: a rank failed or never
+    /// arrived, the ranks disagree on the program, or no communicator is set.
+    #[error("collective: {0}")]
+    Collective(String),
+    /// A data-parallel transform that cannot apply to this step (batch or
+    /// parameter shapes that do not split over the ranks, a step without gradients).
+    #[error("data parallel: {0}")]
+    Parallel(String),
     /// Bad data handed to a step: wrong length, token id out of range, ...
     #[error("step input `{name}`: {reason}")]
     Input { name: String, reason: String },

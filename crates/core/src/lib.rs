@@ -4,10 +4,13 @@
 //! into a forward [`ir::Trace`]; [`autodiff`] turns it into a step trace
 //! (forward, loss, backward and optionally the optimizer); [`plan`] schedules
 //! the step and assigns every value an offset in one arena or a persistent
-//! buffer; [`cpu`] runs the planned program. Nothing here knows about CUDA.
+//! buffer; [`cpu`] runs the planned program. [`dist`] turns a step into the
+//! step of one rank of a data-parallel group (collectives inserted after
+//! autodiff), which [`cpu::comm`] runs in threads. Nothing here knows about CUDA.
 
 pub mod autodiff;
 pub mod cpu;
+pub mod dist;
 pub mod error;
 pub mod ir;
 pub mod models;

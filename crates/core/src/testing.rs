@@ -120,7 +120,7 @@ pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result
         let mut outs: Vec<HostTensor> =
             node.outputs.iter().map(|o| HostTensor::garbage(trace.ty(*o).clone())).collect();
         let outputs: Vec<TensorView> = outs.iter_mut().map(view).collect();
-        node.op.cpu(&KernelIo { inputs: &inputs, outputs: &outputs })?;
+        node.op.cpu(&KernelIo::new(&inputs, &outputs))?;
         for (o, t) in node.outputs.iter().zip(outs) {
             vals[o.index()] = t;
         }
@@ -355,7 +355,7 @@ pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>
             None => TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() },
         })
         .collect();
-    op.cpu(&KernelIo { inputs: &in_views, outputs: &out_views })?;
+    op.cpu(&KernelIo::new(&in_views, &out_views))?;
     for (k, a) in alias.iter().enumerate() {
         if let Some(i) = a {
             outs[k] = bufs[*i].clone();

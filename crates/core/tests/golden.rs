@@ -1,8 +1,10 @@
-//! Golden printouts of a micro model's forward, grads and train traces.
+//! Golden printouts of a micro model's forward, grads and train traces, and
+//! of the grads and ZeRO-1 train steps of one rank of two.
 //! Regenerate after an intended change with
 //! `UPDATE_GOLDEN=1 cargo test -p stepgraph-core --test golden` and review the diff.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::dist::{build_rank_step, DataParallel};
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
@@ -56,4 +58,22 @@ fn golden_grads_trace() {
 fn golden_train_trace() {
     let fwd = build_forward(&micro()).unwrap();
     check("train", &build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap().to_string());
+}
+
+/// One rank of two with the micro model's batch of one row each, and
+/// buckets of about 1 KB so that the micro model has several.
+fn rank_step(kind: StepKind, zero1: bool) -> String {
+    let global = ModelSpec { batch: 2, ..micro() };
+    let dp = DataParallel { world: 2, bucket_bytes: 1000, zero1 };
+    build_rank_step(&global, kind, &TrainOptions::default(), &dp).unwrap().2.to_string()
+}
+
+#[test]
+fn golden_data_parallel_grads_trace() {
+    check("grads_dp2", &rank_step(StepKind::Grads, false));
+}
+
+#[test]
+fn golden_zero1_train_trace() {
+    check("train_zero1_dp2", &rank_step(StepKind::Train, true));
 }

@@ -849,7 +849,7 @@ fn run_on_garbage(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
     let view = |t: &mut HostTensor| TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() };
     let in_views: Vec<TensorView> = ins.iter_mut().map(view).collect();
     let out_views: Vec<TensorView> = outs.iter_mut().map(view).collect();
-    op.cpu(&KernelIo { inputs: &in_views, outputs: &out_views }).unwrap();
+    op.cpu(&KernelIo::new(&in_views, &out_views)).unwrap();
     outs
 }
 

@@ -45,6 +45,9 @@ pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec
         | Op::Embedding(_)
         | Op::EmbeddingBackward(_)
         | Op::AdamW(_) => crate::lower_basic::lower(op, inputs, outputs),
+        Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::LocalShard(_) => {
+            Err(CudaError::lower(op.name(), "not supported by the CUDA backend yet (issue 4: NCCL lowering)"))
+        }
     }
 }
 

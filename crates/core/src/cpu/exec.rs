@@ -11,9 +11,15 @@
 //! Between steps only step inputs are written and outputs read; token ids are
 //! checked against the tables and vocabularies that consume them before the
 //! step runs.
+//!
+//! A session of a data-parallel step is one rank: [`CpuSession::set_comm`]
+//! gives it the communicator its collective kernels use, and a step that
+//! fails on this rank aborts the group so the other ranks do not wait for it.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use crate::cpu::comm::Communicator;
 use crate::cpu::{KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::ir::{DType, Trace, ValueId, ValueKind};
@@ -55,6 +61,8 @@ pub struct CpuSession {
     launches: Option<Vec<Launch>>,
     /// Step inputs that index something, checked when written.
     id_checks: Vec<IdCheck>,
+    /// This rank's communicator, for steps with collective ops.
+    comm: Option<Arc<dyn Communicator>>,
 }
 
 impl CpuSession {
@@ -71,7 +79,31 @@ impl CpuSession {
             plan,
             launches: None,
             id_checks,
+            comm: None,
         })
+    }
+
+    /// Makes this session one rank of `comm`'s group. Every collective of the
+    /// trace must be for a group of that size.
+    pub fn set_comm(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
+        for node in &self.trace.nodes {
+            if let Some(world) = crate::ops::collective::world_of(&node.op) {
+                if world != comm.world() {
+                    return Err(Error::Collective(format!(
+                        "`{}` is for {world} ranks, but the communicator has {}",
+                        node.op.name(),
+                        comm.world()
+                    )));
+                }
+            }
+        }
+        self.comm = Some(comm);
+        Ok(())
+    }
+
+    /// The rank of this session (0 without a communicator).
+    pub fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
     }
 
     pub fn trace(&self) -> &Trace {
@@ -147,6 +179,11 @@ impl CpuSession {
 
     /// Runs one step kernel by kernel, resolving addresses from the plan at each node.
     pub fn run_eager(&mut self) -> Result<()> {
+        let r = self.eager_nodes();
+        self.abort_on_error(r)
+    }
+
+    fn eager_nodes(&mut self) -> Result<()> {
         for ni in 0..self.trace.nodes.len() {
             let node = &self.trace.nodes[ni];
             if node.op.view_of().is_some() {
@@ -155,9 +192,18 @@ impl CpuSession {
             let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
             let inputs: Vec<TensorView> = ins.iter().map(|&v| self.view(v)).collect();
             let outputs: Vec<TensorView> = outs.iter().map(|&v| self.view(v)).collect();
-            run_node(&self.trace.nodes[ni].op, &inputs, &outputs)?;
+            run_node(&self.trace.nodes[ni].op, &inputs, &outputs, self.comm.as_deref())?;
         }
         Ok(())
+    }
+
+    /// A failed step on one rank fails the whole group: its peers would
+    /// otherwise wait at their next collective.
+    fn abort_on_error(&self, r: Result<()>) -> Result<()> {
+        if let (Err(e), Some(c)) = (&r, &self.comm) {
+            c.abort(&e.to_string());
+        }
+        r
     }
 
     /// Records the launch list with fixed addresses (once); returns the time it took.
@@ -184,15 +230,14 @@ impl CpuSession {
             self.record();
         }
         let launches = self.launches.as_ref().expect("recorded above");
-        for l in launches {
-            run_node(&self.trace.nodes[l.node].op, &l.inputs, &l.outputs)?;
-        }
-        Ok(())
+        let comm = self.comm.as_deref();
+        let r = launches.iter().try_for_each(|l| run_node(&self.trace.nodes[l.node].op, &l.inputs, &l.outputs, comm));
+        self.abort_on_error(r)
     }
 }
 
-fn run_node(op: &Op, inputs: &[TensorView], outputs: &[TensorView]) -> Result<()> {
-    op.cpu(&KernelIo { inputs, outputs })
+fn run_node(op: &Op, inputs: &[TensorView], outputs: &[TensorView], comm: Option<&dyn Communicator>) -> Result<()> {
+    op.cpu(&KernelIo { inputs, outputs, comm })
 }
 
 /// A step input used as indices: token ids of an embedding (bounded by its

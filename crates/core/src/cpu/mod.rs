@@ -11,6 +11,7 @@
 //! input values and shapes, never on addresses or thread timing, so planned
 //! and unplanned runs, and replay and eager runs, agree bit for bit.
 
+pub mod comm;
 pub mod exec;
 pub mod gemm;
 
@@ -158,7 +159,8 @@ impl<T> SendPtr<T> {
     }
 }
 
-/// The inputs and outputs of one kernel call.
+/// The inputs and outputs of one kernel call, and the communicator of the
+/// rank that runs it (collective ops need one; every other kernel ignores it).
 ///
 /// Outputs may alias inputs only for `(output, input)` pairs the op declares
 /// in [`crate::ops::OpDef::inplace`]; [`KernelIo::input`] and
@@ -167,9 +169,24 @@ impl<T> SendPtr<T> {
 pub struct KernelIo<'a> {
     pub inputs: &'a [TensorView],
     pub outputs: &'a [TensorView],
+    pub comm: Option<&'a dyn comm::Communicator>,
 }
 
 impl<'a> KernelIo<'a> {
+    /// A kernel call outside any group of ranks.
+    pub fn new(inputs: &'a [TensorView], outputs: &'a [TensorView]) -> Self {
+        KernelIo { inputs, outputs, comm: None }
+    }
+
+    /// The communicator, or an error naming the collective `op` that needs one.
+    pub fn comm(&self, op: &str) -> Result<&'a dyn comm::Communicator> {
+        self.comm.ok_or_else(|| {
+            Error::Collective(format!(
+                "`{op}` needs a communicator: run the step in a rank session (CpuSession::set_comm, cpu::comm::run_ranks)"
+            ))
+        })
+    }
+
     pub fn in_ty(&self, i: usize) -> &TensorType {
         &self.inputs[i].ty
     }

@@ -9,6 +9,7 @@
 //! macro generates find every place that must know about it.
 
 pub mod attention;
+pub mod collective;
 pub mod elementwise;
 pub mod embedding;
 pub mod loss;
@@ -184,6 +185,13 @@ pub enum Lowering {
     },
     /// A hand-written kernel family, named by template.
     Kernel(&'static str),
+    /// Communication between the ranks of a data-parallel step: one grouped
+    /// call of the collective library (NCCL) over every tensor of the node,
+    /// for a group of `world` ranks.
+    Collective {
+        kind: collective::CollectiveKind,
+        world: usize,
+    },
 }
 
 /// What every op defines. See the module doc.
@@ -302,6 +310,11 @@ op_list! {
     CrossEntropy(loss::CrossEntropy),
     CrossEntropyBackward(loss::CrossEntropyBackward),
     AdamW(optim::AdamW),
+    // Collectives: inserted after autodiff by `dist::data_parallel`, no VJP.
+    AllReduce(collective::AllReduce),
+    ReduceScatter(collective::ReduceScatter),
+    AllGather(collective::AllGather),
+    LocalShard(collective::LocalShard),
 }
 
 /// The dtype of statistics kept beside float data (rstd, mean, log-sum-exp,

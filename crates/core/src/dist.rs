@@ -1,0 +1,459 @@
+//! Data parallelism: the step trace of one rank of `world`, the same trace
+//! on every rank.
+//!
+//! [`data_parallel`] rewrites a finished `grads` or `train` step (after
+//! autodiff) for a group of ranks that each run the step on their own rows
+//! of the global batch:
+//!
+//! 1. **Buckets.** The gradients, in the order backward produces them, are
+//!    cut into buckets of at least [`DataParallel::bucket_bytes`] (the last
+//!    may be smaller), as PyTorch DDP does with `bucket_cap_mb` (25 MiB by
+//!    default). A gradient larger than the budget is a bucket of its own.
+//! 2. **Overlap.** Each bucket becomes one collective node (one grouped
+//!    NCCL call on the GPU) placed right after the node that produces the
+//!    bucket's last gradient, so its communication overlaps the rest of
+//!    backward. Plain data parallelism all-reduces the bucket in place
+//!    (`all_reduce_mean`: every rank gets the mean gradient of the global
+//!    batch); ZeRO-1 reduce-scatters it (`reduce_scatter_mean`: each rank
+//!    keeps its shard of every gradient, and the full gradients die there).
+//! 3. **Loss.** The loss is averaged over the ranks right after it is
+//!    computed (`all_reduce_mean`), so every rank reports the global loss.
+//! 4. **ZeRO-1** (train steps only): each rank keeps its shard of every
+//!    parameter's AdamW moments (persistent state of `1/world` the size).
+//!    The optimizer runs bucket by bucket: per parameter `local_shard` (this
+//!    rank's shard of the parameter), AdamW on the shard, then one
+//!    `all_gather` per bucket writes every rank's updated shards back into
+//!    the parameters, in place. Parameters stay replicated (forward needs
+//!    them); gradients and optimizer state are sharded.
+//!
+//! Shards are flat element ranges ([`crate::ops::collective::shard_type`]):
+//! a parameter of `n` elements splits into `world` shards of `n / world`, so
+//! every collective moves equal-sized buffers. A parameter whose element
+//! count `world` does not divide is refused with its name and shape.
+//!
+//! **Global batch semantics.** Rank `r` of `world` takes rows
+//! `[r·B/world, (r+1)·B/world)` of the global batch `B` ([`rank_batch`],
+//! [`shard_rows`]); `B` must divide evenly. The loss is a mean over each
+//! rank's tokens and the gradients are averaged over ranks, so `world` ranks
+//! compute the loss and gradients of the global batch, up to reduction
+//! order, when every rank has the same number of counted targets (as with
+//! no ignored targets, or one ignored position per row). With unequal
+//! counts the result is the mean of per-rank means, as in DDP.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::autodiff::{build_step, StepKind, TrainOptions};
+use crate::error::{Error, Result};
+use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
+use crate::models::{build_forward, ModelSpec};
+use crate::ops::collective::{shard_type, ReduceOp};
+use crate::ops::Op;
+use crate::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
+use crate::testing::HostTensor;
+
+/// PyTorch DDP's default bucket size (`bucket_cap_mb=25`, in MiB).
+pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
+
+/// How to split a step over ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DataParallel {
+    /// Number of ranks (GPUs).
+    pub world: usize,
+    /// A bucket closes once its gradients hold at least this many bytes.
+    pub bucket_bytes: u64,
+    /// Shard the optimizer state (ZeRO stage 1); train steps only.
+    pub zero1: bool,
+}
+
+impl DataParallel {
+    /// `world` ranks, DDP's bucket size, no ZeRO.
+    pub fn new(world: usize) -> Self {
+        DataParallel { world, bucket_bytes: DEFAULT_BUCKET_BYTES, zero1: false }
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.world == 0 {
+            return Err(Error::Parallel("the number of ranks must be at least 1".into()));
+        }
+        if self.bucket_bytes == 0 {
+            return Err(Error::Parallel("the gradient bucket size must be at least 1 byte".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The rows of the global batch each rank takes.
+pub fn rank_batch(global: usize, world: usize) -> Result<usize> {
+    if world == 0 || !global.is_multiple_of(world) {
+        return Err(Error::Parallel(format!(
+            "the global batch of {global} rows does not split over {world} ranks: \
+             each rank takes batch/ranks rows, so the batch must be a multiple of the number of ranks"
+        )));
+    }
+    Ok(global / world)
+}
+
+/// `spec` with the global batch replaced by one rank's rows.
+pub fn rank_spec(spec: &ModelSpec, world: usize) -> Result<ModelSpec> {
+    Ok(ModelSpec { batch: rank_batch(spec.batch, world)?, ..spec.clone() })
+}
+
+/// Rank `rank`'s rows (dim 0) of a global-batch step input.
+pub fn shard_rows(t: &HostTensor, rank: usize, world: usize) -> Result<HostTensor> {
+    let rows = *t.ty.shape.first().ok_or_else(|| Error::Input {
+        name: t.ty.to_string(),
+        reason: "a scalar has no batch rows to split over ranks".into(),
+    })?;
+    let per = rank_batch(rows, world)?;
+    if rank >= world {
+        return Err(Error::Parallel(format!("rank {rank} is outside a group of {world}")));
+    }
+    let mut shape = t.ty.shape.clone();
+    shape[0] = per;
+    let mut out = HostTensor::zeros(t.ty.with_shape(shape));
+    let n = out.bytes().len();
+    out.bytes_mut().copy_from_slice(&t.bytes()[rank * n..(rank + 1) * n]);
+    Ok(out)
+}
+
+/// One bucket of gradients (values of the source trace), in production order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    pub grads: Vec<ValueId>,
+    pub bytes: u64,
+    /// The node that produces the bucket's last gradient: its collective goes right after it.
+    pub after: NodeId,
+}
+
+/// Every parameter gradient of a step (the `grad` outputs of a grads step,
+/// the gradient operands of a train step's AdamW updates), each once, in the
+/// order backward produces them.
+pub fn gradient_order(step: &Trace) -> Result<Vec<ValueId>> {
+    let mut grads: Vec<ValueId> = Vec::new();
+    for o in &step.outputs {
+        if let OutputKind::Grad(_) = o.kind {
+            grads.push(o.value);
+        }
+    }
+    for node in step.nodes.iter().filter(|n| n.phase == Phase::Optimizer) {
+        if let Op::AdamW(_) = node.op {
+            grads.push(node.inputs[1]);
+        }
+    }
+    let mut keyed = Vec::with_capacity(grads.len());
+    for g in grads {
+        let Some(n) = step.producer(g) else {
+            return Err(Error::Parallel(format!("gradient {} is a leaf, not computed by backward", step.describe(g))));
+        };
+        let k = step.node(n).outputs.iter().position(|&o| o == g).expect("a node defines its outputs");
+        keyed.push(((n.index(), k), g));
+    }
+    keyed.sort();
+    keyed.dedup();
+    if keyed.is_empty() {
+        return Err(Error::Parallel(format!(
+            "the step `{}` has no gradients to reduce: data parallelism applies to grads and train steps",
+            step.name
+        )));
+    }
+    Ok(keyed.into_iter().map(|(_, g)| g).collect())
+}
+
+/// The buckets of `step`'s gradients for a budget of `bucket_bytes`.
+pub fn buckets(step: &Trace, bucket_bytes: u64) -> Result<Vec<Bucket>> {
+    let mut out: Vec<Bucket> = Vec::new();
+    let mut open: Option<Bucket> = None;
+    for g in gradient_order(step)? {
+        let after = step.producer(g).expect("gradient_order checked");
+        let b = open.get_or_insert_with(|| Bucket { grads: vec![], bytes: 0, after });
+        b.grads.push(g);
+        b.bytes += step.ty(g).bytes();
+        b.after = after;
+        if b.bytes >= bucket_bytes {
+            out.extend(open.take());
+        }
+    }
+    out.extend(open);
+    Ok(out)
+}
+
+/// The positions of a step's AdamW updates (inputs `p, g, m, v, lr, step`).
+fn adamw_nodes(step: &Trace) -> Vec<usize> {
+    (0..step.nodes.len()).filter(|&i| matches!(step.nodes[i].op, Op::AdamW(_))).collect()
+}
+
+/// Rewrites `step` (a grads or train step) as the step of one rank of
+/// `dp.world`; see the module doc.
+pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
+    dp.check()?;
+    let world = dp.world;
+    let buckets = buckets(step, dp.bucket_bytes)?;
+    let adamws = adamw_nodes(step);
+    if dp.zero1 && adamws.is_empty() {
+        return Err(Error::Parallel(format!(
+            "ZeRO-1 shards optimizer state, and the step `{}` has no optimizer: use it with a train step",
+            step.name
+        )));
+    }
+
+    // ZeRO-1: which state leaves are AdamW moments, and every parameter must shard.
+    let mut sharded_state = vec![false; step.values.len()];
+    if dp.zero1 {
+        for &ni in &adamws {
+            let node = &step.nodes[ni];
+            let p = node.inputs[0];
+            shard_type(step.ty(p), world).map_err(|e| {
+                Error::Parallel(format!(
+                    "ZeRO-1 over {world} ranks cannot shard {}: {e}; choose a number of ranks that divides \
+                     every parameter's element count",
+                    step.describe(p)
+                ))
+            })?;
+            for &s in &node.inputs[2..4] {
+                if !matches!(step.value(s).kind, ValueKind::State { .. }) {
+                    return Err(Error::Parallel(format!(
+                        "ZeRO-1 expects AdamW moments to be optimizer state, got {}",
+                        step.describe(s)
+                    )));
+                }
+                sharded_state[s.index()] = true;
+            }
+        }
+        if let Some(n) = step.nodes.iter().find(|n| n.phase == Phase::Optimizer && !matches!(n.op, Op::AdamW(_))) {
+            return Err(Error::Parallel(format!(
+                "ZeRO-1 shards `adamw` updates only, and the optimizer also runs `{}`",
+                n.op.name()
+            )));
+        }
+    }
+
+    let mut b = Builder::new(step.name.clone());
+    let mut map: Vec<Option<ValueId>> = vec![None; step.values.len()];
+    for v in step.leaves() {
+        let val = step.value(v);
+        let name = val.kind.leaf_name().expect("a leaf");
+        let nv = match &val.kind {
+            ValueKind::Input { .. } => b.input(name, val.ty.clone())?,
+            ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
+            ValueKind::State { .. } if sharded_state[v.index()] => {
+                b.state(name, shard_type(&val.ty, world).map_err(Error::Parallel)?)?
+            }
+            ValueKind::State { .. } => b.state(name, val.ty.clone())?,
+            ValueKind::Node(_) => unreachable!("leaves only"),
+        };
+        map[v.index()] = Some(nv);
+    }
+
+    let mut closes: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (k, bk) in buckets.iter().enumerate() {
+        closes.entry(bk.after.index()).or_default().push(k);
+    }
+    let loss = step.loss();
+    let loss_node = loss.and_then(|l| step.producer(l));
+    let mut reduced: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut new_loss = loss.map(|l| map[l.index()]).unwrap_or(None);
+    let m = |map: &[Option<ValueId>], v: ValueId| map[v.index()].expect("defined before use");
+
+    for (ni, node) in step.nodes.iter().enumerate() {
+        if dp.zero1 && node.phase == Phase::Optimizer {
+            break;
+        }
+        b.set_phase(node.phase);
+        // The optimizer reads the reduced gradients; backward keeps reading
+        // its local values (a gradient that is also another cotangent).
+        let inputs: Vec<ValueId> = node
+            .inputs
+            .iter()
+            .map(|&v| match (node.phase, reduced.get(&v)) {
+                (Phase::Optimizer, Some(&r)) => r,
+                _ => m(&map, v),
+            })
+            .collect();
+        let outs = b.push(node.op.clone(), &inputs)?;
+        for (&o, n) in node.outputs.iter().zip(outs) {
+            map[o.index()] = Some(n);
+        }
+        if loss_node == Some(NodeId(ni as u32)) {
+            let l = loss.expect("a loss node has a loss");
+            new_loss = Some(b.all_reduce(ReduceOp::Mean, world, &[m(&map, l)])?[0]);
+        }
+        for &k in closes.get(&ni).map(Vec::as_slice).unwrap_or(&[]) {
+            let grads: Vec<ValueId> = buckets[k].grads.iter().map(|&g| m(&map, g)).collect();
+            let outs = if dp.zero1 {
+                b.reduce_scatter(ReduceOp::Mean, world, &grads)?
+            } else {
+                b.all_reduce(ReduceOp::Mean, world, &grads)?
+            };
+            for (&g, r) in buckets[k].grads.iter().zip(outs) {
+                reduced.insert(g, r);
+            }
+        }
+    }
+
+    let mut updates: Vec<(ValueId, ValueId)> = Vec::new();
+    if dp.zero1 {
+        b.set_phase(Phase::Optimizer);
+        let bucket_of: HashMap<ValueId, usize> =
+            buckets.iter().enumerate().flat_map(|(k, bk)| bk.grads.iter().map(move |&g| (g, k))).collect();
+        for (k, _) in buckets.iter().enumerate() {
+            let (mut params, mut shards) = (Vec::new(), Vec::new());
+            for &ni in adamws.iter().filter(|&&ni| bucket_of[&step.nodes[ni].inputs[1]] == k) {
+                let node = &step.nodes[ni];
+                let Op::AdamW(hyper) = &node.op else { unreachable!("adamw nodes only") };
+                let i: Vec<ValueId> = node.inputs.iter().map(|&v| m(&map, v)).collect();
+                let p_shard = b.local_shard(world, i[0])?;
+                let (p2, m2, v2) = b.adamw(p_shard, reduced[&node.inputs[1]], i[2], i[3], i[4], i[5], hyper)?;
+                updates.push((i[2], m2));
+                updates.push((i[3], v2));
+                params.push(i[0]);
+                shards.push(p2);
+            }
+            if !params.is_empty() {
+                let gathered = b.all_gather(world, &params, &shards)?;
+                updates.extend(params.into_iter().zip(gathered));
+            }
+        }
+    } else {
+        updates.extend(step.updates.iter().map(|u| (m(&map, u.state), m(&map, u.new))));
+    }
+
+    for o in &step.outputs {
+        let (kind, value) = match &o.kind {
+            OutputKind::Loss => (OutputKind::Loss, new_loss.expect("the loss was rebuilt")),
+            OutputKind::Grad(p) => (OutputKind::Grad(m(&map, *p)), reduced[&o.value]),
+            OutputKind::Named(n) => (OutputKind::Named(n.clone()), m(&map, o.value)),
+        };
+        b.output(kind, value);
+    }
+    for (s, n) in updates {
+        b.update(s, n);
+    }
+    b.finish("data_parallel")
+}
+
+/// Builds one rank's step for the global batch of `spec`: the rank's rows
+/// ([`rank_spec`]), autodiff, then [`data_parallel`]. Returns the rank's
+/// spec, its forward trace and its step.
+pub fn build_rank_step(
+    spec: &ModelSpec,
+    kind: StepKind,
+    opts: &TrainOptions,
+    dp: &DataParallel,
+) -> Result<(ModelSpec, Trace, Trace)> {
+    dp.check()?;
+    let rank = rank_spec(spec, dp.world)?;
+    let forward = build_forward(&rank)?;
+    let step = build_step(&forward, kind, opts)?;
+    let step = data_parallel(&step, dp)?;
+    Ok((rank, forward, step))
+}
+
+/// The per-rank memory plan of a data-parallel step next to the plan of the
+/// same global batch on one device: what `stepgraph plan --gpus N` reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct DataParallelReport {
+    pub gpus: usize,
+    pub zero1: bool,
+    pub global_batch: usize,
+    pub rank_batch: usize,
+    pub seq: usize,
+    pub bucket_bytes: u64,
+    /// Gradient buckets, each one collective call per step.
+    pub buckets: usize,
+    /// The largest bucket.
+    pub largest_bucket_bytes: u64,
+    /// Gradient bytes each rank hands to the collectives per step.
+    pub reduced_bytes: u64,
+    /// The whole global batch on one device, no collectives.
+    pub single: PlanReport,
+    /// One rank's step (every rank has the same plan).
+    pub per_rank: PlanReport,
+}
+
+/// Plans `spec` (global batch) on one device and as one rank of `dp`, checks
+/// both plans, and reports them side by side, listing the `top` largest
+/// values live at each peak.
+pub fn plan_data_parallel(
+    spec: &ModelSpec,
+    kind: StepKind,
+    opts: &TrainOptions,
+    dp: &DataParallel,
+    top: usize,
+) -> Result<DataParallelReport> {
+    dp.check()?;
+    let rank = rank_spec(spec, dp.world)?;
+    let local = build_step(&build_forward(&rank)?, kind, opts)?;
+    let bks = buckets(&local, dp.bucket_bytes)?;
+    let step = data_parallel(&local, dp)?;
+    let p = plan(&step, PlanOptions::default())?;
+    check_plan(&step, &p)?;
+    let per_rank = plan_report(&step, &p, top);
+
+    let single_step = build_step(&build_forward(spec)?, kind, opts)?;
+    let sp = plan(&single_step, PlanOptions::default())?;
+    check_plan(&single_step, &sp)?;
+    let single = plan_report(&single_step, &sp, top);
+
+    Ok(DataParallelReport {
+        gpus: dp.world,
+        zero1: dp.zero1,
+        global_batch: spec.batch,
+        rank_batch: rank.batch,
+        seq: spec.seq,
+        bucket_bytes: dp.bucket_bytes,
+        buckets: bks.len(),
+        largest_bucket_bytes: bks.iter().map(|b| b.bytes).max().unwrap_or(0),
+        reduced_bytes: bks.iter().map(|b| b.bytes).sum(),
+        single,
+        per_rank,
+    })
+}
+
+impl std::fmt::Display for DataParallelReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: u64| format!("{:.3} GB", b as f64 / 1e9);
+        let (s, r) = (&self.single, &self.per_rank);
+        writeln!(
+            f,
+            "data parallel over {} GPUs{}: global batch {} = {} x {} rows of {} tokens",
+            self.gpus,
+            if self.zero1 { " with ZeRO-1 (optimizer state sharded)" } else { "" },
+            self.global_batch,
+            self.gpus,
+            self.rank_batch,
+            self.seq
+        )?;
+        writeln!(
+            f,
+            "gradients: {} in {} buckets of >= {:.1} MiB (largest {}), {} per step per rank",
+            gb(self.reduced_bytes),
+            self.buckets,
+            self.bucket_bytes as f64 / (1024.0 * 1024.0),
+            gb(self.largest_bucket_bytes),
+            if self.zero1 { "reduce-scattered" } else { "all-reduced" }
+        )?;
+        let one = format!("1 GPU (batch {})", self.global_batch);
+        let each = format!("per rank (batch {})", self.rank_batch);
+        writeln!(f, "  {:<16} {:>24} {:>24}", "", one, each)?;
+        let rows: [(&str, u64, u64); 7] = [
+            ("persistent", s.persistent_bytes, r.persistent_bytes),
+            ("  parameters", s.param_bytes, r.param_bytes),
+            ("  optimizer", s.optimizer_state_bytes, r.optimizer_state_bytes),
+            ("arena", s.arena_bytes, r.arena_bytes),
+            ("  gradients out", s.gradient_bytes, r.gradient_bytes),
+            ("planned peak", s.planned_peak_bytes, r.planned_peak_bytes),
+            ("floor", s.floor_bytes, r.floor_bytes),
+        ];
+        for (name, a, b) in rows {
+            writeln!(f, "  {name:<16} {:>24} {:>24}", gb(a), gb(b))?;
+        }
+        writeln!(f, "  {:<16} {:>24} {:>24}", "nodes", s.nodes, r.nodes)?;
+        writeln!(f, "largest values live at the per-rank peak (node {}):", r.peak_position)?;
+        for l in &r.largest_at_peak {
+            writeln!(f, "  {:>12} B  {:<22} {}", l.bytes, l.ty, l.value)?;
+        }
+        Ok(())
+    }
+}
