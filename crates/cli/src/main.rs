@@ -1,5 +1,6 @@
 //! The `stepgraph` command line: `plan` (the memory plan of a step, without
-//! allocating the model), `trace` (the forward or step trace as text),
+//! allocating the model; with `--gpus N` the plan of one data-parallel rank
+//! next to the 1-GPU plan), `trace` (the forward or step trace as text),
 //! `train` (a training run on the CPU backend), `bench` (a benchmark
 //! workload on the GPU) and `compare` (one step's loss and gradients against
 //! a PyTorch reference, on the CPU or the CUDA backend).
@@ -17,6 +18,7 @@ use rand::{Rng, SeedableRng};
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::{DType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
@@ -42,6 +44,16 @@ enum Command {
         /// How many of the largest values live at the peak to list.
         #[arg(long, default_value_t = 10)]
         top: usize,
+        /// Plan one rank of data-parallel training over N GPUs, next to the
+        /// 1-GPU plan; `--batch` is the global batch, split by rows over the GPUs.
+        #[arg(long)]
+        gpus: Option<usize>,
+        /// With --gpus: shard the AdamW state over the GPUs (ZeRO-1; needs --step train).
+        #[arg(long, requires = "gpus")]
+        zero1: bool,
+        /// With --gpus: gradient bucket size in MiB, like PyTorch DDP's bucket_cap_mb [default: 25].
+        #[arg(long, requires = "gpus")]
+        bucket_mb: Option<f64>,
     },
     /// Print a trace as text.
     Trace {
@@ -210,7 +222,25 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Plan { model, json, top } => {
+        Command::Plan { model, json, top, gpus: Some(gpus), zero1, bucket_mb } => {
+            let bucket_bytes = match bucket_mb {
+                None => DEFAULT_BUCKET_BYTES,
+                Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
+                Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
+            };
+            let dp = DataParallel { world: gpus, bucket_bytes, zero1 };
+            let kind = model.step_kind(StepKind::Grads);
+            if zero1 && kind != StepKind::Train {
+                bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
+            }
+            let report = plan_data_parallel(&model.spec()?, kind, &TrainOptions::default(), &dp, top)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+        }
+        Command::Plan { model, json, top, .. } => {
             let (_, _, step) = step_trace(&model, StepKind::Grads, &TrainOptions::default())?;
             let p = plan(&step, PlanOptions::default())?;
             check_plan(&step, &p)?;

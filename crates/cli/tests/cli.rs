@@ -1,5 +1,6 @@
 //! The command line as a user meets it: plan JSON for the benchmark
-//! workloads, traces, a short training run, and clear errors for bad input.
+//! workloads (W5 also on 8 GPUs, with and without ZeRO-1), traces, a short
+//! training run, and clear errors for bad input.
 
 use std::process::Command;
 
@@ -67,6 +68,73 @@ fn plan_w2_text_report() {
     assert!(out.contains("planned peak") && out.contains("largest values live at the peak"), "{out}");
 }
 
+/// W5 on each of 8 GPUs: full open_llama_3b, bf16, 4 x 2048 tokens per
+/// rank (a global batch of 32), cross-entropy, AdamW.
+fn plan_w5_8_gpus(extra: &[&str]) -> (serde_json::Value, String) {
+    let mut args = vec![
+        "plan",
+        "--model",
+        "open_llama_3b",
+        "--dtype",
+        "bf16",
+        "--batch",
+        "32",
+        "--seq",
+        "2048",
+        "--loss",
+        "ce",
+        "--step",
+        "train",
+        "--gpus",
+        "8",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, text, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    args.push("--json");
+    let (ok, out, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    (serde_json::from_str(&out).unwrap(), text)
+}
+
+#[test]
+fn plan_w5_on_8_gpus_with_and_without_zero1() {
+    let (dp, dp_text) = plan_w5_8_gpus(&[]);
+    let (z, z_text) = plan_w5_8_gpus(&["--zero1"]);
+    let b = |v: &serde_json::Value, side: &str, key: &str| json_u64(&v[side], key);
+    let params = 3_426_473_600u64 * 2;
+    for v in [&dp, &z] {
+        assert_eq!((json_u64(v, "gpus"), json_u64(v, "global_batch"), json_u64(v, "rank_batch")), (8, 32, 4));
+        for side in ["single", "per_rank"] {
+            let (persistent, arena) = (b(v, side, "persistent_bytes"), b(v, side, "arena_bytes"));
+            assert_eq!(b(v, side, "param_bytes"), params, "{side}");
+            assert_eq!(persistent, params + b(v, side, "optimizer_state_bytes"), "{side}");
+            assert_eq!(b(v, side, "planned_peak_bytes"), persistent + arena, "{side}");
+            assert!(b(v, side, "floor_bytes") <= b(v, side, "planned_peak_bytes"), "{side}");
+        }
+        // bf16 AdamW moments on one GPU: twice the parameters.
+        assert_eq!(b(v, "single", "optimizer_state_bytes"), 2 * params);
+        // Each rank holds the activations of 4 rows, not 32.
+        assert!(b(v, "per_rank", "arena_bytes") * 7 < b(v, "single", "arena_bytes"), "{v}");
+        // Every gradient is reduced once per step, in buckets of at least 25 MiB.
+        assert_eq!(json_u64(v, "reduced_bytes"), params);
+        let buckets = json_u64(v, "buckets");
+        assert!(buckets <= params / json_u64(v, "bucket_bytes") + 1 && buckets > 100, "{buckets} buckets");
+    }
+    assert_eq!(b(&dp, "per_rank", "optimizer_state_bytes"), 2 * params);
+    // ZeRO-1: each rank keeps 1/8 of the optimizer state, and only that changes.
+    assert_eq!(b(&z, "per_rank", "optimizer_state_bytes") * 8, b(&z, "single", "optimizer_state_bytes"));
+    assert_eq!(b(&dp, "per_rank", "persistent_bytes") - b(&z, "per_rank", "persistent_bytes"), 2 * params / 8 * 7);
+    assert!(b(&z, "per_rank", "arena_bytes") <= b(&dp, "per_rank", "arena_bytes"));
+    assert!(b(&z, "per_rank", "planned_peak_bytes") <= 36_000_000_000, "{z}");
+    assert!(b(&dp, "per_rank", "planned_peak_bytes") <= 48_000_000_000, "{dp}");
+    assert!(dp_text.starts_with("data parallel over 8 GPUs: global batch 32 = 8 x 4 rows of 2048 tokens"), "{dp_text}");
+    assert!(z_text.starts_with("data parallel over 8 GPUs with ZeRO-1"), "{z_text}");
+    for needle in ["1 GPU (batch 32)", "per rank (batch 4)", "optimizer", "13705894400 B", "1713236800 B"] {
+        assert!(z_text.contains(needle), "no `{needle}` in\n{z_text}");
+    }
+}
+
 #[test]
 fn trace_prints_forward_and_step() {
     let (ok, out, err) = stepgraph(&["trace", "--which", "forward", "--seq", "8"]);
@@ -90,8 +158,15 @@ fn train_lowers_the_loss() {
 
 #[test]
 fn bad_input_gets_clear_errors() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["plan", "--model", "gpt-17"], "unknown model name `gpt-17`"),
+        (&["plan", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
+        (&["plan", "--zero1"], "--gpus"),
+        (&["plan", "--gpus", "2", "--batch", "2", "--zero1"], "--zero1 shards the AdamW state"),
+        (
+            &["plan", "--gpus", "3", "--batch", "3", "--zero1", "--step", "train"],
+            "ZeRO-1 over 3 ranks cannot shard param model.embed_tokens.weight",
+        ),
         (&["plan", "--model", "open_llama_3b", "--n-head", "3"], "n_embd 3200 is not divisible by n_head 3"),
         (&["plan", "--seq", "100000"], "sequence length 100000 exceeds the block size 256"),
         (&["train", "--data", "no/such/file.txt"], "reading training text no/such/file.txt"),

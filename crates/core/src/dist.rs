@@ -414,6 +414,7 @@ pub fn plan_data_parallel(
 impl std::fmt::Display for DataParallelReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| format!("{:.3} GB", b as f64 / 1e9);
+        let both = |b: u64| format!("{b:>14} B {:>10}", gb(b));
         let (s, r) = (&self.single, &self.per_rank);
         writeln!(
             f,
@@ -427,16 +428,17 @@ impl std::fmt::Display for DataParallelReport {
         )?;
         writeln!(
             f,
-            "gradients: {} in {} buckets of >= {:.1} MiB (largest {}), {} per step per rank",
+            "gradients: {} {} per step in {} bucket{} (budget {:.1} MiB, largest {}), each right after its last gradient",
             gb(self.reduced_bytes),
+            if self.zero1 { "reduce-scattered" } else { "all-reduced" },
             self.buckets,
+            if self.buckets == 1 { "" } else { "s" },
             self.bucket_bytes as f64 / (1024.0 * 1024.0),
             gb(self.largest_bucket_bytes),
-            if self.zero1 { "reduce-scattered" } else { "all-reduced" }
         )?;
         let one = format!("1 GPU (batch {})", self.global_batch);
         let each = format!("per rank (batch {})", self.rank_batch);
-        writeln!(f, "  {:<16} {:>24} {:>24}", "", one, each)?;
+        writeln!(f, "  {:<16} {:>27} {:>27}", "", one, each)?;
         let rows: [(&str, u64, u64); 7] = [
             ("persistent", s.persistent_bytes, r.persistent_bytes),
             ("  parameters", s.param_bytes, r.param_bytes),
@@ -447,9 +449,13 @@ impl std::fmt::Display for DataParallelReport {
             ("floor", s.floor_bytes, r.floor_bytes),
         ];
         for (name, a, b) in rows {
-            writeln!(f, "  {name:<16} {:>24} {:>24}", gb(a), gb(b))?;
+            // A train step consumes its gradients: no gradient outputs to list.
+            if name == "  gradients out" && a == 0 && b == 0 {
+                continue;
+            }
+            writeln!(f, "  {name:<16} {:>27} {:>27}", both(a), both(b))?;
         }
-        writeln!(f, "  {:<16} {:>24} {:>24}", "nodes", s.nodes, r.nodes)?;
+        writeln!(f, "  {:<16} {:>27} {:>27}", "nodes", s.nodes, r.nodes)?;
         writeln!(f, "largest values live at the per-rank peak (node {}):", r.peak_position)?;
         for l in &r.largest_at_peak {
             writeln!(f, "  {:>12} B  {:<22} {}", l.bytes, l.ty, l.value)?;

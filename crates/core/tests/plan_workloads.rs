@@ -2,9 +2,11 @@
 //! computed without allocating anything: W1 must fit the 11.9 GB that
 //! PyTorch-based stacks peak at, every plan must sit within 2% of its own
 //! floor, and persistent bytes must be exactly the parameters (plus the
-//! optimizer state under `train`).
+//! optimizer state under `train`). W5 on 8 GPUs: each rank plans like one
+//! GPU running W5, and ZeRO-1 divides the optimizer state by 8.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::dist::{plan_data_parallel, DataParallel};
 use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
@@ -71,4 +73,34 @@ fn train_step_keeps_optimizer_state_persistent() {
     assert_eq!(r.optimizer_state_bytes, 2 * r.param_bytes);
     assert_eq!(r.persistent_bytes, 3 * r.param_bytes);
     assert_eq!(r.gradient_bytes, 0, "train consumes its gradients");
+}
+
+#[test]
+fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
+    let (_, w5) =
+        workload("open_llama_3b", Overrides::default(), DType::BF16, 4, 2048, LossKind::CrossEntropy, StepKind::Train);
+    // 8 ranks of W5: a global batch of 32 rows.
+    let spec = ModelSpec {
+        config: Config::named("open_llama_3b").unwrap(),
+        batch: 32,
+        seq: 2048,
+        dtype: DType::BF16,
+        loss: LossKind::CrossEntropy,
+    };
+    let opts = TrainOptions::default();
+    let dp = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel::new(8), 5).unwrap();
+    let z = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel { zero1: true, ..DataParallel::new(8) }, 5)
+        .unwrap();
+    for r in [&dp, &z] {
+        assert_eq!(r.rank_batch, 4);
+        // The collectives run in place: a rank's arena is W5's on one GPU.
+        assert_eq!(r.per_rank.arena_bytes, w5.arena_bytes, "{r:?}");
+        assert_eq!(r.per_rank.param_bytes, w5.param_bytes);
+        assert!(r.per_rank.overhead_vs_floor <= 0.02);
+        assert_eq!(r.single.persistent_bytes, w5.persistent_bytes);
+    }
+    assert_eq!(dp.per_rank.planned_peak_bytes, w5.planned_peak_bytes);
+    assert_eq!(z.per_rank.optimizer_state_bytes * 8, w5.optimizer_state_bytes);
+    assert_eq!(z.per_rank.persistent_bytes, w5.param_bytes + w5.optimizer_state_bytes / 8);
+    assert_eq!(z.per_rank.planned_peak_bytes, z.per_rank.persistent_bytes + w5.arena_bytes);
 }
