@@ -57,7 +57,7 @@ use crate::testing::HostTensor;
 pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
 
 /// How to split a step over ranks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DataParallel {
     /// Number of ranks (GPUs).
     pub world: usize,
@@ -227,6 +227,14 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
                 n.op.name()
             )));
         }
+        // Every update must be one of the AdamW triples rebuilt below.
+        if step.updates.len() != 3 * adamws.len() {
+            return Err(Error::Parallel(format!(
+                "ZeRO-1 rewrites the updates of {} AdamW nodes, but the step has {} state updates",
+                adamws.len(),
+                step.updates.len()
+            )));
+        }
     }
 
     let mut b = Builder::new(step.name.clone());
@@ -297,7 +305,7 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
         b.set_phase(Phase::Optimizer);
         let bucket_of: HashMap<ValueId, usize> =
             buckets.iter().enumerate().flat_map(|(k, bk)| bk.grads.iter().map(move |&g| (g, k))).collect();
-        for (k, _) in buckets.iter().enumerate() {
+        for k in 0..buckets.len() {
             let (mut params, mut shards) = (Vec::new(), Vec::new());
             for &ni in adamws.iter().filter(|&&ni| bucket_of[&step.nodes[ni].inputs[1]] == k) {
                 let node = &step.nodes[ni];

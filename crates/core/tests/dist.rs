@@ -588,9 +588,13 @@ fn collective_shape_rules_vjp_and_parse_errors() {
 
 #[test]
 fn rank_steps_run_the_same_planned_and_unplanned_eager_and_replayed() {
+    // bf16 parameters with f32 AdamW moments: shards of two dtypes.
     let sp = spec(DType::BF16);
     let dp = DataParallel { zero1: true, bucket_bytes: 40_000, ..DataParallel::new(2) };
-    let (_, fwd, step) = build_rank_step(&sp, StepKind::Train, &TrainOptions::default(), &dp).unwrap();
+    let opts = TrainOptions { state_dtype: Some(DType::F32), ..TrainOptions::default() };
+    let (_, fwd, step) = build_rank_step(&sp, StepKind::Train, &opts, &dp).unwrap();
+    let m = step.leaf_by_name("lm_head.weight.exp_avg").unwrap();
+    assert_eq!(step.ty(m).to_string(), "f32[8192]", "a half of f32[256,64]");
     let run = |reuse: bool, replay: bool| {
         run_ranks(2, |comm| {
             let rank = comm.rank();

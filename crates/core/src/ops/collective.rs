@@ -48,15 +48,6 @@ pub enum ReduceOp {
     Mean,
 }
 
-impl ReduceOp {
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Mean => "mean",
-        }
-    }
-}
-
 /// What a backend must do for a collective node: data for the lowering.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub enum CollectiveKind {
