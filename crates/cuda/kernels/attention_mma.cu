@@ -128,9 +128,10 @@ template <typename T> struct Tc16 {
     }
 };
 
-// f32: m16n8k8 on TF32 in three products (3xTF32): x = hi + lo with hi, lo
-// TF32, and a·b ≈ lo_a·hi_b + hi_a·lo_b + hi_a·hi_b, which keeps about f32's
-// precision (the dropped lo·lo term is ~2⁻²² relative) at tensor-core speed.
+// f32: m16n8k8 on TF32 in three products (3xTF32): x = hi + lo with hi
+// TF32 and lo the remainder, and a·b ≈ lo_a·hi_b + hi_a·lo_b + hi_a·hi_b,
+// which keeps about f32's precision (the dropped lo·lo term and lo's
+// truncation to TF32 are ~2⁻²¹ relative) at tensor-core speed.
 // Fragments are read with 32-bit shared loads; shared rows of DP + 4 words
 // keep them conflict-free (DP/4 even, so the stride/4 is odd).
 struct Tc32 {
@@ -143,9 +144,14 @@ struct Tc32 {
     struct B {
         u32 hi[4], lo[4];
     };
+    // hi: x rounded to TF32 (half an ulp added, low 13 bits cleared); lo =
+    // x − hi exactly, handed over as f32 bits: the tensor core reads TF32
+    // operands by truncating the low 13 bits. Integer and f32 adds run at
+    // full rate where `cvt.rna.tf32` runs at a quarter, and the splits are a
+    // large share of this kernel's instructions.
     static __device__ __forceinline__ void split(float x, u32& hi, u32& lo) {
-        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+        hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+        lo = __float_as_uint(x - __uint_as_float(hi));
     }
     static __device__ __forceinline__ void set_a(A& a, float x0, float x1, float x2, float x3) {
         split(x0, a.hi[0], a.lo[0]);
