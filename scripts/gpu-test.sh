@@ -9,11 +9,31 @@
 # With the `device` tool: build here, then run with carry [".carry"], e.g.
 #   run(command="bash scripts/gpu-test.sh test && bash scripts/gpu-test.sh bench", carry=[".carry"])
 # Logs and JSON go to $OUT (or ./gpu-out when $OUT is unset).
+#
+# `build` also compiles every kernel module for sm_90 with NVRTC (the wheel
+# .ci/run installs) into a kernel cache, so the GPU machine loads CUBINs
+# instead of compiling them (a minute of device time), and packs binaries and
+# cache into .carry/pack.tar.xz (the carry is limited to 64 MiB); `test`,
+# `bench` and scripts/gpu-compare.sh unpack it (`unpack`) before use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+
+# The packed binaries and kernel cache, unpacked once per machine.
+unpack() {
+    if [ -e .carry/pack.tar.xz ] && [ ! -e .carry/stepgraph ]; then
+        tar -C .carry -xJf .carry/pack.tar.xz
+    fi
+    if [ -d .carry/kcache ]; then
+        export STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache
+    fi
+}
+
 case "${1:-}" in
+unpack)
+    unpack
+    ;;
 build)
     rm -rf .carry && mkdir -p .carry/tests .carry/bench
     cargo build --release -p stepgraph
@@ -25,10 +45,20 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
         while read -r name exe; do cp "$exe" ".carry/tests/$name"; done
-    cp ../shared/bench/torch_reference.py .carry/bench/
-    ls -la .carry .carry/tests
+    cp ../shared/bench/torch_reference.py scripts/torch_profile.py .carry/bench/
+    nvrtc=${NVRTC_DIR:-${HOME:-/tmp}/.cache/stepgraph/nvrtc-13.0}/nvidia/cu13
+    if [ -e "$nvrtc/lib/libnvrtc.so.13" ]; then
+        LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_INCLUDE="$nvrtc/include" \
+            STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache cargo run --release -q -p stepgraph-cuda --example compile_kernels
+    else
+        echo "NVRTC not found under $nvrtc (run .ci/run once): kernels will compile on the GPU machine" >&2
+    fi
+    (cd .carry && tar -cJf pack.tar.xz stepgraph tests $([ -d kcache ] && echo kcache) && rm -rf stepgraph tests kcache)
+    ls -la .carry
+    du -sh .carry
     ;;
 test)
+    unpack
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     status=0
     for t in .carry/tests/*; do
@@ -38,6 +68,7 @@ test)
     exit $status
     ;;
 bench)
+    unpack
     shift
     workloads=${*:-w3 w1 w1-bf16 w2}
     for w in $workloads; do
@@ -53,7 +84,7 @@ bench)
     done
     ;;
 *)
-    echo "usage: $0 build|test|bench [workloads]" >&2
+    echo "usage: $0 build|unpack|test|bench [workloads]" >&2
     exit 2
     ;;
 esac
