@@ -298,6 +298,34 @@ __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T*
     }
 }
 
+// The two product shapes of every pass, over one warp's 16 rows.
+// c[NC][4] += a · tileᵀ for columns 0..8·NC of a tile stored [column][depth]
+// (scores: q·kᵀ, go·vᵀ, k·qᵀ, v·goᵀ), at depth slice k0.
+template <class Tc, int SD, int NC>
+__device__ __forceinline__ void mma_nk(float (*c)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
+                                       int lane) {
+#pragma unroll
+    for (int np = 0; np < NC / 2; ++np) {
+        typename Tc::B bf;
+        Tc::template load_b_nk<SD>(bf, tile, np * 16, k0, lane);
+        Tc::mma(c[2 * np], a, bf, 0);
+        Tc::mma(c[2 * np + 1], a, bf, 1);
+    }
+}
+// acc[DP/8][4] += a · tile[k0..k0+KS, 0..DP] for a tile stored [depth][dim]
+// (p·v, ds·k, pᵀ·go, dsᵀ·q).
+template <class Tc, int SD, int DP>
+__device__ __forceinline__ void mma_kn(float (*acc)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
+                                       int lane) {
+#pragma unroll
+    for (int np = 0; np < DP / 16; ++np) {
+        typename Tc::B bf;
+        Tc::template load_b_kn<SD>(bf, tile, k0, np * 16, lane);
+        Tc::mma(acc[2 * np], a, bf, 0);
+        Tc::mma(acc[2 * np + 1], a, bf, 1);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Forward: the block owns 64 query rows (16 per warp) and walks the key tiles
 // up to the diagonal with an online softmax.
@@ -309,7 +337,6 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     typedef typename G::Tc Tc;
     typedef typename G::E E;
     typedef typename Tc::A FA;
-    typedef typename Tc::B FB;
     constexpr int SD = G::SD, BC = G::FWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
@@ -374,13 +401,7 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
                 qa = qf[kk];
             else
                 Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
-#pragma unroll
-            for (int np = 0; np < NS / 2; ++np) {
-                FB bf;
-                Tc::template load_b_nk<SD>(bf, Kt, np * 16, kk * KS, lane);
-                Tc::mma(s[2 * np], qa, bf, 0);
-                Tc::mma(s[2 * np + 1], qa, bf, 1);
-            }
+            mma_nk<Tc, SD, NS>(s, qa, Kt, kk * KS, lane);
         }
 
         // Scale, mask (future keys, keys past T), running max.
@@ -426,13 +447,7 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         for (int kc = 0; kc < BC / KS; ++kc) {
             FA pa;
             Tc::a_from_c(pa, &s[kc * (KS / 8)]);
-#pragma unroll
-            for (int np = 0; np < DP / 16; ++np) {
-                FB bf;
-                Tc::template load_b_kn<SD>(bf, Vt, kc * KS, np * 16, lane);
-                Tc::mma(acc[2 * np], pa, bf, 0);
-                Tc::mma(acc[2 * np + 1], pa, bf, 1);
-            }
+            mma_kn<Tc, SD, DP>(acc, pa, Vt, kc * KS, lane);
         }
         __syncthreads();  // this tile's buffer is refilled next
         if (NB == 1 && j + 1 < ntiles) {
@@ -474,7 +489,6 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
     typedef typename G::Tc Tc;
     typedef typename G::E E;
     typedef typename Tc::A FA;
-    typedef typename Tc::B FB;
     constexpr int SD = G::SD, BC = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
@@ -556,16 +570,8 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
                 Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
                 Tc::template load_a<SD>(ga, Gs, warp * 16, kk * KS, lane);
             }
-#pragma unroll
-            for (int np = 0; np < NS / 2; ++np) {
-                FB bf;
-                Tc::template load_b_nk<SD>(bf, Kt, np * 16, kk * KS, lane);
-                Tc::mma(s[2 * np], qa, bf, 0);
-                Tc::mma(s[2 * np + 1], qa, bf, 1);
-                Tc::template load_b_nk<SD>(bf, Vt, np * 16, kk * KS, lane);
-                Tc::mma(dp[2 * np], ga, bf, 0);
-                Tc::mma(dp[2 * np + 1], ga, bf, 1);
-            }
+            mma_nk<Tc, SD, NS>(s, qa, Kt, kk * KS, lane);
+            mma_nk<Tc, SD, NS>(dp, ga, Vt, kk * KS, lane);
         }
         // ds = p · (dp − D_i), p = exp2(s·scale·log2 e − L_i), zero where masked.
 #pragma unroll
@@ -581,13 +587,7 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
         for (int kc = 0; kc < BC / KS; ++kc) {
             FA da;
             Tc::a_from_c(da, &s[kc * (KS / 8)]);
-#pragma unroll
-            for (int np = 0; np < DP / 16; ++np) {
-                FB bf;
-                Tc::template load_b_kn<SD>(bf, Kt, kc * KS, np * 16, lane);
-                Tc::mma(acc[2 * np], da, bf, 0);
-                Tc::mma(acc[2 * np + 1], da, bf, 1);
-            }
+            mma_kn<Tc, SD, DP>(acc, da, Kt, kc * KS, lane);
         }
         __syncthreads();
         if (NB == 1 && j + 1 < ntiles) {
@@ -624,7 +624,6 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     typedef typename G::Tc Tc;
     typedef typename G::E E;
     typedef typename Tc::A FA;
-    typedef typename Tc::B FB;
     constexpr int SD = G::SD, BQ = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BQ / 8, NB = G::NBUF;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Ks = reinterpret_cast<E*>(smem_bytes);
@@ -716,16 +715,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             FA ka, va;
             Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
             Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
-#pragma unroll
-            for (int np = 0; np < NS / 2; ++np) {
-                FB bf;
-                Tc::template load_b_nk<SD>(bf, Qt, np * 16, kk * KS, lane);
-                Tc::mma(s[2 * np], ka, bf, 0);
-                Tc::mma(s[2 * np + 1], ka, bf, 1);
-                Tc::template load_b_nk<SD>(bf, Gt, np * 16, kk * KS, lane);
-                Tc::mma(dp[2 * np], va, bf, 0);
-                Tc::mma(dp[2 * np + 1], va, bf, 1);
-            }
+            mma_nk<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
+            mma_nk<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
         }
         // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
 #pragma unroll
@@ -743,16 +734,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             FA pa, da;
             Tc::a_from_c(pa, &s[kc * (KS / 8)]);
             Tc::a_from_c(da, &dp[kc * (KS / 8)]);
-#pragma unroll
-            for (int np = 0; np < DP / 16; ++np) {
-                FB bf;
-                Tc::template load_b_kn<SD>(bf, Gt, kc * KS, np * 16, lane);
-                Tc::mma(dv[2 * np], pa, bf, 0);
-                Tc::mma(dv[2 * np + 1], pa, bf, 1);
-                Tc::template load_b_kn<SD>(bf, Qt, kc * KS, np * 16, lane);
-                Tc::mma(dk[2 * np], da, bf, 0);
-                Tc::mma(dk[2 * np + 1], da, bf, 1);
-            }
+            mma_kn<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
+            mma_kn<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
         }
         __syncthreads();  // buffers of this step are refilled next
         if (NB == 1 && st + 1 < steps) {

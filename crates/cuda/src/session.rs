@@ -420,16 +420,7 @@ impl CudaSession {
             let name = match p {
                 Prepared::Kernel { launch, .. } => launch.function.clone(),
                 // Per shape and transposition, so a slow product shape stands out.
-                Prepared::Gemm(g) => format!(
-                    "gemm_{}_{}x{}x{}{}{}{}",
-                    format!("{:?}", g.ty).to_lowercase(),
-                    g.m,
-                    g.n,
-                    g.k,
-                    if g.trans_a { "_ta" } else { "" },
-                    if g.trans_b { "_tb" } else { "" },
-                    if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() }
-                ),
+                Prepared::Gemm(g) => crate::blas::shape_name(g),
                 Prepared::Memset { .. } => "memset".into(),
                 Prepared::Copy { .. } => "copy".into(),
             };
