@@ -26,25 +26,6 @@
 // (forward) or its row of dx (backward, when a gradient flows to the row)
 // into NaN, where it is noticed.
 
-// −∞ without INFINITY, which NVRTC does not define (so common.cuh's
-// block_max, which spells it so, does not compile when instantiated).
-template <typename A> __device__ __forceinline__ A neg_inf() {
-    return (A)__longlong_as_double((long long)0xfff0000000000000ULL);
-}
-
-// common.cuh's block_max with that −∞: max over the block (blockDim.x a
-// multiple of 32, at most 1024), returned to every thread; `scratch` holds
-// 32 values. fmax ignores NaN, as Rust's `max`. Deterministic: fixed tree.
-template <typename A> __device__ A row_max(A v, A* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const A r = (lane < nwarps) ? scratch[lane] : neg_inf<A>();
-    return warp_max(r);
-}
-
 __device__ __forceinline__ i64 load_target(const void* tgt, int tgt_i64, i64 n) {
     return tgt_i64 ? ((const i64*)tgt)[n] : (i64)((const int*)tgt)[n];
 }
@@ -61,9 +42,9 @@ __device__ void cross_entropy_lse_rows(const T* __restrict__ x, acc_t<T>* __rest
     __shared__ A scratch[32];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * cols;
-        A m = neg_inf<A>();
+        A m = A(-INFINITY);
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) m = fmax(m, load(xr, k));
-        m = row_max(m, scratch);
+        m = block_max(m, scratch);  // fmax ignores NaN, as Rust's `max`
         const A shift = isfinite(m) ? m : A(0);
         A s = A(0);
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) s += exp(load(xr, k) - shift);

@@ -9,25 +9,6 @@
 // over the block, which synchronises it) before any element of it is
 // written; an element is then read and written by the same thread.
 
-// −∞ without INFINITY, which NVRTC does not define (so common.cuh's
-// block_max, which spells it so, does not compile when instantiated).
-template <typename A> __device__ __forceinline__ A neg_inf() {
-    return (A)__longlong_as_double((long long)0xfff0000000000000ULL);
-}
-
-// common.cuh's block_max with that −∞: max over the block (blockDim.x a
-// multiple of 32, at most 1024), returned to every thread; `scratch` holds
-// 32 values. fmax ignores NaN, as Rust's `max`. Deterministic: fixed tree.
-template <typename A> __device__ A row_max(A v, A* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const A r = (lane < nwarps) ? scratch[lane] : neg_inf<A>();
-    return warp_max(r);
-}
-
 // y = exp(x − max) / Σ exp(x − max). The max ignores NaN as Rust's
 // `f32::max` does (fmax), so an all −inf row gives NaN as on the CPU.
 template <typename T> __device__ void softmax_rows(const T* x, T* y, i64 rows, i64 cols) {
@@ -36,9 +17,9 @@ template <typename T> __device__ void softmax_rows(const T* x, T* y, i64 rows, i
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * cols;
         T* yr = y + r * cols;
-        A m = neg_inf<A>();
+        A m = A(-INFINITY);
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) m = fmax(m, load(xr, k));
-        m = row_max(m, scratch);
+        m = block_max(m, scratch);  // fmax ignores NaN, as Rust's `max`
         A s = A(0);
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) s += exp(load(xr, k) - m);
         s = block_sum(s, scratch);
