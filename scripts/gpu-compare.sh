@@ -33,6 +33,14 @@ OUT=${OUT:-gpu-out}
 REF_DIR=${REF_DIR:-${TMPDIR:-/tmp}/stepgraph-ref}
 mkdir -p "$OUT" "$REF_DIR"
 
+# The binaries and kernel cache that `gpu-test.sh build` packed.
+if [ -e .carry/pack.tar.xz ] && [ ! -e .carry/stepgraph ]; then
+    tar -C .carry -xJf .carry/pack.tar.xz
+fi
+if [ -d .carry/kcache ]; then
+    export STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache
+fi
+
 for f in .carry/stepgraph .carry/bench/torch_reference.py; do
     if [ ! -e "$f" ]; then
         echo "missing $f: run scripts/gpu-test.sh build first (and carry .carry)" >&2
