@@ -22,6 +22,12 @@ pub enum CudaError {
     /// An op this backend cannot lower (with the reason).
     #[error("cannot lower `{op}` to CUDA: {reason}")]
     Lower { op: String, reason: String },
+    /// An NCCL call failed (with NCCL's description).
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// A session's rank or group does not fit the step's collectives.
+    #[error("data-parallel rank: {0}")]
+    Rank(String),
     #[error(transparent)]
     Core(#[from] stepgraph_core::Error),
     #[error("io error on `{path}`: {source}")]

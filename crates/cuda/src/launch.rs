@@ -97,6 +97,77 @@ pub enum Launch {
         src: u64,
         bytes: u64,
     },
+    /// One bucket of a collective, issued through NCCL on the session's stream.
+    Collective(CollectiveCall),
+}
+
+/// NCCL's reduction for a collective: `ncclSum`, or `ncclAvg` for a mean.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NcclRed {
+    Sum,
+    Avg,
+}
+
+/// Element types NCCL reduces and moves for stepgraph.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NcclType {
+    F32,
+    BF16,
+    F16,
+    F64,
+}
+
+impl NcclType {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            NcclType::F32 => 4,
+            NcclType::BF16 | NcclType::F16 => 2,
+            NcclType::F64 => 8,
+        }
+    }
+}
+
+/// Which NCCL collective one bucket issues.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CollectiveOp {
+    /// `ncclAllReduce`: `count` elements from `send` reduced into `recv` (equal when in place).
+    AllReduce(NcclRed),
+    /// `ncclReduceScatter`: `send` holds `world · count` elements; `recv`
+    /// gets this rank's `count` of their reduction.
+    ReduceScatter(NcclRed),
+    /// `ncclAllGather`: `send` holds this rank's `count` elements; `recv`
+    /// gets every rank's, `world · count`, in rank order.
+    AllGather,
+}
+
+impl CollectiveOp {
+    pub fn nccl_name(&self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce(_) => "ncclAllReduce",
+            CollectiveOp::ReduceScatter(_) => "ncclReduceScatter",
+            CollectiveOp::AllGather => "ncclAllGather",
+        }
+    }
+}
+
+/// One tensor of a bucket: NCCL's buffers and count (in elements, with
+/// NCCL's meaning for the collective: see [`CollectiveOp`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectivePart {
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+    pub ty: NcclType,
+}
+
+/// One bucket: `ncclGroupStart`, one call per part, `ncclGroupEnd`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveCall {
+    pub op: CollectiveOp,
+    /// The group size the node was built for.
+    pub world: usize,
+    pub parts: Vec<CollectivePart>,
 }
 
 /// Grid size for `n` work items of `per_block` each.

@@ -9,6 +9,10 @@
 //! eagerly or captures it once into one CUDA graph ([`graph`], the only
 //! module that knows graphs exist) and replays it.
 //!
+//! A session may be one rank of a data-parallel group: its collective nodes
+//! lower ([`lower_dist`]) to NCCL calls ([`nccl`], loaded only when a step
+//! has collectives) on the session's stream, captured with everything else.
+//!
 //! Everything is loaded dynamically (cudarc's `dynamic-loading`), so the
 //! crate builds and its CPU-side tests run on machines without CUDA.
 
@@ -20,7 +24,9 @@ pub mod kernels;
 pub mod launch;
 pub mod lower;
 pub mod lower_basic;
+pub mod lower_dist;
 pub mod lower_nn;
+pub mod nccl;
 pub mod nvrtc;
 pub mod session;
 

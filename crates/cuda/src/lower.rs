@@ -7,8 +7,17 @@ use stepgraph_core::ops::Op;
 use crate::error::{CudaError, Result};
 use crate::launch::{DevTensor, Launch};
 
-/// The device work of one node.
-pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
+/// A session's place in a data-parallel group: what the collective
+/// lowerings need beyond addresses (`local_shard` copies at `rank`'s offset).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GroupRank {
+    pub rank: usize,
+    pub world: usize,
+}
+
+/// The device work of one node. `group` is the session's rank, `None` for a
+/// session outside any group (which cannot run collectives).
+pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor], group: Option<GroupRank>) -> Result<Vec<Launch>> {
     match op {
         Op::MatMul(m) => Ok(vec![crate::blas::lower_matmul(m, inputs, outputs)?]),
         Op::Reshape(_) => {
@@ -46,7 +55,7 @@ pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec
         | Op::EmbeddingBackward(_)
         | Op::AdamW(_) => crate::lower_basic::lower(op, inputs, outputs),
         Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::LocalShard(_) => {
-            Err(CudaError::lower(op.name(), "not supported by the CUDA backend yet (issue 4: NCCL lowering)"))
+            crate::lower_dist::lower(op, inputs, outputs, group)
         }
     }
 }

@@ -10,6 +10,14 @@
 //! [`CudaSession::replay`]) over the identical launch list. Between steps
 //! only step inputs are written and outputs read.
 //!
+//! A session may be one rank of a data-parallel group
+//! ([`CudaSession::new_rank`]): it runs on the GPU [`RankOptions::device`],
+//! its step's collectives must be for the group's size (checked before
+//! anything is allocated), and it joins the group's NCCL communicator once
+//! its device context exists. Collectives are issued on the session's one
+//! stream like every other launch, so eager runs and graph capture order
+//! them identically.
+//!
 //! Device memory is measured, not assumed: the driver's used memory
 //! (total − free) is sampled against a baseline taken right after the
 //! context exists, and reported next to the plan ([`MemoryReport`]).
@@ -25,6 +33,7 @@ use serde::Serialize;
 
 use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
 use stepgraph_core::ir::{Builder, Trace, ValueId};
+use stepgraph_core::ops::collective::world_of;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
 use stepgraph_core::testing::HostTensor;
@@ -33,7 +42,8 @@ use crate::blas::Blas;
 use crate::error::{CudaError, Result};
 use crate::graph::StepGraph;
 use crate::launch::{DevTensor, KernelLaunch, Launch};
-use crate::lower::lower;
+use crate::lower::{lower, GroupRank};
+use crate::nccl::{NcclComm, NcclGroup};
 use crate::nvrtc;
 
 /// Backend options.
@@ -41,6 +51,15 @@ use crate::nvrtc;
 pub struct CudaOptions {
     /// Let cuBLASLt use TF32 for f32 products (off by default: f32 means f32).
     pub tf32: bool,
+}
+
+/// Where a session runs: its GPU and, for a data-parallel step, its rank.
+#[derive(Clone, Debug, Default)]
+pub struct RankOptions {
+    /// CUDA device ordinal (rank `r` of a launcher uses device `r`).
+    pub device: usize,
+    /// The group this session is one rank of; needed by steps with collectives.
+    pub group: Option<NcclGroup>,
 }
 
 /// Planned and measured device memory of a session, in bytes.
@@ -60,6 +79,9 @@ pub struct MemoryReport {
     pub blas_bytes: u64,
     /// Growth from capturing and instantiating the step graph (0 before capture).
     pub graph_bytes: u64,
+    /// Growth from joining the NCCL communicator (0 without collectives);
+    /// NCCL may allocate more at its first collective, which the peak shows.
+    pub comm_bytes: u64,
     /// The most device memory this process held above the baseline.
     pub device_peak_bytes: u64,
     /// Wall milliseconds spent autotuning cuBLASLt algorithms while the
@@ -74,6 +96,7 @@ enum Prepared {
     Gemm(crate::launch::GemmCall),
     Memset { ptr: u64, bytes: u64, value: u8 },
     Copy { dst: u64, src: u64, bytes: u64 },
+    Collective(crate::launch::CollectiveCall),
 }
 
 /// A planned step bound to device memory. See the module doc.
@@ -93,6 +116,10 @@ pub struct CudaSession {
     memory: MemoryReport,
     total_device_bytes: u64,
     pub arch: String,
+    /// This session's rank, when it is one rank of a group.
+    group: Option<GroupRank>,
+    /// The group's communicator, when the step has collectives.
+    comm: Option<NcclComm>,
 }
 
 /// Is there a usable NVIDIA GPU (the driver library and at least one device)?
@@ -117,10 +144,29 @@ impl CudaSession {
     /// Binds `trace` planned by `plan` to GPU 0. Refuses, before allocating
     /// anything, a plan that does not fit the device's free memory.
     pub fn new(trace: Trace, plan: MemoryPlan, opts: CudaOptions) -> Result<Self> {
+        Self::new_rank(trace, plan, opts, RankOptions::default())
+    }
+
+    /// Binds `trace` to GPU `rank.device` as rank `rank.group` of a
+    /// data-parallel group. Checks the step's collectives against the group
+    /// and loads NCCL (when the step has collectives) before touching the
+    /// GPU; joins the group's communicator (blocking until every rank has)
+    /// after the step's memory is allocated.
+    pub fn new_rank(trace: Trace, plan: MemoryPlan, opts: CudaOptions, rank: RankOptions) -> Result<Self> {
+        let group = check_group(&trace, rank.group.as_ref())?;
+        let has_collectives = trace.nodes.iter().any(|n| world_of(&n.op).is_some());
+        let nccl = if has_collectives { Some(crate::nccl::nccl()?) } else { None };
         if !gpu_available() {
             return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
         }
-        let ctx = CudaContext::new(0)?;
+        let devices = dr::device::get_count()? as usize;
+        if rank.device >= devices {
+            return Err(CudaError::Rank(format!(
+                "GPU {} asked for, but this machine shows {devices} (CUDA_VISIBLE_DEVICES may hide some)",
+                rank.device
+            )));
+        }
+        let ctx = CudaContext::new(rank.device)?;
         // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
         // the session orders everything on one stream itself.
         // SAFETY: called before any allocation of this context.
@@ -174,7 +220,7 @@ impl CudaSession {
         for node in &trace.nodes {
             let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
             let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
-            launches.extend(lower(&node.op, &ins, &outs)?);
+            launches.extend(lower(&node.op, &ins, &outs, group)?);
         }
         let mut prepared = Vec::with_capacity(launches.len());
         let mut gemms = Vec::new();
@@ -220,6 +266,7 @@ impl CudaSession {
                 }
                 Launch::Memset { ptr, bytes, value } => Prepared::Memset { ptr, bytes, value },
                 Launch::Copy { dst, src, bytes } => Prepared::Copy { dst, src, bytes },
+                Launch::Collective(c) => Prepared::Collective(c),
             });
         }
         let after_modules = used_bytes()?.0;
@@ -240,7 +287,13 @@ impl CudaSession {
         let after_blas = used_bytes()?.0;
         memory.modules_bytes = after_modules.saturating_sub(after_alloc);
         memory.blas_bytes = after_blas.saturating_sub(after_modules);
-        memory.device_peak_bytes = after_blas.saturating_sub(baseline);
+        let comm = match (nccl, &rank.group) {
+            (Some(nccl), Some(g)) => Some(NcclComm::init(nccl, g)?),
+            _ => None,
+        };
+        let after_comm = used_bytes()?.0;
+        memory.comm_bytes = after_comm.saturating_sub(after_blas);
+        memory.device_peak_bytes = after_comm.saturating_sub(baseline);
         let id_checks = id_checks(&trace);
         Ok(CudaSession {
             trace,
@@ -258,7 +311,14 @@ impl CudaSession {
             memory,
             total_device_bytes: total,
             arch,
+            group,
+            comm,
         })
+    }
+
+    /// This session's rank and group size (`None` outside a group).
+    pub fn group(&self) -> Option<GroupRank> {
+        self.group
     }
 
     pub fn trace(&self) -> &Trace {
@@ -339,6 +399,8 @@ impl CudaSession {
     }
 
     fn enqueue(&self) -> Result<()> {
+        // Ranks in threads of one process each use their own device.
+        self.ctx.bind_to_thread()?;
         self.enqueue_list(&self.prepared, self.stream.cu_stream())
     }
 
@@ -359,6 +421,14 @@ impl CudaSession {
                     unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?
                 }
                 Prepared::Copy { dst, src, bytes } => unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?,
+                Prepared::Collective(c) => {
+                    let comm = self.comm.as_ref().ok_or_else(|| {
+                        CudaError::Rank(format!("{} needs the group's communicator", c.op.nccl_name()))
+                    })?;
+                    // SAFETY: the parts are planned slices of the session's allocation
+                    // and `s` is the session's stream, on the communicator's device.
+                    unsafe { comm.issue(c, s) }?
+                }
             }
         }
         Ok(())
@@ -423,6 +493,7 @@ impl CudaSession {
                 Prepared::Gemm(g) => crate::blas::shape_name(g),
                 Prepared::Memset { .. } => "memset".into(),
                 Prepared::Copy { .. } => "copy".into(),
+                Prepared::Collective(c) => c.op.nccl_name().into(),
             };
             let t = totals.entry(name).or_insert((0, 0.0));
             t.0 += 1;
@@ -450,10 +521,47 @@ impl Drop for CudaSession {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
         self.graph = None;
+        // After the graph that may reference it, before the memory it reduced.
+        self.comm = None;
         // SAFETY: nothing uses the allocation after the stream is idle.
         let _ = unsafe { dr::free_sync(self.base) };
         let _ = &self.ctx;
     }
+}
+
+/// The session's rank, checked against every collective of `trace`: each
+/// must be for the group's size, and a step with collectives needs a group.
+fn check_group(trace: &Trace, group: Option<&NcclGroup>) -> Result<Option<GroupRank>> {
+    if let Some(g) = group {
+        if g.world == 0 || g.rank >= g.world {
+            return Err(CudaError::Rank(format!("rank {} is outside a group of {}", g.rank, g.world)));
+        }
+    }
+    for (i, node) in trace.nodes.iter().enumerate() {
+        let Some(world) = world_of(&node.op) else { continue };
+        match group {
+            None => {
+                return Err(CudaError::Rank(format!(
+                    "the step `{}` has `{}` (node {i}) for {world} ranks: a data-parallel step runs as one rank \
+                     of a group (CudaSession::new_rank with RankOptions::group)",
+                    trace.name,
+                    node.op.name()
+                )))
+            }
+            Some(g) if g.world != world => {
+                return Err(CudaError::Rank(format!(
+                    "`{}` (node {i}) of the step `{}` is for {world} ranks, but this session is rank {} of {}: \
+                     build each rank's step for the group's size",
+                    node.op.name(),
+                    trace.name,
+                    g.rank,
+                    g.world
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(group.map(|g| GroupRank { rank: g.rank, world: g.world }))
 }
 
 fn one_op_trace(op: &Op, inputs: &[HostTensor]) -> Result<(Trace, Vec<ValueId>, Vec<ValueId>)> {
@@ -515,4 +623,82 @@ pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>
     }
     // The aliased input's bytes are also its output's: read outputs after the run.
     run_with_plan(trace, p, &ins, &outs, inputs)
+}
+
+#[cfg(test)]
+mod tests {
+    use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+    use stepgraph_core::dist::{data_parallel, DataParallel};
+    use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec};
+
+    use super::*;
+    use crate::nccl::NcclId;
+
+    fn rank_step(world: usize) -> Trace {
+        let sp = ModelSpec {
+            config: Config::named("tiny-llama").unwrap(),
+            batch: 2,
+            seq: 8,
+            dtype: stepgraph_core::ir::DType::F32,
+            loss: LossKind::CrossEntropy,
+        };
+        let step = build_step(&build_forward(&sp).unwrap(), StepKind::Train, &TrainOptions::default()).unwrap();
+        data_parallel(&step, &DataParallel::new(world)).unwrap()
+    }
+
+    fn group(rank: usize, world: usize) -> NcclGroup {
+        NcclGroup { id: NcclId([7; 128]), rank, world }
+    }
+
+    #[test]
+    fn the_group_must_fit_the_steps_collectives() {
+        let step = rank_step(2);
+        assert_eq!(check_group(&step, Some(&group(1, 2))).unwrap(), Some(GroupRank { rank: 1, world: 2 }));
+        let e = check_group(&step, None).unwrap_err().to_string();
+        assert!(e.contains("all_reduce_mean") && e.contains("for 2 ranks") && e.contains("new_rank"), "{e}");
+        let e = check_group(&step, Some(&group(0, 4))).unwrap_err().to_string();
+        assert!(e.contains("for 2 ranks, but this session is rank 0 of 4"), "{e}");
+        let e = check_group(&step, Some(&group(2, 2))).unwrap_err().to_string();
+        assert!(e.contains("rank 2 is outside a group of 2"), "{e}");
+        // A step without collectives runs with or without a group.
+        let sp = ModelSpec {
+            config: Config::named("tiny-llama").unwrap(),
+            batch: 1,
+            seq: 8,
+            dtype: stepgraph_core::ir::DType::F32,
+            loss: LossKind::CrossEntropy,
+        };
+        let plain = build_step(&build_forward(&sp).unwrap(), StepKind::Grads, &TrainOptions::default()).unwrap();
+        assert_eq!(check_group(&plain, None).unwrap(), None);
+        assert!(check_group(&plain, Some(&group(0, 1))).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_rank_session_fails_clearly_without_nccl_or_gpu() {
+        // On CI neither NCCL nor a GPU exists; on a GPU machine this is a real session.
+        let step = rank_step(1);
+        let p = plan(&step, PlanOptions::default()).unwrap();
+        let err = match crate::nccl::nccl() {
+            Err(_) => CudaSession::new_rank(
+                step,
+                p,
+                CudaOptions::default(),
+                RankOptions { device: 0, group: Some(group(0, 1)) },
+            )
+            .err()
+            .expect("no NCCL, no session"),
+            Ok(_) if !gpu_available() => CudaSession::new_rank(
+                step,
+                p,
+                CudaOptions::default(),
+                RankOptions { device: 0, group: Some(group(0, 1)) },
+            )
+            .err()
+            .expect("no GPU, no session"),
+            Ok(_) => return,
+        };
+        let msg = err.to_string();
+        let nccl_missing = msg.contains("libnccl") && msg.contains("LD_LIBRARY_PATH");
+        assert!(nccl_missing || msg.contains("no GPU"), "{msg}");
+    }
 }
