@@ -157,8 +157,19 @@ fn train_lowers_the_loss() {
 }
 
 #[test]
+fn train_on_gpus_fails_clearly_without_a_gpu_or_nccl() {
+    let (ok, out, err) = stepgraph(&["train", "--gpus", "1", "--steps", "2", "--seq", "16"]);
+    if ok {
+        // A machine with a GPU and NCCL: the run itself must have reported.
+        assert!(out.contains("final loss"), "{out}");
+    } else {
+        assert!(err.contains("needs 1 NVIDIA GPU") || err.contains("libnccl"), "{err}");
+    }
+}
+
+#[test]
 fn bad_input_gets_clear_errors() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["plan", "--model", "gpt-17"], "unknown model name `gpt-17`"),
         (&["plan", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
         (&["plan", "--zero1"], "--gpus"),
@@ -171,6 +182,10 @@ fn bad_input_gets_clear_errors() {
         (&["plan", "--seq", "100000"], "sequence length 100000 exceeds the block size 256"),
         (&["train", "--data", "no/such/file.txt"], "reading training text no/such/file.txt"),
         (&["train", "--loss", "sum", "--steps", "1"], "training needs the cross-entropy loss"),
+        (&["train", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
+        (&["train", "--zero1"], "--gpus"),
+        (&["train", "--gpus", "2", "--rank", "5", "--nccl-id", "/tmp/id"], "--rank 5 is outside a group of 2"),
+        (&["train", "--gpus", "2", "--batch", "2", "--rank", "1", "--nccl-id", "/no/such/nccl.id"], "/no/such/nccl.id"),
     ];
     for (args, want) in cases {
         let (ok, _, err) = stepgraph(args);

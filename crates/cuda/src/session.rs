@@ -131,6 +131,12 @@ pub fn gpu_available() -> bool {
     dr::init().is_ok() && dr::device::get_count().map(|n| n > 0).unwrap_or(false)
 }
 
+/// Number of GPUs the driver shows (after `CUDA_VISIBLE_DEVICES`).
+pub fn device_count() -> Result<usize> {
+    dr::init()?;
+    Ok(dr::device::get_count()? as usize)
+}
+
 fn used_bytes() -> Result<(u64, u64)> {
     let (free, total) = dr::mem_get_info()?;
     Ok(((total - free) as u64, total as u64))
@@ -159,7 +165,7 @@ impl CudaSession {
         if !gpu_available() {
             return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
         }
-        let devices = dr::device::get_count()? as usize;
+        let devices = device_count()?;
         if rank.device >= devices {
             return Err(CudaError::Rank(format!(
                 "GPU {} asked for, but this machine shows {devices} (CUDA_VISIBLE_DEVICES may hide some)",

@@ -1,0 +1,537 @@
+//! `stepgraph train`: byte-level training on a text file, on the CPU backend
+//! or, with `--gpus N`, data-parallel on N GPUs through NCCL.
+//!
+//! **The launcher.** `train --gpus N` (no `--rank`) is the parent: it checks
+//! the arguments and the GPUs, creates the NCCL unique id, writes it as hex
+//! to a private temporary file, and starts N copies of its own executable
+//! with the same arguments plus the hidden `--rank r --nccl-id FILE`. Rank
+//! `r` runs on CUDA device `r`, builds its step of the data-parallel trace
+//! ([`stepgraph_core::dist::build_rank_step`]), writes the same initial
+//! weights as every rank (the same seed), and trains on its rows of the same
+//! global batch (every rank draws the global batch from the same seeded
+//! generator). Only rank 0 prints. The parent waits for every rank; when one
+//! fails it stops the others and fails naming that rank.
+//!
+//! On the GPU the first step runs eagerly (NCCL connects the ranks at their
+//! first collectives) and the rest replay one captured CUDA graph of the
+//! step, collectives included; `--eager` runs every step eagerly.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+
+use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
+use stepgraph_core::dist::{build_rank_step, rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::ir::{DType, TensorType, Trace, ValueId, ValueKind};
+use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::{build_forward, init_params, ModelSpec};
+use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::testing::HostTensor;
+use stepgraph_cuda::nccl::{NcclGroup, NcclId};
+use stepgraph_cuda::session::{device_count, gpu_available, CudaOptions, CudaSession, RankOptions};
+
+use crate::{LossArg, ModelArgs};
+
+/// `stepgraph train`'s own flags (the model flags are shared).
+#[derive(Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Text to train on.
+    #[arg(long, default_value = "data/tiny.txt")]
+    pub data: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// Linear warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Keep the AdamW moments in float32 (default: the parameter dtype, as PyTorch).
+    #[arg(long)]
+    pub f32_state: bool,
+    /// Seed for initial weights and batch sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train data-parallel on N GPUs through NCCL, one process per GPU
+    /// (`--batch` is the global batch, split by rows); 1 runs on one GPU.
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// With --gpus: shard the AdamW state over the GPUs (ZeRO-1).
+    #[arg(long, requires = "gpus")]
+    pub zero1: bool,
+    /// With --gpus: gradient bucket size in MiB, like PyTorch DDP's bucket_cap_mb [default: 25].
+    #[arg(long, requires = "gpus")]
+    pub bucket_mb: Option<f64>,
+    /// With --gpus: run every step eagerly instead of replaying a captured CUDA graph.
+    #[arg(long, requires = "gpus")]
+    pub eager: bool,
+    /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
+    #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
+    pub rank: Option<usize>,
+    /// Set by the launcher: the file holding the group's NCCL unique id (hex).
+    #[arg(long, hide = true, requires = "rank")]
+    pub nccl_id: Option<PathBuf>,
+}
+
+/// What this process does.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Role {
+    /// Train on the CPU backend.
+    Cpu,
+    /// Start `gpus` rank processes and wait for them.
+    Launcher { gpus: usize },
+    /// Rank `rank` of `world`, joining the group through the id in `id_file`.
+    Rank { rank: usize, world: usize, id_file: PathBuf },
+}
+
+impl TrainArgs {
+    pub fn role(&self) -> Result<Role> {
+        match (self.gpus, self.rank, &self.nccl_id) {
+            (None, _, _) => Ok(Role::Cpu),
+            (Some(0), _, _) => bail!("--gpus must be at least 1"),
+            (Some(gpus), None, _) => Ok(Role::Launcher { gpus }),
+            (Some(world), Some(rank), Some(id)) if rank < world => Ok(Role::Rank { rank, world, id_file: id.clone() }),
+            (Some(world), Some(rank), Some(_)) => bail!("--rank {rank} is outside a group of {world} GPUs"),
+            (Some(_), Some(_), None) => bail!("--rank needs --nccl-id (both are set by the launcher)"),
+        }
+    }
+
+    pub fn data_parallel(&self, world: usize) -> Result<DataParallel> {
+        let bucket_bytes = match self.bucket_mb {
+            None => DEFAULT_BUCKET_BYTES,
+            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
+            Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
+        };
+        Ok(DataParallel { world, bucket_bytes, zero1: self.zero1 })
+    }
+}
+
+/// `stepgraph train`.
+pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
+    let role = args.role()?;
+    if !matches!(model.loss, LossArg::Ce) {
+        bail!("training needs the cross-entropy loss (--loss ce)");
+    }
+    let text = std::fs::read(&args.data).with_context(|| format!("reading training text {}", args.data.display()))?;
+    let spec = model.spec()?;
+    if spec.config.vocab_size < 256 {
+        bail!(
+            "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
+            spec.config.name,
+            spec.config.vocab_size
+        );
+    }
+    if text.len() < spec.seq + 2 {
+        bail!(
+            "{} has {} bytes; a sequence of {} tokens needs at least {}",
+            args.data.display(),
+            text.len(),
+            spec.seq,
+            spec.seq + 2
+        );
+    }
+    let mut opts = TrainOptions { state_dtype: args.f32_state.then_some(DType::F32), ..TrainOptions::default() };
+    opts.adamw.weight_decay = args.weight_decay;
+    match role {
+        Role::Cpu => {
+            let forward = build_forward(&spec)?;
+            let step = build_step(&forward, model.step_kind(StepKind::Train), &opts)?;
+            let p = plan(&step, PlanOptions::default())?;
+            check_plan(&step, &p)?;
+            let planned = p.planned_peak_bytes();
+            let session = CpuSession::new(step, p)?;
+            let mut runner = Runner::Cpu { session: Box::new(session), record: Duration::ZERO };
+            train_loop(&mut runner, &forward, &spec, &text, args, (0, 1), planned, "CPU")
+        }
+        Role::Launcher { gpus } => launch(&spec, args, gpus),
+        Role::Rank { rank, world, id_file } => {
+            let dp = args.data_parallel(world)?;
+            let (_, forward, step) = build_rank_step(&spec, model.step_kind(StepKind::Train), &opts, &dp)?;
+            let p = plan(&step, PlanOptions::default())?;
+            check_plan(&step, &p)?;
+            let planned = p.planned_peak_bytes();
+            let id = NcclId::read_file(&id_file)?;
+            let group = NcclGroup { id, rank, world };
+            let session = CudaSession::new_rank(
+                step,
+                p,
+                CudaOptions::default(),
+                RankOptions { device: rank, group: Some(group) },
+            )
+            .with_context(|| format!("rank {rank}: opening the CUDA session on GPU {rank}"))?;
+            let mut runner = Runner::Cuda { session: Box::new(session), eager: args.eager, capture: None };
+            let on = format!("{world} GPU{}", if world == 1 { "" } else { "s" });
+            train_loop(&mut runner, &forward, &spec, &text, args, (rank, world), planned, &on)
+                .with_context(|| format!("rank {rank} of {world}"))
+        }
+    }
+}
+
+/// A session of either backend, for the training loop.
+enum Runner {
+    Cpu { session: Box<CpuSession>, record: Duration },
+    Cuda { session: Box<CudaSession>, eager: bool, capture: Option<Duration> },
+}
+
+impl Runner {
+    fn trace(&self) -> &Trace {
+        match self {
+            Runner::Cpu { session, .. } => session.trace(),
+            Runner::Cuda { session, .. } => session.trace(),
+        }
+    }
+
+    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<()> {
+        match self {
+            Runner::Cpu { session, .. } => session.write(v, t)?,
+            Runner::Cuda { session, .. } => session.write(v, t)?,
+        }
+        Ok(())
+    }
+
+    fn write_named(&mut self, name: &str, t: &HostTensor) -> Result<()> {
+        match self {
+            Runner::Cpu { session, .. } => session.write_named(name, t)?,
+            Runner::Cuda { session, .. } => session.write_named(name, t)?,
+        }
+        Ok(())
+    }
+
+    /// Step `it` (from 1): the CPU replays its recorded launch list; the GPU
+    /// runs step 1 eagerly, then captures the step once and replays it.
+    fn step(&mut self, it: usize) -> Result<()> {
+        match self {
+            Runner::Cpu { session, record } => {
+                if it == 1 {
+                    *record = session.record();
+                }
+                session.replay()?;
+            }
+            Runner::Cuda { session, eager, capture } => {
+                if *eager || it == 1 {
+                    session.run_eager()?;
+                } else {
+                    if capture.is_none() {
+                        *capture = Some(session.capture()?);
+                    }
+                    session.replay()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn loss(&mut self) -> Result<f64> {
+        Ok(match self {
+            Runner::Cpu { session, .. } => session.loss()?,
+            Runner::Cuda { session, .. } => session.loss()?,
+        })
+    }
+
+    /// A closing note on how the step ran.
+    fn note(&mut self) -> Result<String> {
+        Ok(match self {
+            Runner::Cpu { record, .. } => format!("launch list recorded in {:.2} ms", record.as_secs_f64() * 1e3),
+            Runner::Cuda { session, capture, .. } => {
+                let m = session.memory()?;
+                let how = match capture {
+                    Some(t) => format!("step graph captured in {:.1} ms", t.as_secs_f64() * 1e3),
+                    None => "eager".to_string(),
+                };
+                format!(
+                    "{how}; device peak {:.1} MB for a {:.1} MB plan (NCCL {:.1} MB)",
+                    m.device_peak_bytes as f64 / 1e6,
+                    m.planned_peak_bytes as f64 / 1e6,
+                    m.comm_bytes as f64 / 1e6
+                )
+            }
+        })
+    }
+}
+
+/// The global batch of one step: `batch` random windows of `seq + 1` bytes.
+fn draw_batch(rng: &mut rand::rngs::StdRng, text: &[u8], batch: usize, seq: usize, ty: &TensorType) -> [HostTensor; 2] {
+    let mut tokens = Vec::with_capacity(batch * seq);
+    let mut targets = Vec::with_capacity(batch * seq);
+    for _ in 0..batch {
+        let o = rng.gen_range(0..text.len() - seq - 1);
+        tokens.extend(text[o..o + seq].iter().map(|&b| b as f64));
+        targets.extend(text[o + 1..o + seq + 1].iter().map(|&b| b as f64));
+    }
+    [HostTensor::from_f64(ty.clone(), &tokens), HostTensor::from_f64(ty.clone(), &targets)]
+}
+
+/// Trains rank `rank` of `world` (0 of 1 without data parallelism); only
+/// rank 0 prints. `spec` has the global batch.
+#[allow(clippy::too_many_arguments)]
+fn train_loop(
+    runner: &mut Runner,
+    forward: &Trace,
+    spec: &ModelSpec,
+    text: &[u8],
+    args: &TrainArgs,
+    (rank, world): (usize, usize),
+    planned: u64,
+    on: &str,
+) -> Result<()> {
+    let (global, seq, steps, lr) = (spec.batch, spec.seq, args.steps, args.lr);
+    let talk = rank == 0;
+    for (fp, value) in init_params(forward, args.seed) {
+        let name = forward.value(fp).kind.leaf_name().unwrap_or_default().to_string();
+        runner.write_named(&name, &value)?;
+    }
+    let states: Vec<ValueId> =
+        runner.trace().leaves().filter(|v| matches!(runner.trace().value(*v).kind, ValueKind::State { .. })).collect();
+    for s in states {
+        let zeros = HostTensor::zeros(runner.trace().ty(s).clone());
+        runner.write(s, &zeros)?;
+    }
+    let params: usize = runner.trace().params().map(|p| runner.trace().ty(p).numel()).sum();
+    let global_ty = TensorType::new(DType::I32, [global, seq]);
+    if talk {
+        let per_rank =
+            if world > 1 { format!(" ({} rows per GPU)", rank_batch(global, world)?) } else { String::new() };
+        eprintln!(
+            "training {} ({params} parameters, {} layers) on {} ({} bytes) on {on}: batch {global} x {seq} tokens{per_rank}, \
+             {steps} steps, planned {:.1} MB{}",
+            spec.config.name,
+            spec.config.n_layer,
+            args.data.display(),
+            text.len(),
+            planned as f64 / 1e6,
+            if world > 1 { " per GPU" } else { "" }
+        );
+    }
+    let bar = if talk { ProgressBar::new(steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .expect("valid template"),
+    );
+    // Every rank draws the same global batches and keeps its rows.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed ^ 0x5eed);
+    let (mut first, mut last) = (f64::NAN, f64::NAN);
+    let t0 = Instant::now();
+    for it in 1..=steps {
+        let [tokens, targets] = draw_batch(&mut rng, text, global, seq, &global_ty);
+        let lr_now = if it <= args.warmup { lr * it as f64 / args.warmup.max(1) as f64 } else { lr };
+        runner.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
+        runner.write_named(TARGETS_INPUT, &shard_rows(&targets, rank, world)?)?;
+        runner.write_named(LR_INPUT, &scalar_input(lr_now))?;
+        runner.write_named(STEP_INPUT, &scalar_input(it as f64))?;
+        runner.step(it)?;
+        let loss = runner.loss()?;
+        if !loss.is_finite() {
+            bar.abandon();
+            bail!("the loss became {loss} at step {it}: lower the learning rate (--lr, now {lr})");
+        }
+        if it == 1 {
+            first = loss;
+        }
+        last = loss;
+        let tps = (it * global * seq) as f64 / t0.elapsed().as_secs_f64();
+        bar.set_message(format!("loss {loss:.4}  {tps:.0} tok/s"));
+        bar.inc(1);
+    }
+    bar.finish();
+    let note = runner.note()?;
+    if talk {
+        println!(
+            "final loss {last:.4} (first {first:.4}) after {steps} steps in {:.1}s; {note}",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// The arguments of rank `rank`'s process: the launcher's own, then the
+/// hidden rank flags.
+pub fn rank_args(own: &[OsString], rank: usize, id_file: &Path) -> Vec<OsString> {
+    let mut a = own.to_vec();
+    a.extend(["--rank".into(), rank.to_string().into(), "--nccl-id".into(), id_file.as_os_str().to_owned()]);
+    a
+}
+
+/// A private file for the group's id, removed when dropped.
+pub struct IdFile(pub PathBuf);
+
+impl IdFile {
+    pub fn create(id: &NcclId) -> Result<Self> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let path = std::env::temp_dir().join(format!("stepgraph-nccl-{}-{nanos}.id", std::process::id()));
+        id.write_file(&path)?;
+        Ok(IdFile(path))
+    }
+}
+
+impl Drop for IdFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The parent of a `--gpus N` run: checks, id, N rank processes, supervision.
+fn launch(spec: &ModelSpec, args: &TrainArgs, gpus: usize) -> Result<()> {
+    rank_batch(spec.batch, gpus)?;
+    args.data_parallel(gpus)?;
+    let visible = if gpu_available() { device_count().unwrap_or(0) } else { 0 };
+    if visible < gpus {
+        bail!(
+            "--gpus {gpus} needs {gpus} NVIDIA GPU{}, and this machine shows {visible}{}",
+            if gpus == 1 { "" } else { "s" },
+            if visible == 0 { " (no driver or no GPU): train on the CPU without --gpus" } else { "" }
+        );
+    }
+    let id = NcclId::new().context("creating the NCCL unique id for the ranks")?;
+    let id_file = IdFile::create(&id)?;
+    let exe = std::env::current_exe().context("finding this executable to start the ranks")?;
+    let own: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut children = Vec::with_capacity(gpus);
+    for rank in 0..gpus {
+        let child = Command::new(&exe)
+            .args(rank_args(&own, rank, &id_file.0))
+            .spawn()
+            .with_context(|| format!("starting rank {rank} ({})", exe.display()));
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                stop_all(&mut children);
+                return Err(e);
+            }
+        }
+    }
+    supervise(children, Duration::from_millis(100))
+}
+
+fn stop_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        // Only the ranks this launcher started, by their handles.
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Waits for every rank. The first that fails stops the others, and the
+/// error names it with its exit status.
+pub fn supervise(mut children: Vec<Child>, poll: Duration) -> Result<()> {
+    let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (rank, c) in children.iter_mut().enumerate() {
+            if done[rank].is_some() {
+                continue;
+            }
+            let status = match c.try_wait() {
+                Ok(s) => s,
+                Err(e) => {
+                    stop_all(&mut children);
+                    bail!("waiting for rank {rank}: {e}");
+                }
+            };
+            if let Some(s) = status {
+                done[rank] = Some(s);
+                if !s.success() {
+                    let others: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
+                    stop_all(&mut children);
+                    bail!(
+                        "rank {rank} of {} failed ({s}){}; its error is above",
+                        done.len(),
+                        if others.is_empty() { String::new() } else { format!(", stopped ranks {others:?}") }
+                    );
+                }
+            }
+        }
+        std::thread::sleep(poll);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn parse(args: &[&str]) -> std::result::Result<T, clap::Error> {
+        T::try_parse_from(std::iter::once("train").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn arguments_choose_the_role() {
+        assert_eq!(parse(&[]).unwrap().train.role().unwrap(), Role::Cpu);
+        assert_eq!(parse(&["--gpus", "2", "--batch", "4"]).unwrap().train.role().unwrap(), Role::Launcher { gpus: 2 });
+        let r = parse(&["--gpus", "2", "--rank", "1", "--nccl-id", "/tmp/id"]).unwrap().train.role().unwrap();
+        assert_eq!(r, Role::Rank { rank: 1, world: 2, id_file: PathBuf::from("/tmp/id") });
+        let e = parse(&["--gpus", "2", "--rank", "2", "--nccl-id", "/tmp/id"]).unwrap().train.role().unwrap_err();
+        assert!(e.to_string().contains("--rank 2 is outside a group of 2"), "{e}");
+        assert!(parse(&["--gpus", "0"]).unwrap().train.role().unwrap_err().to_string().contains("at least 1"));
+        // The rank flags belong to a --gpus run and come together; ZeRO-1 and buckets need --gpus.
+        assert!(parse(&["--rank", "0", "--nccl-id", "/tmp/id"]).is_err());
+        assert!(parse(&["--gpus", "2", "--rank", "0"]).is_err());
+        assert!(parse(&["--zero1"]).is_err());
+        assert!(parse(&["--bucket-mb", "4"]).is_err());
+        let t = parse(&["--gpus", "2", "--zero1", "--bucket-mb", "0.5"]).unwrap().train;
+        assert_eq!(t.data_parallel(2).unwrap(), DataParallel { world: 2, bucket_bytes: 524288, zero1: true });
+        let bad = parse(&["--gpus", "2", "--bucket-mb", "0"]).unwrap().train;
+        assert!(bad.data_parallel(2).unwrap_err().to_string().contains("--bucket-mb"));
+    }
+
+    #[test]
+    fn rank_processes_get_the_launchers_arguments_and_their_rank() {
+        let own: Vec<OsString> = ["train", "--gpus", "2", "--batch", "4"].iter().map(OsString::from).collect();
+        let a = rank_args(&own, 1, Path::new("/tmp/x.id"));
+        let strs: Vec<&str> = a.iter().map(|s| s.to_str().unwrap()).collect();
+        assert_eq!(strs, ["train", "--gpus", "2", "--batch", "4", "--rank", "1", "--nccl-id", "/tmp/x.id"]);
+        // What a rank parses is its role.
+        let t = crate::Cli::try_parse_from(std::iter::once(OsString::from("stepgraph")).chain(a)).unwrap();
+        let crate::Command::Train { train, .. } = t.command else { panic!("not train") };
+        assert_eq!(train.role().unwrap(), Role::Rank { rank: 1, world: 2, id_file: PathBuf::from("/tmp/x.id") });
+    }
+
+    #[test]
+    fn the_id_file_round_trips_and_is_removed() {
+        let id = NcclId(std::array::from_fn(|i| (i * 3) as u8));
+        let path = {
+            let f = IdFile::create(&id).unwrap();
+            assert_eq!(NcclId::read_file(&f.0).unwrap(), id);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                assert_eq!(std::fs::metadata(&f.0).unwrap().permissions().mode() & 0o777, 0o600);
+            }
+            f.0.clone()
+        };
+        assert!(!path.exists(), "the id file outlived the launcher");
+    }
+
+    fn sh(script: &str) -> Child {
+        Command::new("sh").args(["-c", script]).spawn().unwrap()
+    }
+
+    #[test]
+    fn a_failing_rank_stops_the_others() {
+        supervise(vec![sh("exit 0"), sh("sleep 0.2")], Duration::from_millis(10)).unwrap();
+        let t0 = Instant::now();
+        let e = supervise(vec![sh("sleep 30"), sh("exit 3"), sh("sleep 30")], Duration::from_millis(10)).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("rank 1 of 3 failed") && msg.contains("stopped ranks [0, 2]"), "{msg}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "the other ranks were not stopped");
+    }
+}
