@@ -161,7 +161,8 @@ pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
             let p = plan(&step, PlanOptions::default())?;
             check_plan(&step, &p)?;
             let planned = p.planned_peak_bytes();
-            let id = NcclId::read_file(&id_file)?;
+            let id = NcclId::read_file(&id_file)
+                .with_context(|| format!("rank {rank}: reading the NCCL id the launcher wrote"))?;
             let group = NcclGroup { id, rank, world };
             let session = CudaSession::new_rank(
                 step,
