@@ -2,7 +2,7 @@
 # GPU tests and benchmarks, in two halves because the GPU machine has no Rust:
 #
 #   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries + torch_reference.py into .carry/
-#   scripts/gpu-test.sh test         # on the GPU machine: every GPU test (the CPU cases re-run on CUDA)
+#   scripts/gpu-test.sh test [NAME...] # on the GPU machine: every GPU test binary (or those named, e.g. gpu_dist)
 #   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
 #   scripts/gpu-compare.sh [CASE...] # on the GPU machine: loss and gradients against PyTorch (see that script)
 #
@@ -27,6 +27,19 @@ unpack() {
     fi
     if [ -d .carry/kcache ]; then
         export STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache
+    fi
+    # NCCL for the data-parallel tests: PyTorch's nvidia-nccl wheel, unless
+    # STEPGRAPH_NCCL or LD_LIBRARY_PATH already provide libnccl.so.2.
+    if [ -z "${STEPGRAPH_NCCL:-}" ]; then
+        local nccl
+        nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+        if [ -z "$nccl" ] || [ ! -e "$nccl/libnccl.so.2" ]; then
+            nccl=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -n 1 || true)
+        fi
+        if [ -n "$nccl" ] && [ -e "$nccl/libnccl.so.2" ]; then
+            export STEPGRAPH_NCCL=$nccl
+            echo "NCCL: $nccl" >&2
+        fi
     fi
 }
 
@@ -60,8 +73,15 @@ for l in sys.stdin:
 test)
     unpack
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    shift
     status=0
-    for t in .carry/tests/*; do
+    tests=()
+    if [ $# -gt 0 ]; then
+        for n in "$@"; do tests+=(".carry/tests/$n"); done
+    else
+        tests=(.carry/tests/*)
+    fi
+    for t in "${tests[@]}"; do
         echo "== $(basename "$t")"
         "$t" --ignored --test-threads=1 2>&1 | tee "$OUT/test-$(basename "$t").log" || status=1
     done
