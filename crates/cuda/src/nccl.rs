@@ -177,7 +177,7 @@ impl Nccl {
             // SAFETY: a NUL-terminated static string.
             unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
         };
-        Err(CudaError::Nccl(format!("{what} failed with code {r}: {text} (NCCL_DEBUG=WARN says more)")))
+        Err(CudaError::Nccl(format!("{what} failed with code {r}: {text}")))
     }
 
     /// A new unique id: the rendezvous every rank of one group joins with.

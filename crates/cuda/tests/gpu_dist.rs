@@ -178,7 +178,7 @@ const BF16_LOSS_TOL: f64 = 1e-2;
 #[test]
 #[ignore = "needs 2 NVIDIA GPUs and NCCL: scripts/gpu-test.sh"]
 fn two_ranks_train_like_one_gpu_and_stay_identical() {
-    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(0) as usize;
+    let gpus = stepgraph_cuda::session::device_count().unwrap_or(0);
     if gpus < 2 {
         eprintln!("skipped: {gpus} GPU visible, the 2-rank test needs 2");
         return;
