@@ -110,6 +110,14 @@ pub fn nccl_available() -> bool {
     nccl().is_ok()
 }
 
+/// A loader error with its cause (libloading keeps dlerror's text in the source).
+fn with_source(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    }
+}
+
 fn symbol<T: Copy>(lib: &libloading::Library, name: &str, path: &str) -> Result<T> {
     // SAFETY: every `T` used here is the C signature of the NCCL entry point `name`.
     unsafe { lib.get::<T>(name.as_bytes()) }
@@ -125,7 +133,7 @@ impl Nccl {
             // SAFETY: loading NCCL runs its initialisers, which have no preconditions.
             match unsafe { libloading::Library::new(name) } {
                 Ok(lib) => return Nccl::from_library(lib, name.display().to_string()),
-                Err(e) => tried.push(format!("{} ({e})", name.display())),
+                Err(e) => tried.push(format!("{} ({})", name.display(), with_source(&e))),
             }
         }
         Err(CudaError::Missing { lib: "libnccl", hint: format!("{HINT}; tried {}", tried.join(", ")) })

@@ -133,6 +133,10 @@ pub fn gpu_available() -> bool {
 
 /// Number of GPUs the driver shows (after `CUDA_VISIBLE_DEVICES`).
 pub fn device_count() -> Result<usize> {
+    // SAFETY: dlopen check only; without the driver library there is no GPU.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
     dr::init()?;
     Ok(dr::device::get_count()? as usize)
 }
