@@ -218,20 +218,7 @@ impl CudaSession {
 
         let mut session_modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
         let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
-        let view = |v: ValueId| -> DevTensor {
-            let s = plan.slot(v);
-            let b = match s.region {
-                Region::Persistent => persistent_base,
-                Region::Arena => arena_base,
-            };
-            DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
-        };
-        let mut launches = Vec::new();
-        for node in &trace.nodes {
-            let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
-            let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
-            launches.extend(lower(&node.op, &ins, &outs, group)?);
-        }
+        let launches = lower_step(&trace, &plan, persistent_base, arena_base, group)?;
         let mut prepared = Vec::with_capacity(launches.len());
         let mut gemms = Vec::new();
         for l in launches {
@@ -539,6 +526,33 @@ impl Drop for CudaSession {
     }
 }
 
+/// The launch list of a whole step: every node lowered over the plan's
+/// addresses (persistent slots from `persistent_base`, arena slots from
+/// `arena_base`) for `group`'s rank. Data only, no device call.
+pub fn lower_step(
+    trace: &Trace,
+    plan: &MemoryPlan,
+    persistent_base: u64,
+    arena_base: u64,
+    group: Option<GroupRank>,
+) -> Result<Vec<Launch>> {
+    let view = |v: ValueId| -> DevTensor {
+        let s = plan.slot(v);
+        let b = match s.region {
+            Region::Persistent => persistent_base,
+            Region::Arena => arena_base,
+        };
+        DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
+    };
+    let mut launches = Vec::new();
+    for node in &trace.nodes {
+        let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
+        let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
+        launches.extend(lower(&node.op, &ins, &outs, group)?);
+    }
+    Ok(launches)
+}
+
 /// The session's rank, checked against every collective of `trace`: each
 /// must be for the group's size, and a step with collectives needs a group.
 fn check_group(trace: &Trace, group: Option<&NcclGroup>) -> Result<Option<GroupRank>> {
@@ -654,6 +668,59 @@ mod tests {
         };
         let step = build_step(&build_forward(&sp).unwrap(), StepKind::Train, &TrainOptions::default()).unwrap();
         data_parallel(&step, &DataParallel::new(world)).unwrap()
+    }
+
+    /// Every node of a real rank step lowers over its real plan: one NCCL
+    /// group per bucket (the loss too), all-reduces in place where the plan
+    /// aliased them, ZeRO-1's shards copied at the rank's offset, and every
+    /// NCCL call in place or on disjoint buffers (checked by the lowering).
+    #[test]
+    fn rank_steps_lower_to_one_nccl_group_per_collective_node() {
+        use crate::launch::{CollectiveOp, NcclRed};
+        use stepgraph_core::ops::collective::world_of;
+        let sp = ModelSpec {
+            config: Config::named("tiny-llama").unwrap(),
+            batch: 4,
+            seq: 8,
+            dtype: stepgraph_core::ir::DType::BF16,
+            loss: LossKind::CrossEntropy,
+        };
+        let step = build_step(&build_forward(&sp).unwrap(), StepKind::Train, &TrainOptions::default()).unwrap();
+        for zero1 in [false, true] {
+            for world in [1, 2, 4] {
+                let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(world) };
+                let t = data_parallel(&step, &dp).unwrap();
+                let p = plan(&t, PlanOptions::default()).unwrap();
+                let (pb, ab) = (1u64 << 40, (1u64 << 40) + p.persistent_bytes.div_ceil(256) * 256);
+                let collectives = t.nodes.iter().filter(|n| world_of(&n.op).is_some()).count();
+                let shards = t.nodes.iter().filter(|n| matches!(n.op, Op::LocalShard(_))).count();
+                for rank in 0..world {
+                    let l = lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world })).unwrap();
+                    let calls: Vec<_> = l
+                        .iter()
+                        .filter_map(|x| match x {
+                            Launch::Collective(c) => Some(c),
+                            _ => None,
+                        })
+                        .collect();
+                    assert_eq!(calls.len(), collectives - shards, "zero1 {zero1} world {world}");
+                    assert!(calls.iter().all(|c| c.world == world));
+                    let gathers = calls.iter().filter(|c| c.op == CollectiveOp::AllGather).count();
+                    let scatters = calls.iter().filter(|c| c.op == CollectiveOp::ReduceScatter(NcclRed::Avg)).count();
+                    let reduces = calls.iter().filter(|c| c.op == CollectiveOp::AllReduce(NcclRed::Avg)).count();
+                    if zero1 {
+                        assert!(shards > 0 && gathers > 0 && scatters > 1, "{gathers} {scatters}");
+                        assert_eq!(reduces, 1, "only the loss is all-reduced under ZeRO-1");
+                    } else {
+                        assert!(reduces > 2 && shards == 0 && gathers == 0 && scatters == 0);
+                        // The plan gives every in-place all-reduce its input's bytes.
+                        assert!(calls.iter().flat_map(|c| &c.parts).all(|p| p.send == p.recv));
+                    }
+                }
+                let e = lower_step(&t, &p, pb, ab, None).unwrap_err().to_string();
+                assert!(e.contains("one rank of a group"), "{e}");
+            }
+        }
     }
 
     fn group(rank: usize, world: usize) -> NcclGroup {
