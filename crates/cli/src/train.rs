@@ -14,7 +14,10 @@
 //!
 //! On the GPU the first step runs eagerly (NCCL connects the ranks at their
 //! first collectives) and the rest replay one captured CUDA graph of the
-//! step, collectives included; `--eager` runs every step eagerly.
+//! step, collectives included; `--eager` runs every step eagerly. The
+//! collectives run in order on the compute stream, or with `--overlap` on a
+//! second stream that rejoins the compute stream where their bytes are next
+//! touched ([`stepgraph_cuda::overlap`]).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -76,6 +79,10 @@ pub struct TrainArgs {
     /// With --gpus: run every step eagerly instead of replaying a captured CUDA graph.
     #[arg(long, requires = "gpus")]
     pub eager: bool,
+    /// With --gpus: run the collectives on a second stream, overlapping the
+    /// backward work that does not touch their gradients.
+    #[arg(long, requires = "gpus")]
+    pub overlap: bool,
     /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
     #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
     pub rank: Option<usize>,
@@ -168,7 +175,7 @@ pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
                 step,
                 p,
                 CudaOptions::default(),
-                RankOptions { device: rank, group: Some(group) },
+                RankOptions { device: rank, group: Some(group), overlap: args.overlap },
             )
             .with_context(|| format!("rank {rank}: opening the CUDA session on GPU {rank}"))?;
             let mut runner = Runner::Cuda { session: Box::new(session), eager: args.eager, capture: None };
@@ -488,6 +495,8 @@ mod tests {
         assert!(parse(&["--gpus", "2", "--rank", "0"]).is_err());
         assert!(parse(&["--zero1"]).is_err());
         assert!(parse(&["--bucket-mb", "4"]).is_err());
+        assert!(parse(&["--overlap"]).is_err() && parse(&["--eager"]).is_err());
+        assert!(parse(&["--gpus", "2", "--overlap", "--eager"]).unwrap().train.overlap);
         let t = parse(&["--gpus", "2", "--zero1", "--bucket-mb", "0.5"]).unwrap().train;
         assert_eq!(t.data_parallel(2).unwrap(), DataParallel { world: 2, bucket_bytes: 524288, zero1: true });
         let bad = parse(&["--gpus", "2", "--bucket-mb", "0"]).unwrap().train;

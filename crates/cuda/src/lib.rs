@@ -28,6 +28,7 @@ pub mod lower_dist;
 pub mod lower_nn;
 pub mod nccl;
 pub mod nvrtc;
+pub mod overlap;
 pub mod session;
 
 pub use error::{CudaError, Result};

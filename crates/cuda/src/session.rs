@@ -27,7 +27,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUevent, CUevent_flags, CUevent_wait_flags, CUfunction_attribute};
 use cudarc::driver::{result as dr, CudaContext, CudaModule, CudaStream};
 use serde::Serialize;
 
@@ -60,6 +60,10 @@ pub struct RankOptions {
     pub device: usize,
     /// The group this session is one rank of; needed by steps with collectives.
     pub group: Option<NcclGroup>,
+    /// Run the collectives on a second stream, so they overlap the compute
+    /// that does not touch their bytes ([`crate::overlap`]); off: they run
+    /// in order on the compute stream.
+    pub overlap: bool,
 }
 
 /// Planned and measured device memory of a session, in bytes.
@@ -120,6 +124,19 @@ pub struct CudaSession {
     group: Option<GroupRank>,
     /// The group's communicator, when the step has collectives.
     comm: Option<NcclComm>,
+    /// The collectives' own stream, when they overlap compute.
+    side: Option<SideStream>,
+}
+
+/// A stream for the collectives and the events that order it with the
+/// compute stream ([`crate::overlap`]).
+struct SideStream {
+    stream: Arc<CudaStream>,
+    /// Recorded on the compute stream right before each collective.
+    fork: CUevent,
+    /// Recorded on the side stream after each collective, by launch index.
+    done: HashMap<usize, CUevent>,
+    joins: crate::overlap::Joins,
 }
 
 /// Is there a usable NVIDIA GPU (the driver library and at least one device)?
@@ -218,7 +235,21 @@ impl CudaSession {
 
         let mut session_modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
         let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
-        let launches = lower_step(&trace, &plan, persistent_base, arena_base, group)?;
+        let (launches, launch_nodes) = lower_step(&trace, &plan, persistent_base, arena_base, group)?;
+        let side = if rank.overlap && launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
+            let ranges = node_ranges(&trace, &plan, persistent_base, arena_base);
+            let joins = crate::overlap::joins(&launches, &launch_nodes, &ranges);
+            let event = || dr::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            let mut done = HashMap::new();
+            for (j, l) in launches.iter().enumerate() {
+                if matches!(l, Launch::Collective(_)) {
+                    done.insert(j, event()?);
+                }
+            }
+            Some(SideStream { stream: ctx.new_stream()?, fork: event()?, done, joins })
+        } else {
+            None
+        };
         let mut prepared = Vec::with_capacity(launches.len());
         let mut gemms = Vec::new();
         for l in launches {
@@ -310,6 +341,7 @@ impl CudaSession {
             arch,
             group,
             comm,
+            side,
         })
     }
 
@@ -398,7 +430,35 @@ impl CudaSession {
     fn enqueue(&self) -> Result<()> {
         // Ranks in threads of one process each use their own device.
         self.ctx.bind_to_thread()?;
-        self.enqueue_list(&self.prepared, self.stream.cu_stream())
+        let s = self.stream.cu_stream();
+        let Some(side) = &self.side else {
+            return self.enqueue_list(&self.prepared, s);
+        };
+        let wait = |stream, event| {
+            // SAFETY: a live event of this context and a stream of it.
+            unsafe { dr::stream::wait_event(stream, event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+        };
+        let ss = side.stream.cu_stream();
+        for (j, p) in self.prepared.iter().enumerate() {
+            for k in &side.joins.before[j] {
+                wait(s, side.done[k])?;
+            }
+            if matches!(p, Prepared::Collective(_)) {
+                // Fork: the side stream starts after everything enqueued so far.
+                // SAFETY: live events and streams of this context.
+                unsafe { dr::event::record(side.fork, s) }?;
+                wait(ss, side.fork)?;
+                self.enqueue_list(std::slice::from_ref(p), ss)?;
+                // SAFETY: as above.
+                unsafe { dr::event::record(side.done[&j], ss) }?;
+            } else {
+                self.enqueue_list(std::slice::from_ref(p), s)?;
+            }
+        }
+        for k in &side.joins.at_end {
+            wait(s, side.done[k])?;
+        }
+        Ok(())
     }
 
     fn enqueue_list(&self, list: &[Prepared], s: cudarc::driver::sys::CUstream) -> Result<()> {
@@ -517,6 +577,13 @@ impl CudaSession {
 impl Drop for CudaSession {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
+        if let Some(side) = self.side.take() {
+            let _ = side.stream.synchronize();
+            for e in std::iter::once(side.fork).chain(side.done.into_values()) {
+                // SAFETY: an event of this session, no longer waited on (both streams idle).
+                let _ = unsafe { dr::event::destroy(e) };
+            }
+        }
         self.graph = None;
         // After the graph that may reference it, before the memory it reduced.
         self.comm = None;
@@ -526,31 +593,54 @@ impl Drop for CudaSession {
     }
 }
 
+fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base: u64, v: ValueId) -> DevTensor {
+    let s = plan.slot(v);
+    let b = match s.region {
+        Region::Persistent => persistent_base,
+        Region::Arena => arena_base,
+    };
+    DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
+}
+
 /// The launch list of a whole step: every node lowered over the plan's
 /// addresses (persistent slots from `persistent_base`, arena slots from
-/// `arena_base`) for `group`'s rank. Data only, no device call.
+/// `arena_base`) for `group`'s rank, with the node of every launch. Data
+/// only, no device call.
 pub fn lower_step(
     trace: &Trace,
     plan: &MemoryPlan,
     persistent_base: u64,
     arena_base: u64,
     group: Option<GroupRank>,
-) -> Result<Vec<Launch>> {
-    let view = |v: ValueId| -> DevTensor {
-        let s = plan.slot(v);
-        let b = match s.region {
-            Region::Persistent => persistent_base,
-            Region::Arena => arena_base,
-        };
-        DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
-    };
-    let mut launches = Vec::new();
-    for node in &trace.nodes {
+) -> Result<(Vec<Launch>, Vec<usize>)> {
+    let view = |v: ValueId| dev_tensor(trace, plan, persistent_base, arena_base, v);
+    let (mut launches, mut nodes) = (Vec::new(), Vec::new());
+    for (n, node) in trace.nodes.iter().enumerate() {
         let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
         let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
-        launches.extend(lower(&node.op, &ins, &outs, group)?);
+        let l = lower(&node.op, &ins, &outs, group)?;
+        nodes.extend(std::iter::repeat_n(n, l.len()));
+        launches.extend(l);
     }
-    Ok(launches)
+    Ok((launches, nodes))
+}
+
+/// The device bytes `[start, end)` each node's inputs and outputs occupy.
+pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base: u64) -> Vec<Vec<(u64, u64)>> {
+    trace
+        .nodes
+        .iter()
+        .map(|node| {
+            node.inputs
+                .iter()
+                .chain(&node.outputs)
+                .map(|&v| {
+                    let t = dev_tensor(trace, plan, persistent_base, arena_base, v);
+                    (t.ptr, t.ptr + t.ty.bytes())
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The session's rank, checked against every collective of `trace`: each
@@ -695,7 +785,21 @@ mod tests {
                 let collectives = t.nodes.iter().filter(|n| world_of(&n.op).is_some()).count();
                 let shards = t.nodes.iter().filter(|n| matches!(n.op, Op::LocalShard(_))).count();
                 for rank in 0..world {
-                    let l = lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world })).unwrap();
+                    let (l, nodes) = lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world })).unwrap();
+                    assert_eq!(nodes.len(), l.len());
+                    // With overlap every collective rejoins the compute stream
+                    // exactly once: before a launch touching its bytes, or at the end.
+                    let j = crate::overlap::joins(&l, &nodes, &node_ranges(&t, &p, pb, ab));
+                    let mut joined: Vec<usize> = j.before.iter().flatten().chain(&j.at_end).copied().collect();
+                    joined.sort();
+                    let colls: Vec<usize> = (0..l.len()).filter(|&i| matches!(l[i], Launch::Collective(_))).collect();
+                    assert_eq!(joined, colls);
+                    // Every reduced gradient is read by the optimizer: those
+                    // collectives rejoin before it, never only at the end.
+                    if zero1 {
+                        let rs = CollectiveOp::ReduceScatter(NcclRed::Avg);
+                        assert!(j.at_end.iter().all(|&k| !matches!(&l[k], Launch::Collective(c) if c.op == rs)));
+                    }
                     let calls: Vec<_> = l
                         .iter()
                         .filter_map(|x| match x {
@@ -760,7 +864,7 @@ mod tests {
                 step,
                 p,
                 CudaOptions::default(),
-                RankOptions { device: 0, group: Some(group(0, 1)) },
+                RankOptions { device: 0, group: Some(group(0, 1)), overlap: false },
             )
             .err()
             .expect("no NCCL, no session"),
@@ -768,7 +872,7 @@ mod tests {
                 step,
                 p,
                 CudaOptions::default(),
-                RankOptions { device: 0, group: Some(group(0, 1)) },
+                RankOptions { device: 0, group: Some(group(0, 1)), overlap: false },
             )
             .err()
             .expect("no GPU, no session"),

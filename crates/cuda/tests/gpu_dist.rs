@@ -1,8 +1,9 @@
 //! Data parallelism on GPUs through NCCL.
 //!
 //! - World size 1 (one GPU): a data-parallel train step (plain and ZeRO-1,
-//!   f32 and bf16), whose collectives run through NCCL over one rank, gives
-//!   the plain step's bits; graph replay of it gives eager's bits.
+//!   f32 and bf16, collectives on the compute stream or overlapped on their
+//!   own), whose collectives run through NCCL over one rank, gives the plain
+//!   step's bits; graph replay of it gives eager's bits.
 //! - World size 2 (when two GPUs are visible; skipped otherwise): two ranks
 //!   in two threads, each on its own GPU, train 20 steps of the global batch
 //!   like one GPU does, within reduction-order rounding, and end with
@@ -121,12 +122,16 @@ fn single(dtype: DType, steps: usize) -> Run {
     train(&mut open(&step, &fwd, RankOptions::default()), steps, 0, 1, false)
 }
 
-fn world_one(dtype: DType, zero1: bool, steps: usize, graph: bool) -> Run {
+fn world_one(dtype: DType, zero1: bool, overlap: bool, steps: usize, graph: bool) -> Run {
     let dp = DataParallel { zero1, ..DataParallel::new(1) };
     let (_, fwd, step) = build_rank_step(&spec(dtype), StepKind::Train, &TrainOptions::default(), &dp).unwrap();
     let group = NcclGroup { id: NcclId::new().unwrap_or_else(|e| panic!("{e}")), rank: 0, world: 1 };
-    let mut s = open(&step, &fwd, RankOptions { device: 0, group: Some(group) });
+    let mut s = open(&step, &fwd, RankOptions { device: 0, group: Some(group), overlap });
     train(&mut s, steps, 0, 1, graph)
+}
+
+fn name(dtype: DType, world: usize, zero1: bool, overlap: bool) -> String {
+    format!("{dtype} world {world}{}{}", if zero1 { " ZeRO-1" } else { "" }, if overlap { " overlapped" } else { "" })
 }
 
 /// Compares the finals' bytes by name: the rank step keeps the plain step's
@@ -145,9 +150,9 @@ fn world_one_train_step_equals_the_plain_step_bit_for_bit() {
     deterministic_gemms();
     for dtype in [DType::F32, DType::BF16] {
         let plain = single(dtype, 3);
-        for zero1 in [false, true] {
-            let dp = world_one(dtype, zero1, 3, false);
-            let what = format!("{dtype} world 1{}", if zero1 { " ZeRO-1" } else { "" });
+        for (zero1, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dp = world_one(dtype, zero1, overlap, 3, false);
+            let what = name(dtype, 1, zero1, overlap);
             assert_eq!(dp.losses, plain.losses, "{what}: losses differ from the plain step");
             assert_same_finals(&dp, &plain, &what);
             eprintln!("{what}: losses {:?} equal the plain step's", dp.losses);
@@ -159,10 +164,16 @@ fn world_one_train_step_equals_the_plain_step_bit_for_bit() {
 #[ignore = "needs an NVIDIA GPU and NCCL: scripts/gpu-test.sh"]
 fn world_one_graph_replay_equals_eager_bit_for_bit() {
     deterministic_gemms();
-    for (dtype, zero1) in [(DType::F32, false), (DType::BF16, false), (DType::F32, true)] {
-        let eager = world_one(dtype, zero1, 5, false);
-        let graph = world_one(dtype, zero1, 5, true);
-        let what = format!("{dtype} world 1{}", if zero1 { " ZeRO-1" } else { "" });
+    for (dtype, zero1, overlap) in [
+        (DType::F32, false, false),
+        (DType::BF16, false, false),
+        (DType::F32, true, false),
+        (DType::F32, false, true),
+        (DType::BF16, true, true),
+    ] {
+        let eager = world_one(dtype, zero1, overlap, 5, false);
+        let graph = world_one(dtype, zero1, overlap, 5, true);
+        let what = name(dtype, 1, zero1, overlap);
         assert_eq!(graph.losses, eager.losses, "{what}: graph replay losses differ from eager");
         assert_same_finals(&graph, &eager, &what);
     }
@@ -186,7 +197,7 @@ fn two_ranks_train_like_one_gpu_and_stay_identical() {
     const STEPS: usize = 20;
     for (dtype, tol) in [(DType::F32, F32_LOSS_TOL), (DType::BF16, BF16_LOSS_TOL)] {
         let one = single(dtype, STEPS);
-        for zero1 in [false, true] {
+        for (zero1, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
             let world = 2;
             let dp = DataParallel { zero1, ..DataParallel::new(world) };
             let (_, fwd, step) = build_rank_step(&spec(dtype), StepKind::Train, &TrainOptions::default(), &dp).unwrap();
@@ -197,14 +208,14 @@ fn two_ranks_train_like_one_gpu_and_stay_identical() {
                         let (step, fwd) = (&step, &fwd);
                         sc.spawn(move || {
                             let group = NcclGroup { id, rank, world };
-                            let mut s = open(step, fwd, RankOptions { device: rank, group: Some(group) });
+                            let mut s = open(step, fwd, RankOptions { device: rank, group: Some(group), overlap });
                             train(&mut s, STEPS, rank, world, true)
                         })
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().expect("a rank thread panicked")).collect()
             });
-            let what = format!("{dtype} 2 ranks{}", if zero1 { " ZeRO-1" } else { "" });
+            let what = name(dtype, world, zero1, overlap);
             for (r, run) in runs.iter().enumerate() {
                 assert_eq!(run.losses, runs[0].losses, "{what}: rank {r} reports other losses than rank 0");
                 for ((name, t), (_, t0)) in run.finals.iter().zip(&runs[0].finals) {
