@@ -195,7 +195,8 @@ impl CudaSession {
         }
         let ctx = CudaContext::new(rank.device)?;
         // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
-        // the session orders everything on one stream itself.
+        // the session orders everything itself: on one stream, or with its
+        // own events for the collectives' side stream (`RankOptions::overlap`).
         // SAFETY: called before any allocation of this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
