@@ -161,7 +161,13 @@ pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
             let mut runner = Runner::Cpu { session: Box::new(session), record: Duration::ZERO };
             train_loop(&mut runner, &forward, &spec, &text, args, (0, 1), planned, "CPU")
         }
-        Role::Launcher { gpus } => launch(&spec, args, gpus),
+        Role::Launcher { gpus } => {
+            // The ranks' step, built once here so that a step the group cannot
+            // run (a batch or a parameter that does not split) fails before
+            // any process starts, with one message instead of N.
+            build_rank_step(&spec, model.step_kind(StepKind::Train), &opts, &args.data_parallel(gpus)?)?;
+            launch(gpus)
+        }
         Role::Rank { rank, world, id_file } => {
             let dp = args.data_parallel(world)?;
             let (_, forward, step) = build_rank_step(&spec, model.step_kind(StepKind::Train), &opts, &dp)?;
@@ -389,9 +395,7 @@ impl Drop for IdFile {
 }
 
 /// The parent of a `--gpus N` run: checks, id, N rank processes, supervision.
-fn launch(spec: &ModelSpec, args: &TrainArgs, gpus: usize) -> Result<()> {
-    rank_batch(spec.batch, gpus)?;
-    args.data_parallel(gpus)?;
+fn launch(gpus: usize) -> Result<()> {
     let visible = if gpu_available() { device_count().unwrap_or(0) } else { 0 };
     if visible < gpus {
         bail!(

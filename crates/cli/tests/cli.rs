@@ -169,7 +169,7 @@ fn train_on_gpus_fails_clearly_without_a_gpu_or_nccl() {
 
 #[test]
 fn bad_input_gets_clear_errors() {
-    let cases: [(&[&str], &str); 13] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["plan", "--model", "gpt-17"], "unknown model name `gpt-17`"),
         (&["plan", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
         (&["plan", "--zero1"], "--gpus"),
@@ -184,6 +184,10 @@ fn bad_input_gets_clear_errors() {
         (&["train", "--loss", "sum", "--steps", "1"], "training needs the cross-entropy loss"),
         (&["train", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
         (&["train", "--zero1"], "--gpus"),
+        (
+            &["train", "--gpus", "3", "--batch", "3", "--zero1"],
+            "ZeRO-1 over 3 ranks cannot shard param model.embed_tokens.weight",
+        ),
         (&["train", "--gpus", "2", "--rank", "5", "--nccl-id", "/tmp/id"], "--rank 5 is outside a group of 2"),
         (&["train", "--gpus", "2", "--batch", "2", "--rank", "1", "--nccl-id", "/no/such/nccl.id"], "/no/such/nccl.id"),
     ];
