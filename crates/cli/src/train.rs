@@ -360,9 +360,12 @@ fn train_loop(
     bar.finish();
     let note = runner.note()?;
     if talk {
+        // A replayed GPU step of a small model takes a millisecond: say ms below a second.
+        let secs = t0.elapsed().as_secs_f64();
+        let took = if secs < 1.0 { format!("{:.1} ms", secs * 1e3) } else { format!("{secs:.1} s") };
+        let per_step = secs * 1e3 / steps.max(1) as f64;
         println!(
-            "final loss {last:.4} (first {first:.4}) after {steps} steps in {:.1}s; {note}",
-            t0.elapsed().as_secs_f64()
+            "final loss {last:.4} (first {first:.4}) after {steps} steps in {took} ({per_step:.2} ms/step); {note}"
         );
     }
     Ok(())
