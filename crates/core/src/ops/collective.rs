@@ -135,6 +135,26 @@ fn snapshot(io: &KernelIo, i: usize) -> HostTensor {
     h
 }
 
+/// The CPU side of a bucket reduction: exchanges this rank's inputs and
+/// writes output `i` as the reduction of every rank's input `i`, whole
+/// (all-reduce) or only this rank's shard of it (`scatter`, reduce-scatter).
+fn reduce_bucket(io: &KernelIo, name: &str, world: usize, op: ReduceOp, scatter: bool) -> Result<()> {
+    let comm = comm(io, name, world)?;
+    let types: Vec<&TensorType> = io.inputs.iter().map(|v| &v.ty).collect();
+    let local: Vec<HostTensor> = (0..io.inputs.len()).map(|i| snapshot(io, i)).collect();
+    let all = comm.exchange(&tag(name, &types), local)?;
+    for (i, out) in io.outputs.iter().enumerate() {
+        let parts: Vec<&HostTensor> = all.iter().map(|rank| &rank[i]).collect();
+        let k = out.ty.numel();
+        let first = if scatter { comm.rank() * k } else { 0 };
+        with_float!(out.ty.dtype, T => {
+            reduce_into::<T>(&parts, first, k, op, world, out.ptr);
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
 /// `out[j] = op over ranks of parts[r][offset + j]`, in rank order, for `j < len`.
 fn reduce_into<T: Float>(parts: &[&HostTensor], offset: usize, len: usize, op: ReduceOp, world: usize, out: *mut u8) {
     let parts: Vec<&[T]> = parts.iter().map(|h| bytemuck::cast_slice::<u8, T>(h.bytes())).collect();
@@ -185,18 +205,7 @@ impl OpDef for AllReduce {
         no_vjp(self.name())
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
-        let comm = comm(io, self.name(), self.world)?;
-        let types: Vec<&TensorType> = io.inputs.iter().map(|v| &v.ty).collect();
-        let local: Vec<HostTensor> = (0..io.inputs.len()).map(|i| snapshot(io, i)).collect();
-        let all = comm.exchange(&tag(self.name(), &types), local)?;
-        for (i, out) in io.outputs.iter().enumerate() {
-            let parts: Vec<&HostTensor> = all.iter().map(|rank| &rank[i]).collect();
-            with_float!(out.ty.dtype, T => {
-                reduce_into::<T>(&parts, 0, out.ty.numel(), self.op, self.world, out.ptr);
-                Ok(())
-            })?;
-        }
-        Ok(())
+        reduce_bucket(io, self.name(), self.world, self.op, false)
     }
     fn lowering(&self) -> Lowering {
         Lowering::Collective { kind: CollectiveKind::AllReduce(self.op), world: self.world }
@@ -251,19 +260,7 @@ impl OpDef for ReduceScatter {
         no_vjp(self.name())
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
-        let comm = comm(io, self.name(), self.world)?;
-        let types: Vec<&TensorType> = io.inputs.iter().map(|v| &v.ty).collect();
-        let local: Vec<HostTensor> = (0..io.inputs.len()).map(|i| snapshot(io, i)).collect();
-        let all = comm.exchange(&tag(self.name(), &types), local)?;
-        for (i, out) in io.outputs.iter().enumerate() {
-            let parts: Vec<&HostTensor> = all.iter().map(|rank| &rank[i]).collect();
-            let k = out.ty.numel();
-            with_float!(out.ty.dtype, T => {
-                reduce_into::<T>(&parts, comm.rank() * k, k, self.op, self.world, out.ptr);
-                Ok(())
-            })?;
-        }
-        Ok(())
+        reduce_bucket(io, self.name(), self.world, self.op, true)
     }
     fn lowering(&self) -> Lowering {
         Lowering::Collective { kind: CollectiveKind::ReduceScatter(self.op), world: self.world }
