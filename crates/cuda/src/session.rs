@@ -749,15 +749,20 @@ mod tests {
     use super::*;
     use crate::nccl::NcclId;
 
-    fn rank_step(world: usize) -> Trace {
+    /// tiny-llama's step of `kind` on `batch` rows of 8 tokens, cross-entropy.
+    fn tiny_step(kind: StepKind, batch: usize, dtype: stepgraph_core::ir::DType) -> Trace {
         let sp = ModelSpec {
             config: Config::named("tiny-llama").unwrap(),
-            batch: 2,
+            batch,
             seq: 8,
-            dtype: stepgraph_core::ir::DType::F32,
+            dtype,
             loss: LossKind::CrossEntropy,
         };
-        let step = build_step(&build_forward(&sp).unwrap(), StepKind::Train, &TrainOptions::default()).unwrap();
+        build_step(&build_forward(&sp).unwrap(), kind, &TrainOptions::default()).unwrap()
+    }
+
+    fn rank_step(world: usize) -> Trace {
+        let step = tiny_step(StepKind::Train, 2, stepgraph_core::ir::DType::F32);
         data_parallel(&step, &DataParallel::new(world)).unwrap()
     }
 
@@ -769,14 +774,7 @@ mod tests {
     fn rank_steps_lower_to_one_nccl_group_per_collective_node() {
         use crate::launch::{CollectiveOp, NcclRed};
         use stepgraph_core::ops::collective::world_of;
-        let sp = ModelSpec {
-            config: Config::named("tiny-llama").unwrap(),
-            batch: 4,
-            seq: 8,
-            dtype: stepgraph_core::ir::DType::BF16,
-            loss: LossKind::CrossEntropy,
-        };
-        let step = build_step(&build_forward(&sp).unwrap(), StepKind::Train, &TrainOptions::default()).unwrap();
+        let step = tiny_step(StepKind::Train, 4, stepgraph_core::ir::DType::BF16);
         for zero1 in [false, true] {
             for world in [1, 2, 4] {
                 let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(world) };
@@ -843,14 +841,7 @@ mod tests {
         let e = check_group(&step, Some(&group(2, 2))).unwrap_err().to_string();
         assert!(e.contains("rank 2 is outside a group of 2"), "{e}");
         // A step without collectives runs with or without a group.
-        let sp = ModelSpec {
-            config: Config::named("tiny-llama").unwrap(),
-            batch: 1,
-            seq: 8,
-            dtype: stepgraph_core::ir::DType::F32,
-            loss: LossKind::CrossEntropy,
-        };
-        let plain = build_step(&build_forward(&sp).unwrap(), StepKind::Grads, &TrainOptions::default()).unwrap();
+        let plain = tiny_step(StepKind::Grads, 1, stepgraph_core::ir::DType::F32);
         assert_eq!(check_group(&plain, None).unwrap(), None);
         assert!(check_group(&plain, Some(&group(0, 1))).unwrap().is_some());
     }
