@@ -34,12 +34,9 @@ REF_DIR=${REF_DIR:-${TMPDIR:-/tmp}/stepgraph-ref}
 mkdir -p "$OUT" "$REF_DIR"
 
 # The binaries and kernel cache that `gpu-test.sh build` packed.
-if [ -e .carry/pack.tar.xz ] && [ ! -e .carry/stepgraph ]; then
-    tar -C .carry -xJf .carry/pack.tar.xz
-fi
-if [ -d .carry/kcache ]; then
-    export STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache
-fi
+# shellcheck source=scripts/carry-env.sh
+source scripts/carry-env.sh
+carry_unpack
 
 for f in .carry/stepgraph .carry/bench/torch_reference.py; do
     if [ ! -e "$f" ]; then

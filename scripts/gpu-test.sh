@@ -14,38 +14,19 @@
 # .ci/run installs) into a kernel cache, so the GPU machine loads CUBINs
 # instead of compiling them (a minute of device time), and packs binaries and
 # cache into .carry/pack.tar.xz (the carry is limited to 64 MiB); `test`,
-# `bench` and scripts/gpu-compare.sh unpack it (`unpack`) before use.
+# `bench` and scripts/gpu-compare.sh unpack it (`carry_unpack` in scripts/carry-env.sh,
+# which a custom device script can source too) before use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 
-# The packed binaries and kernel cache, unpacked once per machine.
-unpack() {
-    if [ -e .carry/pack.tar.xz ] && [ ! -e .carry/stepgraph ]; then
-        tar -C .carry -xJf .carry/pack.tar.xz
-    fi
-    if [ -d .carry/kcache ]; then
-        export STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache
-    fi
-    # NCCL for the data-parallel tests: PyTorch's nvidia-nccl wheel, unless
-    # STEPGRAPH_NCCL or LD_LIBRARY_PATH already provide libnccl.so.2.
-    if [ -z "${STEPGRAPH_NCCL:-}" ]; then
-        local nccl
-        nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-        if [ -z "$nccl" ] || [ ! -e "$nccl/libnccl.so.2" ]; then
-            nccl=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -n 1 || true)
-        fi
-        if [ -n "$nccl" ] && [ -e "$nccl/libnccl.so.2" ]; then
-            export STEPGRAPH_NCCL=$nccl
-            echo "NCCL: $nccl" >&2
-        fi
-    fi
-}
+# shellcheck source=scripts/carry-env.sh
+source scripts/carry-env.sh
 
 case "${1:-}" in
 unpack)
-    unpack
+    carry_unpack
     ;;
 build)
     rm -rf .carry && mkdir -p .carry/tests .carry/bench
@@ -71,7 +52,7 @@ for l in sys.stdin:
     du -sh .carry
     ;;
 test)
-    unpack
+    carry_unpack
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     shift
     status=0
@@ -88,7 +69,7 @@ test)
     exit $status
     ;;
 bench)
-    unpack
+    carry_unpack
     shift
     workloads=${*:-w3 w1 w1-bf16 w2}
     for w in $workloads; do
