@@ -11,11 +11,11 @@ use serde::Serialize;
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params_fast, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
-use stepgraph_core::testing::HostTensor;
 use stepgraph_cuda::session::{CudaOptions, CudaSession, MemoryReport};
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]

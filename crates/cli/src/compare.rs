@@ -31,11 +31,11 @@ use serde::Serialize;
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, Trace, ValueId};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors, reference_batch};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec};
 use stepgraph_core::plan::{check_plan, plan, MemoryPlan, PlanOptions};
-use stepgraph_core::testing::HostTensor;
 use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
 
 /// The default tolerance on `rel` when the step and the reference are f32.

@@ -32,11 +32,11 @@ use rand::{Rng, SeedableRng};
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{build_rank_step, rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueId, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, ModelSpec};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
-use stepgraph_core::testing::HostTensor;
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_count, gpu_available, CudaOptions, CudaSession, RankOptions};
 

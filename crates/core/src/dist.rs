@@ -46,12 +46,12 @@ use serde::Serialize;
 
 use crate::autodiff::{build_step, StepKind, TrainOptions};
 use crate::error::{Error, Result};
+use crate::host::HostTensor;
 use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
 use crate::models::{build_forward, ModelSpec};
 use crate::ops::collective::{shard_type, ReduceOp};
 use crate::ops::Op;
 use crate::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
-use crate::testing::HostTensor;
 
 /// PyTorch DDP's default bucket size (`bucket_cap_mb=25`, in MiB).
 pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;

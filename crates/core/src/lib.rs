@@ -12,6 +12,7 @@ pub mod autodiff;
 pub mod cpu;
 pub mod dist;
 pub mod error;
+pub mod host;
 pub mod ir;
 pub mod models;
 pub mod ops;

@@ -8,13 +8,13 @@ use std::path::PathBuf;
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueId};
 use stepgraph_core::models::checkpoint::{
     load_params, name_params, read_safetensors, reference_batch, write_safetensors_atomic,
 };
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
-use stepgraph_core::testing::HostTensor;
 
 /// A fresh, empty directory for one test.
 fn temp_dir(test: &str) -> PathBuf {

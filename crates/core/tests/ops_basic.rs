@@ -2,13 +2,14 @@
 //! every VJP against f64 finite differences, in-place kernels against their
 //! out-of-place runs, f32/bf16 kernels against f64, and shape-rule errors.
 
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::elementwise::{Binary, Cast, Unary};
 use stepgraph_core::ops::matmul::MatMul;
 use stepgraph_core::ops::movement::{Broadcast, Concat, Permute, Reshape, Slice};
 use stepgraph_core::ops::reduce::{Reduce, ReduceKind};
 use stepgraph_core::ops::{BinaryFn, Op, UnaryFn};
-use stepgraph_core::testing::{check_vjp, draw_inputs, max_rel_diff, run_op, run_op_aliased, Arg, HostTensor};
+use stepgraph_core::testing::{check_vjp, draw_inputs, max_rel_diff, run_op, run_op_aliased, Arg};
 
 fn n(s: &[usize]) -> Arg {
     Arg::Normal(s.to_vec())

@@ -10,11 +10,12 @@ use rand_distr::{Distribution, StandardNormal};
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
-use stepgraph_core::testing::{interpret, HostTensor};
+use stepgraph_core::testing::interpret;
 
 fn spec(name: &str, dtype: DType, loss: LossKind) -> ModelSpec {
     let config = Config::named(name).unwrap();

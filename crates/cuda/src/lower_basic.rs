@@ -602,10 +602,11 @@ fn adamw(a: &AdamW, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<L
 mod tests {
     use std::collections::HashMap;
 
+    use stepgraph_core::host::HostTensor;
     use stepgraph_core::ops::elementwise::{Binary, Cast, Full, Unary, UnaryBackward};
     use stepgraph_core::ops::embedding::Embedding;
     use stepgraph_core::ops::{BinaryFn, Op, UnaryFn};
-    use stepgraph_core::testing::{draw_inputs, run_op, Arg as Draw, HostTensor};
+    use stepgraph_core::testing::{draw_inputs, run_op, Arg as Draw};
 
     use super::*;
 

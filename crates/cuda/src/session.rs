@@ -32,11 +32,11 @@ use cudarc::driver::{result as dr, CudaContext, CudaModule, CudaStream};
 use serde::Serialize;
 
 use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{Builder, Trace, ValueId};
 use stepgraph_core::ops::collective::world_of;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
-use stepgraph_core::testing::HostTensor;
 
 use crate::blas::Blas;
 use crate::error::{CudaError, Result};

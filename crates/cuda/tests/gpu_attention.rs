@@ -9,10 +9,11 @@
 
 use std::ops::Range;
 
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 use stepgraph_core::ops::Op;
-use stepgraph_core::testing::{draw_inputs, run_op as cpu_run, Arg, HostTensor};
+use stepgraph_core::testing::{draw_inputs, run_op as cpu_run, Arg};
 use stepgraph_cuda::session::run_op as gpu_run;
 
 const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];

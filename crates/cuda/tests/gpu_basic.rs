@@ -19,6 +19,7 @@
 //! the largest magnitude of the output (for sums: of the summed |x|).
 //! Run on a GPU machine with `scripts/gpu-test.sh`.
 
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{Builder, DType, OutputKind, TensorType};
 use stepgraph_core::ops::elementwise::{Binary, Cast, Full, Unary, UnaryBackward};
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
@@ -27,7 +28,7 @@ use stepgraph_core::ops::optim::AdamW;
 use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind};
 use stepgraph_core::ops::{BinaryFn, Op, UnaryFn};
 use stepgraph_core::plan::{plan, PlanOptions};
-use stepgraph_core::testing::{draw_inputs, Arg, HostTensor};
+use stepgraph_core::testing::{draw_inputs, Arg};
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];

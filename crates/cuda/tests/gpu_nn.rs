@@ -30,13 +30,14 @@
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::CudaContext;
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::loss::{CrossEntropy, CrossEntropyBackward};
 use stepgraph_core::ops::norm::{stat_dtype, LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
 use stepgraph_core::ops::Op;
-use stepgraph_core::testing::{self, draw_inputs, Arg, HostTensor};
+use stepgraph_core::testing::{self, draw_inputs, Arg};
 use stepgraph_cuda::session;
 
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];

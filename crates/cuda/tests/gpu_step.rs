@@ -6,11 +6,12 @@
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
+use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::plan::{plan, PlanOptions};
-use stepgraph_core::testing::{max_rel_diff, HostTensor};
+use stepgraph_core::testing::max_rel_diff;
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
 

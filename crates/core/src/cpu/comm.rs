@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::testing::HostTensor;
+use crate::host::HostTensor;
 
 /// One rank's view of a group of ranks.
 pub trait Communicator: Send + Sync {

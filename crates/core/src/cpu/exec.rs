@@ -22,10 +22,10 @@ use std::time::Instant;
 use crate::cpu::comm::Communicator;
 use crate::cpu::{KernelIo, TensorView};
 use crate::error::{Error, Result};
+use crate::host::HostTensor;
 use crate::ir::{DType, Trace, ValueId, ValueKind};
 use crate::ops::Op;
 use crate::plan::{MemoryPlan, Region};
-use crate::testing::HostTensor;
 
 /// Host memory aligned to 64 bytes (whole cache lines, and more than any dtype needs).
 struct HostBuffer {

@@ -36,8 +36,8 @@ use safetensors::Dtype;
 
 use super::gpt::{LossKind, IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use crate::error::{Error, Result};
+use crate::host::HostTensor;
 use crate::ir::{DType, TensorType, Trace, ValueId, ValueKind};
-use crate::testing::HostTensor;
 
 // Tensor bytes go to and from the file unchanged, which is only right on a
 // little-endian host.

@@ -16,9 +16,9 @@ use rand_distr::{Distribution, Normal};
 
 use super::config::{Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
+use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
 use crate::ops::UnaryFn;
-use crate::testing::HostTensor;
 
 /// The loss the forward trace ends with.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]

@@ -14,7 +14,7 @@ use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
 use super::norm::stat_dtype;
-use super::{expect_float, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo, SendPtr};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, TensorType, ValueId};
@@ -134,6 +134,9 @@ fn attention_fwd<T: Float>(a: Fwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for Attention {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "attention"
     }
@@ -175,9 +178,6 @@ impl OpDef for Attention {
             attention_fwd(a, n, self.scale);
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("attention")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("scale", Attr::Float(self.scale))]
@@ -276,6 +276,9 @@ fn attention_bwd<T: Float>(a: Bwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for AttentionBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "attention_backward"
     }
@@ -317,9 +320,6 @@ impl OpDef for AttentionBackward {
             attention_bwd(a, n, self.scale);
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("attention_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("scale", Attr::Float(self.scale))]

@@ -33,11 +33,11 @@
 //! for bf16/f16), so GPU results agree with these up to reduction-order
 //! rounding.
 
-use super::{expect_float, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
+use crate::host::HostTensor;
 use crate::ir::{Builder, TensorType, ValueId};
-use crate::testing::HostTensor;
 use crate::with_float;
 
 /// How a reduction combines the ranks' values.
@@ -187,6 +187,9 @@ pub struct AllReduce {
 }
 
 impl OpDef for AllReduce {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         match self.op {
             ReduceOp::Sum => "all_reduce_sum",
@@ -206,9 +209,6 @@ impl OpDef for AllReduce {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         reduce_bucket(io, self.name(), self.world, self.op, false)
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Collective { kind: CollectiveKind::AllReduce(self.op), world: self.world }
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("world", Attr::Int(self.world as i64)), ("tensors", Attr::Int(self.tensors as i64))]
@@ -238,6 +238,9 @@ pub struct ReduceScatter {
 }
 
 impl OpDef for ReduceScatter {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         match self.op {
             ReduceOp::Sum => "reduce_scatter_sum",
@@ -261,9 +264,6 @@ impl OpDef for ReduceScatter {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         reduce_bucket(io, self.name(), self.world, self.op, true)
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Collective { kind: CollectiveKind::ReduceScatter(self.op), world: self.world }
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("world", Attr::Int(self.world as i64)), ("tensors", Attr::Int(self.tensors as i64))]
@@ -292,6 +292,9 @@ pub struct AllGather {
 }
 
 impl OpDef for AllGather {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "all_gather"
     }
@@ -331,9 +334,6 @@ impl OpDef for AllGather {
         }
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Collective { kind: CollectiveKind::AllGather, world: self.world }
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("world", Attr::Int(self.world as i64)), ("tensors", Attr::Int(self.tensors as i64))]
     }
@@ -356,6 +356,9 @@ pub struct LocalShard {
 }
 
 impl OpDef for LocalShard {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "local_shard"
     }
@@ -373,9 +376,6 @@ impl OpDef for LocalShard {
         // rule), rank < world, and input and output never alias (no in-place pair).
         unsafe { std::ptr::copy_nonoverlapping(io.inputs[0].ptr.add(comm.rank() * bytes), io.outputs[0].ptr, bytes) };
         Ok(())
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Collective { kind: CollectiveKind::LocalShard, world: self.world }
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("world", Attr::Int(self.world as i64))]

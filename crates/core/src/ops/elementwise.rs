@@ -3,7 +3,7 @@
 
 use num_traits::ToPrimitive;
 
-use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, BinaryFn, Lowering, OpDef, UnaryFn, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, BinaryFn, OpDef, UnaryFn, VjpArgs};
 use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::{Builder, DType, TensorType, ValueId};
@@ -19,6 +19,9 @@ pub struct Full {
 }
 
 impl OpDef for Full {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "full"
     }
@@ -35,9 +38,6 @@ impl OpDef for Full {
             io.output::<T>(0).fill(T::from_f64(self.value));
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Fill
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![
@@ -185,6 +185,9 @@ pub struct Unary {
 }
 
 impl OpDef for Unary {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         self.f.name()
     }
@@ -211,9 +214,6 @@ impl OpDef for Unary {
             Ok(())
         })
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Unary(self.f)
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         self.f.attrs()
     }
@@ -232,6 +232,9 @@ pub struct UnaryBackward {
 }
 
 impl OpDef for UnaryBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         self.f.backward_name()
     }
@@ -260,9 +263,6 @@ impl OpDef for UnaryBackward {
             });
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("unary_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         self.f.attrs()
@@ -357,6 +357,9 @@ pub struct Binary {
 }
 
 impl OpDef for Binary {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         self.f.name()
     }
@@ -409,9 +412,6 @@ impl OpDef for Binary {
             Ok(())
         })
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Binary(self.f)
-    }
     fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
         let f = match name {
             "add" => BinaryFn::Add,
@@ -436,6 +436,9 @@ pub struct Cast {
 }
 
 impl OpDef for Cast {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "cast"
     }
@@ -466,9 +469,6 @@ impl OpDef for Cast {
                 Ok(())
             })
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Cast
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("dtype", Attr::DType(self.dtype))]

@@ -5,7 +5,7 @@
 use num_traits::Zero;
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, TensorType, ValueId};
@@ -42,6 +42,9 @@ fn min_rows_per_task(width: usize) -> usize {
 pub struct Embedding;
 
 impl OpDef for Embedding {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "embedding"
     }
@@ -87,9 +90,6 @@ impl OpDef for Embedding {
             Ok(())
         })
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("embedding")
-    }
     fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
         (name == "embedding").then_some(Ok(Embedding))
     }
@@ -111,6 +111,9 @@ pub struct EmbeddingBackward {
 }
 
 impl OpDef for EmbeddingBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "embedding_backward"
     }
@@ -181,9 +184,6 @@ impl OpDef for EmbeddingBackward {
             );
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("embedding_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("num_rows", Attr::Int(self.num_rows as i64))]

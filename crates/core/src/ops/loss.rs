@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, TensorType, ValueId};
@@ -124,6 +124,9 @@ pub struct CrossEntropy {
 }
 
 impl OpDef for CrossEntropy {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "cross_entropy"
     }
@@ -157,9 +160,6 @@ impl OpDef for CrossEntropy {
         let classes = io.in_ty(0).shape[1];
         check_targets(&targets, classes, self.ignore_index)?;
         with_float!(io.in_ty(0).dtype, T => forward_kernel::<T>(io, &targets, self.ignore_index))
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("cross_entropy")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("ignore_index", Attr::Int(self.ignore_index))]
@@ -210,6 +210,9 @@ pub struct CrossEntropyBackward {
 }
 
 impl OpDef for CrossEntropyBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "cross_entropy_backward"
     }
@@ -235,9 +238,6 @@ impl OpDef for CrossEntropyBackward {
         let classes = io.in_ty(0).shape[1];
         check_targets(&targets, classes, self.ignore_index)?;
         with_float!(io.in_ty(0).dtype, T => backward_kernel::<T>(io, &targets, self.ignore_index))
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("cross_entropy_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("ignore_index", Attr::Int(self.ignore_index))]

@@ -5,7 +5,7 @@
 //! carries batch dims (a linear layer: activations `[B, T, in]` times a
 //! weight `[out, in]` with `trans_b`); otherwise batch dims must be equal.
 
-use super::{expect_float, expect_inputs, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
 use crate::cpu::KernelIo;
 use crate::error::{Error, Result};
@@ -59,6 +59,9 @@ impl MatMul {
 }
 
 impl OpDef for MatMul {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "matmul"
     }
@@ -117,9 +120,6 @@ impl OpDef for MatMul {
             dt => return Err(Error::op("matmul", format!("no CPU kernel for {dt}"))),
         }
         Ok(())
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Gemm { trans_a: self.trans_a, trans_b: self.trans_b }
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("trans_a", Attr::Bool(self.trans_a)), ("trans_b", Attr::Bool(self.trans_b))]

@@ -2,11 +2,12 @@
 //!
 //! Each op is a struct in one file of this module that implements [`OpDef`]:
 //! its shape/dtype rule, its VJP rule (emitting backward ops through a
-//! [`Builder`]), its CPU reference kernel, its lowering description (data for
-//! later backends, never backend calls) and its attributes for printing and
-//! parsing. The same file adds a typed helper to [`Builder`]. Adding an op
-//! means one struct plus one line in [`op_list!`]; the exhaustive matches the
-//! macro generates find every place that must know about it.
+//! [`Builder`]), its CPU reference kernel, its sample cases (what every
+//! backend's tests run it on) and its attributes for printing and parsing.
+//! The same file adds a typed helper to [`Builder`]. Adding an op means one
+//! struct plus one line in [`for_each_op!`]; the exhaustive matches generated
+//! from that list, here and in each backend, find every place that must know
+//! about it (`docs/architecture.md` lists the steps).
 
 pub mod attention;
 pub mod collective;
@@ -19,6 +20,7 @@ pub mod norm;
 pub mod optim;
 pub mod reduce;
 pub mod rope;
+pub mod sample;
 pub mod softmax;
 
 use std::collections::BTreeMap;
@@ -27,6 +29,7 @@ use std::fmt;
 use crate::cpu::KernelIo;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+pub use sample::{Input, Sample};
 
 /// An attribute value as it appears in a printed trace: `{eps=1e-6, axes=[1,2]}`.
 #[derive(Clone, PartialEq, Debug)]
@@ -166,34 +169,6 @@ pub enum BinaryFn {
     Div,
 }
 
-/// How a backend realises an op. Data only: backends interpret it.
-#[derive(Clone, PartialEq, Debug)]
-pub enum Lowering {
-    /// No kernel: the output is the input's storage seen with another shape.
-    View,
-    /// A constant fill of the output.
-    Fill,
-    /// A pointwise map with numpy broadcasting of the inputs to the output shape.
-    Unary(UnaryFn),
-    Binary(BinaryFn),
-    /// A type conversion.
-    Cast,
-    /// A (batched) matrix product for the BLAS library.
-    Gemm {
-        trans_a: bool,
-        trans_b: bool,
-    },
-    /// A hand-written kernel family, named by template.
-    Kernel(&'static str),
-    /// Communication between the ranks of a data-parallel step: one grouped
-    /// call of the collective library (NCCL) over every tensor of the node,
-    /// for a group of `world` ranks.
-    Collective {
-        kind: collective::CollectiveKind,
-        world: usize,
-    },
-}
-
 /// What every op defines. See the module doc.
 pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     /// The name printed in traces.
@@ -209,7 +184,12 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     /// The CPU reference kernel.
     fn cpu(&self, io: &KernelIo) -> Result<()>;
 
-    fn lowering(&self) -> Lowering;
+    /// The op's sample cases in the float dtype `dtype` (Thunder's OpInfo):
+    /// every attribute and shape the op must handle, with how to draw each
+    /// input. Every test of every backend iterates these; an op that returns
+    /// none for every dtype fails `every_op_has_samples`. An op may return
+    /// none for a dtype it does not support.
+    fn samples(dtype: DType) -> Vec<Sample>;
 
     /// Attributes in print order.
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
@@ -229,6 +209,52 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     fn view_of(&self) -> Option<usize> {
         None
     }
+}
+
+/// The op list, written once. `for_each_op!(callback)` expands to
+/// `callback! { Variant(path::To::OpStruct), ... }` with every op in list
+/// order, so that this crate ([`Op`] and its dispatch) and the backends
+/// (their exhaustive lowering dispatch) are generated from the same list:
+/// an op a backend does not lower is a compile error there.
+#[macro_export]
+macro_rules! for_each_op {
+    ($callback:ident) => {
+        $callback! {
+            Full($crate::ops::elementwise::Full),
+            Unary($crate::ops::elementwise::Unary),
+            UnaryBackward($crate::ops::elementwise::UnaryBackward),
+            Binary($crate::ops::elementwise::Binary),
+            Cast($crate::ops::elementwise::Cast),
+            Reduce($crate::ops::reduce::Reduce),
+            MaxBackward($crate::ops::reduce::MaxBackward),
+            Broadcast($crate::ops::movement::Broadcast),
+            Reshape($crate::ops::movement::Reshape),
+            Permute($crate::ops::movement::Permute),
+            Slice($crate::ops::movement::Slice),
+            SliceBackward($crate::ops::movement::SliceBackward),
+            Concat($crate::ops::movement::Concat),
+            MatMul($crate::ops::matmul::MatMul),
+            RmsNorm($crate::ops::norm::RmsNorm),
+            RmsNormBackward($crate::ops::norm::RmsNormBackward),
+            LayerNorm($crate::ops::norm::LayerNorm),
+            LayerNormBackward($crate::ops::norm::LayerNormBackward),
+            Rope($crate::ops::rope::Rope),
+            Softmax($crate::ops::softmax::Softmax),
+            SoftmaxBackward($crate::ops::softmax::SoftmaxBackward),
+            Attention($crate::ops::attention::Attention),
+            AttentionBackward($crate::ops::attention::AttentionBackward),
+            Embedding($crate::ops::embedding::Embedding),
+            EmbeddingBackward($crate::ops::embedding::EmbeddingBackward),
+            CrossEntropy($crate::ops::loss::CrossEntropy),
+            CrossEntropyBackward($crate::ops::loss::CrossEntropyBackward),
+            AdamW($crate::ops::optim::AdamW),
+            // Collectives: inserted after autodiff by `dist::data_parallel`, no VJP.
+            AllReduce($crate::ops::collective::AllReduce),
+            ReduceScatter($crate::ops::collective::ReduceScatter),
+            AllGather($crate::ops::collective::AllGather),
+            LocalShard($crate::ops::collective::LocalShard),
+        }
+    };
 }
 
 /// Declares the op list once and generates [`Op`] with its dispatch.
@@ -255,9 +281,6 @@ macro_rules! op_list {
             pub fn cpu(&self, io: &KernelIo) -> Result<()> {
                 match self { $(Op::$variant(o) => o.cpu(io)),* }
             }
-            pub fn lowering(&self) -> Lowering {
-                match self { $(Op::$variant(o) => o.lowering()),* }
-            }
             pub fn attrs(&self) -> Vec<(&'static str, Attr)> {
                 match self { $(Op::$variant(o) => o.attrs()),* }
             }
@@ -278,44 +301,20 @@ macro_rules! op_list {
                 Err(Error::op(name, "no such op"))
             }
         }
+
+        /// Every op's sample cases in `dtype`, op by op, each under the
+        /// name of its variant in the op list (so an op without cases
+        /// shows up as an empty list, not as nothing).
+        pub fn samples_by_op(dtype: DType) -> Vec<(&'static str, Vec<Sample>)> {
+            vec![$((stringify!($variant), <$ty as OpDef>::samples(dtype))),*]
+        }
+
+        /// The variant name of every op in the op list.
+        pub const OP_VARIANTS: &[&str] = &[$(stringify!($variant)),*];
     };
 }
 
-op_list! {
-    Full(elementwise::Full),
-    Unary(elementwise::Unary),
-    UnaryBackward(elementwise::UnaryBackward),
-    Binary(elementwise::Binary),
-    Cast(elementwise::Cast),
-    Reduce(reduce::Reduce),
-    MaxBackward(reduce::MaxBackward),
-    Broadcast(movement::Broadcast),
-    Reshape(movement::Reshape),
-    Permute(movement::Permute),
-    Slice(movement::Slice),
-    SliceBackward(movement::SliceBackward),
-    Concat(movement::Concat),
-    MatMul(matmul::MatMul),
-    RmsNorm(norm::RmsNorm),
-    RmsNormBackward(norm::RmsNormBackward),
-    LayerNorm(norm::LayerNorm),
-    LayerNormBackward(norm::LayerNormBackward),
-    Rope(rope::Rope),
-    Softmax(softmax::Softmax),
-    SoftmaxBackward(softmax::SoftmaxBackward),
-    Attention(attention::Attention),
-    AttentionBackward(attention::AttentionBackward),
-    Embedding(embedding::Embedding),
-    EmbeddingBackward(embedding::EmbeddingBackward),
-    CrossEntropy(loss::CrossEntropy),
-    CrossEntropyBackward(loss::CrossEntropyBackward),
-    AdamW(optim::AdamW),
-    // Collectives: inserted after autodiff by `dist::data_parallel`, no VJP.
-    AllReduce(collective::AllReduce),
-    ReduceScatter(collective::ReduceScatter),
-    AllGather(collective::AllGather),
-    LocalShard(collective::LocalShard),
-}
+for_each_op!(op_list);
 
 /// The dtype of statistics kept beside float data (rstd, mean, log-sum-exp,
 /// a loss): f64 for f64 data, else f32, the accumulator type of the data, so

@@ -1,7 +1,7 @@
 //! Shape movement: broadcast, reshape (a view), permute, slice and concat.
 
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
-use super::{expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::{Builder, TensorType, ValueId};
@@ -34,6 +34,9 @@ pub struct Broadcast {
 }
 
 impl OpDef for Broadcast {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "broadcast"
     }
@@ -54,9 +57,6 @@ impl OpDef for Broadcast {
         gather(io, 0, io.out_ty(0).numel(), |i| map.map(i));
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("broadcast")
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("shape", ints(&self.shape))]
     }
@@ -74,6 +74,9 @@ pub struct Reshape {
 }
 
 impl OpDef for Reshape {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "reshape"
     }
@@ -100,9 +103,6 @@ impl OpDef for Reshape {
         }
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::View
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("shape", ints(&self.shape))]
     }
@@ -123,6 +123,9 @@ pub struct Permute {
 }
 
 impl OpDef for Permute {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "permute"
     }
@@ -161,9 +164,6 @@ impl OpDef for Permute {
         });
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("permute")
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("perm", ints(&self.perm))]
     }
@@ -188,6 +188,9 @@ fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
 }
 
 impl OpDef for Slice {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "slice"
     }
@@ -217,9 +220,6 @@ impl OpDef for Slice {
         });
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("slice")
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![
             ("axis", Attr::Int(self.axis as i64)),
@@ -241,6 +241,9 @@ pub struct SliceBackward {
 }
 
 impl OpDef for SliceBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "slice_backward"
     }
@@ -280,9 +283,6 @@ impl OpDef for SliceBackward {
         });
         Ok(())
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("slice_backward")
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![
             ("axis", Attr::Int(self.axis as i64)),
@@ -305,6 +305,9 @@ pub struct Concat {
 }
 
 impl OpDef for Concat {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "concat"
     }
@@ -357,9 +360,6 @@ impl OpDef for Concat {
             start += len;
         }
         Ok(())
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("concat")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("axis", Attr::Int(self.axis as i64))]

@@ -18,7 +18,7 @@ use std::ops::Range;
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::{Builder, TensorType, ValueId};
@@ -136,6 +136,9 @@ fn rms_norm_fwd<T: Float>(x: &[T], w: &[T], eps: f64, y: &mut [T], rstd: &mut [T
 }
 
 impl OpDef for RmsNorm {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "rms_norm"
     }
@@ -160,9 +163,6 @@ impl OpDef for RmsNorm {
             rms_norm_fwd::<T>(io.input(0), io.input(1), self.eps, io.output(0), io.output(1));
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("rms_norm")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         eps_attr(self.eps)
@@ -212,6 +212,9 @@ fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
 }
 
 impl OpDef for RmsNormBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "rms_norm_backward"
     }
@@ -243,9 +246,6 @@ impl OpDef for RmsNormBackward {
             rms_norm_bwd(a, io.output(0), io.output(1));
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("rms_norm_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         eps_attr(self.eps)
@@ -294,6 +294,9 @@ fn layer_norm_fwd<T: Float>(
 }
 
 impl OpDef for LayerNorm {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "layer_norm"
     }
@@ -330,9 +333,6 @@ impl OpDef for LayerNorm {
             );
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("layer_norm")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         eps_attr(self.eps)
@@ -394,6 +394,9 @@ fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut 
 }
 
 impl OpDef for LayerNormBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "layer_norm_backward"
     }
@@ -432,9 +435,6 @@ impl OpDef for LayerNormBackward {
             layer_norm_bwd(a, io.output(0), io.output(1), io.output(2));
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("layer_norm_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         eps_attr(self.eps)

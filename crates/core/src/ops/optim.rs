@@ -9,7 +9,7 @@
 use num_traits::{Float as _, NumCast};
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
@@ -169,6 +169,9 @@ fn conv<A: num_traits::Float, B: num_traits::Float>(x: A) -> B {
 }
 
 impl OpDef for AdamW {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "adamw"
     }
@@ -209,9 +212,6 @@ impl OpDef for AdamW {
                 })
             })
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("adamw")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![

@@ -2,7 +2,7 @@
 
 use num_traits::{Float as _, Zero};
 
-use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, TensorType, ValueId};
@@ -114,6 +114,9 @@ impl ReducePlan {
 }
 
 impl OpDef for Reduce {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         match self.kind {
             ReduceKind::Sum => "sum",
@@ -186,9 +189,6 @@ impl OpDef for Reduce {
             Ok(())
         })
     }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("reduce")
-    }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("axes", Attr::Ints(self.axes.iter().map(|&a| a as i64).collect())), ("keepdim", Attr::Bool(self.keepdim))]
     }
@@ -213,6 +213,9 @@ pub struct MaxBackward {
 }
 
 impl OpDef for MaxBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "max_backward"
     }
@@ -246,9 +249,6 @@ impl OpDef for MaxBackward {
             });
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("max_backward")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![("axes", Attr::Ints(self.axes.iter().map(|&a| a as i64).collect()))]

@@ -34,7 +34,7 @@
 use num_traits::Zero;
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, Attr, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::{Builder, TensorType, ValueId};
@@ -100,6 +100,9 @@ fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T]) {
 }
 
 impl OpDef for Rope {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "rope"
     }
@@ -135,9 +138,6 @@ impl OpDef for Rope {
             rope_kernel::<T>(self, &shape, io.inplace(0, 0));
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("rope")
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         vec![

@@ -8,7 +8,7 @@
 use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
-use super::{expect_float, expect_inputs, no_vjp, Attrs, Lowering, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo};
 use crate::error::Result;
 use crate::ir::{Builder, TensorType, ValueId};
@@ -45,6 +45,9 @@ fn softmax_rows<T: Float>(y: &mut [T], n: usize) {
 }
 
 impl OpDef for Softmax {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "softmax"
     }
@@ -67,9 +70,6 @@ impl OpDef for Softmax {
             }
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("softmax")
     }
     fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
         (name == "softmax").then_some(Ok(Softmax))
@@ -96,6 +96,9 @@ fn softmax_backward_rows<T: Float>(y: &[T], g: &mut [T], n: usize) {
 }
 
 impl OpDef for SoftmaxBackward {
+    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
+        Vec::new()
+    }
     fn name(&self) -> &'static str {
         "softmax_backward"
     }
@@ -116,9 +119,6 @@ impl OpDef for SoftmaxBackward {
             }
             Ok(())
         })
-    }
-    fn lowering(&self) -> Lowering {
-        Lowering::Kernel("softmax_backward")
     }
     fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
         (name == "softmax_backward").then_some(Ok(SoftmaxBackward))
