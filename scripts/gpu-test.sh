@@ -4,6 +4,7 @@
 #   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries + torch_reference.py into .carry/
 #   scripts/gpu-test.sh test [NAME...] # on the GPU machine: every GPU test binary (or those named, e.g. gpu_dist)
 #   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
+#   scripts/gpu-test.sh bench-ab [W...] # on the GPU machine: the baseline binary and this one, interleaved, + PyTorch
 #   scripts/gpu-compare.sh [CASE...] # on the GPU machine: loss and gradients against PyTorch (see that script)
 #
 # With the `device` tool: build here, then run with carry [".carry"], e.g.
@@ -47,7 +48,20 @@ for l in sys.stdin:
     else
         echo "NVRTC not found under $nvrtc (run .ci/run once): kernels will compile on the GPU machine" >&2
     fi
-    (cd .carry && tar -cJf pack.tar.xz stepgraph tests $([ -d kcache ] && echo kcache) && rm -rf stepgraph tests kcache)
+    # A baseline to compare against (bench-ab): BASELINE=DIR names a checkout
+    # whose `cargo build --release -p stepgraph -p stepgraph-cuda --examples`
+    # is done; its CLI is packed as stepgraph-base and its kernels join the
+    # cache (keyed by source hash, so both versions live side by side).
+    base=()
+    if [ -n "${BASELINE:-}" ]; then
+        cp "$BASELINE/target/release/stepgraph" .carry/stepgraph-base
+        base=(stepgraph-base)
+        if [ -e "$nvrtc/lib/libnvrtc.so.13" ]; then
+            LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_INCLUDE="$nvrtc/include" \
+                STEPGRAPH_KERNEL_CACHE=$PWD/.carry/kcache "$BASELINE/target/release/examples/compile_kernels"
+        fi
+    fi
+    (cd .carry && tar -cJf pack.tar.xz stepgraph "${base[@]}" tests $([ -d kcache ] && echo kcache) && rm -rf stepgraph "${base[@]}" tests kcache)
     ls -la .carry
     du -sh .carry
     ;;
@@ -84,8 +98,34 @@ bench)
         done
     done
     ;;
+bench-ab)
+    # The baseline (stepgraph-base, see build) and this build alternate per
+    # workload and mode, so drift of the machine hits both alike; then the
+    # PyTorch reference. Rows carry "binary": "base" or "new".
+    carry_unpack
+    shift
+    workloads=${*:-w3 w1 w1-bf16 w2 w5}
+    modes=${MODES:-eager graph}
+    torch_modes=${TORCH_MODES:-eager reduce-overhead}
+    for w in $workloads; do
+        for mode in $modes; do
+            for bin in base new new base; do
+                exe=.carry/stepgraph
+                [ "$bin" = base ] && exe=.carry/stepgraph-base
+                echo "== $bin $w $mode"
+                "$exe" bench --workload "$w" --mode "$mode" --json | sed "s/^{/{\"binary\":\"$bin\",/" | tee -a "$OUT/bench-ab.jsonl" ||
+                    echo "{\"binary\":\"$bin\",\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench-ab.jsonl"
+            done
+        done
+        tw=${w/-/}
+        for mode in $torch_modes; do
+            echo "== torch $tw $mode"
+            PYTHONUNBUFFERED=1 python3 .carry/bench/torch_reference.py --workload "$tw" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl" || true
+        done
+    done
+    ;;
 *)
-    echo "usage: $0 build|unpack|test|bench [workloads]" >&2
+    echo "usage: $0 build|unpack|test|bench|bench-ab [workloads]" >&2
     exit 2
     ;;
 esac
