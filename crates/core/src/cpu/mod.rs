@@ -141,6 +141,10 @@ impl TensorView {
 /// A raw pointer that may cross threads; kernels use it to write disjoint parts of one output.
 #[derive(Copy, Clone, Debug)]
 pub struct SendPtr<T>(pub *mut T);
+// SAFETY: a `SendPtr` is an address with no ownership; every dereference goes
+// through the unsafe `read`/`write`, whose callers promise in-bounds indices
+// that no other thread touches at the same time (kernels split outputs into
+// disjoint chunks), so moving or sharing the address itself cannot race.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
