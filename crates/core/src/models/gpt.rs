@@ -208,6 +208,18 @@ pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
     g.b.finish("build")
 }
 
+/// The initial values of the parameter `name` with `n` elements: zero
+/// biases, unit norm weights, and `random(n)` for every other weight.
+fn initial_values(name: &str, n: usize, random: impl FnOnce(usize) -> Vec<f64>) -> Vec<f64> {
+    if name.ends_with(".bias") {
+        vec![0.0; n]
+    } else if name.contains("norm") {
+        vec![1.0; n]
+    } else {
+        random(n)
+    }
+}
+
 /// Initial parameter values, as litgpt and Hugging Face initialise a fresh
 /// model: normal(0, 0.02) for matrices and embeddings, ones for norm
 /// weights, zeros for biases. Deterministic in `seed`; each parameter draws
@@ -222,16 +234,11 @@ pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
                 ValueKind::Param { name } => name.as_str(),
                 _ => "",
             };
-            let n = ty.numel();
-            let data: Vec<f64> = if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else if name.contains("norm") {
-                vec![1.0; n]
-            } else {
+            let data = initial_values(name, ty.numel(), |n| {
                 let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(k as u64));
                 let normal = Normal::new(0.0, 0.02).expect("valid normal");
                 (0..n).map(|_| normal.sample(&mut rng)).collect()
-            };
+            });
             (p, HostTensor::from_f64(ty, &data))
         })
         .collect()
@@ -251,12 +258,7 @@ pub fn init_params_fast(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> 
         .map(|(k, p)| {
             let ty = trace.ty(p).clone();
             let name = trace.value(p).kind.leaf_name().unwrap_or_default();
-            let n = ty.numel();
-            let data: Vec<f64> = if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else if name.contains("norm") {
-                vec![1.0; n]
-            } else {
+            let data = initial_values(name, ty.numel(), |n| {
                 let stream = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (k as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
                 (0..n as u64)
                     .into_par_iter()
@@ -269,7 +271,7 @@ pub fn init_params_fast(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> 
                         ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * half_width
                     })
                     .collect()
-            };
+            });
             (p, HostTensor::from_f64(ty, &data))
         })
         .collect()
