@@ -249,7 +249,8 @@ impl Blas {
 
     /// Does cuBLASLt accept `algo` for `plan`'s descriptors and workspace?
     fn check(&self, plan: &Plan, algo: &ls::cublasLtMatmulAlgo_t) -> bool {
-        // SAFETY: descriptors we own; the result is plain data.
+        // SAFETY: the handle and the plan's descriptors are live (owned by
+        // `self` and `plan`); `r` is a plain-data out-struct, valid zeroed.
         unsafe {
             let mut r: ls::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
             ls::cublasLtMatmulAlgoCheck(

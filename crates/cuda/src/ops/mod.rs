@@ -68,6 +68,11 @@ pub struct LowerCx<'a> {
 }
 
 /// The CUDA lowering of one op struct.
+#[diagnostic::on_unimplemented(
+    message = "op `{Self}` has no CUDA lowering",
+    label = "every op of `stepgraph_core::for_each_op!` needs `impl Lower`",
+    note = "add `impl Lower for {Self}` to the file of crates/cuda/src/ops/ that mirrors its core family"
+)]
 pub trait Lower {
     /// The kernel modules this op's launches may name (none for ops that
     /// lower to copies, products or collectives only).
