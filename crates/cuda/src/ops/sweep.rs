@@ -196,6 +196,29 @@ fn check_signature(what: &str, cubin: &[u8], k: &KernelLaunch) {
     }
 }
 
+/// Lowers `op` on inputs of `types` (outputs from the shape rule) at fake
+/// addresses and checks every launch; with `cubins`, also against the
+/// kernels NVRTC builds (compiled once per module). Returns the launch count.
+fn check_case(what: &str, op: &Op, types: &[TensorType], cubins: Option<&mut HashMap<&'static str, Vec<u8>>>) -> usize {
+    let refs: Vec<&TensorType> = types.iter().collect();
+    let out_types = op.infer(&refs).unwrap_or_else(|e| panic!("{what}: shape rule: {e}"));
+    let mut addr = Addresses(1 << 30);
+    let (ins, outs) = (addr.place(types), addr.place(&out_types));
+    let group = world_of(op).map(|world| GroupRank { rank: 0, world });
+    let lowered = lower(op, &ins, &outs, group).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut cubins = cubins;
+    for l in &lowered {
+        check_launch(what, op, l, &ins, &outs);
+        if let (Some(cubins), Launch::Kernel(k)) = (cubins.as_deref_mut(), l) {
+            let cubin = cubins
+                .entry(k.module)
+                .or_insert_with(|| crate::nvrtc::compile(k.module, "sm_90").unwrap_or_else(|e| panic!("{e}")));
+            check_signature(what, cubin, k);
+        }
+    }
+    lowered.len()
+}
+
 /// Every sample of every op lowers, and every launch is well formed (see
 /// the module doc). Passes with empty sample tables; fails on any sample
 /// that does not lower.
@@ -216,23 +239,8 @@ fn every_sample_of_every_op_lowers_to_well_formed_launches() {
             for (i, s) in cases.iter().enumerate() {
                 let types = s.input_types();
                 let what = format!("{variant} sample {i} in {dtype} ({:?} on {types:?})", s.op);
-                let refs: Vec<&TensorType> = types.iter().collect();
-                let out_types = s.op.infer(&refs).unwrap_or_else(|e| panic!("{what}: shape rule: {e}"));
-                let mut addr = Addresses(1 << 30);
-                let (ins, outs) = (addr.place(&types), addr.place(&out_types));
-                let group = world_of(&s.op).map(|world| GroupRank { rank: 0, world });
-                let lowered = lower(&s.op, &ins, &outs, group).unwrap_or_else(|e| panic!("{what}: {e}"));
-                for l in &lowered {
-                    check_launch(&what, &s.op, l, &ins, &outs);
-                    if let (true, Launch::Kernel(k)) = (nvrtc, l) {
-                        let cubin = cubins.entry(k.module).or_insert_with(|| {
-                            crate::nvrtc::compile(k.module, "sm_90").unwrap_or_else(|e| panic!("{e}"))
-                        });
-                        check_signature(&what, cubin, k);
-                    }
-                }
+                launches += check_case(&what, &s.op, &types, nvrtc.then_some(&mut cubins));
                 samples += 1;
-                launches += lowered.len();
             }
         }
     }
