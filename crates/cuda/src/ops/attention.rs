@@ -86,52 +86,46 @@ pub const MODULE: &str = "attention";
 const ATTENTION_SRC: &str = include_str!("../../kernels/attention.cu");
 const ATTENTION_MMA_SRC: &str = include_str!("../../kernels/attention_mma.cu");
 
-/// One tensor-core variant module: `attention_mma.cu` with its dtype and
-/// padded head size defined.
-macro_rules! mma_variants {
+/// The attention modules: the CUDA-core source, then each tensor-core
+/// variant (`attention_mma.cu` with its dtype and padded head size defined).
+macro_rules! attention_modules {
     ($(($name:literal, $sfx:literal, $ty:literal, $dp:literal)),* $(,)?) => {
-        [$(KernelModule {
-            name: $name,
-            source: ATTENTION_MMA_SRC,
-            defines: concat!("#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
-        }),*]
+        &[
+            KernelModule::plain(MODULE, ATTENTION_SRC),
+            $(KernelModule {
+                name: $name,
+                source: ATTENTION_MMA_SRC,
+                defines: concat!("#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
+            }),*
+        ]
     };
 }
 
-/// Every module the attention ops launch: the CUDA-core source, then one
+/// Every module the attention ops launch: the CUDA-core source and one
 /// tensor-core variant per dtype and padded head size ([`mma_width`]).
-pub const KERNELS: &[KernelModule] = &{
-    let variants = mma_variants![
-        ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
-        ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
-        ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
-        ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
-        ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
-        ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
-        ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
-        ("attention_mma_d32_f16", "f16", "__half", "32"),
-        ("attention_mma_d48_f16", "f16", "__half", "48"),
-        ("attention_mma_d64_f16", "f16", "__half", "64"),
-        ("attention_mma_d80_f16", "f16", "__half", "80"),
-        ("attention_mma_d96_f16", "f16", "__half", "96"),
-        ("attention_mma_d112_f16", "f16", "__half", "112"),
-        ("attention_mma_d128_f16", "f16", "__half", "128"),
-        ("attention_mma_d32_f32", "f32", "float", "32"),
-        ("attention_mma_d48_f32", "f32", "float", "48"),
-        ("attention_mma_d64_f32", "f32", "float", "64"),
-        ("attention_mma_d80_f32", "f32", "float", "80"),
-        ("attention_mma_d96_f32", "f32", "float", "96"),
-        ("attention_mma_d112_f32", "f32", "float", "112"),
-        ("attention_mma_d128_f32", "f32", "float", "128"),
-    ];
-    let mut all = [KernelModule::plain(MODULE, ATTENTION_SRC); 22];
-    let mut i = 0;
-    while i < variants.len() {
-        all[i + 1] = variants[i];
-        i += 1;
-    }
-    all
-};
+pub const KERNELS: &[KernelModule] = attention_modules![
+    ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
+    ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
+    ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
+    ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
+    ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
+    ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
+    ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
+    ("attention_mma_d32_f16", "f16", "__half", "32"),
+    ("attention_mma_d48_f16", "f16", "__half", "48"),
+    ("attention_mma_d64_f16", "f16", "__half", "64"),
+    ("attention_mma_d80_f16", "f16", "__half", "80"),
+    ("attention_mma_d96_f16", "f16", "__half", "96"),
+    ("attention_mma_d112_f16", "f16", "__half", "112"),
+    ("attention_mma_d128_f16", "f16", "__half", "128"),
+    ("attention_mma_d32_f32", "f32", "float", "32"),
+    ("attention_mma_d48_f32", "f32", "float", "48"),
+    ("attention_mma_d64_f32", "f32", "float", "64"),
+    ("attention_mma_d80_f32", "f32", "float", "80"),
+    ("attention_mma_d96_f32", "f32", "float", "96"),
+    ("attention_mma_d112_f32", "f32", "float", "112"),
+    ("attention_mma_d128_f32", "f32", "float", "128"),
+];
 
 /// Rows a tensor-core block owns (4 warps × 16) and its threads.
 const MMA_ROWS: usize = 64;

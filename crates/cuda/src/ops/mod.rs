@@ -75,7 +75,9 @@ pub struct LowerCx<'a> {
 )]
 pub trait Lower {
     /// The kernel modules this op's launches may name (none for ops that
-    /// lower to copies, products or collectives only).
+    /// lower to copies, products or collectives only). The module list
+    /// ([`crate::kernels::modules`]) is derived from these, so a new op
+    /// with a new `kernels/foo.cu` declares it here and nowhere else.
     const KERNELS: &'static [KernelModule] = &[];
 
     /// The device work of one node, over operands that satisfy the op's
