@@ -1,7 +1,7 @@
 //! Lowering of the elementwise ops (`full`, unary maps and their backward,
 //! binary maps with broadcasting, casts) to the grid-stride kernels of
 //! `kernels/elementwise.cu`. Binary operands are walked with strides after
-//! [`merge_axes`], so most launches see rank 1 or 2.
+//! `util::merge_axes`, so most launches see rank 1 or 2.
 
 use stepgraph_core::ops::elementwise::{Binary, Cast, Full, Unary, UnaryBackward};
 use stepgraph_core::ops::UnaryFn;
