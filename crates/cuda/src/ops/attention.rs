@@ -272,7 +272,8 @@ impl Dims {
         if q.rank() != 4 || k.rank() != 4 {
             return Err(fail(format!("q {q} and k {k} must be [B, T, heads, D]")));
         }
-        dtype_suffix(q.dtype).ok_or_else(|| fail(format!("no attention kernel for {}", q.dtype)))?;
+        dtype_suffix(q.dtype)
+            .ok_or_else(|| CudaError::unsupported(op, format!("no attention kernel for {}", q.dtype)))?;
         let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
         let hkv = k.shape[2];
         if hkv == 0 || hq % hkv != 0 {

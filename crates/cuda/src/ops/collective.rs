@@ -124,7 +124,12 @@ fn nccl_type(op: &str, t: &TensorType) -> Result<NcclType> {
         DType::BF16 => NcclType::BF16,
         DType::F16 => NcclType::F16,
         DType::F64 => NcclType::F64,
-        d => return Err(CudaError::lower(op, format!("NCCL collectives here take f32, bf16, f16 or f64, not {d}"))),
+        d => {
+            return Err(CudaError::unsupported(
+                op,
+                format!("NCCL collectives here take f32, bf16, f16 or f64, not {d}"),
+            ))
+        }
     })
 }
 

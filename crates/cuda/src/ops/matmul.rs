@@ -17,7 +17,7 @@ impl Lower for MatMul {
             DType::F32 => GemmType::F32,
             DType::BF16 => GemmType::BF16,
             DType::F16 => GemmType::F16,
-            d => return Err(CudaError::lower("matmul", format!("no cuBLASLt product for {d}"))),
+            d => return Err(CudaError::unsupported("matmul", format!("no cuBLASLt product for {d}"))),
         };
         let (sa, sb, sc) = (&a.ty.shape, &b.ty.shape, &c.ty.shape);
         let (m, n) = (sc[sc.len() - 2], sc[sc.len() - 1]);

@@ -7,6 +7,11 @@
 //! installed, every kernel present in its module's CUBIN for sm_90 with
 //! exactly the parameters (count, sizes, C layout) its arguments fill and a
 //! `__launch_bounds__` that admits its block.
+//!
+//! A sample whose dtype an op has no CUDA kernel for
+//! ([`CudaError::Unsupported`], e.g. f64 products) is reported and skipped;
+//! every other lowering error fails, and every op with samples must lower
+//! in at least one dtype.
 
 use std::collections::HashMap;
 
@@ -16,6 +21,7 @@ use stepgraph_core::ops::sample::FLOAT_DTYPES;
 use stepgraph_core::ops::{samples_by_op, Op};
 
 use super::{kernels_of, lower, GroupRank};
+use crate::error::{CudaError, Result};
 use crate::launch::{Arg, CollectiveOp, DevTensor, GemmType, KernelLaunch, Launch};
 
 /// Largest dynamic shared memory a block may ask for on sm_90.
@@ -198,14 +204,23 @@ fn check_signature(what: &str, cubin: &[u8], k: &KernelLaunch) {
 
 /// Lowers `op` on inputs of `types` (outputs from the shape rule) at fake
 /// addresses and checks every launch; with `cubins`, also against the
-/// kernels NVRTC builds (compiled once per module). Returns the launch count.
-fn check_case(what: &str, op: &Op, types: &[TensorType], cubins: Option<&mut HashMap<&'static str, Vec<u8>>>) -> usize {
+/// kernels NVRTC builds (compiled once per module). Returns the launch
+/// count, or the error when the backend has no kernel for the case.
+fn check_case(
+    what: &str,
+    op: &Op,
+    types: &[TensorType],
+    cubins: Option<&mut HashMap<&'static str, Vec<u8>>>,
+) -> Result<usize> {
     let refs: Vec<&TensorType> = types.iter().collect();
     let out_types = op.infer(&refs).unwrap_or_else(|e| panic!("{what}: shape rule: {e}"));
     let mut addr = Addresses(1 << 30);
     let (ins, outs) = (addr.place(types), addr.place(&out_types));
     let group = world_of(op).map(|world| GroupRank { rank: 0, world });
-    let lowered = lower(op, &ins, &outs, group).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let lowered = match lower(op, &ins, &outs, group) {
+        Err(e @ CudaError::Unsupported { .. }) => return Err(e),
+        other => other.unwrap_or_else(|e| panic!("{what}: {e}")),
+    };
     let mut cubins = cubins;
     for l in &lowered {
         check_launch(what, op, l, &ins, &outs);
@@ -216,7 +231,7 @@ fn check_case(what: &str, op: &Op, types: &[TensorType], cubins: Option<&mut Has
             check_signature(what, cubin, k);
         }
     }
-    lowered.len()
+    Ok(lowered.len())
 }
 
 /// Every sample of every op lowers, and every launch is well formed (see
@@ -234,15 +249,39 @@ fn every_sample_of_every_op_lowers_to_well_formed_launches() {
     }
     let mut cubins: HashMap<&str, Vec<u8>> = HashMap::new();
     let (mut samples, mut launches) = (0, 0);
+    // Per op: (samples, samples lowered).
+    let mut per_op: HashMap<&str, (usize, usize)> = HashMap::new();
     for dtype in FLOAT_DTYPES {
         for (variant, cases) in samples_by_op(dtype) {
             for (i, s) in cases.iter().enumerate() {
                 let types = s.input_types();
                 let what = format!("{variant} sample {i} in {dtype} ({:?} on {types:?})", s.op);
-                launches += check_case(&what, &s.op, &types, nvrtc.then_some(&mut cubins));
-                samples += 1;
+                let counts = per_op.entry(variant).or_default();
+                counts.0 += 1;
+                match check_case(&what, &s.op, &types, nvrtc.then_some(&mut cubins)) {
+                    Ok(n) => {
+                        launches += n;
+                        samples += 1;
+                        counts.1 += 1;
+                    }
+                    Err(e) => eprintln!("skipped {what}: {e}"),
+                }
             }
         }
     }
+    for (variant, (declared, lowered)) in &per_op {
+        assert!(*lowered > 0, "{variant}: none of its {declared} samples has a CUDA kernel");
+    }
     eprintln!("{samples} samples lowered to {launches} launches");
+}
+
+#[test]
+fn a_dtype_without_a_kernel_is_reported_not_lowered() {
+    use stepgraph_core::ir::DType;
+    use stepgraph_core::ops::matmul::MatMul;
+    let op = Op::from(MatMul { trans_a: false, trans_b: false });
+    let types = |dt| [TensorType::new(dt, [2, 3]), TensorType::new(dt, [3, 4])];
+    let e = check_case("matmul in f64", &op, &types(DType::F64), None).unwrap_err();
+    assert!(matches!(e, CudaError::Unsupported { .. }), "{e}");
+    assert_eq!(check_case("matmul in f32", &op, &types(DType::F32), None).unwrap(), 1);
 }

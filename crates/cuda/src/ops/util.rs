@@ -34,7 +34,7 @@ pub(crate) const MAX_ROW_BLOCKS: usize = 1 << 20;
 pub(crate) fn float_name(op: &str, dt: DType) -> Result<&'static str> {
     match dt {
         DType::F32 | DType::BF16 | DType::F16 | DType::F64 => Ok(dt.name()),
-        d => Err(CudaError::lower(op, format!("no kernel for {d} tensors"))),
+        d => Err(CudaError::unsupported(op, format!("no kernel for {d} tensors"))),
     }
 }
 
