@@ -14,7 +14,7 @@
 // is the CPU's bit for bit up to the f64 pow of the bias corrections
 // (CUDA's pow and the host libm's may differ in the last f64 bit).
 //
-// Launch convention (lower_basic.rs):
+// Launch convention (src/ops/optim.rs):
 //   adamw_<p>_<m>_<v>(const P* p, const P* g, const M* m, const V* v,
 //                     const void* lr, const void* step, P* p_out, M* m_out,
 //                     V* v_out, i64 n, i64 lr_f64, i64 step_f64,
@@ -33,16 +33,6 @@
 
 namespace sg_adamw {
 
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 __device__ __forceinline__ float abs_(float a) { return fabsf(a); }
 __device__ __forceinline__ double abs_(double a) { return fabs(a); }
 

@@ -4,7 +4,7 @@
 // in the accumulator type. Query head h reads kv head h / (Hq / Hkv).
 // Nothing T×T is stored: the forward keeps a running max and sum per query
 // row and saves lse; the backward recomputes the probabilities from lse.
-// The design and the determinism argument are in crates/cuda/src/attention.rs;
+// The design and the determinism argument are in crates/cuda/src/ops/attention.rs;
 // the launch geometry there must match the tile constants below.
 //
 // Kernels (dtype suffix f32, bf16, f16, f64; V is the head-size bucket):
@@ -29,7 +29,7 @@ __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// The launch geometry is computed on the host (src/attention.rs) from the
+// The launch geometry is computed on the host (src/ops/attention.rs) from the
 // same tile sizes; a launch that disagrees would skip rows, so it traps.
 __device__ __forceinline__ void check_launch(int rows_per_block, int threads, int Tn) {
     if ((int)gridDim.x != (Tn + rows_per_block - 1) / rows_per_block || (int)blockDim.x != threads) __trap();
@@ -128,7 +128,7 @@ template <typename A, int R_, int C_, int NX_, int DC_, int KC_, int DMAX_> stru
 };
 
 // Tile shapes per accumulator type and head-size bucket. The row counts R
-// (and NT) are mirrored by the launch geometry in src/attention.rs.
+// (and NT) are mirrored by the launch geometry in src/ops/attention.rs.
 template <typename A, int DMAX> struct Cfg;
 // minb: blocks per SM asked of ptxas (__launch_bounds__), which caps registers at 128 for 2.
 template <int DMAX> struct Cfg<float, DMAX> {
@@ -248,6 +248,68 @@ __device__ __forceinline__ void store_acc(T* base, i64 stride, int row0, int Tn,
     }
 }
 
+// acc += W·rows over the n·KC rows t0.. of src (one head, zero past T or
+// D): KC rows at a time are staged in Z ([KC][XS]) while the next KC are
+// fetched, and multiplied by the matching KC columns of W ([C][RS]). The
+// shared memory is reused on return (every thread has passed the last barrier).
+template <class Cf, typename T, typename A>
+__device__ __forceinline__ void mul_staged_rows(A (&acc)[4][Cf::DPT], const A* W, A* Z, const T* src, i64 stride,
+                                                int t0, int n, int Tn, int D, int ry, int cx) {
+    Rows<T, A, Cf::KC, Cf::DMAX, Cf::NT> z;
+    z.fetch(src, stride, t0, Tn, D);
+    for (int kc = 0; kc < n; ++kc) {
+        z.put(Z, Cf::XS);
+        __syncthreads();
+        if (kc + 1 < n) z.fetch(src, stride, t0 + (kc + 1) * Cf::KC, Tn, D);
+        mul_rows<Cf>(acc, W + kc * Cf::KC * Cf::RS, Z, ry, cx);
+        __syncthreads();
+    }
+}
+
+// The two score tiles of a backward pass, from zero: s = X1·Y1ᵀ and
+// dp = X2·Y2ᵀ for the R rows x0.. of x1, x2 (row stride xs) against the C
+// rows y0.. of y1, y2 (row stride ys), over D in DC-dim slices. Each slice
+// is staged transposed in sm as [X1 | X2 | Y1 | Y2] ([DC][RS] twice, then
+// [DC][CS] twice) while the next one is fetched.
+template <class Cf, typename T, typename A>
+__device__ __forceinline__ void pair_scores(A (&s)[4][Cf::CPT], A (&dp)[4][Cf::CPT], A* sm, const T* x1, const T* x2,
+                                            i64 xs, int x0, const T* y1, const T* y2, i64 ys, int y0, int Tn, int D,
+                                            int ry, int cx) {
+    constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, DC = Cf::DC, RS = Cf::RS, CS = Cf::CS;
+    A* const X1 = sm;
+    A* const X2 = sm + DC * RS;
+    A* const Y1 = sm + 2 * DC * RS;
+    A* const Y2 = Y1 + DC * CS;
+    const int nch = (D + DC - 1) / DC;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < Cf::CPT; ++c) s[r][c] = dp[r][c] = A(0);
+    Slice<T, A, R, DC, NT> a1, a2;
+    Slice<T, A, C, DC, NT> b1, b2;
+    a1.fetch(x1, xs, x0, Tn, 0, D);
+    a2.fetch(x2, xs, x0, Tn, 0, D);
+    b1.fetch(y1, ys, y0, Tn, 0, D);
+    b2.fetch(y2, ys, y0, Tn, 0, D);
+    for (int ch = 0; ch < nch; ++ch) {
+        a1.put(X1, RS);
+        a2.put(X2, RS);
+        b1.put(Y1, CS);
+        b2.put(Y2, CS);
+        __syncthreads();
+        if (ch + 1 < nch) {
+            const int d0 = (ch + 1) * DC;
+            a1.fetch(x1, xs, x0, Tn, d0, D);
+            a2.fetch(x2, xs, x0, Tn, d0, D);
+            b1.fetch(y1, ys, y0, Tn, d0, D);
+            b2.fetch(y2, ys, y0, Tn, d0, D);
+        }
+        dot_slice<Cf>(s, X1, Y1, ry, cx);
+        dot_slice<Cf>(dp, X2, Y2, ry, cx);
+        __syncthreads();
+    }
+}
+
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. of one
 // query head (zero past T); one warp per row, lanes over dims, fixed order.
 template <typename T, typename A>
@@ -353,15 +415,7 @@ __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
         }
         put_tile<Cf>(W, s, ry, cx);
         const int nkc = (imin(C, last + 1 - k0) + KC - 1) / KC;  // key chunks that can be unmasked
-        Rows<T, A, KC, Cf::DMAX, NT> zv;
-        zv.fetch(vb, ks, k0, Tn, D);
-        for (int kc = 0; kc < nkc; ++kc) {
-            zv.put(Z, XS);
-            __syncthreads();
-            if (kc + 1 < nkc) zv.fetch(vb, ks, k0 + (kc + 1) * KC, Tn, D);
-            mul_rows<Cf>(acc, W + kc * KC * RS, Z, ry, cx);
-            __syncthreads();
-        }
+        mul_staged_rows<Cf>(acc, W, Z, vb, ks, k0, nkc, Tn, D, ry, cx);
     }
 
     A inv[4];
@@ -388,10 +442,7 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
     constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
     __shared__ __align__(16) A sm[U + C * RS + 2 * R];
-    A* const QT = sm;                   // q slice [DC][RS]
-    A* const GT = sm + DC * RS;         // go slice [DC][RS]
-    A* const KT = sm + 2 * DC * RS;     // k slice [DC][CS]
-    A* const VT = KT + DC * CS;         // v slice [DC][CS]
+    // sm: q, go, k, v slices while scoring (pair_scores), then k rows [KC][XS].
     A* const Z = sm;                    // k rows [KC][XS]
     A* const W = sm + U;                // ds tile [C][RS]
     A* const Ls = W + C * RS;           // [R]
@@ -406,7 +457,6 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const T *const qb = q + qoff, *const gob = go + qoff, *const kb = k + koff, *const vb = v + koff;
     const A c2 = A(scale * SGA_LOG2E);
-    const int nch = (D + DC - 1) / DC;
 
     row_stats(Ls, Ds, R, r0, o + qoff, gob, lse, glse, qs, ((i64)b * Hq + h) * Tn, Tn, D);
     __syncthreads();
@@ -421,33 +471,7 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
 
     for (int k0 = 0; k0 <= last; k0 += C) {
         A s[4][CPT], dp[4][CPT];
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < CPT; ++c) s[r][c] = dp[r][c] = A(0);
-        Slice<T, A, R, DC, NT> sq, sg;
-        Slice<T, A, C, DC, NT> sk, sv;
-        sq.fetch(qb, qs, r0, Tn, 0, D);
-        sg.fetch(gob, qs, r0, Tn, 0, D);
-        sk.fetch(kb, ks, k0, Tn, 0, D);
-        sv.fetch(vb, ks, k0, Tn, 0, D);
-        for (int ch = 0; ch < nch; ++ch) {
-            sq.put(QT, RS);
-            sg.put(GT, RS);
-            sk.put(KT, CS);
-            sv.put(VT, CS);
-            __syncthreads();
-            if (ch + 1 < nch) {
-                const int d0 = (ch + 1) * DC;
-                sq.fetch(qb, qs, r0, Tn, d0, D);
-                sg.fetch(gob, qs, r0, Tn, d0, D);
-                sk.fetch(kb, ks, k0, Tn, d0, D);
-                sv.fetch(vb, ks, k0, Tn, d0, D);
-            }
-            dot_slice<Cf>(s, QT, KT, ry, cx);
-            dot_slice<Cf>(dp, GT, VT, ry, cx);
-            __syncthreads();
-        }
+        pair_scores<Cf>(s, dp, sm, qb, gob, qs, r0, kb, vb, ks, k0, Tn, D, ry, cx);
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -458,15 +482,7 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
             }
         put_tile<Cf>(W, s, ry, cx);
         const int nkc = (imin(C, last + 1 - k0) + KC - 1) / KC;
-        Rows<T, A, KC, Cf::DMAX, NT> zk;
-        zk.fetch(kb, ks, k0, Tn, D);
-        for (int kc = 0; kc < nkc; ++kc) {
-            zk.put(Z, XS);
-            __syncthreads();
-            if (kc + 1 < nkc) zk.fetch(kb, ks, k0 + (kc + 1) * KC, Tn, D);
-            mul_rows<Cf>(acc, W + kc * KC * RS, Z, ry, cx);
-            __syncthreads();
-        }
+        mul_staged_rows<Cf>(acc, W, Z, kb, ks, k0, nkc, Tn, D, ry, cx);
     }
     const A f[4] = {A(scale), A(scale), A(scale), A(scale)};
     store_acc<Cf>(gq + qoff, qs, r0, Tn, D, acc, f, ry, cx);
@@ -484,10 +500,7 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
     constexpr int RS = Cf::RS, CS = Cf::CS, XS = Cf::XS;
     constexpr int P1 = DC * 2 * (RS + CS), P2 = KC * XS, U = P1 > P2 ? P1 : P2;
     __shared__ __align__(16) A sm[U + C * RS + 2 * C];
-    A* const KT = sm;                   // k slice [DC][RS]
-    A* const VT = sm + DC * RS;         // v slice [DC][RS]
-    A* const QT = sm + 2 * DC * RS;     // q slice [DC][CS]
-    A* const GT = QT + DC * CS;         // go slice [DC][CS]
+    // sm: k, v, q, go slices while scoring (pair_scores), then go rows, then q rows [KC][XS].
     A* const Z = sm;                    // go rows, then q rows [KC][XS]
     A* const W = sm + U;                // p, then ds [C][RS]
     A* const Ls = W + C * RS;           // [C]
@@ -499,7 +512,6 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const T *const kb = k + koff, *const vb = v + koff;
     const A c2 = A(scale * SGA_LOG2E);
-    const int nch = (D + DC - 1) / DC;
 
     A ak[4][DPT], av[4][DPT];
 #pragma unroll
@@ -513,33 +525,7 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
         for (int q0 = j0 / C * C; q0 < Tn; q0 += C) {
             row_stats(Ls, Ds, C, q0, o + qoff, gob, lse, glse, qs, stat, Tn, D);
             A s[4][CPT], dp[4][CPT];
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < CPT; ++c) s[r][c] = dp[r][c] = A(0);
-            Slice<T, A, R, DC, NT> sk, sv;
-            Slice<T, A, C, DC, NT> sq, sg;
-            sk.fetch(kb, ks, j0, Tn, 0, D);
-            sv.fetch(vb, ks, j0, Tn, 0, D);
-            sq.fetch(qb, qs, q0, Tn, 0, D);
-            sg.fetch(gob, qs, q0, Tn, 0, D);
-            for (int ch = 0; ch < nch; ++ch) {
-                sk.put(KT, RS);
-                sv.put(VT, RS);
-                sq.put(QT, CS);
-                sg.put(GT, CS);
-                __syncthreads();
-                if (ch + 1 < nch) {
-                    const int d0 = (ch + 1) * DC;
-                    sk.fetch(kb, ks, j0, Tn, d0, D);
-                    sv.fetch(vb, ks, j0, Tn, d0, D);
-                    sq.fetch(qb, qs, q0, Tn, d0, D);
-                    sg.fetch(gob, qs, q0, Tn, d0, D);
-                }
-                dot_slice<Cf>(s, KT, QT, ry, cx);
-                dot_slice<Cf>(dp, VT, GT, ry, cx);
-                __syncthreads();
-            }
+            pair_scores<Cf>(s, dp, sm, kb, vb, ks, j0, qb, gob, qs, q0, Tn, D, ry, cx);
             // s <- p, dp <- ds; zero where the query precedes the key or is past T.
 #pragma unroll
             for (int r = 0; r < 4; ++r)
@@ -553,24 +539,9 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
                 }
             const int nqc = (imin(C, Tn - q0) + KC - 1) / KC;
             put_tile<Cf>(W, s, ry, cx);
-            Rows<T, A, KC, Cf::DMAX, NT> z;
-            z.fetch(gob, qs, q0, Tn, D);
-            for (int kc = 0; kc < nqc; ++kc) {
-                z.put(Z, XS);
-                __syncthreads();
-                if (kc + 1 < nqc) z.fetch(gob, qs, q0 + (kc + 1) * KC, Tn, D);
-                mul_rows<Cf>(av, W + kc * KC * RS, Z, ry, cx);
-                __syncthreads();
-            }
+            mul_staged_rows<Cf>(av, W, Z, gob, qs, q0, nqc, Tn, D, ry, cx);
             put_tile<Cf>(W, dp, ry, cx);
-            z.fetch(qb, qs, q0, Tn, D);
-            for (int kc = 0; kc < nqc; ++kc) {
-                z.put(Z, XS);
-                __syncthreads();
-                if (kc + 1 < nqc) z.fetch(qb, qs, q0 + (kc + 1) * KC, Tn, D);
-                mul_rows<Cf>(ak, W + kc * KC * RS, Z, ry, cx);
-                __syncthreads();
-            }
+            mul_staged_rows<Cf>(ak, W, Z, qb, qs, q0, nqc, Tn, D, ry, cx);
         }
     }
     const A one[4] = {A(1), A(1), A(1), A(1)}, f[4] = {A(scale), A(scale), A(scale), A(scale)};

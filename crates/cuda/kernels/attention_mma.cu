@@ -8,7 +8,7 @@
 // which keeps f32 accuracy. The fragment traits `Tc16` and `Tc32` are all
 // that differs; the three kernels are written once over them. The design,
 // the launch geometry and the determinism argument are in
-// crates/cuda/src/attention.rs; the host mirrors the tile sizes and shared
+// crates/cuda/src/ops/attention.rs; the host mirrors the tile sizes and shared
 // memory sizes of `Geo` below, and a launch that disagrees traps.
 //
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128):
@@ -207,7 +207,7 @@ template <> struct TcOf<float> {
 };
 
 // Tile sizes and shared memory per storage type and padded head size DP;
-// mirrored by src/attention.rs. Columns per step are keys (fwd, bwd_q) or
+// mirrored by src/ops/attention.rs. Columns per step are keys (fwd, bwd_q) or
 // query rows (bwd_kv), narrower where the score tiles would crowd registers.
 template <typename T, int DP> struct Geo {
     typedef typename TcOf<T>::type Tc;
@@ -767,7 +767,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
 }  // namespace sgm
 
 // ---------------------------------------------------------------------------
-// Entry points. Each module is one variant: src/kernels.rs defines SGM_SFX,
+// Entry points. Each module is one variant: src/ops/attention.rs (KERNELS) defines SGM_SFX,
 // SGM_TYPE and SGM_DP (a multiple of 16 in 32..128). Without them (an editor,
 // a syntax check) every variant is instantiated.
 // ---------------------------------------------------------------------------

@@ -34,6 +34,20 @@ __device__ __forceinline__ void store(double* p, i64 i, double v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, i64 i, float v) { p[i] = __float2half_rn(v); }
 
+// Correctly rounded arithmetic in the accumulator type. The `_rn`
+// intrinsics are never contracted into an FMA, so a kernel that uses them
+// rounds after every operation exactly as the CPU reference does.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
 // Instantiates macro M(suffix, storage type) for every float dtype.
 #define SG_FOR_EACH_FLOAT(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half) M(f64, double)
 

@@ -2,7 +2,7 @@
 // maps with numpy broadcasting, and dtype casts. They compute exactly the CPU
 // reference's formulas (crates/core/src/ops/elementwise.rs) in acc_t.
 //
-// Launch conventions (lower_basic.rs builds them):
+// Launch conventions (src/ops/elementwise.rs builds them):
 // - 1-D grid-stride loops over the n output elements: any grid, blockDim.x
 //   at most SG_EW_THREADS (256, the kernels' __launch_bounds__);
 // - `full_<dt>(T* y, i64 n, double value)`;
@@ -20,23 +20,12 @@
 // basic operation rounds as on the CPU and only the library functions (exp,
 // tanh, ...) may differ in the last bits.
 
-// Threads per block of every kernel here (lower_basic.rs launches exactly this many).
+// Threads per block of every kernel here (src/ops/util.rs THREADS: every launch uses exactly this many).
 #define SG_EW_THREADS 256
 
 namespace sg_ew {
 
 constexpr int kMaxRank = 8;
-
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
 __device__ __forceinline__ float exp_(float a) { return expf(a); }
 __device__ __forceinline__ double exp_(double a) { return exp(a); }
@@ -204,7 +193,7 @@ SG_FOR_EACH_FLOAT(SG_FULL)
         name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) {   \
         SG_EW_LOOP(i, n) {                                                      \
             acc_t<T> xi = load(x, i), gi = load(g, i);                          \
-            store(y, i, sg_ew::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p))); \
+            store(y, i, ::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p))); \
         }                                                                       \
     }
 

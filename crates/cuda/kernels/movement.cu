@@ -1,7 +1,7 @@
 // Shape movement: broadcast, permute, slice, slice_backward and concat,
 // matching crates/core/src/ops/movement.rs. Movement copies bits, so the
 // kernels are keyed by the width of the unit they copy, not by dtype:
-// u8, u16, u32, u64 and u128 (uint4). The host (lower_basic.rs) picks the
+// u8, u16, u32, u64 and u128 (uint4). The host (src/ops/movement.rs) picks the
 // widest unit that divides every run of contiguous bytes, every offset and
 // both addresses, so a bf16 slice of 64-element rows moves 16-byte units.
 //
@@ -19,7 +19,7 @@
 //       y[(i / cx) * cy + off + i % cx] = x[i] (one launch per input).
 // None of these ops declares an in-place pair: inputs and outputs never alias.
 
-// Threads per block of every kernel here (lower_basic.rs launches exactly this many).
+// Threads per block of every kernel here (src/ops/util.rs THREADS: every launch uses exactly this many).
 #define SG_MV_THREADS 256
 
 namespace sg_mv {

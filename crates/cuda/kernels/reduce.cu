@@ -1,7 +1,7 @@
 // Reductions (sum, mean, max over any sorted set of axes) and the max
 // reduction's backward, matching crates/core/src/ops/reduce.rs.
 //
-// The host (lower_basic.rs) drops size-1 axes and merges adjacent axes of the
+// The host (src/ops/reduce.rs) drops size-1 axes and merges adjacent axes of the
 // same kind, so an input is a row-major walk of kept groups and reduced
 // groups: output element o starts at `kept_offset(o)` and its reduced
 // elements sit at `kept_offset(o) + red_offset(r)` for r in [0, count).
@@ -98,8 +98,6 @@ __device__ __forceinline__ i64 red_offset(const ReduceShape& s, i64 r, bool wide
 
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 // -inf of A, exactly (NVRTC has no <math.h>).
 template <typename A> __device__ __forceinline__ A neg_inf();
@@ -287,7 +285,7 @@ __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* g
 
 }  // namespace sg_red
 
-// The most threads per block lower_basic.rs launches for each layout.
+// The most threads per block src/ops/reduce.rs launches for each layout.
 #define SG_RED_BOUND_rows 1024
 #define SG_RED_BOUND_warps 256
 #define SG_RED_BOUND_cols 1024

@@ -19,9 +19,14 @@ pub enum CudaError {
         "the planned step needs {needed} bytes ({needed_gb:.2} GB) but the GPU has {free} bytes ({free_gb:.2} GB) free"
     )]
     DoesNotFit { needed: u64, needed_gb: f64, free: u64, free_gb: f64 },
-    /// An op this backend cannot lower (with the reason).
+    /// A node this backend cannot lower (with the reason): operands that
+    /// contradict the op's shape rule, or a size past a kernel's limits.
     #[error("cannot lower `{op}` to CUDA: {reason}")]
     Lower { op: String, reason: String },
+    /// A dtype an op has no CUDA kernel for: a known gap of this backend
+    /// (f64 products, say), not a malformed node.
+    #[error("`{op}` has no CUDA kernel for this case: {reason}")]
+    Unsupported { op: String, reason: String },
     /// An NCCL call failed (with NCCL's description).
     #[error("NCCL: {0}")]
     Nccl(String),
@@ -43,6 +48,10 @@ pub type Result<T, E = CudaError> = std::result::Result<T, E>;
 impl CudaError {
     pub fn lower(op: &str, reason: impl Into<String>) -> Self {
         CudaError::Lower { op: op.into(), reason: reason.into() }
+    }
+
+    pub fn unsupported(op: &str, reason: impl Into<String>) -> Self {
+        CudaError::Unsupported { op: op.into(), reason: reason.into() }
     }
 }
 

@@ -1,77 +1,53 @@
-//! The CUDA C kernel sources, kept in `crates/cuda/kernels/` and embedded in
-//! the binary, and the modules compiled from them. A module is one source
-//! with the shared header `common.cuh` and, for a variant, a few `#define`s
-//! prepended (NVRTC has no file system of our own). Variants exist where one
-//! source would otherwise instantiate many large kernels of which a step uses
-//! one or two: each tensor-core attention variant (dtype × head width) is its
-//! own module, so a run compiles and loads only the ones it launches.
+//! The CUDA C kernel modules: which exist and the text NVRTC compiles for
+//! each. The sources live in `crates/cuda/kernels/` and are embedded in the
+//! binary; each op's lowering declares the modules it launches
+//! ([`crate::ops::Lower::KERNELS`]), and the module list here is derived from
+//! the op list, so a new op with a new source needs no edit of this file.
+//!
+//! A module is one source with the shared header `common.cuh` and, for a
+//! variant, a few `#define`s prepended (NVRTC has no file system of our
+//! own). Variants exist where one source would otherwise instantiate many
+//! large kernels of which a step uses one or two: each tensor-core attention
+//! variant (dtype × head width) is its own module, so a run compiles and
+//! loads only the ones it launches.
+//!
+//! **Invariant:** module names are unique; two ops naming one module give
+//! the same source and defines (checked by `every_module_has_one_source`).
 
 /// The header every source starts with: dtype helpers and conversions.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
-const ATTENTION_MMA: &str = include_str!("../kernels/attention_mma.cu");
-
-/// `(module name, source)` for every plain kernel source.
-pub const SOURCES: &[(&str, &str)] = &[
-    ("elementwise", include_str!("../kernels/elementwise.cu")),
-    ("reduce", include_str!("../kernels/reduce.cu")),
-    ("movement", include_str!("../kernels/movement.cu")),
-    ("embedding", include_str!("../kernels/embedding.cu")),
-    ("adamw", include_str!("../kernels/adamw.cu")),
-    ("norm", include_str!("../kernels/norm.cu")),
-    ("rope", include_str!("../kernels/rope.cu")),
-    ("softmax", include_str!("../kernels/softmax.cu")),
-    ("loss", include_str!("../kernels/loss.cu")),
-    ("attention", include_str!("../kernels/attention.cu")),
-];
-
-macro_rules! mma_variants {
-    ($(($name:literal, $sfx:literal, $ty:literal, $dp:literal)),* $(,)?) => {
-        &[$(($name, ATTENTION_MMA, concat!(
-            "#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"
-        ))),*]
-    };
+/// One kernel module: its name (what [`crate::launch::KernelLaunch::module`]
+/// names), its source and the `#define`s prepended for a variant (empty for
+/// a plain source).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KernelModule {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub defines: &'static str,
 }
 
-/// `(module name, source, defines)` for every variant module.
-pub const VARIANTS: &[(&str, &str, &str)] = mma_variants![
-    ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
-    ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
-    ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
-    ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
-    ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
-    ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
-    ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
-    ("attention_mma_d32_f16", "f16", "__half", "32"),
-    ("attention_mma_d48_f16", "f16", "__half", "48"),
-    ("attention_mma_d64_f16", "f16", "__half", "64"),
-    ("attention_mma_d80_f16", "f16", "__half", "80"),
-    ("attention_mma_d96_f16", "f16", "__half", "96"),
-    ("attention_mma_d112_f16", "f16", "__half", "112"),
-    ("attention_mma_d128_f16", "f16", "__half", "128"),
-    ("attention_mma_d32_f32", "f32", "float", "32"),
-    ("attention_mma_d48_f32", "f32", "float", "48"),
-    ("attention_mma_d64_f32", "f32", "float", "64"),
-    ("attention_mma_d80_f32", "f32", "float", "80"),
-    ("attention_mma_d96_f32", "f32", "float", "96"),
-    ("attention_mma_d112_f32", "f32", "float", "112"),
-    ("attention_mma_d128_f32", "f32", "float", "128"),
-];
+impl KernelModule {
+    /// A plain source compiled as it is.
+    pub const fn plain(name: &'static str, source: &'static str) -> Self {
+        KernelModule { name, source, defines: "" }
+    }
+}
 
-/// Every module name: plain sources, then variants.
+/// Every module the op list declares, each once, in op-list order.
+pub fn all() -> impl Iterator<Item = &'static KernelModule> {
+    let declared = || crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter());
+    declared().enumerate().filter(move |(i, m)| declared().take(*i).all(|e| e.name != m.name)).map(|(_, m)| m)
+}
+
+/// Every module name.
 pub fn modules() -> impl Iterator<Item = &'static str> {
-    SOURCES.iter().map(|(m, _)| *m).chain(VARIANTS.iter().map(|(m, _, _)| *m))
+    all().map(|m| m.name)
 }
 
 /// The full text NVRTC compiles for `module`.
 pub fn module_source(module: &str) -> Option<String> {
-    if let Some((name, src)) = SOURCES.iter().find(|(name, _)| *name == module) {
-        return Some(format!("{COMMON}\n#line 1 \"{name}.cu\"\n{src}"));
-    }
-    VARIANTS
-        .iter()
-        .find(|(name, _, _)| *name == module)
-        .map(|(name, src, defines)| format!("{COMMON}\n{defines}#line 1 \"{name}.cu\"\n{src}"))
+    all().find(|m| m.name == module).map(|m| format!("{COMMON}\n{}#line 1 \"{}.cu\"\n{}", m.defines, m.name, m.source))
 }
 
 #[cfg(test)]
@@ -80,16 +56,27 @@ mod tests {
 
     #[test]
     fn every_module_has_one_source() {
+        let declared: Vec<&KernelModule> = crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).collect();
+        for m in &declared {
+            let first = declared.iter().find(|e| e.name == m.name).unwrap();
+            assert_eq!(*first, *m, "module `{}` is declared with two sources", m.name);
+        }
         let names: Vec<_> = modules().collect();
         let mut unique = names.clone();
         unique.sort();
         unique.dedup();
         assert_eq!(unique.len(), names.len(), "module names repeat");
+        for m in ["elementwise", "reduce", "movement", "embedding", "adamw", "norm", "rope", "softmax", "loss"] {
+            assert!(names.contains(&m), "no module {m}");
+        }
         for m in names {
             let src = module_source(m).unwrap();
             assert!(src.starts_with(COMMON));
         }
         assert!(module_source("nope").is_none());
+        // Plain sources keep the text (and so the cache key) they always had.
+        let plain = module_source("softmax").unwrap();
+        assert!(plain.starts_with(&format!("{COMMON}\n#line 1 \"softmax.cu\"\n")));
         let v = module_source("attention_mma_d112_f16").unwrap();
         assert!(v.contains("#define SGM_DP 112\n") && v.contains("#define SGM_TYPE __half\n"));
     }

@@ -15,7 +15,8 @@ use crate::kernels;
 
 /// Is the NVRTC library loadable here?
 pub fn available() -> bool {
-    // SAFETY: only dlopens the library and reports whether it was found.
+    // SAFETY: only dlopens the library and reports whether it was found;
+    // no NVRTC function is called through it.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
@@ -35,7 +36,8 @@ fn require() -> Result<()> {
 pub fn version() -> Result<(i32, i32)> {
     require()?;
     let (mut a, mut b) = (0, 0);
-    // SAFETY: writes two ints.
+    // SAFETY: NVRTC is loaded (checked by `require`); the call writes two ints
+    // through pointers to live locals.
     unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) }
         .result()
         .map_err(|e| CudaError::Driver(format!("nvrtcVersion: {e:?}")))?;
@@ -99,13 +101,25 @@ pub fn compile(module: &str, arch: &str) -> Result<Vec<u8>> {
     Ok(cubin)
 }
 
+/// An NVRTC program, destroyed when dropped: every path out of
+/// [`compile_uncached`], errors included, frees it.
+struct Program(cudarc::nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by `create_program`, is owned by
+        // this guard alone and is destroyed exactly once, here.
+        unsafe { cudarc::nvrtc::result::destroy_program(self.0) }.ok();
+    }
+}
+
 fn compile_uncached(module: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::result as nr;
     require()?;
     let fail = |log: String| CudaError::Compile { source_name: module.into(), arch: arch.into(), log };
     let csrc = CString::new(src).map_err(|_| fail("source contains a NUL byte".into()))?;
     let name = CString::new(format!("{module}.cu")).expect("module names have no NUL");
-    let prog = nr::create_program(&csrc, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let prog = Program(nr::create_program(&csrc, Some(&name)).map_err(|e| fail(format!("{e:?}")))?);
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string(), "-lineinfo".to_string()];
     for d in include_dirs() {
         opts.push(format!("--include-path={d}"));
@@ -115,32 +129,34 @@ fn compile_uncached(module: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     if verbose {
         opts.push("--ptxas-options=-v".into());
     }
+    // The log of a compiled program, as text.
+    let log = || -> Option<String> {
+        // SAFETY: `prog` is live and was compiled; the log is a NUL-terminated
+        // string that NVRTC wrote into a buffer we own.
+        let raw = unsafe { nr::get_program_log(prog.0) }.ok()?;
+        // SAFETY: as above, `raw` ends with a NUL within its length.
+        Some(unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().to_string())
+    };
     // SAFETY: `prog` is a live program; options are plain strings.
-    let res = unsafe { nr::compile_program(prog, &opts) };
-    if res.is_err() {
-        // SAFETY: the log of a program that was compiled.
-        let log = unsafe { nr::get_program_log(prog) }.unwrap_or_default();
-        let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().to_string();
-        unsafe { nr::destroy_program(prog) }.ok();
-        return Err(fail(log));
+    if unsafe { nr::compile_program(prog.0, &opts) }.is_err() {
+        return Err(fail(log().unwrap_or_default()));
     }
     if verbose {
-        // SAFETY: the log of a program that was compiled.
-        if let Ok(log) = unsafe { nr::get_program_log(prog) } {
-            eprintln!("{module}: {}", unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy());
+        if let Some(log) = log() {
+            eprintln!("{module}: {log}");
         }
     }
     let mut size = 0usize;
-    // SAFETY: size query and copy into a buffer of that size.
+    // SAFETY: `prog` compiled successfully; the size query writes one
+    // usize and the copy writes exactly `size` bytes into a buffer of that size.
     let cubin = unsafe {
-        cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| fail(format!("{e:?}")))?;
+        cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog.0, &mut size).result().map_err(|e| fail(format!("{e:?}")))?;
         let mut buf = vec![0u8; size];
-        cudarc::nvrtc::sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+        cudarc::nvrtc::sys::nvrtcGetCUBIN(prog.0, buf.as_mut_ptr() as *mut c_char)
             .result()
             .map_err(|e| fail(format!("{e:?}")))?;
         buf
     };
-    unsafe { nr::destroy_program(prog) }.ok();
     Ok(cubin)
 }
 

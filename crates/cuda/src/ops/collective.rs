@@ -14,30 +14,29 @@
 //! `[r·n/world, (r+1)·n/world)`: exactly NCCL's layout for reduce-scatter
 //! output and all-gather input, so no packing is needed.
 //!
-//! **Invariants checked here:** the operands match the op's shape rule; the
-//! node's group size is the session's; every NCCL call is in place in
-//! NCCL's sense (all-gather: `send = recv + rank·count`; reduce-scatter:
-//! `recv = send + rank·count`; all-reduce: `send = recv`) or its buffers do
-//! not overlap, as NCCL requires.
+//! **Invariants checked here** (the shape rule is checked by
+//! [`super::lower`]): the node's group size is the session's; every NCCL
+//! call is in place in NCCL's sense (all-gather: `send = recv + rank·count`;
+//! reduce-scatter: `recv = send + rank·count`; all-reduce: `send = recv`) or
+//! its buffers do not overlap, as NCCL requires.
 //!
 //! A collective completes at its own position in the stream: NCCL runs on
 //! the session's stream, so a reduce-scatter's full gradient may be reused
 //! by the next launch, as the plan assumes.
 
 use stepgraph_core::ir::{DType, TensorType};
-use stepgraph_core::ops::collective::ReduceOp;
-use stepgraph_core::ops::Op;
+use stepgraph_core::ops::collective::{AllGather, AllReduce, LocalShard, ReduceOp, ReduceScatter};
+use stepgraph_core::ops::OpDef;
 
+use super::{GroupRank, Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::launch::{CollectiveCall, CollectiveOp, CollectivePart, DevTensor, Launch, NcclRed, NcclType};
-use crate::lower::GroupRank;
 
-/// The device work of one collective node for `group`'s rank.
-pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor], group: Option<GroupRank>) -> Result<Vec<Launch>> {
-    let world = stepgraph_core::ops::collective::world_of(op).ok_or_else(|| crate::lower::not_routed(op))?;
+/// The session's rank, which must be one of a group of `world`.
+fn rank_in(op: &str, world: usize, group: Option<GroupRank>) -> Result<GroupRank> {
     let g = group.ok_or_else(|| {
         CudaError::lower(
-            op.name(),
+            op,
             format!(
                 "a collective for {world} ranks needs a session that is one rank of a group \
                  (CudaSession::new_rank with an NcclGroup)"
@@ -46,50 +45,70 @@ pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor], group: Option
     })?;
     if g.world != world {
         return Err(CudaError::lower(
-            op.name(),
+            op,
             format!("the node is for {world} ranks, but this session is rank {} of {}", g.rank, g.world),
         ));
     }
     if g.rank >= g.world {
-        return Err(CudaError::lower(op.name(), format!("rank {} is outside a group of {}", g.rank, g.world)));
+        return Err(CudaError::lower(op, format!("rank {} is outside a group of {}", g.rank, g.world)));
     }
-    check_types(op, inputs, outputs)?;
-    let part = |send: &DevTensor, recv: &DevTensor, count: usize| -> Result<CollectivePart> {
-        Ok(CollectivePart { send: send.ptr, recv: recv.ptr, count, ty: nccl_type(op, &send.ty)? })
-    };
-    let (cop, parts) = match op {
-        Op::AllReduce(o) => {
-            let parts =
-                inputs.iter().zip(outputs).map(|(i, o)| part(i, o, i.ty.numel())).collect::<Result<Vec<_>>>()?;
-            (CollectiveOp::AllReduce(red(o.op)), parts)
-        }
-        Op::ReduceScatter(o) => {
-            let parts =
-                inputs.iter().zip(outputs).map(|(i, o)| part(i, o, o.ty.numel())).collect::<Result<Vec<_>>>()?;
-            (CollectiveOp::ReduceScatter(red(o.op)), parts)
-        }
-        Op::AllGather(o) => {
-            let shards = &inputs[o.tensors..];
-            let parts =
-                shards.iter().zip(outputs).map(|(s, o)| part(s, o, s.ty.numel())).collect::<Result<Vec<_>>>()?;
-            (CollectiveOp::AllGather, parts)
-        }
-        Op::LocalShard(_) => {
-            let (src, dst) = (&inputs[0], &outputs[0]);
-            let bytes = dst.ty.bytes();
-            return Ok(if bytes == 0 {
-                vec![]
-            } else {
-                vec![Launch::Copy { dst: dst.ptr, src: src.ptr + g.rank as u64 * bytes, bytes }]
-            });
-        }
-        _ => return Err(crate::lower::not_routed(op)),
-    };
-    let parts: Vec<CollectivePart> = parts.into_iter().filter(|p| p.count > 0).collect();
-    for p in &parts {
-        check_overlap(op, cop, p, g.rank, world)?;
+    Ok(g)
+}
+
+/// One bucket: a call per `(send, recv, count)` with a non-zero count, each
+/// checked against NCCL's aliasing rule; nothing when every count is 0.
+fn bucket<'a>(
+    op: &str,
+    cop: CollectiveOp,
+    g: GroupRank,
+    calls: impl Iterator<Item = (&'a DevTensor, &'a DevTensor, usize)>,
+) -> Result<Vec<Launch>> {
+    let mut parts = Vec::new();
+    for (send, recv, count) in calls.filter(|c| c.2 > 0) {
+        let p = CollectivePart { send: send.ptr, recv: recv.ptr, count, ty: nccl_type(op, &send.ty)? };
+        check_overlap(op, cop, &p, g.rank, g.world)?;
+        parts.push(p);
     }
-    Ok(if parts.is_empty() { vec![] } else { vec![Launch::Collective(CollectiveCall { op: cop, world, parts })] })
+    Ok(if parts.is_empty() {
+        vec![]
+    } else {
+        vec![Launch::Collective(CollectiveCall { op: cop, world: g.world, parts })]
+    })
+}
+
+impl Lower for AllReduce {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let g = rank_in(self.name(), self.world, cx.group)?;
+        let calls = cx.inputs.iter().zip(cx.outputs).map(|(i, o)| (i, o, i.ty.numel()));
+        bucket(self.name(), CollectiveOp::AllReduce(red(self.op)), g, calls)
+    }
+}
+
+impl Lower for ReduceScatter {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let g = rank_in(self.name(), self.world, cx.group)?;
+        let calls = cx.inputs.iter().zip(cx.outputs).map(|(i, o)| (i, o, o.ty.numel()));
+        bucket(self.name(), CollectiveOp::ReduceScatter(red(self.op)), g, calls)
+    }
+}
+
+impl Lower for AllGather {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let g = rank_in(self.name(), self.world, cx.group)?;
+        // Inputs: the destinations (which the outputs are), then the shards.
+        let shards = &cx.inputs[self.tensors..];
+        let calls = shards.iter().zip(cx.outputs).map(|(s, o)| (s, o, s.ty.numel()));
+        bucket(self.name(), CollectiveOp::AllGather, g, calls)
+    }
+}
+
+impl Lower for LocalShard {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let g = rank_in(self.name(), self.world, cx.group)?;
+        let (src, dst) = (&cx.inputs[0], &cx.outputs[0]);
+        let bytes = dst.ty.bytes();
+        Ok(vec![Launch::Copy { dst: dst.ptr, src: src.ptr + g.rank as u64 * bytes, bytes }])
+    }
 }
 
 fn red(op: ReduceOp) -> NcclRed {
@@ -99,35 +118,25 @@ fn red(op: ReduceOp) -> NcclRed {
     }
 }
 
-fn nccl_type(op: &Op, t: &TensorType) -> Result<NcclType> {
+fn nccl_type(op: &str, t: &TensorType) -> Result<NcclType> {
     Ok(match t.dtype {
         DType::F32 => NcclType::F32,
         DType::BF16 => NcclType::BF16,
         DType::F16 => NcclType::F16,
         DType::F64 => NcclType::F64,
         d => {
-            return Err(CudaError::lower(
-                op.name(),
+            return Err(CudaError::unsupported(
+                op,
                 format!("NCCL collectives here take f32, bf16, f16 or f64, not {d}"),
             ))
         }
     })
 }
 
-fn check_types(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<()> {
-    let tys: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
-    let want = op.infer(&tys).map_err(|e| CudaError::lower(op.name(), e))?;
-    let got: Vec<&TensorType> = outputs.iter().map(|t| &t.ty).collect();
-    if want.iter().collect::<Vec<_>>() != got {
-        return Err(CudaError::lower(op.name(), format!("outputs {got:?} do not match the shape rule's {want:?}")));
-    }
-    Ok(())
-}
-
 /// NCCL's rule: a call is in place (its one in-place layout) or its two
 /// buffers are disjoint. The full side of a reduce-scatter or all-gather
 /// holds `world · count` elements.
-fn check_overlap(op: &Op, cop: CollectiveOp, p: &CollectivePart, rank: usize, world: usize) -> Result<()> {
+fn check_overlap(op: &str, cop: CollectiveOp, p: &CollectivePart, rank: usize, world: usize) -> Result<()> {
     let n = p.count as u64 * p.ty.size();
     let (rank, world) = (rank as u64, world as u64);
     let (send_bytes, recv_bytes, in_place) = match cop {
@@ -140,7 +149,7 @@ fn check_overlap(op: &Op, cop: CollectiveOp, p: &CollectivePart, rank: usize, wo
         return Ok(());
     }
     Err(CudaError::lower(
-        op.name(),
+        op,
         format!(
             "{}: send buffer 0x{:x} ({send_bytes} bytes) and receive buffer 0x{:x} ({recv_bytes} bytes) overlap \
              without being NCCL's in-place layout",
@@ -153,16 +162,14 @@ fn check_overlap(op: &Op, cop: CollectiveOp, p: &CollectivePart, rank: usize, wo
 
 #[cfg(test)]
 mod tests {
-    use stepgraph_core::ops::collective::{AllGather, AllReduce, LocalShard, ReduceScatter};
+    use stepgraph_core::ops::Op;
 
+    use super::super::lower;
+    use super::super::testing::rank;
     use super::*;
 
     fn t(dtype: DType, shape: &[usize], ptr: u64) -> DevTensor {
         DevTensor { ty: TensorType::new(dtype, shape.to_vec()), ptr }
-    }
-
-    fn rank(rank: usize, world: usize) -> Option<GroupRank> {
-        Some(GroupRank { rank, world })
     }
 
     fn one_call(l: Vec<Launch>) -> CollectiveCall {
@@ -287,7 +294,7 @@ mod tests {
         let rs = Op::from(ReduceScatter { op: ReduceOp::Sum, world: 2, tensors: 1 });
         let e = lower(&rs, std::slice::from_ref(&x), &[t(DType::F32, &[8], 0x9000)], rank(0, 2)).unwrap_err();
         assert!(e.to_string().contains("shape rule"), "{e}");
-        // Every collective routes here from the backend's lowering entry point.
+        // The backend's entry point is this dispatch.
         let l = crate::lower::lower(&node, std::slice::from_ref(&x), std::slice::from_ref(&x), rank(1, 2)).unwrap();
         assert!(matches!(l.as_slice(), [Launch::Collective(_)]));
     }

@@ -1,5 +1,6 @@
 //! Fused causal attention on the GPU: the lowering of `attention` and
-//! `attention_backward` to the kernels of `kernels/attention.cu`.
+//! `attention_backward` to the kernels of `kernels/attention.cu` and
+//! `kernels/attention_mma.cu` (whose variant modules are declared here).
 //!
 //! # Algorithm
 //!
@@ -38,7 +39,7 @@
 //!
 //! For head sizes 17..=128 in bf16, f16 and f32 the three passes run on
 //! tensor cores instead (`kernels/attention_mma.cu`, one module per dtype
-//! and padded head size, e.g. `attention_mma_d112_bf16`, see `kernels.rs`):
+//! and padded head size, e.g. `attention_mma_d112_bf16`, see [`KERNELS`]):
 //! the same walks over tiles, with every product a `mma.sync` on fragments
 //! read from tiles that `cp.async` brings into shared memory. Head sizes are
 //! padded to a multiple of 16 ([`mma_width`]). A block is four warps over 64
@@ -72,13 +73,59 @@
 //! same bits on every run, eagerly or in a CUDA graph.
 
 use stepgraph_core::ir::{DType, TensorType};
-use stepgraph_core::ops::Op;
+use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 
+use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernels::KernelModule;
 use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
 
-/// The kernel source module.
+/// The CUDA-core kernel source module.
 pub const MODULE: &str = "attention";
+
+const ATTENTION_SRC: &str = include_str!("../../kernels/attention.cu");
+const ATTENTION_MMA_SRC: &str = include_str!("../../kernels/attention_mma.cu");
+
+/// The attention modules: the CUDA-core source, then each tensor-core
+/// variant (`attention_mma.cu` with its dtype and padded head size defined).
+macro_rules! attention_modules {
+    ($(($name:literal, $sfx:literal, $ty:literal, $dp:literal)),* $(,)?) => {
+        &[
+            KernelModule::plain(MODULE, ATTENTION_SRC),
+            $(KernelModule {
+                name: $name,
+                source: ATTENTION_MMA_SRC,
+                defines: concat!("#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
+            }),*
+        ]
+    };
+}
+
+/// Every module the attention ops launch: the CUDA-core source and one
+/// tensor-core variant per dtype and padded head size ([`mma_width`]).
+pub const KERNELS: &[KernelModule] = attention_modules![
+    ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
+    ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
+    ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
+    ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
+    ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
+    ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
+    ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
+    ("attention_mma_d32_f16", "f16", "__half", "32"),
+    ("attention_mma_d48_f16", "f16", "__half", "48"),
+    ("attention_mma_d64_f16", "f16", "__half", "64"),
+    ("attention_mma_d80_f16", "f16", "__half", "80"),
+    ("attention_mma_d96_f16", "f16", "__half", "96"),
+    ("attention_mma_d112_f16", "f16", "__half", "112"),
+    ("attention_mma_d128_f16", "f16", "__half", "128"),
+    ("attention_mma_d32_f32", "f32", "float", "32"),
+    ("attention_mma_d48_f32", "f32", "float", "48"),
+    ("attention_mma_d64_f32", "f32", "float", "64"),
+    ("attention_mma_d80_f32", "f32", "float", "80"),
+    ("attention_mma_d96_f32", "f32", "float", "96"),
+    ("attention_mma_d112_f32", "f32", "float", "112"),
+    ("attention_mma_d128_f32", "f32", "float", "128"),
+];
 
 /// Rows a tensor-core block owns (4 warps × 16) and its threads.
 const MMA_ROWS: usize = 64;
@@ -94,14 +141,14 @@ pub fn mma_width(dtype: DType, d: usize) -> Option<usize> {
 }
 
 /// The variant module holding the tensor-core kernels for `dtype` at padded
-/// head size `dp` (one of [`crate::kernels::VARIANTS`]).
+/// head size `dp` (one of [`KERNELS`]).
 fn mma_module(dtype: DType, dp: usize) -> &'static str {
     let name = format!("attention_mma_d{dp}_{}", dtype_suffix(dtype).unwrap_or("?"));
-    crate::kernels::VARIANTS
+    KERNELS
         .iter()
-        .map(|(m, _, _)| *m)
+        .map(|m| m.name)
         .find(|m| *m == name)
-        .unwrap_or_else(|| panic!("no kernel module {name}: mma_width and kernels::VARIANTS disagree"))
+        .unwrap_or_else(|| panic!("no kernel module {name}: mma_width and attention::KERNELS disagree"))
 }
 
 /// Dynamic shared memory of a tensor-core pass for storage `dtype` at padded
@@ -225,7 +272,8 @@ impl Dims {
         if q.rank() != 4 || k.rank() != 4 {
             return Err(fail(format!("q {q} and k {k} must be [B, T, heads, D]")));
         }
-        dtype_suffix(q.dtype).ok_or_else(|| fail(format!("no attention kernel for {}", q.dtype)))?;
+        dtype_suffix(q.dtype)
+            .ok_or_else(|| CudaError::unsupported(op, format!("no attention kernel for {}", q.dtype)))?;
         let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
         let hkv = k.shape[2];
         if hkv == 0 || hq % hkv != 0 {
@@ -280,28 +328,24 @@ impl Dims {
     }
 }
 
-/// The device work of an `attention` or `attention_backward` node.
-pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    match op {
-        Op::Attention(a) => forward(a.scale, inputs, outputs),
-        Op::AttentionBackward(a) => backward(a.scale, inputs, outputs),
-        _ => Err(crate::lower::not_routed(op)),
+impl Lower for Attention {
+    const KERNELS: &'static [KernelModule] = KERNELS;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        forward(self.scale, cx.inputs, cx.outputs)
     }
 }
 
-fn expect_counts(op: &str, inputs: &[DevTensor], outputs: &[DevTensor], ins: &[usize], outs: usize) -> Result<()> {
-    if !ins.contains(&inputs.len()) || outputs.len() != outs {
-        return Err(CudaError::lower(
-            op,
-            format!("expects {ins:?} inputs and {outs} outputs, got {} and {}", inputs.len(), outputs.len()),
-        ));
+impl Lower for AttentionBackward {
+    const KERNELS: &'static [KernelModule] = KERNELS;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        backward(self.scale, cx.inputs, cx.outputs)
     }
-    Ok(())
 }
 
 /// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale)`.
 fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    expect_counts("attention", inputs, outputs, &[3], 2)?;
     let n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty)?;
     if n.empty() {
         return Ok(vec![]);
@@ -314,7 +358,6 @@ fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Ve
 /// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, T, Hq, Hkv, D, scale)`;
 /// `glse` is a null pointer when the node has no lse cotangent.
 fn backward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    expect_counts("attention_backward", inputs, outputs, &[6, 7], 3)?;
     let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty)?;
     if n.empty() || n.d == 0 {
         return Ok(vec![]);
@@ -331,8 +374,19 @@ fn backward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<V
 
 #[cfg(test)]
 mod tests {
+    use stepgraph_core::ops::Op;
+
     use super::*;
-    use stepgraph_core::ops::attention::{Attention, AttentionBackward};
+
+    /// Lowers outside any group (attention needs none).
+    fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
+        crate::ops::lower(op, inputs, outputs, None)
+    }
+
+    /// The fake address of operand `i`: 256-byte aligned, as the plan's.
+    fn at(i: u64) -> u64 {
+        i << 8
+    }
 
     fn dev(dtype: DType, shape: &[usize], ptr: u64) -> DevTensor {
         DevTensor { ty: TensorType::new(dtype, shape), ptr }
@@ -405,17 +459,21 @@ mod tests {
 
     fn backward_launches(dtype: DType, b: usize, t: usize, hq: usize, hkv: usize, d: usize, glse: bool) -> Vec<Launch> {
         let mut ins = vec![
-            dev(dtype, &[b, t, hq, d], 1),
-            dev(dtype, &[b, t, hkv, d], 2),
-            dev(dtype, &[b, t, hkv, d], 3),
-            dev(dtype, &[b, t, hq, d], 4),
-            dev(stat(dtype), &[b, hq, t], 5),
-            dev(dtype, &[b, t, hq, d], 6),
+            dev(dtype, &[b, t, hq, d], at(1)),
+            dev(dtype, &[b, t, hkv, d], at(2)),
+            dev(dtype, &[b, t, hkv, d], at(3)),
+            dev(dtype, &[b, t, hq, d], at(4)),
+            dev(stat(dtype), &[b, hq, t], at(5)),
+            dev(dtype, &[b, t, hq, d], at(6)),
         ];
         if glse {
-            ins.push(dev(stat(dtype), &[b, hq, t], 7));
+            ins.push(dev(stat(dtype), &[b, hq, t], at(7)));
         }
-        let outs = [dev(dtype, &[b, t, hq, d], 8), dev(dtype, &[b, t, hkv, d], 9), dev(dtype, &[b, t, hkv, d], 10)];
+        let outs = [
+            dev(dtype, &[b, t, hq, d], at(8)),
+            dev(dtype, &[b, t, hkv, d], at(9)),
+            dev(dtype, &[b, t, hkv, d], at(10)),
+        ];
         lower(&Op::from(AttentionBackward { scale: 1.0 }), &ins, &outs).unwrap()
     }
 
@@ -432,7 +490,7 @@ mod tests {
         assert_eq!(q.grid, (32, 28, 2));
         assert_eq!(q.block, (128, 1, 1));
         let ptrs = |k: &KernelLaunch| -> Vec<u64> {
-            k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p) } else { None }).collect()
+            k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p >> 8) } else { None }).collect()
         };
         assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 0, 9, 10]);
         assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8]);
@@ -454,8 +512,8 @@ mod tests {
     fn sixteen_bit_heads_of_17_to_128_run_on_tensor_cores() {
         // W1-bf16: 32 heads of 100 → the d112 variant, 64 rows per block.
         let t = |dtype, shape: &[usize], p| dev(dtype, shape, p);
-        let q = t(DType::BF16, &[1, 2048, 32, 100], 1);
-        let lse = t(DType::F32, &[1, 32, 2048], 5);
+        let q = t(DType::BF16, &[1, 2048, 32, 100], at(1));
+        let lse = t(DType::F32, &[1, 32, 2048], at(5));
         let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_bf16", "attention_mma_fwd_d112_bf16"));
@@ -488,8 +546,8 @@ mod tests {
             }
         }
         // W1 (f32, 100 → 112): 3xTF32 kernels, single-buffered 32-key tiles.
-        let q = t(DType::F32, &[1, 2048, 32, 100], 1);
-        let lse = t(DType::F32, &[1, 32, 2048], 5);
+        let q = t(DType::F32, &[1, 2048, 32, 100], at(1));
+        let lse = t(DType::F32, &[1, 32, 2048], at(5));
         let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_f32", "attention_mma_fwd_d112_f32"));
@@ -516,7 +574,7 @@ mod tests {
         assert!(backward_launches(DType::F32, 1, 0, 4, 2, 8, true).is_empty());
         assert!(backward_launches(DType::F32, 1, 5, 4, 2, 0, true).is_empty());
         // D = 0 still has an lse to write.
-        let t = |s: &[usize]| dev(DType::F32, s, 1);
+        let t = |s: &[usize]| dev(DType::F32, s, at(1));
         let l = lower(
             &Op::from(Attention { scale: 1.0 }),
             &[t(&[1, 3, 2, 0]), t(&[1, 3, 1, 0]), t(&[1, 3, 1, 0])],
@@ -531,7 +589,7 @@ mod tests {
         );
         assert!(big.unwrap_err().to_string().contains("head size 257"));
         let ints = TensorType::new(DType::I32, [1, 3, 2, 4]);
-        let i = DevTensor { ty: ints, ptr: 1 };
+        let i = DevTensor { ty: ints, ptr: at(1) };
         assert!(
             lower(&Op::from(Attention { scale: 1.0 }), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err()
         );
@@ -540,11 +598,7 @@ mod tests {
     /// The names the lowering asks for are the ones the source instantiates.
     #[test]
     fn source_instantiates_every_bucket() {
-        let src = crate::kernels::SOURCES
-            .iter()
-            .find(|(m, _)| *m == MODULE)
-            .map(|(_, s)| *s)
-            .expect("attention source is registered");
+        let src = ATTENTION_SRC;
         for &bk in &BUCKETS {
             let inst =
                 if bk <= SMALL_MAX { format!("SGA_SMALL(sfx, T, {bk})") } else { format!("SGA_TILED(sfx, T, {bk})") };

@@ -1,0 +1,237 @@
+//! Matrix products through cuBLASLt: this module owns the handle, its
+//! workspace and the execution of [`GemmCall`]s; `plan` owns the per-shape
+//! descriptors and algorithm candidates, `autotune` the timing that picks
+//! among them.
+//!
+//! `matmul` nodes lower to [`GemmCall`]s (data, `crate::ops::matmul`);
+//! [`Blas`] executes calls, with one cached cuBLASLt plan (descriptors and
+//! one algorithm) per distinct shape, so nothing is re-planned per step and
+//! the calls capture into a graph. Row-major products are run as the
+//! column-major product `Cᵀ = op(B)ᵀ · op(A)ᵀ`, which needs no copies.
+//! f32 is computed in full f32 unless TF32 is asked for; bf16/f16 multiply
+//! with f32 accumulation.
+//!
+//! **Autotuning.** cuBLASLt's heuristic ranks algorithms without running
+//! them, and its first pick is not always the fastest (f32 on Hopper in
+//! particular). With autotuning on (the default; `STEPGRAPH_GEMM_AUTOTUNE=0`
+//! turns it off), [`Blas::plan_all`] asks the heuristic for up to
+//! [`MAX_CANDIDATES`] algorithms per shape and [`Blas::autotune`] times each
+//! one, once, while the session is being built: a warm-up run, then a few
+//! runs between CUDA events on the real operand addresses of one call of
+//! that shape; the fastest median wins, and candidates within
+//! [`TIE_TOLERANCE`] of it count as ties, which keep the heuristic's order.
+//! The winner is stored in the plan, so every later eager run and the
+//! captured graph use the same algorithm: within a session the choice is
+//! fixed, and graph replay equals eager bit for bit.
+//!
+//! Invariants of tuning:
+//! - It only writes product outputs, and only where the caller says memory
+//!   holds no data (the session passes its arena before any step ran; a
+//!   shape with no call whose output lies entirely in that range keeps the
+//!   heuristic's first algorithm untimed). Every product overwrites its
+//!   output (`beta = 0`), so repeated runs accumulate nothing.
+//! - A choice is remembered for the life of the process (keyed by shape,
+//!   operand alignment and TF32), so all sessions of one process multiply
+//!   a given shape the same way. Separate processes time separately and may
+//!   pick different algorithms (timing noise decides near-ties), hence
+//!   differently rounded products; each algorithm on its own is
+//!   deterministic run to run (cuBLASLt's split-K reductions are ordered).
+//! - Timing sees the arena's poison and whatever the persistent buffer
+//!   holds before weights are written, not real data. GEMM time does not
+//!   depend on values except through power draw, which affects every
+//!   candidate alike.
+
+mod autotune;
+mod plan;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lr;
+use cudarc::cublaslt::sys as ls;
+
+pub use autotune::{
+    autotune_from_env, autotune_setting, AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, MAX_CANDIDATES,
+    TIE_TOLERANCE,
+};
+use plan::{call_alignment, key_of, Alignment, Plan, PlanKey};
+
+use crate::error::{CudaError, Result};
+use crate::launch::GemmCall;
+
+fn blas_err(what: &str, e: impl std::fmt::Debug) -> CudaError {
+    CudaError::Blas(format!("{what}: {e:?}"))
+}
+
+/// A cuBLASLt handle, its workspace (inside the session's allocation) and
+/// the plans of every product shape the step uses.
+pub struct Blas {
+    handle: ls::cublasLtHandle_t,
+    workspace: u64,
+    workspace_bytes: usize,
+    tf32: bool,
+    autotune: bool,
+    plans: HashMap<PlanKey, Plan>,
+    /// Shapes in the order the step first uses them, with their call counts.
+    order: Vec<(PlanKey, usize)>,
+    tuning: GemmTuning,
+}
+
+impl Blas {
+    /// Workspace cuBLASLt may use per call: what NVIDIA recommends for Hopper.
+    pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+    /// With `autotune` off, every shape uses the heuristic's first algorithm.
+    pub fn new(workspace: u64, workspace_bytes: usize, tf32: bool, autotune: bool) -> Result<Self> {
+        // SAFETY: dlopen check only.
+        if !unsafe { ls::is_culib_present() } {
+            return Err(CudaError::Missing { lib: "cublasLt", hint: "install the CUDA toolkit's cuBLAS".into() });
+        }
+        let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
+        Ok(Blas {
+            handle,
+            workspace,
+            workspace_bytes,
+            tf32,
+            autotune,
+            plans: HashMap::new(),
+            order: Vec::new(),
+            tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },
+        })
+    }
+
+    /// Plans every shape of `calls` (all products of the step, at once: a
+    /// shape's plan must suit the operand alignment of each of its calls).
+    pub fn plan_all(&mut self, calls: &[GemmCall]) -> Result<()> {
+        let mut align: HashMap<PlanKey, Alignment> = HashMap::new();
+        for c in calls {
+            let key = key_of(c);
+            let a = call_alignment(c);
+            align
+                .entry(key)
+                .and_modify(|x| {
+                    x.first = x.first.min(a.first);
+                    x.second = x.second.min(a.second);
+                    x.out = x.out.min(a.out);
+                })
+                .or_insert(a);
+            match self.order.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => *n += 1,
+                None => self.order.push((key, 1)),
+            }
+        }
+        for (key, _) in self.order.clone() {
+            let Some(&a) = align.get(&key) else { continue };
+            let suits = self
+                .plans
+                .get(&key)
+                .is_some_and(|p| p.align.first <= a.first && p.align.second <= a.second && p.align.out <= a.out);
+            if !suits {
+                let plan = self.plan(&key, a)?;
+                self.plans.insert(key, plan);
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues `call` on `stream` (prepared earlier). Captures into a graph as is.
+    pub fn run(&self, call: &GemmCall, stream: cudarc::driver::sys::CUstream) -> Result<()> {
+        let plan = self.plans.get(&key_of(call)).ok_or_else(|| CudaError::Blas("product was not prepared".into()))?;
+        self.enqueue(plan, &plan.algo, call, stream)
+    }
+
+    fn enqueue(
+        &self,
+        plan: &Plan,
+        algo: &ls::cublasLtMatmulAlgo_t,
+        call: &GemmCall,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        // beta = 0: the output is overwritten, never accumulated into.
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: addresses come from the plan and lie inside the session's
+        // allocation; the plan's descriptors match the call's shape.
+        unsafe {
+            lr::matmul(
+                self.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                call.b as *const c_void,
+                plan.first,
+                call.a as *const c_void,
+                plan.second,
+                call.c as *const c_void,
+                plan.out,
+                call.c as *mut c_void,
+                plan.out,
+                algo,
+                self.workspace as *mut c_void,
+                self.workspace_bytes,
+                stream as _,
+            )
+        }
+        .map_err(|e| blas_err("cublasLtMatmul", e))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: the handle is ours and no call is in flight (the session synchronises first).
+        unsafe { lr::destroy_handle(self.handle) }.ok();
+    }
+}
+
+/// A product's shape as the session's profile names it:
+/// `gemm_{dtype}_{m}x{n}x{k}` with `_ta`, `_tb` for transposed operands and
+/// `_b{batch}` when batched.
+pub fn shape_name(g: &GemmCall) -> String {
+    format!(
+        "gemm_{}_{}x{}x{}{}{}{}",
+        format!("{:?}", g.ty).to_lowercase(),
+        g.m,
+        g.n,
+        g.k,
+        if g.trans_a { "_ta" } else { "" },
+        if g.trans_b { "_tb" } else { "" },
+        if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() }
+    )
+}
+
+/// A product of `batch` `[m, n]` outputs at `c`, for tests.
+#[cfg(test)]
+fn test_call(ty: crate::launch::GemmType, batch: usize, m: usize, n: usize, c: u64) -> GemmCall {
+    GemmCall {
+        ty,
+        batch,
+        m,
+        n,
+        k: 8,
+        trans_a: false,
+        trans_b: true,
+        a: 0x1000,
+        b: 0x2000,
+        c,
+        stride_a: 0,
+        stride_b: (n * 8) as i64,
+        stride_c: (m * n) as i64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::GemmType;
+
+    #[test]
+    fn shape_names_match_the_profile() {
+        let mut c = test_call(GemmType::F32, 1, 2048, 3200, 0);
+        c.k = 8640;
+        assert_eq!(shape_name(&c), "gemm_f32_2048x3200x8640_tb");
+        c.batch = 4;
+        c.trans_a = true;
+        c.trans_b = false;
+        assert_eq!(shape_name(&c), "gemm_f32_2048x3200x8640_ta_b4");
+    }
+}

@@ -1,0 +1,272 @@
+//! cuBLASLt plans: one set of descriptors and candidate algorithms per
+//! product shape (what [`PlanKey`] holds: addresses do not count), planned
+//! for the weakest operand alignment any call of that shape has, so every
+//! call of the shape can use the plan. Row-major `C = op(A)·op(B)` is
+//! planned as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lr;
+use cudarc::cublaslt::sys as ls;
+
+use super::autotune::MAX_CANDIDATES;
+use super::{blas_err, Blas};
+use crate::error::{CudaError, Result};
+use crate::launch::{GemmCall, GemmType};
+
+/// What makes two products share one cuBLASLt plan (addresses do not).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(super) struct PlanKey {
+    pub(super) ty: GemmType,
+    pub(super) batch: usize,
+    pub(super) m: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) trans_a: bool,
+    pub(super) trans_b: bool,
+    pub(super) stride_a: i64,
+    pub(super) stride_b: i64,
+    pub(super) stride_c: i64,
+}
+
+/// Byte alignment every call of a shape guarantees for each operand
+/// (cuBLASLt's A, B, C/D: our B, A and C), at most 256.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(super) struct Alignment {
+    pub(super) first: u32,
+    pub(super) second: u32,
+    pub(super) out: u32,
+}
+
+/// Descriptors, the candidate algorithms and the chosen one for one shape.
+pub(super) struct Plan {
+    pub(super) desc: ls::cublasLtMatmulDesc_t,
+    // In cuBLAS's column-major terms the first operand is our B and the second our A.
+    pub(super) first: ls::cublasLtMatrixLayout_t,
+    pub(super) second: ls::cublasLtMatrixLayout_t,
+    pub(super) out: ls::cublasLtMatrixLayout_t,
+    pub(super) align: Alignment,
+    /// The heuristic's algorithms, best first (one when tuning is off).
+    pub(super) candidates: Vec<ls::cublasLtMatmulAlgo_t>,
+    /// The algorithm every run uses: `candidates[0]` until tuned.
+    pub(super) algo: ls::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: the descriptors were created by this plan and are used by no one else.
+        unsafe {
+            lr::destroy_matrix_layout(self.first).ok();
+            lr::destroy_matrix_layout(self.second).ok();
+            lr::destroy_matrix_layout(self.out).ok();
+            lr::destroy_matmul_desc(self.desc).ok();
+        }
+    }
+}
+
+impl Blas {
+    pub(super) fn plan(&self, k: &PlanKey, align: Alignment) -> Result<Plan> {
+        let dt = match k.ty {
+            GemmType::F32 => ls::cudaDataType_t::CUDA_R_32F,
+            GemmType::BF16 => ls::cudaDataType_t::CUDA_R_16BF,
+            GemmType::F16 => ls::cudaDataType_t::CUDA_R_16F,
+        };
+        let compute = if k.ty == GemmType::F32 && self.tf32 {
+            ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            ls::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let (m, n, kk) = (k.m as u64, k.n as u64, k.k as u64);
+        // Row-major C[m,n] = opA(A)·opB(B) is column-major Cᵀ[n,m] = opB(B)ᵀ·opA(A)ᵀ.
+        // Stored row-major B ([k,n], or [n,k] transposed) is column-major [n,k] (or [k,n]).
+        let (fr, fc) = if k.trans_b { (kk, n) } else { (n, kk) };
+        let (sr, sc) = if k.trans_a { (m, kk) } else { (kk, m) };
+        let layout = |rows: u64, cols: u64, stride: i64| -> Result<ls::cublasLtMatrixLayout_t> {
+            let l = lr::create_matrix_layout(dt, rows, cols, rows as i64).map_err(|e| blas_err("layout", e))?;
+            if k.batch > 1 {
+                let count = k.batch as i32;
+                // SAFETY: attributes of a layout we own, with values of the documented types.
+                unsafe {
+                    lr::set_matrix_layout_attribute(
+                        l,
+                        ls::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &count as *const i32 as *const c_void,
+                        4,
+                    )
+                    .map_err(|e| blas_err("batch count", e))?;
+                    lr::set_matrix_layout_attribute(
+                        l,
+                        ls::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        &stride as *const i64 as *const c_void,
+                        8,
+                    )
+                    .map_err(|e| blas_err("batch stride", e))?;
+                }
+            }
+            Ok(l)
+        };
+        let first = layout(fr, fc, k.stride_b)?;
+        let second = layout(sr, sc, k.stride_a)?;
+        let out = layout(n, m, k.stride_c)?;
+        let desc = lr::create_matmul_desc(compute, ls::cudaDataType_t::CUDA_R_32F).map_err(|e| blas_err("desc", e))?;
+        // From here on the plan owns the descriptors: an error below frees them.
+        let mut plan = Plan {
+            desc,
+            first,
+            second,
+            out,
+            align,
+            candidates: Vec::new(),
+            algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let (ta, tb) = (k.trans_b as i32, k.trans_a as i32);
+        // SAFETY: attributes of a descriptor we own.
+        unsafe {
+            lr::set_matmul_desc_attribute(
+                desc,
+                ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &ta as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(|e| blas_err("transa", e))?;
+            lr::set_matmul_desc_attribute(
+                desc,
+                ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &tb as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(|e| blas_err("transb", e))?;
+        }
+        let ws = self.workspace_bytes;
+        let wanted = if self.autotune { MAX_CANDIDATES } else { 1 };
+        let found = self.heuristic(&plan, wanted).map_err(|e| match e {
+            CudaError::Blas(msg) => CudaError::Blas(format!("no cuBLASLt algorithm for {k:?}: {msg}")),
+            e => e,
+        })?;
+        plan.candidates = found
+            .iter()
+            .filter(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws)
+            .map(|r| r.algo)
+            .collect();
+        plan.algo = *plan
+            .candidates
+            .first()
+            .ok_or_else(|| CudaError::Blas(format!("no cuBLASLt algorithm for {k:?} ({align:?})")))?;
+        Ok(plan)
+    }
+
+    /// Up to `wanted` of the heuristic's algorithms for `plan`'s
+    /// descriptors, its workspace and its operands' alignment, best first.
+    fn heuristic(&self, plan: &Plan, wanted: usize) -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
+        use ls::cublasLtMatmulPreferenceAttributes_t as P;
+        let pref = lr::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
+        let ws = self.workspace_bytes;
+        let a = plan.align;
+        // SAFETY: a preference we own, given values of the documented types
+        // (size_t workspace, uint32 alignments); the heuristic reads the
+        // plan's descriptors and writes at most `wanted` results into a
+        // buffer of that many (all-zero bytes are a valid result).
+        unsafe {
+            let set = |attr: P, value: *const c_void, size: usize| {
+                lr::set_matmul_pref_attribute(pref, attr, value, size).map_err(|e| blas_err("preference", e))
+            };
+            let mut results: Vec<ls::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); wanted];
+            let mut count = 0i32;
+            let asked = (|| -> Result<()> {
+                set(
+                    P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const usize as _,
+                    std::mem::size_of::<usize>(),
+                )?;
+                // The heuristic assumes 256-byte aligned operands unless told otherwise.
+                for (attr, bytes) in [
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a.first),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.second),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, a.out),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, a.out),
+                ] {
+                    set(attr, &bytes as *const u32 as _, 4)?;
+                }
+                ls::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    plan.desc,
+                    plan.first,
+                    plan.second,
+                    plan.out,
+                    plan.out,
+                    pref,
+                    wanted as i32,
+                    results.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()
+                .map_err(|e| blas_err("cublasLtMatmulAlgoGetHeuristic", e))
+            })();
+            lr::destroy_matmul_pref(pref).ok();
+            asked?;
+            results.truncate(count.clamp(0, wanted as i32) as usize);
+            Ok(results)
+        }
+    }
+}
+
+pub(super) fn key_of(c: &GemmCall) -> PlanKey {
+    PlanKey {
+        ty: c.ty,
+        batch: c.batch,
+        m: c.m,
+        n: c.n,
+        k: c.k,
+        trans_a: c.trans_a,
+        trans_b: c.trans_b,
+        stride_a: c.stride_a,
+        stride_b: c.stride_b,
+        stride_c: c.stride_c,
+    }
+}
+
+pub(super) fn elem_bytes(ty: GemmType) -> u64 {
+    match ty {
+        GemmType::F32 => 4,
+        GemmType::BF16 | GemmType::F16 => 2,
+    }
+}
+
+/// The largest power of two, at most 256, dividing the address of every
+/// batch entry of a matrix at `ptr` with `stride` elements between entries.
+fn operand_alignment(ptr: u64, stride: i64, batch: usize, elem: u64) -> u32 {
+    let mut x = ptr;
+    if batch > 1 {
+        x |= stride.unsigned_abs() * elem;
+    }
+    if x == 0 {
+        return 256;
+    }
+    (1u64 << x.trailing_zeros().min(8)) as u32
+}
+
+pub(super) fn call_alignment(c: &GemmCall) -> Alignment {
+    let e = elem_bytes(c.ty);
+    Alignment {
+        first: operand_alignment(c.b, c.stride_b, c.batch, e),
+        second: operand_alignment(c.a, c.stride_a, c.batch, e),
+        out: operand_alignment(c.c, c.stride_c, c.batch, e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_call;
+    use super::*;
+
+    #[test]
+    fn alignment_covers_every_batch_entry() {
+        assert_eq!(operand_alignment(0x1_0000, 0, 1, 4), 256);
+        assert_eq!(operand_alignment(0x1_0010, 0, 1, 4), 16);
+        assert_eq!(operand_alignment(0x1_0000, 6, 3, 4), 8);
+        // A stride shared by no entry (batch 1) does not count.
+        assert_eq!(operand_alignment(0x1_0000, 6, 1, 4), 256);
+        let a = call_alignment(&test_call(GemmType::BF16, 2, 4, 3, 0x3000));
+        assert_eq!(a, Alignment { first: 16, second: 256, out: 8 });
+    }
+}

@@ -1,0 +1,387 @@
+//! A host model of the index-only kernels and of f64 arithmetic kernels:
+//! the lowering's arguments, run through a sequential emulation of each
+//! kernel (as its `.cu` file reads them) over host buffers at the fake
+//! addresses, must give the CPU reference's bytes. This checks every shape,
+//! stride, chunk and copy unit the lowerings compute, without a GPU.
+
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::ops::elementwise::Binary;
+use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
+use stepgraph_core::ops::movement::{Broadcast, Concat, Permute, Slice, SliceBackward};
+use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind};
+use stepgraph_core::ops::{BinaryFn, Op};
+use stepgraph_core::testing::{draw_inputs, run_op, Arg as Draw};
+
+use super::lower;
+use super::reduce::MAX_GROUPS;
+use super::testing::operands;
+use super::util::{MAX_RANK, UNITS};
+use crate::launch::{Arg, Launch};
+
+/// Host memory standing in for the device: one buffer per operand at its
+/// fake address.
+struct Mem(Vec<(u64, Vec<u8>)>);
+
+impl Mem {
+    fn at(&mut self, addr: u64, len: usize) -> &mut [u8] {
+        let (base, buf) = self.0.iter_mut().find(|(b, v)| *b <= addr && addr < *b + v.len() as u64).expect("mapped");
+        let o = (addr - *base) as usize;
+        &mut buf[o..o + len]
+    }
+    fn copy(&mut self, dst: u64, src: u64, len: usize) {
+        let v = self.at(src, len).to_vec();
+        self.at(dst, len).copy_from_slice(&v);
+    }
+    fn f64(&mut self, addr: u64) -> f64 {
+        f64::from_le_bytes(self.at(addr, 8).try_into().unwrap())
+    }
+    fn set_f64(&mut self, addr: u64, v: f64) {
+        self.at(addr, 8).copy_from_slice(&v.to_le_bytes());
+    }
+    fn id(&mut self, addr: u64, i32s: bool) -> i64 {
+        if i32s {
+            i32::from_le_bytes(self.at(addr, 4).try_into().unwrap()) as i64
+        } else {
+            i64::from_le_bytes(self.at(addr, 8).try_into().unwrap())
+        }
+    }
+}
+
+fn ptr(a: &Arg) -> u64 {
+    match a {
+        Arg::Ptr(p) => *p,
+        other => panic!("expected a pointer, got {other:?}"),
+    }
+}
+fn int(a: &Arg) -> i64 {
+    match a {
+        Arg::I64(x) => *x,
+        other => panic!("expected an i64, got {other:?}"),
+    }
+}
+fn words(a: &Arg) -> Vec<i64> {
+    match a {
+        Arg::Struct(b) => b.chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect(),
+        other => panic!("expected a struct, got {other:?}"),
+    }
+}
+
+/// Offset of `idx` in a row-major walk of axes `size` with `stride`.
+fn walk(mut idx: i64, size: &[i64], stride: &[i64]) -> i64 {
+    let mut off = 0;
+    for d in (0..size.len()).rev() {
+        off += idx % size[d] * stride[d];
+        idx /= size[d];
+    }
+    off
+}
+
+/// Runs a launch the way its kernel (see the `.cu` file) reads its
+/// arguments, sequentially, for the index-only kernels and for f64 data
+/// (whose arithmetic is the CPU's): a model of the device that checks
+/// every shape, stride, chunk and unit the lowering computes.
+fn emulate(l: &Launch, mem: &mut Mem) {
+    let k = match l {
+        Launch::Memset { ptr, bytes, value } => return mem.at(*ptr, *bytes as usize).fill(*value),
+        Launch::Kernel(k) => k,
+        other => panic!("unexpected {other:?}"),
+    };
+    let f = k.function.as_str();
+    let a = &k.args;
+    let unit = |f: &str| -> usize {
+        let w = UNITS.iter().find(|(_, n)| f.ends_with(&format!("_{n}")) || f.contains(&format!("_{n}_"))).unwrap();
+        w.0 as usize
+    };
+    if f.starts_with("broadcast_") || f.starts_with("permute_") {
+        let (w, s) = (unit(f), words(&a[3]));
+        let rank = s[0] as usize;
+        let (size, stride) = (&s[1..1 + rank], &s[1 + MAX_RANK..1 + MAX_RANK + rank]);
+        for i in 0..int(&a[2]) {
+            mem.copy(ptr(&a[1]) + (i as u64) * w as u64, ptr(&a[0]) + walk(i, size, stride) as u64 * w as u64, w);
+        }
+    } else if f.starts_with("slice_backward_") {
+        let (w, cy, cx, lo) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
+        for i in 0..int(&a[2]) {
+            let j = i % cy;
+            let dst = ptr(&a[1]) + i as u64 * w;
+            if j >= lo && j < lo + cx {
+                mem.copy(dst, ptr(&a[0]) + ((i / cy) * cx + j - lo) as u64 * w, w as usize);
+            } else {
+                mem.at(dst, w as usize).fill(0);
+            }
+        }
+    } else if f.starts_with("slice_") {
+        let (w, cy, cx, off) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
+        for i in 0..int(&a[2]) {
+            mem.copy(ptr(&a[1]) + i as u64 * w, ptr(&a[0]) + ((i / cy) * cx + off + i % cy) as u64 * w, w as usize);
+        }
+    } else if f.starts_with("concat_") {
+        let (w, cx, cy, off) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
+        for i in 0..int(&a[2]) {
+            mem.copy(ptr(&a[1]) + ((i / cx) * cy + off + i % cx) as u64 * w, ptr(&a[0]) + i as u64 * w, w as usize);
+        }
+    } else if f.starts_with("embedding_backward_f64") {
+        let i32s = f.ends_with("i32");
+        let (ids, gy, gt, n, rows, width) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        let isz = if i32s { 4 } else { 8 };
+        for row in 0..rows {
+            let hits: Vec<i64> = (0..n).filter(|&p| mem.id(ids + (p * isz) as u64, i32s) == row).collect();
+            for c in 0..width {
+                let dst = gt + ((row * width + c) * 8) as u64;
+                match hits[..] {
+                    [] => mem.set_f64(dst, 0.0),
+                    [p] => mem.copy(dst, gy + ((p * width + c) * 8) as u64, 8),
+                    _ => {
+                        let sum = hits.iter().fold(0.0, |acc, p| acc + mem.f64(gy + ((p * width + c) * 8) as u64));
+                        mem.set_f64(dst, sum)
+                    }
+                }
+            }
+        }
+    } else if f.starts_with("embedding_") {
+        let (w, i32s) = (unit(f) as i64, f.ends_with("i32"));
+        let (ids, table, y, n, rows, wu) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        for p in 0..n {
+            let id = mem.id(ids + (p * if i32s { 4 } else { 8 }) as u64, i32s);
+            assert!((0..rows).contains(&id));
+            mem.copy(y + (p * wu * w) as u64, table + (id * wu * w) as u64, (wu * w) as usize);
+        }
+    } else if f.starts_with("sum_") || f.starts_with("max_") {
+        let mb = f.starts_with("max_backward");
+        let (x, nout, count) = (ptr(&a[0]), int(&a[if mb { 4 } else { 2 }]), int(&a[if mb { 5 } else { 3 }]));
+        let s = words(&a[if mb { 6 } else { 5 }]);
+        let g = MAX_GROUPS;
+        let nk = s[0] as usize;
+        let (ks, kst) = (&s[1..1 + nk], &s[1 + g..1 + g + nk]);
+        let nr = s[1 + 2 * g] as usize;
+        let (rs, rst) = (&s[2 + 2 * g..2 + 2 * g + nr], &s[2 + 3 * g..2 + 3 * g + nr]);
+        for o in 0..nout {
+            let base = walk(o, ks, kst);
+            let xs: Vec<(u64, f64)> = (0..count)
+                .map(|r| {
+                    let addr = x + ((base + walk(r, rs, rst)) * 8) as u64;
+                    (addr, mem.f64(addr))
+                })
+                .collect();
+            if mb {
+                let (y, gy, gx) = (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
+                let m = mem.f64(y + o as u64 * 8);
+                let ties = xs.iter().filter(|v| v.1 == m).count().max(1);
+                let share = mem.f64(gy + o as u64 * 8) / ties as f64;
+                for (addr, v) in xs {
+                    mem.set_f64(gx + (addr - x), if v == m { share } else { 0.0 });
+                }
+            } else {
+                let v = if f.starts_with("max_") {
+                    xs.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.1))
+                } else {
+                    let s = xs.iter().fold(0.0, |acc, v| acc + v.1);
+                    if int(&a[4]) == 1 {
+                        s / count as f64
+                    } else {
+                        s
+                    }
+                };
+                mem.set_f64(ptr(&a[1]) + o as u64 * 8, v);
+            }
+        }
+    } else if ["add_f64", "sub_f64", "mul_f64", "div_f64"].contains(&f) {
+        let s = words(&a[4]);
+        let rank = s[0] as usize;
+        let size = &s[1..1 + rank];
+        let (sa, sb) = (&s[1 + MAX_RANK..1 + MAX_RANK + rank], &s[1 + 2 * MAX_RANK..1 + 2 * MAX_RANK + rank]);
+        for i in 0..int(&a[3]) {
+            let x = mem.f64(ptr(&a[0]) + walk(i, size, sa) as u64 * 8);
+            let y = mem.f64(ptr(&a[1]) + walk(i, size, sb) as u64 * 8);
+            let v = match &f[..3] {
+                "add" => x + y,
+                "sub" => x - y,
+                "mul" => x * y,
+                _ => x / y,
+            };
+            mem.set_f64(ptr(&a[2]) + i as u64 * 8, v);
+        }
+    } else {
+        panic!("no model of `{f}`");
+    }
+}
+
+/// Lowers `op` over `inputs` at fake addresses skewed by `skew` bytes,
+/// runs the launches on the host model and returns the outputs.
+fn run_model(op: &Op, inputs: &[HostTensor], skew: u64) -> Vec<HostTensor> {
+    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty.clone()).collect();
+    let refs: Vec<&TensorType> = types.iter().collect();
+    let out_types = op.infer(&refs).unwrap();
+    let (ins, outs) = (operands(&types, 1 << 40, skew), operands(&out_types, 1 << 41, skew));
+    let mut mem = Mem(Vec::new());
+    for (d, t) in ins.iter().zip(inputs) {
+        mem.0.push((d.ptr, t.bytes().to_vec()));
+    }
+    for d in &outs {
+        // Garbage (NaN) where nothing writes, as the session's poisoned arena.
+        mem.0.push((d.ptr, vec![0xFF; d.ty.bytes() as usize]));
+    }
+    for l in lower(op, &ins, &outs, None).unwrap_or_else(|e| panic!("{op:?}: {e}")) {
+        emulate(&l, &mut mem);
+    }
+    outs.iter()
+        .map(|d| {
+            let mut t = HostTensor::zeros(d.ty.clone());
+            t.bytes_mut().copy_from_slice(mem.at(d.ptr, d.ty.bytes() as usize));
+            t
+        })
+        .collect()
+}
+
+fn input(shape: &[usize], dt: DType, seed: u64) -> HostTensor {
+    match dt {
+        DType::I32 | DType::I64 | DType::Bool => {
+            let max = if dt == DType::Bool { 2 } else { 1 << 30 };
+            draw_inputs(&[Draw::Ids { dtype: DType::I64, shape: shape.to_vec(), max }], DType::F64, seed)
+                .remove(0)
+                .to_f64()
+                .pipe(|v| HostTensor::from_f64(TensorType::new(dt, shape.to_vec()), &v))
+        }
+        _ => draw_inputs(&[Draw::Normal(shape.to_vec())], dt, seed).remove(0),
+    }
+}
+
+trait Pipe: Sized {
+    fn pipe<R>(self, f: impl FnOnce(Self) -> R) -> R {
+        f(self)
+    }
+}
+impl<T> Pipe for T {}
+
+/// The lowering's arguments, run through a host model of each kernel,
+/// give the CPU reference's bytes: movement and embedding for every
+/// dtype (bit copies), binary maps and reductions in f64 (whose
+/// arithmetic the model shares with the CPU), at aligned and skewed
+/// addresses (which change the copy units).
+#[test]
+fn lowered_arguments_reproduce_the_cpu_on_a_host_model() {
+    let all = [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::I64, DType::Bool];
+    let mut cases: Vec<(Op, Vec<HostTensor>)> = Vec::new();
+    for (k, dt) in all.into_iter().enumerate() {
+        let seed = k as u64;
+        let bc: [(&[usize], &[usize]); 6] = [
+            (&[], &[5, 7]),
+            (&[3, 1], &[2, 3, 4]),
+            (&[64], &[3, 64]),
+            (&[4, 1, 6], &[4, 5, 6]),
+            (&[2, 1, 8, 1], &[2, 3, 8, 5]),
+            (&[1, 16], &[9, 16]),
+        ];
+        for (from, to) in bc {
+            cases.push((Broadcast { shape: to.to_vec() }.into(), vec![input(from, dt, seed)]));
+        }
+        let perms: [(&[usize], &[usize]); 6] = [
+            (&[4, 8, 16], &[1, 0, 2]),
+            (&[4, 8, 16], &[2, 1, 0]),
+            (&[2, 16, 4, 64], &[0, 2, 1, 3]),
+            (&[3, 1, 7, 2], &[3, 2, 1, 0]),
+            (&[2, 3, 2, 3, 2], &[4, 0, 3, 1, 2]),
+            (&[2, 3, 2, 2, 3, 2, 2, 3], &[7, 6, 5, 4, 3, 2, 1, 0]),
+        ];
+        for (shape, perm) in perms {
+            cases.push((Permute { perm: perm.to_vec() }.into(), vec![input(shape, dt, seed)]));
+        }
+        let slices: [(&[usize], usize, usize, usize); 6] = [
+            (&[17], 0, 3, 11),
+            (&[3, 17], 1, 5, 12),
+            (&[4, 64], 1, 16, 48),
+            (&[4, 64], 0, 1, 3),
+            (&[2, 3, 5, 8], 3, 0, 4),
+            (&[5, 3, 24], 1, 2, 3),
+        ];
+        for (shape, axis, start, end) in slices {
+            cases.push((Slice { axis, start, end }.into(), vec![input(shape, dt, seed)]));
+            let mut gs = shape.to_vec();
+            gs[axis] = end - start;
+            cases.push((SliceBackward { axis, start, size: shape[axis] }.into(), vec![input(&gs, dt, seed)]));
+        }
+        let parts: [(&[&[usize]], usize); 3] = [
+            (&[&[3], &[17], &[1]], 0),
+            (&[&[4, 8], &[4, 24], &[4, 8]], 1),
+            (&[&[2, 1, 6], &[2, 3, 6], &[2, 0, 6], &[2, 5, 6]], 1),
+        ];
+        for (shapes, axis) in parts {
+            cases.push((Concat { axis }.into(), shapes.iter().map(|s| input(s, dt, seed)).collect()));
+        }
+        if dt.is_float() {
+            for (ids_dt, n, rows, width) in [(DType::I32, 7, 5, 3), (DType::I64, 37, 50, 24), (DType::I32, 30, 11, 64)]
+            {
+                let ids =
+                    draw_inputs(&[Draw::Ids { dtype: ids_dt, shape: vec![n], max: rows as i64 }], dt, seed).remove(0);
+                cases.push((Embedding.into(), vec![ids.clone(), input(&[rows, width], dt, seed)]));
+                if dt == DType::F64 {
+                    let op = EmbeddingBackward { num_rows: rows };
+                    cases.push((op.into(), vec![ids, input(&[n, width], dt, seed)]));
+                }
+            }
+        }
+    }
+    let f64s = |s: &[usize], seed| input(s, DType::F64, seed);
+    let pairs: [(&[usize], &[usize]); 6] = [
+        (&[4, 5], &[5]),
+        (&[5], &[4, 5]),
+        (&[4, 1], &[1, 5]),
+        (&[2, 3, 17], &[]),
+        (&[7, 1, 9], &[1, 8, 1]),
+        (&[2, 1, 3, 4], &[1, 5, 1, 4]),
+    ];
+    for (sa, sb) in pairs {
+        for f in [BinaryFn::Add, BinaryFn::Sub, BinaryFn::Mul, BinaryFn::Div] {
+            cases.push((Binary { f }.into(), vec![f64s(sa, 1), f64s(sb, 2)]));
+        }
+    }
+    let reductions: [(&[usize], &[usize]); 12] = [
+        (&[17], &[0]),
+        (&[33, 17], &[1]),
+        (&[5, 1000], &[1]),
+        (&[1000, 7], &[0]),
+        (&[3, 5, 7], &[1]),
+        (&[3, 5, 7], &[0, 2]),
+        (&[2, 3, 4, 5], &[1, 3]),
+        (&[4, 6, 8, 10], &[0, 2]),
+        (&[3, 1, 5], &[1]),
+        (&[3, 4], &[]),
+        (&[], &[]),
+        (&[0, 3], &[0]),
+    ];
+    for (shape, axes) in reductions {
+        let x = f64s(shape, 3);
+        for kind in [ReduceKind::Sum, ReduceKind::Mean, ReduceKind::Max] {
+            cases.push((Reduce { kind, axes: axes.to_vec(), keepdim: false }.into(), vec![x.clone()]));
+        }
+        if !shape.contains(&0) {
+            let max = Op::from(Reduce { kind: ReduceKind::Max, axes: axes.to_vec(), keepdim: true });
+            // Coarse values: ties.
+            let xt = HostTensor::from_f64(x.ty.clone(), &x.to_f64().iter().map(|v| v.round()).collect::<Vec<_>>());
+            let y = run_op(&max, std::slice::from_ref(&xt)).unwrap().remove(0);
+            let g = f64s(&y.ty.shape, 4);
+            cases.push((MaxBackward { axes: axes.to_vec() }.into(), vec![xt, y, g]));
+        }
+    }
+    for (op, inputs) in &cases {
+        let want = run_op(op, inputs).unwrap();
+        for skew in [0, 8] {
+            let got = run_model(op, inputs, skew);
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.ty == w.ty
+                    && (g.bytes() == w.bytes()
+                        || (w.ty.dtype == DType::F64
+                            && g.to_f64()
+                                .iter()
+                                .zip(w.to_f64())
+                                .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))));
+                assert!(
+                    same,
+                    "{op:?} on {:?} (skew {skew}): output {j} differs from the CPU",
+                    inputs.iter().map(|t| &t.ty).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Lowering of `matmul` to a [`GemmCall`]: a (batched) row-major product
+//! that [`crate::blas::Blas`] runs through cuBLASLt. Batched operands are
+//! contiguous `[batch, rows, cols]`; an unbatched one is shared across the
+//! batch with stride 0.
+
+use stepgraph_core::ir::DType;
+use stepgraph_core::ops::matmul::MatMul;
+
+use super::{Lower, LowerCx};
+use crate::error::{CudaError, Result};
+use crate::launch::{GemmCall, GemmType, Launch};
+
+impl Lower for MatMul {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (a, b, c) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
+        let ty = match c.ty.dtype {
+            DType::F32 => GemmType::F32,
+            DType::BF16 => GemmType::BF16,
+            DType::F16 => GemmType::F16,
+            d => return Err(CudaError::unsupported("matmul", format!("no cuBLASLt product for {d}"))),
+        };
+        let (sa, sb, sc) = (&a.ty.shape, &b.ty.shape, &c.ty.shape);
+        let (m, n) = (sc[sc.len() - 2], sc[sc.len() - 1]);
+        let k = if self.trans_a { sa[sa.len() - 2] } else { sa[sa.len() - 1] };
+        let batch: usize = sc[..sc.len() - 2].iter().product();
+        let batched = |s: &[usize]| s.len() > 2;
+        Ok(vec![Launch::Gemm(GemmCall {
+            ty,
+            batch,
+            m,
+            n,
+            k,
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            a: a.ptr,
+            b: b.ptr,
+            c: c.ptr,
+            stride_a: if batched(sa) { (m * k) as i64 } else { 0 },
+            stride_b: if batched(sb) { (k * n) as i64 } else { 0 },
+            stride_c: (m * n) as i64,
+        })])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stepgraph_core::ir::DType;
+    use stepgraph_core::ops::Op;
+
+    use super::super::testing::{lower_types, t};
+    use super::*;
+
+    #[test]
+    fn a_batched_product_shares_an_unbatched_operand() {
+        let op = Op::from(MatMul { trans_a: false, trans_b: true });
+        let l = lower_types(&op, &[t(DType::BF16, &[3, 4, 8]), t(DType::BF16, &[5, 8])], 0).unwrap();
+        let [Launch::Gemm(g)] = &l[..] else { panic!("expected one product, got {l:?}") };
+        assert_eq!((g.ty, g.batch, g.m, g.n, g.k), (GemmType::BF16, 3, 4, 5, 8));
+        assert_eq!((g.stride_a, g.stride_b, g.stride_c), (32, 0, 20));
+        assert!(lower_types(&op, &[t(DType::F64, &[4, 8]), t(DType::F64, &[5, 8])], 0).is_err());
+    }
+}

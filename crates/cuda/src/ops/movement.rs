@@ -1,0 +1,207 @@
+//! Lowering of shape movement (`broadcast`, `reshape`, `permute`, `slice`,
+//! its backward and `concat`) to the copy kernels of `kernels/movement.cu`.
+//! Index math that depends on shapes alone is done once here instead of per
+//! element: size-1 axes are dropped and adjacent axes that stay contiguous
+//! are merged, and every copy moves the widest unit (up to 16 bytes) that
+//! divides every contiguous run and both addresses. A reshape is a view:
+//! nothing runs when the plan aliased it with its source, else one copy.
+
+use stepgraph_core::ops::movement::{Broadcast, Concat, Permute, Reshape, Slice, SliceBackward};
+
+use super::util::{broadcast_strides, contiguous_strides, launch_1d, merge_axes, pad, unit_for, MAX_RANK};
+use super::{Lower, LowerCx};
+use crate::error::{CudaError, Result};
+use crate::kernels::KernelModule;
+use crate::launch::{Arg, DevTensor, Launch, StructArg};
+
+const MOVEMENT: &[KernelModule] = &[KernelModule::plain("movement", include_str!("../../kernels/movement.cu"))];
+
+/// A strided gather (`broadcast` or `permute`): output axes `sizes`, input
+/// element strides `strides` per output axis.
+fn gather(
+    kernel: &'static str,
+    x: &DevTensor,
+    y: &DevTensor,
+    sizes: &[usize],
+    strides: Vec<i64>,
+) -> Result<Vec<Launch>> {
+    let (mut sizes, mut strides) = {
+        let (s, mut st) = merge_axes(sizes, &[strides]);
+        (s, st.pop().expect("one operand"))
+    };
+    if sizes.len() > MAX_RANK {
+        return Err(CudaError::lower(
+            kernel,
+            format!("{} axes after merging; the kernel holds {MAX_RANK}", sizes.len()),
+        ));
+    }
+    let es = y.ty.dtype.size() as i64;
+    let last = sizes.len() - 1;
+    // The innermost axis is copied in wider units when it is contiguous in the
+    // input (the output always is) and every other stride stays a whole number of units.
+    let (w, unit) = if strides[last] == 1 {
+        let mut q: Vec<u64> = vec![x.ptr, y.ptr, (sizes[last] * es) as u64];
+        q.extend(strides[..last].iter().map(|s| (s * es) as u64));
+        unit_for(&q)
+    } else {
+        unit_for(&[x.ptr, y.ptr, es as u64])
+    };
+    // Addresses are element-aligned (checked in `lower`), so w is a multiple of es.
+    let w = w as i64;
+    sizes[last] = sizes[last] * es / w;
+    for s in &mut strides[..last] {
+        *s = *s * es / w;
+    }
+    let n: i64 = sizes.iter().product();
+    let shape = StructArg::default().i64(sizes.len() as i64).i64s(&pad(&sizes, 1)).i64s(&pad(&strides, 0)).build();
+    let args = vec![Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::I64(n), shape];
+    Ok(vec![launch_1d("movement", format!("{kernel}_{unit}"), n as usize, args)])
+}
+
+/// (outer count, axis size, inner count) of `shape` around `axis`.
+fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
+}
+
+/// A chunked copy (`slice`, `slice_backward`, `concat`) of `n` elements;
+/// `chunk` holds the kernel's three chunk arguments in elements. All are
+/// passed in the widest unit that divides their byte sizes and both addresses.
+fn chunked(kernel: &'static str, x: &DevTensor, y: &DevTensor, es: usize, n: usize, chunk: [usize; 3]) -> Launch {
+    let es = es as u64;
+    let mut q = vec![x.ptr, y.ptr];
+    q.extend(chunk.iter().map(|&c| c as u64 * es));
+    let (w, unit) = unit_for(&q);
+    let scale = |c: usize| Arg::I64((c as u64 * es / w) as i64);
+    let n_units = (n as u64 * es / w) as usize;
+    let args = vec![
+        Arg::Ptr(x.ptr),
+        Arg::Ptr(y.ptr),
+        Arg::I64(n_units as i64),
+        scale(chunk[0]),
+        scale(chunk[1]),
+        scale(chunk[2]),
+    ];
+    launch_1d("movement", format!("{kernel}_{unit}"), n_units, args)
+}
+
+impl Lower for Broadcast {
+    const KERNELS: &'static [KernelModule] = MOVEMENT;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
+        gather("broadcast", x, y, &self.shape, broadcast_strides(&x.ty.shape, &self.shape))
+    }
+}
+
+impl Lower for Reshape {
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        // Planned programs alias a view with its source; copy only when they do not.
+        let (src, dst) = (&cx.inputs[0], &cx.outputs[0]);
+        Ok(if src.ptr == dst.ptr {
+            vec![]
+        } else {
+            vec![Launch::Copy { dst: dst.ptr, src: src.ptr, bytes: src.ty.bytes() }]
+        })
+    }
+}
+
+impl Lower for Permute {
+    const KERNELS: &'static [KernelModule] = MOVEMENT;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
+        let own = contiguous_strides(&x.ty.shape);
+        gather("permute", x, y, &y.ty.shape, self.perm.iter().map(|&a| own[a]).collect())
+    }
+}
+
+impl Lower for Slice {
+    const KERNELS: &'static [KernelModule] = MOVEMENT;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
+        let (_, full, inner) = split_axis(&x.ty.shape, self.axis);
+        let len = self.end - self.start;
+        // y[i] = x[(i / cy) * cx + off + i % cy]
+        let chunk = [len * inner, full * inner, self.start * inner];
+        Ok(vec![chunked("slice", x, y, y.ty.dtype.size(), y.ty.numel(), chunk)])
+    }
+}
+
+impl Lower for SliceBackward {
+    const KERNELS: &'static [KernelModule] = MOVEMENT;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (g, y) = (&cx.inputs[0], &cx.outputs[0]);
+        let (_, len, inner) = split_axis(&g.ty.shape, self.axis);
+        // y[i] = x[(i / cy) * cx + j - lo] for lo <= j = i % cy < lo + cx, else 0
+        let chunk = [self.size * inner, len * inner, self.start * inner];
+        Ok(vec![chunked("slice_backward", g, y, y.ty.dtype.size(), y.ty.numel(), chunk)])
+    }
+}
+
+impl Lower for Concat {
+    const KERNELS: &'static [KernelModule] = MOVEMENT;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let y = &cx.outputs[0];
+        let (_, full, inner) = split_axis(&y.ty.shape, self.axis);
+        let mut start = 0;
+        let mut launches = Vec::new();
+        for x in cx.inputs {
+            let len = x.ty.shape[self.axis];
+            if x.ty.numel() > 0 {
+                // y[(i / cx) * cy + off + i % cx] = x[i]
+                let chunk = [len * inner, full * inner, start * inner];
+                launches.push(chunked("concat", x, y, y.ty.dtype.size(), x.ty.numel(), chunk));
+            }
+            start += len;
+        }
+        Ok(launches)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stepgraph_core::ir::DType;
+    use stepgraph_core::ops::Op;
+
+    use super::super::testing::{function, kernels, lower_types, t};
+    use super::*;
+
+    #[test]
+    fn movement_copies_the_widest_unit() {
+        // bf16 rows of 32 elements at 16-byte-aligned offsets: 16-byte units.
+        assert_eq!(function(Slice { axis: 1, start: 16, end: 48 }, &[t(DType::BF16, &[4, 64])]), "slice_u128");
+        // An odd run: element units.
+        assert_eq!(function(Slice { axis: 1, start: 5, end: 12 }, &[t(DType::BF16, &[3, 17])]), "slice_u16");
+        assert_eq!(function(Permute { perm: vec![0, 2, 1, 3] }, &[t(DType::F32, &[2, 16, 4, 64])]), "permute_u128");
+        assert_eq!(function(Permute { perm: vec![1, 0] }, &[t(DType::F64, &[3, 5])]), "permute_u64");
+        assert_eq!(function(Broadcast { shape: vec![4, 17] }, &[t(DType::F16, &[17])]), "broadcast_u16");
+        assert_eq!(function(Broadcast { shape: vec![3, 64] }, &[t(DType::Bool, &[64])]), "broadcast_u128");
+        assert_eq!(function(Broadcast { shape: vec![3, 64] }, &[t(DType::Bool, &[3, 1])]), "broadcast_u8");
+        // Addresses off a 16-byte boundary narrow the unit.
+        let l = lower_types(&Slice { axis: 1, start: 16, end: 48 }.into(), &[t(DType::BF16, &[4, 64])], 4).unwrap();
+        assert_eq!(kernels(&l)[0].function, "slice_u32");
+    }
+
+    #[test]
+    fn empty_slices_and_parts_copy_nothing() {
+        let op = Op::from(Slice { axis: 0, start: 2, end: 2 });
+        assert!(lower_types(&op, &[t(DType::F32, &[4])], 0).unwrap().is_empty());
+        // An empty part of a concat is skipped, the others copied.
+        let op = Op::from(Concat { axis: 0 });
+        assert_eq!(lower_types(&op, &[t(DType::F32, &[0]), t(DType::F32, &[3])], 0).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn an_aliased_reshape_is_free_and_another_copies() {
+        let op = Op::from(Reshape { shape: vec![6] });
+        let x = DevTensor { ty: t(DType::F16, &[2, 3]), ptr: 1 << 20 };
+        let y = DevTensor { ty: t(DType::F16, &[6]), ptr: 1 << 20 };
+        assert!(super::super::lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&y), None).unwrap().is_empty());
+        let z = DevTensor { ptr: 1 << 21, ..y };
+        let l = super::super::lower(&op, &[x], &[z], None).unwrap();
+        assert_eq!(l, vec![Launch::Copy { dst: 1 << 21, src: 1 << 20, bytes: 12 }]);
+    }
+}

@@ -1,0 +1,77 @@
+//! Lowering of the rotary embedding to the kernel of `kernels/rope.cu`: one
+//! block per (batch, position) row of `[B, T, H, D]`, its threads covering
+//! one chunk of rotated pairs of every head. The identity in place (no
+//! rotated dims, output aliasing input) launches nothing.
+
+use stepgraph_core::ops::rope::Rope;
+use stepgraph_core::ops::OpDef;
+
+use super::util::{n64, ptr, row_grid, typed_kernel, MAX_ROW_BLOCKS};
+use super::{Lower, LowerCx};
+use crate::error::{CudaError, Result};
+use crate::kernels::KernelModule;
+use crate::launch::{Arg, Launch};
+
+/// `ROPE_CHUNK` of rope.cu: pairs whose angles a rope block holds at once.
+const ROPE_CHUNK: usize = 256;
+/// Rope blocks do little per element; smaller blocks spread the B·T rows.
+const ROPE_MAX_THREADS: usize = 256;
+
+impl Lower for Rope {
+    const KERNELS: &'static [KernelModule] = &[KernelModule::plain("rope", include_str!("../../kernels/rope.cu"))];
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
+        let [batch, seq, heads, dim] = x.ty.shape[..] else {
+            return Err(CudaError::lower(self.name(), format!("x must be [B, T, H, D], got {}", x.ty)));
+        };
+        let row = heads * dim;
+        if x.ty.numel() == 0 || (self.n_rot == 0 && x.ptr == y.ptr) {
+            // Nothing to write: no element, or the identity in place.
+            return Ok(vec![]);
+        }
+        // In-row offsets are 32-bit in the kernel (its per-element divisions are cheaper so).
+        let int = |v: usize, what: &str| {
+            i32::try_from(v)
+                .map_err(|_| CudaError::lower(self.name(), format!("{what} = {v} exceeds the kernel's 32-bit range")))
+        };
+        let (heads_i, dim_i, n_rot_i) = (int(heads, "H")?, int(dim, "D")?, int(self.n_rot, "n_rot")?);
+        int(row, "H·D")?;
+        // Threads cover one chunk of pairs of every head (all elements for n_rot ≤ 1).
+        let per_row = if self.n_rot >= 2 { heads * (self.n_rot / 2).min(ROPE_CHUNK) } else { row };
+        let threads = per_row.next_multiple_of(32).clamp(32, ROPE_MAX_THREADS) as u32;
+        let bt = batch * seq;
+        let args = vec![
+            ptr(x),
+            ptr(y),
+            n64(bt),
+            n64(seq),
+            Arg::I32(heads_i),
+            Arg::I32(dim_i),
+            Arg::I32(n_rot_i),
+            Arg::F64(self.base),
+            Arg::I32(self.inverse as i32),
+        ];
+        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stepgraph_core::ir::{DType, TensorType};
+    use stepgraph_core::ops::Op;
+
+    use super::*;
+    use crate::launch::DevTensor;
+    use crate::ops::lower;
+
+    #[test]
+    fn rope_in_place_identity_is_free_and_out_of_place_copies() {
+        let op = Op::Rope(Rope { n_rot: 0, base: 10000.0, inverse: false });
+        let ty = TensorType::new(DType::BF16, [1, 2, 3, 4]);
+        let x = DevTensor { ty: ty.clone(), ptr: 4096 };
+        assert!(lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&x), None).unwrap().is_empty());
+        let y = DevTensor { ty, ptr: 8192 };
+        assert_eq!(lower(&op, &[x], &[y], None).unwrap().len(), 1);
+    }
+}
