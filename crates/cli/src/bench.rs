@@ -1,6 +1,10 @@
 //! `stepgraph bench`: one benchmark workload of ../shared/BENCHMARKS.md on the
 //! GPU, eager or as one CUDA graph, reporting planned and measured memory
 //! and step times in the fields that document defines.
+//!
+//! The step comes from [`compile_step`]; the timed steps drive the session
+//! as a `dyn Session` ([`timed_steps`]); the memory details, profile and
+//! tuning report are the CUDA session's own.
 
 use std::time::Instant;
 
@@ -9,13 +13,14 @@ use clap::{Args, ValueEnum};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{StepKind, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{build_forward, init_params_fast, Config, LossKind, ModelSpec, Overrides};
-use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::models::{init_params_fast, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{CudaOptions, CudaSession, MemoryReport};
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]
@@ -125,31 +130,23 @@ fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
     })
 }
 
-pub fn run(args: &BenchArgs) -> Result<()> {
-    if args.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
-    let (spec, kind) = spec(args.workload)?;
-    let fwd = build_forward(&spec)?;
-    let mut opts = TrainOptions::default();
-    opts.adamw.weight_decay = 0.1;
-    let step = build_step(&fwd, kind, &opts)?;
-    let p = plan(&step, PlanOptions::default())?;
-    check_plan(&step, &p)?;
-    let params: u64 = fwd.params().map(|v| fwd.ty(v).numel() as u64).sum();
-    let mut s = CudaSession::new(step.clone(), p, CudaOptions { tf32: args.tf32 })?;
-    for (v, t) in init_params_fast(&fwd, 0) {
-        s.write_named(fwd.value(v).kind.leaf_name().expect("a parameter"), &t)?;
-    }
-    for v in step.leaves().collect::<Vec<_>>() {
-        if matches!(step.value(v).kind, stepgraph_core::ir::ValueKind::State { .. }) {
-            s.write(v, &HostTensor::zeros(step.ty(v).clone()))?;
-        }
-    }
+/// What the timed steps measured.
+struct Timed {
+    capture_ms: Option<f64>,
+    /// Milliseconds of each step after the warm-up.
+    times: Vec<f64>,
+    loss_first: f64,
+    loss_last: f64,
+}
+
+/// Runs `args.warmup + args.steps` steps on random batches in `args.mode`:
+/// eagerly, or by replay of a recording made once after one eager step
+/// has warmed up modules and plans.
+fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: StepKind) -> Result<Timed> {
     let (b, t) = (spec.batch, spec.seq);
     let ids_ty = TensorType::new(DType::I32, [b, t]);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let mut write_batch = |s: &mut CudaSession, it: usize| -> Result<()> {
+    let mut write_batch = |s: &mut dyn Session, it: usize| -> Result<()> {
         let ids: Vec<f64> = (0..b * t).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
         s.write_named(TOKENS_INPUT, &HostTensor::from_f64(ids_ty.clone(), &ids))?;
         if spec.loss == LossKind::CrossEntropy {
@@ -172,11 +169,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut times = Vec::new();
     let (mut loss_first, mut loss_last) = (f64::NAN, f64::NAN);
     for it in 1..=args.warmup + args.steps {
-        write_batch(&mut s, it)?;
+        write_batch(s, it)?;
         if args.mode == Mode::Graph && capture_ms.is_none() {
-            // Capture once, after one eager step has warmed up modules and plans.
+            // Record once, after one eager step has warmed up modules and plans.
             s.run_eager()?;
-            capture_ms = Some(s.capture()?.as_secs_f64() * 1e3);
+            capture_ms = Some(s.prepare_replay()?.as_secs_f64() * 1e3);
         }
         let t0 = Instant::now();
         match args.mode {
@@ -193,6 +190,25 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             times.push(dt);
         }
     }
+    Ok(Timed { capture_ms, times, loss_first, loss_last })
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let (spec, kind) = spec(args.workload)?;
+    let mut opts = StepOptions::new(kind);
+    opts.train.adamw.weight_decay = 0.1;
+    let c = compile_step(&spec, &opts)?;
+    let params = c.param_count() as u64;
+    let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32 })?;
+    for (v, t) in init_params_fast(&c.forward, 0) {
+        s.write_named(c.forward.value(v).kind.leaf_name().expect("a parameter"), &t)?;
+    }
+    s.zero_state()?;
+    let Timed { capture_ms, mut times, loss_first, loss_last } = timed_steps(&mut s, args, &spec, kind)?;
+    let (b, t) = (spec.batch, spec.seq);
     times.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
     let median = if times.len() % 2 == 1 {
         times[times.len() / 2]

@@ -7,9 +7,9 @@
 //! (the state dict), `io.safetensors` (`input_ids` [B, T] and the first
 //! step's `loss` [1]) and `grads.safetensors` (every parameter's gradient of
 //! that step, Hugging Face names). The model is built from `config.json`, the
-//! batch shape from `input_ids`. The step is planned once and then bound to
-//! a backend session ([`StepSession`]: the CPU reference backend or a
-//! `CudaSession` on GPU 0); everything else — loading, running, reading back
+//! batch shape from `input_ids`. The step is compiled once
+//! ([`compile_step`]) and then bound to a backend session (a `dyn Session`:
+//! the CPU reference backend or a `CudaSession` on GPU 0); everything else — loading, running, reading back
 //! and the comparison itself — is the same code for both.
 //!
 //! The metric, per tensor (the loss counts as a tensor of one element), with
@@ -29,13 +29,15 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, Trace, ValueId};
+use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors, reference_batch};
-use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec};
-use stepgraph_core::plan::{check_plan, plan, MemoryPlan, PlanOptions};
+use stepgraph_core::models::{Config, LossKind, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::plan::MemoryPlan;
+use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
 
 /// The default tolerance on `rel` when the step and the reference are f32.
@@ -220,68 +222,6 @@ pub struct Report {
 const METRIC: &str = "per tensor, a = stepgraph, b = reference, in f64: rel = |a - b|_2 / |b|_2 (the verdict: pass \
                       when rel <= tolerance), rel_max = max|a - b| / max|b|";
 
-/// What the comparison needs of a backend: one planned step bound to memory,
-/// whose leaves can be written, which runs once, and whose values can be
-/// read back.
-trait StepSession {
-    fn trace(&self) -> &Trace;
-    fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()>;
-    fn write_named(&mut self, name: &str, data: &HostTensor) -> Result<()>;
-    fn run_eager(&mut self) -> Result<()>;
-    fn read(&mut self, v: ValueId) -> Result<HostTensor>;
-    fn loss(&mut self) -> Result<f64>;
-    /// The device that runs the step, in words.
-    fn device(&self) -> String;
-}
-
-impl StepSession for CpuSession {
-    fn trace(&self) -> &Trace {
-        CpuSession::trace(self)
-    }
-    fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
-        Ok(CpuSession::write(self, v, data)?)
-    }
-    fn write_named(&mut self, name: &str, data: &HostTensor) -> Result<()> {
-        Ok(CpuSession::write_named(self, name, data)?)
-    }
-    fn run_eager(&mut self) -> Result<()> {
-        Ok(CpuSession::run_eager(self)?)
-    }
-    fn read(&mut self, v: ValueId) -> Result<HostTensor> {
-        Ok(CpuSession::read(self, v))
-    }
-    fn loss(&mut self) -> Result<f64> {
-        Ok(CpuSession::loss(self)?)
-    }
-    fn device(&self) -> String {
-        "the CPU".into()
-    }
-}
-
-impl StepSession for CudaSession {
-    fn trace(&self) -> &Trace {
-        CudaSession::trace(self)
-    }
-    fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
-        Ok(CudaSession::write(self, v, data)?)
-    }
-    fn write_named(&mut self, name: &str, data: &HostTensor) -> Result<()> {
-        Ok(CudaSession::write_named(self, name, data)?)
-    }
-    fn run_eager(&mut self) -> Result<()> {
-        Ok(CudaSession::run_eager(self)?)
-    }
-    fn read(&mut self, v: ValueId) -> Result<HostTensor> {
-        Ok(CudaSession::read(self, v)?)
-    }
-    fn loss(&mut self) -> Result<f64> {
-        Ok(CudaSession::loss(self)?)
-    }
-    fn device(&self) -> String {
-        format!("GPU 0 ({})", self.arch)
-    }
-}
-
 /// The backend to use: the one asked for, else CUDA when `gpu_present()`
 /// says a GPU is there and the CPU otherwise. Asking for CUDA without a GPU
 /// is an error, found before anything is loaded.
@@ -302,7 +242,7 @@ fn resolve_backend(asked: Option<Backend>, gpu_present: impl FnOnce() -> bool) -
 }
 
 /// Binds the planned step to a session of `backend`.
-fn open_session(backend: Backend, step: Trace, memory: MemoryPlan) -> Result<Box<dyn StepSession>> {
+fn open_session(backend: Backend, step: Trace, memory: MemoryPlan) -> Result<Box<dyn Session>> {
     Ok(match backend {
         Backend::Cpu => Box::new(CpuSession::new(step, memory)?),
         Backend::Cuda => Box::new(
@@ -383,10 +323,8 @@ fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
         CompareLoss::Ce => LossKind::CrossEntropy,
     };
     let spec = ModelSpec { config, batch, seq, dtype, loss };
-    let forward = build_forward(&spec)?;
-    let step = build_step(&forward, StepKind::Grads, &TrainOptions::default())?;
-    let memory = plan(&step, PlanOptions::default())?;
-    check_plan(&step, &memory)?;
+    let compiled = compile_step(&spec, &StepOptions::new(StepKind::Grads))?;
+    let (step, memory) = (compiled.step, compiled.plan);
 
     // Checked against the whole trace before the session allocates anything;
     // the raw weights go before the session's buffers arrive.
@@ -609,6 +547,7 @@ mod tests {
     use super::*;
     use clap::Parser;
     use stepgraph_core::ir::TensorType;
+    use stepgraph_core::ir::ValueId;
     use stepgraph_core::models::checkpoint::{name_params, write_safetensors_atomic};
     use stepgraph_core::models::init_params;
 
@@ -717,15 +656,13 @@ mod tests {
             dtype: DType::F32,
             loss,
         };
-        let forward = build_forward(&spec).unwrap();
-        let weights = name_params(&forward, init_params(&forward, 3)).unwrap();
+        let c = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
+        let weights = name_params(&c.forward, init_params(&c.forward, 3)).unwrap();
         write_safetensors_atomic(&dir.join("weights.safetensors"), &weights).unwrap();
         let ids: Vec<f64> = (0..10).map(|i| ((i * 37 + 11) % 64) as f64).collect();
         let ids = HostTensor::from_f64(TensorType::new(DType::I64, [2, 5]), &ids);
 
-        let step = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
-        let memory = plan(&step, PlanOptions::default()).unwrap();
-        let mut s = CpuSession::new(step, memory).unwrap();
+        let mut s = CpuSession::new(c.step, c.plan).unwrap();
         for (name, value) in &weights {
             s.write_named(name, value).unwrap();
         }

@@ -15,11 +15,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::autodiff::{StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
-use stepgraph_core::ir::{DType, Trace};
-use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
-use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions};
+use stepgraph_core::ir::DType;
+use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
+use stepgraph_core::plan::plan_report;
 
 #[derive(Parser)]
 #[command(name = "stepgraph", version, about = "Compile a whole training step into one planned program")]
@@ -182,13 +183,6 @@ impl ModelArgs {
     }
 }
 
-fn step_trace(args: &ModelArgs, default: StepKind, opts: &TrainOptions) -> Result<(ModelSpec, Trace, Trace)> {
-    let spec = args.spec()?;
-    let forward = build_forward(&spec)?;
-    let step = build_step(&forward, args.step_kind(default), opts)?;
-    Ok((spec, forward, step))
-}
-
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
@@ -218,10 +212,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Plan { model, json, top, .. } => {
-            let (_, _, step) = step_trace(&model, StepKind::Grads, &TrainOptions::default())?;
-            let p = plan(&step, PlanOptions::default())?;
-            check_plan(&step, &p)?;
-            let report = plan_report(&step, &p, top);
+            let c = compile_step(&model.spec()?, &StepOptions::new(model.step_kind(StepKind::Grads)))?;
+            let report = plan_report(&c.step, &c.plan, top);
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -229,10 +221,10 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Trace { model, which } => {
-            let (_, forward, step) = step_trace(&model, StepKind::Grads, &TrainOptions::default())?;
+            let t = trace_step(&model.spec()?, &StepOptions::new(model.step_kind(StepKind::Grads)))?;
             match which {
-                Which::Forward => print!("{forward}"),
-                Which::Step => print!("{step}"),
+                Which::Forward => print!("{}", t.forward),
+                Which::Step => print!("{}", t.step),
             }
         }
         Command::Bench(args) => bench::run(&args)?,

@@ -6,7 +6,8 @@
 //! to a private temporary file, and starts N copies of its own executable
 //! with the same arguments plus the hidden `--rank r --nccl-id FILE`. Rank
 //! `r` runs on CUDA device `r`, builds its step of the data-parallel trace
-//! ([`stepgraph_core::dist::build_rank_step`]), writes the same initial
+//! ([`stepgraph_core::pipeline::compile_step`] with the group's
+//! [`DataParallel`]), writes the same initial
 //! weights as every rank (the same seed), and trains on its rows of the same
 //! global batch (every rank draws the global batch from the same seeded
 //! generator). Only rank 0 prints. The parent waits for every rank; when one
@@ -18,6 +19,9 @@
 //! collectives run in order on the compute stream, or with `--overlap` on a
 //! second stream that rejoins the compute stream where their bytes are next
 //! touched ([`stepgraph_cuda::overlap`]).
+//!
+//! The backend is chosen once, when the session opens; the training loop
+//! drives a `dyn Session` and only knows from which step on it replays.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -29,14 +33,15 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 
-use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
-use stepgraph_core::dist::{build_rank_step, rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, TensorType, Trace, ValueId, ValueKind};
+use stepgraph_core::ir::{DType, TensorType, Trace};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{build_forward, init_params, ModelSpec};
-use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::models::{init_params, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
+use stepgraph_core::session::Session;
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_count, gpu_available, CudaOptions, CudaSession, RankOptions};
 
@@ -148,130 +153,69 @@ pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
             spec.seq + 2
         );
     }
-    let mut opts = TrainOptions { state_dtype: args.f32_state.then_some(DType::F32), ..TrainOptions::default() };
-    opts.adamw.weight_decay = args.weight_decay;
-    match role {
-        Role::Cpu => {
-            let forward = build_forward(&spec)?;
-            let step = build_step(&forward, model.step_kind(StepKind::Train), &opts)?;
-            let p = plan(&step, PlanOptions::default())?;
-            check_plan(&step, &p)?;
-            let planned = p.planned_peak_bytes();
-            let session = CpuSession::new(step, p)?;
-            let mut runner = Runner::Cpu { session: Box::new(session), record: Duration::ZERO };
-            train_loop(&mut runner, &forward, &spec, &text, args, (0, 1), planned, "CPU")
-        }
+    let mut train = TrainOptions { state_dtype: args.f32_state.then_some(DType::F32), ..TrainOptions::default() };
+    train.adamw.weight_decay = args.weight_decay;
+    let mut opts = StepOptions { train, ..StepOptions::new(model.step_kind(StepKind::Train)) };
+    match &role {
+        Role::Cpu => {}
         Role::Launcher { gpus } => {
             // The ranks' step, built once here so that a step the group cannot
             // run (a batch or a parameter that does not split) fails before
             // any process starts, with one message instead of N.
-            build_rank_step(&spec, model.step_kind(StepKind::Train), &opts, &args.data_parallel(gpus)?)?;
-            launch(gpus)
+            opts.data_parallel = Some(args.data_parallel(*gpus)?);
+            trace_step(&spec, &opts)?;
+            return launch(*gpus);
+        }
+        Role::Rank { world, .. } => opts.data_parallel = Some(args.data_parallel(*world)?),
+    }
+    let CompiledStep { forward, step, plan, .. } = compile_step(&spec, &opts)?;
+    let planned = plan.planned_peak_bytes();
+    // The backend, chosen once: the CPU replays its recorded launch list
+    // from step 1; a GPU runs step 1 eagerly (NCCL connects the ranks at
+    // their first collectives), then replays one captured graph, unless
+    // --eager.
+    match role {
+        Role::Cpu => {
+            let mut session = CpuSession::new(step, plan)?;
+            train_loop(&mut session, Some(1), &forward, &spec, &text, args, (0, 1), planned, "CPU")
         }
         Role::Rank { rank, world, id_file } => {
-            let dp = args.data_parallel(world)?;
-            let (_, forward, step) = build_rank_step(&spec, model.step_kind(StepKind::Train), &opts, &dp)?;
-            let p = plan(&step, PlanOptions::default())?;
-            check_plan(&step, &p)?;
-            let planned = p.planned_peak_bytes();
             let id = NcclId::read_file(&id_file)
                 .with_context(|| format!("rank {rank}: reading the NCCL id the launcher wrote"))?;
             let group = NcclGroup { id, rank, world };
-            let session = CudaSession::new_rank(
+            let mut session = CudaSession::new_rank(
                 step,
-                p,
+                plan,
                 CudaOptions::default(),
                 RankOptions { device: rank, group: Some(group), overlap: args.overlap },
             )
             .with_context(|| format!("rank {rank}: opening the CUDA session on GPU {rank}"))?;
-            let mut runner = Runner::Cuda { session: Box::new(session), eager: args.eager, capture: None };
             let on = format!("{world} GPU{}", if world == 1 { "" } else { "s" });
-            train_loop(&mut runner, &forward, &spec, &text, args, (rank, world), planned, &on)
+            let replay_from = if args.eager { None } else { Some(2) };
+            train_loop(&mut session, replay_from, &forward, &spec, &text, args, (rank, world), planned, &on)
                 .with_context(|| format!("rank {rank} of {world}"))
         }
+        Role::Launcher { .. } => unreachable!("the launcher returned above"),
     }
 }
 
-/// A session of either backend, for the training loop.
-enum Runner {
-    Cpu { session: Box<CpuSession>, record: Duration },
-    Cuda { session: Box<CudaSession>, eager: bool, capture: Option<Duration> },
-}
-
-impl Runner {
-    fn trace(&self) -> &Trace {
-        match self {
-            Runner::Cpu { session, .. } => session.trace(),
-            Runner::Cuda { session, .. } => session.trace(),
-        }
+/// A closing note on how the steps ran: the recording, and where the
+/// backend measures its memory, the peak it held against the plan.
+fn closing_note(session: &mut dyn Session, recorded: Option<Duration>) -> Result<String> {
+    let how = match recorded {
+        Some(t) => format!("{} in {:.2} ms", session.replay_label(), t.as_secs_f64() * 1e3),
+        None => "eager".to_string(),
+    };
+    let m = session.memory()?;
+    if !m.measured {
+        return Ok(how);
     }
-
-    fn write(&mut self, v: ValueId, t: &HostTensor) -> Result<()> {
-        match self {
-            Runner::Cpu { session, .. } => session.write(v, t)?,
-            Runner::Cuda { session, .. } => session.write(v, t)?,
-        }
-        Ok(())
-    }
-
-    fn write_named(&mut self, name: &str, t: &HostTensor) -> Result<()> {
-        match self {
-            Runner::Cpu { session, .. } => session.write_named(name, t)?,
-            Runner::Cuda { session, .. } => session.write_named(name, t)?,
-        }
-        Ok(())
-    }
-
-    /// Step `it` (from 1): the CPU replays its recorded launch list; the GPU
-    /// runs step 1 eagerly, then captures the step once and replays it.
-    fn step(&mut self, it: usize) -> Result<()> {
-        match self {
-            Runner::Cpu { session, record } => {
-                if it == 1 {
-                    *record = session.record();
-                }
-                session.replay()?;
-            }
-            Runner::Cuda { session, eager, capture } => {
-                if *eager || it == 1 {
-                    session.run_eager()?;
-                } else {
-                    if capture.is_none() {
-                        *capture = Some(session.capture()?);
-                    }
-                    session.replay()?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn loss(&mut self) -> Result<f64> {
-        Ok(match self {
-            Runner::Cpu { session, .. } => session.loss()?,
-            Runner::Cuda { session, .. } => session.loss()?,
-        })
-    }
-
-    /// A closing note on how the step ran.
-    fn note(&mut self) -> Result<String> {
-        Ok(match self {
-            Runner::Cpu { record, .. } => format!("launch list recorded in {:.2} ms", record.as_secs_f64() * 1e3),
-            Runner::Cuda { session, capture, .. } => {
-                let m = session.memory()?;
-                let how = match capture {
-                    Some(t) => format!("step graph captured in {:.1} ms", t.as_secs_f64() * 1e3),
-                    None => "eager".to_string(),
-                };
-                format!(
-                    "{how}; device peak {:.1} MB for a {:.1} MB plan (NCCL {:.1} MB)",
-                    m.device_peak_bytes as f64 / 1e6,
-                    m.planned_peak_bytes as f64 / 1e6,
-                    m.comm_bytes as f64 / 1e6
-                )
-            }
-        })
-    }
+    Ok(format!(
+        "{how}; device peak {:.1} MB for a {:.1} MB plan (NCCL {:.1} MB)",
+        m.held_bytes as f64 / 1e6,
+        m.planned_bytes as f64 / 1e6,
+        m.comm_bytes as f64 / 1e6
+    ))
 }
 
 /// The global batch of one step: `batch` random windows of `seq + 1` bytes.
@@ -287,10 +231,13 @@ fn draw_batch(rng: &mut rand::rngs::StdRng, text: &[u8], batch: usize, seq: usiz
 }
 
 /// Trains rank `rank` of `world` (0 of 1 without data parallelism); only
-/// rank 0 prints. `spec` has the global batch.
+/// rank 0 prints. `spec` has the global batch. Steps from `replay_from` on
+/// (counting from 1) replay the recorded step, recorded right before the
+/// first of them; earlier steps, or every step with `None`, run eagerly.
 #[allow(clippy::too_many_arguments)]
 fn train_loop(
-    runner: &mut Runner,
+    session: &mut dyn Session,
+    replay_from: Option<usize>,
     forward: &Trace,
     spec: &ModelSpec,
     text: &[u8],
@@ -303,15 +250,10 @@ fn train_loop(
     let talk = rank == 0;
     for (fp, value) in init_params(forward, args.seed) {
         let name = forward.value(fp).kind.leaf_name().unwrap_or_default().to_string();
-        runner.write_named(&name, &value)?;
+        session.write_named(&name, &value)?;
     }
-    let states: Vec<ValueId> =
-        runner.trace().leaves().filter(|v| matches!(runner.trace().value(*v).kind, ValueKind::State { .. })).collect();
-    for s in states {
-        let zeros = HostTensor::zeros(runner.trace().ty(s).clone());
-        runner.write(s, &zeros)?;
-    }
-    let params: usize = runner.trace().params().map(|p| runner.trace().ty(p).numel()).sum();
+    session.zero_state()?;
+    let params: usize = session.trace().params().map(|p| session.trace().ty(p).numel()).sum();
     let global_ty = TensorType::new(DType::I32, [global, seq]);
     if talk {
         let per_rank =
@@ -335,16 +277,24 @@ fn train_loop(
     // Every rank draws the same global batches and keeps its rows.
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed ^ 0x5eed);
     let (mut first, mut last) = (f64::NAN, f64::NAN);
+    let mut recorded: Option<Duration> = None;
     let t0 = Instant::now();
     for it in 1..=steps {
         let [tokens, targets] = draw_batch(&mut rng, text, global, seq, &global_ty);
         let lr_now = if it <= args.warmup { lr * it as f64 / args.warmup.max(1) as f64 } else { lr };
-        runner.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
-        runner.write_named(TARGETS_INPUT, &shard_rows(&targets, rank, world)?)?;
-        runner.write_named(LR_INPUT, &scalar_input(lr_now))?;
-        runner.write_named(STEP_INPUT, &scalar_input(it as f64))?;
-        runner.step(it)?;
-        let loss = runner.loss()?;
+        session.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
+        session.write_named(TARGETS_INPUT, &shard_rows(&targets, rank, world)?)?;
+        session.write_named(LR_INPUT, &scalar_input(lr_now))?;
+        session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
+        if replay_from.is_some_and(|from| it >= from) {
+            if recorded.is_none() {
+                recorded = Some(session.prepare_replay()?);
+            }
+            session.replay()?;
+        } else {
+            session.run_eager()?;
+        }
+        let loss = session.loss()?;
         if !loss.is_finite() {
             bar.abandon();
             bail!("the loss became {loss} at step {it}: lower the learning rate (--lr, now {lr})");
@@ -358,7 +308,7 @@ fn train_loop(
         bar.inc(1);
     }
     bar.finish();
-    let note = runner.note()?;
+    let note = closing_note(session, recorded)?;
     if talk {
         // A replayed GPU step of a small model takes a millisecond: say ms below a second.
         let secs = t0.elapsed().as_secs_f64();

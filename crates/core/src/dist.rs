@@ -44,14 +44,15 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::autodiff::{build_step, StepKind, TrainOptions};
+use crate::autodiff::{StepKind, TrainOptions};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
-use crate::models::{build_forward, ModelSpec};
+use crate::models::ModelSpec;
 use crate::ops::collective::{shard_type, ReduceOp};
 use crate::ops::Op;
-use crate::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
+use crate::pipeline::{compile_step, trace_step, StepOptions};
+use crate::plan::{plan_report, PlanReport};
 
 /// PyTorch DDP's default bucket size (`bucket_cap_mb=25`, in MiB).
 pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
@@ -73,7 +74,8 @@ impl DataParallel {
         DataParallel { world, bucket_bytes: DEFAULT_BUCKET_BYTES, zero1: false }
     }
 
-    fn check(&self) -> Result<()> {
+    /// At least one rank and a positive bucket size.
+    pub(crate) fn check(&self) -> Result<()> {
         if self.world == 0 {
             return Err(Error::Parallel("the number of ranks must be at least 1".into()));
         }
@@ -342,20 +344,18 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
 }
 
 /// Builds one rank's step for the global batch of `spec`: the rank's rows
-/// ([`rank_spec`]), autodiff, then [`data_parallel`]. Returns the rank's
-/// spec, its forward trace and its step.
+/// ([`rank_spec`]), autodiff, then [`data_parallel`], through
+/// [`crate::pipeline::trace_step`]. Returns the rank's spec, its forward
+/// trace and its step.
 pub fn build_rank_step(
     spec: &ModelSpec,
     kind: StepKind,
     opts: &TrainOptions,
     dp: &DataParallel,
 ) -> Result<(ModelSpec, Trace, Trace)> {
-    dp.check()?;
-    let rank = rank_spec(spec, dp.world)?;
-    let forward = build_forward(&rank)?;
-    let step = build_step(&forward, kind, opts)?;
-    let step = data_parallel(&step, dp)?;
-    Ok((rank, forward, step))
+    let step_opts = StepOptions { train: opts.clone(), data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+    let t = trace_step(spec, &step_opts)?;
+    Ok((t.spec, t.forward, t.step))
 }
 
 /// The per-rank memory plan of a data-parallel step next to the plan of the
@@ -390,30 +390,22 @@ pub fn plan_data_parallel(
     dp: &DataParallel,
     top: usize,
 ) -> Result<DataParallelReport> {
-    dp.check()?;
-    let rank = rank_spec(spec, dp.world)?;
-    let local = build_step(&build_forward(&rank)?, kind, opts)?;
-    let bks = buckets(&local, dp.bucket_bytes)?;
-    let step = data_parallel(&local, dp)?;
-    let p = plan(&step, PlanOptions::default())?;
-    check_plan(&step, &p)?;
-    let per_rank = plan_report(&step, &p, top);
-
-    let single_step = build_step(&build_forward(spec)?, kind, opts)?;
-    let sp = plan(&single_step, PlanOptions::default())?;
-    check_plan(&single_step, &sp)?;
-    let single = plan_report(&single_step, &sp, top);
+    let step_opts = StepOptions { train: opts.clone(), data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+    let rank = compile_step(spec, &step_opts)?;
+    let per_rank = plan_report(&rank.step, &rank.plan, top);
+    let one = compile_step(spec, &StepOptions { data_parallel: None, ..step_opts })?;
+    let single = plan_report(&one.step, &one.plan, top);
 
     Ok(DataParallelReport {
         gpus: dp.world,
         zero1: dp.zero1,
         global_batch: spec.batch,
-        rank_batch: rank.batch,
+        rank_batch: rank.spec.batch,
         seq: spec.seq,
         bucket_bytes: dp.bucket_bytes,
-        buckets: bks.len(),
-        largest_bucket_bytes: bks.iter().map(|b| b.bytes).max().unwrap_or(0),
-        reduced_bytes: bks.iter().map(|b| b.bytes).sum(),
+        buckets: rank.buckets.len(),
+        largest_bucket_bytes: rank.buckets.iter().copied().max().unwrap_or(0),
+        reduced_bytes: rank.buckets.iter().sum(),
         single,
         per_rank,
     })

@@ -39,6 +39,10 @@ pub enum Error {
     /// parameter shapes that do not split over the ranks, a step without gradients).
     #[error("data parallel: {0}")]
     Parallel(String),
+    /// Another backend's error, passed through a backend-neutral interface
+    /// ([`crate::session::Session`]); its message names the backend's problem.
+    #[error("{0}")]
+    Backend(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// Bad data handed to a step: wrong length, token id out of range, ...
     #[error("step input `{name}`: {reason}")]
     Input { name: String, reason: String },

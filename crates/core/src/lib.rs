@@ -6,7 +6,10 @@
 //! the step and assigns every value an offset in one arena or a persistent
 //! buffer; [`cpu`] runs the planned program. [`dist`] turns a step into the
 //! step of one rank of a data-parallel group (collectives inserted after
-//! autodiff), which [`cpu::comm`] runs in threads. Nothing here knows about CUDA.
+//! autodiff), which [`cpu::comm`] runs in threads. [`pipeline`] assembles
+//! those stages, from a model spec to a checked plan, for every caller, and
+//! [`session::Session`] is the interface every backend's session offers.
+//! Nothing here knows about CUDA.
 
 pub mod autodiff;
 pub mod cpu;
@@ -17,7 +20,9 @@ pub mod ir;
 pub mod models;
 pub mod ops;
 pub mod passes;
+pub mod pipeline;
 pub mod plan;
+pub mod session;
 pub mod testing;
 
 pub use error::{Error, Result};

@@ -18,6 +18,13 @@
 //! stream like every other launch, so eager runs and graph capture order
 //! them identically.
 //!
+//! [`CudaSession::new_rank`] builds a session in named stages, each a
+//! function below: check the rank, open the device, allocate (after
+//! checking that the plan fits), lower, make the collectives' side stream,
+//! load the kernel modules, plan the matrix products, join the group.
+//! The session also implements core's backend-neutral
+//! [`stepgraph_core::session::Session`].
+//!
 //! Device memory is measured, not assumed: the driver's used memory
 //! (total − free) is sampled against a baseline taken right after the
 //! context exists, and reported next to the plan ([`MemoryReport`]).
@@ -37,13 +44,15 @@ use stepgraph_core::ir::{Builder, Trace, ValueId};
 use stepgraph_core::ops::collective::world_of;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
+use stepgraph_core::session::{Session, SessionMemory};
+use stepgraph_core::Result as CoreResult;
 
 use crate::blas::Blas;
 use crate::error::{CudaError, Result};
 use crate::graph::StepGraph;
 use crate::launch::{DevTensor, KernelLaunch, Launch};
 use crate::lower::{lower, GroupRank};
-use crate::nccl::{NcclComm, NcclGroup};
+use crate::nccl::{Nccl, NcclComm, NcclGroup};
 use crate::nvrtc;
 
 /// Backend options.
@@ -120,6 +129,8 @@ pub struct CudaSession {
     memory: MemoryReport,
     total_device_bytes: u64,
     pub arch: String,
+    /// The CUDA device ordinal the session runs on.
+    device: usize,
     /// This session's rank, when it is one rank of a group.
     group: Option<GroupRank>,
     /// The group's communicator, when the step has collectives.
@@ -141,7 +152,8 @@ struct SideStream {
 
 /// Is there a usable NVIDIA GPU (the driver library and at least one device)?
 pub fn gpu_available() -> bool {
-    // SAFETY: dlopen check only.
+    // SAFETY: `is_culib_present` only tries to dlopen the driver library;
+    // it has no precondition and touches no CUDA state.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return false;
     }
@@ -150,7 +162,8 @@ pub fn gpu_available() -> bool {
 
 /// Number of GPUs the driver shows (after `CUDA_VISIBLE_DEVICES`).
 pub fn device_count() -> Result<usize> {
-    // SAFETY: dlopen check only; without the driver library there is no GPU.
+    // SAFETY: as in `gpu_available`: a dlopen attempt with no precondition.
+    // Without the driver library there is no GPU.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Ok(0);
     }
@@ -167,6 +180,233 @@ fn align(x: u64) -> u64 {
     x.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
 }
 
+/// An opened GPU: its context and compute stream, its architecture, and the
+/// driver's used and total memory right after the context exists (the
+/// baseline the session's memory is measured against).
+struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    baseline: u64,
+    total: u64,
+}
+
+/// The session's one device allocation, `[persistent | arena | workspace]`.
+struct Allocation {
+    base: u64,
+    persistent_base: u64,
+    arena_base: u64,
+    /// Arena bytes (the plan's, aligned).
+    arena: u64,
+    workspace_base: u64,
+    /// cuBLASLt workspace bytes.
+    workspace: u64,
+    /// The whole allocation.
+    bytes: u64,
+}
+
+/// A lowered step resolved against its kernel modules.
+struct Loaded {
+    prepared: Vec<Prepared>,
+    /// Every matrix product of the step, in launch order, for cuBLASLt planning.
+    gemms: Vec<crate::launch::GemmCall>,
+    /// The modules the step's kernels live in, kept as long as the session.
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+}
+
+/// Stage 1, before the GPU is touched: the session's rank checked against
+/// every collective of `trace` ([`check_group`]), and NCCL loaded when the
+/// step has collectives (so a missing library fails before any allocation).
+fn check_rank(trace: &Trace, rank: &RankOptions) -> Result<(Option<GroupRank>, Option<&'static Nccl>)> {
+    let group = check_group(trace, rank.group.as_ref())?;
+    let has_collectives = trace.nodes.iter().any(|n| world_of(&n.op).is_some());
+    let nccl = if has_collectives { Some(crate::nccl::nccl()?) } else { None };
+    Ok((group, nccl))
+}
+
+/// Stage 2: opens GPU `device` (after `CUDA_VISIBLE_DEVICES`): its context
+/// with event tracking off, one compute stream, its architecture, and the
+/// memory baseline.
+fn open_device(device: usize) -> Result<Device> {
+    if !gpu_available() {
+        return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
+    }
+    let devices = device_count()?;
+    if device >= devices {
+        return Err(CudaError::Rank(format!(
+            "GPU {device} asked for, but this machine shows {devices} (CUDA_VISIBLE_DEVICES may hide some)"
+        )));
+    }
+    let ctx = CudaContext::new(device)?;
+    // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
+    // the session orders everything itself: on one stream, or with its
+    // own events for the collectives' side stream (`RankOptions::overlap`).
+    // SAFETY: the contract is that the caller synchronises streams itself
+    // for every slice created from now on: none is freed, read or written on
+    // one stream while another still uses it. The session makes no
+    // `CudaSlice` (its memory is one raw allocation), and its launches run in
+    // order on one stream, or with its own events for the side stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    let (major, minor) = ctx.compute_capability()?;
+    let arch = format!("sm_{major}{minor}");
+    let (baseline, total) = used_bytes()?;
+    Ok(Device { ctx, stream, arch, baseline, total })
+}
+
+/// Stage 3: checks that the plan plus the cuBLASLt workspace fits the
+/// device's free memory (refusing before allocating anything), makes the one
+/// allocation, and poisons the arena with 0xFF so that a kernel reading
+/// memory nothing wrote shows up as NaN in tests.
+fn allocate(plan: &MemoryPlan, stream: &CudaStream, baseline: u64, total: u64) -> Result<Allocation> {
+    let workspace = Blas::WORKSPACE_BYTES as u64;
+    let persistent = align(plan.persistent_bytes);
+    let arena = align(plan.arena_bytes);
+    let bytes = persistent + arena + workspace;
+    let free = total - baseline;
+    if bytes > free {
+        return Err(CudaError::DoesNotFit {
+            needed: bytes,
+            needed_gb: bytes as f64 / 1e9,
+            free,
+            free_gb: free as f64 / 1e9,
+        });
+    }
+    // SAFETY: a plain device allocation in the current context (bound by
+    // `open_device`); the session frees it in Drop, once its stream is idle.
+    let base = unsafe { dr::malloc_sync(bytes as usize) }?;
+    let (persistent_base, arena_base) = (base, base + persistent);
+    // SAFETY: `[arena_base, arena_base + arena)` lies inside the allocation
+    // just made, and nothing else uses it yet.
+    unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
+    Ok(Allocation { base, persistent_base, arena_base, arena, workspace_base: arena_base + arena, workspace, bytes })
+}
+
+/// Stage 5, with `RankOptions::overlap`: the collectives' own stream, one
+/// event to fork it from the compute stream and one per collective to join
+/// it back, and where each collective rejoins ([`crate::overlap::joins`]).
+/// `None` for a step without collectives.
+fn side_stream(
+    ctx: &Arc<CudaContext>,
+    trace: &Trace,
+    plan: &MemoryPlan,
+    alloc: &Allocation,
+    launches: &[Launch],
+    launch_nodes: &[usize],
+) -> Result<Option<SideStream>> {
+    if !launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
+        return Ok(None);
+    }
+    let ranges = node_ranges(trace, plan, alloc.persistent_base, alloc.arena_base);
+    let joins = crate::overlap::joins(launches, launch_nodes, &ranges);
+    let event = || dr::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+    let mut done = HashMap::new();
+    for (j, l) in launches.iter().enumerate() {
+        if matches!(l, Launch::Collective(_)) {
+            done.insert(j, event()?);
+        }
+    }
+    Ok(Some(SideStream { stream: ctx.new_stream()?, fork: event()?, done, joins }))
+}
+
+/// Stage 6: compiles (or loads from the disk cache) and loads every kernel
+/// module the launches use, looks each kernel up once (opting it in to
+/// more than 48 KiB of dynamic shared memory when it asks for that), and
+/// encodes every launch's arguments.
+fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> Result<Loaded> {
+    let mut modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
+    let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
+    let mut prepared = Vec::with_capacity(launches.len());
+    let mut gemms = Vec::new();
+    for l in launches {
+        prepared.push(match l {
+            Launch::Kernel(k) => {
+                if !modules.contains_key(k.module) {
+                    let cubin = nvrtc::compile(k.module, arch)?;
+                    let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+                    modules.insert(k.module, module);
+                }
+                let key = (k.module.to_string(), k.function.clone());
+                let func = match functions.get(&key) {
+                    Some(f) => *f,
+                    None => {
+                        let f = modules[k.module].load_function(&k.function).map_err(|e| {
+                            CudaError::Driver(format!("kernel `{}` in module `{}`: {e:?}", k.function, k.module))
+                        })?;
+                        let raw = f.cu_function();
+                        // Kernels asking for more than the default 48 KiB of
+                        // shared memory must opt in; the function stays loaded
+                        // with its module, which the session keeps.
+                        if k.shared_bytes > 48 * 1024 {
+                            // SAFETY: `raw` is a function of a module loaded
+                            // above and kept in `modules` for the session's
+                            // life; the attribute is a documented one whose
+                            // value is a byte count (the driver rejects one
+                            // above the device's limit with an error).
+                            unsafe {
+                                dr::function::set_function_attribute(
+                                    raw,
+                                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    k.shared_bytes as i32,
+                                )
+                            }?;
+                        }
+                        functions.insert(key, raw);
+                        raw
+                    }
+                };
+                let args = k.args.iter().map(|a| a.bytes()).collect();
+                Prepared::Kernel { func, launch: k, args }
+            }
+            Launch::Gemm(g) => {
+                gemms.push(g.clone());
+                Prepared::Gemm(g)
+            }
+            Launch::Memset { ptr, bytes, value } => Prepared::Memset { ptr, bytes, value },
+            Launch::Copy { dst, src, bytes } => Prepared::Copy { dst, src, bytes },
+            Launch::Collective(c) => Prepared::Collective(c),
+        });
+    }
+    Ok(Loaded { prepared, gemms, modules })
+}
+
+/// Stage 7: creates cuBLASLt over the allocation's workspace, plans every
+/// product once, and autotunes the algorithms (unless
+/// `STEPGRAPH_GEMM_AUTOTUNE=0`), then waits for the stream.
+fn plan_gemms(
+    alloc: &Allocation,
+    opts: &CudaOptions,
+    gemms: &[crate::launch::GemmCall],
+    stream: &Arc<CudaStream>,
+) -> Result<Blas> {
+    let mut blas =
+        Blas::new(alloc.workspace_base, alloc.workspace as usize, opts.tf32, crate::blas::autotune_from_env())?;
+    blas.plan_all(gemms)?;
+    // Autotuning runs products on their real addresses. Nothing holds data
+    // yet (weights and inputs are written after construction), and a
+    // matmul output is never persistent (not a leaf, no in-place or view
+    // pair), so only the arena is offered: tuning writes nowhere else.
+    let arena = alloc.arena_base..alloc.arena_base + alloc.arena;
+    blas.autotune(gemms, arena, stream)?;
+    if !blas.tuning().shapes.is_empty() {
+        // Re-poison what the timing runs overwrote, as `allocate` does.
+        // SAFETY: the arena lies inside the session's allocation, and the
+        // timing runs that wrote it were enqueued on this same stream.
+        unsafe { dr::memset_d8_async(alloc.arena_base, 0xFF, alloc.arena as usize, stream.cu_stream()) }?;
+    }
+    stream.synchronize()?;
+    Ok(blas)
+}
+
+/// Stage 8: joins the group's NCCL communicator, blocking until every rank
+/// has; `None` for a step without collectives.
+fn join_group(nccl: Option<&'static Nccl>, group: Option<&NcclGroup>) -> Result<Option<NcclComm>> {
+    match (nccl, group) {
+        (Some(nccl), Some(g)) => Ok(Some(NcclComm::init(nccl, g)?)),
+        _ => Ok(None),
+    }
+}
+
 impl CudaSession {
     /// Binds `trace` planned by `plan` to GPU 0. Refuses, before allocating
     /// anything, a plan that does not fit the device's free memory.
@@ -179,147 +419,36 @@ impl CudaSession {
     /// and loads NCCL (when the step has collectives) before touching the
     /// GPU; joins the group's communicator (blocking until every rank has)
     /// after the step's memory is allocated.
+    ///
+    /// The stages, in order: [`check_rank`], [`open_device`], [`allocate`]
+    /// (which checks that the plan fits first), [`lower_step`],
+    /// [`side_stream`], [`load_launches`], [`plan_gemms`] and
+    /// [`join_group`]; device memory is sampled between them for the
+    /// [`MemoryReport`].
     pub fn new_rank(trace: Trace, plan: MemoryPlan, opts: CudaOptions, rank: RankOptions) -> Result<Self> {
-        let group = check_group(&trace, rank.group.as_ref())?;
-        let has_collectives = trace.nodes.iter().any(|n| world_of(&n.op).is_some());
-        let nccl = if has_collectives { Some(crate::nccl::nccl()?) } else { None };
-        if !gpu_available() {
-            return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
-        }
-        let devices = device_count()?;
-        if rank.device >= devices {
-            return Err(CudaError::Rank(format!(
-                "GPU {} asked for, but this machine shows {devices} (CUDA_VISIBLE_DEVICES may hide some)",
-                rank.device
-            )));
-        }
-        let ctx = CudaContext::new(rank.device)?;
-        // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
-        // the session orders everything itself: on one stream, or with its
-        // own events for the collectives' side stream (`RankOptions::overlap`).
-        // SAFETY: called before any allocation of this context.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream()?;
-        let (major, minor) = ctx.compute_capability()?;
-        let arch = format!("sm_{major}{minor}");
-        let (baseline, total) = used_bytes()?;
-
-        let workspace = Blas::WORKSPACE_BYTES as u64;
-        let persistent = align(plan.persistent_bytes);
-        let arena = align(plan.arena_bytes);
-        let allocation = persistent + arena + workspace;
-        let free = total - baseline;
-        if allocation > free {
-            return Err(CudaError::DoesNotFit {
-                needed: allocation,
-                needed_gb: allocation as f64 / 1e9,
-                free,
-                free_gb: free as f64 / 1e9,
-            });
-        }
-        // SAFETY: a plain device allocation, freed in Drop.
-        let base = unsafe { dr::malloc_sync(allocation as usize) }?;
-        let (persistent_base, arena_base) = (base, base + persistent);
-        let workspace_base = arena_base + arena;
-        // Poison the arena: a kernel that reads memory nothing wrote shows up as NaN in tests.
-        // SAFETY: inside the allocation.
-        unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
-
+        let (group, nccl) = check_rank(&trace, &rank)?;
+        let Device { ctx, stream, arch, baseline, total } = open_device(rank.device)?;
+        let alloc = allocate(&plan, &stream, baseline, total)?;
         let mut memory = MemoryReport {
             planned_peak_bytes: plan.planned_peak_bytes(),
-            workspace_bytes: workspace,
-            allocation_bytes: allocation,
+            workspace_bytes: alloc.workspace,
+            allocation_bytes: alloc.bytes,
             baseline_bytes: baseline,
             ..MemoryReport::default()
         };
         let after_alloc = used_bytes()?.0;
 
-        let mut session_modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
-        let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
-        let (launches, launch_nodes) = lower_step(&trace, &plan, persistent_base, arena_base, group)?;
-        let side = if rank.overlap && launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
-            let ranges = node_ranges(&trace, &plan, persistent_base, arena_base);
-            let joins = crate::overlap::joins(&launches, &launch_nodes, &ranges);
-            let event = || dr::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING);
-            let mut done = HashMap::new();
-            for (j, l) in launches.iter().enumerate() {
-                if matches!(l, Launch::Collective(_)) {
-                    done.insert(j, event()?);
-                }
-            }
-            Some(SideStream { stream: ctx.new_stream()?, fork: event()?, done, joins })
-        } else {
-            None
-        };
-        let mut prepared = Vec::with_capacity(launches.len());
-        let mut gemms = Vec::new();
-        for l in launches {
-            prepared.push(match l {
-                Launch::Kernel(k) => {
-                    if !session_modules.contains_key(k.module) {
-                        let cubin = nvrtc::compile(k.module, &arch)?;
-                        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-                        session_modules.insert(k.module, module);
-                    }
-                    let key = (k.module.to_string(), k.function.clone());
-                    let func = match functions.get(&key) {
-                        Some(f) => *f,
-                        None => {
-                            let f = session_modules[k.module].load_function(&k.function).map_err(|e| {
-                                CudaError::Driver(format!("kernel `{}` in module `{}`: {e:?}", k.function, k.module))
-                            })?;
-                            let raw = f.cu_function();
-                            // Kernels asking for more than the default 48 KiB of
-                            // shared memory must opt in; the function stays loaded
-                            // with its module, which the session keeps.
-                            if k.shared_bytes > 48 * 1024 {
-                                // SAFETY: a loaded function and a documented attribute.
-                                unsafe {
-                                    dr::function::set_function_attribute(
-                                        raw,
-                                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        k.shared_bytes as i32,
-                                    )
-                                }?;
-                            }
-                            functions.insert(key, raw);
-                            raw
-                        }
-                    };
-                    let args = k.args.iter().map(|a| a.bytes()).collect();
-                    Prepared::Kernel { func, launch: k, args }
-                }
-                Launch::Gemm(g) => {
-                    gemms.push(g.clone());
-                    Prepared::Gemm(g)
-                }
-                Launch::Memset { ptr, bytes, value } => Prepared::Memset { ptr, bytes, value },
-                Launch::Copy { dst, src, bytes } => Prepared::Copy { dst, src, bytes },
-                Launch::Collective(c) => Prepared::Collective(c),
-            });
-        }
+        let (launches, launch_nodes) = lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group)?;
+        let side =
+            if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
+        let Loaded { prepared, gemms, modules } = load_launches(&ctx, &arch, launches)?;
         let after_modules = used_bytes()?.0;
-        let mut blas = Blas::new(workspace_base, workspace as usize, opts.tf32, crate::blas::autotune_from_env())?;
-        blas.plan_all(&gemms)?;
-        // Autotuning runs products on their real addresses. Nothing holds data
-        // yet (weights and inputs are written after construction), and a
-        // matmul output is never persistent (not a leaf, no in-place or view
-        // pair), so only the arena is offered: tuning writes nowhere else.
-        blas.autotune(&gemms, arena_base..arena_base + arena, &stream)?;
+        let blas = plan_gemms(&alloc, &opts, &gemms, &stream)?;
         memory.gemm_tune_ms = blas.tuning().wall_ms;
-        if !blas.tuning().shapes.is_empty() {
-            // Re-poison what the timing runs overwrote, as above.
-            // SAFETY: inside the allocation.
-            unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
-        }
-        stream.synchronize()?;
         let after_blas = used_bytes()?.0;
         memory.modules_bytes = after_modules.saturating_sub(after_alloc);
         memory.blas_bytes = after_blas.saturating_sub(after_modules);
-        let comm = match (nccl, &rank.group) {
-            (Some(nccl), Some(g)) => Some(NcclComm::init(nccl, g)?),
-            _ => None,
-        };
+        let comm = join_group(nccl, rank.group.as_ref())?;
         let after_comm = used_bytes()?.0;
         memory.comm_bytes = after_comm.saturating_sub(after_blas);
         memory.device_peak_bytes = after_comm.saturating_sub(baseline);
@@ -329,17 +458,18 @@ impl CudaSession {
             plan,
             ctx,
             stream,
-            base,
-            persistent_base,
-            arena_base,
+            base: alloc.base,
+            persistent_base: alloc.persistent_base,
+            arena_base: alloc.arena_base,
             prepared,
             blas,
-            _modules: session_modules,
+            _modules: modules,
             graph: None,
             id_checks,
             memory,
             total_device_bytes: total,
             arch,
+            device: rank.device,
             group,
             comm,
             side,
@@ -417,7 +547,9 @@ impl CudaSession {
     pub fn read(&mut self, v: ValueId) -> Result<HostTensor> {
         let mut t = HostTensor::zeros(self.trace.ty(v).clone());
         let ptr = self.slot_ptr(self.plan.slot(v));
-        // SAFETY: as for `write`.
+        // SAFETY: the slot holds exactly the tensor's bytes, inside the
+        // session's allocation; `t` outlives the copy, which is complete
+        // when the synchronisation below returns.
         unsafe { dr::memcpy_dtoh_async(t.bytes_mut(), ptr, self.stream.cu_stream()) }?;
         self.stream.synchronize()?;
         Ok(t)
@@ -474,11 +606,18 @@ impl CudaSession {
                         .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", launch.function)))?;
                 }
                 Prepared::Gemm(g) => self.blas.run(g, s)?,
-                // SAFETY: addresses inside the session's allocation.
                 Prepared::Memset { ptr, bytes, value } => {
+                    // SAFETY: the lowering's contract: `[ptr, ptr + bytes)` is a
+                    // planned slice of the session's allocation.
                     unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?
                 }
-                Prepared::Copy { dst, src, bytes } => unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?,
+                Prepared::Copy { dst, src, bytes } => {
+                    // SAFETY: the lowering's contract: both ranges are planned
+                    // slices of the session's allocation (a view the plan did
+                    // not alias, or a rank's shard); the plan gives the source
+                    // and the destination, two live values, disjoint bytes.
+                    unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?
+                }
                 Prepared::Collective(c) => {
                     let comm = self.comm.as_ref().ok_or_else(|| {
                         CudaError::Rank(format!("{} needs the group's communicator", c.op.nccl_name()))
@@ -588,9 +727,79 @@ impl Drop for CudaSession {
         self.graph = None;
         // After the graph that may reference it, before the memory it reduced.
         self.comm = None;
-        // SAFETY: nothing uses the allocation after the stream is idle.
+        // SAFETY: `base` is the allocation made by `allocate`, freed once:
+        // both streams are idle, and the graph and the communicator that
+        // could still reference it were dropped above.
         let _ = unsafe { dr::free_sync(self.base) };
         let _ = &self.ctx;
+    }
+}
+
+/// A CUDA error seen through the backend-neutral [`Session`]: a core error
+/// stays one, anything else is passed through with its message.
+impl From<CudaError> for stepgraph_core::Error {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::Core(core) => core,
+            other => stepgraph_core::Error::Backend(Box::new(other)),
+        }
+    }
+}
+
+/// The neutral view of the session; the richer [`MemoryReport`],
+/// [`CudaSession::profile`] and the tuning report stay inherent.
+impl Session for CudaSession {
+    fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    fn device(&self) -> String {
+        format!("GPU {} ({})", self.device, self.arch)
+    }
+
+    fn write(&mut self, v: ValueId, data: &HostTensor) -> CoreResult<()> {
+        Ok(CudaSession::write(self, v, data)?)
+    }
+
+    fn run_eager(&mut self) -> CoreResult<()> {
+        Ok(CudaSession::run_eager(self)?)
+    }
+
+    /// Captures the CUDA graph; run one eager step first, so that kernel
+    /// modules are warm and NCCL has connected the ranks.
+    fn prepare_replay(&mut self) -> CoreResult<Duration> {
+        Ok(self.capture()?)
+    }
+
+    fn replay_label(&self) -> &'static str {
+        "step graph captured"
+    }
+
+    fn replay(&mut self) -> CoreResult<()> {
+        Ok(CudaSession::replay(self)?)
+    }
+
+    fn read(&mut self, v: ValueId) -> CoreResult<HostTensor> {
+        Ok(CudaSession::read(self, v)?)
+    }
+
+    fn loss(&mut self) -> CoreResult<f64> {
+        Ok(CudaSession::loss(self)?)
+    }
+
+    /// Held is the device peak measured above the context's baseline.
+    fn memory(&mut self) -> CoreResult<SessionMemory> {
+        let m = CudaSession::memory(self)?;
+        Ok(SessionMemory {
+            planned_bytes: m.planned_peak_bytes,
+            held_bytes: m.device_peak_bytes,
+            comm_bytes: m.comm_bytes,
+            measured: true,
+        })
     }
 }
 
@@ -603,6 +812,9 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
     DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
 }
 
+/// Stage 4 of [`CudaSession::new_rank`], public for tests and tools that
+/// inspect a step's launches without a GPU.
+///
 /// The launch list of a whole step: every node lowered over the plan's
 /// addresses (persistent slots from `persistent_base`, arena slots from
 /// `arena_base`) for `group`'s rank, with the node of every launch. Data
@@ -707,7 +919,9 @@ fn run_with_plan(
     for (v, t) in ins.iter().zip(inputs) {
         // Raw writes: a single op's inputs are not step inputs with index checks.
         let ptr = s.slot_ptr(s.plan.slot(*v));
-        // SAFETY: the slot holds the tensor's bytes.
+        // SAFETY: the slot holds exactly the tensor's bytes, inside the
+        // session's allocation; `inputs` outlives the copy, which the
+        // stream finishes before `run_eager` below returns.
         unsafe { dr::memcpy_htod_async(ptr, t.bytes(), s.stream.cu_stream()) }?;
     }
     s.run_eager()?;

@@ -17,7 +17,7 @@
 //! fails on this rank aborts the group so the other ranks do not wait for it.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::cpu::comm::Communicator;
 use crate::cpu::{KernelIo, TensorView};
@@ -26,6 +26,7 @@ use crate::host::HostTensor;
 use crate::ir::{DType, Trace, ValueId, ValueKind};
 use crate::ops::Op;
 use crate::plan::{MemoryPlan, Region};
+use crate::session::{Session, SessionMemory};
 
 /// Host memory aligned to 64 bytes (whole cache lines, and more than any dtype needs).
 struct HostBuffer {
@@ -207,7 +208,7 @@ impl CpuSession {
     }
 
     /// Records the launch list with fixed addresses (once); returns the time it took.
-    pub fn record(&mut self) -> std::time::Duration {
+    pub fn record(&mut self) -> Duration {
         let t0 = Instant::now();
         let mut launches = Vec::new();
         for ni in 0..self.trace.nodes.len() {
@@ -233,6 +234,58 @@ impl CpuSession {
         let comm = self.comm.as_deref();
         let r = launches.iter().try_for_each(|l| run_node(&self.trace.nodes[l.node].op, &l.inputs, &l.outputs, comm));
         self.abort_on_error(r)
+    }
+}
+
+impl Session for CpuSession {
+    fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    fn device(&self) -> String {
+        "the CPU".into()
+    }
+
+    fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
+        CpuSession::write(self, v, data)
+    }
+
+    fn run_eager(&mut self) -> Result<()> {
+        CpuSession::run_eager(self)
+    }
+
+    fn prepare_replay(&mut self) -> Result<Duration> {
+        Ok(self.record())
+    }
+
+    fn replay_label(&self) -> &'static str {
+        "launch list recorded"
+    }
+
+    fn replay(&mut self) -> Result<()> {
+        CpuSession::replay(self)
+    }
+
+    fn read(&mut self, v: ValueId) -> Result<HostTensor> {
+        Ok(CpuSession::read(self, v))
+    }
+
+    fn loss(&mut self) -> Result<f64> {
+        CpuSession::loss(self)
+    }
+
+    /// Host buffers are allocated, not measured: held is what the session allocated.
+    fn memory(&mut self) -> Result<SessionMemory> {
+        Ok(SessionMemory {
+            planned_bytes: self.plan.planned_peak_bytes(),
+            held_bytes: self.held_bytes(),
+            comm_bytes: 0,
+            measured: false,
+        })
     }
 }
 

@@ -1,0 +1,212 @@
+//! The step pipeline, assembled in one place: model spec → forward trace →
+//! step trace (autodiff) → the step of one data-parallel rank (optional) →
+//! memory plan → `check_plan`.
+//!
+//! [`trace_step`] runs the stages up to the step trace; [`compile_step`]
+//! runs them all and returns a [`CompiledStep`]: the step with a plan that
+//! `check_plan` has proved, ready to bind to a backend session
+//! ([`crate::session::Session`]). Every command and the data-parallel
+//! builders go through these two functions, so a stage added here reaches
+//! all of them.
+//!
+//! **Invariant:** a [`CompiledStep`]'s plan belongs to its step and has
+//! passed `check_plan`.
+
+use crate::autodiff::{build_step, StepKind, TrainOptions};
+use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
+use crate::error::Result;
+use crate::ir::{Trace, ValueId};
+use crate::models::{build_forward, ModelSpec};
+use crate::plan::{check_plan, plan, MemoryPlan, PlanOptions};
+
+/// What one step computes and how it is built, besides the model spec.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOptions {
+    /// Forward only, gradients out, or gradients consumed by AdamW.
+    pub kind: StepKind,
+    /// Optimizer settings and the dtype of its state (train steps).
+    pub train: TrainOptions,
+    /// Build the step of one rank of a data-parallel group: the spec's batch
+    /// is the global batch, and each rank takes its rows.
+    pub data_parallel: Option<DataParallel>,
+    /// Planner settings.
+    pub plan: PlanOptions,
+}
+
+impl StepOptions {
+    /// A step of `kind` with default optimizer and planner settings, on one device.
+    pub fn new(kind: StepKind) -> Self {
+        StepOptions { kind, train: TrainOptions::default(), data_parallel: None, plan: PlanOptions::default() }
+    }
+}
+
+/// The traces of one step, before planning.
+#[derive(Clone, Debug)]
+pub struct StepTraces {
+    /// The spec the traces were built for: with data parallelism, one rank's rows.
+    pub spec: ModelSpec,
+    /// The model's forward trace (parameter names, initial weights, printing).
+    pub forward: Trace,
+    /// The step trace: a rank's step under data parallelism.
+    pub step: Trace,
+    /// Bytes of each gradient bucket a rank reduces per step, in order
+    /// (empty without data parallelism).
+    pub buckets: Vec<u64>,
+}
+
+/// A step and its checked memory plan.
+#[derive(Clone, Debug)]
+pub struct CompiledStep {
+    /// The spec the step was built for: with data parallelism, one rank's rows.
+    pub spec: ModelSpec,
+    pub forward: Trace,
+    pub step: Trace,
+    /// The plan of `step`, proved by `check_plan`.
+    pub plan: MemoryPlan,
+    /// As [`StepTraces::buckets`].
+    pub buckets: Vec<u64>,
+}
+
+impl CompiledStep {
+    /// Persistent buffer plus arena.
+    pub fn planned_peak_bytes(&self) -> u64 {
+        self.plan.planned_peak_bytes()
+    }
+
+    /// The step inputs (token ids, targets, learning rate, step count) by name.
+    pub fn input_names(&self) -> Vec<(&str, ValueId)> {
+        self.step.inputs().map(|v| (self.step.value(v).kind.leaf_name().expect("an input is a leaf"), v)).collect()
+    }
+
+    /// Elements of every parameter.
+    pub fn param_count(&self) -> usize {
+        self.step.params().map(|p| self.step.ty(p).numel()).sum()
+    }
+}
+
+/// Builds the traces of a step: the forward trace of `spec` (of one rank's
+/// rows under data parallelism), autodiff to `opts.kind`, and the
+/// data-parallel rewrite. Checks the data-parallel settings and the batch
+/// split before building anything.
+pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
+    let spec = match &opts.data_parallel {
+        Some(dp) => {
+            dp.check()?;
+            rank_spec(spec, dp.world)?
+        }
+        None => spec.clone(),
+    };
+    let forward = build_forward(&spec)?;
+    let step = build_step(&forward, opts.kind, &opts.train)?;
+    let (step, buckets) = match &opts.data_parallel {
+        Some(dp) => {
+            let sizes = buckets(&step, dp.bucket_bytes)?.iter().map(|b| b.bytes).collect();
+            (data_parallel(&step, dp)?, sizes)
+        }
+        None => (step, Vec::new()),
+    };
+    Ok(StepTraces { spec, forward, step, buckets })
+}
+
+/// The whole pipeline: [`trace_step`], then the memory plan, proved by
+/// `check_plan` before it is returned.
+pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep> {
+    let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
+    let plan = plan(&step, opts.plan)?;
+    check_plan(&step, &plan)?;
+    Ok(CompiledStep { spec, forward, step, plan, buckets })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autodiff::{LR_INPUT, STEP_INPUT};
+    use crate::ir::DType;
+    use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+    use crate::models::{Config, LossKind};
+    use crate::plan::plan_report;
+
+    fn tiny(batch: usize, loss: LossKind) -> ModelSpec {
+        ModelSpec { config: Config::named("tiny-llama").unwrap(), batch, seq: 8, dtype: DType::F32, loss }
+    }
+
+    /// The stages as every command used to assemble them by hand.
+    fn by_hand(spec: &ModelSpec, kind: StepKind, opts: &TrainOptions) -> (Trace, Trace, MemoryPlan) {
+        let forward = build_forward(spec).unwrap();
+        let step = build_step(&forward, kind, opts).unwrap();
+        let p = plan(&step, PlanOptions::default()).unwrap();
+        check_plan(&step, &p).unwrap();
+        (forward, step, p)
+    }
+
+    #[test]
+    fn the_pipeline_gives_the_hand_assembled_step_of_every_kind() {
+        let f32_state = TrainOptions { state_dtype: Some(DType::F32), ..TrainOptions::default() };
+        for kind in [StepKind::Forward, StepKind::Grads, StepKind::Train] {
+            for loss in [LossKind::Sum, LossKind::CrossEntropy] {
+                for train in [TrainOptions::default(), f32_state.clone()] {
+                    let spec = tiny(2, loss);
+                    let (forward, step, p) = by_hand(&spec, kind, &train);
+                    let opts = StepOptions { train, ..StepOptions::new(kind) };
+                    let c = compile_step(&spec, &opts).unwrap();
+                    assert_eq!((c.spec.batch, c.spec.seq, &c.spec.config), (spec.batch, spec.seq, &spec.config));
+                    assert_eq!(c.forward.to_string(), forward.to_string());
+                    assert_eq!(c.step.to_string(), step.to_string(), "{kind:?} {loss:?}");
+                    assert_eq!(c.plan.slots, p.slots);
+                    assert_eq!(c.planned_peak_bytes(), p.planned_peak_bytes());
+                    assert_eq!(plan_report(&c.step, &c.plan, 3).planned_peak_bytes, p.planned_peak_bytes());
+                    assert!(c.buckets.is_empty());
+                    let traced = trace_step(&spec, &opts).unwrap();
+                    assert_eq!(traced.step.to_string(), step.to_string());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_pipeline_names_the_inputs_and_counts_the_parameters() {
+        let c = compile_step(&tiny(1, LossKind::CrossEntropy), &StepOptions::new(StepKind::Train)).unwrap();
+        let mut names: Vec<&str> = c.input_names().into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut expected = [LR_INPUT, STEP_INPUT, TARGETS_INPUT, TOKENS_INPUT];
+        expected.sort();
+        assert_eq!(names, expected);
+        for (name, v) in c.input_names() {
+            assert_eq!(c.step.leaf_by_name(name), Some(v));
+        }
+        assert_eq!(c.param_count(), c.forward.params().map(|p| c.forward.ty(p).numel()).sum::<usize>());
+        assert!(c.param_count() > 0);
+    }
+
+    #[test]
+    fn a_data_parallel_step_is_a_ranks_step_with_its_buckets() {
+        let spec = tiny(4, LossKind::CrossEntropy);
+        for zero1 in [false, true] {
+            let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(2) };
+            let opts = StepOptions { data_parallel: Some(dp.clone()), ..StepOptions::new(StepKind::Train) };
+            let c = compile_step(&spec, &opts).unwrap();
+            assert_eq!(c.spec.batch, 2, "each rank takes its rows");
+            let local = build_step(&build_forward(&c.spec).unwrap(), StepKind::Train, &opts.train).unwrap();
+            let by_hand = data_parallel(&local, &dp).unwrap();
+            assert_eq!(c.step.to_string(), by_hand.to_string());
+            let sizes: Vec<u64> = buckets(&local, dp.bucket_bytes).unwrap().iter().map(|b| b.bytes).collect();
+            assert!(sizes.len() > 1);
+            assert_eq!(c.buckets, sizes);
+            check_plan(&c.step, &c.plan).unwrap();
+        }
+        // The split is checked before anything is built.
+        let dp = DataParallel::new(3);
+        let opts = StepOptions { data_parallel: Some(dp), ..StepOptions::new(StepKind::Train) };
+        let e = compile_step(&spec, &opts).unwrap_err().to_string();
+        assert!(e.contains("does not split over 3 ranks"), "{e}");
+    }
+
+    #[test]
+    fn the_planner_options_reach_the_plan() {
+        let spec = tiny(1, LossKind::Sum);
+        let reuse = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
+        let opts = StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::new(StepKind::Grads) };
+        let unplanned = compile_step(&spec, &opts).unwrap();
+        assert!(unplanned.planned_peak_bytes() > reuse.planned_peak_bytes());
+    }
+}
