@@ -12,7 +12,7 @@
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::sample::FLOAT_DTYPES;
-use stepgraph_core::ops::{samples_by_op, Op, Sample, OP_VARIANTS};
+use stepgraph_core::ops::{samples_by_op, Input, Op, Sample, OP_VARIANTS};
 use stepgraph_core::testing::{check_vjp, draw_sample, run_op, run_op_aliased, run_op_filled};
 use stepgraph_core::Error;
 
@@ -286,4 +286,29 @@ fn kernels_write_every_output_element() {
         }
     }
     report("outputs over garbage", &failures);
+}
+
+/// From one seed, every dtype's drawn inputs are the f64 sample's drawn
+/// inputs rounded to its types (computed inputs aside, which the narrow
+/// kernels compute from those rounded values).
+#[test]
+fn every_dtype_draws_the_f64_values_rounded() {
+    let wide = samples_by_op(DType::F64);
+    let mut compared = 0;
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        for ((name, samples), (_, wide)) in samples_by_op(d).iter().zip(&wide) {
+            for (i, (s, w)) in samples.iter().zip(wide).enumerate().filter(|(_, (s, _))| !s.large) {
+                let (x, xw) = (draw_sample(s, 11).unwrap(), draw_sample(w, 11).unwrap());
+                for (k, ((a, b), input)) in x.iter().zip(&xw).zip(&s.inputs).enumerate() {
+                    if matches!(input, Input::Output { .. }) {
+                        continue;
+                    }
+                    let rounded = HostTensor::from_f64(a.ty.clone(), &b.to_f64());
+                    assert!(a.bytes() == rounded.bytes(), "{name}#{i} {d} input {k}: not the f64 draw rounded");
+                    compared += 1;
+                }
+            }
+        }
+    }
+    assert!(compared > 3000, "only {compared} inputs compared");
 }

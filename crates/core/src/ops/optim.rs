@@ -186,7 +186,8 @@ impl OpDef for AdamW {
             (d, sq, DType::F32),
             (DType::F32, DType::F32, DType::F32),
             (DType::F32, sq, DType::F32),
-            (d, DType::F32, DType::F64),
+            (d, sq, DType::F64),
+            (DType::F32, DType::F32, DType::F64),
         ];
         let mut v = Vec::new();
         for (mt, vt, st) in types {

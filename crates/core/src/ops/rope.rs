@@ -107,7 +107,7 @@ impl OpDef for Rope {
     /// pairs than one angle chunk of the GPU kernel (256), LLaMA-like heads
     /// at 4096 positions with both common bases.
     fn samples(d: DType) -> Vec<Sample> {
-        let cases: [(&[usize], usize, f64); 14] = [
+        let cases: [(&[usize], usize, f64); 17] = [
             (&[2, 5, 3, 8], 8, 10000.0),
             (&[2, 5, 3, 8], 4, 100.0),
             (&[2, 5, 3, 1], 1, 10000.0),
@@ -122,6 +122,9 @@ impl OpDef for Rope {
             (&[1, 4096, 2, 128], 128, 10000.0),
             (&[1, 4096, 2, 128], 128, 500000.0),
             (&[3, 33, 5, 64], 32, 1e6),
+            (&[2, 65, 4, 96], 64, 10000.0),
+            (&[2, 65, 4, 96], 96, 10000.0),
+            (&[2, 65, 4, 3], 1, 10000.0),
         ];
         let mut v = Vec::new();
         for (shape, n_rot, base) in cases {
