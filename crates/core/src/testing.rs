@@ -1,6 +1,8 @@
 //! Test support shared by unit tests, integration tests and the CUDA tests:
-//! an unplanned interpreter (every value its own
-//! buffer) and the finite-difference check of VJP rules.
+//! an unplanned interpreter (every value its own buffer), drawing the
+//! inputs of an op's samples ([`draw_sample`]), one-op runs on the CPU
+//! (collectives included, on a local group) and the finite-difference
+//! check of VJP rules.
 //!
 //! The VJP check tests ⟨J·u, v⟩ = ⟨u, Jᵀ·v⟩ in f64: `J·u` by central
 //! differences of the op's CPU kernel, `Jᵀ·v` by running the op's VJP rule
@@ -13,16 +15,27 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
+use crate::cpu::comm::{run_ranks, Communicator};
 use crate::cpu::{Float, KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
-use crate::ops::{Op, VjpArgs};
+use crate::ops::collective::world_of;
+use crate::ops::{Input, Op, Sample, VjpArgs};
 
 /// Runs `trace` with every value in its own buffer (no plan, no reuse), the
 /// leaves taken from `leaves`. Returns every value. The reference against
 /// which planned execution is compared.
 pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result<Vec<HostTensor>> {
+    interpret_with_comm(trace, leaves, None)
+}
+
+/// [`interpret`] with a communicator for the trace's collectives.
+pub fn interpret_with_comm(
+    trace: &Trace,
+    leaves: &HashMap<ValueId, HostTensor>,
+    comm: Option<&dyn Communicator>,
+) -> Result<Vec<HostTensor>> {
     let mut vals: Vec<HostTensor> = trace.values.iter().map(|v| HostTensor::zeros(v.ty.clone())).collect();
     for v in trace.leaves() {
         let t =
@@ -41,7 +54,9 @@ pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result
         let mut outs: Vec<HostTensor> =
             node.outputs.iter().map(|o| HostTensor::garbage(trace.ty(*o).clone())).collect();
         let outputs: Vec<TensorView> = outs.iter_mut().map(view).collect();
-        node.op.cpu(&KernelIo::new(&inputs, &outputs))?;
+        let mut io = KernelIo::new(&inputs, &outputs);
+        io.comm = comm;
+        node.op.cpu(&io)?;
         for (o, t) in node.outputs.iter().zip(outs) {
             vals[o.index()] = t;
         }
@@ -49,7 +64,9 @@ pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result
     Ok(vals)
 }
 
-/// How to draw one input of an op under test.
+/// How to draw one input in [`draw_inputs`]: the shorthand of the lowering
+/// unit tests in `stepgraph-cuda`; op tables use [`Input`] and
+/// [`draw_sample`], which draw the same values for the same shapes.
 #[derive(Clone, Debug)]
 pub enum Arg {
     /// Standard normal floats of this shape (f64 in the check).
@@ -62,49 +79,152 @@ pub enum Arg {
     Fixed(TensorType, Vec<f64>),
 }
 
-fn draw(arg: &Arg, rng: &mut StdRng, dtype: DType) -> HostTensor {
-    match arg {
-        Arg::Normal(s) => {
-            let n = s.iter().product();
-            let d: Vec<f64> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
-            HostTensor::from_f64(TensorType::new(dtype, s.clone()), &d)
+impl Arg {
+    fn input(&self, dtype: DType) -> Input {
+        match self {
+            Arg::Normal(s) => Input::Normal(TensorType::new(dtype, s.clone())),
+            Arg::Positive(s) => Input::Positive(TensorType::new(dtype, s.clone())),
+            Arg::Ids { dtype, shape, max } => Input::Ids { ty: TensorType::new(*dtype, shape.clone()), max: *max },
+            Arg::Fixed(ty, d) => Input::Fixed(ty.clone(), d.clone()),
         }
-        Arg::Positive(s) => {
-            let n = s.iter().product();
-            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0.5..2.0)).collect();
-            HostTensor::from_f64(TensorType::new(dtype, s.clone()), &d)
-        }
-        Arg::Ids { dtype, shape, max } => {
-            let n = shape.iter().product();
-            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0..*max) as f64).collect();
-            HostTensor::from_f64(TensorType::new(*dtype, shape.clone()), &d)
-        }
-        Arg::Fixed(ty, d) => HostTensor::from_f64(ty.clone(), d),
     }
 }
 
-fn differentiable(arg: &Arg) -> bool {
-    matches!(arg, Arg::Normal(_) | Arg::Positive(_))
+/// Draws `input` from `rng`: the same f64 draws for every dtype of the same
+/// shape, rounded to the input's type. `earlier` holds the sample's inputs
+/// drawn so far (for [`Input::Earlier`]).
+fn draw(input: &Input, rng: &mut StdRng, earlier: &[HostTensor]) -> Result<HostTensor> {
+    let ty = input.ty().clone();
+    let n = ty.numel();
+    Ok(match input {
+        Input::Normal(_) => {
+            let d: Vec<f64> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+            HostTensor::from_f64(ty, &d)
+        }
+        Input::Positive(_) => {
+            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0.5..2.0)).collect();
+            HostTensor::from_f64(ty, &d)
+        }
+        Input::Ids { max, .. } => {
+            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0..*max) as f64).collect();
+            HostTensor::from_f64(ty, &d)
+        }
+        Input::Ties(_) => {
+            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(-2..=2) as f64).collect();
+            HostTensor::from_f64(ty, &d)
+        }
+        Input::Fixed(_, d) => HostTensor::from_f64(ty, d),
+        Input::Earlier { index, .. } => earlier
+            .get(*index)
+            .cloned()
+            .ok_or_else(|| Error::Input { name: format!("input {index}"), reason: "not drawn yet".into() })?,
+        Input::Output { op, args, output, .. } => {
+            let xs: Vec<HostTensor> = args.iter().map(|a| draw(a, rng, earlier)).collect::<Result<_>>()?;
+            run_op(op, &xs)?.swap_remove(*output)
+        }
+    })
 }
 
-/// Random inputs for `args` in `dtype` (floats) from `seed`.
+/// The inputs of `sample` drawn from `seed`. Every dtype sees the same f64
+/// draws (one stream per sample, in input order) rounded to its type, so a
+/// narrow sample's inputs are roundings of the f64 sample's of the same
+/// seed; [`Input::Output`]s are computed on the CPU from the drawn values.
+pub fn draw_sample(sample: &Sample, seed: u64) -> Result<Vec<HostTensor>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out: Vec<HostTensor> = Vec::with_capacity(sample.inputs.len());
+    // Outputs of one op on the same earlier inputs (a forward's o and lse)
+    // come from one run: the runs draw nothing, so this changes no value.
+    let mut runs: Vec<(&Op, &[Input], Vec<HostTensor>)> = Vec::new();
+    for input in &sample.inputs {
+        let t = match input {
+            Input::Output { op, args, output, .. } if args.iter().all(|a| matches!(a, Input::Earlier { .. })) => {
+                let i = match runs.iter().position(|(o, a, _)| *o == op && *a == args.as_slice()) {
+                    Some(i) => i,
+                    None => {
+                        let xs: Vec<HostTensor> =
+                            args.iter().map(|a| draw(a, &mut rng, &out)).collect::<Result<_>>()?;
+                        runs.push((op, args, run_op(op, &xs)?));
+                        runs.len() - 1
+                    }
+                };
+                runs[i].2[*output].clone()
+            }
+            _ => draw(input, &mut rng, &out)?,
+        };
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// One input drawn alone from `seed` (as the first input of a sample).
+pub fn draw_input(input: &Input, seed: u64) -> Result<HostTensor> {
+    draw(input, &mut StdRng::seed_from_u64(seed), &[])
+}
+
+/// Random inputs for `args` in `dtype` (floats) from `seed`, drawn as
+/// [`draw_sample`] draws the equivalent [`Input`]s.
 pub fn draw_inputs(args: &[Arg], dtype: DType, seed: u64) -> Vec<HostTensor> {
     let mut rng = StdRng::seed_from_u64(seed);
-    args.iter().map(|a| draw(a, &mut rng, dtype)).collect()
+    args.iter().map(|a| draw(&a.input(dtype), &mut rng, &[]).expect("plain draws cannot fail")).collect()
 }
 
-/// Runs one op on host tensors through its CPU kernel.
+/// Runs one op on host tensors through its CPU kernel, every output buffer
+/// starting as garbage (0xFF bytes). A collective runs with a group of its
+/// `world` ranks in threads (a world of 1 alone), every rank given the same
+/// inputs; the result is rank 0's.
 pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    with_comm(op, |comm| run_op_in(op, inputs, comm))
+}
+
+/// Runs `f` with a communicator for `op`: none for ops that are not
+/// collectives, else rank 0's of a local group of the op's world, the other
+/// ranks running `f` in their own threads.
+fn with_comm<T: Send>(op: &Op, f: impl Fn(Option<&dyn Communicator>) -> Result<T> + Sync) -> Result<T> {
+    match world_of(op) {
+        None => f(None),
+        Some(world) => Ok(run_ranks(world, |comm| f(Some(&comm)))?.swap_remove(0)),
+    }
+}
+
+fn run_op_in(op: &Op, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<HostTensor>> {
     let mut b = Builder::new("op");
     let ids: Vec<ValueId> =
         inputs.iter().enumerate().map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone())).collect::<Result<_>>()?;
     let outs = b.push(op.clone(), &ids)?;
     let trace = b.finish("build")?;
     let leaves: HashMap<ValueId, HostTensor> = trace.inputs().zip(inputs.iter().cloned()).collect();
-    let vals = interpret(&trace, &leaves)?;
+    let vals = interpret_with_comm(&trace, &leaves, comm)?;
     // `finish` renumbers: outputs follow the inputs in order.
     let first = inputs.len();
     Ok((0..outs.len()).map(|k| vals[first + k].clone()).collect())
+}
+
+/// Runs one op's kernel with every output buffer filled with `byte` first
+/// (0xFF is NaN in every float type, as reused arena memory may be).
+/// Collectives run as in [`run_op`]. A kernel that writes every output
+/// element and reads none before writing it gives the same bits for every
+/// `byte`.
+pub fn run_op_filled(op: &Op, inputs: &[HostTensor], byte: u8) -> Result<Vec<HostTensor>> {
+    let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
+    let out_types = op.infer(&types).map_err(|e| Error::op(op.name(), e))?;
+    with_comm(op, |comm| {
+        let mut ins = inputs.to_vec();
+        let mut outs: Vec<HostTensor> = out_types
+            .iter()
+            .map(|t| {
+                let mut h = HostTensor::zeros(t.clone());
+                h.bytes_mut().fill(byte);
+                h
+            })
+            .collect();
+        let view = |t: &mut HostTensor| TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() };
+        let in_views: Vec<TensorView> = ins.iter_mut().map(view).collect();
+        let out_views: Vec<TensorView> = outs.iter_mut().map(view).collect();
+        let mut io = KernelIo::new(&in_views, &out_views);
+        io.comm = comm;
+        op.cpu(&io)?;
+        Ok(outs)
+    })
 }
 
 /// Result of a VJP check: both sides of ⟨J·u, v⟩ = ⟨u, Jᵀ·v⟩.
@@ -120,15 +240,20 @@ impl VjpCheck {
     }
 }
 
-/// The finite-difference check of `op`'s VJP rule in f64 on random inputs
-/// drawn from `args` with `seed`. Every float output gets a random cotangent.
-pub fn check_vjp(op: &Op, args: &[Arg], seed: u64) -> Result<VjpCheck> {
-    let x = draw_inputs(args, DType::F64, seed);
+/// The finite-difference check of a sample's VJP rule on its inputs drawn
+/// with `seed` (an f64 sample: `samples(DType::F64)`). Every differentiable
+/// input ([`Input::differentiable`]) gets a random direction, every float
+/// output a random cotangent. An op without a VJP rule (a backward op, a
+/// collective, an optimizer update) gives its error.
+pub fn check_vjp(sample: &Sample, seed: u64) -> Result<VjpCheck> {
+    let op = &sample.op;
+    let x = draw_sample(sample, seed)?;
     let mut rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
-    let u: Vec<Option<Vec<f64>>> = args
+    let u: Vec<Option<Vec<f64>>> = sample
+        .inputs
         .iter()
         .zip(&x)
-        .map(|(a, t)| differentiable(a).then(|| (0..t.ty.numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
+        .map(|(a, t)| a.differentiable().then(|| (0..t.ty.numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
         .collect();
 
     // Jᵀ·v through the VJP rule.
@@ -252,7 +377,12 @@ pub fn is_leaf_named(trace: &Trace, v: ValueId, name: &str) -> bool {
 /// Runs one op with every declared in-place pair sharing storage (where the
 /// two types match), as a planned program may. Compare with [`run_op`]: an
 /// op's kernel must give the same bits either way.
+/// Collectives run as in [`run_op`].
 pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    with_comm(op, |comm| run_op_aliased_in(op, inputs, comm))
+}
+
+fn run_op_aliased_in(op: &Op, inputs: &[HostTensor], comm: Option<&dyn Communicator>) -> Result<Vec<HostTensor>> {
     let types: Vec<&TensorType> = inputs.iter().map(|t| &t.ty).collect();
     let out_types = op.infer(&types).map_err(|e| Error::op(op.name(), e))?;
     let mut bufs: Vec<HostTensor> = inputs.to_vec();
@@ -276,7 +406,9 @@ pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>
             None => TensorView { ty: t.ty.clone(), ptr: t.bytes_mut().as_mut_ptr() },
         })
         .collect();
-    op.cpu(&KernelIo::new(&in_views, &out_views))?;
+    let mut io = KernelIo::new(&in_views, &out_views);
+    io.comm = comm;
+    op.cpu(&io)?;
     for (k, a) in alias.iter().enumerate() {
         if let Some(i) = a {
             outs[k] = bufs[*i].clone();

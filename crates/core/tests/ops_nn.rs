@@ -1,8 +1,11 @@
 //! Tests of the neural-network ops (RMSNorm, LayerNorm, rotary embedding,
-//! softmax, causal grouped-query attention) and their backward ops: VJP
-//! finite-difference checks, f64 forward values against naive references,
-//! narrow dtypes against f64, in-place runs, determinism across thread
-//! counts, trace print/parse, and shape-rule errors.
+//! softmax, causal grouped-query attention) and their backward ops beyond
+//! their sample tables (which `tests/op_samples.rs` runs through the VJP,
+//! in-place, narrow-dtype and garbage-output checks): VJPs with partial
+//! cotangents, the forward samples' f64 values against naive references,
+//! rope's inverse and its head-size-1 quirk against Hugging Face,
+//! determinism across thread counts, trace print/parse, and shape-rule
+//! errors.
 
 use std::collections::HashMap;
 
@@ -17,99 +20,34 @@ use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, V
 use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
 use stepgraph_core::ops::rope::Rope;
+use stepgraph_core::ops::sample::{self, Input};
 use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
-use stepgraph_core::ops::{Op, VjpArgs};
-use stepgraph_core::testing::{check_vjp, draw_inputs, interpret, max_rel_diff, run_op, run_op_aliased, Arg};
+use stepgraph_core::ops::{samples_by_op, Op, Sample, VjpArgs};
+use stepgraph_core::testing::{draw_input, draw_sample, interpret, max_rel_diff, run_op};
 
 const SEEDS: [u64; 3] = [1, 2, 3];
 
-fn normal(s: &[usize]) -> Arg {
-    Arg::Normal(s.to_vec())
+/// The f64 samples of the forward ops this file checks against references.
+fn forward_samples() -> Vec<(String, Sample)> {
+    samples_by_op(DType::F64)
+        .into_iter()
+        .filter(|(name, _)| ["RmsNorm", "LayerNorm", "Rope", "Softmax", "Attention"].contains(name))
+        .flat_map(|(name, v)| v.into_iter().enumerate().map(move |(i, s)| (format!("{name}#{i}"), s)))
+        .filter(|(_, s)| !s.large)
+        .collect()
 }
 
-fn positive(s: &[usize]) -> Arg {
-    Arg::Positive(s.to_vec())
-}
-
-/// One op under test with how to draw its inputs.
-struct Case {
-    name: String,
-    op: Op,
-    args: Vec<Arg>,
-}
-
-fn case(name: impl Into<String>, op: impl Into<Op>, args: Vec<Arg>) -> Case {
-    Case { name: name.into(), op: op.into(), args }
-}
-
-const ATTN_SHAPES: [(usize, usize, usize); 4] = [(4, 4, 8), (4, 2, 3), (4, 1, 16), (28, 4, 1)];
-const ATTN_B: usize = 2;
-const ATTN_T: usize = 5;
-
-fn attention_case(hq: usize, hkv: usize, d: usize) -> Case {
-    let (b, t) = (ATTN_B, ATTN_T);
-    case(
-        format!("attention Hq={hq} Hkv={hkv} D={d}"),
-        Attention { scale: 1.0 / (d as f64).sqrt() },
-        vec![normal(&[b, t, hq, d]), normal(&[b, t, hkv, d]), normal(&[b, t, hkv, d])],
-    )
-}
-
-fn rope_cases() -> Vec<Case> {
-    let mut v = Vec::new();
-    for inverse in [false, true] {
-        let cfg = [
-            ("full", 8, 8, 10000.0),
-            ("partial", 8, 4, 100.0),
-            ("head size 1", 1, 1, 10000.0),
-            ("n_rot=1 of D=3", 3, 1, 10000.0),
-        ];
-        for (what, d, n_rot, base) in cfg {
-            v.push(case(
-                format!("rope {what} (D={d}, n_rot={n_rot}, inverse={inverse})"),
-                Rope { n_rot, base, inverse },
-                vec![normal(&[2, 5, 3, d])],
-            ));
-        }
-    }
-    v
-}
-
-/// The forward ops with every configuration the brief names.
-fn forward_cases() -> Vec<Case> {
-    let mut v = vec![
-        case("rms_norm", RmsNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8])]),
-        case("layer_norm", LayerNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8]), normal(&[8])]),
-        case("softmax", Softmax, vec![normal(&[3, 7])]),
-    ];
-    v.extend(rope_cases());
-    v.extend(ATTN_SHAPES.iter().map(|&(hq, hkv, d)| attention_case(hq, hkv, d)));
-    v
-}
-
-// ---------------------------------------------------------------- (a) VJP checks
-
-#[test]
-fn vjp_matches_finite_differences() {
-    let mut failures = Vec::new();
-    for c in forward_cases() {
-        for seed in SEEDS {
-            let r = check_vjp(&c.op, &c.args, seed).unwrap_or_else(|e| panic!("{}: {e}", c.name));
-            // A vanishing inner product would pass the relative test trivially.
-            if r.rel_err() >= 1e-6 || r.vjp.abs() < 1e-2 {
-                failures.push(format!("{} seed {seed}: {r:?} rel_err {:.3e}", c.name, r.rel_err()));
-            }
-        }
-    }
-    assert!(failures.is_empty(), "VJP checks failed:\n{}", failures.join("\n"));
+fn normal(s: &[usize]) -> Input {
+    sample::normal(DType::F64, s)
 }
 
 /// `⟨J·u, v⟩ = ⟨u, Jᵀ·v⟩` with cotangents only on the outputs in `mask`
 /// (`check_vjp` gives every output one; a model gives the statistics none).
 /// Returns (finite-difference side, VJP side), or `None` when the VJP
 /// returned no cotangent for any input.
-fn check_vjp_masked(op: &Op, args: &[Arg], seed: u64, mask: &[bool]) -> Option<(f64, f64)> {
-    let x = draw_inputs(args, DType::F64, seed);
+fn check_vjp_masked(sample: &Sample, seed: u64, mask: &[bool]) -> Option<(f64, f64)> {
+    let op = &sample.op;
+    let x = draw_sample(sample, seed).unwrap();
     let mut rng = StdRng::seed_from_u64(seed + 1000);
     let mut gauss = |n: usize| -> Vec<f64> { (0..n).map(|_| StandardNormal.sample(&mut rng)).collect() };
     let u: Vec<Vec<f64>> = x.iter().map(|t| gauss(t.ty.numel())).collect();
@@ -198,32 +136,36 @@ fn run_trace(trace: &Trace, leaves: &HashMap<String, HostTensor>) -> HashMap<Str
 
 #[test]
 fn vjp_with_partial_cotangents() {
-    let attn = attention_case(4, 2, 3);
-    let masked: Vec<(Case, Vec<Vec<bool>>)> = vec![
+    let attn = Sample::new(
+        Attention { scale: 1.0 / 3f64.sqrt() },
+        vec![normal(&[2, 5, 4, 3]), normal(&[2, 5, 2, 3]), normal(&[2, 5, 2, 3])],
+    );
+    let masked: Vec<(Sample, Vec<Vec<bool>>)> = vec![
         (
-            case("rms_norm", RmsNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8])]),
+            Sample::new(RmsNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8])]),
             vec![vec![true, false], vec![false, true]],
         ),
         (
-            case("layer_norm", LayerNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8]), normal(&[8])]),
+            Sample::new(LayerNorm { eps: 1e-5 }, vec![normal(&[2, 3, 8]), normal(&[8]), normal(&[8])]),
             vec![vec![true, false, false], vec![false, true, false], vec![false, false, true], vec![true, false, true]],
         ),
         (attn, vec![vec![true, false], vec![false, true]]),
     ];
     let mut failures = Vec::new();
     for (c, masks) in &masked {
+        let name = c.op.name();
         for mask in masks {
             for seed in SEEDS {
-                let (fd, vjp) = check_vjp_masked(&c.op, &c.args, seed, mask)
-                    .unwrap_or_else(|| panic!("{} mask {mask:?}: no cotangents", c.name));
+                let (fd, vjp) =
+                    check_vjp_masked(c, seed, mask).unwrap_or_else(|| panic!("{name} mask {mask:?}: no cotangents"));
                 let rel = (fd - vjp).abs() / fd.abs().max(vjp.abs()).max(1e-3);
                 if rel >= 1e-6 || vjp.abs() < 1e-2 {
-                    failures.push(format!("{} mask {mask:?} seed {seed}: fd {fd} vjp {vjp}", c.name));
+                    failures.push(format!("{name} mask {mask:?} seed {seed}: fd {fd} vjp {vjp}"));
                 }
             }
         }
         let none = vec![false; mask_len(&c.op)];
-        assert!(check_vjp_masked(&c.op, &c.args, 1, &none).is_none(), "{}: no cotangent must give none", c.name);
+        assert!(check_vjp_masked(c, 1, &none).is_none(), "{name}: no cotangent must give none");
     }
     assert!(failures.is_empty(), "masked VJP checks failed:\n{}", failures.join("\n"));
 }
@@ -232,21 +174,6 @@ fn mask_len(op: &Op) -> usize {
     match op {
         Op::LayerNorm(_) => 3,
         _ => 2,
-    }
-}
-
-#[test]
-fn backward_ops_are_not_differentiable() {
-    let ops: Vec<Op> = vec![
-        RmsNormBackward { eps: 1e-5 }.into(),
-        LayerNormBackward { eps: 1e-5 }.into(),
-        SoftmaxBackward.into(),
-        AttentionBackward { scale: 0.5 }.into(),
-    ];
-    for op in ops {
-        let mut b = Builder::new("t");
-        let err = op.vjp(&mut b, &VjpArgs { inputs: &[], outputs: &[], cotangents: &[] }).unwrap_err();
-        assert!(err.to_string().contains(op.name()), "{err}");
     }
 }
 
@@ -382,18 +309,20 @@ fn reference(op: &Op, x: &[HostTensor]) -> Vec<Vec<f64>> {
 }
 
 #[test]
-fn forward_matches_naive_reference_f64() {
+fn forward_samples_match_naive_references_in_f64() {
     let mut failures = Vec::new();
-    for c in forward_cases() {
+    let samples = forward_samples();
+    assert!(samples.len() > 30, "only {} forward samples", samples.len());
+    for (name, s) in samples {
         for seed in SEEDS {
-            let x = draw_inputs(&c.args, DType::F64, seed);
-            let got = run_op(&c.op, &x).unwrap();
-            let want = reference(&c.op, &x);
-            assert_eq!(got.len(), want.len(), "{}", c.name);
+            let x = draw_sample(&s, seed).unwrap();
+            let got = run_op(&s.op, &x).unwrap();
+            let want = reference(&s.op, &x);
+            assert_eq!(got.len(), want.len(), "{name}");
             for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                 let e = max_rel_diff(&g.to_f64(), w);
                 if e >= 1e-12 {
-                    failures.push(format!("{} seed {seed} output {k}: rel diff {e:.3e}", c.name));
+                    failures.push(format!("{name} seed {seed} output {k}: rel diff {e:.3e}"));
                 }
             }
         }
@@ -404,7 +333,8 @@ fn forward_matches_naive_reference_f64() {
 #[test]
 fn rope_inverse_undoes_rope() {
     for (d, n_rot) in [(8, 8), (8, 4), (6, 2)] {
-        let x = draw_inputs(&[normal(&[2, 7, 3, d])], DType::F64, 5);
+        let x = draw_sample(&Sample::new(Rope { n_rot, base: 500.0, inverse: false }, vec![normal(&[2, 7, 3, d])]), 5)
+            .unwrap();
         let y = run_op(&Rope { n_rot, base: 500.0, inverse: false }.into(), &x).unwrap();
         let back = run_op(&Rope { n_rot, base: 500.0, inverse: true }.into(), &y).unwrap();
         let e = max_rel_diff(&back[0].to_f64(), &x[0].to_f64());
@@ -421,11 +351,8 @@ fn rope_inverse_undoes_rope() {
 fn rope_head_size_one_matches_hf_duplicated_dimension() {
     let (bsz, seq, hq, hkv) = (2, 6, 4, 2);
     let scale = 0.7;
-    let x = draw_inputs(
-        &[normal(&[bsz, seq, hq, 1]), normal(&[bsz, seq, hkv, 1]), normal(&[bsz, seq, hkv, 1])],
-        DType::F64,
-        9,
-    );
+    let qkv = vec![normal(&[bsz, seq, hq, 1]), normal(&[bsz, seq, hkv, 1]), normal(&[bsz, seq, hkv, 1])];
+    let x = draw_sample(&Sample::new(Attention { scale }, qkv), 9).unwrap();
     let (q, k, v) = (&x[0], &x[1], &x[2]);
     for inverse in [false, true] {
         let rope: Op = Rope { n_rot: 1, base: 10000.0, inverse }.into();
@@ -465,13 +392,14 @@ fn rope_head_size_one_matches_hf_duplicated_dimension() {
     }
 }
 
-// ---------------------------------------------------------------- (c) narrow dtypes against f64
+// ---------------------------------------------------------------- forward and backward runs
 
 /// Runs the op and its VJP (cotangent on output 0 only, as in a model) in
 /// `dtype` on bf16-representable inputs, so every dtype sees the same
 /// values. Returns the forward outputs then the input cotangents.
-fn forward_backward(op: &Op, args: &[Arg], dtype: DType, seed: u64) -> Vec<Vec<f64>> {
-    let base = draw_inputs(args, DType::BF16, seed);
+fn forward_backward(sample: &Sample, dtype: DType, seed: u64) -> Vec<Vec<f64>> {
+    let op = &sample.op;
+    let base = draw_sample(sample, seed).unwrap();
     let convert = |t: &HostTensor| HostTensor::from_f64(t.ty.with_dtype(dtype), &t.to_f64());
     let x: Vec<HostTensor> = base.iter().map(convert).collect();
     let mut b = Builder::new("fwd_bwd");
@@ -479,7 +407,7 @@ fn forward_backward(op: &Op, args: &[Arg], dtype: DType, seed: u64) -> Vec<Vec<f
         x.iter().enumerate().map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()).unwrap()).collect();
     let ys = b.push(op.clone(), &xs).unwrap();
     let vty = b.ty(ys[0]).clone();
-    let v = draw_inputs(&[normal(&vty.shape)], DType::BF16, seed + 77).remove(0);
+    let v = draw_input(&sample::normal(DType::BF16, &vty.shape), seed + 77).unwrap();
     let vid = b.input("v", vty).unwrap();
     let mut cot = vec![None; ys.len()];
     cot[0] = Some(vid);
@@ -501,77 +429,29 @@ fn forward_backward(op: &Op, args: &[Arg], dtype: DType, seed: u64) -> Vec<Vec<f
     out
 }
 
-#[test]
-fn narrow_dtypes_match_f64() {
-    let tolerances = [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 5e-3)];
-    let mut failures = Vec::new();
-    for c in forward_cases() {
-        for seed in SEEDS {
-            let want = forward_backward(&c.op, &c.args, DType::F64, seed);
-            for (dt, tol) in tolerances {
-                let got = forward_backward(&c.op, &c.args, dt, seed);
-                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let e = max_rel_diff(g, w);
-                    if e >= tol {
-                        failures.push(format!(
-                            "{} {dt} seed {seed} result {k}: rel diff {e:.3e} (tolerance {tol:e})",
-                            c.name
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "narrow dtypes differ from f64:\n{}", failures.join("\n"));
-}
-
-// ---------------------------------------------------------------- (d) in place
-
-#[test]
-fn in_place_runs_match_bit_for_bit() {
-    let mut cases = rope_cases();
-    cases.push(case("softmax", Softmax, vec![normal(&[3, 7])]));
-    cases.push(case("softmax_backward", SoftmaxBackward, vec![positive(&[3, 7]), normal(&[3, 7])]));
-    for c in &cases {
-        assert!(!c.op.inplace().is_empty(), "{} declares no in-place pair", c.name);
-        for dt in [DType::F64, DType::F32, DType::BF16, DType::F16] {
-            let x = draw_inputs(&c.args, dt, 11);
-            let plain = run_op(&c.op, &x).unwrap();
-            let aliased = run_op_aliased(&c.op, &x).unwrap();
-            assert_eq!(plain.len(), aliased.len());
-            for (p, a) in plain.iter().zip(&aliased) {
-                assert_eq!(p.bytes(), a.bytes(), "{} {dt}: aliased run differs", c.name);
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------- determinism
 
 #[test]
 fn results_do_not_depend_on_thread_count() {
+    let bf = |s: &[usize]| sample::normal(DType::BF16, s);
     let big = [
-        case("rms_norm", RmsNorm { eps: 1e-6 }, vec![normal(&[3, 111, 40]), normal(&[40])]),
-        case("layer_norm", LayerNorm { eps: 1e-6 }, vec![normal(&[3, 111, 40]), normal(&[40]), normal(&[40])]),
-        case("softmax", Softmax, vec![normal(&[300, 33])]),
-        case("rope", Rope { n_rot: 12, base: 10000.0, inverse: false }, vec![normal(&[2, 40, 3, 16])]),
-        case(
-            "attention",
-            Attention { scale: 0.25 },
-            vec![normal(&[2, 37, 8, 16]), normal(&[2, 37, 2, 16]), normal(&[2, 37, 2, 16])],
-        ),
+        Sample::new(RmsNorm { eps: 1e-6 }, vec![bf(&[3, 111, 40]), bf(&[40])]),
+        Sample::new(LayerNorm { eps: 1e-6 }, vec![bf(&[3, 111, 40]), bf(&[40]), bf(&[40])]),
+        Sample::new(Softmax, vec![bf(&[300, 33])]),
+        Sample::new(Rope { n_rot: 12, base: 10000.0, inverse: false }, vec![bf(&[2, 40, 3, 16])]),
+        Sample::new(Attention { scale: 0.25 }, vec![bf(&[2, 37, 8, 16]), bf(&[2, 37, 2, 16]), bf(&[2, 37, 2, 16])]),
     ];
     for c in &big {
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| forward_backward(&c.op, &c.args, DType::F32, 4))
+            pool.install(|| forward_backward(c, DType::F32, 4))
         };
         let one = run(1);
         for threads in [2, 5] {
             let many = run(threads);
             for (k, (a, b)) in one.iter().zip(&many).enumerate() {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "{} result {k} differs between 1 and {threads} threads", c.name);
+                assert!(same, "{} result {k} differs between 1 and {threads} threads", c.op.name());
             }
         }
     }

@@ -1,9 +1,11 @@
-//! Models: GPT-family configurations ([`config`]) and the builder that
-//! records a configuration's forward pass and loss as a trace ([`gpt`]).
+//! Models: GPT-family configurations ([`config`]), reading Hugging Face
+//! `config.json` files into them ([`hf`]), and the builder that records a
+//! configuration's forward pass and loss as a trace ([`gpt`]).
 
 pub mod checkpoint;
 pub mod config;
 pub mod gpt;
+pub mod hf;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
 pub use gpt::{build_forward, init_params, init_params_fast, LossKind, ModelSpec};

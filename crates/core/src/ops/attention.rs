@@ -14,9 +14,11 @@ use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
 use super::norm::stat_dtype;
+use super::sample::{normal, Input, Sample};
 use super::{expect_float, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo, SendPtr};
 use crate::error::{Error, Result};
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -134,8 +136,12 @@ fn attention_fwd<T: Float>(a: Fwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for Attention {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`attention_cases`].
+    fn samples(d: DType) -> Vec<Sample> {
+        attention_cases()
+            .into_iter()
+            .map(|c| Sample::new(Attention { scale: c.scale }, c.qkv(d)).large_over(4000))
+            .collect()
     }
     fn name(&self) -> &'static str {
         "attention"
@@ -276,8 +282,20 @@ fn attention_bwd<T: Float>(a: Bwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for AttentionBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`attention_cases`] without and with the lse cotangent, o and lse
+    /// from the forward.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for c in attention_cases() {
+            let s = Sample::new(AttentionBackward { scale: c.scale }, c.qkv(d));
+            let args = vec![s.earlier(0), s.earlier(1), s.earlier(2)];
+            let fwd = Attention { scale: c.scale };
+            let s = s.with_output(fwd.clone(), args.clone(), 0).with_output(fwd, args, 1);
+            let s = s.with(normal(d, &[c.b, c.t, c.hq, c.d])).large_over(4000);
+            v.push(s.clone());
+            v.push(s.with(normal(stat_dtype(d), &[c.b, c.hq, c.t])));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "attention_backward"
@@ -335,4 +353,63 @@ impl Builder {
     pub fn attention(&mut self, q: ValueId, k: ValueId, v: ValueId, scale: f64) -> Result<ValueId> {
         Ok(self.push(Attention { scale }.into(), &[q, k, v])?[0])
     }
+}
+
+/// One attention problem of the samples: `q [b, t, hq, d]`, `k` and `v
+/// [b, t, hkv, d]`.
+struct AttentionCase {
+    b: usize,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    scale: f64,
+}
+
+impl AttentionCase {
+    fn new(b: usize, t: usize, (hq, hkv): (usize, usize), d: usize) -> Self {
+        AttentionCase { b, t, hq, hkv, d, scale: 1.0 / (d as f64).sqrt() }
+    }
+
+    fn qkv(&self, dt: DType) -> Vec<Input> {
+        let (b, t, hq, hkv, d) = (self.b, self.t, self.hq, self.hkv, self.d);
+        vec![normal(dt, &[b, t, hq, d]), normal(dt, &[b, t, hkv, d]), normal(dt, &[b, t, hkv, d])]
+    }
+}
+
+/// The attention problems: MHA, GQA (2:1, 7:1) and MQA on every head-size
+/// bucket of the GPU kernels, sequence lengths around their tiles, batch 1
+/// and 2; head sizes between the buckets with sequence lengths around
+/// every tile size (16, 32, 64, 128 rows); the tensor-core widths (17 to
+/// 128); logits of unit scale (not 1/√D), which move the running max often
+/// and far. The small ones are the CPU suite's.
+fn attention_cases() -> Vec<AttentionCase> {
+    let mut v = Vec::new();
+    for (hq, hkv, d) in [(4, 4, 8), (4, 2, 3), (4, 1, 16), (28, 4, 1)] {
+        v.push(AttentionCase::new(2, 5, (hq, hkv), d));
+    }
+    for d in [1, 3, 16, 64, 100, 128, 256] {
+        for heads in [(4, 4), (4, 2), (8, 1), (28, 4)] {
+            for t in [1, 5, 64, 65, 257] {
+                for b in [1, 2] {
+                    v.push(AttentionCase::new(b, t, heads, d));
+                }
+            }
+        }
+    }
+    for d in [2, 5, 15, 17, 31, 33, 63, 65, 127, 129, 200, 255] {
+        for t in [2, 16, 17, 31, 33, 127, 129, 130] {
+            v.push(AttentionCase::new(1, t, (6, 3), d));
+        }
+    }
+    for d in [17, 32, 40, 64, 80, 96, 100, 112, 128] {
+        for (heads, t, b) in [((4, 4), 1, 1), ((4, 2), 31, 2), ((8, 2), 64, 1), ((4, 1), 65, 1), ((6, 3), 200, 2)] {
+            v.push(AttentionCase::new(b, t, heads, d));
+        }
+        v.push(AttentionCase { scale: 1.0, ..AttentionCase::new(1, 130, (4, 2), d) });
+    }
+    for d in [1, 4, 16, 64, 128] {
+        v.push(AttentionCase { scale: 1.0, ..AttentionCase::new(2, 200, (4, 2), d) });
+    }
+    v
 }

@@ -33,10 +33,12 @@
 //! for bf16/f16), so GPU results agree with these up to reduction-order
 //! rounding.
 
+use super::sample::{normal, Sample};
 use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -187,8 +189,22 @@ pub struct AllReduce {
 }
 
 impl OpDef for AllReduce {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Sum and mean over one rank and over larger groups, buckets of one
+    /// and two tensors.
+    fn samples(d: DType) -> Vec<Sample> {
+        let cases: [(ReduceOp, usize, &[&[usize]]); 4] = [
+            (ReduceOp::Sum, 1, &[&[3, 4]]),
+            (ReduceOp::Mean, 1, &[&[3, 4], &[5]]),
+            (ReduceOp::Sum, 2, &[&[4, 6]]),
+            (ReduceOp::Mean, 4, &[&[8], &[2, 3]]),
+        ];
+        cases
+            .into_iter()
+            .map(|(op, world, shapes)| {
+                let xs = shapes.iter().map(|s| normal(d, s)).collect();
+                Sample::new(AllReduce { op, world, tensors: shapes.len() }, xs)
+            })
+            .collect()
     }
     fn name(&self) -> &'static str {
         match self.op {
@@ -238,8 +254,22 @@ pub struct ReduceScatter {
 }
 
 impl OpDef for ReduceScatter {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Sum and mean over one rank and over larger groups, buckets of one
+    /// and two tensors.
+    fn samples(d: DType) -> Vec<Sample> {
+        let cases: [(ReduceOp, usize, &[&[usize]]); 4] = [
+            (ReduceOp::Sum, 1, &[&[3, 4]]),
+            (ReduceOp::Mean, 1, &[&[5]]),
+            (ReduceOp::Mean, 2, &[&[4, 6], &[2]]),
+            (ReduceOp::Sum, 4, &[&[8, 3]]),
+        ];
+        cases
+            .into_iter()
+            .map(|(op, world, shapes)| {
+                let xs = shapes.iter().map(|s| normal(d, s)).collect();
+                Sample::new(ReduceScatter { op, world, tensors: shapes.len() }, xs)
+            })
+            .collect()
     }
     fn name(&self) -> &'static str {
         match self.op {
@@ -292,8 +322,17 @@ pub struct AllGather {
 }
 
 impl OpDef for AllGather {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// One rank and larger groups, buckets of one and two tensors.
+    fn samples(d: DType) -> Vec<Sample> {
+        let cases: [(usize, &[&[usize]]); 3] = [(1, &[&[3, 4]]), (2, &[&[4, 6], &[2]]), (4, &[&[8]])];
+        cases
+            .into_iter()
+            .map(|(world, shapes)| {
+                let mut xs: Vec<_> = shapes.iter().map(|s| normal(d, s)).collect();
+                xs.extend(shapes.iter().map(|s| normal(d, &[s.iter().product::<usize>() / world])));
+                Sample::new(AllGather { world, tensors: shapes.len() }, xs)
+            })
+            .collect()
     }
     fn name(&self) -> &'static str {
         "all_gather"
@@ -356,8 +395,10 @@ pub struct LocalShard {
 }
 
 impl OpDef for LocalShard {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// One rank and larger groups.
+    fn samples(d: DType) -> Vec<Sample> {
+        let cases: [(usize, &[usize]); 3] = [(1, &[3, 4]), (2, &[4, 6]), (4, &[16])];
+        cases.into_iter().map(|(world, s)| Sample::new(LocalShard { world }, vec![normal(d, s)])).collect()
     }
     fn name(&self) -> &'static str {
         "local_shard"

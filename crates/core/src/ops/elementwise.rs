@@ -3,6 +3,7 @@
 
 use num_traits::ToPrimitive;
 
+use super::sample::{fixed, normal, positive, Sample, FLOAT_DTYPES};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, BinaryFn, OpDef, UnaryFn, VjpArgs};
 use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::Result;
@@ -19,8 +20,17 @@ pub struct Full {
 }
 
 impl OpDef for Full {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Every shape from a scalar to a multi-block fill, with signed zeros
+    /// (+0.0 lowers to a memset, the rest to a fill kernel), values that
+    /// round through f32 to the narrow types, infinity and NaN.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for value in [0.0, -0.0, 1.5, 1e-3, 0.1, -7.25e3, f64::INFINITY, f64::NAN] {
+            for shape in [&[][..], &[1], &[17], &[3, 1031]] {
+                v.push(Sample::new(Full { value, ty: TensorType::new(d, shape.to_vec()) }, vec![]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "full"
@@ -185,8 +195,17 @@ pub struct Unary {
 }
 
 impl OpDef for Unary {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Every [`UnaryFn`] (positive inputs where the function needs them)
+    /// on scalars, single elements, odd lengths and a multi-block tensor.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (f, pos) in unary_fns() {
+            for shape in POINTWISE_SHAPES {
+                let x = if pos { positive(d, shape) } else { normal(d, shape) };
+                v.push(Sample::new(Unary { f }, vec![x]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         self.f.name()
@@ -232,8 +251,16 @@ pub struct UnaryBackward {
 }
 
 impl OpDef for UnaryBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// The shapes and functions of [`Unary`]'s samples, with a cotangent.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (f, pos) in unary_fns() {
+            for shape in POINTWISE_SHAPES {
+                let x = if pos { positive(d, shape) } else { normal(d, shape) };
+                v.push(Sample::new(UnaryBackward { f }, vec![x, normal(d, shape)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         self.f.backward_name()
@@ -357,8 +384,35 @@ pub struct Binary {
 }
 
 impl OpDef for Binary {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Every [`BinaryFn`] on equal shapes, trailing broadcasts either way,
+    /// outer products, scalars against tensors, and rank 3 and 4 with
+    /// broadcasts in the middle; divisors are positive.
+    fn samples(d: DType) -> Vec<Sample> {
+        let shapes: [(&[usize], &[usize]); 15] = [
+            (&[], &[]),
+            (&[2, 3], &[2, 3]),
+            (&[1031], &[1031]),
+            (&[4, 5], &[5]),
+            (&[2, 3], &[3]),
+            (&[5], &[4, 5]),
+            (&[4, 1], &[1, 5]),
+            (&[2, 3, 17], &[]),
+            (&[], &[3]),
+            (&[], &[2, 3]),
+            (&[2, 1, 3], &[4, 1]),
+            (&[7, 1, 9], &[1, 8, 1]),
+            (&[2, 1, 3, 4], &[1, 5, 1, 4]),
+            (&[6, 1, 33], &[6, 16, 33]),
+            (&[5, 3], &[5, 3]),
+        ];
+        let mut v = Vec::new();
+        for f in [BinaryFn::Add, BinaryFn::Sub, BinaryFn::Mul, BinaryFn::Div] {
+            for (a, b) in shapes {
+                let b = if f == BinaryFn::Div { positive(d, b) } else { normal(d, b) };
+                v.push(Sample::new(Binary { f }, vec![normal(d, a), b]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         self.f.name()
@@ -436,8 +490,43 @@ pub struct Cast {
 }
 
 impl OpDef for Cast {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// From `d` to every float dtype: random values of a few shapes, and
+    /// special values: rounding ties of bf16 and f16 (and f64 values just
+    /// off an f32 tie, which f64 -> f32 -> bf16 rounds twice), f16 overflow
+    /// and subnormals, f32 overflow, signed zero, infinities and NaN.
+    fn samples(d: DType) -> Vec<Sample> {
+        let special = [
+            0.0,
+            -0.0,
+            1.0,
+            1.00390625,
+            1.01171875,
+            1.0 + 2f64.powi(-11),
+            1.0 + 3.0 * 2f64.powi(-11),
+            1.0 + 2f64.powi(-24),
+            1.0 + 2f64.powi(-24) + 2f64.powi(-40),
+            1.00390625 + 2f64.powi(-30),
+            65504.0,
+            65520.0,
+            1e5,
+            6e-8,
+            1e-8,
+            1e-40,
+            3.4e38,
+            1e39,
+            -2.5e-3,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+        ];
+        let mut v = Vec::new();
+        for to in FLOAT_DTYPES {
+            v.push(Sample::new(Cast { dtype: to }, vec![fixed(d, &[special.len()], &special)]));
+            for shape in [&[][..], &[3], &[4], &[17, 61]] {
+                v.push(Sample::new(Cast { dtype: to }, vec![normal(d, shape)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "cast"
@@ -511,4 +600,29 @@ impl Builder {
         }
         self.push1(Cast { dtype }.into(), &[x])
     }
+}
+
+/// The shapes of the pointwise samples: a scalar, one element, odd
+/// lengths, a matrix and a tensor of several blocks.
+const POINTWISE_SHAPES: [&[usize]; 6] = [&[], &[1], &[3], &[3, 4], &[17], &[5, 211]];
+
+/// Every [`UnaryFn`] sampled, with whether it needs positive inputs.
+fn unary_fns() -> [(UnaryFn, bool); 15] {
+    [
+        (UnaryFn::Neg, false),
+        (UnaryFn::Exp, false),
+        (UnaryFn::Log, true),
+        (UnaryFn::Sqrt, true),
+        (UnaryFn::Rsqrt, true),
+        (UnaryFn::Tanh, false),
+        (UnaryFn::Sigmoid, false),
+        (UnaryFn::Silu, false),
+        (UnaryFn::GeluTanh, false),
+        (UnaryFn::GeluErf, false),
+        (UnaryFn::Pow(2.0), false),
+        (UnaryFn::Pow(3.0), false),
+        (UnaryFn::Pow(0.5), true),
+        (UnaryFn::Pow(-0.5), true),
+        (UnaryFn::Pow(-1.5), true),
+    ]
 }

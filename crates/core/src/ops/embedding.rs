@@ -5,9 +5,11 @@
 use num_traits::Zero;
 use rayon::prelude::*;
 
+use super::sample::{fixed, ids, normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -42,8 +44,19 @@ fn min_rows_per_task(width: usize) -> usize {
 pub struct Embedding;
 
 impl OpDef for Embedding {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`embedding_cases`] with i32 and i64 ids, and fixed ids with a known
+    /// repeat pattern and an unused row.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (ids_shape, rows, width) in embedding_cases() {
+            for id_dt in [DType::I32, DType::I64] {
+                let s = Sample::new(Embedding, vec![ids(id_dt, &ids_shape, rows as i64), normal(d, &[rows, width])]);
+                v.push(s.large_over(20_000));
+            }
+        }
+        let pattern = [0.0, 4.0, 4.0, 2.0, 0.0, 4.0, 3.0];
+        v.push(Sample::new(Embedding, vec![fixed(DType::I64, &[7], &pattern), normal(d, &[5, 3])]));
+        v
     }
     fn name(&self) -> &'static str {
         "embedding"
@@ -111,8 +124,25 @@ pub struct EmbeddingBackward {
 }
 
 impl OpDef for EmbeddingBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`embedding_cases`] with i32 and i64 ids from the first half of the
+    /// rows only (the others must come out zero), and fixed ids with rows
+    /// repeated and rows never selected.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (ids_shape, rows, width) in embedding_cases() {
+            let mut gy = ids_shape.clone();
+            gy.push(width);
+            for id_dt in [DType::I32, DType::I64] {
+                let i = ids(id_dt, &ids_shape, rows.div_ceil(2) as i64);
+                v.push(Sample::new(EmbeddingBackward { num_rows: rows }, vec![i, normal(d, &gy)]).large_over(20_000));
+            }
+        }
+        let pattern = [2.0, 2.0, 0.0, 5.0, 2.0, 0.0, 3.0, 2.0];
+        let i = fixed(DType::I32, &[2, 4], &pattern);
+        v.push(Sample::new(EmbeddingBackward { num_rows: 7 }, vec![i, normal(d, &[2, 4, 3])]));
+        let i = fixed(DType::I64, &[6], &[0.0, 1.0, 1.0, 0.0, 0.0, 1.0]);
+        v.push(Sample::new(EmbeddingBackward { num_rows: 4 }, vec![i, normal(d, &[6, 5])]));
+        v
     }
     fn name(&self) -> &'static str {
         "embedding_backward"
@@ -198,4 +228,21 @@ impl Builder {
     pub fn embedding(&mut self, ids: ValueId, table: ValueId) -> Result<ValueId> {
         self.push1(Embedding.into(), &[ids, table])
     }
+}
+
+/// (ids shape, table rows, width) of the embedding samples: one row of one
+/// element, ids repeating rows, narrow and wide rows, rows of 16-byte
+/// multiples, more ids than one GPU scan tile, a width needing two column
+/// passes in the GPU backward (5000 > 512 threads x 8 columns).
+fn embedding_cases() -> Vec<(Vec<usize>, usize, usize)> {
+    vec![
+        (vec![1], 1, 1),
+        (vec![7], 5, 3),
+        (vec![2, 6], 5, 4),
+        (vec![2, 37], 50, 24),
+        (vec![4, 16], 11, 64),
+        (vec![3000], 7, 8),
+        (vec![300], 40, 1000),
+        (vec![2, 50], 9, 5000),
+    ]
 }

@@ -13,9 +13,11 @@ use half::{bf16, f16};
 use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
+use super::sample::{fixed, ids, normal, scalar, Input, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -124,8 +126,14 @@ pub struct CrossEntropy {
 }
 
 impl OpDef for CrossEntropy {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ce_cases`].
+    fn samples(d: DType) -> Vec<Sample> {
+        ce_cases(d)
+            .into_iter()
+            .map(|(ignore_index, logits, targets)| {
+                Sample::new(CrossEntropy { ignore_index }, vec![logits, targets]).large_over(20_000)
+            })
+            .collect()
     }
     fn name(&self) -> &'static str {
         "cross_entropy"
@@ -210,8 +218,23 @@ pub struct CrossEntropyBackward {
 }
 
 impl OpDef for CrossEntropyBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ce_cases`] with lse from the forward: a loss cotangent alone, with
+    /// the lse cotangent, the lse cotangent alone (a zero loss cotangent),
+    /// and neither (a zero gradient).
+    fn samples(d: DType) -> Vec<Sample> {
+        let st = stat_dtype(d);
+        let mut v = Vec::new();
+        for (ignore_index, logits, targets) in ce_cases(d) {
+            let n = logits.ty().shape[0];
+            let s = Sample::new(CrossEntropyBackward { ignore_index }, vec![logits, targets]);
+            let args = vec![s.earlier(0), s.earlier(1)];
+            let s = s.with_output(CrossEntropy { ignore_index }, args, 1).large_over(20_000);
+            v.push(s.clone().with(scalar(st, 0.75)));
+            v.push(s.clone().with(scalar(st, 0.75)).with(normal(st, &[n])));
+            v.push(s.clone().with(scalar(st, 0.0)).with(normal(st, &[n])));
+            v.push(s.with(scalar(st, 0.0)));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "cross_entropy_backward"
@@ -291,4 +314,27 @@ impl Builder {
         let outs = self.push(CrossEntropy { ignore_index }.into(), &[logits, targets])?;
         Ok(outs[0])
     }
+}
+
+/// (ignore index, logits, targets) of the cross-entropy samples: a single
+/// class, small rows, rows wide enough for several parallel CPU tasks, vocabularies of 3200 and 32000 and Qwen's 152064 with
+/// few rows, every third target ignored, i32 and i64 targets; random
+/// targets with nothing ignored; an ignore index that is a valid class;
+/// every row ignored (a NaN loss, 0/0 as in PyTorch).
+fn ce_cases(d: DType) -> Vec<(i64, Input, Input)> {
+    const IGNORE: i64 = -100;
+    let shapes = [(6, 1), (9, 7), (6, 11), (33, 128), (300, 7), (24, 700), (16, 3200), (8, 32000), (3, 152064)];
+    let mut v = Vec::new();
+    for (k, (rows, classes)) in shapes.into_iter().enumerate() {
+        let tdt = if k % 2 == 0 { DType::I64 } else { DType::I32 };
+        let t: Vec<f64> = (0..rows)
+            .map(|i| if (i + k) % 3 == 0 { IGNORE as f64 } else { ((i * 7919 + 3 * k) % classes) as f64 })
+            .collect();
+        v.push((IGNORE, normal(d, &[rows, classes]), fixed(tdt, &[rows], &t)));
+    }
+    v.push((IGNORE, normal(d, &[6, 11]), ids(DType::I32, &[6], 11)));
+    v.push((2, normal(d, &[4, 3]), fixed(DType::I32, &[4], &[2.0, 0.0, 2.0, 1.0])));
+    v.push((2, normal(d, &[40, 5]), ids(DType::I32, &[40], 5)));
+    v.push((IGNORE, normal(d, &[5, 11]), fixed(DType::I64, &[5], &[IGNORE as f64; 5])));
+    v
 }

@@ -5,6 +5,7 @@
 //! carries batch dims (a linear layer: activations `[B, T, in]` times a
 //! weight `[out, in]` with `trans_b`); otherwise batch dims must be equal.
 
+use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
 use crate::cpu::KernelIo;
@@ -59,8 +60,31 @@ impl MatMul {
 }
 
 impl OpDef for MatMul {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Every transposition, unbatched and batched, a weight shared by a
+    /// batch (the linear layer) and a shared left operand, one-element
+    /// matrices and odd sizes.
+    fn samples(d: DType) -> Vec<Sample> {
+        // ((m, k, n), batch of a, batch of b)
+        type Case = ((usize, usize, usize), &'static [usize], &'static [usize]);
+        let cases: [Case; 6] = [
+            ((3, 4, 5), &[], &[]),
+            ((3, 4, 5), &[2], &[2]),
+            ((3, 4, 5), &[2, 2], &[]),
+            ((3, 4, 5), &[], &[3]),
+            ((1, 1, 1), &[], &[]),
+            ((17, 9, 33), &[2], &[2]),
+        ];
+        let mut v = Vec::new();
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for ((m, k, n), ba, bb) in cases {
+                let mut a = ba.to_vec();
+                a.extend(if ta { [k, m] } else { [m, k] });
+                let mut b = bb.to_vec();
+                b.extend(if tb { [n, k] } else { [k, n] });
+                v.push(Sample::new(MatMul { trans_a: ta, trans_b: tb }, vec![normal(d, &a), normal(d, &b)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "matmul"

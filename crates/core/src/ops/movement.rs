@@ -1,9 +1,11 @@
 //! Shape movement: broadcast, reshape (a view), permute, slice and concat.
 
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
+use super::sample::{ids, normal, Input, Sample};
 use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 
 fn ints(v: &[usize]) -> Attr {
@@ -34,8 +36,29 @@ pub struct Broadcast {
 }
 
 impl OpDef for Broadcast {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Scalars, trailing and middle broadcasts, rows of 16-byte multiples
+    /// (copied in wide units on the GPU) and odd ones, no-op broadcasts.
+    fn samples(d: DType) -> Vec<Sample> {
+        let shapes: [(&[usize], &[usize]); 11] = [
+            (&[], &[5, 7]),
+            (&[1], &[1031]),
+            (&[3, 1], &[2, 3, 4]),
+            (&[17], &[4, 17]),
+            (&[64], &[3, 64]),
+            (&[4, 1, 6], &[4, 5, 6]),
+            (&[1, 1], &[1, 1]),
+            (&[2, 1, 8, 1], &[2, 3, 8, 5]),
+            (&[1, 16], &[9, 16]),
+            (&[5, 3], &[5, 3]),
+            (&[3, 1], &[3, 4]),
+        ];
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (from, to) in shapes {
+                v.push(Sample::new(Broadcast { shape: to.to_vec() }, vec![movement_input(dt, from)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "broadcast"
@@ -74,8 +97,23 @@ pub struct Reshape {
 }
 
 impl OpDef for Reshape {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Splits, merges, adding and dropping size-1 axes, scalars.
+    fn samples(d: DType) -> Vec<Sample> {
+        let shapes: [(&[usize], &[usize]); 6] = [
+            (&[3, 4], &[6, 2]),
+            (&[2, 3, 4], &[24]),
+            (&[], &[1]),
+            (&[1], &[]),
+            (&[17], &[1, 17, 1]),
+            (&[5, 211], &[211, 5]),
+        ];
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (from, to) in shapes {
+                v.push(Sample::new(Reshape { shape: to.to_vec() }, vec![movement_input(dt, from)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "reshape"
@@ -123,8 +161,29 @@ pub struct Permute {
 }
 
 impl OpDef for Permute {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Ranks 0 to 8: transposes, head swaps, full reversals, size-1 axes.
+    fn samples(d: DType) -> Vec<Sample> {
+        let shapes: [(&[usize], &[usize]); 12] = [
+            (&[], &[]),
+            (&[17], &[0]),
+            (&[3, 5], &[1, 0]),
+            (&[2, 3, 4], &[2, 0, 1]),
+            (&[4, 8, 16], &[1, 0, 2]),
+            (&[4, 8, 16], &[2, 1, 0]),
+            (&[2, 3, 4, 5], &[0, 2, 1, 3]),
+            (&[2, 16, 4, 64], &[0, 2, 1, 3]),
+            (&[3, 1, 7, 2], &[3, 2, 1, 0]),
+            (&[2, 3, 2, 3, 2], &[4, 0, 3, 1, 2]),
+            (&[2, 2, 3, 2, 2, 3], &[5, 3, 1, 0, 2, 4]),
+            (&[2, 3, 2, 2, 3, 2, 2, 3], &[7, 6, 5, 4, 3, 2, 1, 0]),
+        ];
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (shape, perm) in shapes {
+                v.push(Sample::new(Permute { perm: perm.to_vec() }, vec![movement_input(dt, shape)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "permute"
@@ -188,8 +247,15 @@ fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
 }
 
 impl OpDef for Slice {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`SLICES`].
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (shape, axis, start, end) in SLICES {
+                v.push(Sample::new(Slice { axis, start, end }, vec![movement_input(dt, shape)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "slice"
@@ -241,8 +307,18 @@ pub struct SliceBackward {
 }
 
 impl OpDef for SliceBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// The cotangents of [`SLICES`].
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (shape, axis, start, end) in SLICES {
+                let mut gs = shape.to_vec();
+                gs[axis] = end - start;
+                let op = SliceBackward { axis, start, size: shape[axis] };
+                v.push(Sample::new(op, vec![movement_input(dt, &gs)]));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "slice_backward"
@@ -305,8 +381,27 @@ pub struct Concat {
 }
 
 impl OpDef for Concat {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// One part, several, parts of one element along the axis, first,
+    /// middle and last axes, rows of 16-byte multiples.
+    fn samples(d: DType) -> Vec<Sample> {
+        let parts: [(&[&[usize]], usize); 8] = [
+            (&[&[17]], 0),
+            (&[&[3], &[17], &[1]], 0),
+            (&[&[2, 3], &[4, 3]], 0),
+            (&[&[2, 1, 3], &[2, 3, 3]], 1),
+            (&[&[4, 8], &[4, 24], &[4, 8]], 1),
+            (&[&[3, 5], &[3, 1], &[3, 7]], 1),
+            (&[&[2, 1, 6], &[2, 3, 6], &[2, 2, 6], &[2, 5, 6]], 1),
+            (&[&[2, 3, 64], &[2, 3, 64], &[2, 3, 64]], 2),
+        ];
+        let mut v = Vec::new();
+        for dt in movement_dtypes(d) {
+            for (shapes, axis) in parts {
+                let xs = shapes.iter().map(|s| movement_input(dt, s)).collect();
+                v.push(Sample::new(Concat { axis }, xs));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "concat"
@@ -401,3 +496,39 @@ impl Builder {
         self.push1(Concat { axis }.into(), xs)
     }
 }
+
+/// The dtypes of the movement samples of float dtype `d`: `d`, and under
+/// f32 also i32, i64 and bool (movement copies bits, so one listing of the
+/// other types suffices; they come after the float samples, see
+/// [`super::sample`]).
+fn movement_dtypes(d: DType) -> Vec<DType> {
+    if d == DType::F32 {
+        vec![DType::F32, DType::I32, DType::I64, DType::Bool]
+    } else {
+        vec![d]
+    }
+}
+
+/// A movement input of type `dt`: normal floats, ids up to 2^30, or bools.
+fn movement_input(dt: DType, shape: &[usize]) -> Input {
+    match dt {
+        DType::I32 | DType::I64 => ids(dt, shape, 1 << 30),
+        DType::Bool => ids(dt, shape, 2),
+        _ => normal(dt, shape),
+    }
+}
+
+/// (shape, axis, start, end) of the slice samples: element-wide and
+/// 16-byte copies, the whole axis, one element, first, middle and last axes.
+const SLICES: [(&[usize], usize, usize, usize); 10] = [
+    (&[17], 0, 3, 11),
+    (&[1031], 0, 0, 1031),
+    (&[3, 17], 1, 5, 12),
+    (&[4, 64], 1, 16, 48),
+    (&[4, 64], 0, 1, 3),
+    (&[2, 4, 3], 1, 1, 3),
+    (&[2, 3, 5, 7], 2, 1, 4),
+    (&[2, 3, 5, 8], 3, 0, 4),
+    (&[5, 3, 24], 1, 2, 3),
+    (&[6, 2, 8], 2, 7, 8),
+];

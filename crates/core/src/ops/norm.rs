@@ -18,9 +18,11 @@ use std::ops::Range;
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
+use super::sample::{normal, positive, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -136,8 +138,14 @@ fn rms_norm_fwd<T: Float>(x: &[T], w: &[T], eps: f64, y: &mut [T], rstd: &mut [T
 }
 
 impl OpDef for RmsNorm {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ROW_SHAPES`], and a model-like `[2, 3, 8]` with eps 1e-5.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = vec![Sample::new(RmsNorm { eps: 1e-5 }, vec![normal(d, &[2, 3, 8]), normal(d, &[8])])];
+        for shape in ROW_SHAPES {
+            let c = shape[shape.len() - 1];
+            v.push(Sample::new(RmsNorm { eps: 1e-6 }, vec![normal(d, shape), normal(d, &[c])]).large_over(20_000));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "rms_norm"
@@ -212,8 +220,26 @@ fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
 }
 
 impl OpDef for RmsNormBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ROW_SHAPES`] without and with the rstd cotangent, rstd from the
+    /// forward, except for rows of one element: there the input gradient of
+    /// the forward's own rstd cancels to rounding noise, which no tolerance
+    /// relative to the result bounds, so rstd is drawn independently.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for shape in ROW_SHAPES {
+            let (rows, c) = (&shape[..shape.len() - 1], shape[shape.len() - 1]);
+            let s = Sample::new(RmsNormBackward { eps: 1e-6 }, vec![normal(d, shape), normal(d, &[c])]);
+            let s = if c == 1 {
+                s.with(positive(stat_dtype(d), rows))
+            } else {
+                let args = vec![s.earlier(0), s.earlier(1)];
+                s.with_output(RmsNorm { eps: 1e-6 }, args, 1)
+            };
+            let s = s.with(normal(d, shape)).large_over(40_000);
+            v.push(s.clone());
+            v.push(s.with(normal(stat_dtype(d), rows)));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "rms_norm_backward"
@@ -294,8 +320,15 @@ fn layer_norm_fwd<T: Float>(
 }
 
 impl OpDef for LayerNorm {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ROW_SHAPES`], and a model-like `[2, 3, 8]`.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for shape in [&[2, 3, 8][..]].into_iter().chain(ROW_SHAPES) {
+            let c = shape[shape.len() - 1];
+            let s = Sample::new(LayerNorm { eps: 1e-5 }, vec![normal(d, shape), normal(d, &[c]), normal(d, &[c])]);
+            v.push(s.large_over(20_000));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "layer_norm"
@@ -394,8 +427,27 @@ fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut 
 }
 
 impl OpDef for LayerNormBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`ROW_SHAPES`] without and with the statistics' cotangents, mean and
+    /// rstd from the forward except for rows of one element (see
+    /// [`RmsNormBackward`]'s samples).
+    fn samples(d: DType) -> Vec<Sample> {
+        let st = stat_dtype(d);
+        let mut v = Vec::new();
+        for shape in ROW_SHAPES {
+            let (rows, c) = (&shape[..shape.len() - 1], shape[shape.len() - 1]);
+            let s = Sample::new(LayerNormBackward { eps: 1e-5 }, vec![normal(d, shape), normal(d, &[c])]);
+            let s = if c == 1 {
+                s.with(normal(st, rows)).with(positive(st, rows))
+            } else {
+                let fwd = |s: &Sample| vec![s.earlier(0), s.earlier(1), normal(d, &[c])];
+                let (m, r) = (fwd(&s), fwd(&s));
+                s.with_output(LayerNorm { eps: 1e-5 }, m, 1).with_output(LayerNorm { eps: 1e-5 }, r, 2)
+            };
+            let s = s.with(normal(d, shape)).large_over(40_000);
+            v.push(s.clone());
+            v.push(s.with(normal(st, rows)).with(normal(st, rows)));
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "layer_norm_backward"
@@ -457,3 +509,9 @@ impl Builder {
         Ok(self.push(LayerNorm { eps }.into(), &[x, w, b])?[0])
     }
 }
+
+/// The shapes of the row-wise samples (norms, softmax): rows of 1, 7, 33,
+/// 45, 128, 3200 and 32000 (LLaMA widths and vocabularies) elements, one
+/// row, row counts that are not multiples of 32, a 3-D input.
+pub(crate) const ROW_SHAPES: [&[usize]; 8] =
+    [&[5, 1], &[3, 7], &[300, 7], &[1, 33], &[37, 45], &[2, 3, 128], &[64, 3200], &[4, 32000]];

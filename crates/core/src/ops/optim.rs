@@ -9,6 +9,7 @@
 use num_traits::{Float as _, NumCast};
 use rayon::prelude::*;
 
+use super::sample::{normal, positive, scalar, zeros, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
@@ -169,8 +170,40 @@ fn conv<A: num_traits::Float, B: num_traits::Float>(x: A) -> B {
 }
 
 impl OpDef for AdamW {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Parameters of dtype `d` with moments of `d`, f32 (the mixed-precision
+    /// default: bf16 parameters with f32 moments) or one of each (but f16's
+    /// second moment always f32), lr and
+    /// step in f32 or f64; a first step from zero moments with PyTorch's
+    /// defaults and a third step from random moments with
+    /// `1 - beta1 >= 0.5` (lerp's other branch), decay and a larger eps;
+    /// scalars, odd lengths, a matrix and a tensor of several CPU chunks.
+    fn samples(d: DType) -> Vec<Sample> {
+        let hypers = [AdamW::default(), AdamW { beta1: 0.3, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 }];
+        // f16's range cannot hold the second moment ((1 - beta2)·g² underflows
+        // for |g| below about 0.008), so f16 parameters keep it in f32.
+        let sq = if d == DType::F16 { DType::F32 } else { d };
+        let types = [
+            (d, sq, DType::F32),
+            (DType::F32, DType::F32, DType::F32),
+            (DType::F32, sq, DType::F32),
+            (d, sq, DType::F64),
+            (DType::F32, DType::F32, DType::F64),
+        ];
+        let mut v = Vec::new();
+        for (mt, vt, st) in types {
+            for (h, hyper) in hypers.iter().enumerate() {
+                for shape in [&[][..], &[1], &[17], &[33, 65], &[40_000]] {
+                    let (m, sq, lr, step) = if h == 0 {
+                        (zeros(mt, shape), zeros(vt, shape), 1e-3, 1.0)
+                    } else {
+                        (normal(mt, shape), positive(vt, shape), 2e-2, 3.0)
+                    };
+                    let inputs = vec![normal(d, shape), normal(d, shape), m, sq, scalar(st, lr), scalar(st, step)];
+                    v.push(Sample::new(hyper.clone(), inputs));
+                }
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "adamw"

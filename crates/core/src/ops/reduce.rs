@@ -2,9 +2,11 @@
 
 use num_traits::{Float as _, Zero};
 
+use super::sample::{normal, ties, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 use rayon::prelude::*;
@@ -114,8 +116,18 @@ impl ReducePlan {
 }
 
 impl OpDef for Reduce {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Sum, mean and max, with and without kept axes, over [`reduce_cases`].
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (shape, axes) in reduce_cases() {
+            for keepdim in [false, true] {
+                for kind in [ReduceKind::Sum, ReduceKind::Mean, ReduceKind::Max] {
+                    let op = Reduce { kind, axes: axes.clone(), keepdim };
+                    v.push(Sample::new(op, vec![normal(d, &shape)]).large_over(2000));
+                }
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         match self.kind {
@@ -213,8 +225,21 @@ pub struct MaxBackward {
 }
 
 impl OpDef for MaxBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// [`reduce_cases`] on random values and on values full of ties (which
+    /// share the cotangent), with the max from the forward.
+    fn samples(d: DType) -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (shape, axes) in reduce_cases() {
+            for tied in [false, true] {
+                let x = if tied { ties(d, &shape) } else { normal(d, &shape) };
+                let s = Sample::new(MaxBackward { axes: axes.clone() }, vec![x]);
+                let max = Reduce { kind: ReduceKind::Max, axes: axes.clone(), keepdim: true };
+                let s = s.clone().with_output(max, vec![s.earlier(0)], 0);
+                let g = normal(d, &s.inputs[1].ty().shape);
+                v.push(s.with(g).large_over(4000));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "max_backward"
@@ -292,4 +317,40 @@ impl Builder {
         let s = if axes.is_empty() { x } else { self.sum(x, &axes, true)? };
         self.reshape(s, shape)
     }
+}
+
+/// (shape, axes) of the reduction samples: the innermost axis reduced with
+/// short rows (a warp per output on the GPU) and long rows (a block per
+/// output), the innermost kept (column layout), first, middle, last, all
+/// and non-adjacent axes, size-1 axes, no axes at all, and a scalar.
+fn reduce_cases() -> Vec<(Vec<usize>, Vec<usize>)> {
+    let c = |s: &[usize], a: &[usize]| (s.to_vec(), a.to_vec());
+    vec![
+        c(&[1], &[0]),
+        c(&[17], &[0]),
+        c(&[1031], &[0]),
+        c(&[5000], &[0]),
+        c(&[3, 4], &[0, 1]),
+        c(&[33, 17], &[1]),
+        c(&[1000, 3], &[1]),
+        c(&[5, 1000], &[1]),
+        c(&[300, 300], &[1]),
+        c(&[3, 4100], &[1]),
+        c(&[1000, 7], &[0]),
+        c(&[3, 700], &[0]),
+        c(&[2, 3, 4], &[0, 2]),
+        c(&[2, 3, 5], &[2]),
+        c(&[3, 5, 7], &[0]),
+        c(&[3, 5, 7], &[1]),
+        c(&[3, 5, 7], &[2]),
+        c(&[3, 5, 7], &[0, 2]),
+        c(&[8, 9, 10], &[0, 1, 2]),
+        c(&[2, 3, 4, 5], &[1, 3]),
+        c(&[4, 6, 8, 10], &[0, 2]),
+        c(&[2, 3, 4, 5], &[0, 1, 2]),
+        c(&[3, 1, 5], &[1]),
+        c(&[3, 1, 5], &[0, 1]),
+        c(&[3, 4], &[]),
+        c(&[], &[]),
+    ]
 }

@@ -34,9 +34,11 @@
 use num_traits::Zero;
 use rayon::prelude::*;
 
+use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -100,8 +102,37 @@ fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T]) {
 }
 
 impl OpDef for Rope {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// Forward and inverse of: full and partial rotation, head size 1 and
+    /// the n_rot == 1 quirk with pass-through dimensions, n_rot == 0, more
+    /// pairs than one angle chunk of the GPU kernel (256), LLaMA-like heads
+    /// at 4096 positions with both common bases.
+    fn samples(d: DType) -> Vec<Sample> {
+        let cases: [(&[usize], usize, f64); 17] = [
+            (&[2, 5, 3, 8], 8, 10000.0),
+            (&[2, 5, 3, 8], 4, 100.0),
+            (&[2, 5, 3, 1], 1, 10000.0),
+            (&[2, 5, 3, 3], 1, 10000.0),
+            (&[2, 7, 3, 16], 16, 10000.0),
+            (&[2, 7, 3, 16], 8, 10000.0),
+            (&[2, 300, 4, 1], 1, 10000.0),
+            (&[2, 9, 3, 4], 1, 10000.0),
+            (&[1, 3, 2, 8], 0, 10000.0),
+            (&[1, 5, 2, 1024], 1024, 10000.0),
+            (&[1, 5, 3, 1024], 600, 10000.0),
+            (&[1, 4096, 2, 128], 128, 10000.0),
+            (&[1, 4096, 2, 128], 128, 500000.0),
+            (&[3, 33, 5, 64], 32, 1e6),
+            (&[2, 65, 4, 96], 64, 10000.0),
+            (&[2, 65, 4, 96], 96, 10000.0),
+            (&[2, 65, 4, 3], 1, 10000.0),
+        ];
+        let mut v = Vec::new();
+        for (shape, n_rot, base) in cases {
+            for inverse in [false, true] {
+                v.push(Sample::new(Rope { n_rot, base, inverse }, vec![normal(d, shape)]).large_over(40_000));
+            }
+        }
+        v
     }
     fn name(&self) -> &'static str {
         "rope"

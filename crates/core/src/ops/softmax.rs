@@ -8,9 +8,12 @@
 use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
+use super::norm::ROW_SHAPES;
+use super::sample::{normal, output_of, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attrs, OpDef, VjpArgs};
 use crate::cpu::{Float, KernelIo};
 use crate::error::Result;
+use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
@@ -45,8 +48,9 @@ fn softmax_rows<T: Float>(y: &mut [T], n: usize) {
 }
 
 impl OpDef for Softmax {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// The row shapes of the norms' samples.
+    fn samples(d: DType) -> Vec<Sample> {
+        ROW_SHAPES.iter().map(|s| Sample::new(Softmax, vec![normal(d, s)]).large_over(20_000)).collect()
     }
     fn name(&self) -> &'static str {
         "softmax"
@@ -96,8 +100,15 @@ fn softmax_backward_rows<T: Float>(y: &[T], g: &mut [T], n: usize) {
 }
 
 impl OpDef for SoftmaxBackward {
-    fn samples(_dtype: crate::ir::DType) -> Vec<crate::ops::Sample> {
-        Vec::new()
+    /// The row shapes of the norms' samples, on real probabilities.
+    fn samples(d: DType) -> Vec<Sample> {
+        ROW_SHAPES
+            .iter()
+            .map(|s| {
+                let y = output_of(Softmax, vec![normal(d, s)], 0);
+                Sample::new(SoftmaxBackward, vec![y, normal(d, s)]).large_over(20_000)
+            })
+            .collect()
     }
     fn name(&self) -> &'static str {
         "softmax_backward"

@@ -1,0 +1,649 @@
+//! Reading a Hugging Face `config.json` (`model_type` `llama`, `mistral`,
+//! `qwen2`, `gpt_neox`) into a [`Config`]: parsing the JSON with typed
+//! getters whose errors name the model and the key, and mapping the
+//! `transformers` hyper-parameters (with their config classes' defaults) to
+//! litgpt's meaning. Anything a [`Config`] cannot express exactly is an
+//! error, never a silently different network.
+//!
+//! The entry points are [`Config::from_hf_json`] and
+//! [`Config::from_hf_file`], so callers keep reaching them through
+//! [`Config`].
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use super::config::{config_error, Config, MlpKind, NormKind};
+use crate::error::{Error, Result};
+
+impl Config {
+    /// Reads a Hugging Face `config.json` from `path` (or from
+    /// `path/config.json` when `path` is a directory) with
+    /// [`Config::from_hf_json`], naming the model after the directory that
+    /// holds the file.
+    pub fn from_hf_file(path: &Path) -> Result<Config> {
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let text =
+            std::fs::read_to_string(&file).map_err(|cause| Error::Io { path: file.display().to_string(), cause })?;
+        let dir_name =
+            file.parent().and_then(Path::file_name).and_then(|name| name.to_str()).filter(|name| !name.is_empty());
+        let name = match dir_name {
+            Some(name) => name.to_string(),
+            None => file.display().to_string(),
+        };
+        Self::from_hf_json(&text, &name)
+    }
+
+    /// Parses the text of a Hugging Face `config.json` into a validated
+    /// config called `name`.
+    ///
+    /// Supports `model_type` `llama`, `mistral`, `qwen2` (LLaMA layout; Qwen2
+    /// adds q/k/v biases) and `gpt_neox`. Missing optional keys take the
+    /// defaults of the matching `transformers` config class. Since
+    /// `config.json` does not give the tokenizer's size, `vocab_size` and
+    /// `padded_vocab_size` are both its `vocab_size` (the embedding rows).
+    ///
+    /// Anything this config cannot express exactly (another activation, RoPE
+    /// scaling, a bias layout other than the supported ones) is an
+    /// [`Error::Config`] rather than a silently different network.
+    pub fn from_hf_json(text: &str, name: &str) -> Result<Config> {
+        let value: Value = serde_json::from_str(text)?;
+        let Some(obj) = value.as_object() else {
+            return Err(config_error(name, "config.json must hold a JSON object"));
+        };
+        let hf = HfJson { model: name, prefix: "", obj };
+        let model_type = hf.str_req("model_type")?;
+        let config = match model_type {
+            "llama" | "mistral" | "qwen2" => hf.llama_like(model_type)?,
+            "gpt_neox" => hf.gpt_neox()?,
+            other => {
+                return Err(hf.err(format!(
+                    "model_type `{other}` is not supported (supported: llama, mistral, qwen2, gpt_neox)"
+                )))
+            }
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// A JSON object from a `config.json` (or an object nested in it), with
+/// typed getters whose errors name the model and the key.
+struct HfJson<'a> {
+    model: &'a str,
+    /// `"rope_scaling."` and the like for nested objects, for messages.
+    prefix: &'a str,
+    obj: &'a Map<String, Value>,
+}
+
+impl<'a> HfJson<'a> {
+    fn err(&self, reason: impl Into<String>) -> Error {
+        config_error(self.model, reason)
+    }
+
+    /// The value of `key`; `null` counts as absent, as `transformers` writes
+    /// `null` for unset optional fields.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|value| !value.is_null())
+    }
+
+    fn wrong_type(&self, key: &str, expected: &str, value: &Value) -> Error {
+        self.err(format!("key `{}{key}` must be {expected}, got {value}", self.prefix))
+    }
+
+    fn missing(&self, key: &str) -> Error {
+        self.err(format!("missing required key `{}{key}`", self.prefix))
+    }
+
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        value
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| self.wrong_type(key, "a non-negative integer", value))
+    }
+
+    fn usize_req(&self, key: &str) -> Result<usize> {
+        self.usize_opt(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        value.as_f64().map(Some).ok_or_else(|| self.wrong_type(key, "a number", value))
+    }
+
+    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        value.as_bool().map(Some).ok_or_else(|| self.wrong_type(key, "true or false", value))
+    }
+
+    fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        value.as_str().map(Some).ok_or_else(|| self.wrong_type(key, "a string", value))
+    }
+
+    fn str_req(&self, key: &str) -> Result<&'a str> {
+        self.str_opt(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    /// The object under `key`, with `prefix` naming it in messages.
+    fn nested(&self, key: &str, prefix: &'a str) -> Result<Option<HfJson<'a>>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        let obj = value.as_object().ok_or_else(|| self.wrong_type(key, "an object", value))?;
+        Ok(Some(HfJson { model: self.model, prefix, obj }))
+    }
+
+    /// Refuses a RoPE variant other than plain RoPE: `rope_type` (or the
+    /// older `type`) must be absent or `default`.
+    fn check_plain_rope(&self) -> Result<()> {
+        let kind = match self.str_opt("rope_type")? {
+            Some(kind) => Some(kind),
+            None => self.str_opt("type")?,
+        };
+        match kind {
+            None | Some("default") => Ok(()),
+            Some(other) => Err(self.err(format!(
+                "{}rope_type `{other}` (RoPE scaling) is not supported; only plain RoPE is",
+                self.prefix
+            ))),
+        }
+    }
+
+    /// The RoPE base and the rotated fraction of each head, refusing any RoPE
+    /// scaling. `transformers` 5 keeps both in a `rope_parameters` object;
+    /// older versions use top-level keys, tried in the order of
+    /// `base_keys` and `fraction_keys`.
+    fn rope(&self, base_keys: &[&str], fraction_keys: &[&str], default_fraction: f64) -> Result<(f64, f64)> {
+        let mut base = None;
+        let mut fraction = None;
+        if let Some(params) = self.nested("rope_parameters", "rope_parameters.")? {
+            params.check_plain_rope()?;
+            base = params.f64_opt("rope_theta")?;
+            fraction = params.f64_opt("partial_rotary_factor")?;
+        }
+        if let Some(scaling) = self.nested("rope_scaling", "rope_scaling.")? {
+            // A non-null `rope_scaling` that does not say which kind it is
+            // still changes RoPE somehow; refuse it rather than guess.
+            if scaling.get("rope_type").is_none() && scaling.get("type").is_none() {
+                if !scaling.obj.is_empty() {
+                    return Err(self.err("rope_scaling is set but names no rope_type; RoPE scaling is not supported"));
+                }
+            } else {
+                scaling.check_plain_rope()?;
+            }
+        }
+        // The first key present wins.
+        for key in base_keys {
+            base = base.or(self.f64_opt(key)?);
+        }
+        for key in fraction_keys {
+            fraction = fraction.or(self.f64_opt(key)?);
+        }
+        Ok((base.unwrap_or(10000.0), fraction.unwrap_or(default_fraction)))
+    }
+
+    /// `max_position_embeddings`, shortened to the sliding window when one
+    /// applies: within a block no longer than the window, sliding-window
+    /// attention is plain causal attention, which is what litgpt does for
+    /// Mistral-7B-v0.1 (block 4096).
+    fn block_size(&self, default_positions: usize, sliding: bool) -> Result<usize> {
+        let positions = self.usize_opt("max_position_embeddings")?.unwrap_or(default_positions);
+        let window = if sliding { self.usize_opt("sliding_window")? } else { None };
+        Ok(window.map_or(positions, |window| positions.min(window)))
+    }
+
+    /// `llama`, `mistral` and `qwen2`: RMSNorm, SwiGLU, sequential residual.
+    fn llama_like(&self, model_type: &str) -> Result<Config> {
+        let n_embd = self.usize_req("hidden_size")?;
+        let n_head = self.usize_req("num_attention_heads")?;
+        let vocab_size = self.usize_req("vocab_size")?;
+        let act = self.str_opt("hidden_act")?.unwrap_or("silu");
+        if act != "silu" {
+            return Err(self.err(format!(
+                "hidden_act `{act}` is not supported for model_type `{model_type}`; only `silu` (the SwiGLU MLP) is"
+            )));
+        }
+
+        let (bias, attn_qkv_bias) = match model_type {
+            // Qwen2 always has q/k/v biases and no others.
+            "qwen2" => (false, true),
+            // In `transformers`, Llama's `attention_bias` covers q/k/v and the
+            // output projection and `mlp_bias` the three MLP matrices; only
+            // both together match this config's all-linear `bias`.
+            "llama" => {
+                let attention_bias = self.bool_opt("attention_bias")?.unwrap_or(false);
+                let mlp_bias = self.bool_opt("mlp_bias")?.unwrap_or(false);
+                match (attention_bias, mlp_bias) {
+                    (false, false) => (false, false),
+                    (true, true) => (true, false),
+                    (true, false) => {
+                        return Err(self.err(
+                            "attention_bias true with mlp_bias false is not supported (it biases q/k/v and o_proj but not the MLP)",
+                        ))
+                    }
+                    (false, true) => {
+                        return Err(self.err(
+                            "mlp_bias true with attention_bias false is not supported (it biases the MLP but not attention)",
+                        ))
+                    }
+                }
+            }
+            _ => (false, false),
+        };
+
+        // transformers' defaults for max_position_embeddings and whether the
+        // sliding window is in use.
+        let (default_positions, sliding) = match model_type {
+            "mistral" => (4096 * 32, true),
+            "qwen2" => (32768, self.bool_opt("use_sliding_window")?.unwrap_or(false)),
+            _ => (2048, false),
+        };
+        let (rope_base, rotary_percentage) = self.rope(&["rope_theta"], &[], 1.0)?;
+        let n_query_groups = self.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
+        let head_size = match self.usize_opt("head_dim")? {
+            Some(head_dim) => head_dim,
+            // A zero `n_head` is reported by `validate`.
+            None => n_embd.checked_div(n_head).unwrap_or(0),
+        };
+
+        Ok(Config {
+            name: self.model.to_string(),
+            block_size: self.block_size(default_positions, sliding)?,
+            vocab_size,
+            padded_vocab_size: vocab_size,
+            n_layer: self.usize_req("num_hidden_layers")?,
+            n_embd,
+            n_head,
+            n_query_groups,
+            head_size,
+            intermediate_size: self.usize_req("intermediate_size")?,
+            norm: NormKind::RmsNorm,
+            norm_eps: self.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
+            mlp: MlpKind::LlamaSwiGlu,
+            parallel_residual: false,
+            shared_attention_norm: false,
+            rotary_percentage,
+            rope_base,
+            bias,
+            attn_qkv_bias,
+            tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            lm_head_bias: false,
+        })
+    }
+
+    /// `gpt_neox` (Pythia): LayerNorm, GELU MLP, biases everywhere.
+    fn gpt_neox(&self) -> Result<Config> {
+        let n_embd = self.usize_req("hidden_size")?;
+        let n_head = self.usize_req("num_attention_heads")?;
+        let vocab_size = self.usize_req("vocab_size")?;
+        let approximate_tanh = match self.str_opt("hidden_act")?.unwrap_or("gelu") {
+            "gelu" => false,
+            "gelu_new" | "gelu_pytorch_tanh" => true,
+            other => {
+                return Err(self.err(format!(
+                    "hidden_act `{other}` is not supported for model_type `gpt_neox`; only `gelu`, `gelu_new` and `gelu_pytorch_tanh` are"
+                )))
+            }
+        };
+        if !self.bool_opt("attention_bias")?.unwrap_or(true) {
+            return Err(self.err(
+                "attention_bias false is not supported for gpt_neox (its MLP keeps biases, and this config biases all linears or none)",
+            ));
+        }
+        // Older configs say `rotary_emb_base`/`rotary_pct`, newer ones
+        // `rope_theta`/`partial_rotary_factor`.
+        let (rope_base, rotary_percentage) =
+            self.rope(&["rope_theta", "rotary_emb_base"], &["partial_rotary_factor", "rotary_pct"], 0.25)?;
+
+        Ok(Config {
+            name: self.model.to_string(),
+            block_size: self.block_size(2048, false)?,
+            vocab_size,
+            padded_vocab_size: vocab_size,
+            n_layer: self.usize_req("num_hidden_layers")?,
+            n_embd,
+            n_head,
+            // GPT-NeoX has no grouped-query attention.
+            n_query_groups: n_head,
+            head_size: n_embd.checked_div(n_head).unwrap_or(0),
+            intermediate_size: self.usize_req("intermediate_size")?,
+            norm: NormKind::LayerNorm,
+            norm_eps: self.f64_opt("layer_norm_eps")?.unwrap_or(1e-5),
+            mlp: MlpKind::Gelu { approximate_tanh },
+            parallel_residual: self.bool_opt("use_parallel_residual")?.unwrap_or(true),
+            shared_attention_norm: false,
+            rotary_percentage,
+            rope_base,
+            bias: true,
+            attn_qkv_bias: false,
+            tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            lm_head_bias: false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::config::Overrides;
+
+    fn named(name: &str) -> Config {
+        Config::named(name).unwrap()
+    }
+
+    /// The `reason` of an [`Error::Config`], failing the test otherwise.
+    fn config_reason<T: std::fmt::Debug>(result: Result<T>) -> String {
+        match result {
+            Err(Error::Config { reason, .. }) => reason,
+            other => panic!("expected Error::Config, got {other:?}"),
+        }
+    }
+
+    const LLAMA_2_7B_JSON: &str = r#"{
+      "architectures": ["LlamaForCausalLM"],
+      "bos_token_id": 1,
+      "eos_token_id": 2,
+      "hidden_act": "silu",
+      "hidden_size": 4096,
+      "initializer_range": 0.02,
+      "intermediate_size": 11008,
+      "max_position_embeddings": 4096,
+      "model_type": "llama",
+      "num_attention_heads": 32,
+      "num_hidden_layers": 32,
+      "num_key_value_heads": 32,
+      "pretraining_tp": 1,
+      "rms_norm_eps": 1e-05,
+      "rope_scaling": null,
+      "tie_word_embeddings": false,
+      "torch_dtype": "float16",
+      "transformers_version": "4.31.0.dev0",
+      "use_cache": true,
+      "vocab_size": 32000
+    }"#;
+
+    const LLAMA_3_8B_JSON: &str = r#"{
+      "architectures": ["LlamaForCausalLM"],
+      "attention_bias": false,
+      "attention_dropout": 0.0,
+      "bos_token_id": 128000,
+      "eos_token_id": 128001,
+      "hidden_act": "silu",
+      "hidden_size": 4096,
+      "initializer_range": 0.02,
+      "intermediate_size": 14336,
+      "max_position_embeddings": 8192,
+      "model_type": "llama",
+      "num_attention_heads": 32,
+      "num_hidden_layers": 32,
+      "num_key_value_heads": 8,
+      "pretraining_tp": 1,
+      "rms_norm_eps": 1e-05,
+      "rope_scaling": null,
+      "rope_theta": 500000.0,
+      "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.40.0.dev0",
+      "use_cache": true,
+      "vocab_size": 128256
+    }"#;
+
+    const QWEN2_5_7B_JSON: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"],
+      "attention_dropout": 0.0,
+      "bos_token_id": 151643,
+      "eos_token_id": 151643,
+      "hidden_act": "silu",
+      "hidden_size": 3584,
+      "initializer_range": 0.02,
+      "intermediate_size": 18944,
+      "max_position_embeddings": 131072,
+      "max_window_layers": 28,
+      "model_type": "qwen2",
+      "num_attention_heads": 28,
+      "num_hidden_layers": 28,
+      "num_key_value_heads": 4,
+      "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0,
+      "sliding_window": 131072,
+      "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.43.1",
+      "use_cache": true,
+      "use_mrope": false,
+      "use_sliding_window": false,
+      "vocab_size": 152064
+    }"#;
+
+    /// What `transformers` writes for `Qwen2Config(hidden_size=28,
+    /// num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=5,
+    /// ...)` saved with `save_pretrained`: no `head_dim`.
+    const QWEN2_W2_JSON: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"],
+      "attention_dropout": 0.0,
+      "bos_token_id": 151643,
+      "eos_token_id": 151643,
+      "hidden_act": "silu",
+      "hidden_size": 28,
+      "initializer_range": 0.02,
+      "intermediate_size": 18944,
+      "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention", "full_attention"],
+      "max_position_embeddings": 131072,
+      "max_window_layers": 28,
+      "model_type": "qwen2",
+      "num_attention_heads": 28,
+      "num_hidden_layers": 5,
+      "num_key_value_heads": 4,
+      "rms_norm_eps": 1e-06,
+      "rope_scaling": null,
+      "rope_theta": 1000000.0,
+      "sliding_window": null,
+      "tie_word_embeddings": false,
+      "torch_dtype": "float32",
+      "transformers_version": "4.56.1",
+      "use_cache": true,
+      "use_sliding_window": false,
+      "vocab_size": 152064
+    }"#;
+
+    const MISTRAL_7B_JSON: &str = r#"{
+      "architectures": ["MistralForCausalLM"],
+      "bos_token_id": 1,
+      "eos_token_id": 2,
+      "hidden_act": "silu",
+      "hidden_size": 4096,
+      "initializer_range": 0.02,
+      "intermediate_size": 14336,
+      "max_position_embeddings": 32768,
+      "model_type": "mistral",
+      "num_attention_heads": 32,
+      "num_hidden_layers": 32,
+      "num_key_value_heads": 8,
+      "rms_norm_eps": 1e-05,
+      "rope_theta": 10000.0,
+      "sliding_window": 4096,
+      "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.34.0.dev0",
+      "use_cache": true,
+      "vocab_size": 32000
+    }"#;
+
+    const PYTHIA_14M_JSON: &str = r#"{
+      "architectures": ["GPTNeoXForCausalLM"],
+      "bos_token_id": 0,
+      "eos_token_id": 0,
+      "hidden_act": "gelu",
+      "hidden_size": 128,
+      "initializer_range": 0.02,
+      "intermediate_size": 512,
+      "layer_norm_eps": 1e-05,
+      "max_position_embeddings": 2048,
+      "model_type": "gpt_neox",
+      "num_attention_heads": 4,
+      "num_hidden_layers": 6,
+      "rotary_emb_base": 10000,
+      "rotary_pct": 0.25,
+      "tie_word_embeddings": false,
+      "torch_dtype": "float16",
+      "transformers_version": "4.24.0",
+      "use_cache": true,
+      "use_parallel_residual": true,
+      "vocab_size": 50304
+    }"#;
+
+    fn from_json(text: &str) -> Result<Config> {
+        Config::from_hf_json(text, "test-model")
+    }
+
+    /// `text` parsed as JSON with `key` set to `value` (`null` removes it).
+    fn edit(text: &str, key: &str, value: Value) -> String {
+        let mut json: Value = serde_json::from_str(text).unwrap();
+        let obj = json.as_object_mut().unwrap();
+        if value.is_null() {
+            obj.remove(key);
+        } else {
+            obj.insert(key.to_string(), value);
+        }
+        json.to_string()
+    }
+
+    #[test]
+    fn hf_json_matches_named_configs() {
+        let llama2 = Config::from_hf_json(LLAMA_2_7B_JSON, "Llama-2-7b-hf").unwrap();
+        assert_eq!(llama2, named("Llama-2-7b-hf"));
+
+        let mistral = Config::from_hf_json(MISTRAL_7B_JSON, "Mistral-7B-v0.1").unwrap();
+        assert_eq!(mistral, named("Mistral-7B-v0.1"));
+
+        // config.json only knows the embedding rows, so vocab_size is the
+        // padded size; everything else matches litgpt.
+        let llama3 = Config::from_hf_json(LLAMA_3_8B_JSON, "Meta-Llama-3-8B").unwrap();
+        assert_eq!(llama3, Config { vocab_size: 128256, ..named("Meta-Llama-3-8B") });
+        assert_eq!(llama3.param_count(), 8_030_261_248);
+
+        let qwen = Config::from_hf_json(QWEN2_5_7B_JSON, "Qwen2.5-7B").unwrap();
+        assert_eq!(qwen, Config { vocab_size: 152064, ..named("Qwen2.5-7B") });
+        assert_eq!(qwen.param_count(), 7_615_616_512);
+
+        let pythia = Config::from_hf_json(PYTHIA_14M_JSON, "pythia-14m").unwrap();
+        assert_eq!(pythia, Config { vocab_size: 50304, block_size: 2048, ..named("pythia-14m") });
+        assert_eq!(pythia.param_count(), 14_067_712);
+    }
+
+    #[test]
+    fn hf_json_qwen2_w2_geometry() {
+        let config = from_json(QWEN2_W2_JSON).unwrap();
+        assert_eq!(config.name, "test-model");
+        assert_eq!((config.n_embd, config.n_head, config.n_query_groups), (28, 28, 4));
+        assert_eq!((config.head_size, config.n_rot(), config.n_layer), (1, 1, 5));
+        assert!(config.attn_qkv_bias && !config.bias);
+        assert_eq!(config.block_size, 131072);
+
+        let w2 = named("Qwen2.5-7B")
+            .with_overrides(&Overrides { n_layer: Some(5), n_embd: Some(28), ..Overrides::default() })
+            .unwrap();
+        assert_eq!(config.param_count(), w2.param_count());
+    }
+
+    #[test]
+    fn hf_json_defaults_and_variants() {
+        // No num_key_value_heads, rope_theta or tie_word_embeddings: MHA,
+        // base 10000, untied; an explicit head_dim wins.
+        let minimal = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": null, "head_dim": 32}"#;
+        let config = from_json(minimal).unwrap();
+        assert_eq!((config.n_query_groups, config.head_size), (4, 32));
+        assert_eq!((config.rope_base, config.norm_eps, config.block_size), (10000.0, 1e-6, 2048));
+        assert!(!config.tie_embeddings);
+
+        let tied = from_json(&edit(minimal, "tie_word_embeddings", Value::Bool(true))).unwrap();
+        assert!(tied.tie_embeddings);
+
+        let biased = edit(&edit(minimal, "attention_bias", Value::Bool(true)), "mlp_bias", Value::Bool(true));
+        let biased = from_json(&biased).unwrap();
+        assert!(biased.bias && !biased.attn_qkv_bias);
+
+        // transformers 5 keeps the RoPE base under rope_parameters.
+        let v5 = edit(minimal, "rope_parameters", serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}));
+        assert_eq!(from_json(&v5).unwrap().rope_base, 500000.0);
+
+        let tanh = from_json(&edit(PYTHIA_14M_JSON, "hidden_act", "gelu_new".into())).unwrap();
+        assert_eq!(tanh.mlp, MlpKind::Gelu { approximate_tanh: true });
+        let sequential = edit(PYTHIA_14M_JSON, "use_parallel_residual", Value::Bool(false));
+        assert!(!from_json(&sequential).unwrap().parallel_residual);
+        let newer_rope =
+            edit(&edit(PYTHIA_14M_JSON, "rotary_pct", Value::Null), "partial_rotary_factor", serde_json::json!(0.5));
+        assert_eq!(from_json(&newer_rope).unwrap().n_rot(), 16);
+    }
+
+    #[test]
+    fn hf_json_errors() {
+        let check = |text: &str, needle: &str| {
+            let reason = config_reason(from_json(text));
+            assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
+        };
+        check(&edit(LLAMA_2_7B_JSON, "model_type", "gpt2".into()), "model_type `gpt2` is not supported");
+        check(&edit(LLAMA_2_7B_JSON, "model_type", Value::Null), "missing required key `model_type`");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_size", Value::Null), "missing required key `hidden_size`");
+        check(&edit(PYTHIA_14M_JSON, "num_hidden_layers", Value::Null), "missing required key `num_hidden_layers`");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_size", "4096".into()), "key `hidden_size` must be a non-negative integer");
+        check(&edit(LLAMA_2_7B_JSON, "hidden_act", "gelu".into()), "hidden_act `gelu` is not supported");
+        check(
+            &edit(LLAMA_2_7B_JSON, "mlp_bias", Value::Bool(true)),
+            "mlp_bias true with attention_bias false is not supported",
+        );
+        check(
+            &edit(LLAMA_2_7B_JSON, "attention_bias", Value::Bool(true)),
+            "attention_bias true with mlp_bias false is not supported",
+        );
+        check(
+            &edit(LLAMA_3_8B_JSON, "rope_scaling", serde_json::json!({"factor": 8.0, "rope_type": "llama3"})),
+            "rope_scaling.rope_type `llama3` (RoPE scaling) is not supported",
+        );
+        check(&edit(LLAMA_2_7B_JSON, "rope_scaling", serde_json::json!({"factor": 2.0, "type": "linear"})), "`linear`");
+        check(
+            &edit(PYTHIA_14M_JSON, "hidden_act", "relu".into()),
+            "hidden_act `relu` is not supported for model_type `gpt_neox`",
+        );
+        check(
+            &edit(LLAMA_2_7B_JSON, "num_key_value_heads", serde_json::json!(5)),
+            "n_head 32 is not divisible by n_query_groups 5",
+        );
+        check("[1, 2]", "must hold a JSON object");
+
+        assert!(matches!(from_json("{not json"), Err(Error::Json(_))));
+    }
+
+    #[test]
+    fn hf_file_reads_a_file_or_directory() {
+        let dir = std::env::temp_dir().join(format!("stepgraph-config-test-{}/pythia-14m", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("config.json");
+        std::fs::write(&file, PYTHIA_14M_JSON).unwrap();
+
+        let from_file = Config::from_hf_file(&file).unwrap();
+        assert_eq!(from_file.name, "pythia-14m");
+        assert_eq!(from_file.param_count(), 14_067_712);
+        assert_eq!(Config::from_hf_file(&dir).unwrap(), from_file);
+
+        let missing = dir.join("absent.json");
+        match Config::from_hf_file(&missing) {
+            Err(Error::Io { path, .. }) => assert!(path.ends_with("absent.json"), "{path}"),
+            other => panic!("expected Error::Io, got {other:?}"),
+        }
+        std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
+    }
+}
