@@ -19,7 +19,7 @@ use crate::cpu::comm::{run_ranks, Communicator};
 use crate::cpu::{Float, KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
-use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use crate::ir::{Builder, OutputKind, TensorType, Trace, ValueId, ValueKind};
 use crate::ops::collective::world_of;
 use crate::ops::{Input, Op, Sample, VjpArgs};
 
@@ -62,32 +62,6 @@ pub fn interpret_with_comm(
         }
     }
     Ok(vals)
-}
-
-/// How to draw one input in [`draw_inputs`]: the shorthand of the lowering
-/// unit tests in `stepgraph-cuda`; op tables use [`Input`] and
-/// [`draw_sample`], which draw the same values for the same shapes.
-#[derive(Clone, Debug)]
-pub enum Arg {
-    /// Standard normal floats of this shape (f64 in the check).
-    Normal(Vec<usize>),
-    /// Floats in [0.5, 2): for ops defined on positive numbers (log, sqrt).
-    Positive(Vec<usize>),
-    /// Integer ids in `[0, max)` of this dtype and shape (not differentiated).
-    Ids { dtype: DType, shape: Vec<usize>, max: i64 },
-    /// Fixed values (not differentiated): learning rates, step counts, masks.
-    Fixed(TensorType, Vec<f64>),
-}
-
-impl Arg {
-    fn input(&self, dtype: DType) -> Input {
-        match self {
-            Arg::Normal(s) => Input::Normal(TensorType::new(dtype, s.clone())),
-            Arg::Positive(s) => Input::Positive(TensorType::new(dtype, s.clone())),
-            Arg::Ids { dtype, shape, max } => Input::Ids { ty: TensorType::new(*dtype, shape.clone()), max: *max },
-            Arg::Fixed(ty, d) => Input::Fixed(ty.clone(), d.clone()),
-        }
-    }
 }
 
 /// Draws `input` from `rng`: the same f64 draws for every dtype of the same
@@ -159,13 +133,6 @@ pub fn draw_sample(sample: &Sample, seed: u64) -> Result<Vec<HostTensor>> {
 /// One input drawn alone from `seed` (as the first input of a sample).
 pub fn draw_input(input: &Input, seed: u64) -> Result<HostTensor> {
     draw(input, &mut StdRng::seed_from_u64(seed), &[])
-}
-
-/// Random inputs for `args` in `dtype` (floats) from `seed`, drawn as
-/// [`draw_sample`] draws the equivalent [`Input`]s.
-pub fn draw_inputs(args: &[Arg], dtype: DType, seed: u64) -> Vec<HostTensor> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    args.iter().map(|a| draw(&a.input(dtype), &mut rng, &[]).expect("plain draws cannot fail")).collect()
 }
 
 /// Runs one op on host tensors through its CPU kernel, every output buffer

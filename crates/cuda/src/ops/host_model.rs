@@ -10,8 +10,9 @@ use stepgraph_core::ops::elementwise::Binary;
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
 use stepgraph_core::ops::movement::{Broadcast, Concat, Permute, Slice, SliceBackward};
 use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind};
+use stepgraph_core::ops::sample::{ids, normal};
 use stepgraph_core::ops::{BinaryFn, Op};
-use stepgraph_core::testing::{draw_inputs, run_op, Arg as Draw};
+use stepgraph_core::testing::{draw_input, run_op};
 
 use super::lower;
 use super::reduce::MAX_GROUPS;
@@ -235,24 +236,12 @@ fn run_model(op: &Op, inputs: &[HostTensor], skew: u64) -> Vec<HostTensor> {
 }
 
 fn input(shape: &[usize], dt: DType, seed: u64) -> HostTensor {
-    match dt {
-        DType::I32 | DType::I64 | DType::Bool => {
-            let max = if dt == DType::Bool { 2 } else { 1 << 30 };
-            draw_inputs(&[Draw::Ids { dtype: DType::I64, shape: shape.to_vec(), max }], DType::F64, seed)
-                .remove(0)
-                .to_f64()
-                .pipe(|v| HostTensor::from_f64(TensorType::new(dt, shape.to_vec()), &v))
-        }
-        _ => draw_inputs(&[Draw::Normal(shape.to_vec())], dt, seed).remove(0),
-    }
+    let spec = match dt {
+        DType::I32 | DType::I64 | DType::Bool => ids(dt, shape, if dt == DType::Bool { 2 } else { 1 << 30 }),
+        _ => normal(dt, shape),
+    };
+    draw_input(&spec, seed).expect("a drawable input")
 }
-
-trait Pipe: Sized {
-    fn pipe<R>(self, f: impl FnOnce(Self) -> R) -> R {
-        f(self)
-    }
-}
-impl<T> Pipe for T {}
 
 /// The lowering's arguments, run through a host model of each kernel,
 /// give the CPU reference's bytes: movement and embedding for every
@@ -312,8 +301,7 @@ fn lowered_arguments_reproduce_the_cpu_on_a_host_model() {
         if dt.is_float() {
             for (ids_dt, n, rows, width) in [(DType::I32, 7, 5, 3), (DType::I64, 37, 50, 24), (DType::I32, 30, 11, 64)]
             {
-                let ids =
-                    draw_inputs(&[Draw::Ids { dtype: ids_dt, shape: vec![n], max: rows as i64 }], dt, seed).remove(0);
+                let ids = draw_input(&ids(ids_dt, &[n], rows as i64), seed).expect("drawable ids");
                 cases.push((Embedding.into(), vec![ids.clone(), input(&[rows, width], dt, seed)]));
                 if dt == DType::F64 {
                     let op = EmbeddingBackward { num_rows: rows };
