@@ -25,6 +25,10 @@ pub enum Error {
     /// Differentiation could not build the backward trace.
     #[error("autodiff: {0}")]
     Autodiff(String),
+    /// An op whose VJP rule declares it is not differentiable (backward ops,
+    /// the optimizer update, collectives), met by differentiation.
+    #[error("autodiff: `{op}` {reason}")]
+    NotDifferentiable { op: String, reason: String },
     /// The memory planner or its checker found a problem.
     #[error("memory plan: {0}")]
     Plan(String),

@@ -88,10 +88,12 @@ pub fn shard_type(t: &TensorType, world: usize) -> std::result::Result<TensorTyp
 }
 
 fn no_vjp(name: &str) -> Result<Vec<Option<ValueId>>> {
-    Err(Error::Autodiff(format!(
-        "`{name}` is a collective: data_parallel inserts collectives into a finished step, after autodiff, \
-         so they have no VJP rule"
-    )))
+    Err(Error::NotDifferentiable {
+        op: name.to_string(),
+        reason: "is a collective: data_parallel inserts collectives into a finished step, after autodiff, \
+                 so they have no VJP rule"
+            .into(),
+    })
 }
 
 /// The bucket's tensor count, checked against the inputs.

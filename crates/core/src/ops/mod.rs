@@ -352,5 +352,8 @@ pub(crate) fn expect_same(a: &TensorType, b: &TensorType, what: &str) -> std::re
 
 /// Errors for backward-only ops, which are never differentiated again.
 pub(crate) fn no_vjp(name: &str) -> Result<Vec<Option<ValueId>>> {
-    Err(Error::Autodiff(format!("`{name}` is a backward op; higher-order derivatives are not supported")))
+    Err(Error::NotDifferentiable {
+        op: name.to_string(),
+        reason: "is a backward op; higher-order derivatives are not supported".into(),
+    })
 }

@@ -229,9 +229,10 @@ impl OpDef for AdamW {
         Ok(vec![p.clone(), m.clone(), v.clone()])
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        Err(Error::Autodiff(
-            "`adamw` is an optimizer update, not differentiable: it belongs after the backward pass".into(),
-        ))
+        Err(Error::NotDifferentiable {
+            op: self.name().into(),
+            reason: "is an optimizer update, not differentiable: it belongs after the backward pass".into(),
+        })
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let lr = scalar_input(io, 4, "lr", |x| x.is_finite() && x >= 0.0, "finite and non-negative")?;
