@@ -22,6 +22,7 @@ pub mod reduce;
 pub mod rope;
 pub mod sample;
 pub mod softmax;
+pub mod swiglu;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -247,6 +248,8 @@ macro_rules! for_each_op {
             EmbeddingBackward($crate::ops::embedding::EmbeddingBackward),
             CrossEntropy($crate::ops::loss::CrossEntropy),
             CrossEntropyBackward($crate::ops::loss::CrossEntropyBackward),
+            SwiGlu($crate::ops::swiglu::SwiGlu),
+            SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
             AdamW($crate::ops::optim::AdamW),
             // Collectives: inserted after autodiff by `dist::data_parallel`, no VJP.
             AllReduce($crate::ops::collective::AllReduce),

@@ -33,6 +33,7 @@ pub mod optim;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod swiglu;
 mod util;
 
 #[cfg(test)]

@@ -1,0 +1,37 @@
+//! Lowering of the fused SwiGLU ([`SwiGlu`], [`SwiGluBackward`]) to the
+//! grid-stride kernels of `kernels/swiglu.cu`: one launch each, over the
+//! flat elements (both ops are pointwise over operands of one type).
+
+use stepgraph_core::ops::swiglu::{SwiGlu, SwiGluBackward};
+
+use super::util::{float_name, launch_1d, n64, ptr};
+use super::{Lower, LowerCx};
+use crate::error::Result;
+use crate::kernels::KernelModule;
+use crate::launch::Launch;
+
+const SWIGLU: &[KernelModule] = &[KernelModule::plain("swiglu", include_str!("../../kernels/swiglu.cu"))];
+
+impl Lower for SwiGlu {
+    const KERNELS: &'static [KernelModule] = SWIGLU;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (gate, up, h) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
+        let dt = float_name("swiglu", h.ty.dtype)?;
+        let n = h.ty.numel();
+        Ok(vec![launch_1d("swiglu", format!("swiglu_{dt}"), n, vec![ptr(gate), ptr(up), ptr(h), n64(n)])])
+    }
+}
+
+impl Lower for SwiGluBackward {
+    const KERNELS: &'static [KernelModule] = SWIGLU;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let [gate, up, gh] = [&cx.inputs[0], &cx.inputs[1], &cx.inputs[2]];
+        let (dgate, dup) = (&cx.outputs[0], &cx.outputs[1]);
+        let dt = float_name("swiglu_backward", gate.ty.dtype)?;
+        let n = gate.ty.numel();
+        let args = vec![ptr(gate), ptr(up), ptr(gh), ptr(dgate), ptr(dup), n64(n)];
+        Ok(vec![launch_1d("swiglu", format!("swiglu_backward_{dt}"), n, args)])
+    }
+}
