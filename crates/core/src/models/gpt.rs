@@ -148,8 +148,8 @@ impl Gpt<'_> {
             MlpKind::LlamaSwiGlu => {
                 let gate = self.linear(x, &format!("{prefix}.gate_proj"), c, i, bias)?;
                 let up = self.linear(x, &format!("{prefix}.up_proj"), c, i, bias)?;
-                let act = self.b.unary(UnaryFn::Silu, gate)?;
-                let h = self.b.mul(act, up)?;
+                // One op, so backward keeps gate and up but not silu(gate).
+                let h = self.b.swiglu(gate, up)?;
                 self.linear(h, &format!("{prefix}.down_proj"), i, c, bias)
             }
             MlpKind::Gelu { approximate_tanh } => {
