@@ -123,11 +123,11 @@ mod tests {
     use crate::autodiff::{LR_INPUT, STEP_INPUT};
     use crate::ir::DType;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-    use crate::models::{Config, LossKind};
+    use crate::models::LossKind;
     use crate::plan::plan_report;
 
     fn tiny(batch: usize, loss: LossKind) -> ModelSpec {
-        ModelSpec { config: Config::named("tiny-llama").unwrap(), batch, seq: 8, dtype: DType::F32, loss }
+        ModelSpec::named("tiny-llama", batch, 8, DType::F32, loss).unwrap()
     }
 
     /// The stages as every command used to assemble them by hand.

@@ -114,17 +114,11 @@ mod tests {
     use crate::cpu::exec::{scalar_input, CpuSession};
     use crate::ir::{DType, TensorType};
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-    use crate::models::{init_params, Config, LossKind, ModelSpec};
+    use crate::models::{init_params, LossKind, ModelSpec};
     use crate::pipeline::{compile_step, CompiledStep, StepOptions};
 
     fn tiny(kind: StepKind) -> CompiledStep {
-        let spec = ModelSpec {
-            config: Config::named("tiny-llama").unwrap(),
-            batch: 2,
-            seq: 8,
-            dtype: DType::F32,
-            loss: LossKind::CrossEntropy,
-        };
+        let spec = ModelSpec::named("tiny-llama", 2, 8, DType::F32, LossKind::CrossEntropy).unwrap();
         compile_step(&spec, &StepOptions::new(kind)).unwrap()
     }
 

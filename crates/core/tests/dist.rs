@@ -17,7 +17,7 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec};
+use stepgraph_core::models::{build_forward, init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::collective::{AllGather, AllReduce, LocalShard, ReduceOp, ReduceScatter};
 use stepgraph_core::ops::{Op, VjpArgs};
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions};
@@ -33,13 +33,7 @@ const GLOBAL_BATCH: usize = 4;
 const SEQ: usize = 16;
 
 fn spec(dtype: DType) -> ModelSpec {
-    ModelSpec {
-        config: Config::named("tiny-llama").unwrap(),
-        batch: GLOBAL_BATCH,
-        seq: SEQ,
-        dtype,
-        loss: LossKind::CrossEntropy,
-    }
+    ModelSpec::named("tiny-llama", GLOBAL_BATCH, SEQ, dtype, LossKind::CrossEntropy).unwrap()
 }
 
 /// The global batch of step `it`: rows of arithmetic sequences mod 256 (a

@@ -80,13 +80,7 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
     let (_, w5) =
         workload("open_llama_3b", Overrides::default(), DType::BF16, 4, 2048, LossKind::CrossEntropy, StepKind::Train);
     // 8 ranks of W5: a global batch of 32 rows.
-    let spec = ModelSpec {
-        config: Config::named("open_llama_3b").unwrap(),
-        batch: 32,
-        seq: 2048,
-        dtype: DType::BF16,
-        loss: LossKind::CrossEntropy,
-    };
+    let spec = ModelSpec::named("open_llama_3b", 32, 2048, DType::BF16, LossKind::CrossEntropy).unwrap();
     let opts = TrainOptions::default();
     let dp = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel::new(8), 5).unwrap();
     let z = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel { zero1: true, ..DataParallel::new(8) }, 5)

@@ -958,20 +958,14 @@ pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>
 mod tests {
     use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
     use stepgraph_core::dist::{data_parallel, DataParallel};
-    use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec};
+    use stepgraph_core::models::{build_forward, LossKind, ModelSpec};
 
     use super::*;
     use crate::nccl::NcclId;
 
     /// tiny-llama's step of `kind` on `batch` rows of 8 tokens, cross-entropy.
     fn tiny_step(kind: StepKind, batch: usize, dtype: stepgraph_core::ir::DType) -> Trace {
-        let sp = ModelSpec {
-            config: Config::named("tiny-llama").unwrap(),
-            batch,
-            seq: 8,
-            dtype,
-            loss: LossKind::CrossEntropy,
-        };
+        let sp = ModelSpec::named("tiny-llama", batch, 8, dtype, LossKind::CrossEntropy).unwrap();
         build_step(&build_forward(&sp).unwrap(), kind, &TrainOptions::default()).unwrap()
     }
 

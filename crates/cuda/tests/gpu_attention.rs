@@ -19,18 +19,10 @@ use stepgraph_core::ops::{Op, Sample};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op as cpu_run};
 use stepgraph_cuda::session::run_op as gpu_run;
 
-const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
+mod common;
+use common::{attention_grad_tol, attention_tol};
 
-/// Tolerance of o (relative to the reference's largest magnitude, see [`err`]).
-fn tol(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::BF16 => 2e-2,
-        DType::F16 => 5e-3,
-        DType::F64 => 1e-11,
-        d => panic!("no tolerance for {d}"),
-    }
-}
+const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 
 /// lse is stored in the stat dtype (f32, or f64 for f64 inputs).
 fn stat(dtype: DType) -> DType {
@@ -42,28 +34,7 @@ fn stat(dtype: DType) -> DType {
 }
 
 fn lse_tol(dtype: DType) -> f64 {
-    tol(stat(dtype))
-}
-
-/// Tolerance of gq, gk, gv. In f32, `ds = p·(go·v − D_i)` subtracts two sums
-/// of D products that nearly cancel when p sits on one key (at T = 1 exactly:
-/// o = v), which amplifies rounding by about √D·ε: up to 7e-6 at D = 256
-/// against an f64 reference on the CPU emulator of these kernels.
-///
-/// The f32 tensor-core kernels (3xTF32, head sizes 17..=128) round each
-/// product operand's remainder to TF32 and drop the remainder·remainder
-/// term: about 2⁻²² relative per product instead of f32's 2⁻²⁴, measured up
-/// to 2.6e-5 on unit-scale logits at D = 96..128 (peaked p, cancelling ds).
-fn grad_tol(dtype: DType, d: usize) -> f64 {
-    if dtype == DType::F32 {
-        if stepgraph_cuda::attention::mma_width(dtype, d).is_some() {
-            5e-5
-        } else {
-            2e-5
-        }
-    } else {
-        tol(dtype)
-    }
+    attention_tol(stat(dtype))
 }
 
 /// Largest |got − want| over max(max |want|, 1): relative to the reference's
@@ -148,7 +119,7 @@ fn check_case(c: &Case, report: &mut Report, slack: f64) {
     let fwd = Op::from(Attention { scale: c.scale });
     let want = cpu(&fwd, &qkv);
     let got = gpu(&fwd, &qkv);
-    report.check(c, "o", &got[0], &want[0], tol(c.dtype) * slack);
+    report.check(c, "o", &got[0], &want[0], attention_tol(c.dtype) * slack);
     report.check(c, "lse", &got[1], &want[1], lse_tol(c.dtype) * slack);
 
     let (go, glse) = c.cotangents();
@@ -163,7 +134,7 @@ fn check_case(c: &Case, report: &mut Report, slack: f64) {
         let got = gpu(&bwd, &ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let what = format!("{name}{}", if with_glse { " (with glse)" } else { "" });
-            report.check(c, &what, &got[k], &want[k], grad_tol(c.dtype, c.d) * slack);
+            report.check(c, &what, &got[k], &want[k], attention_grad_tol(c.dtype, c.d) * slack);
         }
     }
 }
@@ -256,7 +227,13 @@ fn benchmark_shape(c: Case, kv_heads: &[usize]) {
         let part = |t: &HostTensor, kv_side: bool| take_heads(t, 2, if kv_side { kh.clone() } else { qh.clone() });
         let sub_qkv = vec![part(&qkv[0], false), part(&qkv[1], true), part(&qkv[2], true)];
         let want = cpu(&fwd, &sub_qkv);
-        report.check(&sub, &format!("o of kv group {kv}"), &part(&got[0], false), &want[0], tol(c.dtype) * slack);
+        report.check(
+            &sub,
+            &format!("o of kv group {kv}"),
+            &part(&got[0], false),
+            &want[0],
+            attention_tol(c.dtype) * slack,
+        );
         let lse = take_heads(&got[1], 1, qh.clone());
         report.check(&sub, &format!("lse of kv group {kv}"), &lse, &want[1], lse_tol(c.dtype) * slack);
 
@@ -265,7 +242,13 @@ fn benchmark_shape(c: Case, kv_heads: &[usize]) {
         let wantb = cpu(&bwd, &sub_ins);
         for (k, name) in ["gq", "gk", "gv"].iter().enumerate() {
             let g = part(&gotb[k], k > 0);
-            report.check(&sub, &format!("{name} of kv group {kv}"), &g, &wantb[k], grad_tol(c.dtype, c.d) * slack);
+            report.check(
+                &sub,
+                &format!("{name} of kv group {kv}"),
+                &g,
+                &wantb[k],
+                attention_grad_tol(c.dtype, c.d) * slack,
+            );
         }
     }
     report.finish();

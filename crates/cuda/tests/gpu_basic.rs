@@ -45,11 +45,14 @@ use stepgraph_core::ops::elementwise::Full;
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
 use stepgraph_core::ops::optim::AdamW;
 use stepgraph_core::ops::reduce::{Reduce, ReduceKind};
-use stepgraph_core::ops::sample::{self, FLOAT_DTYPES};
+use stepgraph_core::ops::sample::FLOAT_DTYPES;
 use stepgraph_core::ops::{samples_by_op, stat_dtype, Op};
 use stepgraph_core::plan::{plan, PlanOptions};
-use stepgraph_core::testing::{draw_input, draw_sample};
+use stepgraph_core::testing::draw_sample;
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
+
+mod common;
+use common::{attention_grad_tol, attention_tol, basic_tol, normal, positive, row_tol, scalar, tensor};
 
 const FLOATS: [DType; 4] = FLOAT_DTYPES;
 
@@ -222,30 +225,6 @@ fn check_aliased(cases: &[Case], plain: &[Vec<HostTensor>]) {
     }
 }
 
-/// Relative tolerance of the basic ops for results that differ only by rounding.
-fn basic_tol(dt: DType) -> f64 {
-    match dt {
-        DType::F32 => 1e-5,
-        DType::F64 => 1e-12,
-        DType::BF16 => 1e-2,
-        DType::F16 => 2e-3,
-        _ => 0.0,
-    }
-}
-
-/// Relative tolerance of the row-wise network ops and matmul, reducing over
-/// `reduced` elements (see the module doc).
-fn row_tol(dt: DType, reduced: usize) -> f64 {
-    let widen = (reduced as f64 / 1024.0).sqrt().max(1.0);
-    match dt {
-        DType::F32 => 1e-5 * widen,
-        DType::F64 => 1e-11 * widen,
-        DType::BF16 => 1e-2,
-        DType::F16 => 2e-3,
-        _ => 0.0,
-    }
-}
-
 /// Same type and the same bits, except that any NaN equals any NaN (NaN
 /// payloads of narrowing conversions are not specified).
 fn assert_exact(what: &str, got: &HostTensor, want: &HostTensor) {
@@ -305,18 +284,6 @@ fn assert_within(what: &str, got: &HostTensor, want: &HostTensor, tol: &Tol) {
 /// Within `rtol` of the largest finite magnitude of `want`.
 fn assert_close(what: &str, got: &HostTensor, want: &HostTensor, rtol: f64) {
     assert_within(what, got, want, &Tol::of(rtol));
-}
-
-fn tensor(dtype: DType, shape: &[usize], data: &[f64]) -> HostTensor {
-    HostTensor::from_f64(TensorType::new(dtype, shape.to_vec()), data)
-}
-
-fn normal(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
-    draw_input(&sample::normal(dtype, shape), seed).unwrap()
-}
-
-fn positive(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
-    draw_input(&sample::positive(dtype, shape), seed).unwrap()
 }
 
 // ---------------------------------------------------------------- the sweep
@@ -440,40 +407,6 @@ fn abs_reduce(kind: ReduceKind, x: &HostTensor, axes: &[usize], keepdim: bool) -
     let abs: Vec<f64> = x.to_f64().iter().map(|v| v.abs()).collect();
     let xa = HostTensor::from_f64(x.ty.with_dtype(DType::F64), &abs);
     cpu(&Op::from(Reduce { kind, axes: axes.to_vec(), keepdim }), &[xa]).remove(0).to_f64()
-}
-
-/// Tolerance of attention's o (and, in the stat dtype, lse), relative to
-/// max(max |cpu|, 1): inputs are unit normal, so the outputs are O(1), and
-/// the floor covers outputs that are zero up to rounding.
-fn attention_tol(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::BF16 => 2e-2,
-        DType::F16 => 5e-3,
-        DType::F64 => 1e-11,
-        d => panic!("no tolerance for {d}"),
-    }
-}
-
-/// Tolerance of gq, gk, gv. In f32, `ds = p·(go·v − D_i)` subtracts two sums
-/// of D products that nearly cancel when p sits on one key (at T = 1 exactly:
-/// o = v), which amplifies rounding by about √D·ε: up to 7e-6 at D = 256
-/// against an f64 reference on the CPU emulator of these kernels.
-///
-/// The f32 tensor-core kernels (3xTF32, head sizes 17..=128) round each
-/// product operand's remainder to TF32 and drop the remainder·remainder
-/// term: about 2⁻²² relative per product instead of f32's 2⁻²⁴, measured up
-/// to 2.6e-5 on unit-scale logits at D = 96..128 (peaked p, cancelling ds).
-fn attention_grad_tol(dtype: DType, d: usize) -> f64 {
-    if dtype == DType::F32 {
-        if stepgraph_cuda::attention::mma_width(dtype, d).is_some() {
-            5e-5
-        } else {
-            2e-5
-        }
-    } else {
-        attention_tol(dtype)
-    }
 }
 
 /// How many roundings of the sum of its terms' magnitudes a cancelling
@@ -601,10 +534,6 @@ fn embedding_kernels_stay_in_bounds_for_bad_ids() {
 }
 
 // ---------------------------------------------------------------- AdamW
-
-fn scalar(dt: DType, x: f64) -> HostTensor {
-    tensor(dt, &[], &[x])
-}
 
 /// (parameter dtype, first moment, second moment, lr and step dtype)
 const ADAMW_TYPES: [(DType, DType, DType, DType); 8] = [

@@ -18,7 +18,7 @@ use stepgraph_core::dist::{build_rank_step, shard_rows, DataParallel};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec};
+use stepgraph_core::models::{build_forward, init_params, LossKind, ModelSpec};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{CudaOptions, CudaSession, RankOptions};
@@ -31,13 +31,7 @@ const SEQ: usize = 16;
 const LR: f64 = 3e-3;
 
 fn spec(dtype: DType) -> ModelSpec {
-    ModelSpec {
-        config: Config::named("tiny-llama").unwrap(),
-        batch: GLOBAL_BATCH,
-        seq: SEQ,
-        dtype,
-        loss: LossKind::CrossEntropy,
-    }
+    ModelSpec::named("tiny-llama", GLOBAL_BATCH, SEQ, dtype, LossKind::CrossEntropy).unwrap()
 }
 
 /// Bit-for-bit comparisons need the same cuBLASLt algorithm in every

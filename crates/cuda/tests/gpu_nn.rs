@@ -21,6 +21,9 @@ use stepgraph_core::ops::{Op, OpDef};
 use stepgraph_core::testing::{self, draw_input, draw_sample};
 use stepgraph_cuda::session;
 
+mod common;
+use common::{normal, row_tol, scalar};
+
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 const RMS_EPS: f64 = 1e-6;
 const LN_EPS: f64 = 1e-5;
@@ -37,17 +40,6 @@ fn warm_gpu() {
 fn gpu_run(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
     warm_gpu();
     session::run_op(op, inputs).unwrap_or_else(|e| panic!("{}: GPU: {e}", op.name()))
-}
-
-fn tol(dtype: DType, reduced: usize) -> f64 {
-    let widen = (reduced as f64 / 1024.0).sqrt().max(1.0);
-    match dtype {
-        DType::F32 => 1e-5 * widen,
-        DType::F64 => 1e-11 * widen,
-        DType::BF16 => 1e-2,
-        DType::F16 => 2e-3,
-        d => panic!("no tolerance for {d}"),
-    }
 }
 
 /// `gpu` equals `cpu` within `tol` of the largest finite |cpu|; NaN where
@@ -83,13 +75,9 @@ fn check(what: &str, op: &Op, inputs: &[HostTensor], reduced: usize) -> Vec<Host
     let gpu = session::run_op(op, inputs).unwrap_or_else(|e| panic!("{what}: GPU: {e}"));
     assert_eq!(gpu.len(), cpu.len(), "{what}: output count");
     for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-        assert_close(&format!("{what}: output {k}"), g, c, tol(c.ty.dtype, reduced));
+        assert_close(&format!("{what}: output {k}"), g, c, row_tol(c.ty.dtype, reduced));
     }
     gpu
-}
-
-fn normal(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
-    draw_input(&sample::normal(dtype, shape), seed).unwrap()
 }
 
 /// One output of `op` on the CPU (the forward statistics the backward ops take).
@@ -145,10 +133,6 @@ fn softmax_special_values_match_cpu() {
 // ---------------------------------------------------------------- cross-entropy
 
 const IGNORE: i64 = -100;
-
-fn scalar(dtype: DType, v: f64) -> HostTensor {
-    HostTensor::from_f64(TensorType::scalar(dtype), &[v])
-}
 
 /// `(logits, targets, lse)` for a cross-entropy case.
 fn ce_case(dt: DType, rows: usize, classes: usize, seed: u64, tdt: DType) -> (HostTensor, HostTensor, HostTensor) {

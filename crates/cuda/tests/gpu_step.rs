@@ -18,7 +18,7 @@ use stepgraph_cuda::CudaError;
 const GPU: &str = "needs an NVIDIA GPU: scripts/gpu-test.sh";
 
 fn spec(name: &str, dtype: DType) -> ModelSpec {
-    ModelSpec { config: Config::named(name).unwrap(), batch: 2, seq: 16, dtype, loss: LossKind::CrossEntropy }
+    ModelSpec::named(name, 2, 16, dtype, LossKind::CrossEntropy).unwrap()
 }
 
 fn batch(sp: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {

@@ -525,15 +525,15 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn named(name: &str) -> Config {
+    pub(crate) fn named(name: &str) -> Config {
         Config::named(name).unwrap()
     }
 
     /// The `reason` of an [`Error::Config`], failing the test otherwise.
-    fn config_reason<T: std::fmt::Debug>(result: Result<T>) -> String {
+    pub(crate) fn config_reason<T: std::fmt::Debug>(result: Result<T>) -> String {
         match result {
             Err(Error::Config { reason, .. }) => reason,
             other => panic!("expected Error::Config, got {other:?}"),

@@ -57,6 +57,12 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The named model (litgpt or Hugging Face name, see [`Config::named`])
+    /// on batches of `batch` × `seq` tokens.
+    pub fn named(name: &str, batch: usize, seq: usize, dtype: DType, loss: LossKind) -> Result<Self> {
+        Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss })
+    }
+
     fn check(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
         self.config.validate()?;

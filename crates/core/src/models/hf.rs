@@ -336,19 +336,8 @@ impl<'a> HfJson<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::config::tests::{config_reason, named};
     use crate::models::config::Overrides;
-
-    fn named(name: &str) -> Config {
-        Config::named(name).unwrap()
-    }
-
-    /// The `reason` of an [`Error::Config`], failing the test otherwise.
-    fn config_reason<T: std::fmt::Debug>(result: Result<T>) -> String {
-        match result {
-            Err(Error::Config { reason, .. }) => reason,
-            other => panic!("expected Error::Config, got {other:?}"),
-        }
-    }
 
     const LLAMA_2_7B_JSON: &str = r#"{
       "architectures": ["LlamaForCausalLM"],
