@@ -42,18 +42,22 @@ pub enum Mode {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// Which workload of BENCHMARKS.md.
     #[arg(long, value_enum)]
     pub workload: Workload,
+    /// Run every step eagerly, or replay one captured CUDA graph.
     #[arg(long, value_enum, default_value_t = Mode::Graph)]
     pub mode: Mode,
     /// Timed steps (median and min are reported).
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
+    /// Untimed steps before the timed ones.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
     /// Allow TF32 for f32 matrix products.
     #[arg(long)]
     pub tf32: bool,
+    /// Print the report as one line of JSON.
     #[arg(long)]
     pub json: bool,
     /// Also time every launch of one eager step and print the slowest kernels.

@@ -35,6 +35,11 @@ enum Command {
     Plan {
         #[command(flatten)]
         model: ModelArgs,
+        /// What one step computes [default: grads].
+        #[arg(long, value_enum)]
+        step: Option<StepArg>,
+        #[command(flatten)]
+        optim: OptimArgs,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -56,6 +61,11 @@ enum Command {
     Trace {
         #[command(flatten)]
         model: ModelArgs,
+        /// What one step computes [default: grads].
+        #[arg(long, value_enum)]
+        step: Option<StepArg>,
+        #[command(flatten)]
+        optim: OptimArgs,
         /// Which trace: the forward pass, or the step (`--step`).
         #[arg(long, value_enum, default_value_t = Which::Step)]
         which: Which,
@@ -68,6 +78,8 @@ enum Command {
     Train {
         #[command(flatten)]
         model: ModelArgs,
+        #[command(flatten)]
+        optim: OptimArgs,
         #[command(flatten)]
         train: train::TrainArgs,
     },
@@ -108,32 +120,83 @@ struct ModelArgs {
     /// A Hugging Face config.json (or its directory) instead of a named model.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Number of transformer layers (overrides the model's).
     #[arg(long)]
     n_layer: Option<usize>,
+    /// Embedding width (overrides the model's).
     #[arg(long)]
     n_embd: Option<usize>,
+    /// Attention heads (overrides the model's).
     #[arg(long)]
     n_head: Option<usize>,
+    /// Key/value head groups for grouped-query attention (overrides the model's).
     #[arg(long)]
     n_query_groups: Option<usize>,
+    /// Vocabulary size, the embedding rows (overrides the model's).
     #[arg(long)]
     vocab: Option<usize>,
+    /// Longest sequence the model supports (overrides the model's).
     #[arg(long)]
     block_size: Option<usize>,
+    /// Hidden width of the MLP (overrides the model's).
     #[arg(long)]
     intermediate_size: Option<usize>,
+    /// Rows (sequences) per step.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Tokens per sequence (default: the block size, at most 2048).
     #[arg(long)]
     seq: Option<usize>,
+    /// dtype of the parameters and activations.
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     dtype: DTypeArg,
+    /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
     #[arg(long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
-    /// What one step computes (default: grads for plan/trace, train for train).
-    #[arg(long, value_enum)]
-    step: Option<StepArg>,
+}
+
+#[derive(Copy, Clone, ValueEnum, Debug, PartialEq)]
+enum StateDTypeArg {
+    /// float32 for f16 parameters, the parameter dtype otherwise.
+    Auto,
+    /// float32 moments for every parameter.
+    F32,
+    /// The parameter's own dtype (PyTorch's default; f16 moments underflow).
+    Param,
+}
+
+/// The AdamW settings of a train step, shared by `plan`, `trace` and
+/// `train` so that the step they plan and print is the step `train` runs.
+#[derive(Args, Clone, Debug)]
+struct OptimArgs {
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// dtype of the AdamW moments: auto keeps them in float32 for f16
+    /// parameters (f16 cannot hold (1-β2)·g²) and in the parameter dtype otherwise.
+    #[arg(long, value_enum, default_value_t = StateDTypeArg::Auto)]
+    state_dtype: StateDTypeArg,
+    /// Keep the AdamW moments in float32 (the same as --state-dtype f32).
+    #[arg(long, conflicts_with = "state_dtype")]
+    f32_state: bool,
+}
+
+impl OptimArgs {
+    /// The optimizer settings, with the user's values checked and quoted.
+    fn train_options(&self, param: DType) -> Result<TrainOptions> {
+        let wd = self.weight_decay;
+        if !(wd.is_finite() && wd >= 0.0) {
+            bail!("--weight-decay must be a finite non-negative number, got {wd}");
+        }
+        let mut t = TrainOptions::default();
+        t.adamw.weight_decay = wd;
+        t.state_dtype = match (self.f32_state, self.state_dtype) {
+            (true, _) | (false, StateDTypeArg::F32) => Some(DType::F32),
+            (false, StateDTypeArg::Auto) => None,
+            (false, StateDTypeArg::Param) => Some(param),
+        };
+        Ok(t)
+    }
 }
 
 impl ModelArgs {
@@ -172,14 +235,13 @@ impl ModelArgs {
             config,
         })
     }
+}
 
-    fn step_kind(&self, default: StepKind) -> StepKind {
-        match self.step {
-            None => default,
-            Some(StepArg::Forward) => StepKind::Forward,
-            Some(StepArg::Grads) => StepKind::Grads,
-            Some(StepArg::Train) => StepKind::Train,
-        }
+fn step_kind(step: Option<StepArg>) -> StepKind {
+    match step {
+        None | Some(StepArg::Grads) => StepKind::Grads,
+        Some(StepArg::Forward) => StepKind::Forward,
+        Some(StepArg::Train) => StepKind::Train,
     }
 }
 
@@ -193,26 +255,29 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Plan { model, json, top, gpus: Some(gpus), zero1, bucket_mb } => {
+        Command::Plan { model, step, optim, json, top, gpus: Some(gpus), zero1, bucket_mb } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,
                 Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
                 Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
             };
             let dp = DataParallel { world: gpus, bucket_bytes, zero1 };
-            let kind = model.step_kind(StepKind::Grads);
+            let kind = step_kind(step);
             if zero1 && kind != StepKind::Train {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
             }
-            let report = plan_data_parallel(&model.spec()?, kind, &TrainOptions::default(), &dp, top)?;
+            let spec = model.spec()?;
+            let report = plan_data_parallel(&spec, kind, &optim.train_options(spec.dtype)?, &dp, top)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{report}");
             }
         }
-        Command::Plan { model, json, top, .. } => {
-            let c = compile_step(&model.spec()?, &StepOptions::new(model.step_kind(StepKind::Grads)))?;
+        Command::Plan { model, step, optim, json, top, .. } => {
+            let spec = model.spec()?;
+            let opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            let c = compile_step(&spec, &opts)?;
             let report = plan_report(&c.step, &c.plan, top);
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -220,8 +285,10 @@ fn run(cli: Cli) -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Trace { model, which } => {
-            let t = trace_step(&model.spec()?, &StepOptions::new(model.step_kind(StepKind::Grads)))?;
+        Command::Trace { model, step, optim, which } => {
+            let spec = model.spec()?;
+            let opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            let t = trace_step(&spec, &opts)?;
             match which {
                 Which::Forward => print!("{}", t.forward),
                 Which::Step => print!("{}", t.step),
@@ -229,7 +296,34 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
-        Command::Train { model, train } => train::run(&model, &train)?,
+        Command::Train { model, optim, train } => {
+            let spec = model.spec()?;
+            train::run(&model, optim.train_options(spec.dtype)?, &train)?
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every flag of every command says what it does in `--help`.
+    #[test]
+    fn every_argument_has_help_text() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                let builtin = matches!(a.get_id().as_str(), "help" | "version");
+                if !builtin && !a.is_hide_set() && a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{path} --{}", a.get_long().unwrap_or(a.get_id().as_str())));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&super::Cli::command(), "stepgraph", &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
 }

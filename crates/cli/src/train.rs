@@ -24,6 +24,7 @@
 //! drives a `dyn Session` and only knows from which step on it replays.
 
 use std::ffi::OsString;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -62,12 +63,13 @@ pub struct TrainArgs {
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// AdamW weight decay.
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f64,
-    /// Keep the AdamW moments in float32 (default: the parameter dtype, as PyTorch).
+    /// Fail (exit non-zero) when the loss diverges: the mean of the last
+    /// ten losses above twice the first; without it a warning is printed.
     #[arg(long)]
-    pub f32_state: bool,
+    pub fail_on_divergence: bool,
+    /// When stderr is not a terminal, log the loss every N steps (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
     /// Seed for initial weights and batch sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -130,8 +132,14 @@ impl TrainArgs {
 }
 
 /// `stepgraph train`.
-pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
+pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<()> {
     let role = args.role()?;
+    if args.steps == 0 {
+        bail!("--steps 0 trains nothing: ask for at least 1 step");
+    }
+    if !(args.lr.is_finite() && args.lr >= 0.0) {
+        bail!("--lr must be a finite non-negative learning rate, got {}", args.lr);
+    }
     if !matches!(model.loss, LossArg::Ce) {
         bail!("training needs the cross-entropy loss (--loss ce)");
     }
@@ -153,9 +161,7 @@ pub fn run(model: &ModelArgs, args: &TrainArgs) -> Result<()> {
             spec.seq + 2
         );
     }
-    let mut train = TrainOptions { state_dtype: args.f32_state.then_some(DType::F32), ..TrainOptions::default() };
-    train.adamw.weight_decay = args.weight_decay;
-    let mut opts = StepOptions { train, ..StepOptions::new(model.step_kind(StepKind::Train)) };
+    let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
     match &role {
         Role::Cpu => {}
         Role::Launcher { gpus } => {
@@ -218,6 +224,72 @@ fn closing_note(session: &mut dyn Session, recorded: Option<Duration>) -> Result
     ))
 }
 
+/// How many of the last losses the divergence check averages.
+const SMOOTHING: usize = 10;
+/// A run diverged when its smoothed final loss exceeds the first by this factor.
+const DIVERGENCE_FACTOR: f64 = 2.0;
+
+/// Names what became non-finite first when the loss of step `it` was not
+/// finite, and the fix that applies. That loss is the forward pass of the
+/// parameters step `it - 1` wrote, so a non-finite parameter came first (an
+/// update overflowed), then a gradient (seen through the first AdamW
+/// moment), then the second moment; when all are finite, or at step 1, the
+/// forward pass itself overflowed.
+fn diagnose_non_finite(session: &mut dyn Session, dtype: DType, it: usize) -> Result<String> {
+    let trace = session.trace().clone();
+    let finite = |t: &HostTensor| t.to_f64().iter().all(|x| x.is_finite());
+    let mut read = |name: &str| -> Result<Option<HostTensor>> {
+        match trace.leaf_by_name(name) {
+            Some(v) => Ok(Some(session.read(v)?)),
+            None => Ok(None),
+        }
+    };
+    let range = match dtype {
+        DType::F16 => "float16's range (±65504)",
+        DType::BF16 => "bfloat16's precision",
+        _ => "the float range",
+    };
+    let names: Vec<String> =
+        trace.params().map(|p| trace.value(p).kind.leaf_name().unwrap_or_default().to_string()).collect();
+    if it > 1 {
+        for name in &names {
+            if read(name)?.is_some_and(|value| !finite(&value)) {
+                let state = trace.leaf_by_name(&format!("{name}.exp_avg_sq")).map(|s| trace.ty(s).dtype);
+                let fix = if state == Some(DType::F16) {
+                    "its AdamW second moment is float16, where (1-β2)·g² underflows to 0 and the update \
+                     m/(√v+ε) explodes: keep the moments in float32 (--state-dtype auto or f32)"
+                        .to_string()
+                } else {
+                    format!("the update overflowed {range}: lower the learning rate (--lr)")
+                };
+                return Ok(format!(
+                    "parameter `{name}` became non-finite in the AdamW update of step {}; {fix}",
+                    it - 1
+                ));
+            }
+        }
+        for name in &names {
+            if read(&format!("{name}.exp_avg"))?.is_some_and(|m| !finite(&m)) {
+                return Ok(format!(
+                    "the gradient of `{name}` was not finite (its AdamW first moment is not): the backward pass \
+                     overflowed {range}; lower the learning rate (--lr) or train in a wider dtype (--dtype f32)"
+                ));
+            }
+            if let Some(v) = read(&format!("{name}.exp_avg_sq"))?.filter(|v| !finite(v)) {
+                return Ok(format!(
+                    "the AdamW second moment of `{name}` overflowed its {} storage: keep the moments in float32 \
+                     (--state-dtype f32)",
+                    v.ty.dtype
+                ));
+            }
+        }
+    }
+    Ok(format!(
+        "the forward pass overflowed {range} on finite parameters: lower the learning rate (--lr){}",
+        if dtype == DType::F16 { " or train in bf16 or f32 (--dtype)" } else { "" }
+    ))
+}
+
 /// The global batch of one step: `batch` random windows of `seq + 1` bytes.
 fn draw_batch(rng: &mut rand::rngs::StdRng, text: &[u8], batch: usize, seq: usize, ty: &TensorType) -> [HostTensor; 2] {
     let mut tokens = Vec::with_capacity(batch * seq);
@@ -269,7 +341,9 @@ fn train_loop(
             if world > 1 { " per GPU" } else { "" }
         );
     }
-    let bar = if talk { ProgressBar::new(steps as u64) } else { ProgressBar::hidden() };
+    // On a terminal a progress bar; otherwise (a log file, CI) plain lines every --log-every steps.
+    let tty = std::io::stderr().is_terminal();
+    let bar = if talk && tty { ProgressBar::new(steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
             .expect("valid template"),
@@ -277,6 +351,7 @@ fn train_loop(
     // Every rank draws the same global batches and keeps its rows.
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed ^ 0x5eed);
     let (mut first, mut last) = (f64::NAN, f64::NAN);
+    let mut recent: std::collections::VecDeque<f64> = std::collections::VecDeque::with_capacity(SMOOTHING);
     let mut recorded: Option<Duration> = None;
     let t0 = Instant::now();
     for it in 1..=steps {
@@ -296,18 +371,42 @@ fn train_loop(
         }
         let loss = session.loss()?;
         if !loss.is_finite() {
-            bar.abandon();
-            bail!("the loss became {loss} at step {it}: lower the learning rate (--lr, now {lr})");
+            bar.finish_and_clear();
+            let cause = diagnose_non_finite(session, spec.dtype, it)?;
+            bail!("the loss became {loss} at step {it}: {cause}");
         }
         if it == 1 {
             first = loss;
         }
         last = loss;
+        if recent.len() == SMOOTHING {
+            recent.pop_front();
+        }
+        recent.push_back(loss);
         let tps = (it * global * seq) as f64 / t0.elapsed().as_secs_f64();
         bar.set_message(format!("loss {loss:.4}  {tps:.0} tok/s"));
         bar.inc(1);
+        if talk && !tty && args.log_every > 0 && (it % args.log_every == 0 || it == steps) {
+            eprintln!("step {it}/{steps}: loss {loss:.4}, {tps:.0} tok/s");
+        }
     }
-    bar.finish();
+    // Clear the bar so that the summary starts on its own line.
+    bar.finish_and_clear();
+    let smoothed = recent.iter().sum::<f64>() / recent.len() as f64;
+    if smoothed > DIVERGENCE_FACTOR * first {
+        let msg = format!(
+            "the loss diverged: the mean of the last {} losses, {smoothed:.4}, is {:.1}x the first, {first:.4} \
+             (lower --lr, now {lr})",
+            recent.len(),
+            smoothed / first
+        );
+        if args.fail_on_divergence {
+            bail!("{msg}");
+        }
+        if talk {
+            eprintln!("warning: {msg}");
+        }
+    }
     let note = closing_note(session, recorded)?;
     if talk {
         // A replayed GPU step of a small model takes a millisecond: say ms below a second.
@@ -430,6 +529,8 @@ mod tests {
     struct T {
         #[command(flatten)]
         model: ModelArgs,
+        #[command(flatten)]
+        optim: crate::OptimArgs,
         #[command(flatten)]
         train: TrainArgs,
     }

@@ -48,8 +48,23 @@ impl StepKind {
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct TrainOptions {
     pub adamw: AdamW,
-    /// dtype of the AdamW moments; `None` keeps the parameter's dtype, as PyTorch does.
+    /// dtype of the AdamW moments; `None` chooses [`default_state_dtype`].
     pub state_dtype: Option<DType>,
+}
+
+/// The dtype of the AdamW moments of a `param` parameter when none is asked
+/// for: float32 for float16 parameters, the parameter's own dtype otherwise.
+///
+/// float16 cannot hold the second moment: `(1-β2)·g²` is below its smallest
+/// subnormal (6e-8) for any gradient under about 8e-3, so `v` rounds to zero
+/// and the update `m/(√v+ε)` explodes (PyTorch AMP keeps float32 master state
+/// for the same reason). bfloat16 has float32's range, so its moments keep
+/// the parameter dtype, as PyTorch does for bf16 parameters.
+pub fn default_state_dtype(param: DType) -> DType {
+    match param {
+        DType::F16 => DType::F32,
+        other => other,
+    }
 }
 
 /// Names of the step inputs that `train` adds.
@@ -139,7 +154,7 @@ pub fn build_step(forward: &Trace, kind: StepKind, opts: &TrainOptions) -> Resul
             let step = b.input(STEP_INPUT, TensorType::scalar(DType::F32))?;
             for (&p, &g) in params.iter().zip(&grads) {
                 let name = b.trace().value(p).kind.leaf_name().unwrap_or_default().to_string();
-                let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(b.dtype(p)));
+                let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(default_state_dtype(b.dtype(p))));
                 let m = b.state(&format!("{name}.exp_avg"), sty.clone())?;
                 let v = b.state(&format!("{name}.exp_avg_sq"), sty)?;
                 let (p2, m2, v2) = b.adamw(p, g, m, v, lr, step, &opts.adamw)?;

@@ -31,6 +31,9 @@ impl Config {
             Some(name) => name.to_string(),
             None => file.display().to_string(),
         };
+        // A malformed file is named once, with serde's position in it.
+        serde_json::from_str::<Value>(&text)
+            .map_err(|e| config_error(&name, format!("{} is not valid JSON: {e}", file.display())))?;
         Self::from_hf_json(&text, &name)
     }
 
