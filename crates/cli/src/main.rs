@@ -20,7 +20,7 @@ use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTE
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
-use stepgraph_core::plan::plan_report;
+use stepgraph_core::plan::{memory_timeline_html, plan_report, TimelineOptions};
 
 #[derive(Parser)]
 #[command(name = "stepgraph", version, about = "Compile a whole training step into one planned program")]
@@ -56,6 +56,11 @@ enum Command {
         /// With --gpus: gradient bucket size in MiB, like PyTorch DDP's bucket_cap_mb [default: 25].
         #[arg(long, requires = "gpus")]
         bucket_mb: Option<f64>,
+        /// Also write the memory timeline as one self-contained HTML page
+        /// (bytes live per node by category, the peak, every allocation);
+        /// with --gpus, the timeline of one rank.
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
     },
     /// Print a trace as text.
     Trace {
@@ -237,6 +242,46 @@ impl ModelArgs {
     }
 }
 
+/// The timeline page's heading: model, layers, dtype, batch × tokens, step.
+fn timeline_title(spec: &ModelSpec, kind: StepKind) -> String {
+    let step = match kind {
+        StepKind::Forward => "forward",
+        StepKind::Grads => "forward + backward",
+        StepKind::Train => "training step (AdamW)",
+    };
+    format!(
+        "{} ({} layers), {}, {} × {} tokens, {} loss, {step}",
+        spec.config.name,
+        spec.config.n_layer,
+        spec.dtype,
+        spec.batch,
+        spec.seq,
+        match spec.loss {
+            LossKind::Sum => "sum(logits)",
+            LossKind::CrossEntropy => "cross-entropy",
+        }
+    )
+}
+
+/// Writes the memory timeline of `c` to `path` through a temporary file
+/// renamed into place, so a failed write never leaves half a page.
+fn write_timeline(path: &std::path::Path, c: &stepgraph_core::pipeline::CompiledStep, title: String) -> Result<()> {
+    use anyhow::Context;
+    let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: Vec::new() });
+    let name = path.file_name().ok_or_else(|| anyhow::anyhow!("--html {}: not a file name", path.display()))?;
+    let mut temp_name = std::ffi::OsString::from(".");
+    temp_name.push(name);
+    temp_name.push(format!(".{}.tmp", std::process::id()));
+    let temp = path.with_file_name(temp_name);
+    std::fs::write(&temp, page).with_context(|| format!("--html: writing {}", temp.display()))?;
+    std::fs::rename(&temp, path).with_context(|| {
+        let _ = std::fs::remove_file(&temp);
+        format!("--html: moving the page into place at {}", path.display())
+    })?;
+    eprintln!("memory timeline written to {}", path.display());
+    Ok(())
+}
+
 fn step_kind(step: Option<StepArg>) -> StepKind {
     match step {
         None | Some(StepArg::Grads) => StepKind::Grads,
@@ -255,7 +300,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Plan { model, step, optim, json, top, gpus: Some(gpus), zero1, bucket_mb } => {
+        Command::Plan { model, step, optim, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,
                 Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
@@ -267,18 +312,28 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
             }
             let spec = model.spec()?;
-            let report = plan_data_parallel(&spec, kind, &optim.train_options(spec.dtype)?, &dp, top)?;
+            let train = optim.train_options(spec.dtype)?;
+            let report = plan_data_parallel(&spec, kind, &train, &dp, top)?;
+            if let Some(path) = &html {
+                let opts = StepOptions { train, data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+                let rank = compile_step(&spec, &opts)?;
+                let title = format!("{} (one rank of {gpus} GPUs)", timeline_title(&spec, kind));
+                write_timeline(path, &rank, title)?;
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{report}");
             }
         }
-        Command::Plan { model, step, optim, json, top, .. } => {
+        Command::Plan { model, step, optim, json, top, html, .. } => {
             let spec = model.spec()?;
             let opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
             let c = compile_step(&spec, &opts)?;
             let report = plan_report(&c.step, &c.plan, top);
+            if let Some(path) = &html {
+                write_timeline(path, &c, timeline_title(&spec, opts.kind))?;
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {

@@ -26,9 +26,11 @@
 //! activations freed.
 
 mod check;
+mod html;
 mod report;
 
 pub use check::check_plan;
+pub use html::{memory_timeline_html, Allocation, Category, Timeline, TimelineOptions};
 pub use report::{plan_report, LiveValue, PlanReport};
 
 use crate::error::{Error, Result};
