@@ -19,9 +19,11 @@ pub mod host;
 pub mod ir;
 pub mod models;
 pub mod ops;
+pub mod optimizer_placement;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;
+pub mod recompute;
 pub mod session;
 pub mod testing;
 

@@ -1,0 +1,683 @@
+//! Recomputation as a trace transform: forward values that backward reads
+//! are recomputed inside backward instead of being kept alive across the
+//! forward/backward boundary, trading added work for a lower planned peak.
+//!
+//! The pass owns *which* saved values are recomputed and the rewrite that
+//! does it. The rewrite copies the step and, before the first non-forward
+//! node that reads a marked value, emits a copy of the value's producer in
+//! the backward phase (its inputs themselves recomputed when marked, the
+//! original forward values otherwise); every later non-forward read uses
+//! that copy. The recomputation is ordinary nodes: it prints, is planned,
+//! checked by `check_plan` and captured like every other node. Forward
+//! nodes keep computing what the forward pass needs.
+//!
+//! Policies ([`RecomputePolicy`]):
+//! - **`Auto`** (the default of [`crate::pipeline::StepOptions`]): recompute
+//!   the *cheap* saved values — pointwise ops, SwiGLU, RoPE, casts and the
+//!   norms — whose every input stays alive into backward anyway (a leaf or
+//!   another saved value), so no lifetime grows: e.g. the SwiGLU product
+//!   from the saved gate and up projections, a norm's output from its saved
+//!   input. It is kept only when the planned peak falls. The added work is
+//!   one memory pass per recomputed value, a fraction of a percent of a
+//!   step that multiplies matrices.
+//! - **`Budget(bytes)`**: go on until the planned peak is within the
+//!   budget, greedily: plan, take the saved values live at the peak that
+//!   can be recomputed (their non-leaf inputs saved or themselves marked),
+//!   cheapest first — pointwise, then norms, then products and attention;
+//!   within a class the fewest added FLOPs per freed byte — mark the best
+//!   one and every value of the same op and type live at the peak (the same
+//!   layer's value in the other layers), and plan again. A budget that
+//!   recomputing every candidate cannot meet is refused, naming the
+//!   smallest planned peak the pass reached: no budget below it works with
+//!   this pass. Greedy is not an exact knapsack; it is exact in the common
+//!   case where the peak's saved values are per-layer copies of one kind.
+//! - **`Off`**: the step unchanged.
+//!
+//! **Invariant:** the transformed step computes the same values as the
+//! original (the same ops on the same inputs), so losses and gradients are
+//! equal bit for bit on a deterministic backend.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::ir::{Builder, NodeId, Phase, Trace, ValueId, ValueKind};
+use crate::ops::Op;
+use crate::plan::{plan, MemoryPlan, PlanOptions, Region};
+
+/// How much to recompute.
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub enum RecomputePolicy {
+    /// Keep every saved value.
+    Off,
+    /// Recompute cheap values whose inputs are kept anyway, when that lowers the peak.
+    #[default]
+    Auto,
+    /// Recompute until the planned peak (persistent + arena) is at most this many bytes.
+    Budget(u64),
+}
+
+/// How expensive a recomputation is, in the order the budget takes them.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostClass {
+    /// Views, casts, element-wise arithmetic, SwiGLU, RoPE, embedding lookups.
+    Pointwise,
+    /// RMSNorm, LayerNorm, softmax: one row reduction and a pointwise pass.
+    Norm,
+    /// Matrix products and attention.
+    Product,
+}
+
+/// The recomputation class of `op`, or `None` when the pass must not
+/// recompute it (losses, optimizer, collectives, backward ops).
+pub fn cost_class(op: &Op) -> Option<CostClass> {
+    match op {
+        Op::Full(_)
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Cast(_)
+        | Op::Broadcast(_)
+        | Op::Reshape(_)
+        | Op::Permute(_)
+        | Op::Slice(_)
+        | Op::Concat(_)
+        | Op::Rope(_)
+        | Op::SwiGlu(_)
+        | Op::Embedding(_) => Some(CostClass::Pointwise),
+        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) | Op::Reduce(_) => Some(CostClass::Norm),
+        Op::MatMul(_) | Op::Attention(_) => Some(CostClass::Product),
+        _ => None,
+    }
+}
+
+/// FLOPs of one run of node `n` (what recomputing it adds), estimated from
+/// its types: 2·M·N·K for products, 2·(elements of q)·T for causal
+/// attention, a few per element for everything else.
+pub fn node_flops(trace: &Trace, n: NodeId) -> u64 {
+    let node = trace.node(n);
+    let out_elems: u64 = node.outputs.iter().map(|&o| trace.ty(o).numel() as u64).sum();
+    match &node.op {
+        Op::MatMul(m) => {
+            let a = &trace.ty(node.inputs[0]).shape;
+            let k = if m.trans_a { a[a.len() - 2] } else { a[a.len() - 1] };
+            2 * trace.ty(node.outputs[0]).numel() as u64 * k as u64
+        }
+        Op::Attention(_) => {
+            let q = trace.ty(node.inputs[0]);
+            2 * q.numel() as u64 * q.shape[1] as u64
+        }
+        op if op.view_of().is_some() => 0,
+        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => 8 * out_elems,
+        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => 6 * out_elems,
+        _ => out_elems,
+    }
+}
+
+/// Bytes node `n` reads and writes (for the time estimate of memory-bound ops).
+fn node_traffic(trace: &Trace, n: NodeId) -> u64 {
+    let node = trace.node(n);
+    if node.op.view_of().is_some() {
+        return 0;
+    }
+    node.inputs.iter().chain(&node.outputs).map(|&v| trace.ty(v).bytes()).sum()
+}
+
+/// Rates for the time estimate: the matrix-product ceiling and the copy
+/// bandwidth measured on the H200 (`../shared/BENCHMARKS.md`: cuBLAS bf16
+/// 769 TFLOP/s, f32 50.6, copy 4176 GB/s).
+const PRODUCT_FLOPS_PER_S_BF16: f64 = 769e12;
+const PRODUCT_FLOPS_PER_S_F32: f64 = 50.6e12;
+const COPY_BYTES_PER_S: f64 = 4176e9;
+
+/// One recomputed node, as `plan` reports it.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecomputedNode {
+    /// The node in the transformed step.
+    pub node: usize,
+    pub op: String,
+    /// The recomputed values' types.
+    pub types: Vec<String>,
+    pub class: CostClass,
+    pub flops: u64,
+}
+
+/// What the pass did.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecomputeReport {
+    /// `off`, `auto`, or `budget <bytes>`.
+    pub policy: String,
+    pub recomputed: Vec<RecomputedNode>,
+    /// FLOPs the recomputation adds per step.
+    pub added_flops: u64,
+    /// Estimated time the recomputation adds per step on an H200, in
+    /// seconds: each node at the slower of its product rate and its memory
+    /// traffic at copy bandwidth.
+    pub estimated_seconds: f64,
+    pub planned_peak_before: u64,
+    pub planned_peak_after: u64,
+}
+
+impl RecomputeReport {
+    /// Nodes of the transformed step that recompute a value.
+    pub fn nodes(&self) -> Vec<NodeId> {
+        self.recomputed.iter().map(|r| NodeId(r.node as u32)).collect()
+    }
+}
+
+impl std::fmt::Display for RecomputeReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.recomputed.is_empty() {
+            return writeln!(f, "recompute ({}): nothing recomputed", self.policy);
+        }
+        let mut by_kind: Vec<(String, usize, u64)> = Vec::new();
+        for r in &self.recomputed {
+            let key = format!("{} -> {}", r.op, r.types.join(", "));
+            match by_kind.iter_mut().find(|(k, _, _)| *k == key) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += r.flops;
+                }
+                None => by_kind.push((key, 1, r.flops)),
+            }
+        }
+        writeln!(
+            f,
+            "recompute ({}): {} nodes, +{:.3} GFLOP, about {:.2} ms per step on an H200; planned peak {} -> {} B",
+            self.policy,
+            self.recomputed.len(),
+            self.added_flops as f64 / 1e9,
+            self.estimated_seconds * 1e3,
+            self.planned_peak_before,
+            self.planned_peak_after
+        )?;
+        for (kind, count, flops) in by_kind {
+            writeln!(f, "    {count:>4} × {kind}  (+{:.3} GFLOP)", flops as f64 / 1e9)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rewrites `step` so that the forward nodes in `marked` are recomputed in
+/// backward (see the module doc). Returns the new step and the nodes of it
+/// that recompute.
+pub fn rewrite(step: &Trace, marked: &HashSet<NodeId>) -> Result<(Trace, Vec<(NodeId, NodeId)>)> {
+    let mut b = Builder::new(step.name.clone());
+    let mut map: Vec<Option<ValueId>> = vec![None; step.values.len()];
+    for v in step.leaves() {
+        let val = step.value(v);
+        let name = val.kind.leaf_name().expect("a leaf");
+        map[v.index()] = Some(match &val.kind {
+            ValueKind::Input { .. } => b.input(name, val.ty.clone())?,
+            ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
+            ValueKind::State { .. } => b.state(name, val.ty.clone())?,
+            ValueKind::Node(_) => unreachable!("leaves only"),
+        });
+    }
+    // Original value -> its recomputed copy, once emitted.
+    let mut again: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut emitted: Vec<(NodeId, NodeId)> = Vec::new();
+    for node in &step.nodes {
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &i in &node.inputs {
+            let v = if node.phase == Phase::Forward {
+                map[i.index()].expect("defined before use")
+            } else {
+                available(step, marked, i, &mut b, &map, &mut again, &mut emitted)?
+            };
+            inputs.push(v);
+        }
+        b.set_phase(node.phase);
+        let outs = b.push(node.op.clone(), &inputs)?;
+        for (&o, n) in node.outputs.iter().zip(outs) {
+            map[o.index()] = Some(n);
+        }
+    }
+    let m = |v: ValueId| map[v.index()].expect("defined");
+    for o in &step.outputs {
+        let kind = match &o.kind {
+            crate::ir::OutputKind::Grad(p) => crate::ir::OutputKind::Grad(m(*p)),
+            other => other.clone(),
+        };
+        b.output(kind, m(o.value));
+    }
+    for u in &step.updates {
+        b.update(m(u.state), m(u.new));
+    }
+    let mut t = b.finish("recompute")?;
+    t.name = step.name.clone();
+    Ok((t, emitted))
+}
+
+/// The value backward should read for the original value `v`: its
+/// recomputed copy when its producer is marked (emitted now if needed),
+/// the original otherwise.
+fn available(
+    step: &Trace,
+    marked: &HashSet<NodeId>,
+    v: ValueId,
+    b: &mut Builder,
+    map: &[Option<ValueId>],
+    again: &mut HashMap<ValueId, ValueId>,
+    emitted: &mut Vec<(NodeId, NodeId)>,
+) -> Result<ValueId> {
+    let Some(p) = step.producer(v).filter(|p| marked.contains(p)) else {
+        return Ok(map[v.index()].expect("defined before use"));
+    };
+    if let Some(&r) = again.get(&v) {
+        return Ok(r);
+    }
+    let node = step.node(p);
+    let mut inputs = Vec::with_capacity(node.inputs.len());
+    for &i in &node.inputs {
+        inputs.push(available(step, marked, i, b, map, again, emitted)?);
+    }
+    let new_id = NodeId(b.trace().nodes.len() as u32);
+    b.set_phase(Phase::Backward);
+    let outs = b.push(node.op.clone(), &inputs)?;
+    for (&o, n) in node.outputs.iter().zip(outs) {
+        again.insert(o, n);
+    }
+    emitted.push((p, new_id));
+    Ok(again[&v])
+}
+
+/// Values alive into backward: the saved ones and the sources of saved views.
+fn kept_values(step: &Trace) -> HashSet<ValueId> {
+    let mut kept = HashSet::new();
+    for &v in &step.saved {
+        let mut v = v;
+        while kept.insert(v) {
+            match step.producer(v).and_then(|p| step.node(p).op.view_of().map(|i| step.node(p).inputs[i])) {
+                Some(src) => v = src,
+                None => break,
+            }
+        }
+    }
+    kept
+}
+
+/// Forward nodes whose outputs backward reads, directly or through views
+/// (a projection's output that backward reads reshaped into heads).
+fn saved_producers(step: &Trace) -> HashSet<NodeId> {
+    let mut nodes: HashSet<NodeId> = HashSet::new();
+    for &v in &step.saved {
+        let mut v = v;
+        while let Some(p) = step.producer(v) {
+            if !nodes.insert(p) {
+                break;
+            }
+            match step.node(p).op.view_of() {
+                Some(i) => v = step.node(p).inputs[i],
+                None => break,
+            }
+        }
+    }
+    nodes
+}
+
+/// Whether recomputing forward node `n` needs nothing kept alive that is
+/// not kept already: each non-leaf input saved or itself marked.
+fn inputs_kept(step: &Trace, n: NodeId, saved: &HashSet<ValueId>, marked: &HashSet<NodeId>) -> bool {
+    step.node(n).inputs.iter().all(|&i| match step.producer(i) {
+        None => true,
+        Some(p) => marked.contains(&p) || saved.contains(&i),
+    })
+}
+
+/// The most nodes one candidate may bring along to recompute its inputs.
+const MAX_CLOSURE: usize = 6;
+
+/// The nodes to recompute so that forward node `n` can be recomputed:
+/// `n` and, for each non-leaf input neither kept nor marked, its producer
+/// (through views), recursively — or `None` when that reaches a node the
+/// pass must not recompute or more than [`MAX_CLOSURE`] nodes.
+fn closure(step: &Trace, n: NodeId, kept: &HashSet<ValueId>, marked: &HashSet<NodeId>) -> Option<Vec<NodeId>> {
+    let mut nodes = vec![n];
+    let mut work = vec![n];
+    while let Some(m) = work.pop() {
+        cost_class(&step.node(m).op)?;
+        for &i in &step.node(m).inputs {
+            let Some(p) = step.producer(i) else { continue };
+            if kept.contains(&i) || marked.contains(&p) || nodes.contains(&p) {
+                continue;
+            }
+            nodes.push(p);
+            if nodes.len() > MAX_CLOSURE {
+                return None;
+            }
+            work.push(p);
+        }
+    }
+    Some(nodes)
+}
+
+/// Marks `n` and the views of its outputs that backward reads: a view
+/// shares its source's bytes, so the source is freed only when they go too.
+fn mark_with_views(step: &Trace, n: NodeId, saved_nodes: &HashSet<NodeId>, marked: &mut HashSet<NodeId>) {
+    let mut work = vec![n];
+    while let Some(n) = work.pop() {
+        if !marked.insert(n) {
+            continue;
+        }
+        let outs: HashSet<ValueId> = step.node(n).outputs.iter().copied().collect();
+        for (k, node) in step.nodes.iter().enumerate() {
+            let id = NodeId(k as u32);
+            if node.phase == Phase::Forward
+                && saved_nodes.contains(&id)
+                && node.op.view_of().is_some_and(|i| outs.contains(&node.inputs[i]))
+            {
+                work.push(id);
+            }
+        }
+    }
+}
+
+fn report(
+    policy: &str,
+    step: &Trace,
+    new: &Trace,
+    emitted: &[(NodeId, NodeId)],
+    before: u64,
+    after: u64,
+) -> RecomputeReport {
+    let f32_products = new.values.iter().any(|v| v.ty.dtype == crate::ir::DType::F32)
+        && !new.values.iter().any(|v| matches!(v.ty.dtype, crate::ir::DType::BF16 | crate::ir::DType::F16));
+    let rate = if f32_products { PRODUCT_FLOPS_PER_S_F32 } else { PRODUCT_FLOPS_PER_S_BF16 };
+    let mut recomputed = Vec::new();
+    let (mut flops, mut seconds) = (0u64, 0f64);
+    for &(orig, n) in emitted {
+        let node = new.node(n);
+        let f = node_flops(new, n);
+        flops += f;
+        seconds += (f as f64 / rate).max(node_traffic(new, n) as f64 / COPY_BYTES_PER_S);
+        recomputed.push(RecomputedNode {
+            node: n.index(),
+            op: node.op.name().to_string(),
+            types: node.outputs.iter().map(|&o| new.ty(o).to_string()).collect(),
+            class: cost_class(&step.node(orig).op).unwrap_or(CostClass::Product),
+            flops: f,
+        });
+    }
+    RecomputeReport {
+        policy: policy.to_string(),
+        recomputed,
+        added_flops: flops,
+        estimated_seconds: seconds,
+        planned_peak_before: before,
+        planned_peak_after: after,
+    }
+}
+
+/// Applies `policy` to `step`, planning with `opts`: the step to run, its
+/// plan (not yet checked: the pipeline checks it), and what was recomputed.
+pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result<(Trace, MemoryPlan, RecomputeReport)> {
+    let base_plan = plan(step, opts)?;
+    let before = base_plan.planned_peak_bytes();
+    let unchanged = |name: &str, plan: MemoryPlan| {
+        let r = report(name, step, step, &[], before, before);
+        Ok((step.clone(), plan, r))
+    };
+    match policy {
+        RecomputePolicy::Off => unchanged("off", base_plan),
+        RecomputePolicy::Auto => {
+            let saved = kept_values(step);
+            let saved_nodes = saved_producers(step);
+            let mut marked = HashSet::new();
+            for &n in &saved_nodes {
+                let cheap = matches!(cost_class(&step.node(n).op), Some(CostClass::Pointwise | CostClass::Norm));
+                // Views free nothing on their own: they go with their source.
+                if cheap && step.node(n).op.view_of().is_none() && inputs_kept(step, n, &saved, &HashSet::new()) {
+                    mark_with_views(step, n, &saved_nodes, &mut marked);
+                }
+            }
+            if marked.is_empty() {
+                return unchanged("auto", base_plan);
+            }
+            let (new, emitted) = rewrite(step, &marked)?;
+            let new_plan = plan(&new, opts)?;
+            if new_plan.planned_peak_bytes() < before {
+                let after = new_plan.planned_peak_bytes();
+                let r = report("auto", step, &new, &emitted, before, after);
+                Ok((new, new_plan, r))
+            } else {
+                unchanged("auto", base_plan)
+            }
+        }
+        RecomputePolicy::Budget(budget) => {
+            let name = format!("budget {budget} B");
+            if before <= budget {
+                return unchanged(&name, base_plan);
+            }
+            let saved = kept_values(step);
+            let saved_nodes = saved_producers(step);
+            let mut marked: HashSet<NodeId> = HashSet::new();
+            let mut current = (step.clone(), base_plan, Vec::new());
+            let mut best_peak = before;
+            let mut rejected: HashSet<String> = HashSet::new();
+            loop {
+                let (ref t, ref p, _) = current;
+                if p.planned_peak_bytes() <= budget {
+                    break;
+                }
+                // Saved originals live at the peak of the current step,
+                // found through the values of the current step that are
+                // still the originals (same producer position, forward).
+                let live_at_peak = live_forward_nodes_at_peak(step, t, p);
+                // Kept for backward now: the saved values, and the inputs the
+                // marked recomputations read (with the sources of views).
+                let mut kept = saved.clone();
+                let mut needed = saved_nodes.clone();
+                for &n in &marked {
+                    for &i in &step.node(n).inputs {
+                        let mut v = i;
+                        while let Some(p) = step.producer(v) {
+                            kept.insert(v);
+                            needed.insert(p);
+                            match step.node(p).op.view_of() {
+                                Some(k) => v = step.node(p).inputs[k],
+                                None => break,
+                            }
+                        }
+                    }
+                }
+                let mut candidates: Vec<(CostClass, f64, NodeId, Vec<NodeId>)> = needed
+                    .iter()
+                    .copied()
+                    .filter(|n| !marked.contains(n) && live_at_peak.contains(n))
+                    .filter(|&n| step.node(n).op.view_of().is_none() && !rejected.contains(&signature(step, n)))
+                    .filter_map(|n| closure(step, n, &kept, &marked).map(|c| (n, c)))
+                    .map(|(n, nodes)| {
+                        let class = nodes
+                            .iter()
+                            .filter_map(|&m| cost_class(&step.node(m).op))
+                            .max()
+                            .unwrap_or(CostClass::Product);
+                        let flops: u64 = nodes.iter().map(|&m| node_flops(step, m)).sum();
+                        let bytes: u64 = step.node(n).outputs.iter().map(|&o| step.ty(o).bytes()).sum();
+                        (class, flops as f64 / bytes.max(1) as f64, n, nodes)
+                    })
+                    .collect();
+                candidates.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)));
+                let Some((_, _, best, _)) = candidates.first().cloned() else {
+                    return Err(Error::Plan(format!(
+                        "the memory budget of {budget} B ({:.3} GB) cannot be met: recomputing every saved value \
+                         this pass can recompute plans {best_peak} B ({:.3} GB); ask for at least that, or a \
+                         smaller batch or sequence",
+                        budget as f64 / 1e9,
+                        best_peak as f64 / 1e9
+                    )));
+                };
+                // The same value in the other layers live at the peak, half
+                // of them at a time (earliest first: they live longest), so
+                // the budget is met without recomputing every layer's copy
+                // when fewer suffice, in a logarithmic number of plans.
+                let key = signature(step, best);
+                let previous = marked.clone();
+                let mut same: Vec<&(CostClass, f64, NodeId, Vec<NodeId>)> =
+                    candidates.iter().filter(|c| signature(step, c.2) == key).collect();
+                same.sort_by_key(|c| c.2);
+                for c in same.iter().take(same.len().div_ceil(2)) {
+                    for &m in &c.3 {
+                        mark_with_views(step, m, &needed, &mut marked);
+                    }
+                }
+                let (new, emitted) = rewrite(step, &marked)?;
+                let new_plan = plan(&new, opts)?;
+                if new_plan.planned_peak_bytes() > current.1.planned_peak_bytes() {
+                    // Worse: recomputed copies outlive what they replace
+                    // (a residual stream recomputed far from its use). Undo,
+                    // and leave values of this kind kept.
+                    marked = previous;
+                    rejected.insert(key);
+                    continue;
+                }
+                best_peak = best_peak.min(new_plan.planned_peak_bytes());
+                current = (new, new_plan, emitted);
+            }
+            let (t, p, emitted) = current;
+            let after = p.planned_peak_bytes();
+            let r = report(&name, step, &t, &emitted, before, after);
+            Ok((t, p, r))
+        }
+    }
+}
+
+/// Op name and output types: what makes two layers' values "the same".
+fn signature(step: &Trace, n: NodeId) -> String {
+    let node = step.node(n);
+    let types: Vec<String> = node.outputs.iter().map(|&o| step.ty(o).to_string()).collect();
+    format!("{:?} {}", node.op, types.join(","))
+}
+
+/// Forward nodes of the original `step` whose outputs are live (in the
+/// arena) at the peak of `plan`, the plan of the rewritten `current` step.
+/// The rewrite keeps forward nodes in place, so forward node `k` of
+/// `current` is forward node `k` of `step`.
+fn live_forward_nodes_at_peak(step: &Trace, current: &Trace, plan: &MemoryPlan) -> HashSet<NodeId> {
+    let forward = step.nodes.iter().take_while(|n| n.phase == Phase::Forward).count();
+    let mut live = HashSet::new();
+    for g in plan.groups.iter().filter(|g| g.region == Region::Arena) {
+        if !(g.start <= plan.peak_position && plan.peak_position <= g.end) {
+            continue;
+        }
+        for &v in &g.members {
+            if let Some(p) = current.producer(v) {
+                if p.index() < forward && current.node(p).phase == Phase::Forward {
+                    live.insert(p);
+                }
+            }
+        }
+    }
+    live
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autodiff::StepKind;
+    use crate::ir::DType;
+    use crate::models::{LossKind, ModelSpec};
+    use crate::pipeline::{trace_step, StepOptions};
+    use crate::plan::check_plan;
+
+    fn step(kind: StepKind, dtype: DType) -> Trace {
+        let spec = ModelSpec::named("tiny-llama", 2, 64, dtype, LossKind::CrossEntropy).unwrap();
+        trace_step(&spec, &StepOptions::new(kind)).unwrap().step
+    }
+
+    #[test]
+    fn off_keeps_the_step() {
+        let s = step(StepKind::Grads, DType::F32);
+        let (t, _, r) = apply(&s, RecomputePolicy::Off, PlanOptions::default()).unwrap();
+        assert_eq!(t, s);
+        assert!(r.recomputed.is_empty());
+    }
+
+    #[test]
+    fn auto_recomputes_cheap_values_and_lowers_the_peak() {
+        let s = step(StepKind::Grads, DType::F32);
+        let (t, p, r) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
+        check_plan(&t, &p).unwrap();
+        assert!(!r.recomputed.is_empty(), "{r}");
+        assert!(r.planned_peak_after < r.planned_peak_before, "{r}");
+        assert!(r.recomputed.iter().all(|n| n.class != CostClass::Product), "{r}");
+        assert!(r.recomputed.iter().any(|n| n.op == "swiglu"), "{r}");
+        for n in r.nodes() {
+            assert_eq!(t.node(n).phase, Phase::Backward);
+        }
+        // The step still computes the same outputs, in the same order.
+        assert_eq!(t.outputs.len(), s.outputs.len());
+        assert_eq!(t.params().count(), s.params().count());
+    }
+
+    #[test]
+    fn a_budget_is_met_by_recomputing_more_and_an_impossible_one_names_the_least() {
+        let s = step(StepKind::Train, DType::F32);
+        let (_, auto_plan, _) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
+        let auto_peak = auto_plan.planned_peak_bytes();
+        let persistent = auto_plan.persistent_bytes;
+        // Below the persistent bytes nothing can work; the error names the least that does.
+        let err = apply(&s, RecomputePolicy::Budget(persistent / 2), PlanOptions::default()).unwrap_err().to_string();
+        assert!(err.contains("cannot be met") && err.contains("ask for at least"), "{err}");
+        let least: u64 = err.split("plans ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert!(least < auto_peak, "the budget goes beyond auto: {least} vs {auto_peak}");
+        for budget in [least, (least + auto_peak) / 2] {
+            let (t, p, r) = apply(&s, RecomputePolicy::Budget(budget), PlanOptions::default()).unwrap();
+            check_plan(&t, &p).unwrap();
+            assert!(p.planned_peak_bytes() <= budget, "{r}");
+            assert!(r.planned_peak_after <= budget && r.planned_peak_before > budget, "{r}");
+        }
+        let (_, _, r) = apply(&s, RecomputePolicy::Budget(least), PlanOptions::default()).unwrap();
+        assert!(r.recomputed.iter().any(|n| n.class != CostClass::Pointwise), "{r}");
+        assert!(r.added_flops > 0 && r.estimated_seconds > 0.0, "{r}");
+    }
+
+    #[test]
+    fn recomputed_steps_compute_the_same_loss_and_gradients_bit_for_bit() {
+        use crate::cpu::exec::CpuSession;
+        use crate::models::init_params;
+        use crate::session::Session;
+        let spec = ModelSpec::named("tiny-llama", 2, 64, DType::F32, LossKind::CrossEntropy).unwrap();
+        let traces = trace_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
+        let s = traces.step;
+        let base = plan(&s, PlanOptions::default()).unwrap();
+        let mut runs = Vec::new();
+        let least = match apply(&s, RecomputePolicy::Budget(0), PlanOptions::default()) {
+            Err(e) => e.to_string().split("plans ").nth(1).unwrap().split(' ').next().unwrap().parse::<u64>().unwrap(),
+            Ok(_) => unreachable!("no step fits in 0 bytes"),
+        };
+        assert!(least < base.planned_peak_bytes());
+        for policy in [RecomputePolicy::Off, RecomputePolicy::Auto, RecomputePolicy::Budget(least)] {
+            let (t, p, _) = apply(&s, policy, PlanOptions::default()).unwrap();
+            check_plan(&t, &p).unwrap();
+            let mut session = CpuSession::new(t.clone(), p).unwrap();
+            for (v, value) in init_params(&traces.forward, 3) {
+                let name = traces.forward.value(v).kind.leaf_name().unwrap().to_string();
+                session.write_named(&name, &value).unwrap();
+            }
+            let ty = t.ty(t.leaf_by_name(crate::models::gpt::TOKENS_INPUT).unwrap()).clone();
+            let ids: Vec<f64> = (0..ty.numel()).map(|i| ((i * 37 + 11) % 200) as f64).collect();
+            let tokens = crate::host::HostTensor::from_f64(ty.clone(), &ids);
+            session.write_named(crate::models::gpt::TOKENS_INPUT, &tokens).unwrap();
+            let targets: Vec<f64> = (0..ty.numel()).map(|i| ((i * 53 + 7) % 200) as f64).collect();
+            session
+                .write_named(crate::models::gpt::TARGETS_INPUT, &crate::host::HostTensor::from_f64(ty, &targets))
+                .unwrap();
+            Session::run_eager(&mut session).unwrap();
+            let loss = Session::loss(&mut session).unwrap();
+            let grads: Vec<Vec<f64>> = t
+                .outputs
+                .iter()
+                .filter(|o| matches!(o.kind, crate::ir::OutputKind::Grad(_)))
+                .map(|o| Session::read(&mut session, o.value).unwrap().to_f64())
+                .collect();
+            runs.push((loss, grads));
+        }
+        for r in &runs[1..] {
+            assert_eq!(r.0.to_bits(), runs[0].0.to_bits());
+            assert_eq!(r.1, runs[0].1);
+        }
+    }
+}
