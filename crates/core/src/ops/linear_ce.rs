@@ -368,11 +368,14 @@ fn forward_kernel<T: HeadFloat>(op: &LinearCrossEntropy, d: &Dims, io: &KernelIo
 impl OpDef for LinearCrossEntropyBackward {
     /// [`lce_cases`] with lse from the forward: a loss cotangent alone, with
     /// the lse cotangent, the lse cotangent alone (a zero loss cotangent),
-    /// and neither (zero gradients).
+    /// and neither (zero gradients). The single-class case is left out: its
+    /// gradient is exactly zero, and a narrow run's `lse` (from logits
+    /// rounded to the narrow type) against the f64 run's recomputed logits
+    /// leaves only that rounding, which no relative comparison can judge.
     fn samples(d: DType) -> Vec<Sample> {
         let st = stat_dtype(d);
         let mut v = Vec::new();
-        for case in lce_cases(d) {
+        for case in lce_cases(d).into_iter().filter(|c| c.weight.ty().shape[0] > 1) {
             let n = case.hidden.ty().shape[0];
             let (chunk, reduction, ignore_index) = (case.chunk, case.reduction, case.ignore);
             let op = LinearCrossEntropyBackward { chunk, reduction, ignore_index };
