@@ -32,7 +32,8 @@
 //   ones; each element is read and then written by one thread.
 // - `linear_ce_accumulate_<dtype>(partial, acc, n, first)`, 1-D grid-stride:
 //   acc = (first ? 0 : acc) + partial, in the chunk order the lowering
-//   launches (no atomics).
+//   launches (no atomics); the lowering puts each chunk's partial product
+//   in dhidden's buffer, which `linear_ce_round` overwrites at the end.
 // - after the last chunk, `linear_ce_round_<dtype>(acc, dhidden, n)`:
 //   dhidden = acc rounded once.
 

@@ -12,14 +12,17 @@
 //! place into their cotangent `a·(softmax − onehot) + glse·softmax`, and
 //! takes two products per chunk: the chunk's rows of `dweight` (written
 //! once, every element one product over all `N` rows) and a partial
-//! `dhidden` added into an accumulator.
+//! `dhidden` (written into the `dhidden` output, free until the end) added
+//! into an f32 accumulator.
 //!
 //! **Why vocabulary chunks, not row chunks:** with row chunks every chunk
 //! adds into all of `dweight` (`[V, C]`), which would need a `[V, C]` f32
-//! accumulator (2.2 GB for Qwen2.5-7B's head) or one rounding to the param
-//! dtype per chunk. With vocabulary chunks the accumulated cotangent is
-//! `dhidden` (`[N, C]`, 59 MB in f32 for 4096 × 3584), and `dweight` is
-//! rounded once, like a plain product's.
+//! accumulator (2.2 GB for the full Qwen2.5-7B head, 3584 features) or one
+//! rounding to the param dtype per chunk. With vocabulary chunks the
+//! accumulated cotangent is `dhidden` (`[N, C]`, 59 MB in f32 for 4096 ×
+//! 3584), and `dweight` is rounded once, like a plain product's. The cost:
+//! `dhidden` gets one rounding to the data dtype per chunk (each chunk's
+//! partial product, before the f32 sum).
 //!
 //! **Workspace as outputs.** The buffers a kernel touches besides its
 //! results are declared as extra outputs so the planner counts every byte:
@@ -27,13 +30,13 @@
 //! arena bytes only at that position. Kernels leave them all zero, which
 //! makes them deterministic outputs whose Jacobian is zero (the VJP rule
 //! ignores their cotangents, correctly); the cost is one fill of the
-//! workspace per call, an eighth of a logits write at the default chunk.
+//! workspace per call, at most an eighth of a logits write at the default
+//! chunk.
 //! - forward outputs: `loss` (scalar), `lse` (`[N]`), `chunk_logits`
 //!   (`[N, min(chunk, V)]`, the data dtype), `row_stats` (`[2, N]`: each
 //!   row's running sum and target logit);
 //! - backward outputs: `dhidden` (`[N, C]`), `dweight` (`[V, C]`),
-//!   `chunk_logits`, `partial_dhidden` (`[N, C]`, the data dtype: one
-//!   chunk's product), `dhidden_acc` (`[N, C]`, the stat dtype).
+//!   `chunk_logits`, `dhidden_acc` (`[N, C]`, the stat dtype).
 //!
 //! **Numerics**, the same on every backend: each chunk's logits are rounded
 //! to the data dtype (as the unfused `matmul` output is), statistics and the
@@ -82,7 +85,7 @@ pub struct LinearCrossEntropy {
 
 /// The cotangents of [`LinearCrossEntropy`]'s hidden states and weight:
 /// inputs `(hidden, weight, targets, lse, gloss[, glse])`, outputs
-/// `dhidden`, `dweight` and three workspaces (module doc).
+/// `dhidden`, `dweight` and two workspaces (module doc).
 #[derive(Clone, PartialEq, Debug)]
 pub struct LinearCrossEntropyBackward {
     pub chunk: usize,
@@ -90,8 +93,11 @@ pub struct LinearCrossEntropyBackward {
     pub ignore_index: i64,
 }
 
-/// The largest workspace the default chunk gives: 256 MiB of logits.
-pub const DEFAULT_CHUNK_BYTES_CAP: usize = 256 << 20;
+/// The largest workspace the default chunk gives: 64 MiB of logits. The
+/// chunk's logits are live at the loss's backward, next to every saved
+/// activation (W2's peak), so they are kept small; 64 MiB is still thousands
+/// of columns for thousands of rows, products large enough to run at speed.
+pub const DEFAULT_CHUNK_BYTES_CAP: usize = 64 << 20;
 /// The default chunk holds at most this fraction (1/n) of the full logits.
 pub const DEFAULT_CHUNK_FRACTION: usize = 8;
 
@@ -99,7 +105,9 @@ pub const DEFAULT_CHUNK_FRACTION: usize = 8;
 /// `dtype`: at most 1/[`DEFAULT_CHUNK_FRACTION`] of the full logits and at
 /// most [`DEFAULT_CHUNK_BYTES_CAP`] bytes, rounded down to a multiple of 64
 /// columns when that leaves at least 64 (aligned product operands), never
-/// below one column. For Qwen2.5's 152064 classes this is 19008 columns.
+/// below one column. W2 (4096 bf16 rows of Qwen2.5's 152064 classes): the
+/// cap binds, 8192 columns (19 chunks); W5 (8192 rows of 32000): an eighth,
+/// 3968 columns.
 pub fn default_chunk(rows: usize, vocab: usize, dtype: DType) -> usize {
     let by_fraction = vocab.div_ceil(DEFAULT_CHUNK_FRACTION);
     let by_bytes = DEFAULT_CHUNK_BYTES_CAP / (rows.max(1) * dtype.size());
@@ -412,7 +420,6 @@ impl OpDef for LinearCrossEntropyBackward {
             inputs[0].clone(),
             inputs[1].clone(),
             TensorType::new(dt, vec![d.n, d.w]),
-            inputs[0].clone(),
             TensorType::new(st, vec![d.n, d.c]),
         ])
     }
@@ -449,7 +456,7 @@ fn backward_kernel<T: HeadFloat>(
     let gloss = io.input::<T::Stat>(4)[0].acc();
     let glse = (io.inputs.len() == 6).then(|| io.input::<T::Stat>(5));
     let (dhidden, dweight, buf) = (io.output::<T>(0), io.output::<T>(1), io.output::<T>(2));
-    let (partial, acc) = (io.output::<T>(3), io.output::<T::Stat>(4));
+    let acc = io.output::<T::Stat>(3);
     let kept = targets.iter().filter(|&&t| t != op.ignore_index).count();
     // One rounded scale for every row. Unused when no row is kept (every
     // `a_n` is then 0, as PyTorch's zero gradient).
@@ -478,13 +485,13 @@ fn backward_kernel<T: HeadFloat>(
         let g: &[T] = g;
         // This chunk's rows of dweight: dlogits[:, chunk]ᵀ · hidden, over all rows at once.
         product(cw, d.c, d.n, true, false, g, hidden, &mut dweight[v0 * d.c..(v0 + cw) * d.c]);
-        // This chunk's share of dhidden: dlogits[:, chunk] · weight[chunk].
-        product(d.n, d.c, cw, false, false, g, &weight[v0 * d.c..(v0 + cw) * d.c], partial);
-        acc.par_iter_mut().zip(partial.par_iter()).for_each(|(s, p)| *s = T::Stat::from_acc(s.acc() + p.acc()));
+        // This chunk's share of dhidden, dlogits[:, chunk] · weight[chunk],
+        // in dhidden's own buffer (the final value is written after the last chunk).
+        product(d.n, d.c, cw, false, false, g, &weight[v0 * d.c..(v0 + cw) * d.c], dhidden);
+        acc.par_iter_mut().zip(dhidden.par_iter()).for_each(|(s, p)| *s = T::Stat::from_acc(s.acc() + p.acc()));
     }
     dhidden.par_iter_mut().zip(acc.par_iter()).for_each(|(o, s)| *o = T::from_acc(s.acc()));
     zero(buf);
-    zero(partial);
     zero(acc);
     Ok(())
 }
@@ -580,10 +587,11 @@ mod tests {
 
     #[test]
     fn the_default_chunk_is_an_eighth_of_the_logits_under_a_cap() {
-        // Qwen2.5's vocabulary on 4096 bf16 rows: 152064 / 8 = 19008 = 297 · 64.
-        assert_eq!(default_chunk(4096, 152_064, DType::BF16), 19_008);
-        // 65536 f32 rows: the 256 MiB cap binds (1024 columns).
-        assert_eq!(default_chunk(65_536, 152_064, DType::F32), 1024);
+        // W2: Qwen2.5's vocabulary on 4096 bf16 rows, the 64 MiB cap binds.
+        assert_eq!(default_chunk(4096, 152_064, DType::BF16), 8192);
+        assert_eq!(default_chunk(65_536, 152_064, DType::F32), 256);
+        // W5: 32000 / 8 = 4000, rounded down to 62 · 64.
+        assert_eq!(default_chunk(8192, 32_000, DType::BF16), 3968);
         // Small vocabularies: an eighth, at least one column.
         assert_eq!(default_chunk(8, 33, DType::F64), 5);
         assert_eq!(default_chunk(8, 1, DType::F64), 1);

@@ -167,7 +167,7 @@ impl Lower for LinearCrossEntropyBackward {
         let ins = cx.inputs;
         let (hidden, weight, tgt, lse, gloss) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]);
         let outs = cx.outputs;
-        let (dhidden, dweight, buf, partial, acc) = (&outs[0], &outs[1], &outs[2], &outs[3], &outs[4]);
+        let (dhidden, dweight, buf, acc) = (&outs[0], &outs[1], &outs[2], &outs[3]);
         let hidden_elems = g.rows * g.feats;
         let mut l = Vec::new();
         for (i, (v0, cw)) in g.chunks().enumerate() {
@@ -187,10 +187,11 @@ impl Lower for LinearCrossEntropyBackward {
             let dw = g.row_of(dweight.ptr, v0);
             l.extend(g.product(cw, g.feats, g.rows, true, false, buf.ptr, hidden.ptr, dw));
             if hidden_elems > 0 {
-                // This chunk's share of dhidden: dlogits[:, chunk] · weight[chunk], added in chunk order.
+                // This chunk's share of dhidden, dlogits[:, chunk] · weight[chunk],
+                // in dhidden's buffer, added to the f32 sum in chunk order.
                 let w = g.row_of(weight.ptr, v0);
-                l.extend(g.product(g.rows, g.feats, cw, false, false, buf.ptr, w, partial.ptr));
-                let args = vec![ptr(partial), ptr(acc), n64(hidden_elems), Arg::I32((i == 0) as i32)];
+                l.extend(g.product(g.rows, g.feats, cw, false, false, buf.ptr, w, dhidden.ptr));
+                let args = vec![ptr(dhidden), ptr(acc), n64(hidden_elems), Arg::I32((i == 0) as i32)];
                 l.push(launch_1d("linear_ce", format!("linear_ce_accumulate_{}", g.dt.name()), hidden_elems, args));
             }
         }
@@ -198,7 +199,7 @@ impl Lower for LinearCrossEntropyBackward {
             let args = vec![ptr(acc), ptr(dhidden), n64(hidden_elems)];
             l.push(launch_1d("linear_ce", format!("linear_ce_round_{}", g.dt.name()), hidden_elems, args));
         }
-        l.extend([clear(buf), clear(partial), clear(acc)]);
+        l.extend([clear(buf), clear(acc)]);
         Ok(l)
     }
 }
@@ -272,7 +273,6 @@ mod tests {
                 "gemm 6x8x2",
                 "linear_ce_accumulate_bf16",
                 "linear_ce_round_bf16",
-                "memset",
                 "memset",
                 "memset",
             ]
