@@ -119,8 +119,13 @@ impl Geometry {
     }
 }
 
-fn clear(t: &DevTensor) -> Launch {
-    Launch::Memset { ptr: t.ptr, bytes: t.ty.bytes(), value: 0 }
+/// Zeroes a workspace on the way out; nothing for an empty one (no
+/// zero-byte memset node in a graph).
+fn clear(ts: &[&DevTensor]) -> Vec<Launch> {
+    ts.iter()
+        .filter(|t| t.ty.bytes() > 0)
+        .map(|t| Launch::Memset { ptr: t.ptr, bytes: t.ty.bytes(), value: 0 })
+        .collect()
 }
 
 fn mean_flag(r: Reduction) -> Arg {
@@ -154,7 +159,7 @@ impl Lower for LinearCrossEntropy {
         args.extend([ptr(lse), run_sum, tlogit, ptr(loss), n64(g.rows), n64(g.classes)]);
         args.extend([Arg::I64(self.ignore_index), mean_flag(self.reduction)]);
         l.push(typed_kernel("linear_ce", "linear_ce_finish", g.dt, (1, 1, 1), (LCE_FINISH_THREADS, 1, 1), args));
-        l.extend([clear(buf), clear(stats)]);
+        l.extend(clear(&[buf, stats]));
         Ok(l)
     }
 }
@@ -199,7 +204,7 @@ impl Lower for LinearCrossEntropyBackward {
             let args = vec![ptr(acc), ptr(dhidden), n64(hidden_elems)];
             l.push(launch_1d("linear_ce", format!("linear_ce_round_{}", g.dt.name()), hidden_elems, args));
         }
-        l.extend([clear(buf), clear(acc)]);
+        l.extend(clear(&[buf, acc]));
         Ok(l)
     }
 }
@@ -282,6 +287,26 @@ mod tests {
             _ => unreachable!(),
         };
         assert_eq!((first_flag(4), first_flag(9)), (Arg::I32(1), Arg::I32(0)));
+    }
+
+    #[test]
+    fn no_rows_still_write_the_loss_and_a_zero_dweight() {
+        let fwd = Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let l = lower_types(&fwd, &operands(0, 8, 6), 0).unwrap();
+        assert_eq!(names(&l), ["linear_ce_finish_bf16"], "the mean over no row is still written (NaN)");
+        let bwd = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let mut types = operands(0, 8, 6);
+        types.extend([t(DType::F32, &[0]), t(DType::F32, &[])]);
+        let l = lower_types(&bwd, &types, 0).unwrap();
+        // dweight, chunk by chunk (an empty sum over rows), and no zero-byte memset.
+        let fills: Vec<u64> = l
+            .iter()
+            .map(|l| match l {
+                Launch::Memset { bytes, .. } => *bytes,
+                other => panic!("expected memsets only, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(fills, [4 * 8 * 2, 2 * 8 * 2]);
     }
 
     #[test]
