@@ -293,7 +293,7 @@ fn buckets_follow_backward_and_sit_right_after_their_last_gradient() {
             let ln = t.producer(loss).unwrap().index();
             assert_eq!(t.nodes[ln].op.name(), "all_reduce_mean");
             assert_eq!(t.nodes[ln].phase, Phase::Forward);
-            assert_eq!(t.nodes[ln - 1].op.name(), "cross_entropy");
+            assert_eq!(t.nodes[ln - 1].op.name(), "linear_cross_entropy");
             if zero1 {
                 let gathers = t.nodes.iter().filter(|n| n.op.name() == "all_gather").count();
                 assert_eq!(gathers, bks.len(), "one all-gather per bucket");

@@ -60,9 +60,13 @@ fn w2_plan_is_near_its_floor() {
     );
     assert_eq!(r.persistent_bytes, r.param_bytes);
     assert!(r.overhead_vs_floor <= 0.02, "{r}");
-    // The 152k-vocabulary logits exist once: their gradient overwrites them in place.
+    // The head and the loss are one fused op: the 152k-vocabulary logits
+    // (1.25 GB) are never held, only a chunk of at most 64 MiB of them, and
+    // the plan drops from 3.625 GB (logits materialised) to 2.535 GB.
     let logits = 4096u64 * 152_064 * 2;
-    assert!(r.planned_peak_bytes < r.param_bytes + 2 * logits + 4_000_000_000, "{r}");
+    let largest = step.values.iter().map(|v| v.ty.bytes()).max().unwrap();
+    assert!(largest <= 160_000_000, "a value of {largest} bytes (the logits take {logits})");
+    assert!(r.planned_peak_bytes <= 2_600_000_000, "{r}");
     assert!(step.nodes.len() > 100);
 }
 
@@ -87,8 +91,11 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
         .unwrap();
     for r in [&dp, &z] {
         assert_eq!(r.rank_batch, 4);
-        // The collectives run in place: a rank's arena is W5's on one GPU.
-        assert_eq!(r.per_rank.arena_bytes, w5.arena_bytes, "{r:?}");
+        // The collectives run in place: a rank's arena needs what W5's on
+        // one GPU needs (the same floor); the greedy placement of the two
+        // traces may fragment differently, within the 2% asserted below.
+        assert_eq!(r.per_rank.arena_floor_bytes, w5.arena_floor_bytes, "{r:?}");
+        assert!(r.per_rank.arena_bytes <= w5.arena_bytes, "{r:?}");
         assert_eq!(r.per_rank.param_bytes, w5.param_bytes);
         assert!(r.per_rank.overhead_vs_floor <= 0.02);
         assert_eq!(r.single.persistent_bytes, w5.persistent_bytes);
@@ -96,5 +103,6 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
     assert_eq!(dp.per_rank.planned_peak_bytes, w5.planned_peak_bytes);
     assert_eq!(z.per_rank.optimizer_state_bytes * 8, w5.optimizer_state_bytes);
     assert_eq!(z.per_rank.persistent_bytes, w5.param_bytes + w5.optimizer_state_bytes / 8);
-    assert_eq!(z.per_rank.planned_peak_bytes, z.per_rank.persistent_bytes + w5.arena_bytes);
+    // ZeRO-1 shrinks the persistent state only: the rank's arena is at most W5's.
+    assert!(z.per_rank.planned_peak_bytes <= z.per_rank.persistent_bytes + w5.arena_bytes, "{z:?}");
 }

@@ -18,6 +18,7 @@ use super::config::{Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use crate::ops::linear_ce::{default_chunk, Reduction};
 use crate::ops::UnaryFn;
 
 /// The loss the forward trace ends with.
@@ -25,7 +26,9 @@ use crate::ops::UnaryFn;
 pub enum LossKind {
     /// `sum(logits)`: the benchmark workloads W1/W3 (no targets).
     Sum,
-    /// Mean cross-entropy against the `targets` input, ignoring [`IGNORE_INDEX`].
+    /// Mean cross-entropy against the `targets` input, ignoring [`IGNORE_INDEX`]:
+    /// the head and the loss are one fused op (`linear_cross_entropy`) that
+    /// never holds the `[tokens, vocab]` logits, unless the head has a bias.
     CrossEntropy,
 }
 
@@ -168,9 +171,40 @@ impl Gpt<'_> {
     }
 }
 
-/// Records the forward pass and loss of `spec` into a trace named `forward`.
+/// How a cross-entropy loss records the LM head (a `sum(logits)` loss
+/// always materialises the logits).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum HeadLoss {
+    /// One `linear_cross_entropy` op over chunks of `chunk` vocabulary
+    /// columns (`None`: [`default_chunk`]); a head with a bias falls back
+    /// to [`HeadLoss::Materialised`].
+    Fused { chunk: Option<usize> },
+    /// The `[tokens, vocab]` logits, then `cross_entropy`: the reference
+    /// the fused op is tested against.
+    Materialised,
+}
+
+impl Default for HeadLoss {
+    fn default() -> Self {
+        HeadLoss::Fused { chunk: None }
+    }
+}
+
+/// Records the forward pass and loss of `spec` into a trace named `forward`,
+/// a cross-entropy through the fused head ([`HeadLoss::default`]).
 pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
+    build_forward_with(spec, HeadLoss::default())
+}
+
+/// [`build_forward`] with the head of a cross-entropy loss recorded as `head_loss` says.
+pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace> {
     spec.check()?;
+    if let HeadLoss::Fused { chunk: Some(0) } = head_loss {
+        return Err(Error::Config {
+            model: spec.config.name.clone(),
+            reason: "the loss chunk must be at least one vocabulary column, got 0".into(),
+        });
+    }
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
     let mut g = Gpt { b: Builder::new("forward"), cfg, dtype: spec.dtype };
@@ -200,10 +234,27 @@ pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
-    let logits = g.b.linear(x, head, head_bias)?;
-    let loss = match targets {
-        None => g.b.sum_all(logits)?,
-        Some(t) => {
+    let fused_chunk = match head_loss {
+        HeadLoss::Fused { chunk } if head_bias.is_none() => Some(chunk),
+        _ => None,
+    };
+    let loss = match (targets, fused_chunk) {
+        (None, _) => {
+            let logits = g.b.linear(x, head, head_bias)?;
+            g.b.sum_all(logits)?
+        }
+        // The head and the loss as one op: the [tokens, vocab] logits are
+        // never held, only one chunk of vocabulary columns at a time.
+        (Some(t), Some(chunk)) => {
+            let (rows, v) = (bsz * seq, cfg.padded_vocab_size);
+            let x2 = g.b.reshape(x, &[rows, cfg.n_embd])?;
+            let t2 = g.b.reshape(t, &[rows])?;
+            let chunk = chunk.unwrap_or_else(|| default_chunk(rows, v, spec.dtype));
+            g.b.linear_cross_entropy(x2, head, t2, chunk, Reduction::Mean, IGNORE_INDEX)?
+        }
+        // Asked for, or a head bias (which has no fused form).
+        (Some(t), None) => {
+            let logits = g.b.linear(x, head, head_bias)?;
             let v = cfg.padded_vocab_size;
             let l2 = g.b.reshape(logits, &[bsz * seq, v])?;
             let t2 = g.b.reshape(t, &[bsz * seq])?;

@@ -43,7 +43,7 @@ impl WithStat for f64 {
 
 /// Checks that every target is `ignore_index` or a class in `[0, classes)`;
 /// targets are user data, so a bad one is an input error naming it.
-fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<()> {
+pub(super) fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<()> {
     let bad = targets.iter().position(|&t| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
     match bad {
         None => Ok(()),

@@ -13,6 +13,7 @@ pub mod attention;
 pub mod collective;
 pub mod elementwise;
 pub mod embedding;
+pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;
@@ -248,6 +249,8 @@ macro_rules! for_each_op {
             EmbeddingBackward($crate::ops::embedding::EmbeddingBackward),
             CrossEntropy($crate::ops::loss::CrossEntropy),
             CrossEntropyBackward($crate::ops::loss::CrossEntropyBackward),
+            LinearCrossEntropy($crate::ops::linear_ce::LinearCrossEntropy),
+            LinearCrossEntropyBackward($crate::ops::linear_ce::LinearCrossEntropyBackward),
             SwiGlu($crate::ops::swiglu::SwiGlu),
             SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
             AdamW($crate::ops::optim::AdamW),

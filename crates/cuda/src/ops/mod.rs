@@ -25,6 +25,7 @@ pub mod attention;
 pub mod collective;
 pub mod elementwise;
 pub mod embedding;
+pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;

@@ -81,8 +81,12 @@ fn check_launch(what: &str, op: &Op, l: &Launch, ins: &[DevTensor], outs: &[DevT
         Launch::Gemm(c) => {
             let (ar, ac) = if c.trans_a { (c.k, c.m) } else { (c.m, c.k) };
             let (br, bc) = if c.trans_b { (c.n, c.k) } else { (c.k, c.n) };
-            assert!(inside(c.a, gemm_bytes(c.ty, c.batch, c.stride_a, ar, ac), ins), "{what}: A outside the inputs");
-            assert!(inside(c.b, gemm_bytes(c.ty, c.batch, c.stride_b, br, bc), ins), "{what}: B outside the inputs");
+            // Operands are read from the inputs or from an output the node
+            // wrote first (a workspace: the fused head's chunk of logits).
+            let (a_bytes, b_bytes) =
+                (gemm_bytes(c.ty, c.batch, c.stride_a, ar, ac), gemm_bytes(c.ty, c.batch, c.stride_b, br, bc));
+            assert!(inside(c.a, a_bytes, &all), "{what}: A outside the operands");
+            assert!(inside(c.b, b_bytes, &all), "{what}: B outside the operands");
             assert!(
                 inside(c.c, gemm_bytes(c.ty, c.batch, c.stride_c, c.m, c.n), outs),
                 "{what}: C outside the outputs"
