@@ -8,6 +8,7 @@
 
 mod bench;
 mod compare;
+mod memory_args;
 mod train;
 
 use std::path::PathBuf;
@@ -40,6 +41,8 @@ enum Command {
         step: Option<StepArg>,
         #[command(flatten)]
         optim: OptimArgs,
+        #[command(flatten)]
+        memory: memory_args::MemoryArgs,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -71,7 +74,10 @@ enum Command {
         step: Option<StepArg>,
         #[command(flatten)]
         optim: OptimArgs,
-        /// Which trace: the forward pass, or the step (`--step`).
+        #[command(flatten)]
+        memory: memory_args::MemoryArgs,
+        /// Which trace: the forward pass, or the step (`--step`): the step as
+        /// it runs, after the optimizer placement and recomputation passes.
         #[arg(long, value_enum, default_value_t = Which::Step)]
         which: Which,
     },
@@ -267,7 +273,7 @@ fn timeline_title(spec: &ModelSpec, kind: StepKind) -> String {
 /// renamed into place, so a failed write never leaves half a page.
 fn write_timeline(path: &std::path::Path, c: &stepgraph_core::pipeline::CompiledStep, title: String) -> Result<()> {
     use anyhow::Context;
-    let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: Vec::new() });
+    let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: c.recompute.nodes() });
     let name = path.file_name().ok_or_else(|| anyhow::anyhow!("--html {}: not a file name", path.display()))?;
     let mut temp_name = std::ffi::OsString::from(".");
     temp_name.push(name);
@@ -300,7 +306,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Plan { model, step, optim, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
+        Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,
                 Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
@@ -312,10 +318,11 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
             }
             let spec = model.spec()?;
-            let train = optim.train_options(spec.dtype)?;
-            let report = plan_data_parallel(&spec, kind, &train, &dp, top)?;
+            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(kind) };
+            memory.apply(&mut opts, memory_args::free_bytes)?;
+            let report = plan_data_parallel(&spec, &opts, &dp, top)?;
             if let Some(path) = &html {
-                let opts = StepOptions { train, data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+                let opts = StepOptions { data_parallel: Some(dp.clone()), ..opts };
                 let rank = compile_step(&spec, &opts)?;
                 let title = format!("{} (one rank of {gpus} GPUs)", timeline_title(&spec, kind));
                 write_timeline(path, &rank, title)?;
@@ -326,27 +333,35 @@ fn run(cli: Cli) -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Plan { model, step, optim, json, top, html, .. } => {
+        Command::Plan { model, step, optim, memory, json, top, html, .. } => {
             let spec = model.spec()?;
-            let opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            memory.apply(&mut opts, memory_args::free_bytes)?;
             let c = compile_step(&spec, &opts)?;
             let report = plan_report(&c.step, &c.plan, top);
             if let Some(path) = &html {
                 write_timeline(path, &c, timeline_title(&spec, opts.kind))?;
             }
             if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                let mut value = serde_json::to_value(&report)?;
+                value["recompute"] = serde_json::to_value(&c.recompute)?;
+                value["optimizer"] = serde_json::to_value(&c.placement)?;
+                println!("{}", serde_json::to_string_pretty(&value)?);
             } else {
                 print!("{report}");
+                if let Some(p) = &c.placement {
+                    print!("{p}");
+                }
+                print!("{}", c.recompute);
             }
         }
-        Command::Trace { model, step, optim, which } => {
+        Command::Trace { model, step, optim, memory, which } => {
             let spec = model.spec()?;
-            let opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
-            let t = trace_step(&spec, &opts)?;
+            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            memory.apply(&mut opts, memory_args::free_bytes)?;
             match which {
-                Which::Forward => print!("{}", t.forward),
-                Which::Step => print!("{}", t.step),
+                Which::Forward => print!("{}", trace_step(&spec, &opts)?.forward),
+                Which::Step => print!("{}", compile_step(&spec, &opts)?.step),
             }
         }
         Command::Bench(args) => bench::run(&args)?,

@@ -380,17 +380,18 @@ pub struct DataParallelReport {
     pub per_rank: PlanReport,
 }
 
-/// Plans `spec` (global batch) on one device and as one rank of `dp`, checks
-/// both plans, and reports them side by side, listing the `top` largest
-/// values live at each peak.
+/// Plans `spec` (global batch) on one device and as one rank of `dp`, both
+/// built with `opts` (its optimizer, placement, recompute and planner
+/// settings; its own `data_parallel` is replaced), checks both plans, and
+/// reports them side by side, listing the `top` largest values live at
+/// each peak.
 pub fn plan_data_parallel(
     spec: &ModelSpec,
-    kind: StepKind,
-    opts: &TrainOptions,
+    opts: &StepOptions,
     dp: &DataParallel,
     top: usize,
 ) -> Result<DataParallelReport> {
-    let step_opts = StepOptions { train: opts.clone(), data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+    let step_opts = StepOptions { data_parallel: Some(dp.clone()), ..opts.clone() };
     let rank = compile_step(spec, &step_opts)?;
     let per_rank = plan_report(&rank.step, &rank.plan, top);
     let one = compile_step(spec, &StepOptions { data_parallel: None, ..step_opts })?;

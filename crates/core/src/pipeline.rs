@@ -1,6 +1,8 @@
 //! The step pipeline, assembled in one place: model spec → forward trace →
 //! step trace (autodiff) → the step of one data-parallel rank (optional) →
-//! memory plan → `check_plan`.
+//! the optimizer moved into backward ([`crate::optimizer_placement`], train
+//! steps) → recomputation ([`crate::recompute`]) → memory plan →
+//! `check_plan`.
 //!
 //! [`trace_step`] runs the stages up to the step trace; [`compile_step`]
 //! runs them all and returns a [`CompiledStep`]: the step with a plan that
@@ -17,7 +19,9 @@ use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
 use crate::error::Result;
 use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward, ModelSpec};
-use crate::plan::{check_plan, plan, MemoryPlan, PlanOptions};
+use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
+use crate::plan::{check_plan, MemoryPlan, PlanOptions};
+use crate::recompute::{self, RecomputePolicy, RecomputeReport};
 
 /// What one step computes and how it is built, besides the model spec.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,12 +35,31 @@ pub struct StepOptions {
     pub data_parallel: Option<DataParallel>,
     /// Planner settings.
     pub plan: PlanOptions,
+    /// What to recompute in backward instead of keeping (default: cheap
+    /// values, when that lowers the peak; or down to a memory budget).
+    pub recompute: RecomputePolicy,
+    /// Where a train step's optimizer runs (default: in backward unless
+    /// that raises the planned peak).
+    pub optimizer: OptimizerPlacement,
 }
 
 impl StepOptions {
     /// A step of `kind` with default optimizer and planner settings, on one device.
     pub fn new(kind: StepKind) -> Self {
-        StepOptions { kind, train: TrainOptions::default(), data_parallel: None, plan: PlanOptions::default() }
+        StepOptions {
+            kind,
+            train: TrainOptions::default(),
+            data_parallel: None,
+            plan: PlanOptions::default(),
+            recompute: RecomputePolicy::default(),
+            optimizer: OptimizerPlacement::default(),
+        }
+    }
+
+    /// The step exactly as autodiff (and the data-parallel rewrite) built
+    /// it: no recomputation, the optimizer after backward.
+    pub fn unoptimized(kind: StepKind) -> Self {
+        StepOptions { recompute: RecomputePolicy::Off, optimizer: OptimizerPlacement::AfterBackward, ..Self::new(kind) }
     }
 }
 
@@ -65,6 +88,10 @@ pub struct CompiledStep {
     pub plan: MemoryPlan,
     /// As [`StepTraces::buckets`].
     pub buckets: Vec<u64>,
+    /// Where the optimizer runs (train steps).
+    pub placement: Option<PlacementReport>,
+    /// What is recomputed in backward.
+    pub recompute: RecomputeReport,
 }
 
 impl CompiledStep {
@@ -112,9 +139,15 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
 /// `check_plan` before it is returned.
 pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep> {
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
-    let plan = plan(&step, opts.plan)?;
+    let (step, placement) = if opts.kind == StepKind::Train {
+        let (step, _, report) = optimizer_placement::apply(&step, opts.optimizer, opts.plan)?;
+        (step, Some(report))
+    } else {
+        (step, None)
+    };
+    let (step, plan, recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
     check_plan(&step, &plan)?;
-    Ok(CompiledStep { spec, forward, step, plan, buckets })
+    Ok(CompiledStep { spec, forward, step, plan, buckets, placement, recompute })
 }
 
 #[cfg(test)]
@@ -124,7 +157,7 @@ mod tests {
     use crate::ir::DType;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
     use crate::models::LossKind;
-    use crate::plan::plan_report;
+    use crate::plan::{plan, plan_report};
 
     fn tiny(batch: usize, loss: LossKind) -> ModelSpec {
         ModelSpec::named("tiny-llama", batch, 8, DType::F32, loss).unwrap()
@@ -147,7 +180,7 @@ mod tests {
                 for train in [TrainOptions::default(), f32_state.clone()] {
                     let spec = tiny(2, loss);
                     let (forward, step, p) = by_hand(&spec, kind, &train);
-                    let opts = StepOptions { train, ..StepOptions::new(kind) };
+                    let opts = StepOptions { train, ..StepOptions::unoptimized(kind) };
                     let c = compile_step(&spec, &opts).unwrap();
                     assert_eq!((c.spec.batch, c.spec.seq, &c.spec.config), (spec.batch, spec.seq, &spec.config));
                     assert_eq!(c.forward.to_string(), forward.to_string());
@@ -183,7 +216,7 @@ mod tests {
         let spec = tiny(4, LossKind::CrossEntropy);
         for zero1 in [false, true] {
             let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(2) };
-            let opts = StepOptions { data_parallel: Some(dp.clone()), ..StepOptions::new(StepKind::Train) };
+            let opts = StepOptions { data_parallel: Some(dp.clone()), ..StepOptions::unoptimized(StepKind::Train) };
             let c = compile_step(&spec, &opts).unwrap();
             assert_eq!(c.spec.batch, 2, "each rank takes its rows");
             let local = build_step(&build_forward(&c.spec).unwrap(), StepKind::Train, &opts.train).unwrap();
@@ -202,10 +235,30 @@ mod tests {
     }
 
     #[test]
+    fn by_default_train_steps_update_in_backward_and_recompute_cheap_values() {
+        let spec = ModelSpec::named("tiny-llama", 2, 64, DType::F32, LossKind::CrossEntropy).unwrap();
+        let plain = compile_step(&spec, &StepOptions::unoptimized(StepKind::Train)).unwrap();
+        let c = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
+        assert!(c.planned_peak_bytes() < plain.planned_peak_bytes());
+        let placement = c.placement.as_ref().unwrap();
+        assert_eq!(placement.placement, "in backward", "{placement}");
+        assert!(!c.recompute.recomputed.is_empty(), "{}", c.recompute);
+        assert_eq!(c.recompute.planned_peak_after, c.planned_peak_bytes());
+        // A budget below the default's peak recomputes more and is met; one
+        // below what recomputation reaches is refused before anything runs.
+        let least = plain.plan.persistent_bytes;
+        let opts = StepOptions { recompute: RecomputePolicy::Budget(least), ..StepOptions::new(StepKind::Train) };
+        let e = compile_step(&spec, &opts).unwrap_err().to_string();
+        assert!(e.contains("cannot be met"), "{e}");
+        // Grads steps have no optimizer to place.
+        assert!(compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().placement.is_none());
+    }
+
+    #[test]
     fn the_planner_options_reach_the_plan() {
         let spec = tiny(1, LossKind::Sum);
-        let reuse = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
-        let opts = StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::new(StepKind::Grads) };
+        let reuse = compile_step(&spec, &StepOptions::unoptimized(StepKind::Grads)).unwrap();
+        let opts = StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::unoptimized(StepKind::Grads) };
         let unplanned = compile_step(&spec, &opts).unwrap();
         assert!(unplanned.planned_peak_bytes() > reuse.planned_peak_bytes());
     }

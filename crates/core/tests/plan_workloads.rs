@@ -9,6 +9,7 @@ use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel};
 use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::pipeline::StepOptions;
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
 
 fn workload(
@@ -85,10 +86,10 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
         workload("open_llama_3b", Overrides::default(), DType::BF16, 4, 2048, LossKind::CrossEntropy, StepKind::Train);
     // 8 ranks of W5: a global batch of 32 rows.
     let spec = ModelSpec::named("open_llama_3b", 32, 2048, DType::BF16, LossKind::CrossEntropy).unwrap();
-    let opts = TrainOptions::default();
-    let dp = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel::new(8), 5).unwrap();
-    let z = plan_data_parallel(&spec, StepKind::Train, &opts, &DataParallel { zero1: true, ..DataParallel::new(8) }, 5)
-        .unwrap();
+    // As `workload` builds W5: no recomputation, the optimizer after backward.
+    let opts = StepOptions::unoptimized(StepKind::Train);
+    let dp = plan_data_parallel(&spec, &opts, &DataParallel::new(8), 5).unwrap();
+    let z = plan_data_parallel(&spec, &opts, &DataParallel { zero1: true, ..DataParallel::new(8) }, 5).unwrap();
     for r in [&dp, &z] {
         assert_eq!(r.rank_batch, 4);
         // The collectives run in place: a rank's arena needs what W5's on
@@ -105,4 +106,8 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
     assert_eq!(z.per_rank.persistent_bytes, w5.param_bytes + w5.optimizer_state_bytes / 8);
     // ZeRO-1 shrinks the persistent state only: the rank's arena is at most W5's.
     assert!(z.per_rank.planned_peak_bytes <= z.per_rank.persistent_bytes + w5.arena_bytes, "{z:?}");
+    // The default options (updates in backward, cheap values recomputed)
+    // reach the rank's step too.
+    let tuned = plan_data_parallel(&spec, &StepOptions::new(StepKind::Train), &DataParallel::new(8), 5).unwrap();
+    assert!(tuned.per_rank.planned_peak_bytes < dp.per_rank.planned_peak_bytes, "{tuned:?}");
 }

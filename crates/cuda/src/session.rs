@@ -171,6 +171,14 @@ pub fn device_count() -> Result<usize> {
     Ok(dr::device::get_count()? as usize)
 }
 
+/// Free memory of GPU `device` as the driver reports it, measured inside a
+/// context of its own (a session's context takes its share first, as here).
+pub fn free_device_memory(device: usize) -> Result<u64> {
+    let _ctx = CudaContext::new(device)?;
+    let (free, _) = dr::mem_get_info()?;
+    Ok(free as u64)
+}
+
 fn used_bytes() -> Result<(u64, u64)> {
     let (free, total) = dr::mem_get_info()?;
     Ok(((total - free) as u64, total as u64))

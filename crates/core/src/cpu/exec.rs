@@ -343,6 +343,11 @@ pub fn id_checks(trace: &Trace) -> Vec<IdCheck> {
                     let vocab = *trace.ty(node.inputs[0]).shape.last().unwrap_or(&0) as i64;
                     checks.push(IdCheck { input, rows: vocab, ignore: Some(ce.ignore_index), what: "target" });
                 }
+                // The fused head: the weight is [classes, features].
+                Op::LinearCrossEntropy(ce) if aliases.contains(&node.inputs[2]) => {
+                    let vocab = trace.ty(node.inputs[1]).shape[0] as i64;
+                    checks.push(IdCheck { input, rows: vocab, ignore: Some(ce.ignore_index), what: "target" });
+                }
                 _ => {}
             }
         }

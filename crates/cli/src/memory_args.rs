@@ -1,0 +1,156 @@
+//! The memory flags every command that builds a step shares (`plan`,
+//! `trace`, `train`, `bench`): the memory budget that drives recomputation,
+//! the recompute policy without one, and where a train step's optimizer
+//! runs. They map onto [`StepOptions`]'s `recompute` and `optimizer`.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+
+use stepgraph_core::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::pipeline::StepOptions;
+use stepgraph_core::recompute::RecomputePolicy;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RecomputeArg {
+    /// Recompute cheap values (pointwise, norms) whose inputs are kept anyway, when that lowers the peak.
+    Auto,
+    /// Keep every saved value.
+    Off,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlacementArg {
+    /// In backward unless that raises the planned peak.
+    Auto,
+    /// Each AdamW update right after its gradient is final.
+    On,
+    /// Every update after backward.
+    Off,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct MemoryArgs {
+    /// Plan the step to fit this many bytes (persistent + arena) by
+    /// recomputing saved activations in backward, cheapest first: a size
+    /// with a unit (32GB, 500MB, 1.5GiB, 2.5e9) or `auto` (the free memory of
+    /// the GPU, or of the host without one). A budget no recomputation can
+    /// meet is refused, naming the smallest that works.
+    #[arg(long, value_name = "BYTES|auto")]
+    pub memory_budget: Option<String>,
+    /// Without a budget: recompute cheap values when that lowers the peak (auto) or never (off).
+    #[arg(long, value_enum, default_value_t = RecomputeArg::Auto, conflicts_with = "memory_budget")]
+    pub recompute: RecomputeArg,
+    /// Where a train step's AdamW updates run: in backward right after each
+    /// gradient is final (on), after backward (off), or whichever plans lower (auto).
+    #[arg(long, value_enum, default_value_t = PlacementArg::Auto)]
+    pub optimizer_in_backward: PlacementArg,
+}
+
+impl MemoryArgs {
+    /// Sets the recompute policy and optimizer placement of `opts`;
+    /// `free_bytes` answers `--memory-budget auto`.
+    pub fn apply(&self, opts: &mut StepOptions, free_bytes: impl FnOnce() -> Result<u64>) -> Result<()> {
+        opts.recompute = match (&self.memory_budget, self.recompute) {
+            (Some(b), _) if b.trim().eq_ignore_ascii_case("auto") => {
+                RecomputePolicy::Budget(free_bytes().context("--memory-budget auto: measuring free memory")?)
+            }
+            (Some(b), _) => RecomputePolicy::Budget(parse_bytes(b)?),
+            (None, RecomputeArg::Auto) => RecomputePolicy::Auto,
+            (None, RecomputeArg::Off) => RecomputePolicy::Off,
+        };
+        opts.optimizer = match self.optimizer_in_backward {
+            PlacementArg::Auto => OptimizerPlacement::Auto,
+            PlacementArg::On => OptimizerPlacement::InBackward,
+            PlacementArg::Off => OptimizerPlacement::AfterBackward,
+        };
+        Ok(())
+    }
+}
+
+/// Bytes from a size with an optional unit: B, kB/MB/GB/TB (powers of
+/// 1000), KiB/MiB/GiB/TiB (powers of 1024); a plain number is bytes.
+pub fn parse_bytes(text: &str) -> Result<u64> {
+    let t = text.trim();
+    // The unit is the trailing run of letters, so an exponent (2.5e9) stays
+    // part of the number.
+    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
+    let (number, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" | "k" => 1e3,
+        "mb" | "m" => 1e6,
+        "gb" | "g" => 1e9,
+        "tb" | "t" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0f64.powi(4),
+        other => bail!(
+            "--memory-budget {text:?}: unknown unit {other:?}; use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB, or `auto`"
+        ),
+    };
+    let value: f64 = number.trim().parse().map_err(|_| {
+        anyhow::anyhow!("--memory-budget {text:?}: expected a size such as 32GB, 500MB or 2.5e9, or `auto`")
+    })?;
+    let bytes = value * scale;
+    if !((1.0..1.2e18).contains(&bytes)) {
+        bail!("--memory-budget {text:?}: expected a positive size below 1 EB, got {bytes} bytes");
+    }
+    Ok(bytes as u64)
+}
+
+/// What `--memory-budget auto` plans for: the free memory of GPU 0 (less
+/// 256 MiB for the CUDA libraries' workspaces and kernel modules, which
+/// the plan does not hold) when there is a GPU, else the host's available
+/// memory.
+pub fn free_bytes() -> Result<u64> {
+    const RESERVE: u64 = 256 << 20;
+    if stepgraph_cuda::session::gpu_available() {
+        let free = stepgraph_cuda::session::free_device_memory(0)?;
+        return Ok(free.saturating_sub(RESERVE));
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kb = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("/proc/meminfo has no MemAvailable")?;
+    Ok(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_their_units() {
+        assert_eq!(parse_bytes("32GB").unwrap(), 32_000_000_000);
+        assert_eq!(parse_bytes("0.5GB").unwrap(), 500_000_000);
+        assert_eq!(parse_bytes("500 MB").unwrap(), 500_000_000);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 1_610_612_736);
+        assert_eq!(parse_bytes("2.5e9").unwrap(), 2_500_000_000);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        for bad in ["", "GB", "-1GB", "0", "12 parsecs", "1e30", "nan", "inf"] {
+            let e = parse_bytes(bad).unwrap_err().to_string();
+            assert!(e.contains("--memory-budget"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_flags_set_the_step_options() {
+        let mut opts = StepOptions::new(stepgraph_core::autodiff::StepKind::Train);
+        let args = MemoryArgs {
+            memory_budget: Some("auto".into()),
+            recompute: RecomputeArg::Auto,
+            optimizer_in_backward: PlacementArg::Off,
+        };
+        args.apply(&mut opts, || Ok(123_000)).unwrap();
+        assert_eq!(opts.recompute, RecomputePolicy::Budget(123_000));
+        assert_eq!(opts.optimizer, OptimizerPlacement::AfterBackward);
+        let args =
+            MemoryArgs { memory_budget: None, recompute: RecomputeArg::Off, optimizer_in_backward: PlacementArg::On };
+        args.apply(&mut opts, || unreachable!("no budget asked")).unwrap();
+        assert_eq!(opts.recompute, RecomputePolicy::Off);
+        assert_eq!(opts.optimizer, OptimizerPlacement::InBackward);
+    }
+}
