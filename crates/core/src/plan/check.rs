@@ -6,6 +6,8 @@
 //! their lifetimes must be disjoint, or meet at exactly one node that
 //! declares an in-place pair from the dying class to the new one with the
 //! same slot. Persistent values may only share bytes through a state update.
+//! Every slot lies inside its region, arena offsets are multiples of
+//! [`ARENA_ALIGN`] and persistent ones of their element size.
 //!
 //! Arena classes are checked by one sweep over the schedule: classes in
 //! order of birth, each against the classes still alive, which are kept by
@@ -17,7 +19,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 
-use super::{lifetimes, MemoryPlan, Region, UnionFind};
+use super::{lifetimes, MemoryPlan, Region, UnionFind, ARENA_ALIGN};
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
 
@@ -68,6 +70,20 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             return fail(format!(
                 "{} ({ty}) does not fit its slot {slot:?} in a region of {limit} bytes",
                 trace.describe(ValueId(v as u32))
+            ));
+        }
+        // Kernels and libraries read arena tensors at 256-byte boundaries and
+        // persistent ones at least at their element's.
+        let align = match slot.region {
+            Region::Arena => ARENA_ALIGN,
+            Region::Persistent => ty.dtype.size() as u64,
+        };
+        if !slot.offset.is_multiple_of(align.max(1)) {
+            return fail(format!(
+                "{} ({ty}) sits at {:?} offset {}, which is not aligned to {align} bytes",
+                trace.describe(ValueId(v as u32)),
+                slot.region,
+                slot.offset
             ));
         }
         let persistent = matches!(trace.values[v].kind, ValueKind::Param { .. } | ValueKind::State { .. });
