@@ -919,7 +919,7 @@ mod tests {
     #[test]
     fn tol_must_be_a_finite_number_above_zero() {
         for bad in ["0", "-1e-3", "inf", "-inf", "NaN", "1e400", "abc", ""] {
-            let err = parse(&["--reference", "r", "--loss", "sum", "--tol", bad]).err().expect(bad).to_string();
+            let err = parse(&["--reference", "r", "--loss", "sum", "--tol", bad]).expect_err(bad).to_string();
             assert!(err.contains("--tol") && err.contains("finite number above 0"), "{bad}: {err}");
         }
         assert_eq!(parse(&["--reference", "r", "--loss", "sum", "--tol", "2.5e-2"]).unwrap().tol, Some(2.5e-2));

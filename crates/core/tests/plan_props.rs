@@ -441,7 +441,7 @@ fn fuzz_case(program: &FuzzProgram, seed: u64, stats: &mut FuzzStats) -> Result<
     let shareable: Vec<(usize, usize)> = persistent
         .iter()
         .flat_map(|&g| persistent.iter().map(move |&h| (g, h)))
-        .filter(|&(g, h)| g != h && groups[g].offset % elem(h) == 0)
+        .filter(|&(g, h)| g != h && groups[g].offset.is_multiple_of(elem(h)))
         .collect();
     if !shareable.is_empty() {
         let (g, h) = shareable[next(shareable.len())];
