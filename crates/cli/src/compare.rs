@@ -17,6 +17,12 @@
 //! - `rel` = ‖a − b‖₂ / ‖b‖₂, the primary metric, which the verdict uses;
 //! - `rel_max` = max |a − b| / max |b|, reported next to it.
 //!
+//! Every input is checked before the step runs, so a bad reference costs no
+//! step: `--tol` (a finite number above 0), the `--json-out` path (it can be
+//! written), every reference tensor (finite; the gradients float, one per
+//! parameter of the model's shape and none besides). Once the step has run
+//! the report is printed even if `--json-out` then cannot be written.
+//!
 //! A tensor passes when its `rel` is a number no larger than the tolerance
 //! (`--tol`; by default 1e-4 when the step and the reference are f32, 2e-2
 //! when either is bf16 or f16). The command exits non-zero when the loss or
