@@ -17,6 +17,12 @@
 //! - `rel` = ‖a − b‖₂ / ‖b‖₂, the primary metric, which the verdict uses;
 //! - `rel_max` = max |a − b| / max |b|, reported next to it.
 //!
+//! Every input is checked before the step runs, so a bad reference costs no
+//! step: `--tol` (a finite number above 0), the `--json-out` path (it can be
+//! written), every reference tensor (finite; the gradients float, one per
+//! parameter of the model's shape and none besides). Once the step has run
+//! the report is printed even if `--json-out` then cannot be written.
+//!
 //! A tensor passes when its `rel` is a number no larger than the tolerance
 //! (`--tol`; by default 1e-4 when the step and the reference are f32, 2e-2
 //! when either is bf16 or f16). The command exits non-zero when the loss or
@@ -32,7 +38,7 @@ use serde::Serialize;
 use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, Trace};
+use stepgraph_core::ir::{DType, Trace, ValueId};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors, reference_batch};
 use stepgraph_core::models::{Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
@@ -94,9 +100,9 @@ pub struct CompareArgs {
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
     /// The largest relative error ‖a − b‖₂ / ‖b‖₂ a tensor (the loss or a
-    /// gradient) may have (default: 1e-4 for f32, 2e-2 when the step or the
-    /// reference is bf16 or f16).
-    #[arg(long = "tol", visible_alias = "tolerance")]
+    /// gradient) may have: a finite number above 0 (default: 1e-4 for f32,
+    /// 2e-2 when the step or the reference is bf16 or f16).
+    #[arg(long = "tol", visible_alias = "tolerance", value_parser = parse_tolerance, allow_hyphen_values = true)]
     pub tol: Option<f64>,
     /// Print the report as JSON instead of text.
     #[arg(long)]
@@ -213,8 +219,6 @@ pub struct Report {
     pub worst: Option<String>,
     /// Every gradient, worst `rel` first (NaN counts as the worst of all).
     pub grads: Vec<TensorRow>,
-    /// Reference gradients with no parameter of that name here.
-    pub unmatched_reference_grads: Vec<String>,
     /// The loss and every gradient within the tolerance.
     pub pass: bool,
 }
@@ -267,46 +271,116 @@ fn default_tolerance(run: DType, reference: &[DType]) -> f64 {
 /// any gradient is outside the tolerance.
 pub fn run(args: &CompareArgs) -> Result<()> {
     let backend = resolve_backend(args.backend, gpu_available)?;
-    let report = compare(args, backend)?;
+    run_with(args, backend, &mut std::io::stdout().lock(), open_session)
+}
+
+/// [`run`] with the report written to `out` and the session opened by
+/// `open`, so tests can see what is printed and when the step would run.
+///
+/// Everything that can be checked without the step is checked before
+/// `open` is called: the `--json-out` path, `--tol` and every file of the
+/// reference. Once the step has run its report is always printed, even when
+/// `--json-out` then cannot be written.
+fn run_with(
+    args: &CompareArgs,
+    backend: Backend,
+    out: &mut dyn std::io::Write,
+    open: impl FnOnce(Backend, Trace, MemoryPlan) -> Result<Box<dyn Session>>,
+) -> Result<()> {
     if let Some(path) = &args.json_out {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing the JSON report to {}", path.display()))?;
+        check_writable(path)?;
     }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_text(&report);
+    let report = compare(args, backend, open)?;
+    let json = serde_json::to_string_pretty(&report)? + "\n";
+    let printed = if args.json { json.clone() } else { render_text(&report) };
+    out.write_all(printed.as_bytes()).and_then(|()| out.flush()).context("printing the report")?;
+    let saved = match &args.json_out {
+        Some(path) => std::fs::write(path, &json).with_context(|| {
+            format!("writing the JSON report to --json-out {} (the report is printed above)", path.display())
+        }),
+        None => Ok(()),
+    };
+    match (saved, report.pass) {
+        (Ok(()), true) => Ok(()),
+        (Ok(()), false) => bail!("{}", failure_summary(&report)),
+        (Err(e), true) => Err(e),
+        (Err(e), false) => Err(e.context(failure_summary(&report))),
     }
-    if !report.pass {
-        bail!("{}", failure_summary(&report));
+}
+
+/// Finds a `--json-out` path that cannot be written before any work is
+/// done: a folder, a missing folder, or a file that cannot be opened for
+/// writing. A file that is there is not changed; one that is not is
+/// created to prove it can be, then removed again.
+fn check_writable(path: &Path) -> Result<()> {
+    let fix = "give the path of a file in an existing, writable folder";
+    if path.is_dir() {
+        bail!("--json-out {} is a folder; {fix}", path.display());
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("--json-out {} cannot be written; {fix}", path.display()))?;
+    if !existed {
+        std::fs::remove_file(path).with_context(|| format!("removing the probe of --json-out {}", path.display()))?;
     }
     Ok(())
 }
 
-/// Runs the step on `backend` and compares it with the reference in `args.reference`.
-fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
+/// `--tol`'s parser: a finite number above 0.
+fn parse_tolerance(text: &str) -> std::result::Result<f64, String> {
+    let value: f64 = text.trim().parse().map_err(|_| format!("`{text}` is not a number; {TOL_ACCEPTS}"))?;
+    check_tolerance(value).map_err(|e| e.to_string())
+}
+
+const TOL_ACCEPTS: &str = "the tolerance must be a finite number above 0, e.g. 1e-4 or 2e-2";
+
+fn check_tolerance(tol: f64) -> Result<f64> {
+    if !(tol.is_finite() && tol > 0.0) {
+        bail!("--tol {tol} is out of range; {TOL_ACCEPTS}");
+    }
+    Ok(tol)
+}
+
+/// Runs the step on the session `open` gives and compares it with the
+/// reference in `args.reference`. Every input is read and checked before
+/// `open` is called, so a bad reference costs no step.
+fn compare(
+    args: &CompareArgs,
+    backend: Backend,
+    open: impl FnOnce(Backend, Trace, MemoryPlan) -> Result<Box<dyn Session>>,
+) -> Result<Report> {
+    if let Some(tol) = args.tol {
+        check_tolerance(tol)?;
+    }
     let dir = &args.reference;
     let config_path = dir.join("config.json");
     let config = Config::from_hf_file(&config_path)
         .with_context(|| format!("reading the reference's model config {}", config_path.display()))?;
+    let io_path = dir.join("io.safetensors");
     let mut io = read_file(dir, "io.safetensors", "the reference's input and loss")?;
-    let ids = io
-        .remove("input_ids")
-        .with_context(|| format!("{} has no `input_ids`", dir.join("io.safetensors").display()))?;
-    let ref_loss =
-        io.remove("loss").with_context(|| format!("{} has no `loss`", dir.join("io.safetensors").display()))?;
+    let ids = io.remove("input_ids").with_context(|| format!("{} has no `input_ids`", io_path.display()))?;
+    let ref_loss = io.remove("loss").with_context(|| format!("{} has no `loss`", io_path.display()))?;
     if ref_loss.ty.numel() != 1 {
-        bail!("the reference's `loss` must hold one number, got {}", ref_loss.ty);
+        bail!("the reference's `loss` in {} must hold one number, got {}", io_path.display(), ref_loss.ty);
     }
     let ref_loss = ref_loss.to_f64()[0];
+    if !ref_loss.is_finite() {
+        bail!("the reference's `loss` in {} is {ref_loss}; a finite loss is needed to compare", io_path.display());
+    }
     if ids.ty.rank() != 2 {
-        bail!("the reference's `input_ids` must be [batch, seq], got {}", ids.ty);
+        bail!("the reference's `input_ids` in {} must be [batch, seq], got {}", io_path.display(), ids.ty);
     }
     let (batch, seq) = (ids.ty.shape[0], ids.ty.shape[1]);
 
     let weights_path = dir.join("weights.safetensors");
     let weights = read_safetensors(&weights_path)
         .with_context(|| format!("reading the reference's weights {}", weights_path.display()))?;
+    for (name, tensor) in &weights {
+        check_finite(&weights_path, name, tensor)?;
+    }
     let reference_dtypes = float_dtypes(&weights);
     let dtype = match args.dtype {
         Some(CompareDType::F32) => DType::F32,
@@ -315,9 +389,6 @@ fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
         None => weights_dtype(&reference_dtypes, &weights_path)?,
     };
     let tolerance = args.tol.unwrap_or_else(|| default_tolerance(dtype, &reference_dtypes));
-    if tolerance.is_nan() || tolerance < 0.0 {
-        bail!("--tol must be a number of at least 0, got {tolerance}");
-    }
     let loss = match args.loss {
         CompareLoss::Sum => LossKind::Sum,
         CompareLoss::Ce => LossKind::CrossEntropy,
@@ -331,11 +402,14 @@ fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
     let params = load_params(&step, &weights, true)
         .with_context(|| format!("loading {} into `{}`", weights_path.display(), spec.config.name))?;
     drop(weights);
-    let mut session = open_session(backend, step, memory)?;
+    let batch_inputs = reference_batch(&ids, loss)?;
+    let ref_grads = reference_grads(&dir.join("grads.safetensors"), &step)?;
+
+    let mut session = open(backend, step, memory)?;
     for (param, value) in params {
         session.write(param, &value)?;
     }
-    for (name, value) in reference_batch(&ids, loss)? {
+    for (name, value) in batch_inputs {
         session.write_named(name, &value).with_context(|| format!("writing the reference's `{name}`"))?;
     }
     let t0 = Instant::now();
@@ -346,39 +420,13 @@ fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
     let loss_row =
         LossRow { stepgraph: our_loss, reference: ref_loss, pass: within(loss_diff.rel, tolerance), diff: loss_diff };
 
-    let mut ref_grads = read_file(dir, "grads.safetensors", "the reference's gradients")?;
-    let trace_params: Vec<_> = session.trace().params().collect();
-    let mut rows = Vec::with_capacity(trace_params.len());
-    let mut missing = Vec::new();
-    for param in trace_params {
-        let name = session.trace().value(param).kind.leaf_name().unwrap_or_default().to_string();
-        let grad = session.trace().grad_of(param).with_context(|| format!("the step has no gradient of `{name}`"))?;
-        // Removed as used, so each reference gradient is freed once compared.
-        let Some(reference) = ref_grads.remove(&name) else {
-            missing.push(name);
-            continue;
-        };
+    let mut rows = Vec::with_capacity(ref_grads.len());
+    // Consumed as compared, so each reference gradient is freed once used.
+    for ReferenceGrad { name, grad, reference } in ref_grads {
         let ours = session.read(grad).with_context(|| format!("reading the gradient of `{name}`"))?;
-        if reference.ty.shape != ours.ty.shape {
-            bail!(
-                "the reference's gradient of `{name}` has shape {:?}, stepgraph's has {:?}",
-                reference.ty.shape,
-                ours.ty.shape
-            );
-        }
         let d = diff(&ours.to_f64(), &reference.to_f64());
         rows.push(TensorRow { name, shape: ours.ty.shape.clone(), pass: within(d.rel, tolerance), diff: d });
     }
-    if !missing.is_empty() {
-        bail!(
-            "{} has no gradient for {} of the model's parameters: {}",
-            dir.join("grads.safetensors").display(),
-            missing.len(),
-            missing.iter().take(5).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
-        );
-    }
-    let mut unmatched: Vec<String> = ref_grads.into_keys().collect();
-    unmatched.sort();
     // Worst first; NaN counts as the worst of all.
     rows.sort_by(|a, b| sort_key(b.diff.rel).total_cmp(&sort_key(a.diff.rel)).then_with(|| a.name.cmp(&b.name)));
     let pass = loss_row.pass && rows.iter().all(|r| r.pass);
@@ -402,9 +450,101 @@ fn compare(args: &CompareArgs, backend: Backend) -> Result<Report> {
         max_grad_rel: rows.first().map_or(0.0, |r| r.diff.rel),
         worst: rows.first().map(|r| r.name.clone()),
         grads: rows,
-        unmatched_reference_grads: unmatched,
         pass,
     })
+}
+
+/// A reference gradient, matched with the step's gradient of that parameter.
+struct ReferenceGrad {
+    name: String,
+    grad: ValueId,
+    reference: HostTensor,
+}
+
+/// Reads the reference's gradients at `path` and matches them with the
+/// parameters of `step`: one float, finite gradient of the parameter's shape
+/// for every parameter, and nothing else.
+fn reference_grads(path: &Path, step: &Trace) -> Result<Vec<ReferenceGrad>> {
+    let tensors =
+        read_safetensors(path).with_context(|| format!("reading the reference's gradients {}", path.display()))?;
+    let mut by_name: HashMap<String, HostTensor> = HashMap::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        if !tensor.ty.dtype.is_float() {
+            bail!(
+                "{}: the gradient `{name}` is {}; gradients must be f32, f64, bf16 or f16",
+                path.display(),
+                tensor.ty.dtype.name()
+            );
+        }
+        check_finite(path, &name, &tensor)?;
+        if by_name.insert(name.clone(), tensor).is_some() {
+            bail!("{}: the gradient `{name}` appears twice", path.display());
+        }
+    }
+    let mut matched = Vec::new();
+    let mut missing = Vec::new();
+    for param in step.params() {
+        let name = step.value(param).kind.leaf_name().unwrap_or_default().to_string();
+        let grad = step.grad_of(param).with_context(|| format!("the step has no gradient of `{name}`"))?;
+        let Some(reference) = by_name.remove(&name) else {
+            missing.push(name);
+            continue;
+        };
+        let ours = &step.ty(grad).shape;
+        if &reference.ty.shape != ours {
+            bail!(
+                "{}: the gradient `{name}` has shape {:?}, the model's parameter has shape {ours:?}",
+                path.display(),
+                reference.ty.shape
+            );
+        }
+        matched.push(ReferenceGrad { name, grad, reference });
+    }
+    if !missing.is_empty() {
+        bail!(
+            "{} has no gradient for {} of the model's parameters: {}",
+            path.display(),
+            missing.len(),
+            name_list(&missing)
+        );
+    }
+    if !by_name.is_empty() {
+        let mut extra: Vec<String> = by_name.into_keys().collect();
+        extra.sort();
+        bail!(
+            "{} has {} gradient{} of no parameter of the model: {}; the reference must be of the same model (its \
+             config.json)",
+            path.display(),
+            extra.len(),
+            if extra.len() == 1 { "" } else { "s" },
+            name_list(&extra)
+        );
+    }
+    Ok(matched)
+}
+
+/// The first few of `names`, quoted, for an error.
+fn name_list(names: &[String]) -> String {
+    let mut list = names.iter().take(5).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+    if names.len() > 5 {
+        list += &format!(" and {} more", names.len() - 5);
+    }
+    list
+}
+
+/// An error naming `file` and `name` when the float tensor holds a NaN or an infinity.
+fn check_finite(file: &Path, name: &str, tensor: &HostTensor) -> Result<()> {
+    if !tensor.ty.dtype.is_float() {
+        return Ok(());
+    }
+    if let Some((at, x)) = tensor.to_f64().into_iter().enumerate().find(|(_, x)| !x.is_finite()) {
+        bail!(
+            "{}: `{name}` {} holds {x} at element {at}; the reference's tensors must be finite",
+            file.display(),
+            tensor.ty
+        );
+    }
+    Ok(())
 }
 
 fn verdict(pass: bool) -> &'static str {
@@ -417,8 +557,16 @@ fn verdict(pass: bool) -> &'static str {
 
 /// The report as text: a header, the metric, the loss, one line per
 /// gradient (worst first) and the verdict.
-fn print_text(r: &Report) {
-    println!(
+fn render_text(r: &Report) -> String {
+    let mut text = String::new();
+    write_text(&mut text, r).expect("writing to a String cannot fail");
+    text
+}
+
+fn write_text(out: &mut String, r: &Report) -> std::fmt::Result {
+    use std::fmt::Write;
+    writeln!(
+        out,
         "compare {}: `{}` in {}, loss {}, batch {} x {} tokens, step {:.2} s, {} backend on {}",
         r.reference,
         r.model,
@@ -429,23 +577,26 @@ fn print_text(r: &Report) {
         r.step_seconds,
         r.backend_name(),
         r.device
-    );
-    println!("metric: {METRIC}; tolerance {:e}", r.tolerance);
-    println!(
+    )?;
+    writeln!(out, "metric: {METRIC}; tolerance {:e}", r.tolerance)?;
+    writeln!(
+        out,
         "loss: stepgraph {:.9e}, reference {:.9e}, rel {:.3e}  {}",
         r.loss.stepgraph,
         r.loss.reference,
         r.loss.diff.rel,
         verdict(r.loss.pass)
-    );
-    println!("gradients, worst rel first:");
+    )?;
+    writeln!(out, "gradients, worst rel first:")?;
     let shape_width = r.grads.iter().map(|g| format!("{:?}", g.shape).len()).max().unwrap_or(5).max(5);
-    println!(
+    writeln!(
+        out,
         "  {:>10}  {:>10}  {:>10}  {:>10}  {:<shape_width$}  {:<4}  name",
         "rel", "rel_max", "|b|_2", "max|a-b|", "shape", ""
-    );
+    )?;
     for g in &r.grads {
-        println!(
+        writeln!(
+            out,
             "  {:>10.3e}  {:>10.3e}  {:>10.3e}  {:>10.3e}  {:<shape_width$}  {:<4}  {}",
             g.diff.rel,
             g.diff.rel_max,
@@ -454,23 +605,22 @@ fn print_text(r: &Report) {
             format!("{:?}", g.shape),
             verdict(g.pass),
             g.name
-        );
-    }
-    if !r.unmatched_reference_grads.is_empty() {
-        println!("reference gradients with no parameter here: {}", r.unmatched_reference_grads.join(", "));
+        )?;
     }
     match &r.worst {
-        Some(name) => println!("max gradient rel {:.3e} ({name})", r.max_grad_rel),
-        None => println!("the model has no parameters"),
+        Some(name) => writeln!(out, "max gradient rel {:.3e} ({name})", r.max_grad_rel)?,
+        None => writeln!(out, "the model has no parameters")?,
     }
     let passed = r.grads.iter().filter(|g| g.pass).count();
-    println!(
+    writeln!(
+        out,
         "{}: loss {}, {passed} of {} gradients ok (rel <= {:e})",
         if r.pass { "PASS" } else { "FAIL" },
         verdict(r.loss.pass),
         r.grads.len(),
         r.tolerance
-    );
+    )?;
+    Ok(())
 }
 
 impl Report {
@@ -547,7 +697,6 @@ mod tests {
     use super::*;
     use clap::Parser;
     use stepgraph_core::ir::TensorType;
-    use stepgraph_core::ir::ValueId;
     use stepgraph_core::models::checkpoint::{name_params, write_safetensors_atomic};
     use stepgraph_core::models::init_params;
 
@@ -704,13 +853,12 @@ mod tests {
         {
             let dir = temp_dir(test);
             write_reference(&dir, loss);
-            let report = compare(&args(&dir, kind), Backend::Cpu).unwrap();
+            let report = compare(&args(&dir, kind), Backend::Cpu, open_session).unwrap();
             assert!(report.pass, "{report:?}");
             assert_eq!(report.tolerance, F32_TOLERANCE);
             assert_eq!(report.loss.diff.rel, 0.0);
             assert_eq!(report.grads.len(), 2 * 9 + 3, "every parameter of 2 layers, the embedding, norm and head");
             assert!(report.grads.iter().all(|g| g.diff.rel == 0.0 && g.diff.ref_norm > 0.0), "{report:?}");
-            assert!(report.unmatched_reference_grads.is_empty());
             let json = serde_json::to_value(&report).unwrap();
             assert_eq!(json["backend"], "cpu");
             assert_eq!(json["grads"][0]["rel"], 0.0);
@@ -732,7 +880,7 @@ mod tests {
         write_safetensors_atomic(&path, &grads).unwrap();
 
         // 1% off: above the f32 default, within a looser --tol.
-        let report = compare(&args(&dir, CompareLoss::Sum), Backend::Cpu).unwrap();
+        let report = compare(&args(&dir, CompareLoss::Sum), Backend::Cpu, open_session).unwrap();
         assert!(!report.pass && report.loss.pass);
         assert_eq!(report.worst.as_deref(), Some(name.as_str()));
         assert!((report.max_grad_rel - 0.01 / 1.01).abs() < 1e-6, "{}", report.max_grad_rel);
@@ -740,7 +888,7 @@ mod tests {
         let summary = failure_summary(&report);
         assert!(summary.contains("1 of 21 gradients fail") && summary.contains(&name), "{summary}");
         let loose = CompareArgs { tol: Some(2e-2), ..args(&dir, CompareLoss::Sum) };
-        assert!(compare(&loose, Backend::Cpu).unwrap().pass);
+        assert!(compare(&loose, Backend::Cpu, open_session).unwrap().pass);
         // And `run` turns the failure into an error (the exit status).
         assert!(run(&args(&dir, CompareLoss::Sum)).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
@@ -749,8 +897,204 @@ mod tests {
     #[test]
     fn a_missing_reference_is_a_clear_error() {
         let dir = temp_dir("missing");
-        let err = format!("{:#}", compare(&args(&dir, CompareLoss::Sum), Backend::Cpu).unwrap_err());
+        let err = format!("{:#}", compare(&args(&dir, CompareLoss::Sum), Backend::Cpu, open_session).unwrap_err());
         assert!(err.contains("reading the reference's model config") && err.contains("config.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An opener for steps that must never run: every fault below is found first.
+    fn never_open(_: Backend, _: Trace, _: MemoryPlan) -> Result<Box<dyn Session>> {
+        panic!("the step ran before its inputs were checked")
+    }
+
+    /// Rewrites one tensor of `dir/file` with `change`.
+    fn rewrite(dir: &Path, file: &str, change: impl FnOnce(&mut Vec<(String, HostTensor)>)) {
+        let path = dir.join(file);
+        let mut tensors = read_safetensors(&path).unwrap();
+        change(&mut tensors);
+        write_safetensors_atomic(&path, &tensors).unwrap();
+    }
+
+    /// `tensor` with element `at` set to `x`.
+    fn with_element(tensor: &HostTensor, at: usize, x: f64) -> HostTensor {
+        let mut data = tensor.to_f64();
+        data[at] = x;
+        HostTensor::from_f64(tensor.ty.clone(), &data)
+    }
+
+    #[test]
+    fn tol_must_be_a_finite_number_above_zero() {
+        for bad in ["0", "-1e-3", "inf", "-inf", "NaN", "1e400", "abc", ""] {
+            let err = parse(&["--reference", "r", "--loss", "sum", "--tol", bad]).expect_err(bad).to_string();
+            assert!(err.contains("--tol") && err.contains("finite number above 0"), "{bad}: {err}");
+        }
+        assert_eq!(parse(&["--reference", "r", "--loss", "sum", "--tol", "2.5e-2"]).unwrap().tol, Some(2.5e-2));
+        // Arguments made in code meet the same rule, before anything is read.
+        let dir = temp_dir("tol");
+        for bad in [0.0, -1.0, f64::INFINITY, f64::NAN] {
+            let a = CompareArgs { tol: Some(bad), ..args(&dir, CompareLoss::Sum) };
+            let err = format!("{:#}", compare(&a, Backend::Cpu, never_open).unwrap_err());
+            assert!(err.contains("--tol") && err.contains("finite number above 0"), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn every_faulty_reference_is_an_input_error_found_before_the_step() {
+        type Fault = fn(&Path);
+        let faults: [(&str, Fault, &[&str]); 9] = [
+            (
+                "nan-weight",
+                |d| rewrite(d, "weights.safetensors", |t| t[1].1 = with_element(&t[1].1, 3, f64::NAN)),
+                &["weights.safetensors", "holds NaN at element 3", "must be finite"],
+            ),
+            (
+                "inf-weight",
+                |d| {
+                    rewrite(d, "weights.safetensors", |t| {
+                        let (_, w) = t.iter_mut().find(|(n, _)| n == "lm_head.weight").unwrap();
+                        *w = with_element(w, 0, f64::NEG_INFINITY);
+                    })
+                },
+                &["weights.safetensors", "`lm_head.weight`", "holds -inf at element 0"],
+            ),
+            (
+                "extra-grad",
+                |d| {
+                    rewrite(d, "grads.safetensors", |t| {
+                        let extra = HostTensor::from_f64(TensorType::new(DType::F32, [2]), &[1.0, 2.0]);
+                        t.push(("model.layers.7.mlp.up_proj.weight".into(), extra));
+                    })
+                },
+                &["grads.safetensors", "1 gradient of no parameter", "`model.layers.7.mlp.up_proj.weight`"],
+            ),
+            (
+                "int-grad",
+                |d| {
+                    rewrite(d, "grads.safetensors", |t| {
+                        let (_, g) = t.iter_mut().find(|(n, _)| n == "lm_head.weight").unwrap();
+                        *g = HostTensor::from_f64(TensorType::new(DType::I64, g.ty.shape.clone()), &g.to_f64());
+                    })
+                },
+                &["grads.safetensors", "`lm_head.weight` is i64", "must be f32"],
+            ),
+            (
+                "nan-grad",
+                |d| rewrite(d, "grads.safetensors", |t| t[0].1 = with_element(&t[0].1, 1, f64::NAN)),
+                &["grads.safetensors", "holds NaN at element 1"],
+            ),
+            (
+                "missing-grad",
+                |d| rewrite(d, "grads.safetensors", |t| t.retain(|(n, _)| n != "lm_head.weight")),
+                &["grads.safetensors", "no gradient for 1 of the model's parameters", "`lm_head.weight`"],
+            ),
+            (
+                "shape-grad",
+                |d| {
+                    rewrite(d, "grads.safetensors", |t| {
+                        let (_, g) = t.iter_mut().find(|(n, _)| n == "lm_head.weight").unwrap();
+                        *g = HostTensor::from_f64(TensorType::new(DType::F32, [4]), &[0.0; 4]);
+                    })
+                },
+                &["grads.safetensors", "`lm_head.weight` has shape [4]"],
+            ),
+            (
+                "no-grads-file",
+                |d| std::fs::remove_file(d.join("grads.safetensors")).unwrap(),
+                &["reading the reference's gradients", "grads.safetensors"],
+            ),
+            (
+                "inf-loss",
+                |d| {
+                    rewrite(d, "io.safetensors", |t| {
+                        let (_, l) = t.iter_mut().find(|(n, _)| n == "loss").unwrap();
+                        *l = with_element(l, 0, f64::INFINITY);
+                    })
+                },
+                &["io.safetensors", "`loss`", "is inf"],
+            ),
+        ];
+        for (test, fault, wanted) in faults {
+            let dir = temp_dir(test);
+            write_reference(&dir, LossKind::Sum);
+            fault(&dir);
+            let err = format!("{:#}", compare(&args(&dir, CompareLoss::Sum), Backend::Cpu, never_open).unwrap_err());
+            for w in wanted {
+                assert!(err.contains(w), "{test}: `{w}` is not in: {err}");
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_unwritable_json_out_is_found_before_the_step() {
+        let dir = temp_dir("json-early");
+        write_reference(&dir, LossKind::Sum);
+        for (out, why) in [(dir.join("no/such/folder/r.json"), "cannot be written"), (dir.clone(), "is a folder")] {
+            let a = CompareArgs { json_out: Some(out.clone()), ..args(&dir, CompareLoss::Sum) };
+            let mut printed = Vec::new();
+            let err = format!("{:#}", run_with(&a, Backend::Cpu, &mut printed, never_open).unwrap_err());
+            assert!(
+                err.contains("--json-out") && err.contains(&out.display().to_string()) && err.contains(why),
+                "{err}"
+            );
+            assert!(printed.is_empty());
+        }
+        // The probe leaves no file behind when a later check fails, and a file
+        // already there unchanged.
+        let fresh = dir.join("fresh.json");
+        let old = dir.join("old.json");
+        std::fs::write(&old, "yesterday's report").unwrap();
+        std::fs::remove_file(dir.join("grads.safetensors")).unwrap();
+        for out in [&fresh, &old] {
+            let a = CompareArgs { json_out: Some(out.clone()), ..args(&dir, CompareLoss::Sum) };
+            assert!(run_with(&a, Backend::Cpu, &mut Vec::new(), never_open).is_err());
+        }
+        assert!(!fresh.exists());
+        assert_eq!(std::fs::read_to_string(&old).unwrap(), "yesterday's report");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_report_is_printed_even_when_json_out_then_fails() {
+        for json in [false, true] {
+            let dir = temp_dir(&format!("json-late-{json}"));
+            write_reference(&dir, LossKind::Sum);
+            let out_dir = dir.join("reports");
+            std::fs::create_dir_all(&out_dir).unwrap();
+            let out = out_dir.join("report.json");
+            let a = CompareArgs { json_out: Some(out.clone()), json, ..args(&dir, CompareLoss::Sum) };
+            // The folder passes the early check, then goes away while the step runs.
+            let vanishing = |backend, step, plan| {
+                std::fs::remove_dir_all(&out_dir).unwrap();
+                open_session(backend, step, plan)
+            };
+            let mut printed = Vec::new();
+            let err = format!("{:#}", run_with(&a, Backend::Cpu, &mut printed, vanishing).unwrap_err());
+            assert!(err.contains(&out.display().to_string()) && err.contains("printed above"), "{err}");
+            let printed = String::from_utf8(printed).unwrap();
+            if json {
+                let report: serde_json::Value = serde_json::from_str(&printed).unwrap();
+                assert_eq!(
+                    (report["pass"].as_bool(), report["grads"].as_array().map(Vec::len)),
+                    (Some(true), Some(21))
+                );
+            } else {
+                assert!(printed.contains("PASS: loss ok, 21 of 21 gradients ok"), "{printed}");
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn json_out_holds_the_printed_report() {
+        let dir = temp_dir("json-ok");
+        write_reference(&dir, LossKind::Sum);
+        let out = dir.join("report.json");
+        let a = CompareArgs { json_out: Some(out.clone()), json: true, ..args(&dir, CompareLoss::Sum) };
+        let mut printed = Vec::new();
+        run_with(&a, Backend::Cpu, &mut printed, open_session).unwrap();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), String::from_utf8(printed).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

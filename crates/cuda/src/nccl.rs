@@ -227,36 +227,78 @@ impl NcclId {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// Parses 256 hex digits (surrounding whitespace ignored). An error
+    /// says what is wrong (the length, or the position of the first
+    /// character that is not a hex digit) and never echoes the text: it may
+    /// be a file a rank was pointed at by mistake.
     pub fn from_hex(s: &str) -> Result<Self> {
         let s = s.trim();
-        let bad = |why: &str| CudaError::Nccl(format!("not an NCCL unique id ({why}): `{s:.40}`"));
-        if s.len() != 256 {
-            return Err(bad(&format!("{} characters, expected 256 hex digits", s.len())));
+        let bad = |why: String| CudaError::Nccl(format!("not an NCCL unique id: {why}"));
+        if let Some(pos) = s.bytes().position(|b| !b.is_ascii_hexdigit()) {
+            // Counted in characters, as an editor shows them.
+            let column = s.char_indices().take_while(|&(i, _)| i < pos).count();
+            return Err(bad(format!("character {} is not a hex digit (0-9, a-f)", column + 1)));
         }
-        let mut id = [0u8; 128];
-        for (i, byte) in id.iter_mut().enumerate() {
-            let pair = s.get(2 * i..2 * i + 2).ok_or_else(|| bad("not ASCII"))?;
-            *byte = u8::from_str_radix(pair, 16).map_err(|_| bad(&format!("`{pair}` is not hex")))?;
+        if s.len() != 2 * ID_BYTES {
+            return Err(bad(format!("{} hex digits, expected {}", s.len(), 2 * ID_BYTES)));
+        }
+        let mut id = [0u8; ID_BYTES];
+        for (byte, pair) in id.iter_mut().zip(s.as_bytes().chunks_exact(2)) {
+            *byte = (hex_value(pair[0]) << 4) | hex_value(pair[1]);
         }
         Ok(NcclId(id))
     }
 
-    /// Writes the id as hex to `path` (readable by the ranks it is meant for only).
+    /// Writes the id as hex to a new file at `path`, readable and writable
+    /// by its owner only (mode 0600 from the moment it exists). A file
+    /// already at `path` is an error and is left untouched: it is never
+    /// truncated, and a symbolic link there is not followed.
     pub fn write_file(&self, path: &Path) -> Result<()> {
         let io = |source| CudaError::Io { path: path.display().to_string(), source };
         let mut opts = std::fs::OpenOptions::new();
-        opts.write(true).create(true).truncate(true);
+        opts.write(true).create_new(true);
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
         let mut f = opts.open(path).map_err(io)?;
         std::io::Write::write_all(&mut f, self.to_hex().as_bytes()).map_err(io)?;
+        f.sync_all().map_err(io)?;
         Ok(())
     }
 
+    /// Reads an id [`write_file`](Self::write_file) wrote. Errors name the
+    /// file and what is wrong with it, not what it holds.
     pub fn read_file(path: &Path) -> Result<Self> {
-        let s = std::fs::read_to_string(path)
-            .map_err(|source| CudaError::Io { path: path.display().to_string(), source })?;
-        Self::from_hex(&s)
+        let io = |source| CudaError::Io { path: path.display().to_string(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // An id file is 256 bytes; read a little more than that to tell a
+        // wrong file from a long one without reading a large file whole.
+        let mut bytes = Vec::with_capacity(READ_LIMIT + 1);
+        std::io::Read::read_to_end(&mut std::io::Read::take(file, READ_LIMIT as u64 + 1), &mut bytes).map_err(io)?;
+        let wrong = |why: String| CudaError::Nccl(format!("{} is not an NCCL id file: {why}", path.display()));
+        if bytes.len() > READ_LIMIT {
+            return Err(wrong(format!("it is longer than {READ_LIMIT} bytes, expected {} hex digits", 2 * ID_BYTES)));
+        }
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|e| wrong(format!("byte {} is not UTF-8 text", e.valid_up_to() + 1)))?;
+        Self::from_hex(text).map_err(|e| match e {
+            CudaError::Nccl(why) => wrong(why.trim_start_matches("not an NCCL unique id: ").to_string()),
+            e => e,
+        })
+    }
+}
+
+/// The bytes of an NCCL unique id.
+const ID_BYTES: usize = 128;
+
+/// The most bytes [`NcclId::read_file`] reads: an id with room for whitespace.
+const READ_LIMIT: usize = 1024;
+
+/// The value of one ASCII hex digit (checked by the caller).
+fn hex_value(digit: u8) -> u8 {
+    match digit {
+        b'0'..=b'9' => digit - b'0',
+        b'a'..=b'f' => digit - b'a' + 10,
+        _ => digit - b'A' + 10,
     }
 }
 
@@ -391,13 +433,84 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
 
         let short = NcclId::from_hex("abcd").unwrap_err().to_string();
-        assert!(short.contains("4 characters, expected 256"), "{short}");
+        assert!(short.contains("4 hex digits, expected 256") && !short.contains("abcd"), "{short}");
         let mut bad = hex.clone();
         bad.replace_range(10..12, "zz");
-        assert!(NcclId::from_hex(&bad).unwrap_err().to_string().contains("`zz` is not hex"));
+        let msg = NcclId::from_hex(&bad).unwrap_err().to_string();
+        assert!(msg.contains("character 11 is not a hex digit") && !msg.contains("zz"), "{msg}");
+        // Positions count characters, not bytes.
+        let msg = NcclId::from_hex("ab\u{e9}cd").unwrap_err().to_string();
+        assert!(msg.contains("character 3 is not"), "{msg}");
         let missing = NcclId::read_file(Path::new("/nonexistent/stepgraph/id")).unwrap_err().to_string();
         assert!(missing.contains("/nonexistent/stepgraph/id"), "{missing}");
         assert!(format!("{a:?}").starts_with("NcclId("));
+    }
+
+    /// A fresh, empty directory for one test.
+    fn temp_dir(test: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("stepgraph-nccl-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_id_file_is_new_and_private() {
+        let dir = temp_dir("private");
+        let path = dir.join("id");
+        id().write_file(&path).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        }
+        // A second write to the same path fails and leaves the first id in place.
+        let other = NcclId([7; 128]);
+        let err = other.write_file(&path).unwrap_err().to_string();
+        assert!(err.contains(&path.display().to_string()) && err.contains("exists"), "{err}");
+        assert_eq!(NcclId::read_file(&path).unwrap(), id());
+        // Any file already there is neither truncated nor overwritten.
+        let planted = dir.join("planted");
+        std::fs::write(&planted, "keep me").unwrap();
+        assert!(other.write_file(&planted).is_err());
+        assert_eq!(std::fs::read_to_string(&planted).unwrap(), "keep me");
+        // Nor is a symbolic link followed to its target.
+        #[cfg(unix)]
+        {
+            let target = dir.join("target");
+            std::fs::write(&target, "victim").unwrap();
+            let link = dir.join("link");
+            std::os::unix::fs::symlink(&target, &link).unwrap();
+            assert!(other.write_file(&link).is_err());
+            assert_eq!(std::fs::read_to_string(&target).unwrap(), "victim");
+            // A dangling link is not followed either (it would create its target).
+            let dangling = dir.join("dangling");
+            std::os::unix::fs::symlink(dir.join("nowhere"), &dangling).unwrap();
+            assert!(other.write_file(&dangling).is_err());
+            assert!(!dir.join("nowhere").exists());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_bad_id_file_is_named_and_its_contents_are_not_echoed() {
+        let dir = temp_dir("bad");
+        let secret = "hunter2-password-of-someone-else";
+        let cases: [(&str, Vec<u8>, &str); 5] = [
+            ("text", secret.as_bytes().to_vec(), "character 1 is not a hex digit"),
+            ("short", b"0123abcd\n".to_vec(), "8 hex digits, expected 256"),
+            ("long", vec![b'a'; 5000], "longer than 1024 bytes"),
+            ("binary", vec![b'a', b'b', 0xff, 0xfe], "byte 3 is not UTF-8"),
+            ("empty", vec![], "0 hex digits, expected 256"),
+        ];
+        for (name, contents, why) in cases {
+            let path = dir.join(name);
+            std::fs::write(&path, &contents).unwrap();
+            let err = NcclId::read_file(&path).unwrap_err().to_string();
+            assert!(err.contains(&path.display().to_string()) && err.contains(why), "{name}: {err}");
+            assert!(!err.contains("hunter2") && !err.contains("0123abcd") && !err.contains("aaaa"), "{name}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

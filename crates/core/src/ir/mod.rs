@@ -351,16 +351,23 @@ impl Trace {
 pub struct Builder {
     trace: Trace,
     phase: Phase,
+    /// The names of the trace's leaves, so adding one is not a scan of every value.
+    leaf_names: std::collections::HashSet<String>,
 }
 
 impl Builder {
     pub fn new(name: impl Into<String>) -> Self {
-        Builder { trace: Trace { name: name.into(), pass: "build".into(), ..Trace::default() }, phase: Phase::Forward }
+        Builder {
+            trace: Trace { name: name.into(), pass: "build".into(), ..Trace::default() },
+            phase: Phase::Forward,
+            leaf_names: Default::default(),
+        }
     }
 
     /// Continue building on an existing trace (autodiff appends backward nodes).
     pub fn from_trace(trace: Trace) -> Self {
-        Builder { trace, phase: Phase::Forward }
+        let leaf_names = trace.values.iter().filter_map(|v| v.kind.leaf_name()).map(str::to_string).collect();
+        Builder { trace, phase: Phase::Forward, leaf_names }
     }
 
     pub fn set_phase(&mut self, phase: Phase) {
@@ -394,9 +401,10 @@ impl Builder {
         if name.is_empty() || name.chars().any(char::is_whitespace) {
             return Err(Error::op("leaf", format!("invalid leaf name `{name}`")));
         }
-        if self.trace.leaf_by_name(&name).is_some() {
+        if self.leaf_names.contains(&name) {
             return Err(Error::op("leaf", format!("duplicate leaf name `{name}`")));
         }
+        self.leaf_names.insert(name);
         Ok(self.add_value(ty, kind))
     }
 

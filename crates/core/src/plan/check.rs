@@ -6,20 +6,38 @@
 //! their lifetimes must be disjoint, or meet at exactly one node that
 //! declares an in-place pair from the dying class to the new one with the
 //! same slot. Persistent values may only share bytes through a state update.
+//! Every slot lies inside its region, arena offsets are multiples of
+//! [`ARENA_ALIGN`] and persistent ones of their element size.
+//!
+//! Arena classes are checked by one sweep over the schedule: classes in
+//! order of birth, each against the classes still alive, which are kept by
+//! offset. **Invariant of the sweep:** live classes that share a byte sit at
+//! the same offset (a declared hand-over), so the live classes overlapping
+//! a new one are those starting inside it plus those at the one highest
+//! offset below it, and a check costs what it finds, not what is live.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashSet};
 
-use super::{lifetimes, MemoryPlan, Region};
+use super::{lifetimes, MemoryPlan, Region, UnionFind, ARENA_ALIGN};
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
 
 struct Class {
+    key: usize,
     region: Region,
     offset: u64,
     bytes: u64,
     start: usize,
     end: usize,
     first: ValueId,
+}
+
+impl Class {
+    /// One past its last byte; within its region, so it cannot overflow.
+    fn end_byte(&self) -> u64 {
+        self.offset + self.bytes
+    }
 }
 
 /// Proves that no two simultaneously live values of `plan` share a byte.
@@ -32,20 +50,14 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     let life = lifetimes(trace);
 
     // View classes, from the ops' own declarations.
-    let mut class_of: Vec<usize> = (0..n).collect();
+    let mut views = UnionFind((0..n).collect());
     for node in &trace.nodes {
         if let Some(i) = node.op.view_of() {
-            let src = class_of[node.inputs[i].index()];
-            let out = node.outputs[0].index();
-            let old = class_of[out];
-            for c in class_of.iter_mut() {
-                if *c == old {
-                    *c = src;
-                }
-            }
+            views.union(node.inputs[i].index(), node.outputs[0].index());
         }
     }
-    let mut classes: HashMap<usize, Class> = HashMap::new();
+    let class_of: Vec<usize> = (0..n).map(|v| views.find(v)).collect();
+    let mut classes: Vec<Option<Class>> = (0..n).map(|_| None).collect();
     for v in 0..n {
         let slot = plan.slots[v];
         let ty = &trace.values[v].ty;
@@ -53,17 +65,34 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             Region::Persistent => plan.persistent_bytes,
             Region::Arena => plan.arena_bytes,
         };
-        if slot.bytes < ty.bytes() || slot.offset + ty.bytes() > limit {
+        let fits = slot.offset.checked_add(ty.bytes()).is_some_and(|end| end <= limit);
+        if slot.bytes < ty.bytes() || !fits {
             return fail(format!(
                 "{} ({ty}) does not fit its slot {slot:?} in a region of {limit} bytes",
                 trace.describe(ValueId(v as u32))
+            ));
+        }
+        // Kernels and libraries read arena tensors at 256-byte boundaries and
+        // persistent ones at least at their element's.
+        let align = match slot.region {
+            Region::Arena => ARENA_ALIGN,
+            Region::Persistent => ty.dtype.size() as u64,
+        };
+        if !slot.offset.is_multiple_of(align.max(1)) {
+            return fail(format!(
+                "{} ({ty}) sits at {:?} offset {}, which is not aligned to {align} bytes",
+                trace.describe(ValueId(v as u32)),
+                slot.region,
+                slot.offset
             ));
         }
         let persistent = matches!(trace.values[v].kind, ValueKind::Param { .. } | ValueKind::State { .. });
         if persistent != (slot.region == Region::Persistent) && trace.values[v].kind.is_leaf() {
             return fail(format!("{} is in the wrong region", trace.describe(ValueId(v as u32))));
         }
-        let c = classes.entry(class_of[v]).or_insert(Class {
+        let key = class_of[v];
+        let c = classes[key].get_or_insert(Class {
+            key,
             region: slot.region,
             offset: slot.offset,
             bytes: ty.bytes(),
@@ -84,57 +113,93 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     }
 
     // In-place hand-overs the ops declare: (position, dying class, new class).
-    let mut handover = std::collections::HashSet::new();
+    let mut handover = HashSet::new();
     for (pos, node) in trace.nodes.iter().enumerate() {
         for (o, i) in node.op.inplace() {
             handover.insert((pos, class_of[node.inputs[i].index()], class_of[node.outputs[o].index()]));
         }
     }
-    let updates: std::collections::HashSet<(usize, usize)> =
+    let updates: HashSet<(usize, usize)> =
         trace.updates.iter().map(|u| (class_of[u.state.index()], class_of[u.new.index()])).collect();
 
-    let mut list: Vec<(&usize, &Class)> = classes.iter().collect();
-    list.sort_by_key(|(k, c)| (c.region as u8, c.offset, **k));
-    for a in 0..list.len() {
-        let (ka, ca) = list[a];
-        for &(kb, cb) in &list[a + 1..] {
-            if cb.region != ca.region || cb.offset >= ca.offset + ca.bytes {
-                break;
-            }
-            if cb.bytes == 0 || ca.bytes == 0 {
-                continue;
-            }
-            // Overlapping bytes: order the two by birth.
-            let (first, kf, second, ks) =
-                if (ca.start, *ka) <= (cb.start, *kb) { (ca, *ka, cb, *kb) } else { (cb, *kb, ca, *ka) };
-            let ok = if ca.region == Region::Persistent {
-                updates.contains(&(kf, ks)) || updates.contains(&(ks, kf)) || chained_update(&updates, kf, ks)
-            } else if first.end < second.start {
-                true
-            } else {
-                first.end == second.start && first.offset == second.offset && handover.contains(&(first.end, kf, ks))
-            };
-            if !ok {
-                return fail(format!(
-                    "{} (live {}..={}) and {} (live {}..={}) overlap in {:?} memory at offsets {} and {}",
-                    trace.describe(first.first),
-                    first.start,
-                    first.end,
-                    trace.describe(second.first),
-                    second.start,
-                    second.end,
-                    ca.region,
-                    first.offset,
-                    second.offset
-                ));
+    // A class without bytes overlaps nothing.
+    let (mut persistent, mut arena): (Vec<&Class>, Vec<&Class>) =
+        classes.iter().flatten().filter(|c| c.bytes > 0).partition(|c| c.region == Region::Persistent);
+
+    // Persistent values live across steps, so any shared byte must be a
+    // state and its update. Sorted by offset, each class meets only the
+    // classes that start inside it.
+    persistent.sort_by_key(|c| (c.offset, c.key));
+    for (a, ca) in persistent.iter().enumerate() {
+        for cb in persistent[a + 1..].iter().take_while(|cb| cb.offset < ca.end_byte()) {
+            let (first, second) = by_birth(ca, cb);
+            if !(updates.contains(&(first.key, second.key)) || updates.contains(&(second.key, first.key))) {
+                return fail(overlap(trace, first, second));
             }
         }
+    }
+
+    // The arena: a sweep in order of birth (ties by class), so every pair
+    // alive together is checked once, when the later-born one arrives.
+    arena.sort_by_key(|c| (c.start, c.key));
+    let mut live: BTreeMap<(u64, usize), &Class> = BTreeMap::new();
+    let mut dying: BinaryHeap<Reverse<(usize, u64, usize)>> = BinaryHeap::new();
+    for &new in &arena {
+        while let Some(&Reverse((end, offset, key))) = dying.peek() {
+            if end >= new.start {
+                break;
+            }
+            dying.pop();
+            live.remove(&(offset, key));
+        }
+        // Live classes starting below the new one's last byte, highest first:
+        // all that start at or above its offset overlap it; of those below,
+        // only the ones at the highest such offset can reach it.
+        let mut below: Option<u64> = None;
+        for (&(offset, _), &old) in live.range(..(new.end_byte(), 0)).rev() {
+            if offset < new.offset {
+                if below.is_some_and(|b| b != offset) {
+                    break;
+                }
+                below = Some(offset);
+                if old.end_byte() <= new.offset {
+                    continue;
+                }
+            }
+            // `old` is alive at `new`'s birth: sharing bytes is safe only as
+            // a hand-over at that very node, in the same slot.
+            let ok =
+                old.end == new.start && old.offset == new.offset && handover.contains(&(old.end, old.key, new.key));
+            if !ok {
+                return fail(overlap(trace, old, new));
+            }
+        }
+        live.insert((new.offset, new.key), new);
+        dying.push(Reverse((new.end, new.offset, new.key)));
     }
     Ok(())
 }
 
-/// Two classes that are both the new value of one state (never happens) or
-/// share a state through an update: allowed only via a direct update edge.
-fn chained_update(updates: &std::collections::HashSet<(usize, usize)>, a: usize, b: usize) -> bool {
-    updates.iter().any(|&(s, n)| (s == a && n == b) || (s == b && n == a))
+/// The two classes, the earlier-born first (ties by class).
+fn by_birth<'a>(a: &'a Class, b: &'a Class) -> (&'a Class, &'a Class) {
+    if (a.start, a.key) <= (b.start, b.key) {
+        (a, b)
+    } else {
+        (b, a)
+    }
+}
+
+fn overlap(trace: &Trace, first: &Class, second: &Class) -> String {
+    format!(
+        "{} (live {}..={}) and {} (live {}..={}) overlap in {:?} memory at offsets {} and {}",
+        trace.describe(first.first),
+        first.start,
+        first.end,
+        trace.describe(second.first),
+        second.start,
+        second.end,
+        first.region,
+        first.offset,
+        second.offset
+    )
 }

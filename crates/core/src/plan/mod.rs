@@ -27,6 +27,7 @@
 
 mod check;
 mod html;
+mod occupancy;
 mod report;
 
 pub use check::check_plan;
@@ -35,6 +36,7 @@ pub use report::{plan_report, LiveValue, PlanReport};
 
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
+use occupancy::Occupancy;
 
 /// Alignment of every arena offset, in bytes (what GPU libraries want).
 pub const ARENA_ALIGN: u64 = 256;
@@ -259,6 +261,19 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         group_of[v] = group_index[r];
     }
 
+    // Persistent and arena bytes together stay within the cap, which keeps
+    // every sum below from overflowing.
+    let all: Vec<(usize, usize, u64)> = groups.iter().map(|g| (g.start, g.end, g.bytes)).collect();
+    if let Some(k) = first_past_cap(&all) {
+        return Err(Error::Plan(format!(
+            "`{}` needs more than {MAX_PLAN_BYTES} bytes, the most one plan can hold: its values' sizes pass that \
+             sum at {} ({} bytes)",
+            trace.name,
+            trace.describe(groups[k].members[0]),
+            groups[k].bytes
+        )));
+    }
+
     // Persistent: 256-byte multiples first (aligned, no padding), then the
     // small odd-sized ones by falling element size, each aligned to its
     // element, so the buffer holds exactly the bytes of its values.
@@ -280,7 +295,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let arena: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Arena).collect();
     let intervals: Vec<(usize, usize, u64)> =
         arena.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
-    let offsets = if opts.reuse { assign_offsets(&intervals) } else { assign_disjoint(&intervals) };
+    let offsets = if opts.reuse { assign_offsets(&intervals)? } else { assign_disjoint(&intervals) };
     let mut arena_bytes = 0;
     for (k, &g) in arena.iter().enumerate() {
         groups[g].offset = offsets[k];
@@ -320,8 +335,29 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     })
 }
 
+/// `b` rounded up to [`ARENA_ALIGN`]; sizes within [`MAX_PLAN_BYTES`]
+/// never come near the top of `u64`, and above it the result saturates at
+/// the largest aligned `u64` rather than wrapping.
 pub fn align_up(b: u64) -> u64 {
-    b.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
+    b.checked_next_multiple_of(ARENA_ALIGN).unwrap_or(u64::MAX - (ARENA_ALIGN - 1))
+}
+
+/// The most bytes one plan may hold, summed over every value (1 EiB).
+/// Checked once before placement; below it no offset, size or ceiling the
+/// placement computes can overflow (the largest is under 3 times this).
+pub const MAX_PLAN_BYTES: u64 = 1 << 60;
+
+/// The first of `items` whose aligned size brings the running sum past
+/// [`MAX_PLAN_BYTES`], if one does.
+fn first_past_cap(items: &[(usize, usize, u64)]) -> Option<usize> {
+    let mut total = 0u64;
+    for (k, &(_, _, bytes)) in items.iter().enumerate() {
+        match bytes.checked_next_multiple_of(ARENA_ALIGN).and_then(|b| total.checked_add(b)) {
+            Some(t) if t <= MAX_PLAN_BYTES => total = t,
+            _ => return Some(k),
+        }
+    }
+    None
 }
 
 /// Offset assignment over `(start, end, bytes)` intervals, trying two
@@ -334,21 +370,32 @@ pub fn align_up(b: u64) -> u64 {
 ///   and shrink like a stack from the bottom while gradients grow from the
 ///   top, the shape of a backward pass. The ceiling is swept upward from
 ///   the floor until the rest fits under it.
-pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Vec<u64> {
-    let by_size = greedy(items, &[], Order::Size);
-    let mut best = (extent(items, &by_size), by_size);
+///
+/// Fails only when the aligned sizes sum past [`MAX_PLAN_BYTES`].
+pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
+    if let Some(k) = first_past_cap(items) {
+        let (start, end, bytes) = items[k];
+        return Err(Error::Plan(format!(
+            "interval {k} (live {start}..={end}, {bytes} bytes) brings the arena past {MAX_PLAN_BYTES} bytes, the most \
+             one plan can hold"
+        )));
+    }
     let last = items.iter().map(|i| i.1).max().unwrap_or(0);
+    let mut occupancy = Occupancy::new(last + 1);
+    let by_size = greedy(items, &[], Order::Size, &mut occupancy);
+    let mut best = (extent(items, &by_size), by_size);
     let tail: Vec<usize> = {
         let mut t: Vec<usize> = (0..items.len()).filter(|&i| items[i].1 == last && items[i].0 < last).collect();
         t.sort_by_key(|&i| (items[i].0, i));
         t
     };
     if tail.is_empty() {
-        return best.1;
+        return Ok(best.1);
     }
     let floor = live_floor(items);
     for k in 0..=40u64 {
-        let ceiling = align_up(floor + floor * k / 400);
+        // floor * (1 + k / 400), in u128 so the product cannot overflow.
+        let ceiling = align_up((u128::from(floor) + u128::from(floor) * u128::from(k) / 400) as u64);
         if ceiling >= best.0 {
             break;
         }
@@ -369,7 +416,7 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Vec<u64> {
         }
         let mut done = false;
         for order in [Order::Size, Order::Birth] {
-            let offsets = greedy(items, &fixed, order);
+            let offsets = greedy(items, &fixed, order, &mut occupancy);
             let e = extent(items, &offsets);
             if e < best.0 {
                 best = (e, offsets);
@@ -380,7 +427,7 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Vec<u64> {
             break;
         }
     }
-    best.1
+    Ok(best.1)
 }
 
 /// The largest sum of aligned sizes alive at one position.
@@ -413,42 +460,34 @@ enum Order {
 }
 
 /// Places every interval not in `fixed` (item, offset) at the lowest aligned
-/// offset free over its lifetime, in `order`.
-fn greedy(items: &[(usize, usize, u64)], fixed: &[(usize, u64)], order_by: Order) -> Vec<u64> {
+/// offset free over its lifetime, in `order`. `occupancy` is scratch space
+/// (cleared first) covering every position of `items`.
+fn greedy(
+    items: &[(usize, usize, u64)],
+    fixed: &[(usize, u64)],
+    order_by: Order,
+    occupancy: &mut Occupancy,
+) -> Vec<u64> {
+    occupancy.clear();
     let mut offsets = vec![0u64; items.len()];
     let mut is_fixed = vec![false; items.len()];
-    let mut placed: Vec<usize> = Vec::with_capacity(items.len());
     for &(i, o) in fixed {
         offsets[i] = o;
         is_fixed[i] = true;
-        placed.push(i);
+        let (s, e, b) = items[i];
+        occupancy.insert(s, e, o, o + align_up(b));
     }
     let mut order: Vec<usize> = (0..items.len()).filter(|&i| !is_fixed[i]).collect();
     match order_by {
         Order::Size => order.sort_by_key(|&i| (std::cmp::Reverse(items[i].2), items[i].0, i)),
         Order::Birth => order.sort_by_key(|&i| (items[i].0, std::cmp::Reverse(items[i].2), i)),
     }
-    let mut busy: Vec<(u64, u64)> = Vec::new();
     for &i in &order {
         let (s, e, b) = items[i];
         let size = align_up(b);
-        busy.clear();
-        busy.extend(
-            placed
-                .iter()
-                .filter(|&&j| items[j].0 <= e && s <= items[j].1)
-                .map(|&j| (offsets[j], offsets[j] + align_up(items[j].2))),
-        );
-        busy.sort_unstable();
-        let mut candidate = 0u64;
-        for &(lo, hi) in &busy {
-            if candidate + size <= lo {
-                break;
-            }
-            candidate = candidate.max(hi);
-        }
-        offsets[i] = candidate;
-        placed.push(i);
+        let offset = occupancy.lowest_free(s, e, size);
+        offsets[i] = offset;
+        occupancy.insert(s, e, offset, offset + size);
     }
     offsets
 }

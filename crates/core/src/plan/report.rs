@@ -39,9 +39,15 @@ pub struct PlanReport {
 pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
     let param_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
     let optimizer_state_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::State { .. }));
-    let gradient_bytes =
-        trace.outputs.iter().filter(|o| matches!(o.kind, OutputKind::Grad(_))).map(|o| trace.ty(o.value).bytes()).sum();
-    let saved_for_backward_bytes = trace.saved.iter().map(|v| trace.ty(*v).bytes()).sum();
+    // A value may be listed more than once, so these sums may pass the
+    // plan's cap on distinct bytes: they saturate rather than wrap.
+    let gradient_bytes = trace
+        .outputs
+        .iter()
+        .filter(|o| matches!(o.kind, OutputKind::Grad(_)))
+        .map(|o| trace.ty(o.value).bytes())
+        .fold(0, u64::saturating_add);
+    let saved_for_backward_bytes = trace.saved.iter().map(|v| trace.ty(*v).bytes()).fold(0, u64::saturating_add);
     let mut live: Vec<LiveValue> = plan
         .groups
         .iter()
