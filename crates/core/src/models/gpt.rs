@@ -131,8 +131,8 @@ impl Gpt<'_> {
         let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
         let n_rot = cfg.n_rot();
         if n_rot > 0 {
-            q = self.b.rope(q, n_rot, cfg.rope_base)?;
-            k = self.b.rope(k, n_rot, cfg.rope_base)?;
+            q = self.b.rope(q, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+            k = self.b.rope(k, n_rot, cfg.rope_base, cfg.rope_scaling)?;
         }
         // litgpt and Hugging Face scale by the configured head size. With a
         // rotary dimension of 1 (head size 1, as in workload W2) both
