@@ -24,7 +24,9 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE};
+use stepgraph_core::models::hf_dir::{
+    save_hf_dir, to_hf_tensors, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE,
+};
 use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::session::Session;
@@ -416,6 +418,9 @@ fn load_save_load_round_trips_bit_exactly() {
         let mut original = folder_tensors(&dir);
         original.retain(|name, _| !name.ends_with("inv_freq"));
         assert_eq!(folder_tensors(&out), original, "{f:?}");
+        // Assembled in memory (as gradients are for comparisons), the same again.
+        let assembled = to_hf_tensors(hf.family(), &c.forward, hf.config().n_head, |name| Ok(read_param(&mut s, name)));
+        assert_eq!(assembled.unwrap().into_iter().collect::<BTreeMap<_, _>>(), original, "{f:?}");
 
         // The config says the same network, and keeps the keys stepgraph does not read.
         let again = HfModelDir::open(&out).unwrap();

@@ -168,8 +168,23 @@ impl Gpt<'_> {
     }
 }
 
+/// Name of the logits output of [`build_forward_with_logits`].
+pub const LOGITS_OUTPUT: &str = "logits";
+
 /// Records the forward pass and loss of `spec` into a trace named `forward`.
 pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
+    record_forward(spec, false)
+}
+
+/// [`build_forward`] with the logits `[batch, seq, vocab]` as an extra
+/// output named [`LOGITS_OUTPUT`], kept to be read after the step: for
+/// checking a model against another implementation's logits. A training
+/// step built from it drops the extra output (see `autodiff::build_step`).
+pub fn build_forward_with_logits(spec: &ModelSpec) -> Result<Trace> {
+    record_forward(spec, true)
+}
+
+fn record_forward(spec: &ModelSpec, logits_output: bool) -> Result<Trace> {
     spec.check()?;
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
@@ -201,6 +216,9 @@ pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
     let logits = g.b.linear(x, head, head_bias)?;
+    if logits_output {
+        g.b.output(OutputKind::Named(LOGITS_OUTPUT.into()), logits);
+    }
     let loss = match targets {
         None => g.b.sum_all(logits)?,
         Some(t) => {

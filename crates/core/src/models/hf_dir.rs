@@ -1108,22 +1108,68 @@ fn write_shard(path: &Path, group: &[&Mapping], session: &mut dyn Session) -> Re
                 ));
             }
         }
-        match m.join {
-            Join::Same => out.write_all(parts[0].bytes()).map_err(io)?,
-            Join::QkvPerHead => {
-                let block = parts[0].bytes().len() / m.heads;
-                for h in 0..m.heads {
-                    for part in &parts {
-                        out.write_all(&part.bytes()[h * block..][..block]).map_err(io)?;
-                    }
-                }
-            }
+        for chunk in joined_chunks(m, &parts) {
+            out.write_all(chunk).map_err(io)?;
         }
     }
     out.flush().map_err(io)?;
     drop(out);
     file.sync_all().map_err(io)?;
     Ok(offset as u64)
+}
+
+/// The bytes of `m`'s Hugging Face tensor, in order, as slices of its
+/// parts: the part itself, or for a per-head join head 0 of q, k and v,
+/// then head 1, and so on.
+fn joined_chunks<'a>(m: &Mapping, parts: &'a [HostTensor]) -> Vec<&'a [u8]> {
+    match m.join {
+        Join::Same => vec![parts[0].bytes()],
+        Join::QkvPerHead => {
+            let block = parts[0].bytes().len() / m.heads;
+            (0..m.heads).flat_map(|h| parts.iter().map(move |part| &part.bytes()[h * block..][..block])).collect()
+        }
+    }
+}
+
+/// The Hugging Face tensors of `trace`'s parameters as `family` names and
+/// lays them out, each assembled (fused where the family fuses) from the
+/// per-parameter tensors `value_of(parameter name)` returns: the
+/// parameters themselves, or their gradients, for comparing with PyTorch.
+pub fn to_hf_tensors(
+    family: HfFamily,
+    trace: &Trace,
+    n_head: usize,
+    mut value_of: impl FnMut(&str) -> Result<HostTensor>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let mut out = Vec::new();
+    for m in map_params(family, trace, n_head)? {
+        let parts: Vec<HostTensor> = m.params.iter().map(|(name, _)| value_of(name)).collect::<Result<_>>()?;
+        let dtype = parts[0].ty.dtype;
+        if let Some(((name, _), part)) = m
+            .params
+            .iter()
+            .zip(&parts)
+            .find(|(_, p)| p.ty.shape != trace.ty(m.params[0].1).shape || p.ty.dtype != dtype)
+        {
+            return Err(Error::Input {
+                name: name.clone(),
+                reason: format!(
+                    "got {}, expected {} like the other parts of `{}`",
+                    part.ty,
+                    trace.ty(m.params[0].1),
+                    m.hf
+                ),
+            });
+        }
+        let mut tensor = HostTensor::zeros(m.ty.with_dtype(dtype));
+        let mut offset = 0;
+        for chunk in joined_chunks(&m, &parts) {
+            tensor.bytes_mut()[offset..offset + chunk.len()].copy_from_slice(chunk);
+            offset += chunk.len();
+        }
+        out.push((m.hf, tensor));
+    }
+    Ok(out)
 }
 
 fn read_param(session: &mut dyn Session, name: &str) -> Result<HostTensor> {
