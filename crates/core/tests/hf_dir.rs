@@ -794,3 +794,30 @@ fn a_temporary_folder_is_refused() {
     let dir = write_fixture(root.path(), ".model.tmp-123-0", &f);
     assert_contains(&message(HfModelDir::open(&dir)), &["temporary folder of an interrupted or replaced save"]);
 }
+
+/// The state a kill between the two renames of the fallback swap leaves
+/// (no destination, the previous save set aside, the new one at its
+/// temporary name): nothing opens as the model, and the next save
+/// completes and leaves only the destination.
+#[test]
+fn a_save_after_a_torn_fallback_swap_cleans_up() {
+    let root = tempfile::tempdir().unwrap();
+    let c = compile(&Config::named("tiny-llama").unwrap());
+    let mut s = open_session(&c);
+    for (v, t) in init_params(&c.forward, 4) {
+        s.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
+    }
+    let out = root.path().join("model");
+    save_hf_dir(&out, &c.spec.config, &c.forward, &mut s, &SaveOptions::default()).unwrap();
+    fs::rename(&out, root.path().join(".model.old-1-0")).unwrap();
+    fs::create_dir(root.path().join(".model.tmp-1-1")).unwrap();
+    fs::write(root.path().join(".model.tmp-1-1").join("config.json"), b"{").unwrap();
+    assert_contains(&message(HfModelDir::open(&out)), &["not a directory"]);
+    assert_contains(&message(HfModelDir::open(&root.path().join(".model.old-1-0"))), &["temporary folder"]);
+
+    save_hf_dir(&out, &c.spec.config, &c.forward, &mut s, &SaveOptions::default()).unwrap();
+    HfModelDir::open(&out).unwrap().check(&c.forward).unwrap();
+    let names: Vec<String> =
+        fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, vec!["model".to_string()]);
+}

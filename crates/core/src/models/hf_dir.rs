@@ -898,7 +898,8 @@ static SAVE_COUNTER: AtomicU64 = AtomicU64::new(0);
 ///   it) the previous save is first renamed to `.NAME.old-PID-N` and the new
 ///   one then renamed to `out`: a kill between those two renames leaves no
 ///   `out`, the previous complete save at `.NAME.old-*` and the new complete
-///   one at `.NAME.tmp-*`.
+///   one at `.NAME.tmp-*`; the next save to `out` puts the previous save
+///   back before it starts.
 ///
 /// One process saves to a given `out` at a time. The config, the family and
 /// every parameter are checked before anything is written.
@@ -974,19 +975,33 @@ pub fn save_hf_dir(
     Ok(SaveReport { dir: out.to_path_buf(), ..report })
 }
 
-/// Removes `.NAME.tmp-*` and `.NAME.old-*` folders that interrupted saves to
-/// `parent/NAME` left behind. Best effort: a leftover that cannot be removed
-/// does not stop a save.
+/// Cleans up after interrupted saves to `parent/NAME`: when `NAME` is
+/// missing but a set-aside previous save `.NAME.old-*` exists (a kill
+/// between the two renames of the fallback swap), that save is put back as
+/// `NAME` first; then the other `.NAME.tmp-*` and `.NAME.old-*` folders are
+/// removed. Best effort: a leftover that cannot be removed does not stop a
+/// save.
 fn remove_leftovers(parent: &Path, file_name: &str) {
     let Ok(entries) = fs::read_dir(parent) else { return };
     let tmp = format!(".{file_name}.tmp-");
     let old = format!(".{file_name}.old-");
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if name.starts_with(&tmp) || name.starts_with(&old) {
-            let _ = fs::remove_dir_all(entry.path());
+    let mut leftovers: Vec<(bool, PathBuf)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_string();
+            let is_old = name.starts_with(&old);
+            (is_old || name.starts_with(&tmp)).then(|| (is_old, entry.path()))
+        })
+        .collect();
+    let out = parent.join(file_name);
+    if !out.exists() {
+        if let Some(k) = leftovers.iter().position(|(is_old, _)| *is_old) {
+            let (_, previous) = leftovers.swap_remove(k);
+            let _ = fs::rename(&previous, &out);
         }
+    }
+    for (_, path) in leftovers {
+        let _ = fs::remove_dir_all(path);
     }
 }
 
