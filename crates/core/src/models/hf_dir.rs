@@ -287,10 +287,9 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
         if covered.contains(name.as_str()) {
             continue;
         }
-        let found = rules.iter().find_map(|rule| {
-            let first = rule.trace[0];
-            match_pattern(first, name).map(|layer| (rule, layer))
-        });
+        // Any part of a fused tensor finds its rule, whichever the trace lists first.
+        let found =
+            rules.iter().find_map(|rule| rule.trace.iter().find_map(|p| match_pattern(p, name)).map(|l| (rule, l)));
         let Some((rule, layer)) = found else {
             if family == HfFamily::GptNeox {
                 return Err(internal(format!("parameter `{name}` has no GPT-NeoX name")));
@@ -322,7 +321,7 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
             }
         }
         let ty = match rule.join {
-            Join::Same => trace.ty(*v).clone(),
+            Join::Same => trace.ty(parts[0].1).clone(),
             Join::QkvPerHead => {
                 let first = trace.ty(parts[0].1);
                 if parts.iter().any(|(_, pv)| trace.ty(*pv) != first) {
