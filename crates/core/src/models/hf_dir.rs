@@ -939,7 +939,9 @@ pub fn save_hf_dir(
             }
         }
     }
-    let dtype = mappings.first().map_or(DType::F32, |m| m.ty.dtype);
+    let Some(dtype) = mappings.first().map(|m| m.ty.dtype) else {
+        return Err(checkpoint_error(out, format!("trace `{}` has no parameters to save", trace.name)));
+    };
     let config_json = hf_config_json(config, family, dtype, options.source_config);
 
     let file_name = out
@@ -1037,7 +1039,7 @@ fn write_folder(
         }
     }
     let count = groups.len();
-    let names: Vec<String> = if count <= 1 {
+    let names: Vec<String> = if count == 1 {
         vec![SINGLE_FILE.to_string()]
     } else {
         (1..=count).map(|i| format!("model-{i:05}-of-{count:05}.safetensors")).collect()
