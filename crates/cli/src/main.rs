@@ -3,11 +3,13 @@
 //! next to the 1-GPU plan), `trace` (the forward or step trace as text),
 //! `train` (a training run on the CPU backend, or data-parallel on N GPUs
 //! with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
-//! workload on the GPU) and `compare` (one step's loss and gradients against
-//! a PyTorch reference, on the CPU or the CUDA backend).
+//! workload on the GPU), `compare` (one step's loss and gradients against
+//! a PyTorch reference, on the CPU or the CUDA backend) and `hf` (a Hugging
+//! Face model folder loaded, run and written back, see [`hf_cmd`]).
 
 mod bench;
 mod compare;
+mod hf_cmd;
 mod memory_args;
 mod train;
 
@@ -85,6 +87,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Compare one grads step's loss and gradients with a PyTorch reference (torch_reference.py --save DIR).
     Compare(compare::CompareArgs),
+    /// Load a Hugging Face model folder (--init-from), write its logits or gradients, or write it back (--out).
+    Hf(hf_cmd::HfArgs),
     /// Train on a text file (byte-level tokens) on the CPU backend, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
@@ -366,6 +370,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
+        Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Train { model, optim, train } => {
             let spec = model.spec()?;
             train::run(&model, optim.train_options(spec.dtype)?, &train)?

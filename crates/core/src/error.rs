@@ -50,6 +50,11 @@ pub enum Error {
     /// Bad data handed to a step: wrong length, token id out of range, ...
     #[error("step input `{name}`: {reason}")]
     Input { name: String, reason: String },
+    /// A Hugging Face model folder or safetensors file that cannot be
+    /// loaded into (or saved from) a model; `reason` names the file and
+    /// the tensor.
+    #[error("checkpoint `{path}`: {reason}")]
+    Checkpoint { path: String, reason: String },
     // The cause is in the message, not a `#[source]`, so `{:#}` chains print it once.
     #[error("io error on `{path}`: {cause}")]
     Io { path: String, cause: std::io::Error },

@@ -25,6 +25,14 @@ impl HostTensor {
         HostTensor { ty, words }
     }
 
+    /// Makes this tensor one of type `ty`, reusing its allocation where it
+    /// is large enough; the contents are unspecified until written. Lets a
+    /// loader stream tensors through one buffer.
+    pub fn retype(&mut self, ty: TensorType) {
+        self.words.resize((ty.bytes() as usize).div_ceil(8), 0);
+        self.ty = ty;
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.ty.bytes() as usize]
     }

@@ -19,10 +19,10 @@ use stepgraph_core::ir::print::print;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId};
 use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
-use stepgraph_core::ops::rope::Rope;
+use stepgraph_core::ops::rope::{Llama3Scaling, Rope};
 use stepgraph_core::ops::sample::{self, Input};
 use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
-use stepgraph_core::ops::{samples_by_op, Op, Sample, VjpArgs};
+use stepgraph_core::ops::{samples_by_op, Op, OpDef, Sample, VjpArgs};
 use stepgraph_core::testing::{draw_input, draw_sample, interpret, max_rel_diff, run_op};
 
 const SEEDS: [u64; 3] = [1, 2, 3];
@@ -205,7 +205,25 @@ fn layer_norm_ref(x: &[f64], w: &[f64], b: &[f64], eps: f64) -> (Vec<f64>, Vec<f
 }
 
 /// The formula of the module doc, element by element.
-fn rope_ref(x: &[f64], shape: &[usize], n_rot: usize, base: f64, inverse: bool) -> Vec<f64> {
+/// Meta's `apply_scaling` of Llama 3.1's reference code, written per band
+/// (transformers' `_compute_llama3_parameters` computes the same with masks).
+fn llama3_freq_ref(freq: f64, s: &Llama3Scaling) -> f64 {
+    let old = s.original_max_position_embeddings as f64;
+    let (low_wavelen, high_wavelen) = (old / s.low_freq_factor, old / s.high_freq_factor);
+    let wavelen = 2.0 * std::f64::consts::PI / freq;
+    if wavelen < high_wavelen {
+        freq
+    } else if wavelen > low_wavelen {
+        freq / s.factor
+    } else {
+        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * freq / s.factor + smooth * freq
+    }
+}
+
+fn rope_ref(x: &[f64], shape: &[usize], o: &Rope) -> Vec<f64> {
+    let (n_rot, base, inverse) = (o.n_rot, o.base, o.inverse);
+    let freq = |f: f64| o.scaling.as_ref().map_or(f, |s| llama3_freq_ref(f, s));
     let (bsz, seq, heads, d) = (shape[0], shape[1], shape[2], shape[3]);
     let mut y = x.to_vec();
     let half = n_rot / 2;
@@ -215,12 +233,12 @@ fn rope_ref(x: &[f64], shape: &[usize], n_rot: usize, base: f64, inverse: bool) 
             for h in 0..heads {
                 let o = ((b * seq + t) * heads + h) * d;
                 if n_rot == 1 {
-                    let tt = t as f64;
+                    let tt = t as f64 * freq(1.0);
                     y[o] = x[o] * (tt.cos() - tt.sin());
                     continue;
                 }
                 for i in 0..half {
-                    let theta = sign * t as f64 / base.powf(2.0 * i as f64 / n_rot as f64);
+                    let theta = sign * t as f64 * freq(1.0 / base.powf(2.0 * i as f64 / n_rot as f64));
                     let (a, bb) = (x[o + i], x[o + i + half]);
                     y[o + i] = a * theta.cos() - bb * theta.sin();
                     y[o + i + half] = bb * theta.cos() + a * theta.sin();
@@ -296,7 +314,7 @@ fn reference(op: &Op, x: &[HostTensor]) -> Vec<Vec<f64>> {
             let (y, m, r) = layer_norm_ref(&f[0], &f[1], &f[2], o.eps);
             vec![y, m, r]
         }
-        Op::Rope(o) => vec![rope_ref(&f[0], shape, o.n_rot, o.base, o.inverse)],
+        Op::Rope(o) => vec![rope_ref(&f[0], shape, o)],
         Op::Softmax(_) => vec![softmax_ref(&f[0], *shape.last().unwrap())],
         Op::Attention(o) => {
             let (b, t, hq, d) = (shape[0], shape[1], shape[2], shape[3]);
@@ -330,13 +348,41 @@ fn forward_samples_match_naive_references_in_f64() {
     assert!(failures.is_empty(), "forward mismatches:\n{}", failures.join("\n"));
 }
 
+/// The scaled samples exercise every band of the Llama-3.x adjustment:
+/// some pairs kept, some divided by the factor, some interpolated.
+#[test]
+fn rope_llama3_samples_cover_every_band() {
+    let mut bands = [false; 3];
+    for s in Rope::samples(DType::F64) {
+        let Op::Rope(rope) = &s.op else { continue };
+        let Some(scaling) = rope.scaling else { continue };
+        for i in 0..(rope.n_rot / 2).max(1) {
+            let plain = Rope { scaling: None, ..rope.clone() }.inv_freq(i);
+            let scaled = rope.inv_freq(i);
+            assert_eq!(scaled, llama3_freq_ref(plain, &scaling), "pair {i} of {rope:?}");
+            let band = if scaled == plain {
+                0
+            } else if scaled == plain / scaling.factor {
+                1
+            } else {
+                2
+            };
+            bands[band] = true;
+        }
+    }
+    assert_eq!(bands, [true; 3], "kept, divided, interpolated");
+}
+
 #[test]
 fn rope_inverse_undoes_rope() {
     for (d, n_rot) in [(8, 8), (8, 4), (6, 2)] {
-        let x = draw_sample(&Sample::new(Rope { n_rot, base: 500.0, inverse: false }, vec![normal(&[2, 7, 3, d])]), 5)
-            .unwrap();
-        let y = run_op(&Rope { n_rot, base: 500.0, inverse: false }.into(), &x).unwrap();
-        let back = run_op(&Rope { n_rot, base: 500.0, inverse: true }.into(), &y).unwrap();
+        let x = draw_sample(
+            &Sample::new(Rope { n_rot, base: 500.0, inverse: false, scaling: None }, vec![normal(&[2, 7, 3, d])]),
+            5,
+        )
+        .unwrap();
+        let y = run_op(&Rope { n_rot, base: 500.0, inverse: false, scaling: None }.into(), &x).unwrap();
+        let back = run_op(&Rope { n_rot, base: 500.0, inverse: true, scaling: None }.into(), &y).unwrap();
         let e = max_rel_diff(&back[0].to_f64(), &x[0].to_f64());
         assert!(e < 1e-14, "D={d} n_rot={n_rot}: {e:.3e}");
         assert!(max_rel_diff(&y[0].to_f64(), &x[0].to_f64()) > 1e-3, "rope must move the input");
@@ -355,7 +401,7 @@ fn rope_head_size_one_matches_hf_duplicated_dimension() {
     let x = draw_sample(&Sample::new(Attention { scale }, qkv), 9).unwrap();
     let (q, k, v) = (&x[0], &x[1], &x[2]);
     for inverse in [false, true] {
-        let rope: Op = Rope { n_rot: 1, base: 10000.0, inverse }.into();
+        let rope: Op = Rope { n_rot: 1, base: 10000.0, inverse, scaling: None }.into();
         let qr = run_op(&rope, std::slice::from_ref(q)).unwrap()[0].to_f64();
         let kr = run_op(&rope, std::slice::from_ref(k)).unwrap()[0].to_f64();
 
@@ -438,7 +484,7 @@ fn results_do_not_depend_on_thread_count() {
         Sample::new(RmsNorm { eps: 1e-6 }, vec![bf(&[3, 111, 40]), bf(&[40])]),
         Sample::new(LayerNorm { eps: 1e-6 }, vec![bf(&[3, 111, 40]), bf(&[40]), bf(&[40])]),
         Sample::new(Softmax, vec![bf(&[300, 33])]),
-        Sample::new(Rope { n_rot: 12, base: 10000.0, inverse: false }, vec![bf(&[2, 40, 3, 16])]),
+        Sample::new(Rope { n_rot: 12, base: 10000.0, inverse: false, scaling: None }, vec![bf(&[2, 40, 3, 16])]),
         Sample::new(Attention { scale: 0.25 }, vec![bf(&[2, 37, 8, 16]), bf(&[2, 37, 2, 16]), bf(&[2, 37, 2, 16])]),
     ];
     for c in &big {
@@ -469,9 +515,9 @@ fn builder_helpers_print_and_parse_back() {
     let bias = b.param("bias", f32t(&[8])).unwrap();
     let y1 = b.rms_norm(x, w, 1e-6).unwrap();
     let y2 = b.layer_norm(y1, w, bias, 1e-5).unwrap();
-    let y3 = b.rope(y2, 4, 10000.0).unwrap();
+    let y3 = b.rope(y2, 4, 10000.0, None).unwrap();
     let y4 = b.softmax(y3).unwrap();
-    let k = b.rope(kv, 4, 10000.0).unwrap();
+    let k = b.rope(kv, 4, 10000.0, None).unwrap();
     let o = b.attention(y4, k, kv, 0.125).unwrap();
     for v in [y1, y2, y3, y4, o] {
         assert_eq!(b.ty(v), &f32t(&[2, 5, 4, 8]));
@@ -552,11 +598,23 @@ fn shape_rule_errors_name_the_problem() {
             ],
             &["lse", "f32[1,2,4]"],
         ),
-        (Rope { n_rot: 10, base: 1e4, inverse: false }.into(), vec![f(&[1, 4, 2, 8])], &["rope", "n_rot=10", "D=8"]),
-        (Rope { n_rot: 3, base: 1e4, inverse: false }.into(), vec![f(&[1, 4, 2, 8])], &["n_rot=3", "even"]),
-        (Rope { n_rot: 2, base: 1e4, inverse: false }.into(), vec![f(&[4, 2, 8])], &["rank 4"]),
-        (Rope { n_rot: 2, base: 0.0, inverse: false }.into(), vec![f(&[1, 4, 2, 8])], &["base"]),
-        (Rope { n_rot: 2, base: 1e4, inverse: false }.into(), vec![t(DType::I32, &[1, 4, 2, 8])], &["float"]),
+        (
+            Rope { n_rot: 10, base: 1e4, inverse: false, scaling: None }.into(),
+            vec![f(&[1, 4, 2, 8])],
+            &["rope", "n_rot=10", "D=8"],
+        ),
+        (
+            Rope { n_rot: 3, base: 1e4, inverse: false, scaling: None }.into(),
+            vec![f(&[1, 4, 2, 8])],
+            &["n_rot=3", "even"],
+        ),
+        (Rope { n_rot: 2, base: 1e4, inverse: false, scaling: None }.into(), vec![f(&[4, 2, 8])], &["rank 4"]),
+        (Rope { n_rot: 2, base: 0.0, inverse: false, scaling: None }.into(), vec![f(&[1, 4, 2, 8])], &["base"]),
+        (
+            Rope { n_rot: 2, base: 1e4, inverse: false, scaling: None }.into(),
+            vec![t(DType::I32, &[1, 4, 2, 8])],
+            &["float"],
+        ),
         (RmsNorm { eps: 1e-6 }.into(), vec![f(&[2, 8]), f(&[4])], &["rms_norm", "weight", "f32[8]"]),
         (RmsNorm { eps: 1e-6 }.into(), vec![f(&[2, 8]), t(DType::BF16, &[8])], &["weight", "bf16[8]"]),
         (RmsNorm { eps: 1e-6 }.into(), vec![f(&[]), f(&[1])], &["rank >= 1"]),

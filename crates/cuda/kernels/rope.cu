@@ -1,14 +1,19 @@
 // Rotary position embedding on x: [B, T, H, D], the GPT-NeoX / Hugging Face
 // `rotate_half` convention of crates/core/src/ops/rope.rs: with h = n_rot/2,
 // dimension i < h of every head pairs with i + h and rotates by
-// θ = t·base^(−2i/n_rot) (−θ when `inverse`); dimensions ≥ n_rot pass
-// through; n_rot == 1 scales dimension 0 by cos t − sin t (ignoring
-// `inverse`); n_rot == 0 is a copy.
+// θ = t·f_i with f_i = base^(−2i/n_rot) (−θ when `inverse`); dimensions
+// ≥ n_rot pass through; n_rot == 1 scales dimension 0 by cos θ − sin θ with
+// f_0 = 1 (ignoring `inverse`); n_rot == 0 is a copy.
+//
+// Llama-3.x scaling (`scaled` != 0) replaces f_i by `llama3_inv_freq`, the
+// CPU's `Llama3Scaling::adjust` (transformers' `_compute_llama3_parameters`)
+// operation for operation.
 //
 // θ, cos θ and sin θ are computed in double and converted to acc_t once,
 // exactly as the CPU does, so every dtype sees the CPU's angles.
 //
-// `rope_<dtype>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse)`: one
+// `rope_<dtype>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled,
+// factor, low_freq_factor, high_freq_factor, original_max_pos)`: one
 // block per (b, t) row of heads·dim elements (grid-striding over the B·T
 // rows), blockDim.x a multiple of 32. The block computes the angles of its
 // position into shared memory, ROPE_CHUNK pairs at a time, and every head of
@@ -20,9 +25,24 @@
 
 #define ROPE_CHUNK 256  // pairs whose angles the block holds at once
 
+// Llama-3.x frequency scaling of the inverse frequency `f`.
+__device__ double llama3_inv_freq(double f, double factor, double low_freq_factor, double high_freq_factor,
+                                  double old_context) {
+    const double low_freq_wavelen = old_context / low_freq_factor;
+    const double high_freq_wavelen = old_context / high_freq_factor;
+    const double wavelen = 2.0 * 3.14159265358979323846 / f;
+    const double f_llama = wavelen > low_freq_wavelen ? f / factor : f;
+    if (wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen) {
+        const double smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        return (1.0 - smooth) * f_llama / factor + smooth * f_llama;
+    }
+    return f_llama;
+}
+
 template <typename T>
 __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,
-                          int inverse) {
+                          int inverse, int scaled, double factor, double low_freq_factor, double high_freq_factor,
+                          double old_context) {
     typedef acc_t<T> A;
     __shared__ A cs_tab[ROPE_CHUNK];
     __shared__ A sn_tab[ROPE_CHUNK];
@@ -35,8 +55,10 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
         T* yr = y + bt * (i64)row;
         if (n_rot == 1) {
             // The head-size-1 quirk: a diagonal scaling by cos t − sin t.
-            const double td = (double)t;
-            const A f = (A)(cos(td) - sin(td));
+            const double freq =
+                scaled ? llama3_inv_freq(1.0, factor, low_freq_factor, high_freq_factor, old_context) : 1.0;
+            const double theta = (double)t * freq;
+            const A f = (A)(cos(theta) - sin(theta));
             for (int k = threadIdx.x; k < row; k += blockDim.x) {
                 if (k % dim == 0)
                     store(yr, k, load(xr, k) * f);
@@ -50,7 +72,9 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
             // The previous chunk (or row) is done with the table before it is refilled.
             __syncthreads();
             for (int i = threadIdx.x; i < cn; i += blockDim.x) {
-                const double theta = (double)t * pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
+                double freq = pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
+                if (scaled) freq = llama3_inv_freq(freq, factor, low_freq_factor, high_freq_factor, old_context);
+                const double theta = (double)t * freq;
                 cs_tab[i] = (A)cos(theta);
                 sn_tab[i] = (A)(sign * sin(theta));
             }
@@ -75,10 +99,12 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
 }
 
 #define SG_ROPE_KERNEL(sfx, T)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(1024) rope_##sfx(const T* x, T* y, i64 bt_rows, i64 seq,      \
-                                                                  int heads, int dim, int n_rot, double base,  \
-                                                                  int inverse) {                               \
-        rope_rows<T>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse);                                    \
+    extern "C" __global__ void __launch_bounds__(1024)                                                         \
+        rope_##sfx(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,         \
+                   int inverse, int scaled, double factor, double low_freq_factor, double high_freq_factor,    \
+                   double old_context) {                                                                       \
+        rope_rows<T>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled, factor, low_freq_factor,   \
+                     high_freq_factor, old_context);                                                           \
     }
 
 SG_FOR_EACH_FLOAT(SG_ROPE_KERNEL)

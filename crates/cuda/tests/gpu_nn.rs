@@ -92,14 +92,14 @@ fn cpu_output(op: &Op, inputs: &[HostTensor], k: usize) -> HostTensor {
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn rope_inverse_undoes_rope() {
     for s in Rope::samples(DType::F64) {
-        let Op::Rope(Rope { n_rot, base, inverse: false }) = s.op else { continue };
+        let Op::Rope(Rope { n_rot, base, inverse: false, scaling }) = s.op else { continue };
         if n_rot == 1 {
             continue; // a scaling, not a rotation: it has no inverse of this form
         }
         let x = draw_sample(&s, 5).unwrap().remove(0);
         let shape = &x.ty.shape;
-        let fwd = Op::Rope(Rope { n_rot, base, inverse: false });
-        let inv = Op::Rope(Rope { n_rot, base, inverse: true });
+        let fwd = Op::Rope(Rope { n_rot, base, inverse: false, scaling });
+        let inv = Op::Rope(Rope { n_rot, base, inverse: true, scaling });
         let y = gpu_run(&fwd, std::slice::from_ref(&x)).remove(0);
         let back = gpu_run(&inv, &[y]).remove(0);
         assert_close(&format!("rope round trip {shape:?} n_rot={n_rot}"), &back, &x, 1e-12);
@@ -248,7 +248,10 @@ fn every_kernel_is_deterministic() {
                 Op::LayerNormBackward(LayerNormBackward { eps: LN_EPS }),
                 vec![x.clone(), w, stats[1].clone(), stats[2].clone(), gy.clone(), g300.clone(), g300],
             ),
-            (Op::Rope(Rope { n_rot: 128, base: 10000.0, inverse: false }), vec![normal(&[2, 50, 4, 128], dt, 7)]),
+            (
+                Op::Rope(Rope { n_rot: 128, base: 10000.0, inverse: false, scaling: None }),
+                vec![normal(&[2, 50, 4, 128], dt, 7)],
+            ),
             (Op::Softmax(Softmax), vec![x.clone()]),
             (Op::SoftmaxBackward(SoftmaxBackward), vec![x, gy]),
             (Op::CrossEntropy(CrossEntropy { ignore_index: IGNORE }), vec![lx.clone(), lt.clone()]),
@@ -279,7 +282,12 @@ fn rows_beyond_the_grid_caps() {
     check("layer_norm beyond the grid cap", &Op::LayerNorm(LayerNorm { eps: LN_EPS }), &[x.clone(), w, b], 2);
     check("softmax beyond the grid cap", &Op::Softmax(Softmax), &[x], 2);
     let r = normal(&[1, rows, 1, 2], dt, 4);
-    check("rope beyond the grid cap", &Op::Rope(Rope { n_rot: 2, base: 10000.0, inverse: false }), &[r], 1);
+    check(
+        "rope beyond the grid cap",
+        &Op::Rope(Rope { n_rot: 2, base: 10000.0, inverse: false, scaling: None }),
+        &[r],
+        1,
+    );
     let (lx, lt, lse) = ce_case(dt, 5000, 33, 5, DType::I64);
     let ce = Op::CrossEntropy(CrossEntropy { ignore_index: IGNORE });
     check("cross_entropy 5000 rows", &ce, &[lx.clone(), lt.clone()], 5000);

@@ -13,6 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ops::rope::Llama3Scaling;
 
 /// The normalization used before attention, before the MLP and at the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +79,10 @@ pub struct Config {
     pub rotary_percentage: f64,
     /// RoPE's base (`theta`).
     pub rope_base: f64,
+    /// Llama-3.x RoPE frequency scaling (`rope_type: "llama3"`); `None` for
+    /// plain RoPE.
+    #[serde(default)]
+    pub rope_scaling: Option<Llama3Scaling>,
     /// A bias on every linear layer: q/k/v, attention output and the MLP.
     pub bias: bool,
     /// A bias on the q/k/v projections only (Qwen2), when `bias` is false.
@@ -170,6 +175,7 @@ fn llama_base(name: &str) -> Config {
         shared_attention_norm: false,
         rotary_percentage: 1.0,
         rope_base: 10000.0,
+        rope_scaling: None,
         bias: false,
         attn_qkv_bias: false,
         tie_embeddings: false,
@@ -200,6 +206,7 @@ fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_hea
         shared_attention_norm: false,
         rotary_percentage: 0.25,
         rope_base: 10000.0,
+        rope_scaling: None,
         bias: true,
         attn_qkv_bias: false,
         tie_embeddings: false,
@@ -466,6 +473,9 @@ impl Config {
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
             return fail(format!("rope_base must be a finite number > 0, got {}", self.rope_base));
+        }
+        if let Some(scaling) = &self.rope_scaling {
+            scaling.check().map_err(|reason| config_error(&self.name, format!("rope_scaling: {reason}")))?;
         }
         // litgpt refuses this combination too: without a parallel residual
         // the MLP's input is not the attention's input, so it needs its own

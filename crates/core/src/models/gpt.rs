@@ -134,8 +134,8 @@ impl Gpt<'_> {
         let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
         let n_rot = cfg.n_rot();
         if n_rot > 0 {
-            q = self.b.rope(q, n_rot, cfg.rope_base)?;
-            k = self.b.rope(k, n_rot, cfg.rope_base)?;
+            q = self.b.rope(q, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+            k = self.b.rope(k, n_rot, cfg.rope_base, cfg.rope_scaling)?;
         }
         // litgpt and Hugging Face scale by the configured head size. With a
         // rotary dimension of 1 (head size 1, as in workload W2) both
@@ -190,6 +190,9 @@ impl Default for HeadLoss {
     }
 }
 
+/// Name of the logits output of [`build_forward_with_logits`].
+pub const LOGITS_OUTPUT: &str = "logits";
+
 /// Records the forward pass and loss of `spec` into a trace named `forward`,
 /// a cross-entropy through the fused head ([`HeadLoss::default`]).
 pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
@@ -198,6 +201,19 @@ pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
 
 /// [`build_forward`] with the head of a cross-entropy loss recorded as `head_loss` says.
 pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace> {
+    record_forward(spec, head_loss, false)
+}
+
+/// [`build_forward`] with the logits `[batch, seq, vocab]` as an extra
+/// output named [`LOGITS_OUTPUT`], kept to be read after the step: for
+/// checking a model against another implementation's logits. The logits
+/// are materialised, so the loss is the unfused one. A training step built
+/// from it drops the extra output (see `autodiff::build_step`).
+pub fn build_forward_with_logits(spec: &ModelSpec) -> Result<Trace> {
+    record_forward(spec, HeadLoss::Materialised, true)
+}
+
+fn record_forward(spec: &ModelSpec, head_loss: HeadLoss, logits_output: bool) -> Result<Trace> {
     spec.check()?;
     if let HeadLoss::Fused { chunk: Some(0) } = head_loss {
         return Err(Error::Config {
@@ -241,6 +257,9 @@ pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace
     let loss = match (targets, fused_chunk) {
         (None, _) => {
             let logits = g.b.linear(x, head, head_bias)?;
+            if logits_output {
+                g.b.output(OutputKind::Named(LOGITS_OUTPUT.into()), logits);
+            }
             g.b.sum_all(logits)?
         }
         // The head and the loss as one op: the [tokens, vocab] logits are
@@ -255,6 +274,9 @@ pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace
         // Asked for, or a head bias (which has no fused form).
         (Some(t), None) => {
             let logits = g.b.linear(x, head, head_bias)?;
+            if logits_output {
+                g.b.output(OutputKind::Named(LOGITS_OUTPUT.into()), logits);
+            }
             let v = cfg.padded_vocab_size;
             let l2 = g.b.reshape(logits, &[bsz * seq, v])?;
             let t2 = g.b.reshape(t, &[bsz * seq])?;

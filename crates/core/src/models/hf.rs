@@ -15,6 +15,7 @@ use serde_json::{Map, Value};
 
 use super::config::{config_error, Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
+use crate::ops::rope::Llama3Scaling;
 
 impl Config {
     /// Reads a Hugging Face `config.json` from `path` (or from
@@ -46,8 +47,10 @@ impl Config {
     /// `config.json` does not give the tokenizer's size, `vocab_size` and
     /// `padded_vocab_size` are both its `vocab_size` (the embedding rows).
     ///
-    /// Anything this config cannot express exactly (another activation, RoPE
-    /// scaling, a bias layout other than the supported ones) is an
+    /// RoPE scaling of type `llama3` (Llama 3.1–3.3) becomes
+    /// [`Config::rope_scaling`]. Anything this config cannot express exactly
+    /// (another activation, another RoPE scaling, a bias layout other than
+    /// the supported ones) is an
     /// [`Error::Config`] rather than a silently different network.
     pub fn from_hf_json(text: &str, name: &str) -> Result<Config> {
         let value: Value = serde_json::from_str(text)?;
@@ -147,43 +150,70 @@ impl<'a> HfJson<'a> {
         Ok(Some(HfJson { model: self.model, prefix, obj }))
     }
 
-    /// Refuses a RoPE variant other than plain RoPE: `rope_type` (or the
-    /// older `type`) must be absent or `default`.
-    fn check_plain_rope(&self) -> Result<()> {
+    /// The RoPE variant of this object (`rope_type`, or the older `type`):
+    /// `None` for plain RoPE (absent or `default`), the Llama-3.x scaling for
+    /// `llama3`; any other variant is refused.
+    fn rope_variant(&self) -> Result<Option<Llama3Scaling>> {
         let kind = match self.str_opt("rope_type")? {
             Some(kind) => Some(kind),
             None => self.str_opt("type")?,
         };
         match kind {
-            None | Some("default") => Ok(()),
+            None | Some("default") => Ok(None),
+            Some("llama3") => {
+                let scaling = Llama3Scaling {
+                    factor: self.f64_opt("factor")?.ok_or_else(|| self.missing("factor"))?,
+                    low_freq_factor: self.f64_opt("low_freq_factor")?.ok_or_else(|| self.missing("low_freq_factor"))?,
+                    high_freq_factor: self
+                        .f64_opt("high_freq_factor")?
+                        .ok_or_else(|| self.missing("high_freq_factor"))?,
+                    original_max_position_embeddings: self.usize_req("original_max_position_embeddings")?,
+                };
+                scaling
+                    .check()
+                    .map_err(|reason| self.err(format!("{}: {reason}", self.prefix.trim_end_matches('.'))))?;
+                Ok(Some(scaling))
+            }
             Some(other) => Err(self.err(format!(
-                "{}rope_type `{other}` (RoPE scaling) is not supported; only plain RoPE is",
+                "{}rope_type `{other}` (RoPE scaling) is not supported; only plain RoPE (`default`) and `llama3` are",
                 self.prefix
             ))),
         }
     }
 
-    /// The RoPE base and the rotated fraction of each head, refusing any RoPE
-    /// scaling. `transformers` 5 keeps both in a `rope_parameters` object;
-    /// older versions use top-level keys, tried in the order of
-    /// `base_keys` and `fraction_keys`.
-    fn rope(&self, base_keys: &[&str], fraction_keys: &[&str], default_fraction: f64) -> Result<(f64, f64)> {
+    /// The RoPE base, the rotated fraction of each head and the Llama-3.x
+    /// scaling, refusing any other RoPE scaling. `transformers` 5 keeps all
+    /// three in a `rope_parameters` object; older versions use top-level
+    /// keys, tried in the order of `base_keys` and `fraction_keys`, and a
+    /// `rope_scaling` object.
+    fn rope(
+        &self,
+        base_keys: &[&str],
+        fraction_keys: &[&str],
+        default_fraction: f64,
+    ) -> Result<(f64, f64, Option<Llama3Scaling>)> {
         let mut base = None;
         let mut fraction = None;
+        let mut scaling = None;
         if let Some(params) = self.nested("rope_parameters", "rope_parameters.")? {
-            params.check_plain_rope()?;
+            scaling = params.rope_variant()?;
             base = params.f64_opt("rope_theta")?;
             fraction = params.f64_opt("partial_rotary_factor")?;
         }
-        if let Some(scaling) = self.nested("rope_scaling", "rope_scaling.")? {
+        if let Some(old) = self.nested("rope_scaling", "rope_scaling.")? {
             // A non-null `rope_scaling` that does not say which kind it is
             // still changes RoPE somehow; refuse it rather than guess.
-            if scaling.get("rope_type").is_none() && scaling.get("type").is_none() {
-                if !scaling.obj.is_empty() {
-                    return Err(self.err("rope_scaling is set but names no rope_type; RoPE scaling is not supported"));
+            if old.get("rope_type").is_none() && old.get("type").is_none() {
+                if !old.obj.is_empty() {
+                    return Err(self.err(
+                        "rope_scaling is set but names no rope_type; only plain RoPE and `llama3` scaling are supported",
+                    ));
                 }
-            } else {
-                scaling.check_plain_rope()?;
+            } else if let Some(old_scaling) = old.rope_variant()? {
+                if scaling.is_some_and(|s| s != old_scaling) {
+                    return Err(self.err("rope_scaling and rope_parameters give different llama3 RoPE scaling"));
+                }
+                scaling = Some(old_scaling);
             }
         }
         // The first key present wins.
@@ -193,7 +223,7 @@ impl<'a> HfJson<'a> {
         for key in fraction_keys {
             fraction = fraction.or(self.f64_opt(key)?);
         }
-        Ok((base.unwrap_or(10000.0), fraction.unwrap_or(default_fraction)))
+        Ok((base.unwrap_or(10000.0), fraction.unwrap_or(default_fraction), scaling))
     }
 
     /// `max_position_embeddings`, shortened to the sliding window when one
@@ -252,7 +282,7 @@ impl<'a> HfJson<'a> {
             "qwen2" => (32768, self.bool_opt("use_sliding_window")?.unwrap_or(false)),
             _ => (2048, false),
         };
-        let (rope_base, rotary_percentage) = self.rope(&["rope_theta"], &[], 1.0)?;
+        let (rope_base, rotary_percentage, rope_scaling) = self.rope(&["rope_theta"], &[], 1.0)?;
         let n_query_groups = self.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
         let head_size = match self.usize_opt("head_dim")? {
             Some(head_dim) => head_dim,
@@ -278,6 +308,7 @@ impl<'a> HfJson<'a> {
             shared_attention_norm: false,
             rotary_percentage,
             rope_base,
+            rope_scaling,
             bias,
             attn_qkv_bias,
             tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
@@ -306,7 +337,7 @@ impl<'a> HfJson<'a> {
         }
         // Older configs say `rotary_emb_base`/`rotary_pct`, newer ones
         // `rope_theta`/`partial_rotary_factor`.
-        let (rope_base, rotary_percentage) =
+        let (rope_base, rotary_percentage, rope_scaling) =
             self.rope(&["rope_theta", "rotary_emb_base"], &["partial_rotary_factor", "rotary_pct"], 0.25)?;
 
         Ok(Config {
@@ -328,6 +359,7 @@ impl<'a> HfJson<'a> {
             shared_attention_norm: false,
             rotary_percentage,
             rope_base,
+            rope_scaling,
             bias: true,
             attn_qkv_bias: false,
             tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
@@ -582,6 +614,33 @@ mod tests {
     }
 
     #[test]
+    fn hf_json_llama3_rope_scaling() {
+        let llama31 = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let v4 = edit(
+            LLAMA_3_8B_JSON,
+            "rope_scaling",
+            serde_json::json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+        );
+        assert_eq!(from_json(&v4).unwrap().rope_scaling, Some(llama31));
+        // transformers 5: everything under rope_parameters, theta included.
+        let v5 = edit(
+            &edit(LLAMA_3_8B_JSON, "rope_theta", Value::Null),
+            "rope_parameters",
+            serde_json::json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3", "rope_theta": 500000.0}),
+        );
+        let config = from_json(&v5).unwrap();
+        assert_eq!((config.rope_scaling, config.rope_base), (Some(llama31), 500000.0));
+        assert_eq!(from_json(LLAMA_3_8B_JSON).unwrap().rope_scaling, None);
+    }
+
+    #[test]
     fn hf_json_errors() {
         let check = |text: &str, needle: &str| {
             let reason = config_reason(from_json(text));
@@ -603,7 +662,20 @@ mod tests {
         );
         check(
             &edit(LLAMA_3_8B_JSON, "rope_scaling", serde_json::json!({"factor": 8.0, "rope_type": "llama3"})),
-            "rope_scaling.rope_type `llama3` (RoPE scaling) is not supported",
+            "missing required key `rope_scaling.low_freq_factor`",
+        );
+        check(
+            &edit(LLAMA_3_8B_JSON, "rope_scaling", serde_json::json!({"factor": 8.0, "rope_type": "yarn"})),
+            "rope_scaling.rope_type `yarn` (RoPE scaling) is not supported; only plain RoPE (`default`) and `llama3` are",
+        );
+        check(
+            &edit(
+                LLAMA_3_8B_JSON,
+                "rope_scaling",
+                serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+            ),
+            "needs high_freq_factor (1) above low_freq_factor (4)",
         );
         check(&edit(LLAMA_2_7B_JSON, "rope_scaling", serde_json::json!({"factor": 2.0, "type": "linear"})), "`linear`");
         check(

@@ -18,6 +18,14 @@
 //! rounding for the positions a model sees). `inverse` rotates by −θ, which
 //! is the transpose, so the VJP is the same op with `inverse` flipped.
 //!
+//! **Llama-3.x frequency scaling:** with [`Rope::scaling`] set, each pair's
+//! inverse frequency `base^(−2i/n_rot)` is replaced by
+//! [`Llama3Scaling::adjust`] of it, exactly as `transformers`'
+//! `_compute_llama3_parameters` (`rope_type: "llama3"`) does: long
+//! wavelengths are divided by `factor`, short ones kept, and the band
+//! between them interpolated. The rotation is otherwise unchanged, so the
+//! transpose is still the same op with `inverse` flipped.
+//!
 //! **The `n_rot == 1` quirk:** a head of size 1 with full rotary (benchmark
 //! workload W2). Hugging Face and litgpt build `cos`/`sin` of width 2 from
 //! one frequency (`θ = t`), and `rotate_half` of a width-1 vector is `−x`;
@@ -33,6 +41,7 @@
 
 use num_traits::Zero;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
@@ -42,32 +51,108 @@ use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
 use crate::with_float;
 
+/// Llama-3.x RoPE frequency scaling (`rope_type: "llama3"` in a Hugging
+/// Face config), with the names `transformers` gives its parameters.
+#[derive(Clone, Copy, PartialEq, Debug, Serialize, Deserialize)]
+pub struct Llama3Scaling {
+    /// How much longer the context is than the one the model was trained on.
+    pub factor: f64,
+    /// Wavelengths above `original_max_position_embeddings / low_freq_factor`
+    /// are divided by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_position_embeddings / high_freq_factor`
+    /// are kept.
+    pub high_freq_factor: f64,
+    /// The context length the model was trained on.
+    pub original_max_position_embeddings: usize,
+}
+
+impl Llama3Scaling {
+    /// Why these parameters cannot scale frequencies, if they cannot:
+    /// `factor` and both frequency factors must be positive and finite,
+    /// `high_freq_factor` above `low_freq_factor` (the interpolation divides
+    /// by their difference), and the original context positive.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.factor) || !positive(self.low_freq_factor) || !positive(self.high_freq_factor) {
+            return Err(format!(
+                "llama3 RoPE scaling needs positive finite factor, low_freq_factor and high_freq_factor, got {}, {} and {}",
+                self.factor, self.low_freq_factor, self.high_freq_factor
+            ));
+        }
+        if self.high_freq_factor <= self.low_freq_factor {
+            return Err(format!(
+                "llama3 RoPE scaling needs high_freq_factor ({}) above low_freq_factor ({})",
+                self.high_freq_factor, self.low_freq_factor
+            ));
+        }
+        if self.original_max_position_embeddings == 0 {
+            return Err("llama3 RoPE scaling needs a positive original_max_position_embeddings".into());
+        }
+        Ok(())
+    }
+
+    /// `inv_freq` adjusted as `transformers`' `_compute_llama3_parameters`
+    /// adjusts it, operation for operation (in f64 rather than f32).
+    pub fn adjust(&self, inv_freq: f64) -> f64 {
+        let old_context = self.original_max_position_embeddings as f64;
+        let low_freq_wavelen = old_context / self.low_freq_factor;
+        let high_freq_wavelen = old_context / self.high_freq_factor;
+        let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+        let inv_freq_llama = if wavelen > low_freq_wavelen { inv_freq / self.factor } else { inv_freq };
+        // transformers' `~(wavelen < high) * ~(wavelen > low)`; wavelengths are
+        // positive numbers, never NaN, so the negations are these comparisons.
+        let is_medium_freq = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
+        if is_medium_freq {
+            let smooth =
+                (old_context / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * inv_freq_llama / self.factor + smooth * inv_freq_llama
+        } else {
+            inv_freq_llama
+        }
+    }
+}
+
 /// Rotates the first `n_rot` dims of each head of `x: [B, T, H, D]`; see the module doc.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Rope {
     pub n_rot: usize,
     pub base: f64,
     pub inverse: bool,
+    /// Llama-3.x frequency scaling; `None` for plain RoPE.
+    pub scaling: Option<Llama3Scaling>,
 }
 
 impl Rope {
+    /// The inverse frequency of pair `i`: `base^(−2i/n_rot)`, scaled when
+    /// [`Rope::scaling`] is set (pair 0 of `n_rot == 1` is frequency 1).
+    pub fn inv_freq(&self, i: usize) -> f64 {
+        let plain = if self.n_rot <= 1 { 1.0 } else { self.base.powf(-2.0 * i as f64 / self.n_rot as f64) };
+        match &self.scaling {
+            Some(scaling) => scaling.adjust(plain),
+            None => plain,
+        }
+    }
+
     /// `(cos θ, sin θ)` per position and pair, `[T, n_rot/2]`, sin negated
     /// for the inverse; for `n_rot == 1`, `(cos t − sin t, 0)` per position.
     fn table<A: num_traits::FromPrimitive + Zero>(&self, seq: usize) -> Vec<(A, A)> {
         if self.n_rot == 1 {
+            let freq = self.inv_freq(0);
             return (0..seq)
                 .map(|t| {
-                    let t = t as f64;
-                    (c(t.cos() - t.sin()), A::zero())
+                    let theta = t as f64 * freq;
+                    (c(theta.cos() - theta.sin()), A::zero())
                 })
                 .collect();
         }
         let half = self.n_rot / 2;
         let sign = if self.inverse { -1.0 } else { 1.0 };
+        let freqs: Vec<f64> = (0..half).map(|i| self.inv_freq(i)).collect();
         let mut tab = Vec::with_capacity(seq * half);
         for t in 0..seq {
-            for i in 0..half {
-                let theta = t as f64 * self.base.powf(-2.0 * i as f64 / self.n_rot as f64);
+            for &freq in &freqs {
+                let theta = t as f64 * freq;
                 tab.push((c(theta.cos()), c(sign * theta.sin())));
             }
         }
@@ -105,7 +190,8 @@ impl OpDef for Rope {
     /// Forward and inverse of: full and partial rotation, head size 1 and
     /// the n_rot == 1 quirk with pass-through dimensions, n_rot == 0, more
     /// pairs than one angle chunk of the GPU kernel (256), LLaMA-like heads
-    /// at 4096 positions with both common bases.
+    /// at 4096 positions with both common bases; then Llama-3.x scaling
+    /// with every band of wavelengths present (and the head-size-1 quirk).
     fn samples(d: DType) -> Vec<Sample> {
         let cases: [(&[usize], usize, f64); 17] = [
             (&[2, 5, 3, 8], 8, 10000.0),
@@ -129,7 +215,31 @@ impl OpDef for Rope {
         let mut v = Vec::new();
         for (shape, n_rot, base) in cases {
             for inverse in [false, true] {
-                v.push(Sample::new(Rope { n_rot, base, inverse }, vec![normal(d, shape)]).large_over(40_000));
+                let rope = Rope { n_rot, base, inverse, scaling: None };
+                v.push(Sample::new(rope, vec![normal(d, shape)]).large_over(40_000));
+            }
+        }
+        // Llama 3.1's parameters, and a short original context so that a
+        // small head has pairs in all three bands (kept, interpolated,
+        // divided by the factor).
+        let llama31 = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let short = Llama3Scaling { original_max_position_embeddings: 32, ..llama31 };
+        let scaled: [(&[usize], usize, f64, Llama3Scaling); 5] = [
+            (&[2, 9, 3, 16], 16, 10000.0, short),
+            (&[2, 9, 3, 20], 12, 100.0, short),
+            (&[2, 9, 3, 1], 1, 10000.0, short),
+            (&[1, 5, 2, 128], 128, 500000.0, llama31),
+            (&[1, 4096, 2, 128], 128, 500000.0, llama31),
+        ];
+        for (shape, n_rot, base, scaling) in scaled {
+            for inverse in [false, true] {
+                let rope = Rope { n_rot, base, inverse, scaling: Some(scaling) };
+                v.push(Sample::new(rope, vec![normal(d, shape)]).large_over(40_000));
             }
         }
         v
@@ -154,6 +264,9 @@ impl OpDef for Rope {
         if !(self.base.is_finite() && self.base > 0.0) {
             return Err(format!("base={} must be a positive number", self.base));
         }
+        if let Some(scaling) = &self.scaling {
+            scaling.check()?;
+        }
         Ok(vec![x.clone()])
     }
     fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
@@ -170,16 +283,38 @@ impl OpDef for Rope {
             Ok(())
         })
     }
+    /// Plain RoPE prints three attributes; Llama-3.x scaling adds its four,
+    /// so traces of unscaled models print as they always have.
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        vec![
+        let mut attrs = vec![
             ("n_rot", Attr::Int(self.n_rot as i64)),
             ("base", Attr::Float(self.base)),
             ("inverse", Attr::Bool(self.inverse)),
-        ]
+        ];
+        if let Some(s) = &self.scaling {
+            attrs.extend([
+                ("llama3_factor", Attr::Float(s.factor)),
+                ("low_freq_factor", Attr::Float(s.low_freq_factor)),
+                ("high_freq_factor", Attr::Float(s.high_freq_factor)),
+                ("original_max_pos", Attr::Int(s.original_max_position_embeddings as i64)),
+            ]);
+        }
+        attrs
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "rope")
-            .then(|| Ok(Rope { n_rot: a.usize("n_rot")?, base: a.float("base")?, inverse: a.bool("inverse")? }))
+        (name == "rope").then(|| {
+            let scaling = if a.map.contains_key("llama3_factor") {
+                Some(Llama3Scaling {
+                    factor: a.float("llama3_factor")?,
+                    low_freq_factor: a.float("low_freq_factor")?,
+                    high_freq_factor: a.float("high_freq_factor")?,
+                    original_max_position_embeddings: a.usize("original_max_pos")?,
+                })
+            } else {
+                None
+            };
+            Ok(Rope { n_rot: a.usize("n_rot")?, base: a.float("base")?, inverse: a.bool("inverse")?, scaling })
+        })
     }
     fn inplace(&self) -> Vec<(usize, usize)> {
         vec![(0, 0)]
@@ -189,7 +324,8 @@ impl OpDef for Rope {
 impl Builder {
     /// Rotary embedding of the first `n_rot` dims of each head of `x: [B, T, H, D]`
     /// (Hugging Face `rotate_half` convention; see the module doc for `n_rot == 1`).
-    pub fn rope(&mut self, x: ValueId, n_rot: usize, base: f64) -> Result<ValueId> {
-        self.push1(Rope { n_rot, base, inverse: false }.into(), &[x])
+    /// `scaling` is Llama-3.x frequency scaling, `None` for plain RoPE.
+    pub fn rope(&mut self, x: ValueId, n_rot: usize, base: f64, scaling: Option<Llama3Scaling>) -> Result<ValueId> {
+        self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x])
     }
 }

@@ -1,7 +1,8 @@
 //! Lowering of the rotary embedding to the kernel of `kernels/rope.cu`: one
 //! block per (batch, position) row of `[B, T, H, D]`, its threads covering
-//! one chunk of rotated pairs of every head. The identity in place (no
-//! rotated dims, output aliasing input) launches nothing.
+//! one chunk of rotated pairs of every head, Llama-3.x frequency scaling
+//! passed as arguments. The identity in place (no rotated dims, output
+//! aliasing input) launches nothing.
 
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
@@ -41,7 +42,7 @@ impl Lower for Rope {
         let per_row = if self.n_rot >= 2 { heads * (self.n_rot / 2).min(ROPE_CHUNK) } else { row };
         let threads = per_row.next_multiple_of(32).clamp(32, ROPE_MAX_THREADS) as u32;
         let bt = batch * seq;
-        let args = vec![
+        let mut args = vec![
             ptr(x),
             ptr(y),
             n64(bt),
@@ -52,6 +53,16 @@ impl Lower for Rope {
             Arg::F64(self.base),
             Arg::I32(self.inverse as i32),
         ];
+        // Llama-3.x scaling travels as a flag and its four numbers; unscaled
+        // launches pass zeros the kernel never reads.
+        let scaling = self.scaling.as_ref();
+        args.extend([
+            Arg::I32(scaling.is_some() as i32),
+            Arg::F64(scaling.map_or(0.0, |s| s.factor)),
+            Arg::F64(scaling.map_or(0.0, |s| s.low_freq_factor)),
+            Arg::F64(scaling.map_or(0.0, |s| s.high_freq_factor)),
+            Arg::F64(scaling.map_or(0.0, |s| s.original_max_position_embeddings as f64)),
+        ]);
         Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args)])
     }
 }
@@ -67,7 +78,7 @@ mod tests {
 
     #[test]
     fn rope_in_place_identity_is_free_and_out_of_place_copies() {
-        let op = Op::Rope(Rope { n_rot: 0, base: 10000.0, inverse: false });
+        let op = Op::Rope(Rope { n_rot: 0, base: 10000.0, inverse: false, scaling: None });
         let ty = TensorType::new(DType::BF16, [1, 2, 3, 4]);
         let x = DevTensor { ty: ty.clone(), ptr: 4096 };
         assert!(lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&x), None).unwrap().is_empty());

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Hugging Face folders through stepgraph and back, checked against PyTorch.
+
+For each supported family (llama, mistral, qwen2, gpt_neox; tied and untied
+heads; Llama-3.x RoPE scaling; sharded and single-file), on the GPU machine
+(PyTorch and transformers 5.x installed, no network):
+
+1. build a small random model with `transformers` (f32, eager attention) and
+   `save_pretrained` it (sharded for some variants);
+2. run `stepgraph hf --init-from SRC --ids IDS --logits-out --grads-out --out OUT`:
+   stepgraph loads the folder, computes logits, loss and gradients on IDS,
+   and writes the model back to OUT;
+3. check that stepgraph's logits and loss match PyTorch's (f32: relative
+   L2 error <= 1e-5) and its gradients PyTorch's (<= 1e-4 per tensor), that
+   `AutoModelForCausalLM.from_pretrained(OUT)` loads as it is, holds exactly
+   the source's tensors and gives stepgraph's logits (<= 1e-5).
+
+Usage: python3 scripts/hf_roundtrip.py [--stepgraph target/release/stepgraph]
+       [--backend cpu|cuda] [--work DIR] [--only NAME ...]
+Exits non-zero if any check fails, printing one line per check.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+LOGITS_TOL = 1e-5
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Short, so that a 16-wide head has pairs in every band of the adjustment.
+    "original_max_position_embeddings": 32,
+}
+
+
+def variants():
+    """(name, model_type, config kwargs, max_shard_size or None)."""
+    llama_like = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+    neox = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        use_parallel_residual=True,
+        # transformers 4 reads rotary_pct/rotary_emb_base, 5 partial_rotary_factor/rope_theta.
+        rotary_pct=0.25,
+        partial_rotary_factor=0.25,
+        rotary_emb_base=10000,
+        rope_theta=10000.0,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return [
+        ("llama", "llama", dict(llama_like, tie_word_embeddings=False), None),
+        ("llama-tied-sharded", "llama", dict(llama_like, tie_word_embeddings=True), "40KB"),
+        ("llama3-rope", "llama", dict(llama_like, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE), None),
+        ("mistral", "mistral", dict(llama_like, tie_word_embeddings=False, sliding_window=None), "40KB"),
+        ("qwen2", "qwen2", dict(llama_like, tie_word_embeddings=False, use_sliding_window=False), None),
+        ("qwen2-tied", "qwen2", dict(llama_like, tie_word_embeddings=True, use_sliding_window=False), "40KB"),
+        ("gpt_neox", "gpt_neox", dict(neox, tie_word_embeddings=False), None),
+        ("gpt_neox-sequential-sharded", "gpt_neox", dict(neox, tie_word_embeddings=False, use_parallel_residual=False), "40KB"),
+    ]
+
+
+def make_config(model_type, kwargs):
+    """The `transformers` config of `model_type` with `kwargs`, adapted to the
+    installed version: transformers 5 takes RoPE (theta, partial rotary
+    factor, scaling) in one `rope_parameters` dict, 4 in separate keys."""
+    kwargs = dict(kwargs)
+    scaling = kwargs.pop("rope_scaling", None)
+    config_class = type(AutoConfig.for_model(model_type))
+    params = inspect.signature(config_class.__init__).parameters
+    accepts_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "rope_parameters" in params:
+        rope = dict(scaling or {"rope_type": "default"})
+        rope["rope_theta"] = kwargs.get("rope_theta", 10000.0)
+        if "partial_rotary_factor" in kwargs:
+            rope["partial_rotary_factor"] = kwargs["partial_rotary_factor"]
+        kwargs["rope_parameters"] = rope
+        for key in ("rope_theta", "rotary_emb_base", "rotary_pct", "partial_rotary_factor"):
+            if key not in params:
+                kwargs.pop(key, None)
+    elif scaling is not None:
+        kwargs["rope_scaling"] = scaling
+    if not accepts_any:
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    config = config_class(**kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
+def randomize(model, seed):
+    """Weights larger than the default init, so every path matters in the
+    comparison; norms near 1, biases small but non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def rel(a, b):
+    a = a.double()
+    b = b.double()
+    nb = b.norm().item()
+    d = (a - b).norm().item()
+    return d / nb if nb > 0 else (0.0 if d == 0 else float("inf"))
+
+
+class Checks:
+    def __init__(self):
+        self.failed = []
+
+    def check(self, name, ok, detail):
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        if not ok:
+            self.failed.append(name)
+
+
+def run_variant(checks, stepgraph, backend, work, name, model_type, kwargs, shard):
+    src = os.path.join(work, name, "src")
+    out = os.path.join(work, name, "out")
+    os.makedirs(src, exist_ok=True)
+    torch.manual_seed(0)
+    config = make_config(model_type, kwargs)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.float32)
+    randomize(model, seed=len(name))
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    save_kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(src, **save_kwargs)
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 128, "roundtrip_marker": name}, f)
+    sharded = os.path.exists(os.path.join(src, "model.safetensors.index.json"))
+    if shard and not sharded:
+        checks.check(f"{name} fixture", False, "save_pretrained wrote one file despite max_shard_size")
+
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    ids_path = os.path.join(work, name, "ids.safetensors")
+    save_file({"input_ids": ids.contiguous()}, ids_path)
+    logits_path = os.path.join(work, name, "logits.safetensors")
+    grads_path = os.path.join(work, name, "grads.safetensors")
+    cmd = [
+        stepgraph, "hf", "--init-from", src, "--ids", ids_path, "--logits-out", logits_path,
+        "--grads-out", grads_path, "--out", out, "--max-shard-mb", "0.05", "--backend", backend,
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        checks.check(f"{name} stepgraph hf", False, result.stderr.strip() or result.stdout.strip())
+        return
+    print(result.stdout.strip())
+
+    # PyTorch on the same weights and batch: labels=input_ids shifts inside transformers.
+    model.zero_grad()
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    ours = load_file(logits_path)
+    e = rel(ours["logits"], ref.logits.detach())
+    checks.check(f"{name} logits vs PyTorch", e <= LOGITS_TOL, f"rel {e:.3e} (tol {LOGITS_TOL})")
+    e = rel(ours["loss"], ref.loss.detach().reshape(1))
+    checks.check(f"{name} loss vs PyTorch", e <= LOSS_TOL, f"rel {e:.3e}: {ours['loss'].item():.8f} vs {ref.loss.item():.8f}")
+
+    grads = load_file(grads_path)
+    e = rel(grads["loss"], ref.loss.detach().reshape(1))
+    checks.check(f"{name} grads-step loss vs PyTorch", e <= LOSS_TOL, f"rel {e:.3e}")
+    worst, worst_name, missing = 0.0, None, []
+    ref_names = set()
+    for pname, p in model.named_parameters():
+        ref_names.add(pname)
+        if pname not in grads:
+            missing.append(pname)
+            continue
+        e = rel(grads[pname], p.grad)
+        if not (e <= worst):
+            worst, worst_name = e, pname
+    extra = sorted(set(grads) - ref_names - {"loss"})
+    checks.check(f"{name} gradient names", not missing and not extra, f"missing {missing[:5]}, extra {extra[:5]}")
+    checks.check(f"{name} gradients vs PyTorch", worst <= GRAD_TOL, f"worst rel {worst:.3e} ({worst_name})")
+
+    # Our folder loads in transformers as it is, with the source's tensors and our logits.
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    again.eval()
+    src_state = {k: v for k, v in model.state_dict().items() if "inv_freq" not in k}
+    out_state = {k: v for k, v in again.state_dict().items() if "inv_freq" not in k}
+    differ = [k for k in src_state if k not in out_state or not torch.equal(src_state[k], out_state[k])]
+    checks.check(f"{name} saved tensors", not differ and set(src_state) == set(out_state), f"differ {differ[:5]}")
+    checks.check(f"{name} saved class", type(again) is type(model), f"{type(again).__name__}")
+    with torch.no_grad():
+        logits_again = again(input_ids=ids).logits
+    e = rel(ours["logits"], logits_again)
+    checks.check(f"{name} saved folder logits vs stepgraph", e <= LOGITS_TOL, f"rel {e:.3e}")
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        marker = json.load(f).get("roundtrip_marker")
+    checks.check(f"{name} tokenizer files copied", marker == name, f"marker {marker!r}")
+    out_sharded = os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    checks.check(f"{name} saved shards", out_sharded, "index written for --max-shard-mb 0.05")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stepgraph", default=os.path.join("target", "release", "stepgraph"))
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--work", default=None, help="folder for the models (default: a temporary one)")
+    ap.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    args = ap.parse_args()
+    torch.set_grad_enabled(True)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    work = args.work or tempfile.mkdtemp(prefix="hf_roundtrip_")
+    checks = Checks()
+    for name, model_type, kwargs, shard in variants():
+        if args.only and name not in args.only:
+            continue
+        try:
+            run_variant(checks, args.stepgraph, args.backend, work, name, model_type, kwargs, shard)
+        except Exception as e:  # one variant's failure must not hide the others'
+            checks.check(f"{name}", False, f"{type(e).__name__}: {e}")
+    if checks.failed:
+        print(f"{len(checks.failed)} check(s) failed: {', '.join(checks.failed)}")
+        sys.exit(1)
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    main()
