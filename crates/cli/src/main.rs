@@ -4,10 +4,12 @@
 //! `train` (a training run on the CPU backend, or data-parallel on N GPUs
 //! with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
 //! workload on the GPU) and `compare` (one step's loss and gradients against
-//! a PyTorch reference, on the CPU or the CUDA backend).
+//! a PyTorch reference, on the CPU or the CUDA backend), and `prepare` (text
+//! and JSONL files tokenized into a token file for training, see [`prepare`]).
 
 mod bench;
 mod compare;
+mod prepare;
 mod train;
 
 use std::path::PathBuf;
@@ -74,6 +76,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Compare one grads step's loss and gradients with a PyTorch reference (torch_reference.py --save DIR).
     Compare(compare::CompareArgs),
+    /// Tokenize text and JSONL files (plain, instruction and chat records) into a token file for training.
+    Prepare(prepare::PrepareArgs),
     /// Train on a text file (byte-level tokens) on the CPU backend, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
@@ -296,6 +300,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
+        Command::Prepare(args) => prepare::run(&args)?,
         Command::Train { model, optim, train } => {
             let spec = model.spec()?;
             train::run(&model, optim.train_options(spec.dtype)?, &train)?

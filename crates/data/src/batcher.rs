@@ -167,18 +167,6 @@ impl<'a> Batcher<'a> {
         let mismatch = |what: &str, saved: String, now: String| {
             Err(Error::Cursor(format!("it was saved with {what} {saved}, but this run has {now}")))
         };
-        if cursor.file_hash != file.content_hash() || cursor.sequences != b.sequences {
-            return mismatch(
-                "a token file of fingerprint",
-                format!("{:#018x} ({} sequences)", cursor.file_hash, cursor.sequences),
-                format!(
-                    "{} with fingerprint {:#018x} ({} sequences)",
-                    file.path().display(),
-                    file.content_hash(),
-                    b.sequences
-                ),
-            );
-        }
         if cursor.split != opts.split {
             return mismatch("split", format!("{:?}", cursor.split), format!("{:?}", opts.split));
         }
@@ -191,6 +179,18 @@ impl<'a> Batcher<'a> {
         }
         if cursor.seed != opts.seed {
             return mismatch("seed", cursor.seed.to_string(), opts.seed.to_string());
+        }
+        if cursor.file_hash != file.content_hash() || cursor.sequences != b.sequences {
+            return mismatch(
+                "a token file of fingerprint",
+                format!("{:#018x} ({} sequences)", cursor.file_hash, cursor.sequences),
+                format!(
+                    "{} with fingerprint {:#018x} ({} sequences)",
+                    file.path().display(),
+                    file.content_hash(),
+                    b.sequences
+                ),
+            );
         }
         b.batches = cursor.batches;
         Ok(b)

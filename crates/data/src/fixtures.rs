@@ -72,8 +72,9 @@ fn tk_err<'a>(path: &'a Path, what: &str) -> impl Fn(tokenizers::Error) -> Error
 pub fn train_tokenizer(corpus: &Path, dir: &Path, vocab_size: usize, style: TemplateStyle) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "creating the fixture directory", e))?;
     let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
-    tokenizer.with_pre_tokenizer(Some(ByteLevel::default()));
-    tokenizer.with_post_processor(Some(ByteLevel::default()));
+    // No prefix space, as in the Qwen2 and Llama-3 tokenizers.
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tokenizer.with_post_processor(Some(ByteLevel::default().add_prefix_space(false)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
     let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()

@@ -15,8 +15,9 @@
 //! its markers: for the assistant message `i`, rendering messages `[0, i)`
 //! with `add_generation_prompt` gives the text before the reply, and
 //! rendering `[0, i]` the text through its end-of-turn marker; the reply is
-//! the byte span between the two, and a token is a target when it starts in
-//! such a span. A template whose prefixes are not prefixes of the whole
+//! the byte span between the two, and a token of the whole rendering is a
+//! target when it starts in such a span (with untrimmed offsets, so a
+//! whitespace token before a reply stays in the prompt). A template whose prefixes are not prefixes of the whole
 //! conversation is refused (the span would be a guess).
 //!
 //! Every document ends with the end-of-sequence id (appended unless the
@@ -216,8 +217,9 @@ pub fn tokenize_chat(tokenizer: &Tokenizer, messages: &[Message], path: &Path, l
         spans.push(before.len()..through.len());
     }
     // The template writes the special tokens (BOS included) itself.
-    let enc =
-        tokenizer.encode(&full, false).map_err(|e| Error::record(path, line, format!("tokenizer failed: {e}")))?;
+    let enc = tokenizer
+        .encode_exact_offsets(&full)
+        .map_err(|e| Error::record(path, line, format!("tokenizer failed: {e}")))?;
     let mask: Vec<bool> = enc.offsets.iter().map(|&(start, _)| spans.iter().any(|s| s.contains(&start))).collect();
     if !mask.iter().any(|&m| m) {
         return Err(Error::record(

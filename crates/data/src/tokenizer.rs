@@ -13,6 +13,8 @@ use crate::template::ChatTemplate;
 /// A loaded tokenizer with its special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer without its post-processor, for [`Tokenizer::encode_exact_offsets`].
+    without_post: tokenizers::Tokenizer,
     /// The `tokenizer.json` it was loaded from (named in errors).
     pub path: PathBuf,
     pub eos_token: String,
@@ -109,7 +111,9 @@ impl Tokenizer {
             }
         };
         let vocab_size = inner.get_vocab_size(true) as u32;
-        Ok(Tokenizer { inner, path: json, eos_token, eos_id, bos_token, chat_template, vocab_size })
+        let mut without_post = inner.clone();
+        without_post.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        Ok(Tokenizer { inner, without_post, path: json, eos_token, eos_id, bos_token, chat_template, vocab_size })
     }
 
     /// Vocabulary size including added tokens: one more than the largest id.
@@ -124,6 +128,14 @@ impl Tokenizer {
     /// (a BOS for Llama-style tokenizers) as `transformers` does for plain text.
     pub fn encode(&self, text: &str, special: bool) -> std::result::Result<Encoded, String> {
         let enc = self.inner.encode(text, special).map_err(|e| e.to_string())?;
+        Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
+    }
+
+    /// Encodes `text` without special tokens, with each token's untrimmed
+    /// byte span: the ByteLevel post-processor's `trim_offsets` would move a
+    /// whitespace token's span to its end, into the next message.
+    pub fn encode_exact_offsets(&self, text: &str) -> std::result::Result<Encoded, String> {
+        let enc = self.without_post.encode(text, false).map_err(|e| e.to_string())?;
         Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
     }
 
