@@ -100,3 +100,48 @@ impl ChatTemplate {
         &self.path
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(source: &str, messages: &[Message]) -> std::result::Result<String, String> {
+        let t = ChatTemplate::new(source.to_string(), PathBuf::from("test.jinja")).map_err(|e| e.to_string())?;
+        t.render(messages, true, "<s>", "</s>")
+    }
+
+    fn chat() -> Vec<Message> {
+        vec![
+            Message { role: "system".into(), content: "  be brief ".into() },
+            Message { role: "user".into(), content: "hi".into() },
+        ]
+    }
+
+    #[test]
+    fn hf_template_features() {
+        // Loop controls, tojson, Python string methods, the context variables.
+        let source = "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}\
+            {{ m.role.upper() }}={{ m.content.strip() | tojson }}{% if m.content.startswith('h') %}!{% endif %}\
+            {% break %}{% endfor %}{% if add_generation_prompt %}[gen]{{ eos_token }}{% endif %}";
+        assert_eq!(render(source, &chat()).unwrap(), "<s>USER=\"hi\"![gen]</s>");
+        // trim_blocks and lstrip_blocks, as transformers sets them.
+        let source = "{% for m in messages %}\n    {% if true %}\n{{ m.role }}\n    {% endif %}\n{% endfor %}";
+        assert_eq!(render(source, &chat()).unwrap(), "system\nuser\n");
+    }
+
+    #[test]
+    fn strftime_now_formats_today_and_refuses_bad_formats() {
+        let today = render("{{ strftime_now('%Y-%m-%d') }}", &chat()).unwrap();
+        assert_eq!(today, chrono::Utc::now().format("%Y-%m-%d").to_string());
+        let e = render("{{ strftime_now('%Q') }}", &chat()).unwrap_err();
+        assert!(e.contains("`%Q` is not a valid strftime format"), "{e}");
+    }
+
+    #[test]
+    fn raise_exception_and_compile_errors() {
+        let e = render("{{ raise_exception('roles must alternate') }}", &chat()).unwrap_err();
+        assert!(e.contains("the template raised: roles must alternate"), "{e}");
+        let e = render("{% if %}", &chat()).unwrap_err();
+        assert!(e.contains("test.jinja") && e.contains("does not compile"), "{e}");
+    }
+}
