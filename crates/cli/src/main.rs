@@ -4,13 +4,16 @@
 //! `train` (a training run on the CPU backend, or data-parallel on N GPUs
 //! with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
 //! workload on the GPU), `compare` (one step's loss and gradients against
-//! a PyTorch reference, on the CPU or the CUDA backend) and `hf` (a Hugging
-//! Face model folder loaded, run and written back, see [`hf_cmd`]).
+//! a PyTorch reference, on the CPU or the CUDA backend), `hf` (a Hugging
+//! Face model folder loaded, run and written back, see [`hf_cmd`]) and
+//! `prepare` (text and JSONL files tokenized into a token file for
+//! training, see [`prepare`]).
 
 mod bench;
 mod compare;
 mod hf_cmd;
 mod memory_args;
+mod prepare;
 mod train;
 
 use std::path::PathBuf;
@@ -89,6 +92,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Load a Hugging Face model folder (--init-from), write its logits or gradients, or write it back (--out).
     Hf(hf_cmd::HfArgs),
+    /// Tokenize text and JSONL files (plain, instruction and chat records) into a token file for training.
+    Prepare(prepare::PrepareArgs),
     /// Train on a text file (byte-level tokens) on the CPU backend, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
@@ -371,6 +376,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
         Command::Hf(args) => hf_cmd::run(&args)?,
+        Command::Prepare(args) => prepare::run(&args)?,
         Command::Train { model, optim, train } => {
             let spec = model.spec()?;
             train::run(&model, optim.train_options(spec.dtype)?, &train)?

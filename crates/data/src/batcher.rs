@@ -1,0 +1,294 @@
+//! Batches for the training step, drawn from a [`TokenFile`].
+//!
+//! **Packing.** A split's documents (each ending with EOS) are one
+//! continuous token stream. Sequence `k` is the `seq + 1` tokens starting at
+//! `k·seq`: its first `seq` tokens are the inputs and the last `seq` the
+//! targets, so consecutive sequences share one token and every token but the
+//! first is a target exactly once. The last sequence is padded (input EOS,
+//! target ignored) so no token is dropped.
+//!
+//! **Document boundaries.** Sequences cross them: the model attends across
+//! the EOS into the previous document, as in GPT-2-style packing, and the
+//! token after an EOS is a target (the start of a document is learnt too).
+//! Targets are [`IGNORE_INDEX`] where the token file's mask says the token is
+//! not a target (chat prompts) and in padding.
+//!
+//! **Order.** Training draws the sequences in a fresh permutation each epoch
+//! (without replacement), seeded by `(seed, epoch)`; rows continue from one
+//! epoch into the next, so every batch is full. Validation is one pass in
+//! stream order, its last batch padded with rows whose targets are all
+//! ignored, repeated identically.
+//!
+//! **Resume.** Batch `n` depends only on the file, the options and `n`, so
+//! a [`DataCursor`] (the options' fingerprint and the number of batches
+//! drawn) restores a run exactly: [`Batcher::resume`] then yields the batches
+//! the uninterrupted run would have.
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, TensorType};
+pub use stepgraph_core::models::gpt::IGNORE_INDEX;
+
+use crate::error::{Error, Result};
+use crate::token_file::{Split, TokenFile};
+
+/// The shape and order of the batches.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BatcherOptions {
+    /// Rows per batch (the global batch; data-parallel ranks take their rows).
+    pub batch: usize,
+    /// Tokens per row: the model's sequence length.
+    pub seq: usize,
+    /// Seeds each epoch's permutation of the training sequences.
+    pub seed: u64,
+    pub split: Split,
+}
+
+/// One batch in the layout of the step inputs `input_ids` and `targets`
+/// (`i32[batch, seq]`, row-major).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub inputs: Vec<i32>,
+    /// The inputs shifted by one in the packed stream; [`IGNORE_INDEX`]
+    /// where the token is not a loss target, and in padding.
+    pub targets: Vec<i32>,
+    pub batch: usize,
+    pub seq: usize,
+    /// The epoch (pass, for validation) of the batch's first row, from 0.
+    pub epoch: u64,
+    /// This batch's number, from 0 at the start of the run.
+    pub index: u64,
+    /// Targets that count in the loss (not [`IGNORE_INDEX`]).
+    pub loss_tokens: usize,
+}
+
+impl Batch {
+    /// The batch as the step's `[input_ids, targets]` host tensors (`i32[batch, seq]`).
+    pub fn host_tensors(&self) -> [HostTensor; 2] {
+        let ty = TensorType::new(DType::I32, [self.batch, self.seq]);
+        let tensor = |values: &[i32]| {
+            let mut t = HostTensor::zeros(ty.clone());
+            for (out, v) in t.bytes_mut().chunks_exact_mut(4).zip(values) {
+                out.copy_from_slice(&v.to_ne_bytes());
+            }
+            t
+        };
+        [tensor(&self.inputs), tensor(&self.targets)]
+    }
+}
+
+/// Where a batcher stands: what a checkpoint saves to resume the data
+/// exactly. The fields besides `batches` identify the stream, so resuming
+/// with another file, split, shape or seed is refused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataCursor {
+    /// Batches drawn so far; the next batch has this index.
+    pub batches: u64,
+    /// The epoch of the next batch's first row (informational; derived from `batches`).
+    pub epoch: u64,
+    pub seed: u64,
+    pub split: Split,
+    pub batch: usize,
+    pub seq: usize,
+    /// Sequences in the split.
+    pub sequences: u64,
+    /// [`TokenFile::content_hash`] of the file the cursor was taken on.
+    pub file_hash: u64,
+}
+
+/// Draws batches from a token file (see the module doc).
+pub struct Batcher<'a> {
+    file: &'a TokenFile,
+    opts: BatcherOptions,
+    /// First token of the split in the file.
+    start: u64,
+    /// Tokens in the split.
+    len: u64,
+    sequences: u64,
+    batches: u64,
+    /// The permutation of the training sequences for one epoch, kept for the
+    /// epoch being drawn.
+    permutation: Option<(u64, Vec<u64>)>,
+}
+
+/// SplitMix64: decorrelates the per-epoch seeds of neighbouring `(seed, epoch)`.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl<'a> Batcher<'a> {
+    /// A batcher at the start of the split.
+    pub fn new(file: &'a TokenFile, opts: BatcherOptions) -> Result<Batcher<'a>> {
+        if opts.batch == 0 || opts.seq == 0 {
+            return Err(Error::Options(format!(
+                "batches need at least one row of one token, got batch {} and seq {}",
+                opts.batch, opts.seq
+            )));
+        }
+        let range = file.split_tokens(opts.split);
+        let len = range.end - range.start;
+        if len < 2 {
+            let which = match opts.split {
+                Split::Train => "training",
+                Split::Validation => "validation",
+            };
+            return Err(Error::token_file(
+                file.path(),
+                format!(
+                    "the {which} split has {len} tokens ({} documents); a batch needs at least 2{}",
+                    file.split_docs(opts.split).end - file.split_docs(opts.split).start,
+                    if opts.split == Split::Validation {
+                        " (prepare with --val-docs N or --val-fraction F)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        if i32::try_from(file.vocab_size()).is_err() {
+            return Err(Error::token_file(
+                file.path(),
+                format!("vocabulary of {} ids does not fit i32 inputs", file.vocab_size()),
+            ));
+        }
+        let sequences = (len - 1).div_ceil(opts.seq as u64);
+        Ok(Batcher { file, opts, start: range.start, len, sequences, batches: 0, permutation: None })
+    }
+
+    /// A batcher that continues where `cursor` was taken, after checking
+    /// that the cursor belongs to this file, split, shape and seed.
+    pub fn resume(file: &'a TokenFile, opts: BatcherOptions, cursor: &DataCursor) -> Result<Batcher<'a>> {
+        let mut b = Batcher::new(file, opts)?;
+        let mismatch = |what: &str, saved: String, now: String| {
+            Err(Error::Cursor(format!("it was saved with {what} {saved}, but this run has {now}")))
+        };
+        if cursor.split != opts.split {
+            return mismatch("split", format!("{:?}", cursor.split), format!("{:?}", opts.split));
+        }
+        if (cursor.batch, cursor.seq) != (opts.batch, opts.seq) {
+            return mismatch(
+                "batch x seq",
+                format!("{} x {}", cursor.batch, cursor.seq),
+                format!("{} x {}", opts.batch, opts.seq),
+            );
+        }
+        if cursor.seed != opts.seed {
+            return mismatch("seed", cursor.seed.to_string(), opts.seed.to_string());
+        }
+        if cursor.file_hash != file.content_hash() || cursor.sequences != b.sequences {
+            return mismatch(
+                "a token file of fingerprint",
+                format!("{:#018x} ({} sequences)", cursor.file_hash, cursor.sequences),
+                format!(
+                    "{} with fingerprint {:#018x} ({} sequences)",
+                    file.path().display(),
+                    file.content_hash(),
+                    b.sequences
+                ),
+            );
+        }
+        b.batches = cursor.batches;
+        Ok(b)
+    }
+
+    /// Sequences in the split (one epoch of training rows).
+    pub fn sequences(&self) -> u64 {
+        self.sequences
+    }
+
+    /// Batches in one validation pass (the last padded); for training, the
+    /// batches that start in one epoch on average is `sequences / batch`.
+    pub fn batches_per_pass(&self) -> u64 {
+        self.sequences.div_ceil(self.opts.batch as u64)
+    }
+
+    /// Where the batcher stands, for a checkpoint.
+    pub fn cursor(&self) -> DataCursor {
+        DataCursor {
+            batches: self.batches,
+            epoch: self.epoch_of_batch(self.batches),
+            seed: self.opts.seed,
+            split: self.opts.split,
+            batch: self.opts.batch,
+            seq: self.opts.seq,
+            sequences: self.sequences,
+            file_hash: self.file.content_hash(),
+        }
+    }
+
+    fn epoch_of_batch(&self, index: u64) -> u64 {
+        match self.opts.split {
+            Split::Train => index.saturating_mul(self.opts.batch as u64) / self.sequences,
+            Split::Validation => index / self.batches_per_pass(),
+        }
+    }
+
+    /// The sequence of training row `row` (counting over all epochs).
+    fn train_sequence(&mut self, row: u64) -> u64 {
+        let (epoch, at) = (row / self.sequences, row % self.sequences);
+        if self.permutation.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut order: Vec<u64> = (0..self.sequences).collect();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(mix(mix(self.opts.seed) ^ epoch));
+            order.shuffle(&mut rng);
+            self.permutation = Some((epoch, order));
+        }
+        self.permutation.as_ref().expect("set above").1[at as usize]
+    }
+
+    /// Writes sequence `k` (or a padding row for `None`) into a row.
+    fn fill_row(&self, k: Option<u64>, inputs: &mut [i32], targets: &mut [i32]) {
+        let seq = self.opts.seq as u64;
+        let pad = self.file.eos_id() as i32;
+        for j in 0..seq {
+            let (input, target) = match k {
+                None => (pad, IGNORE_INDEX as i32),
+                Some(k) => {
+                    let at = k * seq + j;
+                    // Ids are below the vocabulary size, which fits i32 (checked in `new`).
+                    let input = if at < self.len { self.file.token(self.start + at) as i32 } else { pad };
+                    let target = if at + 1 < self.len && self.file.is_target(self.start + at + 1) {
+                        self.file.token(self.start + at + 1) as i32
+                    } else {
+                        IGNORE_INDEX as i32
+                    };
+                    (input, target)
+                }
+            };
+            inputs[j as usize] = input;
+            targets[j as usize] = target;
+        }
+    }
+
+    /// The next batch.
+    pub fn next_batch(&mut self) -> Result<Batch> {
+        let BatcherOptions { batch, seq, .. } = self.opts;
+        let index = self.batches;
+        let mut inputs = vec![0i32; batch * seq];
+        let mut targets = vec![0i32; batch * seq];
+        for r in 0..batch {
+            let k = match self.opts.split {
+                Split::Train => {
+                    let row = index
+                        .checked_mul(batch as u64)
+                        .and_then(|x| x.checked_add(r as u64))
+                        .ok_or_else(|| Error::Cursor(format!("batch index {index} overflows the row count")))?;
+                    Some(self.train_sequence(row))
+                }
+                Split::Validation => {
+                    let row = (index % self.batches_per_pass()) * batch as u64 + r as u64;
+                    (row < self.sequences).then_some(row)
+                }
+            };
+            let span = r * seq..(r + 1) * seq;
+            self.fill_row(k, &mut inputs[span.clone()], &mut targets[span]);
+        }
+        self.batches += 1;
+        let loss_tokens = targets.iter().filter(|&&t| t != IGNORE_INDEX as i32).count();
+        Ok(Batch { inputs, targets, batch, seq, epoch: self.epoch_of_batch(index), index, loss_tokens })
+    }
+}

@@ -1,0 +1,62 @@
+//! The one error type of `stepgraph-data`. Every message names the file (and
+//! the line or token position where there is one), the bad value, and what
+//! would have been accepted, so a user can fix the input without the source.
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+/// Errors raised while reading tokenizers, input records and token files,
+/// and while drawing batches.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A file that could not be read, written, created or renamed.
+    #[error("{}: {action}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tokenizer directory or file that cannot be used.
+    #[error("tokenizer {}: {reason}", path.display())]
+    Tokenizer { path: PathBuf, reason: String },
+    /// An input record (a JSONL line or a text file) that cannot be turned
+    /// into a document; `line` is 1-based, 0 for a whole file.
+    #[error("{}{}: {reason}", path.display(), line_suffix(*line))]
+    Record { path: PathBuf, line: usize, reason: String },
+    /// A chat template that does not compile or fails while rendering.
+    #[error("chat template from {}: {reason}", path.display())]
+    Template { path: PathBuf, reason: String },
+    /// A token file that is not a valid stepgraph token file.
+    #[error("token file {}: {reason}", path.display())]
+    TokenFile { path: PathBuf, reason: String },
+    /// Options (flags or library options) that do not fit together or the data.
+    #[error("{0}")]
+    Options(String),
+    /// A saved data cursor that does not belong to this token file and batch shape.
+    #[error("data cursor does not match: {0}")]
+    Cursor(String),
+}
+
+fn line_suffix(line: usize) -> String {
+    if line == 0 {
+        String::new()
+    } else {
+        format!(":{line}")
+    }
+}
+
+impl Error {
+    pub(crate) fn io(path: &Path, action: &'static str, source: std::io::Error) -> Self {
+        Error::Io { path: path.to_path_buf(), action, source }
+    }
+    pub(crate) fn token_file(path: &Path, reason: impl Into<String>) -> Self {
+        Error::TokenFile { path: path.to_path_buf(), reason: reason.into() }
+    }
+    pub(crate) fn record(path: &Path, line: usize, reason: impl Into<String>) -> Self {
+        Error::Record { path: path.to_path_buf(), line, reason: reason.into() }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,149 @@
+//! A Hugging Face tokenizer as `stepgraph prepare` uses it: `tokenizer.json`
+//! through the `tokenizers` crate (pure Rust, nothing downloaded), plus what
+//! `tokenizer_config.json` adds: the end-of-sequence and beginning-of-sequence
+//! tokens and the chat template (or a `chat_template.jinja` next to it).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::template::ChatTemplate;
+
+/// A loaded tokenizer with its special tokens.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The same tokenizer without its post-processor, for [`Tokenizer::encode_exact_offsets`].
+    without_post: tokenizers::Tokenizer,
+    /// The `tokenizer.json` it was loaded from (named in errors).
+    pub path: PathBuf,
+    pub eos_token: String,
+    pub eos_id: u32,
+    pub bos_token: Option<String>,
+    /// The chat template, when the config (or `chat_template.jinja`) has one.
+    pub chat_template: Option<ChatTemplate>,
+    vocab_size: u32,
+}
+
+/// A special token in `tokenizer_config.json`: a string, or an added-token
+/// object `{"content": …}`.
+fn special_token(config: &Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// One encoded text: ids and each id's byte span in the text.
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub offsets: Vec<(usize, usize)>,
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` from `dir_or_file` (a directory holding it, or
+    /// the file itself) and `tokenizer_config.json` from the same directory.
+    pub fn load(dir_or_file: &Path) -> Result<Tokenizer> {
+        let (dir, json) = if dir_or_file.is_dir() {
+            (dir_or_file.to_path_buf(), dir_or_file.join("tokenizer.json"))
+        } else {
+            let dir = dir_or_file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            (dir.to_path_buf(), dir_or_file.to_path_buf())
+        };
+        if !json.is_file() {
+            return Err(Error::Tokenizer {
+                path: json,
+                reason: "not found: --tokenizer takes a tokenizer.json or the directory holding one".into(),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&json)
+            .map_err(|e| Error::Tokenizer { path: json.clone(), reason: format!("cannot be loaded: {e}") })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| Error::Tokenizer {
+                path: config_path.clone(),
+                reason: format!("is not valid JSON: {e}"),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::Tokenizer {
+                    path: config_path,
+                    reason: "not found: its `eos_token` is the token that ends every document".into(),
+                })
+            }
+            Err(e) => return Err(Error::io(&config_path, "reading the tokenizer config", e)),
+        };
+        let eos_token = special_token(&config, "eos_token").ok_or_else(|| Error::Tokenizer {
+            path: config_path.clone(),
+            reason: "has no `eos_token` (a string or {\"content\": …}); it is the token that ends every document"
+                .into(),
+        })?;
+        let eos_id = inner.token_to_id(&eos_token).ok_or_else(|| Error::Tokenizer {
+            path: json.clone(),
+            reason: format!("eos_token `{eos_token}` of tokenizer_config.json is not in the vocabulary"),
+        })?;
+        let bos_token = special_token(&config, "bos_token");
+        let chat_template = match config.get("chat_template") {
+            Some(Value::String(source)) => Some(ChatTemplate::new(source.clone(), config_path.clone())?),
+            // Some configs hold named templates: [{"name": "default", "template": …}, …].
+            Some(Value::Array(list)) => {
+                let default = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
+                let source = default.and_then(|t| t.get("template")).and_then(Value::as_str).ok_or_else(|| {
+                    Error::Tokenizer {
+                        path: config_path.clone(),
+                        reason: "`chat_template` is a list without a template named \"default\"".into(),
+                    }
+                })?;
+                Some(ChatTemplate::new(source.to_string(), config_path.clone())?)
+            }
+            Some(other) => {
+                return Err(Error::Tokenizer {
+                    path: config_path,
+                    reason: format!("`chat_template` must be a string or a list of named templates, got {other}"),
+                })
+            }
+            None => {
+                let jinja = dir.join("chat_template.jinja");
+                match std::fs::read_to_string(&jinja) {
+                    Ok(source) => Some(ChatTemplate::new(source, jinja)?),
+                    Err(_) => None,
+                }
+            }
+        };
+        let vocab_size = inner.get_vocab_size(true) as u32;
+        let mut without_post = inner.clone();
+        without_post.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        Ok(Tokenizer { inner, without_post, path: json, eos_token, eos_id, bos_token, chat_template, vocab_size })
+    }
+
+    /// Vocabulary size including added tokens: one more than the largest id.
+    pub fn vocab_size(&self) -> u32 {
+        // Added tokens may sit past the model vocabulary with gaps, so the
+        // size is the largest id plus one, not the number of entries.
+        let largest = self.inner.get_vocab(true).values().copied().max().unwrap_or(0);
+        self.vocab_size.max(largest + 1)
+    }
+
+    /// Encodes `text`; `special` adds the post-processor's special tokens
+    /// (a BOS for Llama-style tokenizers) as `transformers` does for plain text.
+    pub fn encode(&self, text: &str, special: bool) -> std::result::Result<Encoded, String> {
+        let enc = self.inner.encode(text, special).map_err(|e| e.to_string())?;
+        Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
+    }
+
+    /// Encodes `text` without special tokens, with each token's untrimmed
+    /// byte span: the ByteLevel post-processor's `trim_offsets` would move a
+    /// whitespace token's span to its end, into the next message.
+    pub fn encode_exact_offsets(&self, text: &str) -> std::result::Result<Encoded, String> {
+        let enc = self.without_post.encode(text, false).map_err(|e| e.to_string())?;
+        Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> std::result::Result<String, String> {
+        self.inner.decode(ids, false).map_err(|e| e.to_string())
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
