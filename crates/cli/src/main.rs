@@ -1,8 +1,8 @@
 //! The `stepgraph` command line: `plan` (the memory plan of a step, without
 //! allocating the model; with `--gpus N` the plan of one data-parallel rank
 //! next to the 1-GPU plan), `trace` (the forward or step trace as text),
-//! `train` (a training run on the CPU backend, or data-parallel on N GPUs
-//! with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
+//! `train` (a training run on the CPU, on one GPU, or data-parallel on N
+//! GPUs with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
 //! workload on the GPU) and `compare` (one step's loss and gradients against
 //! a PyTorch reference, on the CPU or the CUDA backend).
 
@@ -10,10 +10,11 @@ mod bench;
 mod compare;
 mod train;
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use stepgraph_core::autodiff::{StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
@@ -74,7 +75,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Compare one grads step's loss and gradients with a PyTorch reference (torch_reference.py --save DIR).
     Compare(compare::CompareArgs),
-    /// Train on a text file (byte-level tokens) on the CPU backend, or data-parallel on N GPUs (--gpus N).
+    /// Train on a text file (byte-level tokens) on the CPU, one GPU, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
         model: ModelArgs,
@@ -245,9 +246,27 @@ fn step_kind(step: Option<StepArg>) -> StepKind {
     }
 }
 
+/// Parses the command line; for `train --run-config FILE`, the file's flags
+/// go before the command line's, for the flags the command line did not set
+/// ([`train::config_file`]).
+fn parse(argv: Vec<OsString>) -> Result<Cli> {
+    let matches = Cli::command().get_matches_from(&argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let Command::Train { train: ref args, .. } = cli.command else { return Ok(cli) };
+    let Some(file) = args.run_config.clone() else { return Ok(cli) };
+    let mut cmd = Cli::command();
+    cmd.build();
+    let train_cmd = cmd.find_subcommand("train").expect("train is a subcommand");
+    let given = matches.subcommand_matches("train").expect("parsed as train");
+    let extra = train::config_file::file_args(train_cmd, &file, given)?;
+    // `stepgraph train` has no options before the subcommand: argv[1] is `train`.
+    let merged: Vec<OsString> = argv[..2].iter().cloned().chain(extra).chain(argv[2..].iter().cloned()).collect();
+    Ok(Cli::parse_from(merged))
+}
+
 fn main() {
-    let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    let result = parse(std::env::args_os().collect()).and_then(run);
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
