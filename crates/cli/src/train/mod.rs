@@ -419,7 +419,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
             }
         }
     }
-    outcome.with_context(|| if world > 1 { format!("rank {rank} of {world}") } else { String::new() })
+    if world > 1 {
+        return outcome.with_context(|| format!("rank {rank} of {world}"));
+    }
+    outcome
 }
 
 /// The sessions of this process: the train step's, where its replay
