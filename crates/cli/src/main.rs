@@ -30,6 +30,9 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process, so the size of the largest variant (train's
+// flags) costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Plan the memory of one step (no model is allocated) and report it.
