@@ -322,3 +322,39 @@ fn bad_input_gets_clear_errors() {
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// On one GPU (`cargo test -p stepgraph --test train_run -- --ignored` on a
+/// machine with a GPU and Rust): 50 + 50 resumed steps equal 100 straight
+/// bit for bit, and the run holds its plan plus a few MB, with no NCCL.
+#[test]
+#[ignore = "needs a GPU"]
+fn on_one_gpu_resume_is_bitwise_and_memory_is_the_plan() {
+    let d = scratch("gpu");
+    let (straight, split) = (d.join("straight"), d.join("split"));
+    let gpu = |extra: &[&str]| {
+        let mut a: Vec<String> = ["train", "--device", "cuda", "--n-layer", "2", "--seq", "64", "--batch", "4"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        run_ok(&a)
+    };
+    let (out, err) = gpu(&["--steps", "100", "--checkpoint-dir", s(&straight)]);
+    gpu(&["--steps", "100", "--stop-after", "50", "--checkpoint-dir", s(&split)]);
+    gpu(&["--steps", "100", "--resume", "auto", "--checkpoint-dir", s(&split)]);
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(straight.join("step-000100").join(file)).unwrap();
+        let b = std::fs::read(split.join("step-000100").join(file)).unwrap();
+        assert!(a == b, "{file} differs between the straight and the resumed run on the GPU");
+    }
+    assert_eq!(losses(&metrics(&straight.join("metrics.jsonl"))), losses(&metrics(&split.join("metrics.jsonl"))));
+    // "device peak X MB for a Y MB plan (NCCL 0.0 MB)"
+    let after = out.split("device peak ").nth(1).unwrap_or_else(|| panic!("{out}\n{err}"));
+    let nums: Vec<f64> =
+        after.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter_map(|t| t.parse().ok()).take(3).collect();
+    let (held, planned, nccl) = (nums[0], nums[1], nums[2]);
+    assert_eq!(nccl, 0.0, "{out}");
+    assert!(held <= planned + 64.0, "held {held} MB for a {planned} MB plan: {out}");
+    assert!(err.contains("MFU"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -191,7 +191,17 @@ impl TrainArgs {
             (Some(gpus), None, _) if cpu_asked => {
                 bail!("--device cpu and --gpus {gpus} contradict each other: drop one")
             }
-            (Some(1), None, _) => Ok(Role::Gpu),
+            (Some(1), None, _) => {
+                // One GPU has no group: nothing to shard, reduce or overlap.
+                let group_flag =
+                    [(self.zero1, "--zero1"), (self.overlap, "--overlap"), (self.bucket_mb.is_some(), "--bucket-mb")]
+                        .into_iter()
+                        .find_map(|(set, flag)| set.then_some(flag));
+                if let Some(flag) = group_flag {
+                    bail!("{flag} applies to data-parallel runs over several GPUs; --gpus 1 trains on one GPU without collectives");
+                }
+                Ok(Role::Gpu)
+            }
             (Some(gpus), None, _) => Ok(Role::Launcher { gpus }),
             (Some(world), Some(rank), Some(id)) if rank < world => Ok(Role::Rank { rank, world, id_file: id.clone() }),
             (Some(world), Some(rank), Some(_)) => bail!("--rank {rank} is outside a group of {world} GPUs"),
@@ -982,8 +992,12 @@ mod tests {
         assert_eq!(role(&[], true).unwrap(), Role::Gpu);
         assert_eq!(role(&["--device", "cpu"], true).unwrap(), Role::Cpu);
         assert_eq!(role(&["--device", "cuda"], false).unwrap(), Role::Gpu);
-        // One GPU is the in-process run, not the launcher.
+        // One GPU is the in-process run, not the launcher, and has no group.
         assert_eq!(role(&["--gpus", "1"], true).unwrap(), Role::Gpu);
+        assert_eq!(role(&["--gpus", "1", "--eager"], true).unwrap(), Role::Gpu);
+        let e = role(&["--gpus", "1", "--zero1"], true).unwrap_err().to_string();
+        assert!(e.contains("--zero1 applies to data-parallel runs"), "{e}");
+        assert!(role(&["--gpus", "1", "--overlap"], true).unwrap_err().to_string().contains("--overlap"));
         assert_eq!(role(&["--gpus", "2", "--batch", "4"], true).unwrap(), Role::Launcher { gpus: 2 });
         let e = role(&["--gpus", "2", "--device", "cpu"], true).unwrap_err().to_string();
         assert!(e.contains("--device cpu and --gpus 2"), "{e}");
