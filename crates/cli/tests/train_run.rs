@@ -309,13 +309,21 @@ fn bad_input_gets_clear_errors() {
         "already holds checkpoints",
     );
     assert!(e.contains("--resume auto"), "{e}");
+    let early = small(&["--steps", "4", "--stop-after", "2", "--resume", "auto", "--checkpoint-dir", s(&ck)]);
+    fails_with(
+        &early.iter().map(String::as_str).collect::<Vec<_>>(),
+        "--stop-after 2 is not after the checkpoint's step 2",
+    );
+    // Extending a finished run is allowed, and the changed schedule is pointed out.
+    let (_, err) = run_ok(&small(&["--steps", "3", "--resume", "auto", "--checkpoint-dir", s(&ck)]));
+    assert!(err.contains("the checkpoint followed another schedule") && err.contains("at step 2"), "{err}");
     let mut other = small(&["--steps", "4", "--resume", "auto", "--checkpoint-dir", s(&ck)]);
     other[8] = "4".into();
     let e = fails_with(
         &other.iter().map(String::as_str).collect::<Vec<_>>(),
         "it was trained with batch = 2, this run has batch = 4",
     );
-    assert!(e.contains("step-000002"), "{e}");
+    assert!(e.contains("step-000003"), "{e}");
     if !stepgraph_cuda::session::gpu_available() {
         fails_with(&["train", "--device", "cuda"], "--device cuda needs 1 NVIDIA GPU");
         fails_with(&["train", "--gpus", "1"], "--gpus 1 needs 1 NVIDIA GPU");

@@ -355,6 +355,9 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
                     args.steps
                 );
             }
+            if let Some(stop) = args.stop_after.filter(|&n| n <= state.step) {
+                bail!("--stop-after {stop} is not after the checkpoint's step {} ({})", state.step, dir.display());
+            }
             Some((dir.clone(), state))
         }
         None => None,
@@ -397,7 +400,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
         }
     };
     if talk {
-        run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step)));
+        run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)));
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
     }
     if let Some(dir) = &run.ckpt {
@@ -576,7 +579,7 @@ impl Run<'_> {
         sources: &[String; 3],
         device: &str,
         data: &dyn TrainData,
-        resumed: Option<(&Path, usize)>,
+        resumed: Option<(&Path, usize, &LrSchedule)>,
     ) {
         let (spec, s, args) = (&self.spec, &self.schedule, self.args);
         let per_rank = match rank_batch(spec.batch, self.world) {
@@ -610,8 +613,20 @@ impl Run<'_> {
                 let every =
                     if args.save_every > 0 { format!("every {} steps and ", args.save_every) } else { String::new() };
                 eprintln!("  checkpoints {} ({every}at the end, keeping {})", d.root.display(), args.keep);
-                if let Some((dir, step)) = r {
+                if let Some((dir, step, saved)) = r {
                     eprintln!("  resumed     from {} (step {step})", dir.display());
+                    if saved != s {
+                        // Allowed (a run may be extended), but the rates
+                        // from here on are not the ones the checkpoint's run would have used.
+                        eprintln!(
+                            "  note        the checkpoint followed another schedule (peak {}, warm-up {}, floor {} at step {}); \
+                             this run follows the one above",
+                            short(saved.peak),
+                            saved.warmup,
+                            short(saved.min),
+                            saved.total
+                        );
+                    }
                 }
             }
         }
