@@ -278,6 +278,11 @@ fn bad_input_gets_clear_errors() {
         (vec!["train", "--stop-after", "0"], "--stop-after 0 must be a step of the run, from 1 to --steps 200"),
         (vec!["train", "--steps", "10", "--stop-after", "11"], "--stop-after 11"),
         (vec!["train", "--keep", "0"], "--keep 0"),
+        (vec!["train", "--eval-batches", "0"], "--eval-batches 0 evaluates nothing"),
+        (
+            vec!["train", "--device", "cpu", "--save-every", "5"],
+            "--save-every 5 saves checkpoints: give them a --checkpoint-dir",
+        ),
         (
             vec!["train", "--device", "cpu", "--val-fraction", "1.5"],
             "--val-fraction must be at least 0 and below 1, got 1.5",

@@ -269,6 +269,9 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
             bail!("--stop-after {n} must be a step of the run, from 1 to --steps {}", args.steps);
         }
     }
+    if args.eval_every > 0 && args.eval_batches == 0 {
+        bail!("--eval-batches 0 evaluates nothing: ask for at least 1, or turn validation off with --eval-every 0");
+    }
     if args.keep == 0 {
         bail!("--keep 0 would delete every checkpoint: keep at least 1");
     }
@@ -324,7 +327,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
     } else {
         None
     };
-    let ckpt = checkpoint_dir(args)?;
+    let ckpt = checkpoint_dir(args);
+    if ckpt.is_none() && args.save_every > 0 {
+        bail!("--save-every {} saves checkpoints: give them a --checkpoint-dir", args.save_every);
+    }
     let run_id = run_identity(&spec, &compiled.step, &opts, world, args);
     let resume_from = match (&args.resume, &ckpt) {
         (None, Some(dir)) => {
@@ -424,13 +430,8 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
         None => None,
     };
     let outcome = train_loop(&run, session.as_mut(), replay_from, &mut data, start, eval.as_mut(), metrics.as_mut());
-    match (&outcome, talk) {
-        (Err(_), _) | (_, false) => {}
-        (Ok(_), true) => {
-            if let Some(m) = &metrics {
-                eprintln!("metrics: {}", m.path().display());
-            }
-        }
+    if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
+        eprintln!("metrics: {}", m.path().display());
     }
     if world > 1 {
         return outcome.with_context(|| format!("rank {rank} of {world}"));
@@ -491,15 +492,15 @@ fn open_sessions(
 
 /// The checkpoint directory: `--checkpoint-dir`, or the parent of a
 /// `--resume PATH` checkpoint.
-fn checkpoint_dir(args: &TrainArgs) -> Result<Option<CheckpointDir>> {
-    Ok(match (&args.checkpoint_dir, &args.resume) {
+fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
+    match (&args.checkpoint_dir, &args.resume) {
         (Some(d), _) => Some(CheckpointDir::new(d)),
         (None, Some(path)) if path != "auto" => {
             let parent = Path::new(path).parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
             Some(CheckpointDir::new(parent))
         }
         _ => None,
-    })
+    }
 }
 
 /// The settings a resumed run must share with its checkpoint: the model's
