@@ -371,3 +371,19 @@ fn on_one_gpu_resume_is_bitwise_and_memory_is_the_plan() {
     assert!(err.contains("MFU"), "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Validation reads the weights and changes nothing: the training losses
+/// are the same bits with and without it.
+#[test]
+fn validation_does_not_change_training() {
+    let d = scratch("evalsame");
+    let (with, without) = (d.join("with.jsonl"), d.join("without.jsonl"));
+    let mut args = small(&["--steps", "12", "--metrics", s(&with)]);
+    args[10] = "3".into(); // --eval-every
+    run_ok(&args);
+    run_ok(&small(&["--steps", "12", "--metrics", s(&without)]));
+    let (a, b) = (metrics(&with), metrics(&without));
+    assert_eq!(a.iter().filter(|r| r.get("val_loss").is_some()).count(), 4);
+    assert_eq!(losses(&a), losses(&b));
+    std::fs::remove_dir_all(&d).unwrap();
+}
