@@ -329,6 +329,11 @@ fn bad_input_gets_clear_errors() {
         "it was trained with batch = 2, this run has batch = 4",
     );
     assert!(e.contains("step-000003"), "{e}");
+    // A checkpoint named by its directory resumes too, saving next to it.
+    let named = ck.join("step-000003");
+    let (_, err) = run_ok(&small(&["--steps", "4", "--resume", s(&named)]));
+    assert!(err.contains("resumed     from") && err.contains("(step 3)"), "{err}");
+    assert!(ck.join("step-000004").join("state.json").is_file());
     if !stepgraph_cuda::session::gpu_available() {
         fails_with(&["train", "--device", "cuda"], "--device cuda needs 1 NVIDIA GPU");
         fails_with(&["train", "--gpus", "1"], "--gpus 1 needs 1 NVIDIA GPU");

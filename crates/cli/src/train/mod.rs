@@ -1049,6 +1049,17 @@ mod tests {
         assert!(stepgraph_cuda::session::step_needs_nccl(&compile_step(&spec, &dp).unwrap().step));
     }
 
+    /// `grad_norm` is read when the step has it (in-graph clipping), by name only.
+    #[test]
+    fn the_grad_norm_output_is_found_by_name() {
+        let spec = parse(&["--seq", "8"]).unwrap().model.spec().unwrap();
+        let mut step = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap().step;
+        assert_eq!(grad_norm_output(&step), None);
+        let loss = step.loss().unwrap();
+        step.outputs.push(stepgraph_core::ir::Output { kind: OutputKind::Named("grad_norm".into()), value: loss });
+        assert_eq!(grad_norm_output(&step), Some(loss));
+    }
+
     #[test]
     fn rates_print_short() {
         assert_eq!(
