@@ -1,12 +1,12 @@
 //! The `stepgraph` command line: `plan` (the memory plan of a step, without
 //! allocating the model; with `--gpus N` the plan of one data-parallel rank
 //! next to the 1-GPU plan), `trace` (the forward or step trace as text),
-//! `train` (a training run on the CPU backend, or data-parallel on N GPUs
-//! with `--gpus N`: one process per GPU, see [`train`]), `bench` (a benchmark
-//! workload on the GPU), `compare` (one step's loss and gradients against
-//! a PyTorch reference, on the CPU or the CUDA backend), `hf` (a Hugging
-//! Face model folder loaded, run and written back, see [`hf_cmd`]) and
-//! `prepare` (text and JSONL files tokenized into a token file for
+//! `train` (a training run on the CPU, on one GPU, or data-parallel on N
+//! GPUs with `--gpus N`: one process per GPU, see [`train`]), `bench` (a
+//! benchmark workload on the GPU), `compare` (one step's loss and gradients
+//! against a PyTorch reference, on the CPU or the CUDA backend), `hf` (a
+//! Hugging Face model folder loaded, run and written back, see [`hf_cmd`])
+//! and `prepare` (text and JSONL files tokenized into a token file for
 //! training, see [`prepare`]).
 
 mod bench;
@@ -16,10 +16,11 @@ mod memory_args;
 mod prepare;
 mod train;
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use stepgraph_core::autodiff::{StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
@@ -35,6 +36,9 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process, so the size of the largest variant (train's
+// flags) costs nothing worth boxing for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Plan the memory of one step (no model is allocated) and report it.
@@ -94,7 +98,7 @@ enum Command {
     Hf(hf_cmd::HfArgs),
     /// Tokenize text and JSONL files (plain, instruction and chat records) into a token file for training.
     Prepare(prepare::PrepareArgs),
-    /// Train on a text file (byte-level tokens) on the CPU backend, or data-parallel on N GPUs (--gpus N).
+    /// Train on a text file (byte-level tokens) on the CPU, one GPU, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
         model: ModelArgs,
@@ -305,9 +309,27 @@ fn step_kind(step: Option<StepArg>) -> StepKind {
     }
 }
 
+/// Parses the command line; for `train --run-config FILE`, the file's flags
+/// go before the command line's, for the flags the command line did not set
+/// ([`train::config_file`]).
+fn parse(argv: Vec<OsString>) -> Result<Cli> {
+    let matches = Cli::command().get_matches_from(&argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let Command::Train { train: ref args, .. } = cli.command else { return Ok(cli) };
+    let Some(file) = args.run_config.clone() else { return Ok(cli) };
+    let mut cmd = Cli::command();
+    cmd.build();
+    let train_cmd = cmd.find_subcommand("train").expect("train is a subcommand");
+    let given = matches.subcommand_matches("train").expect("parsed as train");
+    let extra = train::config_file::file_args(train_cmd, &file, given)?;
+    // `stepgraph train` has no options before the subcommand: argv[1] is `train`.
+    let merged: Vec<OsString> = argv[..2].iter().cloned().chain(extra).chain(argv[2..].iter().cloned()).collect();
+    Ok(Cli::parse_from(merged))
+}
+
 fn main() {
-    let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    let result = parse(std::env::args_os().collect()).and_then(run);
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

@@ -92,9 +92,16 @@ pub fn candidates(env: Option<&Path>) -> Vec<PathBuf> {
     }
 }
 
+/// The process's NCCL (or why it could not be loaded), once [`nccl`] was called.
+static LIB: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
+
+/// Has this process tried to load NCCL? (A one-device session never does.)
+pub fn load_attempted() -> bool {
+    LIB.get().is_some()
+}
+
 /// The process's NCCL, loaded on first use from [`candidates`].
 pub fn nccl() -> Result<&'static Nccl> {
-    static LIB: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
     let loaded = LIB.get_or_init(|| {
         let env = std::env::var_os(NCCL_ENV).map(PathBuf::from);
         Nccl::load(&candidates(env.as_deref())).map_err(|e| match e {

@@ -179,6 +179,22 @@ pub fn free_device_memory(device: usize) -> Result<u64> {
     Ok(free as u64)
 }
 
+/// The name the driver gives GPU `device` ("NVIDIA H200").
+pub fn device_name(device: usize) -> Result<String> {
+    // SAFETY: as in `gpu_available`: a dlopen attempt with no precondition.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::Driver("no NVIDIA driver library (libcuda.so)".into()));
+    }
+    dr::init()?;
+    Ok(dr::device::get_name(dr::device::get(device as i32)?)?)
+}
+
+/// Does a session of `trace` load NCCL? Only a step with collectives (a
+/// data-parallel rank's) does; a one-device step never touches the library.
+pub fn step_needs_nccl(trace: &Trace) -> bool {
+    trace.nodes.iter().any(|n| world_of(&n.op).is_some())
+}
+
 fn used_bytes() -> Result<(u64, u64)> {
     let (free, total) = dr::mem_get_info()?;
     Ok(((total - free) as u64, total as u64))
@@ -227,8 +243,7 @@ struct Loaded {
 /// step has collectives (so a missing library fails before any allocation).
 fn check_rank(trace: &Trace, rank: &RankOptions) -> Result<(Option<GroupRank>, Option<&'static Nccl>)> {
     let group = check_group(trace, rank.group.as_ref())?;
-    let has_collectives = trace.nodes.iter().any(|n| world_of(&n.op).is_some());
-    let nccl = if has_collectives { Some(crate::nccl::nccl()?) } else { None };
+    let nccl = if step_needs_nccl(trace) { Some(crate::nccl::nccl()?) } else { None };
     Ok((group, nccl))
 }
 

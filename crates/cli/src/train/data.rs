@@ -1,0 +1,224 @@
+//! Where a training run's batches come from, behind [`TrainData`]: the
+//! training batches in a resumable order and a fixed held-out split for
+//! validation. [`ByteText`] is the byte-level source (a text file, one
+//! token per byte); a tokenized-file loader plugs in by implementing the
+//! same trait.
+//!
+//! **Invariant:** [`TrainData::cursor`] taken after batch `k` and given to
+//! [`TrainData::restore`] on a fresh source makes the next batch batch
+//! `k + 1` of the uninterrupted run, bit for bit.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, TensorType};
+
+/// Token ids and next-token targets of one global batch, `[batch, seq]` i32.
+pub struct Batch {
+    pub tokens: HostTensor,
+    pub targets: HostTensor,
+}
+
+/// A source of training and validation batches.
+pub trait TrainData {
+    /// The next training batch (the global batch: every rank draws the same
+    /// and keeps its rows).
+    fn next_batch(&mut self) -> Result<Batch>;
+    /// `n` batches of the held-out split, the same ones at every call.
+    fn validation_batches(&self, n: usize) -> Result<Vec<Batch>>;
+    /// Where the training batches stand, to save in a checkpoint.
+    fn cursor(&self) -> serde_json::Value;
+    /// Continues from a [`TrainData::cursor`]; an error names what does not fit.
+    fn restore(&mut self, cursor: &serde_json::Value) -> Result<()>;
+    /// One line for the start of the run ("data/tiny.txt: 1.1 MB, ...").
+    fn describe(&self) -> String;
+}
+
+/// Byte-level text: each byte is a token. Training windows of `seq + 1`
+/// bytes are drawn at random offsets of the first `1 - val_fraction` of the
+/// text, by a ChaCha8 stream whose word position is the cursor; validation
+/// windows tile the rest.
+pub struct ByteText {
+    path: PathBuf,
+    text: Vec<u8>,
+    /// Training windows start below this offset; validation at or above it.
+    split: usize,
+    batch: usize,
+    seq: usize,
+    seed: u64,
+    rng: ChaCha8Rng,
+}
+
+impl ByteText {
+    /// Reads `path` and splits it; the errors name the file and the flag.
+    pub fn open(path: &Path, batch: usize, seq: usize, val_fraction: f64, seed: u64) -> Result<Self> {
+        let text = std::fs::read(path).with_context(|| format!("reading training text {}", path.display()))?;
+        Self::new(path, text, batch, seq, val_fraction, seed)
+    }
+
+    pub fn new(path: &Path, text: Vec<u8>, batch: usize, seq: usize, val_fraction: f64, seed: u64) -> Result<Self> {
+        if !(val_fraction.is_finite() && (0.0..1.0).contains(&val_fraction)) {
+            bail!("--val-fraction must be at least 0 and below 1, got {val_fraction}");
+        }
+        let window = seq + 1;
+        // The training part must hold one window more than the draw needs
+        // (`gen_range` over an empty range panics), the validation part one window.
+        let val_bytes = if val_fraction > 0.0 { ((text.len() as f64 * val_fraction) as usize).max(window) } else { 0 };
+        let split = text.len().saturating_sub(val_bytes);
+        if split < window + 1 {
+            bail!(
+                "{} has {} bytes; a sequence of {seq} tokens needs at least {} bytes of training text{}",
+                path.display(),
+                text.len(),
+                window + 1,
+                if val_bytes > 0 {
+                    format!(" after the validation split of {val_bytes} bytes (--val-fraction {val_fraction})")
+                } else {
+                    String::new()
+                }
+            );
+        }
+        Ok(ByteText { path: path.to_path_buf(), text, split, batch, seq, seed, rng: ChaCha8Rng::seed_from_u64(seed) })
+    }
+
+    fn windows(&self, offsets: impl Iterator<Item = usize>) -> Batch {
+        let ty = TensorType::new(DType::I32, [self.batch, self.seq]);
+        let mut tokens = Vec::with_capacity(self.batch * self.seq);
+        let mut targets = Vec::with_capacity(self.batch * self.seq);
+        for o in offsets {
+            tokens.extend(self.text[o..o + self.seq].iter().map(|&b| b as f64));
+            targets.extend(self.text[o + 1..o + self.seq + 1].iter().map(|&b| b as f64));
+        }
+        Batch { tokens: HostTensor::from_f64(ty.clone(), &tokens), targets: HostTensor::from_f64(ty, &targets) }
+    }
+}
+
+impl TrainData for ByteText {
+    fn next_batch(&mut self) -> Result<Batch> {
+        let last_start = self.split - self.seq - 1;
+        let offsets: Vec<usize> = (0..self.batch).map(|_| self.rng.gen_range(0..last_start)).collect();
+        Ok(self.windows(offsets.into_iter()))
+    }
+
+    fn validation_batches(&self, n: usize) -> Result<Vec<Batch>> {
+        let window = self.seq + 1;
+        let available = (self.text.len() - self.split) / window;
+        if available == 0 {
+            bail!("validation needs a held-out split: set --val-fraction above 0 or --eval-every 0");
+        }
+        // Consecutive windows of the held-out text, wrapping around when
+        // more are asked for than it holds.
+        Ok((0..n)
+            .map(|b| self.windows((0..self.batch).map(|r| self.split + ((b * self.batch + r) % available) * window)))
+            .collect())
+    }
+
+    fn cursor(&self) -> serde_json::Value {
+        serde_json::json!({
+            "kind": "byte-text",
+            "seed": self.seed,
+            "bytes": self.text.len(),
+            // u128 does not fit a JSON number exactly: a decimal string.
+            "rng_word_pos": self.rng.get_word_pos().to_string(),
+        })
+    }
+
+    fn restore(&mut self, cursor: &serde_json::Value) -> Result<()> {
+        let kind = cursor["kind"].as_str().unwrap_or("");
+        if kind != "byte-text" {
+            bail!("the checkpoint's data cursor is of kind `{kind}`, not the byte-level text of --data");
+        }
+        if cursor["seed"].as_u64() != Some(self.seed) {
+            bail!("the checkpoint drew its batches with --seed {}, this run has --seed {}", cursor["seed"], self.seed);
+        }
+        if cursor["bytes"].as_u64() != Some(self.text.len() as u64) {
+            bail!(
+                "the checkpoint was trained on a text of {} bytes, {} has {}",
+                cursor["bytes"],
+                self.path.display(),
+                self.text.len()
+            );
+        }
+        let pos: u128 = cursor["rng_word_pos"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("the checkpoint's data cursor has no valid rng_word_pos: {cursor}"))?;
+        self.rng = ChaCha8Rng::seed_from_u64(self.seed);
+        self.rng.set_word_pos(pos);
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} ({} bytes: {} for training, {} held out)",
+            self.path.display(),
+            self.text.len(),
+            self.split,
+            self.text.len() - self.split
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(seed: u64) -> ByteText {
+        let text: Vec<u8> = (0..2000u32).map(|i| (i * 7 % 251) as u8).collect();
+        ByteText::new(Path::new("t.txt"), text, 3, 16, 0.1, seed).unwrap()
+    }
+
+    #[test]
+    fn a_restored_cursor_continues_the_same_batches() {
+        let mut straight = source(4);
+        let mut first = source(4);
+        for _ in 0..5 {
+            straight.next_batch().unwrap();
+            first.next_batch().unwrap();
+        }
+        let cursor = first.cursor();
+        let mut resumed = source(4);
+        resumed.restore(&cursor).unwrap();
+        for _ in 0..3 {
+            let (a, b) = (straight.next_batch().unwrap(), resumed.next_batch().unwrap());
+            assert_eq!(a.tokens.bytes(), b.tokens.bytes());
+            assert_eq!(a.targets.bytes(), b.targets.bytes());
+        }
+        // Another seed draws other batches, and its cursor is refused.
+        let e = source(5).restore(&cursor).unwrap_err().to_string();
+        assert!(e.contains("--seed 4") && e.contains("--seed 5"), "{e}");
+    }
+
+    #[test]
+    fn training_never_reads_the_held_out_text() {
+        // The last 10% of the text is byte 255, which the training part never holds.
+        let mut text: Vec<u8> = (0..1800u32).map(|i| (i % 200) as u8).collect();
+        text.extend([255u8; 200]);
+        let mut s = ByteText::new(Path::new("t.txt"), text, 3, 16, 0.1, 9).unwrap();
+        assert_eq!(s.split, 1800);
+        for _ in 0..300 {
+            let b = s.next_batch().unwrap();
+            let ids: Vec<f64> = b.tokens.to_f64().into_iter().chain(b.targets.to_f64()).collect();
+            assert!(ids.iter().all(|&t| t < 255.0), "a training window reached the held-out text");
+        }
+        let val = s.validation_batches(5).unwrap();
+        assert!(val.iter().all(|b| b.tokens.to_f64().iter().all(|&t| t == 255.0)));
+        // The same batches at every call.
+        assert_eq!(val[4].targets.bytes(), s.validation_batches(5).unwrap()[4].targets.bytes());
+    }
+
+    #[test]
+    fn bad_splits_name_the_flag() {
+        let text = vec![b'a'; 40];
+        let e = ByteText::new(Path::new("t.txt"), text.clone(), 1, 16, 1.0, 0).err().unwrap().to_string();
+        assert!(e.contains("--val-fraction") && e.contains("got 1"), "{e}");
+        let e = ByteText::new(Path::new("t.txt"), text.clone(), 1, 32, 0.1, 0).err().unwrap().to_string();
+        assert!(e.contains("t.txt has 40 bytes") && e.contains("--val-fraction 0.1"), "{e}");
+        let s = ByteText::new(Path::new("t.txt"), text, 1, 16, 0.0, 0).unwrap();
+        assert!(s.validation_batches(1).err().unwrap().to_string().contains("--val-fraction"));
+    }
+}

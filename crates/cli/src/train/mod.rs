@@ -1,0 +1,1093 @@
+//! `stepgraph train`: a training run, on the CPU, on one GPU, or
+//! data-parallel on N GPUs.
+//!
+//! **Where it runs.** `--device cpu|cuda` (default: cuda when this machine
+//! has an NVIDIA GPU) and `--gpus N`. The CPU and one GPU (`--device cuda`
+//! or `--gpus 1`) run in this process on a step without collectives, so a
+//! one-GPU run never loads NCCL and holds only its plan (plus the usual few
+//! MB of modules and cuBLASLt). `--gpus N` with N > 1 is the launcher
+//! ([`launch`]): it starts N rank processes that join one NCCL group; rank
+//! `r` runs on GPU `r`, builds its step of the data-parallel trace, writes
+//! the same initial weights as every rank and trains on its rows of the
+//! same global batch. Only rank 0 prints, evaluates and writes metrics.
+//!
+//! **The run.** The settings in force are printed first (the learning rate,
+//! warm-up and cosine floor chosen from the model's size when not given:
+//! [`schedule`]), then the memory plan. Each step writes its batch
+//! ([`data::TrainData`]), its learning rate and its count as step inputs and
+//! runs the step: on the CPU by replaying its recorded launch list from
+//! step 1, on a GPU eagerly at the first step (modules, and NCCL connecting
+//! ranks) and as one captured CUDA graph after, unless `--eager`. Every
+//! `--eval-every` steps a second, forward-only step evaluates the held-out
+//! split ([`Evaluator`]). A non-finite loss stops the run with the step and
+//! what went non-finite first, before any checkpoint of that step is saved.
+//!
+//! **Checkpoints and resume** ([`checkpoint`]): with `--checkpoint-dir`,
+//! every `--save-every` steps and at the end; `--resume auto` continues
+//! from the newest complete one with the same weights, moments, schedule
+//! and batch order, so the resumed run equals the uninterrupted one bit for
+//! bit. **Metrics** ([`metrics`]): a JSONL row per step and per validation.
+//! **Settings** may come from a TOML file ([`config_file`]).
+//!
+//! **Seams** for the loaders other parts provide: [`init_weights`] (today
+//! the seeded initialization; a pretrained model's weights later) and
+//! [`save_final_model`] (today the final checkpoint).
+
+pub mod checkpoint;
+pub mod config_file;
+pub mod data;
+pub mod launch;
+pub mod metrics;
+pub mod schedule;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use stepgraph_core::autodiff::{StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
+use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
+use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::{init_params, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
+use stepgraph_core::plan::plan_report;
+use stepgraph_core::session::{Session, SessionMemory};
+use stepgraph_cuda::nccl::{NcclGroup, NcclId};
+use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
+
+use crate::{LossArg, ModelArgs};
+use checkpoint::{CheckpointDir, CheckpointState};
+use data::{ByteText, TrainData};
+use metrics::MetricsFile;
+use schedule::LrSchedule;
+
+/// Where a single-process run trains.
+#[derive(Copy, Clone, Debug, PartialEq, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+/// `stepgraph train`'s own flags (the model flags are shared).
+#[derive(Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Text to train on (byte-level: one token per byte).
+    #[arg(long, default_value = "data/tiny.txt")]
+    pub data: PathBuf,
+    /// Optimizer steps of the whole run.
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    /// Peak learning rate [default: from the model's size; printed at start].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Linear warm-up steps [default: 5% of --steps, at most 2000].
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// The learning rate the cosine decay ends at, on the last step [default: 10% of the peak].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// The cosine floor as a fraction of the peak learning rate (instead of --min-lr).
+    #[arg(long, conflicts_with = "min_lr")]
+    pub min_lr_ratio: Option<f64>,
+    /// Fail (exit non-zero) when the loss diverges: the mean of the last
+    /// ten losses above twice the first; without it a warning is printed.
+    #[arg(long)]
+    pub fail_on_divergence: bool,
+    /// When stderr is not a terminal, log the loss every N steps (0: never).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
+    /// Seed for initial weights and batch sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Evaluate the loss and perplexity on the held-out split every N steps and at the end (0: never).
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: usize,
+    /// Batches of the held-out split each evaluation runs.
+    #[arg(long, default_value_t = 4)]
+    pub eval_batches: usize,
+    /// The fraction at the end of the text held out for validation.
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Save checkpoints in DIR (one `step-NNNNNN/` each); without it none are saved.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// With --checkpoint-dir: also save every N steps, not only at the end (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: usize,
+    /// With --checkpoint-dir: keep the newest K checkpoints, deleting older ones.
+    #[arg(long, default_value_t = 3)]
+    pub keep: usize,
+    /// Continue a run: `auto` (the newest complete checkpoint in --checkpoint-dir,
+    /// or a fresh start when there is none) or a checkpoint's `step-NNNNNN` directory.
+    #[arg(long)]
+    pub resume: Option<String>,
+    /// Stop after step N of the --steps run (saving a checkpoint), to continue later with --resume.
+    #[arg(long)]
+    pub stop_after: Option<usize>,
+    /// A JSONL file with one row per step and per validation [default: metrics.jsonl in --checkpoint-dir].
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Read flags from a TOML file whose keys are this command's flag names
+    /// (`steps = 100`, `n-layer = 2` or `n_layer = 2`, `zero1 = true`); flags
+    /// on the command line override it.
+    #[arg(long)]
+    pub run_config: Option<PathBuf>,
+    /// Train on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// Train on N GPUs: 1 is the same as --device cuda; N > 1 trains
+    /// data-parallel through NCCL, one process per GPU (`--batch` is the
+    /// global batch, split by rows).
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// With --gpus: shard the AdamW state over the GPUs (ZeRO-1).
+    #[arg(long, requires = "gpus")]
+    pub zero1: bool,
+    /// With --gpus: gradient bucket size in MiB, like PyTorch DDP's bucket_cap_mb [default: 25].
+    #[arg(long, requires = "gpus")]
+    pub bucket_mb: Option<f64>,
+    /// With --gpus: run every step eagerly instead of replaying a captured CUDA graph.
+    #[arg(long, requires = "gpus")]
+    pub eager: bool,
+    /// With --gpus: run the collectives on a second stream, overlapping the
+    /// backward work that does not touch their gradients.
+    #[arg(long, requires = "gpus")]
+    pub overlap: bool,
+    /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
+    #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
+    pub rank: Option<usize>,
+    /// Set by the launcher: the file holding the group's NCCL unique id (hex).
+    #[arg(long, hide = true, requires = "rank")]
+    pub nccl_id: Option<PathBuf>,
+}
+
+/// What this process does.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Role {
+    /// Train on the CPU backend.
+    Cpu,
+    /// Train on GPU 0 in this process, with no collectives and no NCCL.
+    Gpu,
+    /// Start `gpus` rank processes and wait for them.
+    Launcher { gpus: usize },
+    /// Rank `rank` of `world`, joining the group through the id in `id_file`.
+    Rank { rank: usize, world: usize, id_file: PathBuf },
+}
+
+impl TrainArgs {
+    /// The role of this process; `gpu_present` is whether the machine has
+    /// a GPU (the default device follows it).
+    pub fn role(&self, gpu_present: bool) -> Result<Role> {
+        let cpu_asked = self.device == Some(DeviceArg::Cpu);
+        match (self.gpus, self.rank, &self.nccl_id) {
+            (Some(0), _, _) => bail!("--gpus must be at least 1, got 0"),
+            (Some(gpus), None, _) if cpu_asked => {
+                bail!("--device cpu and --gpus {gpus} contradict each other: drop one")
+            }
+            (Some(1), None, _) => {
+                // One GPU has no group: nothing to shard, reduce or overlap.
+                let group_flag =
+                    [(self.zero1, "--zero1"), (self.overlap, "--overlap"), (self.bucket_mb.is_some(), "--bucket-mb")]
+                        .into_iter()
+                        .find_map(|(set, flag)| set.then_some(flag));
+                if let Some(flag) = group_flag {
+                    bail!("{flag} applies to data-parallel runs over several GPUs; --gpus 1 trains on one GPU without collectives");
+                }
+                Ok(Role::Gpu)
+            }
+            (Some(gpus), None, _) => Ok(Role::Launcher { gpus }),
+            (Some(world), Some(rank), Some(id)) if rank < world => Ok(Role::Rank { rank, world, id_file: id.clone() }),
+            (Some(world), Some(rank), Some(_)) => bail!("--rank {rank} is outside a group of {world} GPUs"),
+            (_, Some(_), _) => bail!("--rank needs --gpus and --nccl-id (all are set by the launcher)"),
+            (None, None, _) => match self.device {
+                Some(DeviceArg::Cpu) => Ok(Role::Cpu),
+                Some(DeviceArg::Cuda) => Ok(Role::Gpu),
+                None if gpu_present => Ok(Role::Gpu),
+                None => Ok(Role::Cpu),
+            },
+        }
+    }
+
+    pub fn data_parallel(&self, world: usize) -> Result<DataParallel> {
+        let bucket_bytes = match self.bucket_mb {
+            None => DEFAULT_BUCKET_BYTES,
+            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
+            Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
+        };
+        Ok(DataParallel { world, bucket_bytes, zero1: self.zero1 })
+    }
+
+    /// The learning-rate schedule: the flags, or the defaults for a model
+    /// of `params` parameters, each with where it came from.
+    pub fn schedule(&self, params: usize, fine_tuning: bool) -> Result<(LrSchedule, [String; 3])> {
+        let (peak, peak_src) = match self.lr {
+            Some(lr) => (lr, "--lr".to_string()),
+            None => {
+                let d = schedule::default_peak_lr(params, fine_tuning);
+                let what = if fine_tuning { "fine-tuning" } else { "pre-training" };
+                (d.value, format!("default for {what} {:.1}M parameters: {}", params as f64 / 1e6, d.source))
+            }
+        };
+        if !(peak.is_finite() && peak >= 0.0) {
+            bail!("--lr must be a finite non-negative learning rate, got {peak}");
+        }
+        let (warmup, warmup_src) = match self.warmup {
+            Some(w) => (w, "--warmup".to_string()),
+            None => {
+                let d = schedule::default_warmup(self.steps);
+                (d.value, format!("default: {}", d.source))
+            }
+        };
+        let (min, min_src) = match (self.min_lr, self.min_lr_ratio) {
+            (Some(m), _) => (m, "--min-lr".to_string()),
+            (None, Some(r)) if r.is_finite() && (0.0..=1.0).contains(&r) => (peak * r, format!("--min-lr-ratio {r}")),
+            (None, Some(r)) => bail!("--min-lr-ratio must lie in [0, 1], got {r}"),
+            (None, None) => (
+                peak * schedule::DEFAULT_MIN_LR_RATIO,
+                format!("default: {}% of the peak", schedule::DEFAULT_MIN_LR_RATIO * 100.0),
+            ),
+        };
+        Ok((LrSchedule::new(peak, warmup, min, self.steps)?, [peak_src, warmup_src, min_src]))
+    }
+}
+
+/// `stepgraph train`.
+pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<()> {
+    let role = args.role(gpu_available())?;
+    if args.steps == 0 {
+        bail!("--steps 0 trains nothing: ask for at least 1 step");
+    }
+    if let Some(n) = args.stop_after {
+        if n == 0 || n > args.steps {
+            bail!("--stop-after {n} must be a step of the run, from 1 to --steps {}", args.steps);
+        }
+    }
+    if args.eval_every > 0 && args.eval_batches == 0 {
+        bail!("--eval-batches 0 evaluates nothing: ask for at least 1, or turn validation off with --eval-every 0");
+    }
+    if args.keep == 0 {
+        bail!("--keep 0 would delete every checkpoint: keep at least 1");
+    }
+    if !matches!(model.loss, LossArg::Ce) {
+        bail!("training needs the cross-entropy loss (--loss ce)");
+    }
+    if args.resume.as_deref() == Some("auto") && args.checkpoint_dir.is_none() {
+        bail!("--resume auto looks for checkpoints in --checkpoint-dir: give the directory");
+    }
+    let spec = model.spec()?;
+    if spec.config.vocab_size < 256 {
+        bail!(
+            "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
+            spec.config.name,
+            spec.config.vocab_size
+        );
+    }
+    let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
+    let (rank, world) = match &role {
+        Role::Cpu => (0, 1),
+        Role::Gpu => {
+            if !gpu_available() {
+                let asked = if args.gpus == Some(1) { "--gpus 1" } else { "--device cuda" };
+                bail!(
+                    "{asked} needs 1 NVIDIA GPU, and this machine shows 0 (no driver or no GPU): train on the CPU \
+                     with --device cpu"
+                );
+            }
+            (0, 1)
+        }
+        Role::Launcher { gpus } => {
+            // The ranks' step, built once here so that a step the group cannot
+            // run (a batch or a parameter that does not split) fails before
+            // any process starts, with one message instead of N.
+            opts.data_parallel = Some(args.data_parallel(*gpus)?);
+            trace_step(&spec, &opts)?;
+            return launch::launch(*gpus);
+        }
+        Role::Rank { rank, world, .. } => {
+            opts.data_parallel = Some(args.data_parallel(*world)?);
+            (*rank, *world)
+        }
+    };
+    let compiled = compile_step(&spec, &opts)?;
+    let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
+    // `--init-from` (pretrained weights) will set this; the defaults then fine-tune.
+    let fine_tuning = false;
+    let (schedule, sources) = args.schedule(params, fine_tuning)?;
+    let mut data = ByteText::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed ^ 0x5eed)?;
+    let eval_step = if args.eval_every > 0 && rank == 0 {
+        data.validation_batches(1)?;
+        Some(compile_step(&compiled.spec, &StepOptions::new(StepKind::Forward))?)
+    } else {
+        None
+    };
+    let ckpt = checkpoint_dir(args);
+    if ckpt.is_none() && args.save_every > 0 {
+        bail!("--save-every {} saves checkpoints: give them a --checkpoint-dir", args.save_every);
+    }
+    let run_id = run_identity(&spec, &compiled.step, &opts, world, args);
+    let resume_from = match (&args.resume, &ckpt) {
+        (None, Some(dir)) => {
+            if let Some((step, path)) = dir.newest()? {
+                bail!(
+                    "{} already holds checkpoints (the newest is step {step}, {}): continue that run with \
+                     --resume auto, or start a new one in another --checkpoint-dir",
+                    dir.root.display(),
+                    path.display()
+                );
+            }
+            None
+        }
+        (None, None) => None,
+        (Some(r), Some(dir)) if r == "auto" => dir.newest()?.map(|(_, p)| p),
+        // `--resume auto` without --checkpoint-dir was refused above.
+        (Some(path), _) => Some(PathBuf::from(path)),
+    };
+    let resumed = match &resume_from {
+        Some(dir) => {
+            let state = checkpoint::read_complete(dir)?;
+            checkpoint::check_compatible(dir, &state.run, &run_id)?;
+            if state.step > args.steps {
+                bail!(
+                    "{} holds step {}, past the run's --steps {}: ask for more steps to continue it",
+                    dir.display(),
+                    state.step,
+                    args.steps
+                );
+            }
+            if let Some(stop) = args.stop_after.filter(|&n| n <= state.step) {
+                bail!("--stop-after {stop} is not after the checkpoint's step {} ({})", state.step, dir.display());
+            }
+            Some((dir.clone(), state))
+        }
+        None => None,
+    };
+
+    let CompiledStep { forward, step, plan, .. } = compiled;
+    let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
+    let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
+    let peak = match &role {
+        Role::Cpu => None,
+        _ => device_name(rank).ok().and_then(|n| metrics::peak_flops(&n, spec.dtype)).map(|p| p * world as f64),
+    };
+    let run = Run {
+        args,
+        flops_per_token: metrics::train_flops_per_token(params, &spec.config, spec.seq),
+        spec,
+        forward,
+        schedule,
+        rank,
+        world,
+        shard,
+        ckpt,
+        run_id,
+        peak_flops: peak,
+        params,
+    };
+    let talk = rank == 0;
+    let start = match &resumed {
+        Some((dir, state)) => {
+            let opt = checkpoint::optimizer_file(if state.shards == 0 { None } else { Some((rank, state.shards)) });
+            checkpoint::load_leaves(session.as_mut(), &dir.join(checkpoint::WEIGHTS_FILE), true)?;
+            checkpoint::load_leaves(session.as_mut(), &dir.join(opt), false)?;
+            data.restore(&state.data).with_context(|| format!("resuming the batches of {}", dir.display()))?;
+            state.step + 1
+        }
+        None => {
+            init_weights(session.as_mut(), &run.forward, args.seed)?;
+            session.zero_state()?;
+            1
+        }
+    };
+    if talk {
+        run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)));
+        eprint!("{}", plan_report(session.trace(), session.plan(), 3));
+    }
+    if let Some(dir) = &run.ckpt {
+        if talk {
+            dir.clean_leftovers()?;
+        }
+    }
+    if start > args.steps {
+        if talk {
+            println!("the run is complete: its checkpoint holds step {} of {}", start - 1, args.steps);
+        }
+        return Ok(());
+    }
+    let metrics_path = args.metrics.clone().or_else(|| run.ckpt.as_ref().map(|d| d.root.join("metrics.jsonl")));
+    let mut metrics = match (&metrics_path, talk) {
+        (Some(p), true) => Some(MetricsFile::open(p, resumed.as_ref().map(|(_, s)| s.step))?),
+        _ => None,
+    };
+    let mut eval = match eval {
+        Some(session) => Some(Evaluator { session, batches: data.validation_batches(args.eval_batches)? }),
+        None => None,
+    };
+    let outcome = train_loop(&run, session.as_mut(), replay_from, &mut data, start, eval.as_mut(), metrics.as_mut());
+    if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
+        eprintln!("metrics: {}", m.path().display());
+    }
+    if world > 1 {
+        return outcome.with_context(|| format!("rank {rank} of {world}"));
+    }
+    outcome
+}
+
+/// The sessions of this process: the train step's, where its replay
+/// starts, the device in words, and the evaluation step's (rank 0).
+#[allow(clippy::type_complexity)]
+fn open_sessions(
+    role: &Role,
+    args: &TrainArgs,
+    step: Trace,
+    plan: stepgraph_core::plan::MemoryPlan,
+    eval: Option<CompiledStep>,
+) -> Result<(Box<dyn Session>, Option<usize>, String, Option<Box<dyn Session>>)> {
+    // The backend, chosen once: the CPU replays its recorded launch list
+    // from step 1; a GPU runs step 1 eagerly (modules load; NCCL connects
+    // the ranks at their first collectives), then replays one captured
+    // graph, unless --eager.
+    let gpu_replay = if args.eager { None } else { Some(2) };
+    let on_gpu = |device: usize, group: Option<NcclGroup>, overlap: bool, step: Trace, plan| {
+        CudaSession::new_rank(step, plan, CudaOptions::default(), RankOptions { device, group, overlap })
+            .with_context(|| format!("opening the CUDA session on GPU {device}"))
+    };
+    let open_eval = |device: Option<usize>| -> Result<Option<Box<dyn Session>>> {
+        let Some(c) = eval else { return Ok(None) };
+        Ok(Some(match device {
+            None => Box::new(CpuSession::new(c.step, c.plan)?),
+            // The evaluation step has no collectives: no group, no NCCL.
+            Some(d) => Box::new(on_gpu(d, None, false, c.step, c.plan)?),
+        }))
+    };
+    match role {
+        Role::Cpu => {
+            let s = CpuSession::new(step, plan)?;
+            let device = s.device();
+            Ok((Box::new(s), Some(1), device, open_eval(None)?))
+        }
+        // One GPU: the step has no collectives, so no group and no NCCL.
+        Role::Gpu => {
+            let s = on_gpu(0, None, false, step, plan)?;
+            let device = format!("{} ({})", s.device(), device_name(0).unwrap_or_default());
+            Ok((Box::new(s), gpu_replay, device, open_eval(Some(0))?))
+        }
+        Role::Rank { rank, world, id_file } => {
+            let id = NcclId::read_file(id_file)
+                .with_context(|| format!("rank {rank}: reading the NCCL id the launcher wrote"))?;
+            let group = NcclGroup { id, rank: *rank, world: *world };
+            let s = on_gpu(*rank, Some(group), args.overlap, step, plan)
+                .with_context(|| format!("rank {rank} of {world}"))?;
+            Ok((Box::new(s), gpu_replay, format!("{world} GPUs"), open_eval(Some(*rank))?))
+        }
+        Role::Launcher { .. } => unreachable!("the launcher starts ranks and trains nothing itself"),
+    }
+}
+
+/// The checkpoint directory: `--checkpoint-dir`, or the parent of a
+/// `--resume PATH` checkpoint.
+fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
+    match (&args.checkpoint_dir, &args.resume) {
+        (Some(d), _) => Some(CheckpointDir::new(d)),
+        (None, Some(path)) if path != "auto" => {
+            let parent = Path::new(path).parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            Some(CheckpointDir::new(parent))
+        }
+        _ => None,
+    }
+}
+
+/// The settings a resumed run must share with its checkpoint: the model's
+/// configuration (`model.*`), the batch, the dtypes, the optimizer, the
+/// group and the data.
+fn run_identity(
+    spec: &ModelSpec,
+    step: &Trace,
+    opts: &StepOptions,
+    world: usize,
+    args: &TrainArgs,
+) -> BTreeMap<String, serde_json::Value> {
+    let mut id = BTreeMap::new();
+    if let Ok(serde_json::Value::Object(config)) = serde_json::to_value(&spec.config) {
+        for (k, v) in config {
+            id.insert(format!("model.{k}"), v);
+        }
+    }
+    let state_dtype = step
+        .leaves()
+        .find(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))
+        .map(|v| step.ty(v).dtype.to_string());
+    id.insert("batch".into(), spec.batch.into());
+    id.insert("seq".into(), spec.seq.into());
+    id.insert("dtype".into(), spec.dtype.to_string().into());
+    id.insert("state-dtype".into(), state_dtype.into());
+    id.insert("weight-decay".into(), opts.train.adamw.weight_decay.into());
+    id.insert("gpus".into(), world.into());
+    id.insert("zero1".into(), args.zero1.into());
+    id.insert("data".into(), args.data.display().to_string().into());
+    id.insert("val-fraction".into(), args.val_fraction.into());
+    id.insert("seed".into(), args.seed.into());
+    id
+}
+
+/// Writes the initial weights. **Seam:** the seeded initialization today;
+/// a pretrained model's weights (`--init-from`) replace it here.
+pub fn init_weights(session: &mut dyn Session, forward: &Trace, seed: u64) -> Result<()> {
+    for (fp, value) in init_params(forward, seed) {
+        let name = forward.value(fp).kind.leaf_name().unwrap_or_default().to_string();
+        session.write_named(&name, &value)?;
+    }
+    Ok(())
+}
+
+/// Saves the model at the end of the run. **Seam:** the final checkpoint
+/// today; a Hugging Face model folder (`--out`) is written here later.
+fn save_final_model(run: &Run, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
+    run.save_checkpoint(session, step, loss, data)
+}
+
+/// The fixed facts of a run.
+struct Run<'a> {
+    args: &'a TrainArgs,
+    /// The model and the global batch.
+    spec: ModelSpec,
+    forward: Trace,
+    schedule: LrSchedule,
+    rank: usize,
+    world: usize,
+    /// The AdamW state is sharded over the ranks (ZeRO-1).
+    shard: bool,
+    ckpt: Option<CheckpointDir>,
+    run_id: BTreeMap<String, serde_json::Value>,
+    flops_per_token: f64,
+    /// The group's peak FLOP/s for MFU; `None` on the CPU or an unknown GPU.
+    peak_flops: Option<f64>,
+    params: usize,
+}
+
+/// How long rank 0 waits for the other ranks' optimizer shards.
+const SHARD_WAIT: Duration = Duration::from_secs(600);
+
+impl Run<'_> {
+    fn print_settings(
+        &self,
+        sources: &[String; 3],
+        device: &str,
+        data: &dyn TrainData,
+        resumed: Option<(&Path, usize, &LrSchedule)>,
+    ) {
+        let (spec, s, args) = (&self.spec, &self.schedule, self.args);
+        let per_rank = match rank_batch(spec.batch, self.world) {
+            Ok(rows) if self.world > 1 => format!(" ({rows} rows per GPU)"),
+            _ => String::new(),
+        };
+        eprintln!(
+            "training {} ({} parameters, {} layers) on {device}: batch {} x {} = {} tokens per step{per_rank}, {} steps",
+            spec.config.name,
+            self.params,
+            spec.config.n_layer,
+            spec.batch,
+            spec.seq,
+            spec.batch * spec.seq,
+            args.steps
+        );
+        eprintln!("  data        {}", data.describe());
+        eprintln!("  lr          peak {} ({})", short(s.peak), sources[0]);
+        eprintln!("  warm-up     {} step{} ({})", s.warmup, if s.warmup == 1 { "" } else { "s" }, sources[1]);
+        eprintln!("  decay       cosine to {} at step {} ({})", short(s.min), s.total, sources[2]);
+        eprintln!(
+            "  dtype       {}, AdamW moments {}, weight decay {}, seed {}",
+            spec.dtype,
+            self.run_id["state-dtype"].as_str().unwrap_or("none"),
+            self.run_id["weight-decay"],
+            args.seed
+        );
+        match (&self.ckpt, resumed) {
+            (None, _) => eprintln!("  checkpoints none (--checkpoint-dir DIR saves them)"),
+            (Some(d), r) => {
+                let every =
+                    if args.save_every > 0 { format!("every {} steps and ", args.save_every) } else { String::new() };
+                eprintln!("  checkpoints {} ({every}at the end, keeping {})", d.root.display(), args.keep);
+                if let Some((dir, step, saved)) = r {
+                    eprintln!("  resumed     from {} (step {step})", dir.display());
+                    if saved != s {
+                        // Allowed (a run may be extended), but the rates
+                        // from here on are not the ones the checkpoint's run would have used.
+                        eprintln!(
+                            "  note        the checkpoint followed another schedule (peak {}, warm-up {}, floor {} at step {}); \
+                             this run follows the one above",
+                            short(saved.peak),
+                            saved.warmup,
+                            short(saved.min),
+                            saved.total
+                        );
+                    }
+                }
+            }
+        }
+        if args.eval_every > 0 {
+            eprintln!("  validation  every {} steps, {} batches", args.eval_every, args.eval_batches);
+        }
+    }
+
+    /// Saves a checkpoint of `step` (every rank takes part: ZeRO-1 ranks
+    /// write their shards) and deletes the ones beyond `--keep`.
+    fn save_checkpoint(&self, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
+        let Some(dir) = &self.ckpt else { return Ok(()) };
+        let shards = if self.shard { self.world } else { 0 };
+        if self.rank > 0 {
+            if self.shard {
+                let state = checkpoint::read_leaves(session, false)?;
+                dir.write_shard(step, self.rank, self.world, &state)?;
+            }
+            return Ok(());
+        }
+        let weights = checkpoint::read_leaves(session, true)?;
+        let optimizer = checkpoint::read_leaves(session, false)?;
+        let state = CheckpointState::new(step, self.schedule, loss, data.cursor(), self.run_id.clone(), shards);
+        dir.save(&state, &weights, &optimizer, SHARD_WAIT)?;
+        dir.prune(self.args.keep)?;
+        Ok(())
+    }
+}
+
+/// The forward-only step that evaluates the held-out split, with the
+/// training step's weights copied in before each evaluation.
+///
+/// A second session rather than the training one: a train step always
+/// applies its AdamW update, so evaluating with it would change the
+/// weights. Its memory is its own plan (a forward pass holds no gradients
+/// or moments), counted in the run's planned and held bytes.
+pub struct Evaluator {
+    session: Box<dyn Session>,
+    batches: Vec<data::Batch>,
+}
+
+impl Evaluator {
+    /// The mean loss over the validation batches, on the weights of `train`.
+    fn evaluate(&mut self, train: &mut dyn Session, rank: usize, world: usize) -> Result<f64> {
+        let params: Vec<(String, _)> = {
+            let t = self.session.trace();
+            t.params().map(|p| (t.value(p).kind.leaf_name().unwrap_or_default().to_string(), p)).collect()
+        };
+        for (name, v) in params {
+            let src = train
+                .trace()
+                .leaf_by_name(&name)
+                .with_context(|| format!("the training step has no parameter `{name}` to evaluate"))?;
+            let value = train.read(src)?;
+            self.session.write(v, &value)?;
+        }
+        let mut total = 0.0;
+        for b in &self.batches {
+            self.session.write_named(TOKENS_INPUT, &shard_rows(&b.tokens, rank, world)?)?;
+            self.session.write_named(TARGETS_INPUT, &shard_rows(&b.targets, rank, world)?)?;
+            self.session.run_eager()?;
+            total += self.session.loss()?;
+        }
+        Ok(total / self.batches.len().max(1) as f64)
+    }
+}
+
+/// The named output `grad_norm` of a step that computes it (gradient clipping).
+fn grad_norm_output(trace: &Trace) -> Option<stepgraph_core::ir::ValueId> {
+    trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == "grad_norm")).map(|o| o.value)
+}
+
+/// A learning rate as people write it: `3e-3`, `1.2e-4`, `0.01`, `30`.
+fn short(x: f64) -> String {
+    if (1e-2..1e4).contains(&x) {
+        return format!("{x}");
+    }
+    let s = format!("{x:.3e}");
+    let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+    let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+    if exp == "0" {
+        mantissa.to_string()
+    } else {
+        format!("{mantissa}e{exp}")
+    }
+}
+
+fn mb(bytes: u64) -> f64 {
+    bytes as f64 / 1e6
+}
+
+/// Trains steps `start..=` the last of this process (`--steps`, or
+/// `--stop-after`); only rank 0 prints.
+fn train_loop(
+    run: &Run,
+    session: &mut dyn Session,
+    replay_from: Option<usize>,
+    data: &mut dyn TrainData,
+    start: usize,
+    mut eval: Option<&mut Evaluator>,
+    mut metrics: Option<&mut MetricsFile>,
+) -> Result<()> {
+    let args = run.args;
+    let (rank, world) = (run.rank, run.world);
+    let (global, seq, steps) = (run.spec.batch, run.spec.seq, args.steps);
+    let last = args.stop_after.unwrap_or(steps);
+    let talk = rank == 0;
+    let grad_norm = grad_norm_output(session.trace());
+    // On a terminal a progress bar; otherwise (a log file, CI) plain lines every --log-every steps.
+    let tty = std::io::stderr().is_terminal();
+    let bar = if talk && tty { ProgressBar::new(steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} ETA {eta} {msg}")
+            .expect("valid template"),
+    );
+    bar.set_position(start as u64 - 1);
+    bar.reset_eta();
+    let (mut first, mut last_loss) = (f64::NAN, f64::NAN);
+    let mut recent: VecDeque<f64> = VecDeque::with_capacity(SMOOTHING);
+    let mut recorded: Option<Duration> = None;
+    let mut saved: Option<PathBuf> = None;
+    let mut eval_time = Duration::ZERO;
+    let t0 = Instant::now();
+    for it in start..=last {
+        let batch = data.next_batch()?;
+        let lr = run.schedule.at(it);
+        session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
+        session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
+        session.write_named(LR_INPUT, &scalar_input(lr))?;
+        session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
+        if replay_from.is_some_and(|from| it >= from) {
+            if recorded.is_none() {
+                recorded = Some(session.prepare_replay()?);
+            }
+            session.replay()?;
+        } else {
+            session.run_eager()?;
+        }
+        let loss = session.loss()?;
+        if !loss.is_finite() {
+            bar.finish_and_clear();
+            let cause = diagnose_non_finite(session, run.spec.dtype, it)?;
+            let kept = match (&run.ckpt, &saved) {
+                (None, _) => "no checkpoint was saved (--checkpoint-dir)".to_string(),
+                (Some(d), _) => match d.newest()? {
+                    Some((_, p)) => format!("the last good checkpoint is {} (nothing was saved after it)", p.display()),
+                    None => "no checkpoint was saved before it".to_string(),
+                },
+            };
+            bail!("the loss became {loss} at step {it}: {cause}; {kept}");
+        }
+        if it == start {
+            first = loss;
+        }
+        last_loss = loss;
+        if recent.len() == SMOOTHING {
+            recent.pop_front();
+        }
+        recent.push_back(loss);
+        let train_secs = (t0.elapsed() - eval_time).as_secs_f64();
+        let tps = ((it + 1 - start) * global * seq) as f64 / train_secs;
+        let mfu = run.peak_flops.map(|peak| run.flops_per_token * tps / peak);
+        let mem = memory(session, eval.as_deref_mut())?;
+        let grad_norm = match grad_norm {
+            Some(v) => Some(session.read(v)?.to_f64()[0]),
+            None => None,
+        };
+        let mfu_text = mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default();
+        let mem_text = if mem.measured {
+            format!("  mem {:.0}/{:.0} MB held/planned", mb(mem.held_bytes), mb(mem.planned_bytes))
+        } else {
+            format!("  mem {:.1} MB planned", mb(mem.planned_bytes))
+        };
+        bar.set_message(format!("loss {loss:.4}  {tps:.0} tok/s{mfu_text}{mem_text}"));
+        bar.inc(1);
+        if talk && !tty && args.log_every > 0 && (it % args.log_every == 0 || it == last) {
+            eprintln!("step {it}/{steps}: loss {loss:.4}, lr {lr:.3e}, {tps:.0} tok/s{mfu_text}{mem_text}");
+        }
+        if let Some(m) = metrics.as_deref_mut() {
+            let mut row = serde_json::json!({
+                "step": it, "loss": loss, "lr": lr, "tokens_per_s": tps,
+                "planned_bytes": mem.planned_bytes, "held_bytes": mem.held_bytes,
+            });
+            if let Some(g) = grad_norm {
+                row["grad_norm"] = g.into();
+            }
+            if let Some(m) = mfu {
+                row["mfu"] = m.into();
+            }
+            m.write(&row)?;
+        }
+        if let Some(e) = eval.as_deref_mut() {
+            if it % args.eval_every == 0 || it == last {
+                let t = Instant::now();
+                let val = e.evaluate(session, rank, world)?;
+                eval_time += t.elapsed();
+                if talk {
+                    bar.suspend(|| eprintln!("validation at step {it}: loss {val:.4}, perplexity {:.2}", val.exp()));
+                }
+                if let Some(m) = metrics.as_deref_mut() {
+                    m.write(&serde_json::json!({"step": it, "val_loss": val, "val_ppl": val.exp()}))?;
+                }
+            }
+        }
+        let periodic = args.save_every > 0 && it % args.save_every == 0;
+        if run.ckpt.is_some() && (periodic || it == last) {
+            if it == steps {
+                save_final_model(run, session, it, loss, data)?;
+            } else {
+                run.save_checkpoint(session, it, loss, data)?;
+            }
+            saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
+        }
+    }
+    // Clear the bar so that the summary starts on its own line.
+    bar.finish_and_clear();
+    let smoothed = recent.iter().sum::<f64>() / recent.len() as f64;
+    if smoothed > DIVERGENCE_FACTOR * first {
+        let msg = format!(
+            "the loss diverged: the mean of the last {} losses, {smoothed:.4}, is {:.1}x the first, {first:.4} \
+             (lower --lr, now {})",
+            recent.len(),
+            smoothed / first,
+            short(run.schedule.peak)
+        );
+        if args.fail_on_divergence {
+            bail!("{msg}");
+        }
+        if talk {
+            eprintln!("warning: {msg}");
+        }
+    }
+    let note = closing_note(session, eval, recorded)?;
+    if talk {
+        if let Some(dir) = &saved {
+            eprintln!("checkpoint: {}", dir.display());
+        }
+        let ran = last + 1 - start;
+        // A replayed GPU step of a small model takes a millisecond: say ms below a second.
+        let secs = t0.elapsed().as_secs_f64();
+        let took = if secs < 1.0 { format!("{:.1} ms", secs * 1e3) } else { format!("{secs:.1} s") };
+        let per_step = secs * 1e3 / ran.max(1) as f64;
+        println!(
+            "final loss {last_loss:.4} (first {first:.4}) after {ran} steps in {took} ({per_step:.2} ms/step); {note}"
+        );
+    }
+    Ok(())
+}
+
+/// The run's memory: the training session's and the evaluation's, together.
+fn memory(train: &mut dyn Session, eval: Option<&mut Evaluator>) -> Result<SessionMemory> {
+    let mut m = train.memory()?;
+    if let Some(e) = eval {
+        let em = e.session.memory()?;
+        m.planned_bytes += em.planned_bytes;
+        m.held_bytes += em.held_bytes;
+        m.comm_bytes += em.comm_bytes;
+    }
+    Ok(m)
+}
+
+/// A closing note on how the steps ran: the recording, and where the
+/// backend measures its memory, the peak it held (the evaluation session's
+/// included) against the plan.
+fn closing_note(session: &mut dyn Session, eval: Option<&mut Evaluator>, recorded: Option<Duration>) -> Result<String> {
+    let how = match recorded {
+        Some(t) => format!("{} in {:.2} ms", session.replay_label(), t.as_secs_f64() * 1e3),
+        None => "eager".to_string(),
+    };
+    let mut m = session.memory()?;
+    if let Some(e) = eval {
+        let em = e.session.memory()?;
+        m.planned_bytes += em.planned_bytes;
+        m.held_bytes += em.held_bytes;
+    }
+    if !m.measured {
+        return Ok(how);
+    }
+    Ok(format!(
+        "{how}; device peak {:.1} MB for a {:.1} MB plan (NCCL {:.1} MB)",
+        m.held_bytes as f64 / 1e6,
+        m.planned_bytes as f64 / 1e6,
+        m.comm_bytes as f64 / 1e6
+    ))
+}
+
+/// How many of the last losses the divergence check averages.
+const SMOOTHING: usize = 10;
+/// A run diverged when its smoothed final loss exceeds the first by this factor.
+const DIVERGENCE_FACTOR: f64 = 2.0;
+
+/// Names what became non-finite first when the loss of step `it` was not
+/// finite, and the fix that applies. That loss is the forward pass of the
+/// parameters step `it - 1` wrote, so a non-finite parameter came first (an
+/// update overflowed), then a gradient (seen through the first AdamW
+/// moment), then the second moment; when all are finite, or at step 1, the
+/// forward pass itself overflowed.
+fn diagnose_non_finite(session: &mut dyn Session, dtype: DType, it: usize) -> Result<String> {
+    let trace = session.trace().clone();
+    let finite = |t: &HostTensor| t.to_f64().iter().all(|x| x.is_finite());
+    let mut read = |name: &str| -> Result<Option<HostTensor>> {
+        match trace.leaf_by_name(name) {
+            Some(v) => Ok(Some(session.read(v)?)),
+            None => Ok(None),
+        }
+    };
+    let range = match dtype {
+        DType::F16 => "float16's range (±65504)",
+        DType::BF16 => "bfloat16's precision",
+        _ => "the float range",
+    };
+    let names: Vec<String> =
+        trace.params().map(|p| trace.value(p).kind.leaf_name().unwrap_or_default().to_string()).collect();
+    if it > 1 {
+        for name in &names {
+            if read(name)?.is_some_and(|value| !finite(&value)) {
+                let state = trace.leaf_by_name(&format!("{name}.exp_avg_sq")).map(|s| trace.ty(s).dtype);
+                let fix = if state == Some(DType::F16) {
+                    "its AdamW second moment is float16, where (1-β2)·g² underflows to 0 and the update \
+                     m/(√v+ε) explodes: keep the moments in float32 (--state-dtype auto or f32)"
+                        .to_string()
+                } else {
+                    format!("the update overflowed {range}: lower the learning rate (--lr)")
+                };
+                return Ok(format!(
+                    "parameter `{name}` became non-finite in the AdamW update of step {}; {fix}",
+                    it - 1
+                ));
+            }
+        }
+        for name in &names {
+            if read(&format!("{name}.exp_avg"))?.is_some_and(|m| !finite(&m)) {
+                return Ok(format!(
+                    "the gradient of `{name}` was not finite (its AdamW first moment is not): the backward pass \
+                     overflowed {range}; lower the learning rate (--lr) or train in a wider dtype (--dtype f32)"
+                ));
+            }
+            if let Some(v) = read(&format!("{name}.exp_avg_sq"))?.filter(|v| !finite(v)) {
+                return Ok(format!(
+                    "the AdamW second moment of `{name}` overflowed its {} storage: keep the moments in float32 \
+                     (--state-dtype f32)",
+                    v.ty.dtype
+                ));
+            }
+        }
+    }
+    Ok(format!(
+        "the forward pass overflowed {range} on finite parameters: lower the learning rate (--lr){}",
+        if dtype == DType::F16 { " or train in bf16 or f32 (--dtype)" } else { "" }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        optim: crate::OptimArgs,
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn parse(args: &[&str]) -> std::result::Result<T, clap::Error> {
+        T::try_parse_from(std::iter::once("train").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn arguments_choose_the_role() {
+        let role = |args: &[&str], gpu: bool| parse(args).unwrap().train.role(gpu);
+        // The default device follows the machine.
+        assert_eq!(role(&[], false).unwrap(), Role::Cpu);
+        assert_eq!(role(&[], true).unwrap(), Role::Gpu);
+        assert_eq!(role(&["--device", "cpu"], true).unwrap(), Role::Cpu);
+        assert_eq!(role(&["--device", "cuda"], false).unwrap(), Role::Gpu);
+        // One GPU is the in-process run, not the launcher, and has no group.
+        assert_eq!(role(&["--gpus", "1"], true).unwrap(), Role::Gpu);
+        assert_eq!(role(&["--gpus", "1", "--eager"], true).unwrap(), Role::Gpu);
+        let e = role(&["--gpus", "1", "--zero1"], true).unwrap_err().to_string();
+        assert!(e.contains("--zero1 applies to data-parallel runs"), "{e}");
+        assert!(role(&["--gpus", "1", "--overlap"], true).unwrap_err().to_string().contains("--overlap"));
+        assert_eq!(role(&["--gpus", "2", "--batch", "4"], true).unwrap(), Role::Launcher { gpus: 2 });
+        let e = role(&["--gpus", "2", "--device", "cpu"], true).unwrap_err().to_string();
+        assert!(e.contains("--device cpu and --gpus 2"), "{e}");
+        let r = role(&["--gpus", "2", "--rank", "1", "--nccl-id", "/tmp/id"], true).unwrap();
+        assert_eq!(r, Role::Rank { rank: 1, world: 2, id_file: PathBuf::from("/tmp/id") });
+        let e = role(&["--gpus", "2", "--rank", "2", "--nccl-id", "/tmp/id"], true).unwrap_err();
+        assert!(e.to_string().contains("--rank 2 is outside a group of 2"), "{e}");
+        assert!(role(&["--gpus", "0"], true).unwrap_err().to_string().contains("at least 1, got 0"));
+        // The rank flags belong to a --gpus run and come together; ZeRO-1 and buckets need --gpus.
+        assert!(parse(&["--rank", "0", "--nccl-id", "/tmp/id"]).is_err());
+        assert!(parse(&["--gpus", "2", "--rank", "0"]).is_err());
+        assert!(parse(&["--zero1"]).is_err());
+        assert!(parse(&["--bucket-mb", "4"]).is_err());
+        assert!(parse(&["--overlap"]).is_err() && parse(&["--eager"]).is_err());
+        assert!(parse(&["--gpus", "2", "--overlap", "--eager"]).unwrap().train.overlap);
+        let t = parse(&["--gpus", "2", "--zero1", "--bucket-mb", "0.5"]).unwrap().train;
+        assert_eq!(t.data_parallel(2).unwrap(), DataParallel { world: 2, bucket_bytes: 524288, zero1: true });
+        let bad = parse(&["--gpus", "2", "--bucket-mb", "0"]).unwrap().train;
+        assert!(bad.data_parallel(2).unwrap_err().to_string().contains("--bucket-mb"));
+    }
+
+    /// The one-GPU run compiles the plain step: no collective in it, so the
+    /// CUDA session neither joins a group nor loads NCCL.
+    #[test]
+    fn the_single_device_step_has_no_collectives() {
+        let t = parse(&["--gpus", "1", "--seq", "16", "--batch", "2"]).unwrap();
+        assert_eq!(t.train.role(true).unwrap(), Role::Gpu);
+        let spec = t.model.spec().unwrap();
+        let single = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
+        assert!(!stepgraph_cuda::session::step_needs_nccl(&single.step));
+        // The data-parallel step of the launcher's ranks does need it.
+        let dp = StepOptions { data_parallel: Some(DataParallel::new(2)), ..StepOptions::new(StepKind::Train) };
+        assert!(stepgraph_cuda::session::step_needs_nccl(&compile_step(&spec, &dp).unwrap().step));
+    }
+
+    /// `grad_norm` is read when the step has it (in-graph clipping), by name only.
+    #[test]
+    fn the_grad_norm_output_is_found_by_name() {
+        let spec = parse(&["--seq", "8"]).unwrap().model.spec().unwrap();
+        let mut step = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap().step;
+        assert_eq!(grad_norm_output(&step), None);
+        let loss = step.loss().unwrap();
+        step.outputs.push(stepgraph_core::ir::Output { kind: OutputKind::Named("grad_norm".into()), value: loss });
+        assert_eq!(grad_norm_output(&step), Some(loss));
+    }
+
+    #[test]
+    fn rates_print_short() {
+        assert_eq!(
+            [short(3e-3), short(3.0000000000000003e-4), short(1.2e-4), short(30.0)],
+            ["3e-3", "3e-4", "1.2e-4", "30"]
+        );
+    }
+
+    #[test]
+    fn the_schedule_comes_from_the_flags_or_the_model() {
+        let t = parse(&["--steps", "100"]).unwrap().train;
+        let (s, src) = t.schedule(3_000_000, false).unwrap();
+        assert_eq!((s.peak, s.warmup, s.total), (3e-3, 5, 100));
+        assert!((s.min - 3e-4).abs() < 1e-15, "{}", s.min);
+        assert!(
+            src[0].contains("3.0M parameters") && src[1].starts_with("default") && src[2].contains("10%"),
+            "{src:?}"
+        );
+        let (s, _) = t.schedule(7_000_000_000, false).unwrap();
+        assert_eq!(s.peak, 1.2e-4);
+        let (s, _) = t.schedule(7_000_000_000, true).unwrap();
+        assert_eq!(s.peak, 2e-5);
+        let t = parse(&["--steps", "100", "--lr", "0.01", "--warmup", "0", "--min-lr-ratio", "0.5"]).unwrap().train;
+        let (s, src) = t.schedule(3_000_000, false).unwrap();
+        assert_eq!((s.peak, s.warmup, s.min), (0.01, 0, 0.005));
+        assert_eq!(src[0], "--lr");
+        let t = parse(&["--min-lr-ratio", "2"]).unwrap().train;
+        assert!(t.schedule(1, false).unwrap_err().to_string().contains("--min-lr-ratio must lie in [0, 1], got 2"));
+        assert!(parse(&["--min-lr", "0.1", "--min-lr-ratio", "0.1"]).is_err());
+    }
+}

@@ -1,0 +1,394 @@
+//! `stepgraph train` as a run a user leaves going: checkpoints and exact
+//! resume (50 + 50 steps equal 100 bit for bit), a save killed with SIGKILL,
+//! the metrics file, validation, the TOML run config, the NaN stop that
+//! keeps the last good checkpoint, and clear errors for every bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> &'static str {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../..")
+}
+
+fn stepgraph(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph")).args(args).current_dir(root()).output().expect("run");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn fails_with(args: &[&str], want: &str) -> String {
+    let (ok, out, err) = stepgraph(args);
+    assert!(!ok, "{args:?} should fail: {out}");
+    assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
+    err
+}
+
+/// A fresh directory for one test.
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("stepgraph-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A small, fast run: one layer, 2 x 16 tokens, CPU.
+const SMALL: [&str; 12] =
+    ["train", "--device", "cpu", "--n-layer", "1", "--seq", "16", "--batch", "2", "--eval-every", "0", "--log-every"];
+
+fn small(extra: &[&str]) -> Vec<String> {
+    SMALL.iter().chain(["0"].iter()).chain(extra).map(|a| a.to_string()).collect()
+}
+
+fn run_ok(args: &[String]) -> (String, String) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out, err) = stepgraph(&refs);
+    assert!(ok, "{args:?} failed: {err}");
+    (out, err)
+}
+
+fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn losses(rows: &[serde_json::Value]) -> Vec<(u64, u64)> {
+    rows.iter()
+        .filter(|r| r.get("loss").is_some())
+        .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap().to_bits()))
+        .collect()
+}
+
+/// Complete checkpoints in `dir` (a `step-…` directory with its state.json), by step.
+fn checkpoints(dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.path().join("state.json").is_file())
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort();
+    steps
+}
+
+#[test]
+fn fifty_steps_resumed_for_fifty_more_equal_a_hundred_straight_bit_for_bit() {
+    let d = scratch("resume");
+    let (straight, split) = (d.join("straight"), d.join("split"));
+    run_ok(&small(&["--steps", "100", "--checkpoint-dir", s(&straight)]));
+    let (_, err) = run_ok(&small(&[
+        "--steps",
+        "100",
+        "--stop-after",
+        "50",
+        "--save-every",
+        "20",
+        "--keep",
+        "2",
+        "--checkpoint-dir",
+        s(&split),
+    ]));
+    assert!(err.contains("checkpoint: "), "{err}");
+    // Saved at 20 and 40 and where it stopped; the oldest went beyond --keep 2.
+    assert_eq!(checkpoints(&split), [40, 50]);
+    let (out, err) = run_ok(&small(&["--steps", "100", "--resume", "auto", "--checkpoint-dir", s(&split)]));
+    assert!(err.contains("resumed     from") && err.contains("step-000050"), "{err}");
+    assert!(out.contains("after 50 steps"), "{out}");
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(straight.join("step-000100").join(file)).unwrap();
+        let b = std::fs::read(split.join("step-000100").join(file)).unwrap();
+        assert!(a == b, "{file} differs between the straight and the resumed run");
+    }
+    let (a, b) = (metrics(&straight.join("metrics.jsonl")), metrics(&split.join("metrics.jsonl")));
+    assert_eq!(losses(&a).len(), 100);
+    assert_eq!(losses(&a), losses(&b), "the losses differ");
+    // Resuming a finished run trains nothing and says so.
+    let (out, _) = run_ok(&small(&["--steps", "100", "--resume", "auto", "--checkpoint-dir", s(&split)]));
+    assert!(out.contains("the run is complete"), "{out}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint() {
+    let d = scratch("kill");
+    let ck = d.join("ck");
+    let mut newest = 0;
+    // Saving at every step, killed at a different moment each time.
+    for round in 0..3u64 {
+        let args = small(&[
+            "--steps",
+            "100000",
+            "--save-every",
+            "1",
+            "--keep",
+            "2",
+            "--resume",
+            "auto",
+            "--checkpoint-dir",
+            s(&ck),
+        ]);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
+            .args(&args)
+            .current_dir(root())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while checkpoints(&ck).last().copied().unwrap_or(0) < newest + 3 {
+            assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint after 120 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(3 + 11 * round));
+        // SIGKILL, on the child this test started.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let now = checkpoints(&ck);
+        assert!(!now.is_empty() && *now.last().unwrap() > newest, "{now:?}");
+        newest = *now.last().unwrap();
+    }
+    let target = (newest + 2).to_string();
+    let (out, err) = run_ok(&small(&["--steps", &target, "--resume", "auto", "--checkpoint-dir", s(&ck)]));
+    assert!(err.contains("resumed     from") && out.contains("final loss"), "{err}");
+    // What the killed saves left behind is gone; only complete checkpoints remain.
+    let left: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert!(left.iter().all(|n| !n.starts_with(".step-")), "{left:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn metrics_rows_and_validation() {
+    let d = scratch("metrics");
+    let file = d.join("m.jsonl");
+    let mut args = small(&["--steps", "10", "--eval-batches", "2", "--lr", "0.01", "--metrics", s(&file)]);
+    args[10] = "5".into(); // --eval-every
+    let (_, err) = run_ok(&args);
+    assert!(err.contains("validation at step 5: loss ") && err.contains("perplexity"), "{err}");
+    let rows = metrics(&file);
+    let train: Vec<&serde_json::Value> = rows.iter().filter(|r| r.get("loss").is_some()).collect();
+    let val: Vec<&serde_json::Value> = rows.iter().filter(|r| r.get("val_loss").is_some()).collect();
+    assert_eq!(train.len(), 10);
+    assert_eq!(val.iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), [5, 10]);
+    for r in &train {
+        for key in ["step", "loss", "lr", "tokens_per_s", "planned_bytes", "held_bytes"] {
+            assert!(r.get(key).is_some(), "no `{key}` in {r}");
+        }
+        // No MFU on the CPU: there is no peak to measure against.
+        assert!(r.get("mfu").is_none(), "{r}");
+    }
+    // The cosine ends at 10% of the peak, and warm-up starts low.
+    assert_eq!(train[9]["lr"].as_f64().unwrap(), 0.001);
+    assert!(train[0]["lr"].as_f64().unwrap() <= 0.01);
+    let v = val[0]["val_loss"].as_f64().unwrap();
+    assert!((val[0]["val_ppl"].as_f64().unwrap() - v.exp()).abs() < 1e-9 * v.exp());
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn the_settings_in_force_and_the_plan_are_printed_before_step_one() {
+    let (_, err) = run_ok(&small(&["--steps", "2"]));
+    for needle in [
+        "training tiny-llama",
+        "batch 2 x 16 = 32 tokens per step",
+        "lr          peak 3e-3 (default for pre-training",
+        "warm-up     1 step (default",
+        "decay       cosine to 3e-4 at step 2",
+        "dtype       f32, AdamW moments f32",
+        "seed 0",
+        "on the CPU",
+        "plan for `train`",
+    ] {
+        assert!(err.contains(needle), "no `{needle}` in\n{err}");
+    }
+}
+
+#[test]
+fn a_run_config_file_sets_flags_and_the_command_line_overrides_it() {
+    let d = scratch("config");
+    let file = d.join("run.toml");
+    std::fs::write(
+        &file,
+        "steps = 3\nn_layer = 1\nseq = 16\neval-every = 0\ndevice = \"cpu\"\nfail_on_divergence = true\n",
+    )
+    .unwrap();
+    let (ok, out, err) = stepgraph(&["train", "--run-config", s(&file), "--steps", "2"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("after 2 steps"), "{out}");
+    assert!(err.contains("1 layers") && err.contains("x 16 = 16 tokens"), "{err}");
+    std::fs::write(&file, "steps = 3\nstpes = 4\n").unwrap();
+    let e = fails_with(&["train", "--run-config", s(&file)], "unknown key `stpes`");
+    assert!(e.contains(s(&file)) && e.contains("the accepted keys are") && e.contains("steps"), "{e}");
+    std::fs::write(&file, "steps = \"ten\"\n").unwrap();
+    fails_with(&["train", "--run-config", s(&file)], "`steps` = \"ten\" is not accepted");
+    fails_with(&["train", "--run-config", "no/such/run.toml"], "reading the run config no/such/run.toml");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
+    let d = scratch("nan");
+    let ck = d.join("ck");
+    // A learning rate far too high for float16, warmed up slowly: the
+    // weights overflow some steps in (step 13 today), after checkpoints.
+    let args = [
+        "train",
+        "--device",
+        "cpu",
+        "--dtype",
+        "f16",
+        "--lr",
+        "1",
+        "--warmup",
+        "40",
+        "--steps",
+        "40",
+        "--seq",
+        "16",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "2",
+        "--keep",
+        "100",
+        "--checkpoint-dir",
+        s(&ck),
+    ];
+    let err = fails_with(&args, "the loss became NaN at step ");
+    let step: u64 =
+        err.split("the loss became NaN at step ").nth(1).unwrap().split(':').next().unwrap().parse().unwrap();
+    let saved = checkpoints(&ck);
+    assert!(saved.len() >= 2 && saved.iter().all(|&s| s < step), "NaN at {step}, saved {saved:?}");
+    let last = format!("step-{:06}", saved.last().unwrap());
+    assert!(err.contains("the last good checkpoint is") && err.contains(&last), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let d = scratch("bad");
+    let ck = d.join("ck");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["train", "--resume", "auto"], "--resume auto looks for checkpoints in --checkpoint-dir"),
+        (vec!["train", "--stop-after", "0"], "--stop-after 0 must be a step of the run, from 1 to --steps 200"),
+        (vec!["train", "--steps", "10", "--stop-after", "11"], "--stop-after 11"),
+        (vec!["train", "--keep", "0"], "--keep 0"),
+        (vec!["train", "--eval-batches", "0"], "--eval-batches 0 evaluates nothing"),
+        (
+            vec!["train", "--device", "cpu", "--save-every", "5"],
+            "--save-every 5 saves checkpoints: give them a --checkpoint-dir",
+        ),
+        (
+            vec!["train", "--device", "cpu", "--val-fraction", "1.5"],
+            "--val-fraction must be at least 0 and below 1, got 1.5",
+        ),
+        (vec!["train", "--device", "cpu", "--min-lr-ratio", "2"], "--min-lr-ratio must lie in [0, 1], got 2"),
+        (
+            vec!["train", "--device", "cpu", "--lr", "0.1", "--min-lr", "1"],
+            "(--min-lr) must lie in [0, --lr = 0.1], got 1",
+        ),
+        (
+            vec!["train", "--device", "cpu", "--steps", "10", "--warmup", "11"],
+            "--warmup 11 is longer than the run (--steps 10)",
+        ),
+        (vec!["train", "--device", "cpu", "--gpus", "2"], "--device cpu and --gpus 2 contradict each other"),
+        (
+            vec!["train", "--device", "cpu", "--resume", "no/such/step-000005"],
+            "no/such/step-000005 is not a complete checkpoint",
+        ),
+        (vec!["train", "--device", "cpu", "--seq", "2000"], "exceeds the block size"),
+    ];
+    for (args, want) in &cases {
+        fails_with(args, want);
+    }
+    // A checkpoint directory in use is not overwritten by a new run, and a
+    // resume with another batch names the setting.
+    run_ok(&small(&["--steps", "2", "--checkpoint-dir", s(&ck)]));
+    let e = fails_with(
+        &small(&["--steps", "4", "--checkpoint-dir", s(&ck)]).iter().map(String::as_str).collect::<Vec<_>>(),
+        "already holds checkpoints",
+    );
+    assert!(e.contains("--resume auto"), "{e}");
+    let early = small(&["--steps", "4", "--stop-after", "2", "--resume", "auto", "--checkpoint-dir", s(&ck)]);
+    fails_with(
+        &early.iter().map(String::as_str).collect::<Vec<_>>(),
+        "--stop-after 2 is not after the checkpoint's step 2",
+    );
+    // Extending a finished run is allowed, and the changed schedule is pointed out.
+    let (_, err) = run_ok(&small(&["--steps", "3", "--resume", "auto", "--checkpoint-dir", s(&ck)]));
+    assert!(err.contains("the checkpoint followed another schedule") && err.contains("at step 2"), "{err}");
+    let mut other = small(&["--steps", "4", "--resume", "auto", "--checkpoint-dir", s(&ck)]);
+    other[8] = "4".into();
+    let e = fails_with(
+        &other.iter().map(String::as_str).collect::<Vec<_>>(),
+        "it was trained with batch = 2, this run has batch = 4",
+    );
+    assert!(e.contains("step-000003"), "{e}");
+    // A checkpoint named by its directory resumes too, saving next to it.
+    let named = ck.join("step-000003");
+    let (_, err) = run_ok(&small(&["--steps", "4", "--resume", s(&named)]));
+    assert!(err.contains("resumed     from") && err.contains("(step 3)"), "{err}");
+    assert!(ck.join("step-000004").join("state.json").is_file());
+    if !stepgraph_cuda::session::gpu_available() {
+        fails_with(&["train", "--device", "cuda"], "--device cuda needs 1 NVIDIA GPU");
+        fails_with(&["train", "--gpus", "1"], "--gpus 1 needs 1 NVIDIA GPU");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// On one GPU (`cargo test -p stepgraph --test train_run -- --ignored` on a
+/// machine with a GPU and Rust): 50 + 50 resumed steps equal 100 straight
+/// bit for bit, and the run holds its plan plus a few MB, with no NCCL.
+#[test]
+#[ignore = "needs a GPU"]
+fn on_one_gpu_resume_is_bitwise_and_memory_is_the_plan() {
+    let d = scratch("gpu");
+    let (straight, split) = (d.join("straight"), d.join("split"));
+    let gpu = |extra: &[&str]| {
+        let mut a: Vec<String> = ["train", "--device", "cuda", "--n-layer", "2", "--seq", "64", "--batch", "4"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        run_ok(&a)
+    };
+    let (out, err) = gpu(&["--steps", "100", "--checkpoint-dir", s(&straight)]);
+    gpu(&["--steps", "100", "--stop-after", "50", "--checkpoint-dir", s(&split)]);
+    gpu(&["--steps", "100", "--resume", "auto", "--checkpoint-dir", s(&split)]);
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(straight.join("step-000100").join(file)).unwrap();
+        let b = std::fs::read(split.join("step-000100").join(file)).unwrap();
+        assert!(a == b, "{file} differs between the straight and the resumed run on the GPU");
+    }
+    assert_eq!(losses(&metrics(&straight.join("metrics.jsonl"))), losses(&metrics(&split.join("metrics.jsonl"))));
+    // "device peak X MB for a Y MB plan (NCCL 0.0 MB)"
+    let after = out.split("device peak ").nth(1).unwrap_or_else(|| panic!("{out}\n{err}"));
+    let nums: Vec<f64> =
+        after.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter_map(|t| t.parse().ok()).take(3).collect();
+    let (held, planned, nccl) = (nums[0], nums[1], nums[2]);
+    assert_eq!(nccl, 0.0, "{out}");
+    assert!(held <= planned + 64.0, "held {held} MB for a {planned} MB plan: {out}");
+    assert!(err.contains("MFU"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Validation reads the weights and changes nothing: the training losses
+/// are the same bits with and without it.
+#[test]
+fn validation_does_not_change_training() {
+    let d = scratch("evalsame");
+    let (with, without) = (d.join("with.jsonl"), d.join("without.jsonl"));
+    let mut args = small(&["--steps", "12", "--metrics", s(&with)]);
+    args[10] = "3".into(); // --eval-every
+    run_ok(&args);
+    run_ok(&small(&["--steps", "12", "--metrics", s(&without)]));
+    let (a, b) = (metrics(&with), metrics(&without));
+    assert_eq!(a.iter().filter(|r| r.get("val_loss").is_some()).count(), 4);
+    assert_eq!(losses(&a), losses(&b));
+    std::fs::remove_dir_all(&d).unwrap();
+}
