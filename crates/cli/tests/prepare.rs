@@ -58,7 +58,8 @@ fn prepare_text_and_chat_into_one_token_file() {
     assert!(file.has_mask());
 
     // The text report.
-    let (ok, stdout, stderr) = stepgraph(&["prepare", "--tokenizer", &tok, "--input", "data/tiny.txt", "--out", out.to_str().unwrap()]);
+    let (ok, stdout, stderr) =
+        stepgraph(&["prepare", "--tokenizer", &tok, "--input", "data/tiny.txt", "--out", out.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("documents:        8 (7 train, 1 validation)"), "{stdout}");
     assert!(stdout.contains("masked tokens:    0"), "{stdout}");

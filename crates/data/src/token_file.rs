@@ -162,13 +162,13 @@ pub fn write_token_file(path: &Path, meta: TokenFileMeta, train: &[Document], va
                 let target = doc.loss_mask.as_ref().is_none_or(|m| m[k]);
                 byte |= (target as u8) << (i % 8);
                 i += 1;
-                if i % 8 == 0 {
+                if i.is_multiple_of(8) {
                     w.write_all(&[byte]).map_err(wio)?;
                     byte = 0;
                 }
             }
         }
-        if i % 8 != 0 {
+        if !i.is_multiple_of(8) {
             w.write_all(&[byte]).map_err(wio)?;
         }
     }

@@ -200,7 +200,7 @@ fn shuffles_are_permutations_per_epoch_seeded_and_fresh() {
     let path = write(dir.path(), "s.tokens", 1000, &docs, &[]);
     let f = TokenFile::open(&path).unwrap();
     let s = stream(&docs);
-    let firsts: BTreeSet<i32> = s.chunks(4).take(((s.len() - 1) + 3) / 4).map(|c| c[0] as i32).collect();
+    let firsts: BTreeSet<i32> = s.chunks(4).take((s.len() - 1).div_ceil(4)).map(|c| c[0] as i32).collect();
     let e = epochs(&f, 7, 3);
     for (i, epoch) in e.iter().enumerate() {
         assert_eq!(epoch.iter().copied().collect::<BTreeSet<_>>(), firsts, "epoch {i} draws every sequence once");
