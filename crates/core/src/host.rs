@@ -34,6 +34,15 @@ impl HostTensor {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
     }
 
+    /// Gives the tensor the type `ty`, keeping its allocation where it is
+    /// large enough, so one buffer serves tensors of many types in turn.
+    /// The bytes are the old ones (zeros where the buffer grew): the caller
+    /// overwrites them.
+    pub fn retype(&mut self, ty: TensorType) {
+        self.words.resize((ty.bytes() as usize).div_ceil(8), 0);
+        self.ty = ty;
+    }
+
     /// A tensor whose bytes are all 0xFF (NaN in every float type): what a
     /// kernel finds in reused arena memory. Outputs start like this in tests.
     pub fn garbage(ty: TensorType) -> Self {
