@@ -50,6 +50,9 @@ pub const IRWIN_HALL_CENTRE: i32 = 2 * 65535;
 /// generator's output number `i + 1`.
 pub const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
+/// The two multipliers of splitmix64's output function ([`mix64`]).
+pub const MIX64_MULTIPLIERS: [u64; 2] = [0xBF58_476D_1CE4_E5B9, 0x94D0_49BB_1331_11EB];
+
 /// How a parameter starts, from its name.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum ParamInit {
@@ -87,8 +90,8 @@ impl ParamInit {
 /// splitmix64's output function (Stafford's "mix 13").
 #[inline]
 pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z = (z ^ (z >> 30)).wrapping_mul(MIX64_MULTIPLIERS[0]);
+    z = (z ^ (z >> 27)).wrapping_mul(MIX64_MULTIPLIERS[1]);
     z ^ (z >> 31)
 }
 
