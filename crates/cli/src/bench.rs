@@ -18,7 +18,7 @@ use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{init_params_fast, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{CudaOptions, CudaSession, MemoryReport};
@@ -207,9 +207,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let c = compile_step(&spec, &opts)?;
     let params = c.param_count() as u64;
     let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32 })?;
-    for (v, t) in init_params_fast(&c.forward, 0) {
-        s.write_named(c.forward.value(v).kind.leaf_name().expect("a parameter"), &t)?;
-    }
+    Session::init_params(&mut s, 0)?;
     s.zero_state()?;
     let Timed { capture_ms, mut times, loss_first, loss_last } = timed_steps(&mut s, args, &spec, kind)?;
     let (b, t) = (spec.batch, spec.seq);

@@ -14,6 +14,8 @@
 //! **Invariant:** a [`CompiledStep`]'s plan belongs to its step and has
 //! passed `check_plan`.
 
+use std::time::{Duration, Instant};
+
 use crate::autodiff::{build_step, StepKind, TrainOptions};
 use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
 use crate::error::Result;
@@ -138,6 +140,22 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
 /// The whole pipeline: [`trace_step`], then the memory plan, proved by
 /// `check_plan` before it is returned.
 pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep> {
+    compile_step_timed(spec, opts).map(|(c, _)| c)
+}
+
+/// Wall time of the two halves of [`compile_step`], for start-up reports
+/// ([`crate::session::StartupTimes`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct CompileTimes {
+    /// [`trace_step`]: the model builder, autodiff, the data-parallel rewrite.
+    pub build: Duration,
+    /// The memory plan and `check_plan`.
+    pub plan: Duration,
+}
+
+/// [`compile_step`], timing its halves.
+pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
+    let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
     let (step, placement) = if opts.kind == StepKind::Train {
         let (step, _, report) = optimizer_placement::apply(&step, opts.optimizer, opts.plan)?;
@@ -145,9 +163,11 @@ pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep
     } else {
         (step, None)
     };
+    let traced = Instant::now();
     let (step, plan, recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
     check_plan(&step, &plan)?;
-    Ok(CompiledStep { spec, forward, step, plan, buckets, placement, recompute })
+    let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
+    Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute }, times))
 }
 
 #[cfg(test)]

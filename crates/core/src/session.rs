@@ -12,14 +12,23 @@
 //! the CUDA backend's session implements it in its own crate. A command
 //! chooses the backend once, when it opens the session, and is written
 //! against `dyn Session` from there on.
+//!
+//! A session also writes its own initial weights
+//! ([`Session::init_params`]: the bits of [`crate::models::init_params`],
+//! drawn where the step runs when the backend can) and reports the phases of
+//! its own start-up ([`Session::startup_phases`]), which [`StartupTimes`]
+//! puts next to building, planning and the weights.
 
-use std::time::Duration;
+use std::fmt;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Trace, ValueId, ValueKind};
+use crate::models::init::fill_param;
+use crate::pipeline::CompileTimes;
 use crate::plan::MemoryPlan;
 
 /// Planned and held memory of a session, in bytes, in terms every backend has.
@@ -37,6 +46,103 @@ pub struct SessionMemory {
     /// `held_bytes` is measured from the device (true) rather than counted
     /// from the session's own allocations (false).
     pub measured: bool,
+}
+
+/// What [`Session::init_params`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InitReport {
+    /// Parameters written.
+    pub tensors: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Drawn where the step runs, by the backend's own kernel (true), or
+    /// on the host and copied over tensor by tensor (false).
+    pub on_device: bool,
+    /// Wall time, until the weights are in place.
+    pub elapsed: Duration,
+}
+
+/// One named phase of a session's start-up and its wall time.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StartupPhase {
+    pub name: &'static str,
+    pub ms: f64,
+}
+
+impl StartupPhase {
+    pub fn new(name: &'static str, took: Duration) -> Self {
+        StartupPhase { name, ms: took.as_secs_f64() * 1e3 }
+    }
+}
+
+/// Where the time before a run's first step went, in milliseconds:
+/// building the step's traces, planning, opening the session (with the
+/// backend's phases: on a GPU kernel load and GEMM tuning among them), and
+/// the initial weights. Printed as one line by its `Display`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StartupTimes {
+    /// Tracing: the model builder, autodiff and the data-parallel rewrite.
+    pub build_ms: f64,
+    /// The memory plan and `check_plan`.
+    pub plan_ms: f64,
+    /// Opening the session, whole.
+    pub session_ms: f64,
+    /// Of `session_ms`, the backend's phases in order
+    /// ([`Session::startup_phases`]; none from the CPU backend).
+    pub session_phases: Vec<StartupPhase>,
+    /// Writing the initial weights and zeroing the optimizer state.
+    pub weights_ms: f64,
+    /// All of the above.
+    pub total_ms: f64,
+}
+
+impl StartupTimes {
+    /// The breakdown of a start-up: `compile` from
+    /// [`crate::pipeline::compile_step_timed`], `session` the wall time of
+    /// opening the session `session_phases` come from, `weights` that of
+    /// writing the weights and zeroing the optimizer state.
+    pub fn new(compile: CompileTimes, session: Duration, session_phases: Vec<StartupPhase>, weights: Duration) -> Self {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let (build_ms, plan_ms, session_ms, weights_ms) =
+            (ms(compile.build), ms(compile.plan), ms(session), ms(weights));
+        StartupTimes {
+            build_ms,
+            plan_ms,
+            session_ms,
+            session_phases,
+            weights_ms,
+            total_ms: build_ms + plan_ms + session_ms + weights_ms,
+        }
+    }
+
+    /// Milliseconds of the session phase called `name`; 0 when the backend
+    /// does not report one of that name.
+    pub fn phase_ms(&self, name: &str) -> f64 {
+        self.session_phases.iter().filter(|p| p.name == name).map(|p| p.ms).sum()
+    }
+}
+
+/// `start-up 12.345 s: build 0.120 s, plan 0.340 s, session 9.800 s (open
+/// device 0.310, ..., other 0.002), weights 0.085 s`: the one line a
+/// command prints before its first step.
+impl fmt::Display for StartupTimes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = |ms: f64| ms / 1e3;
+        write!(
+            f,
+            "start-up {:.3} s: build {:.3} s, plan {:.3} s, session {:.3} s",
+            s(self.total_ms),
+            s(self.build_ms),
+            s(self.plan_ms),
+            s(self.session_ms)
+        )?;
+        if !self.session_phases.is_empty() {
+            let parts: Vec<String> = self.session_phases.iter().map(|p| format!("{} {:.3}", p.name, s(p.ms))).collect();
+            let other = self.session_ms - self.session_phases.iter().map(|p| p.ms).sum::<f64>();
+            write!(f, " ({}, other {:.3})", parts.join(", "), s(other.max(0.0)))?;
+        }
+        write!(f, ", weights {:.3} s", s(self.weights_ms))
+    }
 }
 
 /// A planned step bound to one backend. See the module doc.
@@ -73,6 +179,38 @@ pub trait Session {
             self.write(s, &zeros)?;
         }
         Ok(())
+    }
+
+    /// Writes every parameter's initial value for `seed`: the bits
+    /// [`crate::models::init_params`] draws on the host, for any trace with
+    /// those parameter names (streams are per name). This default draws on
+    /// the host one tensor at a time into one reused buffer and writes it,
+    /// so the model is never in host memory whole; a backend with its own
+    /// generator draws in place instead.
+    fn init_params(&mut self, seed: u64) -> Result<InitReport> {
+        let start = Instant::now();
+        let params: Vec<ValueId> = self.trace().params().collect();
+        let Some(largest) = params.iter().map(|&p| self.trace().ty(p)).max_by_key(|t| t.bytes()).cloned() else {
+            return Ok(InitReport { tensors: 0, bytes: 0, on_device: false, elapsed: start.elapsed() });
+        };
+        let mut buffer = HostTensor::zeros(largest);
+        let mut bytes = 0;
+        for &p in &params {
+            let ty = self.trace().ty(p).clone();
+            let name = self.trace().value(p).kind.leaf_name().unwrap_or_default().to_string();
+            bytes += ty.bytes();
+            let dtype = ty.dtype;
+            buffer.retype(ty);
+            fill_param(&name, dtype, seed, buffer.bytes_mut())?;
+            self.write(p, &buffer)?;
+        }
+        Ok(InitReport { tensors: params.len(), bytes, on_device: false, elapsed: start.elapsed() })
+    }
+
+    /// The phases of opening this session and their times, in order (for
+    /// [`StartupTimes`]); empty where the backend does not time them.
+    fn startup_phases(&self) -> Vec<StartupPhase> {
+        Vec::new()
     }
 
     /// Runs one step launch by launch, and waits for it.
@@ -115,7 +253,7 @@ mod tests {
     use crate::ir::{DType, TensorType};
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
     use crate::models::{init_params, LossKind, ModelSpec};
-    use crate::pipeline::{compile_step, CompiledStep, StepOptions};
+    use crate::pipeline::{compile_step, CompileTimes, CompiledStep, StepOptions};
 
     fn tiny(kind: StepKind) -> CompiledStep {
         let spec = ModelSpec::named("tiny-llama", 2, 8, DType::F32, LossKind::CrossEntropy).unwrap();
@@ -190,6 +328,56 @@ mod tests {
         // The AdamW moments moved from the zeros written before each step.
         let m = c.step.leaves().find(|&v| matches!(c.step.value(v).kind, ValueKind::State { .. })).unwrap();
         assert!(eager.read(m).unwrap().to_f64().iter().any(|&x| x != 0.0));
+    }
+
+    /// The session's own initial weights are the host draw's bits, written
+    /// by name into the step trace (whose parameter order is not the
+    /// forward trace's), for every float dtype.
+    #[test]
+    fn a_session_writes_the_host_draw_of_the_weights() {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            let spec = ModelSpec::named("tiny-neox", 1, 8, dtype, LossKind::CrossEntropy).unwrap();
+            let c = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
+            let mut s = open(&c);
+            // Garbage first, so that a parameter the session skipped shows.
+            for p in c.step.params().collect::<Vec<_>>() {
+                s.write(p, &HostTensor::garbage(c.step.ty(p).clone())).unwrap();
+            }
+            let report = s.init_params(11).unwrap();
+            let host = init_params(&c.forward, 11);
+            assert_eq!(report.tensors, host.len());
+            assert_eq!(report.bytes, host.iter().map(|(_, t)| t.ty.bytes()).sum::<u64>());
+            assert!(!report.on_device);
+            for (v, t) in host {
+                let name = c.forward.value(v).kind.leaf_name().unwrap();
+                let sp = s.trace().leaf_by_name(name).unwrap();
+                assert!(s.read(sp).unwrap() == t, "{dtype} {name}");
+            }
+            assert!(s.startup_phases().is_empty(), "the CPU session does not time its phases");
+        }
+    }
+
+    #[test]
+    fn startup_times_add_up_and_print_on_one_line() {
+        let compile = CompileTimes { build: Duration::from_millis(1500), plan: Duration::from_millis(250) };
+        let phases = vec![
+            StartupPhase::new("kernel load", Duration::from_millis(400)),
+            StartupPhase::new("GEMM tuning", Duration::from_millis(2000)),
+        ];
+        let t = StartupTimes::new(compile, Duration::from_millis(3000), phases, Duration::from_millis(125));
+        assert_eq!(t.total_ms, 1500.0 + 250.0 + 3000.0 + 125.0);
+        assert_eq!(t.phase_ms("GEMM tuning"), 2000.0);
+        assert_eq!(t.phase_ms("graph capture"), 0.0);
+        assert_eq!(
+            t.to_string(),
+            "start-up 4.875 s: build 1.500 s, plan 0.250 s, session 3.000 s \
+             (kernel load 0.400, GEMM tuning 2.000, other 0.600), weights 0.125 s"
+        );
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["session_phases"][1]["name"], "GEMM tuning");
+        assert_eq!(json["weights_ms"], 125.0);
+        let cpu = StartupTimes::new(compile, Duration::from_millis(10), Vec::new(), Duration::ZERO);
+        assert_eq!(cpu.to_string(), "start-up 1.760 s: build 1.500 s, plan 0.250 s, session 0.010 s, weights 0.000 s");
     }
 
     #[test]

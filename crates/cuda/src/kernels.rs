@@ -3,6 +3,8 @@
 //! binary; each op's lowering declares the modules it launches
 //! ([`crate::ops::Lower::KERNELS`]), and the module list here is derived from
 //! the op list, so a new op with a new source needs no edit of this file.
+//! The session's own kernels (initial weights, [`crate::init`]) join the
+//! list after the ops'.
 //!
 //! A module is one source with the shared header `common.cuh` and, for a
 //! variant, a few `#define`s prepended (NVRTC has no file system of our
@@ -34,9 +36,10 @@ impl KernelModule {
     }
 }
 
-/// Every module the op list declares, each once, in op-list order.
+/// Every module the op list declares, each once, in op-list order, then
+/// the session's own.
 pub fn all() -> impl Iterator<Item = &'static KernelModule> {
-    let declared = || crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter());
+    let declared = || crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).chain(crate::init::KERNELS);
     declared().enumerate().filter(move |(i, m)| declared().take(*i).all(|e| e.name != m.name)).map(|(_, m)| m)
 }
 
@@ -56,7 +59,8 @@ mod tests {
 
     #[test]
     fn every_module_has_one_source() {
-        let declared: Vec<&KernelModule> = crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).collect();
+        let declared: Vec<&KernelModule> =
+            crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).chain(crate::init::KERNELS).collect();
         for m in &declared {
             let first = declared.iter().find(|e| e.name == m.name).unwrap();
             assert_eq!(*first, *m, "module `{}` is declared with two sources", m.name);
@@ -66,7 +70,8 @@ mod tests {
         unique.sort();
         unique.dedup();
         assert_eq!(unique.len(), names.len(), "module names repeat");
-        for m in ["elementwise", "reduce", "movement", "embedding", "adamw", "norm", "rope", "softmax", "loss"] {
+        for m in ["elementwise", "reduce", "movement", "embedding", "adamw", "norm", "rope", "softmax", "loss", "init"]
+        {
             assert!(names.contains(&m), "no module {m}");
         }
         for m in names {

@@ -13,12 +13,16 @@
 //! lower ([`ops::collective`]) to NCCL calls ([`nccl`], loaded only when a step
 //! has collectives) on the session's stream, captured with everything else.
 //!
+//! Initial weights are drawn in place by a kernel ([`init`]) that gives the
+//! bits core's host generator gives.
+//!
 //! Everything is loaded dynamically (cudarc's `dynamic-loading`), so the
 //! crate builds and its CPU-side tests run on machines without CUDA.
 
 pub mod blas;
 pub mod error;
 pub mod graph;
+pub mod init;
 pub mod kernels;
 pub mod launch;
 pub mod lower;

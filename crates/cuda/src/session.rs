@@ -25,6 +25,12 @@
 //! The session also implements core's backend-neutral
 //! [`stepgraph_core::session::Session`].
 //!
+//! Each stage is timed ([`CudaSession::startup`]: kernel load and cuBLASLt
+//! tuning among them), and the session draws its own initial weights in
+//! place ([`CudaSession::init_params`], the host generator's bits) and
+//! zeroes the optimizer state with memsets, so a billion-parameter model
+//! starts without a host copy of its weights.
+//!
 //! Device memory is measured, not assumed: the driver's used memory
 //! (total − free) is sampled against a baseline taken right after the
 //! context exists, and reported next to the plan ([`MemoryReport`]).
@@ -32,7 +38,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{CUevent, CUevent_flags, CUevent_wait_flags, CUfunction_attribute};
 use cudarc::driver::{result as dr, CudaContext, CudaModule, CudaStream};
@@ -40,11 +46,11 @@ use serde::Serialize;
 
 use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{Builder, Trace, ValueId};
+use stepgraph_core::ir::{Builder, Trace, ValueId, ValueKind};
 use stepgraph_core::ops::collective::world_of;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
-use stepgraph_core::session::{Session, SessionMemory};
+use stepgraph_core::session::{InitReport, Session, SessionMemory, StartupPhase};
 use stepgraph_core::Result as CoreResult;
 
 use crate::blas::Blas;
@@ -123,7 +129,11 @@ pub struct CudaSession {
     arena_base: u64,
     prepared: Vec<Prepared>,
     blas: Blas,
-    _modules: HashMap<&'static str, Arc<CudaModule>>,
+    /// Kernel modules, kept as long as the session: the step's, and the
+    /// initial weights' once [`CudaSession::init_params`] has run.
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    /// How long each stage of building the session took, in order.
+    startup: Vec<StartupPhase>,
     graph: Option<StepGraph>,
     id_checks: Vec<IdCheck>,
     memory: MemoryReport,
@@ -430,6 +440,46 @@ fn join_group(nccl: Option<&'static Nccl>, group: Option<&NcclGroup>) -> Result<
     }
 }
 
+/// [`CudaSession::startup`]'s stage names.
+pub const STAGE_CHECK_RANK: &str = "check rank";
+pub const STAGE_OPEN_DEVICE: &str = "open device";
+pub const STAGE_ALLOCATE: &str = "allocate";
+pub const STAGE_LOWER: &str = "lower";
+pub const STAGE_KERNEL_LOAD: &str = "kernel load";
+pub const STAGE_GEMM_PLANS: &str = "GEMM plans";
+pub const STAGE_GEMM_TUNING: &str = "GEMM tuning";
+pub const STAGE_JOIN_GROUP: &str = "join group";
+
+/// Times consecutive stages: each ends where the next begins.
+struct StageClock {
+    last: Instant,
+    stages: Vec<StartupPhase>,
+}
+
+impl StageClock {
+    fn start() -> Self {
+        StageClock { last: Instant::now(), stages: Vec::new() }
+    }
+
+    /// Ends the stage `name`, which began where the previous one ended.
+    fn stage(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.stages.push(StartupPhase::new(name, now - self.last));
+        self.last = now;
+    }
+
+    /// Ends a stage of two parts, `first` then `second`, of which the
+    /// second took `second_took` (measured inside the stage).
+    fn split_stage(&mut self, first: &'static str, second: &'static str, second_took: Duration) {
+        let now = Instant::now();
+        let whole = now - self.last;
+        let second_took = second_took.min(whole);
+        self.stages.push(StartupPhase::new(first, whole - second_took));
+        self.stages.push(StartupPhase::new(second, second_took));
+        self.last = now;
+    }
+}
+
 impl CudaSession {
     /// Binds `trace` planned by `plan` to GPU 0. Refuses, before allocating
     /// anything, a plan that does not fit the device's free memory.
@@ -449,8 +499,11 @@ impl CudaSession {
     /// [`join_group`]; device memory is sampled between them for the
     /// [`MemoryReport`].
     pub fn new_rank(trace: Trace, plan: MemoryPlan, opts: CudaOptions, rank: RankOptions) -> Result<Self> {
+        let mut clock = StageClock::start();
         let (group, nccl) = check_rank(&trace, &rank)?;
+        clock.stage(STAGE_CHECK_RANK);
         let Device { ctx, stream, arch, baseline, total } = open_device(rank.device)?;
+        clock.stage(STAGE_OPEN_DEVICE);
         let alloc = allocate(&plan, &stream, baseline, total)?;
         let mut memory = MemoryReport {
             planned_peak_bytes: plan.planned_peak_bytes(),
@@ -460,14 +513,20 @@ impl CudaSession {
             ..MemoryReport::default()
         };
         let after_alloc = used_bytes()?.0;
+        clock.stage(STAGE_ALLOCATE);
 
         let (launches, launch_nodes) = lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group)?;
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
+        clock.stage(STAGE_LOWER);
         let Loaded { prepared, gemms, modules } = load_launches(&ctx, &arch, launches)?;
         let after_modules = used_bytes()?.0;
+        clock.stage(STAGE_KERNEL_LOAD);
         let blas = plan_gemms(&alloc, &opts, &gemms, &stream)?;
         memory.gemm_tune_ms = blas.tuning().wall_ms;
+        // Planning and tuning are one stage; the tuning's own wall time splits them.
+        let tuning = Duration::from_secs_f64(blas.tuning().wall_ms.max(0.0) / 1e3);
+        clock.split_stage(STAGE_GEMM_PLANS, STAGE_GEMM_TUNING, tuning);
         let after_blas = used_bytes()?.0;
         memory.modules_bytes = after_modules.saturating_sub(after_alloc);
         memory.blas_bytes = after_blas.saturating_sub(after_modules);
@@ -475,6 +534,7 @@ impl CudaSession {
         let after_comm = used_bytes()?.0;
         memory.comm_bytes = after_comm.saturating_sub(after_blas);
         memory.device_peak_bytes = after_comm.saturating_sub(baseline);
+        clock.stage(STAGE_JOIN_GROUP);
         let id_checks = id_checks(&trace);
         Ok(CudaSession {
             trace,
@@ -486,7 +546,8 @@ impl CudaSession {
             arena_base: alloc.arena_base,
             prepared,
             blas,
-            _modules: modules,
+            modules,
+            startup: clock.stages,
             graph: None,
             id_checks,
             memory,
@@ -497,6 +558,95 @@ impl CudaSession {
             comm,
             side,
         })
+    }
+
+    /// How long each stage of building this session took, in order:
+    /// [`STAGE_CHECK_RANK`] (loading NCCL when the step has collectives),
+    /// [`STAGE_OPEN_DEVICE`], [`STAGE_ALLOCATE`], [`STAGE_LOWER`],
+    /// [`STAGE_KERNEL_LOAD`] (NVRTC or the disk cache, and module loads),
+    /// [`STAGE_GEMM_PLANS`], [`STAGE_GEMM_TUNING`] (cuBLASLt autotuning)
+    /// and [`STAGE_JOIN_GROUP`]. Graph capture is not among them: it
+    /// happens at the first replay ([`CudaSession::capture`] returns its time).
+    pub fn startup(&self) -> &[StartupPhase] {
+        &self.startup
+    }
+
+    /// Writes every parameter's initial value for `seed` in place, one
+    /// kernel launch per parameter ([`crate::init`]): the bits of
+    /// [`stepgraph_core::models::init_params`], with no host copy. Loads
+    /// the kernel module on first use (its device memory is counted with
+    /// the other modules').
+    pub fn init_params(&mut self, seed: u64) -> Result<InitReport> {
+        let start = Instant::now();
+        self.ctx.bind_to_thread()?;
+        let mut launches = Vec::new();
+        let (mut tensors, mut bytes) = (0, 0);
+        for p in self.trace.params() {
+            let name = self.trace.value(p).kind.leaf_name().unwrap_or_default();
+            let out = dev_tensor(&self.trace, &self.plan, self.persistent_base, self.arena_base, p);
+            tensors += 1;
+            bytes += out.ty.bytes();
+            launches.extend(crate::init::init_launch(name, &out, seed)?);
+        }
+        let module = self.init_module()?;
+        let mut functions: HashMap<String, cudarc::driver::sys::CUfunction> = HashMap::new();
+        for l in &launches {
+            let func = match functions.get(&l.function) {
+                Some(f) => *f,
+                None => {
+                    let f = module.load_function(&l.function).map_err(|e| {
+                        CudaError::Driver(format!("kernel `{}` in module `{}`: {e:?}", l.function, l.module))
+                    })?;
+                    functions.insert(l.function.clone(), f.cu_function());
+                    f.cu_function()
+                }
+            };
+            let args: Vec<Vec<u8>> = l.args.iter().map(|a| a.bytes()).collect();
+            let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
+            // SAFETY: `func` belongs to the init module, which the session
+            // keeps; the arguments match `init_param_<dt>`'s signature
+            // (checked against the CUBIN in `init`'s tests) and the pointer
+            // is a parameter's planned slot, inside the session's allocation,
+            // of exactly `n` elements of the kernel's dtype. `args` outlives
+            // the call, which copies the argument values.
+            unsafe { dr::launch_kernel(func, l.grid, l.block, l.shared_bytes, self.stream.cu_stream(), &mut params) }
+                .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", l.function)))?;
+        }
+        self.stream.synchronize()?;
+        self.sample()?;
+        Ok(InitReport { tensors, bytes, on_device: true, elapsed: start.elapsed() })
+    }
+
+    /// The initial weights' kernel module, loaded (from the NVRTC disk
+    /// cache, or compiled) the first time.
+    fn init_module(&mut self) -> Result<Arc<CudaModule>> {
+        let name = crate::init::MODULE.name;
+        if let Some(m) = self.modules.get(name) {
+            return Ok(m.clone());
+        }
+        let before = used_bytes()?.0;
+        let cubin = nvrtc::compile(name, &self.arch)?;
+        let module = self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+        self.memory.modules_bytes += used_bytes()?.0.saturating_sub(before);
+        self.modules.insert(name, module.clone());
+        Ok(module)
+    }
+
+    /// Writes zeros into every optimizer state leaf with device memsets (no
+    /// host buffer): all-zero bytes are 0.0 in every float type.
+    pub fn zero_state(&mut self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        for v in self.trace.leaves() {
+            if matches!(self.trace.value(v).kind, ValueKind::State { .. }) {
+                let ptr = self.slot_ptr(self.plan.slot(v));
+                let bytes = self.trace.ty(v).bytes() as usize;
+                // SAFETY: the state's planned slot, exactly `bytes` long,
+                // inside the session's allocation; ordered on the session's stream.
+                unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }?;
+            }
+        }
+        self.stream.synchronize()?;
+        Ok(())
     }
 
     /// This session's rank and group size (`None` outside a group).
@@ -788,6 +938,20 @@ impl Session for CudaSession {
         Ok(CudaSession::write(self, v, data)?)
     }
 
+    /// Drawn in place by a kernel: no host copy.
+    fn init_params(&mut self, seed: u64) -> CoreResult<InitReport> {
+        Ok(CudaSession::init_params(self, seed)?)
+    }
+
+    /// Memsets on the device.
+    fn zero_state(&mut self) -> CoreResult<()> {
+        Ok(CudaSession::zero_state(self)?)
+    }
+
+    fn startup_phases(&self) -> Vec<StartupPhase> {
+        self.startup.clone()
+    }
+
     fn run_eager(&mut self) -> CoreResult<()> {
         Ok(CudaSession::run_eager(self)?)
     }
@@ -1055,6 +1219,20 @@ mod tests {
                 assert!(e.contains("one rank of a group"), "{e}");
             }
         }
+    }
+
+    #[test]
+    fn stages_follow_each_other_and_a_split_never_goes_negative() {
+        let mut clock = StageClock::start();
+        std::thread::sleep(Duration::from_millis(5));
+        clock.stage(STAGE_OPEN_DEVICE);
+        // A part claimed longer than its whole stage is capped at the whole.
+        clock.split_stage(STAGE_GEMM_PLANS, STAGE_GEMM_TUNING, Duration::from_secs(100));
+        let names: Vec<&str> = clock.stages.iter().map(|s| s.name).collect();
+        assert_eq!(names, [STAGE_OPEN_DEVICE, STAGE_GEMM_PLANS, STAGE_GEMM_TUNING]);
+        assert!(clock.stages[0].ms >= 5.0, "{:?}", clock.stages);
+        assert_eq!(clock.stages[1].ms, 0.0);
+        assert!(clock.stages[2].ms < 5.0, "{:?}", clock.stages);
     }
 
     fn group(rank: usize, world: usize) -> NcclGroup {

@@ -170,3 +170,26 @@ fn a_step_that_does_not_fit_is_refused_before_allocating() {
     let msg = err.to_string();
     assert!(msg.contains("the planned step needs") && msg.contains("free"), "{msg}");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn weights_drawn_on_the_gpu_are_the_host_draw_bit_for_bit() {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let sp = spec("tiny-llama", dtype);
+        let fwd = build_forward(&sp).unwrap();
+        let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
+        let p = plan(&step, PlanOptions::default()).unwrap();
+        let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
+        let report = gpu.init_params(5).unwrap();
+        assert!(report.on_device, "{dtype}: drawn on the host");
+        let mut checked = 0;
+        for (v, host) in init_params(&fwd, 5) {
+            let name = fwd.value(v).kind.leaf_name().unwrap();
+            let sv = step.leaf_by_name(name).unwrap();
+            let got = gpu.read(sv).unwrap();
+            assert_eq!(got.bytes(), host.bytes(), "{dtype} {name}: device draw differs from the host's");
+            checked += 1;
+        }
+        assert_eq!(checked, report.tensors);
+    }
+}

@@ -55,7 +55,7 @@ use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{init_params, ModelSpec};
+use stepgraph_core::models::ModelSpec;
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::{Session, SessionMemory};
@@ -369,7 +369,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
         None => None,
     };
 
-    let CompiledStep { forward, step, plan, .. } = compiled;
+    let CompiledStep { step, plan, .. } = compiled;
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
     let peak = match &role {
@@ -380,7 +380,6 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
         args,
         flops_per_token: metrics::train_flops_per_token(params, &spec.config, spec.seq),
         spec,
-        forward,
         schedule,
         rank,
         world,
@@ -400,7 +399,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
             state.step + 1
         }
         None => {
-            init_weights(session.as_mut(), &run.forward, args.seed)?;
+            init_weights(session.as_mut(), args.seed)?;
             session.zero_state()?;
             1
         }
@@ -536,13 +535,11 @@ fn run_identity(
     id
 }
 
-/// Writes the initial weights. **Seam:** the seeded initialization today;
-/// a pretrained model's weights (`--init-from`) replace it here.
-pub fn init_weights(session: &mut dyn Session, forward: &Trace, seed: u64) -> Result<()> {
-    for (fp, value) in init_params(forward, seed) {
-        let name = forward.value(fp).kind.leaf_name().unwrap_or_default().to_string();
-        session.write_named(&name, &value)?;
-    }
+/// Writes the initial weights: the seeded draw, made by the session where
+/// it runs (on a GPU, in place, without a host copy of the model).
+/// **Seam:** a pretrained model's weights (`--init-from`) replace it here.
+pub fn init_weights(session: &mut dyn Session, seed: u64) -> Result<()> {
+    session.init_params(seed)?;
     Ok(())
 }
 
@@ -557,7 +554,6 @@ struct Run<'a> {
     args: &'a TrainArgs,
     /// The model and the global batch.
     spec: ModelSpec,
-    forward: Trace,
     schedule: LrSchedule,
     rank: usize,
     world: usize,

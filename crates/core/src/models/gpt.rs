@@ -10,14 +10,9 @@
 //! `mlp.down_proj`. Activations stay in the `[batch, tokens, heads, head]`
 //! layout that comes out of the projections: no permutes anywhere.
 
-use rand::rngs::StdRng;
-use rand::SeedableRng;
-use rand_distr::{Distribution, Normal};
-
 use super::config::{Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
-use crate::host::HostTensor;
-use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
 use crate::ops::linear_ce::{default_chunk, Reduction};
 use crate::ops::UnaryFn;
 
@@ -285,73 +280,4 @@ fn record_forward(spec: &ModelSpec, head_loss: HeadLoss, logits_output: bool) ->
     };
     g.b.output(OutputKind::Loss, loss);
     g.b.finish("build")
-}
-
-/// The initial values of the parameter `name` with `n` elements: zero
-/// biases, unit norm weights, and `random(n)` for every other weight.
-fn initial_values(name: &str, n: usize, random: impl FnOnce(usize) -> Vec<f64>) -> Vec<f64> {
-    if name.ends_with(".bias") {
-        vec![0.0; n]
-    } else if name.contains("norm") {
-        vec![1.0; n]
-    } else {
-        random(n)
-    }
-}
-
-/// Initial parameter values, as litgpt and Hugging Face initialise a fresh
-/// model: normal(0, 0.02) for matrices and embeddings, ones for norm
-/// weights, zeros for biases. Deterministic in `seed`; each parameter draws
-/// from its own stream, so adding a layer does not change the others.
-pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
-    trace
-        .params()
-        .enumerate()
-        .map(|(k, p)| {
-            let ty = trace.ty(p).clone();
-            let name = match &trace.value(p).kind {
-                ValueKind::Param { name } => name.as_str(),
-                _ => "",
-            };
-            let data = initial_values(name, ty.numel(), |n| {
-                let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(k as u64));
-                let normal = Normal::new(0.0, 0.02).expect("valid normal");
-                (0..n).map(|_| normal.sample(&mut rng)).collect()
-            });
-            (p, HostTensor::from_f64(ty, &data))
-        })
-        .collect()
-}
-
-/// Fast initial values for benchmarks of billion-parameter models: the same
-/// mean and standard deviation as [`init_params`] (uniform on ±0.02·√3
-/// instead of normal), from a counter-based hash, in parallel. Timing does
-/// not depend on the distribution's shape; generating a billion normal
-/// samples would dominate a benchmark's setup.
-pub fn init_params_fast(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
-    use rayon::prelude::*;
-    let half_width = 0.02 * 3f64.sqrt();
-    trace
-        .params()
-        .enumerate()
-        .map(|(k, p)| {
-            let ty = trace.ty(p).clone();
-            let name = trace.value(p).kind.leaf_name().unwrap_or_default();
-            let data = initial_values(name, ty.numel(), |n| {
-                let stream = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (k as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-                (0..n as u64)
-                    .into_par_iter()
-                    .map(|i| {
-                        // splitmix64 of (stream, i): independent, reproducible draws.
-                        let mut z = stream.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                        z ^= z >> 31;
-                        ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * half_width
-                    })
-                    .collect()
-            });
-            (p, HostTensor::from_f64(ty, &data))
-        })
-        .collect()
 }

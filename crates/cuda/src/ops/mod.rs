@@ -40,7 +40,7 @@ mod util;
 #[cfg(test)]
 mod host_model;
 #[cfg(test)]
-mod sweep;
+pub(crate) mod sweep;
 #[cfg(test)]
 mod testing;
 

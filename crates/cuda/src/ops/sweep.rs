@@ -184,7 +184,7 @@ fn kernel_info(cubin: &[u8], function: &str) -> Option<KernelInfo> {
 
 /// Checks `k` against its kernel in `cubin`: present, with the parameters
 /// its arguments fill in the C layout, and a launch bound admitting its block.
-fn check_signature(what: &str, cubin: &[u8], k: &KernelLaunch) {
+pub(crate) fn check_signature(what: &str, cubin: &[u8], k: &KernelLaunch) {
     let info = kernel_info(cubin, &k.function)
         .unwrap_or_else(|| panic!("{what}: no kernel `{}` in module `{}`", k.function, k.module));
     let mut offset = 0usize;
