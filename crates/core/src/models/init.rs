@@ -147,7 +147,7 @@ pub fn fill_param(name: &str, dtype: DType, seed: u64, out: &mut [u8]) -> Result
             "a parameter of dtype {dtype} has no initial weights; they are drawn for f32, bf16, f16 and f64"
         ));
     }
-    if out.len() % dtype.size() != 0 || out.as_ptr().align_offset(dtype.size()) != 0 {
+    if !out.len().is_multiple_of(dtype.size()) || out.as_ptr().align_offset(dtype.size()) != 0 {
         return bad(format!("{} bytes are not whole aligned {dtype} elements", out.len()));
     }
     let init = ParamInit::of(name);
