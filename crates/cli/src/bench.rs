@@ -31,6 +31,10 @@ pub enum Workload {
     W2,
     W3,
     W5,
+    /// Meta-Llama-3-8B cut to 2 layers, bf16, AdamW, 1 × 4096: the full
+    /// 8B geometry (vocabulary, widths) of a one-card fine-tune.
+    #[value(name = "l8-2l")]
+    L8TwoLayers,
 }
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq, Serialize)]
@@ -63,6 +67,8 @@ pub struct BenchArgs {
     /// Also time every launch of one eager step and print the slowest kernels.
     #[arg(long)]
     pub profile: bool,
+    #[command(flatten)]
+    pub memory: crate::memory_args::MemoryArgs,
 }
 
 /// What one benchmark run reports.
@@ -120,6 +126,16 @@ fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
                 loss: LossKind::Sum,
             },
             StepKind::Grads,
+        ),
+        Workload::L8TwoLayers => (
+            ModelSpec {
+                config: named("Meta-Llama-3-8B", Overrides { n_layer: Some(2), ..Default::default() })?,
+                batch: 1,
+                seq: 4096,
+                dtype: DType::BF16,
+                loss: LossKind::CrossEntropy,
+            },
+            StepKind::Train,
         ),
         Workload::W5 => (
             ModelSpec {
@@ -204,7 +220,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
+    args.memory.apply(&mut opts, crate::memory_args::free_bytes)?;
     let c = compile_step(&spec, &opts)?;
+    eprint!("{}", c.recompute);
+    if let Some(p) = &c.placement {
+        eprint!("{p}");
+    }
     let params = c.param_count() as u64;
     let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32 })?;
     Session::init_params(&mut s, 0)?;
