@@ -13,18 +13,24 @@
 //!
 //! Policies ([`RecomputePolicy`]):
 //! - **`Auto`** (the default of [`crate::pipeline::StepOptions`]): recompute
-//!   the *cheap* saved values — pointwise ops, SwiGLU, RoPE, casts and the
-//!   norms — whose every input stays alive into backward anyway (a leaf or
-//!   another saved value), so no lifetime grows: e.g. the SwiGLU product
-//!   from the saved gate and up projections, a norm's output from its saved
-//!   input. It is kept only when the planned peak falls. The added work is
-//!   one memory pass per recomputed value, a fraction of a percent of a
-//!   step that multiplies matrices.
+//!   the *cheap* saved values whose every input stays alive into backward
+//!   anyway (a leaf or another saved value), so no lifetime grows: e.g. the
+//!   SwiGLU product from the saved gate and up projections, a norm's output
+//!   from its saved input. Cheap means memory-bound by an H200 roofline
+//!   ([`roofline`]): moving the node's bytes takes longer than its
+//!   arithmetic. Every pointwise op, RoPE, cast and norm is; so is a
+//!   product with a short reduction (a model 28 wide projecting to 18944),
+//!   which costs what a pointwise op writing the same bytes costs; products
+//!   and attention of real widths are compute-bound and stay kept. It is
+//!   kept only when the planned peak falls. The added work is one memory
+//!   pass per recomputed value, a fraction of a percent of a step that
+//!   multiplies matrices.
 //! - **`Budget(bytes)`**: go on until the planned peak is within the
 //!   budget, greedily: plan, take the saved values live at the peak that
 //!   can be recomputed (their non-leaf inputs saved or themselves marked),
-//!   cheapest first — pointwise, then norms, then products and attention;
-//!   within a class the fewest added FLOPs per freed byte — mark the best
+//!   cheapest first — memory-bound before compute-bound, and within each
+//!   pointwise, then norms, then products and attention; within a class
+//!   the fewest added FLOPs per freed byte — mark the best
 //!   one and every value of the same op and type live at the peak (the same
 //!   layer's value in the other layers), and plan again. A budget that
 //!   recomputing every candidate cannot meet is refused, naming the
@@ -130,6 +136,47 @@ fn node_traffic(trace: &Trace, n: NodeId) -> u64 {
 const PRODUCT_FLOPS_PER_S_BF16: f64 = 769e12;
 const PRODUCT_FLOPS_PER_S_F32: f64 = 50.6e12;
 const COPY_BYTES_PER_S: f64 = 4176e9;
+
+/// A roofline estimate of one run of a node on an H200: the time its
+/// arithmetic takes at the product ceiling of its dtype and the time its
+/// memory traffic takes at copy bandwidth. The node runs in about the
+/// larger of the two.
+#[derive(Copy, Clone, PartialEq, Debug)]
+pub struct Roofline {
+    pub compute_seconds: f64,
+    pub memory_seconds: f64,
+}
+
+impl Roofline {
+    /// The estimated time of the node: the slower of its two ceilings.
+    pub fn seconds(&self) -> f64 {
+        self.compute_seconds.max(self.memory_seconds)
+    }
+
+    /// Whether moving the node's bytes takes at least as long as its
+    /// arithmetic (its arithmetic intensity is at most the machine
+    /// balance): recomputing it then costs about what a pointwise op
+    /// writing the same bytes costs, whatever its op.
+    pub fn memory_bound(&self) -> bool {
+        self.compute_seconds <= self.memory_seconds
+    }
+}
+
+/// The [`Roofline`] of node `n`. Its arithmetic runs at the product rate
+/// of its operands' dtype (f32 and f64 at the f32 rate, the 16-bit types
+/// at the bf16 rate); for pointwise ops and norms that term is negligible.
+pub fn roofline(trace: &Trace, n: NodeId) -> Roofline {
+    let node = trace.node(n);
+    let dtype = node.inputs.first().or(node.outputs.first()).map(|&v| trace.ty(v).dtype);
+    let rate = match dtype {
+        Some(crate::ir::DType::BF16 | crate::ir::DType::F16) => PRODUCT_FLOPS_PER_S_BF16,
+        _ => PRODUCT_FLOPS_PER_S_F32,
+    };
+    Roofline {
+        compute_seconds: node_flops(trace, n) as f64 / rate,
+        memory_seconds: node_traffic(trace, n) as f64 / COPY_BYTES_PER_S,
+    }
+}
 
 /// One recomputed node, as `plan` reports it.
 #[derive(Clone, Debug, Serialize)]
@@ -382,16 +429,13 @@ fn report(
     before: u64,
     after: u64,
 ) -> RecomputeReport {
-    let f32_products = new.values.iter().any(|v| v.ty.dtype == crate::ir::DType::F32)
-        && !new.values.iter().any(|v| matches!(v.ty.dtype, crate::ir::DType::BF16 | crate::ir::DType::F16));
-    let rate = if f32_products { PRODUCT_FLOPS_PER_S_F32 } else { PRODUCT_FLOPS_PER_S_BF16 };
     let mut recomputed = Vec::new();
     let (mut flops, mut seconds) = (0u64, 0f64);
     for &(orig, n) in emitted {
         let node = new.node(n);
         let f = node_flops(new, n);
         flops += f;
-        seconds += (f as f64 / rate).max(node_traffic(new, n) as f64 / COPY_BYTES_PER_S);
+        seconds += roofline(new, n).seconds();
         recomputed.push(RecomputedNode {
             node: n.index(),
             op: node.op.name().to_string(),
@@ -426,7 +470,13 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
             let saved_nodes = saved_producers(step);
             let mut marked = HashSet::new();
             for &n in &saved_nodes {
-                let cheap = matches!(cost_class(&step.node(n).op), Some(CostClass::Pointwise | CostClass::Norm));
+                // Cheap by the roofline, not by op: every pointwise op and
+                // norm is memory-bound, and so is a product with a short
+                // reduction (W2's `[4096, 28] · [28, 18944]` gate and up
+                // projections write 155 MB each for 4 GFLOP), while the
+                // products and attention of real widths are compute-bound
+                // and stay kept.
+                let cheap = cost_class(&step.node(n).op).is_some() && roofline(step, n).memory_bound();
                 // Views free nothing on their own: they go with their source.
                 if cheap && step.node(n).op.view_of().is_none() && inputs_kept(step, n, &saved, &HashSet::new()) {
                     mark_with_views(step, n, &saved_nodes, &mut marked);
@@ -482,7 +532,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                         }
                     }
                 }
-                let mut candidates: Vec<(CostClass, f64, NodeId, Vec<NodeId>)> = needed
+                let mut candidates: Vec<Candidate> = needed
                     .iter()
                     .copied()
                     .filter(|n| !marked.contains(n) && live_at_peak.contains(n))
@@ -494,13 +544,25 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                             .filter_map(|&m| cost_class(&step.node(m).op))
                             .max()
                             .unwrap_or(CostClass::Product);
+                        let compute_bound = nodes.iter().any(|&m| !roofline(step, m).memory_bound());
                         let flops: u64 = nodes.iter().map(|&m| node_flops(step, m)).sum();
                         let bytes: u64 = step.node(n).outputs.iter().map(|&o| step.ty(o).bytes()).sum();
-                        (class, flops as f64 / bytes.max(1) as f64, n, nodes)
+                        Candidate {
+                            compute_bound,
+                            class,
+                            flops_per_byte: flops as f64 / bytes.max(1) as f64,
+                            node: n,
+                            nodes,
+                        }
                     })
                     .collect();
-                candidates.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)));
-                let Some((_, _, best, _)) = candidates.first().cloned() else {
+                candidates.sort_by(|a, b| {
+                    (a.compute_bound, a.class)
+                        .cmp(&(b.compute_bound, b.class))
+                        .then(a.flops_per_byte.total_cmp(&b.flops_per_byte))
+                        .then(a.node.cmp(&b.node))
+                });
+                let Some(best) = candidates.first().map(|c| c.node) else {
                     return Err(Error::Plan(format!(
                         "the memory budget of {budget} B ({:.3} GB) cannot be met: recomputing every saved value \
                          this pass can recompute plans {best_peak} B ({:.3} GB); ask for at least that, or a \
@@ -515,11 +577,10 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                 // when fewer suffice, in a logarithmic number of plans.
                 let key = signature(step, best);
                 let previous = marked.clone();
-                let mut same: Vec<&(CostClass, f64, NodeId, Vec<NodeId>)> =
-                    candidates.iter().filter(|c| signature(step, c.2) == key).collect();
-                same.sort_by_key(|c| c.2);
+                let mut same: Vec<&Candidate> = candidates.iter().filter(|c| signature(step, c.node) == key).collect();
+                same.sort_by_key(|c| c.node);
                 for c in same.iter().take(same.len().div_ceil(2)) {
-                    for &m in &c.3 {
+                    for &m in &c.nodes {
                         mark_with_views(step, m, &needed, &mut marked);
                     }
                 }
@@ -542,6 +603,21 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
             Ok((t, p, r))
         }
     }
+}
+
+/// A value the budget policy may recompute next, with what it costs.
+struct Candidate {
+    /// Some node of the closure runs at the product ceiling: such values
+    /// go after every memory-bound one.
+    compute_bound: bool,
+    /// The dearest class in the closure.
+    class: CostClass,
+    /// Added FLOPs per byte freed: the order within a class.
+    flops_per_byte: f64,
+    /// The saved forward node.
+    node: NodeId,
+    /// It and the nodes recomputed to feed it.
+    nodes: Vec<NodeId>,
 }
 
 /// Op name and output types: what makes two layers' values "the same".
@@ -602,14 +678,64 @@ mod tests {
         check_plan(&t, &p).unwrap();
         assert!(!r.recomputed.is_empty(), "{r}");
         assert!(r.planned_peak_after < r.planned_peak_before, "{r}");
-        assert!(r.recomputed.iter().all(|n| n.class != CostClass::Product), "{r}");
         assert!(r.recomputed.iter().any(|n| n.op == "swiglu"), "{r}");
         for n in r.nodes() {
             assert_eq!(t.node(n).phase, Phase::Backward);
+            // Only memory-bound work is recomputed without a budget (the
+            // tiny model's narrow products may be, see the roofline test).
+            assert!(roofline(&t, n).memory_bound(), "{r}");
         }
         // The step still computes the same outputs, in the same order.
         assert_eq!(t.outputs.len(), s.outputs.len());
         assert_eq!(t.params().count(), s.params().count());
+    }
+
+    /// A grads step of `layers` layers of the named model with `overrides`,
+    /// one row of `seq` tokens in bf16.
+    fn wide_step(name: &str, o: crate::models::Overrides, seq: usize) -> Trace {
+        let config = crate::models::Config::named(name).unwrap().with_overrides(&o).unwrap();
+        let spec = ModelSpec { config, batch: 1, seq, dtype: DType::BF16, loss: LossKind::CrossEntropy };
+        trace_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().step
+    }
+
+    #[test]
+    fn the_roofline_finds_products_with_a_short_reduction_memory_bound() {
+        let product = |m: usize, k: usize, n: usize| {
+            let mut b = Builder::new("p");
+            let x = b.input("x", crate::ir::TensorType::new(DType::BF16, [m, k])).unwrap();
+            let w = b.param("w", crate::ir::TensorType::new(DType::BF16, [n, k])).unwrap();
+            b.matmul(x, w, false, true).unwrap();
+            let t = b.finish("test").unwrap();
+            roofline(&t, NodeId(0))
+        };
+        // W2's gate projection: 4.3 GFLOP (5.7 µs at the bf16 ceiling)
+        // writing 155 MB (37 µs at copy bandwidth).
+        let w2 = product(4096, 28, 18944);
+        assert!(w2.memory_bound(), "{w2:?}");
+        assert!((w2.memory_seconds - 156.5e6 / COPY_BYTES_PER_S).abs() < 1e-6, "{w2:?}");
+        // open_llama_3b's, at W5's 8192 rows: 453 GFLOP over 213 MB.
+        let w5 = product(8192, 3200, 8640);
+        assert!(!w5.memory_bound(), "{w5:?}");
+        assert_eq!(w5.seconds(), w5.compute_seconds);
+    }
+
+    #[test]
+    fn auto_recomputes_memory_bound_products_only() {
+        // W2's geometry at two layers: the gate and up projections (K = 28)
+        // are recomputed from the kept norm output, and the peak holds no
+        // layer's `[4096, 18944]` projections but the one in backward.
+        let o = crate::models::Overrides { n_layer: Some(2), n_embd: Some(28), ..Default::default() };
+        let s = wide_step("Qwen2.5-7B", o, 4096);
+        let (t, p, r) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
+        check_plan(&t, &p).unwrap();
+        assert_eq!(r.recomputed.iter().filter(|n| n.op == "matmul").count(), 4, "{r}");
+        assert!(r.planned_peak_after < 4 * 155_189_248, "{r}");
+        // open_llama_3b's widths: no product or attention is memory-bound.
+        let o = crate::models::Overrides { n_layer: Some(1), ..Default::default() };
+        let s = wide_step("open_llama_3b", o, 2048);
+        let (_, _, r) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
+        assert!(!r.recomputed.is_empty(), "{r}");
+        assert!(r.recomputed.iter().all(|n| n.class != CostClass::Product), "{r}");
     }
 
     #[test]

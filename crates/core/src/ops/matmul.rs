@@ -106,8 +106,12 @@ impl OpDef for MatMul {
         let (ta, tb) = (self.trans_a, self.trans_b);
         // C = opA(A)·opB(B): dopA = G·opB(B)ᵀ and dopB = opA(A)ᵀ·G, transposed
         // back where the operand is stored transposed.
-        let ga = if ta { b.matmul_into(w, g, tb, true, x)? } else { b.matmul_into(g, w, false, !tb, x)? };
+        // `b`'s cotangent comes first: in a linear layer it is the weight
+        // gradient, the last reader of the saved activation `a`, so `a` is
+        // freed before the activation-sized cotangent of `a` is allocated
+        // (the other order holds both at once, and the weight never dies).
         let gb = if tb { b.matmul_into(g, x, true, ta, w)? } else { b.matmul_into(x, g, !ta, false, w)? };
+        let ga = if ta { b.matmul_into(w, g, tb, true, x)? } else { b.matmul_into(g, w, false, !tb, x)? };
         Ok(vec![Some(ga), Some(gb)])
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
