@@ -8,4 +8,4 @@ pub mod gpt;
 pub mod hf;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
-pub use gpt::{build_forward, init_params, init_params_fast, LossKind, ModelSpec};
+pub use gpt::{build_forward, build_forward_opts, init_params, init_params_fast, ForwardOptions, LossKind, ModelSpec};
