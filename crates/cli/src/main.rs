@@ -93,6 +93,8 @@ enum Command {
         optim: OptimArgs,
         #[command(flatten)]
         train: train::TrainArgs,
+        #[command(flatten)]
+        memory: memory_args::MemoryArgs,
     },
 }
 
@@ -366,9 +368,9 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
-        Command::Train { model, optim, train } => {
+        Command::Train { model, optim, train, memory } => {
             let spec = model.spec()?;
-            train::run(&model, optim.train_options(spec.dtype)?, &train)?
+            train::run(&model, optim.train_options(spec.dtype)?, &train, &memory)?
         }
     }
     Ok(())
