@@ -106,6 +106,8 @@ enum Command {
         optim: OptimArgs,
         #[command(flatten)]
         train: train::TrainArgs,
+        #[command(flatten)]
+        memory: memory_args::MemoryArgs,
     },
 }
 
@@ -399,9 +401,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Compare(args) => compare::run(&args)?,
         Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
-        Command::Train { model, optim, train } => {
+        Command::Train { model, optim, train, memory } => {
             let spec = model.spec()?;
-            train::run(&model, optim.train_options(spec.dtype)?, &train)?
+            train::run(&model, optim.train_options(spec.dtype)?, &train, &memory)?
         }
     }
     Ok(())

@@ -1,7 +1,8 @@
 //! The memory flags every command that builds a step shares (`plan`,
 //! `trace`, `train`, `bench`): the memory budget that drives recomputation,
-//! the recompute policy without one, and where a train step's optimizer
-//! runs. They map onto [`StepOptions`]'s `recompute` and `optimizer`.
+//! the recompute policy without one, where a train step's optimizer runs
+//! and the MLP row tiles. They map onto [`StepOptions`]'s `recompute`,
+//! `optimizer` and `mlp_tiles`.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -44,6 +45,11 @@ pub struct MemoryArgs {
     /// gradient is final (on), after backward (off), or whichever plans lower (auto).
     #[arg(long, value_enum, default_value_t = PlacementArg::Auto)]
     pub optimizer_in_backward: PlacementArg,
+    /// Split the rows of every MLP into this many tiles, run one after the
+    /// other, so backward holds one tile's intermediates at a time. A
+    /// memory budget these cannot meet tries twice as many, and again.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub mlp_tiles: u32,
 }
 
 impl MemoryArgs {
@@ -63,6 +69,7 @@ impl MemoryArgs {
             PlacementArg::On => OptimizerPlacement::InBackward,
             PlacementArg::Off => OptimizerPlacement::AfterBackward,
         };
+        opts.mlp_tiles = self.mlp_tiles as usize;
         Ok(())
     }
 }
@@ -143,14 +150,21 @@ mod tests {
             memory_budget: Some("auto".into()),
             recompute: RecomputeArg::Auto,
             optimizer_in_backward: PlacementArg::Off,
+            mlp_tiles: 4,
         };
         args.apply(&mut opts, || Ok(123_000)).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Budget(123_000));
         assert_eq!(opts.optimizer, OptimizerPlacement::AfterBackward);
-        let args =
-            MemoryArgs { memory_budget: None, recompute: RecomputeArg::Off, optimizer_in_backward: PlacementArg::On };
+        assert_eq!(opts.mlp_tiles, 4);
+        let args = MemoryArgs {
+            memory_budget: None,
+            recompute: RecomputeArg::Off,
+            optimizer_in_backward: PlacementArg::On,
+            mlp_tiles: 1,
+        };
         args.apply(&mut opts, || unreachable!("no budget asked")).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Off);
         assert_eq!(opts.optimizer, OptimizerPlacement::InBackward);
+        assert_eq!(opts.mlp_tiles, 1);
     }
 }

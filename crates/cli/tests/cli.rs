@@ -1,6 +1,7 @@
 //! The command line as a user meets it: plan JSON for the benchmark
-//! workloads (W5 also on 8 GPUs, with and without ZeRO-1), traces, a short
-//! training run, and clear errors for bad input.
+//! workloads (W2 by default and on a budget, W5 also on 8 GPUs, with and
+//! without ZeRO-1), traces, short training runs (one with a tiled MLP), and
+//! clear errors for bad input.
 
 use std::process::Command;
 
@@ -66,6 +67,71 @@ fn plan_w2_text_report() {
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("planned peak") && out.contains("largest values live at the peak"), "{out}");
+}
+
+/// W2's plan with `extra` flags, as JSON.
+fn plan_w2_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "plan",
+        "--model",
+        "Qwen2.5-7B",
+        "--n-layer",
+        "5",
+        "--n-embd",
+        "28",
+        "--dtype",
+        "bf16",
+        "--seq",
+        "4096",
+        "--loss",
+        "ce",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn plan_w2_meets_issue_10() {
+    // Default flags: within 1.7 GB, the MLP untiled.
+    let v = plan_w2_json(&[]);
+    assert!(json_u64(&v, "planned_peak_bytes") <= 1_700_000_000, "{v}");
+    assert_eq!(json_u64(&v["recompute"], "mlp_tiles"), 1);
+    // Half a gigabyte: the MLP tiled, and the tiling reported.
+    let v = plan_w2_json(&["--memory-budget", "0.5GB"]);
+    assert!(json_u64(&v, "planned_peak_bytes") <= 500_000_000, "{v}");
+    assert!(json_u64(&v["recompute"], "mlp_tiles") >= 2, "{v}");
+    let (ok, out, err) = stepgraph(&[
+        "plan",
+        "--model",
+        "Qwen2.5-7B",
+        "--n-layer",
+        "5",
+        "--n-embd",
+        "28",
+        "--dtype",
+        "bf16",
+        "--seq",
+        "4096",
+        "--memory-budget",
+        "0.5GB",
+    ]);
+    assert!(ok && out.contains("row tiles"), "{out}{err}");
+}
+
+#[test]
+fn train_with_a_tiled_mlp_gives_the_untiled_losses() {
+    let run = |extra: &[&str]| {
+        let mut args = vec!["train", "--steps", "3", "--seq", "32", "--batch", "2"];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = stepgraph(&args);
+        assert!(ok, "{err}");
+        // "final loss X (first Y) after ..."
+        out.lines().find(|l| l.starts_with("final loss")).unwrap().split(" after").next().unwrap().to_string()
+    };
+    assert_eq!(run(&["--mlp-tiles", "4"]), run(&[]));
 }
 
 /// W5 on each of 8 GPUs: full open_llama_3b, bf16, 4 x 2048 tokens per
@@ -169,7 +235,7 @@ fn train_on_gpus_fails_clearly_without_a_gpu_or_nccl() {
 
 #[test]
 fn bad_input_gets_clear_errors() {
-    let cases: [(&[&str], &str); 14] = [
+    let cases: [(&[&str], &str); 16] = [
         (&["plan", "--model", "gpt-17"], "unknown model name `gpt-17`"),
         (&["plan", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
         (&["plan", "--zero1"], "--gpus"),
@@ -190,6 +256,8 @@ fn bad_input_gets_clear_errors() {
         ),
         (&["train", "--gpus", "2", "--rank", "5", "--nccl-id", "/tmp/id"], "--rank 5 is outside a group of 2"),
         (&["train", "--gpus", "2", "--batch", "2", "--rank", "1", "--nccl-id", "/no/such/nccl.id"], "/no/such/nccl.id"),
+        (&["train", "--gpus", "2", "--batch", "2", "--memory-budget", "auto"], "every rank plans the same step"),
+        (&["plan", "--mlp-tiles", "0"], "--mlp-tiles"),
     ];
     for (args, want) in cases {
         let (ok, _, err) = stepgraph(args);

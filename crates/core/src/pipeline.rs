@@ -11,6 +11,15 @@
 //! builders go through these two functions, so a stage added here reaches
 //! all of them.
 //!
+//! A memory budget that recomputation cannot meet makes [`compile_step`]
+//! build the step again with every MLP in 2, 4, 8, … row tiles
+//! ([`crate::models::ForwardOptions::mlp_tiles`]; tiles of at least
+//! `n_embd` rows): each tile's
+//! intermediates then live only while backward works on that tile. It
+//! stops at the first tiling that meets the budget, or refuses once a
+//! doubling (after the first) no longer lowers the least planned peak,
+//! naming the least it reached and its tiling.
+//!
 //! **Invariant:** a [`CompiledStep`]'s plan belongs to its step and has
 //! passed `check_plan`.
 
@@ -18,9 +27,9 @@ use std::time::{Duration, Instant};
 
 use crate::autodiff::{build_step, StepKind, TrainOptions};
 use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId};
-use crate::models::{build_forward, ModelSpec};
+use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
 use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
 use crate::plan::{check_plan, MemoryPlan, PlanOptions};
 use crate::recompute::{self, RecomputePolicy, RecomputeReport};
@@ -43,6 +52,9 @@ pub struct StepOptions {
     /// Where a train step's optimizer runs (default: in backward unless
     /// that raises the planned peak).
     pub optimizer: OptimizerPlacement,
+    /// Row tiles of every MLP (default 1: untiled); under a memory budget
+    /// [`compile_step`] tries more when these do not suffice.
+    pub mlp_tiles: usize,
 }
 
 impl StepOptions {
@@ -55,6 +67,7 @@ impl StepOptions {
             plan: PlanOptions::default(),
             recompute: RecomputePolicy::default(),
             optimizer: OptimizerPlacement::default(),
+            mlp_tiles: 1,
         }
     }
 
@@ -92,7 +105,7 @@ pub struct CompiledStep {
     pub buckets: Vec<u64>,
     /// Where the optimizer runs (train steps).
     pub placement: Option<PlacementReport>,
-    /// What is recomputed in backward.
+    /// What is recomputed in backward, and the MLP tiling the step was built with.
     pub recompute: RecomputeReport,
 }
 
@@ -125,7 +138,8 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
         }
         None => spec.clone(),
     };
-    let forward = build_forward(&spec)?;
+    let forward =
+        build_forward_opts(&spec, &ForwardOptions { mlp_tiles: opts.mlp_tiles, ..ForwardOptions::default() })?;
     let step = build_step(&forward, opts.kind, &opts.train)?;
     let (step, buckets) = match &opts.data_parallel {
         Some(dp) => {
@@ -137,8 +151,14 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
     Ok(StepTraces { spec, forward, step, buckets })
 }
 
+/// The most row tiles [`compile_step`] tries for a memory budget, however
+/// narrow the model (it also keeps `n_embd` rows per tile).
+pub const MAX_MLP_TILES: usize = 256;
+
 /// The whole pipeline: [`trace_step`], then the memory plan, proved by
-/// `check_plan` before it is returned.
+/// `check_plan` before it is returned. Under a memory budget that
+/// `opts.mlp_tiles` cannot meet, tries twice the tiles, and again, as the
+/// module doc says.
 pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep> {
     compile_step_timed(spec, opts).map(|(c, _)| c)
 }
@@ -153,8 +173,39 @@ pub struct CompileTimes {
     pub plan: Duration,
 }
 
-/// [`compile_step`], timing its halves.
+/// [`compile_step`], timing its halves (of the tiling that is returned).
 pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
+    let first = compile_tiled(spec, opts);
+    let Err(Error::MemoryBudget { budget, mut least, mlp_tiles: _ }) = first else { return first };
+    // Rows of one rank's MLP. As Arctic Long-Sequence Training sizes its
+    // tiles, a tile keeps at least `n_embd` rows: below that, each tile's
+    // products read more weight bytes than activation bytes, and the
+    // search (one budget pass per tiling) grows with no end in sight.
+    let world = opts.data_parallel.as_ref().map_or(1, |dp| dp.world.max(1));
+    let rows = (spec.batch / world).max(1) * spec.seq;
+    let most = (rows / spec.config.n_embd.max(1)).clamp(1, MAX_MLP_TILES);
+    let (mut tiles, mut best_tiles) = (opts.mlp_tiles.max(1), opts.mlp_tiles.max(1));
+    // Tiling costs a fixed amount once (each tile's weight gradients live
+    // until they are summed) and saves a share of the intermediates that
+    // halves with each doubling. So the first doubling may not pay on a
+    // narrow model while the second does; after that, a doubling that does
+    // not lower the least peak ends the search: later ones save less.
+    let mut first = true;
+    while tiles * 2 <= most {
+        tiles *= 2;
+        match compile_tiled(spec, &StepOptions { mlp_tiles: tiles, ..opts.clone() }) {
+            Err(Error::MemoryBudget { least: l, .. }) if l < least => (least, best_tiles) = (l, tiles),
+            Err(Error::MemoryBudget { .. }) if first => {}
+            Err(Error::MemoryBudget { .. }) => break,
+            other => return other,
+        }
+        first = false;
+    }
+    Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles })
+}
+
+/// The pipeline with the MLP tiling of `opts`, once.
+fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
     let (step, placement) = if opts.kind == StepKind::Train {
@@ -164,7 +215,9 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
         (step, None)
     };
     let traced = Instant::now();
-    let (step, plan, recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
+    let (step, plan, mut recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
+    // As the builder tiles: at most one tile per row.
+    recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     check_plan(&step, &plan)?;
     let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
     Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute }, times))
@@ -175,6 +228,7 @@ mod tests {
     use super::*;
     use crate::autodiff::{LR_INPUT, STEP_INPUT};
     use crate::ir::DType;
+    use crate::models::build_forward;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
     use crate::models::LossKind;
     use crate::plan::{plan, plan_report};

@@ -32,11 +32,13 @@
 //!   pointwise, then norms, then products and attention; within a class
 //!   the fewest added FLOPs per freed byte — mark the best
 //!   one and every value of the same op and type live at the peak (the same
-//!   layer's value in the other layers), and plan again. A budget that
-//!   recomputing every candidate cannot meet is refused, naming the
+//!   layer's value in the other layers, the same MLP row tile's in the
+//!   other tiles), and plan again. A budget that recomputing every
+//!   candidate cannot meet is refused ([`Error::MemoryBudget`]), naming the
 //!   smallest planned peak the pass reached: no budget below it works with
-//!   this pass. Greedy is not an exact knapsack; it is exact in the common
-//!   case where the peak's saved values are per-layer copies of one kind.
+//!   this pass on this step (the pipeline then tries tiling the MLP).
+//!   Greedy is not an exact knapsack; it is exact in the common case where
+//!   the peak's saved values are per-layer copies of one kind.
 //! - **`Off`**: the step unchanged.
 //!
 //! **Invariant:** the transformed step computes the same values as the
@@ -204,6 +206,9 @@ pub struct RecomputeReport {
     pub estimated_seconds: f64,
     pub planned_peak_before: u64,
     pub planned_peak_after: u64,
+    /// Row tiles of every MLP of the step (1: untiled). The pass leaves it
+    /// at 1; [`crate::pipeline::compile_step`] sets what it built the step with.
+    pub mlp_tiles: usize,
 }
 
 impl RecomputeReport {
@@ -215,6 +220,9 @@ impl RecomputeReport {
 
 impl std::fmt::Display for RecomputeReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.mlp_tiles > 1 {
+            writeln!(f, "mlp tiling: every MLP in {} row tiles", self.mlp_tiles)?;
+        }
         if self.recomputed.is_empty() {
             return writeln!(f, "recompute ({}): nothing recomputed", self.policy);
         }
@@ -451,6 +459,7 @@ fn report(
         estimated_seconds: seconds,
         planned_peak_before: before,
         planned_peak_after: after,
+        mlp_tiles: 1,
     }
 }
 
@@ -563,13 +572,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                         .then(a.node.cmp(&b.node))
                 });
                 let Some(best) = candidates.first().map(|c| c.node) else {
-                    return Err(Error::Plan(format!(
-                        "the memory budget of {budget} B ({:.3} GB) cannot be met: recomputing every saved value \
-                         this pass can recompute plans {best_peak} B ({:.3} GB); ask for at least that, or a \
-                         smaller batch or sequence",
-                        budget as f64 / 1e9,
-                        best_peak as f64 / 1e9
-                    )));
+                    return Err(Error::MemoryBudget { budget, least: best_peak, mlp_tiles: 1 });
                 };
                 // The same value in the other layers live at the peak, half
                 // of them at a time (earliest first: they live longest), so
@@ -620,11 +623,17 @@ struct Candidate {
     nodes: Vec<NodeId>,
 }
 
-/// Op name and output types: what makes two layers' values "the same".
+/// Op and output types: what makes two layers' values "the same". Where
+/// a slice starts is left out, so the row tiles of a tiled MLP
+/// ([`crate::models::ForwardOptions::mlp_tiles`]) are one kind too, and
+/// taken a half at a time like the layers.
 fn signature(step: &Trace, n: NodeId) -> String {
     let node = step.node(n);
     let types: Vec<String> = node.outputs.iter().map(|&o| step.ty(o).to_string()).collect();
-    format!("{:?} {}", node.op, types.join(","))
+    match &node.op {
+        Op::Slice(s) => format!("Slice {{ axis: {} }} {}", s.axis, types.join(",")),
+        op => format!("{op:?} {}", types.join(",")),
+    }
 }
 
 /// Forward nodes of the original `step` whose outputs are live (in the

@@ -62,6 +62,7 @@ use stepgraph_core::session::{Session, SessionMemory};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
 
+use crate::memory_args::{free_bytes, MemoryArgs};
 use crate::{LossArg, ModelArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
 use data::{ByteText, TrainData};
@@ -259,7 +260,7 @@ impl TrainArgs {
 }
 
 /// `stepgraph train`.
-pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<()> {
+pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
     let role = args.role(gpu_available())?;
     if args.steps == 0 {
         bail!("--steps 0 trains nothing: ask for at least 1 step");
@@ -290,6 +291,13 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs) -> Result<(
         );
     }
     let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
+    // Every rank must build the same step: a budget measured per process
+    // could differ between them.
+    let auto_budget = memory.memory_budget.as_deref().is_some_and(|b| b.trim().eq_ignore_ascii_case("auto"));
+    if auto_budget && args.gpus.is_some_and(|g| g > 1) {
+        bail!("--memory-budget auto with --gpus: give a size, so that every rank plans the same step");
+    }
+    memory.apply(&mut opts, free_bytes)?;
     let (rank, world) = match &role {
         Role::Cpu => (0, 1),
         Role::Gpu => {

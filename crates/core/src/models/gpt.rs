@@ -9,6 +9,15 @@
 //! checkpoints map onto them by name; a GELU MLP uses `mlp.up_proj` and
 //! `mlp.down_proj`. Activations stay in the `[batch, tokens, heads, head]`
 //! layout that comes out of the projections: no permutes anywhere.
+//!
+//! **MLP row tiling** ([`ForwardOptions::mlp_tiles`], as Arctic Long-Sequence
+//! Training's TiledMLP): the MLP treats every token on its own, so its input
+//! rows can be split into tiles (`slice`), each tile run through the whole
+//! MLP, and the results joined (`concat`). The values are the same; what
+//! changes is that autodiff then differentiates tile by tile, and with the
+//! tiles' intermediates recomputed, backward holds one tile's
+//! `[rows/tiles, intermediate]` tensors at a time instead of the layer's.
+//! One tile (the default) records the untiled MLP, op for op.
 
 use super::config::{Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
@@ -81,7 +90,12 @@ struct Gpt<'a> {
     b: Builder,
     cfg: &'a Config,
     dtype: DType,
+    /// Row tiles of every MLP (see the module doc); 1 for none.
+    mlp_tiles: usize,
 }
+
+/// A linear layer's weight and optional bias.
+type LinearParams = (ValueId, Option<ValueId>);
 
 impl Gpt<'_> {
     fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
@@ -146,21 +160,55 @@ impl Gpt<'_> {
         self.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
     }
 
+    /// The MLP of `x: [..., n_embd]`, in [`Gpt::mlp_tiles`] row tiles.
     fn mlp(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
+        let shape = self.b.shape(x).to_vec();
+        let c = self.cfg.n_embd;
+        let rows = shape.iter().product::<usize>() / c.max(1);
+        // No tile is empty: at most one per row.
+        let tiles = self.mlp_tiles.clamp(1, rows.max(1));
+        let mut params = Vec::new();
+        if tiles == 1 {
+            return self.mlp_rows(x, prefix, &mut params);
+        }
+        let x2 = self.b.reshape(x, &[rows, c])?;
+        let mut parts = Vec::with_capacity(tiles);
+        for t in 0..tiles {
+            // Tiles of rows/tiles rows; the first rows % tiles get one more.
+            let (start, end) = (t * rows / tiles, (t + 1) * rows / tiles);
+            let xt = self.b.slice(x2, 0, start, end)?;
+            parts.push(self.mlp_rows(xt, prefix, &mut params)?);
+        }
+        let y = self.b.concat(&parts, 0)?;
+        self.b.reshape(y, &shape)
+    }
+
+    /// The MLP of the rows `x`. `params` holds the layer's projections in
+    /// order once made: the first call (the only one without tiling)
+    /// creates each right before its product, as the untiled MLP always
+    /// did, and later tiles reuse them.
+    fn mlp_rows(&mut self, x: ValueId, prefix: &str, params: &mut Vec<LinearParams>) -> Result<ValueId> {
         let (c, i, bias) = (self.cfg.n_embd, self.cfg.intermediate_size, self.cfg.bias);
+        let mut linear = |g: &mut Self, x: ValueId, k: usize, name: &str, inp: usize, out: usize| {
+            if params.len() == k {
+                params.push(g.linear_params(&format!("{prefix}.{name}"), inp, out, bias)?);
+            }
+            let (w, b) = params[k];
+            g.b.linear(x, w, b)
+        };
         match self.cfg.mlp {
             MlpKind::LlamaSwiGlu => {
-                let gate = self.linear(x, &format!("{prefix}.gate_proj"), c, i, bias)?;
-                let up = self.linear(x, &format!("{prefix}.up_proj"), c, i, bias)?;
+                let gate = linear(self, x, 0, "gate_proj", c, i)?;
+                let up = linear(self, x, 1, "up_proj", c, i)?;
                 // One op, so backward keeps gate and up but not silu(gate).
                 let h = self.b.swiglu(gate, up)?;
-                self.linear(h, &format!("{prefix}.down_proj"), i, c, bias)
+                linear(self, h, 2, "down_proj", i, c)
             }
             MlpKind::Gelu { approximate_tanh } => {
-                let h = self.linear(x, &format!("{prefix}.up_proj"), c, i, bias)?;
+                let h = linear(self, x, 0, "up_proj", c, i)?;
                 let f = if approximate_tanh { UnaryFn::GeluTanh } else { UnaryFn::GeluErf };
                 let h = self.b.unary(f, h)?;
-                self.linear(h, &format!("{prefix}.down_proj"), i, c, bias)
+                linear(self, h, 1, "down_proj", i, c)
             }
         }
     }
@@ -188,15 +236,38 @@ impl Default for HeadLoss {
 /// Name of the logits output of [`build_forward_with_logits`].
 pub const LOGITS_OUTPUT: &str = "logits";
 
+/// How the forward trace is recorded, beyond the model and its batch:
+/// choices that change the ops, never the values they compute.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct ForwardOptions {
+    /// How a cross-entropy loss records the LM head.
+    pub head_loss: HeadLoss,
+    /// Row tiles of every MLP (see the module doc): 1 records the plain
+    /// MLP; more split its `batch × seq` rows into that many tiles (at
+    /// most one per row).
+    pub mlp_tiles: usize,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        ForwardOptions { head_loss: HeadLoss::default(), mlp_tiles: 1 }
+    }
+}
+
 /// Records the forward pass and loss of `spec` into a trace named `forward`,
 /// a cross-entropy through the fused head ([`HeadLoss::default`]).
 pub fn build_forward(spec: &ModelSpec) -> Result<Trace> {
-    build_forward_with(spec, HeadLoss::default())
+    build_forward_opts(spec, &ForwardOptions::default())
 }
 
 /// [`build_forward`] with the head of a cross-entropy loss recorded as `head_loss` says.
 pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace> {
-    record_forward(spec, head_loss, false)
+    build_forward_opts(spec, &ForwardOptions { head_loss, ..ForwardOptions::default() })
+}
+
+/// [`build_forward`] recorded as `opts` says.
+pub fn build_forward_opts(spec: &ModelSpec, opts: &ForwardOptions) -> Result<Trace> {
+    record_forward(spec, opts, false)
 }
 
 /// [`build_forward`] with the logits `[batch, seq, vocab]` as an extra
@@ -205,11 +276,18 @@ pub fn build_forward_with(spec: &ModelSpec, head_loss: HeadLoss) -> Result<Trace
 /// are materialised, so the loss is the unfused one. A training step built
 /// from it drops the extra output (see `autodiff::build_step`).
 pub fn build_forward_with_logits(spec: &ModelSpec) -> Result<Trace> {
-    record_forward(spec, HeadLoss::Materialised, true)
+    record_forward(spec, &ForwardOptions { head_loss: HeadLoss::Materialised, ..ForwardOptions::default() }, true)
 }
 
-fn record_forward(spec: &ModelSpec, head_loss: HeadLoss, logits_output: bool) -> Result<Trace> {
+fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) -> Result<Trace> {
     spec.check()?;
+    let head_loss = opts.head_loss;
+    if opts.mlp_tiles == 0 {
+        return Err(Error::Config {
+            model: spec.config.name.clone(),
+            reason: "the MLP needs at least one row tile, got 0".into(),
+        });
+    }
     if let HeadLoss::Fused { chunk: Some(0) } = head_loss {
         return Err(Error::Config {
             model: spec.config.name.clone(),
@@ -218,7 +296,7 @@ fn record_forward(spec: &ModelSpec, head_loss: HeadLoss, logits_output: bool) ->
     }
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
-    let mut g = Gpt { b: Builder::new("forward"), cfg, dtype: spec.dtype };
+    let mut g = Gpt { b: Builder::new("forward"), cfg, dtype: spec.dtype, mlp_tiles: opts.mlp_tiles };
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
     let targets = match spec.loss {
         LossKind::CrossEntropy => Some(g.b.input(TARGETS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),

@@ -13,5 +13,5 @@ pub mod hf_dir;
 pub mod init;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
-pub use gpt::{build_forward, LossKind, ModelSpec};
+pub use gpt::{build_forward, build_forward_opts, ForwardOptions, LossKind, ModelSpec};
 pub use init::{init_param, init_params};

@@ -150,3 +150,44 @@ impl Builder {
         self.push1(SwiGlu.into(), &[gate, up])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{draw_sample, run_op, run_op_aliased};
+
+    #[test]
+    fn backward_over_gate_and_up_gives_the_same_bits() {
+        for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+            for s in SwiGluBackward::samples(dtype) {
+                let x = draw_sample(&s, 5).unwrap();
+                let plain = run_op(&s.op, &x).unwrap();
+                // dgate written over gate and dup over up, element by element.
+                let aliased = run_op_aliased(&s.op, &x).unwrap();
+                for (k, (p, a)) in plain.iter().zip(&aliased).enumerate() {
+                    assert_eq!(p.bytes(), a.bytes(), "{dtype} {:?}: output {k}", x[0].ty);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_planned_step_runs_the_backward_over_gate_and_up() {
+        use crate::autodiff::StepKind;
+        use crate::models::{LossKind, ModelSpec};
+        use crate::pipeline::{compile_step, StepOptions};
+        let spec = ModelSpec::named("tiny-llama", 2, 64, DType::BF16, LossKind::CrossEntropy).unwrap();
+        for opts in [StepOptions::new(StepKind::Grads), StepOptions::unoptimized(StepKind::Grads)] {
+            let c = compile_step(&spec, &opts).unwrap();
+            let mut seen = 0;
+            for node in c.step.nodes.iter().filter(|n| n.op == SwiGluBackward.into()) {
+                // Gate and up die here (the product's weight gradient ran
+                // first), so their bytes take the two cotangents.
+                assert_eq!(c.plan.slot(node.outputs[0]), c.plan.slot(node.inputs[0]));
+                assert_eq!(c.plan.slot(node.outputs[1]), c.plan.slot(node.inputs[1]));
+                seen += 1;
+            }
+            assert_eq!(seen, spec.config.n_layer);
+        }
+    }
+}
