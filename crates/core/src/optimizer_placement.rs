@@ -129,17 +129,7 @@ pub fn in_backward(step: &Trace) -> Result<(Trace, usize)> {
     }
 
     let mut b = Builder::new(step.name.clone());
-    let mut map: Vec<Option<ValueId>> = vec![None; step.values.len()];
-    for v in step.leaves() {
-        let val = step.value(v);
-        let name = val.kind.leaf_name().expect("a leaf");
-        map[v.index()] = Some(match &val.kind {
-            ValueKind::Input { .. } => b.input(name, val.ty.clone())?,
-            ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
-            ValueKind::State { .. } => b.state(name, val.ty.clone())?,
-            ValueKind::Node(_) => unreachable!("leaves only"),
-        });
-    }
+    let mut map = b.copy_leaves(step)?;
     let m = |map: &[Option<ValueId>], v: ValueId| map[v.index()].expect("defined before use");
     for (n, phase) in order {
         let node = &step.nodes[n];

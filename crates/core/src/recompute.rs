@@ -50,7 +50,7 @@ use std::collections::{HashMap, HashSet};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::ir::{Builder, NodeId, Phase, Trace, ValueId, ValueKind};
+use crate::ir::{Builder, NodeId, Phase, Trace, ValueId};
 use crate::ops::Op;
 use crate::plan::{plan, MemoryPlan, PlanOptions, Region};
 
@@ -259,17 +259,7 @@ impl std::fmt::Display for RecomputeReport {
 /// that recompute.
 pub fn rewrite(step: &Trace, marked: &HashSet<NodeId>) -> Result<(Trace, Vec<(NodeId, NodeId)>)> {
     let mut b = Builder::new(step.name.clone());
-    let mut map: Vec<Option<ValueId>> = vec![None; step.values.len()];
-    for v in step.leaves() {
-        let val = step.value(v);
-        let name = val.kind.leaf_name().expect("a leaf");
-        map[v.index()] = Some(match &val.kind {
-            ValueKind::Input { .. } => b.input(name, val.ty.clone())?,
-            ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
-            ValueKind::State { .. } => b.state(name, val.ty.clone())?,
-            ValueKind::Node(_) => unreachable!("leaves only"),
-        });
-    }
+    let mut map = b.copy_leaves(step)?;
     // Original value -> its recomputed copy, once emitted.
     let mut again: HashMap<ValueId, ValueId> = HashMap::new();
     let mut emitted: Vec<(NodeId, NodeId)> = Vec::new();

@@ -421,6 +421,18 @@ impl Builder {
         self.leaf(ValueKind::State { name: name.into() }, ty)
     }
 
+    /// Copies every leaf of `from` (inputs, parameters, state: same names,
+    /// kinds and types) into this trace, for a rewrite that rebuilds `from`'s
+    /// nodes; returns `from`'s value ids mapped to the copies (leaves only).
+    pub fn copy_leaves(&mut self, from: &Trace) -> Result<Vec<Option<ValueId>>> {
+        let mut map = vec![None; from.values.len()];
+        for v in from.leaves() {
+            let val = from.value(v);
+            map[v.index()] = Some(self.leaf(val.kind.clone(), val.ty.clone())?);
+        }
+        Ok(map)
+    }
+
     /// Append a node, checking its inputs and inferring its output types.
     pub fn push(&mut self, op: Op, inputs: &[ValueId]) -> Result<Vec<ValueId>> {
         for &i in inputs {
