@@ -117,7 +117,14 @@ impl MemoryPlan {
     }
 }
 
-/// Value lifetimes: `(start, end)` schedule positions, `end == steps` for step outputs.
+/// Value lifetimes: `(start, end)` schedule positions, `end == steps` for
+/// step outputs and for inputs.
+///
+/// Inputs live the whole step: an input's slot is never
+/// handed to a later value, so running the step again without rewriting its
+/// inputs (a graph replay right after the eager step that preceded the
+/// capture, a re-run after a failure) reads the same inputs and computes the
+/// same step. Inputs are token ids, targets and scalars: kilobytes.
 pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     let steps = trace.nodes.len();
     let mut life: Vec<(usize, usize)> = trace
@@ -125,6 +132,9 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
         .iter()
         .map(|v| match v.kind {
             ValueKind::Node(n) => (n.index(), n.index()),
+            ValueKind::Input { .. } => (0, steps),
+            // Parameters and state end at their last read: their updates
+            // write them in place there.
             _ => (0, 0),
         })
         .collect();
