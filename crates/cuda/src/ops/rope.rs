@@ -63,7 +63,8 @@ impl Lower for Rope {
             Arg::F64(scaling.map_or(0.0, |s| s.high_freq_factor)),
             Arg::F64(scaling.map_or(0.0, |s| s.original_max_position_embeddings as f64)),
         ]);
-        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args)])
+        // One block per position: it rotates that position's row of every batch row.
+        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(seq, MAX_ROW_BLOCKS), (threads, 1, 1), args)])
     }
 }
 
