@@ -25,6 +25,7 @@
 // before it writes either, and no other thread touches that pair.
 
 #define ROPE_CHUNK 256  // pairs whose angles the block holds at once
+#define ROPE_UNROLL 4   // pairs a thread loads before it stores any
 
 // Llama-3.x frequency scaling of the inverse frequency `f`.
 __device__ double llama3_inv_freq(double f, double factor, double low_freq_factor, double high_freq_factor,
@@ -82,16 +83,35 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
                 sn_tab[i] = (A)(sign * sin(theta));
             }
             __syncthreads();
-            for (i64 b = 0; b < batch; ++b) {
-                const T* xr = x + (b * seq + t) * (i64)row;
-                T* yr = y + (b * seq + t) * (i64)row;
-                for (int k = threadIdx.x; k < heads * cn; k += blockDim.x) {
-                    const int h = k / cn, j = k - h * cn;
-                    const int i0 = h * dim + c0 + j, i1 = i0 + half;
-                    const A a = load(xr, i0), b2 = load(xr, i1);
-                    const A cs = cs_tab[j], sn = sn_tab[j];
-                    store(yr, i0, a * cs - b2 * sn);
-                    store(yr, i1, b2 * cs + a * sn);
+            // Every pair of every head of every batch row at this position,
+            // ROPE_UNROLL per thread at a time with all their loads issued
+            // before any store: a pair is read and written by one thread
+            // only, so in place stays correct, and the loads of one group
+            // are in flight together instead of one after another.
+            const i64 per_row = (i64)heads * cn, total = batch * per_row;
+            for (i64 k0 = threadIdx.x; k0 < total; k0 += ROPE_UNROLL * (i64)blockDim.x) {
+                A a[ROPE_UNROLL], b2[ROPE_UNROLL];
+                i64 at[ROPE_UNROLL];
+                int jt[ROPE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < ROPE_UNROLL; ++u) {
+                    const i64 k = k0 + u * (i64)blockDim.x;
+                    at[u] = -1;
+                    if (k < total) {
+                        const i64 b = k / per_row;
+                        const int kk = (int)(k - b * per_row), h = kk / cn, j = kk - h * cn;
+                        at[u] = (b * seq + t) * (i64)row + h * dim + c0 + j;
+                        jt[u] = j;
+                        a[u] = load(x, at[u]);
+                        b2[u] = load(x, at[u] + half);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < ROPE_UNROLL; ++u) {
+                    if (at[u] < 0) continue;
+                    const A cs = cs_tab[jt[u]], sn = sn_tab[jt[u]];
+                    store(y, at[u], a[u] * cs - b2[u] * sn);
+                    store(y, at[u] + half, b2[u] * cs + a[u] * sn);
                 }
             }
         }
