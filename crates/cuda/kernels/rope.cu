@@ -15,8 +15,9 @@
 // `rope_<dtype>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled,
 // factor, low_freq_factor, high_freq_factor, original_max_pos)`: one
 // block per position t (grid-striding over the seq positions), which
-// rotates the rows (b, t) of heads·dim elements of every b;
-// blockDim.x a multiple of 32. The block computes the angles of its
+// rotates the rows (b, t) of heads·dim elements of every b; a 2-D block,
+// blockDim.x (a multiple of 32) over the pairs of a head, blockDim.y over
+// batch rows and heads, at most 1024 threads in all. The block computes the angles of its
 // position into shared memory, ROPE_CHUNK pairs at a time, and every head
 // of every batch row reads them, so the double-precision trigonometry runs
 // once per (position, pair) rather than once per head and batch row.
@@ -51,6 +52,9 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
     const int row = heads * dim;
     const int half = n_rot / 2;  // 0 for n_rot in {0, 1}
     const double sign = inverse ? -1.0 : 1.0;
+    // The block is 2-D for the rotation (x: pairs of a head, y: heads and
+    // batch rows); the other loops see it flat.
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
     const i64 batch = seq > 0 ? bt_rows / seq : 0;
     for (i64 t = blockIdx.x; t < seq; t += gridDim.x) {
         if (n_rot == 1) {
@@ -62,7 +66,7 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
             for (i64 b = 0; b < batch; ++b) {
                 const T* xr = x + (b * seq + t) * (i64)row;
                 T* yr = y + (b * seq + t) * (i64)row;
-                for (int k = threadIdx.x; k < row; k += blockDim.x) {
+                for (int k = tid; k < row; k += nthreads) {
                     if (k % dim == 0)
                         store(yr, k, load(xr, k) * f);
                     else if (x != y)
@@ -75,7 +79,7 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
             const int cn = min(half - c0, ROPE_CHUNK);
             // The previous chunk (or position) is done with the table before it is refilled.
             __syncthreads();
-            for (int i = threadIdx.x; i < cn; i += blockDim.x) {
+            for (int i = tid; i < cn; i += nthreads) {
                 double freq = pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
                 if (scaled) freq = llama3_inv_freq(freq, factor, low_freq_factor, high_freq_factor, old_context);
                 const double theta = (double)t * freq;
@@ -83,35 +87,33 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
                 sn_tab[i] = (A)(sign * sin(theta));
             }
             __syncthreads();
-            // Every pair of every head of every batch row at this position,
-            // ROPE_UNROLL per thread at a time with all their loads issued
-            // before any store: a pair is read and written by one thread
-            // only, so in place stays correct, and the loads of one group
-            // are in flight together instead of one after another.
-            const i64 per_row = (i64)heads * cn, total = batch * per_row;
-            for (i64 k0 = threadIdx.x; k0 < total; k0 += ROPE_UNROLL * (i64)blockDim.x) {
-                A a[ROPE_UNROLL], b2[ROPE_UNROLL];
-                i64 at[ROPE_UNROLL];
-                int jt[ROPE_UNROLL];
+            // Every pair of every head of every batch row at this position:
+            // lane x takes pair j of the chunk, lanes y the heads of each
+            // batch row, ROPE_UNROLL heads at a time with all their loads
+            // issued before any store. A pair is read and written by one
+            // thread only, so in place stays correct; no division per pair.
+            for (int j = threadIdx.x; j < cn; j += blockDim.x) {
+                const A cs = cs_tab[j], sn = sn_tab[j];
+                for (i64 b = 0; b < batch; ++b) {
+                    const i64 base_at = (b * seq + t) * (i64)row + c0 + j;
+                    for (int h0 = threadIdx.y; h0 < heads; h0 += ROPE_UNROLL * blockDim.y) {
+                        A a[ROPE_UNROLL], b2[ROPE_UNROLL];
 #pragma unroll
-                for (int u = 0; u < ROPE_UNROLL; ++u) {
-                    const i64 k = k0 + u * (i64)blockDim.x;
-                    at[u] = -1;
-                    if (k < total) {
-                        const i64 b = k / per_row;
-                        const int kk = (int)(k - b * per_row), h = kk / cn, j = kk - h * cn;
-                        at[u] = (b * seq + t) * (i64)row + h * dim + c0 + j;
-                        jt[u] = j;
-                        a[u] = load(x, at[u]);
-                        b2[u] = load(x, at[u] + half);
+                        for (int u = 0; u < ROPE_UNROLL; ++u) {
+                            const int h = h0 + u * blockDim.y;
+                            if (h < heads) {
+                                a[u] = load(x, base_at + h * dim);
+                                b2[u] = load(x, base_at + h * dim + half);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < ROPE_UNROLL; ++u) {
+                            const int h = h0 + u * blockDim.y;
+                            if (h >= heads) continue;
+                            store(y, base_at + h * dim, a[u] * cs - b2[u] * sn);
+                            store(y, base_at + h * dim + half, b2[u] * cs + a[u] * sn);
+                        }
                     }
-                }
-#pragma unroll
-                for (int u = 0; u < ROPE_UNROLL; ++u) {
-                    if (at[u] < 0) continue;
-                    const A cs = cs_tab[jt[u]], sn = sn_tab[jt[u]];
-                    store(y, at[u], a[u] * cs - b2[u] * sn);
-                    store(y, at[u] + half, b2[u] * cs + a[u] * sn);
                 }
             }
         }
@@ -121,7 +123,7 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
             for (i64 b = 0; b < batch; ++b) {
                 const T* xr = x + (b * seq + t) * (i64)row;
                 T* yr = y + (b * seq + t) * (i64)row;
-                for (int k = threadIdx.x; k < heads * pass; k += blockDim.x) {
+                for (int k = tid; k < heads * pass; k += nthreads) {
                     const int h = k / pass, d = n_rot + (k - h * pass);
                     yr[h * dim + d] = xr[h * dim + d];
                 }
