@@ -29,9 +29,14 @@
 //! bit. **Metrics** ([`metrics`]): a JSONL row per step and per validation.
 //! **Settings** may come from a TOML file ([`config_file`]).
 //!
-//! **Seams** for the loaders other parts provide: [`init_weights`] (today
-//! the seeded initialization; a pretrained model's weights later) and
-//! [`save_final_model`] (today the final checkpoint).
+//! **Models in and out.** `--init-from DIR` starts from a Hugging Face
+//! model folder (its config replaces the model flags; every tensor is
+//! checked against the step before a session allocates, then loaded
+//! tensor by tensor from the memory-mapped files); `--out DIR` writes the
+//! trained model as a Hugging Face folder when the run reaches `--steps`
+//! (atomically, with the tokenizer files of `--init-from`). The seeded
+//! initialization is [`init_weights`]; the end-of-run checkpoint is
+//! [`save_final_model`].
 
 pub mod checkpoint;
 pub mod config_file;
@@ -55,6 +60,7 @@ use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::hf_dir::{save_hf_dir, HfModelDir, SaveOptions, DEFAULT_MAX_SHARD_BYTES};
 use stepgraph_core::models::ModelSpec;
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
@@ -161,6 +167,18 @@ pub struct TrainArgs {
     /// backward work that does not touch their gradients.
     #[arg(long, requires = "gpus")]
     pub overlap: bool,
+    /// Start from a Hugging Face model folder (config.json and its
+    /// safetensors, sharded or not): its config replaces --model and the
+    /// geometry flags, its weights the random initialization, and the
+    /// learning-rate defaults become fine-tuning ones.
+    #[arg(long, value_name = "DIR")]
+    pub init_from: Option<PathBuf>,
+    /// When the run reaches --steps, write the trained model to DIR as a
+    /// Hugging Face folder (config.json, safetensors shards with their index,
+    /// the tokenizer files of --init-from), atomically: a crash leaves the
+    /// previous complete folder or the new one.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
     /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
     #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
     pub rank: Option<usize>,
@@ -282,7 +300,17 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     if args.resume.as_deref() == Some("auto") && args.checkpoint_dir.is_none() {
         bail!("--resume auto looks for checkpoints in --checkpoint-dir: give the directory");
     }
-    let spec = model.spec()?;
+    let pretrained = match &args.init_from {
+        Some(dir) => Some(pretrained_model(dir, model)?),
+        None => None,
+    };
+    let spec = match &pretrained {
+        Some(hf) => ModelSpec { config: hf.config().clone(), ..model.spec()? },
+        None => model.spec()?,
+    };
+    if let Some(out) = &args.out {
+        check_out_dir(out)?;
+    }
     if spec.config.vocab_size < 256 {
         bail!(
             "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
@@ -325,8 +353,13 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     };
     let compiled = compile_step(&spec, &opts)?;
     let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
-    // `--init-from` (pretrained weights) will set this; the defaults then fine-tune.
-    let fine_tuning = false;
+    // Pretrained weights take the fine-tuning defaults.
+    let fine_tuning = pretrained.is_some();
+    if let Some(hf) = &pretrained {
+        // Every tensor's name, shape and dtype against the step's parameters,
+        // before any session allocates.
+        hf.check(&compiled.forward)?;
+    }
     let (schedule, sources) = args.schedule(params, fine_tuning)?;
     let mut data = ByteText::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed ^ 0x5eed)?;
     let eval_step = if args.eval_every > 0 && rank == 0 {
@@ -377,7 +410,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         None => None,
     };
 
-    let CompiledStep { step, plan, .. } = compiled;
+    let CompiledStep { step, plan, forward, .. } = compiled;
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
     let peak = match &role {
@@ -407,7 +440,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             state.step + 1
         }
         None => {
-            init_weights(session.as_mut(), args.seed)?;
+            match &pretrained {
+                Some(hf) => hf.load_into(&forward, session.as_mut())?,
+                None => init_weights(session.as_mut(), args.seed)?,
+            }
             session.zero_state()?;
             1
         }
@@ -439,6 +475,16 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     let outcome = train_loop(&run, session.as_mut(), replay_from, &mut data, start, eval.as_mut(), metrics.as_mut());
     if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
         eprintln!("metrics: {}", m.path().display());
+    }
+    if let (Ok(()), true, Some(out)) = (&outcome, talk, &args.out) {
+        match args.stop_after.filter(|&n| n < args.steps) {
+            Some(n) => eprintln!(
+                "--out: not written, the run stopped after step {n} of {}; the run that finishes it writes {}",
+                args.steps,
+                out.display()
+            ),
+            None => save_model_out(out, &run.spec.config, &forward, session.as_mut(), pretrained.as_ref())?,
+        }
     }
     if world > 1 {
         return outcome.with_context(|| format!("rank {rank} of {world}"));
@@ -497,6 +543,76 @@ fn open_sessions(
     }
 }
 
+/// The model folder of `--init-from`, opened and indexed (nothing is read
+/// into memory yet); the model flags it replaces must not be given too.
+fn pretrained_model(dir: &Path, model: &ModelArgs) -> Result<HfModelDir> {
+    let overridden = [
+        ("--config", model.config.is_some()),
+        ("--n-layer", model.n_layer.is_some()),
+        ("--n-embd", model.n_embd.is_some()),
+        ("--n-head", model.n_head.is_some()),
+        ("--n-query-groups", model.n_query_groups.is_some()),
+        ("--vocab", model.vocab.is_some()),
+        ("--block-size", model.block_size.is_some()),
+        ("--intermediate-size", model.intermediate_size.is_some()),
+    ];
+    if let Some((flag, _)) = overridden.iter().find(|(_, given)| *given) {
+        bail!(
+            "--init-from {} takes the model's geometry from its config.json: drop {flag} (a pretrained \
+             model's weights fix its shapes)",
+            dir.display()
+        );
+    }
+    HfModelDir::open(dir).with_context(|| format!("--init-from {}", dir.display()))
+}
+
+/// Refuses an `--out` that cannot become a model folder, before any step runs.
+fn check_out_dir(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        bail!("--out {} is a file: give a folder to write the model into", out.display());
+    }
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        bail!("--out {}: its parent folder {} does not exist", out.display(), parent.display());
+    }
+    if parent.metadata().map(|m| m.permissions().readonly()).unwrap_or(true) {
+        bail!("--out {}: its parent folder {} cannot be written", out.display(), parent.display());
+    }
+    Ok(())
+}
+
+/// Writes the trained model to `out` as a Hugging Face folder, keeping the
+/// `--init-from` folder's family, other config keys and tokenizer files.
+fn save_model_out(
+    out: &Path,
+    config: &stepgraph_core::models::Config,
+    forward: &Trace,
+    session: &mut dyn Session,
+    pretrained: Option<&HfModelDir>,
+) -> Result<()> {
+    let options = SaveOptions {
+        tokenizer_from: pretrained.map(|hf| hf.dir()),
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        family: pretrained.map(|hf| hf.family()),
+        source_config: pretrained.map(|hf| hf.raw_config()),
+    };
+    let report =
+        save_hf_dir(out, config, forward, session, &options).with_context(|| format!("--out {}", out.display()))?;
+    eprintln!(
+        "model: wrote {} tensors ({} bytes, {} file(s)) to {}{}",
+        report.tensors,
+        report.tensor_bytes,
+        report.shards.len(),
+        out.display(),
+        if report.tokenizer_files.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", report.tokenizer_files.join(", "))
+        }
+    );
+    Ok(())
+}
+
 /// The checkpoint directory: `--checkpoint-dir`, or the parent of a
 /// `--resume PATH` checkpoint.
 fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
@@ -545,14 +661,14 @@ fn run_identity(
 
 /// Writes the initial weights: the seeded draw, made by the session where
 /// it runs (on a GPU, in place, without a host copy of the model).
-/// **Seam:** a pretrained model's weights (`--init-from`) replace it here.
+/// `--init-from` loads a pretrained model's weights instead.
 pub fn init_weights(session: &mut dyn Session, seed: u64) -> Result<()> {
     session.init_params(seed)?;
     Ok(())
 }
 
-/// Saves the model at the end of the run. **Seam:** the final checkpoint
-/// today; a Hugging Face model folder (`--out`) is written here later.
+/// Saves the end-of-run checkpoint (`--out`'s model folder is written
+/// after the loop, by [`save_model_out`]).
 fn save_final_model(run: &Run, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
     run.save_checkpoint(session, step, loss, data)
 }
