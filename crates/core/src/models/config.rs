@@ -13,6 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ir::MAX_VALUE_BYTES;
 use crate::ops::rope::Llama3Scaling;
 
 /// The normalization used before attention, before the MLP and at the end.
@@ -112,6 +113,10 @@ pub struct Overrides {
     /// Hidden width of the MLP.
     pub intermediate_size: Option<usize>,
 }
+
+/// The config keys a parameter count is made of.
+pub(crate) const PARAM_KEYS: [&str; 7] =
+    ["n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "intermediate_size", "padded_vocab_size"];
 
 /// One named config: its litgpt name, its Hugging Face repo id when it has
 /// one, and the function that builds it.
@@ -317,6 +322,54 @@ fn w3_llama() -> Config {
     }
 }
 
+/// The most transformer blocks a config may have (2^22). Value ids are
+/// 32-bit and a training step records hundreds of values per block, so a
+/// deeper model could not be numbered; far below that its trace would not
+/// fit in host memory either.
+pub const MAX_LAYERS: usize = 1 << 22;
+
+/// The most positions a sequence may have, `block_size` included: the GPU
+/// kernels count positions in 32-bit integers.
+pub const MAX_POSITIONS: usize = i32::MAX as usize;
+
+/// The most rows an embedding may have: token ids are `i32` step inputs,
+/// so ids from 0 to `i32::MAX`.
+pub const MAX_VOCAB: usize = 1 << 31;
+
+/// One factor of a size: the config key (or batch field) and its value.
+pub(crate) type Factor = (&'static str, usize);
+
+/// `factors` multiplied, times `unit` bytes, if that fits in `u64`.
+fn product_bytes(factors: &[Factor], unit: u64) -> Option<u64> {
+    factors.iter().try_fold(unit, |acc, &(_, value)| acc.checked_mul(u64::try_from(value).ok()?))
+}
+
+/// `key value × key value ...`, how a size error shows what it is made of.
+pub(crate) fn show_factors(factors: &[Factor]) -> String {
+    factors.iter().map(|(key, value)| format!("{key} {value}")).collect::<Vec<_>>().join(" × ")
+}
+
+/// Checks that `what`, of `factors` elements of `unit` bytes each, spans
+/// at most [`MAX_VALUE_BYTES`]; the [`Error::Size`] otherwise names the
+/// model, the keys and their values, and the bytes.
+pub(crate) fn check_bytes(model: &str, what: &str, factors: &[Factor], unit: u64) -> Result<u64> {
+    match product_bytes(factors, unit) {
+        Some(bytes) if bytes <= MAX_VALUE_BYTES => Ok(bytes),
+        bytes => Err(Error::Size {
+            keys: factors.iter().map(|(key, _)| *key).collect(),
+            reason: format!(
+                "model `{model}`: {what} ({}{}) {}",
+                show_factors(factors),
+                if unit > 1 { format!(" × {unit} bytes") } else { String::new() },
+                match bytes {
+                    Some(b) => format!("has {b} bytes, more than 2^60 ({MAX_VALUE_BYTES}), the most one plan can hold"),
+                    None => format!("has more than 2^64 bytes; one plan holds at most 2^60 ({MAX_VALUE_BYTES})"),
+                },
+            ),
+        }),
+    }
+}
+
 /// Whether `divisor` divides `n` exactly (false for a zero divisor).
 ///
 /// `checked_rem` rather than `usize::is_multiple_of`, which needs Rust 1.87
@@ -375,7 +428,8 @@ impl Config {
     pub fn with_overrides(mut self, overrides: &Overrides) -> Result<Config> {
         let old_n_embd = self.n_embd;
         let was_mha = self.n_query_groups == self.n_head;
-        let gelu_derived_width = matches!(self.mlp, MlpKind::Gelu { .. }) && self.intermediate_size == 4 * old_n_embd;
+        let gelu_derived_width =
+            matches!(self.mlp, MlpKind::Gelu { .. }) && old_n_embd.checked_mul(4) == Some(self.intermediate_size);
 
         if let Some(n_layer) = overrides.n_layer {
             self.n_layer = n_layer;
@@ -407,7 +461,13 @@ impl Config {
         };
         self.intermediate_size = match overrides.intermediate_size {
             Some(width) => width,
-            None if gelu_derived_width => 4 * self.n_embd,
+            None if gelu_derived_width => self.n_embd.checked_mul(4).ok_or_else(|| Error::Size {
+                keys: vec!["n_embd"],
+                reason: format!(
+                    "model `{}`: n_embd {} makes the GELU MLP 4 × n_embd wide, more than 2^64",
+                    self.name, self.n_embd
+                ),
+            })?,
             None => self.intermediate_size,
         };
         self.validate()?;
@@ -433,11 +493,44 @@ impl Config {
         if let Some((what, _)) = dims.iter().find(|(_, value)| *value == 0) {
             return fail(format!("{what} must be positive, got 0"));
         }
+        // Counts past what an id or a kernel's index can number.
+        let limits = [
+            ("n_layer", self.n_layer, MAX_LAYERS, "value ids are 32-bit and each block records hundreds of values"),
+            ("block_size", self.block_size, MAX_POSITIONS, "the GPU kernels count positions in 32 bits"),
+            ("vocab_size", self.vocab_size, MAX_VOCAB, "token ids are i32"),
+            ("padded_vocab_size", self.padded_vocab_size, MAX_VOCAB, "token ids are i32"),
+        ];
+        if let Some((key, value, max, why)) = limits.into_iter().find(|(_, value, max, _)| value > max) {
+            return Err(Error::Size {
+                keys: vec![key],
+                reason: format!(
+                    "model `{}`: {key} {value} is more than {max}, the most there can be: {why}",
+                    self.name
+                ),
+            });
+        }
         if !divides(self.n_head, self.n_embd) {
             return fail(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head));
         }
         if !divides(self.n_query_groups, self.n_head) {
             return fail(format!("n_head {} is not divisible by n_query_groups {}", self.n_head, self.n_query_groups));
+        }
+        // Every weight, and the parameters together, within what one plan
+        // can hold at one byte each: the arithmetic on them below and in
+        // the model builder cannot overflow. [`ModelSpec`] checks them
+        // again at the bytes of the model's dtype.
+        for (what, factors) in self.weight_factors() {
+            check_bytes(&self.name, what, &factors, 1)?;
+        }
+        if self.checked_param_count().is_none_or(|n| n > MAX_VALUE_BYTES) {
+            return Err(Error::Size {
+                keys: PARAM_KEYS.to_vec(),
+                reason: format!(
+                    "model `{}`: {} has more than {MAX_VALUE_BYTES} (2^60) parameters, more than one plan can hold",
+                    self.name,
+                    show_factors(&self.param_factors())
+                ),
+            });
         }
         if !(self.rotary_percentage.is_finite() && self.rotary_percentage >= 0.0) {
             return fail(format!("rotary_percentage must be a finite number >= 0, got {}", self.rotary_percentage));
@@ -489,48 +582,88 @@ impl Config {
         Ok(())
     }
 
+    /// The largest weights of the network, each as the keys its element
+    /// count is the product of: the embedding (and the LM head, the same
+    /// shape), the query and key/value projections, the MLP's matrices.
+    pub(crate) fn weight_factors(&self) -> [(&'static str, Vec<Factor>); 4] {
+        let c = ("n_embd", self.n_embd);
+        let d = ("head_size", self.head_size);
+        [
+            ("the embedding weight", vec![("padded_vocab_size", self.padded_vocab_size), c]),
+            ("the query projection", vec![("n_head", self.n_head), d, c]),
+            ("the key/value projections", vec![("n_query_groups", self.n_query_groups), d, c]),
+            ("the MLP weights", vec![("intermediate_size", self.intermediate_size), c]),
+        ]
+    }
+
+    /// The keys every parameter count depends on, as [`Config::param_factors`] shows them.
+    pub(crate) fn param_factors(&self) -> Vec<Factor> {
+        PARAM_KEYS
+            .iter()
+            .map(|&key| {
+                let value = match key {
+                    "n_layer" => self.n_layer,
+                    "n_embd" => self.n_embd,
+                    "n_head" => self.n_head,
+                    "n_query_groups" => self.n_query_groups,
+                    "head_size" => self.head_size,
+                    "intermediate_size" => self.intermediate_size,
+                    _ => self.padded_vocab_size,
+                };
+                (key, value)
+            })
+            .collect()
+    }
+
     /// The number of trainable parameters of the network this config
     /// describes, counting every weight and bias once (a tied LM head shares
-    /// the embedding's weight).
+    /// the embedding's weight). Exact for every validated config; for one
+    /// whose count passes `u64` it saturates at `u64::MAX`.
     pub fn param_count(&self) -> u64 {
-        let embd = self.n_embd as u64;
-        let vocab = self.padded_vocab_size as u64;
-        let hidden = self.intermediate_size as u64;
-        let q_width = (self.n_head * self.head_size) as u64;
-        let kv_width = (self.n_query_groups * self.head_size) as u64;
-        let qkv_width = q_width + 2 * kv_width;
+        self.checked_param_count().unwrap_or(u64::MAX)
+    }
+
+    /// [`Config::param_count`], or `None` when the count passes `u64`.
+    pub fn checked_param_count(&self) -> Option<u64> {
+        let n = |x: usize| u64::try_from(x).ok();
+        let (embd, vocab, hidden) = (n(self.n_embd)?, n(self.padded_vocab_size)?, n(self.intermediate_size)?);
+        let q_width = n(self.n_head)?.checked_mul(n(self.head_size)?)?;
+        let kv_width = n(self.n_query_groups)?.checked_mul(n(self.head_size)?)?;
+        let qkv_width = q_width.checked_add(kv_width.checked_mul(2)?)?;
 
         let norm = match self.norm {
             NormKind::RmsNorm => embd,
-            NormKind::LayerNorm => 2 * embd,
+            NormKind::LayerNorm => embd.checked_mul(2)?,
         };
         let norms_per_layer = if self.shared_attention_norm { 1 } else { 2 };
 
-        let mut attention = embd * qkv_width + q_width * embd;
+        let mut attention = embd.checked_mul(qkv_width)?.checked_add(q_width.checked_mul(embd)?)?;
         if self.bias || self.attn_qkv_bias {
-            attention += qkv_width;
+            attention = attention.checked_add(qkv_width)?;
         }
         if self.bias {
-            attention += embd;
+            attention = attention.checked_add(embd)?;
         }
 
-        let mlp = match self.mlp {
-            MlpKind::LlamaSwiGlu => {
-                let biases = if self.bias { 2 * hidden + embd } else { 0 };
-                3 * embd * hidden + biases
-            }
-            MlpKind::Gelu { .. } => {
-                let biases = if self.bias { hidden + embd } else { 0 };
-                2 * embd * hidden + biases
-            }
+        let (matrices, bias_rows) = match self.mlp {
+            MlpKind::LlamaSwiGlu => (3, 2),
+            MlpKind::Gelu { .. } => (2, 1),
         };
+        let biases = if self.bias { hidden.checked_mul(bias_rows)?.checked_add(embd)? } else { 0 };
+        let mlp = embd.checked_mul(hidden)?.checked_mul(matrices)?.checked_add(biases)?;
 
-        let layer = norms_per_layer * norm + attention + mlp;
-        let head_weight = if self.tie_embeddings { 0 } else { vocab * embd };
+        let layer = norm.checked_mul(norms_per_layer)?.checked_add(attention)?.checked_add(mlp)?;
+        let embedding = vocab.checked_mul(embd)?;
+        let head_weight = if self.tie_embeddings { 0 } else { embedding };
         // Tying shares the weight only; litgpt's head bias stays its own.
         let head_bias = if self.lm_head_bias { vocab } else { 0 };
 
-        vocab * embd + self.n_layer as u64 * layer + norm + head_weight + head_bias
+        n(self.n_layer)?
+            .checked_mul(layer)?
+            .checked_add(embedding)?
+            .checked_add(norm)?
+            .checked_add(head_weight)?
+            .checked_add(head_bias)
     }
 }
 
