@@ -336,6 +336,26 @@ pub const MAX_POSITIONS: usize = i32::MAX as usize;
 /// so ids from 0 to `i32::MAX`.
 pub const MAX_VOCAB: usize = 1 << 31;
 
+/// The size keys of a config, in declaration order.
+pub const SIZE_KEYS: [&str; 9] = [
+    "block_size",
+    "vocab_size",
+    "padded_vocab_size",
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "n_query_groups",
+    "head_size",
+    "intermediate_size",
+];
+
+/// The size keys a config error's text names (as whole words), for a
+/// caller that points at where they were set.
+pub fn keys_named_in(reason: &str) -> Vec<&'static str> {
+    let words: Vec<&str> = reason.split(|c: char| !(c.is_alphanumeric() || c == '_')).collect();
+    SIZE_KEYS.into_iter().filter(|k| words.contains(k)).collect()
+}
+
 /// One factor of a size: the config key (or batch field) and its value.
 pub(crate) type Factor = (&'static str, usize);
 
@@ -347,6 +367,11 @@ fn product_bytes(factors: &[Factor], unit: u64) -> Option<u64> {
 /// `key value × key value ...`, how a size error shows what it is made of.
 pub(crate) fn show_factors(factors: &[Factor]) -> String {
     factors.iter().map(|(key, value)| format!("{key} {value}")).collect::<Vec<_>>().join(" × ")
+}
+
+/// `key value, key value, ...`: the sizes something depends on.
+pub(crate) fn show_values(factors: &[Factor]) -> String {
+    factors.iter().map(|(key, value)| format!("{key} {value}")).collect::<Vec<_>>().join(", ")
 }
 
 /// Checks that `what`, of `factors` elements of `unit` bytes each, spans
@@ -448,8 +473,15 @@ impl Config {
             self.n_head = n_head;
         }
         if overrides.n_embd.is_some() || overrides.n_head.is_some() {
-            // A zero `n_head` or an `n_embd` it does not divide is reported
-            // by `validate` below, naming both numbers.
+            // A zero `n_head` is reported by `validate` below; an `n_embd`
+            // it does not divide here, before a head size of 0 (from a
+            // head count above the width) would be reported instead.
+            if self.n_head != 0 && !divides(self.n_head, self.n_embd) {
+                return Err(config_error(
+                    &self.name,
+                    format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head),
+                ));
+            }
             if let Some(head_size) = self.n_embd.checked_div(self.n_head) {
                 self.head_size = head_size;
             }
@@ -526,9 +558,10 @@ impl Config {
             return Err(Error::Size {
                 keys: PARAM_KEYS.to_vec(),
                 reason: format!(
-                    "model `{}`: {} has more than {MAX_VALUE_BYTES} (2^60) parameters, more than one plan can hold",
+                    "model `{}`: its parameters ({}) number more than 2^60 ({MAX_VALUE_BYTES}), more than one plan \
+                     can hold",
                     self.name,
-                    show_factors(&self.param_factors())
+                    show_values(&self.param_factors())
                 ),
             });
         }
@@ -584,15 +617,16 @@ impl Config {
 
     /// The largest weights of the network, each as the keys its element
     /// count is the product of: the embedding (and the LM head, the same
-    /// shape), the query and key/value projections, the MLP's matrices.
+    /// shape), the query and key/value projections, the MLP's matrices
+    /// (the output projection is the query's transpose).
     pub(crate) fn weight_factors(&self) -> [(&'static str, Vec<Factor>); 4] {
         let c = ("n_embd", self.n_embd);
         let d = ("head_size", self.head_size);
         [
             ("the embedding weight", vec![("padded_vocab_size", self.padded_vocab_size), c]),
             ("the query projection", vec![("n_head", self.n_head), d, c]),
-            ("the key/value projections", vec![("n_query_groups", self.n_query_groups), d, c]),
-            ("the MLP weights", vec![("intermediate_size", self.intermediate_size), c]),
+            ("the key/value projection", vec![("n_query_groups", self.n_query_groups), d, c]),
+            ("an MLP weight", vec![("intermediate_size", self.intermediate_size), c]),
         ]
     }
 

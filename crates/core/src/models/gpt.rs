@@ -19,7 +19,7 @@
 //! `[rows/tiles, intermediate]` tensors at a time instead of the layer's.
 //! One tile (the default) records the untiled MLP, op for op.
 
-use super::config::{check_bytes, show_factors, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
+use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::linear_ce::{default_chunk, Reduction};
@@ -119,7 +119,7 @@ impl ModelSpec {
                 reason: format!(
                     "model `{name}`: its {params} parameters ({}) at {unit} bytes each pass 2^60 bytes \
                      ({MAX_VALUE_BYTES}), the most one plan can hold",
-                    show_factors(&cfg.param_factors())
+                    show_values(&cfg.param_factors())
                 ),
             });
         }
