@@ -228,7 +228,13 @@ impl OptimArgs {
 impl ModelArgs {
     fn config(&self) -> Result<Config> {
         let base = match &self.config {
-            Some(path) => Config::from_hf_file(path)?,
+            Some(path) => Config::from_hf_file(path).map_err(|e| match e {
+                stepgraph_core::Error::Io { path: file, cause } => anyhow::anyhow!(
+                    "--config {}: reading {file}: {cause}; give a Hugging Face config.json or the folder that holds one",
+                    path.display()
+                ),
+                e => e.into(),
+            })?,
             None => Config::named(&self.model)?,
         };
         let o = Overrides {
@@ -293,12 +299,13 @@ const SIZE_KEYS: [&str; 11] = [
 impl ModelArgs {
     /// The flags that set size `key` (a config key, or `batch` and `seq`),
     /// with the user's values: `head_size` follows `--n-embd` and
-    /// `--n-head`. Flags left out, and values of 1 (which make no product
-    /// larger), are not listed.
+    /// `--n-head`. Flags left out, and the default `--batch 1`, are not
+    /// listed.
     fn size_flags(&self, key: &str) -> Vec<String> {
-        let flag = |name: &str, value: Option<usize>| value.filter(|&v| v > 1).map(|v| format!("--{name} {v}"));
+        let flag = |name: &str, value: Option<usize>| value.map(|v| format!("--{name} {v}"));
         let flags = match key {
-            "batch" => vec![flag("batch", Some(self.batch))],
+            // 1 is the default.
+            "batch" => vec![flag("batch", Some(self.batch).filter(|&b| b != 1))],
             "seq" => vec![flag("seq", self.seq)],
             "n_layer" => vec![flag("n-layer", self.n_layer)],
             "n_embd" => vec![flag("n-embd", self.n_embd)],
@@ -321,6 +328,15 @@ impl ModelArgs {
     /// in its text.
     fn name_size_sources(&self, e: anyhow::Error) -> anyhow::Error {
         use stepgraph_core::Error as CoreError;
+        // Errors from reading `--config` name the file and its keys, and
+        // come before any flag is applied.
+        let file = self.config.as_ref().map(|path| {
+            let file = if path.is_dir() { path.join("config.json") } else { path.clone() };
+            file.display().to_string()
+        });
+        if file.as_ref().is_some_and(|f| format!("{e:#}").contains(f.as_str())) {
+            return e;
+        }
         // Which keys, and whether the error says so itself (a plan past
         // the cap as a whole names none: then every size flag given is
         // named, and no file key).
@@ -347,14 +363,8 @@ impl ModelArgs {
                 }
             }
         }
-        // The file's keys, unless the error (one from reading the file)
-        // names the file already.
-        if let (Some(path), false) = (&self.config, file_keys.is_empty()) {
-            let file = if path.is_dir() { path.join("config.json") } else { path.clone() };
-            let file = file.display().to_string();
-            if !format!("{e:#}").contains(&file) {
-                sources.push(format!("{file} (key {})", file_keys.join(", key ")));
-            }
+        if let (Some(file), false) = (file, file_keys.is_empty()) {
+            sources.push(format!("{file} (key {})", file_keys.join(", key ")));
         }
         if sources.is_empty() {
             e
@@ -455,6 +465,7 @@ fn run(cli: Cli) -> Result<()> {
 
 fn run_command(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Plan { gpus: Some(0), .. } => bail!("--gpus must be at least 1, got 0"),
         Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,

@@ -276,5 +276,6 @@ fn compare_errors_name_the_missing_gpu_or_reference() {
     }
     let (ok, _, err) = stepgraph(&["compare", "--backend", "cpu", "--reference", "no/such/dir", "--loss", "sum"]);
     assert!(!ok);
-    assert!(err.contains("reading the reference's model config no/such/dir/config.json"), "{err}");
+    assert!(err.contains("reading the reference's model config: io error on `no/such/dir/config.json`"), "{err}");
+    assert_eq!(err.matches("no/such/dir/config.json").count(), 1, "{err}");
 }

@@ -158,6 +158,67 @@ impl Named {
     }
 }
 
+impl Named {
+    /// Every spelling that names this config: its name, its repo id and
+    /// the repo's name, and its aliases.
+    fn spellings(&self) -> impl Iterator<Item = &'static str> + '_ {
+        let repo = self.hf_repo.into_iter().flat_map(|r| [r, r.rsplit('/').next().unwrap_or(r)]);
+        let aliases = ALIASES.iter().filter(|(_, c)| *c == self.name).map(|(a, _)| *a);
+        std::iter::once(self.name).chain(repo).chain(aliases)
+    }
+}
+
+/// Edit distance (insertions, deletions, substitutions) between `a` and
+/// `b`, ignoring ASCII case.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().map(|c| c.to_ascii_lowercase()).collect();
+    let b: Vec<char> = b.chars().map(|c| c.to_ascii_lowercase()).collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diagonal + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diagonal = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+/// The known config names closest to `name`, best first, at most three:
+/// those whose spellings (name, repo id, alias) are within a third of
+/// their length in edit distance ignoring case (at least 2), and those one
+/// contains the other of ignoring case (`llama-3` in `Meta-Llama-3-8B`).
+/// Empty when nothing is close.
+pub fn suggest_names(name: &str) -> Vec<&'static str> {
+    let lower = name.to_ascii_lowercase();
+    let base = lower.rsplit('/').next().unwrap_or(&lower).to_string();
+    let mut scored: Vec<(usize, &'static str)> = NAMED
+        .iter()
+        .filter_map(|named| {
+            let best = named
+                .spellings()
+                .filter_map(|s| {
+                    let s_lower = s.to_ascii_lowercase();
+                    let d = edit_distance(&base, &s_lower).min(edit_distance(&lower, &s_lower));
+                    let close = d <= (s.len() / 3).max(2);
+                    // A containment counts as close, ranked after near spellings.
+                    let contains = base.len() >= 3 && (s_lower.contains(&base) || base.contains(&s_lower));
+                    match (close, contains) {
+                        (true, _) => Some(d),
+                        (false, true) => Some(d + s.len()),
+                        _ => None,
+                    }
+                })
+                .min()?;
+            Some((best, named.name))
+        })
+        .collect();
+    scored.sort();
+    scored.into_iter().take(3).map(|(_, n)| n).collect()
+}
+
 /// The litgpt LLaMA layout every LLaMA-like named config starts from:
 /// Llama-2-7B's numbers, sequential residual, RMSNorm, SwiGLU, full RoPE, no
 /// bias, untied head.
@@ -415,14 +476,30 @@ impl Config {
     /// Hugging Face repo id such as `Qwen/Qwen2.5-7B`, or one of the small
     /// configs `tiny-llama`, `tiny-neox` and `w3-llama`.
     ///
-    /// Any other name gives [`Error::UnknownModel`] listing the known names.
+    /// A name that matches none of these exactly is looked up again
+    /// ignoring case (`qwen2.5-7b`), and a repo id `org/name` by its
+    /// `name` (`unsloth/Qwen2.5-7B`), each when it picks one config. Any
+    /// other name gives [`Error::UnknownModel`] with the closest known
+    /// names ([`suggest_names`]) and every known one.
     pub fn named(name: &str) -> Result<Config> {
-        let target = ALIASES.iter().find(|(alias, _)| *alias == name).map_or(name, |(_, canonical)| *canonical);
-        NAMED
-            .iter()
-            .find(|named| named.matches(target))
-            .map(|named| (named.build)())
-            .ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: Self::known_names().join(", ") })
+        let canonical = |n: &str| ALIASES.iter().find(|(alias, _)| *alias == n).map_or(n, |(_, c)| *c).to_string();
+        let exact = |n: &str| NAMED.iter().find(|named| named.matches(&canonical(n)));
+        let base = name.rsplit('/').next().unwrap_or(name);
+        let found = exact(name).or_else(|| exact(base)).or_else(|| {
+            // Ignoring case: every spelling of every config that equals `name` or its base.
+            let mut hits = NAMED.iter().filter(|named| {
+                named.spellings().any(|s| s.eq_ignore_ascii_case(name) || s.eq_ignore_ascii_case(base))
+            });
+            match (hits.next(), hits.next()) {
+                (Some(one), None) => Some(one),
+                _ => None,
+            }
+        });
+        found.map(|named| (named.build)()).ok_or_else(|| Error::UnknownModel {
+            name: name.to_string(),
+            suggest: suggest_names(name).into_iter().map(str::to_string).collect(),
+            known: Self::known_names().join(", "),
+        })
     }
 
     /// The names of every named config, in a stable order. Their Hugging
@@ -803,6 +880,42 @@ pub(crate) mod tests {
         // Embedding and head 2 * 32000 * 256, two layers, final norm.
         let layer = 2 * 256 + 4 * 256 * 256 + 3 * 256 * 688;
         assert_eq!(w3.param_count(), 2 * 32000 * 256 + 2 * layer + 256);
+    }
+
+    #[test]
+    fn names_resolve_ignoring_case_and_by_their_repo_name() {
+        for (id, name) in [
+            ("qwen2.5-7b", "Qwen2.5-7B"),
+            ("QWEN/QWEN2.5-7B", "Qwen2.5-7B"),
+            ("unsloth/Qwen2.5-7B", "Qwen2.5-7B"),
+            ("meta-llama/meta-llama-3-8b", "Meta-Llama-3-8B"),
+            ("llama-3-8b", "Meta-Llama-3-8B"),
+            ("TINY-LLAMA", "tiny-llama"),
+            ("eleutherai/Pythia-14M", "pythia-14m"),
+        ] {
+            assert_eq!(Config::named(id).unwrap().name, name, "{id}");
+        }
+    }
+
+    #[test]
+    fn unknown_names_suggest_the_closest() {
+        let cases: [(&str, &[&str]); 6] = [
+            ("qwen2.5-8b", &["Qwen2.5-7B"]),
+            ("Qwen2-7B", &["Qwen2.5-7B"]),
+            ("pythia-14", &["pythia-14m"]),
+            ("tiny_llama", &["tiny-llama"]),
+            ("llama-3", &["Meta-Llama-3-8B"]),
+            ("mistral", &["Mistral-7B-v0.1"]),
+        ];
+        for (name, want) in cases {
+            let got = suggest_names(name);
+            assert_eq!(&got[..want.len()], want, "{name}: {got:?}");
+            let message = Config::named(name).unwrap_err().to_string();
+            assert!(message.contains(&format!("did you mean `{}`", want[0])), "{message}");
+        }
+        assert!(suggest_names("gpt-17").is_empty(), "{:?}", suggest_names("gpt-17"));
+        let message = Config::named("gpt-17").unwrap_err().to_string();
+        assert!(!message.contains("did you mean"), "{message}");
     }
 
     #[test]
