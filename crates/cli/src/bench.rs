@@ -215,7 +215,7 @@ fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: St
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     if args.steps == 0 {
-        bail!("--steps must be at least 1");
+        bail!("--steps must be at least 1, got 0");
     }
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);

@@ -7,9 +7,25 @@ use thiserror::Error;
 /// Errors raised anywhere in the compiler and the CPU backend.
 #[derive(Debug, Error)]
 pub enum Error {
-    /// A model name that no named config matches.
-    #[error("unknown model name `{name}`; known models: {known}")]
-    UnknownModel { name: String, known: String },
+    /// A model name that no named config matches: `suggest` holds the
+    /// closest known names (perhaps none), `known` every one.
+    #[error(
+        "unknown model name `{name}`{}; known models: {known}",
+        match suggest.as_slice() {
+            [] => String::new(),
+            [one] => format!(" (did you mean `{one}`?)"),
+            many => format!(" (did you mean `{}`?)", many.join("`, `")),
+        }
+    )]
+    UnknownModel { name: String, suggest: Vec<String>, known: String },
+    /// A size past what stepgraph can hold: a value of more than
+    /// [`crate::ir::MAX_VALUE_BYTES`], a model or batch whose sizes multiply
+    /// past it, a count past what an id or a kernel's index can number.
+    /// `keys` are the config keys and batch fields (`batch`, `seq`) the
+    /// size is made of, when it comes from a model (empty otherwise), so a
+    /// caller can name the flags or file keys they came from.
+    #[error("{reason}")]
+    Size { keys: Vec<&'static str>, reason: String },
     /// A model configuration that cannot describe a valid network.
     #[error("invalid model config `{model}`: {reason}")]
     Config { model: String, reason: String },

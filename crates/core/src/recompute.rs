@@ -102,23 +102,26 @@ pub fn cost_class(op: &Op) -> Option<CostClass> {
 
 /// FLOPs of one run of node `n` (what recomputing it adds), estimated from
 /// its types: 2·M·N·K for products, 2·(elements of q)·T for causal
-/// attention, a few per element for everything else.
+/// attention, a few per element for everything else. Each factor is at
+/// most 2^60 (a value's size), but a product of two can pass `u64`: the
+/// count saturates at `u64::MAX` (1.8e19) rather than wrap, and so do the
+/// sums of counts made with [`u64::saturating_add`].
 pub fn node_flops(trace: &Trace, n: NodeId) -> u64 {
     let node = trace.node(n);
-    let out_elems: u64 = node.outputs.iter().map(|&o| trace.ty(o).numel() as u64).sum();
+    let out_elems: u64 = node.outputs.iter().fold(0, |acc, &o| acc.saturating_add(trace.ty(o).numel() as u64));
     match &node.op {
         Op::MatMul(m) => {
             let a = &trace.ty(node.inputs[0]).shape;
             let k = if m.trans_a { a[a.len() - 2] } else { a[a.len() - 1] };
-            2 * trace.ty(node.outputs[0]).numel() as u64 * k as u64
+            (trace.ty(node.outputs[0]).numel() as u64).saturating_mul(k as u64).saturating_mul(2)
         }
         Op::Attention(_) => {
             let q = trace.ty(node.inputs[0]);
-            2 * q.numel() as u64 * q.shape[1] as u64
+            (q.numel() as u64).saturating_mul(q.shape[1] as u64).saturating_mul(2)
         }
         op if op.view_of().is_some() => 0,
-        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => 8 * out_elems,
-        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => 6 * out_elems,
+        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => out_elems.saturating_mul(8),
+        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => out_elems.saturating_mul(6),
         _ => out_elems,
     }
 }
@@ -129,7 +132,7 @@ fn node_traffic(trace: &Trace, n: NodeId) -> u64 {
     if node.op.view_of().is_some() {
         return 0;
     }
-    node.inputs.iter().chain(&node.outputs).map(|&v| trace.ty(v).bytes()).sum()
+    node.inputs.iter().chain(&node.outputs).fold(0, |acc, &v| acc.saturating_add(trace.ty(v).bytes()))
 }
 
 /// Rates for the time estimate: the matrix-product ceiling and the copy
@@ -232,7 +235,7 @@ impl std::fmt::Display for RecomputeReport {
             match by_kind.iter_mut().find(|(k, _, _)| *k == key) {
                 Some(e) => {
                     e.1 += 1;
-                    e.2 += r.flops;
+                    e.2 = e.2.saturating_add(r.flops);
                 }
                 None => by_kind.push((key, 1, r.flops)),
             }
@@ -432,7 +435,7 @@ fn report(
     for &(orig, n) in emitted {
         let node = new.node(n);
         let f = node_flops(new, n);
-        flops += f;
+        flops = flops.saturating_add(f);
         seconds += roofline(new, n).seconds();
         recomputed.push(RecomputedNode {
             node: n.index(),
@@ -544,8 +547,9 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                             .max()
                             .unwrap_or(CostClass::Product);
                         let compute_bound = nodes.iter().any(|&m| !roofline(step, m).memory_bound());
-                        let flops: u64 = nodes.iter().map(|&m| node_flops(step, m)).sum();
-                        let bytes: u64 = step.node(n).outputs.iter().map(|&o| step.ty(o).bytes()).sum();
+                        let flops = nodes.iter().fold(0u64, |acc, &m| acc.saturating_add(node_flops(step, m)));
+                        let bytes =
+                            step.node(n).outputs.iter().fold(0u64, |acc, &o| acc.saturating_add(step.ty(o).bytes()));
                         Candidate {
                             compute_bound,
                             class,
