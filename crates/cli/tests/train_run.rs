@@ -301,7 +301,7 @@ fn bad_input_gets_clear_errors() {
             vec!["train", "--device", "cpu", "--resume", "no/such/step-000005"],
             "no/such/step-000005 is not a complete checkpoint",
         ),
-        (vec!["train", "--device", "cpu", "--seq", "2000"], "exceeds the block size"),
+        (vec!["train", "--device", "cpu", "--seq", "2000"], "is longer than the block size"),
     ];
     for (args, want) in &cases {
         fails_with(args, want);
