@@ -203,9 +203,16 @@ fn the_settings_in_force_and_the_plan_are_printed_before_step_one() {
         "seed 0",
         "on the CPU",
         "plan for `train`",
+        "start-up ",
+        ": build ",
+        ", plan ",
+        ", session ",
+        ", weights ",
     ] {
         assert!(err.contains(needle), "no `{needle}` in\n{err}");
     }
+    // The start-up line comes after the plan and before the first step's line.
+    assert!(err.find("plan for `train`").unwrap() < err.find("start-up ").unwrap(), "{err}");
 }
 
 #[test]

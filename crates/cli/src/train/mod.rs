@@ -62,9 +62,9 @@ use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfModelDir, SaveOptions, DEFAULT_MAX_SHARD_BYTES};
 use stepgraph_core::models::ModelSpec;
-use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
+use stepgraph_core::pipeline::{compile_step, compile_step_timed, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
-use stepgraph_core::session::{Session, SessionMemory};
+use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
 
@@ -351,7 +351,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             (*rank, *world)
         }
     };
-    let compiled = compile_step(&spec, &opts)?;
+    let (compiled, compile_times) = compile_step_timed(&spec, &opts)?;
     let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
     // Pretrained weights take the fine-tuning defaults.
     let fine_tuning = pretrained.is_some();
@@ -412,7 +412,9 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
 
     let CompiledStep { step, plan, forward, .. } = compiled;
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
+    let opened = Instant::now();
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
+    let session_time = opened.elapsed();
     let peak = match &role {
         Role::Cpu => None,
         _ => device_name(rank).ok().and_then(|n| metrics::peak_flops(&n, spec.dtype)).map(|p| p * world as f64),
@@ -431,6 +433,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         params,
     };
     let talk = rank == 0;
+    let weights_from = Instant::now();
     let start = match &resumed {
         Some((dir, state)) => {
             let opt = checkpoint::optimizer_file(if state.shards == 0 { None } else { Some((rank, state.shards)) });
@@ -448,9 +451,13 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             1
         }
     };
+    // Where the time before step 1 went: tracing, planning, the session
+    // (kernel load and GEMM tuning among its phases on a GPU), the weights.
+    let startup = StartupTimes::new(compile_times, session_time, session.startup_phases(), weights_from.elapsed());
     if talk {
         run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)));
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
+        eprintln!("{startup}");
     }
     if let Some(dir) = &run.ckpt {
         if talk {
