@@ -54,7 +54,8 @@ use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
-use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, SaveReport};
 use stepgraph_core::models::ModelSpec;
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
@@ -65,7 +66,7 @@ use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSessi
 use crate::memory_args::{free_bytes, MemoryArgs};
 use crate::{LossArg, ModelArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
-use data::{ByteText, TrainData};
+use data::TrainData;
 use metrics::MetricsFile;
 use schedule::LrSchedule;
 
@@ -79,9 +80,27 @@ pub enum DeviceArg {
 /// `stepgraph train`'s own flags (the model flags are shared).
 #[derive(Args, Clone, Debug)]
 pub struct TrainArgs {
-    /// Text to train on (byte-level: one token per byte).
+    /// What to train on: a token file written by `stepgraph prepare` (known
+    /// by its header), or any other file as byte-level text (one token per byte).
     #[arg(long, default_value = "data/tiny.txt")]
     pub data: PathBuf,
+    /// Start from a Hugging Face model folder (config.json and safetensors
+    /// weights): the model comes from its config.json, the weights are
+    /// loaded and cast to --dtype, and the default learning rate is a
+    /// fine-tuning one.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    pub init_from: Option<PathBuf>,
+    /// At the end of the run, write the model as a Hugging Face folder here
+    /// (config.json, safetensors shards and index, the tokenizer files),
+    /// replacing a previous save atomically.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// The tokenizer folder whose files --out copies [default: the --init-from folder].
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
+    #[arg(long, value_name = "MIB", requires = "out")]
+    pub max_shard_mb: Option<f64>,
     /// Optimizer steps of the whole run.
     #[arg(long, default_value_t = 200)]
     pub steps: usize,
@@ -282,14 +301,16 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     if args.resume.as_deref() == Some("auto") && args.checkpoint_dir.is_none() {
         bail!("--resume auto looks for checkpoints in --checkpoint-dir: give the directory");
     }
-    let spec = model.spec()?;
-    if spec.config.vocab_size < 256 {
-        bail!(
-            "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
-            spec.config.name,
-            spec.config.vocab_size
-        );
-    }
+    let (spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
+    let out = match &args.out {
+        Some(dir) => Some(OutTarget::new(dir, args, &spec, pretrained.as_ref())?),
+        None => None,
+    };
+    spec.check()?;
+    // The data before anything is compiled: a token id the model has no
+    // embedding row for is refused here, naming the file.
+    let mut data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed)?;
+    data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
     // Every rank must build the same step: a budget measured per process
     // could differ between them.
@@ -315,7 +336,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             // run (a batch or a parameter that does not split) fails before
             // any process starts, with one message instead of N.
             opts.data_parallel = Some(args.data_parallel(*gpus)?);
-            trace_step(&spec, &opts)?;
+            let traces = trace_step(&spec, &opts)?;
+            if let Some(hf) = &pretrained {
+                hf.check(&traces.forward)?;
+            }
             return launch::launch(*gpus);
         }
         Role::Rank { rank, world, .. } => {
@@ -324,11 +348,13 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         }
     };
     let compiled = compile_step(&spec, &opts)?;
+    // The pretrained weights must fit the step's parameters (names, shapes,
+    // dtypes that cast) before any session allocates device memory.
+    if let Some(hf) = &pretrained {
+        hf.check(&compiled.forward)?;
+    }
     let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
-    // `--init-from` (pretrained weights) will set this; the defaults then fine-tune.
-    let fine_tuning = false;
-    let (schedule, sources) = args.schedule(params, fine_tuning)?;
-    let mut data = ByteText::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed ^ 0x5eed)?;
+    let (schedule, sources) = args.schedule(params, pretrained.is_some())?;
     let eval_step = if args.eval_every > 0 && rank == 0 {
         data.validation_batches(1)?;
         Some(compile_step(&compiled.spec, &StepOptions::new(StepKind::Forward))?)
@@ -377,7 +403,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         None => None,
     };
 
-    let CompiledStep { step, plan, .. } = compiled;
+    let CompiledStep { step, plan, forward, .. } = compiled;
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
     let peak = match &role {
@@ -396,6 +422,8 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         run_id,
         peak_flops: peak,
         params,
+        forward,
+        out,
     };
     let talk = rank == 0;
     let start = match &resumed {
@@ -407,13 +435,20 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             state.step + 1
         }
         None => {
-            init_weights(session.as_mut(), args.seed)?;
+            init_weights(session.as_mut(), &run.forward, pretrained.as_ref(), args.seed)?;
             session.zero_state()?;
             1
         }
     };
+    // The shards' maps are not needed past the initial weights.
+    drop(pretrained);
     if talk {
-        run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)));
+        run.print_settings(
+            &sources,
+            &device,
+            data.as_ref(),
+            resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)),
+        );
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
     }
     if let Some(dir) = &run.ckpt {
@@ -424,6 +459,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     if start > args.steps {
         if talk {
             println!("the run is complete: its checkpoint holds step {} of {}", start - 1, args.steps);
+        }
+        // Its model folder, from the checkpoint's weights.
+        if let Some(report) = run.save_out(session.as_mut())? {
+            eprintln!("{}", out_line(&report));
         }
         return Ok(());
     }
@@ -436,7 +475,8 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         Some(session) => Some(Evaluator { session, batches: data.validation_batches(args.eval_batches)? }),
         None => None,
     };
-    let outcome = train_loop(&run, session.as_mut(), replay_from, &mut data, start, eval.as_mut(), metrics.as_mut());
+    let outcome =
+        train_loop(&run, session.as_mut(), replay_from, data.as_mut(), start, eval.as_mut(), metrics.as_mut());
     if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
         eprintln!("metrics: {}", m.path().display());
     }
@@ -543,18 +583,126 @@ fn run_identity(
     id
 }
 
-/// Writes the initial weights: the seeded draw, made by the session where
-/// it runs (on a GPU, in place, without a host copy of the model).
-/// **Seam:** a pretrained model's weights (`--init-from`) replace it here.
-pub fn init_weights(session: &mut dyn Session, seed: u64) -> Result<()> {
-    session.init_params(seed)?;
+/// The model of the run and, with `--init-from DIR`, the opened folder:
+/// the config comes from `DIR/config.json` (the model flags that change the
+/// geometry are refused: the weights fix it) and the batch, sequence and
+/// dtype from the flags. Opening validates every shard's header; no tensor
+/// is read yet.
+pub(crate) fn model_spec(model: &ModelArgs, init_from: Option<&Path>) -> Result<(ModelSpec, Option<HfModelDir>)> {
+    let Some(dir) = init_from else { return Ok((model.spec()?, None)) };
+    if let Some((_, flag)) = model.geometry_flags().into_iter().find(|(given, _)| *given) {
+        bail!(
+            "{flag} would change the model of --init-from {}: its geometry comes from {} and must fit its \
+             weights; drop {flag}",
+            dir.display(),
+            dir.join(stepgraph_core::models::hf_dir::CONFIG_FILE).display()
+        );
+    }
+    let hf = HfModelDir::open(dir).with_context(|| format!("--init-from {}", dir.display()))?;
+    Ok((model.spec_of(hf.config().clone()), Some(hf)))
+}
+
+/// Writes the initial weights: with `--init-from`, the folder's tensors
+/// one at a time (memory-mapped, cast to each parameter's dtype, copied to
+/// the device), after [`HfModelDir::check`] has fitted them to `forward`;
+/// otherwise the seeded draw, made by the session where it runs (on a GPU,
+/// in place, without a host copy of the model).
+pub fn init_weights(
+    session: &mut dyn Session,
+    forward: &Trace,
+    pretrained: Option<&HfModelDir>,
+    seed: u64,
+) -> Result<()> {
+    match pretrained {
+        Some(hf) => hf
+            .load_into(forward, session)
+            .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?,
+        None => {
+            session.init_params(seed)?;
+        }
+    }
     Ok(())
 }
 
-/// Saves the model at the end of the run. **Seam:** the final checkpoint
-/// today; a Hugging Face model folder (`--out`) is written here later.
-fn save_final_model(run: &Run, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
-    run.save_checkpoint(session, step, loss, data)
+/// Where `--out` writes the model, checked before the run starts so that a
+/// destination the save would refuse costs no training.
+struct OutTarget {
+    dir: PathBuf,
+    /// The family and the `config.json` of `--init-from`, kept so the saved
+    /// config carries the keys stepgraph does not read (token ids, ...).
+    source: Option<(HfFamily, serde_json::Map<String, serde_json::Value>)>,
+    /// The folder whose tokenizer files are copied.
+    tokenizer: Option<PathBuf>,
+    max_shard_bytes: u64,
+}
+
+impl OutTarget {
+    fn new(dir: &Path, args: &TrainArgs, spec: &ModelSpec, pretrained: Option<&HfModelDir>) -> Result<Self> {
+        let max_shard_bytes = match args.max_shard_mb {
+            None => stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
+            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
+            Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
+        };
+        if dir.exists() && !dir.is_dir() {
+            bail!("--out {} exists and is not a folder; refusing to replace it", dir.display());
+        }
+        if HfModelDir::open(dir).is_err() && dir.read_dir().is_ok_and(|mut d| d.next().is_some()) {
+            // A folder of something else is not replaced by a model.
+            bail!(
+                "--out {} is a folder that holds files but no Hugging Face model (config.json and weights); \
+                 refusing to replace it: give a new or a model folder",
+                dir.display()
+            );
+        }
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("--out: creating {}", parent.display()))?;
+        }
+        let family = match pretrained {
+            Some(hf) => hf.family(),
+            None => HfFamily::of_config(&spec.config).map_err(|reason| {
+                anyhow::anyhow!("--out cannot write `{}` as a Hugging Face model: {reason}", spec.config.name)
+            })?,
+        };
+        let tokenizer = match (&args.tokenizer, pretrained) {
+            (Some(t), _) => {
+                let t = if t.is_file() { t.parent().unwrap_or(Path::new(".")).to_path_buf() } else { t.clone() };
+                if !t.join("tokenizer.json").is_file() {
+                    bail!("--tokenizer {}: no tokenizer.json there to copy into --out", t.display());
+                }
+                Some(t)
+            }
+            (None, Some(hf)) => Some(hf.dir().to_path_buf()),
+            (None, None) => None,
+        };
+        let source = pretrained.map(|hf| (family, hf.raw_config().clone()));
+        Ok(OutTarget { dir: dir.to_path_buf(), source, tokenizer, max_shard_bytes })
+    }
+}
+
+/// One line on a written `--out` folder.
+fn out_line(r: &SaveReport) -> String {
+    format!(
+        "model: {} (Hugging Face folder: {} tensors, {:.1} MB in {} file{}; tokenizer files: {})",
+        r.dir.display(),
+        r.tensors,
+        mb(r.tensor_bytes),
+        r.shards.len(),
+        if r.shards.len() == 1 { "" } else { "s" },
+        if r.tokenizer_files.is_empty() { "none".to_string() } else { r.tokenizer_files.join(", ") }
+    )
+}
+
+/// Saves the model at the end of the run (the last of `--steps`): the
+/// final checkpoint, and with `--out` the Hugging Face folder (rank 0).
+fn save_final_model(
+    run: &Run,
+    session: &mut dyn Session,
+    step: usize,
+    loss: f64,
+    data: &dyn TrainData,
+) -> Result<Option<SaveReport>> {
+    run.save_checkpoint(session, step, loss, data)?;
+    run.save_out(session)
 }
 
 /// The fixed facts of a run.
@@ -573,6 +721,9 @@ struct Run<'a> {
     /// The group's peak FLOP/s for MFU; `None` on the CPU or an unknown GPU.
     peak_flops: Option<f64>,
     params: usize,
+    /// The model's forward trace: its parameters by name, for `--out`.
+    forward: Trace,
+    out: Option<OutTarget>,
 }
 
 /// How long rank 0 waits for the other ranks' optimizer shards.
@@ -602,6 +753,17 @@ impl Run<'_> {
             args.steps
         );
         eprintln!("  data        {}", data.describe());
+        match &args.init_from {
+            Some(dir) => eprintln!("  weights     {} (Hugging Face folder, cast to {})", dir.display(), spec.dtype),
+            None => eprintln!("  weights     random (--seed {})", args.seed),
+        }
+        if let Some(out) = &self.out {
+            let tok = match &out.tokenizer {
+                Some(t) => format!("tokenizer files from {}", t.display()),
+                None => "no tokenizer files (--tokenizer DIR copies them)".to_string(),
+            };
+            eprintln!("  out         {} at the end of the run ({tok})", out.dir.display());
+        }
         eprintln!("  lr          peak {} ({})", short(s.peak), sources[0]);
         eprintln!("  warm-up     {} step{} ({})", s.warmup, if s.warmup == 1 { "" } else { "s" }, sources[1]);
         eprintln!("  decay       cosine to {} at step {} ({})", short(s.min), s.total, sources[2]);
@@ -640,6 +802,24 @@ impl Run<'_> {
         }
     }
 
+    /// Writes the `--out` folder from the session's parameters (rank 0; the
+    /// others hold the same parameters). `None` without `--out`.
+    fn save_out(&self, session: &mut dyn Session) -> Result<Option<SaveReport>> {
+        let Some(out) = &self.out else { return Ok(None) };
+        if self.rank > 0 {
+            return Ok(None);
+        }
+        let options = SaveOptions {
+            tokenizer_from: out.tokenizer.as_deref(),
+            max_shard_bytes: out.max_shard_bytes,
+            family: out.source.as_ref().map(|(f, _)| *f),
+            source_config: out.source.as_ref().map(|(_, c)| c),
+        };
+        let report = save_hf_dir(&out.dir, &self.spec.config, &self.forward, session, &options)
+            .with_context(|| format!("--out {}: writing the model folder", out.dir.display()))?;
+        Ok(Some(report))
+    }
+
     /// Saves a checkpoint of `step` (every rank takes part: ZeRO-1 ranks
     /// write their shards) and deletes the ones beyond `--keep`.
     fn save_checkpoint(&self, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
@@ -669,8 +849,8 @@ impl Run<'_> {
 /// weights. Its memory is its own plan (a forward pass holds no gradients
 /// or moments), counted in the run's planned and held bytes.
 pub struct Evaluator {
-    session: Box<dyn Session>,
-    batches: Vec<data::Batch>,
+    pub session: Box<dyn Session>,
+    pub batches: Vec<data::Batch>,
 }
 
 impl Evaluator {
@@ -688,15 +868,70 @@ impl Evaluator {
             let value = train.read(src)?;
             self.session.write(v, &value)?;
         }
-        let mut total = 0.0;
+        self.mean_loss(rank, world)
+    }
+
+    /// The mean loss over the validation batches, on the weights the
+    /// evaluation session holds.
+    /// Batches whose targets are all masked (a chat prompt, padding) have
+    /// no loss (0/0) and are left out of the mean.
+    pub fn mean_loss(&mut self, rank: usize, world: usize) -> Result<f64> {
+        let (mut total, mut counted) = (0.0, 0usize);
         for b in &self.batches {
+            let targets = shard_rows(&b.targets, rank, world)?;
+            if !has_target(&targets) {
+                continue;
+            }
             self.session.write_named(TOKENS_INPUT, &shard_rows(&b.tokens, rank, world)?)?;
-            self.session.write_named(TARGETS_INPUT, &shard_rows(&b.targets, rank, world)?)?;
+            self.session.write_named(TARGETS_INPUT, &targets)?;
             self.session.run_eager()?;
             total += self.session.loss()?;
+            counted += 1;
         }
-        Ok(total / self.batches.len().max(1) as f64)
+        if counted == 0 {
+            bail!(
+                "none of the {} validation batches has a loss target (the loss mask covers every held-out token): \
+                 hold out other documents, or use a longer --seq",
+                self.batches.len()
+            );
+        }
+        Ok(total / counted as f64)
     }
+}
+
+/// Whether some target of `targets` counts in the loss (is not the ignore index).
+fn has_target(targets: &HostTensor) -> bool {
+    targets.to_f64().iter().any(|&t| t != IGNORE_INDEX as f64)
+}
+
+/// How many batches in a row may lack a loss target before the run gives up.
+const MAX_SKIPPED_IN_A_ROW: u64 = 1000;
+
+/// The next training batch in which every part a device computes a mean
+/// loss over (the rows of each of `parts` ranks) has a loss target.
+///
+/// A token file's loss mask can leave a whole short row unmasked-free (a
+/// chat prompt longer than the sequence): its mean cross-entropy is 0/0, a
+/// NaN that would stop the run. Such batches teach nothing and are skipped;
+/// the data cursor counts them, so a resumed run skips the same ones.
+fn next_usable_batch(data: &mut dyn TrainData, parts: usize, skipped: &mut u64) -> Result<data::Batch> {
+    let mut seq = 0;
+    for _ in 0..MAX_SKIPPED_IN_A_ROW {
+        let batch = data.next_batch()?;
+        seq = batch.targets.ty.shape[1];
+        let mut usable = true;
+        for p in 0..parts {
+            usable &= has_target(&shard_rows(&batch.targets, p, parts)?);
+        }
+        if usable {
+            return Ok(batch);
+        }
+        *skipped += 1;
+    }
+    bail!(
+        "{MAX_SKIPPED_IN_A_ROW} training batches in a row have a part without a loss target: the token file's loss \
+         mask leaves too few targets for --seq {seq} (prepare other data, or use a longer --seq or a larger --batch)"
+    )
 }
 
 /// The named output `grad_norm` of a step that computes it (gradient clipping).
@@ -753,10 +988,12 @@ fn train_loop(
     let mut recent: VecDeque<f64> = VecDeque::with_capacity(SMOOTHING);
     let mut recorded: Option<Duration> = None;
     let mut saved: Option<PathBuf> = None;
+    let mut wrote_out: Option<SaveReport> = None;
+    let mut skipped = 0u64;
     let mut eval_time = Duration::ZERO;
     let t0 = Instant::now();
     for it in start..=last {
-        let batch = data.next_batch()?;
+        let batch = next_usable_batch(data, world, &mut skipped)?;
         let lr = run.schedule.at(it);
         session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
         session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
@@ -837,12 +1074,11 @@ fn train_loop(
             }
         }
         let periodic = args.save_every > 0 && it % args.save_every == 0;
-        if run.ckpt.is_some() && (periodic || it == last) {
-            if it == steps {
-                save_final_model(run, session, it, loss, data)?;
-            } else {
-                run.save_checkpoint(session, it, loss, data)?;
-            }
+        if it == steps {
+            wrote_out = save_final_model(run, session, it, loss, data)?;
+            saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
+        } else if run.ckpt.is_some() && (periodic || it == last) {
+            run.save_checkpoint(session, it, loss, data)?;
             saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
         }
     }
@@ -869,10 +1105,24 @@ fn train_loop(
         if let Some(dir) = &saved {
             eprintln!("checkpoint: {}", dir.display());
         }
+        match (&wrote_out, &run.out) {
+            (Some(report), _) => eprintln!("{}", out_line(report)),
+            (None, Some(out)) => eprintln!(
+                "--out {} is written when the run reaches step {steps}: continue it with --resume",
+                out.dir.display()
+            ),
+            (None, None) => {}
+        }
         let ran = last + 1 - start;
         // A replayed GPU step of a small model takes a millisecond: say ms below a second.
         let secs = t0.elapsed().as_secs_f64();
         let took = if secs < 1.0 { format!("{:.1} ms", secs * 1e3) } else { format!("{secs:.1} s") };
+        if skipped > 0 {
+            eprintln!(
+                "skipped {skipped} batch{} without a loss target in some part (the loss mask covered every token)",
+                if skipped == 1 { "" } else { "es" }
+            );
+        }
         let per_step = secs * 1e3 / ran.max(1) as f64;
         println!(
             "final loss {last_loss:.4} (first {first:.4}) after {ran} steps in {took} ({per_step:.2} ms/step); {note}"

@@ -70,7 +70,9 @@ impl ModelSpec {
         Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss })
     }
 
-    fn check(&self) -> Result<()> {
+    /// Checks the config and that the batch fits it (positive sizes, the
+    /// sequence within the block size, a float dtype); every builder does.
+    pub fn check(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
         self.config.validate()?;
         if self.batch == 0 || self.seq == 0 {
