@@ -366,3 +366,52 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
     }
 }
+
+/// The `stepgraph` commands of the README's fine-tuning example, in order,
+/// with `runs/` moved to `runs`.
+fn readme_example(runs: &Path) -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme.find("<!-- finetune-example").expect("the README marks its fine-tuning example");
+    let block = &readme[start..];
+    let code = &block[block.find("```\n").unwrap() + 4..];
+    let code = &code[..code.find("```").unwrap()];
+    code.lines()
+        .filter(|l| l.starts_with("stepgraph "))
+        .map(|l| {
+            let l = l.replace("runs/", &format!("{}/", runs.display()));
+            let mut args: Vec<String> = l.split_whitespace().skip(1).map(str::to_string).collect();
+            // On the CPU whatever the machine has, as CI runs it.
+            if args[0] != "prepare" {
+                args.extend(["--device".to_string(), "cpu".to_string()]);
+            }
+            args
+        })
+        .collect()
+}
+
+/// The README's second example as written: prepare, pre-train a base
+/// model with --out, fine-tune it from --init-from with a stop and a
+/// resume, and evaluate the saved folder.
+#[test]
+fn the_readme_fine_tuning_example_runs_as_written() {
+    let d = tempfile::tempdir().unwrap();
+    let commands = readme_example(d.path());
+    let kinds: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
+    assert_eq!(kinds, ["prepare", "train", "train", "train", "eval"]);
+    let outputs: Vec<(String, String)> = commands.iter().map(|c| run_ok(&refs(c))).collect();
+    let (base, ft) = (d.path().join("base"), d.path().join("ft"));
+    // The stopped run says where --out will come from; the resumed one writes it.
+    assert!(outputs[2].1.contains("is written when the run reaches step 40"), "{}", outputs[2].1);
+    assert!(outputs[3].1.contains("resumed     from") && outputs[3].1.contains("model: "), "{}", outputs[3].1);
+    assert!(outputs[2].1.contains("(default for fine-tuning"), "{}", outputs[2].1);
+    for dir in [&base, &ft] {
+        let hf = HfModelDir::open(dir).unwrap();
+        assert_eq!(hf.family(), HfFamily::Llama);
+        assert!(dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file());
+    }
+    assert!(folder_tensors(&base) != folder_tensors(&ft), "fine-tuning left the weights as they were");
+    // eval on the saved folder gives the resumed run's last validation loss.
+    let validation = outputs[3].1.split("validation at step 40: loss ").nth(1).unwrap()[..6].to_string();
+    let eval = outputs[4].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
+    assert_eq!(eval, validation, "{}", outputs[4].0);
+}

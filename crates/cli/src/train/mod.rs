@@ -29,9 +29,20 @@
 //! bit. **Metrics** ([`metrics`]): a JSONL row per step and per validation.
 //! **Settings** may come from a TOML file ([`config_file`]).
 //!
-//! **Seams** for the loaders other parts provide: [`init_weights`] (today
-//! the seeded initialization; a pretrained model's weights later) and
-//! [`save_final_model`] (today the final checkpoint).
+//! **Models in and out.** `--init-from DIR` takes the model from a Hugging
+//! Face folder's `config.json` ([`model_spec`]; the flags that would change
+//! its geometry are refused), fits its weights to the step before any
+//! session allocates, and loads them tensor by tensor ([`init_weights`]);
+//! the default learning rate is then a fine-tuning one. `--out DIR` is
+//! checked before step 1 and written at the last step
+//! ([`save_final_model`]): a folder `transformers` loads, replaced
+//! atomically, with the tokenizer files of `--tokenizer` or `--init-from`.
+//!
+//! **Data** ([`data`]): byte-level text, or a token file of `stepgraph
+//! prepare` (known by its magic bytes) whose ids are checked against the
+//! embedding before anything is compiled. A batch with a part (a rank's
+//! rows) whose targets the loss mask covers entirely has no loss and is
+//! skipped ([`next_usable_batch`]).
 
 pub mod checkpoint;
 pub mod config_file;
