@@ -415,3 +415,97 @@ fn the_readme_fine_tuning_example_runs_as_written() {
     let eval = outputs[4].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
     assert_eq!(eval, validation, "{}", outputs[4].0);
 }
+
+/// `train --out` killed with SIGKILL while it writes the folder: the
+/// destination is always the previous complete save or the new one (the
+/// save's own guarantee, proved in `crates/core/tests/hf_dir.rs`; here
+/// through the command, with the run's temporary folder watched so the
+/// kills land inside the save), and a later run clears what kills left.
+#[test]
+fn a_run_killed_while_writing_out_leaves_the_old_or_the_new_folder() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |seed: u64, out: &Path| -> Vec<String> {
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--n-embd",
+            "256",
+            "--n-head",
+            "4",
+            "--vocab",
+            "4096",
+            "--intermediate-size",
+            "512",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--eval-every",
+            "0",
+            "--max-shard-mb",
+            "2",
+            "--seed",
+            &seed.to_string(),
+            "--out",
+            s(out),
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    // What a complete save of each seed holds.
+    let expected: Vec<BTreeMap<String, Vec<u8>>> = [1u64, 2]
+        .iter()
+        .map(|&seed| {
+            let r = d.path().join(format!("ref{seed}"));
+            run_ok(&refs(&run(seed, &r)));
+            folder_tensors(&r)
+        })
+        .collect();
+    assert!(expected[0] != expected[1]);
+    let parent = d.path().join("runs");
+    let out = parent.join("model");
+    std::fs::create_dir_all(&parent).unwrap();
+    run_ok(&refs(&run(1, &out)));
+    let mut holds = 1u64;
+    let mut torn = 0;
+    for round in 0..4u64 {
+        let seed = 3 - holds;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
+            .args(run(seed, &out))
+            .current_dir(root())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let temp_exists = || {
+            std::fs::read_dir(&parent)
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".model.tmp-"))
+        };
+        let t0 = std::time::Instant::now();
+        while !temp_exists() && child.try_wait().unwrap().is_none() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(60), "the run never started its save");
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(round));
+        child.kill().unwrap(); // SIGKILL, to the child this test started.
+        child.wait().unwrap();
+        torn += temp_exists() as usize;
+        let now = folder_tensors(&out);
+        holds = match expected.iter().position(|e| *e == now) {
+            Some(k) => k as u64 + 1,
+            None => panic!("round {round}: --out holds neither the previous nor the new save"),
+        };
+        assert!(HfModelDir::open(&out).is_ok());
+    }
+    assert!(torn > 0, "no kill landed inside a save");
+    // A run that finishes replaces the folder and clears the leftovers.
+    run_ok(&refs(&run(2, &out)));
+    assert!(folder_tensors(&out) == expected[1]);
+    let names: Vec<String> =
+        std::fs::read_dir(&parent).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["model"]);
+}
