@@ -5,12 +5,14 @@
 //! GPUs with `--gpus N`: one process per GPU, see [`train`]), `bench` (a
 //! benchmark workload on the GPU), `compare` (one step's loss and gradients
 //! against a PyTorch reference, on the CPU or the CUDA backend), `hf` (a
-//! Hugging Face model folder loaded, run and written back, see [`hf_cmd`])
-//! and `prepare` (text and JSONL files tokenized into a token file for
-//! training, see [`prepare`]).
+//! Hugging Face model folder loaded, run and written back, see [`hf_cmd`]),
+//! `prepare` (text and JSONL files tokenized into a token file for
+//! training, see [`prepare`]) and `eval` (a model folder's validation loss
+//! on the held-out split of the training data, see [`eval`]).
 
 mod bench;
 mod compare;
+mod eval;
 mod hf_cmd;
 mod memory_args;
 mod prepare;
@@ -98,7 +100,15 @@ enum Command {
     Hf(hf_cmd::HfArgs),
     /// Tokenize text and JSONL files (plain, instruction and chat records) into a token file for training.
     Prepare(prepare::PrepareArgs),
-    /// Train on a text file (byte-level tokens) on the CPU, one GPU, or data-parallel on N GPUs (--gpus N).
+    /// The validation loss and perplexity of a Hugging Face model folder on the held-out split of --data.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        eval: eval::EvalArgs,
+    },
+    /// Train on a token file or byte-level text, from scratch or from a Hugging Face folder (--init-from),
+    /// on the CPU, one GPU, or data-parallel on N GPUs (--gpus N).
     Train {
         #[command(flatten)]
         model: ModelArgs,
@@ -250,7 +260,12 @@ impl ModelArgs {
     }
 
     fn spec(&self) -> Result<ModelSpec> {
-        let config = self.config()?;
+        self.spec_of(self.config()?)
+    }
+
+    /// The spec of `config` with these flags' batch, sequence, dtype and
+    /// loss, the batch and sequence checked against it.
+    fn spec_of(&self, config: Config) -> Result<ModelSpec> {
         if self.batch == 0 {
             bail!("--batch 0 holds no rows: ask for at least 1");
         }
@@ -267,17 +282,34 @@ impl ModelArgs {
         Ok(ModelSpec {
             batch: self.batch,
             seq,
-            dtype: match self.dtype {
-                DTypeArg::F32 => DType::F32,
-                DTypeArg::Bf16 => DType::BF16,
-                DTypeArg::F16 => DType::F16,
-            },
+            dtype: self.dtype(),
             loss: match self.loss {
                 LossArg::Sum => LossKind::Sum,
                 LossArg::Ce => LossKind::CrossEntropy,
             },
             config,
         })
+    }
+
+    fn dtype(&self) -> DType {
+        match self.dtype {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F16 => DType::F16,
+        }
+    }
+
+    /// The flags that change the model's geometry, with whether each is given.
+    fn geometry_flags(&self) -> [(bool, &'static str); 7] {
+        [
+            (self.n_layer.is_some(), "--n-layer"),
+            (self.n_embd.is_some(), "--n-embd"),
+            (self.n_head.is_some(), "--n-head"),
+            (self.n_query_groups.is_some(), "--n-query-groups"),
+            (self.vocab.is_some(), "--vocab"),
+            (self.block_size.is_some(), "--block-size"),
+            (self.intermediate_size.is_some(), "--intermediate-size"),
+        ]
     }
 }
 
@@ -528,9 +560,9 @@ fn run_command(cli: Cli) -> Result<()> {
         Command::Compare(args) => compare::run(&args)?,
         Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
+        Command::Eval { model, eval } => eval::run(&model, &eval)?,
         Command::Train { model, optim, train, memory } => {
-            let spec = model.spec()?;
-            train::run(&model, optim.train_options(spec.dtype)?, &train, &memory)?
+            train::run(&model, optim.train_options(model.dtype())?, &train, &memory)?
         }
     }
     Ok(())

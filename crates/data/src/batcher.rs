@@ -24,6 +24,8 @@
 //! drawn) restores a run exactly: [`Batcher::resume`] then yields the batches
 //! the uninterrupted run would have.
 
+use std::borrow::Borrow;
+
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
@@ -98,9 +100,12 @@ pub struct DataCursor {
     pub file_hash: u64,
 }
 
-/// Draws batches from a token file (see the module doc).
-pub struct Batcher<'a> {
-    file: &'a TokenFile,
+/// Draws batches from a token file (see the module doc). `F` holds the
+/// file: a `&TokenFile` to borrow it, or a `TokenFile` or an
+/// `Arc<TokenFile>` for a batcher that owns it (a training run's data
+/// source keeps one for the whole run).
+pub struct Batcher<F: Borrow<TokenFile>> {
+    file: F,
     opts: BatcherOptions,
     /// First token of the split in the file.
     start: u64,
@@ -121,16 +126,17 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-impl<'a> Batcher<'a> {
+impl<F: Borrow<TokenFile>> Batcher<F> {
     /// A batcher at the start of the split.
-    pub fn new(file: &'a TokenFile, opts: BatcherOptions) -> Result<Batcher<'a>> {
+    pub fn new(file: F, opts: BatcherOptions) -> Result<Batcher<F>> {
+        let tf: &TokenFile = file.borrow();
         if opts.batch == 0 || opts.seq == 0 {
             return Err(Error::Options(format!(
                 "batches need at least one row of one token, got batch {} and seq {}",
                 opts.batch, opts.seq
             )));
         }
-        let range = file.split_tokens(opts.split);
+        let range = tf.split_tokens(opts.split);
         let len = range.end - range.start;
         if len < 2 {
             let which = match opts.split {
@@ -138,10 +144,10 @@ impl<'a> Batcher<'a> {
                 Split::Validation => "validation",
             };
             return Err(Error::token_file(
-                file.path(),
+                tf.path(),
                 format!(
                     "the {which} split has {len} tokens ({} documents); a batch needs at least 2{}",
-                    file.split_docs(opts.split).end - file.split_docs(opts.split).start,
+                    tf.split_docs(opts.split).end - tf.split_docs(opts.split).start,
                     if opts.split == Split::Validation {
                         " (prepare with --val-docs N or --val-fraction F)"
                     } else {
@@ -150,10 +156,10 @@ impl<'a> Batcher<'a> {
                 ),
             ));
         }
-        if i32::try_from(file.vocab_size()).is_err() {
+        if i32::try_from(tf.vocab_size()).is_err() {
             return Err(Error::token_file(
-                file.path(),
-                format!("vocabulary of {} ids does not fit i32 inputs", file.vocab_size()),
+                tf.path(),
+                format!("vocabulary of {} ids does not fit i32 inputs", tf.vocab_size()),
             ));
         }
         let sequences = (len - 1).div_ceil(opts.seq as u64);
@@ -162,8 +168,9 @@ impl<'a> Batcher<'a> {
 
     /// A batcher that continues where `cursor` was taken, after checking
     /// that the cursor belongs to this file, split, shape and seed.
-    pub fn resume(file: &'a TokenFile, opts: BatcherOptions, cursor: &DataCursor) -> Result<Batcher<'a>> {
+    pub fn resume(file: F, opts: BatcherOptions, cursor: &DataCursor) -> Result<Batcher<F>> {
         let mut b = Batcher::new(file, opts)?;
+        let file = b.file();
         let mismatch = |what: &str, saved: String, now: String| {
             Err(Error::Cursor(format!("it was saved with {what} {saved}, but this run has {now}")))
         };
@@ -196,6 +203,11 @@ impl<'a> Batcher<'a> {
         Ok(b)
     }
 
+    /// The token file the batches come from.
+    pub fn file(&self) -> &TokenFile {
+        self.file.borrow()
+    }
+
     /// Sequences in the split (one epoch of training rows).
     pub fn sequences(&self) -> u64 {
         self.sequences
@@ -217,7 +229,7 @@ impl<'a> Batcher<'a> {
             batch: self.opts.batch,
             seq: self.opts.seq,
             sequences: self.sequences,
-            file_hash: self.file.content_hash(),
+            file_hash: self.file().content_hash(),
         }
     }
 
@@ -243,16 +255,16 @@ impl<'a> Batcher<'a> {
     /// Writes sequence `k` (or a padding row for `None`) into a row.
     fn fill_row(&self, k: Option<u64>, inputs: &mut [i32], targets: &mut [i32]) {
         let seq = self.opts.seq as u64;
-        let pad = self.file.eos_id() as i32;
+        let pad = self.file().eos_id() as i32;
         for j in 0..seq {
             let (input, target) = match k {
                 None => (pad, IGNORE_INDEX as i32),
                 Some(k) => {
                     let at = k * seq + j;
                     // Ids are below the vocabulary size, which fits i32 (checked in `new`).
-                    let input = if at < self.len { self.file.token(self.start + at) as i32 } else { pad };
-                    let target = if at + 1 < self.len && self.file.is_target(self.start + at + 1) {
-                        self.file.token(self.start + at + 1) as i32
+                    let input = if at < self.len { self.file().token(self.start + at) as i32 } else { pad };
+                    let target = if at + 1 < self.len && self.file().is_target(self.start + at + 1) {
+                        self.file().token(self.start + at + 1) as i32
                     } else {
                         IGNORE_INDEX as i32
                     };

@@ -1,14 +1,19 @@
 //! Where a training run's batches come from, behind [`TrainData`]: the
 //! training batches in a resumable order and a fixed held-out split for
 //! validation. [`ByteText`] is the byte-level source (a text file, one
-//! token per byte); a tokenized-file loader plugs in by implementing the
-//! same trait.
+//! token per byte, the default); [`TokenData`] reads a token file written
+//! by `stepgraph prepare` through `stepgraph_data`'s [`Batcher`]: documents
+//! packed with their EOS, a fresh permutation of the sequences every epoch,
+//! the file's loss mask, and the file's own validation split. [`open`]
+//! tells the two apart by the token file's magic bytes, not by the name.
 //!
 //! **Invariant:** [`TrainData::cursor`] taken after batch `k` and given to
 //! [`TrainData::restore`] on a fresh source makes the next batch batch
 //! `k + 1` of the uninterrupted run, bit for bit.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
@@ -16,6 +21,8 @@ use rand_chacha::ChaCha8Rng;
 
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_data::token_file::MAGIC;
+use stepgraph_data::{Batcher, BatcherOptions, DataCursor, Split, TokenFile};
 
 /// Token ids and next-token targets of one global batch, `[batch, seq]` i32.
 pub struct Batch {
@@ -36,6 +43,32 @@ pub trait TrainData {
     fn restore(&mut self, cursor: &serde_json::Value) -> Result<()>;
     /// One line for the start of the run ("data/tiny.txt: 1.1 MB, ...").
     fn describe(&self) -> String;
+    /// Checks that every token id of the data is a row of the embedding of
+    /// a model with `vocab` rows (`model` names it), before anything trains.
+    fn check_vocab(&self, vocab: usize, model: &str) -> Result<()>;
+}
+
+/// Whether `path` starts with a token file's magic bytes.
+pub fn is_token_file(path: &Path) -> Result<bool> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening training data {}", path.display()))?;
+    let mut head = [0u8; 8];
+    match f.read_exact(&mut head) {
+        Ok(()) => Ok(head == MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("reading training data {}", path.display())),
+    }
+}
+
+/// The data source of `--data PATH`: a token file (by its magic bytes) or
+/// byte-level text. `batch` is the rows of one optimizer step (every
+/// micro-batch of it), `val_fraction` applies to text only (a token file
+/// carries its split).
+pub fn open(path: &Path, batch: usize, seq: usize, val_fraction: f64, seed: u64) -> Result<Box<dyn TrainData>> {
+    if is_token_file(path)? {
+        Ok(Box::new(TokenData::open(path, batch, seq, seed)?))
+    } else {
+        Ok(Box::new(ByteText::open(path, batch, seq, val_fraction, seed ^ 0x5eed)?))
+    }
 }
 
 /// Byte-level text: each byte is a token. Training windows of `seq + 1`
@@ -160,6 +193,106 @@ impl TrainData for ByteText {
             self.split,
             self.text.len() - self.split
         )
+    }
+
+    fn check_vocab(&self, vocab: usize, model: &str) -> Result<()> {
+        if vocab < 256 {
+            bail!(
+                "byte-level training on {} needs a vocabulary of at least 256 tokens; `{model}` has {vocab} \
+                 (train on a token file from `stepgraph prepare`, or give --vocab 256)",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A token file of `stepgraph prepare`, batched by [`Batcher`] (see the
+/// module doc). The checkpoint cursor is the batcher's [`DataCursor`]: the
+/// batches drawn and the file's fingerprint, so a resume on another file,
+/// seed or shape is refused and one on the same file continues exactly.
+pub struct TokenData {
+    file: Arc<TokenFile>,
+    train: Batcher<Arc<TokenFile>>,
+    opts: BatcherOptions,
+}
+
+impl TokenData {
+    /// Opens and validates the whole file (every token id); the training
+    /// split must hold at least one sequence pair.
+    pub fn open(path: &Path, batch: usize, seq: usize, seed: u64) -> Result<Self> {
+        let file = Arc::new(TokenFile::open(path)?);
+        let opts = BatcherOptions { batch, seq, seed, split: Split::Train };
+        let train = Batcher::new(file.clone(), opts)?;
+        Ok(TokenData { file, train, opts })
+    }
+
+    fn host_batch(b: &stepgraph_data::Batch) -> Batch {
+        let [tokens, targets] = b.host_tensors();
+        Batch { tokens, targets }
+    }
+}
+
+impl TrainData for TokenData {
+    fn next_batch(&mut self) -> Result<Batch> {
+        Ok(Self::host_batch(&self.train.next_batch()?))
+    }
+
+    fn validation_batches(&self, n: usize) -> Result<Vec<Batch>> {
+        let opts = BatcherOptions { split: Split::Validation, ..self.opts };
+        let mut val = Batcher::new(self.file.clone(), opts).with_context(|| {
+            "validation reads the token file's held-out documents: prepare it with --val-docs N or \
+             --val-fraction F, or turn validation off with --eval-every 0"
+        })?;
+        // One pass at most: more batches would repeat the same ones.
+        let n = n.min(val.batches_per_pass() as usize).max(1);
+        (0..n).map(|_| Ok(Self::host_batch(&val.next_batch()?))).collect()
+    }
+
+    fn cursor(&self) -> serde_json::Value {
+        serde_json::json!({
+            "kind": "token-file",
+            "cursor": serde_json::to_value(self.train.cursor()).expect("a data cursor serializes"),
+        })
+    }
+
+    fn restore(&mut self, cursor: &serde_json::Value) -> Result<()> {
+        let kind = cursor["kind"].as_str().unwrap_or("");
+        if kind != "token-file" {
+            bail!(
+                "the checkpoint's data cursor is of kind `{kind}`, but --data {} is a token file",
+                self.file.path().display()
+            );
+        }
+        let saved: DataCursor = serde_json::from_value(cursor["cursor"].clone())
+            .with_context(|| format!("the checkpoint's token-file cursor is not valid: {cursor}"))?;
+        self.train = Batcher::resume(self.file.clone(), self.opts, &saved)?;
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        let f = &self.file;
+        let (train, val) = (f.split_tokens(Split::Train), f.split_tokens(Split::Validation));
+        let docs = |s: Split| f.split_docs(s).end - f.split_docs(s).start;
+        format!(
+            "{} (token file: {} tokens of a {}-token vocabulary; {} documents, {} tokens for training, {} documents, \
+             {} tokens held out; {} sequences per epoch{})",
+            f.path().display(),
+            f.n_tokens(),
+            f.vocab_size(),
+            docs(Split::Train),
+            train.end - train.start,
+            docs(Split::Validation),
+            val.end - val.start,
+            self.train.sequences(),
+            if f.has_mask() { "; loss mask" } else { "" }
+        )
+    }
+
+    fn check_vocab(&self, vocab: usize, model: &str) -> Result<()> {
+        self.file
+            .check_vocab(vocab)
+            .with_context(|| format!("training `{model}` on --data {}", self.file.path().display()))
     }
 }
 

@@ -29,14 +29,20 @@
 //! bit. **Metrics** ([`metrics`]): a JSONL row per step and per validation.
 //! **Settings** may come from a TOML file ([`config_file`]).
 //!
-//! **Models in and out.** `--init-from DIR` starts from a Hugging Face
-//! model folder (its config replaces the model flags; every tensor is
-//! checked against the step before a session allocates, then loaded
-//! tensor by tensor from the memory-mapped files); `--out DIR` writes the
-//! trained model as a Hugging Face folder when the run reaches `--steps`
-//! (atomically, with the tokenizer files of `--init-from`). The seeded
-//! initialization is [`init_weights`]; the end-of-run checkpoint is
-//! [`save_final_model`].
+//! **Models in and out.** `--init-from DIR` takes the model from a Hugging
+//! Face folder's `config.json` ([`model_spec`]; the flags that would change
+//! its geometry are refused), fits its weights to the step before any
+//! session allocates, and loads them tensor by tensor ([`init_weights`]);
+//! the default learning rate is then a fine-tuning one. `--out DIR` is
+//! checked before step 1 and written at the last step
+//! ([`save_final_model`]): a folder `transformers` loads, replaced
+//! atomically, with the tokenizer files of `--tokenizer` or `--init-from`.
+//!
+//! **Data** ([`data`]): byte-level text, or a token file of `stepgraph
+//! prepare` (known by its magic bytes) whose ids are checked against the
+//! embedding before anything is compiled. A batch with a part (a rank's
+//! rows) whose targets the loss mask covers entirely has no loss and is
+//! skipped ([`next_usable_batch`]).
 
 pub mod checkpoint;
 pub mod config_file;
@@ -59,8 +65,8 @@ use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
-use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::hf_dir::{save_hf_dir, HfModelDir, SaveOptions, DEFAULT_MAX_SHARD_BYTES};
+use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, SaveReport};
 use stepgraph_core::models::ModelSpec;
 use stepgraph_core::pipeline::{compile_step, compile_step_timed, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
@@ -71,7 +77,7 @@ use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSessi
 use crate::memory_args::{free_bytes, MemoryArgs};
 use crate::{LossArg, ModelArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
-use data::{ByteText, TrainData};
+use data::TrainData;
 use metrics::MetricsFile;
 use schedule::LrSchedule;
 
@@ -85,9 +91,27 @@ pub enum DeviceArg {
 /// `stepgraph train`'s own flags (the model flags are shared).
 #[derive(Args, Clone, Debug)]
 pub struct TrainArgs {
-    /// Text to train on (byte-level: one token per byte).
+    /// What to train on: a token file written by `stepgraph prepare` (known
+    /// by its header), or any other file as byte-level text (one token per byte).
     #[arg(long, default_value = "data/tiny.txt")]
     pub data: PathBuf,
+    /// Start from a Hugging Face model folder (config.json and safetensors
+    /// weights): the model comes from its config.json, the weights are
+    /// loaded and cast to --dtype, and the default learning rate is a
+    /// fine-tuning one.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    pub init_from: Option<PathBuf>,
+    /// At the end of the run, write the model as a Hugging Face folder here
+    /// (config.json, safetensors shards and index, the tokenizer files),
+    /// replacing a previous save atomically.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// The tokenizer folder whose files --out copies [default: the --init-from folder].
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
+    #[arg(long, value_name = "MIB", requires = "out")]
+    pub max_shard_mb: Option<f64>,
     /// Optimizer steps of the whole run.
     #[arg(long, default_value_t = 200)]
     pub steps: usize,
@@ -167,18 +191,6 @@ pub struct TrainArgs {
     /// backward work that does not touch their gradients.
     #[arg(long, requires = "gpus")]
     pub overlap: bool,
-    /// Start from a Hugging Face model folder (config.json and its
-    /// safetensors, sharded or not): its config replaces --model and the
-    /// geometry flags, its weights the random initialization, and the
-    /// learning-rate defaults become fine-tuning ones.
-    #[arg(long, value_name = "DIR")]
-    pub init_from: Option<PathBuf>,
-    /// When the run reaches --steps, write the trained model to DIR as a
-    /// Hugging Face folder (config.json, safetensors shards with their index,
-    /// the tokenizer files of --init-from), atomically: a crash leaves the
-    /// previous complete folder or the new one.
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
     /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
     #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
     pub rank: Option<usize>,
@@ -300,24 +312,16 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
     if args.resume.as_deref() == Some("auto") && args.checkpoint_dir.is_none() {
         bail!("--resume auto looks for checkpoints in --checkpoint-dir: give the directory");
     }
-    let pretrained = match &args.init_from {
-        Some(dir) => Some(pretrained_model(dir, model)?),
+    let (spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
+    let out = match &args.out {
+        Some(dir) => Some(OutTarget::new(dir, args, &spec, pretrained.as_ref())?),
         None => None,
     };
-    let spec = match &pretrained {
-        Some(hf) => ModelSpec { config: hf.config().clone(), ..model.spec()? },
-        None => model.spec()?,
-    };
-    if let Some(out) = &args.out {
-        check_out_dir(out)?;
-    }
-    if spec.config.vocab_size < 256 {
-        bail!(
-            "byte-level training needs a vocabulary of at least 256 tokens; `{}` has {}",
-            spec.config.name,
-            spec.config.vocab_size
-        );
-    }
+    spec.validate()?;
+    // The data before anything is compiled: a token id the model has no
+    // embedding row for is refused here, naming the file.
+    let mut data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed)?;
+    data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
     // Every rank must build the same step: a budget measured per process
     // could differ between them.
@@ -343,7 +347,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             // run (a batch or a parameter that does not split) fails before
             // any process starts, with one message instead of N.
             opts.data_parallel = Some(args.data_parallel(*gpus)?);
-            trace_step(&spec, &opts)?;
+            let traces = trace_step(&spec, &opts)?;
+            if let Some(hf) = &pretrained {
+                hf.check(&traces.forward)?;
+            }
             return launch::launch(*gpus);
         }
         Role::Rank { rank, world, .. } => {
@@ -352,16 +359,13 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         }
     };
     let (compiled, compile_times) = compile_step_timed(&spec, &opts)?;
-    let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
-    // Pretrained weights take the fine-tuning defaults.
-    let fine_tuning = pretrained.is_some();
+    // The pretrained weights must fit the step's parameters (names, shapes,
+    // dtypes that cast) before any session allocates device memory.
     if let Some(hf) = &pretrained {
-        // Every tensor's name, shape and dtype against the step's parameters,
-        // before any session allocates.
         hf.check(&compiled.forward)?;
     }
-    let (schedule, sources) = args.schedule(params, fine_tuning)?;
-    let mut data = ByteText::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed ^ 0x5eed)?;
+    let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
+    let (schedule, sources) = args.schedule(params, pretrained.is_some())?;
     let eval_step = if args.eval_every > 0 && rank == 0 {
         data.validation_batches(1)?;
         Some(compile_step(&compiled.spec, &StepOptions::new(StepKind::Forward))?)
@@ -431,6 +435,8 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         run_id,
         peak_flops: peak,
         params,
+        forward,
+        out,
     };
     let talk = rank == 0;
     let weights_from = Instant::now();
@@ -443,19 +449,23 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
             state.step + 1
         }
         None => {
-            match &pretrained {
-                Some(hf) => hf.load_into(&forward, session.as_mut())?,
-                None => init_weights(session.as_mut(), args.seed)?,
-            }
+            init_weights(session.as_mut(), &run.forward, pretrained.as_ref(), args.seed)?;
             session.zero_state()?;
             1
         }
     };
+    // The shards' maps are not needed past the initial weights.
+    drop(pretrained);
     // Where the time before step 1 went: tracing, planning, the session
     // (kernel load and GEMM tuning among its phases on a GPU), the weights.
     let startup = StartupTimes::new(compile_times, session_time, session.startup_phases(), weights_from.elapsed());
     if talk {
-        run.print_settings(&sources, &device, &data, resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)));
+        run.print_settings(
+            &sources,
+            &device,
+            data.as_ref(),
+            resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)),
+        );
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
         eprintln!("{startup}");
     }
@@ -468,6 +478,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         if talk {
             println!("the run is complete: its checkpoint holds step {} of {}", start - 1, args.steps);
         }
+        // Its model folder, from the checkpoint's weights.
+        if let Some(report) = run.save_out(session.as_mut())? {
+            eprintln!("{}", out_line(&report));
+        }
         return Ok(());
     }
     let metrics_path = args.metrics.clone().or_else(|| run.ckpt.as_ref().map(|d| d.root.join("metrics.jsonl")));
@@ -479,19 +493,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         Some(session) => Some(Evaluator { session, batches: data.validation_batches(args.eval_batches)? }),
         None => None,
     };
-    let outcome = train_loop(&run, session.as_mut(), replay_from, &mut data, start, eval.as_mut(), metrics.as_mut());
+    let outcome =
+        train_loop(&run, session.as_mut(), replay_from, data.as_mut(), start, eval.as_mut(), metrics.as_mut());
     if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
         eprintln!("metrics: {}", m.path().display());
-    }
-    if let (Ok(()), true, Some(out)) = (&outcome, talk, &args.out) {
-        match args.stop_after.filter(|&n| n < args.steps) {
-            Some(n) => eprintln!(
-                "--out: not written, the run stopped after step {n} of {}; the run that finishes it writes {}",
-                args.steps,
-                out.display()
-            ),
-            None => save_model_out(out, &run.spec.config, &forward, session.as_mut(), pretrained.as_ref())?,
-        }
     }
     if world > 1 {
         return outcome.with_context(|| format!("rank {rank} of {world}"));
@@ -550,76 +555,6 @@ fn open_sessions(
     }
 }
 
-/// The model folder of `--init-from`, opened and indexed (nothing is read
-/// into memory yet); the model flags it replaces must not be given too.
-fn pretrained_model(dir: &Path, model: &ModelArgs) -> Result<HfModelDir> {
-    let overridden = [
-        ("--config", model.config.is_some()),
-        ("--n-layer", model.n_layer.is_some()),
-        ("--n-embd", model.n_embd.is_some()),
-        ("--n-head", model.n_head.is_some()),
-        ("--n-query-groups", model.n_query_groups.is_some()),
-        ("--vocab", model.vocab.is_some()),
-        ("--block-size", model.block_size.is_some()),
-        ("--intermediate-size", model.intermediate_size.is_some()),
-    ];
-    if let Some((flag, _)) = overridden.iter().find(|(_, given)| *given) {
-        bail!(
-            "--init-from {} takes the model's geometry from its config.json: drop {flag} (a pretrained \
-             model's weights fix its shapes)",
-            dir.display()
-        );
-    }
-    HfModelDir::open(dir).with_context(|| format!("--init-from {}", dir.display()))
-}
-
-/// Refuses an `--out` that cannot become a model folder, before any step runs.
-fn check_out_dir(out: &Path) -> Result<()> {
-    if out.exists() && !out.is_dir() {
-        bail!("--out {} is a file: give a folder to write the model into", out.display());
-    }
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    if !parent.is_dir() {
-        bail!("--out {}: its parent folder {} does not exist", out.display(), parent.display());
-    }
-    if parent.metadata().map(|m| m.permissions().readonly()).unwrap_or(true) {
-        bail!("--out {}: its parent folder {} cannot be written", out.display(), parent.display());
-    }
-    Ok(())
-}
-
-/// Writes the trained model to `out` as a Hugging Face folder, keeping the
-/// `--init-from` folder's family, other config keys and tokenizer files.
-fn save_model_out(
-    out: &Path,
-    config: &stepgraph_core::models::Config,
-    forward: &Trace,
-    session: &mut dyn Session,
-    pretrained: Option<&HfModelDir>,
-) -> Result<()> {
-    let options = SaveOptions {
-        tokenizer_from: pretrained.map(|hf| hf.dir()),
-        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-        family: pretrained.map(|hf| hf.family()),
-        source_config: pretrained.map(|hf| hf.raw_config()),
-    };
-    let report =
-        save_hf_dir(out, config, forward, session, &options).with_context(|| format!("--out {}", out.display()))?;
-    eprintln!(
-        "model: wrote {} tensors ({} bytes, {} file(s)) to {}{}",
-        report.tensors,
-        report.tensor_bytes,
-        report.shards.len(),
-        out.display(),
-        if report.tokenizer_files.is_empty() {
-            String::new()
-        } else {
-            format!(" with {}", report.tokenizer_files.join(", "))
-        }
-    );
-    Ok(())
-}
-
 /// The checkpoint directory: `--checkpoint-dir`, or the parent of a
 /// `--resume PATH` checkpoint.
 fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
@@ -666,18 +601,126 @@ fn run_identity(
     id
 }
 
-/// Writes the initial weights: the seeded draw, made by the session where
-/// it runs (on a GPU, in place, without a host copy of the model).
-/// `--init-from` loads a pretrained model's weights instead.
-pub fn init_weights(session: &mut dyn Session, seed: u64) -> Result<()> {
-    session.init_params(seed)?;
+/// The model of the run and, with `--init-from DIR`, the opened folder:
+/// the config comes from `DIR/config.json` (the model flags that change the
+/// geometry are refused: the weights fix it) and the batch, sequence and
+/// dtype from the flags. Opening validates every shard's header; no tensor
+/// is read yet.
+pub(crate) fn model_spec(model: &ModelArgs, init_from: Option<&Path>) -> Result<(ModelSpec, Option<HfModelDir>)> {
+    let Some(dir) = init_from else { return Ok((model.spec()?, None)) };
+    if let Some((_, flag)) = model.geometry_flags().into_iter().find(|(given, _)| *given) {
+        bail!(
+            "{flag} would change the model of --init-from {}: its geometry comes from {} and must fit its \
+             weights; drop {flag}",
+            dir.display(),
+            dir.join(stepgraph_core::models::hf_dir::CONFIG_FILE).display()
+        );
+    }
+    let hf = HfModelDir::open(dir).with_context(|| format!("--init-from {}", dir.display()))?;
+    Ok((model.spec_of(hf.config().clone())?, Some(hf)))
+}
+
+/// Writes the initial weights: with `--init-from`, the folder's tensors
+/// one at a time (memory-mapped, cast to each parameter's dtype, copied to
+/// the device), after [`HfModelDir::check`] has fitted them to `forward`;
+/// otherwise the seeded draw, made by the session where it runs (on a GPU,
+/// in place, without a host copy of the model).
+pub fn init_weights(
+    session: &mut dyn Session,
+    forward: &Trace,
+    pretrained: Option<&HfModelDir>,
+    seed: u64,
+) -> Result<()> {
+    match pretrained {
+        Some(hf) => hf
+            .load_into(forward, session)
+            .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?,
+        None => {
+            session.init_params(seed)?;
+        }
+    }
     Ok(())
 }
 
-/// Saves the end-of-run checkpoint (`--out`'s model folder is written
-/// after the loop, by [`save_model_out`]).
-fn save_final_model(run: &Run, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
-    run.save_checkpoint(session, step, loss, data)
+/// Where `--out` writes the model, checked before the run starts so that a
+/// destination the save would refuse costs no training.
+struct OutTarget {
+    dir: PathBuf,
+    /// The family and the `config.json` of `--init-from`, kept so the saved
+    /// config carries the keys stepgraph does not read (token ids, ...).
+    source: Option<(HfFamily, serde_json::Map<String, serde_json::Value>)>,
+    /// The folder whose tokenizer files are copied.
+    tokenizer: Option<PathBuf>,
+    max_shard_bytes: u64,
+}
+
+impl OutTarget {
+    fn new(dir: &Path, args: &TrainArgs, spec: &ModelSpec, pretrained: Option<&HfModelDir>) -> Result<Self> {
+        let max_shard_bytes = match args.max_shard_mb {
+            None => stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
+            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
+            Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
+        };
+        if dir.exists() && !dir.is_dir() {
+            bail!("--out {} exists and is not a folder; refusing to replace it", dir.display());
+        }
+        if HfModelDir::open(dir).is_err() && dir.read_dir().is_ok_and(|mut d| d.next().is_some()) {
+            // A folder of something else is not replaced by a model.
+            bail!(
+                "--out {} is a folder that holds files but no Hugging Face model (config.json and weights); \
+                 refusing to replace it: give a new or a model folder",
+                dir.display()
+            );
+        }
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("--out: creating {}", parent.display()))?;
+        }
+        let family = match pretrained {
+            Some(hf) => hf.family(),
+            None => HfFamily::of_config(&spec.config).map_err(|reason| {
+                anyhow::anyhow!("--out cannot write `{}` as a Hugging Face model: {reason}", spec.config.name)
+            })?,
+        };
+        let tokenizer = match (&args.tokenizer, pretrained) {
+            (Some(t), _) => {
+                let t = if t.is_file() { t.parent().unwrap_or(Path::new(".")).to_path_buf() } else { t.clone() };
+                if !t.join("tokenizer.json").is_file() {
+                    bail!("--tokenizer {}: no tokenizer.json there to copy into --out", t.display());
+                }
+                Some(t)
+            }
+            (None, Some(hf)) => Some(hf.dir().to_path_buf()),
+            (None, None) => None,
+        };
+        let source = pretrained.map(|hf| (family, hf.raw_config().clone()));
+        Ok(OutTarget { dir: dir.to_path_buf(), source, tokenizer, max_shard_bytes })
+    }
+}
+
+/// One line on a written `--out` folder.
+fn out_line(r: &SaveReport) -> String {
+    format!(
+        "model: {} (Hugging Face folder: {} tensors, {:.1} MB in {} file{}; tokenizer files: {})",
+        r.dir.display(),
+        r.tensors,
+        mb(r.tensor_bytes),
+        r.shards.len(),
+        if r.shards.len() == 1 { "" } else { "s" },
+        if r.tokenizer_files.is_empty() { "none".to_string() } else { r.tokenizer_files.join(", ") }
+    )
+}
+
+/// Saves the model at the end of the run (the last of `--steps`): the
+/// final checkpoint, and with `--out` the Hugging Face folder (rank 0).
+fn save_final_model(
+    run: &Run,
+    session: &mut dyn Session,
+    step: usize,
+    loss: f64,
+    data: &dyn TrainData,
+) -> Result<Option<SaveReport>> {
+    run.save_checkpoint(session, step, loss, data)?;
+    run.save_out(session)
 }
 
 /// The fixed facts of a run.
@@ -696,6 +739,9 @@ struct Run<'a> {
     /// The group's peak FLOP/s for MFU; `None` on the CPU or an unknown GPU.
     peak_flops: Option<f64>,
     params: usize,
+    /// The model's forward trace: its parameters by name, for `--out`.
+    forward: Trace,
+    out: Option<OutTarget>,
 }
 
 /// How long rank 0 waits for the other ranks' optimizer shards.
@@ -725,6 +771,17 @@ impl Run<'_> {
             args.steps
         );
         eprintln!("  data        {}", data.describe());
+        match &args.init_from {
+            Some(dir) => eprintln!("  weights     {} (Hugging Face folder, cast to {})", dir.display(), spec.dtype),
+            None => eprintln!("  weights     random (--seed {})", args.seed),
+        }
+        if let Some(out) = &self.out {
+            let tok = match &out.tokenizer {
+                Some(t) => format!("tokenizer files from {}", t.display()),
+                None => "no tokenizer files (--tokenizer DIR copies them)".to_string(),
+            };
+            eprintln!("  out         {} at the end of the run ({tok})", out.dir.display());
+        }
         eprintln!("  lr          peak {} ({})", short(s.peak), sources[0]);
         eprintln!("  warm-up     {} step{} ({})", s.warmup, if s.warmup == 1 { "" } else { "s" }, sources[1]);
         eprintln!("  decay       cosine to {} at step {} ({})", short(s.min), s.total, sources[2]);
@@ -763,6 +820,24 @@ impl Run<'_> {
         }
     }
 
+    /// Writes the `--out` folder from the session's parameters (rank 0; the
+    /// others hold the same parameters). `None` without `--out`.
+    fn save_out(&self, session: &mut dyn Session) -> Result<Option<SaveReport>> {
+        let Some(out) = &self.out else { return Ok(None) };
+        if self.rank > 0 {
+            return Ok(None);
+        }
+        let options = SaveOptions {
+            tokenizer_from: out.tokenizer.as_deref(),
+            max_shard_bytes: out.max_shard_bytes,
+            family: out.source.as_ref().map(|(f, _)| *f),
+            source_config: out.source.as_ref().map(|(_, c)| c),
+        };
+        let report = save_hf_dir(&out.dir, &self.spec.config, &self.forward, session, &options)
+            .with_context(|| format!("--out {}: writing the model folder", out.dir.display()))?;
+        Ok(Some(report))
+    }
+
     /// Saves a checkpoint of `step` (every rank takes part: ZeRO-1 ranks
     /// write their shards) and deletes the ones beyond `--keep`.
     fn save_checkpoint(&self, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
@@ -792,8 +867,8 @@ impl Run<'_> {
 /// weights. Its memory is its own plan (a forward pass holds no gradients
 /// or moments), counted in the run's planned and held bytes.
 pub struct Evaluator {
-    session: Box<dyn Session>,
-    batches: Vec<data::Batch>,
+    pub session: Box<dyn Session>,
+    pub batches: Vec<data::Batch>,
 }
 
 impl Evaluator {
@@ -811,15 +886,70 @@ impl Evaluator {
             let value = train.read(src)?;
             self.session.write(v, &value)?;
         }
-        let mut total = 0.0;
+        self.mean_loss(rank, world)
+    }
+
+    /// The mean loss over the validation batches, on the weights the
+    /// evaluation session holds.
+    /// Batches whose targets are all masked (a chat prompt, padding) have
+    /// no loss (0/0) and are left out of the mean.
+    pub fn mean_loss(&mut self, rank: usize, world: usize) -> Result<f64> {
+        let (mut total, mut counted) = (0.0, 0usize);
         for b in &self.batches {
+            let targets = shard_rows(&b.targets, rank, world)?;
+            if !has_target(&targets) {
+                continue;
+            }
             self.session.write_named(TOKENS_INPUT, &shard_rows(&b.tokens, rank, world)?)?;
-            self.session.write_named(TARGETS_INPUT, &shard_rows(&b.targets, rank, world)?)?;
+            self.session.write_named(TARGETS_INPUT, &targets)?;
             self.session.run_eager()?;
             total += self.session.loss()?;
+            counted += 1;
         }
-        Ok(total / self.batches.len().max(1) as f64)
+        if counted == 0 {
+            bail!(
+                "none of the {} validation batches has a loss target (the loss mask covers every held-out token): \
+                 hold out other documents, or use a longer --seq",
+                self.batches.len()
+            );
+        }
+        Ok(total / counted as f64)
     }
+}
+
+/// Whether some target of `targets` counts in the loss (is not the ignore index).
+fn has_target(targets: &HostTensor) -> bool {
+    targets.to_f64().iter().any(|&t| t != IGNORE_INDEX as f64)
+}
+
+/// How many batches in a row may lack a loss target before the run gives up.
+const MAX_SKIPPED_IN_A_ROW: u64 = 1000;
+
+/// The next training batch in which every part a device computes a mean
+/// loss over (the rows of each of `parts` ranks) has a loss target.
+///
+/// A token file's loss mask can leave a whole short row unmasked-free (a
+/// chat prompt longer than the sequence): its mean cross-entropy is 0/0, a
+/// NaN that would stop the run. Such batches teach nothing and are skipped;
+/// the data cursor counts them, so a resumed run skips the same ones.
+fn next_usable_batch(data: &mut dyn TrainData, parts: usize, skipped: &mut u64) -> Result<data::Batch> {
+    let mut seq = 0;
+    for _ in 0..MAX_SKIPPED_IN_A_ROW {
+        let batch = data.next_batch()?;
+        seq = batch.targets.ty.shape[1];
+        let mut usable = true;
+        for p in 0..parts {
+            usable &= has_target(&shard_rows(&batch.targets, p, parts)?);
+        }
+        if usable {
+            return Ok(batch);
+        }
+        *skipped += 1;
+    }
+    bail!(
+        "{MAX_SKIPPED_IN_A_ROW} training batches in a row have a part without a loss target: the token file's loss \
+         mask leaves too few targets for --seq {seq} (prepare other data, or use a longer --seq or a larger --batch)"
+    )
 }
 
 /// The named output `grad_norm` of a step that computes it (gradient clipping).
@@ -876,10 +1006,12 @@ fn train_loop(
     let mut recent: VecDeque<f64> = VecDeque::with_capacity(SMOOTHING);
     let mut recorded: Option<Duration> = None;
     let mut saved: Option<PathBuf> = None;
+    let mut wrote_out: Option<SaveReport> = None;
+    let mut skipped = 0u64;
     let mut eval_time = Duration::ZERO;
     let t0 = Instant::now();
     for it in start..=last {
-        let batch = data.next_batch()?;
+        let batch = next_usable_batch(data, world, &mut skipped)?;
         let lr = run.schedule.at(it);
         session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
         session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
@@ -960,12 +1092,11 @@ fn train_loop(
             }
         }
         let periodic = args.save_every > 0 && it % args.save_every == 0;
-        if run.ckpt.is_some() && (periodic || it == last) {
-            if it == steps {
-                save_final_model(run, session, it, loss, data)?;
-            } else {
-                run.save_checkpoint(session, it, loss, data)?;
-            }
+        if it == steps {
+            wrote_out = save_final_model(run, session, it, loss, data)?;
+            saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
+        } else if run.ckpt.is_some() && (periodic || it == last) {
+            run.save_checkpoint(session, it, loss, data)?;
             saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
         }
     }
@@ -992,10 +1123,24 @@ fn train_loop(
         if let Some(dir) = &saved {
             eprintln!("checkpoint: {}", dir.display());
         }
+        match (&wrote_out, &run.out) {
+            (Some(report), _) => eprintln!("{}", out_line(report)),
+            (None, Some(out)) => eprintln!(
+                "--out {} is written when the run reaches step {steps}: continue it with --resume",
+                out.dir.display()
+            ),
+            (None, None) => {}
+        }
         let ran = last + 1 - start;
         // A replayed GPU step of a small model takes a millisecond: say ms below a second.
         let secs = t0.elapsed().as_secs_f64();
         let took = if secs < 1.0 { format!("{:.1} ms", secs * 1e3) } else { format!("{secs:.1} s") };
+        if skipped > 0 {
+            eprintln!(
+                "skipped {skipped} batch{} without a loss target in some part (the loss mask covered every token)",
+                if skipped == 1 { "" } else { "es" }
+            );
+        }
         let per_step = secs * 1e3 / ran.max(1) as f64;
         println!(
             "final loss {last_loss:.4} (first {first:.4}) after {ran} steps in {took} ({per_step:.2} ms/step); {note}"

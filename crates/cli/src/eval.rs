@@ -1,0 +1,92 @@
+//! `stepgraph eval`: the validation loss and perplexity of a Hugging Face
+//! model folder (one written by `train --out`, say) on the held-out split of
+//! the training data: a token file's validation documents, or the last
+//! `--val-fraction` of a byte-level text. The batches are the ones a
+//! training run with the same `--batch`, `--seq` and `--eval-batches`
+//! evaluates, so the number compares with its `validation at step …` lines.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use stepgraph_core::autodiff::StepKind;
+use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::session::Session;
+use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
+
+use crate::train::{self, data, DeviceArg, Evaluator};
+use crate::ModelArgs;
+
+/// `stepgraph eval`'s own flags (the batch, sequence and dtype flags are the model flags).
+#[derive(Args, Clone, Debug)]
+pub struct EvalArgs {
+    /// The Hugging Face model folder to evaluate (config.json and safetensors weights).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    pub init_from: PathBuf,
+    /// The data whose held-out split is evaluated: a token file of `stepgraph prepare`, or byte-level text.
+    #[arg(long, default_value = "data/tiny.txt")]
+    pub data: PathBuf,
+    /// Batches of the held-out split to evaluate (a token file's split gives at most one pass).
+    #[arg(long, default_value_t = 4)]
+    pub eval_batches: usize,
+    /// For byte-level text: the fraction at the end held out (as `train --val-fraction`).
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Evaluate on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
+    if args.eval_batches == 0 {
+        anyhow::bail!("--eval-batches 0 evaluates nothing: ask for at least 1");
+    }
+    let (spec, hf) = train::model_spec(model, Some(&args.init_from))?;
+    let hf = hf.expect("a folder was given");
+    let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
+    data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
+    let batches = data.validation_batches(args.eval_batches)?;
+    let compiled = compile_step(&spec, &StepOptions::new(StepKind::Forward))?;
+    // The folder must fit before a session allocates anything.
+    hf.check(&compiled.forward)?;
+    let on_gpu = match args.device {
+        Some(DeviceArg::Cpu) => false,
+        Some(DeviceArg::Cuda) => true,
+        None => gpu_available(),
+    };
+    let mut session: Box<dyn Session> = if on_gpu {
+        let s = CudaSession::new(compiled.step, compiled.plan, CudaOptions::default())
+            .context("opening the CUDA session on GPU 0")?;
+        Box::new(s)
+    } else {
+        Box::new(CpuSession::new(compiled.step, compiled.plan)?)
+    };
+    hf.load_into(&compiled.forward, session.as_mut())
+        .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
+    let n = batches.len();
+    let mut eval = Evaluator { session, batches };
+    let loss = eval.mean_loss(0, 1)?;
+    if args.json {
+        let row = serde_json::json!({
+            "model": args.init_from, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,
+            "val_loss": loss, "val_ppl": loss.exp(),
+        });
+        println!("{row}");
+    } else {
+        println!(
+            "validation loss {loss:.4}, perplexity {:.2} ({n} batch{} of {} x {} tokens from {}, model {})",
+            loss.exp(),
+            if n == 1 { "" } else { "es" },
+            spec.batch,
+            spec.seq,
+            args.data.display(),
+            args.init_from.display()
+        );
+    }
+    Ok(())
+}

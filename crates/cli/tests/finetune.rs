@@ -1,0 +1,511 @@
+//! `stepgraph train` on a user's own model and data: `--init-from` a
+//! Hugging Face folder of every family (sharded and not), `--out` a folder
+//! that loads back, token files of `stepgraph prepare` with exact resume,
+//! `stepgraph eval`, the README's fine-tuning example run as written, and
+//! clear errors for folders and data that do not fit, before any training.
+//!
+//! The fixtures are made here: tiny models written by [`write_model`]
+//! (a `config.json` as `transformers` writes it, seeded weights saved
+//! through `save_hf_dir`), and the BPE tokenizer in `data/tokenizer`, which
+//! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+use stepgraph_core::autodiff::StepKind;
+use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::ir::DType;
+use stepgraph_core::models::checkpoint::read_safetensors;
+use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, INDEX_FILE};
+use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_data::fixtures::{self, TemplateStyle};
+
+fn root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+fn stepgraph(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph")).args(args).current_dir(root()).output().expect("run");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn run_ok(args: &[&str]) -> (String, String) {
+    let (ok, out, err) = stepgraph(args);
+    assert!(ok, "{args:?} failed:\n{err}");
+    (out, err)
+}
+
+fn fails_with(args: &[&str], want: &str) -> String {
+    let (ok, out, err) = stepgraph(args);
+    assert!(!ok, "{args:?} should fail: {out}");
+    assert!(err.contains(want), "{args:?}: expected `{want}` in:\n{err}");
+    err
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The tokenizer the README's example uses, committed in `data/tokenizer`.
+const README_TOKENIZER: &str = "data/tokenizer";
+/// Embedding rows of the fixture models: the tokenizer's ids fit.
+const VOCAB: usize = 512;
+
+/// Trains the README's tokenizer on `data/tiny.txt` (a byte-level BPE of
+/// 400 entries with a ChatML template) into `data/tokenizer`:
+/// `cargo test -p stepgraph --test finetune -- --ignored regenerate`.
+#[test]
+#[ignore = "regenerates the committed data/tokenizer"]
+fn regenerate_the_readme_tokenizer() {
+    fixtures::train_tokenizer(
+        &root().join("data/tiny.txt"),
+        &root().join(README_TOKENIZER),
+        400,
+        TemplateStyle::ChatMl,
+    )
+    .unwrap();
+}
+
+/// `config.json` of a tiny model of `family` (`llama`, `mistral`, `qwen2`
+/// or `gpt_neox`), with the keys `transformers` writes.
+fn config_json(family: &str, tied: bool) -> Value {
+    match family {
+        "gpt_neox" => json!({
+            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "attention_bias": true,
+            "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu", "hidden_size": 32,
+            "intermediate_size": 128, "layer_norm_eps": 1e-5, "max_position_embeddings": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "rotary_emb_base": 10000,
+            "rotary_pct": 0.5, "tie_word_embeddings": tied, "torch_dtype": "float32",
+            "use_parallel_residual": true, "vocab_size": VOCAB
+        }),
+        _ => {
+            let arch = match family {
+                "llama" => "LlamaForCausalLM",
+                "mistral" => "MistralForCausalLM",
+                "qwen2" => "Qwen2ForCausalLM",
+                other => panic!("no fixture family {other}"),
+            };
+            json!({
+                "architectures": [arch], "model_type": family, "bos_token_id": 1, "eos_token_id": 2,
+                "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
+                "max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "sliding_window": null, "tie_word_embeddings": tied, "torch_dtype": "float32",
+                "vocab_size": VOCAB
+            })
+        }
+    }
+}
+
+/// Writes a tiny Hugging Face model of `family` into `dir`: its
+/// `config.json`, seeded weights (in shards of at most `shard_bytes`, with
+/// an index, when given) and the README tokenizer's files.
+fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64>) {
+    let config_value = config_json(family, tied);
+    let config = Config::from_hf_json(&config_value.to_string(), family).unwrap();
+    let spec = ModelSpec { config: config.clone(), batch: 1, seq: 2, dtype: DType::F32, loss: LossKind::CrossEntropy };
+    let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
+    let mut session = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
+    for (v, t) in init_params(&c.forward, 7) {
+        session.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
+    }
+    let source = config_value.as_object().unwrap().clone();
+    let tokenizer = root().join(README_TOKENIZER);
+    let options = SaveOptions {
+        tokenizer_from: Some(&tokenizer),
+        max_shard_bytes: shard_bytes.unwrap_or(u64::MAX),
+        family: HfFamily::from_model_type(family),
+        source_config: Some(&source),
+    };
+    save_hf_dir(dir, &config, &c.forward, &mut session, &options).unwrap();
+}
+
+/// Every tensor of a folder's weight files, by name, as bytes.
+fn folder_tensors(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut all = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.path().extension().is_some_and(|e| e == "safetensors") {
+            for (name, t) in read_safetensors(&entry.path()).unwrap() {
+                all.insert(name, t.bytes().to_vec());
+            }
+        }
+    }
+    all
+}
+
+/// A token file of the README's chat records and `data/tiny.txt`, with two
+/// validation documents.
+fn token_file(dir: &Path) -> PathBuf {
+    let out = dir.join("chat.tokens");
+    run_ok(&[
+        "prepare",
+        "--tokenizer",
+        README_TOKENIZER,
+        "--input",
+        "data/tiny-chat.jsonl",
+        "data/tiny.txt",
+        "--chat",
+        "--val-docs",
+        "2",
+        "--out",
+        s(&out),
+    ]);
+    out
+}
+
+/// A short fine-tuning run on the CPU: 2 x 16 tokens, no validation.
+fn ft(init: &Path, data: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "train",
+        "--device",
+        "cpu",
+        "--init-from",
+        s(init),
+        "--data",
+        s(data),
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "0",
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect();
+    a.extend(extra.iter().map(|x| x.to_string()));
+    a
+}
+
+/// `args` of [`ft`] with validation every `every` steps.
+fn evaluating(mut args: Vec<String>, every: usize) -> Vec<String> {
+    assert_eq!(args[11], "--eval-every");
+    args[12] = every.to_string();
+    args
+}
+
+fn refs(a: &[String]) -> Vec<&str> {
+    a.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn the_committed_tokenizer_loads() {
+    let tok = stepgraph_data::Tokenizer::load(&root().join(README_TOKENIZER)).unwrap();
+    assert!(tok.vocab_size() as usize <= VOCAB, "{}", tok.vocab_size());
+    assert!(root().join(README_TOKENIZER).join("tokenizer_config.json").is_file());
+}
+
+/// Every family, sharded and not: a step at learning rate 0 writes back
+/// exactly the weights it loaded, under the family's names, with the
+/// tokenizer files; the default rate is the fine-tuning one.
+#[test]
+fn every_family_loads_from_its_folder_and_saves_back_bit_for_bit() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    let cases = [
+        ("llama", false, None),
+        ("mistral", false, Some(20_000)),
+        ("qwen2", true, Some(20_000)),
+        ("gpt_neox", false, None),
+    ];
+    for (family, tied, shards) in cases {
+        let src = d.path().join(format!("{family}-src"));
+        write_model(&src, family, tied, shards);
+        assert_eq!(src.join(INDEX_FILE).is_file(), shards.is_some(), "{family}");
+        let out = d.path().join(format!("{family}-out"));
+        let mb = if shards.is_some() { "0.02" } else { "100" };
+        let (_, err) =
+            run_ok(&refs(&ft(&src, &data, &["--steps", "1", "--lr", "0", "--out", s(&out), "--max-shard-mb", mb])));
+        assert!(err.contains("Hugging Face folder, cast to f32") && err.contains("model: "), "{err}");
+        let (a, b) = (folder_tensors(&src), folder_tensors(&out));
+        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{family}");
+        assert!(a == b, "{family}: a step at lr 0 changed the weights");
+        assert_eq!(out.join(INDEX_FILE).is_file(), shards.is_some(), "{family}");
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            assert!(out.join(f).is_file(), "{family}: no {f} in --out");
+        }
+        let saved: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(saved["model_type"], family);
+        assert_eq!(HfModelDir::open(&out).unwrap().config().n_layer, 2);
+        // Training from the folder: the default rate is a fine-tuning one, and the weights move.
+        let moved = d.path().join(format!("{family}-moved"));
+        let (_, err) = run_ok(&refs(&ft(&src, &data, &["--steps", "2", "--out", s(&moved)])));
+        assert!(err.contains("(default for fine-tuning"), "{err}");
+        assert!(folder_tensors(&moved) != a, "{family}: two steps left every weight as it was");
+    }
+}
+
+/// A token file trains like text: 3 steps + resume + 3 steps equal 6
+/// straight, bit for bit; validation reads the file's held-out documents.
+#[test]
+fn a_token_file_run_resumes_bit_for_bit() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    let src = d.path().join("src");
+    write_model(&src, "llama", false, None);
+    let (straight, split) = (d.path().join("straight"), d.path().join("split"));
+    let a = evaluating(ft(&src, &data, &["--steps", "6", "--eval-batches", "2", "--checkpoint-dir", s(&straight)]), 3);
+    let (_, err) = run_ok(&refs(&a));
+    assert!(err.contains("token file:") && err.contains("loss mask"), "{err}");
+    assert!(err.contains("validation at step 3: loss"), "{err}");
+    let b =
+        ft(&src, &data, &["--steps", "6", "--stop-after", "3", "--eval-batches", "2", "--checkpoint-dir", s(&split)]);
+    run_ok(&refs(&evaluating(b, 3)));
+    let c =
+        ft(&src, &data, &["--steps", "6", "--resume", "auto", "--eval-batches", "2", "--checkpoint-dir", s(&split)]);
+    let (_, err) = run_ok(&refs(&evaluating(c, 3)));
+    assert!(err.contains("resumed     from"), "{err}");
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(straight.join("step-000006").join(file)).unwrap();
+        let y = std::fs::read(split.join("step-000006").join(file)).unwrap();
+        assert!(x == y, "{file} differs between the straight and the resumed run");
+    }
+    let state: Value =
+        serde_json::from_str(&std::fs::read_to_string(split.join("step-000006/state.json")).unwrap()).unwrap();
+    assert_eq!(state["data"]["kind"], "token-file");
+    assert_eq!(state["data"]["cursor"]["batches"], 6);
+    let rows = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p.join("metrics.jsonl")).unwrap().lines().map(str::to_string).collect()
+    };
+    let loss_bits = |rows: Vec<String>| -> Vec<(u64, u64)> {
+        rows.iter()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|r| r.get("loss").is_some())
+            .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap().to_bits()))
+            .collect()
+    };
+    assert_eq!(loss_bits(rows(&straight)), loss_bits(rows(&split)));
+}
+
+/// Folders, flags and data that do not fit fail before the run starts
+/// (no plan is printed), naming the file and the tensor or the flag.
+#[test]
+fn what_does_not_fit_fails_before_training() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    let src = d.path().join("src");
+    write_model(&src, "qwen2", false, Some(20_000));
+    let check = |args: Vec<String>, want: &str| {
+        let e = fails_with(&refs(&args), want);
+        assert!(!e.contains("plan for `train`"), "the run started before failing:\n{e}");
+        e
+    };
+    // Geometry flags and another model contradict the folder.
+    check(ft(&src, &data, &["--n-layer", "1"]), "--n-layer would change the model of --init-from");
+    check(ft(&src, &data, &["--model", "tiny-llama"]), "cannot be used with");
+    // A config whose shapes are not the weights'.
+    let wrong = d.path().join("wrong");
+    copy_dir(&src, &wrong);
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(wrong.join("config.json")).unwrap()).unwrap();
+    c["intermediate_size"] = json!(96);
+    std::fs::write(wrong.join("config.json"), c.to_string()).unwrap();
+    let e = check(
+        ft(&wrong, &data, &[]),
+        "model.layers.0.mlp.gate_proj.weight` has shape [64, 32], the model expects [96, 32]",
+    );
+    assert!(e.contains("model-0000"), "the error names the shard file: {e}");
+    // A config with a layer the weights do not have.
+    let deeper = d.path().join("deeper");
+    copy_dir(&src, &deeper);
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(deeper.join("config.json")).unwrap()).unwrap();
+    c["num_hidden_layers"] = json!(3);
+    std::fs::write(deeper.join("config.json"), c.to_string()).unwrap();
+    check(ft(&deeper, &data, &[]), "tensor `model.layers.2.self_attn.q_proj.weight` (parameter");
+    // A truncated shard.
+    let cut = d.path().join("cut");
+    copy_dir(&src, &cut);
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(src.join(INDEX_FILE)).unwrap()).unwrap();
+    let first = index["weight_map"]["model.embed_tokens.weight"].as_str().unwrap().to_string();
+    let shard = cut.join(&first);
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 100).unwrap();
+    let e = check(ft(&cut, &data, &[]), &first);
+    assert!(e.contains("truncated") || e.contains("model.embed_tokens.weight"), "{e}");
+    // A tensor missing from the index's shard.
+    let missing = d.path().join("missing");
+    copy_dir(&src, &missing);
+    let mut index: Value = serde_json::from_str(&std::fs::read_to_string(missing.join(INDEX_FILE)).unwrap()).unwrap();
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = json!(first);
+    std::fs::write(missing.join(INDEX_FILE), index.to_string()).unwrap();
+    check(ft(&missing, &data, &[]), "lacks tensor `model.layers.9.mlp.up_proj.weight`");
+    check(ft(&d.path().join("nowhere"), &data, &[]), "not a directory");
+    // Token ids the model has no embedding row for.
+    let small = ["train", "--device", "cpu", "--data", s(&data), "--seq", "16", "--eval-every", "0"];
+    check(small.iter().map(|x| x.to_string()).collect(), "does not fit a model with 256 embedding rows");
+    // --out onto a folder of other files, or onto a file.
+    let other = d.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), "mine").unwrap();
+    check(ft(&src, &data, &["--out", s(&other)]), "holds files but no Hugging Face model");
+    check(ft(&src, &data, &["--out", s(&other.join("notes.txt"))]), "exists and is not a folder");
+    // Validation needs held-out documents.
+    let noval = d.path().join("noval.tokens");
+    run_ok(&[
+        "prepare",
+        "--tokenizer",
+        README_TOKENIZER,
+        "--input",
+        "data/tiny.txt",
+        "--val-docs",
+        "0",
+        "--out",
+        s(&noval),
+    ]);
+    check(evaluating(ft(&src, &noval, &[]), 5), "or turn validation off with --eval-every 0");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// The `stepgraph` commands of the README's fine-tuning example, in order,
+/// with `runs/` moved to `runs`.
+fn readme_example(runs: &Path) -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme.find("<!-- finetune-example").expect("the README marks its fine-tuning example");
+    let block = &readme[start..];
+    let code = &block[block.find("```\n").unwrap() + 4..];
+    let code = &code[..code.find("```").unwrap()];
+    code.lines()
+        .filter(|l| l.starts_with("stepgraph "))
+        .map(|l| {
+            let l = l.replace("runs/", &format!("{}/", runs.display()));
+            let mut args: Vec<String> = l.split_whitespace().skip(1).map(str::to_string).collect();
+            // On the CPU whatever the machine has, as CI runs it.
+            if args[0] != "prepare" {
+                args.extend(["--device".to_string(), "cpu".to_string()]);
+            }
+            args
+        })
+        .collect()
+}
+
+/// The README's second example as written: prepare, pre-train a base
+/// model with --out, fine-tune it from --init-from with a stop and a
+/// resume, and evaluate the saved folder.
+#[test]
+fn the_readme_fine_tuning_example_runs_as_written() {
+    let d = tempfile::tempdir().unwrap();
+    let commands = readme_example(d.path());
+    let kinds: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
+    assert_eq!(kinds, ["prepare", "train", "train", "train", "eval"]);
+    let outputs: Vec<(String, String)> = commands.iter().map(|c| run_ok(&refs(c))).collect();
+    let (base, ft) = (d.path().join("base"), d.path().join("ft"));
+    // The stopped run says where --out will come from; the resumed one writes it.
+    assert!(outputs[2].1.contains("is written when the run reaches step 40"), "{}", outputs[2].1);
+    assert!(outputs[3].1.contains("resumed     from") && outputs[3].1.contains("model: "), "{}", outputs[3].1);
+    assert!(outputs[2].1.contains("(default for fine-tuning"), "{}", outputs[2].1);
+    for dir in [&base, &ft] {
+        let hf = HfModelDir::open(dir).unwrap();
+        assert_eq!(hf.family(), HfFamily::Llama);
+        assert!(dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file());
+    }
+    assert!(folder_tensors(&base) != folder_tensors(&ft), "fine-tuning left the weights as they were");
+    // eval on the saved folder gives the resumed run's last validation loss.
+    let validation = outputs[3].1.split("validation at step 40: loss ").nth(1).unwrap()[..6].to_string();
+    let eval = outputs[4].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
+    assert_eq!(eval, validation, "{}", outputs[4].0);
+}
+
+/// `train --out` killed with SIGKILL while it writes the folder: the
+/// destination is always the previous complete save or the new one (the
+/// save's own guarantee, proved in `crates/core/tests/hf_dir.rs`; here
+/// through the command, with the run's temporary folder watched so the
+/// kills land inside the save), and a later run clears what kills left.
+#[test]
+fn a_run_killed_while_writing_out_leaves_the_old_or_the_new_folder() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |seed: u64, out: &Path| -> Vec<String> {
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--n-embd",
+            "256",
+            "--n-head",
+            "4",
+            "--vocab",
+            "4096",
+            "--intermediate-size",
+            "512",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--eval-every",
+            "0",
+            "--max-shard-mb",
+            "2",
+            "--seed",
+            &seed.to_string(),
+            "--out",
+            s(out),
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    // What a complete save of each seed holds.
+    let expected: Vec<BTreeMap<String, Vec<u8>>> = [1u64, 2]
+        .iter()
+        .map(|&seed| {
+            let r = d.path().join(format!("ref{seed}"));
+            run_ok(&refs(&run(seed, &r)));
+            folder_tensors(&r)
+        })
+        .collect();
+    assert!(expected[0] != expected[1]);
+    let parent = d.path().join("runs");
+    let out = parent.join("model");
+    std::fs::create_dir_all(&parent).unwrap();
+    run_ok(&refs(&run(1, &out)));
+    let mut holds = 1u64;
+    let mut torn = 0;
+    for round in 0..4u64 {
+        let seed = 3 - holds;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
+            .args(run(seed, &out))
+            .current_dir(root())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let temp_exists = || {
+            std::fs::read_dir(&parent)
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".model.tmp-"))
+        };
+        let t0 = std::time::Instant::now();
+        while !temp_exists() && child.try_wait().unwrap().is_none() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(60), "the run never started its save");
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(round));
+        child.kill().unwrap(); // SIGKILL, to the child this test started.
+        child.wait().unwrap();
+        torn += temp_exists() as usize;
+        let now = folder_tensors(&out);
+        holds = match expected.iter().position(|e| *e == now) {
+            Some(k) => k as u64 + 1,
+            None => panic!("round {round}: --out holds neither the previous nor the new save"),
+        };
+        assert!(HfModelDir::open(&out).is_ok());
+    }
+    assert!(torn > 0, "no kill landed inside a save");
+    // A run that finishes replaces the folder and clears the leftovers.
+    run_ok(&refs(&run(2, &out)));
+    assert!(folder_tensors(&out) == expected[1]);
+    let names: Vec<String> =
+        std::fs::read_dir(&parent).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["model"]);
+}
