@@ -324,6 +324,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         }
     };
     let compiled = compile_step(&spec, &opts)?;
+    if role == Role::Cpu {
+        // Before any batch is drawn; the session checks again as it allocates.
+        stepgraph_core::cpu::memory::check_fits(compiled.plan.planned_peak_bytes(), "the planned training step")?;
+    }
     let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
     // `--init-from` (pretrained weights) will set this; the defaults then fine-tune.
     let fine_tuning = false;
