@@ -272,9 +272,9 @@ impl ModelArgs {
         let seq = match self.seq {
             Some(0) => bail!("--seq 0 holds no tokens: ask for at least 1"),
             Some(seq) if seq > config.block_size => bail!(
-                "--seq {seq} is longer than the block size of `{}`, {}: give a shorter --seq, or a larger --block-size",
-                config.name,
-                config.block_size
+                "--seq {seq} exceeds the block size {} of `{}`: give a shorter --seq, or a larger --block-size",
+                config.block_size,
+                config.name
             ),
             Some(seq) => seq,
             None => config.block_size.min(2048),

@@ -245,7 +245,7 @@ fn bad_input_gets_clear_errors() {
             "ZeRO-1 over 3 ranks cannot shard param model.embed_tokens.weight",
         ),
         (&["plan", "--model", "open_llama_3b", "--n-head", "3"], "n_embd 3200 is not divisible by n_head 3"),
-        (&["plan", "--seq", "100000"], "--seq 100000 is longer than the block size of `tiny-llama`, 256"),
+        (&["plan", "--seq", "100000"], "--seq 100000 exceeds the block size 256 of `tiny-llama`"),
         (&["train", "--data", "no/such/file.txt"], "opening training data no/such/file.txt"),
         (&["train", "--loss", "sum", "--steps", "1"], "training needs the cross-entropy loss"),
         (&["train", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),

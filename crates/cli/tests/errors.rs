@@ -103,9 +103,6 @@ fn flag_errors_quote_the_flag_and_value() {
     fails_with(&["plan", "--gpus", "0"], &["--gpus must be at least 1, got 0"]);
     fails_with(&["plan", "--batch", "0"], &["--batch 0"]);
     fails_with(&["trace", "--seq", "0"], &["--seq 0"]);
-    fails_with(
-        &["plan", "--seq", "300"],
-        &["--seq 300 is longer than the block size of `tiny-llama`, 256", "--block-size"],
-    );
+    fails_with(&["plan", "--seq", "300"], &["--seq 300 exceeds the block size 256 of `tiny-llama`", "--block-size"]);
     fails_with(&["bench", "--workload", "w3", "--steps", "0"], &["--steps must be at least 1, got 0"]);
 }

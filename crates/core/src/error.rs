@@ -60,6 +60,19 @@ pub enum Error {
         if *mlp_tiles > 1 { format!(" with the MLP in {mlp_tiles} row tiles") } else { String::new() }
     )]
     MemoryBudget { budget: u64, least: u64, mlp_tiles: usize },
+    /// `what` (a planned step) needs more host memory than is available:
+    /// refused before anything was allocated. `origin` says where the
+    /// available number comes from (see [`crate::cpu::memory`]).
+    #[error(
+        "{what} needs {needed} bytes ({:.2} GB) of host memory, but {available} bytes ({:.2} GB) are available \
+         ({origin}); nothing was allocated",
+        *needed as f64 / 1e9,
+        *available as f64 / 1e9
+    )]
+    HostMemory { what: String, needed: u64, available: u64, origin: String },
+    /// A host allocation that failed (the allocator refused it).
+    #[error("allocating {bytes} bytes ({:.2} GB) of host memory for {what} failed", *bytes as f64 / 1e9)]
+    Allocation { what: String, bytes: u64 },
     /// The CPU backend could not run a program.
     #[error("cpu backend: {0}")]
     Cpu(String),

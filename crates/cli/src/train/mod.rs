@@ -359,6 +359,10 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         }
     };
     let (compiled, compile_times) = compile_step_timed(&spec, &opts)?;
+    if role == Role::Cpu {
+        // Before any batch is drawn; the session checks again as it allocates.
+        stepgraph_core::cpu::memory::check_fits(compiled.plan.planned_peak_bytes(), "the planned training step")?;
+    }
     // The pretrained weights must fit the step's parameters (names, shapes,
     // dtypes that cast) before any session allocates device memory.
     if let Some(hf) = &pretrained {
