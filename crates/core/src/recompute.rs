@@ -401,23 +401,38 @@ fn closure(step: &Trace, n: NodeId, kept: &HashSet<ValueId>, marked: &HashSet<No
     Some(nodes)
 }
 
-/// Marks `n` and the views of its outputs that backward reads: a view
-/// shares its source's bytes, so the source is freed only when they go too.
-fn mark_with_views(step: &Trace, n: NodeId, saved_nodes: &HashSet<NodeId>, marked: &mut HashSet<NodeId>) {
+/// The forward view nodes of `step` that read each value as their
+/// source, indexed by value: what [`mark_with_views`] follows, built once
+/// so that marking stays linear in the nodes marked.
+fn forward_views(step: &Trace) -> Vec<Vec<NodeId>> {
+    let mut views = vec![Vec::new(); step.values.len()];
+    for (k, node) in step.nodes.iter().enumerate() {
+        if node.phase == Phase::Forward {
+            if let Some(i) = node.op.view_of() {
+                views[node.inputs[i].index()].push(NodeId(k as u32));
+            }
+        }
+    }
+    views
+}
+
+/// Marks `n` and the views of its outputs that backward reads (those in
+/// `saved_nodes`; `views` is [`forward_views`] of `step`): a view shares
+/// its source's bytes, so the source is freed only when they go too.
+fn mark_with_views(
+    step: &Trace,
+    views: &[Vec<NodeId>],
+    n: NodeId,
+    saved_nodes: &HashSet<NodeId>,
+    marked: &mut HashSet<NodeId>,
+) {
     let mut work = vec![n];
     while let Some(n) = work.pop() {
         if !marked.insert(n) {
             continue;
         }
-        let outs: HashSet<ValueId> = step.node(n).outputs.iter().copied().collect();
-        for (k, node) in step.nodes.iter().enumerate() {
-            let id = NodeId(k as u32);
-            if node.phase == Phase::Forward
-                && saved_nodes.contains(&id)
-                && node.op.view_of().is_some_and(|i| outs.contains(&node.inputs[i]))
-            {
-                work.push(id);
-            }
+        for o in &step.node(n).outputs {
+            work.extend(views[o.index()].iter().filter(|v| saved_nodes.contains(v)));
         }
     }
 }
@@ -470,6 +485,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
         RecomputePolicy::Auto => {
             let saved = kept_values(step);
             let saved_nodes = saved_producers(step);
+            let views = forward_views(step);
             let mut marked = HashSet::new();
             for &n in &saved_nodes {
                 // Cheap by the roofline, not by op: every pointwise op and
@@ -481,7 +497,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                 let cheap = cost_class(&step.node(n).op).is_some() && roofline(step, n).memory_bound();
                 // Views free nothing on their own: they go with their source.
                 if cheap && step.node(n).op.view_of().is_none() && inputs_kept(step, n, &saved, &HashSet::new()) {
-                    mark_with_views(step, n, &saved_nodes, &mut marked);
+                    mark_with_views(step, &views, n, &saved_nodes, &mut marked);
                 }
             }
             if marked.is_empty() {
@@ -504,6 +520,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
             }
             let saved = kept_values(step);
             let saved_nodes = saved_producers(step);
+            let views = forward_views(step);
             let mut marked: HashSet<NodeId> = HashSet::new();
             let mut current = (step.clone(), base_plan, Vec::new());
             let mut best_peak = before;
@@ -578,7 +595,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                 same.sort_by_key(|c| c.node);
                 for c in same.iter().take(same.len().div_ceil(2)) {
                     for &m in &c.nodes {
-                        mark_with_views(step, m, &needed, &mut marked);
+                        mark_with_views(step, &views, m, &needed, &mut marked);
                     }
                 }
                 let (new, emitted) = rewrite(step, &marked)?;
