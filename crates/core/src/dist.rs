@@ -50,7 +50,7 @@ use crate::host::HostTensor;
 use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
 use crate::models::ModelSpec;
 use crate::ops::collective::{shard_type, ReduceOp};
-use crate::ops::Op;
+use crate::ops::{BinaryFn, Op};
 use crate::pipeline::{compile_step, trace_step, StepOptions};
 use crate::plan::{plan_report, PlanReport};
 
@@ -141,7 +141,7 @@ pub fn gradient_order(step: &Trace) -> Result<Vec<ValueId>> {
     }
     for node in step.nodes.iter().filter(|n| n.phase == Phase::Optimizer) {
         if let Op::AdamW(_) = node.op {
-            grads.push(node.inputs[1]);
+            grads.push(unscaled(step, node.inputs[1]));
         }
     }
     let mut keyed = Vec::with_capacity(grads.len());
@@ -161,6 +161,22 @@ pub fn gradient_order(step: &Trace) -> Result<Vec<ValueId>> {
         )));
     }
     Ok(keyed.into_iter().map(|(_, g)| g).collect())
+}
+
+/// The gradient backward made, behind the optimizer-phase rescaling an
+/// update may read instead: gradient clipping's `mul(g, scale)`
+/// ([`crate::autodiff::clip_by_global_norm`]) is looked through to `g`, so
+/// the buckets reduce the gradients themselves and the clipping (in the
+/// optimizer phase) reads the reduced ones.
+fn unscaled(step: &Trace, mut g: ValueId) -> ValueId {
+    while let Some(n) = step.producer(g) {
+        let node = step.node(n);
+        match &node.op {
+            Op::Binary(b) if node.phase == Phase::Optimizer && b.f == BinaryFn::Mul => g = node.inputs[0],
+            _ => break,
+        }
+    }
+    g
 }
 
 /// The buckets of `step`'s gradients for a budget of `bucket_bytes`.

@@ -1,5 +1,5 @@
 //! The step pipeline, assembled in one place: model spec → forward trace →
-//! step trace (autodiff) → the step of one data-parallel rank (optional) →
+//! step trace (autodiff, with its micro-batches of gradient accumulation) → the step of one data-parallel rank (optional) →
 //! the optimizer moved into backward ([`crate::optimizer_placement`], train
 //! steps) → recomputation ([`crate::recompute`]) → memory plan →
 //! `check_plan`.
@@ -25,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::autodiff::{build_step, StepKind, TrainOptions};
+use crate::autodiff::{build_accumulated_step, StepKind, TrainOptions};
 use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId};
@@ -55,6 +55,10 @@ pub struct StepOptions {
     /// Row tiles of every MLP (default 1: untiled); under a memory budget
     /// [`compile_step`] tries more when these do not suffice.
     pub mlp_tiles: usize,
+    /// Micro-batches of gradient accumulation inside the step (default 1):
+    /// the step inputs hold this many micro-batches of the spec's batch,
+    /// and a train step updates once ([`build_accumulated_step`]).
+    pub grad_accum: usize,
 }
 
 impl StepOptions {
@@ -68,6 +72,7 @@ impl StepOptions {
             recompute: RecomputePolicy::default(),
             optimizer: OptimizerPlacement::default(),
             mlp_tiles: 1,
+            grad_accum: 1,
         }
     }
 
@@ -140,7 +145,7 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
     };
     let forward =
         build_forward_opts(&spec, &ForwardOptions { mlp_tiles: opts.mlp_tiles, ..ForwardOptions::default() })?;
-    let step = build_step(&forward, opts.kind, &opts.train)?;
+    let step = build_accumulated_step(&forward, opts.kind, &opts.train, opts.grad_accum)?;
     let (step, buckets) = match &opts.data_parallel {
         Some(dp) => {
             let sizes = buckets(&step, dp.bucket_bytes)?.iter().map(|b| b.bytes).collect();
@@ -226,7 +231,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::autodiff::{LR_INPUT, STEP_INPUT};
+    use crate::autodiff::{build_step, LR_INPUT, STEP_INPUT};
     use crate::ir::DType;
     use crate::models::build_forward;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
