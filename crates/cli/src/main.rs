@@ -321,8 +321,9 @@ impl ModelArgs {
     }
 
     /// `e` with what set the sizes it is about named first, when it is a
-    /// size or config error of the model: the flags the user gave, or else
-    /// the keys of the `--config` file. A size error says which keys its
+    /// size or config error of the model (or a plan refused for the host
+    /// memory): the flags the user gave, or else the keys of the
+    /// `--config` file. A size error says which keys its
     /// size is made of (none for a plan that passes the cap as a whole:
     /// then every size flag given is named); a config error names its keys
     /// in its text.
@@ -338,10 +339,11 @@ impl ModelArgs {
             return e;
         }
         // Which keys, and whether the error says so itself (a plan past
-        // the cap as a whole names none: then every size flag given is
-        // named, and no file key).
+        // the cap as a whole, or past the host memory, names none: then
+        // every size flag given is named, and no file key).
         let (keys, explicit): (Vec<&str>, bool) = match e.chain().find_map(|c| c.downcast_ref::<CoreError>()) {
             Some(CoreError::Size { keys, .. }) if keys.is_empty() => (SIZE_KEYS.to_vec(), false),
+            Some(CoreError::HostMemory { .. }) => (SIZE_KEYS.to_vec(), false),
             Some(CoreError::Size { keys, .. }) => (keys.clone(), true),
             Some(CoreError::Config { reason, .. }) => (stepgraph_core::models::config::keys_named_in(reason), true),
             _ => return e,
