@@ -12,8 +12,9 @@
 //! kernels can number ([`MAX_LAYERS`], [`MAX_POSITIONS`], [`MAX_VOCAB`]),
 //! and every weight and the parameter count within
 //! [`MAX_VALUE_BYTES`] elements, so no arithmetic on its sizes overflows;
-//! a size past them is an [`Error::Size`] naming the keys it is made of. Reading a Hugging
-//! Face `config.json` lives in [`super::hf`].
+//! a size past them is an [`Error::Size`] naming the keys it is made of.
+//!
+//! Reading a Hugging Face `config.json` lives in [`super::hf`].
 //!
 //! It only describes networks; building traces from a config lives elsewhere.
 
