@@ -313,20 +313,10 @@ impl ModelArgs {
     }
 }
 
-/// The size keys of a model and its batch that a flag of [`ModelArgs`] sets.
-const SIZE_KEYS: [&str; 11] = [
-    "batch",
-    "seq",
-    "n_layer",
-    "n_embd",
-    "n_head",
-    "n_query_groups",
-    "head_size",
-    "vocab_size",
-    "padded_vocab_size",
-    "block_size",
-    "intermediate_size",
-];
+/// The size keys of a model and its batch: `batch`, `seq` and the config's.
+fn size_keys() -> Vec<&'static str> {
+    ["batch", "seq"].into_iter().chain(stepgraph_core::models::config::SIZE_KEYS).collect()
+}
 
 impl ModelArgs {
     /// The flags that set size `key` (a config key, or `batch` and `seq`),
@@ -353,11 +343,11 @@ impl ModelArgs {
     }
 
     /// `e` with what set the sizes it is about named first, when it is a
-    /// size or config error of the model: the flags the user gave, or else
-    /// the keys of the `--config` file. A size error says which keys its
-    /// size is made of (none for a plan that passes the cap as a whole:
-    /// then every size flag given is named); a config error names its keys
-    /// in its text.
+    /// size or config error of the model, or a plan refused for the host
+    /// memory: the flags the user gave, then the keys of the `--config`
+    /// file for the rest. A size error lists the keys its size is made of
+    /// (none for a plan too large as a whole: then every size flag given
+    /// is named); a config error names its keys in its text.
     fn name_size_sources(&self, e: anyhow::Error) -> anyhow::Error {
         use stepgraph_core::Error as CoreError;
         // Errors from reading `--config` name the file and its keys, and
@@ -370,10 +360,11 @@ impl ModelArgs {
             return e;
         }
         // Which keys, and whether the error says so itself (a plan past
-        // the cap as a whole names none: then every size flag given is
-        // named, and no file key).
+        // the cap as a whole, or past the host memory, names none: then
+        // every size flag given is named, and no file key).
         let (keys, explicit): (Vec<&str>, bool) = match e.chain().find_map(|c| c.downcast_ref::<CoreError>()) {
-            Some(CoreError::Size { keys, .. }) if keys.is_empty() => (SIZE_KEYS.to_vec(), false),
+            Some(CoreError::Size { keys, .. }) if keys.is_empty() => (size_keys(), false),
+            Some(CoreError::HostMemory { .. }) => (size_keys(), false),
             Some(CoreError::Size { keys, .. }) => (keys.clone(), true),
             Some(CoreError::Config { reason, .. }) => (stepgraph_core::models::config::keys_named_in(reason), true),
             _ => return e,

@@ -59,6 +59,8 @@ fn a_huge_batch_is_an_error_not_an_abort() {
     let args = ["train", "--device", "cpu", "--steps", "1", "--batch", "1099511627776", "--seq", "2"];
     let err = error(&args, Some("1000000000"));
     assert!(err.contains("of host memory, but 1000000000 bytes (1.00 GB) are available"), "{err}");
+    // The flags that made it that large come first.
+    assert!(err.starts_with("error: --batch 1099511627776, --seq 2: the planned training step needs"), "{err}");
     // With the machine's own numbers (MemAvailable or a cgroup limit).
     let err = error(&args, None);
     assert!(err.contains("of host memory, but") && err.contains("are available ("), "{err}");

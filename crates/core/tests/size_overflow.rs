@@ -5,6 +5,10 @@
 //! run with overflow checks on, so any unchecked product that wraps panics
 //! here.
 //!
+//! Each property runs 256 cases in CI; `PROPTEST_CASES=N` runs N (keep the
+//! test profile, whose overflow checks are what catches a wrapped product):
+//! `PROPTEST_CASES=20000 cargo test -p stepgraph-core --test size_overflow`.
+//!
 //! A refusal about a size must be attributable: an `Error::Size` whose keys
 //! name the config keys or batch fields it is made of, so that the command
 //! line can name the flag (or the `config.json` key) that set them.
@@ -18,6 +22,11 @@ use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_core::Error;
+
+/// Cases per property: 256, or `PROPTEST_CASES` for a long run.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(256)
+}
 
 /// The size keys of a config, in the order [`set`] and [`get`] number them.
 const KEYS: [&str; 9] = [
@@ -130,7 +139,7 @@ fn build_and_plan(spec: &ModelSpec) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     /// Config fields set directly, as a `config.json` can set them.
     #[test]

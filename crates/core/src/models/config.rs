@@ -3,10 +3,18 @@
 //! This module owns [`Config`], the hyper-parameters of one decoder-only
 //! transformer, with the same meaning as litgpt's `Config`: the named
 //! configurations (litgpt names and Hugging Face repo ids, plus small ones
-//! for tests and demos), command-line style [`Overrides`], validation with
-//! messages that name the model and the offending numbers, the exact
-//! parameter count of the network a config describes. Reading a Hugging
-//! Face `config.json` lives in [`super::hf`].
+//! for tests and demos) and the closest of them to an unknown name,
+//! command-line style [`Overrides`], validation with messages that name the
+//! model and the offending numbers, the exact parameter count of the
+//! network a config describes.
+//!
+//! **Invariant:** a validated config's counts are within what ids and
+//! kernels can number ([`MAX_LAYERS`], [`MAX_POSITIONS`], [`MAX_VOCAB`]),
+//! and every weight and the parameter count within
+//! [`MAX_VALUE_BYTES`] elements, so no arithmetic on its sizes overflows;
+//! a size past them is an [`Error::Size`] naming the keys it is made of.
+//!
+//! Reading a Hugging Face `config.json` lives in [`super::hf`].
 //!
 //! It only describes networks; building traces from a config lives elsewhere.
 
@@ -156,9 +164,7 @@ impl Named {
             None => false,
         }
     }
-}
 
-impl Named {
     /// Every spelling that names this config: its name, its repo id and
     /// the repo's name, and its aliases.
     fn spellings(&self) -> impl Iterator<Item = &'static str> + '_ {

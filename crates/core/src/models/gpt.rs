@@ -70,8 +70,10 @@ impl ModelSpec {
         Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss })
     }
 
-    /// Checks the config, the batch and every size the model records (see
-    /// [`ModelSpec::check_sizes`]); building a trace checks this first.
+    /// Checks the config, the batch and every size the model records: each
+    /// weight and activation, and the parameters together, within
+    /// [`MAX_VALUE_BYTES`], or an [`Error::Size`] naming the keys of the
+    /// first that is not. Building a trace checks this first.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
         self.config.validate()?;
