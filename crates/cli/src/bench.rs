@@ -215,7 +215,7 @@ fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: St
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     if args.steps == 0 {
-        bail!("--steps must be at least 1");
+        bail!("--steps must be at least 1, got 0");
     }
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);
@@ -291,7 +291,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         let gb = |x: u64| x as f64 / 1e9;
         println!(
-            "{} {:?} on {}: planned {:.3} GB, device peak {:.3} GB (allocation {:.3}, modules {:.3}, cuBLASLt {:.3}, graph {:.3}, unexplained {:+.3}), step {:.2} ms median / {:.2} min, {:.0} tokens/s{}",
+            "{} {:?} on {}: planned {:.3} GB, device peak {:.3} GB (allocation {:.3}, modules {:.3}, cuBLASLt {:.3}, graph {:.3}, unexplained {:+.3}), step {:.2} ms median / {:.2} min, {:.0} tokens/s, loss first {} last {}{}",
             report.workload,
             report.mode,
             report.gpu_arch,
@@ -305,6 +305,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             report.step_ms_median,
             report.step_ms_min,
             report.tokens_per_s,
+            report.loss_first,
+            report.loss_last,
             report.capture_ms.map(|c| format!(", capture {c:.1} ms")).unwrap_or_default()
         );
     }

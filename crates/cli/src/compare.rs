@@ -357,8 +357,8 @@ fn compare(
     }
     let dir = &args.reference;
     let config_path = dir.join("config.json");
-    let config = Config::from_hf_file(&config_path)
-        .with_context(|| format!("reading the reference's model config {}", config_path.display()))?;
+    // The error names the file.
+    let config = Config::from_hf_file(&config_path).context("reading the reference's model config")?;
     let io_path = dir.join("io.safetensors");
     let mut io = read_file(dir, "io.safetensors", "the reference's input and loss")?;
     let ids = io.remove("input_ids").with_context(|| format!("{} has no `input_ids`", io_path.display()))?;

@@ -289,7 +289,13 @@ impl OptimArgs {
 impl ModelArgs {
     fn config(&self) -> Result<Config> {
         let base = match &self.config {
-            Some(path) => Config::from_hf_file(path)?,
+            Some(path) => Config::from_hf_file(path).map_err(|e| match e {
+                stepgraph_core::Error::Io { path: file, cause } => anyhow::anyhow!(
+                    "--config {}: reading {file}: {cause}; give a Hugging Face config.json or the folder that holds one",
+                    path.display()
+                ),
+                e => e.into(),
+            })?,
             None => Config::named(&self.model)?,
         };
         let o = Overrides {
@@ -305,13 +311,26 @@ impl ModelArgs {
     }
 
     fn spec(&self) -> Result<ModelSpec> {
-        Ok(self.spec_of(self.config()?))
+        self.spec_of(self.config()?)
     }
 
-    /// The spec of `config` with these flags' batch, sequence, dtype and loss.
-    fn spec_of(&self, config: Config) -> ModelSpec {
-        let seq = self.seq.unwrap_or(config.block_size.min(2048));
-        ModelSpec {
+    /// The spec of `config` with these flags' batch, sequence, dtype and
+    /// loss, the batch and sequence checked against it.
+    fn spec_of(&self, config: Config) -> Result<ModelSpec> {
+        if self.batch == 0 {
+            bail!("--batch 0 holds no rows: ask for at least 1");
+        }
+        let seq = match self.seq {
+            Some(0) => bail!("--seq 0 holds no tokens: ask for at least 1"),
+            Some(seq) if seq > config.block_size => bail!(
+                "--seq {seq} exceeds the block size {} of `{}`: give a shorter --seq, or a larger --block-size",
+                config.block_size,
+                config.name
+            ),
+            Some(seq) => seq,
+            None => config.block_size.min(2048),
+        };
+        Ok(ModelSpec {
             batch: self.batch,
             seq,
             dtype: self.dtype(),
@@ -320,7 +339,7 @@ impl ModelArgs {
                 LossArg::Ce => LossKind::CrossEntropy,
             },
             config,
-        }
+        })
     }
 
     fn dtype(&self) -> DType {
@@ -342,6 +361,99 @@ impl ModelArgs {
             (self.block_size.is_some(), "--block-size"),
             (self.intermediate_size.is_some(), "--intermediate-size"),
         ]
+    }
+}
+
+/// The size keys of a model and its batch that a flag of [`ModelArgs`] sets.
+const SIZE_KEYS: [&str; 11] = [
+    "batch",
+    "seq",
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "n_query_groups",
+    "head_size",
+    "vocab_size",
+    "padded_vocab_size",
+    "block_size",
+    "intermediate_size",
+];
+
+impl ModelArgs {
+    /// The flags that set size `key` (a config key, or `batch` and `seq`),
+    /// with the user's values: `head_size` follows `--n-embd` and
+    /// `--n-head`. Flags left out, and the default `--batch 1`, are not
+    /// listed.
+    fn size_flags(&self, key: &str) -> Vec<String> {
+        let flag = |name: &str, value: Option<usize>| value.map(|v| format!("--{name} {v}"));
+        let flags = match key {
+            // 1 is the default.
+            "batch" => vec![flag("batch", Some(self.batch).filter(|&b| b != 1))],
+            "seq" => vec![flag("seq", self.seq)],
+            "n_layer" => vec![flag("n-layer", self.n_layer)],
+            "n_embd" => vec![flag("n-embd", self.n_embd)],
+            "n_head" => vec![flag("n-head", self.n_head)],
+            "n_query_groups" => vec![flag("n-query-groups", self.n_query_groups)],
+            "head_size" => vec![flag("n-embd", self.n_embd), flag("n-head", self.n_head)],
+            "vocab_size" | "padded_vocab_size" => vec![flag("vocab", self.vocab)],
+            "block_size" => vec![flag("block-size", self.block_size)],
+            "intermediate_size" => vec![flag("intermediate-size", self.intermediate_size)],
+            _ => vec![],
+        };
+        flags.into_iter().flatten().collect()
+    }
+
+    /// `e` with what set the sizes it is about named first, when it is a
+    /// size or config error of the model: the flags the user gave, or else
+    /// the keys of the `--config` file. A size error says which keys its
+    /// size is made of (none for a plan that passes the cap as a whole:
+    /// then every size flag given is named); a config error names its keys
+    /// in its text.
+    fn name_size_sources(&self, e: anyhow::Error) -> anyhow::Error {
+        use stepgraph_core::Error as CoreError;
+        // Errors from reading `--config` name the file and its keys, and
+        // come before any flag is applied.
+        let file = self.config.as_ref().map(|path| {
+            let file = if path.is_dir() { path.join("config.json") } else { path.clone() };
+            file.display().to_string()
+        });
+        if file.as_ref().is_some_and(|f| format!("{e:#}").contains(f.as_str())) {
+            return e;
+        }
+        // Which keys, and whether the error says so itself (a plan past
+        // the cap as a whole names none: then every size flag given is
+        // named, and no file key).
+        let (keys, explicit): (Vec<&str>, bool) = match e.chain().find_map(|c| c.downcast_ref::<CoreError>()) {
+            Some(CoreError::Size { keys, .. }) if keys.is_empty() => (SIZE_KEYS.to_vec(), false),
+            Some(CoreError::Size { keys, .. }) => (keys.clone(), true),
+            Some(CoreError::Config { reason, .. }) => (stepgraph_core::models::config::keys_named_in(reason), true),
+            _ => return e,
+        };
+        let mut sources: Vec<String> = Vec::new();
+        let mut file_keys: Vec<&str> = Vec::new();
+        for key in &keys {
+            let flags = self.size_flags(key);
+            if flags.is_empty() {
+                if let Some(k) = stepgraph_core::models::hf::hf_key(key).filter(|_| explicit) {
+                    if !file_keys.contains(&k) {
+                        file_keys.push(k);
+                    }
+                }
+            }
+            for flag in flags {
+                if !sources.contains(&flag) {
+                    sources.push(flag);
+                }
+            }
+        }
+        if let (Some(file), false) = (file, file_keys.is_empty()) {
+            sources.push(format!("{file} (key {})", file_keys.join(", key ")));
+        }
+        if sources.is_empty() {
+            e
+        } else {
+            e.context(sources.join(", "))
+        }
     }
 }
 
@@ -419,8 +531,24 @@ fn main() {
     }
 }
 
+/// Runs the command; an error about the model's sizes names the flags
+/// (or `config.json` keys) they came from.
 fn run(cli: Cli) -> Result<()> {
+    let model = match &cli.command {
+        Command::Plan { model, .. } | Command::Trace { model, .. } | Command::Train { model, .. } => {
+            Some(model.clone())
+        }
+        _ => None,
+    };
+    match (run_command(cli), model) {
+        (Err(e), Some(model)) => Err(model.name_size_sources(e)),
+        (result, _) => result,
+    }
+}
+
+fn run_command(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Plan { gpus: Some(0), .. } => bail!("--gpus must be at least 1, got 0"),
         Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,

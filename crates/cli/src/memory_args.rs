@@ -108,21 +108,21 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
 
 /// What `--memory-budget auto` plans for: the free memory of GPU 0 (less
 /// 256 MiB for the CUDA libraries' workspaces and kernel modules, which
-/// the plan does not hold) when there is a GPU, else the host's available
-/// memory.
+/// the plan does not hold) when there is a GPU, else the host memory
+/// available (`MemAvailable`, a cgroup's limit, or
+/// `STEPGRAPH_HOST_MEMORY_LIMIT`: [`stepgraph_core::cpu::memory`]), what
+/// the CPU backend checks a plan against.
 pub fn free_bytes() -> Result<u64> {
     const RESERVE: u64 = 256 << 20;
     if stepgraph_cuda::session::gpu_available() {
         let free = stepgraph_cuda::session::free_device_memory(0)?;
         return Ok(free.saturating_sub(RESERVE));
     }
-    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
-    let kb = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .context("/proc/meminfo has no MemAvailable")?;
-    Ok(kb * 1024)
+    let host = stepgraph_core::cpu::memory::available()?.context(
+        "the host memory available is unknown here (no /proc/meminfo or cgroup limit): give a size, or set \
+         STEPGRAPH_HOST_MEMORY_LIMIT",
+    )?;
+    Ok(host.available)
 }
 
 #[cfg(test)]

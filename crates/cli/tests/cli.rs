@@ -245,7 +245,7 @@ fn bad_input_gets_clear_errors() {
             "ZeRO-1 over 3 ranks cannot shard param model.embed_tokens.weight",
         ),
         (&["plan", "--model", "open_llama_3b", "--n-head", "3"], "n_embd 3200 is not divisible by n_head 3"),
-        (&["plan", "--seq", "100000"], "sequence length 100000 exceeds the block size 256"),
+        (&["plan", "--seq", "100000"], "--seq 100000 exceeds the block size 256 of `tiny-llama`"),
         (&["train", "--data", "no/such/file.txt"], "opening training data no/such/file.txt"),
         (&["train", "--loss", "sum", "--steps", "1"], "training needs the cross-entropy loss"),
         (&["train", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
@@ -276,5 +276,6 @@ fn compare_errors_name_the_missing_gpu_or_reference() {
     }
     let (ok, _, err) = stepgraph(&["compare", "--backend", "cpu", "--reference", "no/such/dir", "--loss", "sum"]);
     assert!(!ok);
-    assert!(err.contains("reading the reference's model config no/such/dir/config.json"), "{err}");
+    assert!(err.contains("reading the reference's model config: io error on `no/such/dir/config.json`"), "{err}");
+    assert_eq!(err.matches("no/such/dir/config.json").count(), 1, "{err}");
 }

@@ -203,9 +203,16 @@ fn the_settings_in_force_and_the_plan_are_printed_before_step_one() {
         "seed 0",
         "on the CPU",
         "plan for `train`",
+        "start-up ",
+        ": build ",
+        ", plan ",
+        ", session ",
+        ", weights ",
     ] {
         assert!(err.contains(needle), "no `{needle}` in\n{err}");
     }
+    // The start-up line comes after the plan and before the first step's line.
+    assert!(err.find("plan for `train`").unwrap() < err.find("start-up ").unwrap(), "{err}");
 }
 
 #[test]
@@ -433,4 +440,96 @@ fn accumulation_and_clipping_flags_reach_the_step() {
     let resumed = small(&["--steps", "4", "--resume", "auto", "--grad-accum", "2", "--checkpoint-dir", s(&ck)]);
     fails_with(&resumed.iter().map(String::as_str).collect::<Vec<_>>(), "grad-accum = 1, this run has grad-accum = 2");
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Loss of step `step` in a metrics file.
+fn loss_at(path: &Path, step: u64) -> f64 {
+    metrics(path).iter().find(|r| r["step"].as_u64() == Some(step) && r.get("loss").is_some()).unwrap()["loss"]
+        .as_f64()
+        .unwrap()
+}
+
+#[test]
+fn a_trained_model_goes_out_as_a_hugging_face_folder_and_comes_back_in() {
+    let d = scratch("hf-out");
+    let a = d.join("model-a");
+    let (a_metrics, b_metrics) = (d.join("a.jsonl"), d.join("b.jsonl"));
+    // From scratch, written out when the run ends.
+    let (_, err) = run_ok(&small(&["--steps", "30", "--out", s(&a), "--metrics", s(&a_metrics)]));
+    assert!(err.contains("Hugging Face folder") && err.contains(s(&a)), "{err}");
+    for f in ["config.json", "model.safetensors"] {
+        assert!(a.join(f).is_file(), "{f} missing in {}", a.display());
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 1);
+    // Fine-tuned from it: the geometry comes from its config.json (one
+    // layer, no --n-layer given), the weights are the trained ones, so the
+    // first loss is far below a fresh model's ln(256) ≈ 5.55.
+    let b = d.join("model-b");
+    let tune = [
+        "train",
+        "--device",
+        "cpu",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "0",
+        "--steps",
+        "2",
+        "--init-from",
+        s(&a),
+        "--out",
+        s(&b),
+        "--metrics",
+        s(&b_metrics),
+    ];
+    let (ok, _, err) = stepgraph(&tune);
+    assert!(ok, "{err}");
+    let (scratch_first, tuned_first) = (loss_at(&a_metrics, 1), loss_at(&b_metrics, 1));
+    let trained_last = loss_at(&a_metrics, 30);
+    assert!(scratch_first > 5.0, "a fresh byte-level model starts near ln 256: {scratch_first}");
+    assert!(
+        tuned_first < scratch_first - 1.0 && (tuned_first - trained_last).abs() < 1.0,
+        "fine-tuning starts where training ended ({trained_last}), not from scratch ({scratch_first}): {tuned_first}"
+    );
+    assert!(b.join("model.safetensors").is_file() && b.join("config.json").is_file());
+    // A run stopped early leaves --out for the run that finishes it.
+    let c = d.join("model-c");
+    let ckpt = d.join("ckpt");
+    let (_, err) = run_ok(&small(&["--steps", "4", "--stop-after", "2", "--checkpoint-dir", s(&ckpt), "--out", s(&c)]));
+    assert!(err.contains("is written when the run reaches step 4") && !c.exists(), "{err}");
+    run_ok(&small(&["--steps", "4", "--resume", "auto", "--checkpoint-dir", s(&ckpt), "--out", s(&c)]));
+    assert!(c.join("model.safetensors").is_file());
+}
+
+#[test]
+fn init_from_and_out_refuse_bad_input_before_training() {
+    let d = scratch("hf-bad");
+    let a = d.join("model");
+    run_ok(&small(&["--steps", "1", "--out", s(&a)]));
+    let base = ["train", "--device", "cpu", "--seq", "16", "--steps", "1", "--eval-every", "0"];
+    let refused = |extra: &[&str], want: &str| -> String {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        fails_with(&args, want)
+    };
+    refused(&["--init-from", s(&d.join("no-such-model"))], "--init-from");
+    refused(&["--init-from", s(&a), "--n-layer", "2"], "drop --n-layer");
+    let file = d.join("a-file");
+    std::fs::write(&file, "not a folder").unwrap();
+    refused(&["--out", s(&file)], "is not a folder");
+    // A tensor of the wrong shape is named, with its file, before anything runs.
+    let broken = d.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::copy(a.join("model.safetensors"), broken.join("model.safetensors")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("config.json")).unwrap()).unwrap();
+    config["intermediate_size"] = (config["intermediate_size"].as_u64().unwrap() * 2).into();
+    std::fs::write(broken.join("config.json"), config.to_string()).unwrap();
+    let err = refused(&["--init-from", s(&broken)], "model.safetensors");
+    assert!(err.contains("mlp.gate_proj.weight` has shape"), "{err}");
 }

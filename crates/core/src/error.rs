@@ -7,9 +7,25 @@ use thiserror::Error;
 /// Errors raised anywhere in the compiler and the CPU backend.
 #[derive(Debug, Error)]
 pub enum Error {
-    /// A model name that no named config matches.
-    #[error("unknown model name `{name}`; known models: {known}")]
-    UnknownModel { name: String, known: String },
+    /// A model name that no named config matches: `suggest` holds the
+    /// closest known names (perhaps none), `known` every one.
+    #[error(
+        "unknown model name `{name}`{}; known models: {known}",
+        match suggest.as_slice() {
+            [] => String::new(),
+            [one] => format!(" (did you mean `{one}`?)"),
+            many => format!(" (did you mean `{}`?)", many.join("`, `")),
+        }
+    )]
+    UnknownModel { name: String, suggest: Vec<String>, known: String },
+    /// A size past what stepgraph can hold: a value of more than
+    /// [`crate::ir::MAX_VALUE_BYTES`], a model or batch whose sizes multiply
+    /// past it, a count past what an id or a kernel's index can number.
+    /// `keys` are the config keys and batch fields (`batch`, `seq`) the
+    /// size is made of, when it comes from a model (empty otherwise), so a
+    /// caller can name the flags or file keys they came from.
+    #[error("{reason}")]
+    Size { keys: Vec<&'static str>, reason: String },
     /// A model configuration that cannot describe a valid network.
     #[error("invalid model config `{model}`: {reason}")]
     Config { model: String, reason: String },
@@ -44,6 +60,19 @@ pub enum Error {
         if *mlp_tiles > 1 { format!(" with the MLP in {mlp_tiles} row tiles") } else { String::new() }
     )]
     MemoryBudget { budget: u64, least: u64, mlp_tiles: usize },
+    /// `what` (a planned step) needs more host memory than is available:
+    /// refused before anything was allocated. `origin` says where the
+    /// available number comes from (see [`crate::cpu::memory`]).
+    #[error(
+        "{what} needs {needed} bytes ({:.2} GB) of host memory, but {available} bytes ({:.2} GB) are available \
+         ({origin}); nothing was allocated",
+        *needed as f64 / 1e9,
+        *available as f64 / 1e9
+    )]
+    HostMemory { what: String, needed: u64, available: u64, origin: String },
+    /// A host allocation that failed (the allocator refused it).
+    #[error("allocating {bytes} bytes ({:.2} GB) of host memory for {what} failed", *bytes as f64 / 1e9)]
+    Allocation { what: String, bytes: u64 },
     /// The CPU backend could not run a program.
     #[error("cpu backend: {0}")]
     Cpu(String),

@@ -3,6 +3,8 @@
 //! runtime and its users: step inputs written to a session, outputs read
 //! back, checkpoint tensors, and test data.
 
+use crate::cpu::memory::try_vec;
+use crate::error::{Error, Result};
 use crate::ir::{DType, TensorType};
 
 /// A tensor in host memory, 8-byte aligned so every dtype can be viewed in place.
@@ -23,6 +25,26 @@ impl HostTensor {
     pub fn zeros(ty: TensorType) -> Self {
         let words = vec![0u64; (ty.bytes() as usize).div_ceil(8)];
         HostTensor { ty, words }
+    }
+
+    /// [`HostTensor::zeros`] for a buffer the runtime grows with its
+    /// inputs (a batch, say): an allocation that fails, or a size past
+    /// what this host can address, is an error naming `what`, not an abort.
+    pub fn try_zeros(ty: TensorType, what: &str) -> Result<Self> {
+        let too_large = || Error::Allocation { what: format!("{what} ({ty})"), bytes: ty.bytes() };
+        let bytes = ty.checked_bytes().and_then(|b| usize::try_from(b).ok()).ok_or_else(too_large)?;
+        let words = try_vec(bytes.div_ceil(8), 0u64, &format!("{what} ({ty})"))?;
+        Ok(HostTensor { ty, words })
+    }
+
+    /// [`HostTensor::from_f64`], allocated as [`HostTensor::try_zeros`] is.
+    pub fn try_from_f64(ty: TensorType, data: &[f64], what: &str) -> Result<Self> {
+        if data.len() != ty.numel() {
+            return Err(Error::Input { name: what.to_string(), reason: format!("{} values for {ty}", data.len()) });
+        }
+        let mut t = HostTensor::try_zeros(ty, what)?;
+        t.fill_from_f64(data);
+        Ok(t)
     }
 
     /// Makes this tensor one of type `ty`, reusing its allocation where it
@@ -52,15 +74,22 @@ impl HostTensor {
     /// Values converted from f64 (rounded to the dtype; ints truncated).
     pub fn from_f64(ty: TensorType, data: &[f64]) -> Self {
         assert_eq!(data.len(), ty.numel(), "data length for {ty}");
-        let mut t = HostTensor::zeros(ty.clone());
-        let b = t.bytes_mut();
+        let mut t = HostTensor::zeros(ty);
+        t.fill_from_f64(data);
+        t
+    }
+
+    /// Writes `data` (one value per element) converted to this tensor's dtype.
+    fn fill_from_f64(&mut self, data: &[f64]) {
+        let dtype = self.ty.dtype;
+        let b = self.bytes_mut();
         fn put<T: bytemuck::Pod>(b: &mut [u8], data: &[f64], f: impl Fn(f64) -> T) {
             let s: &mut [T] = bytemuck::cast_slice_mut(b);
             for (o, &x) in s.iter_mut().zip(data) {
                 *o = f(x);
             }
         }
-        match ty.dtype {
+        match dtype {
             DType::F32 => put(b, data, |x| x as f32),
             DType::F64 => put(b, data, |x| x),
             DType::BF16 => put(b, data, half::bf16::from_f64),
@@ -69,7 +98,6 @@ impl HostTensor {
             DType::I64 => put(b, data, |x| x as i64),
             DType::Bool => put(b, data, |x| (x != 0.0) as u8),
         }
-        t
     }
 
     pub fn to_f64(&self) -> Vec<f64> {

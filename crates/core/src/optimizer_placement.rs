@@ -53,15 +53,24 @@ pub struct PlacementReport {
 
 impl std::fmt::Display for PlacementReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
+        // Both peaks are of the step before recomputation, which the
+        // placement is chosen on; the recompute report gives the final one.
+        let gb = |b: u64| b as f64 / 1e9;
+        let (inside, after) = (self.planned_peak_in_backward, self.planned_peak_after_backward);
+        write!(
             f,
-            "optimizer {}: {} updates inside backward, {} after it; planned peak {} B in backward, {} B after",
+            "optimizer {}: {} updates inside backward, {} after it; peak before recomputation {:.3} GB with \
+             the updates in backward, {:.3} GB after it",
             self.placement,
             self.moved,
             self.after_backward,
-            self.planned_peak_in_backward,
-            self.planned_peak_after_backward
+            gb(inside),
+            gb(after)
         )?;
+        if inside == after {
+            write!(f, " (the step peaks outside backward, where the updates make no difference)")?;
+        }
+        writeln!(f)?;
         if let Some(n) = &self.note {
             writeln!(f, "    {n}")?;
         }

@@ -102,23 +102,26 @@ pub fn cost_class(op: &Op) -> Option<CostClass> {
 
 /// FLOPs of one run of node `n` (what recomputing it adds), estimated from
 /// its types: 2·M·N·K for products, 2·(elements of q)·T for causal
-/// attention, a few per element for everything else.
+/// attention, a few per element for everything else. Each factor is at
+/// most 2^60 (a value's size), but a product of two can pass `u64`: the
+/// count saturates at `u64::MAX` (1.8e19) rather than wrap, and so do the
+/// sums of counts made with [`u64::saturating_add`].
 pub fn node_flops(trace: &Trace, n: NodeId) -> u64 {
     let node = trace.node(n);
-    let out_elems: u64 = node.outputs.iter().map(|&o| trace.ty(o).numel() as u64).sum();
+    let out_elems: u64 = node.outputs.iter().fold(0, |acc, &o| acc.saturating_add(trace.ty(o).numel() as u64));
     match &node.op {
         Op::MatMul(m) => {
             let a = &trace.ty(node.inputs[0]).shape;
             let k = if m.trans_a { a[a.len() - 2] } else { a[a.len() - 1] };
-            2 * trace.ty(node.outputs[0]).numel() as u64 * k as u64
+            (trace.ty(node.outputs[0]).numel() as u64).saturating_mul(k as u64).saturating_mul(2)
         }
         Op::Attention(_) => {
             let q = trace.ty(node.inputs[0]);
-            2 * q.numel() as u64 * q.shape[1] as u64
+            (q.numel() as u64).saturating_mul(q.shape[1] as u64).saturating_mul(2)
         }
         op if op.view_of().is_some() => 0,
-        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => 8 * out_elems,
-        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => 6 * out_elems,
+        Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => out_elems.saturating_mul(8),
+        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => out_elems.saturating_mul(6),
         _ => out_elems,
     }
 }
@@ -129,7 +132,7 @@ fn node_traffic(trace: &Trace, n: NodeId) -> u64 {
     if node.op.view_of().is_some() {
         return 0;
     }
-    node.inputs.iter().chain(&node.outputs).map(|&v| trace.ty(v).bytes()).sum()
+    node.inputs.iter().chain(&node.outputs).fold(0, |acc, &v| acc.saturating_add(trace.ty(v).bytes()))
 }
 
 /// Rates for the time estimate: the matrix-product ceiling and the copy
@@ -232,7 +235,7 @@ impl std::fmt::Display for RecomputeReport {
             match by_kind.iter_mut().find(|(k, _, _)| *k == key) {
                 Some(e) => {
                     e.1 += 1;
-                    e.2 += r.flops;
+                    e.2 = e.2.saturating_add(r.flops);
                 }
                 None => by_kind.push((key, 1, r.flops)),
             }
@@ -398,23 +401,38 @@ fn closure(step: &Trace, n: NodeId, kept: &HashSet<ValueId>, marked: &HashSet<No
     Some(nodes)
 }
 
-/// Marks `n` and the views of its outputs that backward reads: a view
-/// shares its source's bytes, so the source is freed only when they go too.
-fn mark_with_views(step: &Trace, n: NodeId, saved_nodes: &HashSet<NodeId>, marked: &mut HashSet<NodeId>) {
+/// The forward view nodes of `step` that read each value as their
+/// source, indexed by value: what [`mark_with_views`] follows, built once
+/// so that marking stays linear in the nodes marked.
+fn forward_views(step: &Trace) -> Vec<Vec<NodeId>> {
+    let mut views = vec![Vec::new(); step.values.len()];
+    for (k, node) in step.nodes.iter().enumerate() {
+        if node.phase == Phase::Forward {
+            if let Some(i) = node.op.view_of() {
+                views[node.inputs[i].index()].push(NodeId(k as u32));
+            }
+        }
+    }
+    views
+}
+
+/// Marks `n` and the views of its outputs that backward reads (those in
+/// `saved_nodes`; `views` is [`forward_views`] of `step`): a view shares
+/// its source's bytes, so the source is freed only when they go too.
+fn mark_with_views(
+    step: &Trace,
+    views: &[Vec<NodeId>],
+    n: NodeId,
+    saved_nodes: &HashSet<NodeId>,
+    marked: &mut HashSet<NodeId>,
+) {
     let mut work = vec![n];
     while let Some(n) = work.pop() {
         if !marked.insert(n) {
             continue;
         }
-        let outs: HashSet<ValueId> = step.node(n).outputs.iter().copied().collect();
-        for (k, node) in step.nodes.iter().enumerate() {
-            let id = NodeId(k as u32);
-            if node.phase == Phase::Forward
-                && saved_nodes.contains(&id)
-                && node.op.view_of().is_some_and(|i| outs.contains(&node.inputs[i]))
-            {
-                work.push(id);
-            }
+        for o in &step.node(n).outputs {
+            work.extend(views[o.index()].iter().filter(|v| saved_nodes.contains(v)));
         }
     }
 }
@@ -432,7 +450,7 @@ fn report(
     for &(orig, n) in emitted {
         let node = new.node(n);
         let f = node_flops(new, n);
-        flops += f;
+        flops = flops.saturating_add(f);
         seconds += roofline(new, n).seconds();
         recomputed.push(RecomputedNode {
             node: n.index(),
@@ -467,6 +485,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
         RecomputePolicy::Auto => {
             let saved = kept_values(step);
             let saved_nodes = saved_producers(step);
+            let views = forward_views(step);
             let mut marked = HashSet::new();
             for &n in &saved_nodes {
                 // Cheap by the roofline, not by op: every pointwise op and
@@ -478,7 +497,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                 let cheap = cost_class(&step.node(n).op).is_some() && roofline(step, n).memory_bound();
                 // Views free nothing on their own: they go with their source.
                 if cheap && step.node(n).op.view_of().is_none() && inputs_kept(step, n, &saved, &HashSet::new()) {
-                    mark_with_views(step, n, &saved_nodes, &mut marked);
+                    mark_with_views(step, &views, n, &saved_nodes, &mut marked);
                 }
             }
             if marked.is_empty() {
@@ -501,6 +520,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
             }
             let saved = kept_values(step);
             let saved_nodes = saved_producers(step);
+            let views = forward_views(step);
             let mut marked: HashSet<NodeId> = HashSet::new();
             let mut current = (step.clone(), base_plan, Vec::new());
             let mut best_peak = before;
@@ -544,8 +564,9 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                             .max()
                             .unwrap_or(CostClass::Product);
                         let compute_bound = nodes.iter().any(|&m| !roofline(step, m).memory_bound());
-                        let flops: u64 = nodes.iter().map(|&m| node_flops(step, m)).sum();
-                        let bytes: u64 = step.node(n).outputs.iter().map(|&o| step.ty(o).bytes()).sum();
+                        let flops = nodes.iter().fold(0u64, |acc, &m| acc.saturating_add(node_flops(step, m)));
+                        let bytes =
+                            step.node(n).outputs.iter().fold(0u64, |acc, &o| acc.saturating_add(step.ty(o).bytes()));
                         Candidate {
                             compute_bound,
                             class,
@@ -574,7 +595,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                 same.sort_by_key(|c| c.node);
                 for c in same.iter().take(same.len().div_ceil(2)) {
                     for &m in &c.nodes {
-                        mark_with_views(step, m, &needed, &mut marked);
+                        mark_with_views(step, &views, m, &needed, &mut marked);
                     }
                 }
                 let (new, emitted) = rewrite(step, &marked)?;

@@ -20,6 +20,10 @@
 //                     V* v_out, i64 n, i64 lr_f64, i64 step_f64,
 //                     double beta1, double beta2, double eps, double wd)
 // 1-D grid-stride loop, blockDim.x = 256. m and v are each P or f32.
+// `adamw_vec_<p>_<m>_<v>` takes the same arguments for tensors whose every
+// address is 16-byte aligned (the lowering checks) and updates 8 consecutive
+// elements per thread and iteration with 16-byte loads and stores: launch
+// it over n / 8 threads.
 // lr and step are one-element device tensors (f32, or f64 where the flag
 // is 1) read inside the kernel, so a captured graph replays with the values
 // written before each step. Outputs may alias their inputs (p_out = p,
@@ -81,40 +85,114 @@ __device__ __forceinline__ Coefs<A> coefs(const void* lr_p, i64 lr_f64, const vo
     return c;
 }
 
+// One element's update: the parameter, first and second moment as stored.
+template <typename P, typename M, typename V>
+__device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, acc_t<P> pi0, acc_t<M> mi0,
+                                        acc_t<V> vi0, acc_t<P>& p_new, acc_t<M>& m_new, acc_t<V>& v_new) {
+    typedef acc_t<P> A;
+    typedef acc_t<M> AM;
+    typedef acc_t<V> AV;
+    if (!c.valid) {
+        p_new = pi0;
+        m_new = mi0;
+        v_new = vi0;
+        return;
+    }
+    A pi = mul_rn(pi0, c.decay);
+    A mi = lerp((A)mi0, gi, c.w1);
+    A vi = add_rn(mul_rn((A)vi0, c.beta2), mul_rn(mul_rn(c.w2, gi), gi));
+    // The moments as stored: the parameter update reads the state it
+    // leaves behind, as PyTorch's in-place ops do.
+    m_new = stored((const M*)nullptr, (AM)mi);
+    v_new = stored((const V*)nullptr, (AV)vi);
+    A denom = add_rn(div_rn(sqrt_rn((A)v_new), c.bc2_sqrt), c.eps);
+    p_new = add_rn(pi, div_rn(mul_rn(c.neg_step_size, (A)m_new), denom));
+}
+
+// The block's coefficients, computed by one thread (two f64 pows); the grid
+// is capped, so this is a handful per step.
+template <typename A>
+__device__ __forceinline__ Coefs<A> block_coefs(const void* lr, i64 lr_f64, const void* step, i64 step_f64,
+                                                double beta1, double beta2, double eps, double wd) {
+    __shared__ Coefs<A> shared_c;
+    if (threadIdx.x == 0) shared_c = coefs<A>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+    __syncthreads();
+    return shared_c;
+}
+
 template <typename P, typename M, typename V>
 __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step,
                                        P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,
                                        double beta2, double eps, double wd) {
-    typedef acc_t<P> A;
-    typedef acc_t<M> AM;
-    typedef acc_t<V> AV;
-    // One thread per block computes the coefficients (two f64 pows) for the
-    // whole block; the grid is capped, so this is a handful per step.
-    __shared__ Coefs<A> shared_c;
-    if (threadIdx.x == 0) shared_c = coefs<A>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
-    __syncthreads();
-    const Coefs<A> c = shared_c;
+    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        A gi = load(g, i), pi0 = load(p, i);
-        AM mi0 = load(m, i);
-        AV vi0 = load(v, i);
-        if (!c.valid) {
-            store(p_out, i, pi0);
-            store(m_out, i, mi0);
-            store(v_out, i, vi0);
-            continue;
+        acc_t<P> pn;
+        acc_t<M> mn;
+        acc_t<V> vn;
+        element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
+        store(m_out, i, mn);
+        store(v_out, i, vn);
+        store(p_out, i, pn);
+    }
+}
+
+// kVec consecutive elements of T, moved as 16-byte words.
+constexpr int kVec = 8;
+template <typename T> struct Run {
+    static constexpr int W = (int)sizeof(T) * kVec / 16;
+    uint4 w[W];
+    __device__ __forceinline__ void read(const T* base, i64 j) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) w[k] = reinterpret_cast<const uint4*>(base)[j * W + k];
+    }
+    __device__ __forceinline__ void write(T* base, i64 j) const {
+#pragma unroll
+        for (int k = 0; k < W; ++k) reinterpret_cast<uint4*>(base)[j * W + k] = w[k];
+    }
+    __device__ __forceinline__ T* e() { return reinterpret_cast<T*>(w); }
+};
+
+// `update` for 16-byte-aligned tensors: each thread updates kVec
+// consecutive elements per iteration with 16-byte loads and stores (the
+// same arithmetic per element, so the same bits), the last n mod kVec
+// element by element.
+template <typename P, typename M, typename V>
+__device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, const V* v, const void* lr,
+                                           const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,
+                                           i64 step_f64, double beta1, double beta2, double eps, double wd) {
+    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+    const i64 runs = n / kVec;
+    const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    for (i64 j = first; j < runs; j += stride) {
+        Run<P> rp, rg;
+        Run<M> rm;
+        Run<V> rv;
+        rp.read(p, j);
+        rg.read(g, j);
+        rm.read(m, j);
+        rv.read(v, j);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+            acc_t<P> pn;
+            acc_t<M> mn;
+            acc_t<V> vn;
+            element<P, M, V>(c, load(rg.e(), k), load(rp.e(), k), load(rm.e(), k), load(rv.e(), k), pn, mn, vn);
+            store(rm.e(), k, mn);
+            store(rv.e(), k, vn);
+            store(rp.e(), k, pn);
         }
-        A pi = mul_rn(pi0, c.decay);
-        A mi = lerp((A)mi0, gi, c.w1);
-        A vi = add_rn(mul_rn((A)vi0, c.beta2), mul_rn(mul_rn(c.w2, gi), gi));
-        // The moments as stored: the parameter update reads the state it
-        // leaves behind, as PyTorch's in-place ops do.
-        AM ms = stored(m, (AM)mi);
-        AV vs = stored(v, (AV)vi);
-        A denom = add_rn(div_rn(sqrt_rn((A)vs), c.bc2_sqrt), c.eps);
-        store(m_out, i, ms);
-        store(v_out, i, vs);
-        store(p_out, i, add_rn(pi, div_rn(mul_rn(c.neg_step_size, (A)ms), denom)));
+        rm.write(m_out, j);
+        rv.write(v_out, j);
+        rp.write(p_out, j);
+    }
+    for (i64 i = runs * kVec + first; i < n; i += stride) {
+        acc_t<P> pn;
+        acc_t<M> mn;
+        acc_t<V> vn;
+        element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
+        store(m_out, i, mn);
+        store(v_out, i, vn);
+        store(p_out, i, pn);
     }
 }
 
@@ -127,6 +205,13 @@ __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const
                                    double beta2, double eps, double wd) {                                             \
         sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,       \
                                   eps, wd);                                                                           \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        adamw_vec_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr,               \
+                                       const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,            \
+                                       i64 step_f64, double beta1, double beta2, double eps, double wd) {            \
+        sg_adamw::update_vec<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,   \
+                                      eps, wd);                                                                       \
     }
 
 // Moments in the parameter's dtype or in f32, each independently.

@@ -48,6 +48,17 @@ __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(
 __device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
 __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
+// 16 bytes of T (8 bf16/f16, 4 f32, 2 f64) moved as one load or store, for
+// the kernels' contiguous fast paths; the caller guarantees 16-byte alignment.
+template <typename T> struct Pack16 {
+    static constexpr int N = 16 / sizeof(T);
+    uint4 bits;
+    __device__ __forceinline__ const T* elems() const { return reinterpret_cast<const T*>(&bits); }
+    __device__ __forceinline__ T* elems() { return reinterpret_cast<T*>(&bits); }
+    __device__ __forceinline__ void read(const T* base, i64 j) { bits = reinterpret_cast<const uint4*>(base)[j]; }
+    __device__ __forceinline__ void write(T* base, i64 j) const { reinterpret_cast<uint4*>(base)[j] = bits; }
+};
+
 // Instantiates macro M(suffix, storage type) for every float dtype.
 #define SG_FOR_EACH_FLOAT(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half) M(f64, double)
 

@@ -10,6 +10,12 @@
 //   (p is pow's exponent, ignored by the others);
 // - `<f>_backward_<dt>(const T* x, const T* g, T* y, i64 n, double p)`;
 // - `<add|sub|mul|div>_<dt>(const T* a, const T* b, T* y, i64 n, BinaryShape s)`;
+// - `<add|sub|mul|div>_vec_<dt>(const T* a, const T* b, T* y, i64 n)`: the
+//   same map for operands of the output's shape, contiguous, every address
+//   16-byte aligned (the lowering checks): each thread moves 16 bytes per
+//   operand per iteration (8 bf16/f16, 4 f32, 2 f64), the last n mod that
+//   element by element. The same formula per element, so the same bits;
+//   launch over n / (16 / sizeof(T)) threads;
 // - `cast_<src>_<dst>(const S* x, D* y, i64 n)`.
 // In-place: y may equal x (unary), g (unary backward) or an input of the
 // output's shape (binary). Every thread reads element i of its inputs before
@@ -165,6 +171,21 @@ __device__ __forceinline__ void binary_loop(const T* a, const T* b, T* y, i64 n,
     }
 }
 
+template <int F, typename T> __device__ __forceinline__ void binary_vec(const T* a, const T* b, T* y, i64 n) {
+    typedef Pack16<T> P;
+    const i64 packs = n / P::N;
+    const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    for (i64 j = first; j < packs; j += stride) {
+        P pa, pb, py;
+        pa.read(a, j);
+        pb.read(b, j);
+#pragma unroll
+        for (int k = 0; k < P::N; ++k) store(py.elems(), k, binary_eval<F>(load(pa.elems(), k), load(pb.elems(), k)));
+        py.write(y, j);
+    }
+    for (i64 i = packs * P::N + first; i < n; i += stride) store(y, i, binary_eval<F>(load(a, i), load(b, i)));
+}
+
 }  // namespace sg_ew
 
 // A grid-stride loop over [0, n).
@@ -220,6 +241,10 @@ SG_FOR_EACH_FLOAT(SG_UNARY_ALL)
             sg_ew::binary_loop<sg_ew::F, unsigned int>(a, b, y, n, s);           \
         else                                                                     \
             sg_ew::binary_loop<sg_ew::F, unsigned long long>(a, b, y, n, s);     \
+    }                                                                            \
+    extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                  \
+        name##_vec_##dt(const T* a, const T* b, T* y, i64 n) {                   \
+        sg_ew::binary_vec<sg_ew::F, T>(a, b, y, n);                              \
     }
 
 #define SG_BINARY_ALL(dt, T)   \

@@ -13,6 +13,13 @@
 // 32 lane sums of a column are added by a fixed tree in shared memory. The
 // order depends only on the shape, so every run gives the same bits.
 //
+// `rms_norm_vec_*` and `rms_norm_backward_vec_*` take the row kernels'
+// arguments for rows of whole 16-byte packs, every address 16-byte aligned
+// (the lowering checks, and that blockDim.x · NORM_VEC_PACKS covers a row):
+// each thread keeps its packs of the row in registers between the two
+// passes, so the row is read from memory once, 16 bytes per load. Each
+// element's formula is the row kernel's; the sum's grouping differs.
+//
 // Statistics (mean, rstd and their cotangents) are stored in acc_t<T>,
 // which is the op's stat dtype (f32, or f64 for f64 data).
 
@@ -68,6 +75,102 @@ __device__ void rms_norm_backward_rows(const T* __restrict__ x, const T* __restr
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) {
             const A xv = load(xr, k), g = load(gr, k);
             store(or_, k, rs * load(w, k) * g - xv * coef);
+        }
+    }
+}
+
+#define NORM_VEC_PACKS 4  // 16-byte packs of a row a vec-kernel thread holds
+
+template <typename T>
+__device__ void rms_norm_rows_vec(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                                  acc_t<T>* __restrict__ rstd, i64 rows, i64 cols, double eps) {
+    typedef acc_t<T> A;
+    typedef Pack16<T> P;
+    __shared__ A scratch[32];
+    const A n = row_count<A>(cols), e = (A)eps;
+    const int packs = (int)(cols / P::N);
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        P px[NORM_VEC_PACKS];
+        A ss = A(0);
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j < packs) px[u].read(x + r * cols, j);
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j < packs)
+#pragma unroll
+                for (int k = 0; k < P::N; ++k) {
+                    const A v = load(px[u].elems(), k);
+                    ss += v * v;
+                }
+        }
+        ss = block_sum(ss, scratch);
+        const A inv = A(1) / sqrt(ss / n + e);
+        if (threadIdx.x == 0) rstd[r] = inv;
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j >= packs) continue;
+            P pw, py;
+            pw.read(w, j);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k)
+                store(py.elems(), k, load(px[u].elems(), k) * inv * load(pw.elems(), k));
+            py.write(y + r * cols, j);
+        }
+    }
+}
+
+template <typename T>
+__device__ void rms_norm_backward_rows_vec(const T* __restrict__ x, const T* __restrict__ w,
+                                           const acc_t<T>* __restrict__ rstd, const T* __restrict__ gy,
+                                           const acc_t<T>* __restrict__ grstd, int has_grstd, T* __restrict__ gx,
+                                           i64 rows, i64 cols) {
+    typedef acc_t<T> A;
+    typedef Pack16<T> P;
+    __shared__ A scratch[32];
+    const A n = row_count<A>(cols);
+    const int packs = (int)(cols / P::N);
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        P px[NORM_VEC_PACKS], pg[NORM_VEC_PACKS];
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j < packs) {
+                px[u].read(x + r * cols, j);
+                pg[u].read(gy + r * cols, j);
+            }
+        }
+        A dot = A(0);
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j >= packs) continue;
+            P pw;
+            pw.read(w, j);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k)
+                dot += load(px[u].elems(), k) * load(pw.elems(), k) * load(pg[u].elems(), k);
+        }
+        dot = block_sum(dot, scratch);
+        const A rs = rstd[r];
+        const A gs = has_grstd ? grstd[r] : A(0);
+        const A coef = rs * rs * rs * (dot + gs) / n;
+#pragma unroll
+        for (int u = 0; u < NORM_VEC_PACKS; ++u) {
+            const int j = threadIdx.x + u * blockDim.x;
+            if (j >= packs) continue;
+            P pw, po;
+            pw.read(w, j);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k) {
+                const A xv = load(px[u].elems(), k), g = load(pg[u].elems(), k);
+                store(po.elems(), k, rs * load(pw.elems(), k) * g - xv * coef);
+            }
+            po.write(gx + r * cols, j);
         }
     }
 }
@@ -204,6 +307,15 @@ __device__ void layer_norm_backward_gwb_cols(const T* __restrict__ x, const acc_
         rms_norm_backward_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                       \
                                 const acc_t<T>* grstd, int has_grstd, T* gx, i64 rows, i64 cols) {               \
         rms_norm_backward_rows<T>(x, w, rstd, gy, grstd, has_grstd, gx, rows, cols);                              \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(1024)                                                            \
+        rms_norm_vec_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) {        \
+        rms_norm_rows_vec<T>(x, w, y, rstd, rows, cols, eps);                                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(1024)                                                            \
+        rms_norm_backward_vec_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                   \
+                                    const acc_t<T>* grstd, int has_grstd, T* gx, i64 rows, i64 cols) {           \
+        rms_norm_backward_rows_vec<T>(x, w, rstd, gy, grstd, has_grstd, gx, rows, cols);                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_TILE * NORM_ROW_LANES)                                  \
         rms_norm_backward_gw_##sfx(const T* x, const acc_t<T>* rstd, const T* gy, T* gw, i64 rows, i64 cols) {   \

@@ -14,16 +14,19 @@
 //
 // `rope_<dtype>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled,
 // factor, low_freq_factor, high_freq_factor, original_max_pos)`: one
-// block per (b, t) row of heads·dim elements (grid-striding over the B·T
-// rows), blockDim.x a multiple of 32. The block computes the angles of its
-// position into shared memory, ROPE_CHUNK pairs at a time, and every head of
-// the row reads them, so the double-precision trigonometry runs once per
-// (position, pair) rather than once per head.
+// block per position t (grid-striding over the seq positions), which
+// rotates the rows (b, t) of heads·dim elements of every b; a 2-D block,
+// blockDim.x (a multiple of 32) over the pairs of a head, blockDim.y over
+// batch rows and heads, at most 1024 threads in all. The block computes the angles of its
+// position into shared memory, ROPE_CHUNK pairs at a time, and every head
+// of every batch row reads them, so the double-precision trigonometry runs
+// once per (position, pair) rather than once per head and batch row.
 //
 // In place (y == x) is correct: one thread reads both elements of a pair
 // before it writes either, and no other thread touches that pair.
 
 #define ROPE_CHUNK 256  // pairs whose angles the block holds at once
+#define ROPE_UNROLL 4   // pairs a thread loads before it stores any
 
 // Llama-3.x frequency scaling of the inverse frequency `f`.
 __device__ double llama3_inv_freq(double f, double factor, double low_freq_factor, double high_freq_factor,
@@ -49,29 +52,34 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
     const int row = heads * dim;
     const int half = n_rot / 2;  // 0 for n_rot in {0, 1}
     const double sign = inverse ? -1.0 : 1.0;
-    for (i64 bt = blockIdx.x; bt < bt_rows; bt += gridDim.x) {
-        const i64 t = bt % seq;
-        const T* xr = x + bt * (i64)row;
-        T* yr = y + bt * (i64)row;
+    // The block is 2-D for the rotation (x: pairs of a head, y: heads and
+    // batch rows); the other loops see it flat.
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+    const i64 batch = seq > 0 ? bt_rows / seq : 0;
+    for (i64 t = blockIdx.x; t < seq; t += gridDim.x) {
         if (n_rot == 1) {
             // The head-size-1 quirk: a diagonal scaling by cos t − sin t.
             const double freq =
                 scaled ? llama3_inv_freq(1.0, factor, low_freq_factor, high_freq_factor, old_context) : 1.0;
             const double theta = (double)t * freq;
             const A f = (A)(cos(theta) - sin(theta));
-            for (int k = threadIdx.x; k < row; k += blockDim.x) {
-                if (k % dim == 0)
-                    store(yr, k, load(xr, k) * f);
-                else if (x != y)
-                    yr[k] = xr[k];
+            for (i64 b = 0; b < batch; ++b) {
+                const T* xr = x + (b * seq + t) * (i64)row;
+                T* yr = y + (b * seq + t) * (i64)row;
+                for (int k = tid; k < row; k += nthreads) {
+                    if (k % dim == 0)
+                        store(yr, k, load(xr, k) * f);
+                    else if (x != y)
+                        yr[k] = xr[k];
+                }
             }
             continue;
         }
         for (int c0 = 0; c0 < half; c0 += ROPE_CHUNK) {
             const int cn = min(half - c0, ROPE_CHUNK);
-            // The previous chunk (or row) is done with the table before it is refilled.
+            // The previous chunk (or position) is done with the table before it is refilled.
             __syncthreads();
-            for (int i = threadIdx.x; i < cn; i += blockDim.x) {
+            for (int i = tid; i < cn; i += nthreads) {
                 double freq = pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
                 if (scaled) freq = llama3_inv_freq(freq, factor, low_freq_factor, high_freq_factor, old_context);
                 const double theta = (double)t * freq;
@@ -79,21 +87,46 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
                 sn_tab[i] = (A)(sign * sin(theta));
             }
             __syncthreads();
-            for (int k = threadIdx.x; k < heads * cn; k += blockDim.x) {
-                const int h = k / cn, j = k - h * cn;
-                const int i0 = h * dim + c0 + j, i1 = i0 + half;
-                const A a = load(xr, i0), b = load(xr, i1);
+            // Every pair of every head of every batch row at this position:
+            // lane x takes pair j of the chunk, lanes y the heads of each
+            // batch row, ROPE_UNROLL heads at a time with all their loads
+            // issued before any store. A pair is read and written by one
+            // thread only, so in place stays correct; no division per pair.
+            for (int j = threadIdx.x; j < cn; j += blockDim.x) {
                 const A cs = cs_tab[j], sn = sn_tab[j];
-                store(yr, i0, a * cs - b * sn);
-                store(yr, i1, b * cs + a * sn);
+                for (i64 b = 0; b < batch; ++b) {
+                    const i64 base_at = (b * seq + t) * (i64)row + c0 + j;
+                    for (int h0 = threadIdx.y; h0 < heads; h0 += ROPE_UNROLL * blockDim.y) {
+                        A a[ROPE_UNROLL], b2[ROPE_UNROLL];
+#pragma unroll
+                        for (int u = 0; u < ROPE_UNROLL; ++u) {
+                            const int h = h0 + u * blockDim.y;
+                            if (h < heads) {
+                                a[u] = load(x, base_at + h * dim);
+                                b2[u] = load(x, base_at + h * dim + half);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < ROPE_UNROLL; ++u) {
+                            const int h = h0 + u * blockDim.y;
+                            if (h >= heads) continue;
+                            store(y, base_at + h * dim, a[u] * cs - b2[u] * sn);
+                            store(y, base_at + h * dim + half, b2[u] * cs + a[u] * sn);
+                        }
+                    }
+                }
             }
         }
         // Dimensions [n_rot, dim) pass through bit for bit; in place they already hold x.
         const int pass = dim - n_rot;
         if (x != y && pass > 0)
-            for (int k = threadIdx.x; k < heads * pass; k += blockDim.x) {
-                const int h = k / pass, d = n_rot + (k - h * pass);
-                yr[h * dim + d] = xr[h * dim + d];
+            for (i64 b = 0; b < batch; ++b) {
+                const T* xr = x + (b * seq + t) * (i64)row;
+                T* yr = y + (b * seq + t) * (i64)row;
+                for (int k = tid; k < heads * pass; k += nthreads) {
+                    const int h = k / pass, d = n_rot + (k - h * pass);
+                    yr[h * dim + d] = xr[h * dim + d];
+                }
             }
     }
 }

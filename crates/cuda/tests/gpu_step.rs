@@ -1,7 +1,11 @@
 //! Whole steps on the GPU against the CPU backend: loss and every gradient of
-//! the tiny models (f32 and bf16, grads and train), graph replay equal to
-//! eager bit for bit over 5 training steps, the memory report against the
-//! plan, and a step that does not fit refused before any allocation.
+//! the tiny models (f32 and bf16, grads and train), as built plainly and as
+//! the pipeline compiles them (recomputation by default and to the least
+//! budget, with MLP row tiles, AdamW in backward); graph replay equal to
+//! eager bit for bit over 5 training steps, including a replay right after
+//! the eager step that preceded capture, without new inputs (as `bench` and
+//! `train` do); the memory report against the plan, and a step that does
+//! not fit refused before any allocation.
 //! Run on a GPU machine with `scripts/gpu-test.sh`.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
@@ -10,7 +14,9 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
-use stepgraph_core::plan::{plan, PlanOptions};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions};
+use stepgraph_core::recompute::RecomputePolicy;
 use stepgraph_core::testing::max_rel_diff;
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
@@ -53,18 +59,61 @@ fn step_inputs(step: &Trace, sp: &ModelSpec, it: usize, mut write: impl FnMut(&s
     }
 }
 
+/// How a test builds its step.
+#[derive(Copy, Clone, Debug)]
+enum Build {
+    /// `build_step` and `plan`: no recomputation, the optimizer after backward.
+    Plain,
+    /// The pipeline's defaults: cheap values recomputed, AdamW in backward.
+    Default,
+    /// The pipeline under the least budget it can meet (MLP row tiles and
+    /// every recomputation class the budget needs).
+    LeastBudget,
+}
+
+/// The step trace and its plan for `sp`, built as `how` says.
+fn build(sp: &ModelSpec, kind: StepKind, how: Build) -> (Trace, Trace, MemoryPlan) {
+    let fwd = build_forward(sp).unwrap();
+    match how {
+        Build::Plain => {
+            let step = build_step(&fwd, kind, &TrainOptions::default()).unwrap();
+            let p = plan(&step, PlanOptions::default()).unwrap();
+            (fwd, step, p)
+        }
+        Build::Default | Build::LeastBudget => {
+            let mut opts = StepOptions::new(kind);
+            if let Build::LeastBudget = how {
+                // One byte cannot be met; the error names the least budget that can.
+                opts.recompute = RecomputePolicy::Budget(1);
+                match compile_step(sp, &opts) {
+                    Err(stepgraph_core::Error::MemoryBudget { least, .. }) => {
+                        opts.recompute = RecomputePolicy::Budget(least)
+                    }
+                    other => panic!("a one-byte budget: {other:?}"),
+                }
+            }
+            let c = compile_step(sp, &opts).unwrap();
+            (c.forward, c.step, c.plan)
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn tiny_models_match_the_cpu() {
     let _ = GPU;
-    for (name, dtype, tol) in
-        [("tiny-llama", DType::F32, 1e-4), ("tiny-neox", DType::F32, 1e-4), ("tiny-llama", DType::BF16, 3e-2)]
-    {
+    for (name, dtype, tol, how) in [
+        ("tiny-llama", DType::F32, 1e-4, Build::Plain),
+        ("tiny-neox", DType::F32, 1e-4, Build::Plain),
+        ("tiny-llama", DType::BF16, 3e-2, Build::Plain),
+        ("tiny-llama", DType::F32, 1e-4, Build::Default),
+        ("tiny-llama", DType::F32, 1e-4, Build::LeastBudget),
+        ("tiny-neox", DType::F32, 1e-4, Build::LeastBudget),
+        ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget),
+    ] {
         for kind in [StepKind::Grads, StepKind::Train] {
             let sp = spec(name, dtype);
-            let fwd = build_forward(&sp).unwrap();
-            let step = build_step(&fwd, kind, &TrainOptions::default()).unwrap();
-            let p = plan(&step, PlanOptions::default()).unwrap();
+            let (fwd, step, p) = build(&sp, kind, how);
             let mut cpu = CpuSession::new(step.clone(), p.clone()).unwrap();
             let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
             init(&step, &fwd, 1, |n, t| cpu.write_named(n, t).unwrap());
@@ -75,7 +124,10 @@ fn tiny_models_match_the_cpu() {
                 cpu.run_eager().unwrap();
                 gpu.run_eager().unwrap();
                 let (lc, lg) = (cpu.loss().unwrap(), gpu.loss().unwrap());
-                assert!((lc - lg).abs() <= tol * lc.abs(), "{name} {dtype} {kind:?} step {it}: loss cpu {lc} gpu {lg}");
+                assert!(
+                    (lc - lg).abs() <= tol * lc.abs(),
+                    "{name} {dtype} {kind:?} {how:?} step {it}: loss cpu {lc} gpu {lg}"
+                );
                 let mut checked = 0;
                 for o in step.outputs.iter().map(|o| o.value).chain(step.updates.iter().map(|u| u.state)) {
                     // Softmax ignores a constant added to every key, so the key
@@ -91,7 +143,11 @@ fn tiny_models_match_the_cpu() {
                     // gradient's size, so gradients equal to rounding become weight
                     // differences of ~lr·(relative gradient error): allow 1e-3 there.
                     let tol = if step.value(o).kind.is_leaf() { tol.max(1e-3) } else { tol };
-                    assert!(err <= tol, "{name} {dtype} {kind:?} step {it}: {} differs by {err:e}", step.describe(o));
+                    assert!(
+                        err <= tol,
+                        "{name} {dtype} {kind:?} {how:?} step {it}: {} differs by {err:e}",
+                        step.describe(o)
+                    );
                     checked += 1;
                 }
                 assert!(checked > 10);
@@ -103,17 +159,29 @@ fn tiny_models_match_the_cpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn graph_replay_equals_eager_bit_for_bit() {
-    for (name, dtype) in [("tiny-llama", DType::F32), ("tiny-llama", DType::BF16), ("tiny-neox", DType::F32)] {
+    for (name, dtype, how) in [
+        ("tiny-llama", DType::F32, Build::Plain),
+        ("tiny-llama", DType::BF16, Build::Plain),
+        ("tiny-neox", DType::F32, Build::Plain),
+        ("tiny-llama", DType::BF16, Build::Default),
+        ("tiny-llama", DType::F32, Build::LeastBudget),
+        ("tiny-neox", DType::BF16, Build::LeastBudget),
+    ] {
         let sp = spec(name, dtype);
-        let fwd = build_forward(&sp).unwrap();
-        let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
+        let (fwd, step, p) = build(&sp, StepKind::Train, how);
         let run = |graph: bool| -> Vec<Vec<u8>> {
-            let p = plan(&step, PlanOptions::default()).unwrap();
-            let mut s = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
+            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::default()).unwrap();
             init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
             let mut out = Vec::new();
             for it in 1..=5 {
                 step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
+                // Step 1 runs twice, the second time without new inputs: in
+                // graph mode that is the eager step before capture and the
+                // first replay after it, as `bench` and `train` run them.
+                if it == 1 {
+                    s.run_eager().unwrap();
+                    out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
+                }
                 if graph {
                     s.replay().unwrap();
                 } else {
@@ -128,7 +196,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
         };
         let (eager, graph) = (run(false), run(true));
         assert_eq!(eager.len(), graph.len());
-        assert!(eager == graph, "{name} {dtype}: graph replay differs from eager");
+        assert!(eager == graph, "{name} {dtype} {how:?}: graph replay differs from eager");
     }
 }
 

@@ -19,6 +19,7 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use stepgraph_core::cpu::memory::try_with_capacity;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_data::token_file::MAGIC;
@@ -118,15 +119,21 @@ impl ByteText {
         Ok(ByteText { path: path.to_path_buf(), text, split, batch, seq, seed, rng: ChaCha8Rng::seed_from_u64(seed) })
     }
 
-    fn windows(&self, offsets: impl Iterator<Item = usize>) -> Batch {
+    /// The batch of windows at `offsets`; host memory that cannot be
+    /// allocated for it is an error, not an abort.
+    fn windows(&self, offsets: impl Iterator<Item = usize>) -> Result<Batch> {
         let ty = TensorType::new(DType::I32, [self.batch, self.seq]);
-        let mut tokens = Vec::with_capacity(self.batch * self.seq);
-        let mut targets = Vec::with_capacity(self.batch * self.seq);
+        let what = "a training batch";
+        let mut tokens = try_with_capacity(self.batch * self.seq, what)?;
+        let mut targets = try_with_capacity(self.batch * self.seq, what)?;
         for o in offsets {
             tokens.extend(self.text[o..o + self.seq].iter().map(|&b| b as f64));
             targets.extend(self.text[o + 1..o + self.seq + 1].iter().map(|&b| b as f64));
         }
-        Batch { tokens: HostTensor::from_f64(ty.clone(), &tokens), targets: HostTensor::from_f64(ty, &targets) }
+        Ok(Batch {
+            tokens: HostTensor::try_from_f64(ty.clone(), &tokens, "a batch's token ids")?,
+            targets: HostTensor::try_from_f64(ty, &targets, "a batch's targets")?,
+        })
     }
 }
 
@@ -134,7 +141,7 @@ impl TrainData for ByteText {
     fn next_batch(&mut self) -> Result<Batch> {
         let last_start = self.split - self.seq - 1;
         let offsets: Vec<usize> = (0..self.batch).map(|_| self.rng.gen_range(0..last_start)).collect();
-        Ok(self.windows(offsets.into_iter()))
+        self.windows(offsets.into_iter())
     }
 
     fn validation_batches(&self, n: usize) -> Result<Vec<Batch>> {
@@ -145,9 +152,9 @@ impl TrainData for ByteText {
         }
         // Consecutive windows of the held-out text, wrapping around when
         // more are asked for than it holds.
-        Ok((0..n)
+        (0..n)
             .map(|b| self.windows((0..self.batch).map(|r| self.split + ((b * self.batch + r) % available) * window)))
-            .collect())
+            .collect()
     }
 
     fn cursor(&self) -> serde_json::Value {

@@ -68,9 +68,9 @@ use stepgraph_core::ir::{DType, OutputKind, Trace, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, SaveReport};
 use stepgraph_core::models::ModelSpec;
-use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
+use stepgraph_core::pipeline::{compile_step, compile_step_timed, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
-use stepgraph_core::session::{Session, SessionMemory};
+use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
 
@@ -317,7 +317,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         Some(dir) => Some(OutTarget::new(dir, args, &spec, pretrained.as_ref())?),
         None => None,
     };
-    spec.check()?;
+    spec.validate()?;
     let mut opts = optim.step_options(StepKind::Train, spec.dtype, args.zero1 && args.gpus.is_some_and(|g| g > 1))?;
     // The data before anything is compiled: a token id the model has no
     // embedding row for is refused here, naming the file. Its batches hold
@@ -359,7 +359,11 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
             (*rank, *world)
         }
     };
-    let compiled = compile_step(&spec, &opts)?;
+    let (compiled, compile_times) = compile_step_timed(&spec, &opts)?;
+    if role == Role::Cpu {
+        // Before any batch is drawn; the session checks again as it allocates.
+        stepgraph_core::cpu::memory::check_fits(compiled.plan.planned_peak_bytes(), "the planned training step")?;
+    }
     // The pretrained weights must fit the step's parameters (names, shapes,
     // dtypes that cast) before any session allocates device memory.
     if let Some(hf) = &pretrained {
@@ -417,7 +421,9 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
 
     let CompiledStep { step, plan, forward, .. } = compiled;
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
+    let opened = Instant::now();
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
+    let session_time = opened.elapsed();
     let peak = match &role {
         Role::Cpu => None,
         _ => device_name(rank).ok().and_then(|n| metrics::peak_flops(&n, spec.dtype)).map(|p| p * world as f64),
@@ -439,6 +445,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         grad_accum: opts.grad_accum,
     };
     let talk = rank == 0;
+    let weights_from = Instant::now();
     let start = match &resumed {
         Some((dir, state)) => {
             let opt = checkpoint::optimizer_file(if state.shards == 0 { None } else { Some((rank, state.shards)) });
@@ -455,6 +462,9 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     };
     // The shards' maps are not needed past the initial weights.
     drop(pretrained);
+    // Where the time before step 1 went: tracing, planning, the session
+    // (kernel load and GEMM tuning among its phases on a GPU), the weights.
+    let startup = StartupTimes::new(compile_times, session_time, session.startup_phases(), weights_from.elapsed());
     if talk {
         run.print_settings(
             &sources,
@@ -463,6 +473,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
             resumed.as_ref().map(|(d, s)| (d.as_path(), s.step, &s.schedule)),
         );
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
+        eprintln!("{startup}");
     }
     if let Some(dir) = &run.ckpt {
         if talk {
@@ -619,7 +630,7 @@ pub(crate) fn model_spec(model: &ModelArgs, init_from: Option<&Path>) -> Result<
         );
     }
     let hf = HfModelDir::open(dir).with_context(|| format!("--init-from {}", dir.display()))?;
-    Ok((model.spec_of(hf.config().clone()), Some(hf)))
+    Ok((model.spec_of(hf.config().clone())?, Some(hf)))
 }
 
 /// Writes the initial weights: with `--init-from`, the folder's tensors

@@ -8,6 +8,10 @@
 //! that list, the CPU analogue of a CUDA graph. Both run the same kernels on
 //! the same addresses and so give the same bits.
 //!
+//! Before allocating, a session refuses a plan larger than the host memory
+//! available, naming both numbers ([`memory`]); its buffers are allocated
+//! fallibly, so a failed allocation is an error rather than an abort.
+//!
 //! Between steps only step inputs are written and outputs read; token ids are
 //! checked against the tables and vocabularies that consume them before the
 //! step runs.
@@ -20,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cpu::comm::Communicator;
+use crate::cpu::memory;
 use crate::cpu::{KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
@@ -36,9 +41,13 @@ struct HostBuffer {
 
 impl HostBuffer {
     /// A buffer of `len` bytes filled with 0xFF (NaN for every float type),
-    /// so a kernel that reads memory it never wrote shows up in tests.
-    fn new(len: usize) -> Self {
-        HostBuffer { words: vec![[u64::MAX; 8]; len.div_ceil(64).max(1)], len }
+    /// so a kernel that reads memory it never wrote shows up in tests; an
+    /// allocation that fails is an error naming `what`.
+    fn new(len: u64, what: &str) -> Result<Self> {
+        // Within `usize` on every host that can hold a plan (the plan's
+        // sizes are at most 2^60); a 32-bit host refuses larger ones here.
+        let len = usize::try_from(len).map_err(|_| Error::Allocation { what: what.to_string(), bytes: len })?;
+        Ok(HostBuffer { words: memory::try_vec(len.div_ceil(64).max(1), [u64::MAX; 8], what)?, len })
     }
 
     fn base(&mut self) -> *mut u8 {
@@ -67,15 +76,20 @@ pub struct CpuSession {
 }
 
 impl CpuSession {
-    /// Allocates host memory for `plan`.
+    /// Allocates host memory for `plan`, after refusing a plan larger than
+    /// the host memory available ([`memory::check_fits`]).
     pub fn new(trace: Trace, plan: MemoryPlan) -> Result<Self> {
         if plan.slots.len() != trace.values.len() {
             return Err(Error::Cpu("the plan does not belong to this trace".into()));
         }
+        memory::check_fits(plan.planned_peak_bytes(), &format!("the planned step `{}`", trace.name))?;
         let id_checks = id_checks(&trace);
         Ok(CpuSession {
-            persistent: HostBuffer::new(plan.persistent_bytes as usize),
-            arena: HostBuffer::new(plan.arena_bytes as usize),
+            persistent: HostBuffer::new(
+                plan.persistent_bytes,
+                "the persistent buffer (parameters and optimizer state)",
+            )?,
+            arena: HostBuffer::new(plan.arena_bytes, "the arena")?,
             trace,
             plan,
             launches: None,

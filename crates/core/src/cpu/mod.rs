@@ -14,6 +14,7 @@
 pub mod comm;
 pub mod exec;
 pub mod gemm;
+pub mod memory;
 
 use std::fmt::Debug;
 use std::iter::Sum;

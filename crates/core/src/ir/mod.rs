@@ -11,7 +11,11 @@
 //! - every non-leaf value is the output of exactly one node;
 //! - each node's output types are what its op's shape rule infers;
 //! - `saved` lists exactly the forward values that backward nodes read;
-//! - each state update pairs a leaf with a node value of the same type.
+//! - each state update pairs a leaf with a node value of the same type;
+//! - every value spans at most [`MAX_VALUE_BYTES`] with each zero
+//!   dimension counted as one ([`TensorType::check_size`]), so its element
+//!   count, its bytes and every partial product of its dimensions (a row, a
+//!   stride) fit their integer types: `numel()` and `bytes()` are exact.
 
 pub mod parse;
 pub mod print;
@@ -102,6 +106,12 @@ impl fmt::Display for DType {
     }
 }
 
+/// The most bytes one value may span (1 EiB, 2^60): what one memory plan
+/// can hold in all ([`crate::plan::MAX_PLAN_BYTES`]). The builder and the
+/// verifier refuse larger values, so sizes derived from a value's
+/// dimensions never overflow.
+pub const MAX_VALUE_BYTES: u64 = 1 << 60;
+
 /// A dtype and a static shape. A scalar has an empty shape.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct TensorType {
@@ -122,12 +132,53 @@ impl TensorType {
         self.shape.len()
     }
 
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+    /// The element count, or `None` when it passes `usize` (a shape with a
+    /// zero dimension has 0 elements, whatever the others are).
+    pub fn checked_numel(&self) -> Option<usize> {
+        if self.shape.contains(&0) {
+            return Some(0);
+        }
+        self.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
     }
 
+    /// The bytes, or `None` when they pass `u64`.
+    pub fn checked_bytes(&self) -> Option<u64> {
+        u64::try_from(self.checked_numel()?).ok()?.checked_mul(self.dtype.size() as u64)
+    }
+
+    /// The element count. Exact for every value of a trace (see
+    /// [`TensorType::check_size`]); for a type that no trace can hold it
+    /// saturates at `usize::MAX` instead of wrapping.
+    pub fn numel(&self) -> usize {
+        self.checked_numel().unwrap_or(usize::MAX)
+    }
+
+    /// The bytes. Exact for every value of a trace; for a type that no
+    /// trace can hold it saturates at `u64::MAX` instead of wrapping.
     pub fn bytes(&self) -> u64 {
-        self.numel() as u64 * self.dtype.size() as u64
+        self.checked_bytes().unwrap_or(u64::MAX)
+    }
+
+    /// Whether a value may have this type: its dimensions, each zero
+    /// counted as one, times the element size, are at most
+    /// [`MAX_VALUE_BYTES`]. Every partial product of the dimensions (a row,
+    /// a stride, a kernel's loop bound) is then at most that too. The error
+    /// says by how much it is too large.
+    pub fn check_size(&self) -> std::result::Result<(), String> {
+        let extent = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size() as u64, |acc, &d| acc.checked_mul(u64::try_from(d.max(1)).ok()?));
+        match extent {
+            Some(bytes) if bytes <= MAX_VALUE_BYTES => Ok(()),
+            _ if self.checked_numel() == Some(0) => Err(format!(
+                "{self}: its nonzero dimensions multiply past {MAX_VALUE_BYTES} bytes (2^60), the most one value may span"
+            )),
+            Some(bytes) => Err(format!(
+                "{self} has {bytes} bytes, more than {MAX_VALUE_BYTES} (2^60), the most one plan can hold"
+            )),
+            None => Err(format!("{self} has more than 2^64 bytes; one plan holds at most {MAX_VALUE_BYTES} (2^60)")),
+        }
     }
 
     pub fn with_dtype(&self, dtype: DType) -> Self {
@@ -347,6 +398,16 @@ impl Trace {
     }
 }
 
+/// How a leaf of `kind` is called in messages.
+fn leaf_kind_name(kind: &ValueKind) -> &'static str {
+    match kind {
+        ValueKind::Input { .. } => "input",
+        ValueKind::Param { .. } => "parameter",
+        ValueKind::State { .. } => "state",
+        ValueKind::Node(_) => "value",
+    }
+}
+
 /// Records ops on symbolic tensors into a [`Trace`], inferring every output type.
 pub struct Builder {
     trace: Trace,
@@ -390,10 +451,15 @@ impl Builder {
         self.trace.ty(v).dtype
     }
 
-    fn add_value(&mut self, ty: TensorType, kind: ValueKind) -> ValueId {
-        let id = ValueId(self.trace.values.len() as u32);
+    /// Appends a value whose type has passed [`TensorType::check_size`];
+    /// fails when value ids (32-bit) run out.
+    fn add_value(&mut self, ty: TensorType, kind: ValueKind) -> Result<ValueId> {
+        let id = u32::try_from(self.trace.values.len()).map_err(|_| Error::Size {
+            keys: vec![],
+            reason: format!("trace `{}` has more values than 2^32 ids", self.trace.name),
+        })?;
         self.trace.values.push(Value { ty, kind });
-        id
+        Ok(ValueId(id))
     }
 
     fn leaf(&mut self, kind: ValueKind, ty: TensorType) -> Result<ValueId> {
@@ -404,8 +470,12 @@ impl Builder {
         if self.leaf_names.contains(&name) {
             return Err(Error::op("leaf", format!("duplicate leaf name `{name}`")));
         }
+        ty.check_size().map_err(|reason| Error::Size {
+            keys: vec![],
+            reason: format!("{kind_name} `{name}`: {reason}", kind_name = leaf_kind_name(&kind)),
+        })?;
         self.leaf_names.insert(name);
-        Ok(self.add_value(ty, kind))
+        self.add_value(ty, kind)
     }
 
     /// A step input written by the host before each step.
@@ -445,9 +515,18 @@ impl Builder {
             let shown: Vec<String> = types.iter().map(|t| t.to_string()).collect();
             Error::op(op.name(), format!("{reason} (inputs: {})", shown.join(", ")))
         })?;
-        let node_id = NodeId(self.trace.nodes.len() as u32);
+        for t in &out_types {
+            t.check_size().map_err(|reason| Error::Size {
+                keys: vec![],
+                reason: format!("the output of `{}`: {reason}", op.name()),
+            })?;
+        }
+        let node_id = NodeId(u32::try_from(self.trace.nodes.len()).map_err(|_| Error::Size {
+            keys: vec![],
+            reason: format!("trace `{}` has more nodes than 2^32 ids", self.trace.name),
+        })?);
         let outputs: Vec<ValueId> =
-            out_types.into_iter().map(|t| self.add_value(t, ValueKind::Node(node_id))).collect();
+            out_types.into_iter().map(|t| self.add_value(t, ValueKind::Node(node_id))).collect::<Result<_>>()?;
         self.trace.nodes.push(Node { op, inputs: inputs.to_vec(), outputs: outputs.clone(), phase: self.phase });
         Ok(outputs)
     }

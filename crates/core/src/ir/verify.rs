@@ -8,6 +8,13 @@ use crate::ir::{OutputKind, Phase, Trace, ValueKind};
 pub fn verify(trace: &Trace) -> Result<()> {
     let fail = |reason: String| Error::Verify { trace: trace.name.clone(), reason };
     let n = trace.values.len();
+    if u32::try_from(n).is_err() {
+        return Err(fail(format!("{n} values, more than 2^32 ids can number")));
+    }
+    // Sizes first: the shape rules below multiply dimensions.
+    for v in trace.value_ids() {
+        trace.ty(v).check_size().map_err(|reason| fail(format!("{v}: {reason}")))?;
+    }
     let mut defined = vec![false; n];
     for v in trace.leaves() {
         defined[v.index()] = true;

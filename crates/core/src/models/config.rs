@@ -13,6 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ir::MAX_VALUE_BYTES;
 use crate::ops::rope::Llama3Scaling;
 
 /// The normalization used before attention, before the MLP and at the end.
@@ -113,6 +114,10 @@ pub struct Overrides {
     pub intermediate_size: Option<usize>,
 }
 
+/// The config keys a parameter count is made of.
+pub(crate) const PARAM_KEYS: [&str; 7] =
+    ["n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "intermediate_size", "padded_vocab_size"];
+
 /// One named config: its litgpt name, its Hugging Face repo id when it has
 /// one, and the function that builds it.
 struct Named {
@@ -151,6 +156,67 @@ impl Named {
             None => false,
         }
     }
+}
+
+impl Named {
+    /// Every spelling that names this config: its name, its repo id and
+    /// the repo's name, and its aliases.
+    fn spellings(&self) -> impl Iterator<Item = &'static str> + '_ {
+        let repo = self.hf_repo.into_iter().flat_map(|r| [r, r.rsplit('/').next().unwrap_or(r)]);
+        let aliases = ALIASES.iter().filter(|(_, c)| *c == self.name).map(|(a, _)| *a);
+        std::iter::once(self.name).chain(repo).chain(aliases)
+    }
+}
+
+/// Edit distance (insertions, deletions, substitutions) between `a` and
+/// `b`, ignoring ASCII case.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().map(|c| c.to_ascii_lowercase()).collect();
+    let b: Vec<char> = b.chars().map(|c| c.to_ascii_lowercase()).collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diagonal + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diagonal = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+/// The known config names closest to `name`, best first, at most three:
+/// those whose spellings (name, repo id, alias) are within a third of
+/// their length in edit distance ignoring case (at least 2), and those one
+/// contains the other of ignoring case (`llama-3` in `Meta-Llama-3-8B`).
+/// Empty when nothing is close.
+pub fn suggest_names(name: &str) -> Vec<&'static str> {
+    let lower = name.to_ascii_lowercase();
+    let base = lower.rsplit('/').next().unwrap_or(&lower).to_string();
+    let mut scored: Vec<(usize, &'static str)> = NAMED
+        .iter()
+        .filter_map(|named| {
+            let best = named
+                .spellings()
+                .filter_map(|s| {
+                    let s_lower = s.to_ascii_lowercase();
+                    let d = edit_distance(&base, &s_lower).min(edit_distance(&lower, &s_lower));
+                    let close = d <= (s.len() / 3).max(2);
+                    // A containment counts as close, ranked after near spellings.
+                    let contains = base.len() >= 3 && (s_lower.contains(&base) || base.contains(&s_lower));
+                    match (close, contains) {
+                        (true, _) => Some(d),
+                        (false, true) => Some(d + s.len()),
+                        _ => None,
+                    }
+                })
+                .min()?;
+            Some((best, named.name))
+        })
+        .collect();
+    scored.sort();
+    scored.into_iter().take(3).map(|(_, n)| n).collect()
 }
 
 /// The litgpt LLaMA layout every LLaMA-like named config starts from:
@@ -317,6 +383,79 @@ fn w3_llama() -> Config {
     }
 }
 
+/// The most transformer blocks a config may have (2^22). Value ids are
+/// 32-bit and a training step records hundreds of values per block, so a
+/// deeper model could not be numbered; far below that its trace would not
+/// fit in host memory either.
+pub const MAX_LAYERS: usize = 1 << 22;
+
+/// The most positions a sequence may have, `block_size` included: the GPU
+/// kernels count positions in 32-bit integers.
+pub const MAX_POSITIONS: usize = i32::MAX as usize;
+
+/// The most rows an embedding may have: token ids are `i32` step inputs,
+/// so ids from 0 to `i32::MAX`.
+pub const MAX_VOCAB: usize = 1 << 31;
+
+/// The size keys of a config, in declaration order.
+pub const SIZE_KEYS: [&str; 9] = [
+    "block_size",
+    "vocab_size",
+    "padded_vocab_size",
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "n_query_groups",
+    "head_size",
+    "intermediate_size",
+];
+
+/// The size keys a config error's text names (as whole words), for a
+/// caller that points at where they were set.
+pub fn keys_named_in(reason: &str) -> Vec<&'static str> {
+    let words: Vec<&str> = reason.split(|c: char| !(c.is_alphanumeric() || c == '_')).collect();
+    SIZE_KEYS.into_iter().filter(|k| words.contains(k)).collect()
+}
+
+/// One factor of a size: the config key (or batch field) and its value.
+pub(crate) type Factor = (&'static str, usize);
+
+/// `factors` multiplied, times `unit` bytes, if that fits in `u64`.
+fn product_bytes(factors: &[Factor], unit: u64) -> Option<u64> {
+    factors.iter().try_fold(unit, |acc, &(_, value)| acc.checked_mul(u64::try_from(value).ok()?))
+}
+
+/// `key value × key value ...`, how a size error shows what it is made of.
+pub(crate) fn show_factors(factors: &[Factor]) -> String {
+    factors.iter().map(|(key, value)| format!("{key} {value}")).collect::<Vec<_>>().join(" × ")
+}
+
+/// `key value, key value, ...`: the sizes something depends on.
+pub(crate) fn show_values(factors: &[Factor]) -> String {
+    factors.iter().map(|(key, value)| format!("{key} {value}")).collect::<Vec<_>>().join(", ")
+}
+
+/// Checks that `what`, of `factors` elements of `unit` bytes each, spans
+/// at most [`MAX_VALUE_BYTES`]; the [`Error::Size`] otherwise names the
+/// model, the keys and their values, and the bytes.
+pub(crate) fn check_bytes(model: &str, what: &str, factors: &[Factor], unit: u64) -> Result<u64> {
+    match product_bytes(factors, unit) {
+        Some(bytes) if bytes <= MAX_VALUE_BYTES => Ok(bytes),
+        bytes => Err(Error::Size {
+            keys: factors.iter().map(|(key, _)| *key).collect(),
+            reason: format!(
+                "model `{model}`: {what} ({}{}) {}",
+                show_factors(factors),
+                if unit > 1 { format!(" × {unit} bytes") } else { String::new() },
+                match bytes {
+                    Some(b) => format!("has {b} bytes, more than 2^60 ({MAX_VALUE_BYTES}), the most one plan can hold"),
+                    None => format!("has more than 2^64 bytes; one plan holds at most 2^60 ({MAX_VALUE_BYTES})"),
+                },
+            ),
+        }),
+    }
+}
+
 /// Whether `divisor` divides `n` exactly (false for a zero divisor).
 ///
 /// `checked_rem` rather than `usize::is_multiple_of`, which needs Rust 1.87
@@ -337,14 +476,30 @@ impl Config {
     /// Hugging Face repo id such as `Qwen/Qwen2.5-7B`, or one of the small
     /// configs `tiny-llama`, `tiny-neox` and `w3-llama`.
     ///
-    /// Any other name gives [`Error::UnknownModel`] listing the known names.
+    /// A name that matches none of these exactly is looked up again
+    /// ignoring case (`qwen2.5-7b`), and a repo id `org/name` by its
+    /// `name` (`unsloth/Qwen2.5-7B`), each when it picks one config. Any
+    /// other name gives [`Error::UnknownModel`] with the closest known
+    /// names ([`suggest_names`]) and every known one.
     pub fn named(name: &str) -> Result<Config> {
-        let target = ALIASES.iter().find(|(alias, _)| *alias == name).map_or(name, |(_, canonical)| *canonical);
-        NAMED
-            .iter()
-            .find(|named| named.matches(target))
-            .map(|named| (named.build)())
-            .ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: Self::known_names().join(", ") })
+        let canonical = |n: &str| ALIASES.iter().find(|(alias, _)| *alias == n).map_or(n, |(_, c)| *c).to_string();
+        let exact = |n: &str| NAMED.iter().find(|named| named.matches(&canonical(n)));
+        let base = name.rsplit('/').next().unwrap_or(name);
+        let found = exact(name).or_else(|| exact(base)).or_else(|| {
+            // Ignoring case: every spelling of every config that equals `name` or its base.
+            let mut hits = NAMED.iter().filter(|named| {
+                named.spellings().any(|s| s.eq_ignore_ascii_case(name) || s.eq_ignore_ascii_case(base))
+            });
+            match (hits.next(), hits.next()) {
+                (Some(one), None) => Some(one),
+                _ => None,
+            }
+        });
+        found.map(|named| (named.build)()).ok_or_else(|| Error::UnknownModel {
+            name: name.to_string(),
+            suggest: suggest_names(name).into_iter().map(str::to_string).collect(),
+            known: Self::known_names().join(", "),
+        })
     }
 
     /// The names of every named config, in a stable order. Their Hugging
@@ -375,7 +530,8 @@ impl Config {
     pub fn with_overrides(mut self, overrides: &Overrides) -> Result<Config> {
         let old_n_embd = self.n_embd;
         let was_mha = self.n_query_groups == self.n_head;
-        let gelu_derived_width = matches!(self.mlp, MlpKind::Gelu { .. }) && self.intermediate_size == 4 * old_n_embd;
+        let gelu_derived_width =
+            matches!(self.mlp, MlpKind::Gelu { .. }) && old_n_embd.checked_mul(4) == Some(self.intermediate_size);
 
         if let Some(n_layer) = overrides.n_layer {
             self.n_layer = n_layer;
@@ -394,8 +550,15 @@ impl Config {
             self.n_head = n_head;
         }
         if overrides.n_embd.is_some() || overrides.n_head.is_some() {
-            // A zero `n_head` or an `n_embd` it does not divide is reported
-            // by `validate` below, naming both numbers.
+            // A zero `n_head` is reported by `validate` below; an `n_embd`
+            // it does not divide here, before a head size of 0 (from a
+            // head count above the width) would be reported instead.
+            if self.n_head != 0 && !divides(self.n_head, self.n_embd) {
+                return Err(config_error(
+                    &self.name,
+                    format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head),
+                ));
+            }
             if let Some(head_size) = self.n_embd.checked_div(self.n_head) {
                 self.head_size = head_size;
             }
@@ -407,7 +570,13 @@ impl Config {
         };
         self.intermediate_size = match overrides.intermediate_size {
             Some(width) => width,
-            None if gelu_derived_width => 4 * self.n_embd,
+            None if gelu_derived_width => self.n_embd.checked_mul(4).ok_or_else(|| Error::Size {
+                keys: vec!["n_embd"],
+                reason: format!(
+                    "model `{}`: n_embd {} makes the GELU MLP 4 × n_embd wide, more than 2^64",
+                    self.name, self.n_embd
+                ),
+            })?,
             None => self.intermediate_size,
         };
         self.validate()?;
@@ -433,11 +602,45 @@ impl Config {
         if let Some((what, _)) = dims.iter().find(|(_, value)| *value == 0) {
             return fail(format!("{what} must be positive, got 0"));
         }
+        // Counts past what an id or a kernel's index can number.
+        let limits = [
+            ("n_layer", self.n_layer, MAX_LAYERS, "value ids are 32-bit and each block records hundreds of values"),
+            ("block_size", self.block_size, MAX_POSITIONS, "the GPU kernels count positions in 32 bits"),
+            ("vocab_size", self.vocab_size, MAX_VOCAB, "token ids are i32"),
+            ("padded_vocab_size", self.padded_vocab_size, MAX_VOCAB, "token ids are i32"),
+        ];
+        if let Some((key, value, max, why)) = limits.into_iter().find(|(_, value, max, _)| value > max) {
+            return Err(Error::Size {
+                keys: vec![key],
+                reason: format!(
+                    "model `{}`: {key} {value} is more than {max}, the most there can be: {why}",
+                    self.name
+                ),
+            });
+        }
         if !divides(self.n_head, self.n_embd) {
             return fail(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head));
         }
         if !divides(self.n_query_groups, self.n_head) {
             return fail(format!("n_head {} is not divisible by n_query_groups {}", self.n_head, self.n_query_groups));
+        }
+        // Every weight, and the parameters together, within what one plan
+        // can hold at one byte each: the arithmetic on them below and in
+        // the model builder cannot overflow. [`ModelSpec`] checks them
+        // again at the bytes of the model's dtype.
+        for (what, factors) in self.weight_factors() {
+            check_bytes(&self.name, what, &factors, 1)?;
+        }
+        if self.checked_param_count().is_none_or(|n| n > MAX_VALUE_BYTES) {
+            return Err(Error::Size {
+                keys: PARAM_KEYS.to_vec(),
+                reason: format!(
+                    "model `{}`: its parameters ({}) number more than 2^60 ({MAX_VALUE_BYTES}), more than one plan \
+                     can hold",
+                    self.name,
+                    show_values(&self.param_factors())
+                ),
+            });
         }
         if !(self.rotary_percentage.is_finite() && self.rotary_percentage >= 0.0) {
             return fail(format!("rotary_percentage must be a finite number >= 0, got {}", self.rotary_percentage));
@@ -489,48 +692,89 @@ impl Config {
         Ok(())
     }
 
+    /// The largest weights of the network, each as the keys its element
+    /// count is the product of: the embedding (and the LM head, the same
+    /// shape), the query and key/value projections, the MLP's matrices
+    /// (the output projection is the query's transpose).
+    pub(crate) fn weight_factors(&self) -> [(&'static str, Vec<Factor>); 4] {
+        let c = ("n_embd", self.n_embd);
+        let d = ("head_size", self.head_size);
+        [
+            ("the embedding weight", vec![("padded_vocab_size", self.padded_vocab_size), c]),
+            ("the query projection", vec![("n_head", self.n_head), d, c]),
+            ("the key/value projection", vec![("n_query_groups", self.n_query_groups), d, c]),
+            ("an MLP weight", vec![("intermediate_size", self.intermediate_size), c]),
+        ]
+    }
+
+    /// The keys every parameter count depends on, as [`Config::param_factors`] shows them.
+    pub(crate) fn param_factors(&self) -> Vec<Factor> {
+        PARAM_KEYS
+            .iter()
+            .map(|&key| {
+                let value = match key {
+                    "n_layer" => self.n_layer,
+                    "n_embd" => self.n_embd,
+                    "n_head" => self.n_head,
+                    "n_query_groups" => self.n_query_groups,
+                    "head_size" => self.head_size,
+                    "intermediate_size" => self.intermediate_size,
+                    _ => self.padded_vocab_size,
+                };
+                (key, value)
+            })
+            .collect()
+    }
+
     /// The number of trainable parameters of the network this config
     /// describes, counting every weight and bias once (a tied LM head shares
-    /// the embedding's weight).
+    /// the embedding's weight). Exact for every validated config; for one
+    /// whose count passes `u64` it saturates at `u64::MAX`.
     pub fn param_count(&self) -> u64 {
-        let embd = self.n_embd as u64;
-        let vocab = self.padded_vocab_size as u64;
-        let hidden = self.intermediate_size as u64;
-        let q_width = (self.n_head * self.head_size) as u64;
-        let kv_width = (self.n_query_groups * self.head_size) as u64;
-        let qkv_width = q_width + 2 * kv_width;
+        self.checked_param_count().unwrap_or(u64::MAX)
+    }
+
+    /// [`Config::param_count`], or `None` when the count passes `u64`.
+    pub fn checked_param_count(&self) -> Option<u64> {
+        let n = |x: usize| u64::try_from(x).ok();
+        let (embd, vocab, hidden) = (n(self.n_embd)?, n(self.padded_vocab_size)?, n(self.intermediate_size)?);
+        let q_width = n(self.n_head)?.checked_mul(n(self.head_size)?)?;
+        let kv_width = n(self.n_query_groups)?.checked_mul(n(self.head_size)?)?;
+        let qkv_width = q_width.checked_add(kv_width.checked_mul(2)?)?;
 
         let norm = match self.norm {
             NormKind::RmsNorm => embd,
-            NormKind::LayerNorm => 2 * embd,
+            NormKind::LayerNorm => embd.checked_mul(2)?,
         };
         let norms_per_layer = if self.shared_attention_norm { 1 } else { 2 };
 
-        let mut attention = embd * qkv_width + q_width * embd;
+        let mut attention = embd.checked_mul(qkv_width)?.checked_add(q_width.checked_mul(embd)?)?;
         if self.bias || self.attn_qkv_bias {
-            attention += qkv_width;
+            attention = attention.checked_add(qkv_width)?;
         }
         if self.bias {
-            attention += embd;
+            attention = attention.checked_add(embd)?;
         }
 
-        let mlp = match self.mlp {
-            MlpKind::LlamaSwiGlu => {
-                let biases = if self.bias { 2 * hidden + embd } else { 0 };
-                3 * embd * hidden + biases
-            }
-            MlpKind::Gelu { .. } => {
-                let biases = if self.bias { hidden + embd } else { 0 };
-                2 * embd * hidden + biases
-            }
+        let (matrices, bias_rows) = match self.mlp {
+            MlpKind::LlamaSwiGlu => (3, 2),
+            MlpKind::Gelu { .. } => (2, 1),
         };
+        let biases = if self.bias { hidden.checked_mul(bias_rows)?.checked_add(embd)? } else { 0 };
+        let mlp = embd.checked_mul(hidden)?.checked_mul(matrices)?.checked_add(biases)?;
 
-        let layer = norms_per_layer * norm + attention + mlp;
-        let head_weight = if self.tie_embeddings { 0 } else { vocab * embd };
+        let layer = norm.checked_mul(norms_per_layer)?.checked_add(attention)?.checked_add(mlp)?;
+        let embedding = vocab.checked_mul(embd)?;
+        let head_weight = if self.tie_embeddings { 0 } else { embedding };
         // Tying shares the weight only; litgpt's head bias stays its own.
         let head_bias = if self.lm_head_bias { vocab } else { 0 };
 
-        vocab * embd + self.n_layer as u64 * layer + norm + head_weight + head_bias
+        n(self.n_layer)?
+            .checked_mul(layer)?
+            .checked_add(embedding)?
+            .checked_add(norm)?
+            .checked_add(head_weight)?
+            .checked_add(head_bias)
     }
 }
 
@@ -636,6 +880,42 @@ pub(crate) mod tests {
         // Embedding and head 2 * 32000 * 256, two layers, final norm.
         let layer = 2 * 256 + 4 * 256 * 256 + 3 * 256 * 688;
         assert_eq!(w3.param_count(), 2 * 32000 * 256 + 2 * layer + 256);
+    }
+
+    #[test]
+    fn names_resolve_ignoring_case_and_by_their_repo_name() {
+        for (id, name) in [
+            ("qwen2.5-7b", "Qwen2.5-7B"),
+            ("QWEN/QWEN2.5-7B", "Qwen2.5-7B"),
+            ("unsloth/Qwen2.5-7B", "Qwen2.5-7B"),
+            ("meta-llama/meta-llama-3-8b", "Meta-Llama-3-8B"),
+            ("llama-3-8b", "Meta-Llama-3-8B"),
+            ("TINY-LLAMA", "tiny-llama"),
+            ("eleutherai/Pythia-14M", "pythia-14m"),
+        ] {
+            assert_eq!(Config::named(id).unwrap().name, name, "{id}");
+        }
+    }
+
+    #[test]
+    fn unknown_names_suggest_the_closest() {
+        let cases: [(&str, &[&str]); 6] = [
+            ("qwen2.5-8b", &["Qwen2.5-7B"]),
+            ("Qwen2-7B", &["Qwen2.5-7B"]),
+            ("pythia-14", &["pythia-14m"]),
+            ("tiny_llama", &["tiny-llama"]),
+            ("llama-3", &["Meta-Llama-3-8B"]),
+            ("mistral", &["Mistral-7B-v0.1"]),
+        ];
+        for (name, want) in cases {
+            let got = suggest_names(name);
+            assert_eq!(&got[..want.len()], want, "{name}: {got:?}");
+            let message = Config::named(name).unwrap_err().to_string();
+            assert!(message.contains(&format!("did you mean `{}`", want[0])), "{message}");
+        }
+        assert!(suggest_names("gpt-17").is_empty(), "{:?}", suggest_names("gpt-17"));
+        let message = Config::named("gpt-17").unwrap_err().to_string();
+        assert!(!message.contains("did you mean"), "{message}");
     }
 
     #[test]

@@ -19,9 +19,9 @@
 //! `[rows/tiles, intermediate]` tensors at a time instead of the layer's.
 //! One tile (the default) records the untiled MLP, op for op.
 
-use super::config::{Config, MlpKind, NormKind};
+use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
 use crate::error::{Error, Result};
-use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
+use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::linear_ce::{default_chunk, Reduction};
 use crate::ops::UnaryFn;
 
@@ -70,9 +70,9 @@ impl ModelSpec {
         Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss })
     }
 
-    /// Checks the config and that the batch fits it (positive sizes, the
-    /// sequence within the block size, a float dtype); every builder does.
-    pub fn check(&self) -> Result<()> {
+    /// Checks the config, the batch and every size the model records (see
+    /// [`ModelSpec::check_sizes`]); building a trace checks this first.
+    pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
         self.config.validate()?;
         if self.batch == 0 || self.seq == 0 {
@@ -83,6 +83,45 @@ impl ModelSpec {
         }
         if !self.dtype.is_float() {
             return bad(format!("the model dtype must be a float type, not {}", self.dtype));
+        }
+        self.check_sizes()
+    }
+
+    /// Every tensor the model records spans at most [`MAX_VALUE_BYTES`],
+    /// and so do its parameters together; an [`Error::Size`] names the
+    /// config keys and batch fields of the first that does not. Counted at
+    /// four bytes or more per element: a step keeps float32 copies of
+    /// some (the loss's statistics, the AdamW moments of f16 parameters).
+    fn check_sizes(&self) -> Result<()> {
+        let cfg = &self.config;
+        let name = cfg.name.as_str();
+        let unit = self.dtype.size().max(4) as u64;
+        let (b, s) = (("batch", self.batch), ("seq", self.seq));
+        check_bytes(name, &format!("the `{TOKENS_INPUT}` input"), &[b, s], DType::I32.size() as u64)?;
+        for (what, factors) in cfg.weight_factors() {
+            check_bytes(name, what, &factors, unit)?;
+        }
+        let activations: [(&str, &[Factor]); 5] = [
+            ("the hidden states", &[b, s, ("n_embd", cfg.n_embd)]),
+            ("the queries", &[b, s, ("n_head", cfg.n_head), ("head_size", cfg.head_size)]),
+            ("the attention statistics", &[b, s, ("n_head", cfg.n_head)]),
+            ("the MLP activations", &[b, s, ("intermediate_size", cfg.intermediate_size)]),
+            ("the logits", &[b, s, ("padded_vocab_size", cfg.padded_vocab_size)]),
+        ];
+        for (what, factors) in activations {
+            check_bytes(name, what, factors, unit)?;
+        }
+        // Validated: the count itself is at most 2^60.
+        let params = cfg.param_count();
+        if params.checked_mul(unit).is_none_or(|bytes| bytes > MAX_VALUE_BYTES) {
+            return Err(Error::Size {
+                keys: PARAM_KEYS.to_vec(),
+                reason: format!(
+                    "model `{name}`: its {params} parameters ({}) at {unit} bytes each pass 2^60 bytes \
+                     ({MAX_VALUE_BYTES}), the most one plan can hold",
+                    show_values(&cfg.param_factors())
+                ),
+            });
         }
         Ok(())
     }
@@ -282,7 +321,7 @@ pub fn build_forward_with_logits(spec: &ModelSpec) -> Result<Trace> {
 }
 
 fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) -> Result<Trace> {
-    spec.check()?;
+    spec.validate()?;
     let head_loss = opts.head_loss;
     if opts.mlp_tiles == 0 {
         return Err(Error::Config {

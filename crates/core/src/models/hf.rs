@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::config::{config_error, Config, MlpKind, NormKind};
+use super::config::{config_error, keys_named_in, Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
 use crate::ops::rope::Llama3Scaling;
 
@@ -35,7 +35,27 @@ impl Config {
         // A malformed file is named once, with serde's position in it.
         serde_json::from_str::<Value>(&text)
             .map_err(|e| config_error(&name, format!("{} is not valid JSON: {e}", file.display())))?;
-        Self::from_hf_json(&text, &name)
+        // Every other error names the file too, and a size error the
+        // file's keys its sizes were read from.
+        let at = |keys: &[&str]| {
+            let mut file_keys: Vec<&str> = Vec::new();
+            for k in keys.iter().filter_map(|k| hf_key(k)) {
+                if !file_keys.contains(&k) {
+                    file_keys.push(k);
+                }
+            }
+            match file_keys.is_empty() {
+                true => file.display().to_string(),
+                false => format!("{} (key {})", file.display(), file_keys.join(", key ")),
+            }
+        };
+        Self::from_hf_json(&text, &name).map_err(|e| match e {
+            Error::Config { model, reason } => {
+                Error::Config { model, reason: format!("{}: {reason}", at(&keys_named_in(&reason))) }
+            }
+            Error::Size { keys, reason } => Error::Size { keys: vec![], reason: format!("{}: {reason}", at(&keys)) },
+            other => other,
+        })
     }
 
     /// Parses the text of a Hugging Face `config.json` into a validated
@@ -71,6 +91,24 @@ impl Config {
         config.validate()?;
         Ok(config)
     }
+}
+
+/// The `config.json` key that a [`Config`] size key is read from, for
+/// messages that point into the file (`None` for keys that are not
+/// [`Config`] sizes). Both the LLaMA-like types and `gpt_neox` use these
+/// names; where a key may be absent the message says what stands in for it.
+pub fn hf_key(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "n_layer" => "num_hidden_layers",
+        "n_embd" => "hidden_size",
+        "n_head" => "num_attention_heads",
+        "n_query_groups" => "num_key_value_heads (or num_attention_heads)",
+        "head_size" => "head_dim (or hidden_size / num_attention_heads)",
+        "intermediate_size" => "intermediate_size",
+        "block_size" => "max_position_embeddings",
+        "vocab_size" | "padded_vocab_size" => "vocab_size",
+        _ => return None,
+    })
 }
 
 /// A JSON object from a `config.json` (or an object nested in it), with
@@ -236,6 +274,18 @@ impl<'a> HfJson<'a> {
         Ok(window.map_or(positions, |window| positions.min(window)))
     }
 
+    /// `hidden_size / num_attention_heads`, refusing a width the heads do
+    /// not divide (which would leave a head size of 0 for more heads than
+    /// the width); a zero `n_head` is reported by `validate`.
+    fn head_size(&self, n_embd: usize, n_head: usize) -> Result<usize> {
+        match n_embd.checked_rem(n_head) {
+            Some(r) if r != 0 => {
+                Err(self.err(format!("hidden_size {n_embd} is not divisible by num_attention_heads {n_head}")))
+            }
+            _ => Ok(n_embd.checked_div(n_head).unwrap_or(0)),
+        }
+    }
+
     /// `llama`, `mistral` and `qwen2`: RMSNorm, SwiGLU, sequential residual.
     fn llama_like(&self, model_type: &str) -> Result<Config> {
         let n_embd = self.usize_req("hidden_size")?;
@@ -286,8 +336,7 @@ impl<'a> HfJson<'a> {
         let n_query_groups = self.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
         let head_size = match self.usize_opt("head_dim")? {
             Some(head_dim) => head_dim,
-            // A zero `n_head` is reported by `validate`.
-            None => n_embd.checked_div(n_head).unwrap_or(0),
+            None => self.head_size(n_embd, n_head)?,
         };
 
         Ok(Config {
@@ -350,7 +399,7 @@ impl<'a> HfJson<'a> {
             n_head,
             // GPT-NeoX has no grouped-query attention.
             n_query_groups: n_head,
-            head_size: n_embd.checked_div(n_head).unwrap_or(0),
+            head_size: self.head_size(n_embd, n_head)?,
             intermediate_size: self.usize_req("intermediate_size")?,
             norm: NormKind::LayerNorm,
             norm_eps: self.f64_opt("layer_norm_eps")?.unwrap_or(1e-5),

@@ -527,6 +527,12 @@ impl HfModelDir {
             return Err(checkpoint_error(dir, "not a directory (expected a Hugging Face model folder)"));
         }
         let config_path = dir.join(CONFIG_FILE);
+        if !config_path.is_file() {
+            return Err(checkpoint_error(
+                dir,
+                format!("has no {CONFIG_FILE} (a Hugging Face model folder holds {CONFIG_FILE} and the safetensors weights)"),
+            ));
+        }
         let config = Config::from_hf_file(&config_path)?;
         let text = fs::read_to_string(&config_path).map_err(|e| io_error(&config_path, e))?;
         let raw_config = match serde_json::from_str::<Value>(&text) {

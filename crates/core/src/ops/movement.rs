@@ -120,8 +120,9 @@ impl OpDef for Reshape {
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
         expect_inputs(inputs, 1)?;
-        let n: usize = self.shape.iter().product();
-        if n != inputs[0].numel() {
+        let target = inputs[0].with_shape(self.shape.clone());
+        if target.checked_numel() != Some(inputs[0].numel()) {
+            let n = target.checked_numel().map_or("more than 2^64".to_string(), |n| n.to_string());
             return Err(format!("cannot reshape {} elements to {:?} ({n} elements)", inputs[0].numel(), self.shape));
         }
         Ok(vec![inputs[0].with_shape(self.shape.clone())])
@@ -326,7 +327,7 @@ impl OpDef for SliceBackward {
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
         expect_inputs(inputs, 1)?;
         let s = &inputs[0].shape;
-        if self.axis >= s.len() || self.start + s[self.axis] > self.size {
+        if self.axis >= s.len() || self.start.checked_add(s[self.axis]).is_none_or(|end| end > self.size) {
             return Err(format!("cannot place axis {} at {} of extent {}", self.axis, self.start, self.size));
         }
         let mut out = s.clone();
@@ -419,7 +420,9 @@ impl OpDef for Concat {
             if t.dtype != first.dtype || !same_rest {
                 return Err(format!("{t} does not match {first} outside axis {}", self.axis));
             }
-            out[self.axis] += t.shape[self.axis];
+            out[self.axis] = out[self.axis]
+                .checked_add(t.shape[self.axis])
+                .ok_or_else(|| format!("the parts' extents along axis {} sum past 2^64", self.axis))?;
         }
         Ok(vec![first.with_shape(out)])
     }

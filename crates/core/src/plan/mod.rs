@@ -117,7 +117,14 @@ impl MemoryPlan {
     }
 }
 
-/// Value lifetimes: `(start, end)` schedule positions, `end == steps` for step outputs.
+/// Value lifetimes: `(start, end)` schedule positions, `end == steps` for
+/// step outputs and for inputs.
+///
+/// Inputs live the whole step: an input's slot is never
+/// handed to a later value, so running the step again without rewriting its
+/// inputs (a graph replay right after the eager step that preceded the
+/// capture, a re-run after a failure) reads the same inputs and computes the
+/// same step. Inputs are token ids, targets and scalars: kilobytes.
 pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     let steps = trace.nodes.len();
     let mut life: Vec<(usize, usize)> = trace
@@ -125,6 +132,9 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
         .iter()
         .map(|v| match v.kind {
             ValueKind::Node(n) => (n.index(), n.index()),
+            ValueKind::Input { .. } => (0, steps),
+            // Parameters and state end at their last read: their updates
+            // write them in place there.
             _ => (0, 0),
         })
         .collect();
@@ -265,13 +275,16 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     // every sum below from overflowing.
     let all: Vec<(usize, usize, u64)> = groups.iter().map(|g| (g.start, g.end, g.bytes)).collect();
     if let Some(k) = first_past_cap(&all) {
-        return Err(Error::Plan(format!(
-            "`{}` needs more than {MAX_PLAN_BYTES} bytes, the most one plan can hold: its values' sizes pass that \
-             sum at {} ({} bytes)",
-            trace.name,
-            trace.describe(groups[k].members[0]),
-            groups[k].bytes
-        )));
+        return Err(Error::Size {
+            keys: vec![],
+            reason: format!(
+                "memory plan: `{}` needs more than {MAX_PLAN_BYTES} bytes (2^60), the most one plan can hold: its \
+                 values' sizes pass that sum at {} ({} bytes)",
+                trace.name,
+                trace.describe(groups[k].members[0]),
+                groups[k].bytes
+            ),
+        });
     }
 
     // Persistent: 256-byte multiples first (aligned, no padding), then the
@@ -345,7 +358,7 @@ pub fn align_up(b: u64) -> u64 {
 /// The most bytes one plan may hold, summed over every value (1 EiB).
 /// Checked once before placement; below it no offset, size or ceiling the
 /// placement computes can overflow (the largest is under 3 times this).
-pub const MAX_PLAN_BYTES: u64 = 1 << 60;
+pub const MAX_PLAN_BYTES: u64 = crate::ir::MAX_VALUE_BYTES;
 
 /// The first of `items` whose aligned size brings the running sum past
 /// [`MAX_PLAN_BYTES`], if one does.
@@ -375,10 +388,13 @@ fn first_past_cap(items: &[(usize, usize, u64)]) -> Option<usize> {
 pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
     if let Some(k) = first_past_cap(items) {
         let (start, end, bytes) = items[k];
-        return Err(Error::Plan(format!(
-            "interval {k} (live {start}..={end}, {bytes} bytes) brings the arena past {MAX_PLAN_BYTES} bytes, the most \
-             one plan can hold"
-        )));
+        return Err(Error::Size {
+            keys: vec![],
+            reason: format!(
+                "memory plan: interval {k} (live {start}..={end}, {bytes} bytes) brings the arena past \
+                 {MAX_PLAN_BYTES} bytes (2^60), the most one plan can hold"
+            ),
+        });
     }
     let last = items.iter().map(|i| i.1).max().unwrap_or(0);
     let mut occupancy = Occupancy::new(last + 1);

@@ -48,17 +48,22 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         .map(|o| trace.ty(o.value).bytes())
         .fold(0, u64::saturating_add);
     let saved_for_backward_bytes = trace.saved.iter().map(|v| trace.ty(*v).bytes()).fold(0, u64::saturating_add);
-    let mut live: Vec<LiveValue> = plan
+    // The largest first, then described: describing each of the thousands
+    // live at a deep model's peak would cost a scan of the outputs apiece.
+    let mut live: Vec<&super::Group> = plan
         .groups
         .iter()
         .filter(|g| g.region == Region::Arena && g.start <= plan.peak_position && plan.peak_position <= g.end)
+        .collect();
+    live.sort_by_key(|g| std::cmp::Reverse(g.bytes));
+    live.truncate(top);
+    let live: Vec<LiveValue> = live
+        .into_iter()
         .map(|g| {
             let v = g.members[0];
             LiveValue { value: trace.describe(v), bytes: g.bytes, ty: trace.ty(v).to_string() }
         })
         .collect();
-    live.sort_by_key(|l| std::cmp::Reverse(l.bytes));
-    live.truncate(top);
     let floor = plan.floor_bytes();
     PlanReport {
         trace: trace.name.clone(),

@@ -6,7 +6,9 @@
 use stepgraph_core::ops::elementwise::{Binary, Cast, Full, Unary, UnaryBackward};
 use stepgraph_core::ops::UnaryFn;
 
-use super::util::{broadcast_strides, float_name, launch_1d, merge_axes, n64, pad, MAX_RANK};
+use super::util::{
+    aligned16, broadcast_strides, float_name, launch_1d, merge_axes, n64, pad, pointwise_launch, MAX_RANK,
+};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
@@ -82,13 +84,19 @@ impl Lower for Binary {
                 format!("{} axes after merging; the kernel holds {MAX_RANK}", sizes.len()),
             ));
         }
+        let n = y.ty.numel();
+        // Operands of the output's shape, contiguous and 16-byte aligned:
+        // the kernel that moves 16 bytes per operand per thread.
+        if sizes.len() == 1 && strides.iter().all(|s| s[0] == 1) && n > 1 && aligned16(&[a, b, y]) {
+            let args = vec![Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::Ptr(y.ptr), n64(n)];
+            return Ok(vec![pointwise_launch("elementwise", name, y.ty.dtype, n, &[a, b, y], args)]);
+        }
         let shape = StructArg::default()
             .i64(sizes.len() as i64)
             .i64s(&pad(&sizes, 1))
             .i64s(&pad(&strides[0], 0))
             .i64s(&pad(&strides[1], 0))
             .build();
-        let n = y.ty.numel();
         let args = vec![Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::Ptr(y.ptr), n64(n), shape];
         Ok(vec![launch_1d("elementwise", format!("{name}_{dt}"), n, args)])
     }
@@ -121,6 +129,21 @@ mod tests {
         assert_eq!(function(UnaryBackward { f: UnaryFn::Pow(2.0) }, &[x.clone(), x]), "pow_backward_f16");
         assert_eq!(function(Binary { f: BinaryFn::Div }, &[t(DType::F64, &[2, 3]), t(DType::F64, &[3])]), "div_f64");
         assert_eq!(function(Cast { dtype: DType::BF16 }, &[t(DType::F64, &[2])]), "cast_f64_bf16");
+    }
+
+    #[test]
+    fn contiguous_aligned_binaries_take_the_16_byte_kernel() {
+        let add = Op::from(Binary { f: BinaryFn::Add });
+        let x = t(DType::BF16, &[4, 1000]);
+        let l = lower_types(&add, &[x.clone(), x.clone()], 0).unwrap();
+        let k = &kernels(&l)[0];
+        assert_eq!(k.function, "add_vec_bf16");
+        // One thread per 8 bf16 elements.
+        assert_eq!(k.grid.0 as usize * k.block.0 as usize, 4000usize.div_ceil(8).next_multiple_of(256));
+        // Broadcast operands and misaligned addresses take the strided kernel.
+        assert_eq!(function(Binary { f: BinaryFn::Add }, &[x.clone(), t(DType::BF16, &[1000])]), "add_bf16");
+        let l = lower_types(&add, &[x.clone(), x], 2).unwrap();
+        assert_eq!(kernels(&l)[0].function, "add_bf16");
     }
 
     #[test]

@@ -15,11 +15,11 @@
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
 
-use super::util::{n64, optional, ptr, row_launch, rows_cols, typed_kernel};
+use super::util::{aligned16, n64, optional, ptr, row_grid, row_launch, rows_cols, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, Launch};
+use crate::launch::{Arg, DevTensor, Launch};
 
 const NORM: &[KernelModule] = &[KernelModule::plain("norm", include_str!("../../kernels/norm.cu"))];
 
@@ -34,6 +34,36 @@ fn column_launch(name: &str, dtype: DType, cols: usize, args: Vec<Arg>) -> Launc
     typed_kernel("norm", name, dtype, grid, (NORM_COL_TILE as u32, NORM_ROW_LANES as u32, 1), args)
 }
 
+/// `NORM_VEC_PACKS` of norm.cu: 16-byte packs of a row a vec-kernel thread holds.
+const NORM_VEC_PACKS: usize = 4;
+
+/// The RMSNorm row launch: the register-cached 16-byte kernel (`<name>_vec`)
+/// when rows are whole 16-byte packs, every operand is 16-byte aligned and a
+/// block of at most 1024 threads holds a row in `NORM_VEC_PACKS` packs per
+/// thread; the general row kernel otherwise. f64 keeps the general kernel.
+fn rms_row_launch(
+    name: &str,
+    dt: DType,
+    rows: usize,
+    cols: usize,
+    operands: &[&DevTensor],
+    args: Vec<Arg>,
+) -> Vec<Launch> {
+    let per_pack = 16 / dt.size();
+    let packs = cols / per_pack;
+    let vec = dt != DType::F64
+        && rows > 0
+        && cols.is_multiple_of(per_pack)
+        && packs > 0
+        && packs <= 1024 * NORM_VEC_PACKS
+        && aligned16(operands);
+    if !vec {
+        return row_launch("norm", name, dt, rows, cols, args);
+    }
+    let threads = packs.div_ceil(NORM_VEC_PACKS).next_multiple_of(32).clamp(32, 1024) as u32;
+    vec![typed_kernel("norm", &format!("{name}_vec"), dt, row_grid(rows, MAX_ROW_BLOCKS), (threads, 1, 1), args)]
+}
+
 impl Lower for RmsNorm {
     const KERNELS: &'static [KernelModule] = NORM;
 
@@ -42,7 +72,7 @@ impl Lower for RmsNorm {
         let (y, rstd) = (&cx.outputs[0], &cx.outputs[1]);
         let (rows, cols) = rows_cols(&x.ty);
         let args = vec![ptr(x), ptr(w), ptr(y), ptr(rstd), n64(rows), n64(cols), Arg::F64(self.eps)];
-        Ok(row_launch("norm", "rms_norm", x.ty.dtype, rows, cols, args))
+        Ok(rms_row_launch("rms_norm", x.ty.dtype, rows, cols, &[x, w, y], args))
     }
 }
 
@@ -58,7 +88,7 @@ impl Lower for RmsNormBackward {
         let mut args = vec![ptr(x), ptr(w), ptr(rstd), ptr(gy)];
         args.extend(optional(ins.get(4)));
         args.extend([ptr(gx), n64(rows), n64(cols)]);
-        let mut launches = row_launch("norm", "rms_norm_backward", dt, rows, cols, args);
+        let mut launches = rms_row_launch("rms_norm_backward", dt, rows, cols, &[x, w, gy, gx], args);
         let gw_args = vec![ptr(x), ptr(rstd), ptr(gy), ptr(gw), n64(rows), n64(cols)];
         launches.push(column_launch("rms_norm_backward_gw", dt, cols, gw_args));
         Ok(launches)
@@ -154,5 +184,23 @@ mod tests {
         let ins = operands(&[t(&[2, 8]), t(&[8])], 1 << 40, 0);
         assert!(super::super::lower(&op, &ins, &outs[..1], None).is_err(), "missing rstd output");
         assert!(super::super::lower(&op, &ins, &outs, None).is_ok());
+    }
+
+    #[test]
+    fn rms_norm_rows_of_whole_aligned_packs_take_the_register_kernel() {
+        use stepgraph_core::ops::Op;
+        let op = Op::from(RmsNorm { eps: 1e-6 });
+        let (x, w) =
+            (super::super::testing::t(DType::BF16, &[8192, 3200]), super::super::testing::t(DType::BF16, &[3200]));
+        let l = super::super::testing::lower_types(&op, &[x, w.clone()], 0).unwrap();
+        let k = &super::super::testing::kernels(&l)[0];
+        assert_eq!(k.function, "rms_norm_vec_bf16");
+        // 400 packs of 8, four per thread: 100 threads, rounded to 128.
+        assert_eq!(k.block, (128, 1, 1));
+        // Rows that are not whole packs take the general kernel.
+        let odd = super::super::testing::t(DType::BF16, &[4, 28]);
+        let l =
+            super::super::testing::lower_types(&op, &[odd, super::super::testing::t(DType::BF16, &[28])], 0).unwrap();
+        assert_eq!(super::super::testing::kernels(&l)[0].function, "rms_norm_bf16");
     }
 }

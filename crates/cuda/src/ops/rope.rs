@@ -1,7 +1,8 @@
 //! Lowering of the rotary embedding to the kernel of `kernels/rope.cu`: one
-//! block per (batch, position) row of `[B, T, H, D]`, its threads covering
-//! one chunk of rotated pairs of every head, Llama-3.x frequency scaling
-//! passed as arguments. The identity in place (no rotated dims, output
+//! block per position of `[B, T, H, D]`, rotating that position's row of
+//! every batch row with the angles it computes once; a 2-D block whose x
+//! lanes cover one chunk of a head's rotated pairs and y lanes the heads;
+//! Llama-3.x frequency scaling passed as arguments. The identity in place (no rotated dims, output
 //! aliasing input) launches nothing.
 
 use stepgraph_core::ops::rope::Rope;
@@ -38,9 +39,11 @@ impl Lower for Rope {
         };
         let (heads_i, dim_i, n_rot_i) = (int(heads, "H")?, int(dim, "D")?, int(self.n_rot, "n_rot")?);
         int(row, "H·D")?;
-        // Threads cover one chunk of pairs of every head (all elements for n_rot ≤ 1).
-        let per_row = if self.n_rot >= 2 { heads * (self.n_rot / 2).min(ROPE_CHUNK) } else { row };
-        let threads = per_row.next_multiple_of(32).clamp(32, ROPE_MAX_THREADS) as u32;
+        // A 2-D block of ROPE_MAX_THREADS: x over a chunk's pairs of one head
+        // (rounded up to whole warps), y over heads; n_rot ≤ 1 walks rows flat.
+        let pairs = (self.n_rot / 2).min(ROPE_CHUNK);
+        let block_x = if pairs > 0 { pairs.next_multiple_of(32).min(ROPE_MAX_THREADS) } else { ROPE_MAX_THREADS };
+        let block = (block_x as u32, (ROPE_MAX_THREADS / block_x) as u32, 1);
         let bt = batch * seq;
         let mut args = vec![
             ptr(x),
@@ -63,7 +66,8 @@ impl Lower for Rope {
             Arg::F64(scaling.map_or(0.0, |s| s.high_freq_factor)),
             Arg::F64(scaling.map_or(0.0, |s| s.original_max_position_embeddings as f64)),
         ]);
-        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args)])
+        // One block per position: it rotates that position's row of every batch row.
+        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(seq, MAX_ROW_BLOCKS), block, args)])
     }
 }
 

@@ -4,7 +4,7 @@
 
 use stepgraph_core::ops::swiglu::{SwiGlu, SwiGluBackward};
 
-use super::util::{float_name, launch_1d, n64, ptr};
+use super::util::{float_name, n64, pointwise_launch, ptr};
 use super::{Lower, LowerCx};
 use crate::error::Result;
 use crate::kernels::KernelModule;
@@ -17,9 +17,10 @@ impl Lower for SwiGlu {
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (gate, up, h) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
-        let dt = float_name("swiglu", h.ty.dtype)?;
+        float_name("swiglu", h.ty.dtype)?;
         let n = h.ty.numel();
-        Ok(vec![launch_1d("swiglu", format!("swiglu_{dt}"), n, vec![ptr(gate), ptr(up), ptr(h), n64(n)])])
+        let args = vec![ptr(gate), ptr(up), ptr(h), n64(n)];
+        Ok(vec![pointwise_launch("swiglu", "swiglu", h.ty.dtype, n, &[gate, up, h], args)])
     }
 }
 
@@ -29,9 +30,10 @@ impl Lower for SwiGluBackward {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let [gate, up, gh] = [&cx.inputs[0], &cx.inputs[1], &cx.inputs[2]];
         let (dgate, dup) = (&cx.outputs[0], &cx.outputs[1]);
-        let dt = float_name("swiglu_backward", gate.ty.dtype)?;
+        float_name("swiglu_backward", gate.ty.dtype)?;
         let n = gate.ty.numel();
         let args = vec![ptr(gate), ptr(up), ptr(gh), ptr(dgate), ptr(dup), n64(n)];
-        Ok(vec![launch_1d("swiglu", format!("swiglu_backward_{dt}"), n, args)])
+        let operands = [gate, up, gh, dgate, dup];
+        Ok(vec![pointwise_launch("swiglu", "swiglu_backward", gate.ty.dtype, n, &operands, args)])
     }
 }

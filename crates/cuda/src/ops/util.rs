@@ -21,9 +21,12 @@ pub(crate) const MAX_GRID: usize = 1 << 16;
 pub(crate) const MAX_RANK: usize = 8;
 
 /// Elements a row-kernel thread handles before the block grows: enough that
-/// a block's reduction is not most of its work, few enough that a row of a
-/// few thousand elements still fills a block.
-const ROW_ELEMS_PER_THREAD: usize = 4;
+/// a block's reduction is not most of its work and that rows of a few
+/// thousand elements make blocks of a few hundred threads, so several rows
+/// are in flight per SM (a 1024-thread block per 4096-element row left two
+/// rows per SM and made W5's RMSNorm latency-bound), few enough that a
+/// row of a few thousand elements still fills a block.
+const ROW_ELEMS_PER_THREAD: usize = 16;
 /// The largest block (and the `__launch_bounds__` of every row kernel).
 const MAX_THREADS: usize = 1024;
 /// Row kernels grid-stride, so any grid is correct; this only keeps grid.x
@@ -46,6 +49,32 @@ pub(crate) fn launch(module: &'static str, function: String, grid: Dim3, block: 
 /// A 1-D grid-stride launch of `THREADS`-thread blocks over `n` items.
 pub(crate) fn launch_1d(module: &'static str, function: String, n: usize, args: Vec<Arg>) -> Launch {
     launch(module, function, (grid_1d(n), 1, 1), (THREADS, 1, 1), args)
+}
+
+/// Does every operand start on a 16-byte boundary (one `uint4` access)?
+pub(crate) fn aligned16(operands: &[&DevTensor]) -> bool {
+    operands.iter().all(|t| t.ptr % 16 == 0)
+}
+
+/// A 1-D launch of `<base>_<dt>` over `n` elements, or of its 16-byte
+/// variant `<base>_vec_<dt>` (each thread moves 16 bytes of every operand per
+/// iteration, one thread per 16 bytes of output) when every operand in
+/// `operands` starts 16-byte aligned. Both kernels take `args` and compute
+/// the same bits.
+pub(crate) fn pointwise_launch(
+    module: &'static str,
+    base: &str,
+    dt: DType,
+    n: usize,
+    operands: &[&DevTensor],
+    args: Vec<Arg>,
+) -> Launch {
+    if n > 1 && aligned16(operands) {
+        let per_thread = 16 / dt.size();
+        launch_1d(module, format!("{base}_vec_{}", dt.name()), n.div_ceil(per_thread), args)
+    } else {
+        launch_1d(module, format!("{base}_{}", dt.name()), n, args)
+    }
 }
 
 pub(crate) fn grid_1d(n: usize) -> u32 {
