@@ -3,7 +3,7 @@ byte-level BPE tokenizer, for runs that cannot download a model (the GPU
 machine has no network). Also writes a JSONL corpus to train on.
 
     python3 scripts/make_hf_model.py --geometry qwen2.5-0.5b --out DIR [--dtype bf16] \
-        [--corpus-out corpus.jsonl] [--vocab-trained 8192] [--seed 0]
+        [--corpus-out corpus.jsonl] [--vocab-trained 8192] [--seed 0] [--json-out summary.json]
 
 The corpus is the docstrings of Python's standard library on this machine
 (real English and code-like text, a few MB, no network): one `{"text": ...}`
@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--corpus-bytes", type=int, default=8_000_000)
     ap.add_argument("--vocab-trained", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", help="also write the summary line to this file")
     args = ap.parse_args()
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -112,8 +113,12 @@ def main():
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
                    "bos_token": None, "chat_template": CHATML, "model_max_length": 32768}, f, indent=2)
     n = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"out": args.out, "family": family, "params": n, "docs": len(texts),
-                      "corpus_bytes": sum(map(len, texts)), "tokenizer_vocab": tok.get_vocab_size()}))
+    summary = json.dumps({"out": args.out, "family": family, "params": n, "docs": len(texts),
+                          "corpus_bytes": sum(map(len, texts)), "tokenizer_vocab": tok.get_vocab_size()})
+    print(summary)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(summary + "\n")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@ dtype, batch and sequence length, AdamW, measured the way ../shared/BENCHMARKS.m
 asks (median step time after warm-up, peak allocated / reserved memory).
 
     python3 scripts/torch_train_reference.py --model DIR --dtype bf16 --batch 8 --seq 1024 \
-        [--micro-batches 1] [--iters 10] [--warmup 3] [--mode eager|compile|reduce-overhead]
+        [--micro-batches 1] [--max-grad-norm 0] [--iters 10] [--warmup 3] [--mode eager|compile|reduce-overhead]
 
 Prints one line `RESULT {json}`. Token ids are random (the step's time and
 memory do not depend on their values); `labels = input_ids` as `transformers`
 shifts them. With --micro-batches k each step runs k forward/backward passes
 of `batch` rows, accumulating gradients, then one AdamW update, as
-`stepgraph train --micro-batches k` does.
+`stepgraph train --grad-accum k` does; with --max-grad-norm X > 0 the
+gradients are clipped first (`clip_grad_norm_`), as `stepgraph train
+--clip-grad-norm X` (default 1.0) does.
 """
 
 import argparse
@@ -32,6 +34,7 @@ def main():
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--max-grad-norm", type=float, default=0.0)
     ap.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -58,6 +61,8 @@ def main():
             loss = fn(input_ids=ids, labels=ids).loss / args.micro_batches
             loss.backward()
             total += loss.detach()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total
@@ -78,7 +83,7 @@ def main():
     median = statistics.median(times)
     res = {
         "model": args.model, "dtype": args.dtype, "mode": args.mode, "batch": args.batch, "seq": args.seq,
-        "micro_batches": args.micro_batches, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+        "micro_batches": args.micro_batches, "max_grad_norm": args.max_grad_norm, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "params": sum(p.numel() for p in model.parameters()),
         "peak_alloc_MB": max(peaks), "peak_reserved_MB": max(rpeaks),
         "step_ms_median": median, "step_ms_min": min(times), "tokens_per_s": tokens / (median / 1e3),

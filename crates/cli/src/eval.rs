@@ -69,7 +69,7 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     hf.load_into(&compiled.forward, session.as_mut())
         .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
     let n = batches.len();
-    let mut eval = Evaluator { session, batches };
+    let mut eval = Evaluator { session, batches, micro_batches: 1 };
     let loss = eval.mean_loss(0, 1)?;
     if args.json {
         let row = serde_json::json!({

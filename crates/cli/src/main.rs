@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
-use stepgraph_core::autodiff::{StepKind, TrainOptions};
+use stepgraph_core::autodiff::{DecayScope, StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
@@ -215,23 +215,74 @@ struct OptimArgs {
     /// Keep the AdamW moments in float32 (the same as --state-dtype f32).
     #[arg(long, conflicts_with = "state_dtype")]
     f32_state: bool,
+    /// Apply --weight-decay to every parameter; without it norm weights,
+    /// biases and embedding tables are not decayed.
+    #[arg(long)]
+    decay_all: bool,
+    /// Clip the global gradient norm to X before each update, computed in
+    /// the step (0: no clipping) [default: 1.0, as the Hugging Face Trainer
+    /// (max_grad_norm), GPT-3, Llama 2 and nanoGPT; none with --zero1,
+    /// whose sharded gradients are not clipped yet].
+    #[arg(long, value_name = "X")]
+    clip_grad_norm: Option<f64>,
+    /// Micro-batches of gradient accumulation in each step: --batch rows
+    /// each, forward and backward in turn, one update (N x --batch rows a step).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    grad_accum: usize,
 }
+
+/// `--clip-grad-norm`'s default: 1.0, the Hugging Face Trainer's
+/// `max_grad_norm` and the clipping of the GPT-3 (Brown et al. 2020, appendix
+/// B) and Llama 2 (Touvron et al. 2023, section 2.2) pre-training runs.
+const DEFAULT_CLIP_GRAD_NORM: f64 = 1.0;
 
 impl OptimArgs {
     /// The optimizer settings, with the user's values checked and quoted.
-    fn train_options(&self, param: DType) -> Result<TrainOptions> {
+    /// `zero1`: the step shards its gradients (ZeRO-1), which clipping
+    /// does not support yet: no clipping by default, an error when asked.
+    fn train_options(&self, param: DType, zero1: bool) -> Result<TrainOptions> {
         let wd = self.weight_decay;
         if !(wd.is_finite() && wd >= 0.0) {
             bail!("--weight-decay must be a finite non-negative number, got {wd}");
         }
+        let clip = match (self.clip_grad_norm, zero1) {
+            (Some(c), _) if !(c.is_finite() && c >= 0.0) => {
+                bail!("--clip-grad-norm must be a finite non-negative norm (0 turns clipping off), got {c}")
+            }
+            (Some(c), true) if c > 0.0 => bail!(
+                "--clip-grad-norm {c} needs every gradient whole, and --zero1 shards them: clipping sharded \
+                 gradients is not supported yet (drop --clip-grad-norm, or --zero1)"
+            ),
+            (Some(c), _) => c,
+            (None, false) => DEFAULT_CLIP_GRAD_NORM,
+            (None, true) => 0.0,
+        };
         let mut t = TrainOptions::default();
         t.adamw.weight_decay = wd;
+        t.clip_grad_norm = (clip > 0.0).then_some(clip);
+        t.decay = if self.decay_all { DecayScope::All } else { DecayScope::Matrices };
         t.state_dtype = match (self.f32_state, self.state_dtype) {
             (true, _) | (false, StateDTypeArg::F32) => Some(DType::F32),
             (false, StateDTypeArg::Auto) => None,
             (false, StateDTypeArg::Param) => Some(param),
         };
         Ok(t)
+    }
+
+    /// The step of `kind` with these settings (the optimizer's for a train
+    /// step; the micro-batches for any step with a backward pass).
+    fn step_options(&self, kind: StepKind, param: DType, zero1: bool) -> Result<StepOptions> {
+        if self.grad_accum == 0 {
+            bail!("--grad-accum 0 runs no micro-batch: use 1 (no accumulation) or more");
+        }
+        if self.grad_accum > 1 && kind == StepKind::Forward {
+            bail!("--grad-accum {} accumulates gradients, and a forward step has none", self.grad_accum);
+        }
+        Ok(StepOptions {
+            train: self.train_options(param, zero1)?,
+            grad_accum: self.grad_accum,
+            ..StepOptions::new(kind)
+        })
     }
 }
 
@@ -501,7 +552,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
             }
             let spec = model.spec()?;
-            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(kind) };
+            let mut opts = optim.step_options(kind, spec.dtype, zero1)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             let report = plan_data_parallel(&spec, &opts, &dp, top)?;
             if let Some(path) = &html {
@@ -518,7 +569,7 @@ fn run_command(cli: Cli) -> Result<()> {
         }
         Command::Plan { model, step, optim, memory, json, top, html, .. } => {
             let spec = model.spec()?;
-            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             let c = compile_step(&spec, &opts)?;
             let report = plan_report(&c.step, &c.plan, top);
@@ -540,7 +591,7 @@ fn run_command(cli: Cli) -> Result<()> {
         }
         Command::Trace { model, step, optim, memory, which } => {
             let spec = model.spec()?;
-            let mut opts = StepOptions { train: optim.train_options(spec.dtype)?, ..StepOptions::new(step_kind(step)) };
+            let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             match which {
                 Which::Forward => print!("{}", trace_step(&spec, &opts)?.forward),
@@ -552,9 +603,7 @@ fn run_command(cli: Cli) -> Result<()> {
         Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
         Command::Eval { model, eval } => eval::run(&model, &eval)?,
-        Command::Train { model, optim, train, memory } => {
-            train::run(&model, optim.train_options(model.dtype())?, &train, &memory)?
-        }
+        Command::Train { model, optim, train, memory } => train::run(&model, &optim, &train, &memory)?,
     }
     Ok(())
 }

@@ -176,7 +176,7 @@ fn metrics_rows_and_validation() {
     assert_eq!(train.len(), 10);
     assert_eq!(val.iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), [5, 10]);
     for r in &train {
-        for key in ["step", "loss", "lr", "tokens_per_s", "planned_bytes", "held_bytes"] {
+        for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "planned_bytes", "held_bytes"] {
             assert!(r.get(key).is_some(), "no `{key}` in {r}");
         }
         // No MFU on the CPU: there is no peak to measure against.
@@ -397,6 +397,48 @@ fn validation_does_not_change_training() {
     let (a, b) = (metrics(&with), metrics(&without));
     assert_eq!(a.iter().filter(|r| r.get("val_loss").is_some()).count(), 4);
     assert_eq!(losses(&a), losses(&b));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Gradient accumulation, clipping and the decay scope as flags: two
+/// micro-batches of one row train like batches of two rows; the gradient
+/// norm is logged while clipping (the default) and not without; bad values
+/// and a resume with other settings are refused naming the flag.
+#[test]
+fn accumulation_and_clipping_flags_reach_the_step() {
+    let d = scratch("accum");
+    let (whole, accum, unclipped) = (d.join("whole.jsonl"), d.join("accum.jsonl"), d.join("unclipped.jsonl"));
+    let base = |extra: &[&str], m: &Path| {
+        let mut a = small(&["--steps", "6", "--metrics", s(m)]);
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    run_ok(&base(&[], &whole));
+    let mut one_row = base(&["--grad-accum", "2"], &accum);
+    one_row[8] = "1".into(); // --batch 1
+    let (_, err) = run_ok(&one_row);
+    assert!(err.contains("batch 1 x 16 x 2 micro-batches = 32 tokens per step"), "{err}");
+    assert!(err.contains("clipping    global gradient norm to 1"), "{err}");
+    let (a, b) = (metrics(&whole), metrics(&accum));
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!((x - y).abs() < 1e-4 * x.abs(), "{x} vs {y}");
+    }
+    assert!(a.iter().all(|r| r["grad_norm"].as_f64().is_some_and(|g| g > 0.0)));
+    run_ok(&base(&["--clip-grad-norm", "0"], &unclipped));
+    assert!(metrics(&unclipped).iter().all(|r| r.get("grad_norm").is_none()));
+    for (args, want) in [
+        (vec!["train", "--grad-accum", "0"], "--grad-accum 0 runs no micro-batch"),
+        (vec!["train", "--clip-grad-norm=-1"], "--clip-grad-norm must be a finite non-negative norm"),
+        (vec!["train", "--gpus", "2", "--batch", "2", "--zero1", "--clip-grad-norm", "1"], "--zero1 shards them"),
+        (vec!["plan", "--step", "forward", "--grad-accum", "2"], "a forward step has none"),
+    ] {
+        fails_with(&args, want);
+    }
+    let ck = d.join("ck");
+    run_ok(&small(&["--steps", "2", "--checkpoint-dir", s(&ck)]));
+    let resumed = small(&["--steps", "4", "--resume", "auto", "--grad-accum", "2", "--checkpoint-dir", s(&ck)]);
+    fails_with(&resumed.iter().map(String::as_str).collect::<Vec<_>>(), "grad-accum = 1, this run has grad-accum = 2");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

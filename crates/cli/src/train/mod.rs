@@ -60,7 +60,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use stepgraph_core::autodiff::{StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{DecayScope, StepKind, GRAD_NORM_OUTPUT, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{rank_batch, shard_rows, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::host::HostTensor;
@@ -75,7 +75,7 @@ use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
 
 use crate::memory_args::{free_bytes, MemoryArgs};
-use crate::{LossArg, ModelArgs};
+use crate::{LossArg, ModelArgs, OptimArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
 use data::TrainData;
 use metrics::MetricsFile;
@@ -290,7 +290,7 @@ impl TrainArgs {
 }
 
 /// `stepgraph train`.
-pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
+pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
     let role = args.role(gpu_available())?;
     if args.steps == 0 {
         bail!("--steps 0 trains nothing: ask for at least 1 step");
@@ -318,11 +318,12 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         None => None,
     };
     spec.validate()?;
+    let mut opts = optim.step_options(StepKind::Train, spec.dtype, args.zero1 && args.gpus.is_some_and(|g| g > 1))?;
     // The data before anything is compiled: a token id the model has no
-    // embedding row for is refused here, naming the file.
-    let mut data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, args.seed)?;
+    // embedding row for is refused here, naming the file. Its batches hold
+    // every micro-batch of a step.
+    let mut data = data::open(&args.data, spec.batch * opts.grad_accum, spec.seq, args.val_fraction, args.seed)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
-    let mut opts = StepOptions { train, ..StepOptions::new(StepKind::Train) };
     // Every rank must build the same step: a budget measured per process
     // could differ between them.
     let auto_budget = memory.memory_budget.as_deref().is_some_and(|b| b.trim().eq_ignore_ascii_case("auto"));
@@ -441,6 +442,7 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         params,
         forward,
         out,
+        grad_accum: opts.grad_accum,
     };
     let talk = rank == 0;
     let weights_from = Instant::now();
@@ -494,7 +496,11 @@ pub fn run(model: &ModelArgs, train: TrainOptions, args: &TrainArgs, memory: &Me
         _ => None,
     };
     let mut eval = match eval {
-        Some(session) => Some(Evaluator { session, batches: data.validation_batches(args.eval_batches)? }),
+        Some(session) => Some(Evaluator {
+            session,
+            batches: data.validation_batches(args.eval_batches)?,
+            micro_batches: opts.grad_accum,
+        }),
         None => None,
     };
     let outcome =
@@ -597,6 +603,9 @@ fn run_identity(
     id.insert("dtype".into(), spec.dtype.to_string().into());
     id.insert("state-dtype".into(), state_dtype.into());
     id.insert("weight-decay".into(), opts.train.adamw.weight_decay.into());
+    id.insert("decay-all".into(), (opts.train.decay == DecayScope::All).into());
+    id.insert("clip-grad-norm".into(), opts.train.clip_grad_norm.unwrap_or(0.0).into());
+    id.insert("grad-accum".into(), opts.grad_accum.into());
     id.insert("gpus".into(), world.into());
     id.insert("zero1".into(), args.zero1.into());
     id.insert("data".into(), args.data.display().to_string().into());
@@ -746,6 +755,8 @@ struct Run<'a> {
     /// The model's forward trace: its parameters by name, for `--out`.
     forward: Trace,
     out: Option<OutTarget>,
+    /// Micro-batches of `spec.batch` rows in each step.
+    grad_accum: usize,
 }
 
 /// How long rank 0 waits for the other ranks' optimizer shards.
@@ -764,14 +775,18 @@ impl Run<'_> {
             Ok(rows) if self.world > 1 => format!(" ({rows} rows per GPU)"),
             _ => String::new(),
         };
+        let micro = match self.grad_accum {
+            1 => String::new(),
+            n => format!(" x {n} micro-batches"),
+        };
         eprintln!(
-            "training {} ({} parameters, {} layers) on {device}: batch {} x {} = {} tokens per step{per_rank}, {} steps",
+            "training {} ({} parameters, {} layers) on {device}: batch {} x {}{micro} = {} tokens per step{per_rank}, {} steps",
             spec.config.name,
             self.params,
             spec.config.n_layer,
             spec.batch,
             spec.seq,
-            spec.batch * spec.seq,
+            spec.batch * spec.seq * self.grad_accum,
             args.steps
         );
         eprintln!("  data        {}", data.describe());
@@ -789,13 +804,26 @@ impl Run<'_> {
         eprintln!("  lr          peak {} ({})", short(s.peak), sources[0]);
         eprintln!("  warm-up     {} step{} ({})", s.warmup, if s.warmup == 1 { "" } else { "s" }, sources[1]);
         eprintln!("  decay       cosine to {} at step {} ({})", short(s.min), s.total, sources[2]);
+        let decay_all = self.run_id["decay-all"].as_bool() == Some(true);
+        let scope = if decay_all || self.run_id["weight-decay"].as_f64() == Some(0.0) {
+            ""
+        } else {
+            " (not on norms, biases or embeddings; --decay-all for every parameter)"
+        };
         eprintln!(
-            "  dtype       {}, AdamW moments {}, weight decay {}, seed {}",
+            "  dtype       {}, AdamW moments {}, weight decay {}{scope}, seed {}",
             spec.dtype,
             self.run_id["state-dtype"].as_str().unwrap_or("none"),
             self.run_id["weight-decay"],
             args.seed
         );
+        match self.run_id["clip-grad-norm"].as_f64() {
+            Some(c) if c > 0.0 => {
+                eprintln!("  clipping    global gradient norm to {c} (--clip-grad-norm; 0 turns it off)")
+            }
+            _ if args.zero1 => eprintln!("  clipping    none (ZeRO-1's sharded gradients are not clipped yet)"),
+            _ => eprintln!("  clipping    none"),
+        }
         match (&self.ckpt, resumed) {
             (None, _) => eprintln!("  checkpoints none (--checkpoint-dir DIR saves them)"),
             (Some(d), r) => {
@@ -872,7 +900,9 @@ impl Run<'_> {
 /// or moments), counted in the run's planned and held bytes.
 pub struct Evaluator {
     pub session: Box<dyn Session>,
+    /// Batches of the training step's rows: `micro_batches` of the evaluation step's each.
     pub batches: Vec<data::Batch>,
+    pub micro_batches: usize,
 }
 
 impl Evaluator {
@@ -899,16 +929,20 @@ impl Evaluator {
     /// no loss (0/0) and are left out of the mean.
     pub fn mean_loss(&mut self, rank: usize, world: usize) -> Result<f64> {
         let (mut total, mut counted) = (0.0, 0usize);
+        let n = self.micro_batches.max(1);
         for b in &self.batches {
-            let targets = shard_rows(&b.targets, rank, world)?;
-            if !has_target(&targets) {
-                continue;
+            for k in 0..n {
+                let (tokens, targets) = (shard_rows(&b.tokens, k, n)?, shard_rows(&b.targets, k, n)?);
+                let targets = shard_rows(&targets, rank, world)?;
+                if !has_target(&targets) {
+                    continue;
+                }
+                self.session.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
+                self.session.write_named(TARGETS_INPUT, &targets)?;
+                self.session.run_eager()?;
+                total += self.session.loss()?;
+                counted += 1;
             }
-            self.session.write_named(TOKENS_INPUT, &shard_rows(&b.tokens, rank, world)?)?;
-            self.session.write_named(TARGETS_INPUT, &targets)?;
-            self.session.run_eager()?;
-            total += self.session.loss()?;
-            counted += 1;
         }
         if counted == 0 {
             bail!(
@@ -958,7 +992,7 @@ fn next_usable_batch(data: &mut dyn TrainData, parts: usize, skipped: &mut u64) 
 
 /// The named output `grad_norm` of a step that computes it (gradient clipping).
 fn grad_norm_output(trace: &Trace) -> Option<stepgraph_core::ir::ValueId> {
-    trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == "grad_norm")).map(|o| o.value)
+    trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == GRAD_NORM_OUTPUT)).map(|o| o.value)
 }
 
 /// A learning rate as people write it: `3e-3`, `1.2e-4`, `0.01`, `30`.
@@ -993,7 +1027,7 @@ fn train_loop(
 ) -> Result<()> {
     let args = run.args;
     let (rank, world) = (run.rank, run.world);
-    let (global, seq, steps) = (run.spec.batch, run.spec.seq, args.steps);
+    let (global, seq, steps) = (run.spec.batch * run.grad_accum, run.spec.seq, args.steps);
     let last = args.stop_after.unwrap_or(steps);
     let talk = rank == 0;
     let grad_norm = grad_norm_output(session.trace());
@@ -1015,7 +1049,7 @@ fn train_loop(
     let mut eval_time = Duration::ZERO;
     let t0 = Instant::now();
     for it in start..=last {
-        let batch = next_usable_batch(data, world, &mut skipped)?;
+        let batch = next_usable_batch(data, world * run.grad_accum, &mut skipped)?;
         let lr = run.schedule.at(it);
         session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
         session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
@@ -1064,10 +1098,12 @@ fn train_loop(
         } else {
             format!("  mem {:.1} MB planned", mb(mem.planned_bytes))
         };
-        bar.set_message(format!("loss {loss:.4}  {tps:.0} tok/s{mfu_text}{mem_text}"));
+        let norm_text = grad_norm.map(|g| format!("  |g| {g:.3}")).unwrap_or_default();
+        bar.set_message(format!("loss {loss:.4}{norm_text}  {tps:.0} tok/s{mfu_text}{mem_text}"));
         bar.inc(1);
         if talk && !tty && args.log_every > 0 && (it % args.log_every == 0 || it == last) {
-            eprintln!("step {it}/{steps}: loss {loss:.4}, lr {lr:.3e}, {tps:.0} tok/s{mfu_text}{mem_text}");
+            let norm_text = grad_norm.map(|g| format!(", grad norm {g:.3}")).unwrap_or_default();
+            eprintln!("step {it}/{steps}: loss {loss:.4}{norm_text}, lr {lr:.3e}, {tps:.0} tok/s{mfu_text}{mem_text}");
         }
         if let Some(m) = metrics.as_deref_mut() {
             let mut row = serde_json::json!({
