@@ -58,7 +58,7 @@ const HEAD_NAME: &str = "lm_head.weight";
 const LIST_AT_MOST: usize = 5;
 
 /// The stepgraph dtype of a safetensors dtype, if stepgraph has it.
-fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
+pub(crate) fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
     Some(match dtype {
         Dtype::F32 => DType::F32,
         Dtype::BF16 => DType::BF16,
@@ -72,7 +72,7 @@ fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
 }
 
 /// The safetensors dtype of a stepgraph dtype (every one has one).
-fn to_safetensors_dtype(dtype: DType) -> Dtype {
+pub(crate) fn to_safetensors_dtype(dtype: DType) -> Dtype {
     match dtype {
         DType::F32 => Dtype::F32,
         DType::BF16 => Dtype::BF16,

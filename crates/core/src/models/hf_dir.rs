@@ -39,7 +39,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
-use super::checkpoint::round_to;
+use super::checkpoint::{from_safetensors_dtype, round_to, to_safetensors_dtype};
 use super::config::{Config, MlpKind, NormKind};
 use crate::error::{Error, Result};
 use crate::host::{bytes_to_f64, HostTensor};
@@ -345,32 +345,6 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
         mappings.push(Mapping { hf: instantiate(rule.hf, layer), params: parts, join: rule.join, heads, ty });
     }
     Ok(mappings)
-}
-
-/// The stepgraph dtype of a safetensors dtype, if stepgraph has it.
-fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
-    Some(match dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::BF16 => DType::BF16,
-        Dtype::F16 => DType::F16,
-        Dtype::F64 => DType::F64,
-        Dtype::I32 => DType::I32,
-        Dtype::I64 => DType::I64,
-        Dtype::BOOL => DType::Bool,
-        _ => return None,
-    })
-}
-
-fn to_safetensors_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::F32 => Dtype::F32,
-        DType::BF16 => Dtype::BF16,
-        DType::F16 => Dtype::F16,
-        DType::F64 => Dtype::F64,
-        DType::I32 => Dtype::I32,
-        DType::I64 => Dtype::I64,
-        DType::Bool => Dtype::BOOL,
-    }
 }
 
 /// `config.json`'s `torch_dtype` for a parameter dtype.
