@@ -3,16 +3,8 @@
 //! without ZeRO-1), traces, short training runs (one with a tiled MLP), and
 //! clear errors for bad input.
 
-use std::process::Command;
-
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .output()
-        .expect("run stepgraph");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
+mod common;
+use common::stepgraph;
 
 fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("missing `{key}` in {v}"))

@@ -4,17 +4,10 @@
 //! says what was expected there, and a flag's error quotes the flag and
 //! the value the user typed.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
+use common::stepgraph;
 
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .output()
-        .expect("run stepgraph");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
+use std::path::Path;
 
 /// `args` fails and its stderr holds every one of `want`.
 fn fails_with(args: &[&str], want: &[&str]) -> String {

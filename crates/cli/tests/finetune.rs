@@ -9,6 +9,9 @@
 //! through `save_hf_dir`), and the BPE tokenizer in `data/tokenizer`, which
 //! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
 
+mod common;
+use common::{fails_with, root, stepgraph};
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,26 +27,10 @@ use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_data::fixtures::{self, TemplateStyle};
 
-fn root() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-}
-
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph")).args(args).current_dir(root()).output().expect("run");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
 fn run_ok(args: &[&str]) -> (String, String) {
     let (ok, out, err) = stepgraph(args);
     assert!(ok, "{args:?} failed:\n{err}");
     (out, err)
-}
-
-fn fails_with(args: &[&str], want: &str) -> String {
-    let (ok, out, err) = stepgraph(args);
-    assert!(!ok, "{args:?} should fail: {out}");
-    assert!(err.contains(want), "{args:?}: expected `{want}` in:\n{err}");
-    err
 }
 
 fn s(p: &Path) -> &str {

@@ -3,23 +3,8 @@
 //! command cannot use, plain progress lines off a terminal, and the train
 //! step that `trace` and `plan` show.
 
-use std::process::Command;
-
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .output()
-        .expect("run stepgraph");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn fails_with(args: &[&str], want: &str) -> String {
-    let (ok, out, err) = stepgraph(args);
-    assert!(!ok, "{args:?} should fail: {out}");
-    assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
-    err
-}
+mod common;
+use common::{fails_with, stepgraph};
 
 #[test]
 fn an_empty_run_is_refused() {

@@ -2,20 +2,13 @@
 //! `data/tiny.txt`, text and chat inputs, the report, and errors that name
 //! the file, line or flag.
 
+mod common;
+use common::stepgraph;
+
 use std::path::Path;
-use std::process::Command;
 
 use stepgraph_data::fixtures::{self, TemplateStyle};
 use stepgraph_data::{Split, TokenFile};
-
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .output()
-        .expect("run stepgraph");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
 
 fn tokenizer(dir: &Path) -> String {
     let tiny = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/tiny.txt");

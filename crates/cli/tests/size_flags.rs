@@ -3,8 +3,10 @@
 //! an error that names the flag, and a `config.json` key at such a value
 //! with an error that names the key and the file.
 
+mod common;
+use common::stepgraph;
+
 use std::path::Path;
-use std::process::Command;
 
 const SIZE_FLAGS: [&str; 9] = [
     "--batch",
@@ -19,17 +21,6 @@ const SIZE_FLAGS: [&str; 9] = [
 ];
 
 const HUGE: [&str; 2] = ["4611686018427387904", "18446744073709551615"];
-
-/// Runs `stepgraph args`; returns (success, stdout, stderr).
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph"))
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .output()
-        .expect("run stepgraph");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
 
 /// `args` fails with one error line that contains every one of `want`, and no panic.
 fn refused(args: &[&str], want: &[&str]) -> String {

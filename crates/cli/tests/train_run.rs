@@ -3,25 +3,12 @@
 //! the metrics file, validation, the TOML run config, the NaN stop that
 //! keeps the last good checkpoint, and clear errors for every bad input.
 
+mod common;
+use common::{fails_with, root, stepgraph};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn root() -> &'static str {
-    concat!(env!("CARGO_MANIFEST_DIR"), "/../..")
-}
-
-fn stepgraph(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepgraph")).args(args).current_dir(root()).output().expect("run");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn fails_with(args: &[&str], want: &str) -> String {
-    let (ok, out, err) = stepgraph(args);
-    assert!(!ok, "{args:?} should fail: {out}");
-    assert!(err.contains(want), "{args:?}: expected `{want}` in: {err}");
-    err
-}
 
 /// A fresh directory for one test.
 fn scratch(tag: &str) -> PathBuf {
