@@ -17,7 +17,7 @@ use proptest::prelude::*;
 
 use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::ir::{Builder, DType, TensorType, MAX_VALUE_BYTES};
-use stepgraph_core::models::config::{MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB};
+use stepgraph_core::models::config::{MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, SIZE_KEYS};
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::plan_report;
@@ -29,17 +29,7 @@ fn cases() -> u32 {
 }
 
 /// The size keys of a config, in the order [`set`] and [`get`] number them.
-const KEYS: [&str; 9] = [
-    "block_size",
-    "vocab_size",
-    "padded_vocab_size",
-    "n_layer",
-    "n_embd",
-    "n_head",
-    "n_query_groups",
-    "head_size",
-    "intermediate_size",
-];
+const KEYS: [&str; 9] = SIZE_KEYS;
 
 fn set(c: &mut Config, key: usize, value: usize) {
     match key {
