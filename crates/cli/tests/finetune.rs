@@ -10,7 +10,7 @@
 //! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
 
 mod common;
-use common::{fails_with, root, stepgraph};
+use common::{fails_with, root, s, stepgraph};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,10 +31,6 @@ fn run_ok(args: &[&str]) -> (String, String) {
     let (ok, out, err) = stepgraph(args);
     assert!(ok, "{args:?} failed:\n{err}");
     (out, err)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// The tokenizer the README's example uses, committed in `data/tokenizer`.

@@ -11,6 +11,11 @@ pub fn root() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
+/// A path as a command-line argument.
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
 /// Runs `stepgraph ARGS` from the repository root: success, stdout, stderr.
 /// `RUST_BACKTRACE` is removed so a panic's output is the same everywhere.
 pub fn stepgraph(args: &[&str]) -> (bool, String, String) {
