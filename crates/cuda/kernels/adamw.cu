@@ -136,21 +136,8 @@ __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const
     }
 }
 
-// kVec consecutive elements of T, moved as 16-byte words.
+// Elements per thread and iteration of `update_vec`.
 constexpr int kVec = 8;
-template <typename T> struct Run {
-    static constexpr int W = (int)sizeof(T) * kVec / 16;
-    uint4 w[W];
-    __device__ __forceinline__ void read(const T* base, i64 j) {
-#pragma unroll
-        for (int k = 0; k < W; ++k) w[k] = reinterpret_cast<const uint4*>(base)[j * W + k];
-    }
-    __device__ __forceinline__ void write(T* base, i64 j) const {
-#pragma unroll
-        for (int k = 0; k < W; ++k) reinterpret_cast<uint4*>(base)[j * W + k] = w[k];
-    }
-    __device__ __forceinline__ T* e() { return reinterpret_cast<T*>(w); }
-};
 
 // `update` for 16-byte-aligned tensors: each thread updates kVec
 // consecutive elements per iteration with 16-byte loads and stores (the
@@ -164,9 +151,9 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
     const i64 runs = n / kVec;
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = first; j < runs; j += stride) {
-        Run<P> rp, rg;
-        Run<M> rm;
-        Run<V> rv;
+        Pack<P, kVec> rp, rg;
+        Pack<M, kVec> rm;
+        Pack<V, kVec> rv;
         rp.read(p, j);
         rg.read(g, j);
         rm.read(m, j);
@@ -176,10 +163,10 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
             acc_t<P> pn;
             acc_t<M> mn;
             acc_t<V> vn;
-            element<P, M, V>(c, load(rg.e(), k), load(rp.e(), k), load(rm.e(), k), load(rv.e(), k), pn, mn, vn);
-            store(rm.e(), k, mn);
-            store(rv.e(), k, vn);
-            store(rp.e(), k, pn);
+            element<P, M, V>(c, load(rg.elems(), k), load(rp.elems(), k), load(rm.elems(), k), load(rv.elems(), k), pn, mn, vn);
+            store(rm.elems(), k, mn);
+            store(rv.elems(), k, vn);
+            store(rp.elems(), k, pn);
         }
         rm.write(m_out, j);
         rv.write(v_out, j);

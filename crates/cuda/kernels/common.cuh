@@ -48,15 +48,24 @@ __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(
 __device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
 __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
-// 16 bytes of T (8 bf16/f16, 4 f32, 2 f64) moved as one load or store, for
-// the kernels' contiguous fast paths; the caller guarantees 16-byte alignment.
-template <typename T> struct Pack16 {
-    static constexpr int N = 16 / sizeof(T);
-    uint4 bits;
-    __device__ __forceinline__ const T* elems() const { return reinterpret_cast<const T*>(&bits); }
-    __device__ __forceinline__ T* elems() { return reinterpret_cast<T*>(&bits); }
-    __device__ __forceinline__ void read(const T* base, i64 j) { bits = reinterpret_cast<const uint4*>(base)[j]; }
-    __device__ __forceinline__ void write(T* base, i64 j) const { reinterpret_cast<uint4*>(base)[j] = bits; }
+// N consecutive elements of T moved as 16-byte words (N · sizeof(T) a
+// multiple of 16), for the kernels' contiguous fast paths; the caller
+// guarantees 16-byte alignment. Pack<T> is one word: 8 bf16/f16, 4 f32, 2 f64.
+template <typename T, int N_ = 16 / (int)sizeof(T)> struct Pack {
+    static constexpr int N = N_;
+    static constexpr int W = (int)sizeof(T) * N / 16;
+    uint4 w[W];
+    __device__ __forceinline__ const T* elems() const { return reinterpret_cast<const T*>(w); }
+    __device__ __forceinline__ T* elems() { return reinterpret_cast<T*>(w); }
+    // Pack j of `base` (elements j·N .. j·N + N).
+    __device__ __forceinline__ void read(const T* base, i64 j) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) w[k] = reinterpret_cast<const uint4*>(base)[j * W + k];
+    }
+    __device__ __forceinline__ void write(T* base, i64 j) const {
+#pragma unroll
+        for (int k = 0; k < W; ++k) reinterpret_cast<uint4*>(base)[j * W + k] = w[k];
+    }
 };
 
 // Instantiates macro M(suffix, storage type) for every float dtype.

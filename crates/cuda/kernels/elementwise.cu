@@ -172,7 +172,7 @@ __device__ __forceinline__ void binary_loop(const T* a, const T* b, T* y, i64 n,
 }
 
 template <int F, typename T> __device__ __forceinline__ void binary_vec(const T* a, const T* b, T* y, i64 n) {
-    typedef Pack16<T> P;
+    typedef Pack<T> P;
     const i64 packs = n / P::N;
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = first; j < packs; j += stride) {

@@ -85,7 +85,7 @@ template <typename T>
 __device__ void rms_norm_rows_vec(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                                   acc_t<T>* __restrict__ rstd, i64 rows, i64 cols, double eps) {
     typedef acc_t<T> A;
-    typedef Pack16<T> P;
+    typedef Pack<T> P;
     __shared__ A scratch[32];
     const A n = row_count<A>(cols), e = (A)eps;
     const int packs = (int)(cols / P::N);
@@ -130,7 +130,7 @@ __device__ void rms_norm_backward_rows_vec(const T* __restrict__ x, const T* __r
                                            const acc_t<T>* __restrict__ grstd, int has_grstd, T* __restrict__ gx,
                                            i64 rows, i64 cols) {
     typedef acc_t<T> A;
-    typedef Pack16<T> P;
+    typedef Pack<T> P;
     __shared__ A scratch[32];
     const A n = row_count<A>(cols);
     const int packs = (int)(cols / P::N);

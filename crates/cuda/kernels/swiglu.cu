@@ -56,7 +56,7 @@ __device__ __forceinline__ void backward(const T* gate, const T* up, const T* gh
 }
 
 template <typename T> __device__ __forceinline__ void forward_vec(const T* gate, const T* up, T* h, i64 n) {
-    typedef Pack16<T> P;
+    typedef Pack<T> P;
     const i64 packs = n / P::N;
     const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = first; j < packs; j += stride) {
@@ -72,7 +72,7 @@ template <typename T> __device__ __forceinline__ void forward_vec(const T* gate,
 
 template <typename T>
 __device__ __forceinline__ void backward_vec(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) {
-    typedef Pack16<T> P;
+    typedef Pack<T> P;
     const i64 packs = n / P::N;
     const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = first; j < packs; j += stride) {

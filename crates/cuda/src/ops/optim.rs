@@ -7,7 +7,7 @@
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::optim::AdamW;
 
-use super::util::{float_name, launch, n64, THREADS};
+use super::util::{aligned16, float_name, launch, n64, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
 use crate::kernels::KernelModule;
@@ -29,7 +29,7 @@ impl Lower for AdamW {
         // Every tensor 16-byte aligned: the kernel that moves 8 elements
         // per thread with 16-byte loads (the same arithmetic per element).
         let tensors = [p, g, m, v, &cx.outputs[0], &cx.outputs[1], &cx.outputs[2]];
-        let vec = p.ty.numel() >= VEC_ELEMS && tensors.iter().all(|t| t.ptr % 16 == 0);
+        let vec = p.ty.numel() >= VEC_ELEMS && aligned16(&tensors);
         let kind = if vec { "adamw_vec" } else { "adamw" };
         let function = format!("{kind}_{}_{}_{}", name(p)?, name(m)?, name(v)?);
         let is_f64 = |t: &DevTensor| Arg::I64((t.ty.dtype == DType::F64) as i64);
