@@ -120,20 +120,27 @@ __device__ __forceinline__ Coefs<A> block_coefs(const void* lr, i64 lr_f64, cons
     return shared_c;
 }
 
+// Element i: reads it from p, g, m, v and writes it to p_out, m_out,
+// v_out (which may be the inputs: every read comes before any write).
+template <typename P, typename M, typename V>
+__device__ __forceinline__ void update_at(const Coefs<acc_t<P>>& c, const P* p, const P* g, const M* m, const V* v,
+                                          P* p_out, M* m_out, V* v_out, i64 i) {
+    acc_t<P> pn;
+    acc_t<M> mn;
+    acc_t<V> vn;
+    element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
+    store(m_out, i, mn);
+    store(v_out, i, vn);
+    store(p_out, i, pn);
+}
+
 template <typename P, typename M, typename V>
 __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step,
                                        P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,
                                        double beta2, double eps, double wd) {
     const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        acc_t<P> pn;
-        acc_t<M> mn;
-        acc_t<V> vn;
-        element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
-        store(m_out, i, mn);
-        store(v_out, i, vn);
-        store(p_out, i, pn);
-    }
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        update_at(c, p, g, m, v, p_out, m_out, v_out, i);
 }
 
 // Elements per thread and iteration of `update_vec`.
@@ -158,29 +165,15 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
         rg.read(g, j);
         rm.read(m, j);
         rv.read(v, j);
+        // In place in the registers: each element is read before it is written.
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-            acc_t<P> pn;
-            acc_t<M> mn;
-            acc_t<V> vn;
-            element<P, M, V>(c, load(rg.elems(), k), load(rp.elems(), k), load(rm.elems(), k), load(rv.elems(), k), pn, mn, vn);
-            store(rm.elems(), k, mn);
-            store(rv.elems(), k, vn);
-            store(rp.elems(), k, pn);
-        }
+        for (int k = 0; k < kVec; ++k)
+            update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), k);
         rm.write(m_out, j);
         rv.write(v_out, j);
         rp.write(p_out, j);
     }
-    for (i64 i = runs * kVec + first; i < n; i += stride) {
-        acc_t<P> pn;
-        acc_t<M> mn;
-        acc_t<V> vn;
-        element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
-        store(m_out, i, mn);
-        store(v_out, i, vn);
-        store(p_out, i, pn);
-    }
+    for (i64 i = runs * kVec + first; i < n; i += stride) update_at(c, p, g, m, v, p_out, m_out, v_out, i);
 }
 
 }  // namespace sg_adamw

@@ -40,19 +40,27 @@ template <typename A> __device__ __forceinline__ void grads_of(A g, A u, A d, A&
     dg = mul_rn(mul_rn(d, u), ds);
 }
 
+// Element i of h, and of (dgate, dup): reads every input before writing.
+template <typename T> __device__ __forceinline__ void forward_at(const T* gate, const T* up, T* h, i64 i) {
+    store(h, i, h_of(load(gate, i), load(up, i)));
+}
+template <typename T>
+__device__ __forceinline__ void backward_at(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 i) {
+    acc_t<T> dg, du;
+    grads_of(load(gate, i), load(up, i), load(gh, i), dg, du);
+    store(dup, i, du);
+    store(dgate, i, dg);
+}
+
 template <typename T> __device__ __forceinline__ void forward(const T* gate, const T* up, T* h, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        store(h, i, h_of(load(gate, i), load(up, i)));
+        forward_at(gate, up, h, i);
 }
 
 template <typename T>
 __device__ __forceinline__ void backward(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        acc_t<T> dg, du;
-        grads_of(load(gate, i), load(up, i), load(gh, i), dg, du);
-        store(dup, i, du);
-        store(dgate, i, dg);
-    }
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        backward_at(gate, up, gh, dgate, dup, i);
 }
 
 template <typename T> __device__ __forceinline__ void forward_vec(const T* gate, const T* up, T* h, i64 n) {
@@ -64,10 +72,10 @@ template <typename T> __device__ __forceinline__ void forward_vec(const T* gate,
         pg.read(gate, j);
         pu.read(up, j);
 #pragma unroll
-        for (int k = 0; k < P::N; ++k) store(ph.elems(), k, h_of(load(pg.elems(), k), load(pu.elems(), k)));
+        for (int k = 0; k < P::N; ++k) forward_at(pg.elems(), pu.elems(), ph.elems(), k);
         ph.write(h, j);
     }
-    for (i64 i = packs * P::N + first; i < n; i += stride) store(h, i, h_of(load(gate, i), load(up, i)));
+    for (i64 i = packs * P::N + first; i < n; i += stride) forward_at(gate, up, h, i);
 }
 
 template <typename T>
@@ -81,21 +89,12 @@ __device__ __forceinline__ void backward_vec(const T* gate, const T* up, const T
         pu.read(up, j);
         pd.read(gh, j);
 #pragma unroll
-        for (int k = 0; k < P::N; ++k) {
-            acc_t<T> dg, du;
-            grads_of(load(pg.elems(), k), load(pu.elems(), k), load(pd.elems(), k), dg, du);
-            store(pdu.elems(), k, du);
-            store(pdg.elems(), k, dg);
-        }
+        for (int k = 0; k < P::N; ++k)
+            backward_at(pg.elems(), pu.elems(), pd.elems(), pdg.elems(), pdu.elems(), k);
         pdu.write(dup, j);
         pdg.write(dgate, j);
     }
-    for (i64 i = packs * P::N + first; i < n; i += stride) {
-        acc_t<T> dg, du;
-        grads_of(load(gate, i), load(up, i), load(gh, i), dg, du);
-        store(dup, i, du);
-        store(dgate, i, dg);
-    }
+    for (i64 i = packs * P::N + first; i < n; i += stride) backward_at(gate, up, gh, dgate, dup, i);
 }
 
 }  // namespace sg_swiglu
