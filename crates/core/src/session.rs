@@ -46,6 +46,36 @@ pub struct SessionMemory {
     /// `held_bytes` is measured from the device (true) rather than counted
     /// from the session's own allocations (false).
     pub measured: bool,
+    /// Where a measured session's `held_bytes` start: the device memory in
+    /// use when it opened (0 when not measured). Two sessions of one
+    /// process on one device measure the same driver counter, so the
+    /// later one's baseline already holds the earlier one's allocation.
+    pub baseline_bytes: u64,
+}
+
+impl SessionMemory {
+    /// The memory of two sessions of one run, together: plans add up; held
+    /// bytes add up when counted, and when measured on one device are the
+    /// higher of the two absolute peaks above the earlier baseline. (Each
+    /// measured peak is the whole device's use, so after the second session
+    /// opens the first one's peak already includes it: adding the two
+    /// would count the second session twice.)
+    pub fn combine(&self, other: &SessionMemory) -> SessionMemory {
+        let planned_bytes = self.planned_bytes + other.planned_bytes;
+        let comm_bytes = self.comm_bytes + other.comm_bytes;
+        if !(self.measured && other.measured) {
+            return SessionMemory {
+                planned_bytes,
+                held_bytes: self.held_bytes + other.held_bytes,
+                comm_bytes,
+                measured: self.measured && other.measured,
+                baseline_bytes: self.baseline_bytes.min(other.baseline_bytes),
+            };
+        }
+        let baseline_bytes = self.baseline_bytes.min(other.baseline_bytes);
+        let peak = (self.baseline_bytes + self.held_bytes).max(other.baseline_bytes + other.held_bytes);
+        SessionMemory { planned_bytes, held_bytes: peak - baseline_bytes, comm_bytes, measured: true, baseline_bytes }
+    }
 }
 
 /// What [`Session::init_params`] wrote.
@@ -391,5 +421,30 @@ mod tests {
         let ids = HostTensor::from_f64(TensorType::new(DType::I32, [2, 8]), &[300.0; 16]);
         let e = s.write_named(TOKENS_INPUT, &ids).unwrap_err().to_string();
         assert!(e.contains("token id 300"), "{e}");
+    }
+
+    /// Two sessions measured on one device: the later one's baseline holds
+    /// the earlier one's memory, and the earlier one's peak (sampled after
+    /// the later one opened) holds both, so the run held the larger peak,
+    /// not the sum; counted memory adds up.
+    #[test]
+    fn combined_memory_counts_a_second_session_once() {
+        let m = |held_bytes, baseline_bytes, measured| SessionMemory {
+            planned_bytes: 10,
+            held_bytes,
+            comm_bytes: 0,
+            measured,
+            baseline_bytes,
+        };
+        // Train: 200 B from a 100 B baseline, then eval opens (baseline 300)
+        // and holds 150 B more; train's later samples see 350 B above its baseline.
+        let (train, eval) = (m(350, 100, true), m(150, 300, true));
+        let run = train.combine(&eval);
+        assert_eq!((run.planned_bytes, run.held_bytes, run.baseline_bytes), (20, 350, 100));
+        // Sampled before the eval session grew: its own peak decides.
+        let run = m(200, 100, true).combine(&eval);
+        assert_eq!(run.held_bytes, 350);
+        let counted = m(200, 0, false).combine(&m(150, 0, false));
+        assert_eq!((counted.held_bytes, counted.measured), (350, false));
     }
 }

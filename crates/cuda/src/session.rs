@@ -986,6 +986,7 @@ impl Session for CudaSession {
             held_bytes: m.device_peak_bytes,
             comm_bytes: m.comm_bytes,
             measured: true,
+            baseline_bytes: m.baseline_bytes,
         })
     }
 }

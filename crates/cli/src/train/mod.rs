@@ -1191,14 +1191,11 @@ fn train_loop(
 
 /// The run's memory: the training session's and the evaluation's, together.
 fn memory(train: &mut dyn Session, eval: Option<&mut Evaluator>) -> Result<SessionMemory> {
-    let mut m = train.memory()?;
-    if let Some(e) = eval {
-        let em = e.session.memory()?;
-        m.planned_bytes += em.planned_bytes;
-        m.held_bytes += em.held_bytes;
-        m.comm_bytes += em.comm_bytes;
-    }
-    Ok(m)
+    let m = train.memory()?;
+    Ok(match eval {
+        Some(e) => m.combine(&e.session.memory()?),
+        None => m,
+    })
 }
 
 /// A closing note on how the steps ran: the recording, and where the
@@ -1209,12 +1206,7 @@ fn closing_note(session: &mut dyn Session, eval: Option<&mut Evaluator>, recorde
         Some(t) => format!("{} in {:.2} ms", session.replay_label(), t.as_secs_f64() * 1e3),
         None => "eager".to_string(),
     };
-    let mut m = session.memory()?;
-    if let Some(e) = eval {
-        let em = e.session.memory()?;
-        m.planned_bytes += em.planned_bytes;
-        m.held_bytes += em.held_bytes;
-    }
+    let m = memory(session, eval)?;
     if !m.measured {
         return Ok(how);
     }

@@ -299,6 +299,7 @@ impl Session for CpuSession {
             held_bytes: self.held_bytes(),
             comm_bytes: 0,
             measured: false,
+            baseline_bytes: 0,
         })
     }
 }
