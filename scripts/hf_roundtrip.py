@@ -34,6 +34,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 LOGITS_TOL = 1e-5
+# Module names whose checkpoint name differs (transformers >= 5 renamed
+# GPT-NeoX's `embed_out` module to `lm_head`; its checkpoints keep `embed_out`).
+CHECKPOINT_ALIASES = {"lm_head.weight": "embed_out.weight"}
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 
@@ -200,11 +203,15 @@ def run_variant(checks, stepgraph, backend, work, name, model_type, kwargs, shar
     worst, worst_name, missing = 0.0, None, []
     ref_names = set()
     for pname, p in model.named_parameters():
-        ref_names.add(pname)
-        if pname not in grads:
+        # stepgraph names gradients as the checkpoint names their weights;
+        # transformers 5 calls GPT-NeoX's output layer `lm_head` in the module
+        # tree but still reads and writes it as `embed_out` in checkpoints.
+        gname = CHECKPOINT_ALIASES.get(pname, pname) if pname not in grads else pname
+        ref_names.add(gname)
+        if gname not in grads:
             missing.append(pname)
             continue
-        e = rel(grads[pname], p.grad)
+        e = rel(grads[gname], p.grad)
         if not (e <= worst):
             worst, worst_name = e, pname
     extra = sorted(set(grads) - ref_names - {"loss"})
