@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod collective;
+pub mod decode;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear_ce;
@@ -254,6 +255,10 @@ macro_rules! for_each_op {
             SwiGlu($crate::ops::swiglu::SwiGlu),
             SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
             AdamW($crate::ops::optim::AdamW),
+            // Generation: no VJP.
+            KvWrite($crate::ops::decode::KvWrite),
+            CachedAttention($crate::ops::decode::CachedAttention),
+            SampleNext($crate::ops::decode::SampleNext),
             // Collectives: inserted after autodiff by `dist::data_parallel`, no VJP.
             AllReduce($crate::ops::collective::AllReduce),
             ReduceScatter($crate::ops::collective::ReduceScatter),

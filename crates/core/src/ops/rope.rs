@@ -18,6 +18,11 @@
 //! rounding for the positions a model sees). `inverse` rotates by −θ, which
 //! is the transpose, so the VJP is the same op with `inverse` flipped.
 //!
+//! **Positions:** with a second input `start: i32[B]`, row `b`'s token `t`
+//! sits at position `start[b] + t` instead of `t`: the new tokens of a
+//! generation step, appended to sequences of different lengths. The
+//! transpose uses the same positions.
+//!
 //! **Llama-3.x frequency scaling:** with [`Rope::scaling`] set, each pair's
 //! inverse frequency `base^(−2i/n_rot)` is replaced by
 //! [`Llama3Scaling::adjust`] of it, exactly as `transformers`'
@@ -43,8 +48,8 @@ use num_traits::Zero;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::sample::{normal, Sample};
-use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
+use super::sample::{fixed, normal, Sample};
+use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::DType;
@@ -136,10 +141,10 @@ impl Rope {
 
     /// `(cos θ, sin θ)` per position and pair, `[T, n_rot/2]`, sin negated
     /// for the inverse; for `n_rot == 1`, `(cos t − sin t, 0)` per position.
-    fn table<A: num_traits::FromPrimitive + Zero>(&self, seq: usize) -> Vec<(A, A)> {
+    fn table<A: num_traits::FromPrimitive + Zero>(&self, first: i64, seq: usize) -> Vec<(A, A)> {
         if self.n_rot == 1 {
             let freq = self.inv_freq(0);
-            return (0..seq)
+            return (first..first + seq as i64)
                 .map(|t| {
                     let theta = t as f64 * freq;
                     (c(theta.cos() - theta.sin()), A::zero())
@@ -150,7 +155,7 @@ impl Rope {
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let freqs: Vec<f64> = (0..half).map(|i| self.inv_freq(i)).collect();
         let mut tab = Vec::with_capacity(seq * half);
-        for t in 0..seq {
+        for t in first..first + seq as i64 {
             for &freq in &freqs {
                 let theta = t as f64 * freq;
                 tab.push((c(theta.cos()), c(sign * theta.sin())));
@@ -162,28 +167,46 @@ impl Rope {
 
 /// Rotates `y` in place: it holds x on entry (the in-place pair), so each
 /// pair is read before either element is written.
-fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T]) {
+fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T], start: Option<&[i32]>) {
     let (seq, heads, dim) = (shape[1], shape[2], shape[3]);
     let row = heads * dim;
     if y.is_empty() || op.n_rot == 0 {
         return;
     }
-    let tab = op.table::<T::Acc>(seq);
     let half = op.n_rot / 2;
-    y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
-        let t = bt % seq;
-        for head in yr.chunks_mut(dim) {
-            if op.n_rot == 1 {
-                head[0] = T::from_acc(head[0].acc() * tab[t].0);
-                continue;
-            }
-            for (i, &(cs, sn)) in tab[t * half..(t + 1) * half].iter().enumerate() {
-                let (a, b) = (head[i].acc(), head[i + half].acc());
-                head[i] = T::from_acc(a * cs - b * sn);
-                head[i + half] = T::from_acc(b * cs + a * sn);
-            }
+    match start {
+        None => {
+            let tab = op.table::<T::Acc>(0, seq);
+            y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
+                let t = bt % seq;
+                rotate_row(op, dim, half, &tab[t * half.max(1)..(t + 1) * half.max(1)], yr);
+            });
         }
-    });
+        // Positions per batch row: each row's angles from its own start.
+        Some(start) => {
+            y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
+                let (b, t) = (bt / seq, bt % seq);
+                let tab = op.table::<T::Acc>(start[b] as i64 + t as i64, 1);
+                rotate_row(op, dim, half, &tab, yr);
+            });
+        }
+    }
+}
+
+/// Rotates the heads of one `(b, t)` row by its angles `tab` (`half` pairs,
+/// or one entry for `n_rot == 1`).
+fn rotate_row<T: Float>(op: &Rope, dim: usize, half: usize, tab: &[(T::Acc, T::Acc)], yr: &mut [T]) {
+    for head in yr.chunks_mut(dim) {
+        if op.n_rot == 1 {
+            head[0] = T::from_acc(head[0].acc() * tab[0].0);
+            continue;
+        }
+        for (i, &(cs, sn)) in tab[..half].iter().enumerate() {
+            let (a, b) = (head[i].acc(), head[i + half].acc());
+            head[i] = T::from_acc(a * cs - b * sn);
+            head[i + half] = T::from_acc(b * cs + a * sn);
+        }
+    }
 }
 
 impl OpDef for Rope {
@@ -242,17 +265,47 @@ impl OpDef for Rope {
                 v.push(Sample::new(rope, vec![normal(d, shape)]).large_over(40_000));
             }
         }
+        // Per-row start positions (generation): one new token per row at
+        // different positions, a few new tokens, a negative start, the
+        // head-size-1 quirk, scaling, and a decode batch of a real geometry.
+        let positioned: [(&[usize], usize, &[f64], Option<Llama3Scaling>); 6] = [
+            (&[3, 1, 2, 8], 8, &[0.0, 5.0, 700.0], None),
+            (&[2, 4, 3, 16], 12, &[3.0, 0.0], None),
+            (&[2, 2, 2, 4], 4, &[-1.0, 2.0], None),
+            (&[2, 3, 2, 1], 1, &[1.0, 9.0], None),
+            (&[2, 1, 3, 16], 16, &[9.0, 40.0], Some(short)),
+            (
+                &[16, 1, 32, 100],
+                100,
+                &[511.0, 600.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 767.0],
+                None,
+            ),
+        ];
+        for (shape, n_rot, start, scaling) in positioned {
+            for inverse in [false, true] {
+                let rope = Rope { n_rot, base: 10000.0, inverse, scaling };
+                let start = fixed(DType::I32, &[shape[0]], start);
+                v.push(Sample::new(rope, vec![normal(d, shape), start]).large_over(40_000));
+            }
+        }
         v
     }
     fn name(&self) -> &'static str {
         "rope"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        expect_inputs(inputs, 1)?;
+        if inputs.is_empty() || inputs.len() > 2 {
+            return Err(format!("expects x and optionally per-row start positions, got {} inputs", inputs.len()));
+        }
         let x = inputs[0];
         expect_float(x, "x")?;
         if x.rank() != 4 {
             return Err(format!("x must be [B, T, H, D] (rank 4), got {x}"));
+        }
+        if let Some(start) = inputs.get(1) {
+            if start.dtype != DType::I32 || start.shape != [x.shape[0]] {
+                return Err(format!("start positions must be i32[{}] (one per batch row), got {start}", x.shape[0]));
+            }
         }
         let d = x.shape[3];
         if self.n_rot > d {
@@ -274,12 +327,17 @@ impl OpDef for Rope {
             return Ok(vec![None]);
         };
         let transpose = if self.n_rot == 1 { self.clone() } else { Rope { inverse: !self.inverse, ..self.clone() } };
-        Ok(vec![Some(b.push1(transpose.into(), &[g])?)])
+        // The same positions rotate the cotangent back; positions have none.
+        let mut ins = vec![g];
+        ins.extend(args.inputs.get(1));
+        let gx = b.push1(transpose.into(), &ins)?;
+        Ok(if args.inputs.len() == 2 { vec![Some(gx), None] } else { vec![Some(gx)] })
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let shape = io.out_ty(0).shape.clone();
+        let start = (io.inputs.len() == 2).then(|| io.input::<i32>(1).to_vec());
         with_float!(io.out_ty(0).dtype, T => {
-            rope_kernel::<T>(self, &shape, io.inplace(0, 0));
+            rope_kernel::<T>(self, &shape, io.inplace(0, 0), start.as_deref());
             Ok(())
         })
     }
@@ -322,6 +380,20 @@ impl OpDef for Rope {
 }
 
 impl Builder {
+    /// Rotary embedding of `x: [B, T, H, D]` whose row `b` starts at
+    /// position `start[b]` (an i32[B] value) rather than 0: the positions
+    /// of new tokens appended to a cache.
+    pub fn rope_at(
+        &mut self,
+        x: ValueId,
+        start: ValueId,
+        n_rot: usize,
+        base: f64,
+        scaling: Option<Llama3Scaling>,
+    ) -> Result<ValueId> {
+        self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x, start])
+    }
+
     /// Rotary embedding of the first `n_rot` dims of each head of `x: [B, T, H, D]`
     /// (Hugging Face `rotate_half` convention; see the module doc for `n_rot == 1`).
     /// `scaling` is Llama-3.x frequency scaling, `None` for plain RoPE.
