@@ -8,11 +8,13 @@
 //! Hugging Face model folder loaded, run and written back, see [`hf_cmd`]),
 //! `prepare` (text and JSONL files tokenized into a token file for
 //! training, see [`prepare`]) and `eval` (a model folder's validation loss
-//! on the held-out split of the training data, see [`eval`]).
+//! on the held-out split of the training data, see [`eval`]) and `generate`
+//! (text from a model, see [`generate`]).
 
 mod bench;
 mod compare;
 mod eval;
+mod generate;
 mod hf_cmd;
 mod memory_args;
 mod prepare;
@@ -106,6 +108,14 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         eval: eval::EvalArgs,
+    },
+    /// Generate text from a Hugging Face folder (--init-from) or a named model with random weights: prompts in,
+    /// tokens streamed out; decode steps replayed as CUDA graphs per batch bucket over one planned arena.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        generate: generate::GenerateArgs,
     },
     /// Train on a token file or byte-level text, from scratch or from a Hugging Face folder (--init-from),
     /// on the CPU, one GPU, or data-parallel on N GPUs (--gpus N).
@@ -603,6 +613,7 @@ fn run_command(cli: Cli) -> Result<()> {
         Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
         Command::Eval { model, eval } => eval::run(&model, &eval)?,
+        Command::Generate { model, generate } => generate::run(&model, &generate)?,
         Command::Train { model, optim, train, memory } => train::run(&model, &optim, &train, &memory)?,
     }
     Ok(())

@@ -10,7 +10,7 @@
 //! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
 
 mod common;
-use common::{fails_with, root, s, stepgraph};
+use common::{fails_with, root, s, stepgraph, write_model, README_TOKENIZER, VOCAB};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,13 +18,8 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
-use stepgraph_core::autodiff::StepKind;
-use stepgraph_core::cpu::exec::CpuSession;
-use stepgraph_core::ir::DType;
 use stepgraph_core::models::checkpoint::read_safetensors;
-use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, INDEX_FILE};
-use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
-use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::models::hf_dir::{HfFamily, HfModelDir, INDEX_FILE};
 use stepgraph_data::fixtures::{self, TemplateStyle};
 
 fn run_ok(args: &[&str]) -> (String, String) {
@@ -32,11 +27,6 @@ fn run_ok(args: &[&str]) -> (String, String) {
     assert!(ok, "{args:?} failed:\n{err}");
     (out, err)
 }
-
-/// The tokenizer the README's example uses, committed in `data/tokenizer`.
-const README_TOKENIZER: &str = "data/tokenizer";
-/// Embedding rows of the fixture models: the tokenizer's ids fit.
-const VOCAB: usize = 512;
 
 /// Trains the README's tokenizer on `data/tiny.txt` (a byte-level BPE of
 /// 400 entries with a ChatML template) into `data/tokenizer`:
@@ -51,60 +41,6 @@ fn regenerate_the_readme_tokenizer() {
         TemplateStyle::ChatMl,
     )
     .unwrap();
-}
-
-/// `config.json` of a tiny model of `family` (`llama`, `mistral`, `qwen2`
-/// or `gpt_neox`), with the keys `transformers` writes.
-fn config_json(family: &str, tied: bool) -> Value {
-    match family {
-        "gpt_neox" => json!({
-            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "attention_bias": true,
-            "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu", "hidden_size": 32,
-            "intermediate_size": 128, "layer_norm_eps": 1e-5, "max_position_embeddings": 64,
-            "num_attention_heads": 4, "num_hidden_layers": 2, "rotary_emb_base": 10000,
-            "rotary_pct": 0.5, "tie_word_embeddings": tied, "torch_dtype": "float32",
-            "use_parallel_residual": true, "vocab_size": VOCAB
-        }),
-        _ => {
-            let arch = match family {
-                "llama" => "LlamaForCausalLM",
-                "mistral" => "MistralForCausalLM",
-                "qwen2" => "Qwen2ForCausalLM",
-                other => panic!("no fixture family {other}"),
-            };
-            json!({
-                "architectures": [arch], "model_type": family, "bos_token_id": 1, "eos_token_id": 2,
-                "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
-                "max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "sliding_window": null, "tie_word_embeddings": tied, "torch_dtype": "float32",
-                "vocab_size": VOCAB
-            })
-        }
-    }
-}
-
-/// Writes a tiny Hugging Face model of `family` into `dir`: its
-/// `config.json`, seeded weights (in shards of at most `shard_bytes`, with
-/// an index, when given) and the README tokenizer's files.
-fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64>) {
-    let config_value = config_json(family, tied);
-    let config = Config::from_hf_json(&config_value.to_string(), family).unwrap();
-    let spec = ModelSpec { config: config.clone(), batch: 1, seq: 2, dtype: DType::F32, loss: LossKind::CrossEntropy };
-    let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
-    let mut session = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
-    for (v, t) in init_params(&c.forward, 7) {
-        session.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
-    }
-    let source = config_value.as_object().unwrap().clone();
-    let tokenizer = root().join(README_TOKENIZER);
-    let options = SaveOptions {
-        tokenizer_from: Some(&tokenizer),
-        max_shard_bytes: shard_bytes.unwrap_or(u64::MAX),
-        family: HfFamily::from_model_type(family),
-        source_config: Some(&source),
-    };
-    save_hf_dir(dir, &config, &c.forward, &mut session, &options).unwrap();
 }
 
 /// Every tensor of a folder's weight files, by name, as bytes.

@@ -20,6 +20,7 @@
 //! puts next to building, planning and the weights.
 
 use std::fmt;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -258,6 +259,23 @@ pub trait Session {
     /// Runs one step from the recording (made first if there is none), and
     /// waits for it.
     fn replay(&mut self) -> Result<()>;
+
+    /// Runs the nodes `nodes` of the trace eagerly and waits for them: one
+    /// segment of a trace that holds several programs over one plan (a
+    /// generation program's prefill and decode buckets). A segment reads
+    /// the leaves and the values earlier segments left in persistent
+    /// storage, never another segment's arena values.
+    fn run_nodes(&mut self, nodes: Range<usize>) -> Result<()>;
+
+    /// Runs the nodes `nodes` from a recording of that range made once (a
+    /// CUDA graph per range on the GPU), and waits for it.
+    fn replay_nodes(&mut self, nodes: Range<usize>) -> Result<()>;
+
+    /// The device memory the recording of `nodes` took, once made (`None`
+    /// before, or where recordings are host launch lists).
+    fn segment_graph_bytes(&self, _nodes: Range<usize>) -> Option<u64> {
+        None
+    }
 
     /// Reads any value (meaningful for leaves and step outputs after a step).
     fn read(&mut self, v: ValueId) -> Result<HostTensor>;

@@ -135,6 +135,11 @@ pub struct CudaSession {
     /// How long each stage of building the session took, in order.
     startup: Vec<StartupPhase>,
     graph: Option<StepGraph>,
+    /// The node of every launch of `prepared` (ascending: launches are in node order).
+    launch_nodes: Vec<usize>,
+    /// Graphs of node ranges ([`CudaSession::replay_nodes`]), with the device
+    /// memory each one's capture took.
+    segment_graphs: HashMap<(usize, usize), (StepGraph, u64)>,
     id_checks: Vec<IdCheck>,
     memory: MemoryReport,
     total_device_bytes: u64,
@@ -549,6 +554,8 @@ impl CudaSession {
             modules,
             startup: clock.stages,
             graph: None,
+            launch_nodes,
+            segment_graphs: HashMap::new(),
             id_checks,
             memory,
             total_device_bytes: total,
@@ -834,6 +841,59 @@ impl CudaSession {
         Ok(())
     }
 
+    /// The launches of the nodes `nodes`, a range of `prepared`.
+    fn launch_range(&self, nodes: &std::ops::Range<usize>) -> Result<std::ops::Range<usize>> {
+        stepgraph_core::cpu::exec::check_node_range(nodes, self.trace.nodes.len())?;
+        if self.side.is_some() {
+            return Err(CudaError::lower(
+                "segment",
+                "node ranges run on the compute stream only: open the session without collective overlap",
+            ));
+        }
+        let first = self.launch_nodes.partition_point(|&n| n < nodes.start);
+        let end = self.launch_nodes.partition_point(|&n| n < nodes.end);
+        Ok(first..end)
+    }
+
+    /// Runs the nodes `nodes` launch by launch and waits for them: one
+    /// segment of a trace holding several programs over one plan.
+    pub fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        let launches = self.launch_range(&nodes)?;
+        self.ctx.bind_to_thread()?;
+        self.enqueue_list(&self.prepared[launches], self.stream.cu_stream())?;
+        self.stream.synchronize()?;
+        self.sample()
+    }
+
+    /// Replays the nodes `nodes` from their own CUDA graph, captured over
+    /// the same launches at the first call (run them eagerly once before,
+    /// so the modules are warm), and waits for it.
+    pub fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        let key = (nodes.start, nodes.end);
+        if !self.segment_graphs.contains_key(&key) {
+            let launches = self.launch_range(&nodes)?;
+            self.ctx.bind_to_thread()?;
+            let before = used_bytes()?.0;
+            let graph = StepGraph::capture(&self.stream, || {
+                self.enqueue_list(&self.prepared[launches], self.stream.cu_stream())
+            })?;
+            self.stream.synchronize()?;
+            let grew = used_bytes()?.0.saturating_sub(before);
+            self.memory.graph_bytes += grew;
+            self.segment_graphs.insert(key, (graph, grew));
+            self.sample()?;
+        }
+        self.segment_graphs[&key].0.replay()?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// The device memory the capture of the graph of `nodes` took (`None`
+    /// before [`CudaSession::replay_nodes`] captured it).
+    pub fn segment_graph_bytes(&self, nodes: std::ops::Range<usize>) -> Option<u64> {
+        self.segment_graphs.get(&(nodes.start, nodes.end)).map(|g| g.1)
+    }
+
     /// Runs one step eagerly with a timing event after every launch and
     /// returns, per kernel name (cuBLASLt products as `gemm`), the launch
     /// count and total milliseconds, slowest first. For finding where a
@@ -898,6 +958,7 @@ impl Drop for CudaSession {
             }
         }
         self.graph = None;
+        self.segment_graphs.clear();
         // After the graph that may reference it, before the memory it reduced.
         self.comm = None;
         // SAFETY: `base` is the allocation made by `allocate`, freed once:
@@ -968,6 +1029,19 @@ impl Session for CudaSession {
 
     fn replay(&mut self) -> CoreResult<()> {
         Ok(CudaSession::replay(self)?)
+    }
+
+    fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> CoreResult<()> {
+        Ok(CudaSession::run_nodes(self, nodes)?)
+    }
+
+    /// One CUDA graph per node range, captured at its first replay.
+    fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> CoreResult<()> {
+        Ok(CudaSession::replay_nodes(self, nodes)?)
+    }
+
+    fn segment_graph_bytes(&self, nodes: std::ops::Range<usize>) -> Option<u64> {
+        CudaSession::segment_graph_bytes(self, nodes)
     }
 
     fn read(&mut self, v: ValueId) -> CoreResult<HostTensor> {

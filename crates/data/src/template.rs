@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 
 /// One chat message.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,

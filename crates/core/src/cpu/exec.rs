@@ -198,8 +198,36 @@ impl CpuSession {
         self.abort_on_error(r)
     }
 
+    /// Runs the nodes `nodes` of the trace eagerly: one segment of a
+    /// program of several (see [`Session::run_nodes`]).
+    pub fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        check_node_range(&nodes, self.trace.nodes.len())?;
+        let r = self.eager_range(nodes);
+        self.abort_on_error(r)
+    }
+
+    /// Runs the recorded launches of the nodes `nodes` (recording first if
+    /// needed): a segment's replay.
+    pub fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        check_node_range(&nodes, self.trace.nodes.len())?;
+        if self.launches.is_none() {
+            self.record();
+        }
+        let launches = self.launches.as_ref().expect("recorded above");
+        let comm = self.comm.as_deref();
+        let r = launches
+            .iter()
+            .filter(|l| nodes.contains(&l.node))
+            .try_for_each(|l| run_node(&self.trace.nodes[l.node].op, &l.inputs, &l.outputs, comm));
+        self.abort_on_error(r)
+    }
+
     fn eager_nodes(&mut self) -> Result<()> {
-        for ni in 0..self.trace.nodes.len() {
+        self.eager_range(0..self.trace.nodes.len())
+    }
+
+    fn eager_range(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        for ni in nodes {
             let node = &self.trace.nodes[ni];
             if node.op.view_of().is_some() {
                 continue;
@@ -284,6 +312,14 @@ impl Session for CpuSession {
         CpuSession::replay(self)
     }
 
+    fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        CpuSession::run_nodes(self, nodes)
+    }
+
+    fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
+        CpuSession::replay_nodes(self, nodes)
+    }
+
     fn read(&mut self, v: ValueId) -> Result<HostTensor> {
         Ok(CpuSession::read(self, v))
     }
@@ -302,6 +338,17 @@ impl Session for CpuSession {
             baseline_bytes: 0,
         })
     }
+}
+
+/// A node range of a trace of `len` nodes must lie inside it.
+pub fn check_node_range(nodes: &std::ops::Range<usize>, len: usize) -> Result<()> {
+    if nodes.start > nodes.end || nodes.end > len {
+        return Err(Error::Input {
+            name: "nodes".into(),
+            reason: format!("{}..{} is not a range of the trace's {len} nodes", nodes.start, nodes.end),
+        });
+    }
+    Ok(())
 }
 
 fn run_node(op: &Op, inputs: &[TensorView], outputs: &[TensorView], comm: Option<&dyn Communicator>) -> Result<()> {

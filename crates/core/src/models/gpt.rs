@@ -129,20 +129,36 @@ impl ModelSpec {
     }
 }
 
-struct Gpt<'a> {
-    b: Builder,
-    cfg: &'a Config,
-    dtype: DType,
+/// The model builder: the trace being recorded and the model it records.
+/// The generation builder ([`super::generate`]) records its programs with
+/// the same layers.
+pub(crate) struct Gpt<'a> {
+    pub(crate) b: Builder,
+    pub(crate) cfg: &'a Config,
+    pub(crate) dtype: DType,
     /// Row tiles of every MLP (see the module doc); 1 for none.
-    mlp_tiles: usize,
+    pub(crate) mlp_tiles: usize,
+    /// Parameters made so far, by name: a trace that records the model more
+    /// than once (generation's prefill and decode steps) shares one leaf
+    /// per weight.
+    pub(crate) params: std::collections::HashMap<String, ValueId>,
 }
 
 /// A linear layer's weight and optional bias.
 type LinearParams = (ValueId, Option<ValueId>);
 
-impl Gpt<'_> {
-    fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
-        self.b.param(name, TensorType::new(self.dtype, shape))
+impl<'a> Gpt<'a> {
+    pub(crate) fn new(name: &str, cfg: &'a Config, dtype: DType, mlp_tiles: usize) -> Self {
+        Gpt { b: Builder::new(name), cfg, dtype, mlp_tiles, params: Default::default() }
+    }
+
+    pub(crate) fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
+        if let Some(&p) = self.params.get(name) {
+            return Ok(p);
+        }
+        let p = self.b.param(name, TensorType::new(self.dtype, shape))?;
+        self.params.insert(name.to_string(), p);
+        Ok(p)
     }
 
     fn linear_params(
@@ -157,12 +173,12 @@ impl Gpt<'_> {
         Ok((w, bias))
     }
 
-    fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
+    pub(crate) fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
         let (w, bias) = self.linear_params(prefix, inp, out, bias)?;
         self.b.linear(x, w, bias)
     }
 
-    fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
+    pub(crate) fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
         let c = self.cfg.n_embd;
         let w = self.param(&format!("{prefix}.weight"), &[c])?;
         match self.cfg.norm {
@@ -204,7 +220,7 @@ impl Gpt<'_> {
     }
 
     /// The MLP of `x: [..., n_embd]`, in [`Gpt::mlp_tiles`] row tiles.
-    fn mlp(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
+    pub(crate) fn mlp(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
         let shape = self.b.shape(x).to_vec();
         let c = self.cfg.n_embd;
         let rows = shape.iter().product::<usize>() / c.max(1);
@@ -339,7 +355,7 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     }
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
-    let mut g = Gpt { b: Builder::new("forward"), cfg, dtype: spec.dtype, mlp_tiles: opts.mlp_tiles };
+    let mut g = Gpt::new("forward", cfg, spec.dtype, opts.mlp_tiles);
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
     let targets = match spec.loss {
         LossKind::CrossEntropy => Some(g.b.input(TARGETS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),

@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod generate;
 pub mod gpt;
 pub mod hf;
 pub mod hf_dir;

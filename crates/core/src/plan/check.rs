@@ -5,7 +5,9 @@
 //! one offset), and then checks every pair of classes whose bytes overlap:
 //! their lifetimes must be disjoint, or meet at exactly one node that
 //! declares an in-place pair from the dying class to the new one with the
-//! same slot. Persistent values may only share bytes through a state update.
+//! same slot. Persistent values may only share bytes through a state update
+//! (the state and its new value, or two links of the in-place chain the new
+//! value comes from, handed over like arena values).
 //! Every slot lies inside its region, arena offsets are multiples of
 //! [`ARENA_ALIGN`] and persistent ones of their element size.
 //!
@@ -19,7 +21,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 
-use super::{lifetimes, MemoryPlan, Region, UnionFind, ARENA_ALIGN};
+use super::{lifetimes, update_chains, MemoryPlan, Region, UnionFind, ARENA_ALIGN};
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
 
@@ -126,14 +128,29 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     let (mut persistent, mut arena): (Vec<&Class>, Vec<&Class>) =
         classes.iter().flatten().filter(|c| c.bytes > 0).partition(|c| c.region == Region::Persistent);
 
+    // Each state's update chain (the in-place writes its new value comes
+    // from), by class: the state's own class and every link's.
+    let mut chain_of = std::collections::HashMap::new();
+    for (v, state) in update_chains(trace) {
+        chain_of.insert(class_of[v.index()], class_of[state.index()]);
+        chain_of.insert(class_of[state.index()], class_of[state.index()]);
+    }
+
     // Persistent values live across steps, so any shared byte must be a
-    // state and its update. Sorted by offset, each class meets only the
-    // classes that start inside it.
+    // state and its update, or two links of one state's update chain that
+    // hand over in place (a cache written by several steps of one trace).
+    // Sorted by offset, each class meets only the classes that start inside it.
     persistent.sort_by_key(|c| (c.offset, c.key));
     for (a, ca) in persistent.iter().enumerate() {
         for cb in persistent[a + 1..].iter().take_while(|cb| cb.offset < ca.end_byte()) {
             let (first, second) = by_birth(ca, cb);
-            if !(updates.contains(&(first.key, second.key)) || updates.contains(&(second.key, first.key))) {
+            if updates.contains(&(first.key, second.key)) || updates.contains(&(second.key, first.key)) {
+                continue;
+            }
+            let one_chain = chain_of.get(&first.key).is_some_and(|s| chain_of.get(&second.key) == Some(s));
+            let handed_over = first.end < second.start
+                || (first.end == second.start && handover.contains(&(first.end, first.key, second.key)));
+            if !(one_chain && handed_over) {
                 return fail(overlap(trace, first, second));
             }
         }

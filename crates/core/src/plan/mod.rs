@@ -181,6 +181,29 @@ fn is_persistent(kind: &ValueKind) -> bool {
     matches!(kind, ValueKind::Param { .. } | ValueKind::State { .. })
 }
 
+/// The values that become a state's new value, each with its state: the
+/// update's own value, and the chain of in-place writes it comes from. A
+/// state written in place several times in one trace (a KV cache that the
+/// prefill and every decode step write: `c1 = kv_write(cache, …)`,
+/// `c2 = kv_write(c1, …)`, update `cache ← c2`) keeps every link in the
+/// state's storage.
+fn update_chains(trace: &Trace) -> std::collections::HashMap<ValueId, ValueId> {
+    let mut chain = std::collections::HashMap::new();
+    for u in &trace.updates {
+        let mut v = u.new;
+        // Back through in-place pairs until the state (or a value that is
+        // not written in place: then the update fails in `plan`).
+        while v != u.state && chain.insert(v, u.state).is_none() {
+            let Some(n) = trace.producer(v) else { break };
+            let node = trace.node(n);
+            let Some(oi) = node.outputs.iter().position(|&o| o == v) else { break };
+            let Some(&(_, ii)) = node.op.inplace().iter().find(|&&(o, _)| o == oi) else { break };
+            v = node.inputs[ii];
+        }
+    }
+    chain
+}
+
 /// Plans `trace` (whose node order is the schedule).
 pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let n = trace.values.len();
@@ -205,8 +228,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     for v in trace.leaves() {
         pinned[uf.find(v.index())] = true;
     }
-    let update_of: std::collections::HashMap<ValueId, ValueId> =
-        trace.updates.iter().map(|u| (u.new, u.state)).collect();
+    let update_of = update_chains(trace);
     for (pos, node) in trace.nodes.iter().enumerate() {
         let pairs = node.op.inplace();
         for (oi, ii) in pairs.iter().copied() {
@@ -215,7 +237,10 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
             if ro == ri {
                 continue;
             }
-            let is_update = update_of.get(&o) == Some(&i);
+            // The value is on its state's update chain, and the input is
+            // that state or an earlier link of the chain (whose storage
+            // is the state's already).
+            let is_update = update_of.get(&o).is_some_and(|&s| uf.find(s.index()) == ri);
             // Leaves (and views of them) are never overwritten, except by their own update.
             let allowed = is_update || (opts.reuse && !pinned[ri]);
             if !allowed {

@@ -1,0 +1,462 @@
+//! `stepgraph generate`: text from a model, on the CPU or one GPU.
+//!
+//! The model is a Hugging Face folder (`--init-from`, with its tokenizer
+//! and chat template) or a named model with seeded random weights (for
+//! benchmarks: `--random-prompts`). Prompts come from `--prompt` or a JSONL
+//! file (`--prompts`, one `{"prompt": …}`, `{"text": …}` or
+//! `{"messages": [...]}` per line); `--chat` renders a `--prompt` as a user
+//! turn through the chat template. Every prompt is tokenized and checked
+//! first; the generation program ([`stepgraph_core::models::generate`]) is
+//! then built for exactly these prompts: its prefill as long as the longest
+//! prompt, its cache as long as that plus `--max-new-tokens`, its decode
+//! buckets the ladder 1, 2, 4, … up to the smallest that holds every
+//! prompt (at most 64; `--buckets` sets them). The plan must fit the
+//! device before anything is allocated; if it does not, the error says how
+//! many cache positions would.
+//!
+//! One prompt streams its text to stdout as the tokens come; several (or
+//! `--json`) print one JSON line per prompt. A summary goes to stderr: time
+//! to first token, decode time per step, tokens per second, and the plan
+//! (weights, cache, working set, each captured bucket's graph).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+
+use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::generation::{BatchTimes, Finish, Generated, Generator, Request, Sampling};
+use stepgraph_core::ir::ValueKind;
+use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS};
+use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::session::Session;
+use stepgraph_cuda::session::{free_device_memory, gpu_available, CudaOptions, CudaSession};
+use stepgraph_data::template::Message;
+use stepgraph_data::tokenizer::Tokenizer;
+
+use crate::train::{self, DeviceArg};
+use crate::ModelArgs;
+
+/// `stepgraph generate`'s own flags (the model and dtype flags are shared).
+#[derive(Args, Clone, Debug)]
+pub struct GenerateArgs {
+    /// A Hugging Face model folder: config.json, safetensors weights, and its tokenizer files.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    pub init_from: Option<PathBuf>,
+    /// The tokenizer (a tokenizer.json or its folder) [default: the --init-from folder].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The text to continue.
+    #[arg(long, conflicts_with_all = ["prompts", "random_prompts"])]
+    pub prompt: Option<String>,
+    /// A JSONL file of prompts: {"prompt": "..."}, {"text": "..."} or {"messages": [{"role", "content"}, ...]} per line.
+    #[arg(long, value_name = "FILE", conflicts_with = "random_prompts")]
+    pub prompts: Option<PathBuf>,
+    /// Render --prompt as a user message through the tokenizer's chat template (JSONL `messages` always are).
+    #[arg(long)]
+    pub chat: bool,
+    /// N prompts of random token ids (--prompt-tokens long): a benchmark, no tokenizer needed.
+    #[arg(long, value_name = "N")]
+    pub random_prompts: Option<usize>,
+    /// With --random-prompts: tokens per prompt.
+    #[arg(long, default_value_t = 512, requires = "random_prompts")]
+    pub prompt_tokens: usize,
+    /// New tokens per prompt, at most.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy (the most likely token every time).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sample among the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Sample among the most likely tokens holding P of the probability (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sampling noise (prompt i uses seed + i) and of random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop a sequence when its text contains this string (repeatable); the text ends before it.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token (benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Decode batch sizes, one CUDA graph each, comma-separated [default: 1, 2, 4, … up to the prompt count, at most 64].
+    #[arg(long, value_delimiter = ',')]
+    pub buckets: Option<Vec<usize>>,
+    /// Generate on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// Run every decode step eagerly instead of replaying its recording.
+    #[arg(long)]
+    pub eager: bool,
+    /// Print one JSON line per prompt, and a summary line, on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A prompt as given and as tokens.
+struct Prompt {
+    text: Option<String>,
+    ids: Vec<u32>,
+}
+
+fn load_tokenizer(args: &GenerateArgs) -> Result<Option<Tokenizer>> {
+    let path = args.tokenizer.as_ref().or(args.init_from.as_ref());
+    match path {
+        Some(p) => Ok(Some(Tokenizer::load(p).with_context(|| format!("loading the tokenizer of {}", p.display()))?)),
+        None => Ok(None),
+    }
+}
+
+fn render_chat(tok: &Tokenizer, messages: &[Message], what: &str) -> Result<String> {
+    let template = tok.chat_template.as_ref().with_context(|| {
+        format!(
+            "{what} asks for the chat template, but {} has none (no chat_template in tokenizer_config.json, no \
+             chat_template.jinja)",
+            tok.path.display()
+        )
+    })?;
+    let bos = tok.bos_token.clone().unwrap_or_default();
+    template
+        .render(messages, true, &bos, &tok.eos_token)
+        .map_err(|e| anyhow::anyhow!("{what}: the chat template of {} failed: {e}", template.path().display()))
+}
+
+fn encode(tok: &Tokenizer, text: &str, what: &str) -> Result<Vec<u32>> {
+    Ok(tok.encode(text, true).map_err(|e| anyhow::anyhow!("{what}: {e}"))?.ids)
+}
+
+/// The prompts of the run, tokenized.
+fn read_prompts(args: &GenerateArgs, tok: Option<&Tokenizer>, vocab: usize) -> Result<Vec<Prompt>> {
+    if let Some(n) = args.random_prompts {
+        if n == 0 || args.prompt_tokens == 0 {
+            bail!(
+                "--random-prompts {n} --prompt-tokens {}: ask for at least one prompt of one token",
+                args.prompt_tokens
+            );
+        }
+        // splitmix64 per (prompt, position): reproducible from --seed.
+        let ids = |i: usize| {
+            (0..args.prompt_tokens)
+                .map(|t| {
+                    let h = stepgraph_core::ops::decode::splitmix64(args.seed ^ ((i as u64) << 32 | t as u64));
+                    (h % vocab as u64) as u32
+                })
+                .collect()
+        };
+        return Ok((0..n).map(|i| Prompt { text: None, ids: ids(i) }).collect());
+    }
+    let need_tok = || {
+        tok.context("a text prompt needs a tokenizer: --init-from a folder with tokenizer.json, or --tokenizer PATH")
+    };
+    if let Some(p) = &args.prompt {
+        let tok = need_tok()?;
+        let text = if args.chat {
+            render_chat(tok, &[Message { role: "user".into(), content: p.clone() }], "--chat")?
+        } else {
+            p.clone()
+        };
+        return Ok(vec![Prompt { ids: encode(tok, &text, "--prompt")?, text: Some(text) }]);
+    }
+    let Some(file) = &args.prompts else {
+        bail!("nothing to continue: give --prompt TEXT, --prompts FILE.jsonl or --random-prompts N");
+    };
+    let tok = need_tok()?;
+    let body = std::fs::read_to_string(file).with_context(|| format!("reading --prompts {}", file.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in body.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = format!("{} line {}", file.display(), n + 1);
+        let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{at}: not JSON"))?;
+        let text = if let Some(m) = v.get("messages") {
+            let messages: Vec<Message> = serde_json::from_value(m.clone())
+                .with_context(|| format!("{at}: \"messages\" must be a list of {{\"role\", \"content\"}}"))?;
+            render_chat(tok, &messages, &at)?
+        } else if let Some(t) = v.get("prompt").or_else(|| v.get("text")).and_then(|t| t.as_str()) {
+            if args.chat {
+                render_chat(tok, &[Message { role: "user".into(), content: t.into() }], &at)?
+            } else {
+                t.to_string()
+            }
+        } else {
+            bail!("{at}: expected {{\"prompt\": \"...\"}}, {{\"text\": \"...\"}} or {{\"messages\": [...]}}");
+        };
+        out.push(Prompt { ids: encode(tok, &text, &at)?, text: Some(text) });
+    }
+    if out.is_empty() {
+        bail!("--prompts {} holds no prompt", file.display());
+    }
+    Ok(out)
+}
+
+/// The default buckets: the ladder up to the smallest rung that holds `n` prompts.
+fn default_buckets(n: usize) -> Vec<usize> {
+    let top = DEFAULT_BUCKETS.iter().copied().find(|&b| b >= n).unwrap_or(*DEFAULT_BUCKETS.last().unwrap());
+    DEFAULT_BUCKETS.iter().copied().filter(|&b| b <= top).collect()
+}
+
+fn gb(b: u64) -> f64 {
+    b as f64 / 1e9
+}
+
+pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
+    let (spec, hf) = train::model_spec(model, args.init_from.as_deref())?;
+    let cfg = spec.config.clone();
+    let tok = load_tokenizer(args)?;
+    let prompts = read_prompts(args, tok.as_ref(), cfg.padded_vocab_size)?;
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens 0 generates nothing: ask for at least 1");
+    }
+    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    sampling.check().map_err(|e| anyhow::anyhow!("{e} (--temperature, --top-k, --top-p)"))?;
+    for (i, p) in prompts.iter().enumerate() {
+        if p.ids.is_empty() {
+            bail!("prompt {i} is empty after tokenization: give it at least one token");
+        }
+        if let Some(t) = p.ids.iter().find(|&&t| t as usize >= cfg.padded_vocab_size) {
+            bail!("prompt {i}: token id {t} is outside the model's vocabulary of {}", cfg.padded_vocab_size);
+        }
+        if p.ids.len() >= cfg.block_size {
+            bail!(
+                "prompt {i} has {} tokens, but the model's context is {} tokens and a new token needs a position",
+                p.ids.len(),
+                cfg.block_size
+            );
+        }
+    }
+    let longest = prompts.iter().map(|p| p.ids.len()).max().expect("at least one prompt");
+    let context = (longest + args.max_new_tokens).min(cfg.block_size);
+    if longest + args.max_new_tokens > cfg.block_size {
+        eprintln!(
+            "note: {} new tokens after the longest prompt ({longest} tokens) pass the model's context of {}; \
+             at most {} new tokens each",
+            args.max_new_tokens,
+            cfg.block_size,
+            cfg.block_size - longest
+        );
+    }
+    let buckets = match &args.buckets {
+        Some(b) => {
+            let mut b = b.clone();
+            b.sort_unstable();
+            b.dedup();
+            b
+        }
+        None => default_buckets(prompts.len()),
+    };
+    let gspec =
+        GenerationSpec { config: cfg.clone(), dtype: spec.dtype, buckets, context, prompt_len: longest, logits: false };
+    let built = Instant::now();
+    let program = build_generation(&gspec)?;
+    let memory_plan = plan(&program.trace, PlanOptions { reuse: true })?;
+    check_plan(&program.trace, &memory_plan)?;
+    let weights_bytes = program.trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
+    let cache_bytes = program.cache_bytes();
+    eprintln!(
+        "generation plan: weights {:.3} GB, KV cache {:.3} GB ({} sequences x {} positions), working set {:.3} GB, \
+         total {:.3} GB; buckets {:?}; built in {:.2} s",
+        gb(weights_bytes),
+        gb(cache_bytes),
+        program.max_batch(),
+        context,
+        gb(memory_plan.arena_bytes),
+        gb(memory_plan.planned_peak_bytes()),
+        program.spec.buckets,
+        built.elapsed().as_secs_f64()
+    );
+    if let Some(hf) = &hf {
+        hf.check(&program.trace)?;
+    }
+    let on_gpu = match args.device {
+        Some(DeviceArg::Cpu) => false,
+        Some(DeviceArg::Cuda) => true,
+        None => gpu_available(),
+    };
+    if on_gpu {
+        check_fits_gpu(&program, memory_plan.planned_peak_bytes(), cache_bytes)?;
+    }
+    let planned = memory_plan.planned_peak_bytes();
+    let mut session: Box<dyn Session> = if on_gpu {
+        Box::new(
+            CudaSession::new(program.trace.clone(), memory_plan, CudaOptions::default())
+                .context("opening the CUDA session on GPU 0")?,
+        )
+    } else {
+        Box::new(CpuSession::new(program.trace.clone(), memory_plan)?)
+    };
+    train::init_weights(session.as_mut(), &program.trace, hf.as_ref(), args.seed)?;
+    // The cache and the decode states start from zeros (the padding a
+    // prompt leaves is never read; zeros keep a dump readable).
+    session.zero_state()?;
+
+    let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            prompt: p.ids.clone(),
+            max_new_tokens: args.max_new_tokens.min(context - p.ids.len()),
+            sampling: Sampling { seed: args.seed.wrapping_add(i as u64), ..sampling },
+            stop_tokens: eos.into_iter().collect(),
+        })
+        .collect();
+    let stream = prompts.len() == 1 && !args.json;
+    let mut texts = vec![String::new(); prompts.len()];
+    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut printed = 0usize;
+    let stdout = std::io::stdout();
+    let start = Instant::now();
+    let (out, times) = {
+        let mut gen = Generator::new(session.as_mut(), &program);
+        gen.replay = !args.eager;
+        let mut on_token = |i: usize, t: u32| -> bool {
+            ids[i].push(t);
+            let Some(tok) = tok.as_ref() else { return false };
+            if eos == Some(t) {
+                return false;
+            }
+            let Ok(text) = tok.decode(&ids[i]) else { return false };
+            let cut = args.stop.iter().filter_map(|s| text.find(s.as_str())).min();
+            texts[i] = match cut {
+                Some(at) => text[..at].to_string(),
+                None => text,
+            };
+            if stream {
+                // The text can change behind the last printed byte (a
+                // multi-byte character completed): print only what is final.
+                let safe = if cut.is_some() { texts[i].len() } else { texts[i].trim_end_matches('\u{FFFD}').len() };
+                if safe > printed && texts[i].is_char_boundary(printed) {
+                    let mut lock = stdout.lock();
+                    let _ = lock.write_all(texts[i][printed..safe].as_bytes());
+                    let _ = lock.flush();
+                    printed = safe;
+                }
+            }
+            cut.is_some()
+        };
+        gen.generate(&requests, &mut on_token)?
+    };
+    let wall = start.elapsed();
+    if stream {
+        // What streaming held back (characters that could still change) is final now.
+        let rest = texts[0].get(printed..).unwrap_or_default();
+        println!("{rest}");
+    }
+    let mem = session.memory()?;
+    report(args, &program, &prompts, &out, &texts, &times, wall.as_secs_f64(), planned, mem, session.as_ref())?;
+    Ok(())
+}
+
+/// Refuses a plan larger than GPU 0's free memory before anything is
+/// allocated, saying how many cache positions per sequence would fit.
+fn check_fits_gpu(program: &GenerationProgram, planned: u64, cache_bytes: u64) -> Result<()> {
+    let free = free_device_memory(0).context("reading GPU 0's free memory")?;
+    // The session adds cuBLASLt's workspace and the kernels; keep a margin.
+    let margin = 256 << 20;
+    if planned + margin <= free {
+        return Ok(());
+    }
+    let per_position = cache_bytes / program.spec.context.max(1) as u64;
+    let other = planned - cache_bytes;
+    let fit = free.saturating_sub(other + margin) / per_position.max(1);
+    bail!(
+        "the generation plan needs {:.2} GB but GPU 0 has {:.2} GB free: the weights and working set take {:.2} GB, \
+         and the cache fits {fit} positions per sequence for {} sequences (this run asks for {}); use fewer or \
+         shorter prompts, fewer --max-new-tokens or smaller --buckets",
+        gb(planned),
+        gb(free),
+        gb(other),
+        program.max_batch(),
+        program.spec.context
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    args: &GenerateArgs,
+    program: &GenerationProgram,
+    prompts: &[Prompt],
+    out: &[Generated],
+    texts: &[String],
+    times: &[BatchTimes],
+    wall_s: f64,
+    planned: u64,
+    mem: stepgraph_core::session::SessionMemory,
+    session: &dyn Session,
+) -> Result<()> {
+    let new_tokens: usize = out.iter().map(|g| g.tokens.len()).sum();
+    let first = times.first().cloned().unwrap_or_default();
+    let ttft_ms = first.prefill.as_secs_f64() * 1e3;
+    let steps: usize = times.iter().map(|t| t.decode_steps).sum();
+    let decode_s: f64 = times.iter().map(|t| t.decode.as_secs_f64()).sum();
+    // The first step of a bucket runs eagerly and the second records it:
+    // per-step time over the replays after those.
+    let step_ms = if steps > 0 { decode_s * 1e3 / steps as f64 } else { 0.0 };
+    let graphs: Vec<(usize, Option<u64>)> = program
+        .spec
+        .buckets
+        .iter()
+        .map(|&b| (b, program.decode(b).and_then(|s| session.segment_graph_bytes(s.nodes.clone()))))
+        .collect();
+    let graph_total: u64 = graphs.iter().filter_map(|g| g.1).sum();
+    if args.json {
+        for (i, (p, g)) in prompts.iter().zip(out).enumerate() {
+            let finish = match g.finish {
+                Finish::Stop => "eos",
+                Finish::Caller => "stop",
+                Finish::Length => "length",
+            };
+            println!(
+                "{}",
+                json!({"index": i, "prompt": p.text, "prompt_tokens": p.ids.len(), "text": texts[i],
+                       "tokens": g.tokens, "finish": finish})
+            );
+        }
+    } else if prompts.len() > 1 {
+        for (i, t) in texts.iter().enumerate() {
+            println!("{}", json!({"index": i, "text": t, "tokens": out[i].tokens.len()}));
+        }
+    }
+    let summary = json!({
+        "prompts": prompts.len(), "new_tokens": new_tokens, "wall_s": wall_s,
+        "time_to_first_token_ms": ttft_ms, "decode_steps": steps, "decode_ms_per_step": step_ms,
+        "tokens_per_s": new_tokens as f64 / wall_s.max(1e-9), "buckets": program.spec.buckets,
+        "batches": times.iter().map(|t| json!({"bucket": t.bucket, "prefill_ms": t.prefill.as_secs_f64() * 1e3,
+            "decode_steps": t.decode_steps, "decode_ms": t.decode.as_secs_f64() * 1e3,
+            "record_ms": t.record.as_secs_f64() * 1e3})).collect::<Vec<_>>(),
+        "planned_bytes": planned, "held_bytes": mem.held_bytes, "measured": mem.measured,
+        "cache_bytes": program.cache_bytes(),
+        "graph_bytes": graphs.iter().map(|(b, g)| json!({"bucket": b, "bytes": g})).collect::<Vec<_>>(),
+    });
+    if args.json {
+        println!("{}", json!({ "summary": summary }));
+    }
+    eprintln!(
+        "generated {new_tokens} tokens for {} prompt{} in {wall_s:.2} s: time to first token {ttft_ms:.1} ms, \
+         decode {step_ms:.2} ms/step over {steps} steps, {:.1} tokens/s",
+        prompts.len(),
+        if prompts.len() == 1 { "" } else { "s" },
+        new_tokens as f64 / wall_s.max(1e-9)
+    );
+    if mem.measured {
+        eprintln!(
+            "device peak {:.1} MB for a {:.1} MB plan; captured graphs {:.1} MB ({})",
+            mem.held_bytes as f64 / 1e6,
+            planned as f64 / 1e6,
+            graph_total as f64 / 1e6,
+            graphs
+                .iter()
+                .filter_map(|(b, g)| g.map(|g| format!("bucket {b}: {:.2} MB", g as f64 / 1e6)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! The generation program: one trace holding a prefill step and a decode
+//! step per batch bucket, recorded from the same layers as training
+//! ([`super::gpt`]) over one KV cache, so one memory plan holds the weights,
+//! the cache and the largest step's working set, and every step's
+//! recording (a CUDA graph per decode bucket) runs over those addresses.
+//!
+//! **Segments.** The trace is a sequence of [`Segment`]s, each a node
+//! range a session runs on its own ([`crate::session::Session::run_nodes`],
+//! [`crate::session::Session::replay_nodes`]): the prefill first, then one
+//! decode step per bucket, smallest first. The plan is the trace's, so
+//! segments reuse one arena; what one segment hands to a later one lives
+//! in persistent storage:
+//! - the KV cache, `cache.{layer}.k` / `.v` `[N, S, Hkv, D]` (N the largest
+//!   bucket, S [`GenerationSpec::context`]): state written in place by
+//!   every segment, a chain `c1 = kv_write(cache, …)`, `c2 = kv_write(c1, …)`
+//!   … ending in the state's update, which the planner keeps in the
+//!   cache's bytes (so any segment may run in any order);
+//! - each decode bucket's `decode{B}.tokens` and `decode{B}.positions`
+//!   (i32[B]): the last token of each sequence and its position, which the
+//!   step reads and [`crate::ops::decode::SampleNext`] overwrites with the
+//!   next token and position, so the next replay needs no host write.
+//!
+//! Step inputs (written by the host, kept for the whole trace by the
+//! planner, so a decode bucket's settings survive between replays):
+//! - prefill, one prompt at a time into cache row `prefill.row`:
+//!   `prefill.input_ids` i32[1, L] (right-padded), `prefill.start` i32[1]
+//!   (0), `prefill.last` i32[1] (the prompt length − 1: its hidden state
+//!   gives the next token), `prefill.sampling` f32[1, 3], `prefill.seed`
+//!   i64[1], `prefill.token` i32[1] (any: sampling writes beside it);
+//!   output `prefill.next` i32[1];
+//! - decode bucket B: `decode{B}.rows` i32[B] (cache row of each batch
+//!   row), `decode{B}.sampling` f32[B, 3], `decode{B}.seeds` i64[B].
+//!
+//! Padding a prompt to L writes garbage keys at positions `len..L` of its
+//! cache row; the first decode step writes position `len` before it
+//! attends, and attention reads positions `≤` the query's own, so the
+//! garbage is never read. With [`GenerationSpec::logits`] each segment
+//! also outputs its logits (`prefill.logits` [1, V], `decode{B}.logits`
+//! [B, V]) for tests against the full forward.
+
+use std::ops::Range;
+
+use super::config::Config;
+use super::gpt::Gpt;
+use crate::error::{Error, Result};
+use crate::ir::{DType, OutputKind, TensorType, Trace, ValueId};
+use crate::ops::decode::CachedAttention;
+
+/// The decode batch buckets used when none are given (vLLM captures 1, 2,
+/// 4, then multiples of 8; this is the same ladder up to 64).
+pub const DEFAULT_BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// GPU units a decode step's attention should fill (two blocks per SM of
+/// an H100/H200), for the split count of its cached attention.
+const ATTENTION_BLOCKS: usize = 264;
+
+/// What to build a generation program for.
+#[derive(Clone, Debug)]
+pub struct GenerationSpec {
+    pub config: Config,
+    pub dtype: DType,
+    /// Decode batch sizes, one recorded step each (sorted, distinct, ≥ 1).
+    pub buckets: Vec<usize>,
+    /// Cache positions per sequence: the longest prompt plus new tokens.
+    pub context: usize,
+    /// Tokens of the prefill step (prompts are padded to it).
+    pub prompt_len: usize,
+    /// Output every segment's logits (for tests).
+    pub logits: bool,
+}
+
+/// What a segment computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// One prompt into the cache, and its first new token.
+    Prefill,
+    /// One new token for each of `batch` sequences.
+    Decode { batch: usize },
+}
+
+/// A node range of the program's trace that runs on its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub name: String,
+    pub kind: SegmentKind,
+    pub nodes: Range<usize>,
+}
+
+/// A generation trace and its segments (see the module doc).
+#[derive(Clone, Debug)]
+pub struct GenerationProgram {
+    pub spec: GenerationSpec,
+    pub trace: Trace,
+    pub segments: Vec<Segment>,
+}
+
+impl GenerationProgram {
+    /// The prefill segment.
+    pub fn prefill(&self) -> &Segment {
+        &self.segments[0]
+    }
+
+    /// The decode segment of bucket `batch`, if there is one.
+    pub fn decode(&self, batch: usize) -> Option<&Segment> {
+        self.segments.iter().find(|s| s.kind == SegmentKind::Decode { batch })
+    }
+
+    /// The smallest bucket that holds `batch` sequences.
+    pub fn bucket_for(&self, batch: usize) -> Option<usize> {
+        self.spec.buckets.iter().copied().find(|&b| b >= batch)
+    }
+
+    /// The largest bucket.
+    pub fn max_batch(&self) -> usize {
+        *self.spec.buckets.last().expect("validated: at least one bucket")
+    }
+
+    /// Bytes of the KV cache (every layer's keys and values).
+    pub fn cache_bytes(&self) -> u64 {
+        self.trace.leaf_bytes(|k| matches!(k, crate::ir::ValueKind::State { name } if name.starts_with("cache.")))
+    }
+}
+
+impl GenerationSpec {
+    /// Checks the spec before anything is recorded.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
+        self.config.validate()?;
+        if self.buckets.is_empty() || self.buckets.contains(&0) {
+            return bad(format!("decode buckets must be positive batch sizes, got {:?}", self.buckets));
+        }
+        if self.buckets.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("decode buckets must be distinct and ascending, got {:?}", self.buckets));
+        }
+        if self.prompt_len == 0 {
+            return bad("the prefill needs at least one prompt token".into());
+        }
+        if self.context < self.prompt_len + 1 {
+            return bad(format!(
+                "a context of {} positions has no room for a new token after a {}-token prompt",
+                self.context, self.prompt_len
+            ));
+        }
+        if self.context > self.config.block_size {
+            return bad(format!(
+                "a context of {} positions exceeds the model's block size {} (its longest sequence)",
+                self.context, self.config.block_size
+            ));
+        }
+        if !self.dtype.is_float() {
+            return bad(format!("the model dtype must be a float type, not {}", self.dtype));
+        }
+        if i32::try_from(self.context).is_err() || i32::try_from(self.config.padded_vocab_size).is_err() {
+            return bad("positions and token ids must fit i32".into());
+        }
+        Ok(())
+    }
+}
+
+/// The recorder: the model's layers, the cache chain, the spec.
+struct Recorder<'a> {
+    g: Gpt<'a>,
+    spec: &'a GenerationSpec,
+    /// Per layer, the newest value of the key and value caches.
+    cache: Vec<(ValueId, ValueId)>,
+}
+
+/// How one segment's attention reads and writes the cache.
+#[derive(Clone, Copy)]
+struct CacheIo {
+    rows: ValueId,
+    start: ValueId,
+    /// Decode: attend over the cache with this many splits; prefill
+    /// (`None`): causal attention over the prompt itself.
+    splits: Option<usize>,
+}
+
+impl Recorder<'_> {
+    fn i32s(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
+        self.g.b.input(name, TensorType::new(DType::I32, shape))
+    }
+
+    /// One attention block on `x: [B, T, C]` for layer `layer`.
+    fn attention(&mut self, x: ValueId, layer: usize, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
+        let cfg = self.g.cfg;
+        let prefix = format!("model.layers.{layer}.self_attn");
+        let (hq, hkv, d, c) = (cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.n_embd);
+        let qkv_bias = cfg.bias || cfg.attn_qkv_bias;
+        let q = self.g.linear(x, &format!("{prefix}.q_proj"), c, hq * d, qkv_bias)?;
+        let k = self.g.linear(x, &format!("{prefix}.k_proj"), c, hkv * d, qkv_bias)?;
+        let v = self.g.linear(x, &format!("{prefix}.v_proj"), c, hkv * d, qkv_bias)?;
+        let mut q = self.g.b.reshape(q, &[batch, seq, hq, d])?;
+        let mut k = self.g.b.reshape(k, &[batch, seq, hkv, d])?;
+        let v = self.g.b.reshape(v, &[batch, seq, hkv, d])?;
+        let n_rot = cfg.n_rot();
+        if n_rot > 0 {
+            if io.splits.is_some() {
+                q = self.g.b.rope_at(q, io.start, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+                k = self.g.b.rope_at(k, io.start, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+            } else {
+                q = self.g.b.rope(q, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+                k = self.g.b.rope(k, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+            }
+        }
+        // As in training (gpt.rs): the head-size-1 quirk doubles the scale.
+        let mut scale = 1.0 / (d as f64).sqrt();
+        if n_rot == 1 {
+            scale *= 2.0;
+        }
+        let (kc, vc) = self.cache[layer];
+        let kc = self.g.b.kv_write(kc, k, io.rows, io.start)?;
+        let vc = self.g.b.kv_write(vc, v, io.rows, io.start)?;
+        self.cache[layer] = (kc, vc);
+        let o = match io.splits {
+            Some(splits) => self.g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits)?,
+            None => self.g.b.attention(q, k, v, scale)?,
+        };
+        let o = self.g.b.reshape(o, &[batch, seq, hq * d])?;
+        self.g.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
+    }
+
+    /// The layers on the embedded `x: [B, T, C]`; returns the last hidden state.
+    fn layers(&mut self, mut x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
+        let cfg = self.g.cfg;
+        for layer in 0..cfg.n_layer {
+            let p = format!("model.layers.{layer}");
+            let h = self.g.norm(x, &format!("{p}.input_layernorm"))?;
+            let a = self.attention(h, layer, batch, seq, io)?;
+            if cfg.parallel_residual {
+                let h2 = if cfg.shared_attention_norm {
+                    h
+                } else {
+                    self.g.norm(x, &format!("{p}.post_attention_layernorm"))?
+                };
+                let m = self.g.mlp(h2, &format!("{p}.mlp"))?;
+                let am = self.g.b.add(a, m)?;
+                x = self.g.b.add(am, x)?;
+            } else {
+                x = self.g.b.add(a, x)?;
+                let h2 = self.g.norm(x, &format!("{p}.post_attention_layernorm"))?;
+                let m = self.g.mlp(h2, &format!("{p}.mlp"))?;
+                x = self.g.b.add(m, x)?;
+            }
+        }
+        Ok(x)
+    }
+
+    fn embed_table(&mut self) -> Result<ValueId> {
+        let cfg = self.g.cfg;
+        self.g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])
+    }
+
+    /// Final norm and head on `x: [B, C]`: the logits `[B, V]`.
+    fn head(&mut self, x: ValueId, name: &str) -> Result<ValueId> {
+        let cfg = self.g.cfg;
+        let x = self.g.norm(x, "model.norm")?;
+        let head = if cfg.tie_embeddings {
+            self.embed_table()?
+        } else {
+            self.g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])?
+        };
+        let bias = if cfg.lm_head_bias { Some(self.g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
+        let logits = self.g.b.linear(x, head, bias)?;
+        if self.spec.logits {
+            self.g.b.output(OutputKind::Named(format!("{name}.logits")), logits);
+        }
+        Ok(logits)
+    }
+
+    fn prefill(&mut self) -> Result<()> {
+        let (l, c) = (self.spec.prompt_len, self.g.cfg.n_embd);
+        let ids = self.i32s("prefill.input_ids", &[1, l])?;
+        let row = self.i32s("prefill.row", &[1])?;
+        let start = self.i32s("prefill.start", &[1])?;
+        let last = self.i32s("prefill.last", &[1])?;
+        let sampling = self.g.b.input("prefill.sampling", TensorType::new(DType::F32, [1, 3]))?;
+        let seed = self.g.b.input("prefill.seed", TensorType::new(DType::I64, [1]))?;
+        let token = self.i32s("prefill.token", &[1])?;
+        let table = self.embed_table()?;
+        let x = self.g.b.embedding(ids, table)?;
+        let x = self.layers(x, 1, l, CacheIo { rows: row, start, splits: None })?;
+        // Only the last prompt token's hidden state goes on: its row,
+        // gathered by index (norm and head are per row).
+        let rows = self.g.b.reshape(x, &[l, c])?;
+        let x = self.g.b.embedding(last, rows)?;
+        let logits = self.head(x, "prefill")?;
+        let (next, _) = self.g.b.sample_next(logits, sampling, seed, token, last, 1)?;
+        self.g.b.output(OutputKind::Named("prefill.next".into()), next);
+        Ok(())
+    }
+
+    fn decode(&mut self, batch: usize) -> Result<()> {
+        let cfg = self.g.cfg;
+        let name = format!("decode{batch}");
+        let tokens = self.g.b.state(&format!("{name}.tokens"), TensorType::new(DType::I32, [batch]))?;
+        let positions = self.g.b.state(&format!("{name}.positions"), TensorType::new(DType::I32, [batch]))?;
+        let rows = self.i32s(&format!("{name}.rows"), &[batch])?;
+        let sampling = self.g.b.input(&format!("{name}.sampling"), TensorType::new(DType::F32, [batch, 3]))?;
+        let seeds = self.g.b.input(&format!("{name}.seeds"), TensorType::new(DType::I64, [batch]))?;
+        let splits = CachedAttention::auto_splits(batch, cfg.n_query_groups, self.spec.context, ATTENTION_BLOCKS);
+        let table = self.embed_table()?;
+        let ids = self.g.b.reshape(tokens, &[batch, 1])?;
+        let x = self.g.b.embedding(ids, table)?;
+        let x = self.layers(x, batch, 1, CacheIo { rows, start: positions, splits: Some(splits) })?;
+        let x = self.g.b.reshape(x, &[batch, cfg.n_embd])?;
+        let logits = self.head(x, &name)?;
+        let (next, advanced) = self.g.b.sample_next(logits, sampling, seeds, tokens, positions, 1)?;
+        self.g.b.update(tokens, next);
+        self.g.b.update(positions, advanced);
+        Ok(())
+    }
+}
+
+/// Records the generation program of `spec` (see the module doc).
+pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
+    spec.validate()?;
+    let cfg = &spec.config;
+    let mut g = Gpt::new("generate", cfg, spec.dtype, 1);
+    let n = *spec.buckets.last().expect("validated");
+    let cache_ty = TensorType::new(spec.dtype, [n, spec.context, cfg.n_query_groups, cfg.head_size]);
+    let mut leaves = Vec::with_capacity(cfg.n_layer);
+    for layer in 0..cfg.n_layer {
+        let k = g.b.state(&format!("cache.{layer}.k"), cache_ty.clone())?;
+        let v = g.b.state(&format!("cache.{layer}.v"), cache_ty.clone())?;
+        leaves.push((k, v));
+    }
+    let mut r = Recorder { g, spec, cache: leaves.clone() };
+    let mut segments = Vec::new();
+    let mut mark = |r: &Recorder, name: String, kind: SegmentKind, from: usize| {
+        segments.push(Segment { name, kind, nodes: from..r.g.b.trace().nodes.len() });
+    };
+    let from = r.g.b.trace().nodes.len();
+    r.prefill()?;
+    mark(&r, "prefill".into(), SegmentKind::Prefill, from);
+    for &batch in &spec.buckets {
+        let from = r.g.b.trace().nodes.len();
+        r.decode(batch)?;
+        mark(&r, format!("decode{batch}"), SegmentKind::Decode { batch }, from);
+    }
+    for (&(k, v), &(k_new, v_new)) in leaves.iter().zip(&r.cache) {
+        r.g.b.update(k, k_new);
+        r.g.b.update(v, v_new);
+    }
+    let trace = r.g.b.finish("build")?;
+    Ok(GenerationProgram { spec: spec.clone(), trace, segments })
+}

@@ -1,0 +1,247 @@
+//! Generation on the CPU backend: the program's plan, greedy decoding
+//! against the full forward at every step, sampling's determinism and
+//! distribution, batches split over buckets, and bad requests refused
+//! before anything runs.
+
+use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::generation::{Finish, Generated, Generator, Request, Sampling};
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec};
+use stepgraph_core::models::gpt::{build_forward_with_logits, LossKind, ModelSpec, LOGITS_OUTPUT, TOKENS_INPUT};
+use stepgraph_core::models::{Config, Overrides};
+use stepgraph_core::ops::decode::sample_row;
+use stepgraph_core::plan::{check_plan, plan, PlanOptions};
+use stepgraph_core::session::Session;
+
+const SEED: u64 = 7;
+
+fn config(name: &str, overrides: Overrides) -> Config {
+    Config::named(name).unwrap().with_overrides(&overrides).unwrap()
+}
+
+fn program(cfg: &Config, dtype: DType, buckets: &[usize], prompt_len: usize, context: usize) -> GenerationProgram {
+    let spec =
+        GenerationSpec { config: cfg.clone(), dtype, buckets: buckets.to_vec(), context, prompt_len, logits: true };
+    build_generation(&spec).unwrap()
+}
+
+fn session(p: &GenerationProgram) -> CpuSession {
+    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    check_plan(&p.trace, &pl).unwrap();
+    let mut s = CpuSession::new(p.trace.clone(), pl).unwrap();
+    s.init_params(SEED).unwrap();
+    s
+}
+
+/// The logits of the full forward at the last position of `tokens`, on
+/// the weights of seed [`SEED`].
+fn full_forward_last_logits(cfg: &Config, dtype: DType, tokens: &[u32]) -> Vec<f64> {
+    let spec = ModelSpec { config: cfg.clone(), batch: 1, seq: tokens.len(), dtype, loss: LossKind::Sum };
+    let fwd = build_forward_with_logits(&spec).unwrap();
+    let pl = plan(&fwd, PlanOptions { reuse: true }).unwrap();
+    let mut s = CpuSession::new(fwd.clone(), pl).unwrap();
+    s.init_params(SEED).unwrap();
+    let ids: Vec<f64> = tokens.iter().map(|&t| t as f64).collect();
+    s.write_named(TOKENS_INPUT, &HostTensor::from_f64(TensorType::new(DType::I32, [1, tokens.len()]), &ids)).unwrap();
+    s.run_eager().unwrap();
+    let out = fwd
+        .outputs
+        .iter()
+        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == LOGITS_OUTPUT))
+        .unwrap()
+        .value;
+    let v = cfg.padded_vocab_size;
+    let all = s.read(out).to_f64();
+    all[all.len() - v..].to_vec()
+}
+
+fn argmax(x: &[f64]) -> u32 {
+    sample_row(x, 0.0, 0.0, 1.0, 0, 0) as u32
+}
+
+fn greedy(prompt: &[u32], max_new: usize) -> Request {
+    Request { prompt: prompt.to_vec(), max_new_tokens: max_new, sampling: Sampling::GREEDY, stop_tokens: vec![] }
+}
+
+fn run(s: &mut CpuSession, p: &GenerationProgram, requests: &[Request]) -> Vec<Generated> {
+    let mut g = Generator::new(s, p);
+    g.generate(requests, &mut |_, _| false).unwrap().0
+}
+
+#[test]
+fn the_program_plans_and_keeps_its_cache_in_place() {
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F32, &[1, 2, 4], 8, 24);
+    assert_eq!(p.segments.len(), 4);
+    assert_eq!(p.segments[0].nodes.start, 0);
+    for w in p.segments.windows(2) {
+        assert_eq!(w[0].nodes.end, w[1].nodes.start);
+    }
+    assert_eq!(p.segments.last().unwrap().nodes.end, p.trace.nodes.len());
+    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    check_plan(&p.trace, &pl).unwrap();
+    // 2 layers × (k, v) × [4, 24, 2, 16] f32.
+    assert_eq!(p.cache_bytes(), 2 * 2 * 4 * 24 * 2 * 16 * 4);
+    // Every kv_write output shares its cache leaf's bytes.
+    for node in &p.trace.nodes {
+        if node.op.name() == "kv_write" {
+            assert_eq!(pl.slot(node.outputs[0]), pl.slot(node.inputs[0]), "a cache write left the cache's storage");
+        }
+    }
+}
+
+/// Greedy decoding equals the argmax of the full forward at every step,
+/// for prompts of different lengths in one batch, and the step's logits
+/// equal the full forward's last row.
+#[test]
+fn greedy_decoding_is_the_argmax_of_the_full_forward() {
+    let llama = config("tiny-llama", Overrides::default());
+    let neox = config("tiny-neox", Overrides::default());
+    for (cfg, dtype) in [(&llama, DType::F64), (&neox, DType::F64), (&llama, DType::F32)] {
+        let p = program(cfg, dtype, &[1, 2, 4], 9, 20);
+        let mut s = session(&p);
+        let prompts: [&[u32]; 3] = [&[5, 17, 99, 3, 250], &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[42]];
+        let requests: Vec<Request> = prompts.iter().map(|pr| greedy(pr, 6)).collect();
+        let out = run(&mut s, &p, &requests);
+        for (prompt, g) in prompts.iter().zip(&out) {
+            assert_eq!(g.tokens.len(), 6);
+            assert_eq!(g.finish, Finish::Length);
+            let mut seq = prompt.to_vec();
+            for &t in &g.tokens {
+                let logits = full_forward_last_logits(cfg, dtype, &seq);
+                assert_eq!(t, argmax(&logits), "{} {dtype}: after {seq:?}", cfg.name);
+                seq.push(t);
+            }
+        }
+    }
+}
+
+/// The decode step's logits equal the full forward's (the cache, the
+/// positions of rope and the split attention are right, not just the argmax).
+#[test]
+fn decode_logits_equal_the_full_forward() {
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F64, &[2], 6, 12);
+    let mut s = session(&p);
+    let requests = [greedy(&[9, 8, 7], 4), greedy(&[1, 2, 3, 4, 5, 6], 4)];
+    // Decode once, reading the logits output of the bucket-2 step.
+    let out = {
+        let mut g = Generator::new(&mut s, &p);
+        g.generate_batch(&requests[..], &mut |_, _| false).unwrap().0
+    };
+    let logits_v = p
+        .trace
+        .outputs
+        .iter()
+        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == "decode2.logits"))
+        .unwrap()
+        .value;
+    let last = s.read(logits_v).to_f64();
+    let v = cfg.padded_vocab_size;
+    for (i, (r, g)) in requests.iter().zip(&out).enumerate() {
+        // The last decode step fed the second-to-last new token.
+        let mut seq = r.prompt.clone();
+        seq.extend(&g.tokens[..g.tokens.len() - 1]);
+        let want = full_forward_last_logits(&cfg, DType::F64, &seq);
+        let got = &last[i * v..(i + 1) * v];
+        let err = want.iter().zip(got).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-10, "sequence {i}: logits differ by {err}");
+    }
+}
+
+/// Same seed, same tokens; replay equals eager; different seeds differ;
+/// a batch split over buckets gives what each request gives alone.
+#[test]
+fn sampling_is_deterministic_and_batches_do_not_interact() {
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F32, &[1, 2], 6, 16);
+    let sampled = |seed: u64, prompt: &[u32]| Request {
+        prompt: prompt.to_vec(),
+        max_new_tokens: 8,
+        sampling: Sampling { temperature: 1.0, top_k: 40, top_p: 0.95, seed },
+        stop_tokens: vec![],
+    };
+    let requests = [sampled(1, &[3, 4, 5]), sampled(2, &[3, 4, 5]), sampled(1, &[200, 100]), greedy(&[7], 5)];
+    let mut s = session(&p);
+    let batched = run(&mut s, &p, &requests);
+    assert_ne!(batched[0].tokens, batched[1].tokens, "two seeds drew the same 8 tokens");
+    let mut eager_session = session(&p);
+    let eager = {
+        let mut g = Generator::new(&mut eager_session, &p);
+        g.replay = false;
+        g.generate(&requests, &mut |_, _| false).unwrap().0
+    };
+    assert_eq!(batched, eager, "replayed decode steps differ from eager ones");
+    for (r, b) in requests.iter().zip(&batched) {
+        let mut alone = session(&p);
+        assert_eq!(&run(&mut alone, &p, std::slice::from_ref(r))[0], b, "a request alone differs from in a batch");
+    }
+}
+
+/// Stop tokens end a sequence (kept), a caller's stop ends it, the others go on.
+#[test]
+fn stops_end_only_their_sequence() {
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F32, &[2], 4, 16);
+    let mut s = session(&p);
+    let probe = run(&mut s, &p, &[greedy(&[1, 2], 6)])[0].clone();
+    let stop = probe.tokens[2];
+    let requests = [Request { stop_tokens: vec![stop], ..greedy(&[1, 2], 6) }, greedy(&[5, 6, 7], 6)];
+    let mut s = session(&p);
+    let mut g = Generator::new(&mut s, &p);
+    let (out, _) = g.generate(&requests, &mut |i, _| i == 1).unwrap();
+    let end = probe.tokens.iter().position(|&t| t == stop).unwrap();
+    assert_eq!(out[0].tokens, probe.tokens[..=end].to_vec());
+    assert_eq!(out[0].finish, Finish::Stop);
+    assert_eq!((out[1].tokens.len(), out[1].finish), (1, Finish::Caller));
+}
+
+/// Bad requests are refused before anything runs, each with its reason.
+#[test]
+fn bad_requests_are_refused_with_their_reason() {
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F32, &[1, 2], 4, 10);
+    let mut s = session(&p);
+    let mut g = Generator::new(&mut s, &p);
+    let cases: [(Request, &str); 6] = [
+        (greedy(&[], 3), "empty"),
+        (greedy(&[1, 2, 3, 4, 5], 3), "5 tokens, more than the 4"),
+        (greedy(&[1, 2, 3], 8), "at most 7 new tokens fit"),
+        (greedy(&[1, 300], 2), "token id 300"),
+        (greedy(&[1], 0), "max_new_tokens is 0"),
+        (Request { sampling: Sampling { top_p: 0.0, ..Sampling::GREEDY }, ..greedy(&[1], 2) }, "top-p"),
+    ];
+    for (r, want) in cases {
+        let err = g.generate(&[greedy(&[1], 2), r], &mut |_, _| false).unwrap_err().to_string();
+        assert!(err.contains(want) && err.contains("request 1"), "{want}: {err}");
+    }
+}
+
+/// Sampled tokens follow the softmax of the logits / temperature (a
+/// loose check over many seeds on one small vocabulary), top-k keeps only
+/// the k largest, and top-p only the nucleus.
+#[test]
+fn sample_row_draws_from_the_filtered_softmax() {
+    let logits = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0];
+    let z: Vec<f64> = logits.iter().map(|x| (x / 0.8f64).exp()).collect();
+    let total: f64 = z.iter().sum();
+    let n = 20_000;
+    let mut counts = [0usize; 6];
+    for seed in 0..n {
+        counts[sample_row(&logits, 0.8, 0.0, 1.0, seed, 3)] += 1;
+    }
+    for (i, &c) in counts.iter().enumerate() {
+        let p = z[i] / total;
+        let sd = (p * (1.0 - p) / n as f64).sqrt();
+        let got = c as f64 / n as f64;
+        assert!((got - p).abs() < 5.0 * sd + 1e-3, "token {i}: drawn {got}, softmax {p}");
+    }
+    for seed in 0..500 {
+        assert!(sample_row(&logits, 1.0, 2.0, 1.0, seed, 0) < 2, "top-k 2 drew outside the top 2");
+        // At T = 1, p(0) = 0.56 and p(0) + p(1) = 0.77: top-p 0.6 keeps both, 0.5 keeps one.
+        assert!(sample_row(&logits, 1.0, 0.0, 0.6, seed, 0) < 2);
+        assert_eq!(sample_row(&logits, 1.0, 0.0, 0.5, seed, 0), 0);
+    }
+    assert_eq!(sample_row(&[f64::NAN, 1.0, 3.0, 3.0], 0.0, 0.0, 1.0, 0, 0), 2, "greedy: first largest, NaN never wins");
+}
