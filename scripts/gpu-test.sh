@@ -40,7 +40,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
         while read -r name exe; do cp "$exe" ".carry/tests/$name"; done
-    cp ../shared/bench/torch_reference.py scripts/torch_profile.py .carry/bench/
+    cp ../shared/bench/torch_reference.py ../shared/bench/torch_generate.py scripts/torch_profile.py .carry/bench/
     nvrtc=${NVRTC_DIR:-${HOME:-/tmp}/.cache/stepgraph/nvrtc-13.0}/nvidia/cu13
     if [ -e "$nvrtc/lib/libnvrtc.so.13" ]; then
         LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_INCLUDE="$nvrtc/include" \

@@ -397,8 +397,17 @@ fn report(
     let steps: usize = times.iter().map(|t| t.decode_steps).sum();
     let decode_s: f64 = times.iter().map(|t| t.decode.as_secs_f64()).sum();
     // The first step of a bucket runs eagerly and the second records it:
-    // per-step time over the replays after those.
-    let step_ms = if steps > 0 { decode_s * 1e3 / steps as f64 } else { 0.0 };
+    // the per-step time is over the replays after those (every step when
+    // there are none), each with the host's read of its tokens.
+    let replayed: usize = times.iter().map(|t| t.replayed_steps).sum();
+    let replayed_s: f64 = times.iter().map(|t| t.replayed.as_secs_f64()).sum();
+    let step_ms = if replayed > 0 {
+        replayed_s * 1e3 / replayed as f64
+    } else if steps > 0 {
+        decode_s * 1e3 / steps as f64
+    } else {
+        0.0
+    };
     let graphs: Vec<(usize, Option<u64>)> = program
         .spec
         .buckets
@@ -415,7 +424,7 @@ fn report(
             };
             println!(
                 "{}",
-                json!({"index": i, "prompt": p.text, "prompt_tokens": p.ids.len(), "text": texts[i],
+                json!({"index": i, "prompt": p.text, "prompt_tokens": p.ids.len(), "prompt_ids": p.ids, "text": texts[i],
                        "tokens": g.tokens, "finish": finish})
             );
         }
@@ -430,6 +439,7 @@ fn report(
         "tokens_per_s": new_tokens as f64 / wall_s.max(1e-9), "buckets": program.spec.buckets,
         "batches": times.iter().map(|t| json!({"bucket": t.bucket, "prefill_ms": t.prefill.as_secs_f64() * 1e3,
             "decode_steps": t.decode_steps, "decode_ms": t.decode.as_secs_f64() * 1e3,
+            "replayed_steps": t.replayed_steps, "replayed_ms": t.replayed.as_secs_f64() * 1e3,
             "record_ms": t.record.as_secs_f64() * 1e3})).collect::<Vec<_>>(),
         "planned_bytes": planned, "held_bytes": mem.held_bytes, "measured": mem.measured,
         "cache_bytes": program.cache_bytes(),

@@ -310,13 +310,13 @@ fn readme_example(runs: &Path) -> Vec<Vec<String>> {
 
 /// The README's second example as written: prepare, pre-train a base
 /// model with --out, fine-tune it from --init-from with a stop and a
-/// resume, and evaluate the saved folder.
+/// resume, evaluate the saved folder, and generate from it.
 #[test]
 fn the_readme_fine_tuning_example_runs_as_written() {
     let d = tempfile::tempdir().unwrap();
     let commands = readme_example(d.path());
     let kinds: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
-    assert_eq!(kinds, ["prepare", "train", "train", "train", "eval"]);
+    assert_eq!(kinds, ["prepare", "train", "train", "train", "eval", "generate"]);
     let outputs: Vec<(String, String)> = commands.iter().map(|c| run_ok(&refs(c))).collect();
     let (base, ft) = (d.path().join("base"), d.path().join("ft"));
     // The stopped run says where --out will come from; the resumed one writes it.
@@ -333,6 +333,8 @@ fn the_readme_fine_tuning_example_runs_as_written() {
     let validation = outputs[3].1.split("validation at step 40: loss ").nth(1).unwrap()[..6].to_string();
     let eval = outputs[4].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
     assert_eq!(eval, validation, "{}", outputs[4].0);
+    // generate answers through the chat template and reports its speed.
+    assert!(outputs[5].1.contains("time to first token"), "{}", outputs[5].1);
 }
 
 /// `train --out` killed with SIGKILL while it writes the folder: the

@@ -102,6 +102,11 @@ pub struct BatchTimes {
     pub bucket: usize,
     /// Recording the decode step for replay (0 when recorded before).
     pub record: Duration,
+    /// Of the decode steps, those replayed from an existing recording
+    /// (neither the bucket's first, eager, step nor the one that records):
+    /// the steady state, each timed from its launch to its tokens read back.
+    pub replayed_steps: usize,
+    pub replayed: Duration,
 }
 
 /// Runs a [`GenerationProgram`] on a session of its trace (see the module doc).
@@ -281,6 +286,8 @@ impl<'a> Generator<'a> {
         let steps = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(1) - 1;
         let decode_start = Instant::now();
         for _ in 0..steps {
+            let step_start = Instant::now();
+            let mut steady = false;
             if !self.replay || !self.warm.contains(&bucket) {
                 // The first step of a bucket runs eagerly (warming its
                 // kernels); a later replay records it.
@@ -292,10 +299,17 @@ impl<'a> Generator<'a> {
                 if !self.recorded.contains(&bucket) {
                     times.record = t.elapsed();
                     self.recorded.push(bucket);
+                } else {
+                    steady = true;
                 }
             }
             times.decode_steps += 1;
             let next = self.session.read(tokens_leaf)?.to_f64();
+            if steady {
+                // The replay and the host's read of its tokens: a step as a caller sees it.
+                times.replayed_steps += 1;
+                times.replayed += step_start.elapsed();
+            }
             for i in 0..n {
                 if !done[i] {
                     let t = next[i] as u32;
