@@ -23,6 +23,7 @@
 
 pub mod attention;
 pub mod collective;
+pub mod decode;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear_ce;
