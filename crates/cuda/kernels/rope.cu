@@ -22,6 +22,12 @@
 // of every batch row reads them, so the double-precision trigonometry runs
 // once per (position, pair) rather than once per head and batch row.
 //
+// `rope_at_<dtype>(x, y, start, bt_rows, seq, heads, ...)` (the same
+// arguments after `start`): row b's token t sits at position start[b] + t
+// (generation, where rows sit at different positions, so no two rows share
+// angles): one block per row (b, t), grid-striding over the bt_rows rows,
+// the same block shape, angles computed the same way.
+//
 // In place (y == x) is correct: one thread reads both elements of a pair
 // before it writes either, and no other thread touches that pair.
 
@@ -42,10 +48,13 @@ __device__ double llama3_inv_freq(double f, double factor, double low_freq_facto
     return f_llama;
 }
 
+// Rotates `count` rows of heads·dim elements, the rows r0 + i·step, all at
+// position `pos`, with the block's angle table. Callers run it with the
+// whole block, which it synchronises.
 template <typename T>
-__device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,
-                          int inverse, int scaled, double factor, double low_freq_factor, double high_freq_factor,
-                          double old_context) {
+__device__ void rope_rows_at(const T* x, T* y, i64 r0, i64 step, i64 count, i64 pos, int heads, int dim, int n_rot,
+                             double base, int inverse, int scaled, double factor, double low_freq_factor,
+                             double high_freq_factor, double old_context) {
     typedef acc_t<T> A;
     __shared__ A cs_tab[ROPE_CHUNK];
     __shared__ A sn_tab[ROPE_CHUNK];
@@ -53,81 +62,103 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
     const int half = n_rot / 2;  // 0 for n_rot in {0, 1}
     const double sign = inverse ? -1.0 : 1.0;
     // The block is 2-D for the rotation (x: pairs of a head, y: heads and
-    // batch rows); the other loops see it flat.
+    // rows); the other loops see it flat.
     const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-    const i64 batch = seq > 0 ? bt_rows / seq : 0;
-    for (i64 t = blockIdx.x; t < seq; t += gridDim.x) {
-        if (n_rot == 1) {
-            // The head-size-1 quirk: a diagonal scaling by cos t − sin t.
-            const double freq =
-                scaled ? llama3_inv_freq(1.0, factor, low_freq_factor, high_freq_factor, old_context) : 1.0;
-            const double theta = (double)t * freq;
-            const A f = (A)(cos(theta) - sin(theta));
-            for (i64 b = 0; b < batch; ++b) {
-                const T* xr = x + (b * seq + t) * (i64)row;
-                T* yr = y + (b * seq + t) * (i64)row;
-                for (int k = tid; k < row; k += nthreads) {
-                    if (k % dim == 0)
-                        store(yr, k, load(xr, k) * f);
-                    else if (x != y)
-                        yr[k] = xr[k];
-                }
+    if (n_rot == 1) {
+        // The head-size-1 quirk: a diagonal scaling by cos t − sin t.
+        const double freq =
+            scaled ? llama3_inv_freq(1.0, factor, low_freq_factor, high_freq_factor, old_context) : 1.0;
+        const double theta = (double)pos * freq;
+        const A f = (A)(cos(theta) - sin(theta));
+        for (i64 i = 0; i < count; ++i) {
+            const T* xr = x + (r0 + i * step) * (i64)row;
+            T* yr = y + (r0 + i * step) * (i64)row;
+            for (int k = tid; k < row; k += nthreads) {
+                if (k % dim == 0)
+                    store(yr, k, load(xr, k) * f);
+                else if (x != y)
+                    yr[k] = xr[k];
             }
-            continue;
         }
-        for (int c0 = 0; c0 < half; c0 += ROPE_CHUNK) {
-            const int cn = min(half - c0, ROPE_CHUNK);
-            // The previous chunk (or position) is done with the table before it is refilled.
-            __syncthreads();
-            for (int i = tid; i < cn; i += nthreads) {
-                double freq = pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
-                if (scaled) freq = llama3_inv_freq(freq, factor, low_freq_factor, high_freq_factor, old_context);
-                const double theta = (double)t * freq;
-                cs_tab[i] = (A)cos(theta);
-                sn_tab[i] = (A)(sign * sin(theta));
-            }
-            __syncthreads();
-            // Every pair of every head of every batch row at this position:
-            // lane x takes pair j of the chunk, lanes y the heads of each
-            // batch row, ROPE_UNROLL heads at a time with all their loads
-            // issued before any store. A pair is read and written by one
-            // thread only, so in place stays correct; no division per pair.
-            for (int j = threadIdx.x; j < cn; j += blockDim.x) {
-                const A cs = cs_tab[j], sn = sn_tab[j];
-                for (i64 b = 0; b < batch; ++b) {
-                    const i64 base_at = (b * seq + t) * (i64)row + c0 + j;
-                    for (int h0 = threadIdx.y; h0 < heads; h0 += ROPE_UNROLL * blockDim.y) {
-                        A a[ROPE_UNROLL], b2[ROPE_UNROLL];
+        return;
+    }
+    for (int c0 = 0; c0 < half; c0 += ROPE_CHUNK) {
+        const int cn = min(half - c0, ROPE_CHUNK);
+        // The previous chunk (or position) is done with the table before it is refilled.
+        __syncthreads();
+        for (int i = tid; i < cn; i += nthreads) {
+            double freq = pow(base, -2.0 * (double)(c0 + i) / (double)n_rot);
+            if (scaled) freq = llama3_inv_freq(freq, factor, low_freq_factor, high_freq_factor, old_context);
+            const double theta = (double)pos * freq;
+            cs_tab[i] = (A)cos(theta);
+            sn_tab[i] = (A)(sign * sin(theta));
+        }
+        __syncthreads();
+        // Every pair of every head of every row: lane x takes pair j of the
+        // chunk, lanes y the heads of each row, ROPE_UNROLL heads at a time
+        // with all their loads issued before any store. A pair is read and
+        // written by one thread only, so in place stays correct; no division
+        // per pair.
+        for (int j = threadIdx.x; j < cn; j += blockDim.x) {
+            const A cs = cs_tab[j], sn = sn_tab[j];
+            for (i64 i = 0; i < count; ++i) {
+                const i64 base_at = (r0 + i * step) * (i64)row + c0 + j;
+                for (int h0 = threadIdx.y; h0 < heads; h0 += ROPE_UNROLL * blockDim.y) {
+                    A a[ROPE_UNROLL], b2[ROPE_UNROLL];
 #pragma unroll
-                        for (int u = 0; u < ROPE_UNROLL; ++u) {
-                            const int h = h0 + u * blockDim.y;
-                            if (h < heads) {
-                                a[u] = load(x, base_at + h * dim);
-                                b2[u] = load(x, base_at + h * dim + half);
-                            }
+                    for (int u = 0; u < ROPE_UNROLL; ++u) {
+                        const int h = h0 + u * blockDim.y;
+                        if (h < heads) {
+                            a[u] = load(x, base_at + h * dim);
+                            b2[u] = load(x, base_at + h * dim + half);
                         }
+                    }
 #pragma unroll
-                        for (int u = 0; u < ROPE_UNROLL; ++u) {
-                            const int h = h0 + u * blockDim.y;
-                            if (h >= heads) continue;
-                            store(y, base_at + h * dim, a[u] * cs - b2[u] * sn);
-                            store(y, base_at + h * dim + half, b2[u] * cs + a[u] * sn);
-                        }
+                    for (int u = 0; u < ROPE_UNROLL; ++u) {
+                        const int h = h0 + u * blockDim.y;
+                        if (h >= heads) continue;
+                        store(y, base_at + h * dim, a[u] * cs - b2[u] * sn);
+                        store(y, base_at + h * dim + half, b2[u] * cs + a[u] * sn);
                     }
                 }
             }
         }
-        // Dimensions [n_rot, dim) pass through bit for bit; in place they already hold x.
-        const int pass = dim - n_rot;
-        if (x != y && pass > 0)
-            for (i64 b = 0; b < batch; ++b) {
-                const T* xr = x + (b * seq + t) * (i64)row;
-                T* yr = y + (b * seq + t) * (i64)row;
-                for (int k = tid; k < heads * pass; k += nthreads) {
-                    const int h = k / pass, d = n_rot + (k - h * pass);
-                    yr[h * dim + d] = xr[h * dim + d];
-                }
+    }
+    // Dimensions [n_rot, dim) pass through bit for bit; in place they already hold x.
+    const int pass = dim - n_rot;
+    if (x != y && pass > 0)
+        for (i64 i = 0; i < count; ++i) {
+            const T* xr = x + (r0 + i * step) * (i64)row;
+            T* yr = y + (r0 + i * step) * (i64)row;
+            for (int k = tid; k < heads * pass; k += nthreads) {
+                const int h = k / pass, d = n_rot + (k - h * pass);
+                yr[h * dim + d] = xr[h * dim + d];
             }
+        }
+}
+
+// Positions 0..seq on axis 1: one block per position t, rotating row (b, t)
+// of every batch row b with the angles of t.
+template <typename T>
+__device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,
+                          int inverse, int scaled, double factor, double low_freq_factor, double high_freq_factor,
+                          double old_context) {
+    const i64 batch = seq > 0 ? bt_rows / seq : 0;
+    for (i64 t = blockIdx.x; t < seq; t += gridDim.x)
+        rope_rows_at<T>(x, y, t, seq, batch, t, heads, dim, n_rot, base, inverse, scaled, factor, low_freq_factor,
+                        high_freq_factor, old_context);
+}
+
+// Per-row positions start[b] + t (generation): one block per row (b, t),
+// each with its own angles, as the CPU's `rope_kernel` with `Some(start)`.
+template <typename T>
+__device__ void rope_rows_positioned(const T* x, T* y, const int* start, i64 bt_rows, i64 seq, int heads, int dim,
+                                     int n_rot, double base, int inverse, int scaled, double factor,
+                                     double low_freq_factor, double high_freq_factor, double old_context) {
+    for (i64 bt = blockIdx.x; bt < bt_rows; bt += gridDim.x) {
+        const i64 b = bt / seq, t = bt - b * seq;
+        rope_rows_at<T>(x, y, bt, 1, 1, (i64)start[b] + t, heads, dim, n_rot, base, inverse, scaled, factor,
+                        low_freq_factor, high_freq_factor, old_context);
     }
 }
 
@@ -141,3 +172,14 @@ __device__ void rope_rows(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int
     }
 
 SG_FOR_EACH_FLOAT(SG_ROPE_KERNEL)
+
+#define SG_ROPE_AT_KERNEL(sfx, T)                                                                              \
+    extern "C" __global__ void __launch_bounds__(1024)                                                         \
+        rope_at_##sfx(const T* x, T* y, const int* start, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, \
+                      double base, int inverse, int scaled, double factor, double low_freq_factor,             \
+                      double high_freq_factor, double old_context) {                                           \
+        rope_rows_positioned<T>(x, y, start, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled, factor,   \
+                                low_freq_factor, high_freq_factor, old_context);                               \
+    }
+
+SG_FOR_EACH_FLOAT(SG_ROPE_AT_KERNEL)

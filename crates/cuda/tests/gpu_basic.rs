@@ -24,7 +24,9 @@
 //! use f64 1e-11 and widen f32 and f64 by √(n/1024) for reductions over
 //! n > 1024 elements, since the CPU adds rows serially and its own rounding
 //! error grows with the row. Attention uses the tolerances of its kernels'
-//! arithmetic (see [`attention_tol`]).
+//! arithmetic (see [`attention_tol`]); cached attention's split partials
+//! are scaled per split (see [`cached_attention_cmp`]). The generation ops'
+//! cache writes and sampled tokens must match exactly.
 //!
 //! An output that is a difference of terms that (nearly) cancel has a
 //! rounding error set by the terms, not by the result: the norms' input
@@ -366,7 +368,12 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         | Op::Concat(_)
         | Op::Embedding(_)
         // Each row sums its positions in ascending order in acc_t, as the CPU.
-        | Op::EmbeddingBackward(_) => Cmp::Exact,
+        | Op::EmbeddingBackward(_)
+        // Bit copies of rows into the cache.
+        | Op::KvWrite(_)
+        // Token ids and positions: the kernel computes in double with the
+        // CPU's noise (decode.cu), so the tokens are the CPU's.
+        | Op::SampleNext(_) => Cmp::Exact,
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
             kind => {
@@ -423,6 +430,7 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
                 Tol { rtol: attention_tol(stat_dtype(dt)), scale: Scale::MaxAbs { min: 1.0 }, floor: vec![] },
             ])
         }
+        Op::CachedAttention(_) => cached_attention_cmp(op, inputs),
         Op::AttentionBackward(_) => {
             let dt = dt.expect("attention has inputs");
             let d = cols(&inputs[0]);
@@ -438,6 +446,27 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         // fails this and must add its own arm above.
         _ => per_output(&|t| Tol::of(basic_tol(t.dtype))),
     }
+}
+
+/// Cached attention: `o` as attention's. The partials (`m`, `l`,
+/// `acc[D]` of each split, in the stat dtype) get a tolerance of their own
+/// split, not the largest |partial| of the output, which an empty split's
+/// `EMPTY_MAX` (−3e38) would make meaningless: `m` within its magnitude
+/// (at least 1), `l` and `acc` within `max(l, 1)·max|v|`, the largest that
+/// a split's Σ p·v can be, since both sides sum the same terms in f32 (f64)
+/// in different orders.
+fn cached_attention_cmp(op: &Op, inputs: &[HostTensor]) -> Cmp {
+    let dt = inputs[0].ty.dtype;
+    let width = inputs[0].ty.shape[3] + 2;
+    let vmax = inputs[2].to_f64().iter().fold(1.0f64, |m, x| m.max(x.abs()));
+    let part = cpu(op, inputs).remove(1).to_f64();
+    let scale = (0..part.len())
+        .map(|i| if i % width == 0 { part[i].abs().max(1.0) } else { part[i - i % width + 1].max(1.0) * vmax })
+        .collect();
+    Cmp::Close(vec![
+        Tol { rtol: attention_tol(dt), scale: Scale::MaxAbs { min: 1.0 }, floor: vec![] },
+        Tol { rtol: attention_tol(stat_dtype(dt)), scale: Scale::PerElement(scale), floor: vec![] },
+    ])
 }
 
 /// Σ|x| (mean |x| for a mean) of every output group: the scale of the

@@ -1,26 +1,333 @@
-//! TEMPORARY (replaced by the helper's lowering at merge).
-use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
+//! Lowering of the generation ops of `stepgraph_core::ops::decode` to the
+//! kernels of `kernels/decode.cu`:
+//!
+//! * `kv_write`: a copy of the cache when the output does not alias it,
+//!   then one block per new row `(b, t)` copying it into its cache slot in
+//!   the widest copy unit dividing the row and the addresses.
+//! * `cached_attention`: a split pass over a grid of (query row `(b, t)`,
+//!   split, kv head × head tile) writing the partials, then a combine pass
+//!   (one warp per query row) writing `o`. A split block serves up to
+//!   [`heads_per_block`] query heads of one kv head's group, so every key
+//!   and value row is read once per group, with loads of [`load_width`]
+//!   elements where the cache's alignment allows.
+//! * `sample_next`: one block per batch row, in double (see the kernel's
+//!   notes on the threshold search), writing the token and the advanced
+//!   position; correct both in place and not, since a row's inputs are read
+//!   before its outputs are written and no other block touches them.
+//!
+//! Cache rows and positions are device values: the kernels check them
+//! against `[0, N) × [0, S)` before using them as addresses, as the CPU
+//! skips them, so no value can make a launch read or write outside its
+//! operands.
 
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
+use stepgraph_core::ops::OpDef;
+
+use super::util::{float_name, launch, n64, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::Launch;
+use crate::launch::{Arg, Launch};
+
+/// The module of every generation kernel.
+const MODULE: &str = "decode";
+const DECODE: &[KernelModule] = &[KernelModule::plain(MODULE, include_str!("../../kernels/decode.cu"))];
+
+/// Threads of a `kv_write` block at most (its `__launch_bounds__`).
+const KV_WRITE_THREADS: usize = 256;
+/// `CA_THREADS` of decode.cu: four warps per split block and per combine block.
+const CA_THREADS: u32 = 128;
+/// `CA_MAX_D` of decode.cu: the largest head size the kernels hold.
+pub const MAX_HEAD_SIZE: usize = 256;
+/// `SN_THREADS` of decode.cu: one block per batch row.
+const SN_THREADS: u32 = 1024;
+
+/// Query heads one split block serves (the kernel's `H`) when each kv head
+/// has `group` query heads: all of them with one (MHA: the block's
+/// registers and shared memory are then a fraction of the grouped
+/// kernel's, so more blocks fit an SM), else up to 8 (4 for f64, whose
+/// accumulators take twice the registers), the group cut into tiles.
+pub fn heads_per_block(dtype: DType, group: usize) -> usize {
+    match (group, dtype) {
+        (1, _) => 1,
+        (_, DType::F64) => 4,
+        _ => 8,
+    }
+}
+
+/// `(VW, E)` of the split kernel for head size `d`: a lane accumulates at
+/// most `E` elements of a head (4 up to D = 128, else 8), and key and value
+/// rows are read `VW` elements at a time, the widest load (of at most 16
+/// bytes, `VW ≤ E`) that divides a row and whose alignment every row start
+/// has (`align`: the largest power of two dividing both cache addresses),
+/// with the row's `D / VW` loads spread over 32 lanes in at most `E / VW`
+/// rounds. `VW = 1` always fits, since `ceil(D / 32) ≤ E`.
+pub fn load_width(dtype: DType, d: usize, align: u64) -> (usize, usize) {
+    let e = if d <= 128 { 4 } else { 8 };
+    let size = dtype.size();
+    let vw = [8, 4, 2, 1]
+        .into_iter()
+        .find(|&vw| {
+            let bytes = (vw * size) as u64;
+            vw <= e
+                && bytes <= 16
+                && d.is_multiple_of(vw)
+                // Every address is element-aligned (checked before lowering).
+                && (vw == 1 || align.is_multiple_of(bytes))
+                && (d / vw).div_ceil(32) * vw <= e
+        })
+        .expect("VW = 1 always fits");
+    (vw, e)
+}
 
 impl Lower for KvWrite {
-    const KERNELS: &'static [KernelModule] = &[];
-    fn lower(&self, _cx: &LowerCx) -> Result<Vec<Launch>> {
-        Err(CudaError::lower("kv_write", "not yet"))
+    const KERNELS: &'static [KernelModule] = DECODE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (cache, new, rows, start, out) =
+            (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.inputs[3], &cx.outputs[0]);
+        let (&[n, s, h, d], &[b, t, ..]) = (&cache.ty.shape[..], &new.ty.shape[..]) else {
+            return Err(CudaError::lower(
+                self.name(),
+                format!("cache {} and rows {} must be rank 4", cache.ty, new.ty),
+            ));
+        };
+        // Out of place, the output starts as the cache; in place it already is.
+        let mut launches = Vec::new();
+        if out.ptr != cache.ptr {
+            launches.push(Launch::Copy { dst: out.ptr, src: cache.ptr, bytes: cache.ty.bytes() });
+        }
+        let row_bytes = (h * d * cache.ty.dtype.size()) as u64;
+        let bt = b * t;
+        if bt == 0 || row_bytes == 0 {
+            return Ok(launches);
+        }
+        let (unit, name) = unit_for(&[row_bytes, out.ptr, new.ptr]);
+        let row_units = (row_bytes / unit) as usize;
+        let threads = row_units.next_multiple_of(32).clamp(32, KV_WRITE_THREADS) as u32;
+        let args = vec![ptr(out), ptr(new), ptr(rows), ptr(start), n64(bt), n64(t), n64(n), n64(s), n64(row_units)];
+        launches.push(launch(MODULE, format!("kv_write_{name}"), row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args));
+        Ok(launches)
     }
 }
+
 impl Lower for CachedAttention {
-    const KERNELS: &'static [KernelModule] = &[];
-    fn lower(&self, _cx: &LowerCx) -> Result<Vec<Launch>> {
-        Err(CudaError::lower("cached_attention", "not yet"))
+    const KERNELS: &'static [KernelModule] = DECODE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let types: Vec<&TensorType> = cx.inputs.iter().map(|t| &t.ty).collect();
+        let n = self.dims(&types).map_err(|e| CudaError::lower(self.name(), e))?;
+        let [q, k, v, rows, start] = cx.inputs else {
+            return Err(CudaError::lower(self.name(), "expects q, k_cache, v_cache, rows, start"));
+        };
+        let (o, part) = (&cx.outputs[0], &cx.outputs[1]);
+        let dt = q.ty.dtype;
+        let sfx = float_name(self.name(), dt)?;
+        let fail = |why: String| CudaError::lower(self.name(), why);
+        if n.d > MAX_HEAD_SIZE {
+            return Err(fail(format!("head size {} is above the kernels' {MAX_HEAD_SIZE}", n.d)));
+        }
+        let group = n.hq / n.hkv;
+        let heads = heads_per_block(dt, group);
+        let tiles = group.div_ceil(heads);
+        let (rows_bt, head_blocks) = (n.b * n.t, n.hkv * tiles);
+        // Grid x is the query row, y the split, z kv heads × head tiles.
+        if rows_bt > i32::MAX as usize || n.splits > 65535 || head_blocks > 65535 {
+            return Err(fail(format!(
+                "{rows_bt} query rows, {} splits or {head_blocks} kv head tiles exceed the grid limits",
+                n.splits
+            )));
+        }
+        if n.hq > i32::MAX as usize {
+            return Err(fail(format!("{} query heads do not fit the kernels' int", n.hq)));
+        }
+        // The alignment every row start shares: the smaller of the two caches'.
+        let align = 1u64 << k.ptr.trailing_zeros().min(v.ptr.trailing_zeros()).min(8);
+        let (vw, e) = load_width(dt, n.d, align);
+        let scale = Arg::F64(self.scale);
+        let split_args = vec![
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(rows),
+            ptr(start),
+            ptr(part),
+            n64(n.t),
+            n64(n.n),
+            n64(n.s),
+            Arg::I32(n.hq as i32),
+            Arg::I32(n.hkv as i32),
+            Arg::I32(n.d as i32),
+            n64(n.splits),
+            n64(n.chunk()),
+            scale,
+        ];
+        let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
+        let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_{sfx}");
+        let mut launches = vec![launch(MODULE, split, grid, (CA_THREADS, 1, 1), split_args)];
+        // With D = 0 the output is empty and the partials hold (m, l) only.
+        if n.d > 0 {
+            let query_rows = rows_bt * n.hq;
+            let warps = (CA_THREADS / 32) as usize;
+            let combine_args = vec![ptr(part), ptr(o), n64(query_rows), Arg::I32(n.d as i32), n64(n.splits)];
+            launches.push(typed_kernel(
+                MODULE,
+                "cached_attention_combine",
+                dt,
+                row_grid(query_rows.div_ceil(warps), MAX_ROW_BLOCKS),
+                (CA_THREADS, 1, 1),
+                combine_args,
+            ));
+        }
+        Ok(launches)
     }
 }
+
 impl Lower for SampleNext {
-    const KERNELS: &'static [KernelModule] = &[];
-    fn lower(&self, _cx: &LowerCx) -> Result<Vec<Launch>> {
-        Err(CudaError::lower("sample_next", "not yet"))
+    const KERNELS: &'static [KernelModule] = DECODE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let [logits, sampling, seeds, _tokens, start] = cx.inputs else {
+            return Err(CudaError::lower(self.name(), "expects logits, sampling, seeds, tokens, start"));
+        };
+        let (next, start_out) = (&cx.outputs[0], &cx.outputs[1]);
+        let (b, v) = (logits.ty.shape[0], logits.ty.shape[1]);
+        float_name(self.name(), logits.ty.dtype)?;
+        let advance = i64::try_from(self.advance)
+            .map_err(|_| CudaError::lower(self.name(), format!("advance {} does not fit i64", self.advance)))?;
+        // The tokens input is not read: its only role is to be overwritten by `next`.
+        let args = vec![
+            ptr(logits),
+            ptr(sampling),
+            ptr(seeds),
+            ptr(start),
+            ptr(next),
+            ptr(start_out),
+            n64(b),
+            n64(v),
+            Arg::I64(advance),
+        ];
+        Ok(vec![typed_kernel(
+            MODULE,
+            "sample_next",
+            logits.ty.dtype,
+            row_grid(b, MAX_ROW_BLOCKS),
+            (SN_THREADS, 1, 1),
+            args,
+        )])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stepgraph_core::ops::Op;
+
+    use super::super::testing::{kernels, lowered, operands_of, t};
+    use super::*;
+    use crate::launch::DevTensor;
+    use crate::ops::lower;
+
+    /// A decode step's inputs: one new token per row, a cache of `s` positions per row.
+    fn attention(dt: DType, b: usize, hq: usize, hkv: usize, d: usize, s: usize) -> Vec<TensorType> {
+        vec![
+            t(dt, &[b, 1, hq, d]),
+            t(dt, &[b, s, hkv, d]),
+            t(dt, &[b, s, hkv, d]),
+            t(DType::I32, &[b]),
+            t(DType::I32, &[b]),
+        ]
+    }
+
+    #[test]
+    fn load_widths_fit_the_lanes_and_the_alignment() {
+        // W6: D = 100 in bf16 reads 8-byte loads (4 elements), 25 lanes busy.
+        assert_eq!(load_width(DType::BF16, 100, 256), (4, 4));
+        assert_eq!(load_width(DType::BF16, 128, 256), (4, 4));
+        assert_eq!(load_width(DType::BF16, 256, 256), (8, 8));
+        assert_eq!(load_width(DType::F32, 100, 256), (4, 4));
+        assert_eq!(load_width(DType::F64, 100, 256), (2, 4));
+        assert_eq!(load_width(DType::F32, 255, 256), (1, 8));
+        // Skewed caches fall back to narrower loads.
+        assert_eq!(load_width(DType::BF16, 128, 4), (2, 4));
+        assert_eq!(load_width(DType::BF16, 128, 2), (1, 4));
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            for d in 0..=MAX_HEAD_SIZE {
+                for align in [1u64, 2, 4, 8, 16, 256] {
+                    let (vw, e) = load_width(dt, d, align);
+                    assert!(vw <= e && d % vw == 0 && (d / vw).div_ceil(32) * vw <= e, "{dt} {d} {align}");
+                    assert!(vw == 1 || align.is_multiple_of((vw * dt.size()) as u64), "{dt} {d} {align}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cached_attention_grids_cover_rows_splits_and_head_groups() {
+        // W6-like: 32 heads of 100 in bf16, batch 4, 8 splits.
+        let op = Op::from(CachedAttention { scale: 0.1, splits: 8 });
+        let (_, outs, l) = lowered(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048));
+        let ks = kernels(&l);
+        assert_eq!(ks.len(), 2);
+        assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_bf16");
+        assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
+        assert_eq!(ks[0].args[5], Arg::Ptr(outs[1].ptr));
+        assert_eq!(ks[0].args[13], Arg::I64(256), "chunk = ceil(2048 / 8)");
+        assert_eq!(ks[1].function, "cached_attention_combine_bf16");
+        assert_eq!(ks[1].grid, (32, 1, 1), "4 × 32 query rows, 4 per block");
+        assert_eq!(ks[1].args[..2], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
+        // 28 query heads on 4 kv heads: groups of 7 fit one block; in f64, two.
+        let op = Op::from(CachedAttention { scale: 0.1, splits: 4 });
+        let (_, _, l) = lowered(&op, &attention(DType::F16, 2, 28, 4, 128, 1024));
+        assert_eq!(kernels(&l)[0].grid, (2, 4, 4));
+        let (_, _, l) = lowered(&op, &attention(DType::F64, 2, 28, 4, 128, 1024));
+        assert_eq!(kernels(&l)[0].grid, (2, 4, 8));
+        assert_eq!(kernels(&l)[0].function, "cached_attention_split_h4_v2_e4_f64");
+        // A head above the kernels' 256 is refused.
+        let (ins, outs) = operands_of(&op, &attention(DType::F32, 1, 2, 2, 260, 8), 0).unwrap();
+        let e = lower(&op, &ins, &outs, None).unwrap_err();
+        assert!(e.to_string().contains("head size 260"), "{e}");
+    }
+
+    #[test]
+    fn kv_write_copies_the_cache_only_out_of_place() {
+        let types =
+            [t(DType::BF16, &[2, 8, 2, 4]), t(DType::BF16, &[1, 5, 2, 4]), t(DType::I32, &[1]), t(DType::I32, &[1])];
+        let op = Op::from(KvWrite);
+        let (ins, outs, l) = lowered(&op, &types);
+        assert_eq!(l[0], Launch::Copy { dst: outs[0].ptr, src: ins[0].ptr, bytes: 2 * 8 * 2 * 4 * 2 });
+        let k = kernels(&l[1..])[0];
+        // Rows of 16 bytes: one u128 unit each, one block per new row.
+        assert_eq!((k.function.as_str(), k.grid, k.block), ("kv_write_u128", (5, 1, 1), (32, 1, 1)));
+        // In place: the kernel alone, writing the cache itself.
+        let aliased = [DevTensor { ty: types[0].clone(), ptr: ins[0].ptr }];
+        let l = lower(&op, &ins, &aliased, None).unwrap();
+        assert_eq!(l.len(), 1);
+        assert_eq!(kernels(&l)[0].args[0], Arg::Ptr(ins[0].ptr));
+    }
+
+    #[test]
+    fn sample_next_lowers_the_same_in_place_and_not() {
+        let types = [
+            t(DType::BF16, &[3, 152064]),
+            t(DType::F32, &[3, 3]),
+            t(DType::I64, &[3]),
+            t(DType::I32, &[3]),
+            t(DType::I32, &[3]),
+        ];
+        let op = Op::from(SampleNext { advance: 1 });
+        let (ins, outs, l) = lowered(&op, &types);
+        let k = kernels(&l)[0];
+        assert_eq!((k.function.as_str(), k.grid, k.block), ("sample_next_bf16", (3, 1, 1), (1024, 1, 1)));
+        assert_eq!(k.args[4..6], [Arg::Ptr(outs[0].ptr), Arg::Ptr(outs[1].ptr)]);
+        assert_eq!(k.args[6..], [Arg::I64(3), Arg::I64(152064), Arg::I64(1)]);
+        // Aliased as planned in place: next over tokens, start over start.
+        let aliased = [
+            DevTensor { ty: ins[3].ty.clone(), ptr: ins[3].ptr },
+            DevTensor { ty: ins[4].ty.clone(), ptr: ins[4].ptr },
+        ];
+        let l = lower(&op, &ins, &aliased, None).unwrap();
+        let k = kernels(&l)[0];
+        assert_eq!(k.args[3..6], [Arg::Ptr(ins[4].ptr), Arg::Ptr(ins[3].ptr), Arg::Ptr(ins[4].ptr)]);
     }
 }

@@ -22,15 +22,15 @@ use crate::launch::{Arg, Launch};
 
 /// Host memory standing in for the device: one buffer per operand at its
 /// fake address.
-struct Mem(Vec<(u64, Vec<u8>)>);
+pub(super) struct Mem(pub(super) Vec<(u64, Vec<u8>)>);
 
 impl Mem {
-    fn at(&mut self, addr: u64, len: usize) -> &mut [u8] {
+    pub(super) fn at(&mut self, addr: u64, len: usize) -> &mut [u8] {
         let (base, buf) = self.0.iter_mut().find(|(b, v)| *b <= addr && addr < *b + v.len() as u64).expect("mapped");
         let o = (addr - *base) as usize;
         &mut buf[o..o + len]
     }
-    fn copy(&mut self, dst: u64, src: u64, len: usize) {
+    pub(super) fn copy(&mut self, dst: u64, src: u64, len: usize) {
         let v = self.at(src, len).to_vec();
         self.at(dst, len).copy_from_slice(&v);
     }
@@ -49,13 +49,13 @@ impl Mem {
     }
 }
 
-fn ptr(a: &Arg) -> u64 {
+pub(super) fn ptr(a: &Arg) -> u64 {
     match a {
         Arg::Ptr(p) => *p,
         other => panic!("expected a pointer, got {other:?}"),
     }
 }
-fn int(a: &Arg) -> i64 {
+pub(super) fn int(a: &Arg) -> i64 {
     match a {
         Arg::I64(x) => *x,
         other => panic!("expected an i64, got {other:?}"),

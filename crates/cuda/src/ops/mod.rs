@@ -39,6 +39,8 @@ pub mod swiglu;
 mod util;
 
 #[cfg(test)]
+mod decode_model;
+#[cfg(test)]
 mod host_model;
 #[cfg(test)]
 pub(crate) mod sweep;

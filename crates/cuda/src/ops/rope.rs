@@ -1,9 +1,12 @@
-//! Lowering of the rotary embedding to the kernel of `kernels/rope.cu`: one
-//! block per position of `[B, T, H, D]`, rotating that position's row of
-//! every batch row with the angles it computes once; a 2-D block whose x
-//! lanes cover one chunk of a head's rotated pairs and y lanes the heads;
-//! Llama-3.x frequency scaling passed as arguments. The identity in place (no rotated dims, output
-//! aliasing input) launches nothing.
+//! Lowering of the rotary embedding to the kernels of `kernels/rope.cu`.
+//! Positions on axis 1 (one input): one block per position of
+//! `[B, T, H, D]`, rotating that position's row of every batch row with the
+//! angles it computes once. Per-row start positions (a second input, for
+//! generation): one block per row `(b, t)`, since rows at different
+//! positions share no angles. Either way a 2-D block whose x lanes cover
+//! one chunk of a head's rotated pairs and y lanes the heads; Llama-3.x
+//! frequency scaling passed as arguments. The identity in place (no rotated
+//! dims, output aliasing input) launches nothing.
 
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
@@ -45,9 +48,10 @@ impl Lower for Rope {
         let block_x = if pairs > 0 { pairs.next_multiple_of(32).min(ROPE_MAX_THREADS) } else { ROPE_MAX_THREADS };
         let block = (block_x as u32, (ROPE_MAX_THREADS / block_x) as u32, 1);
         let bt = batch * seq;
-        let mut args = vec![
-            ptr(x),
-            ptr(y),
+        let start = cx.inputs.get(1);
+        let mut args = vec![ptr(x), ptr(y)];
+        args.extend(start.map(ptr));
+        args.extend([
             n64(bt),
             n64(seq),
             Arg::I32(heads_i),
@@ -55,7 +59,7 @@ impl Lower for Rope {
             Arg::I32(n_rot_i),
             Arg::F64(self.base),
             Arg::I32(self.inverse as i32),
-        ];
+        ]);
         // Llama-3.x scaling travels as a flag and its four numbers; unscaled
         // launches pass zeros the kernel never reads.
         let scaling = self.scaling.as_ref();
@@ -66,8 +70,12 @@ impl Lower for Rope {
             Arg::F64(scaling.map_or(0.0, |s| s.high_freq_factor)),
             Arg::F64(scaling.map_or(0.0, |s| s.original_max_position_embeddings as f64)),
         ]);
-        // One block per position: it rotates that position's row of every batch row.
-        Ok(vec![typed_kernel("rope", "rope", x.ty.dtype, row_grid(seq, MAX_ROW_BLOCKS), block, args)])
+        Ok(vec![match start {
+            // One block per position: it rotates that position's row of every batch row.
+            None => typed_kernel("rope", "rope", x.ty.dtype, row_grid(seq, MAX_ROW_BLOCKS), block, args),
+            // One block per row, each at its own position.
+            Some(_) => typed_kernel("rope", "rope_at", x.ty.dtype, row_grid(bt, MAX_ROW_BLOCKS), block, args),
+        }])
     }
 }
 
@@ -88,5 +96,22 @@ mod tests {
         assert!(lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&x), None).unwrap().is_empty());
         let y = DevTensor { ty, ptr: 8192 };
         assert_eq!(lower(&op, &[x], &[y], None).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn positioned_rope_takes_one_block_per_row() {
+        let op = Op::Rope(Rope { n_rot: 100, base: 10000.0, inverse: false, scaling: None });
+        let x = DevTensor { ty: TensorType::new(DType::BF16, [16, 1, 32, 100]), ptr: 4096 };
+        let start = DevTensor { ty: TensorType::new(DType::I32, [16]), ptr: 1 << 20 };
+        let l = lower(&op, &[x.clone(), start], std::slice::from_ref(&x), None).unwrap();
+        let Launch::Kernel(k) = &l[0] else { panic!("expected a kernel, got {l:?}") };
+        assert_eq!((k.function.as_str(), k.grid), ("rope_at_bf16", (16, 1, 1)));
+        // 50 pairs round up to 64 lanes, four heads' worth of rows per block.
+        assert_eq!(k.block, (64, 4, 1));
+        assert_eq!(k.args[..4], [Arg::Ptr(4096), Arg::Ptr(4096), Arg::Ptr(1 << 20), Arg::I64(16)]);
+        // Positions on axis 1: one block per position, shared by the batch rows.
+        let l = lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&x), None).unwrap();
+        let Launch::Kernel(k) = &l[0] else { panic!("expected a kernel, got {l:?}") };
+        assert_eq!((k.function.as_str(), k.grid), ("rope_bf16", (1, 1, 1)));
     }
 }
