@@ -334,7 +334,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
                 let safe = if cut.is_some() { texts[i].len() } else { texts[i].trim_end_matches('\u{FFFD}').len() };
                 if safe > printed && texts[i].is_char_boundary(printed) {
                     let mut lock = stdout.lock();
-                    let _ = lock.write_all(texts[i][printed..safe].as_bytes());
+                    let _ = lock.write_all(&texts[i].as_bytes()[printed..safe]);
                     let _ = lock.flush();
                     printed = safe;
                 }

@@ -434,7 +434,8 @@ pub fn sample_row(logits: &[f64], temperature: f64, top_k: f64, top_p: f64, seed
     let v = logits.len();
     // NaN logits never win.
     let key = |x: f64| if x.is_nan() { f64::NEG_INFINITY } else { x };
-    if !(temperature > 0.0) {
+    // NaN and non-positive temperatures are greedy.
+    if temperature.is_nan() || temperature <= 0.0 {
         let mut best = 0;
         for i in 1..v {
             if key(logits[i]) > key(logits[best]) {

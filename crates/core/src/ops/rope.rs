@@ -268,7 +268,8 @@ impl OpDef for Rope {
         // Per-row start positions (generation): one new token per row at
         // different positions, a few new tokens, a negative start, the
         // head-size-1 quirk, scaling, and a decode batch of a real geometry.
-        let positioned: [(&[usize], usize, &[f64], Option<Llama3Scaling>); 6] = [
+        type Positioned<'a> = (&'a [usize], usize, &'a [f64], Option<Llama3Scaling>);
+        let positioned: [Positioned; 6] = [
             (&[3, 1, 2, 8], 8, &[0.0, 5.0, 700.0], None),
             (&[2, 4, 3, 16], 12, &[3.0, 0.0], None),
             (&[2, 2, 2, 4], 4, &[-1.0, 2.0], None),
