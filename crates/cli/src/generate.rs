@@ -97,6 +97,10 @@ pub struct GenerateArgs {
     /// Print one JSON line per prompt, and a summary line, on stdout.
     #[arg(long)]
     pub json: bool,
+    /// After generating, time every kernel of one decode step of the largest bucket used (on a GPU) and print
+    /// the slowest to stderr.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// A prompt as given and as tokens.
@@ -350,6 +354,17 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         println!("{rest}");
     }
     let mem = session.memory()?;
+    if args.profile {
+        if let Some(bucket) = times.iter().map(|t| t.bucket).max() {
+            let nodes = program.decode(bucket).expect("a bucket that ran").nodes.clone();
+            let rows = session.profile_nodes(nodes)?;
+            let total: f64 = rows.iter().map(|r| r.2).sum();
+            eprintln!("profile of one decode step of bucket {bucket}: {total:.3} ms in all (eager, timed per launch)");
+            for (name, n, ms) in rows.iter().take(15) {
+                eprintln!("  {ms:8.3} ms  {n:4} x  {name}");
+            }
+        }
+    }
     report(args, &program, &prompts, &out, &texts, &times, wall.as_secs_f64(), planned, mem, session.as_ref())?;
     Ok(())
 }

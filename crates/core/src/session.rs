@@ -277,6 +277,13 @@ pub trait Session {
         None
     }
 
+    /// Runs the nodes `nodes` once eagerly with a timer around every
+    /// launch: per kernel name, the launch count and milliseconds, slowest
+    /// first. Empty where the backend does not time launches.
+    fn profile_nodes(&mut self, _nodes: Range<usize>) -> Result<Vec<(String, usize, f64)>> {
+        Ok(Vec::new())
+    }
+
     /// Reads any value (meaningful for leaves and step outputs after a step).
     fn read(&mut self, v: ValueId) -> Result<HostTensor>;
 

@@ -899,13 +899,19 @@ impl CudaSession {
     /// count and total milliseconds, slowest first. For finding where a
     /// step's time goes; the events perturb timing slightly.
     pub fn profile(&mut self) -> Result<Vec<(String, usize, f64)>> {
+        self.profile_nodes(0..self.trace.nodes.len())
+    }
+
+    /// [`CudaSession::profile`] of the nodes `nodes` only (one segment).
+    pub fn profile_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<Vec<(String, usize, f64)>> {
         use cudarc::driver::sys::CUevent_flags;
+        let range = if self.side.is_some() { 0..self.prepared.len() } else { self.launch_range(&nodes)? };
         let s = self.stream.cu_stream();
-        let mut events = Vec::with_capacity(self.prepared.len() + 1);
+        let mut events = Vec::with_capacity(range.len() + 1);
         let new_event = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
         let first = new_event()?;
         first.record(&self.stream)?;
-        for p in &self.prepared {
+        for p in &self.prepared[range.clone()] {
             let one = std::slice::from_ref(p);
             self.enqueue_list(one, s)?;
             let e = new_event()?;
@@ -915,7 +921,7 @@ impl CudaSession {
         self.stream.synchronize()?;
         let mut totals: HashMap<String, (usize, f64)> = HashMap::new();
         let mut prev = &first;
-        for (p, e) in self.prepared.iter().zip(&events) {
+        for (p, e) in self.prepared[range].iter().zip(&events) {
             let ms = prev.elapsed_ms(e)? as f64;
             let name = match p {
                 Prepared::Kernel { launch, .. } => launch.function.clone(),
@@ -1042,6 +1048,10 @@ impl Session for CudaSession {
 
     fn segment_graph_bytes(&self, nodes: std::ops::Range<usize>) -> Option<u64> {
         CudaSession::segment_graph_bytes(self, nodes)
+    }
+
+    fn profile_nodes(&mut self, nodes: std::ops::Range<usize>) -> CoreResult<Vec<(String, usize, f64)>> {
+        Ok(CudaSession::profile_nodes(self, nodes)?)
     }
 
     fn read(&mut self, v: ValueId) -> CoreResult<HostTensor> {
