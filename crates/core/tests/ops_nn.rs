@@ -221,7 +221,9 @@ fn llama3_freq_ref(freq: f64, s: &Llama3Scaling) -> f64 {
     }
 }
 
-fn rope_ref(x: &[f64], shape: &[usize], o: &Rope) -> Vec<f64> {
+/// Rope by its definition; `start[b]` (the op's optional second input) is
+/// the position of row `b`'s first token.
+fn rope_ref(x: &[f64], shape: &[usize], o: &Rope, start: Option<&[f64]>) -> Vec<f64> {
     let (n_rot, base, inverse) = (o.n_rot, o.base, o.inverse);
     let freq = |f: f64| o.scaling.as_ref().map_or(f, |s| llama3_freq_ref(f, s));
     let (bsz, seq, heads, d) = (shape[0], shape[1], shape[2], shape[3]);
@@ -230,15 +232,16 @@ fn rope_ref(x: &[f64], shape: &[usize], o: &Rope) -> Vec<f64> {
     let sign = if inverse { -1.0 } else { 1.0 };
     for b in 0..bsz {
         for t in 0..seq {
+            let pos = start.map_or(0.0, |s| s[b]) + t as f64;
             for h in 0..heads {
                 let o = ((b * seq + t) * heads + h) * d;
                 if n_rot == 1 {
-                    let tt = t as f64 * freq(1.0);
+                    let tt = pos * freq(1.0);
                     y[o] = x[o] * (tt.cos() - tt.sin());
                     continue;
                 }
                 for i in 0..half {
-                    let theta = sign * t as f64 * freq(1.0 / base.powf(2.0 * i as f64 / n_rot as f64));
+                    let theta = sign * pos * freq(1.0 / base.powf(2.0 * i as f64 / n_rot as f64));
                     let (a, bb) = (x[o + i], x[o + i + half]);
                     y[o + i] = a * theta.cos() - bb * theta.sin();
                     y[o + i + half] = bb * theta.cos() + a * theta.sin();
@@ -314,7 +317,7 @@ fn reference(op: &Op, x: &[HostTensor]) -> Vec<Vec<f64>> {
             let (y, m, r) = layer_norm_ref(&f[0], &f[1], &f[2], o.eps);
             vec![y, m, r]
         }
-        Op::Rope(o) => vec![rope_ref(&f[0], shape, o)],
+        Op::Rope(o) => vec![rope_ref(&f[0], shape, o, f.get(1).map(Vec::as_slice))],
         Op::Softmax(_) => vec![softmax_ref(&f[0], *shape.last().unwrap())],
         Op::Attention(o) => {
             let (b, t, hq, d) = (shape[0], shape[1], shape[2], shape[3]);
