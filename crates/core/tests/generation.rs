@@ -245,3 +245,35 @@ fn sample_row_draws_from_the_filtered_softmax() {
     }
     assert_eq!(sample_row(&[f64::NAN, 1.0, 3.0, 3.0], 0.0, 0.0, 1.0, 0, 0), 2, "greedy: first largest, NaN never wins");
 }
+
+/// A state written in place twice in one trace (`c1 = kv_write(cache)`,
+/// `c2 = kv_write(c1)`, update `cache ← c2`) keeps every link in the
+/// cache's bytes and the checker accepts it; reading `c1` after `c2` is
+/// written would read overwritten bytes, so that trace is refused.
+#[test]
+fn a_state_written_twice_stays_in_place_and_a_stale_read_is_refused() {
+    use stepgraph_core::ir::{Builder, TensorType};
+    let build = |stale_read: bool| {
+        let mut b = Builder::new("chain");
+        let cache = b.state("cache", TensorType::new(DType::F32, [2, 4, 1, 2])).unwrap();
+        let new = b.input("new", TensorType::new(DType::F32, [1, 1, 1, 2])).unwrap();
+        let rows = b.input("rows", TensorType::new(DType::I32, [1])).unwrap();
+        let start = b.input("start", TensorType::new(DType::I32, [1])).unwrap();
+        let c1 = b.kv_write(cache, new, rows, start).unwrap();
+        let c2 = b.kv_write(c1, new, rows, start).unwrap();
+        let last = if stale_read { c1 } else { c2 };
+        let s = b.sum_all(last).unwrap();
+        b.output(stepgraph_core::ir::OutputKind::Named("s".into()), s);
+        b.update(cache, c2);
+        b.finish("build").unwrap()
+    };
+    let t = build(false);
+    let pl = plan(&t, PlanOptions { reuse: true }).unwrap();
+    check_plan(&t, &pl).unwrap();
+    let cache = t.leaf_by_name("cache").unwrap();
+    for node in t.nodes.iter().filter(|n| n.op.name() == "kv_write") {
+        assert_eq!(pl.slot(node.outputs[0]), pl.slot(cache));
+    }
+    let err = plan(&build(true), PlanOptions { reuse: true }).unwrap_err().to_string();
+    assert!(err.contains("cannot run in place"), "{err}");
+}
