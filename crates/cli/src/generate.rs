@@ -15,16 +15,18 @@
 //! many cache positions would.
 //!
 //! One prompt streams its text to stdout as the tokens come; several (or
-//! `--json`) print one JSON line per prompt. A summary goes to stderr: time
+//! `--json`) print one JSON line per prompt, with a progress bar over the
+//! new tokens on a terminal. A summary goes to stderr: time
 //! to first token, decode time per step, tokens per second, and the plan
 //! (weights, cache, working set, each captured bucket's graph).
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use stepgraph_core::cpu::exec::CpuSession;
@@ -312,6 +314,17 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         })
         .collect();
     let stream = prompts.len() == 1 && !args.json;
+    // Several prompts on a terminal: a progress bar over the new tokens
+    // asked for (sequences that stop early leave it short of the end).
+    let bar = if !stream && std::io::stderr().is_terminal() {
+        ProgressBar::new(requests.iter().map(|r| r.max_new_tokens as u64).sum())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens ({per_sec}) ETA {eta}")
+            .expect("valid template"),
+    );
     let mut texts = vec![String::new(); prompts.len()];
     let mut ids: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut printed = 0usize;
@@ -321,6 +334,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         let mut gen = Generator::new(session.as_mut(), &program);
         gen.replay = !args.eager;
         let mut on_token = |i: usize, t: u32| -> bool {
+            bar.inc(1);
             ids[i].push(t);
             let Some(tok) = tok.as_ref() else { return false };
             if eos == Some(t) {
@@ -348,6 +362,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         gen.generate(&requests, &mut on_token)?
     };
     let wall = start.elapsed();
+    bar.finish_and_clear();
     if stream {
         // What streaming held back (characters that could still change) is final now.
         let rest = texts[0].get(printed..).unwrap_or_default();
