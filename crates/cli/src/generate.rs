@@ -30,12 +30,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use stepgraph_core::cpu::exec::CpuSession;
-use stepgraph_core::generation::{BatchTimes, Finish, Generated, Generator, Request, Sampling};
+use stepgraph_core::generation::{check_requests, BatchTimes, Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::ValueKind;
 use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{free_device_memory, gpu_available, CudaOptions, CudaSession};
+use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
+use stepgraph_cuda::CudaError;
 use stepgraph_data::template::Message;
 use stepgraph_data::tokenizer::Tokenizer;
 
@@ -222,13 +223,9 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     }
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
     sampling.check().map_err(|e| anyhow::anyhow!("{e} (--temperature, --top-k, --top-p)"))?;
+    // The rest of each request is checked against the program
+    // (`check_requests`) once it is built, before anything is allocated.
     for (i, p) in prompts.iter().enumerate() {
-        if p.ids.is_empty() {
-            bail!("prompt {i} is empty after tokenization: give it at least one token");
-        }
-        if let Some(t) = p.ids.iter().find(|&&t| t as usize >= cfg.padded_vocab_size) {
-            bail!("prompt {i}: token id {t} is outside the model's vocabulary of {}", cfg.padded_vocab_size);
-        }
         if p.ids.len() >= cfg.block_size {
             bail!(
                 "prompt {i} has {} tokens, but the model's context is {} tokens and a new token needs a position",
@@ -257,8 +254,11 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         }
         None => default_buckets(prompts.len()),
     };
-    let gspec =
-        GenerationSpec { config: cfg.clone(), dtype: spec.dtype, buckets, context, prompt_len: longest, logits: false };
+    // At least one prefill token, so that an empty prompt is refused by
+    // `check_requests` as the empty request it is.
+    let prompt_len = longest.max(1);
+    let context = context.max(prompt_len + 1);
+    let gspec = GenerationSpec { config: cfg.clone(), dtype: spec.dtype, buckets, context, prompt_len, logits: false };
     let built = Instant::now();
     let program = build_generation(&gspec)?;
     let memory_plan = plan(&program.trace, PlanOptions { reuse: true })?;
@@ -277,6 +277,18 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         program.spec.buckets,
         built.elapsed().as_secs_f64()
     );
+    let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            prompt: p.ids.clone(),
+            max_new_tokens: args.max_new_tokens.min(context.saturating_sub(p.ids.len())),
+            sampling: Sampling { seed: args.seed.wrapping_add(i as u64), ..sampling },
+            stop_tokens: eos.into_iter().collect(),
+        })
+        .collect();
+    check_requests(&program, &requests)?;
     if let Some(hf) = &hf {
         hf.check(&program.trace)?;
     }
@@ -285,15 +297,13 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         Some(DeviceArg::Cuda) => true,
         None => gpu_available(),
     };
-    if on_gpu {
-        check_fits_gpu(&program, memory_plan.planned_peak_bytes(), cache_bytes)?;
-    }
     let planned = memory_plan.planned_peak_bytes();
     let mut session: Box<dyn Session> = if on_gpu {
-        Box::new(
-            CudaSession::new(program.trace.clone(), memory_plan, CudaOptions::default())
-                .context("opening the CUDA session on GPU 0")?,
-        )
+        match CudaSession::new(program.trace.clone(), memory_plan, CudaOptions::default()) {
+            Ok(s) => Box::new(s),
+            Err(CudaError::DoesNotFit { needed, free, .. }) => return Err(does_not_fit(&program, needed, free)),
+            Err(e) => return Err(anyhow::Error::new(e).context("opening the CUDA session on GPU 0")),
+        }
     } else {
         Box::new(CpuSession::new(program.trace.clone(), memory_plan)?)
     };
@@ -302,17 +312,6 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     // prompt leaves is never read; zeros keep a dump readable).
     session.zero_state()?;
 
-    let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
-    let requests: Vec<Request> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Request {
-            prompt: p.ids.clone(),
-            max_new_tokens: args.max_new_tokens.min(context - p.ids.len()),
-            sampling: Sampling { seed: args.seed.wrapping_add(i as u64), ..sampling },
-            stop_tokens: eos.into_iter().collect(),
-        })
-        .collect();
     let stream = prompts.len() == 1 && !args.json;
     // Several prompts on a terminal: a progress bar over the new tokens
     // asked for (sequences that stop early leave it short of the end).
@@ -384,23 +383,19 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a plan larger than GPU 0's free memory before anything is
-/// allocated, saying how many cache positions per sequence would fit.
-fn check_fits_gpu(program: &GenerationProgram, planned: u64, cache_bytes: u64) -> Result<()> {
-    let free = free_device_memory(0).context("reading GPU 0's free memory")?;
-    // The session adds cuBLASLt's workspace and the kernels; keep a margin.
-    let margin = 256 << 20;
-    if planned + margin <= free {
-        return Ok(());
-    }
-    let per_position = cache_bytes / program.spec.context.max(1) as u64;
-    let other = planned - cache_bytes;
-    let fit = free.saturating_sub(other + margin) / per_position.max(1);
-    bail!(
+/// The session's refusal of a plan larger than the GPU's free memory
+/// (`needed`: the plan and cuBLASLt's workspace), said in cache positions:
+/// how many per sequence would fit next to the weights and working set.
+fn does_not_fit(program: &GenerationProgram, needed: u64, free: u64) -> anyhow::Error {
+    let cache_bytes = program.cache_bytes();
+    let per_position = (cache_bytes / program.spec.context.max(1) as u64).max(1);
+    let other = needed.saturating_sub(cache_bytes);
+    let fit = free.saturating_sub(other) / per_position;
+    anyhow::anyhow!(
         "the generation plan needs {:.2} GB but GPU 0 has {:.2} GB free: the weights and working set take {:.2} GB, \
          and the cache fits {fit} positions per sequence for {} sequences (this run asks for {}); use fewer or \
          shorter prompts, fewer --max-new-tokens or smaller --buckets",
-        gb(planned),
+        gb(needed),
         gb(free),
         gb(other),
         program.max_batch(),

@@ -157,41 +157,10 @@ impl<'a> Generator<'a> {
         Ok(self.session.read(v)?.to_f64())
     }
 
-    /// Checks every request against the program before anything runs.
+    /// Checks every request against the program before anything runs
+    /// ([`check_requests`]).
     pub fn check(&self, requests: &[Request]) -> Result<()> {
-        let spec = &self.program.spec;
-        let vocab = spec.config.padded_vocab_size as u64;
-        for (i, r) in requests.iter().enumerate() {
-            let bad = |reason: String| Err(Error::Input { name: format!("request {i}"), reason });
-            if r.prompt.is_empty() {
-                return bad("the prompt is empty: give at least one token".into());
-            }
-            if let Some(t) = r.prompt.iter().find(|&&t| t as u64 >= vocab) {
-                return bad(format!("token id {t} is outside the model's vocabulary of {vocab}"));
-            }
-            if r.prompt.len() > spec.prompt_len {
-                return bad(format!(
-                    "the prompt has {} tokens, more than the {} the prefill was built for",
-                    r.prompt.len(),
-                    spec.prompt_len
-                ));
-            }
-            if r.max_new_tokens == 0 {
-                return bad("max_new_tokens is 0: ask for at least one new token".into());
-            }
-            if r.prompt.len() + r.max_new_tokens > spec.context {
-                return bad(format!(
-                    "{} prompt + {} new tokens do not fit the cache of {} positions per sequence: at most {} new \
-                     tokens fit after this prompt",
-                    r.prompt.len(),
-                    r.max_new_tokens,
-                    spec.context,
-                    spec.context - r.prompt.len()
-                ));
-            }
-            r.sampling.check().map_err(|e| Error::Input { name: format!("request {i}"), reason: e })?;
-        }
-        Ok(())
+        check_requests(self.program, requests)
     }
 
     /// Generates every request, in batches of at most the largest bucket.
@@ -207,7 +176,7 @@ impl<'a> Generator<'a> {
         for (c, chunk) in requests.chunks(max).enumerate() {
             let offset = c * max;
             let mut cb = |i: usize, t: u32| on_token(offset + i, t);
-            let (g, t) = self.generate_batch(chunk, &mut cb)?;
+            let (g, t) = self.run_batch(chunk, &mut cb)?;
             out.extend(g);
             times.push(t);
         }
@@ -240,6 +209,11 @@ impl<'a> Generator<'a> {
         on_token: &mut OnToken,
     ) -> Result<(Vec<Generated>, BatchTimes)> {
         self.check(requests)?;
+        self.run_batch(requests, on_token)
+    }
+
+    /// [`Generator::generate_batch`] of requests already checked.
+    fn run_batch(&mut self, requests: &[Request], on_token: &mut OnToken) -> Result<(Vec<Generated>, BatchTimes)> {
         let n = requests.len();
         let bucket = self.program.bucket_for(n).ok_or_else(|| Error::Input {
             name: "batch".into(),
@@ -292,7 +266,9 @@ impl<'a> Generator<'a> {
                 // The first step of a bucket runs eagerly (warming its
                 // kernels); a later replay records it.
                 self.session.run_nodes(nodes.clone())?;
-                self.warm.push(bucket);
+                if !self.warm.contains(&bucket) {
+                    self.warm.push(bucket);
+                }
             } else {
                 let t = Instant::now();
                 self.session.replay_nodes(nodes.clone())?;
@@ -323,6 +299,46 @@ impl<'a> Generator<'a> {
         times.decode = decode_start.elapsed();
         Ok((out, times))
     }
+}
+
+/// Checks every request against `program` before anything runs: a
+/// non-empty prompt of ids in the vocabulary that fits the prefill, at
+/// least one new token and room for them all in its cache row (the error
+/// names the request and how many new tokens fit), valid sampling.
+pub fn check_requests(program: &GenerationProgram, requests: &[Request]) -> Result<()> {
+    let spec = &program.spec;
+    let vocab = spec.config.padded_vocab_size as u64;
+    for (i, r) in requests.iter().enumerate() {
+        let bad = |reason: String| Err(Error::Input { name: format!("request {i}"), reason });
+        if r.prompt.is_empty() {
+            return bad("the prompt is empty: give at least one token".into());
+        }
+        if let Some(t) = r.prompt.iter().find(|&&t| t as u64 >= vocab) {
+            return bad(format!("token id {t} is outside the model's vocabulary of {vocab}"));
+        }
+        if r.prompt.len() > spec.prompt_len {
+            return bad(format!(
+                "the prompt has {} tokens, more than the {} the prefill was built for",
+                r.prompt.len(),
+                spec.prompt_len
+            ));
+        }
+        if r.max_new_tokens == 0 {
+            return bad("max_new_tokens is 0: ask for at least one new token".into());
+        }
+        if r.prompt.len() + r.max_new_tokens > spec.context {
+            return bad(format!(
+                "{} prompt + {} new tokens do not fit the cache of {} positions per sequence: at most {} new \
+                 tokens fit after this prompt",
+                r.prompt.len(),
+                r.max_new_tokens,
+                spec.context,
+                spec.context - r.prompt.len()
+            ));
+        }
+        r.sampling.check().map_err(|e| Error::Input { name: format!("request {i}"), reason: e })?;
+    }
+    Ok(())
 }
 
 /// A seed as the `seeds` input holds it: i64 bits, through f64 exactly
