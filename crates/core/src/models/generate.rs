@@ -180,69 +180,22 @@ impl Recorder<'_> {
         self.g.b.input(name, TensorType::new(DType::I32, shape))
     }
 
-    /// One attention block on `x: [B, T, C]` for layer `layer`.
-    fn attention(&mut self, x: ValueId, layer: usize, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
-        let cfg = self.g.cfg;
-        let prefix = format!("model.layers.{layer}.self_attn");
-        let (hq, hkv, d, c) = (cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.n_embd);
-        let qkv_bias = cfg.bias || cfg.attn_qkv_bias;
-        let q = self.g.linear(x, &format!("{prefix}.q_proj"), c, hq * d, qkv_bias)?;
-        let k = self.g.linear(x, &format!("{prefix}.k_proj"), c, hkv * d, qkv_bias)?;
-        let v = self.g.linear(x, &format!("{prefix}.v_proj"), c, hkv * d, qkv_bias)?;
-        let mut q = self.g.b.reshape(q, &[batch, seq, hq, d])?;
-        let mut k = self.g.b.reshape(k, &[batch, seq, hkv, d])?;
-        let v = self.g.b.reshape(v, &[batch, seq, hkv, d])?;
-        let n_rot = cfg.n_rot();
-        if n_rot > 0 {
-            if io.splits.is_some() {
-                q = self.g.b.rope_at(q, io.start, n_rot, cfg.rope_base, cfg.rope_scaling)?;
-                k = self.g.b.rope_at(k, io.start, n_rot, cfg.rope_base, cfg.rope_scaling)?;
-            } else {
-                q = self.g.b.rope(q, n_rot, cfg.rope_base, cfg.rope_scaling)?;
-                k = self.g.b.rope(k, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+    /// The model's blocks on the embedded `x: [B, T, C]`, each attention
+    /// writing its new keys and values into the cache first: decode then
+    /// attends over the cache, prefill causally over the prompt itself.
+    fn layers(&mut self, x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
+        let Recorder { g, cache, .. } = self;
+        let start = io.splits.map(|_| io.start);
+        g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale| {
+            let (kc, vc) = cache[layer];
+            let kc = g.b.kv_write(kc, k, io.rows, io.start)?;
+            let vc = g.b.kv_write(vc, v, io.rows, io.start)?;
+            cache[layer] = (kc, vc);
+            match io.splits {
+                Some(splits) => g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits),
+                None => g.b.attention(q, k, v, scale),
             }
-        }
-        // As in training (gpt.rs): the head-size-1 quirk doubles the scale.
-        let mut scale = 1.0 / (d as f64).sqrt();
-        if n_rot == 1 {
-            scale *= 2.0;
-        }
-        let (kc, vc) = self.cache[layer];
-        let kc = self.g.b.kv_write(kc, k, io.rows, io.start)?;
-        let vc = self.g.b.kv_write(vc, v, io.rows, io.start)?;
-        self.cache[layer] = (kc, vc);
-        let o = match io.splits {
-            Some(splits) => self.g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits)?,
-            None => self.g.b.attention(q, k, v, scale)?,
-        };
-        let o = self.g.b.reshape(o, &[batch, seq, hq * d])?;
-        self.g.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
-    }
-
-    /// The layers on the embedded `x: [B, T, C]`; returns the last hidden state.
-    fn layers(&mut self, mut x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
-        let cfg = self.g.cfg;
-        for layer in 0..cfg.n_layer {
-            let p = format!("model.layers.{layer}");
-            let h = self.g.norm(x, &format!("{p}.input_layernorm"))?;
-            let a = self.attention(h, layer, batch, seq, io)?;
-            if cfg.parallel_residual {
-                let h2 = if cfg.shared_attention_norm {
-                    h
-                } else {
-                    self.g.norm(x, &format!("{p}.post_attention_layernorm"))?
-                };
-                let m = self.g.mlp(h2, &format!("{p}.mlp"))?;
-                let am = self.g.b.add(a, m)?;
-                x = self.g.b.add(am, x)?;
-            } else {
-                x = self.g.b.add(a, x)?;
-                let h2 = self.g.norm(x, &format!("{p}.post_attention_layernorm"))?;
-                let m = self.g.mlp(h2, &format!("{p}.mlp"))?;
-                x = self.g.b.add(m, x)?;
-            }
-        }
-        Ok(x)
+        })
     }
 
     fn embed_table(&mut self) -> Result<ValueId> {

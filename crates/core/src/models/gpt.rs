@@ -144,8 +144,9 @@ pub(crate) struct Gpt<'a> {
     pub(crate) params: std::collections::HashMap<String, ValueId>,
 }
 
-/// A linear layer's weight and optional bias.
-type LinearParams = (ValueId, Option<ValueId>);
+/// How a block's attention gets from its rotated `q, k, v` and scale to
+/// `[B, T, Hq, D]` (see [`Gpt::layers`]); called with the layer index.
+pub(crate) type Attend<'f, 'a> = dyn FnMut(&mut Gpt<'a>, usize, ValueId, ValueId, ValueId, f64) -> Result<ValueId> + 'f;
 
 impl<'a> Gpt<'a> {
     pub(crate) fn new(name: &str, cfg: &'a Config, dtype: DType, mlp_tiles: usize) -> Self {
@@ -190,8 +191,54 @@ impl<'a> Gpt<'a> {
         }
     }
 
-    fn attention(&mut self, x: ValueId, prefix: &str, batch: usize, seq: usize) -> Result<ValueId> {
+    /// Every block of the model on `x: [B, T, C]`, each attention's core
+    /// (from rotated q, k, v and the scale to `[B, T, Hq, D]`) recorded by
+    /// `attend(g, layer, q, k, v, scale)`: training attends over the
+    /// sequence itself, generation writes a KV cache and attends over it.
+    /// Row `b`'s tokens sit at positions `start[b] + t` when `start` is
+    /// given, at `t` otherwise.
+    pub(crate) fn layers(
+        &mut self,
+        mut x: ValueId,
+        batch: usize,
+        seq: usize,
+        start: Option<ValueId>,
+        attend: &mut Attend<'_, 'a>,
+    ) -> Result<ValueId> {
         let cfg = self.cfg;
+        for layer in 0..cfg.n_layer {
+            let p = format!("model.layers.{layer}");
+            let h = self.norm(x, &format!("{p}.input_layernorm"))?;
+            let a = self.attention(h, layer, batch, seq, start, attend)?;
+            if cfg.parallel_residual {
+                let h2 =
+                    if cfg.shared_attention_norm { h } else { self.norm(x, &format!("{p}.post_attention_layernorm"))? };
+                let m = self.mlp(h2, &format!("{p}.mlp"))?;
+                let am = self.b.add(a, m)?;
+                x = self.b.add(am, x)?;
+            } else {
+                x = self.b.add(a, x)?;
+                let h2 = self.norm(x, &format!("{p}.post_attention_layernorm"))?;
+                let m = self.mlp(h2, &format!("{p}.mlp"))?;
+                x = self.b.add(m, x)?;
+            }
+        }
+        Ok(x)
+    }
+
+    /// One attention block on `x: [B, T, C]`: projections, rotation (at
+    /// `start`'s positions when given), `attend`, output projection.
+    fn attention(
+        &mut self,
+        x: ValueId,
+        layer: usize,
+        batch: usize,
+        seq: usize,
+        start: Option<ValueId>,
+        attend: &mut Attend<'_, 'a>,
+    ) -> Result<ValueId> {
+        let cfg = self.cfg;
+        let prefix = format!("model.layers.{layer}.self_attn");
         let (hq, hkv, d, c) = (cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.n_embd);
         let qkv_bias = cfg.bias || cfg.attn_qkv_bias;
         let q = self.linear(x, &format!("{prefix}.q_proj"), c, hq * d, qkv_bias)?;
@@ -202,8 +249,11 @@ impl<'a> Gpt<'a> {
         let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
         let n_rot = cfg.n_rot();
         if n_rot > 0 {
-            q = self.b.rope(q, n_rot, cfg.rope_base, cfg.rope_scaling)?;
-            k = self.b.rope(k, n_rot, cfg.rope_base, cfg.rope_scaling)?;
+            let (base, scaling) = (cfg.rope_base, cfg.rope_scaling);
+            (q, k) = match start {
+                Some(s) => (self.b.rope_at(q, s, n_rot, base, scaling)?, self.b.rope_at(k, s, n_rot, base, scaling)?),
+                None => (self.b.rope(q, n_rot, base, scaling)?, self.b.rope(k, n_rot, base, scaling)?),
+            };
         }
         // litgpt and Hugging Face scale by the configured head size. With a
         // rotary dimension of 1 (head size 1, as in workload W2) both
@@ -214,7 +264,7 @@ impl<'a> Gpt<'a> {
         if n_rot == 1 {
             scale *= 2.0;
         }
-        let o = self.b.attention(q, k, v, scale)?;
+        let o = attend(self, layer, q, k, v, scale)?;
         let o = self.b.reshape(o, &[batch, seq, hq * d])?;
         self.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
     }
@@ -226,9 +276,8 @@ impl<'a> Gpt<'a> {
         let rows = shape.iter().product::<usize>() / c.max(1);
         // No tile is empty: at most one per row.
         let tiles = self.mlp_tiles.clamp(1, rows.max(1));
-        let mut params = Vec::new();
         if tiles == 1 {
-            return self.mlp_rows(x, prefix, &mut params);
+            return self.mlp_rows(x, prefix);
         }
         let x2 = self.b.reshape(x, &[rows, c])?;
         let mut parts = Vec::with_capacity(tiles);
@@ -236,38 +285,34 @@ impl<'a> Gpt<'a> {
             // Tiles of rows/tiles rows; the first rows % tiles get one more.
             let (start, end) = (t * rows / tiles, (t + 1) * rows / tiles);
             let xt = self.b.slice(x2, 0, start, end)?;
-            parts.push(self.mlp_rows(xt, prefix, &mut params)?);
+            parts.push(self.mlp_rows(xt, prefix)?);
         }
         let y = self.b.concat(&parts, 0)?;
         self.b.reshape(y, &shape)
     }
 
-    /// The MLP of the rows `x`. `params` holds the layer's projections in
-    /// order once made: the first call (the only one without tiling)
-    /// creates each right before its product, as the untiled MLP always
-    /// did, and later tiles reuse them.
-    fn mlp_rows(&mut self, x: ValueId, prefix: &str, params: &mut Vec<LinearParams>) -> Result<ValueId> {
+    /// The MLP of the rows `x` (all of them, or one tile).
+    fn mlp_rows(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
         let (c, i, bias) = (self.cfg.n_embd, self.cfg.intermediate_size, self.cfg.bias);
-        let mut linear = |g: &mut Self, x: ValueId, k: usize, name: &str, inp: usize, out: usize| {
-            if params.len() == k {
-                params.push(g.linear_params(&format!("{prefix}.{name}"), inp, out, bias)?);
-            }
-            let (w, b) = params[k];
-            g.b.linear(x, w, b)
+        // The first tile makes each projection right before its product (as
+        // the untiled MLP always did); later tiles get the same leaves back
+        // from `param`.
+        let linear = |g: &mut Self, x: ValueId, name: &str, inp: usize, out: usize| {
+            g.linear(x, &format!("{prefix}.{name}"), inp, out, bias)
         };
         match self.cfg.mlp {
             MlpKind::LlamaSwiGlu => {
-                let gate = linear(self, x, 0, "gate_proj", c, i)?;
-                let up = linear(self, x, 1, "up_proj", c, i)?;
+                let gate = linear(self, x, "gate_proj", c, i)?;
+                let up = linear(self, x, "up_proj", c, i)?;
                 // One op, so backward keeps gate and up but not silu(gate).
                 let h = self.b.swiglu(gate, up)?;
-                linear(self, h, 2, "down_proj", i, c)
+                linear(self, h, "down_proj", i, c)
             }
             MlpKind::Gelu { approximate_tanh } => {
-                let h = linear(self, x, 0, "up_proj", c, i)?;
+                let h = linear(self, x, "up_proj", c, i)?;
                 let f = if approximate_tanh { UnaryFn::GeluTanh } else { UnaryFn::GeluErf };
                 let h = self.b.unary(f, h)?;
-                linear(self, h, 1, "down_proj", i, c)
+                linear(self, h, "down_proj", i, c)
             }
         }
     }
@@ -362,23 +407,9 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
         LossKind::Sum => None,
     };
     let wte = g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])?;
-    let mut x = g.b.embedding(tokens, wte)?;
-    for layer in 0..cfg.n_layer {
-        let p = format!("model.layers.{layer}");
-        let h = g.norm(x, &format!("{p}.input_layernorm"))?;
-        let a = g.attention(h, &format!("{p}.self_attn"), bsz, seq)?;
-        if cfg.parallel_residual {
-            let h2 = if cfg.shared_attention_norm { h } else { g.norm(x, &format!("{p}.post_attention_layernorm"))? };
-            let m = g.mlp(h2, &format!("{p}.mlp"))?;
-            let am = g.b.add(a, m)?;
-            x = g.b.add(am, x)?;
-        } else {
-            x = g.b.add(a, x)?;
-            let h2 = g.norm(x, &format!("{p}.post_attention_layernorm"))?;
-            let m = g.mlp(h2, &format!("{p}.mlp"))?;
-            x = g.b.add(m, x)?;
-        }
-    }
+    let x = g.b.embedding(tokens, wte)?;
+    // Causal attention over the sequence itself.
+    let x = g.layers(x, bsz, seq, None, &mut |g, _, q, k, v, scale| g.b.attention(q, k, v, scale))?;
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
