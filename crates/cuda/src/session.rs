@@ -820,15 +820,21 @@ impl CudaSession {
 
     /// Captures the step into one CUDA graph (once); returns capture + instantiate time.
     pub fn capture(&mut self) -> Result<Duration> {
-        let before = used_bytes()?.0;
-        let graph = StepGraph::capture(&self.stream, || self.enqueue())?;
-        self.stream.synchronize()?;
+        let (graph, grew) = self.capture_with(|s| s.enqueue())?;
         let t = graph.capture_time;
         self.graph = Some(graph);
-        let after = used_bytes()?.0;
-        self.memory.graph_bytes = after.saturating_sub(before);
+        self.memory.graph_bytes = grew;
         self.sample()?;
         Ok(t)
+    }
+
+    /// A graph of what `enqueue` issues on the stream, and the device
+    /// memory its capture and instantiation took.
+    fn capture_with(&self, enqueue: impl FnOnce(&Self) -> Result<()>) -> Result<(StepGraph, u64)> {
+        let before = used_bytes()?.0;
+        let graph = StepGraph::capture(&self.stream, || enqueue(self))?;
+        self.stream.synchronize()?;
+        Ok((graph, used_bytes()?.0.saturating_sub(before)))
     }
 
     /// Replays the captured step (capturing first if needed) and waits for it.
@@ -873,12 +879,7 @@ impl CudaSession {
         if !self.segment_graphs.contains_key(&key) {
             let launches = self.launch_range(&nodes)?;
             self.ctx.bind_to_thread()?;
-            let before = used_bytes()?.0;
-            let graph = StepGraph::capture(&self.stream, || {
-                self.enqueue_list(&self.prepared[launches], self.stream.cu_stream())
-            })?;
-            self.stream.synchronize()?;
-            let grew = used_bytes()?.0.saturating_sub(before);
+            let (graph, grew) = self.capture_with(|s| s.enqueue_list(&s.prepared[launches], s.stream.cu_stream()))?;
             self.memory.graph_bytes += grew;
             self.segment_graphs.insert(key, (graph, grew));
             self.sample()?;
@@ -899,13 +900,18 @@ impl CudaSession {
     /// count and total milliseconds, slowest first. For finding where a
     /// step's time goes; the events perturb timing slightly.
     pub fn profile(&mut self) -> Result<Vec<(String, usize, f64)>> {
-        self.profile_nodes(0..self.trace.nodes.len())
+        self.profile_launches(0..self.prepared.len())
     }
 
     /// [`CudaSession::profile`] of the nodes `nodes` only (one segment).
     pub fn profile_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<Vec<(String, usize, f64)>> {
+        let range = self.launch_range(&nodes)?;
+        self.profile_launches(range)
+    }
+
+    /// Runs the launches `range` on the compute stream, each timed.
+    fn profile_launches(&mut self, range: std::ops::Range<usize>) -> Result<Vec<(String, usize, f64)>> {
         use cudarc::driver::sys::CUevent_flags;
-        let range = if self.side.is_some() { 0..self.prepared.len() } else { self.launch_range(&nodes)? };
         let s = self.stream.cu_stream();
         let mut events = Vec::with_capacity(range.len() + 1);
         let new_event = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
