@@ -311,10 +311,11 @@ __device__ __forceinline__ void pair_scores(A (&s)[4][Cf::CPT], A (&dp)[4][Cf::C
 }
 
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. of one
-// query head (zero past T); one warp per row, lanes over dims, fixed order.
+// query head (zero past T; Ds also into delta unless it is null); one warp
+// per row, lanes over dims, fixed order.
 template <typename T, typename A>
-__device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, const A* lse, const A* glse, i64 stride,
-                          i64 stat, int Tn, int D) {
+__device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, const A* lse, const A* glse, A* delta,
+                          i64 stride, i64 stat, int Tn, int D) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int i = warp; i < n; i += nw) {
         const int t = t0 + i;
@@ -326,6 +327,7 @@ __device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, 
         if (lane == 0) {
             Ls[i] = t < Tn ? lse[stat + t] * A(SGA_LOG2E) : A(0);
             Ds[i] = t < Tn ? sum - (glse ? glse[stat + t] : A(0)) : A(0);
+            if (delta && t < Tn) delta[stat + t] = Ds[i];
         }
     }
 }
@@ -435,7 +437,7 @@ __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
 // over key tiles in order: gq_i = scale · sum_j p_ij (go_i·v_j − D_i) k_j.
 template <typename T, class Cf>
 __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                         const acc_t<T>* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
+                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
     constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
     constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
@@ -458,7 +460,7 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     const T *const qb = q + qoff, *const gob = go + qoff, *const kb = k + koff, *const vb = v + koff;
     const A c2 = A(scale * SGA_LOG2E);
 
-    row_stats(Ls, Ds, R, r0, o + qoff, gob, lse, glse, qs, ((i64)b * Hq + h) * Tn, Tn, D);
+    row_stats(Ls, Ds, R, r0, o + qoff, gob, lse, glse, delta, qs, ((i64)b * Hq + h) * Tn, Tn, D);
     __syncthreads();
     A L2[4], Di[4], acc[4][DPT];
 #pragma unroll
@@ -523,7 +525,7 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
         const i64 qoff = ((i64)b * Tn * Hq + h) * D, stat = ((i64)b * Hq + h) * Tn;
         const T *const qb = q + qoff, *const gob = go + qoff;
         for (int q0 = j0 / C * C; q0 < Tn; q0 += C) {
-            row_stats(Ls, Ds, C, q0, o + qoff, gob, lse, glse, qs, stat, Tn, D);
+            row_stats(Ls, Ds, C, q0, o + qoff, gob, lse, glse, (A*)nullptr, qs, stat, Tn, D);
             A s[4][CPT], dp[4][CPT];
             pair_scores<Cf>(s, dp, sm, kb, vb, ks, j0, qb, gob, qs, q0, Tn, D, ry, cx);
             // s <- p, dp <- ds; zero where the query precedes the key or is past T.
@@ -635,7 +637,7 @@ __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
 
 template <typename T, int DS>
 __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                         const acc_t<T>* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
+                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
     constexpr int NT = SMALL_NT, KT = SMALL_KT;
     __shared__ __align__(16) A Ks[KT * DS];
@@ -662,6 +664,7 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
     if (row < Tn) {
         if (glse) Di -= glse[st];
         L2 = lse[st] * A(SGA_LOG2E);
+        delta[st] = Di;
     }
     for (int k0 = 0; k0 <= last; k0 += KT) {
         stage_kv<DS, NT>(Ks, Vs, k + koff, v + koff, ks, k0, Tn, D);
@@ -789,7 +792,8 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 #define SGA_BWD_INPUTS(T)                                                                             \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o, \
         const acc_t<T> *__restrict__ lse, const T *__restrict__ go, const acc_t<T> *__restrict__ glse
-#define SGA_BQ_PARAMS(T) SGA_BWD_INPUTS(T), T *__restrict__ gq, int Tn, int Hq, int Hkv, int D, double scale
+#define SGA_BQ_PARAMS(T) \
+    SGA_BWD_INPUTS(T), T *__restrict__ gq, acc_t<T> *__restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale
 #define SGA_BKV_PARAMS(T) \
     SGA_BWD_INPUTS(T), T *__restrict__ gk, T *__restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale
 
@@ -800,7 +804,7 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
         attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) {                                              \
-        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                     \
+        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                            \
         attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) {                                            \
@@ -815,7 +819,7 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
     }                                                                                                  \
     extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { \
         typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                \
-        sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                     \
+        sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
     }                                                                                                  \
     extern "C" __global__ void SGA_TILED_BOUNDS(T, DM)                                                 \
         attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {                                            \

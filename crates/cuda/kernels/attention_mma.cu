@@ -11,10 +11,10 @@
 // crates/cuda/src/ops/attention.rs; the host mirrors the tile sizes and shared
 // memory sizes of `Geo` below, and a launch that disagrees traps.
 //
-// Kernels (DP = head size rounded up to a multiple of 16, 32..128):
-//   attention_mma_fwd_dDP_<dt>     grid (ceil(T/64), Hq, B)        o, lse
-//   attention_mma_bwd_q_dDP_<dt>   grid (ceil(T/64), Hq, B)        gq
-//   attention_mma_bwd_kv_dDP_<dt>  grid (ceil(T/64), Hkv, B)       gk, gv
+// Kernels (DP = head size rounded up to a multiple of 16, 32..128), in launch order:
+//   attention_mma_fwd_dDP_<dt>     grid (ceil(T/FWD_ROWS), Hq, B)  o, lse
+//   attention_mma_bwd_q_dDP_<dt>   grid (ceil(T/BQ_ROWS), Hq, B)   gq, delta (D_i per row)
+//   attention_mma_bwd_kv_dDP_<dt>  grid (ceil(T/64), Hkv, B)       gk, gv (reads delta)
 //
 // Fragment layouts (PTX ISA, lane = 4·g + c): for m16n8k16 the A tile
 // (16×16, row-major) gives a lane rows g and g+8 at columns 2c, 2c+1 and
@@ -207,18 +207,30 @@ template <> struct TcOf<float> {
 };
 
 // Tile sizes and shared memory per storage type and padded head size DP;
-// mirrored by src/ops/attention.rs. Columns per step are keys (fwd, bwd_q) or
-// query rows (bwd_kv), narrower where the score tiles would crowd registers.
+// mirrored by src/ops/attention.rs (scripts/attention-variants times
+// alternatives). Columns per step are keys (fwd, bwd_q) or query rows
+// (bwd_kv), narrower where the score tiles would crowd registers.
+// In the forward a warp owns FWD_MT tiles of 16 query rows: for 16-bit
+// storage and heads over 64 two, so that every B fragment read from shared
+// memory feeds two products (ldmatrix traffic, not the tensor cores, bounds
+// one tile per warp), with 32 keys per step to stay within registers; at 64
+// and below one tile and 64 keys measured faster; f32's split fragments
+// leave no registers for a second tile.
 template <typename T, int DP> struct Geo {
     typedef typename TcOf<T>::type Tc;
     typedef typename Tc::E E;
     static constexpr int ES = (int)sizeof(E), SD = DP + Tc::PAD, NBUF = Tc::NBUF;
-    static constexpr int FWD_BC = ES == 2 ? 64 : 32;
+    static constexpr int FWD_MT = ES == 2 && DP > 64 ? 2 : 1;
+    static constexpr int FWD_ROWS = NT / 32 * 16 * FWD_MT;
+    static constexpr int FWD_BC = ES == 2 && FWD_MT == 1 ? 64 : 32;
     static constexpr int BWD_BC = ES == 2 && DP <= 64 ? 64 : 32;
-    static constexpr int FWD_SMEM = (BR + 2 * NBUF * FWD_BC) * SD * ES;
-    static constexpr int BQ_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * BR * 4;
-    // bwd_kv streams q, go and o tiles (o for the row terms D_i).
-    static constexpr int BKV_SMEM = (2 * BR + 3 * NBUF * BWD_BC) * SD * ES + 2 * BWD_BC * 4;
+    static constexpr int FWD_SMEM = (FWD_ROWS + 2 * NBUF * FWD_BC) * SD * ES;
+    // bwd_q: two row tiles per warp measured 7% faster at DP 112, 3% slower at 128.
+    static constexpr int BQ_MT = ES == 2 && DP > 64 && DP < 128 ? 2 : 1;
+    static constexpr int BQ_ROWS = NT / 32 * 16 * BQ_MT;
+    static constexpr int BQ_SMEM = (2 * BQ_ROWS + 2 * NBUF * BWD_BC) * SD * ES + 2 * BQ_ROWS * 4;
+    // bwd_kv streams q and go tiles; D_i comes from bwd_q (the op's delta output).
+    static constexpr int BKV_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * BWD_BC * 4;
     static_assert(DP % 16 == 0 && FWD_BC % 16 == 0 && BWD_BC % 16 == 0, "whole fragments");
 };
 
@@ -281,10 +293,11 @@ __device__ __forceinline__ void check_launch(int rows, int Tn, int smem) {
 }
 
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. (zero past
-// T); NT/N neighbouring threads per row over dims, summed in a fixed order.
+// T; Ds also into delta when it is not null); NT/N neighbouring threads per row over dims, summed in a fixed order.
 template <typename T, int N>
 __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T* o, const T* go, const float* lse,
-                                          const float* glse, long long stride, long long stat, int Tn, int D) {
+                                          const float* glse, float* delta, long long stride, long long stat, int Tn,
+                                          int D) {
     constexpr int PER = NT / N;
     const int i = threadIdx.x / PER, part = threadIdx.x % PER, t = t0 + i;
     float sum = 0.f;
@@ -295,40 +308,61 @@ __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T*
     if (part == 0) {
         Ls[i] = t < Tn ? lse[stat + t] * SGM_LOG2E : 0.f;
         Ds[i] = t < Tn ? sum - (glse ? glse[stat + t] : 0.f) : 0.f;
+        if (delta && t < Tn) delta[stat + t] = Ds[i];
     }
 }
 
-// The two product shapes of every pass, over one warp's 16 rows.
-// c[NC][4] += a · tileᵀ for columns 0..8·NC of a tile stored [column][depth]
-// (scores: q·kᵀ, go·vᵀ, k·qᵀ, v·goᵀ), at depth slice k0.
-template <class Tc, int SD, int NC>
-__device__ __forceinline__ void mma_nk(float (*c)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
+// The two product shapes of every pass, over MT tiles of 16 rows of one
+// warp (each B fragment read once, used by every row tile).
+// c[m][NC][4] += a[m] · tileᵀ for columns 0..8·NC of a tile stored
+// [column][depth] (scores: q·kᵀ, go·vᵀ, k·qᵀ, v·goᵀ), at depth slice k0.
+template <class Tc, int SD, int NC, int MT>
+__device__ __forceinline__ void mma_nk(float (*c)[NC][4], const typename Tc::A* a, const typename Tc::E* tile, int k0,
                                        int lane) {
 #pragma unroll
     for (int np = 0; np < NC / 2; ++np) {
         typename Tc::B bf;
         Tc::template load_b_nk<SD>(bf, tile, np * 16, k0, lane);
-        Tc::mma(c[2 * np], a, bf, 0);
-        Tc::mma(c[2 * np + 1], a, bf, 1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            Tc::mma(c[mt][2 * np], a[mt], bf, 0);
+            Tc::mma(c[mt][2 * np + 1], a[mt], bf, 1);
+        }
     }
 }
-// acc[DP/8][4] += a · tile[k0..k0+KS, 0..DP] for a tile stored [depth][dim]
-// (p·v, ds·k, pᵀ·go, dsᵀ·q).
-template <class Tc, int SD, int DP>
-__device__ __forceinline__ void mma_kn(float (*acc)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
-                                       int lane) {
+// acc[m][DP/8][4] += a[m] · tile[k0..k0+KS, 0..DP] for a tile stored
+// [depth][dim] (p·v, ds·k, pᵀ·go, dsᵀ·q).
+template <class Tc, int SD, int DP, int MT>
+__device__ __forceinline__ void mma_kn(float (*acc)[DP / 8][4], const typename Tc::A* a, const typename Tc::E* tile,
+                                       int k0, int lane) {
 #pragma unroll
     for (int np = 0; np < DP / 16; ++np) {
         typename Tc::B bf;
         Tc::template load_b_kn<SD>(bf, tile, k0, np * 16, lane);
-        Tc::mma(acc[2 * np], a, bf, 0);
-        Tc::mma(acc[2 * np + 1], a, bf, 1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            Tc::mma(acc[mt][2 * np], a[mt], bf, 0);
+            Tc::mma(acc[mt][2 * np + 1], a[mt], bf, 1);
+        }
     }
+}
+// One row tile (the backward passes).
+template <class Tc, int SD, int NC>
+__device__ __forceinline__ void mma_nk1(float (*c)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
+                                        int lane) {
+    mma_nk<Tc, SD, NC, 1>(reinterpret_cast<float(*)[NC][4]>(c), &a, tile, k0, lane);
+}
+template <class Tc, int SD, int DP>
+__device__ __forceinline__ void mma_kn1(float (*acc)[4], const typename Tc::A& a, const typename Tc::E* tile, int k0,
+                                        int lane) {
+    mma_kn<Tc, SD, DP, 1>(reinterpret_cast<float(*)[DP / 8][4]>(acc), &a, tile, k0, lane);
 }
 
 // ---------------------------------------------------------------------------
-// Forward: the block owns 64 query rows (16 per warp) and walks the key tiles
-// up to the diagonal with an online softmax.
+// Forward: the block owns FWD_ROWS query rows (16·FWD_MT per warp) and walks
+// the key tiles up to the diagonal with an online softmax. (Skipping the
+// tiles wholly after a warp's rows and masking only diagonal tiles was tried:
+// exact, but slower as measured: the branches cost more than the work.)
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
@@ -338,39 +372,50 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     typedef typename G::E E;
     typedef typename Tc::A FA;
     constexpr int SD = G::SD, BC = G::FWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
+    constexpr int MT = G::FWD_MT, ROWS = G::FWD_ROWS;
+    // Hold the warp's q fragments in registers when they fit (one row tile).
+    constexpr bool HOLD = Tc::HOLD && MT == 1;
+    // With two row tiles the depth loop of q·kᵀ stays rolled: unrolled, the
+    // compiler hoists every depth slice's fragments and spills.
+    constexpr int KK_UNROLL = MT == 1 ? KT : 1;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
-    E* const Ks = Qs + BR * SD;       // NB buffers of BC rows
+    E* const Ks = Qs + ROWS * SD;     // NB buffers of BC rows
     E* const Vs = Ks + NB * BC * SD;  // NB buffers of BC rows
-    check_launch(BR, Tn, G::FWD_SMEM);
+    check_launch(ROWS, Tn, G::FWD_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
-    const int q0 = qt * BR;
+    const int q0 = qt * ROWS;
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
     const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
-    const int last = min(q0 + BR, Tn) - 1, ntiles = last / BC + 1;
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
     auto issue = [&](int j, int buf) {
         tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
         tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
     };
 
-    tile<BR, DP, SD>(Qs, qb, vec_of<G::ES>(q, D), q0, Tn, qs, D);
+    tile<ROWS, DP, SD>(Qs, qb, vec_of<G::ES>(q, D), q0, Tn, qs, D);
     issue(0, 0);
     cp_commit();
 
-    FA qf[Tc::HOLD ? KT : 1];
-    float acc[NO][4];
+    // This warp's rows: w0.. (a lane's rows: w0 + 16·mt + g and + 8).
+    const int w0 = q0 + warp * 16 * MT;
+    FA qf[HOLD ? KT : 1];
+    float acc[MT][NO][4];
 #pragma unroll
-    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NO; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
     // The first key tile is not masked for any row, so m is finite after it.
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    const int row0 = q0 + warp * 16 + g;  // this lane's rows: row0, row0 + 8
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
 
     for (int j = 0; j < ntiles; ++j) {
         if (NB == 2 && j + 1 < ntiles) {
@@ -381,7 +426,7 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
             cp_wait<0>();
         }
         __syncthreads();
-        if constexpr (Tc::HOLD) {
+        if constexpr (HOLD) {
             if (j == 0) {
 #pragma unroll
                 for (int kk = 0; kk < KT; ++kk) Tc::template load_a<SD>(qf[kk], Qs, warp * 16, kk * KS, lane);
@@ -390,64 +435,79 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         const E* const Kt = Ks + (j % NB) * BC * SD;
         const E* const Vt = Vs + (j % NB) * BC * SD;
         const int k0 = j * BC;
-
-        float s[NS][4];
+        {
+            float s[MT][NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
-            FA qa;
-            if constexpr (Tc::HOLD)
-                qa = qf[kk];
-            else
-                Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
-            mma_nk<Tc, SD, NS>(s, qa, Kt, kk * KS, lane);
-        }
-
-        // Scale, mask (future keys, keys past T), running max.
-        float mx[2] = {-INFINITY, -INFINITY};
+                for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll KK_UNROLL
+            for (int kk = 0; kk < KT; ++kk) {
+                FA qa[MT];
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1), row = row0 + (e >> 1) * 8;
-                const float x = (key > row || key >= Tn) ? -INFINITY : s[n][e] * c2;
-                s[n][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                for (int mt = 0; mt < MT; ++mt) {
+                    if constexpr (HOLD)
+                        qa[mt] = qf[kk];
+                    else
+                        Tc::template load_a<SD>(qa[mt], Qs, warp * 16 * MT + mt * 16, kk * KS, lane);
+                }
+                mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
             }
-        float alpha[2], sum[2] = {0.f, 0.f};
+
+            // Scale; mask future keys and keys past T.
+            float mx[MT][2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float mn = fmaxf(m[r], mx[r]);
-            alpha[r] = exp2f(m[r] - mn);
-            m[r] = mn;
-        }
+            for (int mt = 0; mt < MT; ++mt) {
+                mx[mt][0] = mx[mt][1] = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+                for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[n][e] - m[e >> 1]);
-                s[n][e] = p;
-                sum[e >> 1] += p;
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
+                        const float x = key > row || key >= Tn ? -INFINITY : s[mt][n][e] * c2;
+                        s[mt][n][e] = x;
+                        mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], x);
+                    }
             }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+            for (int mt = 0; mt < MT; ++mt) {
+                float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            acc[n][0] *= alpha[0];
-            acc[n][1] *= alpha[0];
-            acc[n][2] *= alpha[1];
-            acc[n][3] *= alpha[1];
-        }
+                for (int r = 0; r < 2; ++r) {
+                    float x = mx[mt][r];
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                    const float mn = fmaxf(m[mt][r], x);
+                    alpha[r] = exp2f(m[mt][r] - mn);
+                    m[mt][r] = mn;
+                }
+#pragma unroll
+                for (int n = 0; n < NS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = exp2f(s[mt][n][e] - m[mt][e >> 1]);
+                        s[mt][n][e] = p;
+                        sum[e >> 1] += p;
+                    }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + sum[r];
+#pragma unroll
+                for (int n = 0; n < NO; ++n) {
+                    acc[mt][n][0] *= alpha[0];
+                    acc[mt][n][1] *= alpha[0];
+                    acc[mt][n][2] *= alpha[1];
+                    acc[mt][n][3] *= alpha[1];
+                }
+            }
 
-        // acc += p · v.
+            // acc += p · v.
 #pragma unroll
-        for (int kc = 0; kc < BC / KS; ++kc) {
-            FA pa;
-            Tc::a_from_c(pa, &s[kc * (KS / 8)]);
-            mma_kn<Tc, SD, DP>(acc, pa, Vt, kc * KS, lane);
+            for (int kc = 0; kc < BC / KS; ++kc) {
+                FA pa[MT];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) Tc::a_from_c(pa[mt], &s[mt][kc * (KS / 8)]);
+                mma_kn<Tc, SD, DP, MT>(acc, pa, Vt, kc * KS, lane);
+            }
         }
         __syncthreads();  // this tile's buffer is refilled next
         if (NB == 1 && j + 1 < ntiles) {
@@ -456,77 +516,90 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         }
     }
 
-    // The row sums were kept per lane; add the four lanes of a row (fixed order).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
     T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + r * 8;
-        if (row >= Tn) continue;
-        const float inv = 1.f / l[r];
+    for (int mt = 0; mt < MT; ++mt) {
+        // The row sums were kept per lane; add the four lanes of a row (fixed order).
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) store(ob, (long long)row * qs + d, acc[n][2 * r] * inv);
-            if (d + 1 < D) store(ob, (long long)row * qs + d + 1, acc[n][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
+            l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
         }
-        if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[r] + log2f(l[r])) * SGM_LN2;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + mt * 16 + g + r * 8;
+            if (row >= Tn) continue;
+            const float inv = 1.f / l[mt][r];
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                const int d = n * 8 + 2 * c;
+                if (d < D) store(ob, (long long)row * qs + d, acc[mt][n][2 * r] * inv);
+                if (d + 1 < D) store(ob, (long long)row * qs + d + 1, acc[mt][n][2 * r + 1] * inv);
+            }
+            if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[mt][r] + log2f(l[mt][r])) * SGM_LN2;
+        }
     }
 }
 
 // ---------------------------------------------------------------------------
-// Backward, query side: the block owns 64 query rows and walks the key tiles
-// up to the diagonal: gq = scale · Σ_j p_ij (go_i·v_j − D_i) k_j.
+// Backward, query side: the block owns BQ_ROWS query rows and walks the key tiles
+// up to the diagonal: gq = scale · Σ_j p_ij (go_i·v_j − D_i) k_j. It runs
+// first and stores its rows' D_i = go_i·o_i − glse_i in delta for bwd_kv
+// (which otherwise streamed o tiles to recompute them for every key block:
+// a third more tile traffic and a dot product per step; 24% of its time).
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                      const float* glse, T* gq, int Tn, int Hq, int Hkv, int D, double scale) {
+                      const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef Geo<T, DP> G;
     typedef typename G::Tc Tc;
     typedef typename G::E E;
     typedef typename Tc::A FA;
     constexpr int SD = G::SD, BC = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
+    constexpr int MT = G::BQ_MT, ROWS = G::BQ_ROWS;
+    // One row tile: q and go fragments held in registers; two: re-read per
+    // depth slice, the depth loop rolled (as in the forward).
+    constexpr bool HOLD = Tc::HOLD && MT == 1;
+    constexpr int KK_UNROLL = MT == 1 ? KT : 1;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
-    E* const Gs = Qs + BR * SD;
-    E* const Ks = Gs + BR * SD;       // NB buffers
+    E* const Gs = Qs + ROWS * SD;
+    E* const Ks = Gs + ROWS * SD;     // NB buffers
     E* const Vs = Ks + NB * BC * SD;  // NB buffers
     float* const Ls = reinterpret_cast<float*>(Vs + NB * BC * SD);
-    float* const Ds = Ls + BR;
-    check_launch(BR, Tn, G::BQ_SMEM);
+    float* const Ds = Ls + ROWS;
+    check_launch(ROWS, Tn, G::BQ_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
-    const int q0 = qt * BR;
+    const int q0 = qt * ROWS;
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long qoff = (long long)b * Tn * qs + (long long)h * D;
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
     const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
-    const int last = min(q0 + BR, Tn) - 1, ntiles = last / BC + 1;
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
     auto issue = [&](int j, int buf) {
         tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
         tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
     };
 
-    tile<BR, DP, SD>(Qs, q + qoff, vec_of<G::ES>(q, D), q0, Tn, qs, D);
-    tile<BR, DP, SD>(Gs, go + qoff, vec_of<G::ES>(go, D), q0, Tn, qs, D);
+    tile<ROWS, DP, SD>(Qs, q + qoff, vec_of<G::ES>(q, D), q0, Tn, qs, D);
+    tile<ROWS, DP, SD>(Gs, go + qoff, vec_of<G::ES>(go, D), q0, Tn, qs, D);
     issue(0, 0);
     cp_commit();
-    row_stats<T, BR>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, qs, ((long long)b * Hq + h) * Tn, Tn, D);
+    row_stats<T, ROWS>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn, D);
 
-    FA qf[Tc::HOLD ? KT : 1], gf[Tc::HOLD ? KT : 1];
-    float acc[NO][4];
+    FA qf[HOLD ? KT : 1], gf[HOLD ? KT : 1];
+    float acc[MT][NO][4];
 #pragma unroll
-    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    const int row0 = q0 + warp * 16 + g;
-    float Lr[2] = {0.f, 0.f}, Dr[2] = {0.f, 0.f};
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NO; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+    const int w0 = q0 + warp * 16 * MT;  // this warp's rows (a lane's: w0 + 16·mt + g and + 8)
+    float Lr[MT][2], Dr[MT][2];
 
     for (int j = 0; j < ntiles; ++j) {
         if (NB == 2 && j + 1 < ntiles) {
@@ -538,7 +611,7 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
         }
         __syncthreads();
         if (j == 0) {
-            if constexpr (Tc::HOLD) {
+            if constexpr (HOLD) {
 #pragma unroll
                 for (int kk = 0; kk < KT; ++kk) {
                     Tc::template load_a<SD>(qf[kk], Qs, warp * 16, kk * KS, lane);
@@ -546,48 +619,59 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
                 }
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                Lr[r] = Ls[warp * 16 + g + r * 8];
-                Dr[r] = Ds[warp * 16 + g + r * 8];
-            }
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    Lr[mt][r] = Ls[warp * 16 * MT + mt * 16 + g + r * 8];
+                    Dr[mt][r] = Ds[warp * 16 * MT + mt * 16 + g + r * 8];
+                }
         }
         const E* const Kt = Ks + (j % NB) * BC * SD;
         const E* const Vt = Vs + (j % NB) * BC * SD;
         const int k0 = j * BC;
 
-        float s[NS][4], dp[NS][4];
+        float s[MT][NS][4], dp[MT][NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][n][e] = dp[mt][n][e] = 0.f;
+#pragma unroll KK_UNROLL
         for (int kk = 0; kk < KT; ++kk) {
-            FA qa, ga;
-            if constexpr (Tc::HOLD) {
-                qa = qf[kk];
-                ga = gf[kk];
-            } else {
-                Tc::template load_a<SD>(qa, Qs, warp * 16, kk * KS, lane);
-                Tc::template load_a<SD>(ga, Gs, warp * 16, kk * KS, lane);
+            FA qa[MT], ga[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (HOLD) {
+                    qa[mt] = qf[kk];
+                    ga[mt] = gf[kk];
+                } else {
+                    Tc::template load_a<SD>(qa[mt], Qs, warp * 16 * MT + mt * 16, kk * KS, lane);
+                    Tc::template load_a<SD>(ga[mt], Gs, warp * 16 * MT + mt * 16, kk * KS, lane);
+                }
             }
-            mma_nk<Tc, SD, NS>(s, qa, Kt, kk * KS, lane);
-            mma_nk<Tc, SD, NS>(dp, ga, Vt, kk * KS, lane);
+            mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
+            mma_nk<Tc, SD, NS, MT>(dp, ga, Vt, kk * KS, lane);
         }
         // ds = p · (dp − D_i), p = exp2(s·scale·log2 e − L_i), zero where masked.
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1), row = row0 + (e >> 1) * 8;
-                const float p = (key > row || key >= Tn) ? 0.f : exp2f(s[n][e] * c2 - Lr[e >> 1]);
-                s[n][e] = p * (dp[n][e] - Dr[e >> 1]);
-            }
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
+                    const float p =
+                        key > row || key >= Tn ? 0.f : exp2f(s[mt][n][e] * c2 - Lr[mt][e >> 1]);
+                    s[mt][n][e] = p * (dp[mt][n][e] - Dr[mt][e >> 1]);
+                }
         // acc += ds · k.
 #pragma unroll
         for (int kc = 0; kc < BC / KS; ++kc) {
-            FA da;
-            Tc::a_from_c(da, &s[kc * (KS / 8)]);
-            mma_kn<Tc, SD, DP>(acc, da, Kt, kc * KS, lane);
+            FA da[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) Tc::a_from_c(da[mt], &s[mt][kc * (KS / 8)]);
+            mma_kn<Tc, SD, DP, MT>(acc, da, Kt, kc * KS, lane);
         }
         __syncthreads();
         if (NB == 1 && j + 1 < ntiles) {
@@ -599,27 +683,31 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
     T* const gb = gq + qoff;
     const float sc = (float)scale;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + r * 8;
-        if (row >= Tn) continue;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) store(gb, (long long)row * qs + d, acc[n][2 * r] * sc);
-            if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[n][2 * r + 1] * sc);
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + mt * 16 + g + r * 8;
+            if (row >= Tn) continue;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                const int d = n * 8 + 2 * c;
+                if (d < D) store(gb, (long long)row * qs + d, acc[mt][n][2 * r] * sc);
+                if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[mt][n][2 * r + 1] * sc);
+            }
         }
-    }
 }
 
 // ---------------------------------------------------------------------------
 // Backward, key side: the block owns 64 key rows of one kv head and walks the
 // query heads of its group, then their query tiles from the diagonal on:
-// gv_j = Σ_i p_ij go_i, gk_j = scale · Σ_i p_ij (go_i·v_j − D_i) q_i. Scores
-// are computed transposed (keys × queries) so that they are A operands.
+// gv_j = Σ_i p_ij go_i, gk_j = scale · Σ_i p_ij (go_i·v_j − D_i) q_i, with
+// D_i from bwd_q (delta; o and glse are not read). Scores are computed
+// transposed (keys × queries) so that they are A operands.
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                       const float* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+                       const float* glse, const float* delta, T* gk, T* gv, int Tn, int Hq, int Hkv, int D,
+                       double scale) {
     typedef Geo<T, DP> G;
     typedef typename G::Tc Tc;
     typedef typename G::E E;
@@ -630,8 +718,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     E* const Vs = Ks + BR * SD;
     E* const Qs = Vs + BR * SD;       // NB buffers of BQ rows
     E* const Gs = Qs + NB * BQ * SD;  // NB buffers
-    E* const Os = Gs + NB * BQ * SD;  // NB buffers
-    float* const Ls = reinterpret_cast<float*>(Os + NB * BQ * SD);
+    float* const Ls = reinterpret_cast<float*>(Gs + NB * BQ * SD);
     float* const Ds = Ls + BQ;
     check_launch(BR, Tn, G::BKV_SMEM);
 
@@ -640,7 +727,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     const int k0 = blockIdx.x * BR;  // the first blocks have the most query tiles: launched first
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D), vo = vec_of<G::ES>(o, D);
+    const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D);
     const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
@@ -651,7 +738,6 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         const long long qoff = (long long)b * Tn * qs + (long long)h * D;
         tile<BQ, DP, SD>(Qs + buf * BQ * SD, q + qoff, vq, t0, Tn, qs, D);
         tile<BQ, DP, SD>(Gs + buf * BQ * SD, go + qoff, vg, t0, Tn, qs, D);
-        tile<BQ, DP, SD>(Os + buf * BQ * SD, o + qoff, vo, t0, Tn, qs, D);
     };
     issue(0, 0);
     cp_commit();
@@ -666,14 +752,14 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     for (int st = 0; st < steps; ++st) {
         const int buf = st % NB;
         const int h = hk * grp + st / per_head, t0 = (first + st % per_head) * BQ;
-        // This step's lse and glse, loaded while the tiles arrive.
+        // This step's row terms, loaded while the tiles arrive.
         constexpr int PER = NT / BQ;  // neighbouring threads per row of the row terms
         const int ri = threadIdx.x / PER, part = threadIdx.x % PER, rt = t0 + ri;
-        float lse_r = 0.f, glse_r = 0.f;
+        float lse_r = 0.f, delta_r = 0.f;
         if (part == 0 && rt < Tn) {
             const long long stat = ((long long)b * Hq + h) * Tn;
             lse_r = lse[stat + rt];
-            glse_r = glse ? glse[stat + rt] : 0.f;
+            delta_r = delta[stat + rt];
         }
         if (NB == 2 && st + 1 < steps) {
             issue(st + 1, buf ^ 1);
@@ -685,57 +771,50 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         __syncthreads();
         const E* const Qt = Qs + buf * BQ * SD;
         const E* const Gt = Gs + buf * BQ * SD;
-        // L_i and D_i = go_i·o_i − glse_i of this step's rows, from the tiles
-        // in shared memory (zero-padded past D and T).
-        {
-            const T* const go_row = reinterpret_cast<const T*>(Gt + ri * SD);
-            const T* const o_row = reinterpret_cast<const T*>(Os + buf * BQ * SD + ri * SD);
-            float sum = 0.f;
-#pragma unroll 4
-            for (int d = part; d < DP; d += PER) sum += load(go_row, d) * load(o_row, d);
-#pragma unroll
-            for (int off = PER / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            if (part == 0) {
-                Ls[ri] = rt < Tn ? lse_r * SGM_LOG2E : 0.f;
-                Ds[ri] = rt < Tn ? sum - glse_r : 0.f;
-            }
+        // L_i, and D_i = go_i·o_i − glse_i of this step's rows (bwd_q's).
+        if (part == 0) {
+            Ls[ri] = rt < Tn ? lse_r * SGM_LOG2E : 0.f;
+            Ds[ri] = rt < Tn ? delta_r : 0.f;
         }
         __syncthreads();
         const float* const Lt = Ls;
         const float* const Dt = Ds;
 
-        // sᵀ = k·qᵀ and dpᵀ = v·goᵀ, [16 keys × BQ queries] per warp.
-        float s[NS][4], dp[NS][4];
+        {
+            // sᵀ = k·qᵀ and dpᵀ = v·goᵀ, [16 keys × BQ queries] per warp.
+            float s[NS][4], dp[NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
-            FA ka, va;
-            Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
-            Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
-            mma_nk<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
-            mma_nk<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
-        }
-        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                const float p = (query < key || query >= Tn) ? 0.f : exp2f(s[n][e] * c2 - Lt[qi]);
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - Dt[qi]);
+            for (int kk = 0; kk < KT; ++kk) {
+                FA ka, va;
+                Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
+                Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
+                mma_nk1<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
+                mma_nk1<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
             }
-        // gv += pᵀ·go, gk += dsᵀ·q.
+            // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
 #pragma unroll
-        for (int kc = 0; kc < BQ / KS; ++kc) {
-            FA pa, da;
-            Tc::a_from_c(pa, &s[kc * (KS / 8)]);
-            Tc::a_from_c(da, &dp[kc * (KS / 8)]);
-            mma_kn<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
-            mma_kn<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
+                    const float p =
+                        query < key || query >= Tn ? 0.f : exp2f(s[n][e] * c2 - Lt[qi]);
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - Dt[qi]);
+                }
+            // gv += pᵀ·go, gk += dsᵀ·q.
+#pragma unroll
+            for (int kc = 0; kc < BQ / KS; ++kc) {
+                FA pa, da;
+                Tc::a_from_c(pa, &s[kc * (KS / 8)]);
+                Tc::a_from_c(da, &dp[kc * (KS / 8)]);
+                mma_kn1<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
+                mma_kn1<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
+            }
         }
         __syncthreads();  // buffers of this step are refilled next
         if (NB == 1 && st + 1 < steps) {
@@ -781,14 +860,15 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_q_d##DP##_##sfx(                      \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
-        T* __restrict__ gq, int Tn, int Hq, int Hkv, int D, double scale) {                                       \
-        sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, Tn, Hq, Hkv, D, scale);                                  \
+        T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) {            \
+        sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_kv_d##DP##_##sfx(                     \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
-        T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale) {                   \
-        sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                             \
+        const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
+        double scale) {                                                                                           \
+        sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale);                      \
     }
 // Expands the variant macros before they are pasted into names.
 #define SGM_ENTRY_OF(sfx, T, DP) SGM_ENTRY(sfx, T, DP)

@@ -194,11 +194,17 @@ impl OpDef for Attention {
 }
 
 /// The backward of [`Attention`]: inputs `(q, k, v, o, lse, go[, glse])`,
-/// outputs `(gq, gk, gv)`. Probabilities are recomputed from the saved
+/// outputs `(gq, gk, gv, delta)`. Probabilities are recomputed from the saved
 /// log-sum-exp: `p_ij = exp(s_ij − lse_i)`, `D_i = go_i·o_i`,
 /// `ds_ij = p_ij·(go_i·v_j − D_i)`, `gq_i = scale·Σ_j ds_ij·k_j`,
 /// `gk_j = scale·Σ_i ds_ij·q_i`, `gv_j = Σ_i p_ij·go_i`. A cotangent of lse
 /// (`∂lse_i/∂s_ij = p_ij`) enters as `D_i − glse_i`.
+///
+/// `delta` holds those row terms `D_i − glse_i` (`[B, Hq, T]`, lse's
+/// dtype): the GPU computes them once on the query side and hands them to
+/// the key side, which would otherwise recompute them for every key block.
+/// As an output the buffer is planned like any value (it dies with the
+/// node: nothing reads it), and every backend writes it.
 #[derive(Clone, PartialEq, Debug)]
 pub struct AttentionBackward {
     pub scale: f64,
@@ -215,6 +221,7 @@ struct Bwd<'a, T: Float> {
     gq: SendPtr<T>,
     gk: SendPtr<T>,
     gv: SendPtr<T>,
+    delta: SendPtr<T::Acc>,
 }
 
 /// One task per `(b, kv head)`: it alone writes that kv head's gk and gv
@@ -243,6 +250,8 @@ fn attention_bwd<T: Float>(a: Bwd<T>, n: Dims, scale: f64) {
                 if let Some(gl) = a.glse {
                     di = di - gl[st];
                 }
+                // SAFETY: query head h belongs to this task's group only.
+                unsafe { a.delta.write(st, di) };
                 let l = a.lse[st];
                 gq.fill(zero);
                 for j in 0..=i {
@@ -315,7 +324,7 @@ impl OpDef for AttentionBackward {
                 _ => {}
             }
         }
-        Ok(vec![q.clone(), k.clone(), v.clone()])
+        Ok(vec![q.clone(), k.clone(), v.clone(), lse])
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
         no_vjp(self.name())
@@ -334,6 +343,7 @@ impl OpDef for AttentionBackward {
                 gq: SendPtr(io.output::<T>(0).as_mut_ptr()),
                 gk: SendPtr(io.output::<T>(1).as_mut_ptr()),
                 gv: SendPtr(io.output::<T>(2).as_mut_ptr()),
+                delta: SendPtr(io.output::<<T as Float>::Acc>(3).as_mut_ptr()),
             };
             attention_bwd(a, n, self.scale);
             Ok(())

@@ -11,18 +11,20 @@
 //! (`exp2(s·scale·log2 e − m)`), in `float` for f32/bf16/f16 storage and in
 //! `double` for f64; storage is rounded once.
 //!
-//! One launch for the forward and two for the backward:
+//! One launch for the forward and two for the backward (query side first):
 //!
 //! * `attention_fwd`: a block owns a tile of query rows of one (batch,
 //!   query head) and walks the key tiles `0..=diagonal` in order with an
 //!   online softmax; it writes `o` and `lse`.
+//! * `attention_bwd_q`: a block owns a tile of query rows of one (batch,
+//!   query head), computes its rows' `D_i = go_i·o_i − glse_i` (stored in
+//!   the op's `delta` output) and walks the key tiles in order: `gq += ds·k`.
 //! * `attention_bwd_kv`: a block owns a tile of key rows of one (batch, kv
 //!   head) and walks, in order, the query heads of its group and their query
-//!   tiles from the diagonal on. It recomputes `p = exp(s − lse)`,
-//!   `D_i = go_i·o_i − glse_i` and `ds = p·(go·v − D_i)` per tile and
-//!   accumulates `gv += pᵀ·go` and `gk += dsᵀ·q` in registers.
-//! * `attention_bwd_q`: a block owns a tile of query rows of one (batch,
-//!   query head) and walks the key tiles in order: `gq += ds·k`.
+//!   tiles from the diagonal on. It recomputes `p = exp(s − lse)` and
+//!   `ds = p·(go·v − D_i)` per tile (the tensor-core kernel reads `D_i` from
+//!   `delta`; the CUDA-core one recomputes it) and accumulates `gv += pᵀ·go`
+//!   and `gk += dsᵀ·q` in registers.
 //!
 //! Head sizes are bucketed (`D ≤ 1, 4, 16, 32, 64, 128, 256`), one kernel per
 //! bucket and dtype, zero-padded to the bucket. Buckets up to 16 use one
@@ -46,7 +48,11 @@
 //! rows (query rows, or key rows for `bwd_kv`); a warp owns 16 of them and
 //! keeps its scores, probabilities and accumulators in registers: the f32
 //! result fragment of `q·kᵀ` is the A fragment of `p·v` without leaving its
-//! lane.
+//! lane. The 16-bit forward at padded widths over 64 (and `bwd_q` at 80..=112)
+//! gives a warp 32 rows (128 per block) so that each fragment read from
+//! shared memory feeds two products ([`mma_forward_rows`],
+//! [`mma_backward_q_rows`]); `scripts/attention-variants` times such choices
+//! against each other and PyTorch on the GPU machine.
 //!
 //! * bf16/f16: `m16n8k16` with f32 accumulation, fragments by `ldmatrix`,
 //!   tiles double-buffered. Probabilities and score gradients are rounded to
@@ -127,9 +133,30 @@ pub const KERNELS: &[KernelModule] = attention_modules![
     ("attention_mma_d128_f32", "f32", "float", "128"),
 ];
 
-/// Rows a tensor-core block owns (4 warps × 16) and its threads.
+/// Rows a tensor-core backward block owns (4 warps × 16) and its threads.
 const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
+
+/// Query rows of a tensor-core forward block; mirrors `Geo::FWD_ROWS`: two
+/// tiles of 16 per warp for 16-bit storage at padded widths over 64, else one.
+pub fn mma_forward_rows(dtype: DType, dp: usize) -> usize {
+    if dtype != DType::F32 && dp > 64 {
+        2 * MMA_ROWS
+    } else {
+        MMA_ROWS
+    }
+}
+
+/// Query rows of a tensor-core `bwd_q` block; mirrors `Geo::BQ_ROWS`: two
+/// tiles of 16 per warp for 16-bit storage at padded widths 80..=112 (at 128
+/// one measured faster), else one.
+pub fn mma_backward_q_rows(dtype: DType, dp: usize) -> usize {
+    if dtype != DType::F32 && dp > 64 && dp < 128 {
+        2 * MMA_ROWS
+    } else {
+        MMA_ROWS
+    }
+}
 
 /// The padded head size of the tensor-core kernels for `dtype` and head
 /// size `d`, or `None` when the CUDA-core kernels serve it: bf16, f16 and
@@ -159,13 +186,17 @@ pub fn mma_shared_bytes(pass: Pass, dtype: DType, dp: usize) -> usize {
     let f32 = dtype == DType::F32;
     let (elem, pad, buffers) = if f32 { (4, 4, 1) } else { (2, 8, 2) };
     let row = (dp + pad) * elem;
-    let fwd_cols = if f32 { 32 } else { 64 };
+    let fwd_rows = mma_forward_rows(dtype, dp);
+    let fwd_cols = if !f32 && fwd_rows == MMA_ROWS { 64 } else { 32 };
     let bwd_cols = if !f32 && dp <= 64 { 64 } else { 32 };
     match pass {
-        Pass::Forward => (MMA_ROWS + 2 * buffers * fwd_cols) * row,
-        Pass::BackwardQ => (2 * MMA_ROWS + 2 * buffers * bwd_cols) * row + 2 * MMA_ROWS * 4,
-        // q, go and o tiles stream; one set of row terms.
-        Pass::BackwardKv => (2 * MMA_ROWS + 3 * buffers * bwd_cols) * row + 2 * bwd_cols * 4,
+        Pass::Forward => (fwd_rows + 2 * buffers * fwd_cols) * row,
+        Pass::BackwardQ => {
+            let rows = mma_backward_q_rows(dtype, dp);
+            (2 * rows + 2 * buffers * bwd_cols) * row + 2 * rows * 4
+        }
+        // q and go tiles stream (D_i comes from bwd_q); one set of row terms.
+        Pass::BackwardKv => (2 * MMA_ROWS + 2 * buffers * bwd_cols) * row + 2 * bwd_cols * 4,
     }
 }
 
@@ -300,7 +331,11 @@ impl Dims {
             Some(dp) => (
                 mma_module(self.dtype, dp),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
-                MMA_ROWS,
+                match pass {
+                    Pass::Forward => mma_forward_rows(self.dtype, dp),
+                    Pass::BackwardQ => mma_backward_q_rows(self.dtype, dp),
+                    Pass::BackwardKv => MMA_ROWS,
+                },
                 MMA_THREADS,
                 mma_shared_bytes(pass, self.dtype, dp) as u32,
             ),
@@ -354,22 +389,31 @@ fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Ve
     Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale)])
 }
 
-/// `attention_bwd_kv(q, k, v, o, lse, go, glse, gk, gv, T, Hq, Hkv, D, scale)`, then
-/// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, T, Hq, Hkv, D, scale)`;
-/// `glse` is a null pointer when the node has no lse cotangent.
+/// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, delta, T, Hq, Hkv, D, scale)`, then
+/// `attention_bwd_kv(q, k, v, o, lse, go, glse, [delta,] gk, gv, T, Hq, Hkv, D, scale)`
+/// (the tensor-core key side reads the query side's `delta`; the CUDA-core
+/// one recomputes the row terms); `glse` is a null pointer when the node has
+/// no lse cotangent.
 fn backward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
     let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty)?;
-    if n.empty() || n.d == 0 {
+    if n.empty() {
         return Ok(vec![]);
     }
     let mut common: Vec<Arg> = inputs[..6].iter().map(|t| Arg::Ptr(t.ptr)).collect();
     common.push(Arg::Ptr(inputs.get(6).map_or(0, |t| t.ptr)));
-    let (gq, gk, gv) = (&outputs[0], &outputs[1], &outputs[2]);
-    let mut kv = common.clone();
+    let (gq, gk, gv, delta) = (&outputs[0], &outputs[1], &outputs[2], &outputs[3]);
+    let mut q = common.clone();
+    q.extend([Arg::Ptr(gq.ptr), Arg::Ptr(delta.ptr)]);
+    if n.d == 0 {
+        // Only the row terms (−glse) to write: the gradients are empty.
+        return Ok(vec![n.launch(Pass::BackwardQ, q, scale)]);
+    }
+    let mut kv = common;
+    if n.mma.is_some() {
+        kv.push(Arg::Ptr(delta.ptr));
+    }
     kv.extend([Arg::Ptr(gk.ptr), Arg::Ptr(gv.ptr)]);
-    let mut q = common;
-    q.push(Arg::Ptr(gq.ptr));
-    Ok(vec![n.launch(Pass::BackwardKv, kv, scale), n.launch(Pass::BackwardQ, q, scale)])
+    Ok(vec![n.launch(Pass::BackwardQ, q, scale), n.launch(Pass::BackwardKv, kv, scale)])
 }
 
 #[cfg(test)]
@@ -473,16 +517,17 @@ mod tests {
             dev(dtype, &[b, t, hq, d], at(8)),
             dev(dtype, &[b, t, hkv, d], at(9)),
             dev(dtype, &[b, t, hkv, d], at(10)),
+            dev(stat(dtype), &[b, hq, t], at(11)),
         ];
         lower(&Op::from(AttentionBackward { scale: 1.0 }), &ins, &outs).unwrap()
     }
 
     #[test]
-    fn backward_lowers_to_key_then_query_side() {
+    fn backward_lowers_to_query_then_key_side() {
         // W2: T=4096, 28 query heads on 4 kv heads of size 1.
         let l = backward_launches(DType::BF16, 2, 4096, 28, 4, 1, false);
         assert_eq!(l.len(), 2);
-        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
         assert_eq!(kv.function, "attention_bwd_kv_d1_bf16");
         assert_eq!(kv.grid, (128, 4, 2));
         assert_eq!(kv.block, (256, 1, 1));
@@ -492,42 +537,56 @@ mod tests {
         let ptrs = |k: &KernelLaunch| -> Vec<u64> {
             k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p >> 8) } else { None }).collect()
         };
+        // The CUDA-core key side recomputes the row terms: no delta for it.
         assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 0, 9, 10]);
-        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8, 11]);
         assert_eq!(kv.args.len(), 14);
-        assert_eq!(q.args.len(), 13);
+        assert_eq!(q.args.len(), 14);
         assert_eq!(kv.args[9..], [Arg::I32(4096), Arg::I32(28), Arg::I32(4), Arg::I32(1), Arg::F64(1.0)]);
 
         let l = backward_launches(DType::F64, 1, 257, 8, 1, 256, true);
-        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
         assert_eq!(kv.function, "attention_bwd_kv_d256_f64");
         assert_eq!(kv.grid, (17, 1, 1));
         assert_eq!(q.function, "attention_bwd_q_d256_f64");
         assert_eq!(q.grid, (9, 8, 1));
         assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
-        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11]);
     }
 
     #[test]
     fn sixteen_bit_heads_of_17_to_128_run_on_tensor_cores() {
-        // W1-bf16: 32 heads of 100 → the d112 variant, 64 rows per block.
+        // W1-bf16: 32 heads of 100 → the d112 variant, 128 rows per forward block.
         let t = |dtype, shape: &[usize], p| dev(dtype, shape, p);
         let q = t(DType::BF16, &[1, 2048, 32, 100], at(1));
         let lse = t(DType::F32, &[1, 32, 2048], at(5));
         let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_bf16", "attention_mma_fwd_d112_bf16"));
-        assert_eq!((k.grid, k.block), ((32, 32, 1), (128, 1, 1)));
-        assert_eq!(k.shared_bytes as usize, (64 + 4 * 64) * 120 * 2);
+        assert_eq!((k.grid, k.block), ((16, 32, 1), (128, 1, 1)));
+        assert_eq!(k.shared_bytes as usize, (128 + 4 * 32) * 120 * 2);
         assert!(k.shared_bytes <= 227 * 1024);
+        // Its backward: 128 query rows per bwd_q block (d112), 64 key rows per bwd_kv block.
+        let l = backward_launches(DType::BF16, 1, 2048, 32, 32, 100, false);
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!((q.function.as_str(), q.grid), ("attention_mma_bwd_q_d112_bf16", (16, 32, 1)));
+        assert_eq!(q.shared_bytes as usize, (2 * 128 + 4 * 32) * 120 * 2 + 2 * 128 * 4);
+        assert_eq!((kv.function.as_str(), kv.grid), ("attention_mma_bwd_kv_d112_bf16", (32, 32, 1)));
+        assert_eq!(kv.shared_bytes as usize, (2 * 64 + 4 * 32) * 120 * 2 + 2 * 32 * 4);
 
         let l = backward_launches(DType::F16, 2, 100, 8, 2, 64, true);
-        let (kv, q) = (kernel(&l[0]), kernel(&l[1]));
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
         assert_eq!((kv.module, kv.function.as_str()), ("attention_mma_d64_f16", "attention_mma_bwd_kv_d64_f16"));
         assert_eq!((kv.grid, kv.block), ((2, 2, 2), (128, 1, 1)));
         assert_eq!(q.function, "attention_mma_bwd_q_d64_f16");
         assert_eq!(q.grid, (2, 8, 2));
-        assert_eq!(kv.args.len(), 14);
+        // The tensor-core key side reads the query side's delta.
+        let ptrs = |k: &KernelLaunch| -> Vec<u64> {
+            k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p >> 8) } else { None }).collect()
+        };
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11]);
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 11, 9, 10]);
+        assert_eq!(kv.args.len(), 15);
 
         // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
         for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 1), (DType::F64, 100)] {
@@ -572,7 +631,10 @@ mod tests {
     fn empty_problems_launch_nothing_and_bad_ones_fail() {
         assert!(backward_launches(DType::F32, 0, 5, 4, 2, 8, false).is_empty());
         assert!(backward_launches(DType::F32, 1, 0, 4, 2, 8, true).is_empty());
-        assert!(backward_launches(DType::F32, 1, 5, 4, 2, 0, true).is_empty());
+        // D = 0: the gradients are empty but the row terms (delta) are not.
+        let l = backward_launches(DType::F32, 1, 5, 4, 2, 0, true);
+        assert_eq!(l.len(), 1);
+        assert_eq!(kernel(&l[0]).function, "attention_bwd_q_d1_f32");
         // D = 0 still has an lse to write.
         let t = |s: &[usize]| dev(DType::F32, s, at(1));
         let l = lower(
