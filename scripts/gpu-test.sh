@@ -49,9 +49,12 @@ for l in sys.stdin:
         echo "NVRTC not found under $nvrtc (run .ci/run once): kernels will compile on the GPU machine" >&2
     fi
     # A baseline to compare against (bench-ab): BASELINE=DIR names a checkout
-    # whose `cargo build --release -p stepgraph -p stepgraph-cuda --examples`
-    # is done; its CLI is packed as stepgraph-base and its kernels join the
-    # cache (keyed by source hash, so both versions live side by side).
+    # whose `cargo build --release -p stepgraph` and `cargo build --release
+    # -p stepgraph-cuda --examples` are done (the second alone builds no CLI)
+    # in its own target directory: a target shared with this checkout hands
+    # one tree's artifacts to the other. Its CLI is packed as stepgraph-base
+    # and its kernels join the cache (keyed by source hash, so both versions
+    # live side by side).
     base=()
     if [ -n "${BASELINE:-}" ]; then
         cp "$BASELINE/target/release/stepgraph" .carry/stepgraph-base
