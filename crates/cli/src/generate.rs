@@ -38,7 +38,7 @@ use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
 use stepgraph_data::template::Message;
-use stepgraph_data::tokenizer::Tokenizer;
+use stepgraph_data::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::train::{self, DeviceArg};
 use crate::ModelArgs;
@@ -324,8 +324,11 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens ({per_sec}) ETA {eta}")
             .expect("valid template"),
     );
-    let mut texts = vec![String::new(); prompts.len()];
-    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    // Each sequence's text grows a few tokens at a time (no re-decoding of
+    // the whole output per token); `cuts[i]` is where a stop string ended it.
+    let mut decoders = vec![StreamDecoder::new(); prompts.len()];
+    let mut cuts: Vec<Option<usize>> = vec![None; prompts.len()];
+    let longest_stop = args.stop.iter().map(String::len).max().unwrap_or(0);
     let mut printed = 0usize;
     let stdout = std::io::stdout();
     let start = Instant::now();
@@ -334,36 +337,48 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         gen.replay = !args.eager;
         let mut on_token = |i: usize, t: u32| -> bool {
             bar.inc(1);
-            ids[i].push(t);
             let Some(tok) = tok.as_ref() else { return false };
             if eos == Some(t) {
                 return false;
             }
-            let Ok(text) = tok.decode(&ids[i]) else { return false };
-            let cut = args.stop.iter().filter_map(|s| text.find(s.as_str())).min();
-            texts[i] = match cut {
-                Some(at) => text[..at].to_string(),
-                None => text,
-            };
+            let Ok(grew_at) = decoders[i].push(tok, t) else { return false };
+            let text = decoders[i].text();
+            // A stop string that ends in the new text starts at most
+            // `longest_stop − 1` bytes before it.
+            let mut from = grew_at.saturating_sub(longest_stop.saturating_sub(1));
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            cuts[i] = args.stop.iter().filter_map(|s| text[from..].find(s.as_str())).min().map(|at| from + at);
             if stream {
-                // The text can change behind the last printed byte (a
-                // multi-byte character completed): print only what is final.
-                let safe = if cut.is_some() { texts[i].len() } else { texts[i].trim_end_matches('\u{FFFD}').len() };
-                if safe > printed && texts[i].is_char_boundary(printed) {
+                // The decoder's text is final: print it, up to a stop string.
+                let end = cuts[i].unwrap_or(text.len());
+                if end > printed {
                     let mut lock = stdout.lock();
-                    let _ = lock.write_all(&texts[i].as_bytes()[printed..safe]);
+                    let _ = lock.write_all(&text.as_bytes()[printed..end]);
                     let _ = lock.flush();
-                    printed = safe;
+                    printed = end;
                 }
             }
-            cut.is_some()
+            cuts[i].is_some()
         };
         gen.generate(&requests, &mut on_token)?
     };
     let wall = start.elapsed();
     bar.finish_and_clear();
+    // What is still pending (an incomplete last character) joins the text
+    // of sequences that no stop string ended.
+    let mut texts = Vec::with_capacity(prompts.len());
+    for (dec, cut) in decoders.iter_mut().zip(&cuts) {
+        texts.push(match (cut, tok.as_ref()) {
+            (Some(at), _) => dec.text()[..*at].to_string(),
+            (None, Some(tok)) => {
+                dec.finish(tok).map_err(|e| anyhow::anyhow!("decoding the generated tokens: {e}"))?.to_string()
+            }
+            (None, None) => String::new(),
+        });
+    }
     if stream {
-        // What streaming held back (characters that could still change) is final now.
         let rest = texts[0].get(printed..).unwrap_or_default();
         println!("{rest}");
     }

@@ -147,3 +147,72 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 }
+
+/// The text of a growing list of generated tokens, decoded a few tokens at a
+/// time instead of the whole list after every token (quadratic in the
+/// output's length): the offsets method of Hugging Face's
+/// text-generation-inference. Each push decodes only the window from
+/// `prefix` (the start of the previous piece, kept as context: decoders that
+/// drop a leading space or join pieces see the same neighbours as in the
+/// whole list) and keeps what the new token added; a piece that ends in an
+/// incomplete character (U+FFFD) waits for the tokens that complete it.
+/// [`StreamDecoder::text`] is therefore final text only, what a stream may
+/// print; [`StreamDecoder::finish`] adds what is still pending.
+#[derive(Clone, Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    /// Start of the window: the first token of the previous piece.
+    prefix: usize,
+    /// End of the text already taken: tokens `..read` are in `text`.
+    read: usize,
+    text: String,
+}
+
+impl StreamDecoder {
+    pub fn new() -> StreamDecoder {
+        StreamDecoder::default()
+    }
+
+    /// Appends `id`; returns the length of [`StreamDecoder::text`] before it
+    /// (the new text starts there; it may have grown by nothing).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> std::result::Result<usize, String> {
+        let before = self.text.len();
+        self.ids.push(id);
+        let (taken, now) = self.window(tok)?;
+        if now.len() > taken.len() && !now.ends_with('\u{FFFD}') {
+            if let Some(piece) = now.get(taken.len()..) {
+                self.text.push_str(piece);
+                self.prefix = self.read;
+                self.read = self.ids.len();
+            }
+        }
+        Ok(before)
+    }
+
+    /// The window's text without and with the tokens not yet taken.
+    fn window(&self, tok: &Tokenizer) -> std::result::Result<(String, String), String> {
+        Ok((tok.decode(&self.ids[self.prefix..self.read])?, tok.decode(&self.ids[self.prefix..])?))
+    }
+
+    /// The final text so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Takes the pending tokens as they decode (an incomplete character as
+    /// U+FFFD, as a decode of the whole list gives it) and returns the text.
+    pub fn finish(&mut self, tok: &Tokenizer) -> std::result::Result<&str, String> {
+        if self.read < self.ids.len() {
+            let (taken, now) = self.window(tok)?;
+            // Pieces always extend their window's text; the guard keeps a
+            // decoder that rewrote it from losing the whole window.
+            match now.get(taken.len()..).filter(|_| now.starts_with(&taken)) {
+                Some(piece) => self.text.push_str(piece),
+                None => self.text = tok.decode(&self.ids)?,
+            }
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        Ok(&self.text)
+    }
+}
