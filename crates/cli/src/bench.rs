@@ -239,12 +239,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
     };
     if args.profile {
-        let prof = s.profile()?;
-        let total: f64 = prof.iter().map(|p| p.2).sum();
-        eprintln!("profile of one eager step ({total:.2} ms in launches):");
-        for (name, n, ms) in prof.iter().take(40) {
-            eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {name}", 100.0 * ms / total);
-        }
+        crate::profile::print("profile of one eager step", &s.profile()?, 40);
         let tuning = s.gemm_tuning();
         if tuning.enabled {
             eprintln!(

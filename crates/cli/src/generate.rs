@@ -387,11 +387,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         if let Some(bucket) = times.iter().map(|t| t.bucket).max() {
             let nodes = program.decode(bucket).expect("a bucket that ran").nodes.clone();
             let rows = session.profile_nodes(nodes)?;
-            let total: f64 = rows.iter().map(|r| r.2).sum();
-            eprintln!("profile of one decode step of bucket {bucket}: {total:.3} ms in all (eager, timed per launch)");
-            for (name, n, ms) in rows.iter().take(15) {
-                eprintln!("  {ms:8.3} ms  {n:4} x  {name}");
-            }
+            crate::profile::print(&format!("profile of one eager decode step of bucket {bucket}"), &rows, 15);
         }
     }
     report(args, &program, &prompts, &out, &texts, &times, wall.as_secs_f64(), planned, mem, session.as_ref())?;

@@ -18,6 +18,7 @@ mod generate;
 mod hf_cmd;
 mod memory_args;
 mod prepare;
+mod profile;
 mod train;
 
 use std::ffi::OsString;

@@ -1,0 +1,135 @@
+//! The per-kernel profiles that `bench --profile` and `generate --profile`
+//! print: every launch of one step timed, summed by kernel name, and the
+//! same times summed by kernel class (products, attention forward and
+//! backward, pointwise and row-wise, loss, optimizer, other), the table
+//! issue 11 compares with PyTorch's profile of the same workload.
+
+/// The kernel classes, in the order the table prints them.
+pub const CLASSES: [&str; 8] = [
+    "products",
+    "attention forward",
+    "attention backward",
+    "decode attention",
+    "pointwise and row-wise",
+    "loss",
+    "optimizer",
+    "other",
+];
+
+/// The class of a kernel from its launch name (`gemm_bf16_…`,
+/// `attention_mma_bwd_kv_…`, `rms_norm_vec_bf16`, …).
+pub fn class_of(kernel: &str) -> &'static str {
+    let has = |p: &str| kernel.contains(p);
+    if kernel.starts_with("gemm") || kernel.starts_with("gemv") {
+        "products"
+    } else if kernel.starts_with("cached_attention") || kernel.starts_with("kv_write") {
+        "decode attention"
+    } else if kernel.starts_with("attention") && has("bwd") {
+        "attention backward"
+    } else if kernel.starts_with("attention") {
+        "attention forward"
+    } else if kernel.starts_with("adamw") || kernel.starts_with("sgd") {
+        "optimizer"
+    } else if kernel.starts_with("linear_ce") || kernel.starts_with("cross_entropy") {
+        "loss"
+    } else if [
+        "rms_norm",
+        "layer_norm",
+        "rope",
+        "swiglu",
+        "softmax",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "cast",
+        "max_backward",
+    ]
+    .iter()
+    .any(|p| kernel.starts_with(p))
+    {
+        "pointwise and row-wise"
+    } else {
+        "other"
+    }
+}
+
+/// Launches and milliseconds per class, in [`CLASSES`] order, of profile
+/// rows `(kernel, launches, ms)`.
+pub fn by_class(rows: &[(String, usize, f64)]) -> Vec<(&'static str, usize, f64)> {
+    let mut sums: Vec<(&'static str, usize, f64)> = CLASSES.iter().map(|c| (*c, 0, 0.0)).collect();
+    for (name, n, ms) in rows {
+        let c = class_of(name);
+        let at = CLASSES.iter().position(|x| *x == c).expect("class_of answers one of CLASSES");
+        sums[at].1 += n;
+        sums[at].2 += ms;
+    }
+    sums
+}
+
+/// Prints the class table, then the `top` slowest kernels, to stderr.
+pub fn print(title: &str, rows: &[(String, usize, f64)], top: usize) {
+    let total: f64 = rows.iter().map(|r| r.2).sum();
+    eprintln!("{title} ({total:.3} ms in launches)");
+    eprintln!("  by class:");
+    for (class, n, ms) in by_class(rows).into_iter().filter(|c| c.1 > 0) {
+        eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {class}", 100.0 * ms / total.max(f64::MIN_POSITIVE));
+    }
+    eprintln!("  slowest kernels:");
+    for (name, n, ms) in rows.iter().take(top) {
+        eprintln!("  {ms:>9.3} ms {:>5.1}%  {n:>4}x  {name}", 100.0 * ms / total.max(f64::MIN_POSITIVE));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_of_w5_and_w6_fall_in_their_classes() {
+        for (kernel, class) in [
+            ("gemm_bf16_8192x3200x8640_tb", "products"),
+            ("attention_mma_fwd_d112_bf16", "attention forward"),
+            ("attention_fwd_d64_f32", "attention forward"),
+            ("attention_mma_bwd_kv_d112_bf16", "attention backward"),
+            ("attention_bwd_q_d1_bf16", "attention backward"),
+            ("cached_attention_split_h1_v4_e4_bf16", "decode attention"),
+            ("kv_write_u128", "decode attention"),
+            ("rms_norm_backward_gw_bf16", "pointwise and row-wise"),
+            ("rope_at_bf16", "pointwise and row-wise"),
+            ("add_vec_bf16", "pointwise and row-wise"),
+            ("swiglu_backward_vec_bf16", "pointwise and row-wise"),
+            ("linear_ce_chunk_stats_bf16", "loss"),
+            ("cross_entropy_backward_f32", "loss"),
+            ("softmax_backward_f32", "pointwise and row-wise"),
+            ("cast_f32_bf16", "pointwise and row-wise"),
+            ("adamw_vec_bf16_bf16_bf16", "optimizer"),
+            ("embedding_u128_i32", "other"),
+            ("memset", "other"),
+        ] {
+            assert_eq!(class_of(kernel), class, "{kernel}");
+        }
+    }
+
+    #[test]
+    fn class_sums_keep_every_launch_and_millisecond() {
+        let rows = vec![
+            ("gemm_bf16_1x2x3".to_string(), 4, 2.0),
+            ("gemm_bf16_4x5x6_ta".to_string(), 2, 1.0),
+            ("adamw_vec_f32_f32_f32".to_string(), 3, 0.5),
+            ("embedding_u128_i32".to_string(), 1, 0.25),
+        ];
+        let sums = by_class(&rows);
+        assert_eq!(sums.len(), CLASSES.len());
+        assert_eq!(sums[0], ("products", 6, 3.0));
+        assert_eq!(sums.iter().find(|c| c.0 == "optimizer").unwrap().1, 3);
+        assert_eq!(sums.iter().map(|c| c.1).sum::<usize>(), 10);
+        assert!((sums.iter().map(|c| c.2).sum::<f64>() - 3.75).abs() < 1e-12);
+    }
+}
