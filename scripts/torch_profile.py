@@ -15,13 +15,20 @@ import sys
 
 
 def category(name):
+    """The kernel class, named as `stepgraph bench --profile` names its own
+    (crates/cli/src/profile.rs), so the two tables line up row for row."""
     n = name.lower()
-    if "gemm" in n or "cutlass" in n or "sm90_xmma" in n or "cublas" in n or "ampere_" in n or "sm80_" in n:
-        return "matmul"
-    if "flash" in n or "fmha" in n or "attention" in n or "mem_eff" in n:
-        return "attention"
-    if "reduce" in n:
-        return "reduce"
+    if "gemm" in n or ("cutlass" in n and "fmha" not in n) or "sm90_xmma" in n or "cublas" in n or "ampere_" in n or "sm80_" in n or "nvjet" in n:
+        return "products"
+    if "flash" in n or "fmha" in n or "attention" in n or "mem_eff" in n or "sdpa" in n:
+        backward = "bwd" in n or "backward" in n or "fmha_cutlassb" in n or "dq_dk_dv" in n or "dot_do_o" in n or "convert_dq" in n
+        return "attention backward" if backward else "attention forward"
+    if "adam" in n or "multi_tensor_apply" in n:
+        return "optimizer"
+    if "nll_loss" in n or "log_softmax" in n or "cross_entropy" in n or "softmax_warp" in n:
+        return "loss"
+    if "elementwise" in n or "reduce" in n or "norm" in n or "triton" in n or "cat" in n or "copy" in n:
+        return "pointwise and row-wise"
     return "other"
 
 
@@ -66,7 +73,7 @@ def main():
     total = sum(r["ms"] for r in kernels)
     print(f"torch {args.workload}: {total:.1f} ms of kernels in one step")
     for c, (ms, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {c:10s} {ms:9.2f} ms  {n:5d} launches")
+        print(f"  {c:24s} {ms:9.2f} ms  {n:5d} launches")
     for r in kernels[: args.top]:
         print(f"  {r['ms']:9.2f} ms {r['calls']:5d}x  {r['name'][:140]}")
     if args.json:
