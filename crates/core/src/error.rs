@@ -50,16 +50,18 @@ pub enum Error {
     Plan(String),
     /// A memory budget that recomputation cannot meet, at any MLP row
     /// tiling tried: `least` is the smallest planned peak reached, with the
-    /// MLP in `mlp_tiles` row tiles. No smaller budget works.
+    /// MLP in `mlp_tiles` row tiles. No smaller budget works. `hint` says
+    /// what else would lower the peak (a setting that costs memory).
     #[error(
         "memory plan: the memory budget of {budget} B ({:.3} GB) cannot be met: recomputing every saved value \
          this pass can recompute plans {least} B ({:.3} GB){}; ask for at least that, or a smaller batch or \
-         sequence",
+         sequence{}",
         *budget as f64 / 1e9,
         *least as f64 / 1e9,
-        if *mlp_tiles > 1 { format!(" with the MLP in {mlp_tiles} row tiles") } else { String::new() }
+        if *mlp_tiles > 1 { format!(" with the MLP in {mlp_tiles} row tiles") } else { String::new() },
+        hint.as_ref().map(|h| format!("; {h}")).unwrap_or_default()
     )]
-    MemoryBudget { budget: u64, least: u64, mlp_tiles: usize },
+    MemoryBudget { budget: u64, least: u64, mlp_tiles: usize, hint: Option<String> },
     /// `what` (a planned step) needs more host memory than is available:
     /// refused before anything was allocated. `origin` says where the
     /// available number comes from (see [`crate::cpu::memory`]).

@@ -181,7 +181,7 @@ pub struct CompileTimes {
 /// [`compile_step`], timing its halves (of the tiling that is returned).
 pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let first = compile_tiled(spec, opts);
-    let Err(Error::MemoryBudget { budget, mut least, mlp_tiles: _ }) = first else { return first };
+    let Err(Error::MemoryBudget { budget, mut least, .. }) = first else { return first };
     // Rows of one rank's MLP. As Arctic Long-Sequence Training sizes its
     // tiles, a tile keeps at least `n_embd` rows: below that, each tile's
     // products read more weight bytes than activation bytes, and the
@@ -206,7 +206,36 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
         }
         first = false;
     }
-    Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles })
+    let tiled = StepOptions { mlp_tiles: best_tiles, ..opts.clone() };
+    Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles, hint: clipping_hint(spec, &tiled, least) })
+}
+
+/// For a train step that clips the global gradient norm and misses its
+/// budget: clipping reads every gradient before any update, so no update can
+/// run inside backward and all gradients are live at its end. Says what the
+/// same step (same MLP tiling) plans without clipping when that is less
+/// than `least`, what it reached with clipping (one more budget pass).
+fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<String> {
+    opts.train.clip_grad_norm?;
+    if opts.kind != StepKind::Train {
+        return None;
+    }
+    let unclipped = StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
+    let gb = |b: u64| b as f64 / 1e9;
+    match compile_tiled(spec, &unclipped) {
+        Ok((c, _)) => Some(format!(
+            "or --clip-grad-norm 0: clipping reads every gradient before any update, so all of them are live at \
+             the end of backward; without it this step plans {} B ({:.3} GB), within the budget",
+            c.planned_peak_bytes(),
+            gb(c.planned_peak_bytes())
+        )),
+        Err(Error::MemoryBudget { least: unclipped, .. }) if unclipped < least => Some(format!(
+            "clipping (--clip-grad-norm) reads every gradient before any update, so all of them are live at \
+             the end of backward; without it the least is {unclipped} B ({:.3} GB)",
+            gb(unclipped)
+        )),
+        _ => None,
+    }
 }
 
 /// The pipeline with the MLP tiling of `opts`, once.
@@ -331,6 +360,30 @@ mod tests {
         assert!(e.contains("cannot be met"), "{e}");
         // Grads steps have no optimizer to place.
         assert!(compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().placement.is_none());
+    }
+
+    #[test]
+    fn a_budget_missed_because_of_clipping_says_what_the_step_plans_without_it() {
+        let spec = ModelSpec::named("tiny-llama", 2, 64, DType::F32, LossKind::CrossEntropy).unwrap();
+        let clipped = |clip: Option<f64>, budget: u64| StepOptions {
+            train: TrainOptions { clip_grad_norm: clip, ..TrainOptions::default() },
+            recompute: RecomputePolicy::Budget(budget),
+            ..StepOptions::new(StepKind::Train)
+        };
+        // The least each reaches: a budget of one byte is refused with it.
+        let least = |clip| match compile_step(&spec, &clipped(clip, 1)) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("a one-byte budget was not refused: {:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let (with_clip, without) = (least(Some(1.0)), least(None));
+        assert!(without < with_clip, "clipping keeps every gradient live: {without} vs {with_clip}");
+        // A budget only the unclipped step meets: refused, naming the way out.
+        let e = compile_step(&spec, &clipped(Some(1.0), without)).unwrap_err().to_string();
+        assert!(e.contains("--clip-grad-norm 0") && e.contains(&format!("plans {without} B")), "{e}");
+        assert!(compile_step(&spec, &clipped(None, without)).is_ok());
+        // Without clipping there is nothing to suggest.
+        let e = compile_step(&spec, &clipped(None, 1)).unwrap_err().to_string();
+        assert!(!e.contains("clip"), "{e}");
     }
 
     #[test]

@@ -583,7 +583,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                         .then(a.node.cmp(&b.node))
                 });
                 let Some(best) = candidates.first().map(|c| c.node) else {
-                    return Err(Error::MemoryBudget { budget, least: best_peak, mlp_tiles: 1 });
+                    return Err(Error::MemoryBudget { budget, least: best_peak, mlp_tiles: 1, hint: None });
                 };
                 // The same value in the other layers live at the peak, half
                 // of them at a time (earliest first: they live longest), so
