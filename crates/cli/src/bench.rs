@@ -21,7 +21,9 @@ use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{CudaOptions, CudaSession, MemoryReport};
+use stepgraph_cuda::session::{device_name, CudaOptions, CudaSession, MemoryReport};
+
+use crate::train::metrics;
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]
 pub enum Workload {
@@ -89,29 +91,26 @@ pub struct BenchReport {
     pub step_ms_median: f64,
     pub step_ms_min: f64,
     pub tokens_per_s: f64,
-    /// Model FLOPs of one step ([`model_flops`]) and their rate, against
-    /// the H100/H200 bf16 dense spec (989 TFLOP/s) and the bf16 product
-    /// ceiling measured on the H200 (769 TFLOP/s), as `../shared/BENCHMARKS.md`
-    /// defines MFU.
+    /// Model FLOPs of one step ([`model_flops`]) and their rate as MFU
+    /// (`../shared/BENCHMARKS.md`): against the GPU's dense peak for the
+    /// dtype from training's table ([`metrics::peak_flops`]: 989 TFLOP/s for
+    /// an H200 in bf16; `null` for a GPU not in it), and against 769 TFLOP/s,
+    /// the bf16 product ceiling measured on the H200 (meaningful there only).
     pub model_tflop_per_step: f64,
-    pub mfu_of_989: f64,
+    pub mfu: Option<f64>,
     pub mfu_of_769: f64,
     pub loss_first: f64,
     pub loss_last: f64,
 }
 
-/// Model FLOPs of one step (`../shared/BENCHMARKS.md`): 2 × parameters ×
-/// tokens for the forward's products plus causal attention's `q·kᵀ` and
-/// `p·v` (2 · 2 · T² · D per head and sequence, halved by the mask); a step
-/// with a backward does three times that (the backward twice the forward).
+/// Model FLOPs of one step, counted as training's MFU counts them
+/// ([`metrics::train_flops_per_token`]: products and attention, forward and
+/// backward); a forward-only step does a third of that.
 pub fn model_flops(spec: &ModelSpec, kind: StepKind, params: u64) -> f64 {
-    let c = &spec.config;
-    let (b, t) = (spec.batch as f64, spec.seq as f64);
-    let forward =
-        2.0 * params as f64 * b * t + 2.0 * b * c.n_layer as f64 * c.n_head as f64 * t * t * c.head_size as f64;
+    let step = metrics::train_flops_per_token(params as usize, &spec.config, spec.seq) * (spec.batch * spec.seq) as f64;
     match kind {
-        StepKind::Forward => forward,
-        StepKind::Grads | StepKind::Train => 3.0 * forward,
+        StepKind::Forward => step / 3.0,
+        StepKind::Grads | StepKind::Train => step,
     }
 }
 
@@ -301,7 +300,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         step_ms_min: times[0],
         tokens_per_s: (b * t) as f64 / (median / 1e3),
         model_tflop_per_step: flops / 1e12,
-        mfu_of_989: flops / (median / 1e3) / 989e12,
+        mfu: device_name(0).ok().and_then(|n| metrics::peak_flops(&n, spec.dtype)).map(|p| flops / (median / 1e3) / p),
         mfu_of_769: flops / (median / 1e3) / 769e12,
         loss_first,
         loss_last,
@@ -312,7 +311,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         let gb = |x: u64| x as f64 / 1e9;
         println!(
-            "{} {:?} on {}: planned {:.3} GB, device peak {:.3} GB (allocation {:.3}, modules {:.3}, cuBLASLt {:.3}, graph {:.3}, unexplained {:+.3}), step {:.2} ms median / {:.2} min, {:.0} tokens/s, MFU {:.1}% of 989 TFLOP/s ({:.1}% of the measured 769), loss first {} last {}{}",
+            "{} {:?} on {}: planned {:.3} GB, device peak {:.3} GB (allocation {:.3}, modules {:.3}, cuBLASLt {:.3}, graph {:.3}, unexplained {:+.3}), step {:.2} ms median / {:.2} min, {:.0} tokens/s, MFU {} ({:.1}% of the H200's measured 769 TFLOP/s), loss first {} last {}{}",
             report.workload,
             report.mode,
             report.gpu_arch,
@@ -326,7 +325,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             report.step_ms_median,
             report.step_ms_min,
             report.tokens_per_s,
-            100.0 * report.mfu_of_989,
+            report.mfu.map_or("-".to_string(), |m| format!("{:.1}%", 100.0 * m)),
             100.0 * report.mfu_of_769,
             report.loss_first,
             report.loss_last,
@@ -341,16 +340,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn w5_model_flops_are_products_plus_causal_attention() {
+    fn w5_model_flops_are_products_plus_attention() {
         let (spec, kind) = spec(Workload::W5).unwrap();
         // open_llama_3b: 3 426 473 600 parameters, 4 × 2048 tokens, 26 layers of 32 heads of 100.
         let params = 3_426_473_600u64;
         let products = 6.0 * params as f64 * 8192.0;
-        let attention = 6.0 * 4.0 * 26.0 * 32.0 * 2048.0 * 2048.0 * 100.0;
+        let attention = 12.0 * 26.0 * 2048.0 * 3200.0 * 8192.0;
         assert_eq!(kind, StepKind::Train);
         assert!((model_flops(&spec, kind, params) - (products + attention)).abs() < 1.0);
         assert!((model_flops(&spec, StepKind::Forward, params) * 3.0 - (products + attention)).abs() < 1.0);
-        // 176.8 TFLOP: at 380.5 ms, 47% of 989 TFLOP/s.
-        assert!((model_flops(&spec, kind, params) / 1e12 - 176.8).abs() < 0.1);
+        // 185.2 TFLOP: at 380.5 ms, 49% of 989 TFLOP/s.
+        assert!((model_flops(&spec, kind, params) / 1e12 - 185.2).abs() < 0.1);
     }
 }
