@@ -435,79 +435,77 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         const E* const Kt = Ks + (j % NB) * BC * SD;
         const E* const Vt = Vs + (j % NB) * BC * SD;
         const int k0 = j * BC;
-        {
-            float s[MT][NS][4];
+        float s[MT][NS][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+            for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll KK_UNROLL
-            for (int kk = 0; kk < KT; ++kk) {
-                FA qa[MT];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if constexpr (HOLD)
-                        qa[mt] = qf[kk];
-                    else
-                        Tc::template load_a<SD>(qa[mt], Qs, warp * 16 * MT + mt * 16, kk * KS, lane);
-                }
-                mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
-            }
-
-            // Scale; mask future keys and keys past T.
-            float mx[MT][2];
+        for (int kk = 0; kk < KT; ++kk) {
+            FA qa[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mx[mt][0] = mx[mt][1] = -INFINITY;
-#pragma unroll
-                for (int n = 0; n < NS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
-                        const float x = key > row || key >= Tn ? -INFINITY : s[mt][n][e] * c2;
-                        s[mt][n][e] = x;
-                        mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], x);
-                    }
+                if constexpr (HOLD)
+                    qa[mt] = qf[kk];
+                else
+                    Tc::template load_a<SD>(qa[mt], Qs, warp * 16 * MT + mt * 16, kk * KS, lane);
             }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float x = mx[mt][r];
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                    const float mn = fmaxf(m[mt][r], x);
-                    alpha[r] = exp2f(m[mt][r] - mn);
-                    m[mt][r] = mn;
-                }
-#pragma unroll
-                for (int n = 0; n < NS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = exp2f(s[mt][n][e] - m[mt][e >> 1]);
-                        s[mt][n][e] = p;
-                        sum[e >> 1] += p;
-                    }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + sum[r];
-#pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    acc[mt][n][0] *= alpha[0];
-                    acc[mt][n][1] *= alpha[0];
-                    acc[mt][n][2] *= alpha[1];
-                    acc[mt][n][3] *= alpha[1];
-                }
-            }
+            mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
+        }
 
-            // acc += p · v.
+        // Scale; mask future keys and keys past T.
+        float mx[MT][2];
 #pragma unroll
-            for (int kc = 0; kc < BC / KS; ++kc) {
-                FA pa[MT];
+        for (int mt = 0; mt < MT; ++mt) {
+            mx[mt][0] = mx[mt][1] = -INFINITY;
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) Tc::a_from_c(pa[mt], &s[mt][kc * (KS / 8)]);
-                mma_kn<Tc, SD, DP, MT>(acc, pa, Vt, kc * KS, lane);
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
+                    const float x = key > row || key >= Tn ? -INFINITY : s[mt][n][e] * c2;
+                    s[mt][n][e] = x;
+                    mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], x);
+                }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float x = mx[mt][r];
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                const float mn = fmaxf(m[mt][r], x);
+                alpha[r] = exp2f(m[mt][r] - mn);
+                m[mt][r] = mn;
             }
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(s[mt][n][e] - m[mt][e >> 1]);
+                    s[mt][n][e] = p;
+                    sum[e >> 1] += p;
+                }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + sum[r];
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                acc[mt][n][0] *= alpha[0];
+                acc[mt][n][1] *= alpha[0];
+                acc[mt][n][2] *= alpha[1];
+                acc[mt][n][3] *= alpha[1];
+            }
+        }
+
+        // acc += p · v.
+#pragma unroll
+        for (int kc = 0; kc < BC / KS; ++kc) {
+            FA pa[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) Tc::a_from_c(pa[mt], &s[mt][kc * (KS / 8)]);
+            mma_kn<Tc, SD, DP, MT>(acc, pa, Vt, kc * KS, lane);
         }
         __syncthreads();  // this tile's buffer is refilled next
         if (NB == 1 && j + 1 < ntiles) {
@@ -780,41 +778,39 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         const float* const Lt = Ls;
         const float* const Dt = Ds;
 
-        {
-            // sᵀ = k·qᵀ and dpᵀ = v·goᵀ, [16 keys × BQ queries] per warp.
-            float s[NS][4], dp[NS][4];
+        // sᵀ = k·qᵀ and dpᵀ = v·goᵀ, [16 keys × BQ queries] per warp.
+        float s[NS][4], dp[NS][4];
 #pragma unroll
-            for (int n = 0; n < NS; ++n)
+        for (int n = 0; n < NS; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < KT; ++kk) {
-                FA ka, va;
-                Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
-                Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
-                mma_nk1<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
-                mma_nk1<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
+        for (int kk = 0; kk < KT; ++kk) {
+            FA ka, va;
+            Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
+            Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
+            mma_nk1<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
+            mma_nk1<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
+        }
+        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
+                const float p =
+                    query < key || query >= Tn ? 0.f : exp2f(s[n][e] * c2 - Lt[qi]);
+                s[n][e] = p;
+                dp[n][e] = p * (dp[n][e] - Dt[qi]);
             }
-            // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+        // gv += pᵀ·go, gk += dsᵀ·q.
 #pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                    const float p =
-                        query < key || query >= Tn ? 0.f : exp2f(s[n][e] * c2 - Lt[qi]);
-                    s[n][e] = p;
-                    dp[n][e] = p * (dp[n][e] - Dt[qi]);
-                }
-            // gv += pᵀ·go, gk += dsᵀ·q.
-#pragma unroll
-            for (int kc = 0; kc < BQ / KS; ++kc) {
-                FA pa, da;
-                Tc::a_from_c(pa, &s[kc * (KS / 8)]);
-                Tc::a_from_c(da, &dp[kc * (KS / 8)]);
-                mma_kn1<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
-                mma_kn1<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
-            }
+        for (int kc = 0; kc < BQ / KS; ++kc) {
+            FA pa, da;
+            Tc::a_from_c(pa, &s[kc * (KS / 8)]);
+            Tc::a_from_c(da, &dp[kc * (KS / 8)]);
+            mma_kn1<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
+            mma_kn1<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
         }
         __syncthreads();  // buffers of this step are refilled next
         if (NB == 1 && st + 1 < steps) {
