@@ -221,18 +221,18 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
         return None;
     }
     let unclipped = StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
-    let gb = |b: u64| b as f64 / 1e9;
+    const WHY: &str = "clipping reads every gradient before any update, so all of them are live at the end of backward";
     match compile_tiled(spec, &unclipped) {
-        Ok((c, _)) => Some(format!(
-            "or --clip-grad-norm 0: clipping reads every gradient before any update, so all of them are live at \
-             the end of backward; without it this step plans {} B ({:.3} GB), within the budget",
-            c.planned_peak_bytes(),
-            gb(c.planned_peak_bytes())
-        )),
+        Ok((c, _)) => {
+            let peak = c.planned_peak_bytes();
+            Some(format!(
+                "or --clip-grad-norm 0: {WHY}; without it this step plans {peak} B ({:.3} GB), within the budget",
+                peak as f64 / 1e9
+            ))
+        }
         Err(Error::MemoryBudget { least: unclipped, .. }) if unclipped < least => Some(format!(
-            "clipping (--clip-grad-norm) reads every gradient before any update, so all of them are live at \
-             the end of backward; without it the least is {unclipped} B ({:.3} GB)",
-            gb(unclipped)
+            "--clip-grad-norm: {WHY}; without it the least is {unclipped} B ({:.3} GB)",
+            unclipped as f64 / 1e9
         )),
         _ => None,
     }
