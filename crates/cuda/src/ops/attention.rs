@@ -50,9 +50,8 @@
 //! result fragment of `q·kᵀ` is the A fragment of `p·v` without leaving its
 //! lane. The 16-bit forward at padded widths over 64 (and `bwd_q` at 80..=112)
 //! gives a warp 32 rows (128 per block) so that each fragment read from
-//! shared memory feeds two products ([`mma_forward_rows`],
-//! [`mma_backward_q_rows`]); `scripts/attention-variants` times such choices
-//! against each other and PyTorch on the GPU machine.
+//! shared memory feeds two products ([`mma_rows`]); `scripts/attention-variants`
+//! times such choices against each other and PyTorch on the GPU machine.
 //!
 //! * bf16/f16: `m16n8k16` with f32 accumulation, fragments by `ldmatrix`,
 //!   tiles double-buffered. Probabilities and score gradients are rounded to
@@ -133,25 +132,22 @@ pub const KERNELS: &[KernelModule] = attention_modules![
     ("attention_mma_d128_f32", "f32", "float", "128"),
 ];
 
-/// Rows a tensor-core backward block owns (4 warps × 16) and its threads.
+/// Rows of a tensor-core block with one tile of 16 per warp, and its threads.
 const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 
-/// Query rows of a tensor-core forward block; mirrors `Geo::FWD_ROWS`: two
-/// tiles of 16 per warp for 16-bit storage at padded widths over 64, else one.
-pub fn mma_forward_rows(dtype: DType, dp: usize) -> usize {
-    if dtype != DType::F32 && dp > 64 {
-        2 * MMA_ROWS
-    } else {
-        MMA_ROWS
-    }
-}
-
-/// Query rows of a tensor-core `bwd_q` block; mirrors `Geo::BQ_ROWS`: two
-/// tiles of 16 per warp for 16-bit storage at padded widths 80..=112 (at 128
-/// one measured faster), else one.
-pub fn mma_backward_q_rows(dtype: DType, dp: usize) -> usize {
-    if dtype != DType::F32 && dp > 64 && dp < 128 {
+/// Rows a tensor-core block of `pass` owns (query rows; key rows for
+/// `bwd_kv`); mirrors `Geo::FWD_ROWS` and `Geo::BQ_ROWS`: two tiles of 16
+/// per warp for 16-bit storage in the forward at padded widths over 64 and
+/// in `bwd_q` at 80..=112 (at 128 one measured faster), else one.
+pub fn mma_rows(pass: Pass, dtype: DType, dp: usize) -> usize {
+    let two = dtype != DType::F32
+        && match pass {
+            Pass::Forward => dp > 64,
+            Pass::BackwardQ => dp > 64 && dp < 128,
+            Pass::BackwardKv => false,
+        };
+    if two {
         2 * MMA_ROWS
     } else {
         MMA_ROWS
@@ -186,17 +182,14 @@ pub fn mma_shared_bytes(pass: Pass, dtype: DType, dp: usize) -> usize {
     let f32 = dtype == DType::F32;
     let (elem, pad, buffers) = if f32 { (4, 4, 1) } else { (2, 8, 2) };
     let row = (dp + pad) * elem;
-    let fwd_rows = mma_forward_rows(dtype, dp);
-    let fwd_cols = if !f32 && fwd_rows == MMA_ROWS { 64 } else { 32 };
+    let rows = mma_rows(pass, dtype, dp);
+    let fwd_cols = if !f32 && rows == MMA_ROWS { 64 } else { 32 };
     let bwd_cols = if !f32 && dp <= 64 { 64 } else { 32 };
     match pass {
-        Pass::Forward => (fwd_rows + 2 * buffers * fwd_cols) * row,
-        Pass::BackwardQ => {
-            let rows = mma_backward_q_rows(dtype, dp);
-            (2 * rows + 2 * buffers * bwd_cols) * row + 2 * rows * 4
-        }
+        Pass::Forward => (rows + 2 * buffers * fwd_cols) * row,
+        Pass::BackwardQ => (2 * rows + 2 * buffers * bwd_cols) * row + 2 * rows * 4,
         // q and go tiles stream (D_i comes from bwd_q); one set of row terms.
-        Pass::BackwardKv => (2 * MMA_ROWS + 2 * buffers * bwd_cols) * row + 2 * bwd_cols * 4,
+        Pass::BackwardKv => (2 * rows + 2 * buffers * bwd_cols) * row + 2 * bwd_cols * 4,
     }
 }
 
@@ -331,11 +324,7 @@ impl Dims {
             Some(dp) => (
                 mma_module(self.dtype, dp),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
-                match pass {
-                    Pass::Forward => mma_forward_rows(self.dtype, dp),
-                    Pass::BackwardQ => mma_backward_q_rows(self.dtype, dp),
-                    Pass::BackwardKv => MMA_ROWS,
-                },
+                mma_rows(pass, self.dtype, dp),
                 MMA_THREADS,
                 mma_shared_bytes(pass, self.dtype, dp) as u32,
             ),
