@@ -32,7 +32,9 @@ use serde_json::json;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{check_requests, BatchTimes, Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::ValueKind;
-use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS};
+use stepgraph_core::models::generate::{
+    build_generation, FusedWriter, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS,
+};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
@@ -290,7 +292,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         .collect();
     check_requests(&program, &requests)?;
     if let Some(hf) = &hf {
-        hf.check(&program.trace)?;
+        hf.check(&program.checkpoint_params()?)?;
     }
     let on_gpu = match args.device {
         Some(DeviceArg::Cpu) => false,
@@ -307,7 +309,17 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     } else {
         Box::new(CpuSession::new(program.trace.clone(), memory_plan)?)
     };
-    train::init_weights(session.as_mut(), &program.trace, hf.as_ref(), args.seed)?;
+    match hf.as_ref() {
+        // The folder's tensors, q/k/v and gate/up rows gathered into the
+        // generation's fused projection weights.
+        Some(hf) => {
+            let mut writer = FusedWriter::new(&program);
+            hf.load_into_with(&program.checkpoint_params()?, &mut |name, t| writer.write(session.as_mut(), name, t))
+                .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
+            writer.finish()?;
+        }
+        None => train::init_weights(session.as_mut(), &program.trace, None, args.seed)?,
+    }
     // The cache and the decode states start from zeros (the padding a
     // prompt leaves is never read; zeros keep a dump readable).
     session.zero_state()?;

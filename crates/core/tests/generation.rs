@@ -7,8 +7,9 @@ use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
-use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec};
+use stepgraph_core::models::generate::{build_generation, FusedWriter, GenerationProgram, GenerationSpec};
 use stepgraph_core::models::gpt::{build_forward_with_logits, LossKind, ModelSpec, LOGITS_OUTPUT, TOKENS_INPUT};
+use stepgraph_core::models::init::init_param;
 use stepgraph_core::models::{Config, Overrides};
 use stepgraph_core::ops::decode::sample_row;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
@@ -26,11 +27,20 @@ fn program(cfg: &Config, dtype: DType, buckets: &[usize], prompt_len: usize, con
     build_generation(&spec).unwrap()
 }
 
+/// A CPU session of `p` holding the weights of seed [`SEED`] as the model's
+/// own parameters draw them (the fused q/k/v and gate/up weights assembled
+/// from their parts' draws by `FusedWriter`, as a checkpoint loads).
 fn session(p: &GenerationProgram) -> CpuSession {
     let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
     check_plan(&p.trace, &pl).unwrap();
     let mut s = CpuSession::new(p.trace.clone(), pl).unwrap();
-    s.init_params(SEED).unwrap();
+    let plain = p.checkpoint_params().unwrap();
+    let mut writer = FusedWriter::new(p);
+    for param in plain.params() {
+        let name = plain.value(param).kind.leaf_name().unwrap();
+        writer.write(&mut s, name, &init_param(name, plain.ty(param), SEED).unwrap()).unwrap();
+    }
+    writer.finish().unwrap();
     s
 }
 
@@ -276,4 +286,40 @@ fn a_state_written_twice_stays_in_place_and_a_stale_read_is_refused() {
     }
     let err = plan(&build(true), PlanOptions { reuse: true }).unwrap_err().to_string();
     assert!(err.contains("cannot run in place"), "{err}");
+}
+
+#[test]
+fn projections_are_fused_and_load_from_the_models_own_parameters() {
+    for name in ["tiny-llama", "tiny-neox"] {
+        let cfg = config(name, Overrides::default());
+        let p = program(&cfg, DType::F32, &[1, 2], 4, 8);
+        // One q/k/v weight per layer (and one gate/up weight for a gated MLP),
+        // no separate q_proj leaf.
+        let names: Vec<&str> = p.trace.params().map(|v| p.trace.value(v).kind.leaf_name().unwrap()).collect();
+        assert!(names.iter().any(|n| n.ends_with("self_attn.qkv_proj.weight")), "{name}: {names:?}");
+        assert!(!names.iter().any(|n| n.ends_with("q_proj.weight")), "{name}: {names:?}");
+        // The checkpoint's view is the training model's parameters, name for name and type for type.
+        let spec = ModelSpec { config: cfg.clone(), batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::Sum };
+        let fwd = build_forward_with_logits(&spec).unwrap();
+        let of = |t: &stepgraph_core::ir::Trace| {
+            let mut v: Vec<(String, TensorType)> =
+                t.params().map(|p| (t.value(p).kind.leaf_name().unwrap().to_string(), t.ty(p).clone())).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        assert_eq!(of(&p.checkpoint_params().unwrap()), of(&fwd), "{name}");
+    }
+    // A part of the wrong shape, or a fused weight left without some of its parts, is refused.
+    let cfg = config("tiny-llama", Overrides::default());
+    let p = program(&cfg, DType::F32, &[1], 4, 8);
+    let mut s = CpuSession::new(p.trace.clone(), plan(&p.trace, PlanOptions { reuse: true }).unwrap()).unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let part = p.fused.iter().flat_map(|f| &f.parts).find(|(n, _)| n == q).unwrap().1.clone();
+    let mut writer = FusedWriter::new(&p);
+    let wrong = HostTensor::zeros(TensorType::new(DType::F32, [part.shape[0] + 1, part.shape[1]]));
+    let err = writer.write(&mut s, q, &wrong).unwrap_err().to_string();
+    assert!(err.contains(q) && err.contains("qkv_proj"), "{err}");
+    writer.write(&mut s, q, &HostTensor::zeros(part)).unwrap();
+    let err = writer.finish().unwrap_err().to_string();
+    assert!(err.contains("qkv_proj.weight") && err.contains("never written"), "{err}");
 }

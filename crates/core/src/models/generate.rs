@@ -41,10 +41,13 @@
 use std::ops::Range;
 
 use super::config::Config;
+pub use super::gpt::FusedParam;
 use super::gpt::Gpt;
 use crate::error::{Error, Result};
-use crate::ir::{DType, OutputKind, TensorType, Trace, ValueId};
+use crate::host::HostTensor;
+use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
 use crate::ops::decode::CachedAttention;
+use crate::session::Session;
 
 /// The decode batch buckets used when none are given (vLLM captures 1, 2,
 /// 4, then multiples of 8; this is the same ladder up to 64).
@@ -92,6 +95,10 @@ pub struct GenerationProgram {
     pub spec: GenerationSpec,
     pub trace: Trace,
     pub segments: Vec<Segment>,
+    /// The fused projection weights (q/k/v, gate/up) and the checkpoint
+    /// tensors each is made of ([`GenerationProgram::checkpoint_params`],
+    /// [`FusedWriter`]).
+    pub fused: Vec<FusedParam>,
 }
 
 impl GenerationProgram {
@@ -118,6 +125,83 @@ impl GenerationProgram {
     /// Bytes of the KV cache (every layer's keys and values).
     pub fn cache_bytes(&self) -> u64 {
         self.trace.leaf_bytes(|k| matches!(k, crate::ir::ValueKind::State { name } if name.starts_with("cache.")))
+    }
+
+    /// The model's parameters as a checkpoint names them: a trace of
+    /// parameters only, each fused weight replaced by its parts, for loading
+    /// (`HfModelDir::check` and `load_into_with` map checkpoint tensors to
+    /// these names; [`FusedWriter`] assembles the fused weights).
+    pub fn checkpoint_params(&self) -> Result<Trace> {
+        let mut b = Builder::new("checkpoint");
+        for p in self.trace.params() {
+            let name = self.trace.value(p).kind.leaf_name().unwrap_or_default();
+            match self.fused.iter().find(|f| f.name == name) {
+                Some(f) => {
+                    for (part, ty) in &f.parts {
+                        b.param(part, ty.clone())?;
+                    }
+                }
+                None => {
+                    b.param(name, self.trace.ty(p).clone())?;
+                }
+            }
+        }
+        b.finish("checkpoint")
+    }
+}
+
+/// Writes checkpoint tensors, named as [`GenerationProgram::checkpoint_params`]
+/// names them, into a generation session: a part of a fused weight is copied
+/// into its rows, and the fused weight written when its last part has come;
+/// any other tensor is written as it is.
+pub struct FusedWriter<'p> {
+    program: &'p GenerationProgram,
+    /// Each part's fused weight (an index into `program.fused`) and its place among the parts.
+    part_of: std::collections::HashMap<&'p str, (usize, usize)>,
+    /// Fused weights being assembled: their bytes and how many parts have come.
+    pending: std::collections::HashMap<String, (HostTensor, usize)>,
+}
+
+impl<'p> FusedWriter<'p> {
+    pub fn new(program: &'p GenerationProgram) -> Self {
+        let part_of = (program.fused.iter().enumerate())
+            .flat_map(|(f, fused)| fused.parts.iter().enumerate().map(move |(k, part)| (part.0.as_str(), (f, k))))
+            .collect();
+        FusedWriter { program, part_of, pending: Default::default() }
+    }
+
+    /// Writes the checkpoint tensor `name` (or its rows of a fused weight).
+    pub fn write(&mut self, session: &mut dyn Session, name: &str, t: &HostTensor) -> Result<()> {
+        let Some(&(f, k)) = self.part_of.get(name) else {
+            return session.write_named(name, t);
+        };
+        let fused = &self.program.fused[f];
+        let bad = |reason: String| Error::Input { name: name.into(), reason };
+        if t.ty != fused.parts[k].1 {
+            return Err(bad(format!("is {}, the part of `{}` it fills is {}", t.ty, fused.name, fused.parts[k].1)));
+        }
+        let leaf = self.program.trace.leaf_by_name(&fused.name).expect("a fused weight is a leaf of its trace");
+        let ty = self.program.trace.ty(leaf).clone();
+        let (buf, filled) = self.pending.entry(fused.name.clone()).or_insert_with(|| (HostTensor::zeros(ty), 0));
+        let at: u64 = fused.parts[..k].iter().map(|p| p.1.bytes()).sum();
+        buf.bytes_mut()[at as usize..][..t.bytes().len()].copy_from_slice(t.bytes());
+        *filled += 1;
+        if *filled == fused.parts.len() {
+            let (buf, _) = self.pending.remove(&fused.name).expect("just filled");
+            session.write_named(&fused.name, &buf)?;
+        }
+        Ok(())
+    }
+
+    /// Checks that every fused weight got all of its parts.
+    pub fn finish(self) -> Result<()> {
+        match self.pending.keys().next() {
+            None => Ok(()),
+            Some(name) => Err(Error::Input {
+                name: name.clone(),
+                reason: "some of its parts were never written (a checkpoint without them?)".into(),
+            }),
+        }
     }
 }
 
@@ -269,6 +353,7 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
     spec.validate()?;
     let cfg = &spec.config;
     let mut g = Gpt::new("generate", cfg, spec.dtype, 1);
+    g.fuse_projections = true;
     let n = *spec.buckets.last().expect("validated");
     let cache_ty = TensorType::new(spec.dtype, [n, spec.context, cfg.n_query_groups, cfg.head_size]);
     let mut leaves = Vec::with_capacity(cfg.n_layer);
@@ -294,6 +379,7 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
         r.g.b.update(k, k_new);
         r.g.b.update(v, v_new);
     }
+    let fused = std::mem::take(&mut r.g.fused);
     let trace = r.g.b.finish("build")?;
-    Ok(GenerationProgram { spec: spec.clone(), trace, segments })
+    Ok(GenerationProgram { spec: spec.clone(), trace, segments, fused })
 }

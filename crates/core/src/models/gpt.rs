@@ -142,6 +142,24 @@ pub(crate) struct Gpt<'a> {
     /// than once (generation's prefill and decode steps) shares one leaf
     /// per weight.
     pub(crate) params: std::collections::HashMap<String, ValueId>,
+    /// Record q, k and v (and an MLP's gate and up) as one product each, of
+    /// a fused weight whose rows are the parts' ([`FusedParam`]); the
+    /// parts are sliced from its output. Generation does: at one row per
+    /// sequence a product's time is mostly fixed cost, so one product of
+    /// three weights beats three. Training keeps the model's own weights.
+    pub(crate) fuse_projections: bool,
+    /// The fused weights made so far, in creation order.
+    pub(crate) fused: Vec<FusedParam>,
+}
+
+/// A parameter made of other parameters' rows, in order: how a checkpoint's
+/// tensors (named as the parts) load into it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedParam {
+    /// The fused parameter's name (e.g. `model.layers.0.self_attn.qkv_proj.weight`).
+    pub name: String,
+    /// Each part's name and type (its leading dimension is its rows).
+    pub parts: Vec<(String, TensorType)>,
 }
 
 /// How a block's attention gets from its rotated `q, k, v` and scale to
@@ -150,7 +168,15 @@ pub(crate) type Attend<'f, 'a> = dyn FnMut(&mut Gpt<'a>, usize, ValueId, ValueId
 
 impl<'a> Gpt<'a> {
     pub(crate) fn new(name: &str, cfg: &'a Config, dtype: DType, mlp_tiles: usize) -> Self {
-        Gpt { b: Builder::new(name), cfg, dtype, mlp_tiles, params: Default::default() }
+        Gpt {
+            b: Builder::new(name),
+            cfg,
+            dtype,
+            mlp_tiles,
+            params: Default::default(),
+            fuse_projections: false,
+            fused: Vec::new(),
+        }
     }
 
     pub(crate) fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
@@ -177,6 +203,46 @@ impl<'a> Gpt<'a> {
     pub(crate) fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
         let (w, bias) = self.linear_params(prefix, inp, out, bias)?;
         self.b.linear(x, w, bias)
+    }
+
+    /// The projections `parts` (`(prefix, out)` each, all from `inp`) of
+    /// `x: [..., inp]`: with [`Gpt::fuse_projections`] one product of the
+    /// fused weight `{fused_prefix}.weight` (and bias), its output sliced
+    /// into the parts along the last axis; otherwise one product each.
+    fn projections(
+        &mut self,
+        x: ValueId,
+        fused_prefix: &str,
+        parts: &[(String, usize)],
+        inp: usize,
+        bias: bool,
+    ) -> Result<Vec<ValueId>> {
+        if !self.fuse_projections {
+            return parts.iter().map(|(prefix, out)| self.linear(x, prefix, inp, *out, bias)).collect();
+        }
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let fuse = |g: &mut Self, suffix: &str, shape_of: &dyn Fn(usize) -> Vec<usize>| {
+            let name = format!("{fused_prefix}.{suffix}");
+            if !g.fused.iter().any(|f| f.name == name) {
+                let parts = parts
+                    .iter()
+                    .map(|(prefix, out)| (format!("{prefix}.{suffix}"), TensorType::new(g.dtype, shape_of(*out))))
+                    .collect();
+                g.fused.push(FusedParam { name: name.clone(), parts });
+            }
+            g.param(&name, &shape_of(total))
+        };
+        let w = fuse(self, "weight", &|rows| vec![rows, inp])?;
+        let b = if bias { Some(fuse(self, "bias", &|rows| vec![rows])?) } else { None };
+        let y = self.b.linear(x, w, b)?;
+        let axis = self.b.shape(y).len() - 1;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(parts.len());
+        for (_, rows) in parts {
+            out.push(self.b.slice(y, axis, at, at + rows)?);
+            at += rows;
+        }
+        Ok(out)
     }
 
     pub(crate) fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
@@ -241,9 +307,14 @@ impl<'a> Gpt<'a> {
         let prefix = format!("model.layers.{layer}.self_attn");
         let (hq, hkv, d, c) = (cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.n_embd);
         let qkv_bias = cfg.bias || cfg.attn_qkv_bias;
-        let q = self.linear(x, &format!("{prefix}.q_proj"), c, hq * d, qkv_bias)?;
-        let k = self.linear(x, &format!("{prefix}.k_proj"), c, hkv * d, qkv_bias)?;
-        let v = self.linear(x, &format!("{prefix}.v_proj"), c, hkv * d, qkv_bias)?;
+        let parts = [
+            (format!("{prefix}.q_proj"), hq * d),
+            (format!("{prefix}.k_proj"), hkv * d),
+            (format!("{prefix}.v_proj"), hkv * d),
+        ];
+        let [q, k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
+            unreachable!("three parts give three projections")
+        };
         let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
         let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
         let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
@@ -302,8 +373,10 @@ impl<'a> Gpt<'a> {
         };
         match self.cfg.mlp {
             MlpKind::LlamaSwiGlu => {
-                let gate = linear(self, x, "gate_proj", c, i)?;
-                let up = linear(self, x, "up_proj", c, i)?;
+                let parts = [(format!("{prefix}.gate_proj"), i), (format!("{prefix}.up_proj"), i)];
+                let [gate, up] = self.projections(x, &format!("{prefix}.gate_up_proj"), &parts, c, bias)?[..] else {
+                    unreachable!("two parts give two projections")
+                };
                 // One op, so backward keeps gate and up but not silu(gate).
                 let h = self.b.swiglu(gate, up)?;
                 linear(self, h, "down_proj", i, c)

@@ -707,6 +707,14 @@ impl HfModelDir {
     /// to nearest even; a finite value that overflows the parameter's dtype
     /// is an error naming the file and the tensor.
     pub fn load_into(&self, trace: &Trace, session: &mut dyn Session) -> Result<()> {
+        self.load_into_with(trace, &mut |name, t| session.write_named(name, t))
+    }
+
+    /// [`HfModelDir::load_into`] with every parameter handed to `write`
+    /// (its name in `trace`, its converted values) instead of written to a
+    /// session: a caller whose session holds the parameters differently
+    /// (generation's fused projections) places them itself.
+    pub fn load_into_with(&self, trace: &Trace, write: &mut dyn FnMut(&str, &HostTensor) -> Result<()>) -> Result<()> {
         let mappings = self.check_mappings(trace)?;
         let mut buffer = HostTensor::zeros(TensorType::new(DType::F32, [0]));
         for m in &mappings {
@@ -731,7 +739,7 @@ impl HfModelDir {
                         }
                     }
                 }
-                session.write_named(name, &buffer)?;
+                write(name, &buffer)?;
             }
         }
         Ok(())
