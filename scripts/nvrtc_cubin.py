@@ -29,8 +29,10 @@ def compile_source(src, flags, cubin_path=None):
     full = open(os.path.join(KERNELS, "common.cuh")).read() + "\n" + src
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), full.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-lineinfo", b"--ptxas-options=-v",
-            ("--include-path=" + os.path.join(NV, "include")).encode()] + [f.encode() for f in flags]
+    # sm_90 as stepgraph builds, unless the flags name another target (sm_90a for wgmma).
+    arch = [] if any(f.startswith("--gpu-architecture") for f in flags) else [b"--gpu-architecture=sm_90"]
+    opts = arch + [b"--std=c++17", b"-lineinfo", b"--ptxas-options=-v",
+                   ("--include-path=" + os.path.join(NV, "include")).encode()] + [f.encode() for f in flags]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
