@@ -11,6 +11,12 @@
 // crates/cuda/src/ops/attention.rs; the host mirrors the tile sizes and shared
 // memory sizes of `Geo` below, and a launch that disagrees traps.
 //
+// With SGM_WGMMA (a module built for sm_90a) the two backward passes use
+// Hopper's warpgroup MMA instead (bwd_q_wg, bwd_kv_wg at the end of this
+// file: one warpgroup per 64 rows, operands in shared memory as wgmma's
+// core matrices); same grid rows (64), arguments and results up to
+// summation order.
+//
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128), in launch order:
 //   attention_mma_fwd_dDP_<dt>     grid (ceil(T/FWD_ROWS), Hq, B)  o, lse
 //   attention_mma_bwd_q_dDP_<dt>   grid (ceil(T/BQ_ROWS), Hq, B)   gq, delta (D_i per row)
@@ -839,6 +845,579 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     }
 }
 
+#ifdef SGM_WGMMA
+// ---------------------------------------------------------------------------
+// Hopper (sm_90a) key-side backward: the same pass as bwd_kv (same grid,
+// same results up to summation order), with warpgroup MMA. The block is one
+// warpgroup owning 64 key rows; per step it takes 64 query rows:
+//   sᵀ = k·qᵀ and dpᵀ = v·goᵀ       wgmma m64n64k16, both operands in shared memory
+//   gv += pᵀ·go, gk += dsᵀ·q        wgmma m64nDPk16, pᵀ and dsᵀ from registers
+// Every tile is stored in the canonical no-swizzle layout of 8 × 16-byte
+// core matrices: element (r, k) of a [rows][DP] tile at byte
+//   (r/8)·16·DP + (k/8)·128 + (r%8)·16 + (k%8)·2,
+// so one tile serves as a K-major operand (q and go as the B of the scores,
+// k and v as their A) and, read with the transpose bit, as an MN-major one
+// (q and go as the B of the gradient products). Descriptor offsets as
+// scripts/wgmma-spike measured on the H200: the leading byte offset is the
+// stride between core matrices along K, the stride byte offset along M/N.
+// A warp's rows of a wgmma accumulator are laid out as mma.sync's C tiles,
+// so pᵀ and dsᵀ become A operands without leaving registers (a_from_c).
+// ---------------------------------------------------------------------------
+typedef unsigned long long u64;
+
+template <typename T> struct WgTy;
+template <> struct WgTy<__nv_bfloat16> {
+    static constexpr bool BF16 = true;
+};
+template <> struct WgTy<__half> {
+    static constexpr bool BF16 = false;
+};
+template <int N> struct Wg;
+// Operand lists written out (inline asm cannot loop over registers).
+template <> struct Wg<64> {
+    // d[32] += A·B, A and B from shared memory, both K-major.
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "l"(a), "l"(b));
+    }
+    // d[32] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
+    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wg<80> {
+    // d[40] += A·B, A and B from shared memory, both K-major.
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "l"(a), "l"(b));
+    }
+    // d[40] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
+    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wg<96> {
+    // d[48] += A·B, A and B from shared memory, both K-major.
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "l"(a), "l"(b));
+    }
+    // d[48] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
+    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wg<112> {
+    // d[56] += A·B, A and B from shared memory, both K-major.
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "l"(a), "l"(b));
+    }
+    // d[56] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
+    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wg<128> {
+    // d[64] += A·B, A and B from shared memory, both K-major.
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
+    }
+    // d[64] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
+    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+
+// A no-swizzle matrix descriptor (addresses and offsets in 16-byte units).
+__device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
+    return (u64)((smem_addr(p) >> 4) & 0x3fff) | ((u64)((lbo >> 4) & 0x3fff) << 16) |
+           ((u64)((sbo >> 4) & 0x3fff) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Generic-proxy writes (cp.async, stores) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Rows t0..t0+ROWS of one head into a core-matrix tile, zero past T and past
+// D up to DP. Lanes 8i..8i+7 take rows 0..7 of one core matrix column, so a
+// warp's shared writes are 512 contiguous bytes.
+template <int V, int ROWS, int DP, typename E>
+__device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D) {
+    constexpr int CH = DP / V;
+    for (int i = threadIdx.x; i < ROWS * CH; i += NT) {
+        const int j = i >> 3, r = (j / CH) * 8 + (i & 7), c = (j % CH) * V;
+        const bool ok = t0 + r < Tn && c < D;
+        const E* src = ok ? g + (long long)(t0 + r) * stride + c : g;
+        E* dst = reinterpret_cast<E*>(s + (r >> 3) * (16 * DP) + (c >> 3) * 128 + (r & 7) * 16 + (c & 7) * 2);
+        if constexpr (V * sizeof(E) < 4)
+            *dst = ok ? *src : (E)0;
+        else
+            cp_async<V * sizeof(E)>(dst, src, ok);
+    }
+}
+template <int ROWS, int DP, typename E>
+__device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec, int t0, int Tn, long long stride,
+                                        int D) {
+    const E* p = (const E*)g;
+    if (vec == 8) return tile_cm_v<8, ROWS, DP>(s, p, t0, Tn, stride, D);
+    if (vec == 4) return tile_cm_v<4, ROWS, DP>(s, p, t0, Tn, stride, D);
+    if (vec == 2) return tile_cm_v<2, ROWS, DP>(s, p, t0, Tn, stride, D);
+    tile_cm_v<1, ROWS, DP>(s, p, t0, Tn, stride, D);
+}
+
+#ifndef SGM_WG_FWD_BC
+#define SGM_WG_FWD_BC 64
+#endif
+// Every block is one warpgroup owning 64 rows; tiles of 64 rows except the
+// forward's key tiles (FWD_BC). Mirrored by src/ops/attention.rs.
+template <int DP> struct WgGeo {
+    static constexpr int BQ = 64;             // bwd_kv: query rows per step
+    static constexpr int TILE = 64 * DP * 2;  // bytes of a 64-row tile
+    static constexpr int FWD_BC = SGM_WG_FWD_BC;
+    static constexpr int FWD_SMEM = TILE + 4 * FWD_BC * DP * 2;   // q, two k and two v buffers
+    static constexpr int BQ_SMEM = 6 * TILE + 2 * 64 * 4;          // q, go, two k and two v buffers, row terms
+    static constexpr int BKV_SMEM = 6 * TILE + 2 * BQ * 4;         // k, v, two q and two go buffers, row terms
+};
+// Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
+// along K and 16·DP along rows (KM_SBO, in each kernel); MN-major
+// (transposed) reads step 16·DP along K (MN_LBO) and 128 along N.
+constexpr u32 KM_LBO = 128, MN_SBO = 128;
+
+// A wgmma A fragment (16 rows × 16 of a warp) from two accumulator C tiles,
+// as mma.sync's a_from_c.
+template <typename T> __device__ __forceinline__ void wg_a_from_c(u32* a, const float* c) {
+    a[0] = Mma16<T>::pack(c[0], c[1]);
+    a[1] = Mma16<T>::pack(c[2], c[3]);
+    a[2] = Mma16<T>::pack(c[4], c[5]);
+    a[3] = Mma16<T>::pack(c[6], c[7]);
+}
+
+template <typename T, int DP>
+__device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
+                          T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef WgGeo<DP> G;
+    typedef u16 E;
+    constexpr int BQ = G::BQ, TILE = G::TILE, NO = DP / 8, NS = BQ / 8;
+    static_assert(DP % 16 == 0 && DP >= 64 && DP <= 128, "wgmma widths");
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Ks = smem_bytes;
+    unsigned char* const Vs = Ks + TILE;
+    unsigned char* const Qs = Vs + TILE;      // two buffers
+    unsigned char* const Gs = Qs + 2 * TILE;  // two buffers
+    float* const Ls = reinterpret_cast<float*>(Gs + 2 * TILE);
+    float* const Ds = Ls + BQ;
+    check_launch(BR, Tn, G::BKV_SMEM);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
+    const int k0 = blockIdx.x * BR;
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long koff = (long long)b * Tn * ks + (long long)hk * D;
+    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D);
+    const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+
+    tile_cm<BR, DP, E>(Ks, k + koff, vec_of<2>(k, D), k0, Tn, ks, D);
+    tile_cm<BR, DP, E>(Vs, v + koff, vec_of<2>(v, D), k0, Tn, ks, D);
+    auto issue = [&](int step, int buf) {
+        const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;
+        const long long qoff = (long long)b * Tn * qs + (long long)h * D;
+        tile_cm<BQ, DP, E>(Qs + buf * TILE, q + qoff, vq, t0, Tn, qs, D);
+        tile_cm<BQ, DP, E>(Gs + buf * TILE, go + qoff, vg, t0, Tn, qs, D);
+    };
+    issue(0, 0);
+    cp_commit();
+
+    float dk[DP / 2], dv[DP / 2];
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.f;
+    const int key0 = k0 + warp * 16 + g;  // this lane's keys: key0, key0 + 8
+
+    for (int st = 0; st < steps; ++st) {
+        const int buf = st & 1;
+        const int h = hk * grp + st / per_head, t0 = (first + st % per_head) * BQ;
+        constexpr int PER = NT / BQ;
+        const int ri = threadIdx.x / PER, part = threadIdx.x % PER, rt = t0 + ri;
+        float lse_r = 0.f, delta_r = 0.f;
+        if (part == 0 && rt < Tn) {
+            const long long stat = ((long long)b * Hq + h) * Tn;
+            lse_r = lse[stat + rt];
+            delta_r = delta[stat + rt];
+        }
+        if (st + 1 < steps) {
+            issue(st + 1, buf ^ 1);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        if (part == 0) {
+            Ls[ri] = rt < Tn ? lse_r * SGM_LOG2E : 0.f;
+            Ds[ri] = rt < Tn ? delta_r : 0.f;
+        }
+        fence_async_smem();
+        __syncthreads();
+        const unsigned char* const Qt = Qs + buf * TILE;
+        const unsigned char* const Gt = Gs + buf * TILE;
+
+        // sᵀ = k·qᵀ and dpᵀ = v·goᵀ: [64 keys × 64 queries], 16 keys per warp.
+        float s[NS * 4], dp[NS * 4];
+#pragma unroll
+        for (int i = 0; i < NS * 4; ++i) s[i] = dp[i] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            Wg<BQ>::template ss<T>(s, wg_desc(Ks + kk * 256, KM_LBO, KM_SBO), wg_desc(Qt + kk * 256, KM_LBO, KM_SBO));
+            Wg<BQ>::template ss<T>(dp, wg_desc(Vs + kk * 256, KM_LBO, KM_SBO), wg_desc(Gt + kk * 256, KM_LBO, KM_SBO));
+        }
+        wg_commit();
+        wg_wait0();
+        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
+                const float p = query < key || query >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Ls[qi]);
+                s[4 * n + e] = p;
+                dp[4 * n + e] = p * (dp[4 * n + e] - Ds[qi]);
+            }
+        // gv += pᵀ·go, gk += dsᵀ·q over the 64 queries, 16 at a time.
+        u32 pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+        for (int kc = 0; kc < BQ / 16; ++kc) {  // C tiles 2kc and 2kc + 1
+            wg_a_from_c<T>(pa[kc], s + 8 * kc);
+            wg_a_from_c<T>(da[kc], dp + 8 * kc);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BQ / 16; ++kc) {
+            Wg<DP>::template rs_t<T>(dv, pa[kc], wg_desc(Gt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+            Wg<DP>::template rs_t<T>(dk, da[kc], wg_desc(Qt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        }
+        wg_commit();
+        wg_wait0();
+        __syncthreads();  // this step's buffers are refilled next
+    }
+
+    const float sc = (float)scale;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + r * 8;
+        if (key >= Tn) continue;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            if (d < D) {
+                store(gk + koff, (long long)key * ks + d, dk[4 * n + 2 * r] * sc);
+                store(gv + koff, (long long)key * ks + d, dv[4 * n + 2 * r]);
+            }
+            if (d + 1 < D) {
+                store(gk + koff, (long long)key * ks + d + 1, dk[4 * n + 2 * r + 1] * sc);
+                store(gv + koff, (long long)key * ks + d + 1, dv[4 * n + 2 * r + 1]);
+            }
+        }
+    }
+}
+// Forward with warpgroup MMA: the block (one warpgroup) owns 64 query rows
+// and walks key tiles of WG_FWD_BC up to the diagonal with an online
+// softmax: s = q·kᵀ from shared memory, o += p·v with p from registers.
+template <typename T, int DP>
+__device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
+                       double scale) {
+    typedef WgGeo<DP> G;
+    typedef u16 E;
+    constexpr int BC = G::FWD_BC, ROWS = 64, TILE = G::TILE, KT = BC * DP * 2, NO = DP / 8, NS = BC / 8;
+    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Qs = smem_bytes;
+    unsigned char* const Ks = Qs + TILE;    // two buffers of BC rows
+    unsigned char* const Vs = Ks + 2 * KT;  // two buffers
+    check_launch(ROWS, Tn, G::FWD_SMEM);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    const int q0 = qt * ROWS;
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
+    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
+    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
+    const int vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+    auto issue = [&](int j, int buf) {
+        tile_cm<BC, DP, E>(Ks + buf * KT, kb, vk, j * BC, Tn, ks, D);
+        tile_cm<BC, DP, E>(Vs + buf * KT, vb, vv, j * BC, Tn, ks, D);
+    };
+    tile_cm<ROWS, DP, E>(Qs, qb, vec_of<2>(q, D), q0, Tn, qs, D);
+    issue(0, 0);
+    cp_commit();
+
+    const int w0 = q0 + warp * 16;  // a lane's rows: w0 + g and + 8
+    float acc[DP / 2];
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int j = 0; j < ntiles; ++j) {
+        if (j + 1 < ntiles) {
+            issue(j + 1, (j + 1) & 1);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+        const unsigned char* const Kt = Ks + (j & 1) * KT;
+        const unsigned char* const Vt = Vs + (j & 1) * KT;
+        const int k0 = j * BC;
+        float s[NS * 4];
+#pragma unroll
+        for (int i = 0; i < NS * 4; ++i) s[i] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            Wg<BC>::template ss<T>(s, wg_desc(Qs + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
+        wg_commit();
+        wg_wait0();
+
+        // Scale; mask future keys and keys past T; the online softmax.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
+                const float x = key > row || key >= Tn ? -INFINITY : s[4 * n + e] * c2;
+                s[4 * n + e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = mx[r];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float mn = fmaxf(m[r], x);
+            alpha[r] = exp2f(m[r] - mn);
+            m[r] = mn;
+        }
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[4 * n + e] - m[e >> 1]);
+                s[4 * n + e] = p;
+                sum[e >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            acc[4 * n] *= alpha[0];
+            acc[4 * n + 1] *= alpha[0];
+            acc[4 * n + 2] *= alpha[1];
+            acc[4 * n + 3] *= alpha[1];
+        }
+        // acc += p · v, 16 keys at a time.
+        u32 pa[BC / 16][4];
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(pa[kc], s + 8 * kc);
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc)
+            Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        wg_commit();
+        wg_wait0();
+        __syncthreads();  // this tile's buffer is refilled next
+    }
+
+    T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        if (row >= Tn) continue;
+        const float inv = 1.f / l[r];
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            if (d < D) store(ob, (long long)row * qs + d, acc[4 * n + 2 * r] * inv);
+            if (d + 1 < D) store(ob, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * inv);
+        }
+        if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[r] + log2f(l[r])) * SGM_LN2;
+    }
+}
+
+// Query-side backward with warpgroup MMA: the block owns 64 query rows and
+// walks key tiles of 64 up to the diagonal: s = q·kᵀ, dp = go·vᵀ from shared
+// memory, gq += ds·k with ds from registers; it stores D_i in delta first.
+template <typename T, int DP>
+__device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
+                         const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef WgGeo<DP> G;
+    typedef u16 E;
+    constexpr int BC = 64, ROWS = 64, TILE = G::TILE, NO = DP / 8, NS = BC / 8;
+    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Qs = smem_bytes;
+    unsigned char* const Gs = Qs + TILE;
+    unsigned char* const Ks = Gs + TILE;      // two buffers
+    unsigned char* const Vs = Ks + 2 * TILE;  // two buffers
+    float* const Ls = reinterpret_cast<float*>(Vs + 2 * TILE);
+    float* const Ds = Ls + ROWS;
+    check_launch(ROWS, Tn, G::BQ_SMEM);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    const int q0 = qt * ROWS;
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long qoff = (long long)b * Tn * qs + (long long)h * D;
+    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
+    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
+    const int vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+    auto issue = [&](int j, int buf) {
+        tile_cm<BC, DP, E>(Ks + buf * TILE, kb, vk, j * BC, Tn, ks, D);
+        tile_cm<BC, DP, E>(Vs + buf * TILE, vb, vv, j * BC, Tn, ks, D);
+    };
+    tile_cm<ROWS, DP, E>(Qs, q + qoff, vec_of<2>(q, D), q0, Tn, qs, D);
+    tile_cm<ROWS, DP, E>(Gs, go + qoff, vec_of<2>(go, D), q0, Tn, qs, D);
+    issue(0, 0);
+    cp_commit();
+    row_stats<T, ROWS>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn, D);
+
+    float acc[DP / 2];
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+    const int w0 = q0 + warp * 16;  // a lane's rows: w0 + g and + 8
+    float Lr[2], Dr[2];
+
+    for (int j = 0; j < ntiles; ++j) {
+        if (j + 1 < ntiles) {
+            issue(j + 1, (j + 1) & 1);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                Lr[r] = Ls[warp * 16 + g + r * 8];
+                Dr[r] = Ds[warp * 16 + g + r * 8];
+            }
+        }
+        const unsigned char* const Kt = Ks + (j & 1) * TILE;
+        const unsigned char* const Vt = Vs + (j & 1) * TILE;
+        const int k0 = j * BC;
+        float s[NS * 4], dp[NS * 4];
+#pragma unroll
+        for (int i = 0; i < NS * 4; ++i) s[i] = dp[i] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            Wg<BC>::template ss<T>(s, wg_desc(Qs + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
+            Wg<BC>::template ss<T>(dp, wg_desc(Gs + kk * 256, KM_LBO, KM_SBO), wg_desc(Vt + kk * 256, KM_LBO, KM_SBO));
+        }
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
+                const float p = key > row || key >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lr[e >> 1]);
+                s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1]);
+            }
+        // acc += ds · k.
+        u32 da[BC / 16][4];
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(da[kc], s + 8 * kc);
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc)
+            Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        wg_commit();
+        wg_wait0();
+        __syncthreads();
+    }
+
+    T* const gb = gq + qoff;
+    const float sc = (float)scale;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        if (row >= Tn) continue;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            if (d < D) store(gb, (long long)row * qs + d, acc[4 * n + 2 * r] * sc);
+            if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * sc);
+        }
+    }
+}
+#endif  // SGM_WGMMA
+
 }  // namespace sgm
 
 // ---------------------------------------------------------------------------
@@ -851,21 +1430,38 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_fwd_d##DP##_##sfx(                        \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
         float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) {                                  \
-        sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                                  \
+        SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_q_d##DP##_##sfx(                      \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) {            \
-        sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                           \
+        SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_kv_d##DP##_##sfx(                     \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
         double scale) {                                                                                           \
-        sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale);                      \
+        SGM_BWD_KV(T, DP);                                                                                        \
     }
+// The passes: the backward's on warpgroup MMA in a module built for sm_90a
+// with SGM_WGMMA defined (16-bit storage, padded widths 80..128: the host's
+// wgmma_backward), mma.sync otherwise.
+// The forward's warpgroup variant (SGM_WG_FWD) measured slower than the
+// mma.sync one and is only built for scripts/attention-variants.
+#if defined(SGM_WGMMA) && defined(SGM_WG_FWD)
+#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
+#else
+#define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
+#endif
+#ifdef SGM_WGMMA
+#define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
+#define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale)
+#else
+#define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
+#define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale)
+#endif
 // Expands the variant macros before they are pasted into names.
 #define SGM_ENTRY_OF(sfx, T, DP) SGM_ENTRY(sfx, T, DP)
 

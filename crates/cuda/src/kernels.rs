@@ -27,12 +27,17 @@ pub struct KernelModule {
     pub name: &'static str,
     pub source: &'static str,
     pub defines: &'static str,
+    /// Compiled for the architecture-specific target (`sm_90a` on an
+    /// `sm_90` device): it uses instructions that only that architecture
+    /// has (warpgroup MMA), so lowerings name it only for such a device
+    /// ([`crate::ops::Target`]).
+    pub arch_specific: bool,
 }
 
 impl KernelModule {
     /// A plain source compiled as it is.
     pub const fn plain(name: &'static str, source: &'static str) -> Self {
-        KernelModule { name, source, defines: "" }
+        KernelModule { name, source, defines: "", arch_specific: false }
     }
 }
 
@@ -46,6 +51,11 @@ pub fn all() -> impl Iterator<Item = &'static KernelModule> {
 /// Every module name.
 pub fn modules() -> impl Iterator<Item = &'static str> {
     all().map(|m| m.name)
+}
+
+/// The declaration of `module`.
+pub fn module(name: &str) -> Option<&'static KernelModule> {
+    all().find(|m| m.name == name)
 }
 
 /// The full text NVRTC compiles for `module`.

@@ -3,4 +3,4 @@
 //! The dispatch, generated from core's op list, and every op's lowering
 //! live in [`crate::ops`]; this module keeps the path the session uses.
 
-pub use crate::ops::{lower, GroupRank};
+pub use crate::ops::{lower, lower_for, GroupRank, Target};

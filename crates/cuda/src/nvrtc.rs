@@ -70,13 +70,24 @@ fn cache_dir() -> PathBuf {
     home.join("stepgraph").join("kernels")
 }
 
-/// Compiles `module` to CUBIN for `arch` (e.g. `sm_90`), from the disk cache when it is there.
+/// Compiles `module` to CUBIN for `arch` (e.g. `sm_90`; `sm_90a` for a
+/// module declared [`KernelModule::arch_specific`](crate::kernels::KernelModule)),
+/// from the disk cache when it is there.
 pub fn compile(module: &str, arch: &str) -> Result<Vec<u8>> {
     let src = kernels::module_source(module).ok_or_else(|| CudaError::Compile {
         source_name: module.into(),
         arch: arch.into(),
         log: "no such kernel source".into(),
     })?;
+    // A module using one architecture's own instructions (wgmma) is built
+    // for that architecture's specific target, `sm_90a` for `sm_90`.
+    let specific;
+    let arch = if kernels::module(module).is_some_and(|m| m.arch_specific) {
+        specific = format!("{arch}a");
+        specific.as_str()
+    } else {
+        arch
+    };
     let (maj, min) = version()?;
     let key = {
         let mut h = Sha256::new();

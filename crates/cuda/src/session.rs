@@ -57,7 +57,7 @@ use crate::blas::Blas;
 use crate::error::{CudaError, Result};
 use crate::graph::StepGraph;
 use crate::launch::{DevTensor, KernelLaunch, Launch};
-use crate::lower::{lower, GroupRank};
+use crate::lower::{lower_for, GroupRank, Target};
 use crate::nccl::{Nccl, NcclComm, NcclGroup};
 use crate::nvrtc;
 
@@ -520,7 +520,9 @@ impl CudaSession {
         let after_alloc = used_bytes()?.0;
         clock.stage(STAGE_ALLOCATE);
 
-        let (launches, launch_nodes) = lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group)?;
+        let target = Target::of_arch(&arch);
+        let (launches, launch_nodes) =
+            lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group, target)?;
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
         clock.stage(STAGE_LOWER);
@@ -1095,21 +1097,22 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
 ///
 /// The launch list of a whole step: every node lowered over the plan's
 /// addresses (persistent slots from `persistent_base`, arena slots from
-/// `arena_base`) for `group`'s rank, with the node of every launch. Data
-/// only, no device call.
+/// `arena_base`) for `group`'s rank and a device of `target`, with the node
+/// of every launch. Data only, no device call.
 pub fn lower_step(
     trace: &Trace,
     plan: &MemoryPlan,
     persistent_base: u64,
     arena_base: u64,
     group: Option<GroupRank>,
+    target: Target,
 ) -> Result<(Vec<Launch>, Vec<usize>)> {
     let view = |v: ValueId| dev_tensor(trace, plan, persistent_base, arena_base, v);
     let (mut launches, mut nodes) = (Vec::new(), Vec::new());
     for (n, node) in trace.nodes.iter().enumerate() {
         let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
         let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
-        let l = lower(&node.op, &ins, &outs, group)?;
+        let l = lower_for(&node.op, &ins, &outs, group, target)?;
         nodes.extend(std::iter::repeat_n(n, l.len()));
         launches.extend(l);
     }
@@ -1270,7 +1273,8 @@ mod tests {
                 let collectives = t.nodes.iter().filter(|n| world_of(&n.op).is_some()).count();
                 let shards = t.nodes.iter().filter(|n| matches!(n.op, Op::LocalShard(_))).count();
                 for rank in 0..world {
-                    let (l, nodes) = lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world })).unwrap();
+                    let (l, nodes) =
+                        lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world }), Target::default()).unwrap();
                     assert_eq!(nodes.len(), l.len());
                     // With overlap every collective rejoins the compute stream
                     // exactly once: before a launch touching its bytes, or at the end.
@@ -1306,7 +1310,7 @@ mod tests {
                         assert!(calls.iter().flat_map(|c| &c.parts).all(|p| p.send == p.recv));
                     }
                 }
-                let e = lower_step(&t, &p, pb, ab, None).unwrap_err().to_string();
+                let e = lower_step(&t, &p, pb, ab, None, Target::default()).unwrap_err().to_string();
                 assert!(e.contains("one rank of a group"), "{e}");
             }
         }

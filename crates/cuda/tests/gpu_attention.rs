@@ -187,6 +187,40 @@ fn repeated_runs_give_identical_bits() {
     }
 }
 
+/// Every padded width the Hopper backward (warpgroup MMA) takes, 16-bit,
+/// with T off the 64-row tiles, GQA and head sizes that are not multiples of
+/// 8 (narrower copies); then the same cases on the portable `mma.sync`
+/// kernels (`STEPGRAPH_PORTABLE_KERNELS=1`), which Hopper no longer runs for
+/// these widths.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn warpgroup_widths_match_cpu() {
+    let mut report = Report::default();
+    let mut seed = 13000;
+    for portable in [false, true] {
+        if portable {
+            std::env::set_var("STEPGRAPH_PORTABLE_KERNELS", "1");
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            for (d, t, heads) in [
+                (72, 77, (4, 2)),
+                (80, 130, (2, 2)),
+                (90, 200, (6, 2)),
+                (96, 64, (4, 1)),
+                (100, 200, (4, 2)),
+                (112, 65, (2, 1)),
+                (120, 150, (4, 4)),
+                (128, 300, (8, 2)),
+            ] {
+                seed += 1;
+                check_case(&Case::new(dtype, 2, t, heads, d, seed), &mut report, 1.0);
+            }
+        }
+    }
+    std::env::remove_var("STEPGRAPH_PORTABLE_KERNELS");
+    report.finish();
+}
+
 /// Heads `range` of a tensor along `axis` (2 for [B, T, H, D], 1 for lse [B, H, T]).
 fn take_heads(t: &HostTensor, axis: usize, range: Range<usize>) -> HostTensor {
     let s = &t.ty.shape;

@@ -62,6 +62,16 @@
 //!   at the f32 tolerance) at tensor-core speed. This is not the TF32 that
 //!   `--tf32` allows for matmuls: no operand loses bits beyond ~2⁻²².
 //!
+//! * Hopper (`sm_90`, [`Target::sm90a`]): the 16-bit backward at padded
+//!   widths 80..=128 runs on warpgroup MMA (`wgmma.mma_async`, modules
+//!   `attention_mma_d<dp>_<dtype>_wg` built for `sm_90a`, [`wgmma_backward`]).
+//!   A block is one warpgroup (128 threads) owning 64 rows; its tiles sit in
+//!   shared memory as wgmma's 8×16-byte core matrices, so one tile is read
+//!   K-major (as the B of the scores) and, transposed, MN-major (as the B of
+//!   the gradient products); scores and score gradients stay in registers
+//!   as A operands. Same launches' arguments, grid rows and determinism as
+//!   the `mma.sync` passes. `STEPGRAPH_PORTABLE_KERNELS=1` turns it off.
+//!
 //! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]).
 //! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
 //! (for comparisons).
@@ -80,10 +90,10 @@
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 
-use super::{Lower, LowerCx};
+use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch};
 
 /// The CUDA-core kernel source module.
 pub const MODULE: &str = "attention";
@@ -92,45 +102,90 @@ const ATTENTION_SRC: &str = include_str!("../../kernels/attention.cu");
 const ATTENTION_MMA_SRC: &str = include_str!("../../kernels/attention_mma.cu");
 
 /// The attention modules: the CUDA-core source, then each tensor-core
-/// variant (`attention_mma.cu` with its dtype and padded head size defined).
+/// variant (`attention_mma.cu` with its dtype and padded head size defined),
+/// then the warpgroup-MMA variants (the same with `SGM_WGMMA`, built for
+/// `sm_90a`).
 macro_rules! attention_modules {
-    ($(($name:literal, $sfx:literal, $ty:literal, $dp:literal)),* $(,)?) => {
+    (
+        mma: [$(($name:literal, $sfx:literal, $ty:literal, $dp:literal)),* $(,)?],
+        wgmma: [$(($wname:literal, $wsfx:literal, $wty:literal, $wdp:literal)),* $(,)?] $(,)?
+    ) => {
         &[
             KernelModule::plain(MODULE, ATTENTION_SRC),
             $(KernelModule {
                 name: $name,
                 source: ATTENTION_MMA_SRC,
                 defines: concat!("#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
+                arch_specific: false,
             }),*
+            $(,KernelModule {
+                name: $wname,
+                source: ATTENTION_MMA_SRC,
+                defines: concat!(
+                    "#define SGM_WGMMA 1\n#define SGM_SFX ", $wsfx, "\n#define SGM_TYPE ", $wty, "\n#define SGM_DP ", $wdp, "\n"
+                ),
+                arch_specific: true,
+            })*
         ]
     };
 }
 
-/// Every module the attention ops launch: the CUDA-core source and one
-/// tensor-core variant per dtype and padded head size ([`mma_width`]).
+/// Every module the attention ops launch: the CUDA-core source, one
+/// tensor-core variant per dtype and padded head size ([`mma_width`]), and
+/// the warpgroup-MMA backward of 16-bit storage at padded widths 80..=128
+/// ([`wgmma_backward`]).
 pub const KERNELS: &[KernelModule] = attention_modules![
-    ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
-    ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
-    ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
-    ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
-    ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
-    ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
-    ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
-    ("attention_mma_d32_f16", "f16", "__half", "32"),
-    ("attention_mma_d48_f16", "f16", "__half", "48"),
-    ("attention_mma_d64_f16", "f16", "__half", "64"),
-    ("attention_mma_d80_f16", "f16", "__half", "80"),
-    ("attention_mma_d96_f16", "f16", "__half", "96"),
-    ("attention_mma_d112_f16", "f16", "__half", "112"),
-    ("attention_mma_d128_f16", "f16", "__half", "128"),
-    ("attention_mma_d32_f32", "f32", "float", "32"),
-    ("attention_mma_d48_f32", "f32", "float", "48"),
-    ("attention_mma_d64_f32", "f32", "float", "64"),
-    ("attention_mma_d80_f32", "f32", "float", "80"),
-    ("attention_mma_d96_f32", "f32", "float", "96"),
-    ("attention_mma_d112_f32", "f32", "float", "112"),
-    ("attention_mma_d128_f32", "f32", "float", "128"),
+    mma: [
+        ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
+        ("attention_mma_d48_bf16", "bf16", "__nv_bfloat16", "48"),
+        ("attention_mma_d64_bf16", "bf16", "__nv_bfloat16", "64"),
+        ("attention_mma_d80_bf16", "bf16", "__nv_bfloat16", "80"),
+        ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
+        ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
+        ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
+        ("attention_mma_d32_f16", "f16", "__half", "32"),
+        ("attention_mma_d48_f16", "f16", "__half", "48"),
+        ("attention_mma_d64_f16", "f16", "__half", "64"),
+        ("attention_mma_d80_f16", "f16", "__half", "80"),
+        ("attention_mma_d96_f16", "f16", "__half", "96"),
+        ("attention_mma_d112_f16", "f16", "__half", "112"),
+        ("attention_mma_d128_f16", "f16", "__half", "128"),
+        ("attention_mma_d32_f32", "f32", "float", "32"),
+        ("attention_mma_d48_f32", "f32", "float", "48"),
+        ("attention_mma_d64_f32", "f32", "float", "64"),
+        ("attention_mma_d80_f32", "f32", "float", "80"),
+        ("attention_mma_d96_f32", "f32", "float", "96"),
+        ("attention_mma_d112_f32", "f32", "float", "112"),
+        ("attention_mma_d128_f32", "f32", "float", "128"),
+    ],
+    wgmma: [
+        ("attention_mma_d80_bf16_wg", "bf16", "__nv_bfloat16", "80"),
+        ("attention_mma_d96_bf16_wg", "bf16", "__nv_bfloat16", "96"),
+        ("attention_mma_d112_bf16_wg", "bf16", "__nv_bfloat16", "112"),
+        ("attention_mma_d128_bf16_wg", "bf16", "__nv_bfloat16", "128"),
+        ("attention_mma_d80_f16_wg", "f16", "__half", "80"),
+        ("attention_mma_d96_f16_wg", "f16", "__half", "96"),
+        ("attention_mma_d112_f16_wg", "f16", "__half", "112"),
+        ("attention_mma_d128_f16_wg", "f16", "__half", "128"),
+    ],
 ];
+
+/// Whether the backward passes of `dtype` at padded head size `dp` run the
+/// warpgroup-MMA kernels on a device of `target`: 16-bit storage at widths
+/// 80..=128 on `sm_90` (measured per layer at W5's shape: `bwd_q` 1.34 →
+/// 1.20 ms, `bwd_kv` 1.72 → 1.35; at width 64 the key side was slower, and
+/// the warpgroup forward was slower than the `mma.sync` one at every width,
+/// so the forward keeps it; see docs/benchmarks.md).
+pub fn wgmma_backward(target: Target, dtype: DType, dp: usize) -> bool {
+    target.sm90a && matches!(dtype, DType::BF16 | DType::F16) && (80..=128).contains(&dp)
+}
+
+/// Dynamic shared memory of a warpgroup-MMA backward pass at padded width
+/// `dp`; mirrors `WgGeo<DP>::{BQ_SMEM, BKV_SMEM}`: six 64-row tiles of `dp`
+/// 16-bit columns and 64 rows' two f32 row terms.
+pub fn wgmma_shared_bytes(dp: usize) -> usize {
+    6 * 64 * dp * 2 + 2 * 64 * 4
+}
 
 /// Rows of a tensor-core block with one tile of 16 per warp, and its threads.
 const MMA_ROWS: usize = 64;
@@ -164,9 +219,9 @@ pub fn mma_width(dtype: DType, d: usize) -> Option<usize> {
 }
 
 /// The variant module holding the tensor-core kernels for `dtype` at padded
-/// head size `dp` (one of [`KERNELS`]).
-fn mma_module(dtype: DType, dp: usize) -> &'static str {
-    let name = format!("attention_mma_d{dp}_{}", dtype_suffix(dtype).unwrap_or("?"));
+/// head size `dp` (one of [`KERNELS`]; `wg`: its warpgroup-MMA variant).
+fn mma_module(dtype: DType, dp: usize, wg: bool) -> &'static str {
+    let name = format!("attention_mma_d{dp}_{}{}", dtype_suffix(dtype).unwrap_or("?"), if wg { "_wg" } else { "" });
     KERNELS
         .iter()
         .map(|m| m.name)
@@ -288,10 +343,12 @@ struct Dims {
     bucket: usize,
     /// `Some(padded head size)` when the tensor-core kernels run it.
     mma: Option<usize>,
+    /// The backward passes run the warpgroup-MMA kernels ([`wgmma_backward`]).
+    wg: bool,
 }
 
 impl Dims {
-    fn of(op: &str, q: &TensorType, k: &TensorType) -> Result<Dims> {
+    fn of(op: &str, q: &TensorType, k: &TensorType, target: Target) -> Result<Dims> {
         let fail = |why: String| CudaError::lower(op, why);
         if q.rank() != 4 || k.rank() != 4 {
             return Err(fail(format!("q {q} and k {k} must be [B, T, heads, D]")));
@@ -311,7 +368,9 @@ impl Dims {
         if t > i32::MAX as usize || hq * d > i32::MAX as usize {
             return Err(fail(format!("sequence length {t} or row size {hq}×{d} does not fit the kernels' int")));
         }
-        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma: mma_width(q.dtype, d) })
+        let mma = mma_width(q.dtype, d);
+        let wg = mma.is_some_and(|dp| wgmma_backward(target, q.dtype, dp));
+        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg })
     }
 
     /// No work: every output is empty (or, for D = 0, only lse is not).
@@ -321,8 +380,15 @@ impl Dims {
 
     fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
         let (module, function, rows, threads, shared_bytes) = match self.mma {
+            Some(dp) if self.wg && pass != Pass::Forward => (
+                mma_module(self.dtype, dp, true),
+                format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
+                MMA_ROWS,
+                MMA_THREADS,
+                wgmma_shared_bytes(dp) as u32,
+            ),
             Some(dp) => (
-                mma_module(self.dtype, dp),
+                mma_module(self.dtype, dp, false),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
                 mma_rows(pass, self.dtype, dp),
                 MMA_THREADS,
@@ -356,7 +422,7 @@ impl Lower for Attention {
     const KERNELS: &'static [KernelModule] = KERNELS;
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        forward(self.scale, cx.inputs, cx.outputs)
+        forward(self.scale, cx)
     }
 }
 
@@ -364,13 +430,14 @@ impl Lower for AttentionBackward {
     const KERNELS: &'static [KernelModule] = KERNELS;
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        backward(self.scale, cx.inputs, cx.outputs)
+        backward(self.scale, cx)
     }
 }
 
 /// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale)`.
-fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    let n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty)?;
+fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
+    let (inputs, outputs) = (cx.inputs, cx.outputs);
+    let n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
         return Ok(vec![]);
     }
@@ -383,8 +450,9 @@ fn forward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Ve
 /// (the tensor-core key side reads the query side's `delta`; the CUDA-core
 /// one recomputes the row terms); `glse` is a null pointer when the node has
 /// no lse cotangent.
-fn backward(scale: f64, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
-    let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty)?;
+fn backward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
+    let (inputs, outputs) = (cx.inputs, cx.outputs);
+    let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
         return Ok(vec![]);
     }
@@ -410,6 +478,7 @@ mod tests {
     use stepgraph_core::ops::Op;
 
     use super::*;
+    use crate::launch::DevTensor;
 
     /// Lowers outside any group (attention needs none).
     fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
@@ -590,7 +659,11 @@ mod tests {
                     let limit = if dtype == DType::F32 && dp == 128 { 227 } else { 113 };
                     assert!(mma_shared_bytes(pass, dtype, dp) <= limit * 1024, "{dtype} {dp} {pass:?}");
                 }
-                assert!(mma_module(dtype, dp).ends_with(dtype_suffix(dtype).unwrap()));
+                assert!(mma_module(dtype, dp, false).ends_with(dtype_suffix(dtype).unwrap()));
+                if wgmma_backward(Target { sm90a: true }, dtype, dp) {
+                    assert!(mma_module(dtype, dp, true).ends_with("_wg"));
+                    assert!(wgmma_shared_bytes(dp) <= 113 * 1024, "{dtype} {dp}");
+                }
             }
         }
         // W1 (f32, 100 → 112): 3xTF32 kernels, single-buffered 32-key tiles.
@@ -600,6 +673,63 @@ mod tests {
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_f32", "attention_mma_fwd_d112_f32"));
         assert_eq!(k.shared_bytes as usize, (64 + 2 * 32) * 116 * 4);
+    }
+
+    #[test]
+    fn hopper_runs_the_sixteen_bit_backward_on_warpgroup_mma() {
+        // W5's attention (4 × 2048, 32 heads of 100 → 112) on an sm_90 device.
+        let hopper = Target { sm90a: true };
+        let (b, t, h, d) = (4, 2048, 32, 100);
+        let ins = [
+            dev(DType::BF16, &[b, t, h, d], at(1)),
+            dev(DType::BF16, &[b, t, h, d], at(2)),
+            dev(DType::BF16, &[b, t, h, d], at(3)),
+            dev(DType::BF16, &[b, t, h, d], at(4)),
+            dev(DType::F32, &[b, h, t], at(5)),
+            dev(DType::BF16, &[b, t, h, d], at(6)),
+        ];
+        let outs = [
+            dev(DType::BF16, &[b, t, h, d], at(8)),
+            dev(DType::BF16, &[b, t, h, d], at(9)),
+            dev(DType::BF16, &[b, t, h, d], at(10)),
+            dev(DType::F32, &[b, h, t], at(11)),
+        ];
+        let op = Op::from(AttentionBackward { scale: 0.1 });
+        let l = crate::ops::lower_for(&op, &ins, &outs, None, hopper).unwrap();
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!((q.module, q.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_bwd_q_d112_bf16"));
+        assert_eq!((kv.module, kv.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_bwd_kv_d112_bf16"));
+        // One warpgroup per 64 rows on both sides; six 64-row tiles of 112 columns.
+        assert_eq!((q.grid, q.block), ((32, 32, 4), (128, 1, 1)));
+        assert_eq!((kv.grid, kv.block), ((32, 32, 4), (128, 1, 1)));
+        assert_eq!(q.shared_bytes as usize, 6 * 64 * 112 * 2 + 512);
+        assert_eq!(kv.shared_bytes, q.shared_bytes);
+        // The same arguments as the mma.sync passes (the key side reads delta).
+        let portable = lower(&op, &ins, &outs).unwrap();
+        for (wg, mma) in l.iter().zip(&portable) {
+            assert_eq!(kernel(wg).args, kernel(mma).args);
+            assert!(!kernel(mma).module.ends_with("_wg"));
+        }
+        // The forward keeps the mma.sync kernel (measured faster).
+        let fwd = crate::ops::lower_for(
+            &Op::from(Attention { scale: 0.1 }),
+            &ins[..3],
+            &[outs[0].clone(), outs[3].clone()],
+            None,
+            hopper,
+        )
+        .unwrap();
+        assert_eq!(kernel(&fwd[0]).module, "attention_mma_d112_bf16");
+        // f32, widths 64 and below, and other devices: no warpgroup kernels.
+        assert!(!wgmma_backward(hopper, DType::F32, 112));
+        assert!(!wgmma_backward(hopper, DType::BF16, 64));
+        assert!(!wgmma_backward(Target::default(), DType::BF16, 112));
+        assert!(!wgmma_backward(Target::of_arch("sm_80"), DType::BF16, 112));
+        // Every warpgroup module is declared arch-specific (built for sm_90a).
+        for m in KERNELS {
+            assert_eq!(m.arch_specific, m.name.ends_with("_wg"), "{}", m.name);
+            assert_eq!(m.arch_specific, m.defines.contains("SGM_WGMMA"), "{}", m.name);
+        }
     }
 
     #[test]

@@ -70,6 +70,25 @@ pub struct LowerCx<'a> {
     pub inputs: &'a [DevTensor],
     pub outputs: &'a [DevTensor],
     pub group: Option<GroupRank>,
+    pub target: Target,
+}
+
+/// What a lowering may assume of the device beyond what every supported GPU
+/// has. The default is the portable set: kernels that run on any of them.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Target {
+    /// Compute capability 9.0 (H100, H200): modules built for `sm_90a`
+    /// (warpgroup MMA, [`crate::kernels::KernelModule::arch_specific`]) may be launched.
+    pub sm90a: bool,
+}
+
+impl Target {
+    /// The target of a device of architecture `arch` (`sm_90`, `sm_80`, ...).
+    /// `STEPGRAPH_PORTABLE_KERNELS=1` keeps to the portable kernels (for comparisons).
+    pub fn of_arch(arch: &str) -> Target {
+        let portable = std::env::var("STEPGRAPH_PORTABLE_KERNELS").is_ok_and(|v| v == "1");
+        Target { sm90a: arch == "sm_90" && !portable }
+    }
 }
 
 /// The CUDA lowering of one op struct.
@@ -114,14 +133,26 @@ macro_rules! cuda_ops {
 
 stepgraph_core::for_each_op!(cuda_ops);
 
-/// The device work of one node. `group` is the session's rank, `None` for a
-/// session outside any group (which cannot run collectives).
+/// The device work of one node with the portable kernels. `group` is the
+/// session's rank, `None` for a session outside any group (which cannot run
+/// collectives).
 pub fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor], group: Option<GroupRank>) -> Result<Vec<Launch>> {
+    lower_for(op, inputs, outputs, group, Target::default())
+}
+
+/// [`lower`] for a device of `target`.
+pub fn lower_for(
+    op: &Op,
+    inputs: &[DevTensor],
+    outputs: &[DevTensor],
+    group: Option<GroupRank>,
+    target: Target,
+) -> Result<Vec<Launch>> {
     check_operands(op, inputs, outputs)?;
     if outputs.iter().all(|o| o.ty.numel() == 0) {
         return Ok(vec![]);
     }
-    dispatch(op, &LowerCx { inputs, outputs, group })
+    dispatch(op, &LowerCx { inputs, outputs, group, target })
 }
 
 /// The operands must be exactly what the op's shape rule gives, at
