@@ -20,6 +20,8 @@
 //                     V* v_out, i64 n, i64 lr_f64, i64 step_f64,
 //                     double beta1, double beta2, double eps, double wd)
 // 1-D grid-stride loop, blockDim.x = 256. m and v are each P or f32.
+// `adamw_multi_<p>_<m>_<v>(MultiTable t, lr, step, lr_f64, step_f64, beta1,
+// beta2, eps, wd)` updates up to 48 such tensors at once (see MultiTable).
 // `adamw_vec_<p>_<m>_<v>` takes the same arguments for tensors whose every
 // address is 16-byte aligned (the lowering checks) and updates 8 consecutive
 // elements per thread and iteration with 16-byte loads and stores: launch
@@ -176,6 +178,66 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
     for (i64 i = runs * kVec + first; i < n; i += stride) update_at(c, p, g, m, v, p_out, m_out, v_out, i);
 }
 
+// Multi-tensor AdamW: up to kMaxTensors parameters of one kernel's dtypes,
+// sharing the learning rate, step and hyperparameters, in one launch. The
+// table of addresses travels as the kernel's argument (__grid_constant__:
+// read in place, within the 4 KB of arguments every GPU takes). Each
+// tensor is cut into chunks of kChunk elements, numbered across the table
+// (chunk_end: the running count); a block takes chunks blockIdx.x,
+// + gridDim.x, ... and updates a chunk as update_vec does (8-element packs,
+// the same arithmetic per element, so the same bits), the chunk holding a
+// tensor's last n mod 8 elements also those, element by element. Every
+// tensor is 16-byte aligned (the host merges only `adamw_vec` launches).
+constexpr int kMaxTensors = 48;
+constexpr int kChunk = 256 * kVec * 2;
+
+struct MultiTable {
+    i64 n[kMaxTensors];
+    unsigned long long ptr[7][kMaxTensors];  // p, g, m, v, p_out, m_out, v_out
+    int chunk_end[kMaxTensors];
+    int count;
+};
+
+template <typename P, typename M, typename V>
+__device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr, const void* step, i64 lr_f64,
+                                             i64 step_f64, double beta1, double beta2, double eps, double wd) {
+    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+    const int total = t.chunk_end[t.count - 1];
+    int k = 0;  // chunks ascend, so the tensor only moves forward
+    for (int ch = blockIdx.x; ch < total; ch += gridDim.x) {
+        while (t.chunk_end[k] <= ch) ++k;
+        const P* p = (const P*)t.ptr[0][k];
+        const P* g = (const P*)t.ptr[1][k];
+        const M* m = (const M*)t.ptr[2][k];
+        const V* v = (const V*)t.ptr[3][k];
+        P* p_out = (P*)t.ptr[4][k];
+        M* m_out = (M*)t.ptr[5][k];
+        V* v_out = (V*)t.ptr[6][k];
+        const i64 n = t.n[k], runs = n / kVec, base = (i64)(ch - (k ? t.chunk_end[k - 1] : 0)) * kChunk;
+#pragma unroll
+        for (int r = 0; r < kChunk / (kVec * 256); ++r) {
+            const i64 j = base / kVec + r * 256 + threadIdx.x;
+            if (j >= runs) break;
+            Pack<P, kVec> rp, rg;
+            Pack<M, kVec> rm;
+            Pack<V, kVec> rv;
+            rp.read(p, j);
+            rg.read(g, j);
+            rm.read(m, j);
+            rv.read(v, j);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e)
+                update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), e);
+            rm.write(m_out, j);
+            rv.write(v_out, j);
+            rp.write(p_out, j);
+        }
+        const i64 tail = runs * kVec;
+        if (tail >= base && tail < base + kChunk && tail + threadIdx.x < n)
+            update_at(c, p, g, m, v, p_out, m_out, v_out, tail + threadIdx.x);
+    }
+}
+
 }  // namespace sg_adamw
 
 #define SG_ADAMW(pdt, P, mdt, M, vdt, V)                                                                              \
@@ -192,6 +254,12 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
                                        i64 step_f64, double beta1, double beta2, double eps, double wd) {            \
         sg_adamw::update_vec<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,   \
                                       eps, wd);                                                                       \
+    }                                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        adamw_multi_##pdt##_##mdt##_##vdt(const __grid_constant__ sg_adamw::MultiTable t, const void* lr,              \
+                                         const void* step, i64 lr_f64, i64 step_f64, double beta1, double beta2,      \
+                                         double eps, double wd) {                                                     \
+        sg_adamw::update_multi<P, M, V>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd);                        \
     }
 
 // Moments in the parameter's dtype or in f32, each independently.

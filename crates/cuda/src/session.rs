@@ -135,8 +135,12 @@ pub struct CudaSession {
     /// How long each stage of building the session took, in order.
     startup: Vec<StartupPhase>,
     graph: Option<StepGraph>,
-    /// The node of every launch of `prepared` (ascending: launches are in node order).
+    /// The node of every launch of `prepared` (ascending: launches are in
+    /// node order); for a multi-tensor update, its last parameter's node.
     launch_nodes: Vec<usize>,
+    /// The first node of every launch (its first parameter's, for a
+    /// multi-tensor update; else as `launch_nodes`): node ranges must not cut one.
+    launch_first_nodes: Vec<usize>,
     /// Graphs of node ranges ([`CudaSession::replay_nodes`]), with the device
     /// memory each one's capture took.
     segment_graphs: HashMap<(usize, usize), (StepGraph, u64)>,
@@ -523,6 +527,7 @@ impl CudaSession {
         let target = Target::of_arch(&arch);
         let (launches, launch_nodes) =
             lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group, target)?;
+        let (launches, launch_nodes, launch_first_nodes) = multi_tensor_updates(launches, launch_nodes);
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
         clock.stage(STAGE_LOWER);
@@ -557,6 +562,7 @@ impl CudaSession {
             startup: clock.stages,
             graph: None,
             launch_nodes,
+            launch_first_nodes,
             segment_graphs: HashMap::new(),
             id_checks,
             memory,
@@ -860,6 +866,14 @@ impl CudaSession {
         }
         let first = self.launch_nodes.partition_point(|&n| n < nodes.start);
         let end = self.launch_nodes.partition_point(|&n| n < nodes.end);
+        if self.launch_first_nodes[first..end].iter().any(|&n| n < nodes.start) {
+            return Err(CudaError::lower(
+                "segment",
+                format!(
+                    "nodes {nodes:?} cut a multi-tensor AdamW launch: open the session with STEPGRAPH_MULTI_TENSOR=0"
+                ),
+            ));
+        }
         Ok(first..end)
     }
 
@@ -1090,6 +1104,20 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
         Region::Arena => arena_base,
     };
     DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
+}
+
+/// The step's AdamW updates merged into multi-tensor launches where they run
+/// back to back ([`crate::ops::optim::merge_updates`]), unless the step has
+/// collectives (whose joins are computed per node) or
+/// `STEPGRAPH_MULTI_TENSOR=0` (for comparisons). Returns the launches, each
+/// one's last node and each one's first node.
+fn multi_tensor_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+    let off = std::env::var("STEPGRAPH_MULTI_TENSOR").is_ok_and(|v| v == "0");
+    if off || launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
+        let first = nodes.clone();
+        return (launches, nodes, first);
+    }
+    crate::ops::optim::merge_updates(launches, nodes)
 }
 
 /// Stage 4 of [`CudaSession::new_rank`], public for tests and tools that

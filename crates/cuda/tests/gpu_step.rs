@@ -200,6 +200,36 @@ fn graph_replay_equals_eager_bit_for_bit() {
     }
 }
 
+/// The updates after backward run as multi-tensor AdamW launches, with the
+/// same bits as one launch per parameter (`STEPGRAPH_MULTI_TENSOR=0`).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn multi_tensor_updates_equal_one_launch_per_parameter() {
+    for dtype in [DType::F32, DType::BF16] {
+        let sp = spec("tiny-llama", dtype);
+        let (fwd, step, p) = build(&sp, StepKind::Train, Build::Plain);
+        let run = |multi: bool| -> (usize, Vec<Vec<u8>>) {
+            if !multi {
+                std::env::set_var("STEPGRAPH_MULTI_TENSOR", "0");
+            }
+            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::default()).unwrap();
+            std::env::remove_var("STEPGRAPH_MULTI_TENSOR");
+            init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
+            for it in 1..=3 {
+                step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
+                s.run_eager().unwrap();
+            }
+            let states = step.updates.iter().map(|u| s.read(u.state).unwrap().bytes().to_vec()).collect();
+            (s.launch_count(), states)
+        };
+        let ((merged, a), (single, b)) = (run(true), run(false));
+        let updates = step.nodes.iter().filter(|n| n.op.name() == "adamw").count();
+        assert!(updates > 2, "{dtype}: {updates} updates");
+        assert!(merged + updates - 2 <= single, "{dtype}: {merged} launches merged, {single} not, {updates} updates");
+        assert!(a == b, "{dtype}: multi-tensor updates differ from one launch per parameter");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn memory_report_matches_the_plan() {

@@ -3,6 +3,11 @@
 //! step count from device memory (so a captured graph replays with new
 //! values). Invalid scalars (`lr < 0`, `step < 1`) leave the state
 //! unchanged on the device; the session refuses them on the host first.
+//!
+//! [`merge_updates`] then turns runs of consecutive updates of one kernel
+//! (all the updates after backward, e.g. under gradient clipping) into
+//! multi-tensor launches of up to [`MULTI_MAX_TENSORS`] parameters each, the
+//! table of addresses passed as the kernel's argument.
 
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::optim::AdamW;
@@ -11,7 +16,7 @@ use super::util::{aligned16, float_name, launch, n64, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
 use crate::kernels::KernelModule;
-use crate::launch::{blocks, Arg, DevTensor, Launch};
+use crate::launch::{blocks, Arg, DevTensor, KernelLaunch, Launch};
 
 /// Grid cap for AdamW, whose blocks each compute the step's coefficients once.
 const ADAMW_MAX_GRID: usize = 4096;
@@ -58,9 +63,132 @@ impl Lower for AdamW {
     }
 }
 
+/// Parameters per multi-tensor launch (the kernel's `kMaxTensors`): the
+/// table of their addresses is the kernel's argument, within the 4 KB of
+/// arguments every GPU takes.
+pub const MULTI_MAX_TENSORS: usize = 48;
+
+/// Elements per chunk of the multi-tensor kernel (`kChunk`: 256 threads × 8 × 2).
+pub const MULTI_CHUNK: usize = 2 * THREADS as usize * VEC_ELEMS;
+
+/// The multi-tensor kernel's table (`sg_adamw::MultiTable`), as bytes:
+/// element counts, seven address arrays (p, g, m, v and the three outputs),
+/// the running chunk counts and the count, padded to 8 bytes.
+fn multi_table(updates: &[&KernelLaunch]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(3272);
+    let cols = |i: usize| -> Vec<u64> {
+        let mut c: Vec<u64> = updates.iter().map(|k| ptr_arg(&k.args[i])).collect();
+        c.resize(MULTI_MAX_TENSORS, 0);
+        c
+    };
+    let n: Vec<i64> = updates.iter().map(|k| elements(k) as i64).collect();
+    for i in 0..MULTI_MAX_TENSORS {
+        b.extend(n.get(i).copied().unwrap_or(0).to_ne_bytes());
+    }
+    // p, g, m, v are arguments 0..4; the outputs 6..9.
+    for i in [0, 1, 2, 3, 6, 7, 8] {
+        for p in cols(i) {
+            b.extend(p.to_ne_bytes());
+        }
+    }
+    let mut end = 0i32;
+    for i in 0..MULTI_MAX_TENSORS {
+        if let Some(&n) = n.get(i) {
+            end += (n as usize).div_ceil(MULTI_CHUNK) as i32;
+        }
+        b.extend((if i < n.len() { end } else { 0 }).to_ne_bytes());
+    }
+    b.extend((updates.len() as i32).to_ne_bytes());
+    b.resize(b.len().next_multiple_of(8), 0);
+    b
+}
+
+fn ptr_arg(a: &Arg) -> u64 {
+    match a {
+        Arg::Ptr(p) => *p,
+        other => panic!("an AdamW launch's address argument is {other:?}"),
+    }
+}
+
+/// The element count of an AdamW launch (argument 9).
+fn elements(k: &KernelLaunch) -> usize {
+    match k.args[9] {
+        Arg::I64(n) => n as usize,
+        ref other => panic!("an AdamW launch's count is {other:?}"),
+    }
+}
+
+/// What must be equal for two AdamW launches to share a multi-tensor launch:
+/// the kernel (dtypes), the learning rate and step tensors and their flags,
+/// and the hyperparameters. `None` for any other launch, and for updates of
+/// tensors not all 16-byte aligned (the element-wise kernel).
+fn merge_key(l: &Launch) -> Option<(&str, &[Arg], &[Arg])> {
+    match l {
+        Launch::Kernel(k) if k.module == "adamw" && k.function.starts_with("adamw_vec_") => {
+            Some((k.function.as_str(), &k.args[4..6], &k.args[10..]))
+        }
+        _ => None,
+    }
+}
+
+/// Runs of two or more consecutive AdamW launches with one [`merge_key`],
+/// as multi-tensor launches of up to [`MULTI_MAX_TENSORS`] updates each,
+/// with the same results bit for bit (the same arithmetic per element).
+/// `nodes[j]` is launch `j`'s node; returns the launches, each one's last
+/// node (ascending, as before) and each one's first node (different only
+/// for a merged launch).
+pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+    let mut out = Vec::with_capacity(launches.len());
+    let (mut last, mut first) = (Vec::with_capacity(nodes.len()), Vec::with_capacity(nodes.len()));
+    let mut j = 0;
+    while j < launches.len() {
+        let mut end = j + 1;
+        if let Some(key) = merge_key(&launches[j]) {
+            while end < launches.len() && merge_key(&launches[end]) == Some(key) {
+                end += 1;
+            }
+        }
+        if end - j < 2 {
+            out.push(launches[j].clone());
+            last.push(nodes[j]);
+            first.push(nodes[j]);
+            j += 1;
+            continue;
+        }
+        for group in (j..end).collect::<Vec<_>>().chunks(MULTI_MAX_TENSORS) {
+            let updates: Vec<&KernelLaunch> = group
+                .iter()
+                .map(|&i| match &launches[i] {
+                    Launch::Kernel(k) => k,
+                    _ => unreachable!("merge_key admits kernels only"),
+                })
+                .collect();
+            let head = updates[0];
+            let mut args = vec![Arg::Struct(multi_table(&updates))];
+            args.extend(head.args[4..6].iter().cloned());
+            args.extend(head.args[10..].iter().cloned());
+            let chunks: usize = updates.iter().map(|k| elements(k).div_ceil(MULTI_CHUNK)).sum();
+            let grid = chunks.min(ADAMW_MAX_GRID) as u32;
+            out.push(launch(
+                "adamw",
+                head.function.replacen("adamw_vec_", "adamw_multi_", 1),
+                (grid, 1, 1),
+                (THREADS, 1, 1),
+                args,
+            ));
+            first.push(nodes[group[0]]);
+            last.push(nodes[*group.last().expect("chunks are not empty")]);
+        }
+        j = end;
+    }
+    (out, last, first)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{function, t};
+    use stepgraph_core::ir::TensorType;
+
+    use super::super::testing::{function as first_function, t};
     use super::*;
 
     #[test]
@@ -73,7 +201,7 @@ mod tests {
             t(DType::F32, &[]),
             t(DType::F64, &[]),
         ];
-        assert_eq!(function(AdamW::default(), &adamw), "adamw_bf16_f32_bf16");
+        assert_eq!(first_function(AdamW::default(), &adamw), "adamw_bf16_f32_bf16");
     }
 
     #[test]
@@ -87,5 +215,129 @@ mod tests {
         assert_eq!(k.grid.0, 1, "512 elements, 8 per thread: one block");
         let skewed = super::super::testing::lower_types(&op, &adamw, 4).unwrap();
         assert_eq!(super::super::testing::kernels(&skewed)[0].function, "adamw_bf16_bf16_bf16");
+    }
+
+    /// The AdamW launch of a bf16 parameter of `n` elements whose tensors
+    /// start at `base` (16-byte aligned unless `skew`), with the learning
+    /// rate at `lr`.
+    fn update(n: usize, base: u64, lr: u64, skew: u64) -> Launch {
+        let w = |i: u64| DevTensor { ty: TensorType::new(DType::BF16, [n]), ptr: base + i * (1 << 24) + skew };
+        let s = |p: u64| DevTensor { ty: TensorType::new(DType::F32, Vec::<usize>::new()), ptr: p };
+        let ins = [w(0), w(1), w(2), w(3), s(lr), s(0x100)];
+        let outs = [w(0), w(2), w(3)];
+        let op = stepgraph_core::ops::Op::from(AdamW::default());
+        let mut l = crate::ops::lower(&op, &ins, &outs, None).unwrap();
+        assert_eq!(l.len(), 1);
+        l.pop().unwrap()
+    }
+
+    fn function(l: &Launch) -> &str {
+        match l {
+            Launch::Kernel(k) => &k.function,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn runs_of_updates_become_multi_tensor_launches() {
+        let other = Launch::Kernel(KernelLaunch {
+            module: "elementwise",
+            function: "x".into(),
+            grid: (1, 1, 1),
+            block: (32, 1, 1),
+            shared_bytes: 0,
+            args: vec![],
+        });
+        let mut launches = vec![other.clone()];
+        // 50 updates sharing a learning rate, one misaligned, two with another rate, then other work.
+        launches.extend((0..50).map(|i| update(1000 + i, (i as u64 + 1) << 32, 0x200, 0)));
+        launches.push(update(64, 60 << 32, 0x200, 2));
+        launches.extend((0..2).map(|i| update(8, (70 + i as u64) << 32, 0x300, 0)));
+        launches.push(update(16, 80 << 32, 0x300, 0));
+        launches.push(other.clone());
+        let nodes: Vec<usize> = (0..launches.len()).map(|i| 10 * i).collect();
+        let (merged, last, first) = merge_updates(launches.clone(), nodes.clone());
+        let names: Vec<&str> = merged.iter().map(function).collect();
+        assert_eq!(
+            names,
+            [
+                "x",
+                "adamw_multi_bf16_bf16_bf16",
+                "adamw_multi_bf16_bf16_bf16",
+                "adamw_bf16_bf16_bf16",
+                "adamw_multi_bf16_bf16_bf16",
+                "x"
+            ]
+        );
+        // 48 + 2 of the first run; the misaligned one alone; the three of the second rate.
+        assert_eq!(first, [0, 10, 490, 510, 520, 550]);
+        assert_eq!(last, [0, 480, 500, 510, 540, 550]);
+        let Launch::Kernel(k) = &merged[1] else { unreachable!() };
+        let Arg::Struct(table) = &k.args[0] else { panic!("{:?}", k.args[0]) };
+        assert_eq!(table.len(), 3272, "sizeof(sg_adamw::MultiTable)");
+        // The learning rate and step tensors, their flags and the hyperparameters follow.
+        let Launch::Kernel(one) = &launches[1] else { unreachable!() };
+        assert_eq!(k.args[1..3], one.args[4..6]);
+        assert_eq!(k.args[3..], one.args[10..]);
+        // Nothing to merge: the same list.
+        let alone = vec![other.clone(), update(64, 1 << 32, 0x200, 0), other];
+        let (same, last, first) = merge_updates(alone.clone(), vec![1, 2, 3]);
+        assert_eq!(same, alone);
+        assert_eq!((last, first), (vec![1, 2, 3], vec![1, 2, 3]));
+    }
+
+    /// The kernel's walk over a table (update_multi in adamw.cu, as written
+    /// there) touches every element of every tensor exactly once.
+    #[test]
+    fn the_multi_tensor_walk_covers_every_element_once() {
+        let sizes = [8, 9, 15, 4096, 4097, 8191, 8192, 12345, 100_003, 24, 3200, 1];
+        let launches: Vec<Launch> = (sizes.iter().filter(|&&n| n >= VEC_ELEMS))
+            .enumerate()
+            .map(|(i, &n)| update(n, (i as u64 + 1) << 32, 0x200, 0))
+            .collect();
+        let (merged, _, _) = merge_updates(launches.clone(), (0..launches.len()).collect());
+        let [Launch::Kernel(k)] = &merged[..] else { panic!("{merged:?}") };
+        let Arg::Struct(t) = &k.args[0] else { unreachable!() };
+        let word = |i: usize| i64::from_ne_bytes(t[8 * i..8 * i + 8].try_into().unwrap());
+        let int = |i: usize| i32::from_ne_bytes(t[i..i + 4].try_into().unwrap()) as i64;
+        let max = MULTI_MAX_TENSORS;
+        let count = int(8 * max + 56 * max + 4 * max) as usize;
+        let chunk_end = |k: usize| int(8 * max + 56 * max + 4 * k);
+        let n = |k: usize| word(k);
+        let p = |k: usize| word(max + k) as u64; // the first address array: p
+        assert_eq!(count, launches.len());
+        let mut seen: Vec<Vec<u8>> = (0..count).map(|k| vec![0; n(k) as usize]).collect();
+        let (vec, chunk, threads) = (VEC_ELEMS as i64, MULTI_CHUNK as i64, THREADS as i64);
+        let total = chunk_end(count - 1);
+        for block in 0..k.grid.0 as i64 {
+            let mut t = 0;
+            let mut ch = block;
+            while ch < total {
+                while chunk_end(t) <= ch {
+                    t += 1;
+                }
+                let (n, runs) = (n(t), n(t) / vec);
+                let base = (ch - if t > 0 { chunk_end(t - 1) } else { 0 }) * chunk;
+                for thread in 0..threads {
+                    for r in 0..chunk / (vec * threads) {
+                        let j = base / vec + r * threads + thread;
+                        if j >= runs {
+                            break;
+                        }
+                        (0..vec).for_each(|e| seen[t][(j * vec + e) as usize] += 1);
+                    }
+                    let tail = runs * vec;
+                    if tail >= base && tail < base + chunk && tail + thread < n {
+                        seen[t][(tail + thread) as usize] += 1;
+                    }
+                }
+                ch += k.grid.0 as i64;
+            }
+        }
+        for (t, s) in seen.iter().enumerate() {
+            assert!(s.iter().all(|&c| c == 1), "tensor {t} ({} elements) not covered once", s.len());
+            let Launch::Kernel(one) = &launches[t] else { unreachable!() };
+            assert_eq!(Arg::Ptr(p(t)), one.args[0]);
+        }
     }
 }
