@@ -18,11 +18,13 @@ def category(name):
     """The kernel class, named as `stepgraph bench --profile` names its own
     (crates/cli/src/profile.rs), so the two tables line up row for row."""
     n = name.lower()
-    if "gemm" in n or ("cutlass" in n and "fmha" not in n) or "sm90_xmma" in n or "cublas" in n or "ampere_" in n or "sm80_" in n or "nvjet" in n:
-        return "products"
+    # Attention first: flash kernels name their cutlass templates, which
+    # would otherwise read as products.
     if "flash" in n or "fmha" in n or "attention" in n or "mem_eff" in n or "sdpa" in n:
         backward = "bwd" in n or "backward" in n or "fmha_cutlassb" in n or "dq_dk_dv" in n or "dot_do_o" in n or "convert_dq" in n
         return "attention backward" if backward else "attention forward"
+    if "gemm" in n or "cutlass" in n or "sm90_xmma" in n or "cublas" in n or "ampere_" in n or "sm80_" in n or "nvjet" in n:
+        return "products"
     if "adam" in n or "multi_tensor_apply" in n:
         return "optimizer"
     if "nll_loss" in n or "log_softmax" in n or "cross_entropy" in n or "softmax_warp" in n:
