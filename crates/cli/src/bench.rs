@@ -69,6 +69,11 @@ pub struct BenchArgs {
     /// Also time every launch of one eager step and print the slowest kernels.
     #[arg(long)]
     pub profile: bool,
+    /// Clip the global gradient norm to X in train workloads, as `train`
+    /// does by default (0: no clipping, the workloads as
+    /// ../shared/BENCHMARKS.md defines them).
+    #[arg(long, value_name = "X", default_value_t = 0.0)]
+    pub clip_grad_norm: f64,
     #[command(flatten)]
     pub memory: crate::memory_args::MemoryArgs,
 }
@@ -241,6 +246,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
+    if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
+        bail!("--clip-grad-norm must be a finite number >= 0 (0: no clipping), got {}", args.clip_grad_norm);
+    }
+    if args.clip_grad_norm > 0.0 {
+        if kind != StepKind::Train {
+            let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+            bail!("--clip-grad-norm needs a train workload (w5, l8-2l): {name} computes gradients only");
+        }
+        opts.train.clip_grad_norm = Some(args.clip_grad_norm);
+    }
     args.memory.apply(&mut opts, crate::memory_args::free_bytes)?;
     let c = compile_step(&spec, &opts)?;
     eprint!("{}", c.recompute);

@@ -98,4 +98,12 @@ fn flag_errors_quote_the_flag_and_value() {
     fails_with(&["trace", "--seq", "0"], &["--seq 0"]);
     fails_with(&["plan", "--seq", "300"], &["--seq 300 exceeds the block size 256 of `tiny-llama`", "--block-size"]);
     fails_with(&["bench", "--workload", "w3", "--steps", "0"], &["--steps must be at least 1, got 0"]);
+    fails_with(
+        &["bench", "--workload", "w1", "--clip-grad-norm", "1"],
+        &["--clip-grad-norm needs a train workload (w5, l8-2l): w1 computes gradients only"],
+    );
+    fails_with(
+        &["bench", "--workload", "w5", "--clip-grad-norm=-1"],
+        &["--clip-grad-norm must be a finite number >= 0"],
+    );
 }

@@ -373,9 +373,12 @@ pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) ->
     let acc_dtype = grads.iter().map(|&g| wide(b.dtype(g))).max_by_key(|d| d.size()).unwrap_or(DType::F32);
     let mut total: Option<ValueId> = None;
     for &g in grads {
-        let x = if b.dtype(g) == acc_dtype { g } else { b.cast(g, acc_dtype)? };
-        let sq = b.mul(x, x)?;
-        let s = b.sum_all(sq)?;
+        // Each gradient's squared norm in one pass (squares of its rows in the
+        // wide type, then their sum): no widened copy of the gradient.
+        let rows = if b.shape(g).is_empty() { b.reshape(g, &[1])? } else { g };
+        let sq = b.sum_squares(rows)?;
+        let sq = if b.dtype(sq) == acc_dtype { sq } else { b.cast(sq, acc_dtype)? };
+        let s = if b.shape(sq).is_empty() { sq } else { b.sum_all(sq)? };
         total = Some(match total {
             Some(t) => b.add(t, s)?,
             None => s,

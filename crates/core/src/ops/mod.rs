@@ -230,6 +230,7 @@ macro_rules! for_each_op {
             Cast($crate::ops::elementwise::Cast),
             Reduce($crate::ops::reduce::Reduce),
             MaxBackward($crate::ops::reduce::MaxBackward),
+            SumSquares($crate::ops::reduce::SumSquares),
             Broadcast($crate::ops::movement::Broadcast),
             Reshape($crate::ops::movement::Reshape),
             Permute($crate::ops::movement::Permute),
