@@ -1,6 +1,6 @@
 //! Reductions over axes (sum, mean, max) and the max reduction's backward.
 
-use num_traits::{Float as _, Zero};
+use num_traits::{Float as _, ToPrimitive, Zero};
 
 use super::sample::{normal, ties, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
@@ -285,8 +285,9 @@ impl OpDef for MaxBackward {
 
 // ------------------------------------------------------------ sum_squares
 
-/// `y[..] = Σ_j x[.., j]²` over the last axis, each square and the sum in
-/// the wide float type, which is also the output's (f32; f64 for f64): the
+/// `y[..] = Σ_j x[.., j]²` over the last axis, in the wide float type, which
+/// is also the output's (f32; f64 for f64; the CPU reference sums in f64 and
+/// rounds once, a backend may sum in the wide type in its own order): the
 /// squared norms of rows in one pass over `x`, with no widened copy and no
 /// squares stored (what clipping by global norm needs of every gradient,
 /// [`crate::autodiff::clip_by_global_norm`]).
@@ -335,13 +336,12 @@ impl OpDef for SumSquares {
                 y.iter_mut().for_each(|v| *v = <T as Float>::Acc::zero());
                 return Ok(());
             }
+            // Summed in f64 and rounded once: the reference a backend's
+            // wide-type tree is compared with (a sequential f32 sum of a
+            // 40000-element row drifts by ~1e-5 itself).
             y.par_iter_mut().zip(x.par_chunks(len)).for_each(|(out, row)| {
-                let mut s = <T as Float>::Acc::zero();
-                for v in row {
-                    let a = v.acc();
-                    s += a * a;
-                }
-                *out = s;
+                let s: f64 = row.iter().map(|v| v.acc().to_f64().expect("a float")).map(|a| a * a).sum();
+                *out = c::<<T as Float>::Acc>(s);
             });
             Ok(())
         })
