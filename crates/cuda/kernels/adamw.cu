@@ -148,6 +148,26 @@ __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const
 // Elements per thread and iteration of `update_vec`.
 constexpr int kVec = 8;
 
+// Pack j (elements kVec·j ..): read with 16-byte loads, updated in place in
+// the registers (each element read before it is written), written back.
+template <typename P, typename M, typename V>
+__device__ __forceinline__ void update_pack(const Coefs<acc_t<P>>& c, const P* p, const P* g, const M* m, const V* v,
+                                            P* p_out, M* m_out, V* v_out, i64 j) {
+    Pack<P, kVec> rp, rg;
+    Pack<M, kVec> rm;
+    Pack<V, kVec> rv;
+    rp.read(p, j);
+    rg.read(g, j);
+    rm.read(m, j);
+    rv.read(v, j);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k)
+        update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), k);
+    rm.write(m_out, j);
+    rv.write(v_out, j);
+    rp.write(p_out, j);
+}
+
 // `update` for 16-byte-aligned tensors: each thread updates kVec
 // consecutive elements per iteration with 16-byte loads and stores (the
 // same arithmetic per element, so the same bits), the last n mod kVec
@@ -159,22 +179,7 @@ __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, c
     const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
     const i64 runs = n / kVec;
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = first; j < runs; j += stride) {
-        Pack<P, kVec> rp, rg;
-        Pack<M, kVec> rm;
-        Pack<V, kVec> rv;
-        rp.read(p, j);
-        rg.read(g, j);
-        rm.read(m, j);
-        rv.read(v, j);
-        // In place in the registers: each element is read before it is written.
-#pragma unroll
-        for (int k = 0; k < kVec; ++k)
-            update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), k);
-        rm.write(m_out, j);
-        rv.write(v_out, j);
-        rp.write(p_out, j);
-    }
+    for (i64 j = first; j < runs; j += stride) update_pack(c, p, g, m, v, p_out, m_out, v_out, j);
     for (i64 i = runs * kVec + first; i < n; i += stride) update_at(c, p, g, m, v, p_out, m_out, v_out, i);
 }
 
@@ -218,19 +223,7 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
         for (int r = 0; r < kChunk / (kVec * 256); ++r) {
             const i64 j = base / kVec + r * 256 + threadIdx.x;
             if (j >= runs) break;
-            Pack<P, kVec> rp, rg;
-            Pack<M, kVec> rm;
-            Pack<V, kVec> rv;
-            rp.read(p, j);
-            rg.read(g, j);
-            rm.read(m, j);
-            rv.read(v, j);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e)
-                update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), e);
-            rm.write(m_out, j);
-            rv.write(v_out, j);
-            rp.write(p_out, j);
+            update_pack(c, p, g, m, v, p_out, m_out, v_out, j);
         }
         const i64 tail = runs * kVec;
         if (tail >= base && tail < base + kChunk && tail + threadIdx.x < n)
