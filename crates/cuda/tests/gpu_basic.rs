@@ -391,6 +391,11 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
             per_output(&|t| Tol::of(row_tol(t.dtype, c)))
         }
         Op::Rope(_) => per_output(&|t| Tol::of(row_tol(t.dtype, 1))),
+        // A row's squares summed in f32 by a tree on the GPU, in f64 on the CPU.
+        Op::SumSquares(_) => {
+            let c = cols(&inputs[0]);
+            per_output(&|t| Tol::of(row_tol(t.dtype, c)))
+        }
         Op::RmsNormBackward(_) | Op::LayerNormBackward(_) => {
             // The weight gradient sums over every row: the longest reduction.
             let reduced = cols(&inputs[0]).max(rows(&inputs[0]));
