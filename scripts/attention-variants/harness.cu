@@ -10,9 +10,8 @@
 //
 // ABI: `base` (the kernels before the commit that added this harness: 64
 // rows per block everywhere, o tiles streamed by bwd_kv, no delta) or `new`
-// (this checkout's geometry, mirrored from src/ops/attention.rs), `wg` (the
-// warpgroup-MMA backward, built with -DSGM_WGMMA for sm_90a) or `wgfBC`
-// (also the warpgroup forward: -DSGM_WG_FWD -DSGM_WG_FWD_BC=BC).
+// (this checkout's geometry, mirrored from src/ops/attention.rs) or `wg`
+// (the warpgroup-MMA backward, built with -DSGM_WGMMA for sm_90a).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -85,12 +84,11 @@ int main(int argc, char** argv) {
     // Geometry of the 16-bit kernels (Geo in attention_mma.cu).
     const int bwd_cols = DP <= 64 ? 64 : 32;
     // ABI `wg`: the warpgroup-MMA backward (WgGeo: one warpgroup per 64
-    // rows, core-matrix tiles of DP columns); `wgfBC` (e.g. wgf64): the
-    // warpgroup forward too, with key tiles of BC (built with -DSGM_WG_FWD).
-    const bool wg = abi.rfind("wg", 0) == 0, wgf = abi.rfind("wgf", 0) == 0;
-    const int wg_bc = wgf && abi.size() > 3 ? atoi(abi.c_str() + 3) : 64, tile = 64 * DP * 2;
-    const int fwd_rows = wgf ? 64 : !base && DP > 64 ? 128 : 64, fwd_cols = fwd_rows == 64 ? 64 : 32;
-    const int fwd_smem = wgf ? tile + 4 * wg_bc * DP * 2 : (fwd_rows + 4 * fwd_cols) * row;
+    // rows, six core-matrix tiles of DP columns); the forward as `new`.
+    const bool wg = abi == "wg";
+    const int tile = 64 * DP * 2;
+    const int fwd_rows = !base && DP > 64 ? 128 : 64, fwd_cols = fwd_rows == 64 ? 64 : 32;
+    const int fwd_smem = (fwd_rows + 4 * fwd_cols) * row;
     const int bq_rows = !wg && !base && DP > 64 && DP < 128 ? 128 : 64;
     const int bq_smem = wg ? 6 * tile + 2 * 64 * 4 : (2 * bq_rows + 4 * bwd_cols) * row + 2 * bq_rows * 4;
     const int bkv_smem = wg ? 6 * tile + 2 * 64 * 4 : (128 + (base ? 6 : 4) * bwd_cols) * row + 2 * bwd_cols * 4;

@@ -872,8 +872,11 @@ template <> struct WgTy<__nv_bfloat16> {
 template <> struct WgTy<__half> {
     static constexpr bool BF16 = false;
 };
+// The two shapes the passes use: the 64 × 64 scores from shared memory
+// (Wg<64>::ss) and the DP-wide gradient products with A from registers
+// (Wg<DP>::rs_t). Operand lists written out (inline asm cannot loop over
+// registers).
 template <int N> struct Wg;
-// Operand lists written out (inline asm cannot loop over registers).
 template <> struct Wg<64> {
     // d[32] += A·B, A and B from shared memory, both K-major.
     template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
@@ -884,26 +887,8 @@ template <> struct Wg<64> {
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "l"(a), "l"(b));
     }
-    // d[32] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
-    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-        else
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    }
 };
 template <> struct Wg<80> {
-    // d[40] += A·B, A and B from shared memory, both K-major.
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "l"(a), "l"(b));
-        else
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "l"(a), "l"(b));
-    }
     // d[40] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
     template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
         if constexpr (WgTy<T>::BF16)
@@ -915,15 +900,6 @@ template <> struct Wg<80> {
     }
 };
 template <> struct Wg<96> {
-    // d[48] += A·B, A and B from shared memory, both K-major.
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "l"(a), "l"(b));
-        else
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "l"(a), "l"(b));
-    }
     // d[48] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
     template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
         if constexpr (WgTy<T>::BF16)
@@ -935,15 +911,6 @@ template <> struct Wg<96> {
     }
 };
 template <> struct Wg<112> {
-    // d[56] += A·B, A and B from shared memory, both K-major.
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "l"(a), "l"(b));
-        else
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "l"(a), "l"(b));
-    }
     // d[56] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
     template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
         if constexpr (WgTy<T>::BF16)
@@ -955,15 +922,6 @@ template <> struct Wg<112> {
     }
 };
 template <> struct Wg<128> {
-    // d[64] += A·B, A and B from shared memory, both K-major.
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
-        else
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
-    }
     // d[64] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
     template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
         if constexpr (WgTy<T>::BF16)
@@ -1013,18 +971,13 @@ __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec
     tile_cm_v<1, ROWS, DP>(s, p, t0, Tn, stride, D);
 }
 
-#ifndef SGM_WG_FWD_BC
-#define SGM_WG_FWD_BC 64
-#endif
-// Every block is one warpgroup owning 64 rows; tiles of 64 rows except the
-// forward's key tiles (FWD_BC). Mirrored by src/ops/attention.rs.
+// Every block is one warpgroup owning 64 rows and taking 64-row tiles.
+// Mirrored by src/ops/attention.rs (wgmma_shared_bytes).
 template <int DP> struct WgGeo {
-    static constexpr int BQ = 64;             // bwd_kv: query rows per step
-    static constexpr int TILE = 64 * DP * 2;  // bytes of a 64-row tile
-    static constexpr int FWD_BC = SGM_WG_FWD_BC;
-    static constexpr int FWD_SMEM = TILE + 4 * FWD_BC * DP * 2;   // q, two k and two v buffers
-    static constexpr int BQ_SMEM = 6 * TILE + 2 * 64 * 4;          // q, go, two k and two v buffers, row terms
-    static constexpr int BKV_SMEM = 6 * TILE + 2 * BQ * 4;         // k, v, two q and two go buffers, row terms
+    static constexpr int BQ = 64;                           // bwd_kv: query rows per step
+    static constexpr int TILE = 64 * DP * 2;                // bytes of a 64-row tile
+    static constexpr int BQ_SMEM = 6 * TILE + 2 * 64 * 4;   // q, go, two k and two v buffers, row terms
+    static constexpr int BKV_SMEM = 6 * TILE + 2 * BQ * 4;  // k, v, two q and two go buffers, row terms
 };
 // Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
 // along K and 16·DP along rows (KM_SBO, in each kernel); MN-major
@@ -1168,142 +1121,6 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         }
     }
 }
-// Forward with warpgroup MMA: the block (one warpgroup) owns 64 query rows
-// and walks key tiles of WG_FWD_BC up to the diagonal with an online
-// softmax: s = q·kᵀ from shared memory, o += p·v with p from registers.
-template <typename T, int DP>
-__device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
-                       double scale) {
-    typedef WgGeo<DP> G;
-    typedef u16 E;
-    constexpr int BC = G::FWD_BC, ROWS = 64, TILE = G::TILE, KT = BC * DP * 2, NO = DP / 8, NS = BC / 8;
-    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
-    extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Qs = smem_bytes;
-    unsigned char* const Ks = Qs + TILE;    // two buffers of BC rows
-    unsigned char* const Vs = Ks + 2 * KT;  // two buffers
-    check_launch(ROWS, Tn, G::FWD_SMEM);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
-    const int q0 = qt * ROWS;
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
-    const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
-    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
-    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
-    const float c2 = (float)(scale * 1.4426950408889634074);
-    auto issue = [&](int j, int buf) {
-        tile_cm<BC, DP, E>(Ks + buf * KT, kb, vk, j * BC, Tn, ks, D);
-        tile_cm<BC, DP, E>(Vs + buf * KT, vb, vv, j * BC, Tn, ks, D);
-    };
-    tile_cm<ROWS, DP, E>(Qs, qb, vec_of<2>(q, D), q0, Tn, qs, D);
-    issue(0, 0);
-    cp_commit();
-
-    const int w0 = q0 + warp * 16;  // a lane's rows: w0 + g and + 8
-    float acc[DP / 2];
-#pragma unroll
-    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-    for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) {
-            issue(j + 1, (j + 1) & 1);
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
-        const unsigned char* const Kt = Ks + (j & 1) * KT;
-        const unsigned char* const Vt = Vs + (j & 1) * KT;
-        const int k0 = j * BC;
-        float s[NS * 4];
-#pragma unroll
-        for (int i = 0; i < NS * 4; ++i) s[i] = 0.f;
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk)
-            Wg<BC>::template ss<T>(s, wg_desc(Qs + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
-        wg_commit();
-        wg_wait0();
-
-        // Scale; mask future keys and keys past T; the online softmax.
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-                const float x = key > row || key >= Tn ? -INFINITY : s[4 * n + e] * c2;
-                s[4 * n + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float x = mx[r];
-            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-            const float mn = fmaxf(m[r], x);
-            alpha[r] = exp2f(m[r] - mn);
-            m[r] = mn;
-        }
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[4 * n + e] - m[e >> 1]);
-                s[4 * n + e] = p;
-                sum[e >> 1] += p;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            acc[4 * n] *= alpha[0];
-            acc[4 * n + 1] *= alpha[0];
-            acc[4 * n + 2] *= alpha[1];
-            acc[4 * n + 3] *= alpha[1];
-        }
-        // acc += p · v, 16 keys at a time.
-        u32 pa[BC / 16][4];
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(pa[kc], s + 8 * kc);
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc)
-            Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
-        wg_commit();
-        wg_wait0();
-        __syncthreads();  // this tile's buffer is refilled next
-    }
-
-    T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = w0 + g + r * 8;
-        if (row >= Tn) continue;
-        const float inv = 1.f / l[r];
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) store(ob, (long long)row * qs + d, acc[4 * n + 2 * r] * inv);
-            if (d + 1 < D) store(ob, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * inv);
-        }
-        if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[r] + log2f(l[r])) * SGM_LN2;
-    }
-}
-
 // Query-side backward with warpgroup MMA: the block owns 64 query rows and
 // walks key tiles of 64 up to the diagonal: s = q·kᵀ, dp = go·vᵀ from shared
 // memory, gq += ds·k with ds from registers; it stores D_i in delta first.
@@ -1448,13 +1265,9 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
 // The passes: the backward's on warpgroup MMA in a module built for sm_90a
 // with SGM_WGMMA defined (16-bit storage, padded widths 80..128: the host's
 // wgmma_backward), mma.sync otherwise.
-// The forward's warpgroup variant (SGM_WG_FWD) measured slower than the
-// mma.sync one and is only built for scripts/attention-variants.
-#if defined(SGM_WGMMA) && defined(SGM_WG_FWD)
-#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
-#else
+// The forward stays on mma.sync everywhere: a warpgroup forward (one
+// warpgroup per 64 query rows, commit 5a55a4e) measured slower.
 #define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
-#endif
 #ifdef SGM_WGMMA
 #define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale)
