@@ -39,6 +39,21 @@ impl KernelModule {
     pub const fn plain(name: &'static str, source: &'static str) -> Self {
         KernelModule { name, source, defines: "", arch_specific: false }
     }
+
+    /// The full text NVRTC compiles: the shared header, the defines, the source.
+    pub fn text(&self) -> String {
+        format!("{COMMON}\n{}#line 1 \"{}.cu\"\n{}", self.defines, self.name, self.source)
+    }
+
+    /// The target it is built for on a device of `arch` (`sm_90`): that
+    /// architecture's specific target (`sm_90a`) when it is [`Self::arch_specific`].
+    pub fn target(&self, arch: &str) -> String {
+        if self.arch_specific {
+            format!("{arch}a")
+        } else {
+            arch.to_string()
+        }
+    }
 }
 
 /// Every module the op list declares, each once, in op-list order, then
@@ -60,7 +75,7 @@ pub fn module(name: &str) -> Option<&'static KernelModule> {
 
 /// The full text NVRTC compiles for `module`.
 pub fn module_source(module: &str) -> Option<String> {
-    all().find(|m| m.name == module).map(|m| format!("{COMMON}\n{}#line 1 \"{}.cu\"\n{}", m.defines, m.name, m.source))
+    self::module(module).map(KernelModule::text)
 }
 
 #[cfg(test)]

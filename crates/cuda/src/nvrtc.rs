@@ -74,20 +74,13 @@ fn cache_dir() -> PathBuf {
 /// module declared [`KernelModule::arch_specific`](crate::kernels::KernelModule)),
 /// from the disk cache when it is there.
 pub fn compile(module: &str, arch: &str) -> Result<Vec<u8>> {
-    let src = kernels::module_source(module).ok_or_else(|| CudaError::Compile {
+    let m = kernels::module(module).ok_or_else(|| CudaError::Compile {
         source_name: module.into(),
         arch: arch.into(),
         log: "no such kernel source".into(),
     })?;
-    // A module using one architecture's own instructions (wgmma) is built
-    // for that architecture's specific target, `sm_90a` for `sm_90`.
-    let specific;
-    let arch = if kernels::module(module).is_some_and(|m| m.arch_specific) {
-        specific = format!("{arch}a");
-        specific.as_str()
-    } else {
-        arch
-    };
+    let (src, target) = (m.text(), m.target(arch));
+    let arch = target.as_str();
     let (maj, min) = version()?;
     let key = {
         let mut h = Sha256::new();
