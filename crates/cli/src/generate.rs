@@ -291,8 +291,10 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         })
         .collect();
     check_requests(&program, &requests)?;
+    // The parameters as the folder names them (the fused projections' parts).
+    let checkpoint = program.checkpoint_params()?;
     if let Some(hf) = &hf {
-        hf.check(&program.checkpoint_params()?)?;
+        hf.check(&checkpoint)?;
     }
     let on_gpu = match args.device {
         Some(DeviceArg::Cpu) => false,
@@ -314,7 +316,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         // generation's fused projection weights.
         Some(hf) => {
             let mut writer = FusedWriter::new(&program);
-            hf.load_into_with(&program.checkpoint_params()?, &mut |name, t| writer.write(session.as_mut(), name, t))
+            hf.load_into_with(&checkpoint, &mut |name, t| writer.write(session.as_mut(), name, t))
                 .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
             writer.finish()?;
         }
