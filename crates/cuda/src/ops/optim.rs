@@ -73,8 +73,9 @@ pub const MULTI_CHUNK: usize = 2 * THREADS as usize * VEC_ELEMS;
 
 /// The multi-tensor kernel's table (`sg_adamw::MultiTable`), as bytes:
 /// element counts, seven address arrays (p, g, m, v and the three outputs),
-/// the running chunk counts and the count, padded to 8 bytes.
-fn multi_table(updates: &[&KernelLaunch]) -> Vec<u8> {
+/// the running chunk counts and the count, padded to 8 bytes; and the
+/// number of chunks in all.
+fn multi_table(updates: &[&KernelLaunch]) -> (Vec<u8>, usize) {
     let mut b = Vec::with_capacity(3272);
     let cols = |i: usize| -> Vec<u64> {
         let mut c: Vec<u64> = updates.iter().map(|k| ptr_arg(&k.args[i])).collect();
@@ -100,7 +101,7 @@ fn multi_table(updates: &[&KernelLaunch]) -> Vec<u8> {
     }
     b.extend((updates.len() as i32).to_ne_bytes());
     b.resize(b.len().next_multiple_of(8), 0);
-    b
+    (b, end as usize)
 }
 
 fn ptr_arg(a: &Arg) -> u64 {
@@ -155,19 +156,20 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
             j += 1;
             continue;
         }
-        for group in (j..end).collect::<Vec<_>>().chunks(MULTI_MAX_TENSORS) {
-            let updates: Vec<&KernelLaunch> = group
+        for start in (j..end).step_by(MULTI_MAX_TENSORS) {
+            let group = start..(start + MULTI_MAX_TENSORS).min(end);
+            let updates: Vec<&KernelLaunch> = launches[group.clone()]
                 .iter()
-                .map(|&i| match &launches[i] {
+                .map(|l| match l {
                     Launch::Kernel(k) => k,
                     _ => unreachable!("merge_key admits kernels only"),
                 })
                 .collect();
             let head = updates[0];
-            let mut args = vec![Arg::Struct(multi_table(&updates))];
+            let (table, chunks) = multi_table(&updates);
+            let mut args = vec![Arg::Struct(table)];
             args.extend(head.args[4..6].iter().cloned());
             args.extend(head.args[10..].iter().cloned());
-            let chunks: usize = updates.iter().map(|k| elements(k).div_ceil(MULTI_CHUNK)).sum();
             let grid = chunks.min(ADAMW_MAX_GRID) as u32;
             out.push(launch(
                 "adamw",
@@ -176,8 +178,8 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
                 (THREADS, 1, 1),
                 args,
             ));
-            first.push(nodes[group[0]]);
-            last.push(nodes[*group.last().expect("chunks are not empty")]);
+            first.push(nodes[group.start]);
+            last.push(nodes[group.end - 1]);
         }
         j = end;
     }
