@@ -112,21 +112,17 @@ macro_rules! attention_modules {
     ) => {
         &[
             KernelModule::plain(MODULE, ATTENTION_SRC),
-            $(KernelModule {
-                name: $name,
-                source: ATTENTION_MMA_SRC,
-                defines: concat!("#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
-                arch_specific: false,
-            }),*
-            $(,KernelModule {
-                name: $wname,
-                source: ATTENTION_MMA_SRC,
-                defines: concat!(
-                    "#define SGM_WGMMA 1\n#define SGM_SFX ", $wsfx, "\n#define SGM_TYPE ", $wty, "\n#define SGM_DP ", $wdp, "\n"
-                ),
-                arch_specific: true,
-            })*
+            $(attention_modules!(@variant $name, "", $sfx, $ty, $dp, false),)*
+            $(attention_modules!(@variant $wname, "#define SGM_WGMMA 1\n", $wsfx, $wty, $wdp, true),)*
         ]
+    };
+    (@variant $name:literal, $extra:literal, $sfx:literal, $ty:literal, $dp:literal, $specific:literal) => {
+        KernelModule {
+            name: $name,
+            source: ATTENTION_MMA_SRC,
+            defines: concat!($extra, "#define SGM_SFX ", $sfx, "\n#define SGM_TYPE ", $ty, "\n#define SGM_DP ", $dp, "\n"),
+            arch_specific: $specific,
+        }
     };
 }
 
