@@ -980,9 +980,28 @@ template <int DP> struct WgGeo {
     static constexpr int BKV_SMEM = 6 * TILE + 2 * BQ * 4;  // k, v, two q and two go buffers, row terms
 };
 // Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
-// along K and 16·DP along rows (KM_SBO, in each kernel); MN-major
+// along K and 16·DP along rows (wg_score_pair); MN-major
 // (transposed) reads step 16·DP along K (MN_LBO) and 128 along N.
 constexpr u32 KM_LBO = 128, MN_SBO = 128;
+
+// The two 64 × 64 score products of a backward step, s = a·bᵀ and
+// dp = c·dᵀ over DP (64-row core-matrix tiles, all read K-major), issued
+// together and waited for.
+template <typename T, int DP>
+__device__ __forceinline__ void wg_score_pair(float* s, float* dp, const unsigned char* a, const unsigned char* b,
+                                              const unsigned char* c, const unsigned char* d) {
+    constexpr u32 KM_SBO = 16 * DP;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        Wg<64>::template ss<T>(s, wg_desc(a + kk * 256, KM_LBO, KM_SBO), wg_desc(b + kk * 256, KM_LBO, KM_SBO));
+        Wg<64>::template ss<T>(dp, wg_desc(c + kk * 256, KM_LBO, KM_SBO), wg_desc(d + kk * 256, KM_LBO, KM_SBO));
+    }
+    wg_commit();
+    wg_wait0();
+}
 
 // A wgmma A fragment (16 rows × 16 of a warp) from two accumulator C tiles,
 // as mma.sync's a_from_c.
@@ -1017,7 +1036,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D);
     const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
-    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    constexpr u32 MN_LBO = 16 * DP;
 
     tile_cm<BR, DP, E>(Ks, k + koff, vec_of<2>(k, D), k0, Tn, ks, D);
     tile_cm<BR, DP, E>(Vs, v + koff, vec_of<2>(v, D), k0, Tn, ks, D);
@@ -1064,16 +1083,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 
         // sᵀ = k·qᵀ and dpᵀ = v·goᵀ: [64 keys × 64 queries], 16 keys per warp.
         float s[NS * 4], dp[NS * 4];
-#pragma unroll
-        for (int i = 0; i < NS * 4; ++i) s[i] = dp[i] = 0.f;
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-            Wg<BQ>::template ss<T>(s, wg_desc(Ks + kk * 256, KM_LBO, KM_SBO), wg_desc(Qt + kk * 256, KM_LBO, KM_SBO));
-            Wg<BQ>::template ss<T>(dp, wg_desc(Vs + kk * 256, KM_LBO, KM_SBO), wg_desc(Gt + kk * 256, KM_LBO, KM_SBO));
-        }
-        wg_commit();
-        wg_wait0();
+        wg_score_pair<T, DP>(s, dp, Ks, Qt, Vs, Gt);
         // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
 #pragma unroll
         for (int n = 0; n < NS; ++n)
@@ -1130,7 +1140,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     typedef WgGeo<DP> G;
     typedef u16 E;
     constexpr int BC = 64, ROWS = 64, TILE = G::TILE, NO = DP / 8, NS = BC / 8;
-    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    constexpr u32 MN_LBO = 16 * DP;
     extern __shared__ __align__(128) unsigned char smem_bytes[];
     unsigned char* const Qs = smem_bytes;
     unsigned char* const Gs = Qs + TILE;
@@ -1188,16 +1198,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         const unsigned char* const Vt = Vs + (j & 1) * TILE;
         const int k0 = j * BC;
         float s[NS * 4], dp[NS * 4];
-#pragma unroll
-        for (int i = 0; i < NS * 4; ++i) s[i] = dp[i] = 0.f;
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-            Wg<BC>::template ss<T>(s, wg_desc(Qs + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
-            Wg<BC>::template ss<T>(dp, wg_desc(Gs + kk * 256, KM_LBO, KM_SBO), wg_desc(Vt + kk * 256, KM_LBO, KM_SBO));
-        }
-        wg_commit();
-        wg_wait0();
+        wg_score_pair<T, DP>(s, dp, Qs, Kt, Gs, Vt);
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
