@@ -15,7 +15,7 @@ use stepgraph_core::testing::run_op;
 #[test]
 fn shape_rules_name_the_problem() {
     let t = |s: &[usize]| TensorType::new(DType::F32, s);
-    let err = Op::from(MatMul { trans_a: false, trans_b: false }).infer(&[&t(&[2, 3]), &t(&[4, 5])]).unwrap_err();
+    let err = Op::from(MatMul::new(false, false)).infer(&[&t(&[2, 3]), &t(&[4, 5])]).unwrap_err();
     assert!(err.contains("contraction sizes differ: 3 and 4"), "{err}");
     let err = Op::from(Binary { f: BinaryFn::Add }).infer(&[&t(&[2, 3]), &t(&[4])]).unwrap_err();
     assert!(err.contains("broadcast"), "{err}");

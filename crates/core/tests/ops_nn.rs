@@ -623,13 +623,13 @@ fn shape_rule_errors_name_the_problem() {
         (RmsNorm { eps: 1e-6 }.into(), vec![f(&[]), f(&[1])], &["rank >= 1"]),
         (RmsNorm { eps: 1e-6 }.into(), vec![f(&[2, 0]), f(&[0])], &["empty"]),
         (
-            RmsNormBackward { eps: 1e-6 }.into(),
+            RmsNormBackward { eps: 1e-6, addend: false }.into(),
             vec![f(&[2, 8]), f(&[8]), t(DType::F64, &[2]), f(&[2, 8])],
             &["rstd", "f32[2]"],
         ),
         (LayerNorm { eps: 1e-6 }.into(), vec![f(&[2, 8]), f(&[8]), f(&[7])], &["layer_norm", "bias"]),
         (
-            LayerNormBackward { eps: 1e-6 }.into(),
+            LayerNormBackward { eps: 1e-6, addend: false }.into(),
             vec![f(&[2, 8]), f(&[8]), f(&[2]), f(&[2]), f(&[2, 8]), f(&[2])],
             &["expects 5 inputs", "got 6"],
         ),

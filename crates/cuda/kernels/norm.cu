@@ -22,6 +22,11 @@
 //
 // Statistics (mean, rstd and their cotangents) are stored in acc_t<T>,
 // which is the op's stat dtype (f32, or f64 for f64 data).
+//
+// The backward row kernels take an `addend` (null when absent): a tensor of
+// x's shape added to gx before its rounding, as the CPU does (the op's
+// `addend` form). It may be gx itself, so gx is not __restrict__: each
+// thread reads an element of the addend before it writes that element.
 
 #define NORM_COL_TILE 32   // columns per parameter-gradient block (blockDim.x)
 #define NORM_ROW_LANES 32  // row lanes per parameter-gradient block (blockDim.y)
@@ -53,11 +58,11 @@ __device__ void rms_norm_rows(const T* __restrict__ x, const T* __restrict__ w, 
     }
 }
 
-// gx = rstd·w·gy − x·rstd³·(Σ x·w·gy + grstd)/C per row.
+// gx = rstd·w·gy − x·rstd³·(Σ x·w·gy + grstd)/C per row (+ addend).
 template <typename T>
 __device__ void rms_norm_backward_rows(const T* __restrict__ x, const T* __restrict__ w,
                                        const acc_t<T>* __restrict__ rstd, const T* __restrict__ gy,
-                                       const acc_t<T>* __restrict__ grstd, int has_grstd, T* __restrict__ gx,
+                                       const acc_t<T>* __restrict__ grstd, int has_grstd, const T* addend, T* gx,
                                        i64 rows, i64 cols) {
     typedef acc_t<T> A;
     __shared__ A scratch[32];
@@ -74,7 +79,8 @@ __device__ void rms_norm_backward_rows(const T* __restrict__ x, const T* __restr
         const A coef = rs * rs * rs * (dot + gs) / n;
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) {
             const A xv = load(xr, k), g = load(gr, k);
-            store(or_, k, rs * load(w, k) * g - xv * coef);
+            const A v = rs * load(w, k) * g - xv * coef;
+            store(or_, k, addend ? v + load(addend, r * cols + k) : v);
         }
     }
 }
@@ -127,8 +133,8 @@ __device__ void rms_norm_rows_vec(const T* __restrict__ x, const T* __restrict__
 template <typename T>
 __device__ void rms_norm_backward_rows_vec(const T* __restrict__ x, const T* __restrict__ w,
                                            const acc_t<T>* __restrict__ rstd, const T* __restrict__ gy,
-                                           const acc_t<T>* __restrict__ grstd, int has_grstd, T* __restrict__ gx,
-                                           i64 rows, i64 cols) {
+                                           const acc_t<T>* __restrict__ grstd, int has_grstd, const T* addend,
+                                           T* gx, i64 rows, i64 cols) {
     typedef acc_t<T> A;
     typedef Pack<T> P;
     __shared__ A scratch[32];
@@ -163,12 +169,14 @@ __device__ void rms_norm_backward_rows_vec(const T* __restrict__ x, const T* __r
         for (int u = 0; u < NORM_VEC_PACKS; ++u) {
             const int j = threadIdx.x + u * blockDim.x;
             if (j >= packs) continue;
-            P pw, po;
+            P pw, po, pa;
             pw.read(w, j);
+            if (addend) pa.read(addend + r * cols, j);
 #pragma unroll
             for (int k = 0; k < P::N; ++k) {
                 const A xv = load(px[u].elems(), k), g = load(pg[u].elems(), k);
-                store(po.elems(), k, rs * load(pw.elems(), k) * g - xv * coef);
+                const A v = rs * load(pw.elems(), k) * g - xv * coef;
+                store(po.elems(), k, addend ? v + load(pa.elems(), k) : v);
             }
             po.write(gx + r * cols, j);
         }
@@ -242,8 +250,8 @@ template <typename T>
 __device__ void layer_norm_backward_rows(const T* __restrict__ x, const T* __restrict__ w,
                                          const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                                          const T* __restrict__ gy, const acc_t<T>* __restrict__ gmean,
-                                         const acc_t<T>* __restrict__ grstd, int has_gstats, T* __restrict__ gx,
-                                         i64 rows, i64 cols) {
+                                         const acc_t<T>* __restrict__ grstd, int has_gstats, const T* addend,
+                                         T* gx, i64 rows, i64 cols) {
     typedef acc_t<T> A;
     __shared__ A scratch[32];
     const A n = row_count<A>(cols);
@@ -265,7 +273,8 @@ __device__ void layer_norm_backward_rows(const T* __restrict__ x, const T* __res
         const A shift = gm / n, stat_coef = grs * rs * rs / n;
         for (i64 k = threadIdx.x; k < cols; k += blockDim.x) {
             const A xh = (load(xr, k) - m) * rs;
-            store(or_, k, rs * (load(gr, k) * load(w, k) - mg - xh * mgx) + shift - stat_coef * xh);
+            const A v = rs * (load(gr, k) * load(w, k) - mg - xh * mgx) + shift - stat_coef * xh;
+            store(or_, k, addend ? v + load(addend, r * cols + k) : v);
         }
     }
 }
@@ -305,8 +314,9 @@ __device__ void layer_norm_backward_gwb_cols(const T* __restrict__ x, const acc_
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         rms_norm_backward_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                       \
-                                const acc_t<T>* grstd, int has_grstd, T* gx, i64 rows, i64 cols) {               \
-        rms_norm_backward_rows<T>(x, w, rstd, gy, grstd, has_grstd, gx, rows, cols);                              \
+                                const acc_t<T>* grstd, int has_grstd, const T* addend, T* gx, i64 rows,          \
+                                i64 cols) {                                                                       \
+        rms_norm_backward_rows<T>(x, w, rstd, gy, grstd, has_grstd, addend, gx, rows, cols);                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         rms_norm_vec_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) {        \
@@ -314,8 +324,9 @@ __device__ void layer_norm_backward_gwb_cols(const T* __restrict__ x, const acc_
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         rms_norm_backward_vec_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                   \
-                                    const acc_t<T>* grstd, int has_grstd, T* gx, i64 rows, i64 cols) {           \
-        rms_norm_backward_rows_vec<T>(x, w, rstd, gy, grstd, has_grstd, gx, rows, cols);                          \
+                                    const acc_t<T>* grstd, int has_grstd, const T* addend, T* gx, i64 rows,      \
+                                    i64 cols) {                                                                   \
+        rms_norm_backward_rows_vec<T>(x, w, rstd, gy, grstd, has_grstd, addend, gx, rows, cols);                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_TILE * NORM_ROW_LANES)                                  \
         rms_norm_backward_gw_##sfx(const T* x, const acc_t<T>* rstd, const T* gy, T* gw, i64 rows, i64 cols) {   \
@@ -329,8 +340,8 @@ __device__ void layer_norm_backward_gwb_cols(const T* __restrict__ x, const acc_
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         layer_norm_backward_##sfx(const T* x, const T* w, const acc_t<T>* mean, const acc_t<T>* rstd,            \
                                   const T* gy, const acc_t<T>* gmean, const acc_t<T>* grstd, int has_gstats,      \
-                                  T* gx, i64 rows, i64 cols) {                                                    \
-        layer_norm_backward_rows<T>(x, w, mean, rstd, gy, gmean, grstd, has_gstats, gx, rows, cols);              \
+                                  const T* addend, T* gx, i64 rows, i64 cols) {                                   \
+        layer_norm_backward_rows<T>(x, w, mean, rstd, gy, gmean, grstd, has_gstats, addend, gx, rows, cols);      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_TILE * NORM_ROW_LANES)                                  \
         layer_norm_backward_gwb_##sfx(const T* x, const acc_t<T>* mean, const acc_t<T>* rstd, const T* gy,       \

@@ -61,7 +61,8 @@ pub enum GemmType {
 /// `C[b] = op(A[b]) · op(B[b])` for row-major matrices, as the CPU's
 /// [`stepgraph_core::cpu::gemm::GemmDesc`]: `A[b]` is `[m, k]` (`[k, m]`
 /// with `trans_a`), `B[b]` is `[k, n]` (`[n, k]` with `trans_b`), `C[b]` is
-/// `[m, n]`. A stride of 0 shares one matrix across the batch.
+/// `[m, n]`. A stride of 0 shares one matrix across the batch. With an
+/// [`GemmAddend`], a tensor is added to the product before its rounding.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GemmCall {
     pub ty: GemmType,
@@ -78,6 +79,21 @@ pub struct GemmCall {
     pub stride_a: i64,
     pub stride_b: i64,
     pub stride_c: i64,
+    /// What is added to the product (cuBLASLt's epilogue).
+    pub addend: GemmAddend,
+}
+
+/// A tensor a product adds in its epilogue, before the result's one rounding.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum GemmAddend {
+    /// Nothing: `C = op(A)·op(B)`, the output overwritten (`beta = 0`).
+    None,
+    /// A tensor laid out as the output (the same batch stride), at this
+    /// address, which may be the output's: `beta = 1`.
+    Full(u64),
+    /// A row of `n` elements at this address, added to every row of every
+    /// batch entry: cuBLASLt's bias epilogue.
+    Bias(u64),
 }
 
 /// One device operation of a lowered node.

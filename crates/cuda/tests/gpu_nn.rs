@@ -240,12 +240,12 @@ fn every_kernel_is_deterministic() {
         let mut cases: Vec<(Op, Vec<HostTensor>)> = vec![
             (rms, vec![x.clone(), w.clone()]),
             (
-                Op::RmsNormBackward(RmsNormBackward { eps: RMS_EPS }),
+                Op::RmsNormBackward(RmsNormBackward { eps: RMS_EPS, addend: false }),
                 vec![x.clone(), w.clone(), rstd, gy.clone(), g300.clone()],
             ),
             (ln, vec![x.clone(), w.clone(), b]),
             (
-                Op::LayerNormBackward(LayerNormBackward { eps: LN_EPS }),
+                Op::LayerNormBackward(LayerNormBackward { eps: LN_EPS, addend: false }),
                 vec![x.clone(), w, stats[1].clone(), stats[2].clone(), gy.clone(), g300.clone(), g300],
             ),
             (

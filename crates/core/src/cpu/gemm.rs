@@ -364,11 +364,36 @@ fn gemm_half<T: Half>(desc: &GemmDesc, a: &[T], b: &[T], c: &mut [T], dtype: &st
     // Widening is exact, so the only roundings are gemm's f32 accumulation and
     // the final one per output element. The f32 scratch is private, so the
     // f32 driver's "never read C" guarantee carries over.
-    let a32 = widen(a);
-    let b32 = widen(b);
     let mut c32 = vec![0.0f32; c.len()];
-    gemm_native(desc, &a32, &b32, &mut c32);
+    gemm_half_wide(desc, a, b, &mut c32, dtype);
     narrow(&c32, c);
+}
+
+/// The `f32` product of 16-bit operands, not rounded to storage: what a
+/// caller adds an epilogue to (an addend) before the one final rounding.
+fn gemm_half_wide<T: Half>(desc: &GemmDesc, a: &[T], b: &[T], c32: &mut [f32], dtype: &str) {
+    desc.check_lengths(a.len(), b.len(), c32.len(), dtype);
+    if desc.is_empty_output() {
+        return;
+    }
+    gemm_native(desc, &widen(a), &widen(b), c32);
+}
+
+/// Computes `C[b] = op(A[b]) · op(B[b])` for `bf16` operands into an `f32`
+/// `c32`, unrounded (the product [`gemm_bf16`] rounds).
+///
+/// # Panics
+/// As [`gemm_bf16`].
+pub fn gemm_bf16_wide(desc: &GemmDesc, a: &[bf16], b: &[bf16], c32: &mut [f32]) {
+    gemm_half_wide(desc, a, b, c32, "bf16");
+}
+
+/// As [`gemm_bf16_wide`] for `f16` operands.
+///
+/// # Panics
+/// As [`gemm_f16`].
+pub fn gemm_f16_wide(desc: &GemmDesc, a: &[f16], b: &[f16], c32: &mut [f32]) {
+    gemm_half_wide(desc, a, b, c32, "f16");
 }
 
 /// Computes `C[b] = op(A[b]) · op(B[b])` for `bf16` storage with `f32`

@@ -4,11 +4,18 @@
 //! (`[..., n, k]` with `trans_b`). Either operand may be 2-D while the other
 //! carries batch dims (a linear layer: activations `[B, T, in]` times a
 //! weight `[out, in]` with `trans_b`); otherwise batch dims must be equal.
+//!
+//! With `addend`, a third input is added to the product before its one
+//! rounding to storage: a tensor of the output's type (the residual add, a
+//! gradient summed from two products: cuBLASLt's `beta = 1`) or a row
+//! vector `[n]` broadcast over the rows (a bias: cuBLASLt's bias epilogue).
+//! The epilogue pass ([`crate::fusion`]) makes these from `add` nodes.
 
 use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
+use crate::cpu::gemm::{gemm_bf16_wide, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
 use crate::cpu::KernelIo;
+use crate::cpu::{Float, KernelIo as Io};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
 
@@ -16,6 +23,39 @@ use crate::ir::{Builder, DType, TensorType, ValueId};
 pub struct MatMul {
     pub trans_a: bool,
     pub trans_b: bool,
+    /// A third input is added to the product (see the module doc).
+    pub addend: bool,
+}
+
+/// How a [`MatMul`]'s addend meets the product.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum AddendKind {
+    /// The output's own type: added element by element.
+    Full,
+    /// `[n]`, the output's last dimension: added to every row.
+    Bias,
+}
+
+impl MatMul {
+    /// The plain product `op(a) · op(b)`.
+    pub fn new(trans_a: bool, trans_b: bool) -> Self {
+        MatMul { trans_a, trans_b, addend: false }
+    }
+
+    /// How an addend of type `addend` meets an output of type `out`, or
+    /// `None` when it cannot be a [`MatMul`] addend.
+    pub fn addend_kind(out: &TensorType, addend: &TensorType) -> Option<AddendKind> {
+        if addend.dtype != out.dtype {
+            return None;
+        }
+        if addend == out {
+            Some(AddendKind::Full)
+        } else if addend.shape.len() == 1 && out.shape.last() == Some(&addend.shape[0]) {
+            Some(AddendKind::Bias)
+        } else {
+            None
+        }
+    }
 }
 
 /// Resolved dimensions of one product.
@@ -81,7 +121,23 @@ impl OpDef for MatMul {
                 a.extend(if ta { [k, m] } else { [m, k] });
                 let mut b = bb.to_vec();
                 b.extend(if tb { [n, k] } else { [k, n] });
-                v.push(Sample::new(MatMul { trans_a: ta, trans_b: tb }, vec![normal(d, &a), normal(d, &b)]));
+                v.push(Sample::new(MatMul::new(ta, tb), vec![normal(d, &a), normal(d, &b)]));
+            }
+        }
+        // With an addend of the output's type and with a bias, unbatched,
+        // batched and a batch of row blocks times a shared weight.
+        for (ta, tb) in [(false, false), (false, true), (true, false)] {
+            for ((m, k, n), ba, bb) in [cases[0], cases[1], cases[2], cases[5]] {
+                let mut a = ba.to_vec();
+                a.extend(if ta { [k, m] } else { [m, k] });
+                let mut b = bb.to_vec();
+                b.extend(if tb { [n, k] } else { [k, n] });
+                let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
+                out.extend([m, n]);
+                let op = MatMul { trans_a: ta, trans_b: tb, addend: true };
+                for c in [&out[..], &[n]] {
+                    v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
+                }
             }
         }
         v
@@ -90,7 +146,7 @@ impl OpDef for MatMul {
         "matmul"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        expect_inputs(inputs, 2)?;
+        expect_inputs(inputs, if self.addend { 3 } else { 2 })?;
         expect_float(inputs[0], "a")?;
         if inputs[0].dtype != inputs[1].dtype {
             return Err(format!("dtypes differ: {} and {}", inputs[0].dtype, inputs[1].dtype));
@@ -98,7 +154,11 @@ impl OpDef for MatMul {
         let d = self.dims(&inputs[0].shape, &inputs[1].shape)?;
         let mut shape = d.batch_shape;
         shape.extend([d.m, d.n]);
-        Ok(vec![inputs[0].with_shape(shape)])
+        let out = inputs[0].with_shape(shape);
+        if self.addend && MatMul::addend_kind(&out, inputs[2]).is_none() {
+            return Err(format!("the addend {} is neither the product's type {out} nor a row of {}", inputs[2], d.n));
+        }
+        Ok(vec![out])
     }
     fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
         let Some(g) = args.cotangents[0] else { return Ok(vec![None, None]) };
@@ -112,7 +172,12 @@ impl OpDef for MatMul {
         // (the other order holds both at once, and the weight never dies).
         let gb = if tb { b.matmul_into(g, x, true, ta, w)? } else { b.matmul_into(x, g, !ta, false, w)? };
         let ga = if ta { b.matmul_into(w, g, tb, true, x)? } else { b.matmul_into(g, w, false, !tb, x)? };
-        Ok(vec![Some(ga), Some(gb)])
+        let mut grads = vec![Some(ga), Some(gb)];
+        if self.addend {
+            let shape = b.shape(args.inputs[2]).to_vec();
+            grads.push(Some(b.sum_to(g, &shape)?));
+        }
+        Ok(grads)
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let d = self.dims(&io.in_ty(0).shape, &io.in_ty(1).shape).map_err(|e| Error::op("matmul", e))?;
@@ -125,41 +190,100 @@ impl OpDef for MatMul {
             trans_b: self.trans_b,
             broadcast_b: !d.b_batched,
         };
+        // The product in the accumulator type (f32 for 16-bit storage),
+        // then the addend, then one rounding to storage.
         macro_rules! run {
-            ($T:ty, $f:ident) => {{
-                let (a, bm, c) = (io.input::<$T>(0), io.input::<$T>(1), io.output::<$T>(0));
+            ($T:ty, $W:ty, $f:ident) => {{
+                let (a, bm) = (io.input::<$T>(0), io.input::<$T>(1));
+                let mut wide = vec![<$W>::default(); io.out_ty(0).numel()];
                 if d.a_batched || !d.b_batched {
-                    $f(&desc, a, bm, c);
+                    $f(&desc, a, bm, &mut wide);
                 } else {
                     // `a` is shared and `b` batched: one product per batch entry.
                     let one = GemmDesc { batch: 1, broadcast_b: false, ..desc };
                     let (bs, cs) = (d.k * d.n, d.m * d.n);
                     for i in 0..d.batch {
-                        $f(&one, a, &bm[i * bs..(i + 1) * bs], &mut c[i * cs..(i + 1) * cs]);
+                        $f(&one, a, &bm[i * bs..(i + 1) * bs], &mut wide[i * cs..(i + 1) * cs]);
                     }
                 }
+                finish::<$T>(io, self.addend, &wide);
             }};
         }
         match io.out_ty(0).dtype {
-            DType::F32 => run!(f32, gemm_f32),
-            DType::F64 => run!(f64, gemm_f64),
-            DType::BF16 => run!(half::bf16, gemm_bf16),
-            DType::F16 => run!(half::f16, gemm_f16),
+            DType::F32 => run!(f32, f32, gemm_f32),
+            DType::F64 => run!(f64, f64, gemm_f64),
+            DType::BF16 => run!(half::bf16, f32, gemm_bf16_wide),
+            DType::F16 => run!(half::f16, f32, gemm_f16_wide),
             dt => return Err(Error::op("matmul", format!("no CPU kernel for {dt}"))),
         }
         Ok(())
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        vec![("trans_a", Attr::Bool(self.trans_a)), ("trans_b", Attr::Bool(self.trans_b))]
+        let mut v = vec![("trans_a", Attr::Bool(self.trans_a)), ("trans_b", Attr::Bool(self.trans_b))];
+        if self.addend {
+            v.push(("addend", Attr::Bool(true)));
+        }
+        v
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "matmul").then(|| Ok(MatMul { trans_a: a.bool("trans_a")?, trans_b: a.bool("trans_b")? }))
+        (name == "matmul").then(|| {
+            Ok(MatMul {
+                trans_a: a.bool("trans_a")?,
+                trans_b: a.bool("trans_b")?,
+                addend: a.opt_bool("addend")?.unwrap_or(false),
+            })
+        })
+    }
+    fn inplace(&self) -> Vec<(usize, usize)> {
+        // An addend of the output's type may be overwritten by the result
+        // (cuBLASLt reads C before writing D element by element when C = D).
+        if self.addend {
+            vec![(0, 2)]
+        } else {
+            Vec::new()
+        }
+    }
+    fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Self, usize)> {
+        if self.addend || output != 0 {
+            return None;
+        }
+        let out = self.infer(inputs).ok()?.pop()?;
+        MatMul::addend_kind(&out, addend).map(|_| (MatMul { addend: true, ..self.clone() }, 2))
+    }
+}
+
+/// Writes output 0 from the unrounded product `wide`: plus the addend
+/// (input 2) when there is one, rounded once to storage. An addend of the
+/// output's type may share the output's storage, so it is read through
+/// [`Io::inplace`], which hands over the output holding the addend.
+fn finish<T: Float>(io: &Io, addend: bool, wide: &[T::Acc]) {
+    let out_ty = io.out_ty(0).clone();
+    match addend.then(|| MatMul::addend_kind(&out_ty, io.in_ty(2))).flatten() {
+        None => {
+            let y = io.output::<T>(0);
+            for (o, &w) in y.iter_mut().zip(wide) {
+                *o = T::from_acc(w);
+            }
+        }
+        Some(AddendKind::Full) => {
+            let y = io.inplace::<T>(0, 2);
+            for (o, &w) in y.iter_mut().zip(wide) {
+                *o = T::from_acc(w + o.acc());
+            }
+        }
+        Some(AddendKind::Bias) => {
+            let (bias, y) = (io.input::<T>(2), io.output::<T>(0));
+            let n = bias.len();
+            for (i, (o, &w)) in y.iter_mut().zip(wide).enumerate() {
+                *o = T::from_acc(w + bias[i % n].acc());
+            }
+        }
     }
 }
 
 impl Builder {
     pub fn matmul(&mut self, a: ValueId, b: ValueId, trans_a: bool, trans_b: bool) -> Result<ValueId> {
-        self.push1(MatMul { trans_a, trans_b }.into(), &[a, b])
+        self.push1(MatMul::new(trans_a, trans_b).into(), &[a, b])
     }
 
     /// `x · Wᵀ (+ bias)` for `x: [..., in]` and a weight stored `[out, in]`, as PyTorch's `Linear`.

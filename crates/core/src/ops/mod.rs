@@ -111,6 +111,14 @@ impl Attrs {
         }
     }
 
+    /// A flag that is printed only when set: `None` when absent.
+    pub fn opt_bool(&mut self, key: &str) -> Result<Option<bool>> {
+        if !self.map.contains_key(key) {
+            return Ok(None);
+        }
+        self.bool(key).map(Some)
+    }
+
     pub fn ints(&mut self, key: &str) -> Result<Vec<i64>> {
         match self.take(key)? {
             Attr::Ints(v) => Ok(v),
@@ -212,6 +220,18 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     fn view_of(&self) -> Option<usize> {
         None
     }
+
+    /// The op that also adds a tensor of type `addend` to its output
+    /// `output` inside its own kernel, before that output's one rounding to
+    /// storage, and the input position the addend takes (the inputs after
+    /// it move up by one); `None` when it has no such form for these input
+    /// types. What the epilogue pass ([`crate::fusion`]) folds `add` nodes
+    /// into. The op it returns must declare the addend as an in-place input
+    /// of `output` when their types match, so that the result can take the
+    /// addend's storage, as the `add` could.
+    fn with_addend(&self, _output: usize, _inputs: &[&TensorType], _addend: &TensorType) -> Option<(Self, usize)> {
+        None
+    }
 }
 
 /// The op list, written once. `for_each_op!(callback)` expands to
@@ -301,6 +321,9 @@ macro_rules! op_list {
             }
             pub fn view_of(&self) -> Option<usize> {
                 match self { $(Op::$variant(o) => o.view_of()),* }
+            }
+            pub fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Op, usize)> {
+                match self { $(Op::$variant(o) => o.with_addend(output, inputs, addend).map(|(op, at)| (Op::from(op), at))),* }
             }
             /// Parse an op from its printed name and attributes.
             pub fn parse(name: &str, mut attrs: Attrs) -> Result<Op> {

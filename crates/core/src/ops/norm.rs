@@ -163,7 +163,7 @@ impl OpDef for RmsNorm {
         let gy = or_zeros(b, gy, args.outputs[0])?;
         let mut ins = vec![args.inputs[0], args.inputs[1], args.outputs[1], gy];
         ins.extend(grstd);
-        let g = b.push(RmsNormBackward { eps: self.eps }.into(), &ins)?;
+        let g = b.push(RmsNormBackward { eps: self.eps, addend: false }.into(), &ins)?;
         Ok(vec![Some(g[0]), Some(g[1])])
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
@@ -184,10 +184,16 @@ impl OpDef for RmsNorm {
 /// `(gx, gw)` with, per row, `gx = rstd·(w⊙gy − x·rstd²·mean(x⊙w⊙gy))` (plus
 /// `−grstd·rstd³·x/C` when rstd has a cotangent) and `gw = Σ_rows gy⊙x·rstd`.
 /// `eps` is carried so the node prints like its forward and a backend may
-/// recompute rstd instead of saving it.
+/// recompute rstd instead of saving it. With `addend`, input 4 (before
+/// grstd) has x's type and is added to gx before its rounding (the residual
+/// stream's gradient, folded in by [`crate::fusion`]); gx may take its storage.
+/// The addend's input position in [`RmsNormBackward`]: after gy, before grstd.
+pub const RMS_ADDEND: usize = 4;
+
 #[derive(Clone, PartialEq, Debug)]
 pub struct RmsNormBackward {
     pub eps: f64,
+    pub addend: bool,
 }
 
 struct RmsGrads<'a, T: Float> {
@@ -196,6 +202,8 @@ struct RmsGrads<'a, T: Float> {
     rstd: &'a [T::Acc],
     gy: &'a [T],
     grstd: Option<&'a [T::Acc]>,
+    /// gx holds the addend on entry, to be added before rounding.
+    accumulate: bool,
 }
 
 fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
@@ -210,7 +218,8 @@ fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
         let coef = rs * rs * rs * (dot + gs) / n;
         for k in 0..cdim {
             let (x, g) = (xr[k].acc(), gyr[k].acc());
-            gxr[k] = T::from_acc(rs * wa[k] * g - x * coef);
+            let v = rs * wa[k] * g - x * coef;
+            gxr[k] = T::from_acc(if a.accumulate { v + gxr[k].acc() } else { v });
             part[k] = part[k] + g * x * rs;
         }
     });
@@ -228,7 +237,7 @@ impl OpDef for RmsNormBackward {
         let mut v = Vec::new();
         for shape in ROW_SHAPES {
             let (rows, c) = (&shape[..shape.len() - 1], shape[shape.len() - 1]);
-            let s = Sample::new(RmsNormBackward { eps: 1e-6 }, vec![normal(d, shape), normal(d, &[c])]);
+            let s = Sample::new(RmsNormBackward { eps: 1e-6, addend: false }, vec![normal(d, shape), normal(d, &[c])]);
             let s = if c == 1 {
                 s.with(positive(stat_dtype(d), rows))
             } else {
@@ -237,7 +246,12 @@ impl OpDef for RmsNormBackward {
             };
             let s = s.with(normal(d, shape)).large_over(40_000);
             v.push(s.clone());
-            v.push(s.with(normal(stat_dtype(d), rows)));
+            let with_grstd = s.clone().with(normal(stat_dtype(d), rows));
+            v.push(with_grstd.clone());
+            // The residual gradient folded in, without and with grstd.
+            for s in [s, with_grstd] {
+                v.push(s.with_input_at(RMS_ADDEND, normal(d, shape), RmsNormBackward { eps: 1e-6, addend: true }));
+            }
         }
         v
     }
@@ -245,15 +259,24 @@ impl OpDef for RmsNormBackward {
         "rms_norm_backward"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        if inputs.len() != 4 && inputs.len() != 5 {
-            return Err(format!("expects 4 inputs (x, w, rstd, gy) or 5 (.., grstd), got {}", inputs.len()));
+        let extra = self.addend as usize;
+        if inputs.len() != 4 + extra && inputs.len() != 5 + extra {
+            let add = if self.addend { " and the addend of gx" } else { "" };
+            return Err(format!(
+                "expects 4 inputs (x, w, rstd, gy) or 5 (.., grstd){add}, {} in all, got {}",
+                if self.addend { "5 or 6" } else { "4 or 5" },
+                inputs.len()
+            ));
         }
         let x = inputs[0];
         check_rows(x, &[(inputs[1], "weight")])?;
         expect_type(inputs[2], &stat_type(x), "rstd")?;
         expect_type(inputs[3], x, "the cotangent of y")?;
-        if let Some(g) = inputs.get(4) {
-            expect_type(g, &stat_type(x), "the cotangent of rstd")?;
+        if self.addend {
+            expect_type(inputs[RMS_ADDEND], x, "the addend of gx")?;
+        }
+        if inputs.len() == 5 + extra {
+            expect_type(inputs[4 + extra], &stat_type(x), "the cotangent of rstd")?;
         }
         Ok(vec![x.clone(), inputs[1].clone()])
     }
@@ -262,23 +285,48 @@ impl OpDef for RmsNormBackward {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         with_float!(io.in_ty(0).dtype, T => {
+            let n = io.inputs.len();
             let a = RmsGrads::<T> {
                 x: io.input(0),
                 w: io.input(1),
                 rstd: io.input(2),
                 gy: io.input(3),
-                grstd: (io.inputs.len() > 4).then(|| io.input(4)),
+                grstd: (n > 4 + self.addend as usize).then(|| io.input(n - 1)),
+                accumulate: self.addend,
             };
-            rms_norm_bwd(a, io.output(0), io.output(1));
+            // With an addend, gx starts as the addend (and may be its storage).
+            let gx = if self.addend { io.inplace(0, RMS_ADDEND) } else { io.output(0) };
+            rms_norm_bwd(a, gx, io.output(1));
             Ok(())
         })
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        eps_attr(self.eps)
+        addend_attrs(self.eps, self.addend)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "rms_norm_backward").then(|| Ok(RmsNormBackward { eps: a.float("eps")? }))
+        (name == "rms_norm_backward")
+            .then(|| Ok(RmsNormBackward { eps: a.float("eps")?, addend: a.opt_bool("addend")?.unwrap_or(false) }))
     }
+    fn inplace(&self) -> Vec<(usize, usize)> {
+        if self.addend {
+            vec![(0, RMS_ADDEND)]
+        } else {
+            Vec::new()
+        }
+    }
+    fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Self, usize)> {
+        (!self.addend && output == 0 && addend == inputs[0])
+            .then(|| (RmsNormBackward { addend: true, ..self.clone() }, RMS_ADDEND))
+    }
+}
+
+/// The attributes of a norm backward: eps, and the addend flag when set.
+fn addend_attrs(eps: f64, addend: bool) -> Vec<(&'static str, Attr)> {
+    let mut v = eps_attr(eps);
+    if addend {
+        v.push(("addend", Attr::Bool(true)));
+    }
+    v
 }
 
 // ---------------------------------------------------------------- layer_norm
@@ -350,7 +398,7 @@ impl OpDef for LayerNorm {
             ins.push(or_zeros(b, gmean, args.outputs[1])?);
             ins.push(or_zeros(b, grstd, args.outputs[2])?);
         }
-        let g = b.push(LayerNormBackward { eps: self.eps }.into(), &ins)?;
+        let g = b.push(LayerNormBackward { eps: self.eps, addend: false }.into(), &ins)?;
         Ok(vec![Some(g[0]), Some(g[1]), Some(g[2])])
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
@@ -379,11 +427,17 @@ impl OpDef for LayerNorm {
 /// grstd])`, outputs `(gx, gw, gb)`. With `x̂ = (x − mean)·rstd` and
 /// `g = gy⊙w`, per row `gx = rstd·(g − mean(g) − x̂·mean(g⊙x̂))` (plus
 /// `gmean/C − grstd·rstd²·x̂/C` when the statistics have cotangents),
-/// `gw = Σ_rows gy⊙x̂`, `gb = Σ_rows gy`.
+/// `gw = Σ_rows gy⊙x̂`, `gb = Σ_rows gy`. With `addend`, input 5 (before
+/// the statistics' cotangents) has x's type and is added to gx before its
+/// rounding, as [`RmsNormBackward`]'s.
 #[derive(Clone, PartialEq, Debug)]
 pub struct LayerNormBackward {
     pub eps: f64,
+    pub addend: bool,
 }
+
+/// The addend's input position in [`LayerNormBackward`]: after gy.
+pub const LN_ADDEND: usize = 5;
 
 /// Per-row slices of (mean, rstd) or of their cotangents.
 type StatPair<'a, A> = (&'a [A], &'a [A]);
@@ -395,6 +449,8 @@ struct LnGrads<'a, T: Float> {
     rstd: &'a [T::Acc],
     gy: &'a [T],
     gstats: Option<StatPair<'a, T::Acc>>,
+    /// gx holds the addend on entry, to be added before rounding.
+    accumulate: bool,
 }
 
 fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut [T]) {
@@ -415,7 +471,8 @@ fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut 
         let (shift, stat_coef) = (gm / n, gr * rs * rs / n);
         for k in 0..cdim {
             let (gyk, xh) = (gyr[k].acc(), (xr[k].acc() - m) * rs);
-            gxr[k] = T::from_acc(rs * (gyk * wa[k] - mg - xh * mgx) + shift - stat_coef * xh);
+            let v = rs * (gyk * wa[k] - mg - xh * mgx) + shift - stat_coef * xh;
+            gxr[k] = T::from_acc(if a.accumulate { v + gxr[k].acc() } else { v });
             part[k] = part[k] + gyk * xh;
             part[cdim + k] = part[cdim + k] + gyk;
         }
@@ -435,7 +492,8 @@ impl OpDef for LayerNormBackward {
         let mut v = Vec::new();
         for shape in ROW_SHAPES {
             let (rows, c) = (&shape[..shape.len() - 1], shape[shape.len() - 1]);
-            let s = Sample::new(LayerNormBackward { eps: 1e-5 }, vec![normal(d, shape), normal(d, &[c])]);
+            let s =
+                Sample::new(LayerNormBackward { eps: 1e-5, addend: false }, vec![normal(d, shape), normal(d, &[c])]);
             let s = if c == 1 {
                 s.with(normal(st, rows)).with(positive(st, rows))
             } else {
@@ -445,7 +503,12 @@ impl OpDef for LayerNormBackward {
             };
             let s = s.with(normal(d, shape)).large_over(40_000);
             v.push(s.clone());
-            v.push(s.with(normal(st, rows)).with(normal(st, rows)));
+            let with_stats = s.clone().with(normal(st, rows)).with(normal(st, rows));
+            v.push(with_stats.clone());
+            // The residual gradient folded in, without and with the statistics' cotangents.
+            for s in [s, with_stats] {
+                v.push(s.with_input_at(LN_ADDEND, normal(d, shape), LayerNormBackward { eps: 1e-5, addend: true }));
+            }
         }
         v
     }
@@ -453,9 +516,12 @@ impl OpDef for LayerNormBackward {
         "layer_norm_backward"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        if inputs.len() != 5 && inputs.len() != 7 {
+        let extra = self.addend as usize;
+        if inputs.len() != 5 + extra && inputs.len() != 7 + extra {
+            let add = if self.addend { ", with the addend of gx after gy," } else { "" };
             return Err(format!(
-                "expects 5 inputs (x, w, mean, rstd, gy) or 7 (.., gmean, grstd), got {}",
+                "expects 5 inputs (x, w, mean, rstd, gy) or 7 (.., gmean, grstd){add} {} in all, got {}",
+                if self.addend { "6 or 8" } else { "5 or 7" },
                 inputs.len()
             ));
         }
@@ -465,9 +531,12 @@ impl OpDef for LayerNormBackward {
         expect_type(inputs[2], &st, "mean")?;
         expect_type(inputs[3], &st, "rstd")?;
         expect_type(inputs[4], x, "the cotangent of y")?;
-        if inputs.len() == 7 {
-            expect_type(inputs[5], &st, "the cotangent of mean")?;
-            expect_type(inputs[6], &st, "the cotangent of rstd")?;
+        if self.addend {
+            expect_type(inputs[LN_ADDEND], x, "the addend of gx")?;
+        }
+        if inputs.len() == 7 + extra {
+            expect_type(inputs[5 + extra], &st, "the cotangent of mean")?;
+            expect_type(inputs[6 + extra], &st, "the cotangent of rstd")?;
         }
         Ok(vec![x.clone(), inputs[1].clone(), inputs[1].clone()])
     }
@@ -475,6 +544,7 @@ impl OpDef for LayerNormBackward {
         no_vjp(self.name())
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
+        let extra = self.addend as usize;
         with_float!(io.in_ty(0).dtype, T => {
             let a = LnGrads::<T> {
                 x: io.input(0),
@@ -482,17 +552,32 @@ impl OpDef for LayerNormBackward {
                 mean: io.input(2),
                 rstd: io.input(3),
                 gy: io.input(4),
-                gstats: (io.inputs.len() > 5).then(|| (io.input(5), io.input(6))),
+                gstats: (io.inputs.len() > 5 + extra).then(|| (io.input(5 + extra), io.input(6 + extra))),
+                accumulate: self.addend,
             };
-            layer_norm_bwd(a, io.output(0), io.output(1), io.output(2));
+            // With an addend, gx starts as the addend (and may be its storage).
+            let gx = if self.addend { io.inplace(0, LN_ADDEND) } else { io.output(0) };
+            layer_norm_bwd(a, gx, io.output(1), io.output(2));
             Ok(())
         })
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        eps_attr(self.eps)
+        addend_attrs(self.eps, self.addend)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "layer_norm_backward").then(|| Ok(LayerNormBackward { eps: a.float("eps")? }))
+        (name == "layer_norm_backward")
+            .then(|| Ok(LayerNormBackward { eps: a.float("eps")?, addend: a.opt_bool("addend")?.unwrap_or(false) }))
+    }
+    fn inplace(&self) -> Vec<(usize, usize)> {
+        if self.addend {
+            vec![(0, LN_ADDEND)]
+        } else {
+            Vec::new()
+        }
+    }
+    fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Self, usize)> {
+        (!self.addend && output == 0 && addend == inputs[0])
+            .then(|| (LayerNormBackward { addend: true, ..self.clone() }, LN_ADDEND))
     }
 }
 

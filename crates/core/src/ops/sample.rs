@@ -113,6 +113,23 @@ impl Sample {
         self.inputs.push(input);
         self
     }
+
+    /// The same case for `op`, a form of this sample's op that takes one
+    /// more input, `input`, at position `at` (later inputs move up by one).
+    ///
+    /// # Panics
+    /// If a later input reads an input at or after `at` (its index would move).
+    pub fn with_input_at(mut self, at: usize, input: Input, op: impl Into<Op>) -> Self {
+        for later in &self.inputs[at.min(self.inputs.len())..] {
+            if let Input::Output { args, .. } = later {
+                let moved = args.iter().any(|a| matches!(a, Input::Earlier { index, .. } if *index >= at));
+                assert!(!moved, "sample table: an input after {at} reads one that moves");
+            }
+        }
+        self.inputs.insert(at, input);
+        self.op = op.into();
+        self
+    }
 }
 
 /// The float dtypes samples are drawn in.

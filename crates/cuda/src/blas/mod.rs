@@ -57,7 +57,7 @@ pub use autotune::{
 use plan::{call_alignment, key_of, Alignment, Plan, PlanKey};
 
 use crate::error::{CudaError, Result};
-use crate::launch::GemmCall;
+use crate::launch::{GemmAddend, GemmCall};
 
 fn blas_err(what: &str, e: impl std::fmt::Debug) -> CudaError {
     CudaError::Blas(format!("{what}: {e:?}"))
@@ -107,14 +107,7 @@ impl Blas {
         for c in calls {
             let key = key_of(c);
             let a = call_alignment(c);
-            align
-                .entry(key)
-                .and_modify(|x| {
-                    x.first = x.first.min(a.first);
-                    x.second = x.second.min(a.second);
-                    x.out = x.out.min(a.out);
-                })
-                .or_insert(a);
+            align.entry(key).and_modify(|x| *x = x.min(a)).or_insert(a);
             match self.order.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, n)) => *n += 1,
                 None => self.order.push((key, 1)),
@@ -122,10 +115,7 @@ impl Blas {
         }
         for (key, _) in self.order.clone() {
             let Some(&a) = align.get(&key) else { continue };
-            let suits = self
-                .plans
-                .get(&key)
-                .is_some_and(|p| p.align.first <= a.first && p.align.second <= a.second && p.align.out <= a.out);
+            let suits = self.plans.get(&key).is_some_and(|p| p.align.suits(a));
             if !suits {
                 let plan = self.plan(&key, a)?;
                 self.plans.insert(key, plan);
@@ -147,8 +137,28 @@ impl Blas {
         call: &GemmCall,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
-        // beta = 0: the output is overwritten, never accumulated into.
-        let (alpha, beta) = (1f32, 0f32);
+        // beta = 0 overwrites the output; an addend of the output's layout
+        // is C with beta = 1 (C may be the output itself: cuBLASLt reads
+        // each element of C before it writes that element of D, and the
+        // plan gives C and D one layout); a bias is the epilogue's pointer.
+        let (beta, addend) = match call.addend {
+            GemmAddend::None => (0f32, call.c),
+            GemmAddend::Full(p) => (1f32, p),
+            GemmAddend::Bias(p) => {
+                // SAFETY: an attribute of the plan's descriptor, read by the next cublasLtMatmul only.
+                unsafe {
+                    lr::set_matmul_desc_attribute(
+                        plan.desc,
+                        ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                        &p as *const u64 as *const c_void,
+                        8,
+                    )
+                }
+                .map_err(|e| blas_err("bias pointer", e))?;
+                (0f32, call.c)
+            }
+        };
+        let alpha = 1f32;
         // SAFETY: addresses come from the plan and lie inside the session's
         // allocation; the plan's descriptors match the call's shape.
         unsafe {
@@ -161,7 +171,7 @@ impl Blas {
                 plan.first,
                 call.a as *const c_void,
                 plan.second,
-                call.c as *const c_void,
+                addend as *const c_void,
                 plan.out,
                 call.c as *mut c_void,
                 plan.out,
@@ -184,18 +194,23 @@ impl Drop for Blas {
 }
 
 /// A product's shape as the session's profile names it:
-/// `gemm_{dtype}_{m}x{n}x{k}` with `_ta`, `_tb` for transposed operands and
-/// `_b{batch}` when batched.
+/// `gemm_{dtype}_{m}x{n}x{k}` with `_ta`, `_tb` for transposed operands,
+/// `_b{batch}` when batched, and `_acc` or `_bias` for an addend.
 pub fn shape_name(g: &GemmCall) -> String {
     format!(
-        "gemm_{}_{}x{}x{}{}{}{}",
+        "gemm_{}_{}x{}x{}{}{}{}{}",
         format!("{:?}", g.ty).to_lowercase(),
         g.m,
         g.n,
         g.k,
         if g.trans_a { "_ta" } else { "" },
         if g.trans_b { "_tb" } else { "" },
-        if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() }
+        if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() },
+        match g.addend {
+            GemmAddend::None => "",
+            GemmAddend::Full(_) => "_acc",
+            GemmAddend::Bias(_) => "_bias",
+        }
     )
 }
 
@@ -216,6 +231,7 @@ fn test_call(ty: crate::launch::GemmType, batch: usize, m: usize, n: usize, c: u
         stride_a: 0,
         stride_b: (n * 8) as i64,
         stride_c: (m * n) as i64,
+        addend: GemmAddend::None,
     }
 }
 
@@ -233,5 +249,7 @@ mod tests {
         c.trans_a = true;
         c.trans_b = false;
         assert_eq!(shape_name(&c), "gemm_f32_2048x3200x8640_ta_b4");
+        c.addend = GemmAddend::Bias(0x4000);
+        assert_eq!(shape_name(&c), "gemm_f32_2048x3200x8640_ta_b4_bias");
     }
 }

@@ -12,7 +12,7 @@ use cudarc::cublaslt::sys as ls;
 use super::autotune::MAX_CANDIDATES;
 use super::{blas_err, Blas};
 use crate::error::{CudaError, Result};
-use crate::launch::{GemmCall, GemmType};
+use crate::launch::{GemmAddend, GemmCall, GemmType};
 
 /// What makes two products share one cuBLASLt plan (addresses do not).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -27,15 +27,56 @@ pub(super) struct PlanKey {
     pub(super) stride_a: i64,
     pub(super) stride_b: i64,
     pub(super) stride_c: i64,
+    pub(super) epilogue: Epilogue,
+}
+
+/// What a plan's descriptors add to the product (the addend's kind, not its address).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(super) enum Epilogue {
+    /// `beta = 0`.
+    None,
+    /// `beta = 1`, C the addend.
+    Accumulate,
+    /// The bias epilogue; its pointer is set per call.
+    Bias,
+}
+
+impl Epilogue {
+    pub(super) fn of(a: GemmAddend) -> Epilogue {
+        match a {
+            GemmAddend::None => Epilogue::None,
+            GemmAddend::Full(_) => Epilogue::Accumulate,
+            GemmAddend::Bias(_) => Epilogue::Bias,
+        }
+    }
 }
 
 /// Byte alignment every call of a shape guarantees for each operand
-/// (cuBLASLt's A, B, C/D: our B, A and C), at most 256.
+/// (cuBLASLt's A, B, C, D: our B, A, the addend and C), at most 256.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(super) struct Alignment {
     pub(super) first: u32,
     pub(super) second: u32,
     pub(super) out: u32,
+    /// cuBLASLt's C: the addend when the product accumulates, else the output.
+    pub(super) addend: u32,
+}
+
+impl Alignment {
+    /// The weakest of two alignments, operand by operand.
+    pub(super) fn min(self, o: Alignment) -> Alignment {
+        Alignment {
+            first: self.first.min(o.first),
+            second: self.second.min(o.second),
+            out: self.out.min(o.out),
+            addend: self.addend.min(o.addend),
+        }
+    }
+
+    /// Whether a plan made for `self` suits calls of alignment `need`.
+    pub(super) fn suits(self, need: Alignment) -> bool {
+        self.min(need) == self
+    }
 }
 
 /// Descriptors, the candidate algorithms and the chosen one for one shape.
@@ -120,6 +161,38 @@ impl Blas {
             algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
         let (ta, tb) = (k.trans_b as i32, k.trans_a as i32);
+        if k.epilogue == Epilogue::Bias {
+            // Row-major rows of n are the column-major D's columns of n
+            // rows: cuBLASLt's bias (one value per row of D) is our row vector.
+            let epilogue = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            let bias_type = dt;
+            let stride = 0i64;
+            // SAFETY: attributes of a descriptor we own, with values of the documented types.
+            unsafe {
+                lr::set_matmul_desc_attribute(
+                    desc,
+                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &epilogue as *const _ as *const c_void,
+                    std::mem::size_of_val(&epilogue),
+                )
+                .map_err(|e| blas_err("epilogue", e))?;
+                lr::set_matmul_desc_attribute(
+                    desc,
+                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    &bias_type as *const _ as *const c_void,
+                    std::mem::size_of_val(&bias_type),
+                )
+                .map_err(|e| blas_err("bias type", e))?;
+                // Every batch entry adds the same row.
+                lr::set_matmul_desc_attribute(
+                    desc,
+                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                    &stride as *const i64 as *const c_void,
+                    8,
+                )
+                .map_err(|e| blas_err("bias batch stride", e))?;
+            }
+        }
         // SAFETY: attributes of a descriptor we own.
         unsafe {
             lr::set_matmul_desc_attribute(
@@ -182,7 +255,7 @@ impl Blas {
                 for (attr, bytes) in [
                     (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a.first),
                     (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.second),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, a.out),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, a.addend),
                     (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, a.out),
                 ] {
                     set(attr, &bytes as *const u32 as _, 4)?;
@@ -222,6 +295,7 @@ pub(super) fn key_of(c: &GemmCall) -> PlanKey {
         stride_a: c.stride_a,
         stride_b: c.stride_b,
         stride_c: c.stride_c,
+        epilogue: Epilogue::of(c.addend),
     }
 }
 
@@ -247,10 +321,15 @@ fn operand_alignment(ptr: u64, stride: i64, batch: usize, elem: u64) -> u32 {
 
 pub(super) fn call_alignment(c: &GemmCall) -> Alignment {
     let e = elem_bytes(c.ty);
+    let out = operand_alignment(c.c, c.stride_c, c.batch, e);
     Alignment {
         first: operand_alignment(c.b, c.stride_b, c.batch, e),
         second: operand_alignment(c.a, c.stride_a, c.batch, e),
-        out: operand_alignment(c.c, c.stride_c, c.batch, e),
+        out,
+        addend: match c.addend {
+            GemmAddend::Full(p) => operand_alignment(p, c.stride_c, c.batch, e),
+            GemmAddend::None | GemmAddend::Bias(_) => out,
+        },
     }
 }
 
@@ -266,7 +345,12 @@ mod tests {
         assert_eq!(operand_alignment(0x1_0000, 6, 3, 4), 8);
         // A stride shared by no entry (batch 1) does not count.
         assert_eq!(operand_alignment(0x1_0000, 6, 1, 4), 256);
-        let a = call_alignment(&test_call(GemmType::BF16, 2, 4, 3, 0x3000));
-        assert_eq!(a, Alignment { first: 16, second: 256, out: 8 });
+        let mut call = test_call(GemmType::BF16, 2, 4, 3, 0x3000);
+        let a = call_alignment(&call);
+        assert_eq!(a, Alignment { first: 16, second: 256, out: 8, addend: 8 });
+        call.addend = GemmAddend::Full(0x2002);
+        assert_eq!(call_alignment(&call).addend, 2);
+        assert!(a.suits(call_alignment(&test_call(GemmType::BF16, 2, 4, 3, 0x3000))));
+        assert!(!a.suits(call_alignment(&call)));
     }
 }

@@ -14,7 +14,7 @@ use super::util::{launch_1d, n64, optional, ptr, row_grid, row_launch, row_threa
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, DevTensor, GemmCall, GemmType, Launch};
+use crate::launch::{Arg, DevTensor, GemmAddend, GemmCall, GemmType, Launch};
 
 const LINEAR_CE: &[KernelModule] = &[KernelModule::plain("linear_ce", include_str!("../../kernels/linear_ce.cu"))];
 
@@ -109,6 +109,7 @@ impl Geometry {
             stride_a,
             stride_b,
             stride_c,
+            addend: GemmAddend::None,
         })]
     }
 

@@ -2,14 +2,16 @@
 //! that [`crate::blas::Blas`] runs through cuBLASLt. Batched operands are
 //! contiguous `[batch, rows, cols]`; an unbatched one is shared across the
 //! batch with stride 0, or, when it is the right operand of untransposed
-//! row blocks, the blocks are stacked into one taller product.
+//! row blocks, the blocks are stacked into one taller product. An addend
+//! (`matmul`'s third input) becomes cuBLASLt's `beta = 1` with the addend as
+//! C, or its bias epilogue for a row vector.
 
 use stepgraph_core::ir::DType;
-use stepgraph_core::ops::matmul::MatMul;
+use stepgraph_core::ops::matmul::{AddendKind, MatMul};
 
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
-use crate::launch::{GemmCall, GemmType, Launch};
+use crate::launch::{GemmAddend, GemmCall, GemmType, Launch};
 
 impl Lower for MatMul {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
@@ -35,6 +37,14 @@ impl Lower for MatMul {
             batch = 1;
         }
         let batched = |s: &[usize]| !fold && s.len() > 2;
+        let addend = match cx.inputs.get(2) {
+            None => GemmAddend::None,
+            Some(x) => match MatMul::addend_kind(&c.ty, &x.ty) {
+                Some(AddendKind::Full) => GemmAddend::Full(x.ptr),
+                Some(AddendKind::Bias) => GemmAddend::Bias(x.ptr),
+                None => return Err(CudaError::lower("matmul", format!("addend {} for a product {}", x.ty, c.ty))),
+            },
+        };
         Ok(vec![Launch::Gemm(GemmCall {
             ty,
             batch,
@@ -49,6 +59,7 @@ impl Lower for MatMul {
             stride_a: if batched(sa) { (m * k) as i64 } else { 0 },
             stride_b: if batched(sb) { (k * n) as i64 } else { 0 },
             stride_c: (m * n) as i64,
+            addend,
         })])
     }
 }
@@ -63,7 +74,7 @@ mod tests {
 
     #[test]
     fn a_batched_product_shares_an_unbatched_operand() {
-        let op = Op::from(MatMul { trans_a: false, trans_b: true });
+        let op = Op::from(MatMul::new(false, true));
         let l = lower_types(&op, &[t(DType::BF16, &[4, 8]), t(DType::BF16, &[3, 5, 8])], 0).unwrap();
         let [Launch::Gemm(g)] = &l[..] else { panic!("expected one product, got {l:?}") };
         assert_eq!((g.ty, g.batch, g.m, g.n, g.k), (GemmType::BF16, 3, 4, 5, 8));
@@ -73,12 +84,12 @@ mod tests {
 
     #[test]
     fn a_batch_of_row_blocks_times_a_shared_matrix_is_one_product() {
-        let op = Op::from(MatMul { trans_a: false, trans_b: true });
+        let op = Op::from(MatMul::new(false, true));
         let l = lower_types(&op, &[t(DType::BF16, &[16, 1, 3200]), t(DType::BF16, &[8640, 3200])], 0).unwrap();
         let [Launch::Gemm(g)] = &l[..] else { panic!("expected one product, got {l:?}") };
         assert_eq!((g.batch, g.m, g.n, g.k), (1, 16, 8640, 3200));
         // A transposed batched `a` is not a stack of row blocks: it stays batched.
-        let op = Op::from(MatMul { trans_a: true, trans_b: false });
+        let op = Op::from(MatMul::new(true, false));
         let l = lower_types(&op, &[t(DType::F32, &[3, 8, 4]), t(DType::F32, &[8, 5])], 0).unwrap();
         let [Launch::Gemm(g)] = &l[..] else { panic!("expected one product, got {l:?}") };
         assert_eq!((g.batch, g.m, g.stride_b), (3, 4, 0));

@@ -196,7 +196,7 @@ mod tests {
         let misaligned = operands(&[t(DType::F32, &[3])], 1 << 41, 2);
         let e = lower(&op, &x, &misaligned, None).unwrap_err();
         assert!(e.to_string().contains("not element-aligned"), "{e}");
-        let mm = Op::from(stepgraph_core::ops::matmul::MatMul { trans_a: false, trans_b: false });
+        let mm = Op::from(stepgraph_core::ops::matmul::MatMul::new(false, false));
         assert!(matches!(lower(&mm, &[], &[], None), Err(CudaError::Lower { .. })));
     }
 }

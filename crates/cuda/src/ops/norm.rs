@@ -13,7 +13,7 @@
 //!   with a 0 flag.
 
 use stepgraph_core::ir::DType;
-use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
+use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward, LN_ADDEND, RMS_ADDEND};
 
 use super::util::{aligned16, n64, optional, ptr, row_grid, row_launch, rows_cols, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
@@ -85,10 +85,15 @@ impl Lower for RmsNormBackward {
         let (gx, gw) = (&cx.outputs[0], &cx.outputs[1]);
         let (rows, cols) = rows_cols(&x.ty);
         let dt = x.ty.dtype;
+        // Inputs after gy: the addend (with `addend`), then grstd (when given).
+        let addend = self.addend.then(|| &ins[RMS_ADDEND]);
+        let grstd = ins.get(4 + self.addend as usize);
         let mut args = vec![ptr(x), ptr(w), ptr(rstd), ptr(gy)];
-        args.extend(optional(ins.get(4)));
-        args.extend([ptr(gx), n64(rows), n64(cols)]);
-        let mut launches = rms_row_launch("rms_norm_backward", dt, rows, cols, &[x, w, gy, gx], args);
+        args.extend(optional(grstd));
+        args.extend([addend.map_or(Arg::Ptr(0), ptr), ptr(gx), n64(rows), n64(cols)]);
+        let mut operands = vec![x, w, gy, gx];
+        operands.extend(addend);
+        let mut launches = rms_row_launch("rms_norm_backward", dt, rows, cols, &operands, args);
         let gw_args = vec![ptr(x), ptr(rstd), ptr(gy), ptr(gw), n64(rows), n64(cols)];
         launches.push(column_launch("rms_norm_backward_gw", dt, cols, gw_args));
         Ok(launches)
@@ -116,8 +121,11 @@ impl Lower for LayerNormBackward {
         let (gx, gw, gb) = (&cx.outputs[0], &cx.outputs[1], &cx.outputs[2]);
         let (rows, cols) = rows_cols(&x.ty);
         let dt = x.ty.dtype;
-        // The shape rule admits 5 inputs or 7: the two statistic cotangents come together.
-        let (gmean, grstd, has) = match ins.get(5..7) {
+        // The shape rule admits 5 inputs or 7 (the two statistic cotangents
+        // come together), and one more, the addend after gy, with `addend`.
+        let extra = self.addend as usize;
+        let addend = if self.addend { ptr(&ins[LN_ADDEND]) } else { Arg::Ptr(0) };
+        let (gmean, grstd, has) = match ins.get(5 + extra..7 + extra) {
             Some([gm, gr]) => (ptr(gm), ptr(gr), 1),
             _ => (Arg::Ptr(0), Arg::Ptr(0), 0),
         };
@@ -130,6 +138,7 @@ impl Lower for LayerNormBackward {
             gmean,
             grstd,
             Arg::I32(has),
+            addend,
             ptr(gx),
             n64(rows),
             n64(cols),
@@ -152,7 +161,7 @@ mod tests {
     #[test]
     fn parameter_gradients_are_written_without_rows() {
         let t = |s: &[usize]| TensorType::new(DType::F32, s);
-        let rmsb = Op::RmsNormBackward(RmsNormBackward { eps: 1e-6 });
+        let rmsb = Op::RmsNormBackward(RmsNormBackward { eps: 1e-6, addend: false });
         let (_, _, l) = lowered(&rmsb, &[t(&[0, 7]), t(&[7]), t(&[0]), t(&[0, 7])]);
         let names: Vec<&str> = kernels(&l).iter().map(|k| k.function.as_str()).collect();
         assert_eq!(names, ["rms_norm_backward_gw_f32"]);
@@ -161,7 +170,7 @@ mod tests {
     #[test]
     fn optional_inputs_pass_null_and_a_flag() {
         let t = |s: &[usize]| TensorType::new(DType::F32, s);
-        let op = Op::RmsNormBackward(RmsNormBackward { eps: 1e-6 });
+        let op = Op::RmsNormBackward(RmsNormBackward { eps: 1e-6, addend: false });
         for with in [false, true] {
             let mut tys = vec![t(&[2, 8]), t(&[8]), t(&[2]), t(&[2, 8])];
             if with {

@@ -283,7 +283,7 @@ fn every_sample_of_every_op_lowers_to_well_formed_launches() {
 fn a_dtype_without_a_kernel_is_reported_not_lowered() {
     use stepgraph_core::ir::DType;
     use stepgraph_core::ops::matmul::MatMul;
-    let op = Op::from(MatMul { trans_a: false, trans_b: false });
+    let op = Op::from(MatMul::new(false, false));
     let types = |dt| [TensorType::new(dt, [2, 3]), TensorType::new(dt, [3, 4])];
     let e = check_case("matmul in f64", &op, &types(DType::F64), None).unwrap_err();
     assert!(matches!(e, CudaError::Unsupported { .. }), "{e}");
