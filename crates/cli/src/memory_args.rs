@@ -1,12 +1,14 @@
 //! The memory flags every command that builds a step shares (`plan`,
 //! `trace`, `train`, `bench`): the memory budget that drives recomputation,
-//! the recompute policy without one, where a train step's optimizer runs
-//! and the MLP row tiles. They map onto [`StepOptions`]'s `recompute`,
-//! `optimizer` and `mlp_tiles`.
+//! the recompute policy without one, where a train step's optimizer runs,
+//! the MLP row tiles, and whether adds fold into the kernels that produce
+//! their operands (which also frees the sums they stored). They map onto
+//! [`StepOptions`]'s `recompute`, `optimizer`, `mlp_tiles` and `epilogues`.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
+use stepgraph_core::fusion::Epilogues;
 use stepgraph_core::optimizer_placement::OptimizerPlacement;
 use stepgraph_core::pipeline::StepOptions;
 use stepgraph_core::recompute::RecomputePolicy;
@@ -50,6 +52,17 @@ pub struct MemoryArgs {
     /// memory budget these cannot meet tries twice as many, and again.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub mlp_tiles: u32,
+    /// Fold adds into the products and norm backwards that produce their
+    /// operands (the residual adds, gradients read by several products, a
+    /// bias), as those kernels' epilogues (on), or keep each add a kernel (off).
+    #[arg(long, value_enum, default_value_t = EpilogueArg::On)]
+    pub epilogues: EpilogueArg,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EpilogueArg {
+    On,
+    Off,
 }
 
 impl MemoryArgs {
@@ -70,6 +83,10 @@ impl MemoryArgs {
             PlacementArg::Off => OptimizerPlacement::AfterBackward,
         };
         opts.mlp_tiles = self.mlp_tiles as usize;
+        opts.epilogues = match self.epilogues {
+            EpilogueArg::On => Epilogues::On,
+            EpilogueArg::Off => Epilogues::Off,
+        };
         Ok(())
     }
 }
@@ -151,20 +168,24 @@ mod tests {
             recompute: RecomputeArg::Auto,
             optimizer_in_backward: PlacementArg::Off,
             mlp_tiles: 4,
+            epilogues: EpilogueArg::Off,
         };
         args.apply(&mut opts, || Ok(123_000)).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Budget(123_000));
         assert_eq!(opts.optimizer, OptimizerPlacement::AfterBackward);
         assert_eq!(opts.mlp_tiles, 4);
+        assert_eq!(opts.epilogues, Epilogues::Off);
         let args = MemoryArgs {
             memory_budget: None,
             recompute: RecomputeArg::Off,
             optimizer_in_backward: PlacementArg::On,
             mlp_tiles: 1,
+            epilogues: EpilogueArg::On,
         };
         args.apply(&mut opts, || unreachable!("no budget asked")).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Off);
         assert_eq!(opts.optimizer, OptimizerPlacement::InBackward);
         assert_eq!(opts.mlp_tiles, 1);
+        assert_eq!(opts.epilogues, Epilogues::On);
     }
 }

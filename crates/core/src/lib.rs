@@ -15,6 +15,7 @@ pub mod autodiff;
 pub mod cpu;
 pub mod dist;
 pub mod error;
+pub mod fusion;
 pub mod generation;
 pub mod host;
 pub mod ir;

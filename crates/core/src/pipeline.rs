@@ -1,6 +1,7 @@
 //! The step pipeline, assembled in one place: model spec → forward trace →
 //! step trace (autodiff, with its micro-batches of gradient accumulation) → the step of one data-parallel rank (optional) →
-//! the optimizer moved into backward ([`crate::optimizer_placement`], train
+//! adds folded into the products and norms that produce their operands
+//! ([`crate::fusion`]) → the optimizer moved into backward ([`crate::optimizer_placement`], train
 //! steps) → recomputation ([`crate::recompute`]) → memory plan →
 //! `check_plan`.
 //!
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use crate::autodiff::{build_accumulated_step, StepKind, TrainOptions};
 use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
 use crate::error::{Error, Result};
+use crate::fusion::{self, Epilogues, FusionReport};
 use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
 use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
@@ -59,6 +61,8 @@ pub struct StepOptions {
     /// the step inputs hold this many micro-batches of the spec's batch,
     /// and a train step updates once ([`build_accumulated_step`]).
     pub grad_accum: usize,
+    /// Fold adds into the kernels that produce their operands (default on).
+    pub epilogues: Epilogues,
 }
 
 impl StepOptions {
@@ -73,13 +77,19 @@ impl StepOptions {
             optimizer: OptimizerPlacement::default(),
             mlp_tiles: 1,
             grad_accum: 1,
+            epilogues: Epilogues::default(),
         }
     }
 
     /// The step exactly as autodiff (and the data-parallel rewrite) built
-    /// it: no recomputation, the optimizer after backward.
+    /// it: no folded adds, no recomputation, the optimizer after backward.
     pub fn unoptimized(kind: StepKind) -> Self {
-        StepOptions { recompute: RecomputePolicy::Off, optimizer: OptimizerPlacement::AfterBackward, ..Self::new(kind) }
+        StepOptions {
+            recompute: RecomputePolicy::Off,
+            optimizer: OptimizerPlacement::AfterBackward,
+            epilogues: Epilogues::Off,
+            ..Self::new(kind)
+        }
     }
 }
 
@@ -112,6 +122,8 @@ pub struct CompiledStep {
     pub placement: Option<PlacementReport>,
     /// What is recomputed in backward, and the MLP tiling the step was built with.
     pub recompute: RecomputeReport,
+    /// The adds folded into the kernels that produce their operands.
+    pub fusion: FusionReport,
 }
 
 impl CompiledStep {
@@ -206,15 +218,15 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
         }
         first = false;
     }
-    let tiled = StepOptions { mlp_tiles: best_tiles, ..opts.clone() };
-    Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles, hint: clipping_hint(spec, &tiled, least) })
+    Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles, hint: clipping_hint(spec, opts, least) })
 }
 
 /// For a train step that clips the global gradient norm and misses its
 /// budget: clipping reads every gradient before any update, so no update can
 /// run inside backward and all gradients are live at its end. Says what the
-/// same step (same MLP tiling) plans without clipping when that is less
-/// than `least`, what it reached with clipping (one more budget pass).
+/// same step plans without clipping when that is less than `least`, what it
+/// reached with clipping (the whole search again, tilings included: the
+/// unclipped step may reach its least at another tiling).
 fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<String> {
     opts.train.clip_grad_norm?;
     if opts.kind != StepKind::Train {
@@ -222,7 +234,7 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
     }
     let unclipped = StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
     const WHY: &str = "clipping reads every gradient before any update, so all of them are live at the end of backward";
-    match compile_tiled(spec, &unclipped) {
+    match compile_step_timed(spec, &unclipped) {
         Ok((c, _)) => {
             let peak = c.planned_peak_bytes();
             Some(format!(
@@ -242,6 +254,10 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
 fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
+    let (step, fusion) = match opts.epilogues {
+        Epilogues::On => fusion::fold_adds(&step)?,
+        Epilogues::Off => (step, FusionReport::default()),
+    };
     let (step, placement) = if opts.kind == StepKind::Train {
         let (step, _, report) = optimizer_placement::apply(&step, opts.optimizer, opts.plan)?;
         (step, Some(report))
@@ -254,7 +270,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     check_plan(&step, &plan)?;
     let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
-    Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute }, times))
+    Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute, fusion }, times))
 }
 
 #[cfg(test)]

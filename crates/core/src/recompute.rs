@@ -500,17 +500,41 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                     mark_with_views(step, &views, n, &saved_nodes, &mut marked);
                 }
             }
-            if marked.is_empty() {
-                return unchanged("auto", base_plan);
+            // Every marked value; those but the products that add a tensor
+            // in their epilogue; those of pointwise ops and norms only.
+            // Recomputing a memory-bound product (a narrow model's, or one
+            // that adds the residual stream in its epilogue, whose addend
+            // must then stay alive) can cost more than it frees while the
+            // rest still pays. The lowest peak wins.
+            let without = |drop: &dyn Fn(&Op) -> bool| -> HashSet<NodeId> {
+                marked.iter().copied().filter(|&n| !drop(&step.node(n).op)).collect()
+            };
+            let no_addends = without(&|op| matches!(op, Op::MatMul(m) if m.addend));
+            let light = without(&|op| cost_class(op) == Some(CostClass::Product));
+            let mut sets: Vec<&HashSet<NodeId>> = Vec::new();
+            for set in [&marked, &no_addends, &light] {
+                if !set.is_empty() && !sets.iter().any(|s| s.len() == set.len()) {
+                    sets.push(set);
+                }
             }
-            let (new, emitted) = rewrite(step, &marked)?;
-            let new_plan = plan(&new, opts)?;
-            if new_plan.planned_peak_bytes() < before {
-                let after = new_plan.planned_peak_bytes();
-                let r = report("auto", step, &new, &emitted, before, after);
-                Ok((new, new_plan, r))
-            } else {
-                unchanged("auto", base_plan)
+            // The rewritten step, its plan and what it recomputes (as `rewrite` gives them).
+            type Candidate = (Trace, MemoryPlan, Vec<(NodeId, NodeId)>);
+            let mut best: Option<Candidate> = None;
+            for set in sets {
+                let (new, emitted) = rewrite(step, set)?;
+                let new_plan = plan(&new, opts)?;
+                let lowest = best.as_ref().map_or(before, |b| b.1.planned_peak_bytes());
+                if new_plan.planned_peak_bytes() < lowest {
+                    best = Some((new, new_plan, emitted));
+                }
+            }
+            match best {
+                Some((new, new_plan, emitted)) => {
+                    let after = new_plan.planned_peak_bytes();
+                    let r = report("auto", step, &new, &emitted, before, after);
+                    Ok((new, new_plan, r))
+                }
+                None => unchanged("auto", base_plan),
             }
         }
         RecomputePolicy::Budget(budget) => {

@@ -115,10 +115,12 @@ fn mlp_heavy() -> ModelSpec {
 }
 
 /// The least planned peak recomputation reaches on `sp` with the MLP in
-/// `tiles` tiles, without trying other tilings.
+/// `tiles` tiles, without trying other tilings (the pipeline's stages up to
+/// recomputation, by hand).
 fn least_with(sp: &ModelSpec, tiles: usize) -> u64 {
     let opts = StepOptions { mlp_tiles: tiles, ..StepOptions::new(StepKind::Grads) };
-    let step = trace_step(sp, &opts).unwrap().step;
+    // As the pipeline builds it: the adds folded before recomputation.
+    let (step, _) = stepgraph_core::fusion::fold_adds(&trace_step(sp, &opts).unwrap().step).unwrap();
     match recompute::apply(&step, RecomputePolicy::Budget(1), PlanOptions::default()) {
         Err(Error::MemoryBudget { least, mlp_tiles: 1, .. }) => least,
         Err(other) => panic!("expected a budget refusal, got {other}"),

@@ -1,0 +1,160 @@
+//! The epilogue pass: an `add` folded into the node that produces one of
+//! its operands, when that node's op can add a tensor to its output inside
+//! its own kernel ([`crate::ops::OpDef::with_addend`]).
+//!
+//! A transformer step is full of such adds: the residual add after every
+//! attention and MLP output product, the gradient of a value read by two or
+//! three products (q, k and v read the same normed input; gate and up
+//! another), the residual stream's gradient added to each norm's input
+//! gradient, a bias after a linear layer, the sum of gradient-accumulation
+//! micro-batches. Each is a kernel that reads two activations and writes a
+//! third. Folded, the product adds its addend in its epilogue (cuBLASLt's
+//! `beta = 1`, or its bias epilogue), and the norm backward adds it before
+//! it stores gx: one launch and a full round trip through memory fewer, and
+//! the sum is rounded once instead of twice.
+//!
+//! **Rules.** `y = add(u, r)` folds into `u`'s producer `p` when `u` has no
+//! reader but this add (and is no output of the step), `u` has the add's
+//! type (a broadcast operand never becomes the result's storage), `r` is not
+//! `u`, and `p`'s op takes `r` as an addend of that output. The folded node
+//! writes `y` in place of `u`. It stays where `p` was when `r` exists there
+//! already; otherwise it moves down to the add, when no node in between
+//! reads another output of `p` and both are in the same phase. Chains fold
+//! one link at a time (`add(add(m1, m2), m3)` becomes two products, each
+//! adding the previous sum). The result is checked like any pass.
+//!
+//! **Invariant:** the folded step computes the same values as the unfolded
+//! one up to the rounding of the intermediate sum it no longer stores.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::ir::{renumber, verify::debug_verify, Node, NodeId, Trace, ValueKind};
+use crate::ops::{BinaryFn, Op};
+
+/// Whether [`crate::pipeline`] runs the epilogue pass.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Epilogues {
+    /// Fold adds into the products and norm backwards that produce them.
+    #[default]
+    On,
+    /// Keep every add a node of its own.
+    Off,
+}
+
+/// What the pass folded: adds per op they went into.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FusionReport {
+    /// Adds folded, by the name of the op that absorbed them.
+    pub folded: BTreeMap<String, usize>,
+}
+
+impl FusionReport {
+    /// Adds folded in all.
+    pub fn total(&self) -> usize {
+        self.folded.values().sum()
+    }
+}
+
+/// Folds every foldable `add` of `trace` (see the module doc).
+pub fn fold_adds(trace: &Trace) -> Result<(Trace, FusionReport)> {
+    let mut t = trace.clone();
+    let n_nodes = t.nodes.len();
+    let mut nodes: Vec<Option<Node>> = t.nodes.drain(..).map(Some).collect();
+    // Readers of every value (node inputs, counted with multiplicity) and
+    // values the step hands out (outputs, updates), which must stay.
+    let mut readers = vec![0usize; t.values.len()];
+    for node in nodes.iter().flatten() {
+        for i in &node.inputs {
+            readers[i.index()] += 1;
+        }
+    }
+    let mut pinned = vec![false; t.values.len()];
+    for o in &t.outputs {
+        pinned[o.value.index()] = true;
+    }
+    for u in &t.updates {
+        pinned[u.new.index()] = true;
+        pinned[u.state.index()] = true;
+    }
+    // Position of the node defining each value (leaves: none).
+    let mut def: Vec<Option<usize>> = vec![None; t.values.len()];
+    for (pos, node) in nodes.iter().enumerate() {
+        for o in &node.as_ref().expect("all nodes present").outputs {
+            def[o.index()] = Some(pos);
+        }
+    }
+    let mut report = FusionReport::default();
+
+    for at in 0..n_nodes {
+        let Some(add) = nodes[at].as_ref() else { continue };
+        if !matches!(&add.op, Op::Binary(b) if b.f == BinaryFn::Add) {
+            continue;
+        }
+        let (y, phase) = (add.outputs[0], add.phase);
+        let operands = [add.inputs[0], add.inputs[1]];
+        // Prefer the operand produced last: its producer is nearest the add.
+        let mut order = [(operands[0], operands[1]), (operands[1], operands[0])];
+        if def[operands[0].index()] < def[operands[1].index()] {
+            order.swap(0, 1);
+        }
+        for (u, r) in order {
+            let Some(p) = def[u.index()] else { continue };
+            if u == r || readers[u.index()] != 1 || pinned[u.index()] || t.ty(u) != t.ty(y) {
+                continue;
+            }
+            let producer = nodes[p].as_ref().expect("a defined value's node is present");
+            let Some(slot) = producer.outputs.iter().position(|&o| o == u) else { continue };
+            let in_types: Vec<_> = producer.inputs.iter().map(|&v| t.ty(v)).collect();
+            let Some((op, addend_at)) = producer.op.with_addend(slot, &in_types, t.ty(r)) else { continue };
+            // Where the folded node goes: at the producer when the addend is
+            // ready there, else down at the add.
+            let ready_at_producer = def[r.index()].is_none_or(|d| d < p);
+            let place = if ready_at_producer {
+                p
+            } else {
+                let others_read_between = producer
+                    .outputs
+                    .iter()
+                    .filter(|&&o| o != u)
+                    .any(|&o| nodes[p + 1..at].iter().flatten().any(|n| n.inputs.contains(&o)));
+                if others_read_between || producer.phase != phase {
+                    continue;
+                }
+                at
+            };
+            let mut inputs = producer.inputs.clone();
+            inputs.insert(addend_at, r);
+            let mut outputs = producer.outputs.clone();
+            outputs[slot] = y;
+            report.folded.entry(op.name().to_string()).and_modify(|n| *n += 1).or_insert(1);
+            let folded = Node { op, inputs, outputs, phase: producer.phase };
+            for o in &folded.outputs {
+                def[o.index()] = Some(place);
+            }
+            readers[u.index()] = 0;
+            nodes[p] = None;
+            nodes[at] = None;
+            nodes[place] = Some(folded);
+            break;
+        }
+    }
+
+    t.nodes = nodes.into_iter().flatten().collect();
+    for (ni, node) in t.nodes.iter().enumerate() {
+        for o in &node.outputs {
+            t.values[o.index()].kind = ValueKind::Node(NodeId(ni as u32));
+        }
+    }
+    // `renumber` keeps leaves and the outputs of the remaining nodes, so the
+    // sums the folded nodes no longer write disappear with their adds.
+    t.saved.clear();
+    let mut t = renumber(t);
+    t.saved = t.derive_saved();
+    t.pass = "epilogues".into();
+    debug_verify(&t)?;
+    Ok((t, report))
+}
