@@ -17,6 +17,7 @@
 #              scripts/compare_grads.py: which of the two bf16 programs is nearer the truth
 #   w2-cpu     W2 on the CPU backend (both backends on record)
 #   w1-2l-cpu  W1 with 2 layers on the CPU backend (not in the default: minutes of CPU)
+# COMPARE_ARGS adds flags to every `stepgraph compare` (e.g. "--epilogues off").
 # The tolerance is compare's default for the dtype; the metric is
 # rel = |a - b|_2 / |b|_2 per tensor (rel_max = max|a - b| / max|b| reported too).
 #
@@ -90,8 +91,9 @@ run_case() {
         reference w2 || return 1
     fi
     reference "$ref" || return 1
+    # shellcheck disable=SC2206 # COMPARE_ARGS is a list of flags, split on purpose
     local cmd=(.carry/stepgraph compare --backend "$backend" --reference "$REF_DIR/$ref" --loss "$loss"
-        --json-out "$OUT/compare-$name.json")
+        --json-out "$OUT/compare-$name.json" ${COMPARE_ARGS:-})
     rm -f "$OUT/compare-$name.json"
     echo "== $name: ${cmd[*]}"
     "${cmd[@]}" 2>&1 | tee "$OUT/compare-$name.log"

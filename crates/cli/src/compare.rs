@@ -110,6 +110,10 @@ pub struct CompareArgs {
     /// Also write the report as JSON to this file.
     #[arg(long, value_name = "PATH")]
     pub json_out: Option<PathBuf>,
+    /// Fold adds into the kernels that produce their operands (on, as
+    /// every other command) or keep each add a kernel (off).
+    #[arg(long, value_enum, default_value_t = crate::memory_args::EpilogueArg::On)]
+    pub epilogues: crate::memory_args::EpilogueArg,
 }
 
 /// `a` against `b`, one tensor's worth. See the module doc for the metric.
@@ -394,7 +398,8 @@ fn compare(
         CompareLoss::Ce => LossKind::CrossEntropy,
     };
     let spec = ModelSpec { config, batch, seq, dtype, loss };
-    let compiled = compile_step(&spec, &StepOptions::new(StepKind::Grads))?;
+    let opts = StepOptions { epilogues: args.epilogues.into(), ..StepOptions::new(StepKind::Grads) };
+    let compiled = compile_step(&spec, &opts)?;
     let (step, memory) = (compiled.step, compiled.plan);
 
     // Checked against the whole trace before the session allocates anything;
@@ -843,6 +848,7 @@ mod tests {
             tol: None,
             json: false,
             json_out: None,
+            epilogues: crate::memory_args::EpilogueArg::On,
         }
     }
 

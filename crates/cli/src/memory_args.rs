@@ -65,6 +65,15 @@ pub enum EpilogueArg {
     Off,
 }
 
+impl From<EpilogueArg> for Epilogues {
+    fn from(a: EpilogueArg) -> Epilogues {
+        match a {
+            EpilogueArg::On => Epilogues::On,
+            EpilogueArg::Off => Epilogues::Off,
+        }
+    }
+}
+
 impl MemoryArgs {
     /// Sets the recompute policy and optimizer placement of `opts`;
     /// `free_bytes` answers `--memory-budget auto`.
@@ -83,10 +92,7 @@ impl MemoryArgs {
             PlacementArg::Off => OptimizerPlacement::AfterBackward,
         };
         opts.mlp_tiles = self.mlp_tiles as usize;
-        opts.epilogues = match self.epilogues {
-            EpilogueArg::On => Epilogues::On,
-            EpilogueArg::Off => Epilogues::Off,
-        };
+        opts.epilogues = self.epilogues.into();
         Ok(())
     }
 }
