@@ -591,6 +591,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 let mut value = serde_json::to_value(&report)?;
                 value["recompute"] = serde_json::to_value(&c.recompute)?;
                 value["optimizer"] = serde_json::to_value(&c.placement)?;
+                value["epilogues"] = serde_json::to_value(&c.fusion)?;
                 println!("{}", serde_json::to_string_pretty(&value)?);
             } else {
                 print!("{report}");
@@ -598,6 +599,9 @@ fn run_command(cli: Cli) -> Result<()> {
                     print!("{p}");
                 }
                 print!("{}", c.recompute);
+                if opts.epilogues == stepgraph_core::fusion::Epilogues::On {
+                    println!("{}", c.fusion);
+                }
             }
         }
         Command::Trace { model, step, optim, memory, which } => {

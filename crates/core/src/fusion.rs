@@ -1,6 +1,10 @@
 //! The epilogue pass: an `add` folded into the node that produces one of
 //! its operands, when that node's op can add a tensor to its output inside
-//! its own kernel ([`crate::ops::OpDef::with_addend`]).
+//! its own kernel ([`crate::ops::OpDef::with_addend`]); and a `mul` by a
+//! one-element factor folded into the node that reads its result, when that
+//! op can scale the input as it reads it
+//! ([`crate::ops::OpDef::with_input_scale`]: gradient clipping's factor
+//! into AdamW, which then reads each gradient once instead of three times).
 //!
 //! A transformer step is full of such adds: the residual add after every
 //! attention and MLP output product, the gradient of a value read by two or
@@ -23,8 +27,13 @@
 //! one link at a time (`add(add(m1, m2), m3)` becomes two products, each
 //! adding the previous sum). The result is checked like any pass.
 //!
+//! `y = mul(x, s)` (or `mul(s, x)`) with `s` of one element and `x` of
+//! `y`'s type folds into `y`'s only reader when that reader takes the
+//! scale; the folded node stays where it was.
+//!
 //! **Invariant:** the folded step computes the same values as the unfolded
-//! one up to the rounding of the intermediate sum it no longer stores.
+//! one up to the rounding of the intermediate sum it no longer stores (a
+//! folded scale rounds as the `mul` did: the same bits).
 
 use std::collections::BTreeMap;
 
@@ -45,11 +54,13 @@ pub enum Epilogues {
     Off,
 }
 
-/// What the pass folded: adds per op they went into.
+/// What the pass folded, by the op that absorbed it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct FusionReport {
     /// Adds folded, by the name of the op that absorbed them.
     pub folded: BTreeMap<String, usize>,
+    /// Multiplications by a one-element factor folded, by the name of the op that reads them.
+    pub scales: BTreeMap<String, usize>,
 }
 
 impl FusionReport {
@@ -57,10 +68,30 @@ impl FusionReport {
     pub fn total(&self) -> usize {
         self.folded.values().sum()
     }
+
+    /// Nodes the pass removed: adds and multiplications.
+    pub fn nodes_removed(&self) -> usize {
+        self.total() + self.scales.values().sum::<usize>()
+    }
 }
 
-/// Folds every foldable `add` of `trace` (see the module doc).
-pub fn fold_adds(trace: &Trace) -> Result<(Trace, FusionReport)> {
+impl std::fmt::Display for FusionReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |m: &BTreeMap<String, usize>| m.iter().map(|(k, n)| format!("{n} into {k}")).collect::<Vec<_>>();
+        let (adds, scales) = (list(&self.folded), list(&self.scales));
+        write!(f, "epilogues: {} adds folded", self.total())?;
+        if !adds.is_empty() {
+            write!(f, " ({})", adds.join(", "))?;
+        }
+        if !scales.is_empty() {
+            write!(f, ", {} scales folded ({})", self.scales.values().sum::<usize>(), scales.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// Folds every foldable `add` and scale of `trace` (see the module doc).
+pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
     let mut t = trace.clone();
     let n_nodes = t.nodes.len();
     let mut nodes: Vec<Option<Node>> = t.nodes.drain(..).map(Some).collect();
@@ -139,6 +170,41 @@ pub fn fold_adds(trace: &Trace) -> Result<(Trace, FusionReport)> {
             nodes[p] = None;
             nodes[at] = None;
             nodes[place] = Some(folded);
+            break;
+        }
+    }
+
+    // Scales: `mul(x, s)` read only by a node that takes the factor.
+    for at in 0..n_nodes {
+        let Some(reader) = nodes[at].as_ref() else { continue };
+        for slot in 0..reader.inputs.len() {
+            let y = reader.inputs[slot];
+            let Some(p) = def[y.index()] else { continue };
+            if readers[y.index()] != 1 || pinned[y.index()] {
+                continue;
+            }
+            let Some(mul) = nodes[p].as_ref() else { continue };
+            if !matches!(&mul.op, Op::Binary(b) if b.f == BinaryFn::Mul) {
+                continue;
+            }
+            let (a, b) = (mul.inputs[0], mul.inputs[1]);
+            let (x, s) = if t.ty(b).numel() == 1 && t.ty(a) == t.ty(y) {
+                (a, b)
+            } else if t.ty(a).numel() == 1 && t.ty(b) == t.ty(y) {
+                (b, a)
+            } else {
+                continue;
+            };
+            let in_types: Vec<_> = reader.inputs.iter().map(|&v| t.ty(v)).collect();
+            let Some((op, scale_at)) = reader.op.with_input_scale(slot, &in_types, t.ty(s)) else { continue };
+            let mut inputs = reader.inputs.clone();
+            inputs[slot] = x;
+            inputs.insert(scale_at, s);
+            report.scales.entry(op.name().to_string()).and_modify(|n| *n += 1).or_insert(1);
+            let folded = Node { op, inputs, outputs: reader.outputs.clone(), phase: reader.phase };
+            readers[y.index()] = 0;
+            nodes[p] = None;
+            nodes[at] = Some(folded);
             break;
         }
     }

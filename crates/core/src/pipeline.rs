@@ -255,7 +255,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
     let (step, fusion) = match opts.epilogues {
-        Epilogues::On => fusion::fold_adds(&step)?,
+        Epilogues::On => fusion::fold(&step)?,
         Epilogues::Off => (step, FusionReport::default()),
     };
     let (step, placement) = if opts.kind == StepKind::Train {

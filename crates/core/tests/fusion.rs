@@ -6,16 +6,19 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use stepgraph_core::autodiff::{StepKind, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
-use stepgraph_core::fusion::{fold_adds, Epilogues};
+use stepgraph_core::fusion::{fold, Epilogues};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{DType, TensorType, Trace};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, LossKind, ModelSpec};
-use stepgraph_core::ops::{BinaryFn, Op};
+use stepgraph_core::ops::elementwise::Binary;
+use stepgraph_core::ops::optim::AdamW;
+use stepgraph_core::ops::{BinaryFn, Op, OpDef};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
+use stepgraph_core::testing::{draw_sample, run_op};
 
 fn compile(name: &str, dtype: DType, kind: StepKind, epilogues: Epilogues, grad_accum: usize) -> CompiledStep {
     let spec = ModelSpec::named(name, 2, 8, dtype, LossKind::CrossEntropy).unwrap();
@@ -88,7 +91,7 @@ fn every_add_of_a_llama_step_folds_into_a_product_or_a_norm_backward() {
         assert_eq!(on.fusion.folded.get("matmul"), Some(&into_products));
         // On the same trace, the pass removes one node per add (the
         // compiled steps may recompute differently).
-        let (folded, report) = fold_adds(&off.step).unwrap();
+        let (folded, report) = fold(&off.step).unwrap();
         assert_eq!(folded.nodes.len() + report.total(), off.step.nodes.len(), "{kind:?}: one node fewer per add");
         // The sums the adds stored are gone: no larger a plan.
         assert!(on.planned_peak_bytes() <= off.planned_peak_bytes());
@@ -155,9 +158,52 @@ fn a_folded_step_prints_and_parses_back() {
 fn the_pass_leaves_adds_it_cannot_fold() {
     let off = compile("tiny-llama", DType::F32, StepKind::Grads, Epilogues::Off, 1);
     // Folding twice changes nothing more.
-    let (once, report) = fold_adds(&off.step).unwrap();
-    let (twice, again) = fold_adds(&once).unwrap();
+    let (once, report) = fold(&off.step).unwrap();
+    let (twice, again) = fold(&once).unwrap();
     assert!(report.total() > 0);
     assert_eq!(again.total(), 0);
     assert_eq!(twice.to_string(), once.to_string());
+}
+
+#[test]
+fn clipping_factors_fold_into_adamw_with_the_same_bits() {
+    // In f32 both folds are exact (a product rounded to f32 and then added
+    // is what the epilogue computes), so the whole step keeps its bits.
+    for dtype in [DType::F32, DType::BF16] {
+        let spec = ModelSpec::named("tiny-llama", 2, 8, dtype, LossKind::CrossEntropy).unwrap();
+        let train = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
+        let opts = |epilogues| StepOptions { train: train.clone(), epilogues, ..StepOptions::new(StepKind::Train) };
+        let off = compile_step(&spec, &opts(Epilogues::Off)).unwrap();
+        let on = compile_step(&spec, &opts(Epilogues::On)).unwrap();
+        let updates = count(&on.step, |op| matches!(op, Op::AdamW(_)));
+        let scaled = on.step.nodes.iter().filter(|n| matches!(n.op, Op::AdamW(_)) && n.inputs.len() == 7).count();
+        assert_eq!(scaled, updates, "{dtype}: every update reads its gradient scaled");
+        assert_eq!(on.fusion.scales.get("adamw"), Some(&updates));
+        let muls = |t: &Trace| count(t, |op| matches!(op, Op::Binary(b) if b.f == BinaryFn::Mul));
+        assert_eq!(muls(&on.step) + updates, muls(&off.step));
+        assert!(on.fusion.to_string().contains(&format!("{updates} into adamw")), "{}", on.fusion);
+        // (In bf16 an AdamW step from noise-level gradients of either sign
+        // moves weights by ±lr, so only f32's whole step is compared.)
+        if dtype == DType::F32 {
+            let (a, b) = (run(&on, 1), run(&off, 1));
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert_eq!(first, None, "f32: output or state {first:?} differs");
+        }
+    }
+    // In 16 bits the epilogue adds round once fewer, so the scale is checked
+    // on its own: the folded update equals `mul` then the update, bit for bit.
+    for dtype in [DType::BF16, DType::F16, DType::F32, DType::F64] {
+        for sample in AdamW::samples(dtype).into_iter().filter(|s| s.inputs.len() == 7) {
+            let inputs = draw_sample(&sample, 5).unwrap();
+            let folded = run_op(&sample.op, &inputs).unwrap();
+            let scaled =
+                run_op(&Op::from(Binary { f: BinaryFn::Mul }), &[inputs[1].clone(), inputs[6].clone()]).unwrap();
+            let mut plain = inputs[..6].to_vec();
+            plain[1] = scaled[0].clone();
+            let unfolded = run_op(&sample.op, &plain).unwrap();
+            for (x, y) in folded.iter().zip(&unfolded) {
+                assert_eq!(x.bytes(), y.bytes(), "{dtype}: {:?}", sample.op);
+            }
+        }
+    }
 }

@@ -120,7 +120,7 @@ fn mlp_heavy() -> ModelSpec {
 fn least_with(sp: &ModelSpec, tiles: usize) -> u64 {
     let opts = StepOptions { mlp_tiles: tiles, ..StepOptions::new(StepKind::Grads) };
     // As the pipeline builds it: the adds folded before recomputation.
-    let (step, _) = stepgraph_core::fusion::fold_adds(&trace_step(sp, &opts).unwrap().step).unwrap();
+    let (step, _) = stepgraph_core::fusion::fold(&trace_step(sp, &opts).unwrap().step).unwrap();
     match recompute::apply(&step, RecomputePolicy::Budget(1), PlanOptions::default()) {
         Err(Error::MemoryBudget { least, mlp_tiles: 1, .. }) => least,
         Err(other) => panic!("expected a budget refusal, got {other}"),

@@ -18,10 +18,15 @@
 //   adamw_<p>_<m>_<v>(const P* p, const P* g, const M* m, const V* v,
 //                     const void* lr, const void* step, P* p_out, M* m_out,
 //                     V* v_out, i64 n, i64 lr_f64, i64 step_f64,
-//                     double beta1, double beta2, double eps, double wd)
+//                     double beta1, double beta2, double eps, double wd,
+//                     const P* gscale)
 // 1-D grid-stride loop, blockDim.x = 256. m and v are each P or f32.
+// gscale (null when absent) is one element of P: the gradient is read as
+// g·gscale rounded to P, what a `mul` node before the update would store
+// (gradient clipping's factor, folded in).
 // `adamw_multi_<p>_<m>_<v>(MultiTable t, lr, step, lr_f64, step_f64, beta1,
-// beta2, eps, wd)` updates up to 48 such tensors at once (see MultiTable).
+// beta2, eps, wd, gscale)` updates up to 48 such tensors at once (see
+// MultiTable), all scaled by the same gscale.
 // `adamw_vec_<p>_<m>_<v>` takes the same arguments for tensors whose every
 // address is 16-byte aligned (the lowering checks) and updates 8 consecutive
 // elements per thread and iteration with 16-byte loads and stores: launch
@@ -60,7 +65,8 @@ template <typename A> __device__ __forceinline__ A lerp(A a, A b, A w) {
 
 template <typename A> struct Coefs {
     A decay, w1, beta2, w2, neg_step_size, bc2_sqrt, eps;
-    int valid;
+    A gscale;  // the gradient's factor, when scaled
+    int valid, scaled;
 };
 
 __device__ __forceinline__ double read_scalar(const void* p, i64 is_f64) {
@@ -100,6 +106,8 @@ __device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, a
         v_new = vi0;
         return;
     }
+    // g·scale as the `mul` it replaces stores it: rounded to P.
+    if (c.scaled) gi = stored((const P*)nullptr, mul_rn(gi, c.gscale));
     A pi = mul_rn(pi0, c.decay);
     A mi = lerp((A)mi0, gi, c.w1);
     A vi = add_rn(mul_rn((A)vi0, c.beta2), mul_rn(mul_rn(c.w2, gi), gi));
@@ -111,13 +119,19 @@ __device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, a
     p_new = add_rn(pi, div_rn(mul_rn(c.neg_step_size, (A)m_new), denom));
 }
 
-// The block's coefficients, computed by one thread (two f64 pows); the grid
-// is capped, so this is a handful per step.
-template <typename A>
+// The block's coefficients, computed by one thread (two f64 pows), with
+// the gradient's factor when there is one; the grid is capped, so this is a
+// handful per step.
+template <typename P, typename A>
 __device__ __forceinline__ Coefs<A> block_coefs(const void* lr, i64 lr_f64, const void* step, i64 step_f64,
-                                                double beta1, double beta2, double eps, double wd) {
+                                                double beta1, double beta2, double eps, double wd, const P* gscale) {
     __shared__ Coefs<A> shared_c;
-    if (threadIdx.x == 0) shared_c = coefs<A>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+    if (threadIdx.x == 0) {
+        Coefs<A> c = coefs<A>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+        c.scaled = gscale != nullptr;
+        c.gscale = gscale ? (A)load(gscale, 0) : A(1);
+        shared_c = c;
+    }
     __syncthreads();
     return shared_c;
 }
@@ -139,8 +153,8 @@ __device__ __forceinline__ void update_at(const Coefs<acc_t<P>>& c, const P* p, 
 template <typename P, typename M, typename V>
 __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step,
                                        P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,
-                                       double beta2, double eps, double wd) {
-    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+                                       double beta2, double eps, double wd, const P* gscale) {
+    const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         update_at(c, p, g, m, v, p_out, m_out, v_out, i);
 }
@@ -175,8 +189,9 @@ __device__ __forceinline__ void update_pack(const Coefs<acc_t<P>>& c, const P* p
 template <typename P, typename M, typename V>
 __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, const V* v, const void* lr,
                                            const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,
-                                           i64 step_f64, double beta1, double beta2, double eps, double wd) {
-    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+                                           i64 step_f64, double beta1, double beta2, double eps, double wd,
+                                           const P* gscale) {
+    const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     const i64 runs = n / kVec;
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     for (i64 j = first; j < runs; j += stride) update_pack(c, p, g, m, v, p_out, m_out, v_out, j);
@@ -205,8 +220,9 @@ struct MultiTable {
 
 template <typename P, typename M, typename V>
 __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr, const void* step, i64 lr_f64,
-                                             i64 step_f64, double beta1, double beta2, double eps, double wd) {
-    const Coefs<acc_t<P>> c = block_coefs<acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd);
+                                             i64 step_f64, double beta1, double beta2, double eps, double wd,
+                                             const P* gscale) {
+    const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     const int total = t.chunk_end[t.count - 1];
     int k = 0;  // chunks ascend, so the tensor only moves forward
     for (int ch = blockIdx.x; ch < total; ch += gridDim.x) {
@@ -237,22 +253,23 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step, \
                                    P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,       \
-                                   double beta2, double eps, double wd) {                                             \
+                                   double beta2, double eps, double wd, const P* gscale) {                            \
         sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,       \
-                                  eps, wd);                                                                           \
+                                  eps, wd, gscale);                                                                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_vec_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr,               \
                                        const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,            \
-                                       i64 step_f64, double beta1, double beta2, double eps, double wd) {            \
+                                       i64 step_f64, double beta1, double beta2, double eps, double wd,              \
+                                       const P* gscale) {                                                            \
         sg_adamw::update_vec<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,   \
-                                      eps, wd);                                                                       \
+                                      eps, wd, gscale);                                                               \
     }                                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_multi_##pdt##_##mdt##_##vdt(const __grid_constant__ sg_adamw::MultiTable t, const void* lr,              \
                                          const void* step, i64 lr_f64, i64 step_f64, double beta1, double beta2,      \
-                                         double eps, double wd) {                                                     \
-        sg_adamw::update_multi<P, M, V>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd);                        \
+                                         double eps, double wd, const P* gscale) {                                    \
+        sg_adamw::update_multi<P, M, V>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd, gscale);                \
     }
 
 // Moments in the parameter's dtype or in f32, each independently.

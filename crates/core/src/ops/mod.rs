@@ -232,6 +232,16 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     fn with_addend(&self, _output: usize, _inputs: &[&TensorType], _addend: &TensorType) -> Option<(Self, usize)> {
         None
     }
+
+    /// The op that reads its input `input` multiplied by a one-element
+    /// tensor of type `scale` (the product rounded to the input's storage
+    /// type, exactly what a `mul` node before it would store), and the
+    /// position the scale takes among the inputs; `None` when it has no such
+    /// form. What the epilogue pass folds `mul` nodes into (gradient
+    /// clipping's factor into AdamW).
+    fn with_input_scale(&self, _input: usize, _inputs: &[&TensorType], _scale: &TensorType) -> Option<(Self, usize)> {
+        None
+    }
 }
 
 /// The op list, written once. `for_each_op!(callback)` expands to
@@ -321,6 +331,9 @@ macro_rules! op_list {
             }
             pub fn view_of(&self) -> Option<usize> {
                 match self { $(Op::$variant(o) => o.view_of()),* }
+            }
+            pub fn with_input_scale(&self, input: usize, inputs: &[&TensorType], scale: &TensorType) -> Option<(Op, usize)> {
+                match self { $(Op::$variant(o) => o.with_input_scale(input, inputs, scale).map(|(op, at)| (Op::from(op), at))),* }
             }
             pub fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Op, usize)> {
                 match self { $(Op::$variant(o) => o.with_addend(output, inputs, addend).map(|(op, at)| (Op::from(op), at))),* }

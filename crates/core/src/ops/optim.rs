@@ -17,8 +17,11 @@ use crate::ir::{Builder, DType, TensorType, ValueId};
 use crate::with_float;
 
 /// AdamW hyperparameters that are fixed for a run. Inputs
-/// `(p, g, m, v, lr, step)`, outputs `(p', m', v')` with the types of
-/// `p`, `m`, `v`.
+/// `(p, g, m, v, lr, step[, scale])`, outputs `(p', m', v')` with the types
+/// of `p`, `m`, `v`. With `scale` (one element of `g`'s dtype: gradient
+/// clipping's factor), the update reads `g·scale` rounded to `g`'s type,
+/// exactly what a `mul` node before it would store (the epilogue pass,
+/// [`crate::fusion`], folds that node in).
 ///
 /// `p` and `g` have one type; `m` and `v` have `p`'s shape and either `p`'s
 /// dtype or f32 (float32 optimizer state for narrow parameters); `lr` and
@@ -137,6 +140,8 @@ fn scalar_input(io: &KernelIo, i: usize, name: &str, ok: impl Fn(f64) -> bool, w
 /// the moments' accumulator type except for f32 state of f64 parameters,
 /// whose values are converted up and back.
 fn kernel<P: Float, M: Float, V: Float>(io: &KernelIo, c: &Coefs<P::Acc>) {
+    // The gradient's scale, read before any output is handed out.
+    let scale = (io.inputs.len() > 6).then(|| io.input::<P>(6)[0].acc());
     // Output slices already holding p, m and v (copied unless aliased).
     let p = io.inplace::<P>(0, 0);
     let m = io.inplace::<M>(1, 2);
@@ -148,7 +153,11 @@ fn kernel<P: Float, M: Float, V: Float>(io: &KernelIo, c: &Coefs<P::Acc>) {
         .zip(g.par_chunks(CHUNK))
         .for_each(|(((p, m), v), g)| {
             for i in 0..p.len() {
-                let gi = g[i].acc();
+                // g·scale as a `mul` would store it: rounded to g's type.
+                let gi = match scale {
+                    Some(s) => P::from_acc(g[i].acc() * s).acc(),
+                    None => g[i].acc(),
+                };
                 let pi = p[i].acc() * c.decay;
                 let mi = lerp(conv::<M::Acc, P::Acc>(m[i].acc()), gi, c.w1);
                 let vi = conv::<V::Acc, P::Acc>(v[i].acc()) * c.beta2 + c.w2 * gi * gi;
@@ -190,7 +199,7 @@ impl OpDef for AdamW {
             (DType::F32, DType::F32, DType::F64),
         ];
         let mut v = Vec::new();
-        for (mt, vt, st) in types {
+        for (ti, (mt, vt, st)) in types.into_iter().enumerate() {
             for (h, hyper) in hypers.iter().enumerate() {
                 for shape in [&[][..], &[1], &[17], &[33, 65], &[40_000]] {
                     let (m, sq, lr, step) = if h == 0 {
@@ -199,7 +208,16 @@ impl OpDef for AdamW {
                         (normal(mt, shape), positive(vt, shape), 2e-2, 3.0)
                     };
                     let inputs = vec![normal(d, shape), normal(d, shape), m, sq, scalar(st, lr), scalar(st, step)];
-                    v.push(Sample::new(hyper.clone(), inputs));
+                    v.push(Sample::new(hyper.clone(), inputs.clone()));
+                    // With clipping's factor folded in (a typical one, and 1).
+                    // (The first state types only: every dtype lists the same cases.)
+                    if ti == 0 && shape.len() == 1 {
+                        for factor in [0.37, 1.0] {
+                            let mut scaled = inputs.clone();
+                            scaled.push(scalar(d, factor));
+                            v.push(Sample::new(hyper.clone(), scaled));
+                        }
+                    }
                 }
             }
         }
@@ -209,7 +227,17 @@ impl OpDef for AdamW {
         "adamw"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        expect_inputs(inputs, 6)?;
+        if inputs.len() == 7 {
+            let (g, s) = (inputs[1], inputs[6]);
+            if s.numel() != 1 || s.dtype != g.dtype {
+                return Err(format!(
+                    "the gradient's scale must be one element of the gradient's dtype {}, got {s}",
+                    g.dtype
+                ));
+            }
+        } else {
+            expect_inputs(inputs, 6)?;
+        }
         self.check_hyper()?;
         let (p, g, m, v, lr, step) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
         expect_float(p, "the parameter")?;
@@ -268,6 +296,10 @@ impl OpDef for AdamW {
     fn inplace(&self) -> Vec<(usize, usize)> {
         // p' in p, m' in m, v' in v: the update runs in the persistent buffers.
         vec![(0, 0), (1, 2), (2, 3)]
+    }
+    fn with_input_scale(&self, input: usize, inputs: &[&TensorType], scale: &TensorType) -> Option<(Self, usize)> {
+        let takes = input == 1 && inputs.len() == 6 && scale.numel() == 1 && scale.dtype == inputs[1].dtype;
+        takes.then(|| (self.clone(), 6))
     }
 }
 

@@ -56,6 +56,8 @@ impl Lower for AdamW {
             Arg::F64(self.beta2),
             Arg::F64(self.eps),
             Arg::F64(self.weight_decay),
+            // Gradient clipping's factor, folded in (null: none).
+            Arg::Ptr(ins.get(6).map_or(0, |s| s.ptr)),
         ];
         let threads = if vec { n.div_ceil(VEC_ELEMS) } else { n };
         let grid = blocks(threads, THREADS as usize).min(ADAMW_MAX_GRID as u32);
@@ -121,7 +123,7 @@ fn elements(k: &KernelLaunch) -> usize {
 
 /// What must be equal for two AdamW launches to share a multi-tensor launch:
 /// the kernel (dtypes), the learning rate and step tensors and their flags,
-/// and the hyperparameters. `None` for any other launch, and for updates of
+/// the hyperparameters and the gradient's factor (arguments 10 on). `None` for any other launch, and for updates of
 /// tensors not all 16-byte aligned (the element-wise kernel).
 fn merge_key(l: &Launch) -> Option<(&str, &[Arg], &[Arg])> {
     match l {
