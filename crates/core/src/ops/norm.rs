@@ -308,15 +308,20 @@ impl OpDef for RmsNormBackward {
             .then(|| Ok(RmsNormBackward { eps: a.float("eps")?, addend: a.opt_bool("addend")?.unwrap_or(false) }))
     }
     fn inplace(&self) -> Vec<(usize, usize)> {
-        if self.addend {
-            vec![(0, RMS_ADDEND)]
-        } else {
-            Vec::new()
-        }
+        gx_takes_addend(self.addend, RMS_ADDEND)
     }
     fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Self, usize)> {
         (!self.addend && output == 0 && addend == inputs[0])
             .then(|| (RmsNormBackward { addend: true, ..self.clone() }, RMS_ADDEND))
+    }
+}
+
+/// A norm backward's in-place pair: gx in the addend's storage, when there is one.
+fn gx_takes_addend(addend: bool, at: usize) -> Vec<(usize, usize)> {
+    if addend {
+        vec![(0, at)]
+    } else {
+        Vec::new()
     }
 }
 
@@ -569,11 +574,7 @@ impl OpDef for LayerNormBackward {
             .then(|| Ok(LayerNormBackward { eps: a.float("eps")?, addend: a.opt_bool("addend")?.unwrap_or(false) }))
     }
     fn inplace(&self) -> Vec<(usize, usize)> {
-        if self.addend {
-            vec![(0, LN_ADDEND)]
-        } else {
-            Vec::new()
-        }
+        gx_takes_addend(self.addend, LN_ADDEND)
     }
     fn with_addend(&self, output: usize, inputs: &[&TensorType], addend: &TensorType) -> Option<(Self, usize)> {
         (!self.addend && output == 0 && addend == inputs[0])

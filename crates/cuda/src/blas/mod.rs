@@ -145,16 +145,9 @@ impl Blas {
             GemmAddend::None => (0f32, call.c),
             GemmAddend::Full(p) => (1f32, p),
             GemmAddend::Bias(p) => {
-                // SAFETY: an attribute of the plan's descriptor, read by the next cublasLtMatmul only.
-                unsafe {
-                    lr::set_matmul_desc_attribute(
-                        plan.desc,
-                        ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                        &p as *const u64 as *const c_void,
-                        8,
-                    )
-                }
-                .map_err(|e| blas_err("bias pointer", e))?;
+                // Read by the next cublasLtMatmul on this descriptor: this one.
+                let attr = ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
+                plan::set_desc(plan.desc, attr, &p, "bias pointer")?;
                 (0f32, call.c)
             }
         };

@@ -161,54 +161,21 @@ impl Blas {
             algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
         let (ta, tb) = (k.trans_b as i32, k.trans_a as i32);
+        set_desc(desc, ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &ta, "transa")?;
+        set_desc(desc, ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &tb, "transb")?;
         if k.epilogue == Epilogue::Bias {
             // Row-major rows of n are the column-major D's columns of n
-            // rows: cuBLASLt's bias (one value per row of D) is our row vector.
-            let epilogue = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-            let bias_type = dt;
-            let stride = 0i64;
-            // SAFETY: attributes of a descriptor we own, with values of the documented types.
-            unsafe {
-                lr::set_matmul_desc_attribute(
-                    desc,
-                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &epilogue as *const _ as *const c_void,
-                    std::mem::size_of_val(&epilogue),
-                )
-                .map_err(|e| blas_err("epilogue", e))?;
-                lr::set_matmul_desc_attribute(
-                    desc,
-                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                    &bias_type as *const _ as *const c_void,
-                    std::mem::size_of_val(&bias_type),
-                )
-                .map_err(|e| blas_err("bias type", e))?;
-                // Every batch entry adds the same row.
-                lr::set_matmul_desc_attribute(
-                    desc,
-                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
-                    &stride as *const i64 as *const c_void,
-                    8,
-                )
-                .map_err(|e| blas_err("bias batch stride", e))?;
-            }
-        }
-        // SAFETY: attributes of a descriptor we own.
-        unsafe {
-            lr::set_matmul_desc_attribute(
+            // rows: cuBLASLt's bias (one value per row of D) is our row
+            // vector, of the output's type, the same for every batch entry.
+            use ls::cublasLtMatmulDescAttributes_t as A;
+            set_desc(
                 desc,
-                ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &ta as *const i32 as *const c_void,
-                4,
-            )
-            .map_err(|e| blas_err("transa", e))?;
-            lr::set_matmul_desc_attribute(
-                desc,
-                ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &tb as *const i32 as *const c_void,
-                4,
-            )
-            .map_err(|e| blas_err("transb", e))?;
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                "epilogue",
+            )?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt, "bias type")?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &0i64, "bias batch stride")?;
         }
         let ws = self.workspace_bytes;
         let wanted = if self.autotune { MAX_CANDIDATES } else { 1 };
@@ -281,6 +248,21 @@ impl Blas {
             Ok(results)
         }
     }
+}
+
+/// Sets one attribute of a matmul descriptor to `value`, whose type must be
+/// the one cuBLASLt documents for `attr` (int32 flags and enums, int64
+/// strides, pointers as u64).
+pub(super) fn set_desc<T>(
+    desc: ls::cublasLtMatmulDesc_t,
+    attr: ls::cublasLtMatmulDescAttributes_t,
+    value: &T,
+    what: &str,
+) -> Result<()> {
+    // SAFETY: `value` is a live T of size_of::<T>() bytes, which cuBLASLt
+    // copies; the callers pass the attribute's documented type.
+    unsafe { lr::set_matmul_desc_attribute(desc, attr, value as *const T as *const c_void, std::mem::size_of::<T>()) }
+        .map_err(|e| blas_err(what, e))
 }
 
 pub(super) fn key_of(c: &GemmCall) -> PlanKey {
