@@ -36,6 +36,7 @@
 //! folded scale rounds as the `mul` did: the same bits).
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use serde::Serialize;
 
@@ -92,8 +93,24 @@ impl std::fmt::Display for FusionReport {
 
 /// Folds every foldable `add` and scale of `trace` (see the module doc).
 pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
+    let all = 0..trace.nodes.len();
+    fold_segments(trace, std::slice::from_ref(&all)).map(|(t, report, _)| (t, report))
+}
+
+/// [`fold`] for a trace run in segments (node ranges a session runs on
+/// their own, as generation's prefill and decode buckets): nothing folds
+/// across a segment boundary, and the segments' ranges in the folded trace
+/// come back in the same order.
+pub fn fold_segments(trace: &Trace, segments: &[Range<usize>]) -> Result<(Trace, FusionReport, Vec<Range<usize>>)> {
     let mut t = trace.clone();
     let n_nodes = t.nodes.len();
+    // The segment of each node (None outside every segment).
+    let mut segment_of: Vec<Option<usize>> = vec![None; n_nodes];
+    for (si, r) in segments.iter().enumerate() {
+        for s in &mut segment_of[r.start.min(n_nodes)..r.end.min(n_nodes)] {
+            *s = Some(si);
+        }
+    }
     let mut nodes: Vec<Option<Node>> = t.nodes.drain(..).map(Some).collect();
     // Readers of every value (node inputs, counted with multiplicity) and
     // values the step hands out (outputs, updates), which must stay.
@@ -134,7 +151,8 @@ pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
         }
         for (u, r) in order {
             let Some(p) = def[u.index()] else { continue };
-            if u == r || readers[u.index()] != 1 || pinned[u.index()] || t.ty(u) != t.ty(y) {
+            let same_segment = segment_of[p] == segment_of[at];
+            if u == r || readers[u.index()] != 1 || pinned[u.index()] || t.ty(u) != t.ty(y) || !same_segment {
                 continue;
             }
             let producer = nodes[p].as_ref().expect("a defined value's node is present");
@@ -180,7 +198,7 @@ pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
         for slot in 0..reader.inputs.len() {
             let y = reader.inputs[slot];
             let Some(p) = def[y.index()] else { continue };
-            if readers[y.index()] != 1 || pinned[y.index()] {
+            if readers[y.index()] != 1 || pinned[y.index()] || segment_of[p] != segment_of[at] {
                 continue;
             }
             let Some(mul) = nodes[p].as_ref() else { continue };
@@ -209,6 +227,13 @@ pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
         }
     }
 
+    // Nodes that remain before each old position: where a range starts and ends now.
+    let mut kept_before = Vec::with_capacity(n_nodes + 1);
+    kept_before.push(0);
+    for n in &nodes {
+        kept_before.push(kept_before.last().copied().unwrap_or(0) + n.is_some() as usize);
+    }
+    let ranges = segments.iter().map(|r| kept_before[r.start.min(n_nodes)]..kept_before[r.end.min(n_nodes)]).collect();
     t.nodes = nodes.into_iter().flatten().collect();
     for (ni, node) in t.nodes.iter().enumerate() {
         for o in &node.outputs {
@@ -222,5 +247,5 @@ pub fn fold(trace: &Trace) -> Result<(Trace, FusionReport)> {
     t.saved = t.derive_saved();
     t.pass = "epilogues".into();
     debug_verify(&t)?;
-    Ok((t, report))
+    Ok((t, report, ranges))
 }

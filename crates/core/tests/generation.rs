@@ -12,6 +12,7 @@ use stepgraph_core::models::gpt::{build_forward_with_logits, LossKind, ModelSpec
 use stepgraph_core::models::init::init_param;
 use stepgraph_core::models::{Config, Overrides};
 use stepgraph_core::ops::decode::sample_row;
+use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
 
@@ -89,6 +90,14 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
         assert_eq!(w[0].nodes.end, w[1].nodes.start);
     }
     assert_eq!(p.segments.last().unwrap().nodes.end, p.trace.nodes.len());
+    // The residual adds are folded into the products that precede them, in
+    // every segment (2 layers × 2 per segment).
+    for s in &p.segments {
+        let nodes = &p.trace.nodes[s.nodes.clone()];
+        assert!(nodes.iter().all(|n| n.op.name() != "add"), "{}: an add was left", s.name);
+        let folded = nodes.iter().filter(|n| matches!(n.op, Op::MatMul(ref m) if m.addend)).count();
+        assert_eq!(folded, 4, "{}", s.name);
+    }
     let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
     check_plan(&p.trace, &pl).unwrap();
     // 2 layers × (k, v) × [4, 24, 2, 16] f32.

@@ -381,5 +381,12 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
     }
     let fused = std::mem::take(&mut r.g.fused);
     let trace = r.g.b.finish("build")?;
+    // The residual adds (and biases) into their products, as in training,
+    // within each segment.
+    let ranges: Vec<_> = segments.iter().map(|s| s.nodes.clone()).collect();
+    let (trace, _, ranges) = crate::fusion::fold_segments(&trace, &ranges)?;
+    for (s, r) in segments.iter_mut().zip(ranges) {
+        s.nodes = r;
+    }
     Ok(GenerationProgram { spec: spec.clone(), trace, segments, fused })
 }
