@@ -21,9 +21,11 @@
 //! reader but this add (and is no output of the step), `u` has the add's
 //! type (a broadcast operand never becomes the result's storage), `r` is not
 //! `u`, and `p`'s op takes `r` as an addend of that output. The folded node
-//! writes `y` in place of `u`. It stays where `p` was when `r` exists there
-//! already; otherwise it moves down to the add, when no node in between
-//! reads another output of `p` and both are in the same phase. Chains fold
+//! writes `y` in place of `u`; both must be in the same phase (a backward
+//! add of a forward value would otherwise be made, and held, in forward).
+//! It stays where `p` was when `r` exists there already; otherwise it moves
+//! down to the add, when no node in between reads another output of `p`,
+//! and never across a segment ([`fold_segments`]). Chains fold
 //! one link at a time (`add(add(m1, m2), m3)` becomes two products, each
 //! adding the previous sum). The result is checked like any pass.
 //!
@@ -156,6 +158,11 @@ pub fn fold_segments(trace: &Trace, segments: &[Range<usize>]) -> Result<(Trace,
                 continue;
             }
             let producer = nodes[p].as_ref().expect("a defined value's node is present");
+            // A backward add of a forward value stays in backward: folded,
+            // its sum would be made (and held) in forward.
+            if producer.phase != phase {
+                continue;
+            }
             let Some(slot) = producer.outputs.iter().position(|&o| o == u) else { continue };
             let in_types: Vec<_> = producer.inputs.iter().map(|&v| t.ty(v)).collect();
             let Some((op, addend_at)) = producer.op.with_addend(slot, &in_types, t.ty(r)) else { continue };
@@ -170,7 +177,7 @@ pub fn fold_segments(trace: &Trace, segments: &[Range<usize>]) -> Result<(Trace,
                     .iter()
                     .filter(|&&o| o != u)
                     .any(|&o| nodes[p + 1..at].iter().flatten().any(|n| n.inputs.contains(&o)));
-                if others_read_between || producer.phase != phase {
+                if others_read_between {
                     continue;
                 }
                 at
@@ -248,4 +255,42 @@ pub fn fold_segments(trace: &Trace, segments: &[Range<usize>]) -> Result<(Trace,
     t.pass = "epilogues".into();
     debug_verify(&t)?;
     Ok((t, report, ranges))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Builder, DType, OutputKind, TensorType};
+
+    /// `y = add(matmul(x, w), r)` with the product and the add in separate nodes.
+    fn product_then_add() -> Trace {
+        let mut b = Builder::new("t");
+        let ty = TensorType::new(DType::F32, [4, 4]);
+        let (x, w, r) =
+            (b.param("x", ty.clone()).unwrap(), b.param("w", ty.clone()).unwrap(), b.param("r", ty).unwrap());
+        let m = b.matmul(x, w, false, false).unwrap();
+        let y = b.add(m, r).unwrap();
+        b.output(OutputKind::Named("y".into()), y);
+        b.finish("build").unwrap()
+    }
+
+    #[test]
+    fn nothing_folds_across_a_segment_and_the_ranges_follow_the_nodes() {
+        let t = product_then_add();
+        let (same, report, ranges) = fold_segments(&t, &[0..2]).unwrap();
+        assert_eq!((report.total(), same.nodes.len(), ranges), (1, 1, vec![0..1]));
+        assert!(matches!(same.nodes[0].op, Op::MatMul(ref m) if m.addend));
+        let (split, report, ranges) = fold_segments(&t, &[0..1, 1..2]).unwrap();
+        assert_eq!((report.total(), split.nodes.len(), ranges), (0, 2, vec![0..1, 1..2]));
+    }
+
+    #[test]
+    fn an_output_of_the_step_is_not_folded_away() {
+        let mut t = product_then_add();
+        // The product's own value handed out too: it must stay.
+        let m = t.nodes[0].outputs[0];
+        t.outputs.push(crate::ir::Output { kind: OutputKind::Named("m".into()), value: m });
+        let (kept, report) = fold(&t).unwrap();
+        assert_eq!((report.total(), kept.nodes.len()), (0, 2));
+    }
 }
