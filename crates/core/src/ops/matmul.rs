@@ -11,11 +11,12 @@
 //! vector `[n]` broadcast over the rows (a bias: cuBLASLt's bias epilogue).
 //! The epilogue pass ([`crate::fusion`]) makes these from `add` nodes.
 
+use rayon::prelude::*;
+
 use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::gemm::{gemm_bf16_wide, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
-use crate::cpu::KernelIo;
-use crate::cpu::{Float, KernelIo as Io};
+use crate::cpu::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
+use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
 
@@ -190,30 +191,26 @@ impl OpDef for MatMul {
             trans_b: self.trans_b,
             broadcast_b: !d.b_batched,
         };
-        // The product in the accumulator type (f32 for 16-bit storage),
-        // then the addend, then one rounding to storage.
+        // Without an addend the product goes straight to storage; with one,
+        // it is kept in the accumulator type (f32 for 16-bit storage), the
+        // addend added, and rounded once.
         macro_rules! run {
-            ($T:ty, $W:ty, $f:ident) => {{
+            ($T:ty, $plain:ident, $wide:ident) => {{
                 let (a, bm) = (io.input::<$T>(0), io.input::<$T>(1));
-                let mut wide = vec![<$W>::default(); io.out_ty(0).numel()];
-                if d.a_batched || !d.b_batched {
-                    $f(&desc, a, bm, &mut wide);
+                if self.addend {
+                    let mut wide = vec![<$T as Float>::Acc::default(); io.out_ty(0).numel()];
+                    product(&d, &desc, a, bm, &mut wide, $wide);
+                    add_addend::<$T>(io, &wide);
                 } else {
-                    // `a` is shared and `b` batched: one product per batch entry.
-                    let one = GemmDesc { batch: 1, broadcast_b: false, ..desc };
-                    let (bs, cs) = (d.k * d.n, d.m * d.n);
-                    for i in 0..d.batch {
-                        $f(&one, a, &bm[i * bs..(i + 1) * bs], &mut wide[i * cs..(i + 1) * cs]);
-                    }
+                    product(&d, &desc, a, bm, io.output::<$T>(0), $plain);
                 }
-                finish::<$T>(io, self.addend, &wide);
             }};
         }
         match io.out_ty(0).dtype {
-            DType::F32 => run!(f32, f32, gemm_f32),
-            DType::F64 => run!(f64, f64, gemm_f64),
-            DType::BF16 => run!(half::bf16, f32, gemm_bf16_wide),
-            DType::F16 => run!(half::f16, f32, gemm_f16_wide),
+            DType::F32 => run!(f32, gemm_f32, gemm_f32),
+            DType::F64 => run!(f64, gemm_f64, gemm_f64),
+            DType::BF16 => run!(half::bf16, gemm_bf16, gemm_bf16_wide),
+            DType::F16 => run!(half::f16, gemm_f16, gemm_f16_wide),
             dt => return Err(Error::op("matmul", format!("no CPU kernel for {dt}"))),
         }
         Ok(())
@@ -252,32 +249,39 @@ impl OpDef for MatMul {
     }
 }
 
-/// Writes output 0 from the unrounded product `wide`: plus the addend
-/// (input 2) when there is one, rounded once to storage. An addend of the
-/// output's type may share the output's storage, so it is read through
-/// [`Io::inplace`], which hands over the output holding the addend.
-fn finish<T: Float>(io: &Io, addend: bool, wide: &[T::Acc]) {
-    let out_ty = io.out_ty(0).clone();
-    match addend.then(|| MatMul::addend_kind(&out_ty, io.in_ty(2))).flatten() {
-        None => {
-            let y = io.output::<T>(0);
-            for (o, &w) in y.iter_mut().zip(wide) {
-                *o = T::from_acc(w);
-            }
+/// `c = op(a) · op(b)` by `gemm` (one of the CPU products), for a batch
+/// whose `a` is shared while `b` is batched too (one product per entry).
+fn product<S, D>(d: &Dims, desc: &GemmDesc, a: &[S], b: &[S], c: &mut [D], gemm: fn(&GemmDesc, &[S], &[S], &mut [D])) {
+    if d.a_batched || !d.b_batched {
+        gemm(desc, a, b, c);
+    } else {
+        let one = GemmDesc { batch: 1, broadcast_b: false, ..*desc };
+        let (bs, cs) = (d.k * d.n, d.m * d.n);
+        for i in 0..d.batch {
+            gemm(&one, a, &b[i * bs..(i + 1) * bs], &mut c[i * cs..(i + 1) * cs]);
         }
+    }
+}
+
+/// Writes output 0 as the unrounded product `wide` plus the addend (input
+/// 2), rounded once to storage. An addend of the output's type may share
+/// the output's storage, so it is read through [`KernelIo::inplace`], which hands
+/// over the output holding the addend.
+fn add_addend<T: Float>(io: &KernelIo, wide: &[T::Acc]) {
+    let n = io.out_ty(0).shape.last().copied().unwrap_or(1).max(1);
+    match MatMul::addend_kind(io.out_ty(0), io.in_ty(2)) {
         Some(AddendKind::Full) => {
-            let y = io.inplace::<T>(0, 2);
-            for (o, &w) in y.iter_mut().zip(wide) {
-                *o = T::from_acc(w + o.acc());
-            }
+            io.inplace::<T>(0, 2).par_iter_mut().zip(wide.par_iter()).for_each(|(o, &w)| *o = T::from_acc(w + o.acc()));
         }
         Some(AddendKind::Bias) => {
-            let (bias, y) = (io.input::<T>(2), io.output::<T>(0));
-            let n = bias.len();
-            for (i, (o, &w)) in y.iter_mut().zip(wide).enumerate() {
-                *o = T::from_acc(w + bias[i % n].acc());
-            }
+            let bias = io.input::<T>(2);
+            io.output::<T>(0).par_chunks_mut(n).zip(wide.par_chunks(n)).for_each(|(row, w)| {
+                for ((o, &w), b) in row.iter_mut().zip(w).zip(bias) {
+                    *o = T::from_acc(w + b.acc());
+                }
+            });
         }
+        None => unreachable!("the shape rule admits a full or a row addend only"),
     }
 }
 
