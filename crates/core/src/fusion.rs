@@ -71,11 +71,6 @@ impl FusionReport {
     pub fn total(&self) -> usize {
         self.folded.values().sum()
     }
-
-    /// Nodes the pass removed: adds and multiplications.
-    pub fn nodes_removed(&self) -> usize {
-        self.total() + self.scales.values().sum::<usize>()
-    }
 }
 
 impl std::fmt::Display for FusionReport {
@@ -128,7 +123,6 @@ pub fn fold_segments(trace: &Trace, segments: &[Range<usize>]) -> Result<(Trace,
     }
     for u in &t.updates {
         pinned[u.new.index()] = true;
-        pinned[u.state.index()] = true;
     }
     // Position of the node defining each value (leaves: none).
     let mut def: Vec<Option<usize>> = vec![None; t.values.len()];
