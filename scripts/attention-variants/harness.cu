@@ -11,7 +11,8 @@
 // ABI: `base` (the kernels before the commit that added this harness: 64
 // rows per block everywhere, o tiles streamed by bwd_kv, no delta) or `new`
 // (this checkout's geometry, mirrored from src/ops/attention.rs) or `wg`
-// (the warpgroup-MMA backward, built with -DSGM_WGMMA for sm_90a).
+// (the warpgroup-MMA backward, built with -DSGM_WGMMA for sm_90a) or `wg2`
+// (that and the two-warpgroup forward).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -85,10 +86,14 @@ int main(int argc, char** argv) {
     const int bwd_cols = DP <= 64 ? 64 : 32;
     // ABI `wg`: the warpgroup-MMA backward (WgGeo: one warpgroup per 64
     // rows, six core-matrix tiles of DP columns); the forward as `new`.
-    const bool wg = abi == "wg";
+    // ABI `wg2`: as `wg`, and the forward of two warpgroups (WgFwd: 256
+    // threads, 128 rows, a 128-row q tile, two stages of 128-row k and v
+    // tiles, eight mbarriers).
+    const bool wg2 = abi == "wg2", wg = abi == "wg" || wg2;
     const int tile = 64 * DP * 2;
     const int fwd_rows = !base && DP > 64 ? 128 : 64, fwd_cols = fwd_rows == 64 ? 64 : 32;
-    const int fwd_smem = (fwd_rows + 4 * fwd_cols) * row;
+    const int fwd_smem = wg2 ? 5 * 128 * DP * 2 + 64 : (fwd_rows + 4 * fwd_cols) * row;
+    const unsigned fwd_threads = wg2 ? 256 : 128;
     const int bq_rows = !wg && !base && DP > 64 && DP < 128 ? 128 : 64;
     const int bq_smem = wg ? 6 * tile + 2 * 64 * 4 : (2 * bq_rows + 4 * bwd_cols) * row + 2 * bq_rows * 4;
     const int bkv_smem = wg ? 6 * tile + 2 * 64 * 4 : (128 + (base ? 6 : 4) * bwd_cols) * row + 2 * bwd_cols * 4;
@@ -124,10 +129,12 @@ int main(int argc, char** argv) {
 
     double scale = 1.0 / sqrt((double)D);
     int Tn = T, hq = Hq, hkv = Hkv, d = D;
-    auto launch = [&](CUfunction f, int rows, int heads, int smem, std::vector<void*> args) {
-        CU(cuLaunchKernel(f, (T + rows - 1) / rows, heads, B, 128, 1, 1, smem, 0, args.data(), nullptr));
+    auto launch = [&](CUfunction f, int rows, int heads, int smem, std::vector<void*> args, unsigned threads = 128) {
+        CU(cuLaunchKernel(f, (T + rows - 1) / rows, heads, B, threads, 1, 1, smem, 0, args.data(), nullptr));
     };
-    auto fwd = [&] { launch(ffwd, fwd_rows, Hq, fwd_smem, {&q, &k, &v, &o, &lse, &Tn, &hq, &hkv, &d, &scale}); };
+    auto fwd = [&] {
+        launch(ffwd, fwd_rows, Hq, fwd_smem, {&q, &k, &v, &o, &lse, &Tn, &hq, &hkv, &d, &scale}, fwd_threads);
+    };
     auto bq = [&] {
         if (base)
             launch(fq, 64, Hq, bq_smem, {&q, &k, &v, &o, &lse, &go, &glse, &gq, &Tn, &hq, &hkv, &d, &scale});

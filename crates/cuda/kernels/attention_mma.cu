@@ -922,6 +922,15 @@ template <> struct Wg<112> {
     }
 };
 template <> struct Wg<128> {
+    // d[64] += A·B, A and B from shared memory, both K-major (the forward's scores over 128 keys).
+    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        if constexpr (WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
+    }
     // d[64] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
     template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
         if constexpr (WgTy<T>::BF16)
@@ -945,12 +954,14 @@ __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Rows t0..t0+ROWS of one head into a core-matrix tile, zero past T and past
-// D up to DP. Lanes 8i..8i+7 take rows 0..7 of one core matrix column, so a
-// warp's shared writes are 512 contiguous bytes.
-template <int V, int ROWS, int DP, typename E>
-__device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D) {
+// D up to DP, by NTH threads (this one is `tid`). Lanes 8i..8i+7 take rows
+// 0..7 of one core matrix column, so a warp's shared writes are 512
+// contiguous bytes.
+template <int V, int ROWS, int DP, int NTH, typename E>
+__device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D,
+                                          int tid) {
     constexpr int CH = DP / V;
-    for (int i = threadIdx.x; i < ROWS * CH; i += NT) {
+    for (int i = tid; i < ROWS * CH; i += NTH) {
         const int j = i >> 3, r = (j / CH) * 8 + (i & 7), c = (j % CH) * V;
         const bool ok = t0 + r < Tn && c < D;
         const E* src = ok ? g + (long long)(t0 + r) * stride + c : g;
@@ -961,14 +972,15 @@ __device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, 
             cp_async<V * sizeof(E)>(dst, src, ok);
     }
 }
-template <int ROWS, int DP, typename E>
+template <int ROWS, int DP, typename E, int NTH = NT>
 __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec, int t0, int Tn, long long stride,
-                                        int D) {
+                                        int D, int tid = -1) {
     const E* p = (const E*)g;
-    if (vec == 8) return tile_cm_v<8, ROWS, DP>(s, p, t0, Tn, stride, D);
-    if (vec == 4) return tile_cm_v<4, ROWS, DP>(s, p, t0, Tn, stride, D);
-    if (vec == 2) return tile_cm_v<2, ROWS, DP>(s, p, t0, Tn, stride, D);
-    tile_cm_v<1, ROWS, DP>(s, p, t0, Tn, stride, D);
+    if (tid < 0) tid = threadIdx.x;
+    if (vec == 8) return tile_cm_v<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    if (vec == 4) return tile_cm_v<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    if (vec == 2) return tile_cm_v<2, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
 }
 
 // Every block is one warpgroup owning 64 rows and taking 64-row tiles.
@@ -1234,6 +1246,242 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         }
     }
 }
+// ---------------------------------------------------------------------------
+// Forward on warpgroup MMA. A block is two warpgroups owning 64 query rows
+// each (128 in all) that share every key/value tile: 128 keys per tile, two
+// stages of k and two of v, filled by cp.async from all 256 threads and
+// handed over by mbarriers (full: the stage's copies have landed; free:
+// both warpgroups are done reading it), so the warpgroups drift apart by up
+// to a tile instead of meeting at a block barrier every step.
+//
+// Within a warpgroup the products of neighbouring tiles overlap the softmax:
+// step j issues s_j = q·k_jᵀ, then acc += p_{j-1}·v_{j-1}, waits only for
+// s_j, runs the online softmax on it while the tensor cores do p·v, then
+// waits for p·v before rescaling acc and packing p_j (the registers an
+// in-flight wgmma reads or writes are left alone until it completes).
+// Results as `fwd` up to summation order; masks only on the last tile
+// (the diagonal, and keys past T).
+// ---------------------------------------------------------------------------
+template <int DP> struct WgFwd {
+    static constexpr int ROWS = 128, BN = 128, THREADS = 256;
+    static constexpr int QT = ROWS * DP * 2, KT = BN * DP * 2;
+    static constexpr int SMEM = QT + 4 * KT + 8 * 8;  // q, two k and two v stages, eight mbarriers
+};
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// One arrival on bar once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_copies(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+template <typename T, int DP>
+__device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
+                       double scale) {
+    typedef WgFwd<DP> G;
+    typedef u16 E;
+    constexpr int ROWS = G::ROWS, BN = G::BN, NTH = G::THREADS, KT = G::KT, NO = DP / 8, NS = BN / 8;
+    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    static_assert(DP % 16 == 0 && DP >= 64 && DP <= 128, "wgmma widths");
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Qs = smem_bytes;
+    unsigned char* const Ks = Qs + G::QT;  // two stages
+    unsigned char* const Vs = Ks + 2 * KT;  // two stages
+    u64* const full_k = reinterpret_cast<u64*>(Vs + 2 * KT);
+    u64* const full_v = full_k + 2;
+    u64* const free_k = full_k + 4;
+    u64* const free_v = full_k + 6;
+    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::SMEM) __trap();
+
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    const int q0 = qt * ROWS;
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
+    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
+    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
+    const int vq = vec_of<2>(q, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    // Copies of two bytes would be plain stores, which the mbarriers do not
+    // track; the host launches this kernel only where D and the bases allow 4.
+    if (min(vq, min(vk, vv)) < 2) __trap();
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BN + 1;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mbar_init(full_k + i, NTH);
+    }
+    __syncthreads();
+    auto load_k = [&](int j) {
+        tile_cm<BN, DP, E, NTH>(Ks + (j & 1) * KT, kb, vk, j * BN, Tn, ks, D, tid);
+        mbar_arrive_copies(full_k + (j & 1));
+    };
+    auto load_v = [&](int j) {
+        tile_cm<BN, DP, E, NTH>(Vs + (j & 1) * KT, vb, vv, j * BN, Tn, ks, D, tid);
+        mbar_arrive_copies(full_v + (j & 1));
+    };
+    // q lands with the first k tile (that arrival waits for all earlier copies).
+    tile_cm<ROWS, DP, E, NTH>(Qs, qb, vq, q0, Tn, qs, D, tid);
+    load_k(0);
+    load_v(0);
+    if (ntiles > 1) load_k(1);
+
+    const unsigned char* const Qw = Qs + wg * 64 * DP * 2;  // this warpgroup's 64 rows
+    const int w0 = q0 + wg * 64 + warp * 16;                // a lane's rows: w0 + g and + 8
+    float acc[DP / 2], s[NS * 4];
+    u32 pa[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+    // m in units of scores · c2 (base 2); l per lane over its own columns.
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    auto issue_scores = [&](int j) {
+        mbar_wait(full_k + (j & 1), (j >> 1) & 1);
+        fence_async_smem();
+        const unsigned char* const Kt = Ks + (j & 1) * KT;
+#pragma unroll
+        for (int i = 0; i < NS * 4; ++i) s[i] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+            Wg<BN>::template ss<T>(s, wg_desc(Qw + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
+        wg_commit();
+    };
+    auto issue_pv = [&](int j) {
+        mbar_wait(full_v + (j & 1), (j >> 1) & 1);
+        fence_async_smem();
+        const unsigned char* const Vt = Vs + (j & 1) * KT;
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc)
+            Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        wg_commit();
+    };
+    // The online softmax of tile j's scores, in place (s becomes p in f32);
+    // returns the factors acc must be rescaled by.
+    auto softmax = [&](int j, float* alpha) {
+        if (j == ntiles - 1) {  // mask future keys and keys past T
+            const int k0 = j * BN;
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
+                    if (key > row || key >= Tn) s[4 * n + e] = -INFINITY;
+                }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
+        float sum[2] = {0.f, 0.f}, mn[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x = mx[r];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            mn[r] = fmaxf(m[r], x * c2);  // c2 > 0: the scaled maximum
+            alpha[r] = exp2f(m[r] - mn[r]);
+            m[r] = mn[r];
+        }
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(fmaf(s[4 * n + e], c2, -mn[e >> 1]));
+                s[4 * n + e] = p;
+                sum[e >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+    };
+    auto pack_p = [&] {
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) wg_a_from_c<T>(pa[kc], s + 8 * kc);
+    };
+
+    float alpha[2];
+    issue_scores(0);
+    wg_wait<0>();
+    mbar_arrive(free_k);
+    softmax(0, alpha);
+    pack_p();
+    for (int j = 1; j < ntiles; ++j) {
+        issue_scores(j);
+        issue_pv(j - 1);
+        // Refill: k_{j+1} over k_{j-1} (its scores are done in both
+        // warpgroups), v_j over v_{j-2}.
+        if (j + 1 < ntiles) {
+            mbar_wait(free_k + ((j + 1) & 1), ((j - 1) >> 1) & 1);
+            load_k(j + 1);
+        }
+        if (j >= 2) mbar_wait(free_v + (j & 1), ((j - 2) >> 1) & 1);
+        load_v(j);
+        wg_wait<1>();  // s_j has landed; p_{j-1}·v_{j-1} may still run
+        mbar_arrive(free_k + (j & 1));
+        softmax(j, alpha);
+        wg_wait<0>();
+        mbar_arrive(free_v + ((j - 1) & 1));
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            acc[4 * n] *= alpha[0];
+            acc[4 * n + 1] *= alpha[0];
+            acc[4 * n + 2] *= alpha[1];
+            acc[4 * n + 3] *= alpha[1];
+        }
+        pack_p();
+    }
+    issue_pv(ntiles - 1);
+    wg_wait<0>();
+
+    T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    // Pairs of columns as one 4-byte store where D is even (every pair then
+    // starts on an even element of an aligned base).
+    const bool pairs = vec_of<2>(o, D) >= 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        if (row >= Tn) continue;
+        const float inv = 1.f / l[r];
+        const long long at = (long long)row * qs;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            const float x0 = acc[4 * n + 2 * r] * inv, x1 = acc[4 * n + 2 * r + 1] * inv;
+            if (pairs && d + 1 < D) {
+                *reinterpret_cast<u32*>(ob + at + d) = Mma16<T>::pack(x0, x1);
+            } else {
+                if (d < D) store(ob, at + d, x0);
+                if (d + 1 < D) store(ob, at + d + 1, x1);
+            }
+        }
+        if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[r] + log2f(l[r])) * SGM_LN2;
+    }
+}
 #endif  // SGM_WGMMA
 
 }  // namespace sgm
@@ -1245,7 +1493,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
 // ---------------------------------------------------------------------------
 
 #define SGM_ENTRY(sfx, T, DP)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_fwd_d##DP##_##sfx(                        \
+    extern "C" __global__ void __launch_bounds__(SGM_FWD_THREADS) attention_mma_fwd_d##DP##_##sfx(                \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
         float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) {                                  \
         SGM_FWD(T, DP);                                                                                           \
@@ -1263,16 +1511,19 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         double scale) {                                                                                           \
         SGM_BWD_KV(T, DP);                                                                                        \
     }
-// The passes: the backward's on warpgroup MMA in a module built for sm_90a
-// with SGM_WGMMA defined (16-bit storage, padded widths 80..128: the host's
-// wgmma_backward), mma.sync otherwise.
-// The forward stays on mma.sync everywhere: a warpgroup forward (one
-// warpgroup per 64 query rows, commit 5a55a4e) measured slower.
-#define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
+// The passes: on warpgroup MMA in a module built for sm_90a with SGM_WGMMA
+// defined (16-bit storage, padded widths 80..128: the host's
+// wgmma_attention), mma.sync otherwise. The warpgroup forward is two
+// warpgroups per block (fwd_wg); an earlier one of one warpgroup with
+// synchronous products (commit 5a55a4e) measured slower than mma.sync.
 #ifdef SGM_WGMMA
+#define SGM_FWD_THREADS 256
+#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale)
 #else
+#define SGM_FWD_THREADS sgm::NT
+#define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale)
 #endif

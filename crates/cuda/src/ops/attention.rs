@@ -71,6 +71,14 @@
 //!   the gradient products); scores and score gradients stay in registers
 //!   as A operands. Same launches' arguments, grid rows and determinism as
 //!   the `mma.sync` passes. `STEPGRAPH_PORTABLE_KERNELS=1` turns it off.
+//!   The forward there is two warpgroups per block (256 threads, 128 query
+//!   rows, [`wgmma_forward_shared_bytes`]) sharing 128-key tiles that all
+//!   threads bring in by `cp.async` two stages ahead and hand over through
+//!   mbarriers rather than block barriers; each warpgroup runs the online
+//!   softmax of one tile while the tensor cores multiply the previous
+//!   tile's probabilities by its values. It needs an even head size and
+//!   4-byte-aligned bases ([`wgmma_forward_fits`]), else the `mma.sync`
+//!   forward runs.
 //!
 //! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]).
 //! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
@@ -166,14 +174,22 @@ pub const KERNELS: &[KernelModule] = attention_modules![
     ],
 ];
 
-/// Whether the backward passes of `dtype` at padded head size `dp` run the
+/// Whether the passes of `dtype` at padded head size `dp` run the
 /// warpgroup-MMA kernels on a device of `target`: 16-bit storage at widths
 /// 80..=128 on `sm_90` (measured per layer at W5's shape: `bwd_q` 1.34 →
-/// 1.20 ms, `bwd_kv` 1.72 → 1.35; at width 64 the key side was slower, and
-/// the warpgroup forward was slower than the `mma.sync` one at every width,
-/// so the forward keeps it; see docs/benchmarks.md).
+/// 1.20 ms, `bwd_kv` 1.72 → 1.35; at width 64 the key side was slower; see
+/// docs/benchmarks.md). The forward also needs [`wgmma_forward_fits`].
 pub fn wgmma_backward(target: Target, dtype: DType, dp: usize) -> bool {
     target.sm90a && matches!(dtype, DType::BF16 | DType::F16) && (80..=128).contains(&dp)
+}
+
+/// Whether the warpgroup forward can take a problem of head size `d` whose
+/// q, k, v and o start at `bases`: its tiles arrive by `cp.async` of at
+/// least 4 bytes (completion tracked by mbarriers, which a 2-byte copy,
+/// done as a plain store, would escape), so rows of an even number of
+/// elements on 4-byte-aligned bases.
+pub fn wgmma_forward_fits(d: usize, bases: &[u64]) -> bool {
+    d.is_multiple_of(2) && bases.iter().all(|p| p.is_multiple_of(4))
 }
 
 /// Dynamic shared memory of a warpgroup-MMA backward pass at padded width
@@ -181,6 +197,17 @@ pub fn wgmma_backward(target: Target, dtype: DType, dp: usize) -> bool {
 /// 16-bit columns and 64 rows' two f32 row terms.
 pub fn wgmma_shared_bytes(dp: usize) -> usize {
     6 * 64 * dp * 2 + 2 * 64 * 4
+}
+
+/// The warpgroup forward's block: two warpgroups of 64 query rows each.
+const WG_FWD_ROWS: usize = 128;
+const WG_FWD_THREADS: u32 = 256;
+
+/// Dynamic shared memory of the warpgroup forward at padded width `dp`;
+/// mirrors `WgFwd<DP>::SMEM`: a 128-row q tile, two stages each of 128-row
+/// k and v tiles, eight mbarriers.
+pub fn wgmma_forward_shared_bytes(dp: usize) -> usize {
+    5 * 128 * dp * 2 + 8 * 8
 }
 
 /// Rows of a tensor-core block with one tile of 16 per warp, and its threads.
@@ -341,6 +368,8 @@ struct Dims {
     mma: Option<usize>,
     /// The backward passes run the warpgroup-MMA kernels ([`wgmma_backward`]).
     wg: bool,
+    /// The forward runs the warpgroup-MMA kernel (`wg` and [`wgmma_forward_fits`]).
+    wg_fwd: bool,
 }
 
 impl Dims {
@@ -366,7 +395,7 @@ impl Dims {
         }
         let mma = mma_width(q.dtype, d);
         let wg = mma.is_some_and(|dp| wgmma_backward(target, q.dtype, dp));
-        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg })
+        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg, wg_fwd: false })
     }
 
     /// No work: every output is empty (or, for D = 0, only lse is not).
@@ -376,6 +405,13 @@ impl Dims {
 
     fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
         let (module, function, rows, threads, shared_bytes) = match self.mma {
+            Some(dp) if self.wg_fwd && pass == Pass::Forward => (
+                mma_module(self.dtype, dp, true),
+                format!("attention_mma_fwd_d{dp}_{}", dtype_suffix(self.dtype).unwrap_or("?")),
+                WG_FWD_ROWS,
+                WG_FWD_THREADS,
+                wgmma_forward_shared_bytes(dp) as u32,
+            ),
             Some(dp) if self.wg && pass != Pass::Forward => (
                 mma_module(self.dtype, dp, true),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
@@ -433,11 +469,12 @@ impl Lower for AttentionBackward {
 /// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale)`.
 fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
     let (inputs, outputs) = (cx.inputs, cx.outputs);
-    let n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty, cx.target)?;
+    let mut n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
         return Ok(vec![]);
     }
     let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
+    n.wg_fwd = n.wg && wgmma_forward_fits(n.d, &[ptrs[0].ptr, ptrs[1].ptr, ptrs[2].ptr, ptrs[3].ptr]);
     Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale)])
 }
 
@@ -672,7 +709,7 @@ mod tests {
     }
 
     #[test]
-    fn hopper_runs_the_sixteen_bit_backward_on_warpgroup_mma() {
+    fn hopper_runs_sixteen_bit_attention_on_warpgroup_mma() {
         // W5's attention (4 × 2048, 32 heads of 100 → 112) on an sm_90 device.
         let hopper = Target { sm90a: true };
         let (b, t, h, d) = (4, 2048, 32, 100);
@@ -706,16 +743,29 @@ mod tests {
             assert_eq!(kernel(wg).args, kernel(mma).args);
             assert!(!kernel(mma).module.ends_with("_wg"));
         }
-        // The forward keeps the mma.sync kernel (measured faster).
-        let fwd = crate::ops::lower_for(
-            &Op::from(Attention { scale: 0.1 }),
-            &ins[..3],
-            &[outs[0].clone(), outs[3].clone()],
-            None,
-            hopper,
-        )
-        .unwrap();
-        assert_eq!(kernel(&fwd[0]).module, "attention_mma_d112_bf16");
+        // The forward: two warpgroups per 128 query rows, a q tile and two
+        // stages of k and v tiles of 128 rows, eight mbarriers.
+        let fwd_op = Op::from(Attention { scale: 0.1 });
+        let fwd_outs = [outs[0].clone(), outs[3].clone()];
+        let fwd = crate::ops::lower_for(&fwd_op, &ins[..3], &fwd_outs, None, hopper).unwrap();
+        let f = kernel(&fwd[0]);
+        assert_eq!((f.module, f.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_fwd_d112_bf16"));
+        assert_eq!((f.grid, f.block), ((16, 32, 4), (256, 1, 1)));
+        assert_eq!(f.shared_bytes as usize, 5 * 128 * 112 * 2 + 64);
+        assert!(wgmma_forward_shared_bytes(128) <= 227 * 1024);
+        assert_eq!(f.args, kernel(&lower(&fwd_op, &ins[..3], &fwd_outs).unwrap()[0]).args);
+        // An odd head size, or a base only 2-byte aligned, keeps the mma.sync
+        // forward (its copies could not all be cp.async of 4 bytes or more).
+        let odd = |shape: &[usize], p| dev(DType::BF16, shape, p);
+        let (q99, lse) = (odd(&[b, t, h, 99], at(1)), dev(DType::F32, &[b, h, t], at(5)));
+        let l =
+            crate::ops::lower_for(&fwd_op, &[q99.clone(), q99.clone(), q99.clone()], &[q99, lse.clone()], None, hopper)
+                .unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
+        let shifted = odd(&[b, t, h, d], at(2) + 2);
+        let l = crate::ops::lower_for(&fwd_op, &[ins[0].clone(), shifted, ins[2].clone()], &fwd_outs, None, hopper)
+            .unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
         // f32, widths 64 and below, and other devices: no warpgroup kernels.
         assert!(!wgmma_backward(hopper, DType::F32, 112));
         assert!(!wgmma_backward(hopper, DType::BF16, 64));
