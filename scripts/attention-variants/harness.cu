@@ -12,7 +12,7 @@
 // rows per block everywhere, o tiles streamed by bwd_kv, no delta) or `new`
 // (this checkout's geometry, mirrored from src/ops/attention.rs) or `wg`
 // (the warpgroup-MMA backward, built with -DSGM_WGMMA for sm_90a) or `wg2`
-// (that and the two-warpgroup forward).
+// (that and the two-warpgroup forward) or `wg3` (two warpgroups everywhere).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -89,14 +89,22 @@ int main(int argc, char** argv) {
     // ABI `wg2`: as `wg`, and the forward of two warpgroups (WgFwd: 256
     // threads, 128 rows, a 128-row q tile, two stages of 128-row k and v
     // tiles, eight mbarriers).
-    const bool wg2 = abi == "wg2", wg = abi == "wg" || wg2;
+    // ABI `wg3`: as `wg2`, and the backward of two warpgroups (WgBwd: 256
+    // threads, 128 rows, three stages of 64-row streamed tiles, mbarriers).
+    const bool wg3 = abi == "wg3", wg2 = abi == "wg2" || wg3, wg = abi == "wg" || wg2;
     const int tile = 64 * DP * 2;
     const int fwd_rows = !base && DP > 64 ? 128 : 64, fwd_cols = fwd_rows == 64 ? 64 : 32;
     const int fwd_smem = wg2 ? 5 * 128 * DP * 2 + 64 : (fwd_rows + 4 * fwd_cols) * row;
     const unsigned fwd_threads = wg2 ? 256 : 128;
     const int bq_rows = !wg && !base && DP > 64 && DP < 128 ? 128 : 64;
-    const int bq_smem = wg ? 6 * tile + 2 * 64 * 4 : (2 * bq_rows + 4 * bwd_cols) * row + 2 * bq_rows * 4;
-    const int bkv_smem = wg ? 6 * tile + 2 * 64 * 4 : (128 + (base ? 6 : 4) * bwd_cols) * row + 2 * bwd_cols * 4;
+    const int bq_smem = wg3  ? 4 * tile + 6 * tile + 128 * 8 + 48
+                        : wg ? 6 * tile + 2 * 64 * 4
+                             : (2 * bq_rows + 4 * bwd_cols) * row + 2 * bq_rows * 4;
+    const int bkv_smem = wg3  ? 4 * tile + 3 * (2 * tile + 512) + 48
+                         : wg ? 6 * tile + 2 * 64 * 4
+                              : (128 + (base ? 6 : 4) * bwd_cols) * row + 2 * bwd_cols * 4;
+    const int bwd_rows = wg3 ? 128 : 64;
+    const unsigned bwd_threads = wg3 ? 256 : 128;
 
     CK(cudaFree(0));  // the runtime's primary context, which the driver calls below use
     CUmodule mod;
@@ -139,15 +147,15 @@ int main(int argc, char** argv) {
         if (base)
             launch(fq, 64, Hq, bq_smem, {&q, &k, &v, &o, &lse, &go, &glse, &gq, &Tn, &hq, &hkv, &d, &scale});
         else
-            launch(fq, bq_rows, Hq, bq_smem,
-                   {&q, &k, &v, &o, &lse, &go, &glse, &gq, &delta, &Tn, &hq, &hkv, &d, &scale});
+            launch(fq, wg3 ? bwd_rows : bq_rows, Hq, bq_smem,
+                   {&q, &k, &v, &o, &lse, &go, &glse, &gq, &delta, &Tn, &hq, &hkv, &d, &scale}, bwd_threads);
     };
     auto bkv = [&] {
         if (base)
             launch(fkv, 64, Hkv, bkv_smem, {&q, &k, &v, &o, &lse, &go, &glse, &gk, &gv, &Tn, &hq, &hkv, &d, &scale});
         else
-            launch(fkv, 64, Hkv, bkv_smem,
-                   {&q, &k, &v, &o, &lse, &go, &glse, &delta, &gk, &gv, &Tn, &hq, &hkv, &d, &scale});
+            launch(fkv, bwd_rows, Hkv, bkv_smem,
+                   {&q, &k, &v, &o, &lse, &go, &glse, &delta, &gk, &gv, &Tn, &hq, &hkv, &d, &scale}, bwd_threads);
     };
     fwd();
     bq();  // first: the new key side reads its D_i

@@ -11,11 +11,11 @@
 // crates/cuda/src/ops/attention.rs; the host mirrors the tile sizes and shared
 // memory sizes of `Geo` below, and a launch that disagrees traps.
 //
-// With SGM_WGMMA (a module built for sm_90a) the two backward passes use
-// Hopper's warpgroup MMA instead (bwd_q_wg, bwd_kv_wg at the end of this
-// file: one warpgroup per 64 rows, operands in shared memory as wgmma's
-// core matrices); same grid rows (64), arguments and results up to
-// summation order.
+// With SGM_WGMMA (a module built for sm_90a) the three passes use Hopper's
+// warpgroup MMA instead (fwd_wg, bwd_q_wg, bwd_kv_wg at the end of this
+// file: two warpgroups of 64 rows per block sharing streamed tiles handed
+// over by mbarriers, operands in shared memory as wgmma's core matrices);
+// 128 rows per block, same arguments, results up to summation order.
 //
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128), in launch order:
 //   attention_mma_fwd_dDP_<dt>     grid (ceil(T/FWD_ROWS), Hq, B)  o, lse
@@ -300,11 +300,11 @@ __device__ __forceinline__ void check_launch(int rows, int Tn, int smem) {
 
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. (zero past
 // T; Ds also into delta when it is not null); NT/N neighbouring threads per row over dims, summed in a fixed order.
-template <typename T, int N>
+template <typename T, int N, int NTH = NT>
 __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T* o, const T* go, const float* lse,
                                           const float* glse, float* delta, long long stride, long long stat, int Tn,
                                           int D) {
-    constexpr int PER = NT / N;
+    constexpr int PER = NTH / N;
     const int i = threadIdx.x / PER, part = threadIdx.x % PER, t = t0 + i;
     float sum = 0.f;
     if (t < Tn)
@@ -878,9 +878,17 @@ template <> struct WgTy<__half> {
 // registers).
 template <int N> struct Wg;
 template <> struct Wg<64> {
-    // d[32] += A·B, A and B from shared memory, both K-major.
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[32] = A·B (ACC = 0) or d[32] += A·B, A and B from shared memory, both K-major.
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        // ACC = 0 writes d without reading it ("=f"): its old values are dead,
+        // so the compiler need not keep or move them while wgmma runs.
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]) : "l"(a), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]) : "l"(a), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "l"(a), "l"(b));
         else
@@ -889,9 +897,16 @@ template <> struct Wg<64> {
     }
 };
 template <> struct Wg<80> {
-    // d[40] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
-    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[40] (+)= A·B (ACC as Wg<64>::ss), A from registers (mma.sync's A-fragment layout per warp), B
+    // MN-major in shared memory.
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, {%40,%41,%42,%43}, %44, p, 1, 1, 1;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
         else
@@ -900,9 +915,16 @@ template <> struct Wg<80> {
     }
 };
 template <> struct Wg<96> {
-    // d[48] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
-    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[48] (+)= A·B (ACC as Wg<64>::ss), A from registers (mma.sync's A-fragment layout per warp), B
+    // MN-major in shared memory.
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, 1;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
         else
@@ -911,9 +933,16 @@ template <> struct Wg<96> {
     }
 };
 template <> struct Wg<112> {
-    // d[56] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
-    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[56] (+)= A·B (ACC as Wg<64>::ss), A from registers (mma.sync's A-fragment layout per warp), B
+    // MN-major in shared memory.
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}, {%56,%57,%58,%59}, %60, p, 1, 1, 1;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
         else
@@ -922,18 +951,33 @@ template <> struct Wg<112> {
     }
 };
 template <> struct Wg<128> {
-    // d[64] += A·B, A and B from shared memory, both K-major (the forward's scores over 128 keys).
-    template <typename T> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[64] (+)= A·B as Wg<64>::ss (the forward's scores over 128 keys).
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void ss(float* d, u64 a, u64 b) {
+        // ACC = 0 writes d without reading it ("=f"): its old values are dead,
+        // so the compiler need not keep or move them while wgmma runs.
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) : "l"(a), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) : "l"(a), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
         else
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "l"(a), "l"(b));
     }
-    // d[64] += A·B, A from registers (mma.sync's A-fragment layout per warp), B MN-major in shared memory.
-    template <typename T> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
-        if constexpr (WgTy<T>::BF16)
+    // d[64] (+)= A·B (ACC as Wg<64>::ss), A from registers (mma.sync's A-fragment layout per warp), B
+    // MN-major in shared memory.
+    template <typename T, int ACC = 1> static __device__ __forceinline__ void rs_t(float* d, const u32* a, u64 b) {
+        if constexpr (ACC == 0 && WgTy<T>::BF16)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (ACC == 0)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        else if constexpr (WgTy<T>::BF16)
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
         else
@@ -983,36 +1027,29 @@ __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec
     tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
 }
 
-// Every block is one warpgroup owning 64 rows and taking 64-row tiles.
-// Mirrored by src/ops/attention.rs (wgmma_shared_bytes).
-template <int DP> struct WgGeo {
-    static constexpr int BQ = 64;                           // bwd_kv: query rows per step
-    static constexpr int TILE = 64 * DP * 2;                // bytes of a 64-row tile
-    static constexpr int BQ_SMEM = 6 * TILE + 2 * 64 * 4;   // q, go, two k and two v buffers, row terms
-    static constexpr int BKV_SMEM = 6 * TILE + 2 * BQ * 4;  // k, v, two q and two go buffers, row terms
-};
 // Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
-// along K and 16·DP along rows (wg_score_pair); MN-major
+// along K and 16·DP along rows (wg_scores_issue); MN-major
 // (transposed) reads step 16·DP along K (MN_LBO) and 128 along N.
 constexpr u32 KM_LBO = 128, MN_SBO = 128;
 
-// The two 64 × 64 score products of a backward step, s = a·bᵀ and
-// dp = c·dᵀ over DP (64-row core-matrix tiles, all read K-major), issued
-// together and waited for.
+// Issues (without waiting) the two 64 × 64 score products s = a·bᵀ and
+// dp = c·dᵀ over DP. The first depth slice overwrites the accumulators
+// (scale-d off) instead of zeroing them: a register written by another
+// instruction while an earlier wgmma is still in flight makes ptxas
+// serialize the warpgroup's products.
 template <typename T, int DP>
-__device__ __forceinline__ void wg_score_pair(float* s, float* dp, const unsigned char* a, const unsigned char* b,
-                                              const unsigned char* c, const unsigned char* d) {
+__device__ __forceinline__ void wg_scores_issue(float* s, float* dp, const unsigned char* a, const unsigned char* b,
+                                                const unsigned char* c, const unsigned char* d) {
     constexpr u32 KM_SBO = 16 * DP;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = dp[i] = 0.f;
     wg_fence();
+    Wg<64>::template ss<T, 0>(s, wg_desc(a, KM_LBO, KM_SBO), wg_desc(b, KM_LBO, KM_SBO));
+    Wg<64>::template ss<T, 0>(dp, wg_desc(c, KM_LBO, KM_SBO), wg_desc(d, KM_LBO, KM_SBO));
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
+    for (int kk = 1; kk < DP / 16; ++kk) {
         Wg<64>::template ss<T>(s, wg_desc(a + kk * 256, KM_LBO, KM_SBO), wg_desc(b + kk * 256, KM_LBO, KM_SBO));
         Wg<64>::template ss<T>(dp, wg_desc(c + kk * 256, KM_LBO, KM_SBO), wg_desc(d + kk * 256, KM_LBO, KM_SBO));
     }
     wg_commit();
-    wg_wait0();
 }
 
 // A wgmma A fragment (16 rows × 16 of a warp) from two accumulator C tiles,
@@ -1024,228 +1061,6 @@ template <typename T> __device__ __forceinline__ void wg_a_from_c(u32* a, const 
     a[3] = Mma16<T>::pack(c[6], c[7]);
 }
 
-template <typename T, int DP>
-__device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
-                          T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
-    typedef WgGeo<DP> G;
-    typedef u16 E;
-    constexpr int BQ = G::BQ, TILE = G::TILE, NO = DP / 8, NS = BQ / 8;
-    static_assert(DP % 16 == 0 && DP >= 64 && DP <= 128, "wgmma widths");
-    extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Ks = smem_bytes;
-    unsigned char* const Vs = Ks + TILE;
-    unsigned char* const Qs = Vs + TILE;      // two buffers
-    unsigned char* const Gs = Qs + 2 * TILE;  // two buffers
-    float* const Ls = reinterpret_cast<float*>(Gs + 2 * TILE);
-    float* const Ds = Ls + BQ;
-    check_launch(BR, Tn, G::BKV_SMEM);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
-    const int k0 = blockIdx.x * BR;
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
-    const long long koff = (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D);
-    const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
-    const float c2 = (float)(scale * 1.4426950408889634074);
-    constexpr u32 MN_LBO = 16 * DP;
-
-    tile_cm<BR, DP, E>(Ks, k + koff, vec_of<2>(k, D), k0, Tn, ks, D);
-    tile_cm<BR, DP, E>(Vs, v + koff, vec_of<2>(v, D), k0, Tn, ks, D);
-    auto issue = [&](int step, int buf) {
-        const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;
-        const long long qoff = (long long)b * Tn * qs + (long long)h * D;
-        tile_cm<BQ, DP, E>(Qs + buf * TILE, q + qoff, vq, t0, Tn, qs, D);
-        tile_cm<BQ, DP, E>(Gs + buf * TILE, go + qoff, vg, t0, Tn, qs, D);
-    };
-    issue(0, 0);
-    cp_commit();
-
-    float dk[DP / 2], dv[DP / 2];
-#pragma unroll
-    for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.f;
-    const int key0 = k0 + warp * 16 + g;  // this lane's keys: key0, key0 + 8
-
-    for (int st = 0; st < steps; ++st) {
-        const int buf = st & 1;
-        const int h = hk * grp + st / per_head, t0 = (first + st % per_head) * BQ;
-        constexpr int PER = NT / BQ;
-        const int ri = threadIdx.x / PER, part = threadIdx.x % PER, rt = t0 + ri;
-        float lse_r = 0.f, delta_r = 0.f;
-        if (part == 0 && rt < Tn) {
-            const long long stat = ((long long)b * Hq + h) * Tn;
-            lse_r = lse[stat + rt];
-            delta_r = delta[stat + rt];
-        }
-        if (st + 1 < steps) {
-            issue(st + 1, buf ^ 1);
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        if (part == 0) {
-            Ls[ri] = rt < Tn ? lse_r * SGM_LOG2E : 0.f;
-            Ds[ri] = rt < Tn ? delta_r : 0.f;
-        }
-        fence_async_smem();
-        __syncthreads();
-        const unsigned char* const Qt = Qs + buf * TILE;
-        const unsigned char* const Gt = Gs + buf * TILE;
-
-        // sᵀ = k·qᵀ and dpᵀ = v·goᵀ: [64 keys × 64 queries], 16 keys per warp.
-        float s[NS * 4], dp[NS * 4];
-        wg_score_pair<T, DP>(s, dp, Ks, Qt, Vs, Gt);
-        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                const float p = query < key || query >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Ls[qi]);
-                s[4 * n + e] = p;
-                dp[4 * n + e] = p * (dp[4 * n + e] - Ds[qi]);
-            }
-        // gv += pᵀ·go, gk += dsᵀ·q over the 64 queries, 16 at a time.
-        u32 pa[BQ / 16][4], da[BQ / 16][4];
-#pragma unroll
-        for (int kc = 0; kc < BQ / 16; ++kc) {  // C tiles 2kc and 2kc + 1
-            wg_a_from_c<T>(pa[kc], s + 8 * kc);
-            wg_a_from_c<T>(da[kc], dp + 8 * kc);
-        }
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < BQ / 16; ++kc) {
-            Wg<DP>::template rs_t<T>(dv, pa[kc], wg_desc(Gt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
-            Wg<DP>::template rs_t<T>(dk, da[kc], wg_desc(Qt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
-        }
-        wg_commit();
-        wg_wait0();
-        __syncthreads();  // this step's buffers are refilled next
-    }
-
-    const float sc = (float)scale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + r * 8;
-        if (key >= Tn) continue;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) {
-                store(gk + koff, (long long)key * ks + d, dk[4 * n + 2 * r] * sc);
-                store(gv + koff, (long long)key * ks + d, dv[4 * n + 2 * r]);
-            }
-            if (d + 1 < D) {
-                store(gk + koff, (long long)key * ks + d + 1, dk[4 * n + 2 * r + 1] * sc);
-                store(gv + koff, (long long)key * ks + d + 1, dv[4 * n + 2 * r + 1]);
-            }
-        }
-    }
-}
-// Query-side backward with warpgroup MMA: the block owns 64 query rows and
-// walks key tiles of 64 up to the diagonal: s = q·kᵀ, dp = go·vᵀ from shared
-// memory, gq += ds·k with ds from registers; it stores D_i in delta first.
-template <typename T, int DP>
-__device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                         const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
-    typedef WgGeo<DP> G;
-    typedef u16 E;
-    constexpr int BC = 64, ROWS = 64, TILE = G::TILE, NO = DP / 8, NS = BC / 8;
-    constexpr u32 MN_LBO = 16 * DP;
-    extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Qs = smem_bytes;
-    unsigned char* const Gs = Qs + TILE;
-    unsigned char* const Ks = Gs + TILE;      // two buffers
-    unsigned char* const Vs = Ks + 2 * TILE;  // two buffers
-    float* const Ls = reinterpret_cast<float*>(Vs + 2 * TILE);
-    float* const Ds = Ls + ROWS;
-    check_launch(ROWS, Tn, G::BQ_SMEM);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int qt = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
-    const int q0 = qt * ROWS;
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
-    const long long qoff = (long long)b * Tn * qs + (long long)h * D;
-    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
-    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
-    const float c2 = (float)(scale * 1.4426950408889634074);
-    auto issue = [&](int j, int buf) {
-        tile_cm<BC, DP, E>(Ks + buf * TILE, kb, vk, j * BC, Tn, ks, D);
-        tile_cm<BC, DP, E>(Vs + buf * TILE, vb, vv, j * BC, Tn, ks, D);
-    };
-    tile_cm<ROWS, DP, E>(Qs, q + qoff, vec_of<2>(q, D), q0, Tn, qs, D);
-    tile_cm<ROWS, DP, E>(Gs, go + qoff, vec_of<2>(go, D), q0, Tn, qs, D);
-    issue(0, 0);
-    cp_commit();
-    row_stats<T, ROWS>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn, D);
-
-    float acc[DP / 2];
-#pragma unroll
-    for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-    const int w0 = q0 + warp * 16;  // a lane's rows: w0 + g and + 8
-    float Lr[2], Dr[2];
-
-    for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) {
-            issue(j + 1, (j + 1) & 1);
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
-        if (j == 0) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                Lr[r] = Ls[warp * 16 + g + r * 8];
-                Dr[r] = Ds[warp * 16 + g + r * 8];
-            }
-        }
-        const unsigned char* const Kt = Ks + (j & 1) * TILE;
-        const unsigned char* const Vt = Vs + (j & 1) * TILE;
-        const int k0 = j * BC;
-        float s[NS * 4], dp[NS * 4];
-        wg_score_pair<T, DP>(s, dp, Qs, Kt, Gs, Vt);
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-                const float p = key > row || key >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lr[e >> 1]);
-                s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1]);
-            }
-        // acc += ds · k.
-        u32 da[BC / 16][4];
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(da[kc], s + 8 * kc);
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc)
-            Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
-        wg_commit();
-        wg_wait0();
-        __syncthreads();
-    }
-
-    T* const gb = gq + qoff;
-    const float sc = (float)scale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = w0 + g + r * 8;
-        if (row >= Tn) continue;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) store(gb, (long long)row * qs + d, acc[4 * n + 2 * r] * sc);
-            if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * sc);
-        }
-    }
-}
 // ---------------------------------------------------------------------------
 // Forward on warpgroup MMA. A block is two warpgroups owning 64 query rows
 // each (128 in all) that share every key/value tile: 128 keys per tile, two
@@ -1357,11 +1172,10 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
         mbar_wait(full_k + (j & 1), (j >> 1) & 1);
         fence_async_smem();
         const unsigned char* const Kt = Ks + (j & 1) * KT;
-#pragma unroll
-        for (int i = 0; i < NS * 4; ++i) s[i] = 0.f;
         wg_fence();
+        Wg<BN>::template ss<T, 0>(s, wg_desc(Qw, KM_LBO, KM_SBO), wg_desc(Kt, KM_LBO, KM_SBO));
 #pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk)
+        for (int kk = 1; kk < DP / 16; ++kk)
             Wg<BN>::template ss<T>(s, wg_desc(Qw + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
         wg_commit();
     };
@@ -1482,6 +1296,282 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
         if (c == 0) lse[((long long)b * Hq + h) * Tn + row] = (m[r] + log2f(l[r])) * SGM_LN2;
     }
 }
+// ---------------------------------------------------------------------------
+// Backward on warpgroup MMA, two warpgroups per block. As in fwd_wg, a block
+// is two warpgroups owning 64 rows each (128 in all: query rows for bwd_q,
+// key rows for bwd_kv) that share every streamed 64-row tile; the tiles run
+// in three stages, filled by cp.async from all 256 threads and handed over
+// by mbarriers (full / free per stage). Each step issues its two score
+// products as soon as its tiles have landed (in bwd_q while the tensor
+// cores may still run the previous step's ds·k), waits for them, frees the
+// previous step's stage, refills it with the tile two steps ahead, and runs
+// the pointwise part and the gradient products of this step.
+// Same grid order, arguments, outputs and determinism as the one-warpgroup
+// passes (every output element accumulated by one thread in a fixed order).
+// ---------------------------------------------------------------------------
+template <int DP> struct WgBwd {
+    static constexpr int ROWS = 128, BS = 64, THREADS = 256, NST = 3;
+    static constexpr int OWN = ROWS * DP * 2, TILE = BS * DP * 2;
+    // bwd_q: q and go (128 rows), NST stages of a k and a v tile, row terms
+    // of the 128 rows, 2·NST mbarriers.
+    static constexpr int BQ_SMEM = 2 * OWN + 2 * NST * TILE + 2 * ROWS * 4 + 2 * NST * 8;
+    // bwd_kv: k and v (128 rows), NST stages of a q and a go tile with their
+    // 64 rows' lse and delta, 2·NST mbarriers.
+    static constexpr int BKV_SMEM = 2 * OWN + NST * (2 * TILE + 2 * BS * 4) + 2 * NST * 8;
+};
+
+template <typename T, int DP>
+__device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
+                          const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef WgBwd<DP> G;
+    typedef u16 E;
+    constexpr int ROWS = G::ROWS, BC = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
+                  NS = BC / 8;
+    constexpr u32 MN_LBO = 16 * DP;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Qs = smem_bytes;
+    unsigned char* const Gs = Qs + G::OWN;
+    unsigned char* const Ks = Gs + G::OWN;       // NST stages
+    unsigned char* const Vs = Ks + NST * TILE;  // NST stages
+    float* const Ls = reinterpret_cast<float*>(Vs + NST * TILE);
+    float* const Ds = Ls + ROWS;
+    u64* const full = reinterpret_cast<u64*>(Ds + ROWS);
+    u64* const free_ = full + NST;
+    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::BQ_SMEM)
+        __trap();
+
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    const int q0 = qt * ROWS;
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long qoff = (long long)b * Tn * qs + (long long)h * D;
+    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
+    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
+    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    if (min(min(vq, vg), min(vk, vv)) < 2) __trap();  // the host checks D and the bases (mbarriers track cp.async only)
+    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < 2 * NST; ++i) mbar_init(full + i, NTH);
+    }
+    __syncthreads();
+    auto load = [&](int j) {
+        const int st = j % NST;
+        tile_cm<BC, DP, E, NTH>(Ks + st * TILE, kb, vk, j * BC, Tn, ks, D, tid);
+        tile_cm<BC, DP, E, NTH>(Vs + st * TILE, vb, vv, j * BC, Tn, ks, D, tid);
+        mbar_arrive_copies(full + st);
+    };
+    tile_cm<ROWS, DP, E, NTH>(Qs, q + qoff, vq, q0, Tn, qs, D, tid);
+    tile_cm<ROWS, DP, E, NTH>(Gs, go + qoff, vg, q0, Tn, qs, D, tid);
+    for (int j = 0; j < NST && j < ntiles; ++j) load(j);  // q and go land with the first stage
+    row_stats<T, ROWS, NTH>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn,
+                            D);
+    __syncthreads();
+
+    const int r0 = wg * 64 + warp * 16, w0 = q0 + r0;  // a lane's rows: w0 + g and + 8
+    const unsigned char* const Qw = Qs + wg * 64 * DP * 2;
+    const unsigned char* const Gw = Gs + wg * 64 * DP * 2;
+    const float Lr[2] = {Ls[r0 + g], Ls[r0 + g + 8]}, Dr[2] = {Ds[r0 + g], Ds[r0 + g + 8]};
+    float acc[DP / 2], s[NS * 4], dp[NS * 4];
+    u32 da[BC / 16][4];
+    // A step up to its score gradients, packed as the A operand of ds·k in
+    // da; returns the step's k tile. The caller issues acc += ds·k: the
+    // first step overwrites acc in its first product rather than starting
+    // from zeros (zeros written before the loop, meeting the products in
+    // flight across its back edge, make ptxas serialize every product).
+    auto front = [&](int j) {
+        const int st = j % NST;
+        mbar_wait(full + st, (j / NST) & 1);
+        fence_async_smem();
+        const unsigned char* const Kt = Ks + st * TILE;
+        const unsigned char* const Vt = Vs + st * TILE;
+        wg_scores_issue<T, DP>(s, dp, Qw, Kt, Gw, Vt);
+        wg_wait<0>();  // these scores, and the previous step's ds·k
+        if (j >= 1) {
+            mbar_arrive(free_ + (j - 1) % NST);
+            // Refill the previous step's stage with tile j + NST - 1.
+            const int t = j + NST - 1;
+            if (t < ntiles) {
+                mbar_wait(free_ + t % NST, ((t - NST) / NST) & 1);
+                load(t);
+            }
+        }
+        const int k0 = j * BC;
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
+                const float p = key > row || key >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lr[e >> 1]);
+                s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1]);
+            }
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(da[kc], s + 8 * kc);
+        wg_fence();
+        return Kt;
+    };
+    const unsigned char* Kt = front(0);
+    Wg<DP>::template rs_t<T, 0>(acc, da[0], wg_desc(Kt, MN_LBO, MN_SBO));
+#pragma unroll
+    for (int kc = 1; kc < BC / 16; ++kc)
+        Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+    wg_commit();
+    for (int j = 1; j < ntiles; ++j) {
+        Kt = front(j);
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc)
+            Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        wg_commit();
+    }
+    wg_wait<0>();
+
+    T* const gb = gq + qoff;
+    const float sc = (float)scale;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        if (row >= Tn) continue;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            if (d < D) store(gb, (long long)row * qs + d, acc[4 * n + 2 * r] * sc);
+            if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * sc);
+        }
+    }
+}
+
+template <typename T, int DP>
+__device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
+                           T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+    typedef WgBwd<DP> G;
+    typedef u16 E;
+    constexpr int ROWS = G::ROWS, BQ = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
+                  NS = BQ / 8;
+    constexpr int STAGE = 2 * TILE + 2 * BQ * 4;  // q, go, then lse and delta of the 64 rows
+    constexpr u32 MN_LBO = 16 * DP;
+    extern __shared__ __align__(128) unsigned char smem_bytes[];
+    unsigned char* const Ks = smem_bytes;
+    unsigned char* const Vs = Ks + G::OWN;
+    unsigned char* const Ss = Vs + G::OWN;  // NST stages
+    u64* const full = reinterpret_cast<u64*>(Ss + NST * STAGE);
+    u64* const free_ = full + NST;
+    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::BKV_SMEM)
+        __trap();
+
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
+    const int k0 = blockIdx.x * ROWS;  // the first blocks have the most query tiles: launched first
+    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long koff = (long long)b * Tn * ks + (long long)hk * D;
+    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    if (min(min(vq, vg), min(vk, vv)) < 2) __trap();
+    const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
+    const float c2 = (float)(scale * 1.4426950408889634074);
+
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < 2 * NST; ++i) mbar_init(full + i, NTH);
+    }
+    __syncthreads();
+    auto load = [&](int step) {
+        unsigned char* const S = Ss + (step % NST) * STAGE;
+        const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;
+        const long long qoff = (long long)b * Tn * qs + (long long)h * D, stat = ((long long)b * Hq + h) * Tn;
+        tile_cm<BQ, DP, E, NTH>(S, q + qoff, vq, t0, Tn, qs, D, tid);
+        tile_cm<BQ, DP, E, NTH>(S + TILE, go + qoff, vg, t0, Tn, qs, D, tid);
+        if (tid < 2 * BQ) {  // lse, then delta, of rows t0..; zero past T
+            const int r = tid % BQ, t = t0 + r;
+            const float* src = tid < BQ ? lse : delta;
+            cp_async<4>(S + 2 * TILE + tid * 4, t < Tn ? src + stat + t : src, t < Tn);
+        }
+        mbar_arrive_copies(full + step % NST);
+    };
+    tile_cm<ROWS, DP, E, NTH>(Ks, k + koff, vk, k0, Tn, ks, D, tid);
+    tile_cm<ROWS, DP, E, NTH>(Vs, v + koff, vv, k0, Tn, ks, D, tid);
+    for (int st = 0; st < NST && st < steps; ++st) load(st);  // k and v land with the first stage
+
+    const int kr = wg * 64, key0 = k0 + kr + warp * 16 + g;  // this lane's keys: key0, key0 + 8
+    const unsigned char* const Kw = Ks + kr * DP * 2;
+    const unsigned char* const Vw = Vs + kr * DP * 2;
+    float dk[DP / 2], dv[DP / 2], s[NS * 4], dp[NS * 4];
+    u32 pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.f;
+
+    for (int st = 0; st < steps; ++st) {
+        const int sg = st % NST;
+        const int t0 = (first + st % per_head) * BQ;
+        mbar_wait(full + sg, (st / NST) & 1);
+        fence_async_smem();
+        const unsigned char* const S = Ss + sg * STAGE;
+        const unsigned char* const Qt = S;
+        const unsigned char* const Gt = S + TILE;
+        const float* const Lt = reinterpret_cast<const float*>(S + 2 * TILE);
+        const float* const Dt = Lt + BQ;
+        // (The upper warpgroup's first query tile of each head lies wholly
+        // before its keys; it is computed and masked all the same: a wgmma
+        // on a branch makes ptxas serialize every one of them.)
+        wg_scores_issue<T, DP>(s, dp, Kw, Qt, Vw, Gt);
+        wg_wait<0>();
+        if (st >= 1) {
+            mbar_arrive(free_ + (st - 1) % NST);
+            const int t = st + NST - 1;
+            if (t < steps) {
+                mbar_wait(free_ + t % NST, ((t - NST) / NST) & 1);
+                load(t);
+            }
+        }
+        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
+                const float p = query < key || query >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lt[qi] * SGM_LOG2E);
+                s[4 * n + e] = p;
+                dp[4 * n + e] = p * (dp[4 * n + e] - Dt[qi]);
+            }
+        // gv += pᵀ·go, gk += dsᵀ·q over the 64 queries, 16 at a time.
+#pragma unroll
+        for (int kc = 0; kc < BQ / 16; ++kc) {
+            wg_a_from_c<T>(pa[kc], s + 8 * kc);
+            wg_a_from_c<T>(da[kc], dp + 8 * kc);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BQ / 16; ++kc) {
+            Wg<DP>::template rs_t<T>(dv, pa[kc], wg_desc(Gt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+            Wg<DP>::template rs_t<T>(dk, da[kc], wg_desc(Qt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        }
+        wg_commit();
+        // Waited for here, not across the next step's scores as in bwd_q:
+        // holding pᵀ and dsᵀ over that step made the key side spill (255
+        // registers) and measured slower (W5's shape 1.25 against 1.17 ms).
+        wg_wait<0>();
+    }
+
+    const float sc = (float)scale;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + r * 8;
+        if (key >= Tn) continue;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            const int d = n * 8 + 2 * c;
+            if (d < D) {
+                store(gk + koff, (long long)key * ks + d, dk[4 * n + 2 * r] * sc);
+                store(gv + koff, (long long)key * ks + d, dv[4 * n + 2 * r]);
+            }
+            if (d + 1 < D) {
+                store(gk + koff, (long long)key * ks + d + 1, dk[4 * n + 2 * r + 1] * sc);
+                store(gv + koff, (long long)key * ks + d + 1, dv[4 * n + 2 * r + 1]);
+            }
+        }
+    }
+}
 #endif  // SGM_WGMMA
 
 }  // namespace sgm
@@ -1498,13 +1588,13 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
         float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) {                                  \
         SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_q_d##DP##_##sfx(                      \
+    extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_q_d##DP##_##sfx(                      \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) {            \
         SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(sgm::NT) attention_mma_bwd_kv_d##DP##_##sfx(                     \
+    extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_kv_d##DP##_##sfx(                     \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
@@ -1519,9 +1609,11 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
 #ifdef SGM_WGMMA
 #define SGM_FWD_THREADS 256
 #define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
+#define SGM_BWD_THREADS 256
 #define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale)
 #else
+#define SGM_BWD_THREADS sgm::NT
 #define SGM_FWD_THREADS sgm::NT
 #define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
 #define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)

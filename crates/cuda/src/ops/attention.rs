@@ -62,25 +62,30 @@
 //!   at the f32 tolerance) at tensor-core speed. This is not the TF32 that
 //!   `--tf32` allows for matmuls: no operand loses bits beyond ~2⁻²².
 //!
-//! * Hopper (`sm_90`, [`Target::sm90a`]): the 16-bit backward at padded
-//!   widths 80..=128 runs on warpgroup MMA (`wgmma.mma_async`, modules
-//!   `attention_mma_d<dp>_<dtype>_wg` built for `sm_90a`, [`wgmma_backward`]).
-//!   A block is one warpgroup (128 threads) owning 64 rows; its tiles sit in
-//!   shared memory as wgmma's 8×16-byte core matrices, so one tile is read
-//!   K-major (as the B of the scores) and, transposed, MN-major (as the B of
-//!   the gradient products); scores and score gradients stay in registers
-//!   as A operands. Same launches' arguments, grid rows and determinism as
-//!   the `mma.sync` passes. `STEPGRAPH_PORTABLE_KERNELS=1` turns it off.
-//!   The forward there is two warpgroups per block (256 threads, 128 query
-//!   rows, [`wgmma_forward_shared_bytes`]) sharing 128-key tiles that all
-//!   threads bring in by `cp.async` two stages ahead and hand over through
-//!   mbarriers rather than block barriers; each warpgroup runs the online
-//!   softmax of one tile while the tensor cores multiply the previous
-//!   tile's probabilities by its values. It needs an even head size and
-//!   4-byte-aligned bases ([`wgmma_forward_fits`]), else the `mma.sync`
-//!   forward runs.
+//! * Hopper (`sm_90`, [`Target::sm90a`]): 16-bit attention at padded widths
+//!   80..=128 runs on warpgroup MMA (`wgmma.mma_async`, modules
+//!   `attention_mma_d<dp>_<dtype>_wg` built for `sm_90a`,
+//!   [`wgmma_attention`]). A block is two warpgroups (256 threads) owning 64
+//!   rows each (query rows; key rows for `bwd_kv`) that share every
+//!   streamed tile: 128-key tiles in two stages for the forward, 64-row
+//!   tiles in three stages for the backward passes, brought in by
+//!   `cp.async` from all threads and handed over by mbarriers (full / free
+//!   per stage) rather than block barriers, so the warpgroups drift apart by
+//!   up to a tile. Tiles sit in shared memory as wgmma's 8×16-byte core
+//!   matrices, so one tile is read K-major (as the B of the scores) and,
+//!   transposed, MN-major (as the B of the value and gradient products);
+//!   probabilities and score gradients stay in registers as A operands.
+//!   Each warpgroup overlaps its products across steps: the forward runs
+//!   one tile's softmax while the tensor cores multiply the previous
+//!   tile's probabilities by its values; the backward issues a step's
+//!   scores while the previous step's gradient products still run. Same
+//!   arguments and determinism as the `mma.sync` passes (every output
+//!   element accumulated by one thread in a fixed order). They need an even
+//!   head size and 4-byte-aligned bases ([`wgmma_fits`]), else the
+//!   `mma.sync` passes run; `STEPGRAPH_PORTABLE_KERNELS=1` turns them off.
 //!
-//! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]).
+//! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]; the
+//! warpgroup passes up to ~165 KB, [`wgmma_shared_bytes`]).
 //! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
 //! (for comparisons).
 //!
@@ -136,8 +141,8 @@ macro_rules! attention_modules {
 
 /// Every module the attention ops launch: the CUDA-core source, one
 /// tensor-core variant per dtype and padded head size ([`mma_width`]), and
-/// the warpgroup-MMA backward of 16-bit storage at padded widths 80..=128
-/// ([`wgmma_backward`]).
+/// the warpgroup-MMA passes of 16-bit storage at padded widths 80..=128
+/// ([`wgmma_attention`]).
 pub const KERNELS: &[KernelModule] = attention_modules![
     mma: [
         ("attention_mma_d32_bf16", "bf16", "__nv_bfloat16", "32"),
@@ -176,38 +181,43 @@ pub const KERNELS: &[KernelModule] = attention_modules![
 
 /// Whether the passes of `dtype` at padded head size `dp` run the
 /// warpgroup-MMA kernels on a device of `target`: 16-bit storage at widths
-/// 80..=128 on `sm_90` (measured per layer at W5's shape: `bwd_q` 1.34 →
-/// 1.20 ms, `bwd_kv` 1.72 → 1.35; at width 64 the key side was slower; see
-/// docs/benchmarks.md). The forward also needs [`wgmma_forward_fits`].
-pub fn wgmma_backward(target: Target, dtype: DType, dp: usize) -> bool {
+/// 80..=128 on `sm_90` (see docs/benchmarks.md for what they measured
+/// against the `mma.sync` ones), where the problem also fits them
+/// ([`wgmma_fits`]).
+pub fn wgmma_attention(target: Target, dtype: DType, dp: usize) -> bool {
     target.sm90a && matches!(dtype, DType::BF16 | DType::F16) && (80..=128).contains(&dp)
 }
 
-/// Whether the warpgroup forward can take a problem of head size `d` whose
-/// q, k, v and o start at `bases`: its tiles arrive by `cp.async` of at
-/// least 4 bytes (completion tracked by mbarriers, which a 2-byte copy,
-/// done as a plain store, would escape), so rows of an even number of
-/// elements on 4-byte-aligned bases.
-pub fn wgmma_forward_fits(d: usize, bases: &[u64]) -> bool {
+/// Whether the warpgroup kernels can take a problem of head size `d` whose
+/// tensors start at `bases`: their tiles arrive by `cp.async` of at least 4
+/// bytes (completion tracked by mbarriers, which a 2-byte copy, done as a
+/// plain store, would escape), so rows of an even number of elements on
+/// 4-byte-aligned bases.
+pub fn wgmma_fits(d: usize, bases: &[u64]) -> bool {
     d.is_multiple_of(2) && bases.iter().all(|p| p.is_multiple_of(4))
 }
 
-/// Dynamic shared memory of a warpgroup-MMA backward pass at padded width
-/// `dp`; mirrors `WgGeo<DP>::{BQ_SMEM, BKV_SMEM}`: six 64-row tiles of `dp`
-/// 16-bit columns and 64 rows' two f32 row terms.
-pub fn wgmma_shared_bytes(dp: usize) -> usize {
-    6 * 64 * dp * 2 + 2 * 64 * 4
-}
+/// A warpgroup-MMA block: two warpgroups of 64 rows each (query rows; key
+/// rows for `bwd_kv`).
+const WG_ROWS: usize = 128;
+const WG_THREADS: u32 = 256;
 
-/// The warpgroup forward's block: two warpgroups of 64 query rows each.
-const WG_FWD_ROWS: usize = 128;
-const WG_FWD_THREADS: u32 = 256;
-
-/// Dynamic shared memory of the warpgroup forward at padded width `dp`;
-/// mirrors `WgFwd<DP>::SMEM`: a 128-row q tile, two stages each of 128-row
-/// k and v tiles, eight mbarriers.
-pub fn wgmma_forward_shared_bytes(dp: usize) -> usize {
-    5 * 128 * dp * 2 + 8 * 8
+/// Dynamic shared memory of a warpgroup-MMA pass at padded width `dp`;
+/// mirrors `WgFwd<DP>::SMEM` and `WgBwd<DP>::{BQ_SMEM, BKV_SMEM}` (16-bit
+/// tiles of `dp` columns):
+/// * forward: the block's 128-row q tile, two stages each of a 128-row k
+///   and v tile, eight mbarriers;
+/// * `bwd_q`: the block's q and go (128 rows), three stages of a 64-row k
+///   and v tile, the 128 rows' two f32 row terms, six mbarriers;
+/// * `bwd_kv`: the block's k and v (128 rows), three stages of a 64-row q
+///   and go tile with those rows' lse and delta, six mbarriers.
+pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
+    let (own, tile) = (WG_ROWS * dp * 2, 64 * dp * 2);
+    match pass {
+        Pass::Forward => own + 4 * WG_ROWS * dp * 2 + 8 * 8,
+        Pass::BackwardQ => 2 * own + 3 * 2 * tile + 2 * WG_ROWS * 4 + 6 * 8,
+        Pass::BackwardKv => 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8,
+    }
 }
 
 /// Rows of a tensor-core block with one tile of 16 per warp, and its threads.
@@ -366,10 +376,8 @@ struct Dims {
     bucket: usize,
     /// `Some(padded head size)` when the tensor-core kernels run it.
     mma: Option<usize>,
-    /// The backward passes run the warpgroup-MMA kernels ([`wgmma_backward`]).
+    /// The passes run the warpgroup-MMA kernels ([`wgmma_attention`]).
     wg: bool,
-    /// The forward runs the warpgroup-MMA kernel (`wg` and [`wgmma_forward_fits`]).
-    wg_fwd: bool,
 }
 
 impl Dims {
@@ -394,8 +402,8 @@ impl Dims {
             return Err(fail(format!("sequence length {t} or row size {hq}×{d} does not fit the kernels' int")));
         }
         let mma = mma_width(q.dtype, d);
-        let wg = mma.is_some_and(|dp| wgmma_backward(target, q.dtype, dp));
-        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg, wg_fwd: false })
+        let wg = mma.is_some_and(|dp| wgmma_attention(target, q.dtype, dp));
+        Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg })
     }
 
     /// No work: every output is empty (or, for D = 0, only lse is not).
@@ -405,19 +413,12 @@ impl Dims {
 
     fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
         let (module, function, rows, threads, shared_bytes) = match self.mma {
-            Some(dp) if self.wg_fwd && pass == Pass::Forward => (
-                mma_module(self.dtype, dp, true),
-                format!("attention_mma_fwd_d{dp}_{}", dtype_suffix(self.dtype).unwrap_or("?")),
-                WG_FWD_ROWS,
-                WG_FWD_THREADS,
-                wgmma_forward_shared_bytes(dp) as u32,
-            ),
-            Some(dp) if self.wg && pass != Pass::Forward => (
+            Some(dp) if self.wg => (
                 mma_module(self.dtype, dp, true),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
-                MMA_ROWS,
-                MMA_THREADS,
-                wgmma_shared_bytes(dp) as u32,
+                WG_ROWS,
+                WG_THREADS,
+                wgmma_shared_bytes(pass, dp) as u32,
             ),
             Some(dp) => (
                 mma_module(self.dtype, dp, false),
@@ -474,7 +475,7 @@ fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
         return Ok(vec![]);
     }
     let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
-    n.wg_fwd = n.wg && wgmma_forward_fits(n.d, &[ptrs[0].ptr, ptrs[1].ptr, ptrs[2].ptr, ptrs[3].ptr]);
+    n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[1].ptr, ptrs[2].ptr, ptrs[3].ptr]);
     Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale)])
 }
 
@@ -485,10 +486,12 @@ fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
 /// no lse cotangent.
 fn backward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
     let (inputs, outputs) = (cx.inputs, cx.outputs);
-    let n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty, cx.target)?;
+    let mut n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
         return Ok(vec![]);
     }
+    // q, k, v, o, go (tiles of q, k, v and go are copied; o is read for D_i).
+    n.wg &= wgmma_fits(n.d, &inputs[..4].iter().chain([&inputs[5]]).map(|t| t.ptr).collect::<Vec<_>>());
     let mut common: Vec<Arg> = inputs[..6].iter().map(|t| Arg::Ptr(t.ptr)).collect();
     common.push(Arg::Ptr(inputs.get(6).map_or(0, |t| t.ptr)));
     let (gq, gk, gv, delta) = (&outputs[0], &outputs[1], &outputs[2], &outputs[3]);
@@ -693,9 +696,12 @@ mod tests {
                     assert!(mma_shared_bytes(pass, dtype, dp) <= limit * 1024, "{dtype} {dp} {pass:?}");
                 }
                 assert!(mma_module(dtype, dp, false).ends_with(dtype_suffix(dtype).unwrap()));
-                if wgmma_backward(Target { sm90a: true }, dtype, dp) {
+                if wgmma_attention(Target { sm90a: true }, dtype, dp) {
                     assert!(mma_module(dtype, dp, true).ends_with("_wg"));
-                    assert!(wgmma_shared_bytes(dp) <= 113 * 1024, "{dtype} {dp}");
+                    for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+                        // One block per SM (its registers allow no more), within the 227 KB.
+                        assert!(wgmma_shared_bytes(pass, dp) <= 227 * 1024, "{dtype} {dp} {pass:?}");
+                    }
                 }
             }
         }
@@ -732,19 +738,20 @@ mod tests {
         let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
         assert_eq!((q.module, q.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_bwd_q_d112_bf16"));
         assert_eq!((kv.module, kv.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_bwd_kv_d112_bf16"));
-        // One warpgroup per 64 rows on both sides; six 64-row tiles of 112 columns.
-        assert_eq!((q.grid, q.block), ((32, 32, 4), (128, 1, 1)));
-        assert_eq!((kv.grid, kv.block), ((32, 32, 4), (128, 1, 1)));
-        assert_eq!(q.shared_bytes as usize, 6 * 64 * 112 * 2 + 512);
-        assert_eq!(kv.shared_bytes, q.shared_bytes);
+        // Two warpgroups per 128 rows on both sides.
+        assert_eq!((q.grid, q.block), ((16, 32, 4), (256, 1, 1)));
+        assert_eq!((kv.grid, kv.block), ((16, 32, 4), (256, 1, 1)));
+        // q, go (128 rows) and three stages of 64-row k and v tiles; row terms, mbarriers.
+        assert_eq!(q.shared_bytes as usize, 2 * 128 * 224 + 6 * 64 * 224 + 1024 + 48);
+        // k, v (128 rows) and three stages of 64-row q and go tiles with their lse and delta.
+        assert_eq!(kv.shared_bytes as usize, 2 * 128 * 224 + 3 * (2 * 64 * 224 + 512) + 48);
         // The same arguments as the mma.sync passes (the key side reads delta).
         let portable = lower(&op, &ins, &outs).unwrap();
         for (wg, mma) in l.iter().zip(&portable) {
             assert_eq!(kernel(wg).args, kernel(mma).args);
             assert!(!kernel(mma).module.ends_with("_wg"));
         }
-        // The forward: two warpgroups per 128 query rows, a q tile and two
-        // stages of k and v tiles of 128 rows, eight mbarriers.
+        // The forward: a q tile and two stages of k and v tiles of 128 rows, eight mbarriers.
         let fwd_op = Op::from(Attention { scale: 0.1 });
         let fwd_outs = [outs[0].clone(), outs[3].clone()];
         let fwd = crate::ops::lower_for(&fwd_op, &ins[..3], &fwd_outs, None, hopper).unwrap();
@@ -752,10 +759,9 @@ mod tests {
         assert_eq!((f.module, f.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_fwd_d112_bf16"));
         assert_eq!((f.grid, f.block), ((16, 32, 4), (256, 1, 1)));
         assert_eq!(f.shared_bytes as usize, 5 * 128 * 112 * 2 + 64);
-        assert!(wgmma_forward_shared_bytes(128) <= 227 * 1024);
         assert_eq!(f.args, kernel(&lower(&fwd_op, &ins[..3], &fwd_outs).unwrap()[0]).args);
         // An odd head size, or a base only 2-byte aligned, keeps the mma.sync
-        // forward (its copies could not all be cp.async of 4 bytes or more).
+        // passes (their copies could not all be cp.async of 4 bytes or more).
         let odd = |shape: &[usize], p| dev(DType::BF16, shape, p);
         let (q99, lse) = (odd(&[b, t, h, 99], at(1)), dev(DType::F32, &[b, h, t], at(5)));
         let l =
@@ -763,14 +769,19 @@ mod tests {
                 .unwrap();
         assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
         let shifted = odd(&[b, t, h, d], at(2) + 2);
-        let l = crate::ops::lower_for(&fwd_op, &[ins[0].clone(), shifted, ins[2].clone()], &fwd_outs, None, hopper)
-            .unwrap();
+        let l =
+            crate::ops::lower_for(&fwd_op, &[ins[0].clone(), shifted.clone(), ins[2].clone()], &fwd_outs, None, hopper)
+                .unwrap();
         assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
+        let mut go_shifted = ins.clone();
+        go_shifted[5] = shifted;
+        let l = crate::ops::lower_for(&op, &go_shifted, &outs, None, hopper).unwrap();
+        assert!(l.iter().all(|l| kernel(l).module == "attention_mma_d112_bf16"));
         // f32, widths 64 and below, and other devices: no warpgroup kernels.
-        assert!(!wgmma_backward(hopper, DType::F32, 112));
-        assert!(!wgmma_backward(hopper, DType::BF16, 64));
-        assert!(!wgmma_backward(Target::default(), DType::BF16, 112));
-        assert!(!wgmma_backward(Target::of_arch("sm_80"), DType::BF16, 112));
+        assert!(!wgmma_attention(hopper, DType::F32, 112));
+        assert!(!wgmma_attention(hopper, DType::BF16, 64));
+        assert!(!wgmma_attention(Target::default(), DType::BF16, 112));
+        assert!(!wgmma_attention(Target::of_arch("sm_80"), DType::BF16, 112));
         // Every warpgroup module is declared arch-specific (built for sm_90a).
         for m in KERNELS {
             assert_eq!(m.arch_specific, m.name.ends_with("_wg"), "{}", m.name);
