@@ -1061,6 +1061,18 @@ template <typename T> __device__ __forceinline__ void wg_a_from_c(u32* a, const 
     a[3] = Mma16<T>::pack(c[6], c[7]);
 }
 
+// 2^x for the warpgroup passes (SGM_FAST_EXP: the bare ex2.approx.ftz,
+// for timing against exp2f's handling of results below 2^-126).
+__device__ __forceinline__ float wg_exp2(float x) {
+#ifdef SGM_FAST_EXP
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // Forward on warpgroup MMA. A block is two warpgroups owning 64 query rows
 // each (128 in all) that share every key/value tile: 128 keys per tile, two
@@ -1214,14 +1226,14 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
             mn[r] = fmaxf(m[r], x * c2);  // c2 > 0: the scaled maximum
-            alpha[r] = exp2f(m[r] - mn[r]);
+            alpha[r] = wg_exp2(m[r] - mn[r]);
             m[r] = mn[r];
         }
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(fmaf(s[4 * n + e], c2, -mn[e >> 1]));
+                const float p = wg_exp2(fmaf(s[4 * n + e], c2, -mn[e >> 1]));
                 s[4 * n + e] = p;
                 sum[e >> 1] += p;
             }
@@ -1405,7 +1417,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-                const float p = key > row || key >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lr[e >> 1]);
+                const float p = key > row || key >= Tn ? 0.f : wg_exp2(s[4 * n + e] * c2 - Lr[e >> 1]);
                 s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1]);
             }
 #pragma unroll
@@ -1530,7 +1542,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                const float p = query < key || query >= Tn ? 0.f : exp2f(s[4 * n + e] * c2 - Lt[qi] * SGM_LOG2E);
+                const float p = query < key || query >= Tn ? 0.f : wg_exp2(s[4 * n + e] * c2 - Lt[qi] * SGM_LOG2E);
                 s[4 * n + e] = p;
                 dp[4 * n + e] = p * (dp[4 * n + e] - Dt[qi]);
             }
