@@ -318,6 +318,32 @@ __device__ __forceinline__ void row_stats(float* Ls, float* Ds, int t0, const T*
     }
 }
 
+// Rows row0 and row0 + 8 of a warp's accumulator tiles (the lane's columns
+// 8n + 2c and + 1 of each of NO tiles; acc laid out as [NO][4] floats),
+// times sc, into rows of base (stride elements apart); rows past T and
+// columns past D are skipped. With base2, acc2 and sc2 (gk and gv) a second
+// set of tiles goes to the same places of base2, element by element with the
+// first (as separate passes the key side's d128 pass spilled more).
+template <int NO, typename T>
+__device__ __forceinline__ void store_rows(T* base, long long stride, int row0, int Tn, int D, int c, const float* acc,
+                                           float sc, T* base2 = nullptr, const float* acc2 = nullptr,
+                                           float sc2 = 1.f) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + r * 8;
+        if (row >= Tn) continue;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int d = n * 8 + 2 * c + e;
+                if (d >= D) continue;
+                store(base, (long long)row * stride + d, acc[4 * n + 2 * r + e] * sc);
+                if (base2) store(base2, (long long)row * stride + d, acc2[4 * n + 2 * r + e] * sc2);
+            }
+    }
+}
+
 // The two product shapes of every pass, over MT tiles of 16 rows of one
 // warp (each B fragment read once, used by every row tile).
 // c[m][NC][4] += a[m] · tileᵀ for columns 0..8·NC of a tile stored
@@ -684,21 +710,8 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
         }
     }
 
-    T* const gb = gq + qoff;
-    const float sc = (float)scale;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = w0 + mt * 16 + g + r * 8;
-            if (row >= Tn) continue;
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                const int d = n * 8 + 2 * c;
-                if (d < D) store(gb, (long long)row * qs + d, acc[mt][n][2 * r] * sc);
-                if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[mt][n][2 * r + 1] * sc);
-            }
-        }
+    for (int mt = 0; mt < MT; ++mt) store_rows<NO>(gq + qoff, qs, w0 + mt * 16 + g, Tn, D, c, acc[mt][0], (float)scale);
 }
 
 // ---------------------------------------------------------------------------
@@ -825,24 +838,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         }
     }
 
-    const float sc = (float)scale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + r * 8;
-        if (key >= Tn) continue;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) {
-                store(gk + koff, (long long)key * ks + d, dk[n][2 * r] * sc);
-                store(gv + koff, (long long)key * ks + d, dv[n][2 * r]);
-            }
-            if (d + 1 < D) {
-                store(gk + koff, (long long)key * ks + d + 1, dk[n][2 * r + 1] * sc);
-                store(gv + koff, (long long)key * ks + d + 1, dv[n][2 * r + 1]);
-            }
-        }
-    }
+    store_rows<NO>(gk + koff, ks, key0, Tn, D, c, dk[0], (float)scale, gv + koff, dv[0]);
 }
 
 #ifdef SGM_WGMMA
@@ -1319,6 +1315,21 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
 // Same grid order, arguments, outputs and determinism as the one-warpgroup
 // passes (every output element accumulated by one thread in a fixed order).
 // ---------------------------------------------------------------------------
+// Once step j (of `total`) holds what it needs of its stage ring's tiles:
+// this thread's part in freeing the previous step's stage, then, once
+// every thread has freed it, the refill of that stage with step
+// j + NST - 1 by `load`.
+template <int NST, typename Load>
+__device__ __forceinline__ void recycle_stage(u64* free_, int j, int total, Load& load) {
+    if (j < 1) return;
+    mbar_arrive(free_ + (j - 1) % NST);
+    const int t = j + NST - 1;
+    if (t < total) {
+        mbar_wait(free_ + t % NST, ((t - NST) / NST) & 1);
+        load(t);
+    }
+}
+
 template <int DP> struct WgBwd {
     static constexpr int ROWS = 128, BS = 64, THREADS = 256, NST = 3;
     static constexpr int OWN = ROWS * DP * 2, TILE = BS * DP * 2;
@@ -1400,15 +1411,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         const unsigned char* const Vt = Vs + st * TILE;
         wg_scores_issue<T, DP>(s, dp, Qw, Kt, Gw, Vt);
         wg_wait<0>();  // these scores, and the previous step's ds·k
-        if (j >= 1) {
-            mbar_arrive(free_ + (j - 1) % NST);
-            // Refill the previous step's stage with tile j + NST - 1.
-            const int t = j + NST - 1;
-            if (t < ntiles) {
-                mbar_wait(free_ + t % NST, ((t - NST) / NST) & 1);
-                load(t);
-            }
-        }
+        recycle_stage<NST>(free_, j, ntiles, load);
         const int k0 = j * BC;
 #pragma unroll
         for (int n = 0; n < NS; ++n)
@@ -1438,19 +1441,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     }
     wg_wait<0>();
 
-    T* const gb = gq + qoff;
-    const float sc = (float)scale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = w0 + g + r * 8;
-        if (row >= Tn) continue;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) store(gb, (long long)row * qs + d, acc[4 * n + 2 * r] * sc);
-            if (d + 1 < D) store(gb, (long long)row * qs + d + 1, acc[4 * n + 2 * r + 1] * sc);
-        }
-    }
+    store_rows<NO>(gq + qoff, qs, w0 + g, Tn, D, c, acc, (float)scale);
 }
 
 template <typename T, int DP>
@@ -1526,14 +1517,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         // on a branch makes ptxas serialize every one of them.)
         wg_scores_issue<T, DP>(s, dp, Kw, Qt, Vw, Gt);
         wg_wait<0>();
-        if (st >= 1) {
-            mbar_arrive(free_ + (st - 1) % NST);
-            const int t = st + NST - 1;
-            if (t < steps) {
-                mbar_wait(free_ + t % NST, ((t - NST) / NST) & 1);
-                load(t);
-            }
-        }
+        recycle_stage<NST>(free_, st, steps, load);
         // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
 #pragma unroll
         for (int n = 0; n < NS; ++n)
@@ -1563,24 +1547,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         wg_wait<0>();
     }
 
-    const float sc = (float)scale;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + r * 8;
-        if (key >= Tn) continue;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            const int d = n * 8 + 2 * c;
-            if (d < D) {
-                store(gk + koff, (long long)key * ks + d, dk[4 * n + 2 * r] * sc);
-                store(gv + koff, (long long)key * ks + d, dv[4 * n + 2 * r]);
-            }
-            if (d + 1 < D) {
-                store(gk + koff, (long long)key * ks + d + 1, dk[4 * n + 2 * r + 1] * sc);
-                store(gv + koff, (long long)key * ks + d + 1, dv[4 * n + 2 * r + 1]);
-            }
-        }
-    }
+    store_rows<NO>(gk + koff, ks, key0, Tn, D, c, dk, (float)scale, gv + koff, dv);
 }
 #endif  // SGM_WGMMA
 
