@@ -108,6 +108,33 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
             assert_eq!(pl.slot(node.outputs[0]), pl.slot(node.inputs[0]), "a cache write left the cache's storage");
         }
     }
+    // At one row per sequence the q/k/v and gate/up parts of the fused
+    // products are views, placed on their bytes of the product's output (no
+    // copy runs); at two rows they are not runs of it and stay copies.
+    let slices = |name: &str| -> Vec<(bool, usize)> {
+        let seg = p.segments.iter().find(|s| s.name == name).unwrap();
+        p.trace.nodes[seg.nodes.clone()]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| match &n.op {
+                Op::Slice(s) => Some((s.view, seg.nodes.start + i)),
+                _ => None,
+            })
+            .collect()
+    };
+    let one = slices("decode1");
+    // 2 layers × (q, k, gate, up); v starts after q and k, 384 bytes in: off the arena's 256-byte boundaries.
+    assert_eq!(one.iter().filter(|s| s.0).count(), 8, "{one:?}");
+    for &(view, i) in &one {
+        let n = &p.trace.nodes[i];
+        let Op::Slice(s) = &n.op else { unreachable!() };
+        assert_eq!(view, s.can_view(p.trace.ty(n.inputs[0])));
+        if view {
+            let at = pl.slot(n.inputs[0]).offset + s.byte_offset(p.trace.ty(n.inputs[0]));
+            assert_eq!(pl.slot(n.outputs[0]).offset, at, "a view off its bytes");
+        }
+    }
+    assert!(slices("decode2").iter().all(|s| !s.0));
 }
 
 /// Greedy decoding equals the argmax of the full forward at every step,

@@ -221,6 +221,12 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
         None
     }
 
+    /// Where a view's output starts in its input's storage (bytes, given the
+    /// input's type); 0 for views of the whole input.
+    fn view_offset(&self, _input: &TensorType) -> u64 {
+        0
+    }
+
     /// The op that also adds a tensor of type `addend` to its output
     /// `output` inside its own kernel, before that output's one rounding to
     /// storage, and the input position the addend takes (the inputs after
@@ -331,6 +337,9 @@ macro_rules! op_list {
             }
             pub fn view_of(&self) -> Option<usize> {
                 match self { $(Op::$variant(o) => o.view_of()),* }
+            }
+            pub fn view_offset(&self, input: &TensorType) -> u64 {
+                match self { $(Op::$variant(o) => o.view_offset(input)),* }
             }
             pub fn with_input_scale(&self, input: usize, inputs: &[&TensorType], scale: &TensorType) -> Option<(Op, usize)> {
                 match self { $(Op::$variant(o) => o.with_input_scale(input, inputs, scale).map(|(op, at)| (Op::from(op), at))),* }

@@ -2,7 +2,7 @@
 
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
 use super::sample::{ids, normal, Input, Sample};
-use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
+use super::{expect_inputs, no_vjp, Attr, Attrs, Op, OpDef, VjpArgs};
 use crate::cpu::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::DType;
@@ -234,12 +234,58 @@ impl OpDef for Permute {
 
 // ---------------------------------------------------------------- slice
 
-/// `x[..., start:end, ...]` along `axis`.
+/// `x[..., start:end, ...]` along `axis`. With `view`, the output is
+/// planned as bytes of the input's storage (no kernel runs): only for a
+/// slice whose bytes are one contiguous run of the input (every axis before
+/// `axis` of size 1) starting at a multiple of the arena's alignment
+/// ([`Slice::can_view`]); [`mark_slice_views`] sets it where that holds.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Slice {
     pub axis: usize,
     pub start: usize,
     pub end: usize,
+    pub view: bool,
+}
+
+impl Slice {
+    /// A slice that copies.
+    pub fn new(axis: usize, start: usize, end: usize) -> Slice {
+        Slice { axis, start, end, view: false }
+    }
+
+    /// Byte offset of the slice's first element in an input of type `input`.
+    pub fn byte_offset(&self, input: &TensorType) -> u64 {
+        let (_, _, inner) = split_axis(&input.shape, self.axis);
+        (self.start * inner * input.dtype.size()) as u64
+    }
+
+    /// Whether the slice of `input` can be a view: one contiguous run of
+    /// the input, starting on an arena boundary (kernels and libraries read
+    /// every arena tensor at such a boundary).
+    pub fn can_view(&self, input: &TensorType) -> bool {
+        let (outer, _, _) = split_axis(&input.shape, self.axis);
+        outer == 1 && self.byte_offset(input).is_multiple_of(crate::plan::ARENA_ALIGN)
+    }
+}
+
+/// Marks every slice of `trace` that [`Slice::can_view`] allows, and whose
+/// input a node produces, as a view (generation's q/k/v and gate/up parts
+/// of one fused product at one row per sequence). Returns how many.
+pub fn mark_slice_views(trace: &mut crate::ir::Trace) -> usize {
+    let mut marked = 0;
+    for i in 0..trace.nodes.len() {
+        let node = &trace.nodes[i];
+        let Op::Slice(s) = &node.op else { continue };
+        let input = node.inputs[0];
+        if s.view || trace.values[input.index()].kind.is_leaf() || !s.can_view(trace.ty(input)) {
+            continue;
+        }
+        let mut op = s.clone();
+        op.view = true;
+        trace.nodes[i].op = Op::Slice(op);
+        marked += 1;
+    }
+    marked
 }
 
 /// Splits a shape around `axis` into (outer count, axis size, inner count).
@@ -253,7 +299,7 @@ impl OpDef for Slice {
         let mut v = Vec::new();
         for dt in movement_dtypes(d) {
             for (shape, axis, start, end) in SLICES {
-                v.push(Sample::new(Slice { axis, start, end }, vec![movement_input(dt, shape)]));
+                v.push(Sample::new(Slice::new(axis, start, end), vec![movement_input(dt, shape)]));
             }
         }
         v
@@ -267,6 +313,16 @@ impl OpDef for Slice {
         if self.axis >= s.len() || self.start > self.end || self.end > s[self.axis] {
             return Err(format!("slice {}..{} of axis {} is out of range", self.start, self.end, self.axis));
         }
+        if self.view && !self.can_view(inputs[0]) {
+            return Err(format!(
+                "slice {}..{} of axis {} of {} cannot be a view: not one contiguous run on a {}-byte boundary",
+                self.start,
+                self.end,
+                self.axis,
+                inputs[0],
+                crate::plan::ARENA_ALIGN
+            ));
+        }
         let mut out = s.clone();
         out[self.axis] = self.end - self.start;
         Ok(vec![inputs[0].with_shape(out)])
@@ -278,6 +334,13 @@ impl OpDef for Slice {
         Ok(vec![Some(b.push1(op.into(), &[g])?)])
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
+        // Planned programs place a view on its bytes and never launch it;
+        // a program without a plan for views still gets the right bytes.
+        if self.view
+            && io.outputs[0].ptr.cast_const() == io.inputs[0].ptr.wrapping_add(self.byte_offset(io.in_ty(0)) as usize)
+        {
+            return Ok(());
+        }
         let (_, full, inner) = split_axis(&io.in_ty(0).shape, self.axis);
         let len = self.end - self.start;
         let start = self.start;
@@ -288,14 +351,35 @@ impl OpDef for Slice {
         Ok(())
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        vec![
+        let mut a = vec![
             ("axis", Attr::Int(self.axis as i64)),
             ("start", Attr::Int(self.start as i64)),
             ("end", Attr::Int(self.end as i64)),
-        ]
+        ];
+        if self.view {
+            a.push(("view", Attr::Bool(true)));
+        }
+        a
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "slice").then(|| Ok(Slice { axis: a.usize("axis")?, start: a.usize("start")?, end: a.usize("end")? }))
+        (name == "slice").then(|| {
+            Ok(Slice {
+                axis: a.usize("axis")?,
+                start: a.usize("start")?,
+                end: a.usize("end")?,
+                view: a.opt_bool("view")?.unwrap_or(false),
+            })
+        })
+    }
+    fn view_of(&self) -> Option<usize> {
+        self.view.then_some(0)
+    }
+    fn view_offset(&self, input: &TensorType) -> u64 {
+        if self.view {
+            self.byte_offset(input)
+        } else {
+            0
+        }
     }
 }
 
@@ -493,7 +577,7 @@ impl Builder {
         self.permute(x, &perm)
     }
     pub fn slice(&mut self, x: ValueId, axis: usize, start: usize, end: usize) -> Result<ValueId> {
-        self.push1(Slice { axis, start, end }.into(), &[x])
+        self.push1(Slice::new(axis, start, end).into(), &[x])
     }
     pub fn concat(&mut self, xs: &[ValueId], axis: usize) -> Result<ValueId> {
         self.push1(Concat { axis }.into(), xs)

@@ -52,13 +52,15 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     let life = lifetimes(trace);
 
     // View classes, from the ops' own declarations.
-    let mut views = UnionFind((0..n).collect());
+    let mut views = UnionFind::new(n);
     for node in &trace.nodes {
         if let Some(i) = node.op.view_of() {
-            views.union(node.inputs[i].index(), node.outputs[0].index());
+            let at = node.op.view_offset(trace.ty(node.inputs[i]));
+            views.union_at(node.inputs[i].index(), node.outputs[0].index(), at);
         }
     }
     let class_of: Vec<usize> = (0..n).map(|v| views.find(v)).collect();
+    let within: Vec<u64> = (0..n).map(|v| views.offset_of(v)).collect();
     let mut classes: Vec<Option<Class>> = (0..n).map(|_| None).collect();
     for v in 0..n {
         let slot = plan.slots[v];
@@ -92,35 +94,51 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         if persistent != (slot.region == Region::Persistent) && trace.values[v].kind.is_leaf() {
             return fail(format!("{} is in the wrong region", trace.describe(ValueId(v as u32))));
         }
+        // The class's first byte, as this value's slot places it (a slice
+        // view starts `within[v]` bytes into its class).
         let key = class_of[v];
+        let Some(base) = slot.offset.checked_sub(within[v]) else {
+            return fail(format!(
+                "{} starts {} bytes into its view class but sits at offset {}",
+                trace.describe(ValueId(v as u32)),
+                within[v],
+                slot.offset
+            ));
+        };
         let c = classes[key].get_or_insert(Class {
             key,
             region: slot.region,
-            offset: slot.offset,
-            bytes: ty.bytes(),
+            offset: base,
+            bytes: 0,
             start: life[v].0,
             end: life[v].1,
             first: ValueId(v as u32),
         });
-        if c.region != slot.region || c.offset != slot.offset {
+        if c.region != slot.region || c.offset != base {
             return fail(format!(
-                "{} is a view of {} but does not share its bytes",
+                "{} is a view of {} but does not sit at its place in their shared bytes",
                 trace.describe(ValueId(v as u32)),
                 trace.describe(c.first)
             ));
         }
-        c.bytes = c.bytes.max(ty.bytes());
+        c.bytes = c.bytes.max(within[v] + ty.bytes());
         c.start = c.start.min(life[v].0);
         c.end = c.end.max(life[v].1);
     }
 
-    // In-place hand-overs the ops declare: (position, dying class, new class).
+    // In-place hand-overs the ops declare: (position, dying class, new
+    // class, where the new class starts relative to the dying one: the
+    // output takes the input's bytes, which a slice view places inside its
+    // class).
     let mut handover = HashSet::new();
     for (pos, node) in trace.nodes.iter().enumerate() {
         for (o, i) in node.op.inplace() {
-            handover.insert((pos, class_of[node.inputs[i].index()], class_of[node.outputs[o].index()]));
+            let (i, o) = (node.inputs[i].index(), node.outputs[o].index());
+            let shift = i128::from(within[i]) - i128::from(within[o]);
+            handover.insert((pos, class_of[i], class_of[o], shift));
         }
     }
+    let shift = |from: &Class, to: &Class| i128::from(to.offset) - i128::from(from.offset);
     let updates: HashSet<(usize, usize)> =
         trace.updates.iter().map(|u| (class_of[u.state.index()], class_of[u.new.index()])).collect();
 
@@ -149,7 +167,8 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             }
             let one_chain = chain_of.get(&first.key).is_some_and(|s| chain_of.get(&second.key) == Some(s));
             let handed_over = first.end < second.start
-                || (first.end == second.start && handover.contains(&(first.end, first.key, second.key)));
+                || (first.end == second.start
+                    && handover.contains(&(first.end, first.key, second.key, shift(first, second))));
             if !(one_chain && handed_over) {
                 return fail(overlap(trace, first, second));
             }
@@ -184,9 +203,8 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
                 }
             }
             // `old` is alive at `new`'s birth: sharing bytes is safe only as
-            // a hand-over at that very node, in the same slot.
-            let ok =
-                old.end == new.start && old.offset == new.offset && handover.contains(&(old.end, old.key, new.key));
+            // a hand-over at that very node, in the input's bytes.
+            let ok = old.end == new.start && handover.contains(&(old.end, old.key, new.key, shift(old, new)));
             if !ok {
                 return fail(overlap(trace, old, new));
             }

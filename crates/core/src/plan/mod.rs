@@ -152,28 +152,59 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     life
 }
 
-struct UnionFind(Vec<usize>);
+/// Values that share storage, each at a byte offset from its class's first
+/// byte (a slice view starts inside its source; everything else at 0).
+struct UnionFind {
+    parent: Vec<usize>,
+    /// Bytes from the parent's start to this value's start.
+    offset: Vec<u64>,
+}
 
 impl UnionFind {
+    fn new(n: usize) -> UnionFind {
+        UnionFind { parent: (0..n).collect(), offset: vec![0; n] }
+    }
     fn find(&mut self, x: usize) -> usize {
+        let mut path = vec![];
         let mut r = x;
-        while self.0[r] != r {
-            r = self.0[r];
+        while self.parent[r] != r {
+            path.push(r);
+            r = self.parent[r];
         }
-        let mut y = x;
-        while self.0[y] != r {
-            let next = self.0[y];
-            self.0[y] = r;
-            y = next;
+        // Compress, summing offsets from the top of the path down.
+        for &y in path.iter().rev() {
+            let p = self.parent[y];
+            if p != r {
+                self.offset[y] += self.offset[p];
+            }
+            self.parent[y] = r;
         }
         r
     }
-    /// Makes `b`'s root a child of `a`'s root.
-    fn union(&mut self, a: usize, b: usize) {
+    /// Bytes from the start of `x`'s class to `x`'s start.
+    fn offset_of(&mut self, x: usize) -> u64 {
+        self.find(x);
+        if self.parent[x] == x {
+            0
+        } else {
+            self.offset[x]
+        }
+    }
+    /// Joins `b`'s class to `a`'s, with `b` starting `delta` bytes after `a`.
+    /// `b`'s class may not start before `a`'s: its root is `b` itself or
+    /// starts at `b`'s own start (true of every join the planner makes: a
+    /// view's output is new at its node, and an in-place output or an
+    /// update's value is at the start of its own views).
+    fn union_at(&mut self, a: usize, b: usize, delta: u64) {
         let (ra, rb) = (self.find(a), self.find(b));
         if ra != rb {
-            self.0[rb] = ra;
+            debug_assert_eq!(self.offset_of(b), 0, "a class joined after its start");
+            self.offset[rb] = self.offset_of(a) + delta;
+            self.parent[rb] = ra;
         }
+    }
+    fn union(&mut self, a: usize, b: usize) {
+        self.union_at(a, b, 0);
     }
 }
 
@@ -209,13 +240,14 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let n = trace.values.len();
     let steps = trace.nodes.len();
     let life = lifetimes(trace);
-    let mut uf = UnionFind((0..n).collect());
+    let mut uf = UnionFind::new(n);
     // Per root: merged lifetime.
     let mut span: Vec<(usize, usize)> = life.clone();
 
     for node in &trace.nodes {
         if let Some(i) = node.op.view_of() {
-            uf.union(node.inputs[i].index(), node.outputs[0].index());
+            let at = node.op.view_offset(trace.ty(node.inputs[i]));
+            uf.union_at(node.inputs[i].index(), node.outputs[0].index(), at);
         }
     }
     // Lifetimes of view groups.
@@ -287,9 +319,10 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
                 offset: 0,
             });
         }
+        let at = uf.offset_of(v);
         let g = &mut groups[group_index[r]];
         g.members.push(ValueId(v as u32));
-        g.bytes = g.bytes.max(trace.values[v].ty.bytes());
+        g.bytes = g.bytes.max(at + trace.values[v].ty.bytes());
         if is_persistent(&trace.values[v].kind) {
             g.region = Region::Persistent;
         }
@@ -358,7 +391,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     let slots = (0..n)
         .map(|v| {
             let g = &groups[group_of[v]];
-            Slot { region: g.region, offset: g.offset, bytes: trace.values[v].ty.bytes() }
+            Slot { region: g.region, offset: g.offset + uf.offset_of(v), bytes: trace.values[v].ty.bytes() }
         })
         .collect();
     Ok(MemoryPlan {

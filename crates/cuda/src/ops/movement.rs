@@ -120,6 +120,10 @@ impl Lower for Slice {
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
+        // Planned programs place a view on its bytes in the input: nothing to run.
+        if self.view && y.ptr == x.ptr + self.byte_offset(&x.ty) {
+            return Ok(vec![]);
+        }
         let (_, full, inner) = split_axis(&x.ty.shape, self.axis);
         let len = self.end - self.start;
         // y[i] = x[(i / cy) * cx + off + i % cy]
@@ -172,22 +176,39 @@ mod tests {
     #[test]
     fn movement_copies_the_widest_unit() {
         // bf16 rows of 32 elements at 16-byte-aligned offsets: 16-byte units.
-        assert_eq!(function(Slice { axis: 1, start: 16, end: 48 }, &[t(DType::BF16, &[4, 64])]), "slice_u128");
+        assert_eq!(function(Slice::new(1, 16, 48), &[t(DType::BF16, &[4, 64])]), "slice_u128");
         // An odd run: element units.
-        assert_eq!(function(Slice { axis: 1, start: 5, end: 12 }, &[t(DType::BF16, &[3, 17])]), "slice_u16");
+        assert_eq!(function(Slice::new(1, 5, 12), &[t(DType::BF16, &[3, 17])]), "slice_u16");
         assert_eq!(function(Permute { perm: vec![0, 2, 1, 3] }, &[t(DType::F32, &[2, 16, 4, 64])]), "permute_u128");
         assert_eq!(function(Permute { perm: vec![1, 0] }, &[t(DType::F64, &[3, 5])]), "permute_u64");
         assert_eq!(function(Broadcast { shape: vec![4, 17] }, &[t(DType::F16, &[17])]), "broadcast_u16");
         assert_eq!(function(Broadcast { shape: vec![3, 64] }, &[t(DType::Bool, &[64])]), "broadcast_u128");
         assert_eq!(function(Broadcast { shape: vec![3, 64] }, &[t(DType::Bool, &[3, 1])]), "broadcast_u8");
         // Addresses off a 16-byte boundary narrow the unit.
-        let l = lower_types(&Slice { axis: 1, start: 16, end: 48 }.into(), &[t(DType::BF16, &[4, 64])], 4).unwrap();
+        let l = lower_types(&Slice::new(1, 16, 48).into(), &[t(DType::BF16, &[4, 64])], 4).unwrap();
         assert_eq!(kernels(&l)[0].function, "slice_u32");
     }
 
     #[test]
+    fn a_slice_view_on_its_bytes_launches_nothing() {
+        use crate::launch::DevTensor;
+        use stepgraph_core::ir::TensorType;
+        // k of a fused [1, 1, 9600] q/k/v row: bytes 6400.. of the product's output.
+        let mut op = Slice::new(2, 3200, 6400);
+        op.view = true;
+        let x = DevTensor { ty: TensorType::new(DType::BF16, [1, 1, 9600]), ptr: 1 << 20 };
+        let y = |ptr| DevTensor { ty: TensorType::new(DType::BF16, [1, 1, 3200]), ptr };
+        let placed =
+            crate::ops::lower(&op.clone().into(), std::slice::from_ref(&x), &[y((1 << 20) + 6400)], None).unwrap();
+        assert!(placed.is_empty());
+        // Elsewhere (a program not planned for views) it copies.
+        let copied = crate::ops::lower(&op.into(), &[x], &[y(1 << 24)], None).unwrap();
+        assert_eq!(kernels(&copied).len(), 1);
+    }
+
+    #[test]
     fn empty_slices_and_parts_copy_nothing() {
-        let op = Op::from(Slice { axis: 0, start: 2, end: 2 });
+        let op = Op::from(Slice::new(0, 2, 2));
         assert!(lower_types(&op, &[t(DType::F32, &[4])], 0).unwrap().is_empty());
         // An empty part of a concat is skipped, the others copied.
         let op = Op::from(Concat { axis: 0 });
