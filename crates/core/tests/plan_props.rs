@@ -403,9 +403,9 @@ fn fuzz_case(program: &FuzzProgram, seed: u64, stats: &mut FuzzStats) -> Result<
 
     // Two arena groups alive together at a position inside both lifetimes:
     // no hand-over can make them share bytes. (Only groups whose every
-    // value covers the group's bytes: a slice view and what runs in place
-    // on it keep part of their group's bytes, and the rest may be free,
-    // truly, before the group ends.)
+    // value starts at the group's start: a slice view, and what runs in
+    // place on one at its source's start, hold only part of the group's
+    // bytes, and the rest may truly be free before the group ends.)
     let whole = |g: usize| groups[g].members.iter().all(|m| planned.slots[m.index()].offset == groups[g].offset);
     let mut pairs = Vec::new();
     for &g in &arena {

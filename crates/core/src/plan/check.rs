@@ -1,8 +1,9 @@
 //! The plan checker: an independent proof that a [`MemoryPlan`] is safe.
 //!
 //! It recomputes lifetimes from the trace (not from the planner's groups),
-//! joins each view with its source into a *view class* (which must sit at
-//! one offset), and then checks every pair of classes whose bytes overlap:
+//! joins each view with its source into a *view class* (whose values sit at
+//! one offset, or for a slice view at its offset inside its source), and
+//! then checks every pair of classes whose bytes overlap:
 //! their lifetimes must be disjoint, or meet at exactly one node that
 //! declares an in-place pair from the dying class to the new one with the
 //! same slot. Persistent values may only share bytes through a state update
@@ -127,18 +128,18 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     }
 
     // In-place hand-overs the ops declare: (position, dying class, new
-    // class, where the new class starts relative to the dying one: the
-    // output takes the input's bytes, which a slice view places inside its
-    // class).
+    // class), from an input at its class's start (not a slice view inside
+    // it: the sweep below relies on classes that share bytes sitting at one
+    // offset, and the planner hands over only such inputs).
     let mut handover = HashSet::new();
     for (pos, node) in trace.nodes.iter().enumerate() {
         for (o, i) in node.op.inplace() {
             let (i, o) = (node.inputs[i].index(), node.outputs[o].index());
-            let shift = i128::from(within[i]) - i128::from(within[o]);
-            handover.insert((pos, class_of[i], class_of[o], shift));
+            if within[i] == 0 && within[o] == 0 {
+                handover.insert((pos, class_of[i], class_of[o]));
+            }
         }
     }
-    let shift = |from: &Class, to: &Class| i128::from(to.offset) - i128::from(from.offset);
     let updates: HashSet<(usize, usize)> =
         trace.updates.iter().map(|u| (class_of[u.state.index()], class_of[u.new.index()])).collect();
 
@@ -168,7 +169,8 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             let one_chain = chain_of.get(&first.key).is_some_and(|s| chain_of.get(&second.key) == Some(s));
             let handed_over = first.end < second.start
                 || (first.end == second.start
-                    && handover.contains(&(first.end, first.key, second.key, shift(first, second))));
+                    && first.offset == second.offset
+                    && handover.contains(&(first.end, first.key, second.key)));
             if !(one_chain && handed_over) {
                 return fail(overlap(trace, first, second));
             }
@@ -203,8 +205,9 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
                 }
             }
             // `old` is alive at `new`'s birth: sharing bytes is safe only as
-            // a hand-over at that very node, in the input's bytes.
-            let ok = old.end == new.start && handover.contains(&(old.end, old.key, new.key, shift(old, new)));
+            // a hand-over at that very node, in the same slot.
+            let ok =
+                old.end == new.start && old.offset == new.offset && handover.contains(&(old.end, old.key, new.key));
             if !ok {
                 return fail(overlap(trace, old, new));
             }

@@ -5,7 +5,10 @@
 //!    backward in reverse forward order, which frees activations as soon as
 //!    their gradients exist).
 //! 2. **Storage groups**: values that must share bytes are grouped: a view
-//!    (reshape) with its source; an in-place output with an input that dies
+//!    with its source (a reshape at the source's start; a slice marked a
+//!    view, one aligned run of its source, at its offset inside it, so a
+//!    group's values sit at offsets from the group's start); an in-place
+//!    output (at its input's place) with an input that dies
 //!    at that node (where the op declares the pair, the types match and no
 //!    other input reads the same storage); a state update's new value with
 //!    its persistent leaf.
@@ -274,7 +277,10 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
             // is the state's already).
             let is_update = update_of.get(&o).is_some_and(|&s| uf.find(s.index()) == ri);
             // Leaves (and views of them) are never overwritten, except by their own update.
-            let allowed = is_update || (opts.reuse && !pinned[ri]);
+            // An input inside its class (a slice view off the class's start)
+            // hands over nothing: the checker's sweep needs classes that
+            // share bytes at one offset.
+            let allowed = (is_update || (opts.reuse && !pinned[ri])) && uf.offset_of(i.index()) == 0;
             if !allowed {
                 continue;
             }
