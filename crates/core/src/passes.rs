@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use crate::ir::{renumber, verify::debug_verify, NodeId, Trace, ValueKind};
+use crate::ops::Op;
 
 /// Dead-code elimination: drops nodes none of whose outputs reach an output
 /// or a state update. Leaves are kept (a parameter stays a parameter even if
@@ -57,4 +58,26 @@ pub fn compact(trace: &Trace, keep: &[bool]) -> Trace {
     let mut t = renumber(t);
     t.saved = t.derive_saved();
     t
+}
+
+/// Slice views: every slice that [`crate::ops::movement::Slice::can_view`]
+/// allows (one aligned run of its input), of an input a node produces,
+/// becomes a view the planner places on those bytes, so no copy runs
+/// (generation's q/k/v and gate/up parts of one fused product at one row
+/// per sequence). Node order and values are unchanged. Returns the trace
+/// and how many slices became views.
+pub fn slice_views(trace: &Trace) -> Result<(Trace, usize)> {
+    let mut out = trace.clone();
+    let mut marked = 0;
+    for node in &mut out.nodes {
+        let Op::Slice(s) = &mut node.op else { continue };
+        let input = node.inputs[0];
+        if !s.view && !trace.values[input.index()].kind.is_leaf() && s.can_view(trace.ty(input)) {
+            s.view = true;
+            marked += 1;
+        }
+    }
+    out.pass = "slice_views".into();
+    debug_verify(&out)?;
+    Ok((out, marked))
 }

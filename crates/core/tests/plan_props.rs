@@ -14,7 +14,6 @@ use proptest::prelude::*;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
-use stepgraph_core::ops::movement::mark_slice_views;
 use stepgraph_core::ops::UnaryFn;
 use stepgraph_core::plan::{
     align_up, assign_offsets, check_plan, plan, MemoryPlan, PlanOptions, Region, ARENA_ALIGN, MAX_PLAN_BYTES,
@@ -316,9 +315,8 @@ pub fn fuzz_trace(p: &FuzzProgram) -> Trace {
         let new = b.add(s, t).unwrap();
         b.update(s, new);
     }
-    let mut trace = b.finish("fuzz").unwrap();
-    mark_slice_views(&mut trace);
-    trace
+    let trace = b.finish("fuzz").unwrap();
+    stepgraph_core::passes::slice_views(&trace).unwrap().0
 }
 
 /// Runs `trace` under `plan` on the CPU from deterministic leaves and

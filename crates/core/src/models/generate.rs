@@ -384,13 +384,13 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
     // The residual adds (and biases) into their products, as in training,
     // within each segment.
     let ranges: Vec<_> = segments.iter().map(|s| s.nodes.clone()).collect();
-    let (mut trace, _, ranges) = crate::fusion::fold_segments(&trace, &ranges)?;
+    let (trace, _, ranges) = crate::fusion::fold_segments(&trace, &ranges)?;
     for (s, r) in segments.iter_mut().zip(ranges) {
         s.nodes = r;
     }
     // The parts of the fused q/k/v and gate/up products at one row per
     // sequence (decode at batch 1) are runs of the product's output: views,
-    // not copies.
-    crate::ops::movement::mark_slice_views(&mut trace);
+    // not copies (node order unchanged, so the segments stand).
+    let (trace, _) = crate::passes::slice_views(&trace)?;
     Ok(GenerationProgram { spec: spec.clone(), trace, segments, fused })
 }

@@ -2,7 +2,7 @@
 
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
 use super::sample::{ids, normal, Input, Sample};
-use super::{expect_inputs, no_vjp, Attr, Attrs, Op, OpDef, VjpArgs};
+use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::DType;
@@ -238,7 +238,7 @@ impl OpDef for Permute {
 /// planned as bytes of the input's storage (no kernel runs): only for a
 /// slice whose bytes are one contiguous run of the input (every axis before
 /// `axis` of size 1) starting at a multiple of the arena's alignment
-/// ([`Slice::can_view`]); [`mark_slice_views`] sets it where that holds.
+/// ([`Slice::can_view`]); `passes::slice_views` sets it where that holds.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Slice {
     pub axis: usize,
@@ -266,26 +266,6 @@ impl Slice {
         let (outer, _, _) = split_axis(&input.shape, self.axis);
         outer == 1 && self.byte_offset(input).is_multiple_of(crate::plan::ARENA_ALIGN)
     }
-}
-
-/// Marks every slice of `trace` that [`Slice::can_view`] allows, and whose
-/// input a node produces, as a view (generation's q/k/v and gate/up parts
-/// of one fused product at one row per sequence). Returns how many.
-pub fn mark_slice_views(trace: &mut crate::ir::Trace) -> usize {
-    let mut marked = 0;
-    for i in 0..trace.nodes.len() {
-        let node = &trace.nodes[i];
-        let Op::Slice(s) = &node.op else { continue };
-        let input = node.inputs[0];
-        if s.view || trace.values[input.index()].kind.is_leaf() || !s.can_view(trace.ty(input)) {
-            continue;
-        }
-        let mut op = s.clone();
-        op.view = true;
-        trace.nodes[i].op = Op::Slice(op);
-        marked += 1;
-    }
-    marked
 }
 
 /// Splits a shape around `axis` into (outer count, axis size, inner count).
