@@ -168,19 +168,21 @@ impl UnionFind {
         UnionFind { parent: (0..n).collect(), offset: vec![0; n] }
     }
     fn find(&mut self, x: usize) -> usize {
-        let mut path = vec![];
-        let mut r = x;
+        // The root, and x's offset from it.
+        let (mut r, mut total) = (x, 0);
         while self.parent[r] != r {
-            path.push(r);
+            total += self.offset[r];
             r = self.parent[r];
         }
-        // Compress, summing offsets from the top of the path down.
-        for &y in path.iter().rev() {
-            let p = self.parent[y];
-            if p != r {
-                self.offset[y] += self.offset[p];
-            }
+        // Compress: every value on the path points at the root, with its
+        // offset from it (the remaining sum at that step).
+        let mut y = x;
+        while self.parent[y] != r && self.parent[y] != y {
+            let (next, own) = (self.parent[y], self.offset[y]);
             self.parent[y] = r;
+            self.offset[y] = total;
+            total -= own;
+            y = next;
         }
         r
     }
@@ -583,4 +585,27 @@ fn assign_disjoint(items: &[(usize, usize, u64)]) -> Vec<u64> {
             o
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::UnionFind;
+
+    #[test]
+    fn view_classes_keep_each_values_offset_through_compression() {
+        let mut uf = UnionFind::new(6);
+        // 0 ⊃ 1 at 256 ⊃ 2 at 512 more (a view of a view), 3 a view of 2 at 0.
+        uf.union_at(0, 1, 256);
+        uf.union_at(1, 2, 512);
+        uf.union_at(2, 3, 0);
+        // 4 hands over in place to 5; then 4's class joins 0's at 1024.
+        uf.union(4, 5);
+        uf.union_at(0, 4, 1024);
+        for _ in 0..2 {
+            // Twice: the second reads the compressed paths.
+            let at: Vec<u64> = (0..6).map(|v| uf.offset_of(v)).collect();
+            assert_eq!(at, [0, 256, 768, 768, 1024, 1024]);
+            assert!((0..6).all(|v| uf.find(v) == uf.find(0)));
+        }
+    }
 }
