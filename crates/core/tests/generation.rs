@@ -123,8 +123,14 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
             .collect()
     };
     let one = slices("decode1");
-    // 2 layers × (q, k, gate, up); v starts after q and k, 384 bytes in: off the arena's 256-byte boundaries.
-    assert_eq!(one.iter().filter(|s| s.0).count(), 8, "{one:?}");
+    // 2 layers × (q and k together, then q and k of their one rotation,
+    // gate, up); v starts 384 bytes in: off the arena's 256-byte boundaries.
+    assert_eq!(one.iter().filter(|s| s.0).count(), 10, "{one:?}");
+    let ropes = |name: &str| {
+        let seg = p.segments.iter().find(|s| s.name == name).unwrap();
+        p.trace.nodes[seg.nodes.clone()].iter().filter(|n| n.op.name() == "rope").count()
+    };
+    assert_eq!((ropes("decode1"), ropes("decode2")), (2, 4), "one rotation per layer at one row, two at more");
     for &(view, i) in &one {
         let n = &p.trace.nodes[i];
         let Op::Slice(s) = &n.op else { unreachable!() };

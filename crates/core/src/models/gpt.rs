@@ -220,6 +220,28 @@ impl<'a> Gpt<'a> {
         if !self.fuse_projections {
             return parts.iter().map(|(prefix, out)| self.linear(x, prefix, inp, *out, bias)).collect();
         }
+        let y = self.fused_product(x, fused_prefix, parts, inp, bias)?;
+        let axis = self.b.shape(y).len() - 1;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(parts.len());
+        for (_, rows) in parts {
+            out.push(self.b.slice(y, axis, at, at + rows)?);
+            at += rows;
+        }
+        Ok(out)
+    }
+
+    /// The one product of the fused weight `{fused_prefix}.weight` (and
+    /// bias) that stands for the projections `parts`, whose outputs lie side
+    /// by side along its last axis.
+    fn fused_product(
+        &mut self,
+        x: ValueId,
+        fused_prefix: &str,
+        parts: &[(String, usize)],
+        inp: usize,
+        bias: bool,
+    ) -> Result<ValueId> {
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fuse = |g: &mut Self, suffix: &str, shape_of: &dyn Fn(usize) -> Vec<usize>| {
             let name = format!("{fused_prefix}.{suffix}");
@@ -234,15 +256,7 @@ impl<'a> Gpt<'a> {
         };
         let w = fuse(self, "weight", &|rows| vec![rows, inp])?;
         let b = if bias { Some(fuse(self, "bias", &|rows| vec![rows])?) } else { None };
-        let y = self.b.linear(x, w, b)?;
-        let axis = self.b.shape(y).len() - 1;
-        let mut at = 0;
-        let mut out = Vec::with_capacity(parts.len());
-        for (_, rows) in parts {
-            out.push(self.b.slice(y, axis, at, at + rows)?);
-            at += rows;
-        }
-        Ok(out)
+        self.b.linear(x, w, b)
     }
 
     pub(crate) fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
@@ -312,20 +326,36 @@ impl<'a> Gpt<'a> {
             (format!("{prefix}.k_proj"), hkv * d),
             (format!("{prefix}.v_proj"), hkv * d),
         ];
-        let [q, k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
-            unreachable!("three parts give three projections")
-        };
-        let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
-        let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
-        let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
         let n_rot = cfg.n_rot();
-        if n_rot > 0 {
-            let (base, scaling) = (cfg.rope_base, cfg.rope_scaling);
-            (q, k) = match start {
-                Some(s) => (self.b.rope_at(q, s, n_rot, base, scaling)?, self.b.rope_at(k, s, n_rot, base, scaling)?),
-                None => (self.b.rope(q, n_rot, base, scaling)?, self.b.rope(k, n_rot, base, scaling)?),
+        let (base, scaling) = (cfg.rope_base, cfg.rope_scaling);
+        let rotate = |g: &mut Self, x: ValueId| match start {
+            Some(s) => g.b.rope_at(x, s, n_rot, base, scaling),
+            None => g.b.rope(x, n_rot, base, scaling),
+        };
+        let (q, k, v) = if self.fuse_projections && batch * seq == 1 && n_rot > 0 {
+            // One row (decode at batch 1): q and k lie side by side in the
+            // fused product's output, so one rotation covers both heads'
+            // sets; the parts are then runs of single rows, which the
+            // slice-views pass makes views.
+            let y = self.fused_product(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?;
+            let qk = self.b.slice(y, 2, 0, (hq + hkv) * d)?;
+            let qk = self.b.reshape(qk, &[1, 1, hq + hkv, d])?;
+            let qk = rotate(self, qk)?;
+            let v = self.b.slice(y, 2, (hq + hkv) * d, (hq + 2 * hkv) * d)?;
+            (self.b.slice(qk, 2, 0, hq)?, self.b.slice(qk, 2, hq, hq + hkv)?, self.b.reshape(v, &[1, 1, hkv, d])?)
+        } else {
+            let [q, k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
+                unreachable!("three parts give three projections")
             };
-        }
+            let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
+            let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
+            let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
+            if n_rot > 0 {
+                q = rotate(self, q)?;
+                k = rotate(self, k)?;
+            }
+            (q, k, v)
+        };
         // litgpt and Hugging Face scale by the configured head size. With a
         // rotary dimension of 1 (head size 1, as in workload W2) both
         // duplicate the rotated component through a broadcast in their rope,
