@@ -294,8 +294,8 @@ __device__ __forceinline__ unsigned dynamic_smem() {
 }
 // The host computes the geometry from the same constants; a launch that
 // disagrees would skip rows or overrun shared memory, so it traps.
-__device__ __forceinline__ void check_launch(int rows, int Tn, int smem) {
-    if ((int)gridDim.x != (Tn + rows - 1) / rows || (int)blockDim.x != NT || (int)dynamic_smem() < smem) __trap();
+__device__ __forceinline__ void check_launch(int rows, int Tn, int smem, int threads = NT) {
+    if ((int)gridDim.x != (Tn + rows - 1) / rows || (int)blockDim.x != threads || (int)dynamic_smem() < smem) __trap();
 }
 
 // Ls[i] = lse·log2(e) and Ds[i] = go·o − glse for the n rows t0.. (zero past
@@ -1095,6 +1095,13 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// Barriers bars[0..n) of `count` arrivals each, set up by thread 0 before
+// any thread of the block uses them.
+__device__ __forceinline__ void mbar_init_all(u64* bars, int n, u32 count) {
+    if (threadIdx.x == 0)
+        for (int i = 0; i < n; ++i) mbar_init(bars + i, count);
+    __syncthreads();
+}
 // One arrival on bar once every cp.async this thread has issued so far has landed.
 __device__ __forceinline__ void mbar_arrive_copies(u64* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
@@ -1129,7 +1136,7 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
     u64* const full_v = full_k + 2;
     u64* const free_k = full_k + 4;
     u64* const free_v = full_k + 6;
-    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::SMEM) __trap();
+    check_launch(ROWS, Tn, G::SMEM, NTH);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
@@ -1146,11 +1153,7 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
     const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BN + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) mbar_init(full_k + i, NTH);
-    }
-    __syncthreads();
+    mbar_init_all(full_k, 8, NTH);
     auto load_k = [&](int j) {
         tile_cm<BN, DP, E, NTH>(Ks + (j & 1) * KT, kb, vk, j * BN, Tn, ks, D, tid);
         mbar_arrive_copies(full_k + (j & 1));
@@ -1358,8 +1361,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     float* const Ds = Ls + ROWS;
     u64* const full = reinterpret_cast<u64*>(Ds + ROWS);
     u64* const free_ = full + NST;
-    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::BQ_SMEM)
-        __trap();
+    check_launch(ROWS, Tn, G::BQ_SMEM, NTH);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
@@ -1374,11 +1376,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < 2 * NST; ++i) mbar_init(full + i, NTH);
-    }
-    __syncthreads();
+    mbar_init_all(full, 2 * NST, NTH);
     auto load = [&](int j) {
         const int st = j % NST;
         tile_cm<BC, DP, E, NTH>(Ks + st * TILE, kb, vk, j * BC, Tn, ks, D, tid);
@@ -1459,8 +1457,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     unsigned char* const Ss = Vs + G::OWN;  // NST stages
     u64* const full = reinterpret_cast<u64*>(Ss + NST * STAGE);
     u64* const free_ = full + NST;
-    if ((int)gridDim.x != (Tn + ROWS - 1) / ROWS || (int)blockDim.x != NTH || (int)dynamic_smem() < G::BKV_SMEM)
-        __trap();
+    check_launch(ROWS, Tn, G::BKV_SMEM, NTH);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
@@ -1472,11 +1469,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
 
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < 2 * NST; ++i) mbar_init(full + i, NTH);
-    }
-    __syncthreads();
+    mbar_init_all(full, 2 * NST, NTH);
     auto load = [&](int step) {
         unsigned char* const S = Ss + (step % NST) * STAGE;
         const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;

@@ -491,7 +491,7 @@ fn backward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
         return Ok(vec![]);
     }
     // q, k, v, o, go (tiles of q, k, v and go are copied; o is read for D_i).
-    n.wg &= wgmma_fits(n.d, &inputs[..4].iter().chain([&inputs[5]]).map(|t| t.ptr).collect::<Vec<_>>());
+    n.wg &= wgmma_fits(n.d, &[inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr, inputs[5].ptr]);
     let mut common: Vec<Arg> = inputs[..6].iter().map(|t| Arg::Ptr(t.ptr)).collect();
     common.push(Arg::Ptr(inputs.get(6).map_or(0, |t| t.ptr)));
     let (gq, gk, gv, delta) = (&outputs[0], &outputs[1], &outputs[2], &outputs[3]);
