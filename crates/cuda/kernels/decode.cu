@@ -80,6 +80,9 @@ SG_KV_WRITE(u128, uint4)
 // attended to.
 
 #define CA_THREADS 128
+// Key packs a lane loads before it uses them; value rows per batch shrink
+// as a lane's accumulators (H heads × NS packs) grow, to stay in registers.
+#define CA_BATCH 8
 #define CA_WARPS (CA_THREADS / 32)
 #define CA_MAX_D 256
 
@@ -101,6 +104,7 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
                                        i64 splits, i64 chunk, double scale_d) {
     typedef acc_t<T> A;
     constexpr int NS = E / VW;  // packs of the accumulator per lane
+    constexpr int VB = H * NS <= 2 ? CA_BATCH : H * NS <= 4 ? CA_BATCH / 2 : CA_BATCH / 4;
     __shared__ A q_s[H][CA_MAX_D];
     __shared__ A w_acc[CA_WARPS][H][CA_MAX_D];
     __shared__ A w_m[CA_WARPS][H], w_l[CA_WARPS][H], w_f[CA_WARPS][H], m_s[H];
@@ -143,14 +147,22 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
         for (int h = 0; h < H; ++h) dot[h] = A(0);
         if (valid) {
             const T* kr = kc + head_at + j * stride;
-            for (int pk = 0; pk < packs; ++pk) {
-                A kv[VW];
-                load_chunk<T, VW>(kr + pk * VW, kv);
+            // CA_BATCH loads issued before their products, so a tile waits
+            // for memory packs / CA_BATCH times, not once per pack.
+            for (int pk0 = 0; pk0 < packs; pk0 += CA_BATCH) {
+                Chunk<T, VW> kb[CA_BATCH];
 #pragma unroll
-                for (int e = 0; e < VW; ++e)
+                for (int u = 0; u < CA_BATCH; ++u)
+                    if (pk0 + u < packs) kb[u] = *reinterpret_cast<const Chunk<T, VW>*>(kr + (pk0 + u) * VW);
 #pragma unroll
-                    for (int h = 0; h < H; ++h)
-                        if (h < nh) dot[h] += q_s[h][pk * VW + e] * kv[e];
+                for (int u = 0; u < CA_BATCH; ++u) {
+                    if (pk0 + u >= packs) break;
+#pragma unroll
+                    for (int e = 0; e < VW; ++e)
+#pragma unroll
+                        for (int h = 0; h < H; ++h)
+                            if (h < nh) dot[h] += q_s[h][(pk0 + u) * VW + e] * load(kb[u].e, e);
+                }
             }
         }
         A p[H];
@@ -167,24 +179,36 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
             m[h] = m_new;
         }
         // acc += Σ_j p_j·v_j, key by key (p_j from lane j), each lane its packs of v_j.
+        // The value rows of VB keys are loaded before they are added.
         const int n_keys = (int)min((i64)32, hi - j0);
         const T* vr = vc + head_at + j0 * stride;
-#pragma unroll 4
-        for (int jj = 0; jj < n_keys; ++jj) {
-            A pj[H];
+        for (int jj0 = 0; jj0 < n_keys; jj0 += VB) {
+            Chunk<T, VW> vb[VB][NS];
 #pragma unroll
-            for (int h = 0; h < H; ++h) pj[h] = __shfl_sync(0xffffffffu, h < nh ? p[h] : A(0), jj);
+            for (int u = 0; u < VB; ++u)
 #pragma unroll
-            for (int ns = 0; ns < NS; ++ns) {
-                const int pk = lane + 32 * ns;
-                if (pk >= packs) continue;
-                A vv[VW];
-                load_chunk<T, VW>(vr + jj * stride + pk * VW, vv);
+                for (int ns = 0; ns < NS; ++ns) {
+                    const int pk = lane + 32 * ns;
+                    if (jj0 + u < n_keys && pk < packs)
+                        vb[u][ns] = *reinterpret_cast<const Chunk<T, VW>*>(vr + (jj0 + u) * stride + pk * VW);
+                }
 #pragma unroll
-                for (int h = 0; h < H; ++h)
-                    if (h < nh)
+            for (int u = 0; u < VB; ++u) {
+                const int jj = jj0 + u;
+                if (jj >= n_keys) break;
+                A pj[H];
 #pragma unroll
-                        for (int e = 0; e < VW; ++e) acc[h][ns * VW + e] += pj[h] * vv[e];
+                for (int h = 0; h < H; ++h) pj[h] = __shfl_sync(0xffffffffu, h < nh ? p[h] : A(0), jj);
+#pragma unroll
+                for (int ns = 0; ns < NS; ++ns) {
+                    const int pk = lane + 32 * ns;
+                    if (pk >= packs) continue;
+#pragma unroll
+                    for (int h = 0; h < H; ++h)
+                        if (h < nh)
+#pragma unroll
+                            for (int e = 0; e < VW; ++e) acc[h][ns * VW + e] += pj[h] * load(vb[u][ns].e, e);
+                }
             }
         }
     }
