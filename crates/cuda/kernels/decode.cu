@@ -92,6 +92,15 @@ template <typename T, int VW> struct alignas(sizeof(T) * VW) Chunk {
     T e[VW];
 };
 
+// Element i of a chunk as the accumulator type; bf16 widens by a shift
+// (its bits are f32's upper half), which keeps chunks packed in registers.
+template <typename T, int VW> __device__ __forceinline__ acc_t<T> chunk_elem(const Chunk<T, VW>& c, int i) {
+    return load(c.e, i);
+}
+template <int VW> __device__ __forceinline__ float chunk_elem(const Chunk<__nv_bfloat16, VW>& c, int i) {
+    return __uint_as_float((unsigned)reinterpret_cast<const unsigned short*>(c.e)[i] << 16);
+}
+
 template <typename T, int VW> __device__ __forceinline__ void load_chunk(const T* p, acc_t<T>* out) {
     const Chunk<T, VW> c = *reinterpret_cast<const Chunk<T, VW>*>(p);
 #pragma unroll
@@ -161,7 +170,7 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
                     for (int e = 0; e < VW; ++e)
 #pragma unroll
                         for (int h = 0; h < H; ++h)
-                            if (h < nh) dot[h] += q_s[h][(pk0 + u) * VW + e] * load(kb[u].e, e);
+                            if (h < nh) dot[h] += q_s[h][(pk0 + u) * VW + e] * chunk_elem(kb[u], e);
                 }
             }
         }
@@ -207,7 +216,7 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
                     for (int h = 0; h < H; ++h)
                         if (h < nh)
 #pragma unroll
-                            for (int e = 0; e < VW; ++e) acc[h][ns * VW + e] += pj[h] * load(vb[u][ns].e, e);
+                            for (int e = 0; e < VW; ++e) acc[h][ns * VW + e] += pj[h] * chunk_elem(vb[u][ns], e);
                 }
             }
         }
