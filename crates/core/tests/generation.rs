@@ -110,7 +110,7 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
     }
     // At one row per sequence the q/k/v and gate/up parts of the fused
     // products are views, placed on their bytes of the product's output (no
-    // copy runs); at two rows they are not runs of it and stay copies.
+    // copy runs).
     let slices = |name: &str| -> Vec<(bool, usize)> {
         let seg = p.segments.iter().find(|s| s.name == name).unwrap();
         p.trace.nodes[seg.nodes.clone()]
@@ -131,7 +131,26 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
         p.trace.nodes[seg.nodes.clone()].iter().filter(|n| n.op.name() == "rope").count()
     };
     assert_eq!((ropes("decode1"), ropes("decode2")), (2, 4), "one rotation per layer at one row, two at more");
-    for &(view, i) in &one {
+    // At two rows gate and up are a batch of two products, one block each,
+    // both views (2 layers × 2); q, k and v (of different sizes: grouped
+    // heads) stay column slices of one product, copies.
+    let two = slices("decode2");
+    assert_eq!(two.iter().map(|s| s.0 as usize).sum::<usize>(), 4, "{two:?}");
+    assert_eq!(two.len(), 10, "{two:?}");
+    // Without grouped heads q, k and v are a batch of products too: every
+    // part at two rows is a view (2 layers × 5).
+    let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
+    let q = program(&mha, DType::F32, &[2], 8, 24);
+    let decode2 = &q.segments.iter().find(|s| s.name == "decode2").unwrap().nodes;
+    let views: Vec<bool> = q.trace.nodes[decode2.clone()]
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Slice(s) => Some(s.view),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(views, [true; 10]);
+    for &(view, i) in one.iter().chain(&two) {
         let n = &p.trace.nodes[i];
         let Op::Slice(s) = &n.op else { unreachable!() };
         assert_eq!(view, s.can_view(p.trace.ty(n.inputs[0])));
@@ -140,7 +159,6 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
             assert_eq!(pl.slot(n.outputs[0]).offset, at, "a view off its bytes");
         }
     }
-    assert!(slices("decode2").iter().all(|s| !s.0));
 }
 
 /// Greedy decoding equals the argmax of the full forward at every step,
@@ -149,8 +167,11 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
 #[test]
 fn greedy_decoding_is_the_argmax_of_the_full_forward() {
     let llama = config("tiny-llama", Overrides::default());
+    // Without grouped heads q, k and v are parts of one size: at several
+    // rows a batch of products.
+    let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
     let neox = config("tiny-neox", Overrides::default());
-    for (cfg, dtype) in [(&llama, DType::F64), (&neox, DType::F64), (&llama, DType::F32)] {
+    for (cfg, dtype) in [(&llama, DType::F64), (&mha, DType::F64), (&neox, DType::F64), (&llama, DType::F32)] {
         let p = program(cfg, dtype, &[1, 2, 4], 9, 20);
         let mut s = session(&p);
         let prompts: [&[u32]; 3] = [&[5, 17, 99, 3, 250], &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[42]];
@@ -173,7 +194,15 @@ fn greedy_decoding_is_the_argmax_of_the_full_forward() {
 /// positions of rope and the split attention are right, not just the argmax).
 #[test]
 fn decode_logits_equal_the_full_forward() {
-    let cfg = config("tiny-llama", Overrides::default());
+    let gqa = config("tiny-llama", Overrides::default());
+    let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
+    for cfg in [gqa, mha] {
+        decode_logits_equal_the_full_forward_for(&cfg);
+    }
+}
+
+fn decode_logits_equal_the_full_forward_for(cfg: &Config) {
+    let cfg = cfg.clone();
     let p = program(&cfg, DType::F64, &[2], 6, 12);
     let mut s = session(&p);
     let requests = [greedy(&[9, 8, 7], 4), greedy(&[1, 2, 3, 4, 5, 6], 4)];

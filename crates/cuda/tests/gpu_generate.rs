@@ -9,21 +9,18 @@ use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::{DType, OutputKind};
 use stepgraph_core::models::generate::{build_generation, GenerationProgram, GenerationSpec};
-use stepgraph_core::models::Config;
+use stepgraph_core::models::{Config, Overrides};
 use stepgraph_core::plan::{plan, PlanOptions};
 use stepgraph_core::session::Session;
 use stepgraph_core::testing::max_rel_diff;
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 
 fn program(name: &str, dtype: DType, buckets: &[usize]) -> GenerationProgram {
-    let spec = GenerationSpec {
-        config: Config::named(name).unwrap(),
-        dtype,
-        buckets: buckets.to_vec(),
-        context: 48,
-        prompt_len: 12,
-        logits: true,
-    };
+    program_of(Config::named(name).unwrap(), dtype, buckets)
+}
+
+fn program_of(config: Config, dtype: DType, buckets: &[usize]) -> GenerationProgram {
+    let spec = GenerationSpec { config, dtype, buckets: buckets.to_vec(), context: 48, prompt_len: 12, logits: true };
     build_generation(&spec).unwrap()
 }
 
@@ -74,8 +71,24 @@ fn logits_of(s: &mut dyn Session, p: &GenerationProgram, name: &str) -> Vec<f64>
 fn tokens_and_logits_match_the_cpu() {
     // f32: greedy and sampled tokens equal the CPU's (a near-tie could flip
     // one; these prompts have none). bf16: the logits within bf16 rounding.
-    for (name, dtype) in [("tiny-llama", DType::F32), ("tiny-neox", DType::F32), ("tiny-llama", DType::BF16)] {
-        let p = program(name, dtype, &[1, 2, 4]);
+    // Without grouped heads, q, k and v of several rows are a batch of
+    // products (one per part) instead of column slices of one.
+    let mha = || {
+        Config::named("tiny-llama")
+            .unwrap()
+            .with_overrides(&Overrides { n_query_groups: Some(4), ..Overrides::default() })
+    };
+    let cases = [
+        ("tiny-llama", DType::F32),
+        ("tiny-llama without grouped heads", DType::F32),
+        ("tiny-neox", DType::F32),
+        ("tiny-llama", DType::BF16),
+    ];
+    for (name, dtype) in cases {
+        let p = match name {
+            "tiny-llama without grouped heads" => program_of(mha().unwrap(), dtype, &[1, 2, 4]),
+            _ => program(name, dtype, &[1, 2, 4]),
+        };
         for sampled in [false, true] {
             let reqs = requests(sampled);
             let mut g = cuda(&p);

@@ -208,7 +208,9 @@ impl<'a> Gpt<'a> {
     /// The projections `parts` (`(prefix, out)` each, all from `inp`) of
     /// `x: [..., inp]`: with [`Gpt::fuse_projections`] one product of the
     /// fused weight `{fused_prefix}.weight` (and bias), its output sliced
-    /// into the parts along the last axis; otherwise one product each.
+    /// into the parts along the last axis, or, for several rows and parts
+    /// of one size, a batch of one product per part; otherwise one product
+    /// each.
     fn projections(
         &mut self,
         x: ValueId,
@@ -219,6 +221,29 @@ impl<'a> Gpt<'a> {
     ) -> Result<Vec<ValueId>> {
         if !self.fuse_projections {
             return parts.iter().map(|(prefix, out)| self.linear(x, prefix, inp, *out, bias)).collect();
+        }
+        let shape = self.b.shape(x).to_vec();
+        let lead = &shape[..shape.len() - 1];
+        let rows: usize = lead.iter().product();
+        if rows > 1 && !bias && parts.iter().all(|p| p.1 == parts[0].1) {
+            // Several rows and parts of one size (gate and up; q, k and v
+            // without grouped heads): the fused weight read as a batch of
+            // parts, one product per part sharing x. Each part's output is
+            // then one contiguous block, a view at an aligned offset, where
+            // the column slices of one product would each be a copy.
+            let (w, _) = self.fused_params(fused_prefix, parts, inp, false)?;
+            let n = parts[0].1;
+            let w = self.b.reshape(w, &[parts.len(), n, inp])?;
+            let x = self.b.reshape(x, &[rows, inp])?;
+            let y = self.b.matmul(x, w, false, true)?;
+            let mut part_shape = lead.to_vec();
+            part_shape.push(n);
+            return (0..parts.len())
+                .map(|p| {
+                    let block = self.b.slice(y, 0, p, p + 1)?;
+                    self.b.reshape(block, &part_shape)
+                })
+                .collect();
         }
         let y = self.fused_product(x, fused_prefix, parts, inp, bias)?;
         let axis = self.b.shape(y).len() - 1;
@@ -242,6 +267,19 @@ impl<'a> Gpt<'a> {
         inp: usize,
         bias: bool,
     ) -> Result<ValueId> {
+        let (w, b) = self.fused_params(fused_prefix, parts, inp, bias)?;
+        self.b.linear(x, w, b)
+    }
+
+    /// The fused weight `{fused_prefix}.weight` `[Σ out, inp]` (and bias)
+    /// standing for the projections `parts`, registered once with its parts.
+    fn fused_params(
+        &mut self,
+        fused_prefix: &str,
+        parts: &[(String, usize)],
+        inp: usize,
+        bias: bool,
+    ) -> Result<(ValueId, Option<ValueId>)> {
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fuse = |g: &mut Self, suffix: &str, shape_of: &dyn Fn(usize) -> Vec<usize>| {
             let name = format!("{fused_prefix}.{suffix}");
@@ -256,7 +294,7 @@ impl<'a> Gpt<'a> {
         };
         let w = fuse(self, "weight", &|rows| vec![rows, inp])?;
         let b = if bias { Some(fuse(self, "bias", &|rows| vec![rows])?) } else { None };
-        self.b.linear(x, w, b)
+        Ok((w, b))
     }
 
     pub(crate) fn norm(&mut self, x: ValueId, prefix: &str) -> Result<ValueId> {
