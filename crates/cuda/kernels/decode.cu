@@ -77,7 +77,7 @@ SG_KV_WRITE(u128, uint4)
 //
 // Combine pass: one warp per query row walks its splits in order, as the
 // CPU does: o = Σ acc·e^{m − M} / Σ l·e^{m − M}, zeros where nothing was
-// attended to.
+// attended to. With one split the split pass writes o = acc / l itself.
 
 #define CA_THREADS 128
 // Key packs a lane loads before it uses them; value rows per batch shrink
@@ -109,14 +109,14 @@ template <typename T, int VW> __device__ __forceinline__ void load_chunk(const T
 
 template <typename T, int H, int VW, int E>
 __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, const int* rows, const int* start,
-                                       acc_t<T>* part, i64 seq, i64 n_rows, i64 cache_len, int hq, int hkv, int d,
-                                       i64 splits, i64 chunk, double scale_d) {
+                                       acc_t<T>* part, T* o, i64 seq, i64 n_rows, i64 cache_len, int hq, int hkv,
+                                       int d, i64 splits, i64 chunk, double scale_d) {
     typedef acc_t<T> A;
     constexpr int NS = E / VW;  // packs of the accumulator per lane
     constexpr int VB = H * NS <= 2 ? CA_BATCH : H * NS <= 4 ? CA_BATCH / 2 : CA_BATCH / 4;
     __shared__ A q_s[H][CA_MAX_D];
     __shared__ A w_acc[CA_WARPS][H][CA_MAX_D];
-    __shared__ A w_m[CA_WARPS][H], w_l[CA_WARPS][H], w_f[CA_WARPS][H], m_s[H];
+    __shared__ A w_m[CA_WARPS][H], w_l[CA_WARPS][H], w_f[CA_WARPS][H], m_s[H], l_s[H];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 bt = blockIdx.x, sp = blockIdx.y;
@@ -246,6 +246,9 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
         for (int w = 0; w < CA_WARPS; ++w) big_m = fmax(big_m, w_m[w][h]);
         for (int w = 0; w < CA_WARPS; ++w) w_f[w][h] = exp(w_m[w][h] - big_m);
         m_s[h] = big_m;
+        A l_total = A(0);
+        for (int w = 0; w < CA_WARPS; ++w) l_total += w_l[w][h] * w_f[w][h];
+        l_s[h] = l_total;
     }
     __syncthreads();
     const int width = d + 2;
@@ -258,6 +261,11 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
             for (int w = 0; w < CA_WARPS; ++w) v += (c == 1 ? w_l[w][hh] : w_acc[w][hh][c - 2]) * w_f[w][hh];
         }
         part[((bt * hq + h0 + hh) * splits + sp) * width + c] = v;
+        // With one split the combine pass would only divide by l (its
+        // weight e^{m − M} is 1): the split writes o itself and the host
+        // launches no combine.
+        if (splits == 1 && c >= 2)
+            store(o, (bt * hq + h0 + hh) * (i64)d + (c - 2), l_s[hh] > A(0) ? v / l_s[hh] : A(0));
     }
 }
 
@@ -301,10 +309,10 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
 
 #define SG_CA_SPLIT(sfx, T, H, VW, E)                                                                            \
     extern "C" __global__ void __launch_bounds__(CA_THREADS) cached_attention_split_h##H##_v##VW##_e##E##_##sfx( \
-        const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, i64 seq, i64 n,  \
-        i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale) {                                    \
-        cached_attention_split<T, H, VW, E>(q, kc, vc, rows, start, part, seq, n, s, hq, hkv, d, splits, chunk,  \
-                                            scale);                                                              \
+        const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, T* o, i64 seq,   \
+        i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale) {                             \
+        cached_attention_split<T, H, VW, E>(q, kc, vc, rows, start, part, o, seq, n, s, hq, hkv, d, splits,     \
+                                            chunk, scale);                                                       \
     }
 
 #define SG_CA_COMBINE(sfx, T)                                                                                    \

@@ -153,6 +153,7 @@ impl Lower for CachedAttention {
             ptr(rows),
             ptr(start),
             ptr(part),
+            ptr(o),
             n64(n.t),
             n64(n.n),
             n64(n.s),
@@ -166,8 +167,9 @@ impl Lower for CachedAttention {
         let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
         let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_{sfx}");
         let mut launches = vec![launch(MODULE, split, grid, (CA_THREADS, 1, 1), split_args)];
-        // With D = 0 the output is empty and the partials hold (m, l) only.
-        if n.d > 0 {
+        // With D = 0 the output is empty and the partials hold (m, l) only;
+        // with one split the split pass writes o itself.
+        if n.d > 0 && n.splits > 1 {
             let query_rows = rows_bt * n.hq;
             let warps = (CA_THREADS / 32) as usize;
             let combine_args = vec![ptr(part), ptr(o), n64(query_rows), Arg::I32(n.d as i32), n64(n.splits)];
@@ -271,11 +273,18 @@ mod tests {
         assert_eq!(ks.len(), 2);
         assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_bf16");
         assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
-        assert_eq!(ks[0].args[5], Arg::Ptr(outs[1].ptr));
-        assert_eq!(ks[0].args[13], Arg::I64(256), "chunk = ceil(2048 / 8)");
+        assert_eq!(ks[0].args[5..7], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
+        assert_eq!(ks[0].args[14], Arg::I64(256), "chunk = ceil(2048 / 8)");
         assert_eq!(ks[1].function, "cached_attention_combine_bf16");
         assert_eq!(ks[1].grid, (32, 1, 1), "4 × 32 query rows, 4 per block");
         assert_eq!(ks[1].args[..2], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
+        // One split: the split pass writes o itself, no combine.
+        let op1 = Op::from(CachedAttention { scale: 0.1, splits: 1 });
+        let (_, _, l) = lowered(&op1, &attention(DType::BF16, 16, 32, 32, 100, 768));
+        assert_eq!(
+            kernels(&l).iter().map(|k| k.function.as_str()).collect::<Vec<_>>(),
+            ["cached_attention_split_h1_v4_e4_bf16"]
+        );
         // 28 query heads on 4 kv heads: groups of 7 fit one block; in f64, two.
         let op = Op::from(CachedAttention { scale: 0.1, splits: 4 });
         let (_, _, l) = lowered(&op, &attention(DType::F16, 2, 28, 4, 128, 1024));

@@ -166,9 +166,10 @@ fn super_empty(dt: DType) -> f64 {
 fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64) {
     let a = &k.args;
     let (q, kc, vc, rows, start, part) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-    let (seq, n_rows, cache_len) = (int(&a[6]), int(&a[7]), int(&a[8]));
-    let (hq, hkv, d) = (i32_arg(&a[9]), i32_arg(&a[10]), i32_arg(&a[11]));
-    let (splits, chunk, scale) = (int(&a[12]), int(&a[13]), f64_arg(&a[14]));
+    let o = ptr(&a[6]);
+    let (seq, n_rows, cache_len) = (int(&a[7]), int(&a[8]), int(&a[9]));
+    let (hq, hkv, d) = (i32_arg(&a[10]), i32_arg(&a[11]), i32_arg(&a[12]));
+    let (splits, chunk, scale) = (int(&a[13]), int(&a[14]), f64_arg(&a[15]));
     let (group, packs, stride) = (hq / hkv, d / vw, hkv * d);
     let tiles = (group + heads - 1) / heads;
     assert_eq!(k.grid.2 as i64, hkv * tiles, "grid z: kv heads × head tiles");
@@ -244,6 +245,11 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
                     for dd in 0..d as usize {
                         let v: f64 = state.iter().zip(&f).map(|(s, f)| s[hh].2[dd] * f).sum();
                         store(mem, stat(dt), part, at + 2 + dd as i64, v);
+                        // One split: o = acc / l here, no combine pass.
+                        if splits == 1 {
+                            let out = if l > 0.0 { v / l } else { 0.0 };
+                            store(mem, dt, o, (bt * hq + h0 + hh as i64) * d + dd as i64, out);
+                        }
                     }
                 }
             }
