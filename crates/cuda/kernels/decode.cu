@@ -101,12 +101,6 @@ template <int VW> __device__ __forceinline__ float chunk_elem(const Chunk<__nv_b
     return __uint_as_float((unsigned)reinterpret_cast<const unsigned short*>(c.e)[i] << 16);
 }
 
-template <typename T, int VW> __device__ __forceinline__ void load_chunk(const T* p, acc_t<T>* out) {
-    const Chunk<T, VW> c = *reinterpret_cast<const Chunk<T, VW>*>(p);
-#pragma unroll
-    for (int i = 0; i < VW; ++i) out[i] = load(c.e, i);
-}
-
 template <typename T, int H, int VW, int E>
 __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, const int* rows, const int* start,
                                        acc_t<T>* part, T* o, i64 seq, i64 n_rows, i64 cache_len, int hq, int hkv,
