@@ -137,8 +137,9 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
     let two = slices("decode2");
     assert_eq!(two.iter().map(|s| s.0 as usize).sum::<usize>(), 4, "{two:?}");
     assert_eq!(two.len(), 10, "{two:?}");
-    // Without grouped heads q, k and v are a batch of products too: every
-    // part at two rows is a view (2 layers × 5).
+    // Without grouped heads q, k and v are a batch of products too, q and k
+    // rotated together: every slice at two rows is a view (2 layers × (q|k,
+    // v, q and k of the rotation, gate, up)), one rotation per layer.
     let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
     let q = program(&mha, DType::F32, &[2], 8, 24);
     let decode2 = &q.segments.iter().find(|s| s.name == "decode2").unwrap().nodes;
@@ -149,7 +150,9 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
             _ => None,
         })
         .collect();
-    assert_eq!(views, [true; 10]);
+    assert_eq!(views, [true; 12]);
+    let mha_ropes = q.trace.nodes[decode2.clone()].iter().filter(|n| n.op.name() == "rope").count();
+    assert_eq!(mha_ropes, 2);
     for &(view, i) in one.iter().chain(&two) {
         let n = &p.trace.nodes[i];
         let Op::Slice(s) = &n.op else { unreachable!() };

@@ -150,6 +150,10 @@ pub(crate) struct Gpt<'a> {
     pub(crate) fuse_projections: bool,
     /// The fused weights made so far, in creation order.
     pub(crate) fused: Vec<FusedParam>,
+    /// Each `start` input (row positions, `[B]`) given twice, `[2B]`, made
+    /// once per trace segment's first use: the rows of q and k rotated
+    /// together (see [`Gpt::attention`]).
+    doubled_starts: Vec<(ValueId, ValueId)>,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -176,6 +180,7 @@ impl<'a> Gpt<'a> {
             params: Default::default(),
             fuse_projections: false,
             fused: Vec::new(),
+            doubled_starts: Vec::new(),
         }
     }
 
@@ -226,18 +231,9 @@ impl<'a> Gpt<'a> {
         let lead = &shape[..shape.len() - 1];
         let rows: usize = lead.iter().product();
         if rows > 1 && !bias && parts.iter().all(|p| p.1 == parts[0].1) {
-            // Several rows and parts of one size (gate and up; q, k and v
-            // without grouped heads): the fused weight read as a batch of
-            // parts, one product per part sharing x. Each part's output is
-            // then one contiguous block, a view at an aligned offset, where
-            // the column slices of one product would each be a copy.
-            let (w, _) = self.fused_params(fused_prefix, parts, inp, false)?;
-            let n = parts[0].1;
-            let w = self.b.reshape(w, &[parts.len(), n, inp])?;
-            let x = self.b.reshape(x, &[rows, inp])?;
-            let y = self.b.matmul(x, w, false, true)?;
+            let y = self.part_batch(x, fused_prefix, parts, inp)?;
             let mut part_shape = lead.to_vec();
-            part_shape.push(n);
+            part_shape.push(parts[0].1);
             return (0..parts.len())
                 .map(|p| {
                     let block = self.b.slice(y, 0, p, p + 1)?;
@@ -254,6 +250,29 @@ impl<'a> Gpt<'a> {
             at += rows;
         }
         Ok(out)
+    }
+
+    /// Several rows and parts of one size (gate and up; q, k and v without
+    /// grouped heads): the fused weight read as a batch of parts, one
+    /// product per part sharing `x: [..., inp]`, giving `[parts, rows, n]`.
+    /// Each part's output is one contiguous block, a view at an aligned
+    /// offset, where the column slices of one product would each be a copy.
+    fn part_batch(&mut self, x: ValueId, fused_prefix: &str, parts: &[(String, usize)], inp: usize) -> Result<ValueId> {
+        let rows: usize = self.b.shape(x)[..self.b.shape(x).len() - 1].iter().product();
+        let (w, _) = self.fused_params(fused_prefix, parts, inp, false)?;
+        let w = self.b.reshape(w, &[parts.len(), parts[0].1, inp])?;
+        let x = self.b.reshape(x, &[rows, inp])?;
+        self.b.matmul(x, w, false, true)
+    }
+
+    /// `start` given twice (`[2B]`), made once per `start`.
+    fn doubled_start(&mut self, start: ValueId) -> Result<ValueId> {
+        if let Some(&(_, twice)) = self.doubled_starts.iter().find(|(s, _)| *s == start) {
+            return Ok(twice);
+        }
+        let twice = self.b.concat(&[start, start], 0)?;
+        self.doubled_starts.push((start, twice));
+        Ok(twice)
     }
 
     /// The one product of the fused weight `{fused_prefix}.weight` (and
@@ -381,6 +400,25 @@ impl<'a> Gpt<'a> {
             let qk = rotate(self, qk)?;
             let v = self.b.slice(y, 2, (hq + hkv) * d, (hq + 2 * hkv) * d)?;
             (self.b.slice(qk, 2, 0, hq)?, self.b.slice(qk, 2, hq, hq + hkv)?, self.b.reshape(v, &[1, 1, hkv, d])?)
+        } else if self.fuse_projections && batch * seq > 1 && n_rot > 0 && hq == hkv && !qkv_bias {
+            // Several rows without grouped heads: q, k and v are a batch of
+            // three products, blocks [3, B·T, H·D] (`part_batch`), so q and
+            // k together are [2B, T, H, D], rotated in one launch (row b of
+            // either at start[b] + t: the start positions given twice).
+            let y = self.part_batch(x, &format!("{prefix}.qkv_proj"), &parts, c)?;
+            let qk = self.b.slice(y, 0, 0, 2)?;
+            let qk = self.b.reshape(qk, &[2 * batch, seq, hq, d])?;
+            let qk = match start {
+                Some(s) => {
+                    let twice = self.doubled_start(s)?;
+                    self.b.rope_at(qk, twice, n_rot, base, scaling)?
+                }
+                None => self.b.rope(qk, n_rot, base, scaling)?,
+            };
+            let v = self.b.slice(y, 0, 2, 3)?;
+            let q = self.b.slice(qk, 0, 0, batch)?;
+            let k = self.b.slice(qk, 0, batch, 2 * batch)?;
+            (q, k, self.b.reshape(v, &[batch, seq, hkv, d])?)
         } else {
             let [q, k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
                 unreachable!("three parts give three projections")
