@@ -144,9 +144,12 @@ pub(crate) struct Gpt<'a> {
     pub(crate) params: std::collections::HashMap<String, ValueId>,
     /// Record q, k and v (and an MLP's gate and up) as one product each, of
     /// a fused weight whose rows are the parts' ([`FusedParam`]); the
-    /// parts are sliced from its output. Generation does: at one row per
-    /// sequence a product's time is mostly fixed cost, so one product of
-    /// three weights beats three. Training keeps the model's own weights.
+    /// parts are sliced from its output, or, at several rows with parts of
+    /// one size, it is a batch of one product per part whose outputs are
+    /// contiguous blocks ([`Gpt::projections`]). Generation does: at one
+    /// row per sequence a product's time is mostly fixed cost, so one
+    /// product of three weights beats three. Training keeps the model's own
+    /// weights.
     pub(crate) fuse_projections: bool,
     /// The fused weights made so far, in creation order.
     pub(crate) fused: Vec<FusedParam>,
