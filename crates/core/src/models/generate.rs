@@ -16,20 +16,20 @@
 //!   … ending in the state's update, which the planner keeps in the
 //!   cache's bytes (so any segment may run in any order);
 //! - each decode bucket's `decode{B}.tokens` and `decode{B}.positions`
-//!   (i32[B]): the last token of each sequence and its position, which the
+//!   (`i32[B]`): the last token of each sequence and its position, which the
 //!   step reads and [`crate::ops::decode::SampleNext`] overwrites with the
 //!   next token and position, so the next replay needs no host write.
 //!
 //! Step inputs (written by the host, kept for the whole trace by the
 //! planner, so a decode bucket's settings survive between replays):
 //! - prefill, one prompt at a time into cache row `prefill.row`:
-//!   `prefill.input_ids` i32[1, L] (right-padded), `prefill.start` i32[1]
-//!   (0), `prefill.last` i32[1] (the prompt length − 1: its hidden state
-//!   gives the next token), `prefill.sampling` f32[1, 3], `prefill.seed`
-//!   i64[1], `prefill.token` i32[1] (any: sampling writes beside it);
-//!   output `prefill.next` i32[1];
-//! - decode bucket B: `decode{B}.rows` i32[B] (cache row of each batch
-//!   row), `decode{B}.sampling` f32[B, 3], `decode{B}.seeds` i64[B].
+//!   `prefill.input_ids` `i32[1, L]` (right-padded), `prefill.start` `i32[1]`
+//!   (0), `prefill.last` `i32[1]` (the prompt length − 1: its hidden state
+//!   gives the next token), `prefill.sampling` `f32[1, 3]`, `prefill.seed`
+//!   `i64[1]`, `prefill.token` `i32[1]` (any: sampling writes beside it);
+//!   output `prefill.next` `i32[1]`;
+//! - decode bucket B: `decode{B}.rows` `i32[B]` (cache row of each batch
+//!   row), `decode{B}.sampling` `f32[B, 3]`, `decode{B}.seeds` `i64[B]`.
 //!
 //! Padding a prompt to L writes garbage keys at positions `len..L` of its
 //! cache row; the first decode step writes position `len` before it

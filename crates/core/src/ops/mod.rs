@@ -5,7 +5,7 @@
 //! [`Builder`]), its CPU reference kernel, its sample cases (what every
 //! backend's tests run it on) and its attributes for printing and parsing.
 //! The same file adds a typed helper to [`Builder`]. Adding an op means one
-//! struct plus one line in [`for_each_op!`]; the exhaustive matches generated
+//! struct plus one line in [`for_each_op!`](crate::for_each_op); the exhaustive matches generated
 //! from that list, here and in each backend, find every place that must know
 //! about it (`docs/architecture.md` lists the steps).
 

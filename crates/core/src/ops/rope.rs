@@ -382,7 +382,7 @@ impl OpDef for Rope {
 
 impl Builder {
     /// Rotary embedding of `x: [B, T, H, D]` whose row `b` starts at
-    /// position `start[b]` (an i32[B] value) rather than 0: the positions
+    /// position `start[b]` (an `i32[B]` value) rather than 0: the positions
     /// of new tokens appended to a cache.
     pub fn rope_at(
         &mut self,
