@@ -99,7 +99,7 @@ mod tests {
             ("attention_fwd_d64_f32", "attention forward"),
             ("attention_mma_bwd_kv_d112_bf16", "attention backward"),
             ("attention_bwd_q_d1_bf16", "attention backward"),
-            ("cached_attention_split_h1_v4_e4_bf16", "decode attention"),
+            ("cached_attention_split_h1_v4_e4_s2_bf16", "decode attention"),
             ("kv_write_u128", "decode attention"),
             ("rms_norm_backward_gw_bf16", "pointwise and row-wise"),
             ("rope_at_bf16", "pointwise and row-wise"),

@@ -43,8 +43,6 @@ typedef unsigned short u16;
 constexpr int NT = 128;  // four warps
 constexpr int BR = 64;   // rows a block owns: query rows (fwd, bwd_q) or key rows (bwd_kv)
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void ldsm4(u32* r, const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -248,17 +246,6 @@ template <int ES> __device__ __forceinline__ int vec_of(const void* p, int D) {
         if (D % v == 0 && a % (unsigned long long)(v * ES) == 0) return v;
     return 1;
 }
-
-template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
-    const int n = ok ? BYTES : 0;  // 0 source bytes: the destination is zero-filled
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
-                     "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Rows t0..t0+ROWS of one head (row t at g + t·stride, D elements) into s
 // [ROWS][SD], zero past T and past D up to DP; by cp.async of V elements.

@@ -68,6 +68,25 @@ template <typename T, int N_ = 16 / (int)sizeof(T)> struct Pack {
     }
 };
 
+// The shared-window address of a generic pointer to shared memory.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Asynchronous copies of BYTES (4, 8 or 16) from global to shared memory,
+// grouped by cp_commit and awaited by cp_wait<N> (at most N of the issuing
+// thread's latest groups still in flight; other threads' copies need a
+// barrier after it). With `ok` false nothing is read and the destination is
+// zero-filled.
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
+    const int n = ok ? BYTES : 0;
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
+                     "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // Instantiates macro M(suffix, storage type) for every float dtype.
 #define SG_FOR_EACH_FLOAT(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half) M(f64, double)
 

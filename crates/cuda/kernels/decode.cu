@@ -11,10 +11,12 @@
 //                i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units)
 //       one block per new row (b, t) (grid-striding), threads over its
 //       row_units copy units; keyed by copy unit like movement.cu.
-//   cached_attention_split_h<H>_v<VW>_e<E>_<dtype>(q, k_cache, v_cache, rows, start,
-//                part, i64 seq, i64 n, i64 s, int hq, int hkv, int d,
-//                i64 splits, i64 chunk, double scale)
-//       grid (B·T, splits, Hkv · head tiles), CA_THREADS threads.
+//   cached_attention_split_h<H>_v<VW>_e<E>_s<ST>_<dtype>(q, k_cache, v_cache, rows, start,
+//                part, o, i64 seq, i64 n, i64 s, int hq, int hkv, int d,
+//                i64 splits, i64 chunk, double scale, int pitch)
+//       grid (B·T, splits, Hkv · head tiles), CA_THREADS threads; with
+//       ST > 0, CA_WARPS · ST · 2 · 32 · pitch elements of dynamic shared
+//       memory (each warp's ring of ST key and value tiles).
 //   cached_attention_combine_<dtype>(part, o, i64 rows, int d, i64 splits)
 //       one warp per query row (B·T·Hq rows, grid-striding), CA_THREADS threads.
 //   sample_next_<dtype>(logits, sampling, seeds, start_in, next, start_out,
@@ -75,6 +77,17 @@ SG_KV_WRITE(u128, uint4)
 // lane). The warps' states are then combined in warp order and written as
 // the split's partial (m, l, acc[D]).
 //
+// Staging (ST > 0): reading its key row in place, a lane waits on memory
+// once per load batch and the warp once per value batch, ~8 dependent
+// round trips per tile with little in flight between them. With ST stages
+// each warp instead copies its tiles (32 key rows, then 32 value rows) into
+// a ring in shared memory by cp.async, coalesced (consecutive lanes take
+// consecutive packs of a row), ST − 1 tiles ahead of the one it computes,
+// and reads them from there with the same arithmetic in the same order, so
+// the results are the same bits. Rows are `pitch` elements apart in the
+// ring, a pitch whose 4-byte words per load are odd, so the 32 lanes
+// reading their key rows a load at a time hit distinct banks.
+//
 // Combine pass: one warp per query row walks its splits in order, as the
 // CPU does: o = Σ acc·e^{m − M} / Σ l·e^{m − M}, zeros where nothing was
 // attended to. With one split the split pass writes o = acc / l itself.
@@ -101,10 +114,34 @@ template <int VW> __device__ __forceinline__ float chunk_elem(const Chunk<__nv_b
     return __uint_as_float((unsigned)reinterpret_cast<const unsigned short*>(c.e)[i] << 16);
 }
 
-template <typename T, int H, int VW, int E>
+// Copies keys [j0, j0 + n_keys) of one head (row j at `at + j·stride`) into
+// the ring slot `dst` (rows `pitch` apart), VW elements per cp.async; then
+// commits them as one group. Lane u takes packs u, u + 32, ...: consecutive
+// lanes, consecutive packs of a row, then the next row.
+template <typename T, int VW>
+__device__ __forceinline__ void stage_rows(T* dst, const T* src, i64 at, i64 stride, int n_keys, int packs,
+                                           int pitch, int lane) {
+    int r = lane / packs, pk = lane - r * packs;
+    const int step_rows = 32 / packs, step_packs = 32 - step_rows * packs;
+    for (; r < n_keys;) {
+        if constexpr (VW * sizeof(T) >= 4)
+            cp_async<VW * sizeof(T)>(dst + r * pitch + pk * VW, src + at + r * stride + pk * VW, true);
+        else  // cp.async copies 4, 8 or 16 bytes; the host never stages 2-byte packs
+            dst[r * pitch + pk * VW] = src[at + r * stride + pk * VW];
+        r += step_rows;
+        pk += step_packs;
+        if (pk >= packs) {
+            pk -= packs;
+            ++r;
+        }
+    }
+    cp_commit();
+}
+
+template <typename T, int H, int VW, int E, int ST>
 __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, const int* rows, const int* start,
                                        acc_t<T>* part, T* o, i64 seq, i64 n_rows, i64 cache_len, int hq, int hkv,
-                                       int d, i64 splits, i64 chunk, double scale_d) {
+                                       int d, i64 splits, i64 chunk, double scale_d, int pitch, T* ring) {
     typedef acc_t<T> A;
     constexpr int NS = E / VW;  // packs of the accumulator per lane
     constexpr int VB = H * NS <= 2 ? CA_BATCH : H * NS <= 4 ? CA_BATCH / 2 : CA_BATCH / 4;
@@ -142,14 +179,46 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
     }
     // Only dereferenced for keys in [lo, hi), which exist only for a valid row.
     const i64 head_at = (lo < hi ? row * cache_len * stride : 0) + (i64)g * d;
-    for (i64 j0 = lo + warp * 32; j0 < hi; j0 += CA_WARPS * 32) {
+    // This warp's ring: ST slots of 32 key rows then 32 value rows.
+    T* const slots = ring + (i64)warp * ST * 64 * pitch;
+    const i64 first = lo + warp * 32;
+    // Stages tile i (keys from first + i·CA_WARPS·32) into its slot; past
+    // the split the groups are empty, so every tile commits two groups.
+    auto stage = [&](int i) {
+        const i64 j0 = first + (i64)i * CA_WARPS * 32;
+        const int n_keys = j0 < hi ? (int)min((i64)32, hi - j0) : 0;
+        T* slot = slots + (i64)(i % (ST > 0 ? ST : 1)) * 64 * pitch;
+        stage_rows<T, VW>(slot, kc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
+        stage_rows<T, VW>(slot + 32 * pitch, vc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
+    };
+    if constexpr (ST > 0)
+        for (int i = 0; i < ST - 1; ++i) stage(i);
+    int tile_i = 0;
+    for (i64 j0 = first; j0 < hi; j0 += CA_WARPS * 32, ++tile_i) {
         const i64 j = j0 + lane;
         const bool valid = j < hi;
+        // Where this tile's key and value rows are read: the ring slot once
+        // its groups arrive, or the cache itself.
+        const T *k_rows, *v_rows;
+        i64 row_stride;
+        if constexpr (ST > 0) {
+            __syncwarp();  // every lane is done with the slot refilled next (tile_i − 1's)
+            stage(tile_i + ST - 1);
+            cp_wait<2 * ST - 1>();  // this tile's keys (its values and later tiles may be in flight)
+            __syncwarp();
+            k_rows = slots + (i64)(tile_i % ST) * 64 * pitch;
+            v_rows = k_rows + 32 * pitch;
+            row_stride = pitch;
+        } else {
+            k_rows = kc + head_at + j0 * stride;
+            v_rows = vc + head_at + j0 * stride;
+            row_stride = stride;
+        }
         A dot[H];
 #pragma unroll
         for (int h = 0; h < H; ++h) dot[h] = A(0);
         if (valid) {
-            const T* kr = kc + head_at + j * stride;
+            const T* kr = k_rows + lane * row_stride;
             // CA_BATCH loads issued before their products, so a tile waits
             // for memory packs / CA_BATCH times, not once per pack.
             for (int pk0 = 0; pk0 < packs; pk0 += CA_BATCH) {
@@ -184,7 +253,11 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
         // acc += Σ_j p_j·v_j, key by key (p_j from lane j), each lane its packs of v_j.
         // The value rows of VB keys are loaded before they are added.
         const int n_keys = (int)min((i64)32, hi - j0);
-        const T* vr = vc + head_at + j0 * stride;
+        if constexpr (ST > 0) {
+            cp_wait<2 * ST - 2>();  // this tile's values
+            __syncwarp();
+        }
+        const T* vr = v_rows;
         for (int jj0 = 0; jj0 < n_keys; jj0 += VB) {
             Chunk<T, VW> vb[VB][NS];
 #pragma unroll
@@ -193,7 +266,7 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
                 for (int ns = 0; ns < NS; ++ns) {
                     const int pk = lane + 32 * ns;
                     if (jj0 + u < n_keys && pk < packs)
-                        vb[u][ns] = *reinterpret_cast<const Chunk<T, VW>*>(vr + (jj0 + u) * stride + pk * VW);
+                        vb[u][ns] = *reinterpret_cast<const Chunk<T, VW>*>(vr + (jj0 + u) * row_stride + pk * VW);
                 }
 #pragma unroll
             for (int u = 0; u < VB; ++u) {
@@ -215,6 +288,8 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
             }
         }
     }
+
+    if constexpr (ST > 0) cp_wait<0>();  // the empty groups past the split
 
     // The warps' states, combined in warp order (a warp without keys has
     // m = EMPTY_MAX, l = 0, acc = 0 and weighs nothing, unless no warp had any).
@@ -301,13 +376,19 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
     }
 }
 
-#define SG_CA_SPLIT(sfx, T, H, VW, E)                                                                            \
-    extern "C" __global__ void __launch_bounds__(CA_THREADS) cached_attention_split_h##H##_v##VW##_e##E##_##sfx( \
-        const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, T* o, i64 seq,   \
-        i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale) {                             \
-        cached_attention_split<T, H, VW, E>(q, kc, vc, rows, start, part, o, seq, n, s, hq, hkv, d, splits,     \
-                                            chunk, scale);                                                       \
+#define SG_CA_SPLIT_ST(sfx, T, H, VW, E, ST)                                                                    \
+    extern "C" __global__ void __launch_bounds__(CA_THREADS)                                                     \
+        cached_attention_split_h##H##_v##VW##_e##E##_s##ST##_##sfx(                                              \
+            const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, T* o,        \
+            i64 seq, i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale, int pitch) {      \
+        extern __shared__ __align__(16) unsigned char ca_ring[];                                                 \
+        cached_attention_split<T, H, VW, E, ST>(q, kc, vc, rows, start, part, o, seq, n, s, hq, hkv, d, splits, \
+                                                chunk, scale, pitch, reinterpret_cast<T*>(ca_ring));             \
     }
+// Every width reads the cache in place (ST = 0); those whose loads are at
+// least 4 bytes (cp.async's smallest copy) can also stage it (ST = 2).
+#define SG_CA_SPLIT(sfx, T, H, VW, E) SG_CA_SPLIT_ST(sfx, T, H, VW, E, 0)
+#define SG_CA_SPLIT2(sfx, T, H, VW, E) SG_CA_SPLIT_ST(sfx, T, H, VW, E, 0) SG_CA_SPLIT_ST(sfx, T, H, VW, E, 2)
 
 #define SG_CA_COMBINE(sfx, T)                                                                                    \
     extern "C" __global__ void __launch_bounds__(CA_THREADS)                                                     \
@@ -322,15 +403,15 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
 // widths E ≥ VW: E = 4 serves D ≤ 128, E = 8 D ≤ 256. src/ops/decode.rs
 // picks them.
 #define SG_CA_WIDTHS_16(sfx, T, H)                                                                                \
-    SG_CA_SPLIT(sfx, T, H, 1, 4) SG_CA_SPLIT(sfx, T, H, 2, 4) SG_CA_SPLIT(sfx, T, H, 4, 4)                        \
-        SG_CA_SPLIT(sfx, T, H, 1, 8) SG_CA_SPLIT(sfx, T, H, 2, 8) SG_CA_SPLIT(sfx, T, H, 4, 8)                    \
-            SG_CA_SPLIT(sfx, T, H, 8, 8)
+    SG_CA_SPLIT(sfx, T, H, 1, 4) SG_CA_SPLIT2(sfx, T, H, 2, 4) SG_CA_SPLIT2(sfx, T, H, 4, 4)                      \
+        SG_CA_SPLIT(sfx, T, H, 1, 8) SG_CA_SPLIT2(sfx, T, H, 2, 8) SG_CA_SPLIT2(sfx, T, H, 4, 8)                  \
+            SG_CA_SPLIT2(sfx, T, H, 8, 8)
 #define SG_CA_WIDTHS_32(sfx, T, H)                                                                                \
-    SG_CA_SPLIT(sfx, T, H, 1, 4) SG_CA_SPLIT(sfx, T, H, 2, 4) SG_CA_SPLIT(sfx, T, H, 4, 4)                        \
-        SG_CA_SPLIT(sfx, T, H, 1, 8) SG_CA_SPLIT(sfx, T, H, 2, 8) SG_CA_SPLIT(sfx, T, H, 4, 8)
+    SG_CA_SPLIT2(sfx, T, H, 1, 4) SG_CA_SPLIT2(sfx, T, H, 2, 4) SG_CA_SPLIT2(sfx, T, H, 4, 4)                     \
+        SG_CA_SPLIT2(sfx, T, H, 1, 8) SG_CA_SPLIT2(sfx, T, H, 2, 8) SG_CA_SPLIT2(sfx, T, H, 4, 8)
 #define SG_CA_WIDTHS_64(sfx, T, H)                                                                                \
-    SG_CA_SPLIT(sfx, T, H, 1, 4) SG_CA_SPLIT(sfx, T, H, 2, 4) SG_CA_SPLIT(sfx, T, H, 1, 8)                        \
-        SG_CA_SPLIT(sfx, T, H, 2, 8)
+    SG_CA_SPLIT2(sfx, T, H, 1, 4) SG_CA_SPLIT2(sfx, T, H, 2, 4) SG_CA_SPLIT2(sfx, T, H, 1, 8)                     \
+        SG_CA_SPLIT2(sfx, T, H, 2, 8)
 
 SG_CA_WIDTHS_16(bf16, __nv_bfloat16, 1)
 SG_CA_WIDTHS_16(bf16, __nv_bfloat16, 8)

@@ -81,6 +81,50 @@ pub fn load_width(dtype: DType, d: usize, align: u64) -> (usize, usize) {
     (vw, e)
 }
 
+/// `CA_WARPS` of decode.cu: warps per split block, each with its own ring.
+const CA_WARPS: usize = 4;
+/// Stages of a warp's ring when the split pass stages the cache.
+const CA_STAGES: usize = 2;
+/// Shared memory a block may hold on sm_90 (static and dynamic together).
+const MAX_BLOCK_SHARED: usize = 227 * 1024;
+
+/// The split kernel's static shared memory with `heads` heads per block:
+/// `q_s[H][CA_MAX_D]`, `w_acc[CA_WARPS][H][CA_MAX_D]` and five `[.][H]`
+/// statistics arrays of the accumulator type.
+fn split_static_shared(dtype: DType, heads: usize) -> usize {
+    let acc = if dtype == DType::F64 { 8 } else { 4 };
+    ((1 + CA_WARPS) * heads * MAX_HEAD_SIZE + (3 * CA_WARPS + 2) * heads) * acc
+}
+
+/// How the split pass reads the cache: `(stages, pitch)`, where `stages`
+/// is 0 to read key and value rows in place, or [`CA_STAGES`] to copy each
+/// warp's tiles into a ring in shared memory first (cp.async, `stages − 1`
+/// tiles ahead), rows `pitch` elements apart. Staging needs loads of at
+/// least 4 bytes (cp.async's smallest copy) and a ring that fits next to
+/// the kernel's static shared memory. The pitch makes a row's 4-byte words
+/// an odd number of loads, so 32 lanes reading one load of their own key
+/// rows hit distinct banks.
+pub fn staging(dtype: DType, heads: usize, d: usize, vw: usize) -> (usize, usize) {
+    let size = dtype.size();
+    let load_bytes = vw * size;
+    if d == 0 || load_bytes < 4 {
+        return (0, 0);
+    }
+    let (load_words, row_words) = (load_bytes / 4, d * size / 4);
+    let pitch_words = if (row_words / load_words) % 2 == 1 { row_words } else { row_words + load_words };
+    let pitch = pitch_words * 4 / size;
+    if split_staged_bytes(dtype, pitch, CA_STAGES) + split_static_shared(dtype, heads) > MAX_BLOCK_SHARED {
+        return (0, 0);
+    }
+    (CA_STAGES, pitch)
+}
+
+/// Dynamic shared memory of a staged split block: every warp's ring of
+/// `stages` slots of 32 key rows and 32 value rows, `pitch` elements each.
+pub fn split_staged_bytes(dtype: DType, pitch: usize, stages: usize) -> usize {
+    CA_WARPS * stages * 64 * pitch * dtype.size()
+}
+
 impl Lower for KvWrite {
     const KERNELS: &'static [KernelModule] = DECODE;
 
@@ -145,6 +189,7 @@ impl Lower for CachedAttention {
         // The alignment every row start shares: the smaller of the two caches'.
         let align = 1u64 << k.ptr.trailing_zeros().min(v.ptr.trailing_zeros()).min(8);
         let (vw, e) = load_width(dt, n.d, align);
+        let (stages, pitch) = staging(dt, heads, n.d, vw);
         let scale = Arg::F64(self.scale);
         let split_args = vec![
             ptr(q),
@@ -163,10 +208,15 @@ impl Lower for CachedAttention {
             n64(n.splits),
             n64(n.chunk()),
             scale,
+            Arg::I32(pitch as i32),
         ];
         let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
-        let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_{sfx}");
-        let mut launches = vec![launch(MODULE, split, grid, (CA_THREADS, 1, 1), split_args)];
+        let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_s{stages}_{sfx}");
+        let mut split_launch = launch(MODULE, split, grid, (CA_THREADS, 1, 1), split_args);
+        if let Launch::Kernel(k) = &mut split_launch {
+            k.shared_bytes = split_staged_bytes(dt, pitch, stages) as u32;
+        }
+        let mut launches = vec![split_launch];
         // With D = 0 the output is empty and the partials hold (m, l) only;
         // with one split the split pass writes o itself.
         if n.d > 0 && n.splits > 1 {
@@ -265,14 +315,49 @@ mod tests {
     }
 
     #[test]
+    fn staging_pitches_spread_banks_and_rings_fit() {
+        // W6: rows of 50 words read 2 at a time (25 loads, odd): no padding.
+        assert_eq!(staging(DType::BF16, 1, 100, 4), (2, 100));
+        // Rows of 128 bf16 in 16-byte loads: 16 loads (even), padded by one load.
+        assert_eq!(staging(DType::BF16, 8, 128, 8), (2, 136));
+        assert_eq!(staging(DType::BF16, 8, 128, 4), (2, 132));
+        // 2-byte loads cannot be copied by cp.async; f32 rows of 128 overflow.
+        assert_eq!(staging(DType::BF16, 1, 101, 1), (0, 0));
+        assert_eq!(staging(DType::F32, 1, 128, 4), (0, 0));
+        assert_eq!(staging(DType::F32, 8, 0, 1), (0, 0));
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            for heads in [1, heads_per_block(dt, 2)] {
+                for d in 0..=MAX_HEAD_SIZE {
+                    for align in [2u64, 4, 8, 16, 256] {
+                        let (vw, _) = load_width(dt, d, align.max(dt.size() as u64));
+                        let (stages, pitch) = staging(dt, heads, d, vw);
+                        if stages == 0 {
+                            continue;
+                        }
+                        let (load_words, pitch_words) = (vw * dt.size() / 4, pitch * dt.size() / 4);
+                        assert!(pitch >= d && pitch % vw == 0, "{dt} {d} {vw}: pitch {pitch}");
+                        assert_eq!(pitch_words % load_words, 0);
+                        assert_eq!((pitch_words / load_words) % 2, 1, "{dt} {d} {vw}: pitch {pitch}");
+                        let shared = split_staged_bytes(dt, pitch, stages) + split_static_shared(dt, heads);
+                        assert!(shared <= MAX_BLOCK_SHARED, "{dt} {d}: {shared}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn cached_attention_grids_cover_rows_splits_and_head_groups() {
         // W6-like: 32 heads of 100 in bf16, batch 4, 8 splits.
         let op = Op::from(CachedAttention { scale: 0.1, splits: 8 });
         let (_, outs, l) = lowered(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048));
         let ks = kernels(&l);
         assert_eq!(ks.len(), 2);
-        assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_bf16");
+        assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_s2_bf16");
         assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
+        // Four warps' rings of two slots of 32 key and 32 value rows of 100.
+        assert_eq!(ks[0].shared_bytes, 4 * 2 * 64 * 100 * 2);
+        assert_eq!(ks[0].args[16], Arg::I32(100), "pitch");
         assert_eq!(ks[0].args[5..7], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
         assert_eq!(ks[0].args[14], Arg::I64(256), "chunk = ceil(2048 / 8)");
         assert_eq!(ks[1].function, "cached_attention_combine_bf16");
@@ -283,7 +368,7 @@ mod tests {
         let (_, _, l) = lowered(&op1, &attention(DType::BF16, 16, 32, 32, 100, 768));
         assert_eq!(
             kernels(&l).iter().map(|k| k.function.as_str()).collect::<Vec<_>>(),
-            ["cached_attention_split_h1_v4_e4_bf16"]
+            ["cached_attention_split_h1_v4_e4_s2_bf16"]
         );
         // 28 query heads on 4 kv heads: groups of 7 fit one block; in f64, two.
         let op = Op::from(CachedAttention { scale: 0.1, splits: 4 });
@@ -291,7 +376,9 @@ mod tests {
         assert_eq!(kernels(&l)[0].grid, (2, 4, 4));
         let (_, _, l) = lowered(&op, &attention(DType::F64, 2, 28, 4, 128, 1024));
         assert_eq!(kernels(&l)[0].grid, (2, 4, 8));
-        assert_eq!(kernels(&l)[0].function, "cached_attention_split_h4_v2_e4_f64");
+        // f64 rows of 128 would need a 520 KiB ring: read in place.
+        assert_eq!(kernels(&l)[0].function, "cached_attention_split_h4_v2_e4_s0_f64");
+        assert_eq!(kernels(&l)[0].shared_bytes, 0);
         // A head above the kernels' 256 is refused.
         let (ins, outs) = operands_of(&op, &attention(DType::F32, 1, 2, 2, 260, 8), 0).unwrap();
         let e = lower(&op, &ins, &outs, None).unwrap_err();

@@ -122,9 +122,9 @@ fn emulate(k: &KernelLaunch, mem: &mut Mem) {
             }
         }
     } else if let Some(rest) = f.strip_prefix("cached_attention_split_") {
-        // `h<H>_v<VW>_e<E>_<dtype>`
-        let n: Vec<i64> = rest.split('_').take(3).map(|p| p[1..].parse().unwrap()).collect();
-        split_model(k, mem, dtype_of(f), n[0], n[1], n[2]);
+        // `h<H>_v<VW>_e<E>_s<ST>_<dtype>`
+        let n: Vec<i64> = rest.split('_').take(4).map(|p| p[1..].parse().unwrap()).collect();
+        split_model(k, mem, dtype_of(f), n[0], n[1], n[2], n[3]);
     } else if f.starts_with("cached_attention_combine_") {
         let dt = dtype_of(f);
         let (part, o, rows, d, splits) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), i32_arg(&a[3]), int(&a[4]));
@@ -163,7 +163,7 @@ fn super_empty(dt: DType) -> f64 {
 
 /// `cached_attention_split`: every block of the grid, its warps taking
 /// 32-key tiles in turn, then combined in warp order.
-fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64) {
+fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64, stages: i64) {
     let a = &k.args;
     let (q, kc, vc, rows, start, part) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
     let o = ptr(&a[6]);
@@ -175,6 +175,17 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
     assert_eq!(k.grid.2 as i64, hkv * tiles, "grid z: kv heads × head tiles");
     assert!(d % vw == 0 && (packs + 31) / 32 * vw <= e, "VW {vw} and E {e} for D {d}");
     let size = dt.size() as u64;
+    // Staged, each warp's ring of `stages` slots of 32 key and 32 value rows
+    // `pitch` apart is the block's dynamic shared memory, and every pack
+    // lands aligned for its cp.async (4, 8 or 16 bytes).
+    let pitch = i32_arg(&a[16]);
+    if stages > 0 {
+        assert_eq!(k.shared_bytes as i64, CA_WARPS * stages * 64 * pitch * size as i64, "ring bytes");
+        assert!(pitch >= d && pitch % vw == 0, "pitch {pitch} for D {d} and VW {vw}");
+        assert!([4, 8, 16].contains(&(vw * size as i64)), "cp.async copies 4, 8 or 16 bytes, not {}", vw * size as i64);
+    } else {
+        assert_eq!(k.shared_bytes, 0);
+    }
     // A load of VW elements at element `i` of `base` is aligned as the kernel's Chunk.
     let check = |base: u64, i: i64| {
         let addr = base + i as u64 * size;
