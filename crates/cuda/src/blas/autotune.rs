@@ -18,8 +18,15 @@ use super::{shape_name, Blas};
 use crate::error::Result;
 use crate::launch::GemmCall;
 
-/// How many algorithms the heuristic is asked for per shape when tuning.
+/// How many algorithms the heuristic is asked for per shape when tuning,
+/// unless [`CANDIDATES_ENV`] says otherwise.
 pub const MAX_CANDIDATES: usize = 8;
+/// The environment variable that sets how many algorithms are timed per
+/// shape (1 to [`CANDIDATES_LIMIT`]): more find rarer winners (split-k
+/// variants for the few-row products of decode, say) at more build time.
+pub const CANDIDATES_ENV: &str = "STEPGRAPH_GEMM_CANDIDATES";
+/// The most candidates [`CANDIDATES_ENV`] may ask for.
+pub const CANDIDATES_LIMIT: usize = 64;
 /// Candidates whose median is within this fraction of the fastest count as
 /// ties; the earliest in the heuristic's order wins a tie. Keeps the
 /// heuristic's pick unless another is measurably faster, and makes the
@@ -125,6 +132,24 @@ fn remembered() -> &'static Mutex<HashMap<ChoiceKey, Remembered>> {
 /// Is tuning on, given the value of [`AUTOTUNE_ENV`]? On unless it says off.
 pub fn autotune_setting(value: Option<&str>) -> bool {
     !matches!(value.map(|v| v.trim().to_ascii_lowercase()).as_deref(), Some("0" | "off" | "false" | "no"))
+}
+
+/// Candidates per shape given the value of [`CANDIDATES_ENV`]:
+/// [`MAX_CANDIDATES`] when unset, else the number, which must lie in
+/// `1..=CANDIDATES_LIMIT`.
+pub fn candidates_setting(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value else { return Ok(MAX_CANDIDATES) };
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=CANDIDATES_LIMIT).contains(&n) => Ok(n),
+        _ => Err(crate::error::CudaError::Blas(format!(
+            "{CANDIDATES_ENV}={v:?}: expected a number of algorithms from 1 to {CANDIDATES_LIMIT}"
+        ))),
+    }
+}
+
+/// [`candidates_setting`] of the process environment.
+pub fn candidates_from_env() -> Result<usize> {
+    candidates_setting(std::env::var(CANDIDATES_ENV).ok().as_deref())
 }
 
 /// [`autotune_setting`] of the process environment.
@@ -368,6 +393,17 @@ mod tests {
         assert!(autotune_setting(Some("on")));
         for off in ["0", "off", "OFF", "false", " no "] {
             assert!(!autotune_setting(Some(off)), "{off}");
+        }
+    }
+
+    #[test]
+    fn the_candidates_setting_is_a_count_within_its_limit() {
+        assert_eq!(candidates_setting(None).unwrap(), MAX_CANDIDATES);
+        assert_eq!(candidates_setting(Some(" 32 ")).unwrap(), 32);
+        assert_eq!(candidates_setting(Some("1")).unwrap(), 1);
+        for bad in ["0", "65", "many", ""] {
+            let e = candidates_setting(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(CANDIDATES_ENV) && e.contains("1 to 64"), "{bad}: {e}");
         }
     }
 

@@ -15,7 +15,8 @@
 //! them, and its first pick is not always the fastest (f32 on Hopper in
 //! particular). With autotuning on (the default; `STEPGRAPH_GEMM_AUTOTUNE=0`
 //! turns it off), [`Blas::plan_all`] asks the heuristic for up to
-//! [`MAX_CANDIDATES`] algorithms per shape and [`Blas::autotune`] times each
+//! [`MAX_CANDIDATES`] algorithms per shape ([`CANDIDATES_ENV`] changes how
+//! many) and [`Blas::autotune`] times each
 //! one, once, while the session is being built: a warm-up run, then a few
 //! runs between CUDA events on the real operand addresses of one call of
 //! that shape; the fastest median wins, and candidates within
@@ -51,8 +52,8 @@ use cudarc::cublaslt::result as lr;
 use cudarc::cublaslt::sys as ls;
 
 pub use autotune::{
-    autotune_from_env, autotune_setting, AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, MAX_CANDIDATES,
-    TIE_TOLERANCE,
+    autotune_from_env, autotune_setting, candidates_from_env, candidates_setting, AlgoConfig, GemmTuning, ShapeTuning,
+    AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, TIE_TOLERANCE,
 };
 use plan::{call_alignment, key_of, Alignment, Plan, PlanKey};
 
@@ -71,6 +72,8 @@ pub struct Blas {
     workspace_bytes: usize,
     tf32: bool,
     autotune: bool,
+    /// Algorithms asked of the heuristic per shape when tuning.
+    candidates: usize,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -87,6 +90,7 @@ impl Blas {
         if !unsafe { ls::is_culib_present() } {
             return Err(CudaError::Missing { lib: "cublasLt", hint: "install the CUDA toolkit's cuBLAS".into() });
         }
+        let candidates = candidates_from_env()?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -94,6 +98,7 @@ impl Blas {
             workspace_bytes,
             tf32,
             autotune,
+            candidates,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },

@@ -9,7 +9,6 @@ use std::ffi::c_void;
 use cudarc::cublaslt::result as lr;
 use cudarc::cublaslt::sys as ls;
 
-use super::autotune::MAX_CANDIDATES;
 use super::{blas_err, Blas};
 use crate::error::{CudaError, Result};
 use crate::launch::{GemmAddend, GemmCall, GemmType};
@@ -178,7 +177,7 @@ impl Blas {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &0i64, "bias batch stride")?;
         }
         let ws = self.workspace_bytes;
-        let wanted = if self.autotune { MAX_CANDIDATES } else { 1 };
+        let wanted = if self.autotune { self.candidates } else { 1 };
         let found = self.heuristic(&plan, wanted).map_err(|e| match e {
             CudaError::Blas(msg) => CudaError::Blas(format!("no cuBLASLt algorithm for {k:?}: {msg}")),
             e => e,
