@@ -276,26 +276,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     if args.profile {
         crate::profile::print("profile of one eager step", &s.profile()?, 40);
-        let tuning = s.gemm_tuning();
-        if tuning.enabled {
-            eprintln!(
-                "cuBLASLt autotuning: {:.0} ms at build, saves {:.2} ms per step over the heuristic's first choice",
-                tuning.wall_ms,
-                tuning.saved_ms_per_step()
-            );
-            for sh in &tuning.shapes {
-                let ms = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.3}"));
-                eprintln!(
-                    "  {:<40} {:>3}x  candidate {}/{}  {} ms (heuristic's first {} ms)",
-                    sh.name,
-                    sh.calls,
-                    sh.chosen + 1,
-                    sh.candidates,
-                    ms(sh.chosen_ms),
-                    ms(sh.heuristic_ms)
-                );
-            }
-        }
+        crate::profile::print_tuning(s.gemm_tuning());
     }
     let mem = s.memory()?;
     let explained = mem.allocation_bytes + mem.modules_bytes + mem.blas_bytes + mem.graph_bytes;

@@ -302,9 +302,14 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         None => gpu_available(),
     };
     let planned = memory_plan.planned_peak_bytes();
+    // What cuBLASLt's tuning chose, for `--profile`.
+    let mut tuning = None;
     let mut session: Box<dyn Session> = if on_gpu {
         match CudaSession::new(program.trace.clone(), memory_plan, CudaOptions::default()) {
-            Ok(s) => Box::new(s),
+            Ok(s) => {
+                tuning = Some(s.gemm_tuning().clone());
+                Box::new(s)
+            }
             Err(CudaError::DoesNotFit { needed, free, .. }) => return Err(does_not_fit(&program, needed, free)),
             Err(e) => return Err(anyhow::Error::new(e).context("opening the CUDA session on GPU 0")),
         }
@@ -402,6 +407,9 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
             let nodes = program.decode(bucket).expect("a bucket that ran").nodes.clone();
             let rows = session.profile_nodes(nodes)?;
             crate::profile::print(&format!("profile of one eager decode step of bucket {bucket}"), &rows, 15);
+        }
+        if let Some(t) = &tuning {
+            crate::profile::print_tuning(t);
         }
     }
     report(args, &program, &prompts, &out, &texts, &times, wall.as_secs_f64(), planned, mem, session.as_ref())?;

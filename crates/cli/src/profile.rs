@@ -87,6 +87,36 @@ pub fn print(title: &str, rows: &[(String, usize, f64)], top: usize) {
     }
 }
 
+/// The cuBLASLt autotuning of a session to stderr: its build time, what it
+/// saves per step, and each shape's chosen candidate (split-k shown where
+/// the choice splits the depth) against the heuristic's first.
+pub fn print_tuning(tuning: &stepgraph_cuda::blas::GemmTuning) {
+    if !tuning.enabled {
+        return;
+    }
+    eprintln!(
+        "cuBLASLt autotuning: {:.0} ms at build, saves {:.2} ms per step over the heuristic's first choice",
+        tuning.wall_ms,
+        tuning.saved_ms_per_step()
+    );
+    for sh in &tuning.shapes {
+        let ms = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.3}"));
+        let split = match sh.chosen_algo.split_k {
+            0 | 1 => String::new(),
+            k => format!(", split-k {k}"),
+        };
+        eprintln!(
+            "  {:<40} {:>3}x  candidate {}/{}{split}  {} ms (heuristic's first {} ms)",
+            sh.name,
+            sh.calls,
+            sh.chosen + 1,
+            sh.candidates,
+            ms(sh.chosen_ms),
+            ms(sh.heuristic_ms)
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

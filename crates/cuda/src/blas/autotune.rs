@@ -115,6 +115,30 @@ impl GemmTuning {
     }
 }
 
+/// Split-k counts tried on top of the heuristic's candidates for a
+/// product of few output tiles ([`few_tiles`]): they leave most SMs idle
+/// unless the depth is split among them, and the heuristic rarely offers
+/// that.
+pub const SPLIT_K_TRIED: [u32; 4] = [2, 4, 8, 16];
+/// How many of the heuristic's candidates get split-k variants.
+const SPLIT_K_BASES: usize = 4;
+/// The environment variable that adds split-k variants to the timed
+/// candidates (`1`); off until measured on a GPU.
+pub const SPLIT_K_ENV: &str = "STEPGRAPH_GEMM_SPLIT_K";
+
+/// Does a `batch` of `m × n` outputs over depth `k` have few output tiles:
+/// fewer 128 × 128 tiles than two waves of an H100's or H200's 132 SMs,
+/// with depth enough to split (a decode step's projections, W3's 256-wide
+/// products, W2's down projection to 28 columns)?
+pub fn few_tiles(batch: usize, m: usize, n: usize, k: usize) -> bool {
+    k >= 256 && batch.max(1) * m.div_ceil(128) * n.div_ceil(128) < 256
+}
+
+/// Are split-k variants tried, given the value of [`SPLIT_K_ENV`]? Only when it is `1`.
+pub fn split_k_setting(value: Option<&str>) -> bool {
+    value.is_some_and(|v| v.trim() == "1")
+}
+
 /// A choice remembered for the process: see the module doc.
 #[derive(Clone)]
 struct Remembered {
@@ -294,6 +318,77 @@ impl Blas {
         }
     }
 
+    /// Split-k variants of the first [`SPLIT_K_BASES`] candidates of
+    /// `plan` that do not split already: each count of [`SPLIT_K_TRIED`]
+    /// with the first reduction scheme the algorithm supports (in place,
+    /// else in the compute type, else in the output type; each sums the
+    /// parts in a fixed order) that cuBLASLt accepts for the plan and its
+    /// workspace.
+    pub(super) fn split_k_variants(&self, plan: &Plan) -> Vec<ls::cublasLtMatmulAlgo_t> {
+        use ls::cublasLtMatmulAlgoCapAttributes_t as Cap;
+        use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
+        use ls::cublasLtReductionScheme_t as R;
+        let cap = |algo: &ls::cublasLtMatmulAlgo_t, attr: Cap| -> u32 {
+            let (mut v, mut written) = (0u32, 0usize);
+            // SAFETY: both capabilities read here are 4-byte integers.
+            let ok = unsafe {
+                ls::cublasLtMatmulAlgoCapGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written)
+            };
+            if ok.result().is_ok() {
+                v
+            } else {
+                0
+            }
+        };
+        let mut out: Vec<ls::cublasLtMatmulAlgo_t> = Vec::new();
+        for base in plan.candidates.iter().take(SPLIT_K_BASES) {
+            if self.config(base).split_k > 1 || cap(base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) == 0 {
+                continue;
+            }
+            let schemes = cap(base, Cap::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
+            for split in SPLIT_K_TRIED {
+                for scheme in [
+                    R::CUBLASLT_REDUCTION_SCHEME_INPLACE,
+                    R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                    R::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE,
+                ] {
+                    if schemes & scheme as u32 == 0 {
+                        continue;
+                    }
+                    let mut v = *base;
+                    let scheme = scheme as u32;
+                    // SAFETY: `v` is our copy of an algorithm; both
+                    // attributes are 4-byte integers.
+                    let set = unsafe {
+                        ls::cublasLtMatmulAlgoConfigSetAttribute(
+                            &mut v,
+                            A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                            &split as *const u32 as *const c_void,
+                            4,
+                        )
+                        .result()
+                        .is_ok()
+                            && ls::cublasLtMatmulAlgoConfigSetAttribute(
+                                &mut v,
+                                A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                &scheme as *const u32 as *const c_void,
+                                4,
+                            )
+                            .result()
+                            .is_ok()
+                    };
+                    if set && self.check(plan, &v) {
+                        if !plan.candidates.iter().chain(&out).any(|c| c.data == v.data) {
+                            out.push(v);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        out
+    }
+
     fn config(&self, algo: &ls::cublasLtMatmulAlgo_t) -> AlgoConfig {
         use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
         let get = |attr: A| -> u32 {
@@ -394,6 +489,17 @@ mod tests {
         for off in ["0", "off", "OFF", "false", " no "] {
             assert!(!autotune_setting(Some(off)), "{off}");
         }
+    }
+
+    #[test]
+    fn decode_and_small_products_have_few_tiles_and_training_products_do_not() {
+        // W6's decode projections at batch 16: o and down, q/k/v as a batch of 3.
+        assert!(few_tiles(1, 16, 3200, 3200) && few_tiles(1, 16, 3200, 8640) && few_tiles(3, 16, 3200, 3200));
+        // W3's 256-wide products; W2's down projection to 28 columns.
+        assert!(few_tiles(1, 256, 256, 256) && few_tiles(1, 4096, 28, 18944));
+        // W5's products, Qwen's 152064-entry vocabulary head at decode, and tiny depths are left to the heuristic.
+        assert!(!few_tiles(1, 8192, 3200, 3200) && !few_tiles(1, 16, 152064, 3584) && !few_tiles(1, 16, 64, 64));
+        assert!(!split_k_setting(None) && !split_k_setting(Some("0")) && split_k_setting(Some("1")));
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! particular). With autotuning on (the default; `STEPGRAPH_GEMM_AUTOTUNE=0`
 //! turns it off), [`Blas::plan_all`] asks the heuristic for up to
 //! [`MAX_CANDIDATES`] algorithms per shape ([`CANDIDATES_ENV`] changes how
-//! many) and [`Blas::autotune`] times each
+//! many; [`SPLIT_K_ENV`]`=1` adds split-k variants of the first ones for
+//! products of few output tiles) and [`Blas::autotune`] times each
 //! one, once, while the session is being built: a warm-up run, then a few
 //! runs between CUDA events on the real operand addresses of one call of
 //! that shape; the fastest median wins, and candidates within
@@ -52,8 +53,9 @@ use cudarc::cublaslt::result as lr;
 use cudarc::cublaslt::sys as ls;
 
 pub use autotune::{
-    autotune_from_env, autotune_setting, candidates_from_env, candidates_setting, AlgoConfig, GemmTuning, ShapeTuning,
-    AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, TIE_TOLERANCE,
+    autotune_from_env, autotune_setting, candidates_from_env, candidates_setting, few_tiles, split_k_setting,
+    AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, SPLIT_K_ENV,
+    SPLIT_K_TRIED, TIE_TOLERANCE,
 };
 use plan::{call_alignment, key_of, Alignment, Plan, PlanKey};
 
@@ -74,6 +76,8 @@ pub struct Blas {
     autotune: bool,
     /// Algorithms asked of the heuristic per shape when tuning.
     candidates: usize,
+    /// Whether tuning also times split-k variants of products of few tiles.
+    split_k: bool,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -91,6 +95,7 @@ impl Blas {
             return Err(CudaError::Missing { lib: "cublasLt", hint: "install the CUDA toolkit's cuBLAS".into() });
         }
         let candidates = candidates_from_env()?;
+        let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -99,6 +104,7 @@ impl Blas {
             tf32,
             autotune,
             candidates,
+            split_k,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },

@@ -187,6 +187,10 @@ impl Blas {
             .filter(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws)
             .map(|r| r.algo)
             .collect();
+        if self.autotune && self.split_k && super::autotune::few_tiles(k.batch, k.m, k.n, k.k) {
+            let variants = self.split_k_variants(&plan);
+            plan.candidates.extend(variants);
+        }
         plan.algo = *plan
             .candidates
             .first()

@@ -696,7 +696,7 @@ mod tests {
                     assert!(mma_shared_bytes(pass, dtype, dp) <= limit * 1024, "{dtype} {dp} {pass:?}");
                 }
                 assert!(mma_module(dtype, dp, false).ends_with(dtype_suffix(dtype).unwrap()));
-                if wgmma_attention(Target { sm90a: true }, dtype, dp) {
+                if wgmma_attention(Target { sm90a: true, ..Target::default() }, dtype, dp) {
                     assert!(mma_module(dtype, dp, true).ends_with("_wg"));
                     for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
                         // One block per SM (its registers allow no more), within the 227 KB.
@@ -717,7 +717,7 @@ mod tests {
     #[test]
     fn hopper_runs_sixteen_bit_attention_on_warpgroup_mma() {
         // W5's attention (4 × 2048, 32 heads of 100 → 112) on an sm_90 device.
-        let hopper = Target { sm90a: true };
+        let hopper = Target { sm90a: true, ..Target::default() };
         let (b, t, h, d) = (4, 2048, 32, 100);
         let ins = [
             dev(DType::BF16, &[b, t, h, d], at(1)),

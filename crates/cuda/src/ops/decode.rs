@@ -9,7 +9,10 @@
 //!   (one warp per query row) writing `o`. A split block serves up to
 //!   [`heads_per_block`] query heads of one kv head's group, so every key
 //!   and value row is read once per group, with loads of [`load_width`]
-//!   elements where the cache's alignment allows.
+//!   elements where the cache's alignment allows. With
+//!   [`Target::decode_staging`](super::Target::decode_staging) each warp
+//!   first copies its key and value tiles into a ring in shared memory
+//!   ([`staging`]), where the loads and the ring allow.
 //! * `sample_next`: one block per batch row, in double (see the kernel's
 //!   notes on the threshold search), writing the token and the advanced
 //!   position; correct both in place and not, since a row's inputs are read
@@ -189,7 +192,7 @@ impl Lower for CachedAttention {
         // The alignment every row start shares: the smaller of the two caches'.
         let align = 1u64 << k.ptr.trailing_zeros().min(v.ptr.trailing_zeros()).min(8);
         let (vw, e) = load_width(dt, n.d, align);
-        let (stages, pitch) = staging(dt, heads, n.d, vw);
+        let (stages, pitch) = if cx.target.decode_staging { staging(dt, heads, n.d, vw) } else { (0, 0) };
         let scale = Arg::F64(self.scale);
         let split_args = vec![
             ptr(q),
@@ -278,7 +281,7 @@ mod tests {
     use super::super::testing::{kernels, lowered, operands_of, t};
     use super::*;
     use crate::launch::DevTensor;
-    use crate::ops::lower;
+    use crate::ops::{lower, lower_for, Target};
 
     /// A decode step's inputs: one new token per row, a cache of `s` positions per row.
     fn attention(dt: DType, b: usize, hq: usize, hkv: usize, d: usize, s: usize) -> Vec<TensorType> {
@@ -353,11 +356,17 @@ mod tests {
         let (_, outs, l) = lowered(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048));
         let ks = kernels(&l);
         assert_eq!(ks.len(), 2);
-        assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_s2_bf16");
+        assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_s0_bf16");
         assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
-        // Four warps' rings of two slots of 32 key and 32 value rows of 100.
-        assert_eq!(ks[0].shared_bytes, 4 * 2 * 64 * 100 * 2);
-        assert_eq!(ks[0].args[16], Arg::I32(100), "pitch");
+        assert_eq!((ks[0].shared_bytes, &ks[0].args[16]), (0, &Arg::I32(0)), "read in place: no ring");
+        // Staged: four warps' rings of two slots of 32 key and 32 value rows of 100.
+        let staged = Target { decode_staging: true, ..Target::default() };
+        let (ins, outs_s) = operands_of(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048), 0).unwrap();
+        let l_s = lower_for(&op, &ins, &outs_s, None, staged).unwrap();
+        let k_s = kernels(&l_s)[0];
+        assert_eq!(k_s.function, "cached_attention_split_h1_v4_e4_s2_bf16");
+        assert_eq!((k_s.grid, k_s.shared_bytes), ((4, 8, 32), 4 * 2 * 64 * 100 * 2));
+        assert_eq!(k_s.args[16], Arg::I32(100), "pitch");
         assert_eq!(ks[0].args[5..7], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
         assert_eq!(ks[0].args[14], Arg::I64(256), "chunk = ceil(2048 / 8)");
         assert_eq!(ks[1].function, "cached_attention_combine_bf16");
@@ -368,7 +377,7 @@ mod tests {
         let (_, _, l) = lowered(&op1, &attention(DType::BF16, 16, 32, 32, 100, 768));
         assert_eq!(
             kernels(&l).iter().map(|k| k.function.as_str()).collect::<Vec<_>>(),
-            ["cached_attention_split_h1_v4_e4_s2_bf16"]
+            ["cached_attention_split_h1_v4_e4_s0_bf16"]
         );
         // 28 query heads on 4 kv heads: groups of 7 fit one block; in f64, two.
         let op = Op::from(CachedAttention { scale: 0.1, splits: 4 });
@@ -376,9 +385,14 @@ mod tests {
         assert_eq!(kernels(&l)[0].grid, (2, 4, 4));
         let (_, _, l) = lowered(&op, &attention(DType::F64, 2, 28, 4, 128, 1024));
         assert_eq!(kernels(&l)[0].grid, (2, 4, 8));
-        // f64 rows of 128 would need a 520 KiB ring: read in place.
+        // Staged or not, f64 rows of 128 would need a 520 KiB ring: read in place.
         assert_eq!(kernels(&l)[0].function, "cached_attention_split_h4_v2_e4_s0_f64");
-        assert_eq!(kernels(&l)[0].shared_bytes, 0);
+        let (ins, outs) = operands_of(&op, &attention(DType::F64, 2, 28, 4, 128, 1024), 0).unwrap();
+        let l = lower_for(&op, &ins, &outs, None, staged).unwrap();
+        assert_eq!(
+            (kernels(&l)[0].function.as_str(), kernels(&l)[0].shared_bytes),
+            ("cached_attention_split_h4_v2_e4_s0_f64", 0)
+        );
         // A head above the kernels' 256 is refused.
         let (ins, outs) = operands_of(&op, &attention(DType::F32, 1, 2, 2, 260, 8), 0).unwrap();
         let e = lower(&op, &ins, &outs, None).unwrap_err();

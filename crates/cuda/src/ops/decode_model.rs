@@ -18,14 +18,18 @@ use stepgraph_core::ops::{samples_by_op, Op};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op};
 
 use super::host_model::{int, ptr, Mem};
-use super::lower;
 use super::util::UNITS;
+use super::{lower_for, Target};
 use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
 
 /// Constants of decode.cu the model mirrors.
 const SN_CANDIDATES: usize = 1536;
 const SN_PIVOTS: u64 = 3;
 const CA_WARPS: i64 = 4;
+
+/// Staged split launches the model has run (the attention test checks
+/// that its staged lowering really staged some).
+static STAGED_BLOCKS_MODELLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn i32_arg(a: &Arg) -> i64 {
     match a {
@@ -180,6 +184,7 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
     // lands aligned for its cp.async (4, 8 or 16 bytes).
     let pitch = i32_arg(&a[16]);
     if stages > 0 {
+        STAGED_BLOCKS_MODELLED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(k.shared_bytes as i64, CA_WARPS * stages * 64 * pitch * size as i64, "ring bytes");
         assert!(pitch >= d && pitch % vw == 0, "pitch {pitch} for D {d} and VW {vw}");
         assert!([4, 8, 16].contains(&(vw * size as i64)), "cp.async copies 4, 8 or 16 bytes, not {}", vw * size as i64);
@@ -438,7 +443,7 @@ fn place(types: &[TensorType], base: u64, skew: u64) -> Vec<DevTensor> {
 /// Lowers `op` at addresses skewed by `skew` (with its in-place pairs
 /// sharing storage when `aliased`), runs the launches on the model and
 /// returns the outputs; `None` when the skew leaves an operand unaligned.
-fn run(op: &Op, inputs: &[HostTensor], skew: u64, aliased: bool) -> Option<Vec<HostTensor>> {
+fn run(op: &Op, inputs: &[HostTensor], skew: u64, aliased: bool, target: Target) -> Option<Vec<HostTensor>> {
     let types: Vec<TensorType> = inputs.iter().map(|t| t.ty.clone()).collect();
     let refs: Vec<&TensorType> = types.iter().collect();
     let out_types = op.infer(&refs).unwrap();
@@ -455,7 +460,7 @@ fn run(op: &Op, inputs: &[HostTensor], skew: u64, aliased: bool) -> Option<Vec<H
         mem.0.extend(outs.iter().map(|d| (d.ptr, vec![0xFF; d.ty.bytes() as usize])));
         outs
     };
-    let launches = match lower(op, &ins, &outs, None) {
+    let launches = match lower_for(op, &ins, &outs, None, target) {
         Ok(l) => l,
         Err(e) if e.to_string().contains("not element-aligned") => return None,
         Err(e) => panic!("{op:?}: {e}"),
@@ -519,7 +524,7 @@ fn kv_write_and_sample_next_match_the_cpu_exactly_on_the_model() {
         let want = run_op(&s.op, inputs).unwrap();
         for skew in [0, 4, 8] {
             for aliased in [false, true] {
-                let Some(got) = run(&s.op, inputs, skew, aliased) else { continue };
+                let Some(got) = run(&s.op, inputs, skew, aliased, Target::default()) else { continue };
                 for (j, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(g.bytes() == w.bytes(), "{what} skew {skew} aliased {aliased}: output {j} differs");
                 }
@@ -614,8 +619,10 @@ fn cached_attention_matches_the_cpu_on_the_model() {
             _ => (1e-2, 2e-5),
         };
         let skews: &[u64] = if s.large { &[0] } else { &[0, 2, 8] };
-        for &skew in skews {
-            let Some(got) = run(&s.op, &inputs, skew, false) else { continue };
+        // Reading the cache in place, and staging it where the lowering can.
+        let staged = Target { decode_staging: true, ..Target::default() };
+        for (&skew, target) in skews.iter().flat_map(|s| [(s, Target::default()), (s, staged)]) {
+            let Some(got) = run(&s.op, &inputs, skew, false, target) else { continue };
             let (go, wo) = (got[0].to_f64(), want[0].to_f64());
             let omax = wo.iter().fold(1.0f64, |m, x| m.max(x.abs()));
             for (i, (g, w)) in go.iter().zip(&wo).enumerate() {
@@ -634,6 +641,8 @@ fn cached_attention_matches_the_cpu_on_the_model() {
             }
         }
     }
+    let staged = STAGED_BLOCKS_MODELLED.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(staged > 0, "no sample took the staged split pass");
 }
 
 #[test]

@@ -80,14 +80,22 @@ pub struct Target {
     /// Compute capability 9.0 (H100, H200): modules built for `sm_90a`
     /// (warpgroup MMA, [`crate::kernels::KernelModule::arch_specific`]) may be launched.
     pub sm90a: bool,
+    /// Decode attention's split pass stages the cache through shared
+    /// memory ([`decode::staging`]) where it can. Off until measured on a
+    /// GPU: `STEPGRAPH_DECODE_STAGING=1` turns it on.
+    pub decode_staging: bool,
 }
 
 impl Target {
     /// The target of a device of architecture `arch` (`sm_90`, `sm_80`, ...).
-    /// `STEPGRAPH_PORTABLE_KERNELS=1` keeps to the portable kernels (for comparisons).
+    /// `STEPGRAPH_PORTABLE_KERNELS=1` keeps to the portable kernels (for
+    /// comparisons); `STEPGRAPH_DECODE_STAGING=1` stages decode attention.
     pub fn of_arch(arch: &str) -> Target {
-        let portable = std::env::var("STEPGRAPH_PORTABLE_KERNELS").is_ok_and(|v| v == "1");
-        Target { sm90a: arch == "sm_90" && !portable }
+        let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+        Target {
+            sm90a: arch == "sm_90" && !on("STEPGRAPH_PORTABLE_KERNELS"),
+            decode_staging: on("STEPGRAPH_DECODE_STAGING"),
+        }
     }
 }
 
