@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Run-time switches measured with one build, no baseline binary needed. On the
+# GPU machine, after `scripts/gpu-test.sh build` here:
+#
+#   run(command="bash scripts/gpu-switches.sh", carry=[".carry"])
+#
+# 1. The GPU tests named in TESTS (default: gpu_generate gpu_basic) with every
+#    case's settings on, so the paths they turn on are checked against the
+#    CPU backend before they are timed.
+# 2. Each case of CASES, `SETTINGS|WORKLOADS` (settings `VAR=VALUE` joined by
+#    commas; workloads `w6:B` for W6 at batch B, as in gpu-generate.sh, or a
+#    bench workload run in graph mode), interleaved with runs without its
+#    settings: off, on, on, off per workload.
+# 3. The PyTorch references of the workloads measured (TORCH=0 skips them).
+#
+# CASES defaults to the switches that are off until measured:
+# STEPGRAPH_DECODE_STAGING=1 (decode attention staged through shared memory)
+# on W6, and STEPGRAPH_GEMM_SPLIT_K=1 (split-k variants in cuBLASLt's
+# tuning) on W6, W3 and W2. A call has 10 minutes: pass fewer cases or
+# TORCH=0 to fit. Results in $OUT (default ./gpu-out): switches.jsonl (every
+# summary row, tagged "switch": "off", the case's settings, or "torch"),
+# switches.log, test-*.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+source scripts/carry-env.sh
+carry_unpack
+SG=${SG:-.carry/stepgraph}
+CASES=${CASES:-STEPGRAPH_DECODE_STAGING=1|w6:1,w6:16 STEPGRAPH_GEMM_SPLIT_K=1|w6:1,w6:16,w3,w2}
+LOG=$OUT/switches.log
+ROWS=$OUT/switches.jsonl
+: >"$LOG"
+: >"$ROWS"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOG" 2>&1
+T0=$(date +%s)
+stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
+status=0
+
+all_settings=()
+for c in $CASES; do
+    IFS=, read -r -a settings <<<"${c%%|*}"
+    all_settings+=("${settings[@]}")
+done
+for t in ${TESTS-gpu_generate gpu_basic}; do
+    stamp "test $t with ${all_settings[*]}"
+    env "${all_settings[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >"$OUT/test-$t.log" 2>&1 ||
+        status=1
+    echo "$t: $(grep -E '^test result' "$OUT/test-$t.log" || echo 'no result (failed or timed out)')" | tee -a "$LOG"
+done
+
+# One measurement under `env SETTING...`, its summary rows tagged with `label`.
+measure() {
+    local label=$1 what=$2 arg=$3
+    shift 3
+    local tmp=/tmp/switch-run.jsonl
+    stamp "$what $arg [$label]"
+    case $what in
+    w6)
+        env "$@" timeout 300 "$SG" generate --model open_llama_3b --dtype bf16 --random-prompts "$arg" \
+            --prompt-tokens 512 --max-new-tokens 256 --ignore-eos --json >"$tmp" 2>>"$LOG" &&
+            grep '"summary"' "$tmp" | sed "s/^{/{\"switch\":\"$label\",\"workload\":\"w6\",\"batch\":$arg,/" >>"$ROWS"
+        ;;
+    bench)
+        env "$@" timeout 300 "$SG" bench --workload "$arg" --mode graph --json >"$tmp" 2>>"$LOG" &&
+            sed "s/^{/{\"switch\":\"$label\",/" "$tmp" >>"$ROWS"
+        ;;
+    esac || {
+        echo "FAILED: $what $arg [$label]" | tee -a "$LOG"
+        status=1
+    }
+    tail -n 1 "$ROWS" | cut -c1-300 >>"$LOG"
+}
+
+measured=()
+for c in $CASES; do
+    IFS=, read -r -a settings <<<"${c%%|*}"
+    IFS=, read -r -a workloads <<<"${c#*|}"
+    label=${c%%|*}
+    for w in "${workloads[@]}"; do
+        measured+=("$w")
+        if [ "${w%%:*}" = w6 ]; then what=w6 arg=${w#w6:}; else what=bench arg=$w; fi
+        for setting in off on on off; do
+            if [ $setting = on ]; then measure "$label" $what "$arg" "${settings[@]}"; else measure off $what "$arg"; fi
+        done
+    done
+done
+
+if [ "${TORCH:-1}" = 1 ]; then
+    w6_batches=$(printf '%s\n' "${measured[@]}" | sed -n 's/^w6://p' | sort -un | tr '\n' ' ')
+    if [ -n "$w6_batches" ]; then
+        stamp "torch_generate.py --mode static --batch $w6_batches"
+        # shellcheck disable=SC2086 # one argument per batch size
+        PYTHONUNBUFFERED=1 timeout 300 python3 .carry/bench/torch_generate.py --mode static --batch $w6_batches 2>&1 |
+            tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT {/{"switch":"torch",/' >>"$ROWS"
+    fi
+    for w in $(printf '%s\n' "${measured[@]}" | grep -v '^w6:' | sort -u); do
+        for mode in eager reduce-overhead; do
+            stamp "torch_reference.py $w $mode"
+            PYTHONUNBUFFERED=1 timeout 300 python3 .carry/bench/torch_reference.py --workload "${w/-/}" --mode "$mode" 2>&1 |
+                tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT {/{"switch":"torch",/' >>"$ROWS"
+        done
+    done
+fi
+stamp done
+exit $status
