@@ -165,8 +165,104 @@ fn super_empty(dt: DType) -> f64 {
     }
 }
 
+/// One warp's ring in the staged split pass (decode.cu's `stage`,
+/// `stage_rows` and `cp_wait`): `stages` slots of 32 key rows then 32 value
+/// rows, `pitch` elements apart, filled by groups of copies that land only
+/// when a wait retires them. The ring starts poisoned (NaN), so a row the
+/// kernel reads before its group is waited for, or one no lane copies,
+/// shows in the result.
+struct WarpRing {
+    stages: i64,
+    pitch: i64,
+    vw: i64,
+    packs: i64,
+    slots: Vec<f64>,
+    /// Committed groups not yet retired, oldest first: (ring index, value) per element.
+    pending: std::collections::VecDeque<Vec<(usize, f64)>>,
+}
+
+impl WarpRing {
+    fn new(stages: i64, pitch: i64, vw: i64, packs: i64) -> Self {
+        let slots = vec![f64::NAN; (stages * 64 * pitch) as usize];
+        WarpRing { stages, pitch, vw, packs, slots, pending: Default::default() }
+    }
+
+    /// `stage_rows`: lane u copies packs u, u + 32, ... of rows
+    /// `[0, n_keys)` (row r at element `at + r·stride` of `src`) into the
+    /// ring at `base`, stepping (row, pack) as the kernel does; one group.
+    #[allow(clippy::too_many_arguments)]
+    fn stage_rows(&mut self, mem: &mut Mem, dt: DType, src: u64, at: i64, stride: i64, n_keys: i64, base: i64) {
+        let (packs, vw, pitch) = (self.packs, self.vw, self.pitch);
+        let size = dt.size() as u64;
+        let mut group = Vec::new();
+        let mut copied = vec![0u8; (n_keys.max(0) * packs) as usize];
+        for lane in 0..32 {
+            let (mut r, mut pk) = (lane / packs, lane % packs);
+            let (step_rows, step_packs) = (32 / packs, 32 - (32 / packs) * packs);
+            while r < n_keys {
+                let (from, to) = (at + r * stride + pk * vw, base + r * pitch + pk * vw);
+                let addr = src + from as u64 * size;
+                assert!(addr.is_multiple_of(vw as u64 * size), "a {vw}-element cp.async from {addr:#x} is misaligned");
+                assert!(
+                    to % vw == 0 && pk * vw + vw <= pitch,
+                    "a copy to ring element {to} leaves its row or alignment"
+                );
+                copied[(r * packs + pk) as usize] += 1;
+                for e in 0..vw {
+                    group.push(((to + e) as usize, load(mem, dt, src, from + e)));
+                }
+                r += step_rows;
+                pk += step_packs;
+                if pk >= packs {
+                    pk -= packs;
+                    r += 1;
+                }
+            }
+        }
+        assert!(copied.iter().all(|&c| c == 1), "every pack of the tile's rows copied exactly once");
+        self.pending.push_back(group);
+    }
+
+    /// `stage(i)`: tile i's keys and values (none past the split: two empty groups).
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        mem: &mut Mem,
+        dt: DType,
+        kc: u64,
+        vc: u64,
+        i: i64,
+        first: i64,
+        hi: i64,
+        head_at: i64,
+        stride: i64,
+    ) {
+        let j0 = first + i * CA_WARPS * 32;
+        let n_keys = if j0 < hi { (hi - j0).min(32) } else { 0 };
+        let slot = (i % self.stages) * 64 * self.pitch;
+        self.stage_rows(mem, dt, kc, head_at + j0 * stride, stride, n_keys, slot);
+        self.stage_rows(mem, dt, vc, head_at + j0 * stride, stride, n_keys, slot + 32 * self.pitch);
+    }
+
+    /// `cp_wait<n>`: retires the oldest groups until at most `n` are in flight.
+    fn wait(&mut self, n: usize) {
+        while self.pending.len() > n {
+            for (at, v) in self.pending.pop_front().expect("a pending group") {
+                self.slots[at] = v;
+            }
+        }
+    }
+
+    /// Rows `[0, n)` of tile i's keys (or values), `d` elements each, as the ring holds them now.
+    fn rows(&self, i: i64, values: bool, n: i64, d: i64) -> Vec<Vec<f64>> {
+        let base = (i % self.stages) * 64 * self.pitch + if values { 32 * self.pitch } else { 0 };
+        (0..n).map(|r| (0..d).map(|dd| self.slots[(base + r * self.pitch + dd) as usize]).collect()).collect()
+    }
+}
+
 /// `cached_attention_split`: every block of the grid, its warps taking
-/// 32-key tiles in turn, then combined in warp order.
+/// 32-key tiles in turn (through their rings when staged), then combined
+/// in warp order.
 fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64, stages: i64) {
     let a = &k.args;
     let (q, kc, vc, rows, start, part) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
@@ -214,20 +310,42 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
                 // Per warp and head: (m, l, acc).
                 let mut state = vec![vec![(empty, 0.0, vec![0.0; d as usize]); nh as usize]; CA_WARPS as usize];
                 for (w, st) in state.iter_mut().enumerate() {
-                    let mut j0 = lo + w as i64 * 32;
+                    let first = lo + w as i64 * 32;
+                    let mut j0 = first;
+                    let mut ring = (stages > 0).then(|| WarpRing::new(stages, pitch, vw, packs));
+                    if let Some(ring) = &mut ring {
+                        for i in 0..stages - 1 {
+                            ring.stage(mem, dt, kc, vc, i, first, hi, head_at, stride);
+                        }
+                    }
+                    let mut tile_i = 0;
                     while j0 < hi {
                         let keys: Vec<i64> = (j0..(j0 + 32).min(hi)).collect();
-                        let mut krows = Vec::new();
-                        let mut vrows = Vec::new();
-                        for &j in &keys {
-                            let at = head_at + j * stride;
-                            for pk in 0..packs {
-                                check(kc, at + pk * vw);
-                                check(vc, at + pk * vw);
+                        let n_keys = keys.len() as i64;
+                        let (krows, vrows) = match &mut ring {
+                            Some(ring) => {
+                                ring.stage(mem, dt, kc, vc, tile_i + stages - 1, first, hi, head_at, stride);
+                                ring.wait(2 * stages as usize - 1);
+                                let krows = ring.rows(tile_i, false, n_keys, d);
+                                ring.wait(2 * stages as usize - 2);
+                                (krows, ring.rows(tile_i, true, n_keys, d))
                             }
-                            krows.push((0..d).map(|dd| load(mem, dt, kc, at + dd)).collect::<Vec<_>>());
-                            vrows.push((0..d).map(|dd| load(mem, dt, vc, at + dd)).collect::<Vec<_>>());
-                        }
+                            None => {
+                                let mut krows = Vec::new();
+                                let mut vrows = Vec::new();
+                                for &j in &keys {
+                                    let at = head_at + j * stride;
+                                    for pk in 0..packs {
+                                        check(kc, at + pk * vw);
+                                        check(vc, at + pk * vw);
+                                    }
+                                    krows.push((0..d).map(|dd| load(mem, dt, kc, at + dd)).collect::<Vec<_>>());
+                                    vrows.push((0..d).map(|dd| load(mem, dt, vc, at + dd)).collect::<Vec<_>>());
+                                }
+                                (krows, vrows)
+                            }
+                        };
+                        tile_i += 1;
                         for (hh, (m, l, acc)) in st.iter_mut().enumerate() {
                             let s: Vec<f64> = krows
                                 .iter()
@@ -248,6 +366,9 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
                             *m = m_new;
                         }
                         j0 += CA_WARPS * 32;
+                    }
+                    if let Some(ring) = &mut ring {
+                        ring.wait(0);
                     }
                 }
                 let width = d + 2;
