@@ -555,13 +555,31 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
 // Small head sizes (D <= DS, DS in {1, 4, 16}): one thread per query row
 // (fwd, bwd_q) with key tiles staged in shared memory; bwd_kv uses one thread
 // per (key, query slice) and sums the slices in a fixed order at the end.
+//
+// A staged tile is as many rows as a shared-memory budget holds
+// (`small_tile_rows`: 2048 keys of head size 1 in f32, down to 64): every
+// tile costs a block a round trip to memory and two barriers, and rows of
+// one or a few elements leave little work between them (W2's head size 1
+// at T = 4096 took 448 of them per bwd_kv block at 64 rows). The tile size
+// only sets how often a block stages and waits: each row's arithmetic runs
+// in the same order at any size, so results are the same bits.
 // ---------------------------------------------------------------------------
 
 constexpr int SMALL_NT = 128;   // fwd and bwd_q: threads = query rows per block
-constexpr int SMALL_KT = 128;   // keys per staged tile
 constexpr int SKV_KB = 32;      // bwd_kv: keys per block (one per lane)
 constexpr int SKV_NS = 8;       // bwd_kv: query slices (one per warp)
-constexpr int SKV_QT = 64;      // bwd_kv: query rows per staged tile
+
+// Rows of a staged tile holding `per_row` accumulator values per row in at
+// most `bytes`: a power of two from 64 to 2048.
+template <typename A> __host__ __device__ constexpr int small_tile_rows(int per_row, int bytes) {
+    int rows = 2048;
+    while (rows > 64 && rows * per_row * (int)sizeof(A) > bytes) rows >>= 1;
+    return rows;
+}
+// fwd and bwd_q: keys per staged tile (k and v rows).
+template <int DS, typename A> __host__ __device__ constexpr int small_kt() { return small_tile_rows<A>(2 * DS, 16384); }
+// bwd_kv: query rows per staged tile (q and go rows, lse and delta).
+template <int DS, typename A> __host__ __device__ constexpr int skv_qt() { return small_tile_rows<A>(2 * DS + 2, 32768); }
 
 // Row t of one head into registers (zero past T or D).
 template <int DS, typename T, typename A>
@@ -570,12 +588,12 @@ __device__ __forceinline__ void load_row(A (&r)[DS], const T* base, i64 stride, 
     for (int d = 0; d < DS; ++d) r[d] = (t < Tn && d < D) ? (A)load(base, (i64)t * stride + d) : A(0);
 }
 
-// Keys k0..k0+KT of k and v (zero past T or D) into Ks, Vs [KT][DS].
-template <int DS, int NT, typename T, typename A>
-__device__ __forceinline__ void stage_kv(A* Ks, A* Vs, const T* kb, const T* vb, i64 ks, int k0, int Tn, int D) {
-    for (int e = threadIdx.x; e < SMALL_KT * DS; e += NT) {
+// Keys k0..k0+KT of k and v (zero past `end` or D) into Ks, Vs [KT][DS].
+template <int DS, int NT, int KT, typename T, typename A>
+__device__ __forceinline__ void stage_kv(A* Ks, A* Vs, const T* kb, const T* vb, i64 ks, int k0, int end, int D) {
+    for (int e = threadIdx.x; e < KT * DS; e += NT) {
         const int t = k0 + e / DS, d = e % DS;
-        const bool ok = t < Tn && d < D;
+        const bool ok = t < end && d < D;
         Ks[e] = ok ? (A)load(kb, (i64)t * ks + d) : A(0);
         Vs[e] = ok ? (A)load(vb, (i64)t * ks + d) : A(0);
     }
@@ -585,7 +603,7 @@ template <typename T, int DS>
 __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
                           double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = SMALL_NT, KT = SMALL_KT;
+    constexpr int NT = SMALL_NT, KT = small_kt<DS, A>();
     __shared__ __align__(16) A Ks[KT * DS];
     __shared__ __align__(16) A Vs[KT * DS];
     check_launch(NT, NT, Tn);
@@ -601,7 +619,7 @@ __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
     for (int d = 0; d < DS; ++d) acc[d] = A(0);
     A m = -inf_of(A(0)), l = A(0);
     for (int k0 = 0; k0 <= last; k0 += KT) {
-        stage_kv<DS, NT>(Ks, Vs, k + koff, v + koff, ks, k0, Tn, D);
+        stage_kv<DS, NT, KT>(Ks, Vs, k + koff, v + koff, ks, k0, last + 1, D);
         __syncthreads();
         const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
         for (int j = 0; j < jend; ++j) {
@@ -639,7 +657,7 @@ template <typename T, int DS>
 __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
                          const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = SMALL_NT, KT = SMALL_KT;
+    constexpr int NT = SMALL_NT, KT = small_kt<DS, A>();
     __shared__ __align__(16) A Ks[KT * DS];
     __shared__ __align__(16) A Vs[KT * DS];
     check_launch(NT, NT, Tn);
@@ -667,7 +685,7 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
         delta[st] = Di;
     }
     for (int k0 = 0; k0 <= last; k0 += KT) {
-        stage_kv<DS, NT>(Ks, Vs, k + koff, v + koff, ks, k0, Tn, D);
+        stage_kv<DS, NT, KT>(Ks, Vs, k + koff, v + koff, ks, k0, last + 1, D);
         __syncthreads();
         const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
         for (int j = 0; j < jend; ++j) {
@@ -697,7 +715,8 @@ template <typename T, int DS>
 __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
                           const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
     typedef acc_t<T> A;
-    constexpr int NT = SKV_KB * SKV_NS, KB = SKV_KB, NS = SKV_NS, QT = SKV_QT;
+    constexpr int NT = SKV_KB * SKV_NS, KB = SKV_KB, NS = SKV_NS, QT = skv_qt<DS, A>();
+    static_assert(QT % NS == 0, "a query row's slice is its row mod NS in every tile");
     constexpr int STG = 2 * QT * DS + 2 * QT, RED = NS * KB * DS;
     __shared__ __align__(16) A sm[STG > RED ? STG : RED];
     A* const Qs = sm;             // [QT][DS]
@@ -725,8 +744,8 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
                 Qs[e] = ok ? (A)load(q + qoff, (i64)t * qs + d) : A(0);
                 Gs[e] = ok ? (A)load(go + qoff, (i64)t * qs + d) : A(0);
             }
-            if ((int)threadIdx.x < QT) {
-                const int t = q0 + (int)threadIdx.x;
+            for (int i = threadIdx.x; i < QT; i += NT) {
+                const int t = q0 + i;
                 A di = A(0), l2 = A(0);
                 if (t < Tn) {
                     for (int d = 0; d < D; ++d)
@@ -734,8 +753,8 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
                     if (glse) di -= glse[stat + t];
                     l2 = lse[stat + t] * A(SGA_LOG2E);
                 }
-                Ls[threadIdx.x] = l2;
-                Ds[threadIdx.x] = di;
+                Ls[i] = l2;
+                Ds[i] = di;
             }
             __syncthreads();
 #pragma unroll 2
