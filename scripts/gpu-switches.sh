@@ -4,9 +4,10 @@
 #
 #   run(command="bash scripts/gpu-switches.sh", carry=[".carry"])
 #
-# 1. The GPU tests named in TESTS (default: gpu_generate gpu_basic) with every
-#    case's settings on, so the paths they turn on are checked against the
-#    CPU backend before they are timed.
+# 1. The GPU tests named in TESTS (default: gpu_attention gpu_generate
+#    gpu_basic) with every case's settings on, so the paths they turn on are
+#    checked against the CPU backend before they are timed. `CASES=` (empty)
+#    runs the tests alone.
 # 2. Each case of CASES, `SETTINGS|WORKLOADS` (settings `VAR=VALUE` joined by
 #    commas; workloads `w6:B` for W6 at batch B, as in gpu-generate.sh, or a
 #    bench workload run in graph mode), interleaved with runs without its
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 source scripts/carry-env.sh
 carry_unpack
 SG=${SG:-.carry/stepgraph}
-CASES=${CASES:-STEPGRAPH_DECODE_STAGING=1|w6:1,w6:16 STEPGRAPH_GEMM_SPLIT_K=1|w6:1,w6:16,w3,w2}
+CASES=${CASES-STEPGRAPH_DECODE_STAGING=1|w6:1,w6:16 STEPGRAPH_GEMM_SPLIT_K=1|w6:1,w6:16,w3,w2}
 LOG=$OUT/switches.log
 ROWS=$OUT/switches.jsonl
 : >"$LOG"
@@ -42,7 +43,7 @@ for c in $CASES; do
     IFS=, read -r -a settings <<<"${c%%|*}"
     all_settings+=("${settings[@]}")
 done
-for t in ${TESTS-gpu_generate gpu_basic}; do
+for t in ${TESTS-gpu_attention gpu_generate gpu_basic}; do
     stamp "test $t with ${all_settings[*]}"
     env "${all_settings[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >"$OUT/test-$t.log" 2>&1 ||
         status=1
