@@ -5,9 +5,10 @@
 #   run(command="bash scripts/gpu-switches.sh", carry=[".carry"])
 #
 # 1. The GPU tests named in TESTS (default: gpu_attention gpu_generate
-#    gpu_basic) with every case's settings on, so the paths they turn on are
-#    checked against the CPU backend before they are timed. `CASES=` (empty)
-#    runs the tests alone.
+#    gpu_basic), under the settings of TEST_ENV (`VAR=VALUE` words; none by
+#    default): the defaults, or the paths switches turn on, checked against
+#    the CPU backend before they are timed. `CASES=` (empty) runs the tests
+#    alone.
 # 2. Each case of CASES, `SETTINGS|WORKLOADS` (settings `VAR=VALUE` joined by
 #    commas; workloads `w6:B` for W6 at batch B, as in gpu-generate.sh, or a
 #    bench workload run in graph mode), interleaved with runs without its
@@ -38,14 +39,11 @@ T0=$(date +%s)
 stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
 status=0
 
-all_settings=()
-for c in $CASES; do
-    IFS=, read -r -a settings <<<"${c%%|*}"
-    all_settings+=("${settings[@]}")
-done
+# shellcheck disable=SC2206 # TEST_ENV is a list of VAR=VALUE words
+test_env=(${TEST_ENV-})
 for t in ${TESTS-gpu_attention gpu_generate gpu_basic}; do
-    stamp "test $t with ${all_settings[*]}"
-    env "${all_settings[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >"$OUT/test-$t.log" 2>&1 ||
+    stamp "test $t ${test_env[*]}"
+    env "${test_env[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >"$OUT/test-$t.log" 2>&1 ||
         status=1
     echo "$t: $(grep -E '^test result' "$OUT/test-$t.log" || echo 'no result (failed or timed out)')" | tee -a "$LOG"
 done
