@@ -45,6 +45,14 @@ template <typename A> __device__ __forceinline__ A lce_nan() {
     return (A)__longlong_as_double(0x7ff8000000000000LL);
 }
 
+// Whether every row of a [rows, cw] chunk at `base` can be read in 16-byte
+// packs: rows a whole number of packs long, the chunk 16-byte aligned (a
+// grid-uniform choice). Packs change which thread reads which element, not
+// the elementwise results; the row sums then add in another order.
+template <typename T> __device__ __forceinline__ bool lce_packed(const T* base, i64 cw) {
+    return cw % Pack<T>::N == 0 && ((unsigned long long)base & 15) == 0;
+}
+
 // The log-sum-exp shift: the running max, or 0 when it is infinite (an all
 // −inf row gives −inf, not NaN, as the CPU).
 template <typename A> __device__ __forceinline__ A lce_shift(A m) {
@@ -66,16 +74,36 @@ __device__ void lce_chunk_stats(const T* __restrict__ logits, const void* __rest
                                 acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ run_sum,
                                 acc_t<T>* __restrict__ tlogit, i64 rows, i64 cw, i64 v0, i64 ignore_index) {
     typedef acc_t<T> A;
+    typedef Pack<T> P;
     __shared__ A scratch[32];
+    const bool packed = lce_packed(logits, cw);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = logits + r * cw;
         const A old_max = lse[r];
         A m = old_max;
-        for (i64 k = threadIdx.x; k < cw; k += blockDim.x) m = fmax(m, load(row, k));
+        if (packed) {
+            for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
+                P p;
+                p.read(row, j);
+#pragma unroll
+                for (int e = 0; e < P::N; ++e) m = fmax(m, load(p.elems(), e));
+            }
+        } else {
+            for (i64 k = threadIdx.x; k < cw; k += blockDim.x) m = fmax(m, load(row, k));
+        }
         m = block_max(m, scratch);  // fmax ignores NaN, as Rust's `max`
         const A sh = lce_shift(m);
         A s = A(0);
-        for (i64 k = threadIdx.x; k < cw; k += blockDim.x) s += exp(load(row, k) - sh);
+        if (packed) {
+            for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
+                P p;
+                p.read(row, j);
+#pragma unroll
+                for (int e = 0; e < P::N; ++e) s += exp(load(p.elems(), e) - sh);
+            }
+        } else {
+            for (i64 k = threadIdx.x; k < cw; k += blockDim.x) s += exp(load(row, k) - sh);
+        }
         s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
             const A old = run_sum[r];
@@ -117,7 +145,9 @@ __device__ void lce_backward_chunk(T* g, const void* __restrict__ tgt, int tgt_i
                                    int has_glse, i64 rows, i64 cw, i64 v0, i64 classes, i64 ignore_index,
                                    int mean) {
     typedef acc_t<T> A;
+    typedef Pack<T> P;
     __shared__ i64 count_scratch[32];
+    const bool packed = lce_packed(g, cw);
     i64 kept = 0;
     for (i64 n = threadIdx.x; n < rows; n += blockDim.x) kept += lce_target(tgt, tgt_i64, n) != ignore_index;
     kept = block_sum(kept, count_scratch);
@@ -135,6 +165,21 @@ __device__ void lce_backward_chunk(T* g, const void* __restrict__ tgt, int tgt_i
         }
         const bool bad = t != ignore_index && (t < 0 || t >= classes);
         const A l = lse[r], coef = a + b;
+        if (packed) {
+            for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
+                P x;
+                x.read(gr, j);
+#pragma unroll
+                for (int e = 0; e < P::N; ++e) {
+                    const i64 k = j * P::N + e;
+                    const A p = exp(load(x.elems(), e) - l);
+                    const A v = coef * p - (v0 + k == t ? a : A(0));
+                    store(x.elems(), e, bad ? lce_nan<A>() : v);
+                }
+                x.write(gr, j);
+            }
+            continue;
+        }
         for (i64 k = threadIdx.x; k < cw; k += blockDim.x) {
             const A p = exp(load(gr, k) - l);
             const A v = coef * p - (v0 + k == t ? a : A(0));
