@@ -11,6 +11,9 @@
 //                i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units)
 //       one block per new row (b, t) (grid-striding), threads over its
 //       row_units copy units; keyed by copy unit like movement.cu.
+//   kv_write2_<u>(cache0, src0, cache1, src1, rows, start, ...the same)
+//       two such writes (grid y = 2), merged by src/ops/decode.rs's
+//       `merge_kv_writes` from consecutive launches.
 //   cached_attention_split_h<H>_v<VW>_e<E>_s<ST>_<dtype>(q, k_cache, v_cache, rows, start,
 //                part, o, i64 seq, i64 n, i64 s, int hq, int hkv, int d,
 //                i64 splits, i64 chunk, double scale, int pitch)
@@ -58,11 +61,27 @@ __device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int
         kv_write_rows<U>(cache, src, rows, start, bt_rows, seq, n, s, row_units);                               \
     }
 
+// Two kv_writes of one step (a layer's keys and values: the same rows and
+// positions into caches of one shape) in one launch; blockIdx.y picks the pair.
+#define SG_KV_WRITE2(name, U)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        kv_write2_##name(U* cache0, const U* src0, U* cache1, const U* src1, const int* rows, const int* start, \
+                         i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) {                                  \
+        const bool second = blockIdx.y == 1;                                                                   \
+        kv_write_rows<U>(second ? cache1 : cache0, second ? src1 : src0, rows, start, bt_rows, seq, n, s,      \
+                         row_units);                                                                           \
+    }
+
 SG_KV_WRITE(u8, unsigned char)
 SG_KV_WRITE(u16, unsigned short)
 SG_KV_WRITE(u32, unsigned int)
 SG_KV_WRITE(u64, unsigned long long)
 SG_KV_WRITE(u128, uint4)
+SG_KV_WRITE2(u8, unsigned char)
+SG_KV_WRITE2(u16, unsigned short)
+SG_KV_WRITE2(u32, unsigned int)
+SG_KV_WRITE2(u64, unsigned long long)
+SG_KV_WRITE2(u128, uint4)
 
 // ------------------------------------------------------------ cached_attention
 //

@@ -1107,8 +1107,9 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
 }
 
 /// The step's AdamW updates merged into multi-tensor launches where they run
-/// back to back ([`crate::ops::optim::merge_updates`]), unless the step has
-/// collectives (whose joins are computed per node) or
+/// back to back ([`crate::ops::optim::merge_updates`]), and a layer's two
+/// cache writes into one launch ([`crate::ops::decode::merge_kv_writes`]),
+/// unless the step has collectives (whose joins are computed per node) or
 /// `STEPGRAPH_MULTI_TENSOR=0` (for comparisons). Returns the launches, each
 /// one's last node and each one's first node.
 fn multi_tensor_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
@@ -1117,7 +1118,8 @@ fn multi_tensor_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch
         let first = nodes.clone();
         return (launches, nodes, first);
     }
-    crate::ops::optim::merge_updates(launches, nodes)
+    let (launches, last, first) = crate::ops::optim::merge_updates(launches, nodes);
+    crate::ops::decode::merge_kv_writes(launches, last, first)
 }
 
 /// Stage 4 of [`CudaSession::new_rank`], public for tests and tools that

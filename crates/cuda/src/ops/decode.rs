@@ -27,11 +27,11 @@ use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::OpDef;
 
-use super::util::{float_name, launch, n64, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS};
+use super::util::{float_name, launch, n64, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS, UNITS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch};
 
 /// The module of every generation kernel.
 const MODULE: &str = "decode";
@@ -126,6 +126,67 @@ pub fn staging(dtype: DType, heads: usize, d: usize, vw: usize) -> (usize, usize
 /// `stages` slots of 32 key rows and 32 value rows, `pitch` elements each.
 pub fn split_staged_bytes(dtype: DType, pitch: usize, stages: usize) -> usize {
     CA_WARPS * stages * 64 * pitch * dtype.size()
+}
+
+/// The bytes `kv_write_<u>`'s launch `k` writes (its cache) and reads (its
+/// new rows), from its arguments.
+fn kv_write_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
+    let unit = UNITS.iter().find(|(_, n)| k.function.strip_prefix("kv_write_") == Some(*n))?.0;
+    let int = |i: usize| match k.args[i] {
+        Arg::I64(x) => Some(x.max(0) as u64),
+        _ => None,
+    };
+    let ptr = |i: usize| match k.args[i] {
+        Arg::Ptr(p) => Some(p),
+        _ => None,
+    };
+    let (bt, n, s, units) = (int(4)?, int(6)?, int(7)?, int(8)?);
+    let (cache, src) = (ptr(0)?, ptr(1)?);
+    Some([(cache, cache + n * s * units * unit), (src, src + bt * units * unit)])
+}
+
+/// Consecutive `kv_write` launches of one step that differ only in their
+/// cache and new rows (a layer's keys then values: the same rows,
+/// positions and shapes) as one `kv_write2` launch, when neither writes
+/// bytes the other reads or writes: the same copies, one launch fewer per
+/// layer. `last[j]` and `first[j]` are launch `j`'s last and first nodes
+/// (as [`super::optim::merge_updates`] returns them); returns the three
+/// lists with each merged pair's nodes spanning both.
+pub fn merge_kv_writes(
+    launches: Vec<Launch>,
+    last: Vec<usize>,
+    first: Vec<usize>,
+) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+    let overlap = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
+    let pair = |a: &Launch, b: &Launch| -> Option<KernelLaunch> {
+        let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
+        let ([wa, ra], [wb, rb]) = (kv_write_ranges(ka)?, kv_write_ranges(kb)?);
+        let same =
+            ka.function == kb.function && ka.grid == kb.grid && ka.block == kb.block && ka.args[2..] == kb.args[2..];
+        if !same || overlap(wa, wb) || overlap(wa, rb) || overlap(wb, ra) {
+            return None;
+        }
+        let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
+        args.extend(ka.args[2..].iter().cloned());
+        let function = ka.function.replacen("kv_write_", "kv_write2_", 1);
+        Some(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() })
+    };
+    let (mut out, mut out_last, mut out_first) = (Vec::new(), Vec::new(), Vec::new());
+    let mut j = 0;
+    while j < launches.len() {
+        if let Some(merged) = launches.get(j + 1).and_then(|next| pair(&launches[j], next)) {
+            out.push(Launch::Kernel(merged));
+            out_first.push(first[j]);
+            out_last.push(last[j + 1]);
+            j += 2;
+        } else {
+            out.push(launches[j].clone());
+            out_first.push(first[j]);
+            out_last.push(last[j]);
+            j += 1;
+        }
+    }
+    (out, out_last, out_first)
 }
 
 impl Lower for KvWrite {

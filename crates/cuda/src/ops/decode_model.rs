@@ -105,7 +105,18 @@ fn stat(dt: DType) -> DType {
 
 fn emulate(k: &KernelLaunch, mem: &mut Mem) {
     let (f, a) = (k.function.as_str(), &k.args);
-    if let Some(unit) = f.strip_prefix("kv_write_") {
+    if let Some(unit) = f.strip_prefix("kv_write2_") {
+        // Two kv_writes, blockIdx.y = 1 (the second) first: blocks of either
+        // run in any order, and the merge admits only pairs that touch
+        // disjoint bytes.
+        assert_eq!(k.grid.1, 2, "one grid row per write");
+        for pair in [1, 0] {
+            let mut args = vec![a[2 * pair].clone(), a[2 * pair + 1].clone()];
+            args.extend(a[4..].iter().cloned());
+            let one = KernelLaunch { function: format!("kv_write_{unit}"), grid: (k.grid.0, 1, 1), args, ..k.clone() };
+            emulate(&one, mem);
+        }
+    } else if let Some(unit) = f.strip_prefix("kv_write_") {
         let w = UNITS.iter().find(|(_, n)| *n == unit).expect("a copy unit").0 as i64;
         let (cache, src, rows, start) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
         let (bt_rows, seq, n, s, row_units) = (int(&a[4]), int(&a[5]), int(&a[6]), int(&a[7]), int(&a[8]));
@@ -764,6 +775,73 @@ fn cached_attention_matches_the_cpu_on_the_model() {
     }
     let staged = STAGED_BLOCKS_MODELLED.load(std::sync::atomic::Ordering::Relaxed);
     assert!(staged > 0, "no sample took the staged split pass");
+}
+
+/// A layer's key and value cache writes merged into one `kv_write2` launch
+/// write the same bytes as the two launches, and pairs that share bytes or
+/// differ in anything but their cache and rows stay apart.
+#[test]
+fn merged_cache_writes_equal_the_two_launches() {
+    use super::decode::merge_kv_writes;
+    use stepgraph_core::ops::decode::KvWrite;
+    let op = Op::from(KvWrite);
+    let (b, t, n, s, h, d) = (3, 2, 4, 9, 2, 6);
+    for dt in [DType::BF16, DType::F32] {
+        let cache = TensorType::new(dt, [n, s, h, d]);
+        let new = TensorType::new(dt, [b, t, h, d]);
+        let idx = TensorType::new(DType::I32, [b]);
+        // Caches, new rows, then rows and start (shared by both writes), apart.
+        let types = [cache.clone(), new.clone(), cache.clone(), new.clone(), idx.clone(), idx.clone()];
+        let at = place(&types, 1 << 40, 0);
+        let mut mem = Mem(at.iter().map(|x| (x.ptr, vec![0u8; x.ty.bytes() as usize])).collect());
+        for (i, x) in at.iter().enumerate().take(4) {
+            let bytes: Vec<u8> = (0..x.ty.bytes()).map(|j| (j as usize * 7 + i * 31) as u8).collect();
+            mem.at(x.ptr, bytes.len()).copy_from_slice(&bytes);
+        }
+        // Rows 0, 2, 2 (the last two write the same row: the later batch row wins) at starts 1, 7, 3.
+        for (p, vals) in [(&at[4], [0i32, 2, 2]), (&at[5], [1, 7, 3])] {
+            let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            mem.at(p.ptr, bytes.len()).copy_from_slice(&bytes);
+        }
+        let lower_one = |cache: &DevTensor, new: &DevTensor| {
+            super::lower(&op, &[cache.clone(), new.clone(), at[4].clone(), at[5].clone()], &[cache.clone()], None)
+                .unwrap()
+        };
+        let mut launches = lower_one(&at[0], &at[1]);
+        launches.extend(lower_one(&at[2], &at[3]));
+        assert_eq!(launches.len(), 2, "in place: one kernel each");
+        let (merged, last, first) = merge_kv_writes(launches.clone(), vec![5, 6], vec![5, 6]);
+        assert_eq!((merged.len(), last, first), (1, vec![6], vec![5]), "{dt}");
+        let Launch::Kernel(k) = &merged[0] else { panic!("a kernel") };
+        assert!(k.function.starts_with("kv_write2_") && k.grid.1 == 2, "{}", k.function);
+        // No sample lowers to the merged kernel: check its parameters here.
+        if crate::nvrtc::available() {
+            let cubin = crate::nvrtc::compile("decode", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            super::sweep::check_signature(&format!("merged kv_write {dt}"), &cubin, k);
+        } else {
+            assert!(
+                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+        }
+        let mut apart = Mem(mem.0.clone());
+        for l in &launches {
+            let Launch::Kernel(k) = l else { panic!("a kernel") };
+            emulate(k, &mut apart);
+        }
+        emulate(k, &mut mem);
+        assert_eq!(mem.0, apart.0, "{dt}: the merged launch writes what the two do");
+        // A write into the other's cache, or other rows, is not merged.
+        let (overlapping, _, _) =
+            merge_kv_writes([lower_one(&at[0], &at[1]), lower_one(&at[0], &at[3])].concat(), vec![0, 1], vec![0, 1]);
+        assert_eq!(overlapping.len(), 2, "{dt}: both write the first cache");
+        let other_rows =
+            super::lower(&op, &[at[2].clone(), at[3].clone(), at[5].clone(), at[5].clone()], &[at[2].clone()], None)
+                .unwrap();
+        let (apart_rows, _, _) =
+            merge_kv_writes([lower_one(&at[0], &at[1]), other_rows].concat(), vec![0, 1], vec![0, 1]);
+        assert_eq!(apart_rows.len(), 2, "{dt}: different rows");
+    }
 }
 
 #[test]
