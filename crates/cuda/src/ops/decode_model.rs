@@ -804,8 +804,13 @@ fn merged_cache_writes_equal_the_two_launches() {
             mem.at(p.ptr, bytes.len()).copy_from_slice(&bytes);
         }
         let lower_one = |cache: &DevTensor, new: &DevTensor| {
-            super::lower(&op, &[cache.clone(), new.clone(), at[4].clone(), at[5].clone()], &[cache.clone()], None)
-                .unwrap()
+            super::lower(
+                &op,
+                &[cache.clone(), new.clone(), at[4].clone(), at[5].clone()],
+                std::slice::from_ref(cache),
+                None,
+            )
+            .unwrap()
         };
         let mut launches = lower_one(&at[0], &at[1]);
         launches.extend(lower_one(&at[2], &at[3]));
