@@ -87,25 +87,34 @@ pub fn print(title: &str, rows: &[(String, usize, f64)], top: usize) {
     }
 }
 
-/// The cuBLASLt autotuning of a session to stderr: its build time, what it
-/// saves per step, and each shape's chosen candidate (split-k shown where
-/// the choice splits the depth) against the heuristic's first.
+/// The cuBLASLt autotuning of a session to stderr ([`tuning_lines`]).
 pub fn print_tuning(tuning: &stepgraph_cuda::blas::GemmTuning) {
-    if !tuning.enabled {
-        return;
+    for line in tuning_lines(tuning) {
+        eprintln!("{line}");
     }
-    eprintln!(
+}
+
+/// The lines of a tuning report: the build time and what tuning saves per
+/// step, then each shape's chosen candidate (with its split-k count where
+/// it splits the depth) against the heuristic's first; none when tuning is
+/// off. `scripts/torch_gemm_shapes.py` reads the shape lines: keep them in
+/// step with its pattern.
+pub fn tuning_lines(tuning: &stepgraph_cuda::blas::GemmTuning) -> Vec<String> {
+    if !tuning.enabled {
+        return Vec::new();
+    }
+    let mut lines = vec![format!(
         "cuBLASLt autotuning: {:.0} ms at build, saves {:.2} ms per step over the heuristic's first choice",
         tuning.wall_ms,
         tuning.saved_ms_per_step()
-    );
+    )];
     for sh in &tuning.shapes {
         let ms = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.3}"));
         let split = match sh.chosen_algo.split_k {
             0 | 1 => String::new(),
             k => format!(", split-k {k}"),
         };
-        eprintln!(
+        lines.push(format!(
             "  {:<40} {:>3}x  candidate {}/{}{split}  {} ms (heuristic's first {} ms)",
             sh.name,
             sh.calls,
@@ -113,13 +122,53 @@ pub fn print_tuning(tuning: &stepgraph_cuda::blas::GemmTuning) {
             sh.candidates,
             ms(sh.chosen_ms),
             ms(sh.heuristic_ms)
-        );
+        ));
     }
+    lines
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tuning_lines_name_each_shape_its_choice_and_split() {
+        use stepgraph_cuda::blas::{AlgoConfig, GemmTuning, ShapeTuning};
+        let shape = |name: &str, split_k: u32, chosen_ms: Option<f64>| ShapeTuning {
+            name: name.into(),
+            calls: 26,
+            candidates: 12,
+            chosen: 4,
+            candidate_ms: vec![None; 12],
+            chosen_ms,
+            heuristic_ms: Some(0.5),
+            chosen_algo: AlgoConfig { split_k, ..AlgoConfig::default() },
+            heuristic_algo: AlgoConfig::default(),
+            tune_ms: 1.0,
+            reused: false,
+            skipped: None,
+        };
+        let tuning = GemmTuning {
+            enabled: true,
+            wall_ms: 812.0,
+            shapes: vec![
+                shape("gemm_bf16_16x3200x3200_tb_acc", 4, Some(0.012)),
+                shape("gemm_f32_256x256x256", 1, None),
+            ],
+        };
+        let lines = tuning_lines(&tuning);
+        assert!(lines[0].starts_with("cuBLASLt autotuning: 812 ms at build"), "{}", lines[0]);
+        // The form scripts/torch_gemm_shapes.py parses.
+        assert_eq!(
+            lines[1],
+            "  gemm_bf16_16x3200x3200_tb_acc             26x  candidate 5/12, split-k 4  0.012 ms (heuristic's first 0.500 ms)"
+        );
+        assert_eq!(
+            lines[2],
+            "  gemm_f32_256x256x256                      26x  candidate 5/12  - ms (heuristic's first 0.500 ms)"
+        );
+        assert!(tuning_lines(&GemmTuning::default()).is_empty());
+    }
 
     #[test]
     fn kernels_of_w5_and_w6_fall_in_their_classes() {
