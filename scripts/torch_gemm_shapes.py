@@ -28,7 +28,7 @@ import sys
 
 LINE = re.compile(
     r"^\s*(gemm_(?P<dt>f32|bf16|f16)_(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)(?P<flags>[a-z0-9_]*))\s+(?P<calls>\d+)x\s+"
-    r"candidate \d+/\d+(?:, split-k \d+)?\s+(?P<ms>[0-9.]+|-) ms"
+    r"candidate \d+/\d+(?:, split-k \d+|, cuBLAS)?\s+(?P<ms>[0-9.]+|-) ms"
 )
 
 

@@ -96,7 +96,7 @@ pub fn print_tuning(tuning: &stepgraph_cuda::blas::GemmTuning) {
 
 /// The lines of a tuning report: the build time and what tuning saves per
 /// step, then each shape's chosen candidate (with its split-k count where
-/// it splits the depth) against the heuristic's first; none when tuning is
+/// it splits the depth, `cuBLAS` for cuBLAS's GEMM) against the heuristic's first; none when tuning is
 /// off. `scripts/torch_gemm_shapes.py` reads the shape lines: keep them in
 /// step with its pattern.
 pub fn tuning_lines(tuning: &stepgraph_cuda::blas::GemmTuning) -> Vec<String> {
@@ -111,6 +111,7 @@ pub fn tuning_lines(tuning: &stepgraph_cuda::blas::GemmTuning) -> Vec<String> {
     for sh in &tuning.shapes {
         let ms = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.3}"));
         let split = match sh.chosen_algo.split_k {
+            _ if sh.chosen_algo.id == stepgraph_cuda::blas::CUBLAS_ALGO_ID => ", cuBLAS".to_string(),
             0 | 1 => String::new(),
             k => format!(", split-k {k}"),
         };
@@ -148,12 +149,15 @@ mod tests {
             reused: false,
             skipped: None,
         };
+        let mut cublas = shape("gemm_bf16_8192x3200x8640_tb", 1, Some(1.2));
+        cublas.chosen_algo.id = stepgraph_cuda::blas::CUBLAS_ALGO_ID;
         let tuning = GemmTuning {
             enabled: true,
             wall_ms: 812.0,
             shapes: vec![
                 shape("gemm_bf16_16x3200x3200_tb_acc", 4, Some(0.012)),
                 shape("gemm_f32_256x256x256", 1, None),
+                cublas,
             ],
         };
         let lines = tuning_lines(&tuning);
@@ -166,6 +170,10 @@ mod tests {
         assert_eq!(
             lines[2],
             "  gemm_f32_256x256x256                      26x  candidate 5/12  - ms (heuristic's first 0.500 ms)"
+        );
+        assert_eq!(
+            lines[3],
+            "  gemm_bf16_8192x3200x8640_tb               26x  candidate 5/12, cuBLAS  1.200 ms (heuristic's first 0.500 ms)"
         );
         assert!(tuning_lines(&GemmTuning::default()).is_empty());
     }

@@ -13,7 +13,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 use serde::Serialize;
 
-use super::plan::{elem_bytes, key_of, Alignment, Plan, PlanKey};
+use super::plan::{elem_bytes, key_of, Alignment, Candidate, Plan, PlanKey};
 use super::{shape_name, Blas};
 use crate::error::Result;
 use crate::launch::GemmCall;
@@ -55,6 +55,9 @@ pub struct AlgoConfig {
 
 impl std::fmt::Display for AlgoConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.id == super::cublas::CUBLAS_ALGO_ID {
+            return write!(f, "cuBLAS GemmEx");
+        }
         write!(f, "algo {} tile {} stages {} split-k {}", self.id, self.tile, self.stages, self.split_k)
     }
 }
@@ -142,7 +145,7 @@ pub fn split_k_setting(value: Option<&str>) -> bool {
 /// A choice remembered for the process: see the module doc.
 #[derive(Clone)]
 struct Remembered {
-    algo: ls::cublasLtMatmulAlgo_t,
+    algo: Candidate,
     record: ShapeTuning,
 }
 
@@ -217,7 +220,7 @@ impl Blas {
                 skipped: None,
             };
             let earlier = remembered().lock().expect("choice cache").get(&choice_key).cloned();
-            if let Some(r) = earlier.filter(|r| self.check(plan, &r.algo)) {
+            if let Some(r) = earlier.filter(|r| self.usable(plan, &r.algo)) {
                 self.plans.get_mut(&key).expect("planned").algo = r.algo;
                 shapes.push(ShapeTuning { calls: n_calls, tune_ms: 0.0, reused: true, ..r.record });
                 continue;
@@ -267,7 +270,7 @@ impl Blas {
         let mut best = f64::INFINITY;
         for algo in &plan.candidates {
             // The warm-up loads the kernel (lazily loaded modules) and shows
-            // whether cuBLASLt accepts the algorithm for these operands.
+            // whether the library accepts the candidate for these operands.
             if self.enqueue(plan, algo, call, s).is_err() {
                 out.push(None);
                 continue;
@@ -294,6 +297,17 @@ impl Blas {
             out.push(Some(m));
         }
         Ok(out)
+    }
+
+    /// Can `candidate` still run `plan`'s products: cuBLASLt accepts the
+    /// algorithm for the plan's descriptors and workspace, or it is cuBLAS's
+    /// GEMM and the session has cuBLAS (the plan only lists it for shapes
+    /// that allow it)?
+    fn usable(&self, plan: &Plan, candidate: &Candidate) -> bool {
+        match candidate {
+            Candidate::Lt(algo) => self.check(plan, algo),
+            Candidate::Cublas => self.cublas.is_some(),
+        }
     }
 
     /// Does cuBLASLt accept `algo` for `plan`'s descriptors and workspace?
@@ -341,8 +355,8 @@ impl Blas {
             }
         };
         let mut out: Vec<ls::cublasLtMatmulAlgo_t> = Vec::new();
-        for base in plan.candidates.iter().take(SPLIT_K_BASES) {
-            if self.config(base).split_k > 1 || cap(base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) == 0 {
+        for base in plan.candidates.iter().filter_map(Candidate::lt).take(SPLIT_K_BASES) {
+            if self.config(&Candidate::Lt(*base)).split_k > 1 || cap(base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) == 0 {
                 continue;
             }
             let schemes = cap(base, Cap::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
@@ -378,7 +392,8 @@ impl Blas {
                             .is_ok()
                     };
                     if set && self.check(plan, &v) {
-                        if !plan.candidates.iter().chain(&out).any(|c| c.data == v.data) {
+                        let lt = plan.candidates.iter().filter_map(Candidate::lt);
+                        if !lt.chain(&out).any(|c| c.data == v.data) {
                             out.push(v);
                         }
                         break;
@@ -389,8 +404,13 @@ impl Blas {
         out
     }
 
-    fn config(&self, algo: &ls::cublasLtMatmulAlgo_t) -> AlgoConfig {
+    /// What a report says of `candidate`: its cuBLASLt configuration, or
+    /// [`CUBLAS_ALGO_ID`](super::cublas::CUBLAS_ALGO_ID) for cuBLAS's GEMM.
+    fn config(&self, candidate: &Candidate) -> AlgoConfig {
         use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
+        let Candidate::Lt(algo) = candidate else {
+            return AlgoConfig { id: super::cublas::CUBLAS_ALGO_ID, ..AlgoConfig::default() };
+        };
         let get = |attr: A| -> u32 {
             let (mut v, mut written) = (0u32, 0usize);
             // SAFETY: every attribute read here is a 4-byte integer.

@@ -17,7 +17,8 @@
 //! turns it off), [`Blas::plan_all`] asks the heuristic for up to
 //! [`MAX_CANDIDATES`] algorithms per shape ([`CANDIDATES_ENV`] changes how
 //! many; [`SPLIT_K_ENV`]`=1` adds split-k variants of the first ones for
-//! products of few output tiles) and [`Blas::autotune`] times each
+//! products of few output tiles, [`CUBLAS_ENV`]`=1` cuBLAS's own GEMM) and
+//! [`Blas::autotune`] times each
 //! one, once, while the session is being built: a warm-up run, then a few
 //! runs between CUDA events on the real operand addresses of one call of
 //! that shape; the fastest median wins, and candidates within
@@ -44,6 +45,7 @@
 //!   candidate alike.
 
 mod autotune;
+mod cublas;
 mod plan;
 
 use std::collections::HashMap;
@@ -57,7 +59,8 @@ pub use autotune::{
     AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, SPLIT_K_ENV,
     SPLIT_K_TRIED, TIE_TOLERANCE,
 };
-use plan::{call_alignment, key_of, Alignment, Plan, PlanKey};
+pub use cublas::{cublas_setting, CublasUse, CUBLAS_ALGO_ID, CUBLAS_ENV};
+use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
 
 use crate::error::{CudaError, Result};
 use crate::launch::{GemmAddend, GemmCall};
@@ -78,6 +81,9 @@ pub struct Blas {
     candidates: usize,
     /// Whether tuning also times split-k variants of products of few tiles.
     split_k: bool,
+    /// cuBLAS, when its GEMM is used ([`CUBLAS_ENV`]), and how.
+    cublas: Option<cublas::Cublas>,
+    cublas_use: CublasUse,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -96,6 +102,11 @@ impl Blas {
         }
         let candidates = candidates_from_env()?;
         let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
+        let cublas_use = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
+        let cublas = match cublas_use {
+            CublasUse::Off => None,
+            CublasUse::Candidate | CublasUse::Only => Some(cublas::Cublas::new(workspace, workspace_bytes, tf32)?),
+        };
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -105,6 +116,8 @@ impl Blas {
             autotune,
             candidates,
             split_k,
+            cublas,
+            cublas_use,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },
@@ -115,10 +128,14 @@ impl Blas {
     /// shape's plan must suit the operand alignment of each of its calls).
     pub fn plan_all(&mut self, calls: &[GemmCall]) -> Result<()> {
         let mut align: HashMap<PlanKey, Alignment> = HashMap::new();
+        // Whether every call of a shape that adds a tensor adds its own output.
+        let mut in_place: HashMap<PlanKey, bool> = HashMap::new();
         for c in calls {
             let key = key_of(c);
             let a = call_alignment(c);
             align.entry(key).and_modify(|x| *x = x.min(a)).or_insert(a);
+            let own = !matches!(c.addend, GemmAddend::Full(p) if p != c.c);
+            in_place.entry(key).and_modify(|x| *x &= own).or_insert(own);
             match self.order.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, n)) => *n += 1,
                 None => self.order.push((key, 1)),
@@ -128,7 +145,7 @@ impl Blas {
             let Some(&a) = align.get(&key) else { continue };
             let suits = self.plans.get(&key).is_some_and(|p| p.align.suits(a));
             if !suits {
-                let plan = self.plan(&key, a)?;
+                let plan = self.plan(&key, a, in_place[&key])?;
                 self.plans.insert(key, plan);
             }
         }
@@ -144,10 +161,17 @@ impl Blas {
     fn enqueue(
         &self,
         plan: &Plan,
-        algo: &ls::cublasLtMatmulAlgo_t,
+        candidate: &Candidate,
         call: &GemmCall,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
+        let algo = match candidate {
+            Candidate::Lt(algo) => algo,
+            Candidate::Cublas => {
+                let cublas = self.cublas.as_ref().ok_or_else(|| CudaError::Blas("cuBLAS is not open".into()))?;
+                return cublas.gemm(call, stream);
+            }
+        };
         // beta = 0 overwrites the output; an addend of the output's layout
         // is C with beta = 1 (C may be the output itself: cuBLASLt reads
         // each element of C before it writes that element of D, and the

@@ -78,6 +78,26 @@ impl Alignment {
     }
 }
 
+/// One way to run a plan's products.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Candidate {
+    /// A cuBLASLt algorithm for the plan's descriptors.
+    Lt(ls::cublasLtMatmulAlgo_t),
+    /// cuBLAS's `cublasGemmStridedBatchedEx` with its own heuristics
+    /// (`super::cublas`), where the shape allows it.
+    Cublas,
+}
+
+impl Candidate {
+    /// The cuBLASLt algorithm, if this is one.
+    pub(super) fn lt(&self) -> Option<&ls::cublasLtMatmulAlgo_t> {
+        match self {
+            Candidate::Lt(a) => Some(a),
+            Candidate::Cublas => None,
+        }
+    }
+}
+
 /// Descriptors, the candidate algorithms and the chosen one for one shape.
 pub(super) struct Plan {
     pub(super) desc: ls::cublasLtMatmulDesc_t,
@@ -86,10 +106,11 @@ pub(super) struct Plan {
     pub(super) second: ls::cublasLtMatrixLayout_t,
     pub(super) out: ls::cublasLtMatrixLayout_t,
     pub(super) align: Alignment,
-    /// The heuristic's algorithms, best first (one when tuning is off).
-    pub(super) candidates: Vec<ls::cublasLtMatmulAlgo_t>,
-    /// The algorithm every run uses: `candidates[0]` until tuned.
-    pub(super) algo: ls::cublasLtMatmulAlgo_t,
+    /// The heuristic's algorithms, best first (one when tuning is off),
+    /// then any split-k variants and cuBLAS's GEMM that tuning adds.
+    pub(super) candidates: Vec<Candidate>,
+    /// The candidate every run uses: `candidates[0]` until tuned.
+    pub(super) algo: Candidate,
 }
 
 impl Drop for Plan {
@@ -105,7 +126,9 @@ impl Drop for Plan {
 }
 
 impl Blas {
-    pub(super) fn plan(&self, k: &PlanKey, align: Alignment) -> Result<Plan> {
+    /// The plan of shape `k` for operands of alignment `align`; `in_place`:
+    /// every call of the shape that adds a tensor adds its own output.
+    pub(super) fn plan(&self, k: &PlanKey, align: Alignment, in_place: bool) -> Result<Plan> {
         let dt = match k.ty {
             GemmType::F32 => ls::cudaDataType_t::CUDA_R_32F,
             GemmType::BF16 => ls::cudaDataType_t::CUDA_R_16BF,
@@ -157,7 +180,7 @@ impl Blas {
             out,
             align,
             candidates: Vec::new(),
-            algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
+            algo: Candidate::Lt(ls::cublasLtMatmulAlgo_t { data: [0; 8] }),
         };
         let (ta, tb) = (k.trans_b as i32, k.trans_a as i32);
         set_desc(desc, ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &ta, "transa")?;
@@ -185,11 +208,19 @@ impl Blas {
         plan.candidates = found
             .iter()
             .filter(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws)
-            .map(|r| r.algo)
+            .map(|r| Candidate::Lt(r.algo))
             .collect();
         if self.autotune && self.split_k && super::autotune::few_tiles(k.batch, k.m, k.n, k.k) {
             let variants = self.split_k_variants(&plan);
-            plan.candidates.extend(variants);
+            plan.candidates.extend(variants.into_iter().map(Candidate::Lt));
+        }
+        if self.cublas.is_some() && super::cublas::eligible(k, in_place) && !plan.candidates.is_empty() {
+            match self.cublas_use {
+                // Tests: the only candidate, so every run takes this path.
+                super::CublasUse::Only => plan.candidates = vec![Candidate::Cublas],
+                _ if self.autotune => plan.candidates.push(Candidate::Cublas),
+                _ => {}
+            }
         }
         plan.algo = *plan
             .candidates
