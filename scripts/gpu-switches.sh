@@ -5,10 +5,11 @@
 #   run(command="bash scripts/gpu-switches.sh", carry=[".carry"])
 #
 # 1. The GPU tests named in TESTS (default: gpu_attention gpu_generate
-#    gpu_basic), under the settings of TEST_ENV (`VAR=VALUE` words; none by
-#    default): the defaults, or the paths switches turn on, checked against
-#    the CPU backend before they are timed. `CASES=` (empty) runs the tests
-#    alone.
+#    gpu_basic), once per `;`-separated group of settings in TEST_ENV
+#    (`VAR=VALUE` words; one empty group, the defaults, when unset): the
+#    default paths, or those switches turn on, checked against the CPU
+#    backend before they are timed. All output in tests.log. `CASES=`
+#    (empty) runs the tests alone.
 # 2. Each case of CASES, `SETTINGS|WORKLOADS` (settings `VAR=VALUE` joined by
 #    commas; workloads `w6:B` for W6 at batch B, as in gpu-generate.sh, or a
 #    bench workload run in graph mode), interleaved with runs without its
@@ -21,7 +22,7 @@
 # tuning) on W6, W3 and W2. A call has 10 minutes: pass fewer cases or
 # TORCH=0 to fit. Results in $OUT (default ./gpu-out): switches.jsonl (every
 # summary row, tagged "switch": "off", the case's settings, or "torch"),
-# switches.log, test-*.log.
+# switches.log, tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -39,13 +40,21 @@ T0=$(date +%s)
 stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
 status=0
 
-# shellcheck disable=SC2206 # TEST_ENV is a list of VAR=VALUE words
-test_env=(${TEST_ENV-})
-for t in ${TESTS-gpu_attention gpu_generate gpu_basic}; do
-    stamp "test $t ${test_env[*]}"
-    env "${test_env[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >"$OUT/test-$t.log" 2>&1 ||
-        status=1
-    echo "$t: $(grep -E '^test result' "$OUT/test-$t.log" || echo 'no result (failed or timed out)')" | tee -a "$LOG"
+# Each `;`-separated group of TEST_ENV runs every test of TESTS once.
+IFS=';' read -r -a test_envs <<<"${TEST_ENV-}"
+[ ${#test_envs[@]} -eq 0 ] && test_envs=("")
+: >"$OUT/tests.log"
+for group in "${test_envs[@]}"; do
+    # shellcheck disable=SC2206 # a group is a list of VAR=VALUE words
+    settings=($group)
+    for t in ${TESTS-gpu_attention gpu_generate gpu_basic}; do
+        stamp "test $t ${settings[*]}"
+        echo "===== $t ${settings[*]}" >>"$OUT/tests.log"
+        env "${settings[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >/tmp/switch-test.log 2>&1 ||
+            status=1
+        cat /tmp/switch-test.log >>"$OUT/tests.log"
+        echo "$t ${settings[*]}: $(grep -E '^test result' /tmp/switch-test.log || echo 'no result (failed or timed out)')" | tee -a "$LOG"
+    done
 done
 
 # One measurement under `env SETTING...`, its summary rows tagged with `label`.
