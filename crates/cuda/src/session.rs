@@ -870,7 +870,8 @@ impl CudaSession {
             return Err(CudaError::lower(
                 "segment",
                 format!(
-                    "nodes {nodes:?} cut a multi-tensor AdamW launch: open the session with STEPGRAPH_MULTI_TENSOR=0"
+                    "nodes {nodes:?} cut a merged launch (multi-tensor AdamW, or a layer's two cache writes): \
+                     open the session with STEPGRAPH_MULTI_TENSOR=0"
                 ),
             ));
         }
