@@ -502,11 +502,11 @@ impl CudaSession {
     /// GPU; joins the group's communicator (blocking until every rank has)
     /// after the step's memory is allocated.
     ///
-    /// The stages, in order: [`check_rank`], [`open_device`], [`allocate`]
-    /// (which checks that the plan fits first), [`lower_step`],
-    /// [`side_stream`], [`load_launches`], [`plan_gemms`] and
-    /// [`join_group`]; device memory is sampled between them for the
-    /// [`MemoryReport`].
+    /// The stages, in order (private functions of this module but
+    /// [`lower_step`]): `check_rank`, `open_device`, `allocate` (which
+    /// checks that the plan fits first), [`lower_step`], `side_stream`,
+    /// `load_launches`, `plan_gemms` and `join_group`; device memory is
+    /// sampled between them for the [`MemoryReport`].
     pub fn new_rank(trace: Trace, plan: MemoryPlan, opts: CudaOptions, rank: RankOptions) -> Result<Self> {
         let mut clock = StageClock::start();
         let (group, nccl) = check_rank(&trace, &rank)?;

@@ -100,7 +100,7 @@ fn split_static_shared(dtype: DType, heads: usize) -> usize {
 }
 
 /// How the split pass reads the cache: `(stages, pitch)`, where `stages`
-/// is 0 to read key and value rows in place, or [`CA_STAGES`] to copy each
+/// is 0 to read key and value rows in place, or `CA_STAGES` (2) to copy each
 /// warp's tiles into a ring in shared memory first (cp.async, `stages − 1`
 /// tiles ahead), rows `pitch` elements apart. Staging needs loads of at
 /// least 4 bytes (cp.async's smallest copy) and a ring that fits next to

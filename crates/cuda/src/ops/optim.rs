@@ -134,7 +134,7 @@ fn merge_key(l: &Launch) -> Option<(&str, &[Arg], &[Arg])> {
     }
 }
 
-/// Runs of two or more consecutive AdamW launches with one [`merge_key`],
+/// Runs of two or more consecutive AdamW launches with one `merge_key`,
 /// as multi-tensor launches of up to [`MULTI_MAX_TENSORS`] updates each,
 /// with the same results bit for bit (the same arithmetic per element).
 /// `nodes[j]` is launch `j`'s node; returns the launches, each one's last
