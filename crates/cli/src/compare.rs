@@ -5,7 +5,7 @@
 //! The reference is the folder `shared/bench/torch_reference.py --save DIR`
 //! writes: `config.json` (the Hugging Face config), `weights.safetensors`
 //! (the state dict), `io.safetensors` (`input_ids` [B, T] and the first
-//! step's `loss` [1]) and `grads.safetensors` (every parameter's gradient of
+//! step's `loss` \[1\]) and `grads.safetensors` (every parameter's gradient of
 //! that step, Hugging Face names). The model is built from `config.json`, the
 //! batch shape from `input_ids`. The step is compiled once
 //! ([`compile_step`]) and then bound to a backend session (a `dyn Session`:

@@ -136,7 +136,7 @@ fn attention_fwd<T: Float>(a: Fwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for Attention {
-    /// [`attention_cases`].
+    /// `attention_cases`.
     fn samples(d: DType) -> Vec<Sample> {
         attention_cases()
             .into_iter()
@@ -291,7 +291,7 @@ fn attention_bwd<T: Float>(a: Bwd<T>, n: Dims, scale: f64) {
 }
 
 impl OpDef for AttentionBackward {
-    /// [`attention_cases`] without and with the lse cotangent, o and lse
+    /// `attention_cases` without and with the lse cotangent, o and lse
     /// from the forward.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();

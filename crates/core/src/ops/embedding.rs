@@ -44,7 +44,7 @@ fn min_rows_per_task(width: usize) -> usize {
 pub struct Embedding;
 
 impl OpDef for Embedding {
-    /// [`embedding_cases`] with i32 and i64 ids, and fixed ids with a known
+    /// `embedding_cases` with i32 and i64 ids, and fixed ids with a known
     /// repeat pattern and an unused row.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
@@ -124,7 +124,7 @@ pub struct EmbeddingBackward {
 }
 
 impl OpDef for EmbeddingBackward {
-    /// [`embedding_cases`] with i32 and i64 ids from the first half of the
+    /// `embedding_cases` with i32 and i64 ids from the first half of the
     /// rows only (the others must come out zero), and fixed ids with rows
     /// repeated and rows never selected.
     fn samples(d: DType) -> Vec<Sample> {

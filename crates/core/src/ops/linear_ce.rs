@@ -238,7 +238,7 @@ fn zero<T: Float>(buf: &mut [T]) {
 // ---------------------------------------------------------------- forward
 
 impl OpDef for LinearCrossEntropy {
-    /// [`lce_cases`].
+    /// `lce_cases`.
     fn samples(d: DType) -> Vec<Sample> {
         lce_cases(d)
             .into_iter()
@@ -373,7 +373,7 @@ fn forward_kernel<T: HeadFloat>(op: &LinearCrossEntropy, d: &Dims, io: &KernelIo
 // ---------------------------------------------------------------- backward
 
 impl OpDef for LinearCrossEntropyBackward {
-    /// [`lce_cases`] with lse from the forward: a loss cotangent alone, with
+    /// `lce_cases` with lse from the forward: a loss cotangent alone, with
     /// the lse cotangent, the lse cotangent alone (a zero loss cotangent),
     /// and neither (zero gradients). The single-class case is left out: its
     /// gradient is exactly zero, and a narrow run's `lse` (from logits

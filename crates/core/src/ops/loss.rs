@@ -126,7 +126,7 @@ pub struct CrossEntropy {
 }
 
 impl OpDef for CrossEntropy {
-    /// [`ce_cases`].
+    /// `ce_cases`.
     fn samples(d: DType) -> Vec<Sample> {
         ce_cases(d)
             .into_iter()
@@ -218,7 +218,7 @@ pub struct CrossEntropyBackward {
 }
 
 impl OpDef for CrossEntropyBackward {
-    /// [`ce_cases`] with lse from the forward: a loss cotangent alone, with
+    /// `ce_cases` with lse from the forward: a loss cotangent alone, with
     /// the lse cotangent, the lse cotangent alone (a zero loss cotangent),
     /// and neither (a zero gradient).
     fn samples(d: DType) -> Vec<Sample> {

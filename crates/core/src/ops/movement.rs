@@ -274,7 +274,7 @@ fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
 }
 
 impl OpDef for Slice {
-    /// [`SLICES`].
+    /// `SLICES`.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
         for dt in movement_dtypes(d) {
@@ -372,7 +372,7 @@ pub struct SliceBackward {
 }
 
 impl OpDef for SliceBackward {
-    /// The cotangents of [`SLICES`].
+    /// The cotangents of `SLICES`.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
         for dt in movement_dtypes(d) {

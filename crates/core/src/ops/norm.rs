@@ -138,7 +138,7 @@ fn rms_norm_fwd<T: Float>(x: &[T], w: &[T], eps: f64, y: &mut [T], rstd: &mut [T
 }
 
 impl OpDef for RmsNorm {
-    /// [`ROW_SHAPES`], and a model-like `[2, 3, 8]` with eps 1e-5.
+    /// `ROW_SHAPES`, and a model-like `[2, 3, 8]` with eps 1e-5.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = vec![Sample::new(RmsNorm { eps: 1e-5 }, vec![normal(d, &[2, 3, 8]), normal(d, &[8])])];
         for shape in ROW_SHAPES {
@@ -229,7 +229,7 @@ fn rms_norm_bwd<T: Float>(a: RmsGrads<T>, gx: &mut [T], gw: &mut [T]) {
 }
 
 impl OpDef for RmsNormBackward {
-    /// [`ROW_SHAPES`] without and with the rstd cotangent, rstd from the
+    /// `ROW_SHAPES` without and with the rstd cotangent, rstd from the
     /// forward, except for rows of one element: there the input gradient of
     /// the forward's own rstd cancels to rounding noise, which no tolerance
     /// relative to the result bounds, so rstd is drawn independently.
@@ -373,7 +373,7 @@ fn layer_norm_fwd<T: Float>(
 }
 
 impl OpDef for LayerNorm {
-    /// [`ROW_SHAPES`], and a model-like `[2, 3, 8]`.
+    /// `ROW_SHAPES`, and a model-like `[2, 3, 8]`.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
         for shape in [&[2, 3, 8][..]].into_iter().chain(ROW_SHAPES) {
@@ -489,7 +489,7 @@ fn layer_norm_bwd<T: Float>(a: LnGrads<T>, gx: &mut [T], gw: &mut [T], gb: &mut 
 }
 
 impl OpDef for LayerNormBackward {
-    /// [`ROW_SHAPES`] without and with the statistics' cotangents, mean and
+    /// `ROW_SHAPES` without and with the statistics' cotangents, mean and
     /// rstd from the forward except for rows of one element (see
     /// [`RmsNormBackward`]'s samples).
     fn samples(d: DType) -> Vec<Sample> {

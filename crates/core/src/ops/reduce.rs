@@ -116,7 +116,7 @@ impl ReducePlan {
 }
 
 impl OpDef for Reduce {
-    /// Sum, mean and max, with and without kept axes, over [`reduce_cases`].
+    /// Sum, mean and max, with and without kept axes, over `reduce_cases`.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
         for (shape, axes) in reduce_cases() {
@@ -225,7 +225,7 @@ pub struct MaxBackward {
 }
 
 impl OpDef for MaxBackward {
-    /// [`reduce_cases`] on random values and on values full of ties (which
+    /// `reduce_cases` on random values and on values full of ties (which
     /// share the cotangent), with the max from the forward.
     fn samples(d: DType) -> Vec<Sample> {
         let mut v = Vec::new();
