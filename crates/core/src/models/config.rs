@@ -141,6 +141,17 @@ const NAMED: &[Named] = &[
     Named { name: "Meta-Llama-3-8B", hf_repo: Some("meta-llama/Meta-Llama-3-8B"), build: meta_llama_3_8b },
     Named { name: "Qwen2.5-7B", hf_repo: Some("Qwen/Qwen2.5-7B"), build: qwen2_5_7b },
     Named { name: "Mistral-7B-v0.1", hf_repo: Some("mistralai/Mistral-7B-v0.1"), build: mistral_7b_v0_1 },
+    Named { name: "Qwen2.5-0.5B", hf_repo: Some("Qwen/Qwen2.5-0.5B"), build: qwen2_5_0_5b },
+    Named { name: "Qwen2.5-1.5B", hf_repo: Some("Qwen/Qwen2.5-1.5B"), build: qwen2_5_1_5b },
+    Named { name: "Qwen2.5-3B", hf_repo: Some("Qwen/Qwen2.5-3B"), build: qwen2_5_3b },
+    Named { name: "Llama-3.2-1B", hf_repo: Some("meta-llama/Llama-3.2-1B"), build: llama_3_2_1b },
+    Named { name: "Llama-3.2-3B", hf_repo: Some("meta-llama/Llama-3.2-3B"), build: llama_3_2_3b },
+    Named { name: "Llama-3.1-8B", hf_repo: Some("meta-llama/Llama-3.1-8B"), build: llama_3_1_8b },
+    Named {
+        name: "tiny-llama-1.1b",
+        hf_repo: Some("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"),
+        build: tiny_llama_1_1b,
+    },
     Named { name: "pythia-14m", hf_repo: Some("EleutherAI/pythia-14m"), build: pythia_14m },
     Named { name: "pythia-160m", hf_repo: Some("EleutherAI/pythia-160m"), build: pythia_160m },
     Named { name: "tiny-llama", hf_repo: None, build: tiny_llama },
@@ -149,8 +160,26 @@ const NAMED: &[Named] = &[
 ];
 
 /// Extra names that resolve to a named config: litgpt calls Meta's 8B model
-/// `Llama-3-8B` while its Hugging Face repo is `Meta-Llama-3-8B`.
-const ALIASES: &[(&str, &str)] = &[("Llama-3-8B", "Meta-Llama-3-8B")];
+/// `Llama-3-8B` while its Hugging Face repo is `Meta-Llama-3-8B`; the
+/// instruction-tuned and chat releases share their base model's geometry
+/// (their repo ids resolve through the name after the org, as any repo id).
+const ALIASES: &[(&str, &str)] = &[
+    ("Llama-3-8B", "Meta-Llama-3-8B"),
+    ("Meta-Llama-3-8B-Instruct", "Meta-Llama-3-8B"),
+    ("Llama-3-8B-Instruct", "Meta-Llama-3-8B"),
+    ("Meta-Llama-3.1-8B", "Llama-3.1-8B"),
+    ("Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+    ("Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+    ("Llama-3.2-1B-Instruct", "Llama-3.2-1B"),
+    ("Llama-3.2-3B-Instruct", "Llama-3.2-3B"),
+    ("Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B"),
+    ("Qwen2.5-1.5B-Instruct", "Qwen2.5-1.5B"),
+    ("Qwen2.5-3B-Instruct", "Qwen2.5-3B"),
+    ("Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
+    ("Mistral-7B-Instruct-v0.1", "Mistral-7B-v0.1"),
+    ("tiny-llama-1.1b-chat", "tiny-llama-1.1b"),
+    ("TinyLlama-1.1B-Chat-v1.0", "tiny-llama-1.1b"),
+];
 
 impl Named {
     /// Whether `name` is this config's name, its Hugging Face repo id
@@ -347,6 +376,107 @@ fn mistral_7b_v0_1() -> Config {
     }
 }
 
+/// Qwen2.5's small models: 151936 embedding rows, grouped heads of 64 or
+/// 128, biases on q/k/v, RoPE base 1e6, the LM head tied to the embedding.
+fn qwen2_5_small(
+    name: &str,
+    n_layer: usize,
+    n_embd: usize,
+    n_head: usize,
+    head_size: usize,
+    intermediate_size: usize,
+) -> Config {
+    Config {
+        block_size: 32768,
+        vocab_size: 151643,
+        padded_vocab_size: 151936,
+        n_layer,
+        n_embd,
+        n_head,
+        n_query_groups: 2,
+        head_size,
+        intermediate_size,
+        norm_eps: 1e-6,
+        rope_base: 1000000.0,
+        attn_qkv_bias: true,
+        tie_embeddings: true,
+        ..llama_base(name)
+    }
+}
+
+fn qwen2_5_0_5b() -> Config {
+    qwen2_5_small("Qwen2.5-0.5B", 24, 896, 14, 64, 4864)
+}
+
+fn qwen2_5_1_5b() -> Config {
+    qwen2_5_small("Qwen2.5-1.5B", 28, 1536, 12, 128, 8960)
+}
+
+fn qwen2_5_3b() -> Config {
+    qwen2_5_small("Qwen2.5-3B", 36, 2048, 16, 128, 11008)
+}
+
+/// Llama 3.1's RoPE: base 500000, frequencies rescaled for a context
+/// `factor` times the 8192 positions it was trained on.
+fn llama_3_1_rope(factor: f64) -> Option<Llama3Scaling> {
+    Some(Llama3Scaling { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 })
+}
+
+/// Llama 3.1 and 3.2: Llama 3's 128256-row vocabulary and 8 kv heads.
+fn llama_3_x(name: &str, n_layer: usize, n_embd: usize, n_head: usize, head_size: usize) -> Config {
+    Config {
+        block_size: 131072,
+        vocab_size: 128000,
+        padded_vocab_size: 128256,
+        n_layer,
+        n_embd,
+        n_head,
+        n_query_groups: 8,
+        head_size,
+        rope_base: 500000.0,
+        ..llama_base(name)
+    }
+}
+
+fn llama_3_2_1b() -> Config {
+    Config {
+        intermediate_size: 8192,
+        rope_scaling: llama_3_1_rope(32.0),
+        tie_embeddings: true,
+        ..llama_3_x("Llama-3.2-1B", 16, 2048, 32, 64)
+    }
+}
+
+fn llama_3_2_3b() -> Config {
+    Config {
+        intermediate_size: 8192,
+        rope_scaling: llama_3_1_rope(32.0),
+        tie_embeddings: true,
+        ..llama_3_x("Llama-3.2-3B", 28, 3072, 24, 128)
+    }
+}
+
+fn llama_3_1_8b() -> Config {
+    Config {
+        intermediate_size: 14336,
+        rope_scaling: llama_3_1_rope(8.0),
+        ..llama_3_x("Llama-3.1-8B", 32, 4096, 32, 128)
+    }
+}
+
+fn tiny_llama_1_1b() -> Config {
+    Config {
+        block_size: 2048,
+        n_layer: 22,
+        n_embd: 2048,
+        n_head: 32,
+        n_query_groups: 4,
+        head_size: 64,
+        intermediate_size: 5632,
+        ..llama_base("tiny-llama-1.1b")
+    }
+}
+
 fn pythia_14m() -> Config {
     neox_base("pythia-14m", 512, 6, 128, 4)
 }
@@ -478,9 +608,12 @@ pub(super) fn config_error(model: &str, reason: impl Into<String>) -> Error {
 impl Config {
     /// The config called `name`: a litgpt name (`open_llama_3b`,
     /// `Llama-2-7b-hf`, `Meta-Llama-3-8B` (litgpt's `Llama-3-8B` works too),
-    /// `Qwen2.5-7B`, `Mistral-7B-v0.1`, `pythia-14m`, `pythia-160m`), a
-    /// Hugging Face repo id such as `Qwen/Qwen2.5-7B`, or one of the small
-    /// configs `tiny-llama`, `tiny-neox` and `w3-llama`.
+    /// `Qwen2.5-7B`, `Mistral-7B-v0.1`, `Qwen2.5-0.5B`, `Qwen2.5-1.5B`,
+    /// `Qwen2.5-3B`, `Llama-3.2-1B`, `Llama-3.2-3B`, `Llama-3.1-8B`,
+    /// `tiny-llama-1.1b`, `pythia-14m`, `pythia-160m`, and the instruction
+    /// and chat releases of these), a Hugging Face repo id such as
+    /// `Qwen/Qwen2.5-7B`, or one of the small configs `tiny-llama`,
+    /// `tiny-neox` and `w3-llama`.
     ///
     /// A name that matches none of these exactly is looked up again
     /// ignoring case (`qwen2.5-7b`), and a repo id `org/name` by its
@@ -802,12 +935,20 @@ pub(crate) mod tests {
 
     #[test]
     fn param_counts_match_the_real_models() {
-        let expected: [(&str, u64); 7] = [
+        // The counts the models' own releases give (safetensors metadata).
+        let expected: [(&str, u64); 14] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
             ("Qwen2.5-7B", 7_615_616_512),
             ("Mistral-7B-v0.1", 7_241_732_096),
+            ("Qwen2.5-0.5B", 494_032_768),
+            ("Qwen2.5-1.5B", 1_543_714_304),
+            ("Qwen2.5-3B", 3_085_938_688),
+            ("Llama-3.2-1B", 1_235_814_400),
+            ("Llama-3.2-3B", 3_212_749_824),
+            ("Llama-3.1-8B", 8_030_261_248),
+            ("tiny-llama-1.1b", 1_100_048_384),
             ("pythia-14m", 14_067_712),
             ("pythia-160m", 162_322_944),
         ];
@@ -836,6 +977,12 @@ pub(crate) mod tests {
             ("mistralai/Mistral-7B-v0.1", "Mistral-7B-v0.1"),
             ("EleutherAI/pythia-14m", "pythia-14m"),
             ("EleutherAI/pythia-160m", "pythia-160m"),
+            ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B"),
+            ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
+            ("meta-llama/Llama-3.2-1B-Instruct", "Llama-3.2-1B"),
+            ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+            ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", "tiny-llama-1.1b"),
+            ("tiny-llama-1.1b-chat", "tiny-llama-1.1b"),
         ];
         for (id, name) in pairs {
             assert_eq!(named(id), named(name), "{id}");
@@ -905,8 +1052,10 @@ pub(crate) mod tests {
 
     #[test]
     fn unknown_names_suggest_the_closest() {
-        let cases: [(&str, &[&str]); 6] = [
-            ("qwen2.5-8b", &["Qwen2.5-7B"]),
+        let cases: [(&str, &[&str]); 8] = [
+            ("qwen2.5-7", &["Qwen2.5-7B"]),
+            ("qwen2.5-0.6b", &["Qwen2.5-0.5B"]),
+            ("llama-3.2-2b", &["Llama-3.2-1B", "Llama-3.2-3B"]),
             ("Qwen2-7B", &["Qwen2.5-7B"]),
             ("pythia-14", &["pythia-14m"]),
             ("tiny_llama", &["tiny-llama"]),

@@ -472,6 +472,67 @@ mod tests {
       "vocab_size": 128256
     }"#;
 
+    // The config.json files of Qwen/Qwen2.5-0.5B and meta-llama/Llama-3.2-1B.
+    const QWEN2_5_0_5B_JSON: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"],
+      "attention_dropout": 0.0,
+      "bos_token_id": 151643,
+      "eos_token_id": 151643,
+      "hidden_act": "silu",
+      "hidden_size": 896,
+      "initializer_range": 0.02,
+      "intermediate_size": 4864,
+      "max_position_embeddings": 32768,
+      "max_window_layers": 24,
+      "model_type": "qwen2",
+      "num_attention_heads": 14,
+      "num_hidden_layers": 24,
+      "num_key_value_heads": 2,
+      "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0,
+      "sliding_window": 32768,
+      "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.40.1",
+      "use_cache": true,
+      "use_mrope": false,
+      "use_sliding_window": false,
+      "vocab_size": 151936
+    }"#;
+    const LLAMA_3_2_1B_JSON: &str = r#"{
+      "architectures": ["LlamaForCausalLM"],
+      "attention_bias": false,
+      "attention_dropout": 0.0,
+      "bos_token_id": 128000,
+      "eos_token_id": 128001,
+      "head_dim": 64,
+      "hidden_act": "silu",
+      "hidden_size": 2048,
+      "initializer_range": 0.02,
+      "intermediate_size": 8192,
+      "max_position_embeddings": 131072,
+      "mlp_bias": false,
+      "model_type": "llama",
+      "num_attention_heads": 32,
+      "num_hidden_layers": 16,
+      "num_key_value_heads": 8,
+      "pretraining_tp": 1,
+      "rms_norm_eps": 1e-05,
+      "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"
+      },
+      "rope_theta": 500000.0,
+      "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.45.0.dev0",
+      "use_cache": true,
+      "vocab_size": 128256
+    }"#;
+
     const QWEN2_5_7B_JSON: &str = r#"{
       "architectures": ["Qwen2ForCausalLM"],
       "attention_dropout": 0.0,
@@ -609,6 +670,14 @@ mod tests {
         let qwen = Config::from_hf_json(QWEN2_5_7B_JSON, "Qwen2.5-7B").unwrap();
         assert_eq!(qwen, Config { vocab_size: 152064, ..named("Qwen2.5-7B") });
         assert_eq!(qwen.param_count(), 7_615_616_512);
+
+        let qwen_small = Config::from_hf_json(QWEN2_5_0_5B_JSON, "Qwen2.5-0.5B").unwrap();
+        assert_eq!(qwen_small, Config { vocab_size: 151936, ..named("Qwen2.5-0.5B") });
+        assert_eq!(qwen_small.param_count(), 494_032_768);
+
+        let llama32 = Config::from_hf_json(LLAMA_3_2_1B_JSON, "Llama-3.2-1B").unwrap();
+        assert_eq!(llama32, Config { vocab_size: 128256, ..named("Llama-3.2-1B") });
+        assert_eq!(llama32.param_count(), 1_235_814_400);
 
         let pythia = Config::from_hf_json(PYTHIA_14M_JSON, "pythia-14m").unwrap();
         assert_eq!(pythia, Config { vocab_size: 50304, block_size: 2048, ..named("pythia-14m") });
