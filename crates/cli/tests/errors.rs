@@ -22,15 +22,24 @@ fn fails_with(args: &[&str], want: &[&str]) -> String {
 #[test]
 fn unknown_models_suggest_the_closest_and_close_spellings_resolve() {
     let err = fails_with(
-        &["plan", "--model", "qwen2.5-8b"],
-        &["unknown model name `qwen2.5-8b`", "did you mean `Qwen2.5-7B`?"],
+        &["plan", "--model", "qwen2.5-7"],
+        &["unknown model name `qwen2.5-7`", "did you mean `Qwen2.5-7B`, "],
     );
     assert!(err.contains("known models: open_llama_3b"), "{err}");
+    // Equally close names are all offered.
+    fails_with(&["plan", "--model", "qwen2.5-8b"], &["did you mean `Qwen2.5-3B`, `Qwen2.5-7B`, `Qwen2.5-0.5B`?"]);
     fails_with(&["plan", "--model", "pythia-14"], &["did you mean `pythia-14m`, `pythia-160m`?"]);
     let err = fails_with(&["plan", "--model", "gpt-17"], &["unknown model name `gpt-17`"]);
     assert!(!err.contains("did you mean"), "nothing is close to gpt-17: {err}");
     // Case-insensitive names, Hugging Face repo ids and litgpt names resolve.
-    for name in ["qwen2.5-7b", "Qwen/Qwen2.5-7B", "meta-llama/Meta-Llama-3-8B", "Llama-3-8B", "TINY-LLAMA"] {
+    for name in [
+        "qwen2.5-7b",
+        "Qwen/Qwen2.5-7B",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "meta-llama/Meta-Llama-3-8B",
+        "Llama-3-8B",
+        "TINY-LLAMA",
+    ] {
         let (ok, _, err) = stepgraph(&["plan", "--model", name, "--n-layer", "1", "--seq", "8"]);
         assert!(ok, "{name}: {err}");
     }
