@@ -438,22 +438,22 @@ fn llama_3_x(name: &str, n_layer: usize, n_embd: usize, n_head: usize, head_size
     }
 }
 
-fn llama_3_2_1b() -> Config {
+/// Llama 3.2: an 8192-wide MLP, RoPE rescaled 32 times, the head tied.
+fn llama_3_2(name: &str, n_layer: usize, n_embd: usize, n_head: usize, head_size: usize) -> Config {
     Config {
         intermediate_size: 8192,
         rope_scaling: llama_3_1_rope(32.0),
         tie_embeddings: true,
-        ..llama_3_x("Llama-3.2-1B", 16, 2048, 32, 64)
+        ..llama_3_x(name, n_layer, n_embd, n_head, head_size)
     }
 }
 
+fn llama_3_2_1b() -> Config {
+    llama_3_2("Llama-3.2-1B", 16, 2048, 32, 64)
+}
+
 fn llama_3_2_3b() -> Config {
-    Config {
-        intermediate_size: 8192,
-        rope_scaling: llama_3_1_rope(32.0),
-        tie_embeddings: true,
-        ..llama_3_x("Llama-3.2-3B", 28, 3072, 24, 128)
-    }
+    llama_3_2("Llama-3.2-3B", 28, 3072, 24, 128)
 }
 
 fn llama_3_1_8b() -> Config {
