@@ -142,11 +142,9 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* src, i64 at, i64 str
                                            int pitch, int lane) {
     int r = lane / packs, pk = lane - r * packs;
     const int step_rows = 32 / packs, step_packs = 32 - step_rows * packs;
+    static_assert(VW * sizeof(T) >= 4, "cp.async copies 4, 8 or 16 bytes: 2-byte packs are read in place");
     for (; r < n_keys;) {
-        if constexpr (VW * sizeof(T) >= 4)
-            cp_async<VW * sizeof(T)>(dst + r * pitch + pk * VW, src + at + r * stride + pk * VW, true);
-        else  // cp.async copies 4, 8 or 16 bytes; the host never stages 2-byte packs
-            dst[r * pitch + pk * VW] = src[at + r * stride + pk * VW];
+        cp_async<VW * sizeof(T)>(dst + r * pitch + pk * VW, src + at + r * stride + pk * VW, true);
         r += step_rows;
         pk += step_packs;
         if (pk >= packs) {
@@ -204,11 +202,13 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
     // Stages tile i (keys from first + i·CA_WARPS·32) into its slot; past
     // the split the groups are empty, so every tile commits two groups.
     auto stage = [&](int i) {
-        const i64 j0 = first + (i64)i * CA_WARPS * 32;
-        const int n_keys = j0 < hi ? (int)min((i64)32, hi - j0) : 0;
-        T* slot = slots + (i64)(i % (ST > 0 ? ST : 1)) * 64 * pitch;
-        stage_rows<T, VW>(slot, kc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
-        stage_rows<T, VW>(slot + 32 * pitch, vc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
+        if constexpr (ST > 0) {
+            const i64 j0 = first + (i64)i * CA_WARPS * 32;
+            const int n_keys = j0 < hi ? (int)min((i64)32, hi - j0) : 0;
+            T* slot = slots + (i64)(i % ST) * 64 * pitch;
+            stage_rows<T, VW>(slot, kc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
+            stage_rows<T, VW>(slot + 32 * pitch, vc, head_at + j0 * stride, stride, n_keys, packs, pitch, lane);
+        }
     };
     if constexpr (ST > 0)
         for (int i = 0; i < ST - 1; ++i) stage(i);

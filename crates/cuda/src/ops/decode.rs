@@ -85,7 +85,7 @@ pub fn load_width(dtype: DType, d: usize, align: u64) -> (usize, usize) {
 }
 
 /// `CA_WARPS` of decode.cu: warps per split block, each with its own ring.
-const CA_WARPS: usize = 4;
+pub(crate) const CA_WARPS: usize = 4;
 /// Stages of a warp's ring when the split pass stages the cache.
 const CA_STAGES: usize = 2;
 /// Shared memory a block may hold on sm_90 (static and dynamic together).
@@ -276,11 +276,14 @@ impl Lower for CachedAttention {
         ];
         let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
         let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_s{stages}_{sfx}");
-        let mut split_launch = launch(MODULE, split, grid, (CA_THREADS, 1, 1), split_args);
-        if let Launch::Kernel(k) = &mut split_launch {
-            k.shared_bytes = split_staged_bytes(dt, pitch, stages) as u32;
-        }
-        let mut launches = vec![split_launch];
+        let mut launches = vec![Launch::Kernel(KernelLaunch {
+            module: MODULE,
+            function: split,
+            grid,
+            block: (CA_THREADS, 1, 1),
+            shared_bytes: split_staged_bytes(dt, pitch, stages) as u32,
+            args: split_args,
+        })];
         // With D = 0 the output is empty and the partials hold (m, l) only;
         // with one split the split pass writes o itself.
         if n.d > 0 && n.splits > 1 {

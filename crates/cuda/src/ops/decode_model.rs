@@ -25,7 +25,7 @@ use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
 /// Constants of decode.cu the model mirrors.
 const SN_CANDIDATES: usize = 1536;
 const SN_PIVOTS: u64 = 3;
-const CA_WARPS: i64 = 4;
+const CA_WARPS: i64 = super::decode::CA_WARPS as i64;
 
 /// Staged split launches the model has run (the attention test checks
 /// that its staged lowering really staged some).
