@@ -356,7 +356,7 @@ impl Blas {
         };
         let mut out: Vec<ls::cublasLtMatmulAlgo_t> = Vec::new();
         for base in plan.candidates.iter().filter_map(Candidate::lt).take(SPLIT_K_BASES) {
-            if self.config(&Candidate::Lt(*base)).split_k > 1 || cap(base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) == 0 {
+            if lt_config(base).split_k > 1 || cap(base, Cap::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) == 0 {
                 continue;
             }
             let schemes = cap(base, Cap::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
@@ -407,29 +407,34 @@ impl Blas {
     /// What a report says of `candidate`: its cuBLASLt configuration, or
     /// [`CUBLAS_ALGO_ID`](super::cublas::CUBLAS_ALGO_ID) for cuBLAS's GEMM.
     fn config(&self, candidate: &Candidate) -> AlgoConfig {
-        use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
-        let Candidate::Lt(algo) = candidate else {
-            return AlgoConfig { id: super::cublas::CUBLAS_ALGO_ID, ..AlgoConfig::default() };
-        };
-        let get = |attr: A| -> u32 {
-            let (mut v, mut written) = (0u32, 0usize);
-            // SAFETY: every attribute read here is a 4-byte integer.
-            unsafe {
-                ls::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written)
-            };
-            v
-        };
-        AlgoConfig {
-            id: get(A::CUBLASLT_ALGO_CONFIG_ID) as i32,
-            tile: get(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
-            stages: get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
-            split_k: get(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+        match candidate {
+            Candidate::Lt(algo) => lt_config(algo),
+            Candidate::Cublas => AlgoConfig { id: super::cublas::CUBLAS_ALGO_ID, ..AlgoConfig::default() },
         }
     }
 
     /// What autotuning did in this session (empty when off).
     pub fn tuning(&self) -> &GemmTuning {
         &self.tuning
+    }
+}
+
+/// A cuBLASLt algorithm's configuration.
+fn lt_config(algo: &ls::cublasLtMatmulAlgo_t) -> AlgoConfig {
+    use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
+    let get = |attr: A| -> u32 {
+        let (mut v, mut written) = (0u32, 0usize);
+        // SAFETY: every attribute read here is a 4-byte integer.
+        unsafe {
+            ls::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written)
+        };
+        v
+    };
+    AlgoConfig {
+        id: get(A::CUBLASLT_ALGO_CONFIG_ID) as i32,
+        tile: get(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+        stages: get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        split_k: get(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
     }
 }
 

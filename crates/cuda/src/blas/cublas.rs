@@ -63,17 +63,29 @@ pub(super) fn eligible(key: &PlanKey, in_place: bool) -> bool {
 pub(super) struct Cublas {
     handle: cs::cublasHandle_t,
     tf32: bool,
+    /// [`CublasUse::Only`]: the sole candidate of every shape it can run.
+    pub(super) only: bool,
 }
 
 impl Cublas {
-    pub(super) fn new(workspace: u64, workspace_bytes: usize, tf32: bool) -> Result<Self> {
+    /// cuBLAS as `how` asks for it: `None` when [`CublasUse::Off`].
+    pub(super) fn open(how: CublasUse, workspace: u64, workspace_bytes: usize, tf32: bool) -> Result<Option<Self>> {
+        match how {
+            CublasUse::Off => Ok(None),
+            CublasUse::Candidate | CublasUse::Only => {
+                Self::new(workspace, workspace_bytes, tf32, how == CublasUse::Only).map(Some)
+            }
+        }
+    }
+
+    fn new(workspace: u64, workspace_bytes: usize, tf32: bool, only: bool) -> Result<Self> {
         // SAFETY: dlopen check only.
         if !unsafe { cs::is_culib_present() } {
             return Err(CudaError::Missing { lib: "cublas", hint: "install the CUDA toolkit's cuBLAS".into() });
         }
         let err = |what: &str, e: cr::CublasError| CudaError::Blas(format!("{what}: {e:?}"));
         let handle = cr::create_handle().map_err(|e| err("cublasCreate", e))?;
-        let cublas = Cublas { handle, tf32 };
+        let cublas = Cublas { handle, tf32, only };
         // SAFETY: a live handle, and a workspace inside the session's
         // allocation that outlives it (the session drops Blas first).
         unsafe {

@@ -81,9 +81,8 @@ pub struct Blas {
     candidates: usize,
     /// Whether tuning also times split-k variants of products of few tiles.
     split_k: bool,
-    /// cuBLAS, when its GEMM is used ([`CUBLAS_ENV`]), and how.
+    /// cuBLAS, when its GEMM is used ([`CUBLAS_ENV`]).
     cublas: Option<cublas::Cublas>,
-    cublas_use: CublasUse,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -102,11 +101,8 @@ impl Blas {
         }
         let candidates = candidates_from_env()?;
         let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
-        let cublas_use = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
-        let cublas = match cublas_use {
-            CublasUse::Off => None,
-            CublasUse::Candidate | CublasUse::Only => Some(cublas::Cublas::new(workspace, workspace_bytes, tf32)?),
-        };
+        let how = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
+        let cublas = cublas::Cublas::open(how, workspace, workspace_bytes, tf32)?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -117,7 +113,6 @@ impl Blas {
             candidates,
             split_k,
             cublas,
-            cublas_use,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },

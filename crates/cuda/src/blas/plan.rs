@@ -214,12 +214,12 @@ impl Blas {
             let variants = self.split_k_variants(&plan);
             plan.candidates.extend(variants.into_iter().map(Candidate::Lt));
         }
-        if self.cublas.is_some() && super::cublas::eligible(k, in_place) && !plan.candidates.is_empty() {
-            match self.cublas_use {
+        if let Some(cublas) = self.cublas.as_ref().filter(|_| super::cublas::eligible(k, in_place)) {
+            if cublas.only {
                 // Tests: the only candidate, so every run takes this path.
-                super::CublasUse::Only => plan.candidates = vec![Candidate::Cublas],
-                _ if self.autotune => plan.candidates.push(Candidate::Cublas),
-                _ => {}
+                plan.candidates = vec![Candidate::Cublas];
+            } else if self.autotune && !plan.candidates.is_empty() {
+                plan.candidates.push(Candidate::Cublas);
             }
         }
         plan.algo = *plan
