@@ -53,6 +53,22 @@ template <typename T> __device__ __forceinline__ bool lce_packed(const T* base, 
     return cw % Pack<T>::N == 0 && ((unsigned long long)base & 15) == 0;
 }
 
+// f(x) for this thread's elements of a chunk row of cw (in 16-byte packs
+// when `packed`), each as the accumulator type.
+template <typename T, typename F> __device__ __forceinline__ void lce_row_each(const T* row, i64 cw, bool packed, F f) {
+    typedef Pack<T> P;
+    if (packed) {
+        for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
+            P p;
+            p.read(row, j);
+#pragma unroll
+            for (int e = 0; e < P::N; ++e) f(load(p.elems(), e));
+        }
+    } else {
+        for (i64 k = threadIdx.x; k < cw; k += blockDim.x) f(load(row, k));
+    }
+}
+
 // The log-sum-exp shift: the running max, or 0 when it is infinite (an all
 // −inf row gives −inf, not NaN, as the CPU).
 template <typename A> __device__ __forceinline__ A lce_shift(A m) {
@@ -74,36 +90,17 @@ __device__ void lce_chunk_stats(const T* __restrict__ logits, const void* __rest
                                 acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ run_sum,
                                 acc_t<T>* __restrict__ tlogit, i64 rows, i64 cw, i64 v0, i64 ignore_index) {
     typedef acc_t<T> A;
-    typedef Pack<T> P;
     __shared__ A scratch[32];
     const bool packed = lce_packed(logits, cw);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = logits + r * cw;
         const A old_max = lse[r];
         A m = old_max;
-        if (packed) {
-            for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
-                P p;
-                p.read(row, j);
-#pragma unroll
-                for (int e = 0; e < P::N; ++e) m = fmax(m, load(p.elems(), e));
-            }
-        } else {
-            for (i64 k = threadIdx.x; k < cw; k += blockDim.x) m = fmax(m, load(row, k));
-        }
+        lce_row_each(row, cw, packed, [&](A x) { m = fmax(m, x); });
         m = block_max(m, scratch);  // fmax ignores NaN, as Rust's `max`
         const A sh = lce_shift(m);
         A s = A(0);
-        if (packed) {
-            for (i64 j = threadIdx.x; j < cw / P::N; j += blockDim.x) {
-                P p;
-                p.read(row, j);
-#pragma unroll
-                for (int e = 0; e < P::N; ++e) s += exp(load(p.elems(), e) - sh);
-            }
-        } else {
-            for (i64 k = threadIdx.x; k < cw; k += blockDim.x) s += exp(load(row, k) - sh);
-        }
+        lce_row_each(row, cw, packed, [&](A x) { s += exp(x - sh); });
         s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
             const A old = run_sum[r];
