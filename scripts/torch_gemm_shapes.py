@@ -26,10 +26,9 @@ import json
 import re
 import sys
 
-LINE = re.compile(
-    r"^\s*(gemm_(?P<dt>f32|bf16|f16)_(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)(?P<flags>[a-z0-9_]*))\s+(?P<calls>\d+)x\s+"
-    r"candidate \d+/\d+(?:, split-k \d+|, cuBLAS)?\s+(?P<ms>[0-9.]+|-) ms"
-)
+# A shape line of the report (crates/cli/src/profile.rs, `tuning_lines`);
+# parse_shape reads the name.
+LINE = re.compile(r"^\s*(gemm_\S+)\s+(?P<calls>\d+)x\s+candidate \d+/\d+(?:, split-k \d+|, cuBLAS)?\s+(?P<ms>[0-9.]+|-) ms")
 
 
 def parse_shape(name):

@@ -96,9 +96,9 @@ pub fn print_tuning(tuning: &stepgraph_cuda::blas::GemmTuning) {
 
 /// The lines of a tuning report: the build time and what tuning saves per
 /// step, then each shape's chosen candidate (with its split-k count where
-/// it splits the depth, `cuBLAS` for cuBLAS's GEMM) against the heuristic's first; none when tuning is
-/// off. `scripts/torch_gemm_shapes.py` reads the shape lines: keep them in
-/// step with its pattern.
+/// it splits the depth, `cuBLAS` for cuBLAS's GEMM) against the
+/// heuristic's first; none when tuning is off. `scripts/torch_gemm_shapes.py`
+/// reads the shape lines: keep them in step with its pattern.
 pub fn tuning_lines(tuning: &stepgraph_cuda::blas::GemmTuning) -> Vec<String> {
     if !tuning.enabled {
         return Vec::new();
