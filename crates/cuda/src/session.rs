@@ -352,12 +352,13 @@ fn side_stream(
 }
 
 /// Stage 6: compiles (or loads from the disk cache) and loads every kernel
-/// module the launches use, looks each kernel up once (opting it in to
-/// more than 48 KiB of dynamic shared memory when it asks for that), and
+/// module the launches use, looks each kernel up once (opting it in to the
+/// most dynamic shared memory its launches ask for), and
 /// encodes every launch's arguments.
 fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> Result<Loaded> {
     let mut modules: HashMap<&'static str, Arc<CudaModule>> = HashMap::new();
-    let mut functions: HashMap<(String, String), cudarc::driver::sys::CUfunction> = HashMap::new();
+    // Each function with the dynamic shared bytes it is opted in to.
+    let mut functions: HashMap<(String, String), (cudarc::driver::sys::CUfunction, u32)> = HashMap::new();
     let mut prepared = Vec::with_capacity(launches.len());
     let mut gemms = Vec::new();
     for l in launches {
@@ -369,34 +370,38 @@ fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> R
                     modules.insert(k.module, module);
                 }
                 let key = (k.module.to_string(), k.function.clone());
-                let func = match functions.get(&key) {
-                    Some(f) => *f,
+                let (func, opted_in) = match functions.get(&key) {
+                    Some(&f) => f,
                     None => {
                         let f = modules[k.module].load_function(&k.function).map_err(|e| {
                             CudaError::Driver(format!("kernel `{}` in module `{}`: {e:?}", k.function, k.module))
                         })?;
-                        let raw = f.cu_function();
-                        // Kernels asking for more than the default 48 KiB of
-                        // shared memory must opt in; the function stays loaded
-                        // with its module, which the session keeps.
-                        if k.shared_bytes > 48 * 1024 {
-                            // SAFETY: `raw` is a function of a module loaded
-                            // above and kept in `modules` for the session's
-                            // life; the attribute is a documented one whose
-                            // value is a byte count (the driver rejects one
-                            // above the device's limit with an error).
-                            unsafe {
-                                dr::function::set_function_attribute(
-                                    raw,
-                                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    k.shared_bytes as i32,
-                                )
-                            }?;
-                        }
-                        functions.insert(key, raw);
-                        raw
+                        (f.cu_function(), 0)
                     }
                 };
+                // Kernels whose static and dynamic shared memory together
+                // pass the default 48 KiB must opt in to the dynamic part
+                // (a small ring next to large static arrays too: the driver
+                // rejects such a launch as an invalid argument). Opting in
+                // is harmless below 48 KiB, so every launch with dynamic
+                // shared memory does, to the largest any launch of the
+                // function asks for. The function stays loaded with its
+                // module, which the session keeps.
+                if k.shared_bytes > opted_in {
+                    // SAFETY: `func` is a function of a module loaded above
+                    // and kept in `modules` for the session's life; the
+                    // attribute is a documented one whose value is a byte
+                    // count (the driver rejects one above the device's
+                    // limit with an error).
+                    unsafe {
+                        dr::function::set_function_attribute(
+                            func,
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            k.shared_bytes as i32,
+                        )
+                    }?;
+                }
+                functions.insert(key, (func, opted_in.max(k.shared_bytes)));
                 let args = k.args.iter().map(|a| a.bytes()).collect();
                 Prepared::Kernel { func, launch: k, args }
             }
