@@ -425,9 +425,11 @@ fn plan_gemms(
     opts: &CudaOptions,
     gemms: &[crate::launch::GemmCall],
     stream: &Arc<CudaStream>,
+    arch: &str,
 ) -> Result<Blas> {
-    let mut blas =
-        Blas::new(alloc.workspace_base, alloc.workspace as usize, opts.tf32, crate::blas::autotune_from_env())?;
+    let ctx = stream.context();
+    let autotune = crate::blas::autotune_from_env();
+    let mut blas = Blas::new(alloc.workspace_base, alloc.workspace as usize, opts.tf32, autotune, ctx, arch)?;
     blas.plan_all(gemms)?;
     // Autotuning runs products on their real addresses. Nothing holds data
     // yet (weights and inputs are written after construction), and a
@@ -539,7 +541,7 @@ impl CudaSession {
         let Loaded { prepared, gemms, modules } = load_launches(&ctx, &arch, launches)?;
         let after_modules = used_bytes()?.0;
         clock.stage(STAGE_KERNEL_LOAD);
-        let blas = plan_gemms(&alloc, &opts, &gemms, &stream)?;
+        let blas = plan_gemms(&alloc, &opts, &gemms, &stream, &arch)?;
         memory.gemm_tune_ms = blas.tuning().wall_ms;
         // Planning and tuning are one stage; the tuning's own wall time splits them.
         let tuning = Duration::from_secs_f64(blas.tuning().wall_ms.max(0.0) / 1e3);

@@ -141,6 +141,24 @@ impl OpDef for MatMul {
                 }
             }
         }
+        // Decode shapes: a few rows times a weight stored [n, k], with a
+        // depth of whole 16-byte packs (what the CUDA backend's few-row
+        // kernels take): depths past a 32-element chunk, widths past an
+        // 8-column tile, more than 8 rows, batched, and with both addends.
+        let decode: [Case; 4] =
+            [((1, 40, 20), &[], &[]), ((11, 64, 19), &[], &[]), ((3, 48, 10), &[2], &[2]), ((2, 16, 6), &[2], &[])];
+        for ((m, k, n), ba, bb) in decode {
+            let (mut a, mut b) = (ba.to_vec(), bb.to_vec());
+            a.extend([m, k]);
+            b.extend([n, k]);
+            v.push(Sample::new(MatMul::new(false, true), vec![normal(d, &a), normal(d, &b)]));
+            let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
+            out.extend([m, n]);
+            let op = MatMul { trans_a: false, trans_b: true, addend: true };
+            for c in [&out[..], &[n]] {
+                v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
+            }
+        }
         v
     }
     fn name(&self) -> &'static str {

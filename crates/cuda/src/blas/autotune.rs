@@ -58,6 +58,9 @@ impl std::fmt::Display for AlgoConfig {
         if self.id == super::cublas::CUBLAS_ALGO_ID {
             return write!(f, "cuBLAS GemmEx");
         }
+        if self.id == super::skinny::SKINNY_ALGO_ID {
+            return write!(f, "skinny w{} u{}", self.tile, self.stages);
+        }
         write!(f, "algo {} tile {} stages {} split-k {}", self.id, self.tile, self.stages, self.split_k)
     }
 }
@@ -301,12 +304,13 @@ impl Blas {
 
     /// Can `candidate` still run `plan`'s products: cuBLASLt accepts the
     /// algorithm for the plan's descriptors and workspace, or it is cuBLAS's
-    /// GEMM and the session has cuBLAS (the plan only lists it for shapes
-    /// that allow it)?
+    /// GEMM or our few-row kernels and the session has them (the plan only
+    /// lists them for shapes that allow them)?
     fn usable(&self, plan: &Plan, candidate: &Candidate) -> bool {
         match candidate {
             Candidate::Lt(algo) => self.check(plan, algo),
             Candidate::Cublas => self.cublas.is_some(),
+            Candidate::Skinny(_) => self.skinny.is_some(),
         }
     }
 
@@ -410,6 +414,10 @@ impl Blas {
         match candidate {
             Candidate::Lt(algo) => lt_config(algo),
             Candidate::Cublas => AlgoConfig { id: super::cublas::CUBLAS_ALGO_ID, ..AlgoConfig::default() },
+            Candidate::Skinny(v) => {
+                let (warps, unroll) = super::skinny::VARIANTS[*v];
+                AlgoConfig { id: super::skinny::SKINNY_ALGO_ID, tile: warps, stages: unroll, split_k: 0 }
+            }
         }
     }
 

@@ -17,7 +17,8 @@
 //! turns it off), [`Blas::plan_all`] asks the heuristic for up to
 //! [`MAX_CANDIDATES`] algorithms per shape ([`CANDIDATES_ENV`] changes how
 //! many; [`SPLIT_K_ENV`]`=1` adds split-k variants of the first ones for
-//! products of few output tiles, [`CUBLAS_ENV`]`=1` cuBLAS's own GEMM) and
+//! products of few output tiles, [`CUBLAS_ENV`]`=1` cuBLAS's own GEMM,
+//! [`SKINNY_ENV`]`=1` our kernels for products of a few rows) and
 //! [`Blas::autotune`] times each
 //! one, once, while the session is being built: a warm-up run, then a few
 //! runs between CUDA events on the real operand addresses of one call of
@@ -47,6 +48,7 @@
 mod autotune;
 mod cublas;
 mod plan;
+mod skinny;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -61,9 +63,15 @@ pub use autotune::{
 };
 pub use cublas::{cublas_setting, CublasUse, CUBLAS_ALGO_ID, CUBLAS_ENV};
 use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
+pub use skinny::{skinny_setting, SkinnyUse, SKINNY_ALGO_ID, SKINNY_ENV};
 
 use crate::error::{CudaError, Result};
+use crate::kernels::KernelModule;
 use crate::launch::{GemmAddend, GemmCall};
+
+/// The kernel modules products may launch outside cuBLAS (compiled with
+/// every other module, and for sm_90 in CI).
+pub(crate) const KERNELS: &[KernelModule] = &[skinny::MODULE];
 
 fn blas_err(what: &str, e: impl std::fmt::Debug) -> CudaError {
     CudaError::Blas(format!("{what}: {e:?}"))
@@ -83,6 +91,8 @@ pub struct Blas {
     split_k: bool,
     /// cuBLAS, when its GEMM is used ([`CUBLAS_ENV`]).
     cublas: Option<cublas::Cublas>,
+    /// Our few-row kernels, when used ([`SKINNY_ENV`]).
+    skinny: Option<skinny::Skinny>,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -94,7 +104,15 @@ impl Blas {
     pub const WORKSPACE_BYTES: usize = 32 << 20;
 
     /// With `autotune` off, every shape uses the heuristic's first algorithm.
-    pub fn new(workspace: u64, workspace_bytes: usize, tf32: bool, autotune: bool) -> Result<Self> {
+    /// `ctx` and `arch` load our own kernels when [`SKINNY_ENV`] asks for them.
+    pub fn new(
+        workspace: u64,
+        workspace_bytes: usize,
+        tf32: bool,
+        autotune: bool,
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        arch: &str,
+    ) -> Result<Self> {
         // SAFETY: dlopen check only.
         if !unsafe { ls::is_culib_present() } {
             return Err(CudaError::Missing { lib: "cublasLt", hint: "install the CUDA toolkit's cuBLAS".into() });
@@ -103,6 +121,7 @@ impl Blas {
         let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
         let how = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
         let cublas = cublas::Cublas::open(how, workspace, workspace_bytes, tf32)?;
+        let skinny = skinny::Skinny::open(skinny_setting(std::env::var(SKINNY_ENV).ok().as_deref()), ctx, arch)?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -113,6 +132,7 @@ impl Blas {
             candidates,
             split_k,
             cublas,
+            skinny,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },
@@ -165,6 +185,10 @@ impl Blas {
             Candidate::Cublas => {
                 let cublas = self.cublas.as_ref().ok_or_else(|| CudaError::Blas("cuBLAS is not open".into()))?;
                 return cublas.gemm(call, stream);
+            }
+            Candidate::Skinny(variant) => {
+                let skinny = self.skinny.as_ref().ok_or_else(|| CudaError::Blas("skinny kernels not loaded".into()))?;
+                return skinny.gemm(*variant, call, stream);
             }
         };
         // beta = 0 overwrites the output; an addend of the output's layout

@@ -86,6 +86,9 @@ pub(super) enum Candidate {
     /// cuBLAS's `cublasGemmStridedBatchedEx` with its own heuristics
     /// (`super::cublas`), where the shape allows it.
     Cublas,
+    /// Variant `.0` of our few-row kernels (`super::skinny::VARIANTS`),
+    /// where the shape allows them.
+    Skinny(usize),
 }
 
 impl Candidate {
@@ -93,7 +96,7 @@ impl Candidate {
     pub(super) fn lt(&self) -> Option<&ls::cublasLtMatmulAlgo_t> {
         match self {
             Candidate::Lt(a) => Some(a),
-            Candidate::Cublas => None,
+            Candidate::Cublas | Candidate::Skinny(_) => None,
         }
     }
 }
@@ -107,7 +110,8 @@ pub(super) struct Plan {
     pub(super) out: ls::cublasLtMatrixLayout_t,
     pub(super) align: Alignment,
     /// The heuristic's algorithms, best first (one when tuning is off),
-    /// then any split-k variants and cuBLAS's GEMM that tuning adds.
+    /// then any split-k variants, cuBLAS's GEMM and our few-row kernels
+    /// that tuning adds.
     pub(super) candidates: Vec<Candidate>,
     /// The candidate every run uses: `candidates[0]` until tuned.
     pub(super) algo: Candidate,
@@ -220,6 +224,13 @@ impl Blas {
                 plan.candidates = vec![Candidate::Cublas];
             } else if self.autotune && !plan.candidates.is_empty() {
                 plan.candidates.push(Candidate::Cublas);
+            }
+        }
+        if let Some(skinny) = self.skinny.as_ref().filter(|_| super::skinny::eligible(k, align)) {
+            if skinny.only {
+                plan.candidates = vec![Candidate::Skinny(0)];
+            } else if self.autotune && !plan.candidates.is_empty() {
+                plan.candidates.extend((0..super::skinny::VARIANTS.len()).map(Candidate::Skinny));
             }
         }
         plan.algo = *plan

@@ -1,0 +1,179 @@
+// Products of a few rows by a weight matrix, y = x · wᵀ (+ addend), for
+// decode steps: x [m, k] with m ≤ 16, w [n, k] row-major (`trans_b`), y
+// [m, n]; bf16/f16 on tensor cores with f32 accumulation. The blas module
+// (`crates/cuda/src/blas/skinny.rs`) offers these kernels to tuning as
+// candidates next to cuBLASLt's algorithms, for the shapes they can run.
+//
+// Why: a decode step's products read every weight once and do 2·m flops
+// per weight, so they are bound by how many weight bytes are in flight.
+// cuBLASLt's products at m = 1 streamed W6's weights at ~2.3 TB/s, against
+// 4.18 TB/s for a copy; an earlier matrix-vector kernel (4 columns per
+// warp, one warp for a column's whole depth) ran only ~6 warps per SM at
+// W6's widths and was slower still. Here a block's WARPS warps split one
+// 8-column tile's depth, so a 3200-wide product runs 400 × WARPS warps,
+// and each lane keeps U 16-byte weight loads in flight: the next U
+// chunks' loads are issued before this U's products.
+//
+// Layout: block (blockIdx.x, blockIdx.y) owns columns 8·blockIdx.x … +8
+// of batch entry blockIdx.y. The depth is cut into 32-element chunks;
+// warp i of the block takes chunks [i·per, (i+1)·per). In a chunk at kb,
+// lane (g = lane / 4, t = lane % 4) loads w[col g][kb + 8t … +8] and
+// x[row g][same], x[row g + 8][same] as 16-byte packs: words 0–1 feed one
+// m16n8k16 product and words 2–3 a second. Each product's logical depth
+// index L maps to the physical kb + 8t + (L % 2) + 2·(L ≥ 8) (+4 for the
+// second) for A and B alike, so together the two cover the chunk exactly
+// once (the host model `blas::skinny::tests` replays this mapping against
+// a plain product). Rows ≥ m and columns ≥ n load zeros and store nothing.
+//
+// Warps sum their accumulators through shared memory in warp order, so
+// every run gives the same bits; the addend (the output's layout, or a
+// bias row) joins in f32 before the one rounding, as cuBLASLt's epilogues.
+//
+// Needs: k a multiple of 8, x and w (every batch entry) 16-byte aligned;
+// the host checks (`skinny::eligible`).
+
+typedef unsigned int u32;
+
+template <typename T> struct SkinnyMma;
+template <> struct SkinnyMma<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+template <> struct SkinnyMma<__half> {
+    static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+
+// A weight pack: read once, so it bypasses L1 (the activations, read by
+// every block, stay cached).
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+// An activation pack, cached: volatile like the weight loads, so the
+// compiler keeps it ahead of the products instead of sinking it next to
+// its use, where its latency would stall every product.
+__device__ __forceinline__ uint4 load_cached(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Addend kinds (the host's `GemmAddend`).
+#define SK_ADD_NONE 0
+#define SK_ADD_FULL 1
+#define SK_ADD_BIAS 2
+
+template <typename T, int WARPS, int U, int ROWS>
+__device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend,
+                                       int add_kind, int m, int n, int k, i64 sx, i64 sw, i64 sy) {
+    __shared__ float red[WARPS > 1 ? WARPS : 1][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.y;
+    x += b * sx;
+    w += b * sw;
+    y += b * sy;
+    if (add_kind == SK_ADD_FULL) addend += b * sy;
+    const int n0 = (int)blockIdx.x * 8;
+    const bool w_ok = n0 + g < n, x0_ok = g < m, x1_ok = ROWS > 8 && g + 8 < m;
+    const T* w_row = w + (i64)(w_ok ? n0 + g : 0) * k;
+    const T* x_row0 = x + (i64)(x0_ok ? g : 0) * k;
+    const T* x_row1 = x + (i64)(x1_ok ? g + 8 : 0) * k;
+    const int chunks = (k + 31) / 32, per = (chunks + WARPS - 1) / WARPS;
+    const int c_begin = warp * per, c_end = min(chunks, c_begin + per);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // Software-pipelined by one group of U chunks: the next group's loads
+    // are issued before this group's products, so a lane keeps U packs
+    // of weights in flight while its tensor cores work. Loads are
+    // unconditional (a pack out of range reads the row's first pack, in
+    // bounds, and is zeroed at use): ptxas does not hoist a load that
+    // sits behind a branch.
+    uint4 wv[U], xv0[U], xv1[ROWS > 8 ? U : 1];
+    auto issue = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 kk = (i64)(c0 + u) * 32 + 8 * t;
+            const i64 at = c0 + u < c_end && kk < k ? kk : 0;
+            wv[u] = load_stream(w_row + at);
+            xv0[u] = load_cached(x_row0 + at);
+            if (ROWS > 8) xv1[ROWS > 8 ? u : 0] = load_cached(x_row1 + at);
+        }
+    };
+    if (c_begin < c_end) issue(c_begin);
+    for (int c0 = c_begin; c0 < c_end; c0 += U) {
+        uint4 cw[U], cx0[U], cx1[ROWS > 8 ? U : 1];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const bool in = c0 + u < c_end && (i64)(c0 + u) * 32 + 8 * t < k;
+            cw[u] = in && w_ok ? wv[u] : zero;
+            cx0[u] = in && x0_ok ? xv0[u] : zero;
+            if (ROWS > 8) cx1[ROWS > 8 ? u : 0] = in && x1_ok ? xv1[ROWS > 8 ? u : 0] : zero;
+        }
+        if (c0 + U < c_end) issue(c0 + U);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint4 x1 = ROWS > 8 ? cx1[ROWS > 8 ? u : 0] : zero;
+            SkinnyMma<T>::mma(acc, cx0[u].x, x1.x, cx0[u].y, x1.y, cw[u].x, cw[u].y);
+            SkinnyMma<T>::mma(acc, cx0[u].z, x1.z, cx0[u].w, x1.w, cw[u].z, cw[u].w);
+        }
+    }
+    if (WARPS > 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][lane][i] = acc[i];
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float s = red[0][lane][i];
+#pragma unroll
+            for (int v = 1; v < WARPS; ++v) s += red[v][lane][i];
+            acc[i] = s;
+        }
+    }
+    // Accumulator i of lane (g, t): row g (i < 2) or g + 8, column 2t + i % 2.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = i < 2 ? g : g + 8, col = n0 + 2 * t + (i & 1);
+        if (r < m && col < n) {
+            const i64 at = (i64)r * n + col;
+            float v = acc[i];
+            if (add_kind == SK_ADD_FULL) v += load(addend, at);
+            if (add_kind == SK_ADD_BIAS) v += load(addend, col);
+            store(y, at, v);
+        }
+    }
+}
+
+// skinny_w{WARPS}_u{U}_r{ROWS}_{dtype}(x, w, y, addend, add_kind, m, n, k, sx, sw, sy):
+// grid (ceil(n / 8), batch), block 32·WARPS, m ≤ ROWS (8: rows g + 8 are
+// never loaded, which frees their registers for more weight packs).
+#define SG_SKINNY(WARPS, U, ROWS, sfx, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) skinny_w##WARPS##_u##U##_r##ROWS##_##sfx(        \
+        const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend, int add_kind, int m, int n,   \
+        int k, i64 sx, i64 sw, i64 sy) {                                                                       \
+        skinny<T, WARPS, U, ROWS>(x, w, y, addend, add_kind, m, n, k, sx, sw, sy);                             \
+    }
+#define SG_SKINNY_ROWS(sfx, T, ROWS)                                                       \
+    SG_SKINNY(8, 4, ROWS, sfx, T) SG_SKINNY(16, 4, ROWS, sfx, T) SG_SKINNY(4, 4, ROWS, sfx, T) \
+        SG_SKINNY(16, 2, ROWS, sfx, T)
+#define SG_SKINNY_ALL(sfx, T) SG_SKINNY_ROWS(sfx, T, 8) SG_SKINNY_ROWS(sfx, T, 16)
+
+SG_SKINNY_ALL(bf16, __nv_bfloat16)
+SG_SKINNY_ALL(f16, __half)
