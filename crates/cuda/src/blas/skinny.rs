@@ -79,7 +79,7 @@ pub(super) fn eligible(key: &PlanKey, align: Alignment) -> bool {
         && (1..=MAX_ROWS).contains(&key.m)
         && key.n > 0
         && key.k > 0
-        && key.k % PACK == 0
+        && key.k.is_multiple_of(PACK)
         && align.first >= 16
         && align.second >= 16
         && int(key.n)
@@ -306,10 +306,11 @@ mod tests {
                     c0 += unroll;
                 }
             }
+            // Warps summed in warp order, as the kernel's shared-memory pass.
             for lane in 0..32 {
                 let (g, t) = (lane / 4, lane % 4);
                 for i in 0..4 {
-                    let s: f32 = (0..warps).map(|wi| acc[wi][lane][i]).sum();
+                    let s: f32 = acc.iter().map(|acc_w| acc_w[lane][i]).sum();
                     let (r, col) = (if i < 2 { g } else { g + 8 }, n0 + 2 * t + i % 2);
                     if r < m && col < n {
                         y[r * n + col] = s;
