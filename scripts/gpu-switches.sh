@@ -16,11 +16,11 @@
 #    settings: off, on, on, off per workload.
 # 3. The PyTorch references of the workloads measured (TORCH=0 skips them).
 #
-# CASES defaults to the switches that are off until measured:
-# STEPGRAPH_DECODE_STAGING=1 (decode attention staged through shared memory)
-# on W6, and STEPGRAPH_GEMM_SPLIT_K=1 (split-k variants in cuBLASLt's
-# tuning) on W6, W3 and W2. A call has 10 minutes: pass fewer cases or
-# TORCH=0 to fit. Results in $OUT (default ./gpu-out): switches.jsonl (every
+# CASES defaults to the switch that is off until measured:
+# STEPGRAPH_GEMM_SKINNY=1 (our few-row tensor-core products in tuning) on
+# W6 at batch 1 and 16. A call has 10 minutes: pass fewer cases or
+# TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5 7 s;
+# PyTorch's references take minutes). Results in $OUT (default ./gpu-out): switches.jsonl (every
 # summary row, tagged "switch": "off", the case's settings, or "torch"),
 # switches.log, tests.log.
 set -uo pipefail
@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 source scripts/carry-env.sh
 carry_unpack
 SG=${SG:-.carry/stepgraph}
-CASES=${CASES-STEPGRAPH_DECODE_STAGING=1|w6:1,w6:16 STEPGRAPH_GEMM_SPLIT_K=1|w6:1,w6:16,w3,w2}
+CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16}
 LOG=$OUT/switches.log
 ROWS=$OUT/switches.jsonl
 : >"$LOG"
