@@ -19,10 +19,10 @@
 # CASES defaults to the switch that is off until measured:
 # STEPGRAPH_GEMM_SKINNY=1 (our few-row tensor-core products in tuning) on
 # W6 at batch 1 and 16. A call has 10 minutes: pass fewer cases or
-# TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5 7 s;
-# PyTorch's references take minutes). Results in $OUT (default ./gpu-out): switches.jsonl (every
-# summary row, tagged "switch": "off", the case's settings, or "torch"),
-# switches.log, tests.log.
+# TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5
+# 7 s; PyTorch's references take minutes). Results in $OUT (default
+# ./gpu-out): switches.jsonl (every summary row, tagged "switch": "off",
+# the case's settings, or "torch"), switches.log, tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
