@@ -61,6 +61,9 @@ impl std::fmt::Display for AlgoConfig {
         if self.id == super::skinny::SKINNY_ALGO_ID {
             return write!(f, "skinny w{} u{}", self.tile, self.stages);
         }
+        if self.id == super::tiled::TILED_ALGO_ID {
+            return write!(f, "tiled {}x{}", self.tile, self.stages);
+        }
         write!(f, "algo {} tile {} stages {} split-k {}", self.id, self.tile, self.stages, self.split_k)
     }
 }
@@ -311,6 +314,7 @@ impl Blas {
             Candidate::Lt(algo) => self.check(plan, algo),
             Candidate::Cublas => self.cublas.is_some(),
             Candidate::Skinny(_) => self.skinny.is_some(),
+            Candidate::Tiled(_) => self.tiled.is_some(),
         }
     }
 
@@ -417,6 +421,10 @@ impl Blas {
             Candidate::Skinny(v) => {
                 let (warps, unroll) = super::skinny::VARIANTS[*v];
                 AlgoConfig { id: super::skinny::SKINNY_ALGO_ID, tile: warps, stages: unroll, split_k: 0 }
+            }
+            Candidate::Tiled(v) => {
+                let (rows, cols) = super::tiled::VARIANTS[*v];
+                AlgoConfig { id: super::tiled::TILED_ALGO_ID, tile: rows, stages: cols, split_k: 0 }
             }
         }
     }

@@ -18,7 +18,8 @@
 //! [`MAX_CANDIDATES`] algorithms per shape ([`CANDIDATES_ENV`] changes how
 //! many; [`SPLIT_K_ENV`]`=1` adds split-k variants of the first ones for
 //! products of few output tiles, [`CUBLAS_ENV`]`=1` cuBLAS's own GEMM,
-//! [`SKINNY_ENV`]`=1` our kernels for products of a few rows) and
+//! [`SKINNY_ENV`]`=1` our kernels for products of a few rows,
+//! [`TILED_ENV`]`=1` our exact-f32 kernels in small tiles) and
 //! [`Blas::autotune`] times each
 //! one, once, while the session is being built: a warm-up run, then a few
 //! runs between CUDA events on the real operand addresses of one call of
@@ -47,8 +48,10 @@
 
 mod autotune;
 mod cublas;
+mod own;
 mod plan;
 mod skinny;
+mod tiled;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -62,8 +65,10 @@ pub use autotune::{
     SPLIT_K_TRIED, TIE_TOLERANCE,
 };
 pub use cublas::{cublas_setting, CublasUse, CUBLAS_ALGO_ID, CUBLAS_ENV};
+pub use own::{own_setting, OwnUse};
 use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
-pub use skinny::{skinny_setting, SkinnyUse, SKINNY_ALGO_ID, SKINNY_ENV};
+pub use skinny::{SKINNY_ALGO_ID, SKINNY_ENV};
+pub use tiled::{TILED_ALGO_ID, TILED_ENV};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
@@ -71,7 +76,7 @@ use crate::launch::{GemmAddend, GemmCall};
 
 /// The kernel modules products may launch outside cuBLAS (compiled with
 /// every other module, and for sm_90 in CI).
-pub(crate) const KERNELS: &[KernelModule] = &[skinny::MODULE];
+pub(crate) const KERNELS: &[KernelModule] = &[skinny::MODULE, tiled::MODULE];
 
 fn blas_err(what: &str, e: impl std::fmt::Debug) -> CudaError {
     CudaError::Blas(format!("{what}: {e:?}"))
@@ -92,7 +97,9 @@ pub struct Blas {
     /// cuBLAS, when its GEMM is used ([`CUBLAS_ENV`]).
     cublas: Option<cublas::Cublas>,
     /// Our few-row kernels, when used ([`SKINNY_ENV`]).
-    skinny: Option<skinny::Skinny>,
+    skinny: Option<own::OwnKernels>,
+    /// Our small-f32 kernels, when used ([`TILED_ENV`]).
+    tiled: Option<own::OwnKernels>,
     plans: HashMap<PlanKey, Plan>,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
@@ -104,7 +111,8 @@ impl Blas {
     pub const WORKSPACE_BYTES: usize = 32 << 20;
 
     /// With `autotune` off, every shape uses the heuristic's first algorithm.
-    /// `ctx` and `arch` load our own kernels when [`SKINNY_ENV`] asks for them.
+    /// `ctx` and `arch` load our own kernels when [`SKINNY_ENV`] or
+    /// [`TILED_ENV`] asks for them.
     pub fn new(
         workspace: u64,
         workspace_bytes: usize,
@@ -121,7 +129,9 @@ impl Blas {
         let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
         let how = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
         let cublas = cublas::Cublas::open(how, workspace, workspace_bytes, tf32)?;
-        let skinny = skinny::Skinny::open(skinny_setting(std::env::var(SKINNY_ENV).ok().as_deref()), ctx, arch)?;
+        let setting = |var: &str| own_setting(std::env::var(var).ok().as_deref());
+        let skinny = own::OwnKernels::open(setting(SKINNY_ENV), &skinny::MODULE, skinny::kernel_names(), ctx, arch)?;
+        let tiled = own::OwnKernels::open(setting(TILED_ENV), &tiled::MODULE, tiled::kernel_names(), ctx, arch)?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,
@@ -133,6 +143,7 @@ impl Blas {
             split_k,
             cublas,
             skinny,
+            tiled,
             plans: HashMap::new(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },
@@ -187,8 +198,13 @@ impl Blas {
                 return cublas.gemm(call, stream);
             }
             Candidate::Skinny(variant) => {
-                let skinny = self.skinny.as_ref().ok_or_else(|| CudaError::Blas("skinny kernels not loaded".into()))?;
-                return skinny.gemm(*variant, call, stream);
+                let kernels =
+                    self.skinny.as_ref().ok_or_else(|| CudaError::Blas("skinny kernels not loaded".into()))?;
+                return kernels.run(&skinny::launch(call, *variant), stream);
+            }
+            Candidate::Tiled(variant) => {
+                let kernels = self.tiled.as_ref().ok_or_else(|| CudaError::Blas("tiled kernels not loaded".into()))?;
+                return kernels.run(&tiled::launch(call, *variant), stream);
             }
         };
         // beta = 0 overwrites the output; an addend of the output's layout

@@ -89,6 +89,9 @@ pub(super) enum Candidate {
     /// Variant `.0` of our few-row kernels (`super::skinny::VARIANTS`),
     /// where the shape allows them.
     Skinny(usize),
+    /// Variant `.0` of our small-f32 kernels (`super::tiled::VARIANTS`),
+    /// where the shape allows them.
+    Tiled(usize),
 }
 
 impl Candidate {
@@ -96,7 +99,7 @@ impl Candidate {
     pub(super) fn lt(&self) -> Option<&ls::cublasLtMatmulAlgo_t> {
         match self {
             Candidate::Lt(a) => Some(a),
-            Candidate::Cublas | Candidate::Skinny(_) => None,
+            Candidate::Cublas | Candidate::Skinny(_) | Candidate::Tiled(_) => None,
         }
     }
 }
@@ -110,8 +113,8 @@ pub(super) struct Plan {
     pub(super) out: ls::cublasLtMatrixLayout_t,
     pub(super) align: Alignment,
     /// The heuristic's algorithms, best first (one when tuning is off),
-    /// then any split-k variants, cuBLAS's GEMM and our few-row kernels
-    /// that tuning adds.
+    /// then any split-k variants, cuBLAS's GEMM and our own kernels that
+    /// tuning adds.
     pub(super) candidates: Vec<Candidate>,
     /// The candidate every run uses: `candidates[0]` until tuned.
     pub(super) algo: Candidate,
@@ -231,6 +234,13 @@ impl Blas {
                 plan.candidates = vec![Candidate::Skinny(0)];
             } else if self.autotune && !plan.candidates.is_empty() {
                 plan.candidates.extend((0..super::skinny::VARIANTS.len()).map(Candidate::Skinny));
+            }
+        }
+        if let Some(tiled) = self.tiled.as_ref().filter(|_| super::tiled::eligible(k, self.tf32)) {
+            if tiled.only {
+                plan.candidates = vec![Candidate::Tiled(0)];
+            } else if self.autotune && !plan.candidates.is_empty() {
+                plan.candidates.extend((0..super::tiled::VARIANTS.len()).map(Candidate::Tiled));
             }
         }
         plan.algo = *plan

@@ -2,8 +2,8 @@
 //! multiplies a few rows (m ≤ [`MAX_ROWS`]) by a row-major weight matrix on
 //! tensor cores, a block's warps splitting one 8-column tile's depth so
 //! that many weight bytes are in flight (see the source's header for the
-//! layout). This module owns which shapes it can run ([`eligible`]), the
-//! launch of a call ([`launch`], data only), and the loaded kernels.
+//! layout). This module owns which shapes it can run ([`eligible`]) and
+//! the launch of a call ([`launch`], data only); `own` loads and runs them.
 //!
 //! Off unless [`SKINNY_ENV`]`=1`, until a GPU run has checked and timed it:
 //! then tuning times [`VARIANTS`] next to cuBLASLt's algorithms, and the
@@ -11,14 +11,7 @@
 //! variant the only candidate of every eligible shape, untimed, so the GPU
 //! tests compare exactly this path with the CPU.
 
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::Arc;
-
-use cudarc::driver::{result as dr, CudaContext, CudaModule};
-
 use super::plan::{Alignment, Epilogue, PlanKey};
-use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
 use crate::launch::{Arg, GemmAddend, GemmCall, GemmType, KernelLaunch};
 
@@ -45,26 +38,6 @@ pub const VARIANTS: [(u32, u32); 4] = [(8, 4), (16, 4), (4, 4), (16, 2)];
 const TILE_COLS: usize = 8;
 /// Depth elements of one 16-byte pack of a 16-bit type.
 const PACK: usize = 8;
-
-/// What [`SKINNY_ENV`] asks for.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum SkinnyUse {
-    /// Not used (unset, or any other value).
-    Off,
-    /// `1`: more candidates for tuning to time.
-    Candidate,
-    /// `only`: the first variant runs every eligible product, untimed (for tests).
-    Only,
-}
-
-/// [`SkinnyUse`] given the value of [`SKINNY_ENV`].
-pub fn skinny_setting(value: Option<&str>) -> SkinnyUse {
-    match value.map(str::trim) {
-        Some("1") => SkinnyUse::Candidate,
-        Some("only") => SkinnyUse::Only,
-        _ => SkinnyUse::Off,
-    }
-}
 
 /// Can the kernels run every call of `key` whose operands are aligned as
 /// `align`: a 16-bit type, x untransposed with at most [`MAX_ROWS`] rows, w
@@ -136,56 +109,11 @@ pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
     }
 }
 
-/// The loaded kernels.
-pub(super) struct Skinny {
-    /// Kept alive for the functions below.
-    _module: Arc<CudaModule>,
-    functions: HashMap<String, cudarc::driver::sys::CUfunction>,
-    /// [`SkinnyUse::Only`]: the first variant is the sole candidate.
-    pub(super) only: bool,
-}
-
-impl Skinny {
-    /// The kernels as `how` asks for them (`None` when [`SkinnyUse::Off`]),
-    /// compiled for `arch` (or read from the kernel cache) and loaded.
-    pub(super) fn open(how: SkinnyUse, ctx: &Arc<CudaContext>, arch: &str) -> Result<Option<Self>> {
-        if how == SkinnyUse::Off {
-            return Ok(None);
-        }
-        let cubin = crate::nvrtc::compile(MODULE.name, arch)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        let mut functions = HashMap::new();
-        for ty in [GemmType::BF16, GemmType::F16] {
-            for v in 0..VARIANTS.len() {
-                for m in [1, MAX_ROWS] {
-                    let name = kernel_name(ty, v, m);
-                    let f = module.load_function(&name).map_err(|e| {
-                        CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", MODULE.name))
-                    })?;
-                    functions.insert(name, f.cu_function());
-                }
-            }
-        }
-        Ok(Some(Skinny { _module: module, functions, only: how == SkinnyUse::Only }))
-    }
-
-    /// Enqueues `call` (of an eligible shape) with variant `variant` on `stream`.
-    pub(super) fn gemm(&self, variant: usize, call: &GemmCall, stream: cudarc::driver::sys::CUstream) -> Result<()> {
-        let l = launch(call, variant);
-        let func = *self
-            .functions
-            .get(&l.function)
-            .ok_or_else(|| CudaError::Blas(format!("no skinny kernel `{}`", l.function)))?;
-        let args: Vec<Vec<u8>> = l.args.iter().map(Arg::bytes).collect();
-        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
-        // SAFETY: `func` belongs to the module this struct keeps loaded; the
-        // arguments match the kernel's parameters (checked against the
-        // CUBIN in the tests below); the operands lie inside the session's
-        // allocation with the call's eligible shape. `args` outlives the
-        // call, which copies the argument values.
-        unsafe { dr::launch_kernel(func, l.grid, l.block, l.shared_bytes, stream, &mut params) }
-            .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", l.function)))
-    }
+/// Every kernel name [`launch`] can use.
+pub(super) fn kernel_names() -> impl Iterator<Item = String> {
+    [GemmType::BF16, GemmType::F16]
+        .into_iter()
+        .flat_map(|ty| (0..VARIANTS.len()).flat_map(move |v| [1, MAX_ROWS].map(|m| kernel_name(ty, v, m))))
 }
 
 #[cfg(test)]
@@ -222,10 +150,7 @@ mod tests {
         assert!(!eligible(&PlanKey { ty: GemmType::F32, ..key(1, 3200, 3200) }, ALIGNED), "f32 stays exact");
         assert!(!eligible(&PlanKey { trans_b: false, ..key(1, 3200, 3200) }, ALIGNED));
         assert!(!eligible(&PlanKey { trans_a: true, ..key(1, 3200, 3200) }, ALIGNED));
-        assert_eq!(skinny_setting(None), SkinnyUse::Off);
-        assert_eq!(skinny_setting(Some("0")), SkinnyUse::Off);
-        assert_eq!(skinny_setting(Some("1")), SkinnyUse::Candidate);
-        assert_eq!(skinny_setting(Some(" only")), SkinnyUse::Only);
+        assert_eq!(kernel_names().count(), 2 * VARIANTS.len() * 2);
     }
 
     /// A 16-bit value as the kernel's operands hold it: here f32 values

@@ -1,0 +1,185 @@
+//! Our own exact-f32 products of small matrices as tuning candidates:
+//! `kernels/tiled.cu` computes `C = op(A)·op(B)` (+ addend) in tiles of
+//! 32 × 32 to 64 × 64 on CUDA cores, every sum in increasing depth order
+//! with fused multiply-adds (see the source's header). cuBLASLt's f32
+//! kernels use large tiles, which leave W3's 256-wide products 4 tiles of
+//! 132 SMs. This module owns which shapes the kernels run ([`eligible`])
+//! and the launch of a call ([`launch`], data only); `own` loads and runs
+//! them.
+//!
+//! Off unless [`TILED_ENV`]`=1`, until a GPU run has checked and timed it;
+//! `only` makes the first variant the only candidate of every eligible
+//! shape, untimed, for the GPU tests.
+
+use super::plan::PlanKey;
+use crate::kernels::KernelModule;
+use crate::launch::{Arg, GemmAddend, GemmCall, GemmType, KernelLaunch};
+
+/// The kernel module, compiled with every other (and for sm_90 in CI).
+pub const MODULE: KernelModule = KernelModule::plain("tiled", include_str!("../../kernels/tiled.cu"));
+
+/// The environment variable that adds these kernels to tuning (`1`) or
+/// makes the first the only candidate where they apply (`only`).
+pub const TILED_ENV: &str = "STEPGRAPH_GEMM_TILED";
+
+/// [`AlgoConfig::id`](super::AlgoConfig::id) of these kernels in tuning
+/// reports (the tile field holds the tile's rows, stages its columns).
+pub const TILED_ALGO_ID: i32 = -3;
+
+/// The compiled tiles, `(rows, columns)`: `tiled_{rows}x{columns}_f32`.
+pub const VARIANTS: [(u32, u32); 3] = [(32, 32), (64, 64), (32, 64)];
+
+/// Threads per block (`TL_THREADS` in `tiled.cu`).
+const THREADS: u32 = 256;
+
+/// Can the kernels run the products of `key`: f32 computed in f32 (not
+/// with TF32, whose rounding is another product), sizes within the
+/// kernel's `int`s and the grid's limits, batch strides not negative?
+pub(super) fn eligible(key: &PlanKey, tf32: bool) -> bool {
+    let int = |x: usize| x <= i32::MAX as usize;
+    key.ty == GemmType::F32
+        && !tf32
+        && key.m > 0
+        && key.n > 0
+        && key.k > 0
+        && int(key.m)
+        && int(key.n)
+        && int(key.k)
+        && key.m.div_ceil(32) <= 65_535
+        && key.batch.max(1) <= 65_535
+        && key.stride_a >= 0
+        && key.stride_b >= 0
+        && key.stride_c >= 0
+}
+
+/// The kernel name of variant `variant`.
+pub fn kernel_name(variant: usize) -> String {
+    let (rows, cols) = VARIANTS[variant];
+    format!("tiled_{rows}x{cols}_f32")
+}
+
+/// Every kernel name [`launch`] can use.
+pub(super) fn kernel_names() -> impl Iterator<Item = String> {
+    (0..VARIANTS.len()).map(kernel_name)
+}
+
+/// The launch running `call` (of an eligible shape) with variant `variant`.
+pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
+    let (rows, cols) = VARIANTS[variant];
+    let (add_kind, addend) = match call.addend {
+        GemmAddend::None => (0, 0),
+        GemmAddend::Full(p) => (1, p),
+        GemmAddend::Bias(p) => (2, p),
+    };
+    KernelLaunch {
+        module: MODULE.name,
+        function: kernel_name(variant),
+        grid: (call.n.div_ceil(cols as usize) as u32, call.m.div_ceil(rows as usize) as u32, call.batch.max(1) as u32),
+        block: (THREADS, 1, 1),
+        shared_bytes: 0,
+        args: vec![
+            Arg::Ptr(call.a),
+            Arg::Ptr(call.b),
+            Arg::Ptr(call.c),
+            Arg::Ptr(addend),
+            Arg::I32(add_kind),
+            Arg::I32(call.m as i32),
+            Arg::I32(call.n as i32),
+            Arg::I32(call.k as i32),
+            Arg::I32(call.trans_a as i32),
+            Arg::I32(call.trans_b as i32),
+            Arg::I64(call.stride_a),
+            Arg::I64(call.stride_b),
+            Arg::I64(call.stride_c),
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::plan::Epilogue;
+    use super::*;
+
+    fn key(ty: GemmType, m: usize, n: usize, k: usize) -> PlanKey {
+        PlanKey {
+            ty,
+            batch: 1,
+            m,
+            n,
+            k,
+            trans_a: true,
+            trans_b: false,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            epilogue: Epilogue::Accumulate,
+        }
+    }
+
+    #[test]
+    fn exact_f32_products_are_eligible_and_others_are_not() {
+        assert!(eligible(&key(GemmType::F32, 256, 256, 256), false));
+        assert!(eligible(&key(GemmType::F32, 1, 32000, 256), false));
+        assert!(!eligible(&key(GemmType::F32, 256, 256, 256), true), "TF32 asked for: cuBLASLt's rounding");
+        assert!(!eligible(&key(GemmType::BF16, 256, 256, 256), false));
+        assert!(!eligible(&key(GemmType::F32, 256, 256, 0), false));
+    }
+
+    #[test]
+    fn launches_cover_rows_columns_and_batch() {
+        let call = GemmCall {
+            ty: GemmType::F32,
+            batch: 2,
+            m: 65,
+            n: 33,
+            k: 7,
+            trans_a: true,
+            trans_b: false,
+            a: 0x1000,
+            b: 0x2000,
+            c: 0x3000,
+            stride_a: 65 * 7,
+            stride_b: 0,
+            stride_c: 65 * 33,
+            addend: GemmAddend::Full(0x3000),
+        };
+        let l = launch(&call, 0);
+        assert_eq!((l.function.as_str(), l.grid, l.block), ("tiled_32x32_f32", (2, 3, 2), (256, 1, 1)));
+        assert_eq!(launch(&call, 1).grid, (1, 2, 2));
+        assert_eq!((&l.args[4], &l.args[8], &l.args[9]), (&Arg::I32(1), &Arg::I32(1), &Arg::I32(0)));
+    }
+
+    /// Where NVRTC is installed (CI), every variant is in the module's
+    /// CUBIN with the parameters the launch fills.
+    #[test]
+    fn the_launches_fit_the_compiled_kernels() {
+        if !crate::nvrtc::available() {
+            eprintln!("NVRTC not found: CUBIN check skipped (see .ci/run)");
+            assert!(
+                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+            return;
+        }
+        let cubin = crate::nvrtc::compile(MODULE.name, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        let call = GemmCall {
+            ty: GemmType::F32,
+            batch: 1,
+            m: 256,
+            n: 256,
+            k: 256,
+            trans_a: false,
+            trans_b: true,
+            a: 0x1000,
+            b: 0x2000,
+            c: 0x3000,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            addend: GemmAddend::None,
+        };
+        for v in 0..VARIANTS.len() {
+            crate::ops::sweep::check_signature(&format!("tiled {v}"), &cubin, &launch(&call, v));
+        }
+    }
+}
