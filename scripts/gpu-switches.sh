@@ -16,9 +16,10 @@
 #    settings: off, on, on, off per workload.
 # 3. The PyTorch references of the workloads measured (TORCH=0 skips them).
 #
-# CASES defaults to the switch that is off until measured:
+# CASES defaults to the switches that are off until measured:
 # STEPGRAPH_GEMM_SKINNY=1 (our few-row tensor-core products in tuning) on
-# W6 at batch 1 and 16. A call has 10 minutes: pass fewer cases or
+# W6 at batch 1 and 16, STEPGRAPH_GEMM_TILED=1 (our small-tile f32
+# products) on W3. A call has 10 minutes: pass fewer cases or
 # TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5
 # 7 s; PyTorch's references take minutes). Results in $OUT (default
 # ./gpu-out): switches.jsonl (every summary row, tagged "switch": "off",
@@ -30,7 +31,7 @@ mkdir -p "$OUT"
 source scripts/carry-env.sh
 carry_unpack
 SG=${SG:-.carry/stepgraph}
-CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16}
+CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16 STEPGRAPH_GEMM_TILED=1|w3}
 LOG=$OUT/switches.log
 ROWS=$OUT/switches.jsonl
 : >"$LOG"
