@@ -11,8 +11,11 @@
 // warp, one warp for a column's whole depth) ran only ~6 warps per SM at
 // W6's widths and was slower still. Here a block's WARPS warps split one
 // 8-column tile's depth, so a 3200-wide product runs 400 × WARPS warps,
-// and each lane keeps U 16-byte weight loads in flight: the next U
-// chunks' loads are issued before this U's products.
+// and each lane keeps weight packs in flight: in the register pipeline
+// the next U chunks' loads are issued before this U's products; the
+// asynchronous variants copy several groups of U chunks ahead into
+// per-warp shared-memory rings with cp.async, where ptxas cannot trade
+// the bytes in flight for registers.
 //
 // Layout: block (blockIdx.x, blockIdx.y) owns columns 8·blockIdx.x … +8
 // of batch entry blockIdx.y. The depth is cut into 32-element chunks;
@@ -79,10 +82,25 @@ __device__ __forceinline__ uint4 load_cached(const void* p) {
 #define SK_ADD_FULL 1
 #define SK_ADD_BIAS 2
 
-template <typename T, int WARPS, int U, int ROWS>
+// Rows of x a lane loads per chunk: 1, or 2 when x may have more than 8 rows.
+template <int ROWS> __host__ __device__ constexpr int x_packs() { return ROWS > 8 ? 2 : 1; }
+// Slots of an asynchronous block's rings: as many as 46 KiB hold (static
+// shared memory stops at 48 KiB; the warps' partial sums take the rest),
+// at most 8. One slot is WARPS · U chunks of every lane's 16-byte packs.
+template <int WARPS, int U, int ROWS> __host__ __device__ constexpr int ring_slots() {
+    const int slot = WARPS * U * (1 + x_packs<ROWS>()) * 32 * 16;
+    return 46 * 1024 / slot < 8 ? 46 * 1024 / slot : 8;
+}
+
+template <typename T, int WARPS, int U, int ROWS, bool ASYNC>
 __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend,
                                        int add_kind, int m, int n, int k, i64 sx, i64 sw, i64 sy) {
     __shared__ float red[WARPS > 1 ? WARPS : 1][32][4];
+    // ASYNC: each warp's ring of S slots, a slot holding U chunks of every
+    // lane's packs (weights, then x rows), lane-contiguous.
+    constexpr int PACKS = 1 + x_packs<ROWS>(), S = ASYNC ? ring_slots<WARPS, U, ROWS>() : 0;
+    static_assert(!ASYNC || S >= 2, "a ring needs two slots");
+    __shared__ __align__(16) uint4 ring[S > 0 ? WARPS * S * U * PACKS * 32 : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const i64 b = blockIdx.y;
@@ -99,40 +117,82 @@ __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restr
     const int c_begin = warp * per, c_end = min(chunks, c_begin + per);
     const uint4 zero = make_uint4(0, 0, 0, 0);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // Software-pipelined by one group of U chunks: the next group's loads
-    // are issued before this group's products, so a lane keeps U packs
-    // of weights in flight while its tensor cores work. Loads are
-    // unconditional (a pack out of range reads the row's first pack, in
-    // bounds, and is zeroed at use): ptxas does not hoist a load that
-    // sits behind a branch.
-    uint4 wv[U], xv0[U], xv1[ROWS > 8 ? U : 1];
-    auto issue = [&](int c0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const i64 kk = (i64)(c0 + u) * 32 + 8 * t;
-            const i64 at = c0 + u < c_end && kk < k ? kk : 0;
-            wv[u] = load_stream(w_row + at);
-            xv0[u] = load_cached(x_row0 + at);
-            if (ROWS > 8) xv1[ROWS > 8 ? u : 0] = load_cached(x_row1 + at);
+    if constexpr (!ASYNC) {
+        // Software-pipelined by one group of U chunks: the next group's loads
+        // are issued before this group's products, so a lane keeps U packs
+        // of weights in flight while its tensor cores work. Loads are
+        // unconditional (a pack out of range reads the row's first pack, in
+        // bounds, and is zeroed at use): ptxas does not hoist a load that
+        // sits behind a branch.
+        uint4 wv[U], xv0[U], xv1[ROWS > 8 ? U : 1];
+        auto issue = [&](int c0) {
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const i64 kk = (i64)(c0 + u) * 32 + 8 * t;
+                const i64 at = c0 + u < c_end && kk < k ? kk : 0;
+                wv[u] = load_stream(w_row + at);
+                xv0[u] = load_cached(x_row0 + at);
+                if (ROWS > 8) xv1[ROWS > 8 ? u : 0] = load_cached(x_row1 + at);
+            }
+        };
+        if (c_begin < c_end) issue(c_begin);
+        for (int c0 = c_begin; c0 < c_end; c0 += U) {
+            uint4 cw[U], cx0[U], cx1[ROWS > 8 ? U : 1];
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const bool in = c0 + u < c_end && (i64)(c0 + u) * 32 + 8 * t < k;
+                cw[u] = in && w_ok ? wv[u] : zero;
+                cx0[u] = in && x0_ok ? xv0[u] : zero;
+                if (ROWS > 8) cx1[ROWS > 8 ? u : 0] = in && x1_ok ? xv1[ROWS > 8 ? u : 0] : zero;
+            }
+            if (c0 + U < c_end) issue(c0 + U);
+    #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint4 x1 = ROWS > 8 ? cx1[ROWS > 8 ? u : 0] : zero;
+                SkinnyMma<T>::mma(acc, cx0[u].x, x1.x, cx0[u].y, x1.y, cw[u].x, cw[u].y);
+                SkinnyMma<T>::mma(acc, cx0[u].z, x1.z, cx0[u].w, x1.w, cw[u].z, cw[u].w);
+            }
         }
-    };
-    if (c_begin < c_end) issue(c_begin);
-    for (int c0 = c_begin; c0 < c_end; c0 += U) {
-        uint4 cw[U], cx0[U], cx1[ROWS > 8 ? U : 1];
+    } else {
+        // Asynchronous copies into this warp's ring, S − 1 groups of U
+        // chunks ahead of the products: the bytes in flight live in shared
+        // memory, not registers, so ptxas cannot trade them away. A lane
+        // reads back only the packs it copied itself, so its own
+        // cp.async.wait_group is all the synchronisation needed; a slot is
+        // refilled one iteration after its packs were read (their products
+        // consumed them), so no copy overtakes a read.
+        uint4* const slots = ring + (i64)warp * S * U * PACKS * 32;
+        auto issue = [&](int c0, int slot) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const bool in = c0 + u < c_end && (i64)(c0 + u) * 32 + 8 * t < k;
-            cw[u] = in && w_ok ? wv[u] : zero;
-            cx0[u] = in && x0_ok ? xv0[u] : zero;
-            if (ROWS > 8) cx1[ROWS > 8 ? u : 0] = in && x1_ok ? xv1[ROWS > 8 ? u : 0] : zero;
-        }
-        if (c0 + U < c_end) issue(c0 + U);
+            for (int u = 0; u < U; ++u) {
+                const i64 kk = (i64)(c0 + u) * 32 + 8 * t;
+                const bool in = c0 + u < c_end && kk < k;
+                uint4* const at = slots + ((slot * U + u) * PACKS) * 32 + lane;
+                cp_async<16>(at, w_row + (in ? kk : 0), in && w_ok);
+                cp_async<16>(at + 32, x_row0 + (in ? kk : 0), in && x0_ok);
+                if (ROWS > 8) cp_async<16>(at + 64, x_row1 + (in ? kk : 0), in && x1_ok);
+            }
+        };
+        const int groups = c_begin < c_end ? (c_end - c_begin + U - 1) / U : 0;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint4 x1 = ROWS > 8 ? cx1[ROWS > 8 ? u : 0] : zero;
-            SkinnyMma<T>::mma(acc, cx0[u].x, x1.x, cx0[u].y, x1.y, cw[u].x, cw[u].y);
-            SkinnyMma<T>::mma(acc, cx0[u].z, x1.z, cx0[u].w, x1.w, cw[u].z, cw[u].w);
+        for (int s = 0; s < S - 1; ++s) {
+            if (s < groups) issue(c_begin + s * U, s);
+            cp_commit();
         }
+        for (int i = 0; i < groups; ++i) {
+            if (i + S - 1 < groups) issue(c_begin + (i + S - 1) * U, (i + S - 1) % S);
+            cp_commit();
+            cp_wait<S - 1>();
+            const uint4* const slot = slots + (i % S) * U * PACKS * 32 + lane;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint4 wp = slot[u * PACKS * 32], x0 = slot[u * PACKS * 32 + 32];
+                const uint4 x1 = ROWS > 8 ? slot[u * PACKS * 32 + 64] : zero;
+                SkinnyMma<T>::mma(acc, x0.x, x1.x, x0.y, x1.y, wp.x, wp.y);
+                SkinnyMma<T>::mma(acc, x0.z, x1.z, x0.w, x1.w, wp.z, wp.w);
+            }
+        }
+        cp_wait<0>();
     }
     if (WARPS > 1) {
 #pragma unroll
@@ -161,18 +221,24 @@ __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restr
     }
 }
 
-// skinny_w{WARPS}_u{U}_r{ROWS}_{dtype}(x, w, y, addend, add_kind, m, n, k, sx, sw, sy):
-// grid (ceil(n / 8), batch), block 32·WARPS, m ≤ ROWS (8: rows g + 8 are
-// never loaded, which frees their registers for more weight packs).
-#define SG_SKINNY(WARPS, U, ROWS, sfx, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS) skinny_w##WARPS##_u##U##_r##ROWS##_##sfx(        \
-        const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend, int add_kind, int m, int n,   \
-        int k, i64 sx, i64 sw, i64 sy) {                                                                       \
-        skinny<T, WARPS, U, ROWS>(x, w, y, addend, add_kind, m, n, k, sx, sw, sy);                             \
+// skinny_w{WARPS}_u{U}_r{ROWS}_{dtype} (register pipeline) and
+// skinny_w{WARPS}_u{U}_a_r{ROWS}_{dtype} (cp.async rings of ring_slots
+// slots), (x, w, y, addend, add_kind, m, n, k, sx, sw, sy): grid
+// (ceil(n / 8), batch), block 32·WARPS, m ≤ ROWS (8: rows g + 8 are never
+// loaded, which frees registers or ring space for more weight packs).
+#define SG_SKINNY_KERNEL(NAME, WARPS, U, ROWS, ASYNC, T)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                   \
+        NAME(const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend, int add_kind, int m,     \
+             int n, int k, i64 sx, i64 sw, i64 sy) {                                                           \
+        skinny<T, WARPS, U, ROWS, ASYNC>(x, w, y, addend, add_kind, m, n, k, sx, sw, sy);                      \
     }
+#define SG_SKINNY(WARPS, U, ROWS, sfx, T) \
+    SG_SKINNY_KERNEL(skinny_w##WARPS##_u##U##_r##ROWS##_##sfx, WARPS, U, ROWS, false, T)
+#define SG_SKINNY_ASYNC(WARPS, U, ROWS, sfx, T) \
+    SG_SKINNY_KERNEL(skinny_w##WARPS##_u##U##_a_r##ROWS##_##sfx, WARPS, U, ROWS, true, T)
 #define SG_SKINNY_ROWS(sfx, T, ROWS)                                                       \
     SG_SKINNY(8, 4, ROWS, sfx, T) SG_SKINNY(16, 4, ROWS, sfx, T) SG_SKINNY(4, 4, ROWS, sfx, T) \
-        SG_SKINNY(16, 2, ROWS, sfx, T)
+        SG_SKINNY(16, 2, ROWS, sfx, T) SG_SKINNY_ASYNC(4, 2, ROWS, sfx, T) SG_SKINNY_ASYNC(2, 4, ROWS, sfx, T)
 #define SG_SKINNY_ALL(sfx, T) SG_SKINNY_ROWS(sfx, T, 8) SG_SKINNY_ROWS(sfx, T, 16)
 
 SG_SKINNY_ALL(bf16, __nv_bfloat16)

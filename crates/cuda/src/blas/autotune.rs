@@ -59,7 +59,8 @@ impl std::fmt::Display for AlgoConfig {
             return write!(f, "cuBLAS GemmEx");
         }
         if self.id == super::skinny::SKINNY_ALGO_ID {
-            return write!(f, "skinny w{} u{}", self.tile, self.stages);
+            let ring = if self.stages == 1 { " async" } else { "" };
+            return write!(f, "skinny w{} u{}{ring}", self.tile, self.split_k);
         }
         if self.id == super::tiled::TILED_ALGO_ID {
             return write!(f, "tiled {}x{}", self.tile, self.stages);
@@ -419,8 +420,9 @@ impl Blas {
             Candidate::Lt(algo) => lt_config(algo),
             Candidate::Cublas => AlgoConfig { id: super::cublas::CUBLAS_ALGO_ID, ..AlgoConfig::default() },
             Candidate::Skinny(v) => {
-                let (warps, unroll) = super::skinny::VARIANTS[*v];
-                AlgoConfig { id: super::skinny::SKINNY_ALGO_ID, tile: warps, stages: unroll, split_k: 0 }
+                // Stages 0: the register pipeline; 1: the cp.async rings.
+                let (warps, unroll, ring) = super::skinny::VARIANTS[*v];
+                AlgoConfig { id: super::skinny::SKINNY_ALGO_ID, tile: warps, stages: ring as u32, split_k: unroll }
             }
             Candidate::Tiled(v) => {
                 let (rows, cols) = super::tiled::VARIANTS[*v];

@@ -23,16 +23,21 @@ pub const MODULE: KernelModule = KernelModule::plain("skinny", include_str!("../
 pub const SKINNY_ENV: &str = "STEPGRAPH_GEMM_SKINNY";
 
 /// [`AlgoConfig::id`](super::AlgoConfig::id) of these kernels in tuning
-/// reports (the tile field holds the warps per block, stages the unroll).
+/// reports (the tile field holds the warps per block, split-k the chunks
+/// per group, stages 1 for the cp.async rings).
 pub const SKINNY_ALGO_ID: i32 = -2;
 
 /// Most rows of x: one m16n8k16 tile's rows.
 pub const MAX_ROWS: usize = 16;
 
-/// The compiled variants, `(warps per block, chunks in flight per lane)`:
-/// `skinny_w{warps}_u{unroll}_r{8|16}_{dtype}` in `skinny.cu`. ptxas gives
-/// `(8, 4)` 96 registers at up to 8 rows (two blocks per SM), 128 at 16.
-pub const VARIANTS: [(u32, u32); 4] = [(8, 4), (16, 4), (4, 4), (16, 2)];
+/// The compiled variants, `(warps per block, chunks per group, async)`:
+/// `skinny_w{warps}_u{unroll}[_a]_r{8|16}_{dtype}` in `skinny.cu`. The
+/// register pipeline keeps one group of weight packs in flight per lane
+/// (ptxas gives `(8, 4)` 96 registers at up to 8 rows, two blocks per SM;
+/// 128 at 16); the asynchronous ones (`_a`) keep up to 7 groups in flight
+/// in shared-memory rings instead (up to 46 KiB per block).
+pub const VARIANTS: [(u32, u32, bool); 6] =
+    [(8, 4, false), (16, 4, false), (4, 4, false), (16, 2, false), (4, 2, true), (2, 4, true)];
 
 /// Columns of one block's tile.
 const TILE_COLS: usize = 8;
@@ -68,19 +73,20 @@ pub(super) fn eligible(key: &PlanKey, align: Alignment) -> bool {
 /// The kernel name of variant `variant` for `ty` and `m` rows: the
 /// 8-row build up to 8 rows (it never loads rows 8–15), else the 16-row one.
 pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
-    let (warps, unroll) = VARIANTS[variant];
+    let (warps, unroll, ring) = VARIANTS[variant];
     let rows = if m <= 8 { 8 } else { 16 };
+    let ring = if ring { "_a" } else { "" };
     let dt = match ty {
         GemmType::BF16 => "bf16",
         GemmType::F16 => "f16",
         GemmType::F32 => "f32",
     };
-    format!("skinny_w{warps}_u{unroll}_r{rows}_{dt}")
+    format!("skinny_w{warps}_u{unroll}{ring}_r{rows}_{dt}")
 }
 
 /// The launch running `call` (of an eligible shape) with variant `variant`.
 pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
-    let (warps, _) = VARIANTS[variant];
+    let (warps, _, _) = VARIANTS[variant];
     let (add_kind, addend) = match call.addend {
         GemmAddend::None => (0, 0),
         GemmAddend::Full(p) => (1, p),
@@ -253,7 +259,8 @@ mod tests {
         for &(m, n, k) in &[(1, 8, 32), (1, 13, 40), (3, 20, 96), (9, 16, 64), (16, 11, 200), (5, 3, 8)] {
             let x: Vec<f32> = (0..m * k).map(val).collect();
             let w: Vec<f32> = (0..n * k).map(|i| val(i + 1000)).collect();
-            for &(warps, unroll) in &VARIANTS {
+            // The rings change when packs arrive, not which: one replay.
+            for &(warps, unroll, _) in &VARIANTS {
                 let y = replay(&x, &w, m, n, k, warps as usize, unroll as usize);
                 for r in 0..m {
                     for c in 0..n {
@@ -286,6 +293,7 @@ mod tests {
         let l = launch(&call, 1);
         assert_eq!((l.function.as_str(), l.grid, l.block), ("skinny_w16_u4_r16_f16", (1201, 3, 1), (512, 1, 1)));
         assert_eq!(launch(&GemmCall { m: 8, ..call }, 2).function, "skinny_w4_u4_r8_f16");
+        assert_eq!(launch(&GemmCall { m: 1, ..call }, 5).function, "skinny_w2_u4_a_r8_f16");
         assert_eq!((&l.args[3], &l.args[4]), (&Arg::Ptr(0x4000), &Arg::I32(2)));
     }
 
