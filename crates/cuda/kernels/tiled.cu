@@ -27,6 +27,23 @@
 #define TL_ADD_FULL 1
 #define TL_ADD_BIAS 2
 
+// One depth slice of an operand into shared memory: dst[kk][i] = the
+// element at outer index o0 + i (a row of op(A), a column of op(B)) and
+// depth k0 + kk, zero past `outer` or `k`. The operand is stored [outer, k]
+// (`depth_inner`) or [k, outer]; consecutive threads take consecutive
+// elements of the stored rows either way.
+template <int W>
+__device__ __forceinline__ void stage_slice(float (*dst)[W + 1], const float* __restrict__ src, bool depth_inner,
+                                            int outer, int k, int o0, int k0) {
+    for (int e = threadIdx.x; e < W * TL_BK; e += TL_THREADS) {
+        const int i = depth_inner ? e / TL_BK : e % W, kk = depth_inner ? e % TL_BK : e / W;
+        const int go = o0 + i, gk = k0 + kk;
+        float v = 0.f;
+        if (go < outer && gk < k) v = depth_inner ? src[(i64)go * k + gk] : src[(i64)gk * outer + go];
+        dst[kk][i] = v;
+    }
+}
+
 template <int BM, int BN>
 __device__ __forceinline__ void tiled(const float* __restrict__ a, const float* __restrict__ b, float* c,
                                       const float* addend, int add_kind, int m, int n, int k, int trans_a,
@@ -49,37 +66,8 @@ __device__ __forceinline__ void tiled(const float* __restrict__ a, const float* 
 #pragma unroll
         for (int j = 0; j < RN; ++j) acc[i][j] = 0.f;
     for (int k0 = 0; k0 < k; k0 += TL_BK) {
-        // A's slice: As[kk][r] = op(A)[row0 + r][k0 + kk]; consecutive
-        // threads take consecutive elements of the stored rows.
-        for (int e = tid; e < BM * TL_BK; e += TL_THREADS) {
-            int r, kk;
-            if (trans_a) {  // stored [k, m]: rows along m
-                r = e % BM;
-                kk = e / BM;
-            } else {  // stored [m, k]: rows along k
-                kk = e % TL_BK;
-                r = e / TL_BK;
-            }
-            const int gr = row0 + r, gk = k0 + kk;
-            float v = 0.f;
-            if (gr < m && gk < k) v = trans_a ? a[(i64)gk * m + gr] : a[(i64)gr * k + gk];
-            As[kk][r] = v;
-        }
-        // B's slice: Bs[kk][cc] = op(B)[k0 + kk][col0 + cc].
-        for (int e = tid; e < BN * TL_BK; e += TL_THREADS) {
-            int cc, kk;
-            if (trans_b) {  // stored [n, k]: rows along k
-                kk = e % TL_BK;
-                cc = e / TL_BK;
-            } else {  // stored [k, n]: rows along n
-                cc = e % BN;
-                kk = e / BN;
-            }
-            const int gc = col0 + cc, gk = k0 + kk;
-            float v = 0.f;
-            if (gc < n && gk < k) v = trans_b ? b[(i64)gc * k + gk] : b[(i64)gk * n + gc];
-            Bs[kk][cc] = v;
-        }
+        stage_slice<BM>(As, a, !trans_a, m, k, row0, k0);
+        stage_slice<BN>(Bs, b, trans_b, n, k, col0, k0);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < TL_BK; ++kk) {

@@ -20,6 +20,23 @@ pub fn available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// For CPU tests of a module's kernels: its sm_90 CUBIN where NVRTC is
+/// installed (CI); elsewhere `None`, after saying why, unless
+/// `STEPGRAPH_REQUIRE_NVRTC` is set, which turns a missing NVRTC into a
+/// failure.
+#[cfg(test)]
+pub(crate) fn test_cubin(module: &str) -> Option<Vec<u8>> {
+    if !available() {
+        eprintln!("NVRTC not found: CUBIN check of `{module}` skipped (see .ci/run)");
+        assert!(
+            std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+            "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        return None;
+    }
+    Some(compile(module, "sm_90").unwrap_or_else(|e| panic!("{e}")))
+}
+
 fn require() -> Result<()> {
     if available() {
         Ok(())

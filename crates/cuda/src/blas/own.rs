@@ -11,7 +11,19 @@ use cudarc::driver::{result as dr, CudaContext, CudaModule};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, KernelLaunch};
+use crate::launch::{Arg, GemmAddend, KernelLaunch};
+
+/// A product's addend as our kernels take it: its address (0 for none)
+/// and its kind (0 none, 1 the output's layout, 2 a bias row; `*_ADD_*` in
+/// the sources).
+pub(super) fn addend_args(addend: GemmAddend) -> [Arg; 2] {
+    let (ptr, kind) = match addend {
+        GemmAddend::None => (0, 0),
+        GemmAddend::Full(p) => (p, 1),
+        GemmAddend::Bias(p) => (p, 2),
+    };
+    [Arg::Ptr(ptr), Arg::I32(kind)]
+}
 
 /// What a family's switch (`STEPGRAPH_GEMM_SKINNY`, `STEPGRAPH_GEMM_TILED`) asks for.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

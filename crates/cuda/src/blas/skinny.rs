@@ -13,7 +13,7 @@
 
 use super::plan::{Alignment, Epilogue, PlanKey};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, GemmAddend, GemmCall, GemmType, KernelLaunch};
+use crate::launch::{Arg, GemmCall, GemmType, KernelLaunch};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("skinny", include_str!("../../kernels/skinny.cu"));
@@ -87,11 +87,7 @@ pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
 /// The launch running `call` (of an eligible shape) with variant `variant`.
 pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
     let (warps, _, _) = VARIANTS[variant];
-    let (add_kind, addend) = match call.addend {
-        GemmAddend::None => (0, 0),
-        GemmAddend::Full(p) => (1, p),
-        GemmAddend::Bias(p) => (2, p),
-    };
+    let [addend, add_kind] = super::own::addend_args(call.addend);
     let tiles = call.n.div_ceil(TILE_COLS) as u32;
     KernelLaunch {
         module: MODULE.name,
@@ -103,8 +99,8 @@ pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
             Arg::Ptr(call.a),
             Arg::Ptr(call.b),
             Arg::Ptr(call.c),
-            Arg::Ptr(addend),
-            Arg::I32(add_kind),
+            addend,
+            add_kind,
             Arg::I32(call.m as i32),
             Arg::I32(call.n as i32),
             Arg::I32(call.k as i32),
@@ -125,6 +121,7 @@ pub(super) fn kernel_names() -> impl Iterator<Item = String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::GemmAddend;
 
     fn key(m: usize, n: usize, k: usize) -> PlanKey {
         PlanKey {
@@ -272,23 +269,34 @@ mod tests {
         }
     }
 
-    #[test]
-    fn launches_cover_the_columns_and_the_batch() {
-        let call = GemmCall {
-            ty: GemmType::F16,
-            batch: 3,
-            m: 16,
-            n: 9601,
-            k: 3200,
+    /// A decode-shaped call: `m` rows of x times a `[n, k]` weight.
+    fn decode_call(ty: GemmType, m: usize, n: usize, k: usize) -> GemmCall {
+        GemmCall {
+            ty,
+            batch: 1,
+            m,
+            n,
+            k,
             trans_a: false,
             trans_b: true,
             a: 0x1000,
             b: 0x2000,
             c: 0x3000,
             stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            addend: GemmAddend::None,
+        }
+    }
+
+    #[test]
+    fn launches_cover_the_columns_and_the_batch() {
+        let call = GemmCall {
+            batch: 3,
             stride_b: 9601 * 3200,
             stride_c: 16 * 9601,
             addend: GemmAddend::Bias(0x4000),
+            ..decode_call(GemmType::F16, 16, 9601, 3200)
         };
         let l = launch(&call, 1);
         assert_eq!((l.function.as_str(), l.grid, l.block), ("skinny_w16_u4_r16_f16", (1201, 3, 1), (512, 1, 1)));
@@ -301,33 +309,10 @@ mod tests {
     /// module's CUBIN with the parameters the launch fills.
     #[test]
     fn the_launches_fit_the_compiled_kernels() {
-        if !crate::nvrtc::available() {
-            eprintln!("NVRTC not found: CUBIN check skipped (see .ci/run)");
-            assert!(
-                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
-                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
-            );
-            return;
-        }
-        let cubin = crate::nvrtc::compile(MODULE.name, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
         for ty in [GemmType::BF16, GemmType::F16] {
             for (v, m) in (0..VARIANTS.len()).flat_map(|v| [(v, 1), (v, 9)]) {
-                let call = GemmCall {
-                    ty,
-                    batch: 1,
-                    m,
-                    n: 3200,
-                    k: 3200,
-                    trans_a: false,
-                    trans_b: true,
-                    a: 0x1000,
-                    b: 0x2000,
-                    c: 0x3000,
-                    stride_a: 0,
-                    stride_b: 0,
-                    stride_c: 0,
-                    addend: GemmAddend::None,
-                };
+                let call = decode_call(ty, m, 3200, 3200);
                 crate::ops::sweep::check_signature(&format!("skinny {ty:?} {v}"), &cubin, &launch(&call, v));
             }
         }

@@ -13,7 +13,7 @@
 
 use super::plan::PlanKey;
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, GemmAddend, GemmCall, GemmType, KernelLaunch};
+use crate::launch::{Arg, GemmCall, GemmType, KernelLaunch};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("tiled", include_str!("../../kernels/tiled.cu"));
@@ -66,11 +66,7 @@ pub(super) fn kernel_names() -> impl Iterator<Item = String> {
 /// The launch running `call` (of an eligible shape) with variant `variant`.
 pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
     let (rows, cols) = VARIANTS[variant];
-    let (add_kind, addend) = match call.addend {
-        GemmAddend::None => (0, 0),
-        GemmAddend::Full(p) => (1, p),
-        GemmAddend::Bias(p) => (2, p),
-    };
+    let [addend, add_kind] = super::own::addend_args(call.addend);
     KernelLaunch {
         module: MODULE.name,
         function: kernel_name(variant),
@@ -81,8 +77,8 @@ pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
             Arg::Ptr(call.a),
             Arg::Ptr(call.b),
             Arg::Ptr(call.c),
-            Arg::Ptr(addend),
-            Arg::I32(add_kind),
+            addend,
+            add_kind,
             Arg::I32(call.m as i32),
             Arg::I32(call.n as i32),
             Arg::I32(call.k as i32),
@@ -99,6 +95,7 @@ pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
 mod tests {
     use super::super::plan::Epilogue;
     use super::*;
+    use crate::launch::GemmAddend;
 
     fn key(ty: GemmType, m: usize, n: usize, k: usize) -> PlanKey {
         PlanKey {
@@ -153,15 +150,7 @@ mod tests {
     /// CUBIN with the parameters the launch fills.
     #[test]
     fn the_launches_fit_the_compiled_kernels() {
-        if !crate::nvrtc::available() {
-            eprintln!("NVRTC not found: CUBIN check skipped (see .ci/run)");
-            assert!(
-                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
-                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
-            );
-            return;
-        }
-        let cubin = crate::nvrtc::compile(MODULE.name, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
         let call = GemmCall {
             ty: GemmType::F32,
             batch: 1,
