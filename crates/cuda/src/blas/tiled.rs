@@ -146,6 +146,85 @@ mod tests {
         assert_eq!((&l.args[4], &l.args[8], &l.args[9]), (&Arg::I32(1), &Arg::I32(1), &Arg::I32(0)));
     }
 
+    /// Replays `tiled.cu` for one batch entry on the host: each block's
+    /// depth slices staged as `stage_slice` stages them (either stored
+    /// layout), each thread's strided outputs. Returns C [m, n].
+    fn replay(
+        a: &[f32],
+        b: &[f32],
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        tile: (usize, usize),
+    ) -> Vec<f32> {
+        const BK: usize = 16;
+        let (bm, bn) = tile;
+        // dst[kk][i] for outer index o0 + i and depth k0 + kk, as stage_slice.
+        let stage = |src: &[f32], depth_inner: bool, outer: usize, w: usize, o0: usize, k0: usize| {
+            let mut dst = vec![vec![0f32; w + 1]; BK];
+            for e in 0..w * BK {
+                let (i, kk) = if depth_inner { (e / BK, e % BK) } else { (e % w, e / w) };
+                let (go, gk) = (o0 + i, k0 + kk);
+                if go < outer && gk < k {
+                    dst[kk][i] = if depth_inner { src[go * k + gk] } else { src[gk * outer + go] };
+                }
+            }
+            dst
+        };
+        let mut c = vec![f32::NAN; m * n];
+        for row0 in (0..m).step_by(bm) {
+            for col0 in (0..n).step_by(bn) {
+                let mut acc = vec![vec![0f32; bn]; bm];
+                for k0 in (0..k).step_by(BK) {
+                    let a_s = stage(a, !ta, m, bm, row0, k0);
+                    let b_s = stage(b, tb, n, bn, col0, k0);
+                    for kk in 0..BK {
+                        for (r, acc_r) in acc.iter_mut().enumerate() {
+                            for (cc, v) in acc_r.iter_mut().enumerate() {
+                                *v = a_s[kk][r].mul_add(b_s[kk][cc], *v);
+                            }
+                        }
+                    }
+                }
+                // Thread (tx, ty) owns rows ty + 16i and columns tx + 16j.
+                for tid in 0..THREADS as usize {
+                    let (tx, ty) = (tid % 16, tid / 16);
+                    for i in 0..bm / 16 {
+                        for j in 0..bn / 16 {
+                            let (r, col) = (row0 + ty + 16 * i, col0 + tx + 16 * j);
+                            if r < m && col < n {
+                                c[r * n + col] = acc[ty + 16 * i][tx + 16 * j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn the_tiles_compute_the_product_in_every_layout() {
+        let val = |i: usize| ((i * 7919 + 13) % 17) as f32 - 8.0;
+        for &(m, n, k) in &[(5, 7, 3), (33, 65, 17), (64, 32, 40)] {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                // Stored A: [m, k] or [k, m]; stored B: [k, n] or [n, k].
+                let a: Vec<f32> = (0..m * k).map(val).collect();
+                let b: Vec<f32> = (0..k * n).map(|i| val(i + 500)).collect();
+                let at = |r: usize, j: usize| if ta { a[j * m + r] } else { a[r * k + j] };
+                let bt = |j: usize, c: usize| if tb { b[c * k + j] } else { b[j * n + c] };
+                for &(bm, bn) in &VARIANTS {
+                    let c = replay(&a, &b, (m, n, k), (ta, tb), (bm as usize, bn as usize));
+                    for r in 0..m {
+                        for col in 0..n {
+                            let want: f32 = (0..k).map(|j| at(r, j) * bt(j, col)).sum();
+                            assert_eq!(c[r * n + col], want, "{m}x{n}x{k} ta {ta} tb {tb} {bm}x{bn}: c[{r}][{col}]");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Where NVRTC is installed (CI), every variant is in the module's
     /// CUBIN with the parameters the launch fills.
     #[test]
