@@ -54,35 +54,6 @@ __device__ __forceinline__ void ldsm4t(u32* r, const u16* p) {
                  : "r"(smem_addr(p)));
 }
 
-template <typename T> struct Mma16;
-template <> struct Mma16<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // Two floats rounded to nearest even, the first in the low half.
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<u32*>(&v);
-    }
-};
-template <> struct Mma16<__half> {
-    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<u32*>(&v);
-    }
-};
-
 // ---------------------------------------------------------------------------
 // Fragment traits: what the kernels below need of a tensor-core product.
 //   E          shared-memory element (the storage type's bits)

@@ -122,3 +122,39 @@ template <typename A> __device__ A block_max(A v, A* scratch) {
     r = warp_max(r);
     return r;
 }
+
+// One m16n8k16 tensor-core product on 16-bit operands with f32
+// accumulation, c += a·b, in mma.sync's fragment layouts (PTX ISA: a lane
+// 4·g + t holds A's rows g, g+8 at columns 2t, 2t+1, 2t+8, 2t+9 in a[0..4],
+// B's column g at rows 2t, 2t+1 and 2t+8, 2t+9 in b0, b1, C's rows g, g+8
+// at columns 2t, 2t+1 in c[0..4]); `pack` rounds two floats into one
+// register of the type (the first in the low half). Used by the attention
+// and few-row product kernels.
+template <typename T> struct Mma16;
+template <> struct Mma16<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Two floats rounded to nearest even, the first in the low half.
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+template <> struct Mma16<__half> {
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};

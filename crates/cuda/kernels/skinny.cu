@@ -37,26 +37,6 @@
 
 typedef unsigned int u32;
 
-template <typename T> struct SkinnyMma;
-template <> struct SkinnyMma<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-template <> struct SkinnyMma<__half> {
-    static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-
 // A weight pack: read once, so it bypasses L1 (the activations, read by
 // every block, stay cached).
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -149,8 +129,9 @@ __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restr
     #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const uint4 x1 = ROWS > 8 ? cx1[ROWS > 8 ? u : 0] : zero;
-                SkinnyMma<T>::mma(acc, cx0[u].x, x1.x, cx0[u].y, x1.y, cw[u].x, cw[u].y);
-                SkinnyMma<T>::mma(acc, cx0[u].z, x1.z, cx0[u].w, x1.w, cw[u].z, cw[u].w);
+                const u32 a_lo[4] = {cx0[u].x, x1.x, cx0[u].y, x1.y}, a_hi[4] = {cx0[u].z, x1.z, cx0[u].w, x1.w};
+                Mma16<T>::mma(acc, a_lo, cw[u].x, cw[u].y);
+                Mma16<T>::mma(acc, a_hi, cw[u].z, cw[u].w);
             }
         }
     } else {
@@ -188,8 +169,9 @@ __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restr
             for (int u = 0; u < U; ++u) {
                 const uint4 wp = slot[u * PACKS * 32], x0 = slot[u * PACKS * 32 + 32];
                 const uint4 x1 = ROWS > 8 ? slot[u * PACKS * 32 + 64] : zero;
-                SkinnyMma<T>::mma(acc, x0.x, x1.x, x0.y, x1.y, wp.x, wp.y);
-                SkinnyMma<T>::mma(acc, x0.z, x1.z, x0.w, x1.w, wp.z, wp.w);
+                const u32 a_lo[4] = {x0.x, x1.x, x0.y, x1.y}, a_hi[4] = {x0.z, x1.z, x0.w, x1.w};
+                Mma16<T>::mma(acc, a_lo, wp.x, wp.y);
+                Mma16<T>::mma(acc, a_hi, wp.z, wp.w);
             }
         }
         cp_wait<0>();
