@@ -1,9 +1,10 @@
 //! What our own product kernels share (`skinny` for a few rows, `tiled`
-//! for small f32 matrices): the switch that turns a family on, and its
-//! loaded module with one function per kernel name, launched from
-//! [`KernelLaunch`] data as the session launches lowered kernels.
+//! for small f32 matrices): the switch that turns a family on, the
+//! parameter layout every family's kernels take ([`OwnLaunch`]), and the
+//! loaded module with its functions. A product's launch is built per call
+//! (eager runs enqueue every product each step) on the stack: no name to
+//! look up, no argument vectors to allocate.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -11,18 +12,79 @@ use cudarc::driver::{result as dr, CudaContext, CudaModule};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, GemmAddend, KernelLaunch};
+use crate::launch::{Arg, GemmAddend, GemmCall};
 
-/// A product's addend as our kernels take it: its address (0 for none)
-/// and its kind (0 none, 1 the output's layout, 2 a bias row; `*_ADD_*` in
-/// the sources).
-pub(super) fn addend_args(addend: GemmAddend) -> [Arg; 2] {
-    let (ptr, kind) = match addend {
-        GemmAddend::None => (0, 0),
-        GemmAddend::Full(p) => (p, 1),
-        GemmAddend::Bias(p) => (p, 2),
-    };
-    [Arg::Ptr(ptr), Arg::I32(kind)]
+/// Most parameters of our product kernels: the common eleven plus the
+/// family's own (`tiled`'s two transposition flags).
+const MAX_ARGS: usize = 13;
+
+/// One product on one of our kernels: the function (an index into the
+/// family's kernel names), grid, block and arguments. The arguments are
+/// `a, b, c, addend, add_kind, m, n, k`, the family's own ints, then the
+/// three batch strides; `add_kind` is 0 for no addend, 1 for one of the
+/// output's layout, 2 for a bias row (`*_ADD_*` in the sources).
+pub(super) struct OwnLaunch {
+    pub(super) function: usize,
+    pub(super) grid: (u32, u32, u32),
+    pub(super) block: (u32, u32, u32),
+    args: [Arg; MAX_ARGS],
+    len: usize,
+}
+
+impl OwnLaunch {
+    /// The launch of `call` on function `function`, with the family's own
+    /// int parameters `own` after the common ones.
+    pub(super) fn new(
+        function: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        call: &GemmCall,
+        own: &[i32],
+    ) -> Self {
+        let (addend, kind) = match call.addend {
+            GemmAddend::None => (0, 0),
+            GemmAddend::Full(p) => (p, 1),
+            GemmAddend::Bias(p) => (p, 2),
+        };
+        let mut args = std::array::from_fn(|_| Arg::I32(0));
+        let common = [
+            Arg::Ptr(call.a),
+            Arg::Ptr(call.b),
+            Arg::Ptr(call.c),
+            Arg::Ptr(addend),
+            Arg::I32(kind),
+            Arg::I32(call.m as i32),
+            Arg::I32(call.n as i32),
+            Arg::I32(call.k as i32),
+        ];
+        let strides = [Arg::I64(call.stride_a), Arg::I64(call.stride_b), Arg::I64(call.stride_c)];
+        let all = common.into_iter().chain(own.iter().map(|&x| Arg::I32(x))).chain(strides);
+        let mut len = 0;
+        for (slot, a) in args.iter_mut().zip(all) {
+            *slot = a;
+            len += 1;
+        }
+        assert_eq!(len, 11 + own.len(), "at most {MAX_ARGS} arguments");
+        OwnLaunch { function, grid, block, args, len }
+    }
+
+    pub(super) fn args(&self) -> &[Arg] {
+        &self.args[..self.len]
+    }
+
+    /// As the session's launch data, named from the family's `names`
+    /// (for the tests' checks against the compiled kernels).
+    #[cfg(test)]
+    pub(super) fn kernel_launch(&self, module: &KernelModule, names: &[String]) -> crate::launch::KernelLaunch {
+        crate::launch::KernelLaunch {
+            module: module.name,
+            function: names[self.function].clone(),
+            grid: self.grid,
+            block: self.block,
+            shared_bytes: 0,
+            args: self.args().to_vec(),
+        }
+    }
 }
 
 /// What a family's switch (`STEPGRAPH_GEMM_SKINNY`, `STEPGRAPH_GEMM_TILED`) asks for.
@@ -50,14 +112,17 @@ pub fn own_setting(value: Option<&str>) -> OwnUse {
 pub(super) struct OwnKernels {
     /// Kept alive for the functions below.
     _module: Arc<CudaModule>,
-    functions: HashMap<String, cudarc::driver::sys::CUfunction>,
+    /// By index, as the family names them; `names` for errors.
+    functions: Vec<cudarc::driver::sys::CUfunction>,
+    names: Vec<String>,
     /// [`OwnUse::Only`]: the first variant is the sole candidate.
     pub(super) only: bool,
 }
 
 impl OwnKernels {
     /// `module` compiled for `arch` (or read from the kernel cache) and
-    /// loaded, with the functions `names`, as `how` asks (`None` when off).
+    /// loaded, with the functions `names` (an [`OwnLaunch`]'s function
+    /// indexes them), as `how` asks (`None` when off).
     pub(super) fn open(
         how: OwnUse,
         module: &KernelModule,
@@ -70,31 +135,45 @@ impl OwnKernels {
         }
         let cubin = crate::nvrtc::compile(module.name, arch)?;
         let loaded = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        let mut functions = HashMap::new();
-        for name in names {
-            let f = loaded
-                .load_function(&name)
-                .map_err(|e| CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", module.name)))?;
-            functions.insert(name, f.cu_function());
-        }
-        Ok(Some(OwnKernels { _module: loaded, functions, only: how == OwnUse::Only }))
+        let names: Vec<String> = names.into_iter().collect();
+        let functions = names
+            .iter()
+            .map(|name| {
+                loaded
+                    .load_function(name)
+                    .map(|f| f.cu_function())
+                    .map_err(|e| CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", module.name)))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == OwnUse::Only }))
     }
 
-    /// Enqueues `l`, a launch of one of this family's functions, on `stream`.
-    pub(super) fn run(&self, l: &KernelLaunch, stream: cudarc::driver::sys::CUstream) -> Result<()> {
-        let func = *self
-            .functions
-            .get(&l.function)
-            .ok_or_else(|| CudaError::Blas(format!("kernel `{}` is not loaded", l.function)))?;
-        let args: Vec<Vec<u8>> = l.args.iter().map(Arg::bytes).collect();
-        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
-        // SAFETY: `func` belongs to the module this struct keeps loaded; the
-        // families build their launches to match the kernels' parameters
-        // (checked against the CUBIN in their tests) for products of a
-        // shape they accept, whose operands lie inside the session's
-        // allocation. `args` outlives the call, which copies the values.
-        unsafe { dr::launch_kernel(func, l.grid, l.block, l.shared_bytes, stream, &mut params) }
-            .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", l.function)))
+    /// Enqueues `l` on `stream`.
+    pub(super) fn run(&self, l: &OwnLaunch, stream: cudarc::driver::sys::CUstream) -> Result<()> {
+        // Each argument in an 8-byte slot: a 4-byte int in its first bytes
+        // (little-endian, as every CUDA host is), which is all the driver
+        // reads of it.
+        let mut values = [0u64; MAX_ARGS];
+        for (v, a) in values.iter_mut().zip(l.args()) {
+            *v = match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(x) => x as u32 as u64,
+                Arg::I64(x) => x as u64,
+                ref other => unreachable!("our product kernels take pointers and ints, not {other:?}"),
+            };
+        }
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, v) in params.iter_mut().zip(values.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        // SAFETY: the function belongs to the module this struct keeps
+        // loaded; the families build their launches to match the kernels'
+        // parameters (checked against the CUBIN in their tests) for
+        // products of a shape they accept, whose operands lie inside the
+        // session's allocation. `values` outlives the call, which copies
+        // the argument values.
+        unsafe { dr::launch_kernel(self.functions[l.function], l.grid, l.block, 0, stream, &mut params[..l.len]) }
+            .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", self.names[l.function])))
     }
 }
 

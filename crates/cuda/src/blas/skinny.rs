@@ -11,9 +11,10 @@
 //! variant the only candidate of every eligible shape, untimed, so the GPU
 //! tests compare exactly this path with the CPU.
 
+use super::own::OwnLaunch;
 use super::plan::{Alignment, Epilogue, PlanKey};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, GemmCall, GemmType, KernelLaunch};
+use crate::launch::{GemmCall, GemmType};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("skinny", include_str!("../../kernels/skinny.cu"));
@@ -70,6 +71,9 @@ pub(super) fn eligible(key: &PlanKey, align: Alignment) -> bool {
         && matches!(key.epilogue, Epilogue::None | Epilogue::Accumulate | Epilogue::Bias)
 }
 
+/// The 16-bit types the kernels are built for, in [`kernel_names`]'s order.
+const TYPES: [GemmType; 2] = [GemmType::BF16, GemmType::F16];
+
 /// The kernel name of variant `variant` for `ty` and `m` rows: the
 /// 8-row build up to 8 rows (it never loads rows 8–15), else the 16-row one.
 pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
@@ -84,44 +88,28 @@ pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
     format!("skinny_w{warps}_u{unroll}{ring}_r{rows}_{dt}")
 }
 
-/// The launch running `call` (of an eligible shape) with variant `variant`.
-pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
-    let (warps, _, _) = VARIANTS[variant];
-    let [addend, add_kind] = super::own::addend_args(call.addend);
-    let tiles = call.n.div_ceil(TILE_COLS) as u32;
-    KernelLaunch {
-        module: MODULE.name,
-        function: kernel_name(call.ty, variant, call.m),
-        grid: (tiles, call.batch.max(1) as u32, 1),
-        block: (32 * warps, 1, 1),
-        shared_bytes: 0,
-        args: vec![
-            Arg::Ptr(call.a),
-            Arg::Ptr(call.b),
-            Arg::Ptr(call.c),
-            addend,
-            add_kind,
-            Arg::I32(call.m as i32),
-            Arg::I32(call.n as i32),
-            Arg::I32(call.k as i32),
-            Arg::I64(call.stride_a),
-            Arg::I64(call.stride_b),
-            Arg::I64(call.stride_c),
-        ],
-    }
+/// Every kernel name, in the order [`kernel_index`] counts them.
+pub(super) fn kernel_names() -> impl Iterator<Item = String> {
+    TYPES.into_iter().flat_map(|ty| (0..VARIANTS.len()).flat_map(move |v| [1, MAX_ROWS].map(|m| kernel_name(ty, v, m))))
 }
 
-/// Every kernel name [`launch`] can use.
-pub(super) fn kernel_names() -> impl Iterator<Item = String> {
-    [GemmType::BF16, GemmType::F16]
-        .into_iter()
-        .flat_map(|ty| (0..VARIANTS.len()).flat_map(move |v| [1, MAX_ROWS].map(|m| kernel_name(ty, v, m))))
+/// The position of [`kernel_name`]`(ty, variant, m)` in [`kernel_names`].
+fn kernel_index(ty: GemmType, variant: usize, m: usize) -> usize {
+    let t = TYPES.iter().position(|&x| x == ty).expect("an eligible shape has a 16-bit type");
+    (t * VARIANTS.len() + variant) * 2 + usize::from(m > 8)
+}
+
+/// The launch running `call` (of an eligible shape) with variant `variant`.
+pub(super) fn launch(call: &GemmCall, variant: usize) -> OwnLaunch {
+    let (warps, _, _) = VARIANTS[variant];
+    let grid = (call.n.div_ceil(TILE_COLS) as u32, call.batch.max(1) as u32, 1);
+    OwnLaunch::new(kernel_index(call.ty, variant, call.m), grid, (32 * warps, 1, 1), call, &[])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::GemmAddend;
+    use crate::launch::{Arg, GemmAddend};
 
     fn key(m: usize, n: usize, k: usize) -> PlanKey {
         PlanKey {
@@ -298,11 +286,21 @@ mod tests {
             addend: GemmAddend::Bias(0x4000),
             ..decode_call(GemmType::F16, 16, 9601, 3200)
         };
-        let l = launch(&call, 1);
+        let names: Vec<String> = kernel_names().collect();
+        let named = |call: &GemmCall, v| launch(call, v).kernel_launch(&MODULE, &names);
+        let l = named(&call, 1);
         assert_eq!((l.function.as_str(), l.grid, l.block), ("skinny_w16_u4_r16_f16", (1201, 3, 1), (512, 1, 1)));
-        assert_eq!(launch(&GemmCall { m: 8, ..call }, 2).function, "skinny_w4_u4_r8_f16");
-        assert_eq!(launch(&GemmCall { m: 1, ..call }, 5).function, "skinny_w2_u4_a_r8_f16");
+        assert_eq!(named(&GemmCall { m: 8, ..call }, 2).function, "skinny_w4_u4_r8_f16");
+        assert_eq!(named(&GemmCall { m: 1, ..call }, 5).function, "skinny_w2_u4_a_r8_f16");
         assert_eq!((&l.args[3], &l.args[4]), (&Arg::Ptr(0x4000), &Arg::I32(2)));
+        // Every name is where its index says.
+        for ty in TYPES {
+            for v in 0..VARIANTS.len() {
+                for m in [1, 8, 9, MAX_ROWS] {
+                    assert_eq!(names[kernel_index(ty, v, m)], kernel_name(ty, v, m));
+                }
+            }
+        }
     }
 
     /// Where NVRTC is installed (CI), every variant of both types is in the
@@ -310,10 +308,12 @@ mod tests {
     #[test]
     fn the_launches_fit_the_compiled_kernels() {
         let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
-        for ty in [GemmType::BF16, GemmType::F16] {
+        let names: Vec<String> = kernel_names().collect();
+        for ty in TYPES {
             for (v, m) in (0..VARIANTS.len()).flat_map(|v| [(v, 1), (v, 9)]) {
                 let call = decode_call(ty, m, 3200, 3200);
-                crate::ops::sweep::check_signature(&format!("skinny {ty:?} {v}"), &cubin, &launch(&call, v));
+                let l = launch(&call, v).kernel_launch(&MODULE, &names);
+                crate::ops::sweep::check_signature(&format!("skinny {ty:?} {v}"), &cubin, &l);
             }
         }
     }

@@ -11,9 +11,10 @@
 //! `only` makes the first variant the only candidate of every eligible
 //! shape, untimed, for the GPU tests.
 
+use super::own::OwnLaunch;
 use super::plan::PlanKey;
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, GemmCall, GemmType, KernelLaunch};
+use crate::launch::{GemmCall, GemmType};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("tiled", include_str!("../../kernels/tiled.cu"));
@@ -58,44 +59,23 @@ pub fn kernel_name(variant: usize) -> String {
     format!("tiled_{rows}x{cols}_f32")
 }
 
-/// Every kernel name [`launch`] can use.
+/// Every kernel name, variant by variant (a launch's function index is its variant).
 pub(super) fn kernel_names() -> impl Iterator<Item = String> {
     (0..VARIANTS.len()).map(kernel_name)
 }
 
 /// The launch running `call` (of an eligible shape) with variant `variant`.
-pub fn launch(call: &GemmCall, variant: usize) -> KernelLaunch {
+pub(super) fn launch(call: &GemmCall, variant: usize) -> OwnLaunch {
     let (rows, cols) = VARIANTS[variant];
-    let [addend, add_kind] = super::own::addend_args(call.addend);
-    KernelLaunch {
-        module: MODULE.name,
-        function: kernel_name(variant),
-        grid: (call.n.div_ceil(cols as usize) as u32, call.m.div_ceil(rows as usize) as u32, call.batch.max(1) as u32),
-        block: (THREADS, 1, 1),
-        shared_bytes: 0,
-        args: vec![
-            Arg::Ptr(call.a),
-            Arg::Ptr(call.b),
-            Arg::Ptr(call.c),
-            addend,
-            add_kind,
-            Arg::I32(call.m as i32),
-            Arg::I32(call.n as i32),
-            Arg::I32(call.k as i32),
-            Arg::I32(call.trans_a as i32),
-            Arg::I32(call.trans_b as i32),
-            Arg::I64(call.stride_a),
-            Arg::I64(call.stride_b),
-            Arg::I64(call.stride_c),
-        ],
-    }
+    let grid = (call.n.div_ceil(cols as usize) as u32, call.m.div_ceil(rows as usize) as u32, call.batch.max(1) as u32);
+    OwnLaunch::new(variant, grid, (THREADS, 1, 1), call, &[call.trans_a as i32, call.trans_b as i32])
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::plan::Epilogue;
     use super::*;
-    use crate::launch::GemmAddend;
+    use crate::launch::{Arg, GemmAddend};
 
     fn key(ty: GemmType, m: usize, n: usize, k: usize) -> PlanKey {
         PlanKey {
@@ -140,7 +120,8 @@ mod tests {
             stride_c: 65 * 33,
             addend: GemmAddend::Full(0x3000),
         };
-        let l = launch(&call, 0);
+        let names: Vec<String> = kernel_names().collect();
+        let l = launch(&call, 0).kernel_launch(&MODULE, &names);
         assert_eq!((l.function.as_str(), l.grid, l.block), ("tiled_32x32_f32", (2, 3, 2), (256, 1, 1)));
         assert_eq!(launch(&call, 1).grid, (1, 2, 2));
         assert_eq!((&l.args[4], &l.args[8], &l.args[9]), (&Arg::I32(1), &Arg::I32(1), &Arg::I32(0)));
@@ -246,8 +227,10 @@ mod tests {
             stride_c: 0,
             addend: GemmAddend::None,
         };
+        let names: Vec<String> = kernel_names().collect();
         for v in 0..VARIANTS.len() {
-            crate::ops::sweep::check_signature(&format!("tiled {v}"), &cubin, &launch(&call, v));
+            let l = launch(&call, v).kernel_launch(&MODULE, &names);
+            crate::ops::sweep::check_signature(&format!("tiled {v}"), &cubin, &l);
         }
     }
 }
