@@ -1,7 +1,38 @@
-# Sourced by the GPU-machine scripts (gpu-test.sh, gpu-compare.sh) from the
-# repository root: `carry_unpack` unpacks what `gpu-test.sh build` packed and
-# exports where the kernel cache and NCCL are, in the caller's shell.
+# Sourced by the GPU-machine scripts from the repository root:
+# `carry_unpack` unpacks what `gpu-test.sh build` packed and exports where
+# the kernel cache and NCCL are, in the caller's shell; `gpu_script_start`
+# does that and the rest every script starts with; `log_start`, `stamp` and
+# `torch_rows` are the logging and PyTorch-reference steps they share.
 # shellcheck shell=bash
+
+# The start of a GPU-machine script: $OUT (default ./gpu-out) made, the
+# carry unpacked, $SG the CLI (default the carried one).
+gpu_script_start() {
+    OUT=${OUT:-gpu-out}
+    mkdir -p "$OUT"
+    carry_unpack
+    SG=${SG:-.carry/stepgraph}
+}
+
+# `log_start FILE` empties FILE, makes it $LOG and starts the clock; `stamp
+# WORDS` prints `== +Ns WORDS` (seconds since) and appends it to $LOG.
+log_start() {
+    LOG=$1
+    : >"$LOG"
+    T0=$(date +%s)
+}
+stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
+
+# One PyTorch reference under a time limit: `torch_rows TAG SECONDS SCRIPT
+# ARGS...` runs .carry/bench/SCRIPT, appends all it prints to $LOG, and
+# prints its RESULT rows as JSON, with `"switch": TAG` first unless TAG is
+# empty. What finished before the limit is kept.
+torch_rows() {
+    local tag=$1 limit=$2 script=$3
+    shift 3
+    PYTHONUNBUFFERED=1 timeout "$limit" python3 ".carry/bench/$script" "$@" 2>&1 | tee -a "$LOG" |
+        grep '^RESULT ' | if [ -n "$tag" ]; then sed "s/^RESULT {/{\"switch\":\"$tag\",/"; else sed 's/^RESULT //'; fi
+}
 
 # The packed binaries and kernel cache, unpacked once per machine.
 carry_unpack() {

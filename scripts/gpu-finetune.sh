@@ -27,11 +27,8 @@
 # corpus instead of step 1) for a dry run of the stepgraph stages elsewhere.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
 source scripts/carry-env.sh
-carry_unpack
-SG=${SG:-.carry/stepgraph}
+gpu_script_start
 STEPS=${STEPS:-200}
 HALF=$((STEPS / 2))
 BATCH=${BATCH:-8}

@@ -19,11 +19,8 @@
 # hf_generate.jsonl (the comparisons).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
 source scripts/carry-env.sh
-carry_unpack
-SG=${SG:-.carry/stepgraph}
+gpu_script_start
 LOG=$OUT/generate.log
 W6=$OUT/w6.jsonl
 HFJ=$OUT/hf_generate.jsonl

@@ -9,10 +9,8 @@
 # $OUT/torch.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
 source scripts/carry-env.sh
-carry_unpack
+gpu_script_start
 run() {
     local w=$1
     shift

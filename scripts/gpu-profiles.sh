@@ -22,16 +22,10 @@
 # references take most of the call (W5 reduce-overhead alone minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
 source scripts/carry-env.sh
-carry_unpack
-SG=${SG:-.carry/stepgraph}
+gpu_script_start
 P=$(mktemp -d)
-LOG=$OUT/profiles.log
-: >"$LOG"
-T0=$(date +%s)
-stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
+log_start "$OUT/profiles.log"
 status=0
 
 IFS=';' read -r -a envs <<<"${PROFILE_ENV-}"
@@ -63,15 +57,13 @@ if [ "${TORCH:-1}" = 1 ]; then
     for w in ${WORKLOADS-w3 w2 w5}; do
         for mode in eager reduce-overhead; do
             stamp "torch_reference.py $w $mode"
-            PYTHONUNBUFFERED=1 timeout "${TORCH_LIMIT:-150}" python3 .carry/bench/torch_reference.py \
-                --workload "${w/-/}" --mode "$mode" 2>&1 | tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT //' >>"$OUT/torch.jsonl"
+            torch_rows "" "${TORCH_LIMIT:-150}" torch_reference.py --workload "${w/-/}" --mode "$mode" >>"$OUT/torch.jsonl"
         done
     done
     if [ -n "${W6_BATCHES-1 16}" ]; then
         stamp "torch_generate.py --mode static --batch ${W6_BATCHES-1 16}"
         # shellcheck disable=SC2086 # one argument per batch size
-        PYTHONUNBUFFERED=1 timeout "${TORCH_LIMIT:-150}" python3 .carry/bench/torch_generate.py --mode static \
-            --batch ${W6_BATCHES-1 16} 2>&1 | tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT //' >>"$OUT/torch.jsonl"
+        torch_rows "" "${TORCH_LIMIT:-150}" torch_generate.py --mode static --batch ${W6_BATCHES-1 16} >>"$OUT/torch.jsonl"
     fi
 fi
 stamp done

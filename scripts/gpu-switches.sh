@@ -26,19 +26,13 @@
 # the case's settings, or "torch"), switches.log, tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
 source scripts/carry-env.sh
-carry_unpack
-SG=${SG:-.carry/stepgraph}
+gpu_script_start
 CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16 STEPGRAPH_GEMM_TILED=1|w3}
-LOG=$OUT/switches.log
+log_start "$OUT/switches.log"
 ROWS=$OUT/switches.jsonl
-: >"$LOG"
 : >"$ROWS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOG" 2>&1
-T0=$(date +%s)
-stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
 status=0
 
 # Each `;`-separated group of TEST_ENV runs every test of TESTS once.
@@ -100,14 +94,12 @@ if [ "${TORCH:-1}" = 1 ]; then
     if [ -n "$w6_batches" ]; then
         stamp "torch_generate.py --mode static --batch $w6_batches"
         # shellcheck disable=SC2086 # one argument per batch size
-        PYTHONUNBUFFERED=1 timeout 300 python3 .carry/bench/torch_generate.py --mode static --batch $w6_batches 2>&1 |
-            tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT {/{"switch":"torch",/' >>"$ROWS"
+        torch_rows torch 300 torch_generate.py --mode static --batch $w6_batches >>"$ROWS"
     fi
     for w in $(printf '%s\n' "${measured[@]}" | grep -v '^w6:' | sort -u); do
         for mode in eager reduce-overhead; do
             stamp "torch_reference.py $w $mode"
-            PYTHONUNBUFFERED=1 timeout 300 python3 .carry/bench/torch_reference.py --workload "${w/-/}" --mode "$mode" 2>&1 |
-                tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT {/{"switch":"torch",/' >>"$ROWS"
+            torch_rows torch 300 torch_reference.py --workload "${w/-/}" --mode "$mode" >>"$ROWS"
         done
     done
 fi
