@@ -221,27 +221,24 @@ impl Blas {
             let variants = self.split_k_variants(&plan);
             plan.candidates.extend(variants.into_iter().map(Candidate::Lt));
         }
-        if let Some(cublas) = self.cublas.as_ref().filter(|_| super::cublas::eligible(k, in_place)) {
-            if cublas.only {
-                // Tests: the only candidate, so every run takes this path.
-                plan.candidates = vec![Candidate::Cublas];
+        // Candidates beyond cuBLASLt's, each where it can run the shape: a
+        // family's `only` (tests) makes its first the sole candidate, so
+        // every run takes that path; otherwise tuning times them all.
+        let mut offer = |only: bool, extra: &mut dyn Iterator<Item = Candidate>| {
+            if only {
+                plan.candidates = extra.take(1).collect();
             } else if self.autotune && !plan.candidates.is_empty() {
-                plan.candidates.push(Candidate::Cublas);
+                plan.candidates.extend(extra);
             }
+        };
+        if let Some(cublas) = self.cublas.as_ref().filter(|_| super::cublas::eligible(k, in_place)) {
+            offer(cublas.only, &mut std::iter::once(Candidate::Cublas));
         }
         if let Some(skinny) = self.skinny.as_ref().filter(|_| super::skinny::eligible(k, align)) {
-            if skinny.only {
-                plan.candidates = vec![Candidate::Skinny(0)];
-            } else if self.autotune && !plan.candidates.is_empty() {
-                plan.candidates.extend((0..super::skinny::VARIANTS.len()).map(Candidate::Skinny));
-            }
+            offer(skinny.only, &mut (0..super::skinny::VARIANTS.len()).map(Candidate::Skinny));
         }
         if let Some(tiled) = self.tiled.as_ref().filter(|_| super::tiled::eligible(k, self.tf32)) {
-            if tiled.only {
-                plan.candidates = vec![Candidate::Tiled(0)];
-            } else if self.autotune && !plan.candidates.is_empty() {
-                plan.candidates.extend((0..super::tiled::VARIANTS.len()).map(Candidate::Tiled));
-            }
+            offer(tiled.only, &mut (0..super::tiled::VARIANTS.len()).map(Candidate::Tiled));
         }
         plan.algo = *plan
             .candidates

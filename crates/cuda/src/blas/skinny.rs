@@ -12,7 +12,7 @@
 //! tests compare exactly this path with the CPU.
 
 use super::own::OwnLaunch;
-use super::plan::{Alignment, Epilogue, PlanKey};
+use super::plan::{Alignment, PlanKey};
 use crate::kernels::KernelModule;
 use crate::launch::{GemmCall, GemmType};
 
@@ -68,7 +68,6 @@ pub(super) fn eligible(key: &PlanKey, align: Alignment) -> bool {
         && key.stride_a >= 0
         && key.stride_b >= 0
         && key.stride_c >= 0
-        && matches!(key.epilogue, Epilogue::None | Epilogue::Accumulate | Epilogue::Bias)
 }
 
 /// The 16-bit types the kernels are built for, in [`kernel_names`]'s order.
@@ -108,6 +107,7 @@ pub(super) fn launch(call: &GemmCall, variant: usize) -> OwnLaunch {
 
 #[cfg(test)]
 mod tests {
+    use super::super::plan::Epilogue;
     use super::*;
     use crate::launch::{Arg, GemmAddend};
 
