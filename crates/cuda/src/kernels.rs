@@ -59,10 +59,13 @@ impl KernelModule {
 /// Every module the op list declares, each once, in op-list order, then
 /// the session's own.
 pub fn all() -> impl Iterator<Item = &'static KernelModule> {
-    let declared = || {
-        crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).chain(crate::init::KERNELS).chain(crate::blas::KERNELS)
-    };
     declared().enumerate().filter(move |(i, m)| declared().take(*i).all(|e| e.name != m.name)).map(|(_, m)| m)
+}
+
+/// Every declaration, repeats included: the ops' modules, then the
+/// session's (initial weights) and the products' own.
+fn declared() -> impl Iterator<Item = &'static KernelModule> {
+    crate::ops::KERNELS_BY_OP.iter().flat_map(|m| m.iter()).chain(crate::init::KERNELS).chain(crate::blas::KERNELS)
 }
 
 /// Every module name.
@@ -86,12 +89,7 @@ mod tests {
 
     #[test]
     fn every_module_has_one_source() {
-        let declared: Vec<&KernelModule> = crate::ops::KERNELS_BY_OP
-            .iter()
-            .flat_map(|m| m.iter())
-            .chain(crate::init::KERNELS)
-            .chain(crate::blas::KERNELS)
-            .collect();
+        let declared: Vec<&KernelModule> = declared().collect();
         for m in &declared {
             let first = declared.iter().find(|e| e.name == m.name).unwrap();
             assert_eq!(*first, *m, "module `{}` is declared with two sources", m.name);

@@ -308,8 +308,8 @@ impl Blas {
 
     /// Can `candidate` still run `plan`'s products: cuBLASLt accepts the
     /// algorithm for the plan's descriptors and workspace, or it is cuBLAS's
-    /// GEMM or our few-row kernels and the session has them (the plan only
-    /// lists them for shapes that allow them)?
+    /// GEMM or one of our own kernels and the session has them (the plan
+    /// only lists them for shapes that allow them)?
     fn usable(&self, plan: &Plan, candidate: &Candidate) -> bool {
         match candidate {
             Candidate::Lt(algo) => self.check(plan, algo),

@@ -18,6 +18,7 @@ use std::ffi::{c_int, c_void};
 use cudarc::cublas::result as cr;
 use cudarc::cublas::sys as cs;
 
+use super::own::CandidateUse;
 use super::plan::{Epilogue, PlanKey};
 use crate::error::{CudaError, Result};
 use crate::launch::{GemmAddend, GemmCall, GemmType};
@@ -27,26 +28,6 @@ pub const CUBLAS_ENV: &str = "STEPGRAPH_GEMM_CUBLAS";
 
 /// [`AlgoConfig::id`](super::AlgoConfig::id) of the cuBLAS candidate in tuning reports.
 pub const CUBLAS_ALGO_ID: i32 = -1;
-
-/// What [`CUBLAS_ENV`] asks of cuBLAS's GEMM.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum CublasUse {
-    /// Not used (unset, or any other value).
-    Off,
-    /// `1`: one more candidate for tuning to time.
-    Candidate,
-    /// `only`: every eligible product runs through it, untimed (for tests).
-    Only,
-}
-
-/// [`CublasUse`] given the value of [`CUBLAS_ENV`].
-pub fn cublas_setting(value: Option<&str>) -> CublasUse {
-    match value.map(str::trim) {
-        Some("1") => CublasUse::Candidate,
-        Some("only") => CublasUse::Only,
-        _ => CublasUse::Off,
-    }
-}
 
 /// Can the products of `key` run as `cublasGemmStridedBatchedEx`: no bias
 /// epilogue, every addend its call's own output (`in_place`), and sizes,
@@ -63,17 +44,17 @@ pub(super) fn eligible(key: &PlanKey, in_place: bool) -> bool {
 pub(super) struct Cublas {
     handle: cs::cublasHandle_t,
     tf32: bool,
-    /// [`CublasUse::Only`]: the sole candidate of every shape it can run.
+    /// [`CandidateUse::Only`]: the sole candidate of every shape it can run.
     pub(super) only: bool,
 }
 
 impl Cublas {
-    /// cuBLAS as `how` asks for it: `None` when [`CublasUse::Off`].
-    pub(super) fn open(how: CublasUse, workspace: u64, workspace_bytes: usize, tf32: bool) -> Result<Option<Self>> {
+    /// cuBLAS as `how` asks for it: `None` when [`CandidateUse::Off`].
+    pub(super) fn open(how: CandidateUse, workspace: u64, workspace_bytes: usize, tf32: bool) -> Result<Option<Self>> {
         match how {
-            CublasUse::Off => Ok(None),
-            CublasUse::Candidate | CublasUse::Only => {
-                Self::new(workspace, workspace_bytes, tf32, how == CublasUse::Only).map(Some)
+            CandidateUse::Off => Ok(None),
+            CandidateUse::Candidate | CandidateUse::Only => {
+                Self::new(workspace, workspace_bytes, tf32, how == CandidateUse::Only).map(Some)
             }
         }
     }
@@ -192,9 +173,5 @@ mod tests {
         assert!(!eligible(&key(Epilogue::Accumulate, 8192), false));
         assert!(!eligible(&key(Epilogue::Bias, 8192), true));
         assert!(!eligible(&key(Epilogue::None, 1 << 31), false));
-        assert_eq!(cublas_setting(None), CublasUse::Off);
-        assert_eq!(cublas_setting(Some("0")), CublasUse::Off);
-        assert_eq!(cublas_setting(Some(" 1")), CublasUse::Candidate);
-        assert_eq!(cublas_setting(Some("only")), CublasUse::Only);
     }
 }

@@ -64,8 +64,8 @@ pub use autotune::{
     AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, SPLIT_K_ENV,
     SPLIT_K_TRIED, TIE_TOLERANCE,
 };
-pub use cublas::{cublas_setting, CublasUse, CUBLAS_ALGO_ID, CUBLAS_ENV};
-pub use own::{own_setting, OwnUse};
+pub use cublas::{CUBLAS_ALGO_ID, CUBLAS_ENV};
+pub use own::{candidate_setting, CandidateUse};
 use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
 pub use skinny::{SKINNY_ALGO_ID, SKINNY_ENV};
 pub use tiled::{TILED_ALGO_ID, TILED_ENV};
@@ -127,9 +127,8 @@ impl Blas {
         }
         let candidates = candidates_from_env()?;
         let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
-        let how = cublas_setting(std::env::var(CUBLAS_ENV).ok().as_deref());
-        let cublas = cublas::Cublas::open(how, workspace, workspace_bytes, tf32)?;
-        let setting = |var: &str| own_setting(std::env::var(var).ok().as_deref());
+        let setting = |var: &str| candidate_setting(std::env::var(var).ok().as_deref());
+        let cublas = cublas::Cublas::open(setting(CUBLAS_ENV), workspace, workspace_bytes, tf32)?;
         let skinny = own::OwnKernels::open(setting(SKINNY_ENV), &skinny::MODULE, skinny::kernel_names(), ctx, arch)?;
         let tiled = own::OwnKernels::open(setting(TILED_ENV), &tiled::MODULE, tiled::kernel_names(), ctx, arch)?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;

@@ -1,5 +1,6 @@
 //! What our own product kernels share (`skinny` for a few rows, `tiled`
-//! for small f32 matrices): the switch that turns a family on, the
+//! for small f32 matrices): the switch that turns a family on (cuBLAS's
+//! GEMM reads its switch the same way), the
 //! parameter layout every family's kernels take ([`OwnLaunch`]), and the
 //! loaded module with its functions. A product's launch is built per call
 //! (eager runs enqueue every product each step) on the stack: no name to
@@ -87,24 +88,25 @@ impl OwnLaunch {
     }
 }
 
-/// What a family's switch (`STEPGRAPH_GEMM_SKINNY`, `STEPGRAPH_GEMM_TILED`) asks for.
+/// What a switch for candidates beyond cuBLASLt's asks for
+/// (`STEPGRAPH_GEMM_CUBLAS`, `STEPGRAPH_GEMM_SKINNY`, `STEPGRAPH_GEMM_TILED`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum OwnUse {
+pub enum CandidateUse {
     /// Not used (unset, or any other value).
     Off,
     /// `1`: more candidates for tuning to time.
     Candidate,
-    /// `only`: the family's first variant runs every product it can,
+    /// `only`: the first of these candidates runs every product it can,
     /// untimed, so the GPU tests compare exactly that path with the CPU.
     Only,
 }
 
-/// [`OwnUse`] given the value of a family's switch.
-pub fn own_setting(value: Option<&str>) -> OwnUse {
+/// [`CandidateUse`] given the value of its switch.
+pub fn candidate_setting(value: Option<&str>) -> CandidateUse {
     match value.map(str::trim) {
-        Some("1") => OwnUse::Candidate,
-        Some("only") => OwnUse::Only,
-        _ => OwnUse::Off,
+        Some("1") => CandidateUse::Candidate,
+        Some("only") => CandidateUse::Only,
+        _ => CandidateUse::Off,
     }
 }
 
@@ -115,7 +117,7 @@ pub(super) struct OwnKernels {
     /// By index, as the family names them; `names` for errors.
     functions: Vec<cudarc::driver::sys::CUfunction>,
     names: Vec<String>,
-    /// [`OwnUse::Only`]: the first variant is the sole candidate.
+    /// [`CandidateUse::Only`]: the first variant is the sole candidate.
     pub(super) only: bool,
 }
 
@@ -124,13 +126,13 @@ impl OwnKernels {
     /// loaded, with the functions `names` (an [`OwnLaunch`]'s function
     /// indexes them), as `how` asks (`None` when off).
     pub(super) fn open(
-        how: OwnUse,
+        how: CandidateUse,
         module: &KernelModule,
         names: impl IntoIterator<Item = String>,
         ctx: &Arc<CudaContext>,
         arch: &str,
     ) -> Result<Option<Self>> {
-        if how == OwnUse::Off {
+        if how == CandidateUse::Off {
             return Ok(None);
         }
         let cubin = crate::nvrtc::compile(module.name, arch)?;
@@ -145,7 +147,7 @@ impl OwnKernels {
                     .map_err(|e| CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", module.name)))
             })
             .collect::<Result<_>>()?;
-        Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == OwnUse::Only }))
+        Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == CandidateUse::Only }))
     }
 
     /// Enqueues `l` on `stream`.
@@ -183,9 +185,10 @@ mod tests {
 
     #[test]
     fn switch_values() {
-        assert_eq!(own_setting(None), OwnUse::Off);
-        assert_eq!(own_setting(Some("0")), OwnUse::Off);
-        assert_eq!(own_setting(Some("1")), OwnUse::Candidate);
-        assert_eq!(own_setting(Some(" only")), OwnUse::Only);
+        assert_eq!(candidate_setting(None), CandidateUse::Off);
+        assert_eq!(candidate_setting(Some("0")), CandidateUse::Off);
+        assert_eq!(candidate_setting(Some("1")), CandidateUse::Candidate);
+        assert_eq!(candidate_setting(Some(" 1")), CandidateUse::Candidate);
+        assert_eq!(candidate_setting(Some(" only")), CandidateUse::Only);
     }
 }
