@@ -587,11 +587,27 @@ fn run_command(cli: Cli) -> Result<()> {
             if let Some(path) = &html {
                 write_timeline(path, &c, timeline_title(&spec, opts.kind))?;
             }
+            // What the step is on a Hopper GPU, lowered here without one
+            // (a dtype without CUDA kernels, such as f64, has no count).
+            const ARCH: &str = "sm_90";
+            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH)
+                .ok()
+                .map(|launches| profile::census(&launches));
             if json {
                 let mut value = serde_json::to_value(&report)?;
                 value["recompute"] = serde_json::to_value(&c.recompute)?;
                 value["optimizer"] = serde_json::to_value(&c.placement)?;
                 value["epilogues"] = serde_json::to_value(&c.fusion)?;
+                value["launches_sm90"] = match &census {
+                    Some(census) => serde_json::json!({
+                        "total": census.iter().map(|c| c.1).sum::<usize>(),
+                        "by_class": census
+                            .iter()
+                            .map(|(class, n)| serde_json::json!({ "class": class, "launches": n }))
+                            .collect::<Vec<_>>(),
+                    }),
+                    None => serde_json::Value::Null,
+                };
                 println!("{}", serde_json::to_string_pretty(&value)?);
             } else {
                 print!("{report}");
@@ -601,6 +617,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 print!("{}", c.recompute);
                 if opts.epilogues == stepgraph_core::fusion::Epilogues::On {
                     println!("{}", c.fusion);
+                }
+                if let Some(census) = &census {
+                    println!("{}", profile::census_line(ARCH, census));
                 }
             }
         }

@@ -28,7 +28,7 @@ pub fn class_of(kernel: &str) -> &'static str {
         "attention backward"
     } else if kernel.starts_with("attention") {
         "attention forward"
-    } else if kernel.starts_with("adamw") || kernel.starts_with("sgd") {
+    } else if kernel.starts_with("adamw") || kernel.starts_with("sgd") || kernel.starts_with("squared_norms") {
         "optimizer"
     } else if kernel.starts_with("linear_ce") || kernel.starts_with("cross_entropy") {
         "loss"
@@ -71,6 +71,20 @@ pub fn by_class(rows: &[(String, usize, f64)]) -> Vec<(&'static str, usize, f64)
         sums[at].2 += ms;
     }
     sums
+}
+
+/// A step's launches counted by class ([`CLASSES`] order, empty classes
+/// left out), what `plan` prints: `(class, launches)`.
+pub fn census(launches: &[stepgraph_cuda::launch::Launch]) -> Vec<(&'static str, usize)> {
+    let rows: Vec<(String, usize, f64)> = launches.iter().map(|l| (l.profile_name(), 1, 0.0)).collect();
+    by_class(&rows).into_iter().filter(|c| c.1 > 0).map(|(class, n, _)| (class, n)).collect()
+}
+
+/// `launches per step on an sm_90 GPU: 93 (products 45, ...)`.
+pub fn census_line(arch: &str, census: &[(&str, usize)]) -> String {
+    let total: usize = census.iter().map(|c| c.1).sum();
+    let parts: Vec<String> = census.iter().map(|(class, n)| format!("{class} {n}")).collect();
+    format!("launches per step on an {arch} GPU: {total} ({})", parts.join(", "))
 }
 
 /// Prints the class table, then the `top` slowest kernels, to stderr.
@@ -197,11 +211,21 @@ mod tests {
             ("softmax_backward_f32", "pointwise and row-wise"),
             ("cast_f32_bf16", "pointwise and row-wise"),
             ("adamw_vec_bf16_bf16_bf16", "optimizer"),
+            ("squared_norms_partial_bf16", "optimizer"),
             ("embedding_u128_i32", "other"),
             ("memset", "other"),
         ] {
             assert_eq!(class_of(kernel), class, "{kernel}");
         }
+    }
+
+    #[test]
+    fn the_census_counts_each_launch_in_its_class() {
+        use stepgraph_cuda::launch::Launch;
+        let launches = [Launch::Memset { ptr: 0, bytes: 4, value: 0 }, Launch::Copy { dst: 0, src: 8, bytes: 4 }];
+        assert_eq!(census(&launches), vec![("other", 2)]);
+        let line = census_line("sm_90", &[("products", 45), ("other", 3)]);
+        assert_eq!(line, "launches per step on an sm_90 GPU: 48 (products 45, other 3)");
     }
 
     #[test]

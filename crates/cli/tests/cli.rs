@@ -40,6 +40,42 @@ fn plan_w1_json_has_the_acceptance_fields() {
     assert!(peak as f64 <= floor as f64 * 1.02, "peak {peak} floor {floor}");
 }
 
+/// W5's step with `extra` flags: its plan's launch count on an sm_90 GPU,
+/// total and per class.
+fn w5_launches(extra: &[&str]) -> (u64, Vec<(String, u64)>) {
+    let mut args =
+        vec!["plan", "--model", "open_llama_3b", "--batch", "4", "--seq", "2048", "--dtype", "bf16", "--step", "train"];
+    args.extend_from_slice(extra);
+    args.push("--json");
+    let (ok, out, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let l = &v["launches_sm90"];
+    let classes = l["by_class"].as_array().unwrap_or_else(|| panic!("no launch census in {l}"));
+    let classes = classes.iter().map(|c| (c["class"].as_str().unwrap().to_string(), json_u64(c, "launches"))).collect();
+    (json_u64(l, "total"), classes)
+}
+
+/// `plan` counts the launches a step makes on a Hopper GPU without one:
+/// W5 as `bench` measures it (1329 launches: 582 products, every AdamW
+/// update in backward), and with gradient clipping (`train`'s default),
+/// where the squared norms of all 237 gradients take 3 pairs of
+/// multi-tensor launches and the updates after backward merge into 5.
+#[test]
+fn plan_counts_a_steps_launches_and_clipping_adds_few() {
+    let class = |c: &[(String, u64)], name: &str| c.iter().find(|x| x.0 == name).map_or(0, |x| x.1);
+    let (plain, plain_classes) = w5_launches(&["--clip-grad-norm", "0"]);
+    assert_eq!(plain, 1329, "{plain_classes:?}");
+    assert_eq!(plain_classes.iter().map(|c| c.1).sum::<u64>(), plain);
+    assert_eq!(class(&plain_classes, "products"), 582);
+    assert_eq!(class(&plain_classes, "optimizer"), 237);
+    let (clipped, clipped_classes) = w5_launches(&["--clip-grad-norm", "1.0"]);
+    assert_eq!(class(&clipped_classes, "optimizer"), 5 + 6, "{clipped_classes:?}");
+    // Around them, the norms' sum, its square root and the clipping factor
+    // (constants, a max, a division, a cast to bf16): 11 small launches.
+    assert!(clipped <= plain - 237 + 11 + 11, "{clipped} launches clipped, {plain} not: {clipped_classes:?}");
+}
+
 #[test]
 fn plan_w2_text_report() {
     let (ok, out, err) = stepgraph(&[

@@ -372,13 +372,20 @@ pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) ->
     let wide = |d: DType| if d == DType::F64 { DType::F64 } else { DType::F32 };
     let acc_dtype = grads.iter().map(|&g| wide(b.dtype(g))).max_by_key(|d| d.size()).unwrap_or(DType::F32);
     let mut total: Option<ValueId> = None;
+    let mut dtypes: Vec<DType> = Vec::new();
     for &g in grads {
-        // Each gradient's squared norm in one pass (squares of its rows in the
-        // wide type, then their sum): no widened copy of the gradient.
-        let rows = if b.shape(g).is_empty() { b.reshape(g, &[1])? } else { g };
-        let sq = b.sum_squares(rows)?;
-        let sq = if b.dtype(sq) == acc_dtype { sq } else { b.cast(sq, acc_dtype)? };
-        let s = if b.shape(sq).is_empty() { sq } else { b.sum_all(sq)? };
+        if !dtypes.contains(&b.dtype(g)) {
+            dtypes.push(b.dtype(g));
+        }
+    }
+    for d in dtypes {
+        // The squared norms of all gradients of one dtype in one op (a few
+        // multi-tensor launches on the GPU, reading each gradient once in
+        // the wide type, no widened copy), then their sum.
+        let group: Vec<ValueId> = grads.iter().copied().filter(|&g| b.dtype(g) == d).collect();
+        let norms = b.squared_norms(&group)?;
+        let norms = if b.dtype(norms) == acc_dtype { norms } else { b.cast(norms, acc_dtype)? };
+        let s = b.sum(norms, &[0], false)?;
         total = Some(match total {
             Some(t) => b.add(t, s)?,
             None => s,

@@ -1,6 +1,6 @@
 // Reductions (sum, mean, max over any sorted set of axes), the max
-// reduction's backward and the sum of squares over the last axis, matching
-// crates/core/src/ops/reduce.rs.
+// reduction's backward, the sum of squares over the last axis and the squared
+// norms of many tensors, matching crates/core/src/ops/reduce.rs.
 //
 // The host (src/ops/reduce.rs) drops size-1 axes and merges adjacent axes of the
 // same kind, so an input is a row-major walk of kept groups and reduced
@@ -315,6 +315,86 @@ template <typename T> __device__ void sum_squares(const T* x, acc_t<T>* y, i64 r
     }
 }
 
+// Squared norms of many tensors (SquaredNorms in crates/core/src/ops/reduce.rs),
+// up to kNormTensors per pair of launches, described by a NormTable:
+//   squared_norms_partial_<dt>(NormTable t, acc_t<T>* partials)
+//     one 256-thread block per run of kNormChunk elements of a tensor
+//     (grid-stride over the table's runs): the run's sum of squares, each
+//     thread's share in a fixed order then a fixed tree, into
+//     partials[t.partial_base + run];
+//   squared_norms_finish_<dt>(NormTable t, acc_t<T>* partials, acc_t<T>* norms)
+//     one block per tensor: its runs' partial sums in a fixed order, into
+//     norms[t.norm_base + k], and those partial slots zeroed again (the
+//     workspace is all zero between launches, as the CPU leaves it).
+// Runs of a 16-byte-aligned tensor that are whole are read in 16-byte packs.
+constexpr int kNormTensors = 96;
+constexpr int kNormChunk = 16384;
+constexpr int kNormThreads = 256;
+
+struct NormTable {
+    i64 n[kNormTensors];          // elements of each tensor
+    i64 ptr[kNormTensors];        // its address
+    i64 chunk_end[kNormTensors];  // running count of runs through tensor k
+    i64 partial_base;             // the workspace slot of the table's first run
+    i64 norm_base;                // the norms slot of the table's first tensor
+    i64 count;                    // tensors in the table (>= 1)
+};
+
+template <typename T> __device__ void norm_partial(const NormTable& t, acc_t<T>* partials) {
+    typedef acc_t<T> A;
+    typedef Pack<T> P;
+    __shared__ A scratch[32];
+    const i64 total = t.chunk_end[t.count - 1];
+    for (i64 run = blockIdx.x; run < total; run += gridDim.x) {
+        // The first tensor whose runs end past `run` (empty tensors own none).
+        int lo = 0, hi = (int)t.count - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (t.chunk_end[mid] > run) hi = mid;
+            else lo = mid + 1;
+        }
+        const T* x = reinterpret_cast<const T*>(t.ptr[lo]);
+        const i64 start = (run - (lo ? t.chunk_end[lo - 1] : 0)) * kNormChunk;
+        const i64 end = min(t.n[lo], start + (i64)kNormChunk);
+        A s = A(0);
+        if ((t.ptr[lo] & 15) == 0 && end - start == kNormChunk) {
+            const T* base = x + start;  // start is a multiple of kNormChunk: still 16-byte aligned
+#pragma unroll
+            for (int r = 0; r < kNormChunk / (P::N * kNormThreads); ++r) {
+                P p;
+                p.read(base, r * kNormThreads + threadIdx.x);
+#pragma unroll
+                for (int e = 0; e < P::N; ++e) {
+                    const A v = load(p.elems(), e);
+                    s = add_rn(s, mul_rn(v, v));
+                }
+            }
+        } else {
+            for (i64 j = start + threadIdx.x; j < end; j += kNormThreads) {
+                const A v = load(x, j);
+                s = add_rn(s, mul_rn(v, v));
+            }
+        }
+        s = block_sum(s, scratch);
+        if (threadIdx.x == 0) partials[t.partial_base + run] = s;
+    }
+}
+
+template <typename T> __device__ void norm_finish(const NormTable& t, acc_t<T>* partials, acc_t<T>* norms) {
+    typedef acc_t<T> A;
+    __shared__ A scratch[32];
+    for (i64 k = blockIdx.x; k < t.count; k += gridDim.x) {
+        const i64 first = t.partial_base + (k ? t.chunk_end[k - 1] : 0), last = t.partial_base + t.chunk_end[k];
+        A s = A(0);
+        for (i64 j = first + threadIdx.x; j < last; j += kNormThreads) {
+            s = add_rn(s, partials[j]);
+            partials[j] = A(0);  // read by this thread only
+        }
+        s = block_sum(s, scratch);
+        if (threadIdx.x == 0) norms[t.norm_base + k] = s;
+    }
+}
+
 }  // namespace sg_red
 
 // The most threads per block src/ops/reduce.rs launches for each layout.
@@ -349,5 +429,13 @@ template <typename T> __device__ void sum_squares(const T* x, acc_t<T>* y, i64 r
     extern "C" __global__ void __launch_bounds__(256) sum_squares_##dt(const T* x, acc_t<T>* y, i64 rows, \
                                                                         i64 len) {                         \
         sg_red::sum_squares<T>(x, y, rows, len);                                                           \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(sg_red::kNormThreads)                                     \
+        squared_norms_partial_##dt(const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials) {      \
+        sg_red::norm_partial<T>(t, partials);                                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(sg_red::kNormThreads) squared_norms_finish_##dt(          \
+        const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials, acc_t<T>* norms) {                \
+        sg_red::norm_finish<T>(t, partials, norms);                                                        \
     }
 SG_FOR_EACH_FLOAT(SG_REDUCE_ALL)

@@ -117,6 +117,21 @@ pub enum Launch {
     Collective(CollectiveCall),
 }
 
+impl Launch {
+    /// The name profiles list this launch under: a kernel's function, a
+    /// product's shape ([`crate::blas::shape_name`]), `memset`, `copy`, or
+    /// the collective's NCCL call.
+    pub fn profile_name(&self) -> String {
+        match self {
+            Launch::Kernel(k) => k.function.clone(),
+            Launch::Gemm(g) => crate::blas::shape_name(g),
+            Launch::Memset { .. } => "memset".into(),
+            Launch::Copy { .. } => "copy".into(),
+            Launch::Collective(c) => c.op.nccl_name().into(),
+        }
+    }
+}
+
 /// NCCL's reduction for a collective: `ncclSum`, or `ncclAvg` for a mean.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum NcclRed {

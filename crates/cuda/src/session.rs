@@ -1157,6 +1157,17 @@ pub fn lower_step(
     Ok((launches, nodes))
 }
 
+/// The launches one step of `trace` makes on a device of architecture
+/// `arch` (`sm_90`, ...), exactly as a session lowers and merges them
+/// (persistent and arena storage at fixed stand-in bases, no device call):
+/// how many kernels a step is, before any GPU is at hand.
+pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str) -> Result<Vec<Launch>> {
+    // Bases far apart and 2 MiB aligned, like the driver's allocations.
+    let (persistent_base, arena_base) = (1u64 << 40, 1u64 << 44);
+    let (launches, nodes) = lower_step(trace, plan, persistent_base, arena_base, None, Target::of_arch(arch))?;
+    Ok(multi_tensor_updates(launches, nodes).0)
+}
+
 /// The device bytes `[start, end)` each node's inputs and outputs occupy.
 pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base: u64) -> Vec<Vec<(u64, u64)>> {
     trace

@@ -407,6 +407,12 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
             let c = cols(&inputs[0]);
             per_output(&|t| Tol::of(row_tol(t.dtype, c)))
         }
+        // Each tensor's squares summed in f32 by runs and trees on the GPU,
+        // in f64 on the CPU; the workspace is zero on both.
+        Op::SquaredNorms(_) => {
+            let longest = inputs.iter().map(|t| t.ty.numel()).max().unwrap_or(1);
+            per_output(&|t| Tol::of(row_tol(t.dtype, longest)))
+        }
         Op::RmsNormBackward(_) | Op::LayerNormBackward(_) => {
             // The weight gradient sums over every row: the longest reduction.
             let reduced = cols(&inputs[0]).max(rows(&inputs[0]));

@@ -267,6 +267,7 @@ macro_rules! for_each_op {
             Reduce($crate::ops::reduce::Reduce),
             MaxBackward($crate::ops::reduce::MaxBackward),
             SumSquares($crate::ops::reduce::SumSquares),
+            SquaredNorms($crate::ops::reduce::SquaredNorms),
             Broadcast($crate::ops::movement::Broadcast),
             Reshape($crate::ops::movement::Reshape),
             Permute($crate::ops::movement::Permute),

@@ -351,7 +351,116 @@ impl OpDef for SumSquares {
     }
 }
 
+// ---------------------------------------------------------- squared_norms
+
+/// Elements per partial sum of [`SquaredNorms`]: a backend sums each run of
+/// this many elements of a tensor in one place, then each tensor's runs in
+/// order. The count of runs sizes the op's workspace output.
+pub const SQUARED_NORM_CHUNK: usize = 16384;
+
+/// The squared L2 norm of each input, `y[i] = Σ x_i²` over every element of
+/// `x_i`, in the wide float type (f32; f64 for f64 inputs; the CPU
+/// reference sums in f64 and rounds once, a backend sums in the wide type
+/// in its own fixed order): what clipping by global norm needs of all the
+/// gradients, in a few multi-tensor launches where one [`SumSquares`], sum
+/// and add per gradient were three each
+/// ([`crate::autodiff::clip_by_global_norm`]).
+///
+/// Inputs: one or more float tensors of one dtype, any shapes. Outputs:
+/// the norms `[N]`, and a workspace of one wide value per
+/// [`SQUARED_NORM_CHUNK`]-element run of each input (empty inputs have
+/// none) that a backend may use for its partial sums and leaves all zero,
+/// as the CPU writes it: a constant, so it has no cotangent.
+#[derive(Clone, PartialEq, Debug)]
+pub struct SquaredNorms;
+
+impl SquaredNorms {
+    /// The workspace's length for inputs of these element counts.
+    pub fn chunks(numels: impl IntoIterator<Item = usize>) -> usize {
+        numels.into_iter().map(|n| n.div_ceil(SQUARED_NORM_CHUNK)).sum()
+    }
+}
+
+impl OpDef for SquaredNorms {
+    /// One tensor, several of mixed ranks and sizes: a scalar, short rows,
+    /// one element past a chunk, a long vector and a matrix of many chunks.
+    fn samples(d: DType) -> Vec<Sample> {
+        let sets: [&[&[usize]]; 4] = [
+            &[&[7]],
+            &[&[], &[3, 5], &[1]],
+            &[&[64, 3200], &[3200], &[SQUARED_NORM_CHUNK + 1], &[2, 3, 17]],
+            &[&[40_000], &[4, 1000], &[SQUARED_NORM_CHUNK]],
+        ];
+        sets.iter()
+            .map(|shapes| Sample::new(SquaredNorms, shapes.iter().map(|s| normal(d, s)).collect()).large_over(100_000))
+            .collect()
+    }
+    fn name(&self) -> &'static str {
+        "squared_norms"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        let first = inputs.first().ok_or("needs at least one input")?;
+        for (i, t) in inputs.iter().enumerate() {
+            expect_float(t, &format!("input {i}"))?;
+            if t.dtype != first.dtype {
+                return Err(format!("input {i} is {t}, input 0 is {first}: the inputs must share one dtype"));
+            }
+        }
+        let wide = super::stat_dtype(first.dtype);
+        let chunks = SquaredNorms::chunks(inputs.iter().map(|t| t.numel()));
+        Ok(vec![TensorType::new(wide, [inputs.len()]), TensorType::new(wide, [chunks])])
+    }
+    /// `gx_i = 2·x_i·g[i]`, `g[i]` rounded to the inputs' dtype.
+    fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        let Some(g) = args.cotangents[0] else { return Ok(vec![None; args.inputs.len()]) };
+        let mut out = Vec::with_capacity(args.inputs.len());
+        for (i, &x) in args.inputs.iter().enumerate() {
+            let (shape, dtype) = (b.shape(x).to_vec(), b.dtype(x));
+            let gi = b.slice(g, 0, i, i + 1)?;
+            let gi = b.reshape(gi, &[])?;
+            let gi = if b.dtype(gi) == dtype { gi } else { b.cast(gi, dtype)? };
+            let gb = b.broadcast(gi, &shape)?;
+            let two = b.full(2.0, TensorType::scalar(dtype))?;
+            let x2 = b.mul(x, two)?;
+            out.push(Some(b.mul(x2, gb)?));
+        }
+        Ok(out)
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        with_float!(io.in_ty(0).dtype, T => {
+            // Runs summed in parallel, then in order: the same f64 bits on
+            // any number of threads (rayon's own `sum` splits by load).
+            let square = |v: &T| {
+                let a = v.acc().to_f64().expect("a float");
+                a * a
+            };
+            let norms: Vec<f64> = (0..io.inputs.len())
+                .map(|i| {
+                    let runs: Vec<f64> =
+                        io.input::<T>(i).par_chunks(SQUARED_NORM_CHUNK).map(|run| run.iter().map(square).sum()).collect();
+                    runs.iter().sum()
+                })
+                .collect();
+            let y = io.output::<<T as Float>::Acc>(0);
+            for (out, s) in y.iter_mut().zip(norms) {
+                *out = c::<<T as Float>::Acc>(s);
+            }
+            io.output::<<T as Float>::Acc>(1).iter_mut().for_each(|v| *v = <T as Float>::Acc::zero());
+            Ok(())
+        })
+    }
+    fn parse(name: &str, _: &mut Attrs) -> Option<Result<Self>> {
+        (name == "squared_norms").then_some(Ok(SquaredNorms))
+    }
+}
+
 impl Builder {
+    /// The squared L2 norm of each of `xs` (one dtype), as `[N]` in the
+    /// wide float type ([`SquaredNorms`]).
+    pub fn squared_norms(&mut self, xs: &[ValueId]) -> Result<ValueId> {
+        Ok(self.push(SquaredNorms.into(), xs)?[0])
+    }
+
     pub fn reduce(&mut self, kind: ReduceKind, x: ValueId, axes: &[usize], keepdim: bool) -> Result<ValueId> {
         self.push1(Reduce { kind, axes: axes.to_vec(), keepdim }.into(), &[x])
     }

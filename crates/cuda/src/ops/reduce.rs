@@ -1,18 +1,18 @@
 //! Lowering of the reductions (`sum`, `mean`, `max` over axes), of max's
-//! backward and of the sum of squares over the last axis to the kernels of
-//! `kernels/reduce.cu`. A `ReducePlan`
+//! backward, of the sum of squares over the last axis and of the squared
+//! norms of many tensors to the kernels of `kernels/reduce.cu`. A `ReducePlan`
 //! merges adjacent kept and reduced axes into groups once here and picks
 //! the kernel layout (a block per row, a warp per row, or a thread per
 //! output walking columns) from the shape.
 
-use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind, SumSquares};
+use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind, SquaredNorms, SumSquares, SQUARED_NORM_CHUNK};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{contiguous_strides, float_name, launch, Dim3, MAX_GRID};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{blocks, Arg, Launch, StructArg};
+use crate::launch::{blocks, Arg, DevTensor, Launch, StructArg};
 
 const REDUCE: &[KernelModule] = &[KernelModule::plain("reduce", include_str!("../../kernels/reduce.cu"))];
 
@@ -181,6 +181,107 @@ impl Lower for SumSquares {
     }
 }
 
+/// Tensors per pair of squared-norm launches (the kernels' `kNormTensors`):
+/// their table is the kernels' argument, within the 4 KB every GPU takes.
+pub const NORM_TENSORS: usize = 96;
+
+/// Grid cap of the partial-sum launch (grid-stride over the runs).
+const NORM_MAX_GRID: usize = 1 << 20;
+
+/// One squared-norm launch pair's table (`sg_red::NormTable`): each
+/// tensor's elements and address, the running count of its runs of
+/// [`SQUARED_NORM_CHUNK`] elements, and where its runs and norms go.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct NormTable {
+    pub n: Vec<i64>,
+    pub ptr: Vec<u64>,
+    pub chunk_end: Vec<i64>,
+    pub partial_base: i64,
+    pub norm_base: i64,
+}
+
+impl NormTable {
+    fn new(tensors: &[DevTensor], partial_base: usize, norm_base: usize) -> Self {
+        let mut end = 0;
+        let chunk_end = tensors
+            .iter()
+            .map(|t| {
+                end += t.ty.numel().div_ceil(SQUARED_NORM_CHUNK) as i64;
+                end
+            })
+            .collect();
+        NormTable {
+            n: tensors.iter().map(|t| t.ty.numel() as i64).collect(),
+            ptr: tensors.iter().map(|t| t.ptr).collect(),
+            chunk_end,
+            partial_base: partial_base as i64,
+            norm_base: norm_base as i64,
+        }
+    }
+
+    /// Runs of all the table's tensors.
+    fn runs(&self) -> usize {
+        self.chunk_end.last().copied().unwrap_or(0) as usize
+    }
+
+    /// The kernels' argument: each array padded to [`NORM_TENSORS`].
+    fn arg(&self) -> Arg {
+        let padded = |v: &[i64]| {
+            let mut v = v.to_vec();
+            v.resize(NORM_TENSORS, 0);
+            v
+        };
+        let ptrs: Vec<i64> = self.ptr.iter().map(|&p| p as i64).collect();
+        StructArg::default()
+            .i64s(&padded(&self.n))
+            .i64s(&padded(&ptrs))
+            .i64s(&padded(&self.chunk_end))
+            .i64(self.partial_base)
+            .i64(self.norm_base)
+            .i64(self.n.len() as i64)
+            .build()
+    }
+}
+
+/// The tables of `inputs`, [`NORM_TENSORS`] at a time, in order.
+pub(crate) fn norm_tables(inputs: &[DevTensor]) -> Vec<NormTable> {
+    let (mut partial_base, mut norm_base) = (0, 0);
+    inputs
+        .chunks(NORM_TENSORS)
+        .map(|group| {
+            let t = NormTable::new(group, partial_base, norm_base);
+            partial_base += t.runs();
+            norm_base += group.len();
+            t
+        })
+        .collect()
+}
+
+impl Lower for SquaredNorms {
+    const KERNELS: &'static [KernelModule] = REDUCE;
+
+    /// Per table of up to [`NORM_TENSORS`] inputs: the runs' partial sums
+    /// (skipped when every tensor is empty), then each tensor's sum of them.
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let dt = float_name("squared_norms", cx.inputs[0].ty.dtype)?;
+        let (norms, partials) = (&cx.outputs[0], &cx.outputs[1]);
+        let threads = (256, 1, 1);
+        let mut out = Vec::new();
+        for table in norm_tables(cx.inputs) {
+            let arg = table.arg();
+            if table.runs() > 0 {
+                let grid = (table.runs().min(NORM_MAX_GRID) as u32, 1, 1);
+                let args = vec![arg.clone(), Arg::Ptr(partials.ptr)];
+                out.push(launch("reduce", format!("squared_norms_partial_{dt}"), grid, threads, args));
+            }
+            let grid = (table.n.len() as u32, 1, 1);
+            let args = vec![arg, Arg::Ptr(partials.ptr), Arg::Ptr(norms.ptr)];
+            out.push(launch("reduce", format!("squared_norms_finish_{dt}"), grid, threads, args));
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use stepgraph_core::ir::DType;
@@ -188,6 +289,71 @@ mod tests {
 
     use super::super::testing::{lower_types, t};
     use super::*;
+
+    /// The squared-norm kernels replayed on the host from the tables the
+    /// lowering builds: every element of every tensor lands in exactly one
+    /// run, each run in exactly one partial slot, each tensor's runs summed
+    /// into its own norm; tables of 96 tensors at most, their bases running
+    /// on; an all-empty table launches its finish only.
+    #[test]
+    fn squared_norm_tables_cover_every_element_once() {
+        let mut shapes: Vec<Vec<usize>> =
+            vec![vec![], vec![0], vec![3, 5], vec![SQUARED_NORM_CHUNK], vec![2, SQUARED_NORM_CHUNK + 3]];
+        shapes.extend((0..200).map(|i| vec![(i * 977) % 40_000]));
+        let types: Vec<_> = shapes.iter().map(|s| t(DType::BF16, s)).collect();
+        let (ins, outs, launches) = super::super::testing::lowered(&Op::from(SquaredNorms), &types);
+        let tables = norm_tables(&ins);
+        assert_eq!(tables.len(), shapes.len().div_ceil(NORM_TENSORS));
+        let expect: usize = tables.iter().map(|t| if t.runs() > 0 { 2 } else { 1 }).sum();
+        assert_eq!(launches.len(), expect);
+        let ks = super::super::testing::kernels(&launches);
+        assert!(ks[0].function == "squared_norms_partial_bf16" && ks[1].function == "squared_norms_finish_bf16");
+        assert_eq!(ks[0].args[0], tables[0].arg(), "the launch carries the table");
+        // Each element's value is its tensor index + 1 times a unit per
+        // element, so a norm is (k + 1)·n and any double count shows.
+        let runs = outs[1].ty.numel();
+        let mut partials = vec![0.0f64; runs];
+        let mut written = vec![0u32; runs];
+        let mut norms = vec![f64::NAN; ins.len()];
+        for table in &tables {
+            let count = table.n.len();
+            assert!((1..=NORM_TENSORS).contains(&count));
+            for run in 0..table.runs() as i64 {
+                // The kernel's binary search.
+                let (mut lo, mut hi) = (0, count - 1);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if table.chunk_end[mid] > run {
+                        hi = mid;
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+                let k = table.norm_base as usize + lo;
+                assert_eq!(table.ptr[lo], ins[k].ptr);
+                let start = (run - if lo > 0 { table.chunk_end[lo - 1] } else { 0 }) * SQUARED_NORM_CHUNK as i64;
+                let end = table.n[lo].min(start + SQUARED_NORM_CHUNK as i64);
+                assert!(start < end, "run {run} of tensor {k} is empty");
+                let slot = (table.partial_base + run) as usize;
+                partials[slot] += (end - start) as f64 * (k + 1) as f64;
+                written[slot] += 1;
+            }
+            for k in 0..count {
+                let first = table.partial_base + if k > 0 { table.chunk_end[k - 1] } else { 0 };
+                let last = table.partial_base + table.chunk_end[k];
+                norms[table.norm_base as usize + k] =
+                    (first..last).map(|j| std::mem::take(&mut partials[j as usize])).sum();
+            }
+        }
+        assert!(written.iter().all(|&w| w == 1), "every partial slot written once");
+        assert!(partials.iter().all(|&p| p == 0.0), "the finish leaves the workspace zero");
+        for (k, x) in ins.iter().enumerate() {
+            assert_eq!(norms[k], (x.ty.numel() * (k + 1)) as f64, "tensor {k} of {:?}", x.ty.shape);
+        }
+        // Only empty tensors: no runs, the finish alone writes zeros.
+        let empty = lower_types(&Op::from(SquaredNorms), &[t(DType::F32, &[0]), t(DType::F32, &[4, 0])], 0).unwrap();
+        assert_eq!(empty.len(), 1);
+    }
 
     #[test]
     fn reduce_plans_group_axes_and_pick_layouts() {
