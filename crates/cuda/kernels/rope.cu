@@ -28,6 +28,11 @@
 // angles): one block per row (b, t), grid-striding over the bt_rows rows,
 // the same block shape, angles computed the same way.
 //
+// `rope2_<dtype>(x1, y1, x2, y2, bt_rows, seq, heads1, heads2, dim, ...)`:
+// two rotations of the same rows and angles (a layer's q and k) in one
+// launch, block row blockIdx.y = 0 rotating x1 (heads1 heads) into y1 and
+// row 1 x2 (heads2) into y2, each as `rope_<dtype>` would.
+//
 // In place (y == x) is correct: one thread reads both elements of a pair
 // before it writes either, and no other thread touches that pair.
 
@@ -172,6 +177,18 @@ __device__ void rope_rows_positioned(const T* x, T* y, const int* start, i64 bt_
     }
 
 SG_FOR_EACH_FLOAT(SG_ROPE_KERNEL)
+
+#define SG_ROPE2_KERNEL(sfx, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(1024)                                                          \
+        rope2_##sfx(const T* x1, T* y1, const T* x2, T* y2, i64 bt_rows, i64 seq, int heads1, int heads2,       \
+                    int dim, int n_rot, double base, int inverse, int scaled, double factor,                    \
+                    double low_freq_factor, double high_freq_factor, double old_context) {                      \
+        const bool second = blockIdx.y == 1;                                                                    \
+        rope_rows<T>(second ? x2 : x1, second ? y2 : y1, bt_rows, seq, second ? heads2 : heads1, dim, n_rot,    \
+                     base, inverse, scaled, factor, low_freq_factor, high_freq_factor, old_context);            \
+    }
+
+SG_FOR_EACH_FLOAT(SG_ROPE2_KERNEL)
 
 #define SG_ROPE_AT_KERNEL(sfx, T)                                                                              \
     extern "C" __global__ void __launch_bounds__(1024)                                                         \

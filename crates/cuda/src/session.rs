@@ -1115,8 +1115,9 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
 }
 
 /// The step's AdamW updates merged into multi-tensor launches where they run
-/// back to back ([`crate::ops::optim::merge_updates`]), and a layer's two
-/// cache writes into one launch ([`crate::ops::decode::merge_kv_writes`]),
+/// back to back ([`crate::ops::optim::merge_updates`]), a layer's two
+/// cache writes into one launch ([`crate::ops::decode::merge_kv_writes`])
+/// and its q and k rotations into one ([`crate::ops::rope::merge_ropes`]),
 /// unless the step has collectives (whose joins are computed per node) or
 /// `STEPGRAPH_MULTI_TENSOR=0` (for comparisons). Returns the launches, each
 /// one's last node and each one's first node.
@@ -1127,7 +1128,8 @@ fn multi_tensor_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch
         return (launches, nodes, first);
     }
     let (launches, last, first) = crate::ops::optim::merge_updates(launches, nodes);
-    crate::ops::decode::merge_kv_writes(launches, last, first)
+    let (launches, last, first) = crate::ops::decode::merge_kv_writes(launches, last, first);
+    crate::ops::rope::merge_ropes(launches, last, first)
 }
 
 /// Stage 4 of [`CudaSession::new_rank`], public for tests and tools that

@@ -27,7 +27,9 @@ use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::OpDef;
 
-use super::util::{float_name, launch, n64, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS, UNITS};
+use super::util::{
+    float_name, launch, merge_adjacent, n64, overlap, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS, UNITS,
+};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
@@ -157,8 +159,7 @@ pub fn merge_kv_writes(
     last: Vec<usize>,
     first: Vec<usize>,
 ) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    let overlap = |a: (u64, u64), b: (u64, u64)| a.0 < b.1 && b.0 < a.1;
-    let pair = |a: &Launch, b: &Launch| -> Option<KernelLaunch> {
+    merge_adjacent(launches, last, first, |a, b| {
         let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
         let ([wa, ra], [wb, rb]) = (kv_write_ranges(ka)?, kv_write_ranges(kb)?);
         let same =
@@ -169,24 +170,8 @@ pub fn merge_kv_writes(
         let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
         args.extend(ka.args[2..].iter().cloned());
         let function = ka.function.replacen("kv_write_", "kv_write2_", 1);
-        Some(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() })
-    };
-    let (mut out, mut out_last, mut out_first) = (Vec::new(), Vec::new(), Vec::new());
-    let mut j = 0;
-    while j < launches.len() {
-        if let Some(merged) = launches.get(j + 1).and_then(|next| pair(&launches[j], next)) {
-            out.push(Launch::Kernel(merged));
-            out_first.push(first[j]);
-            out_last.push(last[j + 1]);
-            j += 2;
-        } else {
-            out.push(launches[j].clone());
-            out_first.push(first[j]);
-            out_last.push(last[j]);
-            j += 1;
-        }
-    }
-    (out, out_last, out_first)
+        Some(Launch::Kernel(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() }))
+    })
 }
 
 impl Lower for KvWrite {

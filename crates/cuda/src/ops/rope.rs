@@ -7,15 +7,19 @@
 //! one chunk of a head's rotated pairs and y lanes the heads; Llama-3.x
 //! frequency scaling passed as arguments. The identity in place (no rotated
 //! dims, output aliasing input) launches nothing.
+//!
+//! [`merge_ropes`] then makes a layer's two rotations (q then k, forward or
+//! inverse) one `rope2` launch whose grid's second dimension picks the
+//! tensor.
 
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
 
-use super::util::{n64, ptr, row_grid, typed_kernel, MAX_ROW_BLOCKS};
+use super::util::{merge_adjacent, n64, overlap, ptr, row_grid, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch};
 
 /// `ROPE_CHUNK` of rope.cu: pairs whose angles a rope block holds at once.
 const ROPE_CHUNK: usize = 256;
@@ -79,6 +83,56 @@ impl Lower for Rope {
     }
 }
 
+/// The bytes `[start, end)` a `rope_<dt>` launch reads (x) and writes (y);
+/// `None` for any other launch.
+fn rope_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
+    let dtype = k.function.strip_prefix("rope_")?;
+    let elem = match dtype {
+        "f32" => 4,
+        "bf16" | "f16" => 2,
+        "f64" => 8,
+        _ => return None,
+    };
+    let (Arg::Ptr(x), Arg::Ptr(y), Arg::I64(rows), Arg::I32(heads), Arg::I32(dim)) =
+        (&k.args[0], &k.args[1], &k.args[2], &k.args[4], &k.args[5])
+    else {
+        return None;
+    };
+    let bytes = (*rows).max(0) as u64 * (*heads).max(0) as u64 * (*dim).max(0) as u64 * elem;
+    Some([(*x, x + bytes), (*y, y + bytes)])
+}
+
+/// Consecutive rotations at axis-1 positions (`rope_<dt>`) that differ only
+/// in their tensors and head counts (a layer's q and k: the same rows,
+/// head size, angles and direction) as one `rope2_<dt>` launch, block row
+/// `blockIdx.y` rotating the first tensor or the second, when the second
+/// reads or writes nothing the first writes and writes nothing it reads:
+/// the same arithmetic per element, one launch fewer per layer and pass.
+/// Lists as [`merge_adjacent`] takes and returns them.
+pub fn merge_ropes(
+    launches: Vec<Launch>,
+    last: Vec<usize>,
+    first: Vec<usize>,
+) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+    merge_adjacent(launches, last, first, |a, b| {
+        let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
+        let ([xa, ya], [xb, yb]) = (rope_ranges(ka)?, rope_ranges(kb)?);
+        let same = ka.function == kb.function
+            && ka.grid == kb.grid
+            && ka.block == kb.block
+            && ka.args[2..4] == kb.args[2..4]
+            && ka.args[5..] == kb.args[5..];
+        if !same || overlap(ya, xb) || overlap(ya, yb) || overlap(yb, xa) || ka.grid.1 != 1 {
+            return None;
+        }
+        let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
+        args.extend([ka.args[2].clone(), ka.args[3].clone(), ka.args[4].clone(), kb.args[4].clone()]);
+        args.extend(ka.args[5..].iter().cloned());
+        let function = ka.function.replacen("rope_", "rope2_", 1);
+        Some(Launch::Kernel(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() }))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use stepgraph_core::ir::{DType, TensorType};
@@ -96,6 +150,47 @@ mod tests {
         assert!(lower(&op, std::slice::from_ref(&x), std::slice::from_ref(&x), None).unwrap().is_empty());
         let y = DevTensor { ty, ptr: 8192 };
         assert_eq!(lower(&op, &[x], &[y], None).unwrap().len(), 1);
+    }
+
+    /// A layer's q and k rotations (grouped heads: 4 and 2) merge into one
+    /// `rope2` launch carrying both tensors and head counts; rotations that
+    /// share bytes, differ in direction, or take per-row positions do not.
+    #[test]
+    fn a_layers_q_and_k_rotations_are_one_launch() {
+        let rope = |inverse| Op::Rope(Rope { n_rot: 64, base: 10000.0, inverse, scaling: None });
+        let t = |heads| TensorType::new(DType::BF16, [2, 16, heads, 64]);
+        let at = |ptr, heads| DevTensor { ty: t(heads), ptr };
+        let one = |op: &Op, x: DevTensor, y: DevTensor| lower(op, &[x], &[y], None).unwrap();
+        let (q, qr, k, kr) = (at(1 << 20, 4), at(2 << 20, 4), at(3 << 20, 2), at(4 << 20, 2));
+        let launches = [one(&rope(false), q.clone(), qr.clone()), one(&rope(false), k.clone(), kr.clone())].concat();
+        let (merged, last, first) = merge_ropes(launches.clone(), vec![7, 8], vec![7, 8]);
+        assert_eq!((merged.len(), last, first), (1, vec![8], vec![7]));
+        let (Launch::Kernel(m), Launch::Kernel(a)) = (&merged[0], &launches[0]) else { panic!("kernels") };
+        assert_eq!((m.function.as_str(), m.grid, m.block), ("rope2_bf16", (a.grid.0, 2, 1), a.block));
+        let ptrs = [Arg::Ptr(q.ptr), Arg::Ptr(qr.ptr), Arg::Ptr(k.ptr), Arg::Ptr(kr.ptr)];
+        assert_eq!(m.args[..4], ptrs);
+        assert_eq!(m.args[4..8], [Arg::I64(32), Arg::I64(16), Arg::I32(4), Arg::I32(2)]);
+        assert_eq!(m.args[8..], a.args[5..], "head size onwards as each launch has them");
+        // No sample lowers to the merged kernel: check its parameters here.
+        if crate::nvrtc::available() {
+            let cubin = crate::nvrtc::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            crate::ops::sweep::check_signature("merged rope", &cubin, m);
+        } else {
+            assert!(
+                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+        }
+        // In place each is still one launch.
+        let in_place = [one(&rope(true), q.clone(), q.clone()), one(&rope(true), k.clone(), k.clone())].concat();
+        assert_eq!(merge_ropes(in_place, vec![0, 1], vec![0, 1]).0.len(), 1);
+        // The second reads what the first writes: apart.
+        let chained =
+            [one(&rope(false), q.clone(), qr.clone()), one(&rope(false), qr.clone(), at(5 << 20, 4))].concat();
+        assert_eq!(merge_ropes(chained, vec![0, 1], vec![0, 1]).0.len(), 2);
+        // Opposite directions: apart.
+        let mixed = [one(&rope(false), q.clone(), qr.clone()), one(&rope(true), k.clone(), kr.clone())].concat();
+        assert_eq!(merge_ropes(mixed, vec![0, 1], vec![0, 1]).0.len(), 2);
     }
 
     #[test]
