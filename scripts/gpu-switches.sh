@@ -19,7 +19,8 @@
 # CASES defaults to the switches that are off until measured:
 # STEPGRAPH_GEMM_SKINNY=1 (our few-row tensor-core products in tuning) on
 # W6 at batch 1 and 16, STEPGRAPH_GEMM_TILED=1 (our small-tile f32
-# products) on W3. A call has 10 minutes: pass fewer cases or
+# products) on W3, STEPGRAPH_PDL=1 (programmatic dependent launch of every
+# kernel) on the launch-bound workloads, W6 at batch 1, W3 and W2. A call has 10 minutes: pass fewer cases or
 # TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5
 # 7 s; PyTorch's references take minutes). Results in $OUT (default
 # ./gpu-out): switches.jsonl (every summary row, tagged "switch": "off",
@@ -28,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
 gpu_script_start
-CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16 STEPGRAPH_GEMM_TILED=1|w3}
+CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16 STEPGRAPH_GEMM_TILED=1|w3 STEPGRAPH_PDL=1|w6:1,w3,w2}
 log_start "$OUT/switches.log"
 ROWS=$OUT/switches.jsonl
 : >"$ROWS"

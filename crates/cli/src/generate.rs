@@ -279,6 +279,9 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         program.spec.buckets,
         built.elapsed().as_secs_f64()
     );
+    if let Ok(step) = stepgraph_cuda::session::step_launches(&program.trace, &memory_plan, "sm_90") {
+        eprintln!("{}", launch_line(&program, &step));
+    }
     let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
     let requests: Vec<Request> = prompts
         .iter()
@@ -414,6 +417,16 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     }
     report(args, &program, &prompts, &out, &texts, &times, wall.as_secs_f64(), planned, mem, session.as_ref())?;
     Ok(())
+}
+
+/// `launches on an sm_90 GPU: prefill 290, decode step 262 (bucket 1), ...`:
+/// what each segment of the program is on a Hopper GPU, lowered without one.
+fn launch_line(program: &GenerationProgram, step: &stepgraph_cuda::session::LoweredStep) -> String {
+    let count = |nodes: &std::ops::Range<usize>| step.of_nodes(nodes.clone()).len();
+    let decode: Vec<String> = (program.spec.buckets.iter())
+        .filter_map(|&b| program.decode(b).map(|s| format!("{} (bucket {b})", count(&s.nodes))))
+        .collect();
+    format!("launches on an sm_90 GPU: prefill {}, decode step {}", count(&program.prefill().nodes), decode.join(", "))
 }
 
 /// The session's refusal of a plan larger than the GPU's free memory

@@ -590,14 +590,9 @@ fn run_command(cli: Cli) -> Result<()> {
             // What the step is on a Hopper GPU, lowered here without one
             // (a dtype without CUDA kernels, such as f64, has no count).
             const ARCH: &str = "sm_90";
-            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH).ok().map(|launches| {
-                if std::env::var("DBG_L").is_ok() {
-                    for l in &launches {
-                        eprintln!("L {}", l.profile_name());
-                    }
-                }
-                profile::census(&launches)
-            });
+            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH)
+                .ok()
+                .map(|step| profile::census(&step.launches));
             if json {
                 let mut value = serde_json::to_value(&report)?;
                 value["recompute"] = serde_json::to_value(&c.recompute)?;

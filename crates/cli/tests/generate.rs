@@ -30,6 +30,9 @@ fn a_prompt_streams_its_greedy_continuation_and_json_agrees() {
     let base = ["generate", "--device", "cpu", "--init-from", s(&model), "--max-new-tokens", "12"];
     let (streamed, err) = run_ok(&[&base[..], &["--prompt", "The cat sat"]].concat());
     assert!(err.contains("time to first token") && err.contains("generation plan"), "{err}");
+    // What the program is on a Hopper GPU, counted without one.
+    let launches = err.lines().find(|l| l.starts_with("launches on an sm_90 GPU: prefill ")).expect(&err);
+    assert!(launches.contains("(bucket 1)"), "{launches}");
     let (out, _) = run_ok(&[&base[..], &["--prompt", "The cat sat", "--json"]].concat());
     let (rows, summary) = rows(&out);
     assert_eq!(rows.len(), 1);

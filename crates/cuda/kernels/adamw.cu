@@ -253,7 +253,7 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step, \
                                    P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,       \
-                                   double beta2, double eps, double wd, const P* gscale) {                            \
+                                   double beta2, double eps, double wd, const P* gscale) { sg_pdl_entry();                            \
         sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,       \
                                   eps, wd, gscale);                                                                   \
     }                                                                                                                 \
@@ -261,14 +261,14 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
         adamw_vec_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr,               \
                                        const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,            \
                                        i64 step_f64, double beta1, double beta2, double eps, double wd,              \
-                                       const P* gscale) {                                                            \
+                                       const P* gscale) { sg_pdl_entry();                                                            \
         sg_adamw::update_vec<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,   \
                                       eps, wd, gscale);                                                               \
     }                                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_multi_##pdt##_##mdt##_##vdt(const __grid_constant__ sg_adamw::MultiTable t, const void* lr,              \
                                          const void* step, i64 lr_f64, i64 step_f64, double beta1, double beta2,      \
-                                         double eps, double wd, const P* gscale) {                                    \
+                                         double eps, double wd, const P* gscale) { sg_pdl_entry();                                    \
         sg_adamw::update_multi<P, M, V>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd, gscale);                \
     }
 

@@ -818,30 +818,30 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 
 #define SGA_SMALL(sfx, T, DS)                                                                          \
     extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
-        attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) {                                               \
+        attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry();                                               \
         sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
-        attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) {                                              \
+        attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry();                                              \
         sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                            \
-        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) {                                            \
+        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();                                            \
         sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
     }
 
 #define SGA_TILED_BOUNDS(T, DM) __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb)
 #define SGA_TILED(sfx, T, DM)                                                                          \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) { \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry(); \
         typedef typename sga::Cfg<acc_t<T>, DM>::fwd Cf;                                               \
         sga::fwd_tiled<T, Cf>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
     }                                                                                                  \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry(); \
         typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                \
         sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
     }                                                                                                  \
     extern "C" __global__ void SGA_TILED_BOUNDS(T, DM)                                                 \
-        attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {                                            \
+        attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();                                            \
         typedef typename sga::Cfg<acc_t<T>, DM>::bkv Cf;                                               \
         sga::bkv_tiled<T, Cf>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
     }

@@ -1513,20 +1513,20 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 #define SGM_ENTRY(sfx, T, DP)                                                                                     \
     extern "C" __global__ void __launch_bounds__(SGM_FWD_THREADS) attention_mma_fwd_d##DP##_##sfx(                \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
-        float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) {                                  \
+        float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) { sg_pdl_entry();                                  \
         SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_q_d##DP##_##sfx(                      \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
-        T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) {            \
+        T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) { sg_pdl_entry();            \
         SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_kv_d##DP##_##sfx(                     \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
-        double scale) {                                                                                           \
+        double scale) { sg_pdl_entry();                                                                                           \
         SGM_BWD_KV(T, DP);                                                                                        \
     }
 // The passes: on warpgroup MMA in a module built for sm_90a with SGM_WGMMA

@@ -8,12 +8,28 @@
 // - indices are 64-bit (`i64`): W2's logits alone hold 6.2e8 elements;
 // - no float atomics: every result is computed by one thread in a fixed
 //   order, so every run, eager or graph, gives the same bits;
-// - outputs are never read before they are written (arena memory is reused).
+// - outputs are never read before they are written (arena memory is reused);
+// - a kernel's body starts with `sg_pdl_entry()` (below).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 typedef long long i64;
+
+// Programmatic dependent launch (sm_90): every kernel begins with this.
+// `griddepcontrol.wait` returns once the grids this one depends on have
+// completed and their writes are visible, so nothing before it touches
+// global memory; `launch_dependents` then lets the next kernel in the
+// stream, if it was launched with programmatic serialization, have its
+// blocks scheduled while this grid's last blocks run, so that its launch
+// latency hides behind them. Launched without that attribute (the
+// default), the wait returns at once and the trigger does nothing.
+__device__ __forceinline__ void sg_pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // NVRTC compiles without the C library's <math.h>, which is where INFINITY lives.
 #ifndef INFINITY

@@ -57,7 +57,7 @@ __device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int
 #define SG_KV_WRITE(name, U)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         kv_write_##name(U* cache, const U* src, const int* rows, const int* start, i64 bt_rows, i64 seq, i64 n, \
-                        i64 s, i64 row_units) {                                                                 \
+                        i64 s, i64 row_units) { sg_pdl_entry();                                                                 \
         kv_write_rows<U>(cache, src, rows, start, bt_rows, seq, n, s, row_units);                               \
     }
 
@@ -66,7 +66,7 @@ __device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int
 #define SG_KV_WRITE2(name, U)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
         kv_write2_##name(U* cache0, const U* src0, U* cache1, const U* src1, const int* rows, const int* start, \
-                         i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) {                                  \
+                         i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) { sg_pdl_entry();                                  \
         const bool second = blockIdx.y == 1;                                                                   \
         kv_write_rows<U>(second ? cache1 : cache0, second ? src1 : src0, rows, start, bt_rows, seq, n, s,      \
                          row_units);                                                                           \
@@ -399,7 +399,7 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
     extern "C" __global__ void __launch_bounds__(CA_THREADS)                                                     \
         cached_attention_split_h##H##_v##VW##_e##E##_s##ST##_##sfx(                                              \
             const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, T* o,        \
-            i64 seq, i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale, int pitch) {      \
+            i64 seq, i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale, int pitch) { sg_pdl_entry();      \
         extern __shared__ __align__(16) unsigned char ca_ring[];                                                 \
         cached_attention_split<T, H, VW, E, ST>(q, kc, vc, rows, start, part, o, seq, n, s, hq, hkv, d, splits, \
                                                 chunk, scale, pitch, reinterpret_cast<T*>(ca_ring));             \
@@ -411,7 +411,7 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
 
 #define SG_CA_COMBINE(sfx, T)                                                                                    \
     extern "C" __global__ void __launch_bounds__(CA_THREADS)                                                     \
-        cached_attention_combine_##sfx(const acc_t<T>* part, T* o, i64 rows, int d, i64 splits) {                \
+        cached_attention_combine_##sfx(const acc_t<T>* part, T* o, i64 rows, int d, i64 splits) { sg_pdl_entry();                \
         cached_attention_combine<T>(part, o, rows, d, splits);                                                   \
     }
 
@@ -810,7 +810,7 @@ __device__ void sample_rows(const T* logits, const float* sampling, const i64* s
 #define SG_SAMPLE_NEXT(sfx, T)                                                                                    \
     extern "C" __global__ void __launch_bounds__(SN_THREADS)                                                      \
         sample_next_##sfx(const T* logits, const float* sampling, const i64* seeds, const int* start_in,         \
-                          int* next, int* start_out, i64 batch, i64 vocab, i64 advance) {                         \
+                          int* next, int* start_out, i64 batch, i64 vocab, i64 advance) { sg_pdl_entry();                         \
         sample_rows<T>(logits, sampling, seeds, start_in, next, start_out, batch, vocab, advance);                \
     }
 

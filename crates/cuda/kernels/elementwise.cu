@@ -196,7 +196,7 @@ template <int F, typename T> __device__ __forceinline__ void binary_vec(const T*
 
 #define SG_FULL(dt, T)                                                        \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)               \
-        full_##dt(T* y, i64 n, double value) {                                \
+        full_##dt(T* y, i64 n, double value) { sg_pdl_entry();                                \
         /* As T::from_f64: to the accumulator type first, then to storage. */ \
         acc_t<T> v = (acc_t<T>)value;                                         \
         SG_EW_LOOP(i, n) store(y, i, v);                                      \
@@ -207,11 +207,11 @@ SG_FOR_EACH_FLOAT(SG_FULL)
 
 #define SG_UNARY(name, F, dt, T)                                                \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                 \
-        name##_##dt(const T* x, T* y, i64 n, double p) {                        \
+        name##_##dt(const T* x, T* y, i64 n, double p) { sg_pdl_entry();                        \
         SG_EW_LOOP(i, n) store(y, i, sg_ew::eval<sg_ew::F>(load(x, i), p));     \
     }                                                                           \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                 \
-        name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) {   \
+        name##_backward_##dt(const T* x, const T* g, T* y, i64 n, double p) { sg_pdl_entry();   \
         SG_EW_LOOP(i, n) {                                                      \
             acc_t<T> xi = load(x, i), gi = load(g, i);                          \
             store(y, i, ::mul_rn(gi, sg_ew::derivative<sg_ew::F>(xi, p))); \
@@ -236,14 +236,14 @@ SG_FOR_EACH_FLOAT(SG_UNARY_ALL)
 
 #define SG_BINARY(name, F, dt, T)                                                \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                  \
-        name##_##dt(const T* a, const T* b, T* y, i64 n, sg_ew::BinaryShape s) { \
+        name##_##dt(const T* a, const T* b, T* y, i64 n, sg_ew::BinaryShape s) { sg_pdl_entry(); \
         if (n <= 0xffffffffLL)                                                   \
             sg_ew::binary_loop<sg_ew::F, unsigned int>(a, b, y, n, s);           \
         else                                                                     \
             sg_ew::binary_loop<sg_ew::F, unsigned long long>(a, b, y, n, s);     \
     }                                                                            \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)                  \
-        name##_vec_##dt(const T* a, const T* b, T* y, i64 n) {                   \
+        name##_vec_##dt(const T* a, const T* b, T* y, i64 n) { sg_pdl_entry();                   \
         sg_ew::binary_vec<sg_ew::F, T>(a, b, y, n);                              \
     }
 
@@ -261,7 +261,7 @@ SG_FOR_EACH_FLOAT(SG_BINARY_ALL)
 // narrow, two roundings, exactly what the reference does.
 #define SG_CAST(sdt, S, ddt, D)                                     \
     extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)     \
-        cast_##sdt##_##ddt(const S* x, D* y, i64 n) {               \
+        cast_##sdt##_##ddt(const S* x, D* y, i64 n) { sg_pdl_entry();               \
         SG_EW_LOOP(i, n) store(y, i, (acc_t<D>)(double)load(x, i)); \
     }
 #define SG_CAST_FROM(sdt, S)             \

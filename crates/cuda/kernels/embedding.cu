@@ -116,7 +116,7 @@ __device__ __forceinline__ void scatter_rows(const Id* ids, const T* gy, T* gt, 
 #define SG_EMB_GATHER(u, U, id, Id)                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                  \
         embedding_##u##_##id(const Id* ids, const U* table, U* y, i64 n_ids, i64 rows, \
-                                                   i64 wu) {                           \
+                                                   i64 wu) { sg_pdl_entry();                           \
         sg_emb::gather_rows<Id, U>(ids, table, y, n_ids, rows, wu);                    \
     }
 #define SG_EMB_GATHER_IDS(u, U)   \
@@ -130,7 +130,7 @@ SG_EMB_GATHER_IDS(u128, uint4)
 #define SG_EMB_BACKWARD(dt, T, id, Id)                                               \
     extern "C" __global__ void __launch_bounds__(512)                                \
         embedding_backward_##dt##_##id(const Id* ids, const T* gy, T* gt, i64 n_ids, \
-                                                             i64 rows, i64 width) {  \
+                                                             i64 rows, i64 width) { sg_pdl_entry();  \
         sg_emb::scatter_rows<T, Id>(ids, gy, gt, n_ids, rows, width);                \
     }
 #define SG_EMB_BACKWARD_IDS(dt, T)   \

@@ -49,7 +49,7 @@ template <typename T> __device__ __forceinline__ void fill(T* out, i64 n, u64 st
 
 #define SG_INIT_KERNEL(dt, T)                                                                                  \
     extern "C" __global__ void __launch_bounds__(SG_INIT_THREADS)                                           \
-        init_param_##dt(T* out, i64 n, unsigned long long stream, int kind, float scale) {                  \
+        init_param_##dt(T* out, i64 n, unsigned long long stream, int kind, float scale) { sg_pdl_entry();                  \
         sg_init::fill(out, n, stream, kind, scale);                                                         \
     }
 SG_FOR_EACH_FLOAT(SG_INIT_KERNEL)

@@ -201,32 +201,32 @@ template <typename T> __device__ void lce_round(const acc_t<T>* __restrict__ acc
 
 #define SG_LINEAR_CE_KERNELS(sfx, T)                                                                            \
     extern "C" __global__ void linear_ce_init_##sfx(acc_t<T>* lse, acc_t<T>* run_sum, acc_t<T>* tlogit,          \
-                                                    i64 rows) {                                                 \
+                                                    i64 rows) { sg_pdl_entry();                                                 \
         lce_init<T>(lse, run_sum, tlogit, rows);                                                                \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_chunk_stats_##sfx(const T* logits, const void* tgt, int tgt_i64, acc_t<T>* lse,               \
                                     acc_t<T>* run_sum, acc_t<T>* tlogit, i64 rows, i64 cw, i64 v0,              \
-                                    i64 ignore_index) {                                                         \
+                                    i64 ignore_index) { sg_pdl_entry();                                                         \
         lce_chunk_stats<T>(logits, tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index);             \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_finish_##sfx(const void* tgt, int tgt_i64, acc_t<T>* lse, const acc_t<T>* run_sum,            \
                                const acc_t<T>* tlogit, acc_t<T>* loss, i64 rows, i64 classes, i64 ignore_index, \
-                               int mean) {                                                                      \
+                               int mean) { sg_pdl_entry();                                                                      \
         lce_finish<T>(tgt, tgt_i64, lse, run_sum, tlogit, loss, rows, classes, ignore_index, mean);             \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_backward_chunk_##sfx(T* g, const void* tgt, int tgt_i64, const acc_t<T>* lse,                 \
                                        const acc_t<T>* gloss, const acc_t<T>* glse, int has_glse, i64 rows,     \
-                                       i64 cw, i64 v0, i64 classes, i64 ignore_index, int mean) {               \
+                                       i64 cw, i64 v0, i64 classes, i64 ignore_index, int mean) { sg_pdl_entry();               \
         lce_backward_chunk<T>(g, tgt, tgt_i64, lse, gloss, glse, has_glse, rows, cw, v0, classes, ignore_index, \
                               mean);                                                                            \
     }                                                                                                           \
-    extern "C" __global__ void linear_ce_accumulate_##sfx(const T* partial, acc_t<T>* acc, i64 n, int first) {   \
+    extern "C" __global__ void linear_ce_accumulate_##sfx(const T* partial, acc_t<T>* acc, i64 n, int first) { sg_pdl_entry();   \
         lce_accumulate<T>(partial, acc, n, first);                                                              \
     }                                                                                                           \
-    extern "C" __global__ void linear_ce_round_##sfx(const acc_t<T>* acc, T* out, i64 n) {                      \
+    extern "C" __global__ void linear_ce_round_##sfx(const acc_t<T>* acc, T* out, i64 n) { sg_pdl_entry();                      \
         lce_round<T>(acc, out, n);                                                                              \
     }
 

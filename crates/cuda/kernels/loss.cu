@@ -110,18 +110,18 @@ __device__ void cross_entropy_backward_rows(const T* x, const void* __restrict__
 
 #define SG_LOSS_KERNELS(sfx, T)                                                                                 \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
-        cross_entropy_lse_##sfx(const T* x, acc_t<T>* lse, i64 rows, i64 cols) {                                \
+        cross_entropy_lse_##sfx(const T* x, acc_t<T>* lse, i64 rows, i64 cols) { sg_pdl_entry();                                \
         cross_entropy_lse_rows<T>(x, lse, rows, cols);                                                          \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         cross_entropy_loss_##sfx(const T* x, const void* tgt, int tgt_i64, const acc_t<T>* lse, acc_t<T>* loss, \
-                                 i64 rows, i64 cols, i64 ignore_index) {                                        \
+                                 i64 rows, i64 cols, i64 ignore_index) { sg_pdl_entry();                                        \
         cross_entropy_loss_block<T>(x, tgt, tgt_i64, lse, loss, rows, cols, ignore_index);                      \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         cross_entropy_backward_##sfx(const T* x, const void* tgt, int tgt_i64, const acc_t<T>* lse,             \
                                      const acc_t<T>* gloss, const acc_t<T>* glse, int has_glse, T* dx,          \
-                                     i64 rows, i64 cols, i64 ignore_index) {                                    \
+                                     i64 rows, i64 cols, i64 ignore_index) { sg_pdl_entry();                                    \
         cross_entropy_backward_rows<T>(x, tgt, tgt_i64, lse, gloss, glse, has_glse, dx, rows, cols,             \
                                        ignore_index);                                                           \
     }

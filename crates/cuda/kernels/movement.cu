@@ -93,23 +93,23 @@ __device__ __forceinline__ void concat(const U* x, U* y, i64 n, i64 cx, i64 cy, 
 
 #define SG_MOVEMENT(u, U)                                                     \
     extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
-        broadcast_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {        \
+        broadcast_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) { sg_pdl_entry();        \
         SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                  \
     }                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
-        permute_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) {          \
+        permute_##u(const U* x, U* y, i64 n, sg_mv::GatherShape s) { sg_pdl_entry();          \
         SG_MV_DISPATCH((sg_mv::gather<I, U>(x, y, n, s)), n)                  \
     }                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
-        slice_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) {         \
+        slice_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 off) { sg_pdl_entry();         \
         SG_MV_DISPATCH((sg_mv::slice<I, U>(x, y, n, cy, cx, off)), n)         \
     }                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
-        slice_backward_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) { \
+        slice_backward_##u(const U* x, U* y, i64 n, i64 cy, i64 cx, i64 lo) { sg_pdl_entry(); \
         SG_MV_DISPATCH((sg_mv::slice_backward<I, U>(x, y, n, cy, cx, lo)), n) \
     }                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_MV_THREADS)               \
-        concat_##u(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) {        \
+        concat_##u(const U* x, U* y, i64 n, i64 cx, i64 cy, i64 off) { sg_pdl_entry();        \
         SG_MV_DISPATCH((sg_mv::concat<I, U>(x, y, n, cx, cy, off)), n)        \
     }
 

@@ -309,43 +309,43 @@ __device__ void layer_norm_backward_gwb_cols(const T* __restrict__ x, const acc_
 
 #define SG_NORM_KERNELS(sfx, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
-        rms_norm_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) {            \
+        rms_norm_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) { sg_pdl_entry();            \
         rms_norm_rows<T>(x, w, y, rstd, rows, cols, eps);                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         rms_norm_backward_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                       \
                                 const acc_t<T>* grstd, int has_grstd, const T* addend, T* gx, i64 rows,          \
-                                i64 cols) {                                                                       \
+                                i64 cols) { sg_pdl_entry();                                                                       \
         rms_norm_backward_rows<T>(x, w, rstd, gy, grstd, has_grstd, addend, gx, rows, cols);                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
-        rms_norm_vec_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) {        \
+        rms_norm_vec_##sfx(const T* x, const T* w, T* y, acc_t<T>* rstd, i64 rows, i64 cols, double eps) { sg_pdl_entry();        \
         rms_norm_rows_vec<T>(x, w, y, rstd, rows, cols, eps);                                                     \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         rms_norm_backward_vec_##sfx(const T* x, const T* w, const acc_t<T>* rstd, const T* gy,                   \
                                     const acc_t<T>* grstd, int has_grstd, const T* addend, T* gx, i64 rows,      \
-                                    i64 cols) {                                                                   \
+                                    i64 cols) { sg_pdl_entry();                                                                   \
         rms_norm_backward_rows_vec<T>(x, w, rstd, gy, grstd, has_grstd, addend, gx, rows, cols);                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_TILE * NORM_ROW_LANES)                                  \
-        rms_norm_backward_gw_##sfx(const T* x, const acc_t<T>* rstd, const T* gy, T* gw, i64 rows, i64 cols) {   \
+        rms_norm_backward_gw_##sfx(const T* x, const acc_t<T>* rstd, const T* gy, T* gw, i64 rows, i64 cols) { sg_pdl_entry();   \
         rms_norm_backward_gw_cols<T>(x, rstd, gy, gw, rows, cols);                                                \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         layer_norm_##sfx(const T* x, const T* w, const T* b, T* y, acc_t<T>* mean, acc_t<T>* rstd, i64 rows,     \
-                         i64 cols, double eps) {                                                                  \
+                         i64 cols, double eps) { sg_pdl_entry();                                                                  \
         layer_norm_rows<T>(x, w, b, y, mean, rstd, rows, cols, eps);                                              \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024)                                                            \
         layer_norm_backward_##sfx(const T* x, const T* w, const acc_t<T>* mean, const acc_t<T>* rstd,            \
                                   const T* gy, const acc_t<T>* gmean, const acc_t<T>* grstd, int has_gstats,      \
-                                  const T* addend, T* gx, i64 rows, i64 cols) {                                   \
+                                  const T* addend, T* gx, i64 rows, i64 cols) { sg_pdl_entry();                                   \
         layer_norm_backward_rows<T>(x, w, mean, rstd, gy, gmean, grstd, has_gstats, addend, gx, rows, cols);      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NORM_COL_TILE * NORM_ROW_LANES)                                  \
         layer_norm_backward_gwb_##sfx(const T* x, const acc_t<T>* mean, const acc_t<T>* rstd, const T* gy,       \
-                                      T* gw, T* gb, i64 rows, i64 cols) {                                         \
+                                      T* gw, T* gb, i64 rows, i64 cols) { sg_pdl_entry();                                         \
         layer_norm_backward_gwb_cols<T>(x, mean, rstd, gy, gw, gb, rows, cols);                                   \
     }
 

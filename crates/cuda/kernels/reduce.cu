@@ -404,13 +404,13 @@ template <typename T> __device__ void norm_finish(const NormTable& t, acc_t<T>* 
 
 #define SG_REDUCE_LAYOUT(kname, K, layout, dt, T)                                                         \
     extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout)                                   \
-        kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, i64 mean, sg_red::ReduceShape s) { \
+        kname##_##layout##_##dt(const T* x, T* y, i64 nout, i64 count, i64 mean, sg_red::ReduceShape s) { sg_pdl_entry(); \
         sg_red::layout<sg_red::K, T>(x, y, nout, count, mean, s);                                         \
     }
 
 #define SG_MAX_BACKWARD(layout, dt, T)                                                                \
     extern "C" __global__ void __launch_bounds__(SG_RED_BOUND_##layout) max_backward_##layout##_##dt( \
-        const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, sg_red::ReduceShape s) {      \
+        const T* x, const T* y, const T* g, T* gx, i64 nout, i64 count, sg_red::ReduceShape s) { sg_pdl_entry();      \
         sg_red::mb_##layout<T>(x, y, g, gx, nout, count, s);                                          \
     }
 
@@ -427,15 +427,15 @@ template <typename T> __device__ void norm_finish(const NormTable& t, acc_t<T>* 
     SG_SUM_SQUARES(dt, T)
 #define SG_SUM_SQUARES(dt, T)                                                                              \
     extern "C" __global__ void __launch_bounds__(256) sum_squares_##dt(const T* x, acc_t<T>* y, i64 rows, \
-                                                                        i64 len) {                         \
+                                                                        i64 len) { sg_pdl_entry();                         \
         sg_red::sum_squares<T>(x, y, rows, len);                                                           \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(sg_red::kNormThreads)                                     \
-        squared_norms_partial_##dt(const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials) {      \
+        squared_norms_partial_##dt(const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials) { sg_pdl_entry();      \
         sg_red::norm_partial<T>(t, partials);                                                              \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(sg_red::kNormThreads) squared_norms_finish_##dt(          \
-        const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials, acc_t<T>* norms) {                \
+        const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials, acc_t<T>* norms) { sg_pdl_entry();                \
         sg_red::norm_finish<T>(t, partials, norms);                                                        \
     }
 SG_FOR_EACH_FLOAT(SG_REDUCE_ALL)

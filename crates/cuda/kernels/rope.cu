@@ -171,7 +171,7 @@ __device__ void rope_rows_positioned(const T* x, T* y, const int* start, i64 bt_
     extern "C" __global__ void __launch_bounds__(1024)                                                         \
         rope_##sfx(const T* x, T* y, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, double base,         \
                    int inverse, int scaled, double factor, double low_freq_factor, double high_freq_factor,    \
-                   double old_context) {                                                                       \
+                   double old_context) { sg_pdl_entry();                                                                       \
         rope_rows<T>(x, y, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled, factor, low_freq_factor,   \
                      high_freq_factor, old_context);                                                           \
     }
@@ -182,7 +182,7 @@ SG_FOR_EACH_FLOAT(SG_ROPE_KERNEL)
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         rope2_##sfx(const T* x1, T* y1, const T* x2, T* y2, i64 bt_rows, i64 seq, int heads1, int heads2,       \
                     int dim, int n_rot, double base, int inverse, int scaled, double factor,                    \
-                    double low_freq_factor, double high_freq_factor, double old_context) {                      \
+                    double low_freq_factor, double high_freq_factor, double old_context) { sg_pdl_entry();                      \
         const bool second = blockIdx.y == 1;                                                                    \
         rope_rows<T>(second ? x2 : x1, second ? y2 : y1, bt_rows, seq, second ? heads2 : heads1, dim, n_rot,    \
                      base, inverse, scaled, factor, low_freq_factor, high_freq_factor, old_context);            \
@@ -194,7 +194,7 @@ SG_FOR_EACH_FLOAT(SG_ROPE2_KERNEL)
     extern "C" __global__ void __launch_bounds__(1024)                                                         \
         rope_at_##sfx(const T* x, T* y, const int* start, i64 bt_rows, i64 seq, int heads, int dim, int n_rot, \
                       double base, int inverse, int scaled, double factor, double low_freq_factor,             \
-                      double high_freq_factor, double old_context) {                                           \
+                      double high_freq_factor, double old_context) { sg_pdl_entry();                                           \
         rope_rows_positioned<T>(x, y, start, bt_rows, seq, heads, dim, n_rot, base, inverse, scaled, factor,   \
                                 low_freq_factor, high_freq_factor, old_context);                               \
     }

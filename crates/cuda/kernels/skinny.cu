@@ -211,7 +211,7 @@ __device__ __forceinline__ void skinny(const T* __restrict__ x, const T* __restr
 #define SG_SKINNY_KERNEL(NAME, WARPS, U, ROWS, ASYNC, T)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                   \
         NAME(const T* __restrict__ x, const T* __restrict__ w, T* y, const T* addend, int add_kind, int m,     \
-             int n, int k, i64 sx, i64 sw, i64 sy) {                                                           \
+             int n, int k, i64 sx, i64 sw, i64 sy) { sg_pdl_entry();                                                           \
         skinny<T, WARPS, U, ROWS, ASYNC>(x, w, y, addend, add_kind, m, n, k, sx, sw, sy);                      \
     }
 #define SG_SKINNY(WARPS, U, ROWS, sfx, T) \

@@ -44,11 +44,11 @@ template <typename T> __device__ void softmax_backward_rows(const T* y, const T*
 }
 
 #define SG_SOFTMAX_KERNELS(sfx, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(1024) softmax_##sfx(const T* x, T* y, i64 rows, i64 cols) {  \
+    extern "C" __global__ void __launch_bounds__(1024) softmax_##sfx(const T* x, T* y, i64 rows, i64 cols) { sg_pdl_entry();  \
         softmax_rows<T>(x, y, rows, cols);                                                                    \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                                        \
-        softmax_backward_##sfx(const T* y, const T* gy, T* gx, i64 rows, i64 cols) {                          \
+        softmax_backward_##sfx(const T* y, const T* gy, T* gx, i64 rows, i64 cols) { sg_pdl_entry();                          \
         softmax_backward_rows<T>(y, gy, gx, rows, cols);                                                      \
     }
 

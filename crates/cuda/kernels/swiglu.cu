@@ -101,19 +101,19 @@ __device__ __forceinline__ void backward_vec(const T* gate, const T* up, const T
 
 #define SG_SWIGLU_KERNELS(sfx, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_SWIGLU_THREADS)                                      \
-        swiglu_##sfx(const T* gate, const T* up, T* h, i64 n) {                                           \
+        swiglu_##sfx(const T* gate, const T* up, T* h, i64 n) { sg_pdl_entry();                                           \
         sg_swiglu::forward<T>(gate, up, h, n);                                                            \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(SG_SWIGLU_THREADS)                                      \
-        swiglu_backward_##sfx(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) {         \
+        swiglu_backward_##sfx(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) { sg_pdl_entry();         \
         sg_swiglu::backward<T>(gate, up, gh, dgate, dup, n);                                              \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(SG_SWIGLU_THREADS)                                      \
-        swiglu_vec_##sfx(const T* gate, const T* up, T* h, i64 n) {                                       \
+        swiglu_vec_##sfx(const T* gate, const T* up, T* h, i64 n) { sg_pdl_entry();                                       \
         sg_swiglu::forward_vec<T>(gate, up, h, n);                                                        \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(SG_SWIGLU_THREADS)                                      \
-        swiglu_backward_vec_##sfx(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) {     \
+        swiglu_backward_vec_##sfx(const T* gate, const T* up, const T* gh, T* dgate, T* dup, i64 n) { sg_pdl_entry();     \
         sg_swiglu::backward_vec<T>(gate, up, gh, dgate, dup, n);                                          \
     }
 SG_FOR_EACH_FLOAT(SG_SWIGLU_KERNELS)

@@ -103,7 +103,7 @@ __device__ __forceinline__ void tiled(const float* __restrict__ a, const float* 
 #define SG_TILED(BM, BN)                                                                                     \
     extern "C" __global__ void __launch_bounds__(TL_THREADS) tiled_##BM##x##BN##_f32(                        \
         const float* __restrict__ a, const float* __restrict__ b, float* c, const float* addend, int add_kind, \
-        int m, int n, int k, int trans_a, int trans_b, i64 sa, i64 sb, i64 sc) {                             \
+        int m, int n, int k, int trans_a, int trans_b, i64 sa, i64 sb, i64 sc) { sg_pdl_entry();                             \
         tiled<BM, BN>(a, b, c, addend, add_kind, m, n, k, trans_a, trans_b, sa, sb, sc);                     \
     }
 SG_TILED(32, 32)

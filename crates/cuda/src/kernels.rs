@@ -87,6 +87,45 @@ pub fn module_source(module: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// Every kernel of every module starts its body with `sg_pdl_entry()`,
+    /// before anything touches global memory: what makes launching any of
+    /// them with programmatic dependent launch safe
+    /// ([`crate::launch::launch_kernel`]).
+    #[test]
+    fn every_kernel_waits_for_its_dependencies_first() {
+        let mut kernels = 0;
+        for m in all() {
+            let src = m.source;
+            for (at, _) in src.match_indices("extern \"C\"") {
+                let params = at + src[at..].find('(').expect("a kernel has parameters");
+                let mut depth = 0;
+                let close = params
+                    + src[params..]
+                        .char_indices()
+                        .find(|&(_, c)| {
+                            depth += match c {
+                                '(' => 1,
+                                ')' => -1,
+                                _ => 0,
+                            };
+                            depth == 0
+                        })
+                        .expect("balanced parentheses")
+                        .0;
+                let body = close + src[close..].find('{').expect("a kernel has a body") + 1;
+                let first = src[body..].trim_start();
+                assert!(
+                    first.starts_with("sg_pdl_entry();"),
+                    "module `{}`: the kernel at byte {at} begins with `{}`",
+                    m.name,
+                    &first[..first.len().min(60)]
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 64, "{kernels} kernel definitions found");
+    }
+
     #[test]
     fn every_module_has_one_source() {
         let declared: Vec<&KernelModule> = declared().collect();

@@ -2,7 +2,75 @@
 //! addresses and scalar arguments, or matrix products. Data only: the
 //! session turns these into driver calls, eagerly or under graph capture.
 
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+use cudarc::driver::DriverError;
 use stepgraph_core::ir::TensorType;
+
+/// The environment variable that launches every stepgraph kernel with
+/// programmatic dependent launch (`1`), on devices of compute capability
+/// 9.0 and later: each kernel may be scheduled while the kernel before it
+/// in the stream finishes, its `sg_pdl_entry()` (common.cuh) waiting for
+/// that kernel's results, so launch latency hides behind the previous
+/// kernel's last blocks. Off until a GPU run has checked and timed it.
+pub const PDL_ENV: &str = "STEPGRAPH_PDL";
+
+/// Whether kernels launch with programmatic dependent launch on a device of
+/// architecture `arch` (`sm_90`, ...): [`PDL_ENV`] is `1` and the device
+/// has `griddepcontrol` (sm_90 and later).
+pub fn pdl_on(arch: &str) -> bool {
+    std::env::var(PDL_ENV).is_ok_and(|v| v == "1") && has_griddepcontrol(arch)
+}
+
+/// Does a device of architecture `arch` (`sm_90`, `sm_90a`, `sm_80`, ...)
+/// have `griddepcontrol`: compute capability 9.0 or later?
+fn has_griddepcontrol(arch: &str) -> bool {
+    let cc = arch.strip_prefix("sm_").and_then(|v| v.trim_end_matches(char::is_alphabetic).parse::<u32>().ok());
+    cc.is_some_and(|v| v >= 90)
+}
+
+/// Launches `f` on `stream` as `cuLaunchKernel` does, or, with `pdl`, with
+/// programmatic stream serialization (`cuLaunchKernelEx`): the kernel's
+/// blocks may start before the previous kernel in the stream has finished
+/// and wait in `sg_pdl_entry()` for its results. Under stream capture the
+/// graph records the programmatic edge.
+///
+/// # Safety
+/// As `cuLaunchKernel`: `f` is a loaded function whose parameters
+/// `params` fill, every pointer argument valid for what the kernel does;
+/// with `pdl`, `f` begins with `sg_pdl_entry()`.
+pub unsafe fn launch_kernel(
+    f: sys::CUfunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_bytes: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+    pdl: bool,
+) -> Result<(), DriverError> {
+    if !pdl {
+        return cudarc::driver::result::launch_kernel(f, grid, block, shared_bytes, stream, params);
+    }
+    // SAFETY: a plain C struct; the union's field is set below.
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: shared_bytes,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the caller's contract; `config` and `attr` outlive the call.
+    sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+}
 
 /// A tensor on the device: its type and its fixed address (from the plan).
 #[derive(Clone, Debug, PartialEq)]
@@ -230,5 +298,17 @@ impl StructArg {
     }
     pub fn build(self) -> Arg {
         Arg::Struct(self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn programmatic_launch_needs_hopper_or_later() {
+        let cases =
+            [("sm_90", true), ("sm_90a", true), ("sm_100", true), ("sm_89", false), ("sm_80", false), ("gpu", false)];
+        for (arch, has) in cases {
+            assert_eq!(super::has_griddepcontrol(arch), has, "{arch}");
+        }
     }
 }

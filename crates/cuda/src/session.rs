@@ -156,6 +156,9 @@ pub struct CudaSession {
     comm: Option<NcclComm>,
     /// The collectives' own stream, when they overlap compute.
     side: Option<SideStream>,
+    /// Kernels launch with programmatic dependent launch
+    /// ([`crate::launch::pdl_on`]).
+    pdl: bool,
 }
 
 /// A stream for the collectives and the events that order it with the
@@ -555,6 +558,7 @@ impl CudaSession {
         memory.device_peak_bytes = after_comm.saturating_sub(baseline);
         clock.stage(STAGE_JOIN_GROUP);
         let id_checks = id_checks(&trace);
+        let pdl = crate::launch::pdl_on(&arch);
         Ok(CudaSession {
             trace,
             plan,
@@ -579,6 +583,7 @@ impl CudaSession {
             group,
             comm,
             side,
+            pdl,
         })
     }
 
@@ -796,9 +801,20 @@ impl CudaSession {
                     let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
                     // SAFETY: `func` belongs to a module the session keeps; the
                     // arguments match the kernel's signature (the lowering's
-                    // contract) and point into the session's allocation.
-                    unsafe { dr::launch_kernel(*func, launch.grid, launch.block, launch.shared_bytes, s, &mut params) }
-                        .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", launch.function)))?;
+                    // contract) and point into the session's allocation; every
+                    // stepgraph kernel begins with `sg_pdl_entry()` (kernels.rs tests).
+                    unsafe {
+                        crate::launch::launch_kernel(
+                            *func,
+                            launch.grid,
+                            launch.block,
+                            launch.shared_bytes,
+                            s,
+                            &mut params,
+                            self.pdl,
+                        )
+                    }
+                    .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", launch.function)))?;
                 }
                 Prepared::Gemm(g) => self.blas.run(g, s)?,
                 Prepared::Memset { ptr, bytes, value } => {
@@ -1159,15 +1175,32 @@ pub fn lower_step(
     Ok((launches, nodes))
 }
 
+/// A step's launches as a session makes them, each with the last node it
+/// belongs to (a merged launch spans several), from [`step_launches`].
+#[derive(Clone, Debug)]
+pub struct LoweredStep {
+    pub launches: Vec<Launch>,
+    pub last_nodes: Vec<usize>,
+}
+
+impl LoweredStep {
+    /// The launches of the nodes `nodes` (one segment of a trace that holds
+    /// several programs, such as a generation bucket's decode step).
+    pub fn of_nodes(&self, nodes: std::ops::Range<usize>) -> Vec<&Launch> {
+        self.launches.iter().zip(&self.last_nodes).filter(|(_, n)| nodes.contains(n)).map(|(l, _)| l).collect()
+    }
+}
+
 /// The launches one step of `trace` makes on a device of architecture
 /// `arch` (`sm_90`, ...), exactly as a session lowers and merges them
 /// (persistent and arena storage at fixed stand-in bases, no device call):
 /// how many kernels a step is, before any GPU is at hand.
-pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str) -> Result<Vec<Launch>> {
+pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str) -> Result<LoweredStep> {
     // Bases far apart and 2 MiB aligned, like the driver's allocations.
     let (persistent_base, arena_base) = (1u64 << 40, 1u64 << 44);
     let (launches, nodes) = lower_step(trace, plan, persistent_base, arena_base, None, Target::of_arch(arch))?;
-    Ok(multi_tensor_updates(launches, nodes).0)
+    let (launches, last_nodes, _) = multi_tensor_updates(launches, nodes);
+    Ok(LoweredStep { launches, last_nodes })
 }
 
 /// The device bytes `[start, end)` each node's inputs and outputs occupy.

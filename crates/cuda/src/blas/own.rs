@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{result as dr, CudaContext, CudaModule};
+use cudarc::driver::{CudaContext, CudaModule};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
@@ -119,6 +119,8 @@ pub(super) struct OwnKernels {
     names: Vec<String>,
     /// [`CandidateUse::Only`]: the first variant is the sole candidate.
     pub(super) only: bool,
+    /// Launch with programmatic dependent launch ([`crate::launch::pdl_on`]).
+    pdl: bool,
 }
 
 impl OwnKernels {
@@ -147,7 +149,8 @@ impl OwnKernels {
                     .map_err(|e| CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", module.name)))
             })
             .collect::<Result<_>>()?;
-        Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == CandidateUse::Only }))
+        let pdl = crate::launch::pdl_on(arch);
+        Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == CandidateUse::Only, pdl }))
     }
 
     /// Enqueues `l` on `stream`.
@@ -168,13 +171,14 @@ impl OwnKernels {
         for (p, v) in params.iter_mut().zip(values.iter_mut()) {
             *p = v as *mut u64 as *mut c_void;
         }
+        let f = self.functions[l.function];
         // SAFETY: the function belongs to the module this struct keeps
         // loaded; the families build their launches to match the kernels'
         // parameters (checked against the CUBIN in their tests) for
         // products of a shape they accept, whose operands lie inside the
         // session's allocation. `values` outlives the call, which copies
         // the argument values.
-        unsafe { dr::launch_kernel(self.functions[l.function], l.grid, l.block, 0, stream, &mut params[..l.len]) }
+        unsafe { crate::launch::launch_kernel(f, l.grid, l.block, 0, stream, &mut params[..l.len], self.pdl) }
             .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", self.names[l.function])))
     }
 }
