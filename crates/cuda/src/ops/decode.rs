@@ -28,7 +28,8 @@ use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{
-    float_name, launch, merge_adjacent, n64, overlap, ptr, row_grid, typed_kernel, unit_for, MAX_ROW_BLOCKS, UNITS,
+    float_name, independent_pair, launch, merge_adjacent, n64, ptr, row_grid, two_row_launch, typed_kernel, unit_for,
+    MAX_ROW_BLOCKS, UNITS,
 };
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
@@ -160,17 +161,13 @@ pub fn merge_kv_writes(
     first: Vec<usize>,
 ) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
     merge_adjacent(launches, last, first, |a, b| {
-        let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
-        let ([wa, ra], [wb, rb]) = (kv_write_ranges(ka)?, kv_write_ranges(kb)?);
-        let same =
-            ka.function == kb.function && ka.grid == kb.grid && ka.block == kb.block && ka.args[2..] == kb.args[2..];
-        if !same || overlap(wa, wb) || overlap(wa, rb) || overlap(wb, ra) {
+        let (ka, kb) = independent_pair(a, b, |k| kv_write_ranges(k).map(|[cache, src]| [src, cache]))?;
+        if ka.args[2..] != kb.args[2..] {
             return None;
         }
         let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
         args.extend(ka.args[2..].iter().cloned());
-        let function = ka.function.replacen("kv_write_", "kv_write2_", 1);
-        Some(Launch::Kernel(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() }))
+        Some(two_row_launch(ka, ka.function.replacen("kv_write_", "kv_write2_", 1), args))
     })
 }
 

@@ -15,7 +15,7 @@
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
 
-use super::util::{merge_adjacent, n64, overlap, ptr, row_grid, typed_kernel, MAX_ROW_BLOCKS};
+use super::util::{independent_pair, merge_adjacent, n64, ptr, row_grid, two_row_launch, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
@@ -115,21 +115,14 @@ pub fn merge_ropes(
     first: Vec<usize>,
 ) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
     merge_adjacent(launches, last, first, |a, b| {
-        let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
-        let ([xa, ya], [xb, yb]) = (rope_ranges(ka)?, rope_ranges(kb)?);
-        let same = ka.function == kb.function
-            && ka.grid == kb.grid
-            && ka.block == kb.block
-            && ka.args[2..4] == kb.args[2..4]
-            && ka.args[5..] == kb.args[5..];
-        if !same || overlap(ya, xb) || overlap(ya, yb) || overlap(yb, xa) || ka.grid.1 != 1 {
+        let (ka, kb) = independent_pair(a, b, rope_ranges)?;
+        if ka.args[2..4] != kb.args[2..4] || ka.args[5..] != kb.args[5..] {
             return None;
         }
         let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
         args.extend([ka.args[2].clone(), ka.args[3].clone(), ka.args[4].clone(), kb.args[4].clone()]);
         args.extend(ka.args[5..].iter().cloned());
-        let function = ka.function.replacen("rope_", "rope2_", 1);
-        Some(Launch::Kernel(KernelLaunch { function, grid: (ka.grid.0, 2, 1), args, ..ka.clone() }))
+        Some(two_row_launch(ka, ka.function.replacen("rope_", "rope2_", 1), args))
     })
 }
 
@@ -181,7 +174,7 @@ mod tests {
                 "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
             );
         }
-        // In place each is still one launch.
+        // Each rotated in place: still one launch.
         let in_place = [one(&rope(true), q.clone(), q.clone()), one(&rope(true), k.clone(), k.clone())].concat();
         assert_eq!(merge_ropes(in_place, vec![0, 1], vec![0, 1]).0.len(), 1);
         // The second reads what the first writes: apart.

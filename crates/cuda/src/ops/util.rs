@@ -245,8 +245,29 @@ pub(crate) fn merge_adjacent(
 }
 
 /// Do byte ranges `[a.0, a.1)` and `[b.0, b.1)` share a byte?
-pub(crate) fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1
+}
+
+/// `a` and `b` as launches of one kernel function, grid and block that may
+/// run as one: neither writes bytes the other reads or writes, by
+/// `ranges` (the `[read, written]` bytes of a launch, `None` for a launch
+/// of another kind).
+pub(crate) fn independent_pair<'l>(
+    a: &'l Launch,
+    b: &'l Launch,
+    ranges: impl Fn(&KernelLaunch) -> Option<[(u64, u64); 2]>,
+) -> Option<(&'l KernelLaunch, &'l KernelLaunch)> {
+    let (Launch::Kernel(ka), Launch::Kernel(kb)) = (a, b) else { return None };
+    let ([ra, wa], [rb, wb]) = (ranges(ka)?, ranges(kb)?);
+    let same = ka.function == kb.function && ka.grid == kb.grid && ka.block == kb.block && ka.grid.1 == 1;
+    (same && !overlap(wa, wb) && !overlap(wa, rb) && !overlap(wb, ra)).then_some((ka, kb))
+}
+
+/// The launch of `function` on `args` over two rows of `first`'s grid (its
+/// blocks with `blockIdx.y` 0 doing the first launch's work, 1 the second's).
+pub(crate) fn two_row_launch(first: &KernelLaunch, function: String, args: Vec<Arg>) -> Launch {
+    Launch::Kernel(KernelLaunch { function, grid: (first.grid.0, 2, 1), args, ..first.clone() })
 }
 
 #[cfg(test)]
