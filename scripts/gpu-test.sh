@@ -4,6 +4,7 @@
 #   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries + torch_reference.py into .carry/
 #   scripts/gpu-test.sh test [NAME...] # on the GPU machine: every GPU test binary (or those named, e.g. gpu_dist)
 #   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
+#                                    # (BENCH_FLAGS: flags for every `stepgraph bench`, e.g. "--f32-products 3xtf32")
 #   scripts/gpu-test.sh bench-ab [W...] # on the GPU machine: the baseline binary and this one, interleaved, + PyTorch
 #   scripts/gpu-compare.sh [CASE...] # on the GPU machine: loss and gradients against PyTorch (see that script)
 #
@@ -92,7 +93,8 @@ bench)
     for w in $workloads; do
         for mode in eager graph; do
             echo "== stepgraph $w $mode"
-            .carry/stepgraph bench --workload "$w" --mode "$mode" --json | tee -a "$OUT/bench.jsonl" || echo "{\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench.jsonl"
+            # shellcheck disable=SC2086 # BENCH_FLAGS is a list of flags
+            .carry/stepgraph bench --workload "$w" --mode "$mode" ${BENCH_FLAGS-} --json | tee -a "$OUT/bench.jsonl" || echo "{\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench.jsonl"
         done
         tw=${w/-/}
         for mode in eager reduce-overhead; do

@@ -114,6 +114,11 @@ pub struct CompareArgs {
     /// every other command) or keep each add a kernel (off).
     #[arg(long, value_enum, default_value_t = crate::memory_args::EpilogueArg::On)]
     pub epilogues: crate::memory_args::EpilogueArg,
+    /// How f32 products are computed, as every other command: exactly, or
+    /// as 3xTF32 (three TF32 products of split operands), whose gradients
+    /// this command checks against an f64 reference.
+    #[arg(long, value_enum, default_value_t = crate::memory_args::F32ProductsArg::Exact)]
+    pub f32_products: crate::memory_args::F32ProductsArg,
 }
 
 /// `a` against `b`, one tensor's worth. See the module doc for the metric.
@@ -398,7 +403,11 @@ fn compare(
         CompareLoss::Ce => LossKind::CrossEntropy,
     };
     let spec = ModelSpec { config, batch, seq, dtype, loss };
-    let opts = StepOptions { epilogues: args.epilogues.into(), ..StepOptions::new(StepKind::Grads) };
+    let opts = StepOptions {
+        epilogues: args.epilogues.into(),
+        f32_products: args.f32_products.into(),
+        ..StepOptions::new(StepKind::Grads)
+    };
     let compiled = compile_step(&spec, &opts)?;
     let (step, memory) = (compiled.step, compiled.plan);
 
@@ -849,6 +858,7 @@ mod tests {
             json: false,
             json_out: None,
             epilogues: crate::memory_args::EpilogueArg::On,
+            f32_products: crate::memory_args::F32ProductsArg::Exact,
         }
     }
 

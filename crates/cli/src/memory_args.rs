@@ -1,15 +1,18 @@
 //! The memory flags every command that builds a step shares (`plan`,
 //! `trace`, `train`, `bench`): the memory budget that drives recomputation,
 //! the recompute policy without one, where a train step's optimizer runs,
-//! the MLP row tiles, and whether adds fold into the kernels that produce
-//! their operands (which also frees the sums they stored). They map onto
-//! [`StepOptions`]'s `recompute`, `optimizer`, `mlp_tiles` and `epilogues`.
+//! the MLP row tiles, whether adds fold into the kernels that produce
+//! their operands (which also frees the sums they stored), and how f32
+//! products are computed (their split operands are planned bytes). They map
+//! onto [`StepOptions`]'s `recompute`, `optimizer`, `mlp_tiles`,
+//! `epilogues` and `f32_products`.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
 use stepgraph_core::fusion::Epilogues;
 use stepgraph_core::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::passes::F32Products;
 use stepgraph_core::pipeline::StepOptions;
 use stepgraph_core::recompute::RecomputePolicy;
 
@@ -57,6 +60,29 @@ pub struct MemoryArgs {
     /// bias), as those kernels' epilogues (on), or keep each add a kernel (off).
     #[arg(long, value_enum, default_value_t = EpilogueArg::On)]
     pub epilogues: EpilogueArg,
+    /// How f32 matrix products are computed: exactly (CUDA-core SGEMM on a
+    /// GPU), or each as three TF32 tensor-core products of operands split
+    /// into a TF32 part and the rest (3xTF32: about f32 accuracy, several
+    /// times faster on Ampere and later; the split operands cost planned
+    /// bytes). bf16 and f16 steps have no f32 products.
+    #[arg(long, value_enum, default_value_t = F32ProductsArg::Exact)]
+    pub f32_products: F32ProductsArg,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum F32ProductsArg {
+    Exact,
+    #[value(name = "3xtf32")]
+    Split3xTf32,
+}
+
+impl From<F32ProductsArg> for F32Products {
+    fn from(a: F32ProductsArg) -> F32Products {
+        match a {
+            F32ProductsArg::Exact => F32Products::Exact,
+            F32ProductsArg::Split3xTf32 => F32Products::Split3xTf32,
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -93,6 +119,7 @@ impl MemoryArgs {
         };
         opts.mlp_tiles = self.mlp_tiles as usize;
         opts.epilogues = self.epilogues.into();
+        opts.f32_products = self.f32_products.into();
         Ok(())
     }
 }
@@ -175,23 +202,27 @@ mod tests {
             optimizer_in_backward: PlacementArg::Off,
             mlp_tiles: 4,
             epilogues: EpilogueArg::Off,
+            f32_products: F32ProductsArg::Split3xTf32,
         };
         args.apply(&mut opts, || Ok(123_000)).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Budget(123_000));
         assert_eq!(opts.optimizer, OptimizerPlacement::AfterBackward);
         assert_eq!(opts.mlp_tiles, 4);
         assert_eq!(opts.epilogues, Epilogues::Off);
+        assert_eq!(opts.f32_products, F32Products::Split3xTf32);
         let args = MemoryArgs {
             memory_budget: None,
             recompute: RecomputeArg::Off,
             optimizer_in_backward: PlacementArg::On,
             mlp_tiles: 1,
             epilogues: EpilogueArg::On,
+            f32_products: F32ProductsArg::Exact,
         };
         args.apply(&mut opts, || unreachable!("no budget asked")).unwrap();
         assert_eq!(opts.recompute, RecomputePolicy::Off);
         assert_eq!(opts.optimizer, OptimizerPlacement::InBackward);
         assert_eq!(opts.mlp_tiles, 1);
         assert_eq!(opts.epilogues, Epilogues::On);
+        assert_eq!(opts.f32_products, F32Products::Exact);
     }
 }

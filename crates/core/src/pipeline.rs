@@ -33,6 +33,7 @@ use crate::fusion::{self, Epilogues, FusionReport};
 use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
 use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
+use crate::passes::{split_f32_products, F32Products};
 use crate::plan::{check_plan, MemoryPlan, PlanOptions};
 use crate::recompute::{self, RecomputePolicy, RecomputeReport};
 
@@ -63,6 +64,9 @@ pub struct StepOptions {
     pub grad_accum: usize,
     /// Fold adds into the kernels that produce their operands (default on).
     pub epilogues: Epilogues,
+    /// Exact f32 products (default), or each as three TF32 products of
+    /// split operands ([`crate::passes::split_f32_products`]).
+    pub f32_products: F32Products,
 }
 
 impl StepOptions {
@@ -78,6 +82,7 @@ impl StepOptions {
             mlp_tiles: 1,
             grad_accum: 1,
             epilogues: Epilogues::default(),
+            f32_products: F32Products::default(),
         }
     }
 
@@ -268,6 +273,32 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     let (step, plan, mut recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
+    let (step, plan) = match opts.f32_products {
+        F32Products::Exact => (step, plan),
+        // Last, so that recomputation and the optimizer's placement see the
+        // products as the model has them; the split parts live for a few
+        // nodes each, which the plan now holds.
+        F32Products::Split3xTf32 => {
+            let (step, _) = split_f32_products(&step)?;
+            let plan = crate::plan::plan(&step, opts.plan)?;
+            if let RecomputePolicy::Budget(budget) = opts.recompute {
+                let peak = plan.planned_peak_bytes();
+                if peak > budget {
+                    return Err(Error::MemoryBudget {
+                        budget,
+                        least: peak,
+                        mlp_tiles: recompute.mlp_tiles,
+                        hint: Some(
+                            "or --f32-products exact: the split operands of the 3xTF32 products need their own \
+                             bytes"
+                                .into(),
+                        ),
+                    });
+                }
+            }
+            (step, plan)
+        }
+    };
     check_plan(&step, &plan)?;
     let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
     Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute, fusion }, times))

@@ -122,6 +122,9 @@ pub struct KernelLaunch {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum GemmType {
     F32,
+    /// f32 storage whose products run on TF32 tensor cores (`matmul`'s
+    /// `tf32`: cuBLASLt's `CUBLAS_COMPUTE_32F_FAST_TF32`).
+    Tf32,
     BF16,
     F16,
 }

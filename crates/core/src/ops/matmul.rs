@@ -10,11 +10,18 @@
 //! gradient summed from two products: cuBLASLt's `beta = 1`) or a row
 //! vector `[n]` broadcast over the rows (a bias: cuBLASLt's bias epilogue).
 //! The epilogue pass ([`crate::fusion`]) makes these from `add` nodes.
+//!
+//! With `tf32` (f32 operands only), each operand element is first rounded
+//! to TF32 (10 fraction bits, [`tf32_round`]) and the products summed in
+//! f32: what a tensor core does with f32 data. [`SplitTf32`] splits an f32
+//! tensor into a TF32 part and the rest, so that three such products
+//! (`a_lo·b_hi + a_hi·b_lo + a_hi·b_hi`) give an f32 product to about f32
+//! accuracy at tensor-core speed (`passes::split_f32_products`).
 
 use rayon::prelude::*;
 
 use super::sample::{normal, Sample};
-use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
+use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::cpu::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
 use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
@@ -26,6 +33,8 @@ pub struct MatMul {
     pub trans_b: bool,
     /// A third input is added to the product (see the module doc).
     pub addend: bool,
+    /// The operands are rounded to TF32 first (f32 only; see the module doc).
+    pub tf32: bool,
 }
 
 /// How a [`MatMul`]'s addend meets the product.
@@ -40,7 +49,7 @@ pub enum AddendKind {
 impl MatMul {
     /// The plain product `op(a) · op(b)`.
     pub fn new(trans_a: bool, trans_b: bool) -> Self {
-        MatMul { trans_a, trans_b, addend: false }
+        MatMul { trans_a, trans_b, addend: false, tf32: false }
     }
 
     /// How an addend of type `addend` meets an output of type `out`, or
@@ -135,7 +144,7 @@ impl OpDef for MatMul {
                 b.extend(if tb { [n, k] } else { [k, n] });
                 let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
                 out.extend([m, n]);
-                let op = MatMul { trans_a: ta, trans_b: tb, addend: true };
+                let op = MatMul { trans_a: ta, trans_b: tb, addend: true, tf32: false };
                 for c in [&out[..], &[n]] {
                     v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
                 }
@@ -154,9 +163,19 @@ impl OpDef for MatMul {
             v.push(Sample::new(MatMul::new(false, true), vec![normal(d, &a), normal(d, &b)]));
             let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
             out.extend([m, n]);
-            let op = MatMul { trans_a: false, trans_b: true, addend: true };
+            let op = MatMul { trans_a: false, trans_b: true, addend: true, tf32: false };
             for c in [&out[..], &[n]] {
                 v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
+            }
+        }
+        // TF32 products (f32 only): transposed, batched, with both addends.
+        if d == DType::F32 {
+            let tf32 = |ta, tb, addend| MatMul { trans_a: ta, trans_b: tb, addend, tf32: true };
+            v.push(Sample::new(tf32(false, true, false), vec![normal(d, &[17, 40]), normal(d, &[33, 40])]));
+            v.push(Sample::new(tf32(true, false, false), vec![normal(d, &[2, 40, 17]), normal(d, &[2, 40, 9])]));
+            for c in [&[17, 33][..], &[33]] {
+                let ins = vec![normal(d, &[17, 40]), normal(d, &[33, 40]), normal(d, c)];
+                v.push(Sample::new(tf32(false, true, true), ins));
             }
         }
         v
@@ -167,6 +186,9 @@ impl OpDef for MatMul {
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
         expect_inputs(inputs, if self.addend { 3 } else { 2 })?;
         expect_float(inputs[0], "a")?;
+        if self.tf32 && inputs[0].dtype != DType::F32 {
+            return Err(format!("TF32 products take f32 operands, not {}", inputs[0].dtype));
+        }
         if inputs[0].dtype != inputs[1].dtype {
             return Err(format!("dtypes differ: {} and {}", inputs[0].dtype, inputs[1].dtype));
         }
@@ -225,6 +247,18 @@ impl OpDef for MatMul {
             }};
         }
         match io.out_ty(0).dtype {
+            DType::F32 if self.tf32 => {
+                // The operands as a tensor core reads f32 data in TF32 mode.
+                let round = |x: &[f32]| -> Vec<f32> { x.par_iter().map(|&v| tf32_round(v)).collect() };
+                let (a, bm) = (round(io.input::<f32>(0)), round(io.input::<f32>(1)));
+                if self.addend {
+                    let mut wide = vec![0f32; io.out_ty(0).numel()];
+                    product(&d, &desc, &a, &bm, &mut wide, gemm_f32);
+                    add_addend::<f32>(io, &wide);
+                } else {
+                    product(&d, &desc, &a, &bm, io.output::<f32>(0), gemm_f32);
+                }
+            }
             DType::F32 => run!(f32, gemm_f32, gemm_f32),
             DType::F64 => run!(f64, gemm_f64, gemm_f64),
             DType::BF16 => run!(half::bf16, gemm_bf16, gemm_bf16_wide),
@@ -238,6 +272,9 @@ impl OpDef for MatMul {
         if self.addend {
             v.push(("addend", Attr::Bool(true)));
         }
+        if self.tf32 {
+            v.push(("tf32", Attr::Bool(true)));
+        }
         v
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
@@ -246,6 +283,7 @@ impl OpDef for MatMul {
                 trans_a: a.bool("trans_a")?,
                 trans_b: a.bool("trans_b")?,
                 addend: a.opt_bool("addend")?.unwrap_or(false),
+                tf32: a.opt_bool("tf32")?.unwrap_or(false),
             })
         })
     }
@@ -303,7 +341,71 @@ fn add_addend<T: Float>(io: &KernelIo, wide: &[T::Acc]) {
     }
 }
 
+/// `x` rounded to TF32, the nearest value with 10 fraction bits, ties away
+/// from zero (PTX's `cvt.rna.tf32.f32`); infinities and NaN as they are.
+pub fn tf32_round(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    // Sign and magnitude: adding half a unit of the 13 dropped bits to the
+    // magnitude rounds half away from zero; a carry into the exponent is
+    // the next binade's value (or infinity), as it should be.
+    f32::from_bits((x.to_bits() + 0x1000) & !0x1fff)
+}
+
+// ---------------------------------------------------------------- split_tf32
+
+/// `x` (f32) as `hi + lo`: `hi` is [`tf32_round`]`(x)`, exactly a TF32
+/// value, and `lo = x − hi`, exact in f32. The operands of 3xTF32 products:
+/// a tensor core reads `hi` without error and `lo` (about 2^-11 of `x`)
+/// with an error of about 2^-22 of `x`, so `a_lo·b_hi + a_hi·b_lo +
+/// a_hi·b_hi` misses `a·b` by about 2^-21 relative, where one TF32 product
+/// misses it by about 2^-11. Made by `passes::split_f32_products` after
+/// autodiff: no VJP.
+#[derive(Clone, PartialEq, Debug)]
+pub struct SplitTf32;
+
+impl OpDef for SplitTf32 {
+    /// f32 only: a scalar, odd sizes, rows of a product operand.
+    fn samples(d: DType) -> Vec<Sample> {
+        if d != DType::F32 {
+            return Vec::new();
+        }
+        [&[][..], &[7], &[3, 5], &[64, 100]].iter().map(|s| Sample::new(SplitTf32, vec![normal(d, s)])).collect()
+    }
+    fn name(&self) -> &'static str {
+        "split_tf32"
+    }
+    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
+        expect_inputs(inputs, 1)?;
+        if inputs[0].dtype != DType::F32 {
+            return Err(format!("splits f32 tensors, not {}", inputs[0].dtype));
+        }
+        Ok(vec![inputs[0].clone(), inputs[0].clone()])
+    }
+    fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
+        no_vjp(self.name())
+    }
+    fn cpu(&self, io: &KernelIo) -> Result<()> {
+        let x = io.input::<f32>(0);
+        let hi = io.output::<f32>(0);
+        hi.par_iter_mut().zip(x.par_iter()).for_each(|(h, &v)| *h = tf32_round(v));
+        let lo = io.output::<f32>(1);
+        lo.par_iter_mut().zip(x.par_iter()).for_each(|(l, &v)| *l = v - tf32_round(v));
+        Ok(())
+    }
+    fn parse(name: &str, _: &mut Attrs) -> Option<Result<Self>> {
+        (name == "split_tf32").then_some(Ok(SplitTf32))
+    }
+}
+
 impl Builder {
+    /// `x` (f32) as its TF32 part and the rest ([`SplitTf32`]).
+    pub fn split_tf32(&mut self, x: ValueId) -> Result<(ValueId, ValueId)> {
+        let out = self.push(SplitTf32.into(), &[x])?;
+        Ok((out[0], out[1]))
+    }
+
     pub fn matmul(&mut self, a: ValueId, b: ValueId, trans_a: bool, trans_b: bool) -> Result<ValueId> {
         self.push1(MatMul::new(trans_a, trans_b).into(), &[a, b])
     }

@@ -275,6 +275,7 @@ macro_rules! for_each_op {
             SliceBackward($crate::ops::movement::SliceBackward),
             Concat($crate::ops::movement::Concat),
             MatMul($crate::ops::matmul::MatMul),
+            SplitTf32($crate::ops::matmul::SplitTf32),
             RmsNorm($crate::ops::norm::RmsNorm),
             RmsNormBackward($crate::ops::norm::RmsNormBackward),
             LayerNorm($crate::ops::norm::LayerNorm),

@@ -88,11 +88,11 @@ impl Cublas {
         let alpha = 1f32;
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let dt = match call.ty {
-            GemmType::F32 => cs::cudaDataType_t::CUDA_R_32F,
+            GemmType::F32 | GemmType::Tf32 => cs::cudaDataType_t::CUDA_R_32F,
             GemmType::BF16 => cs::cudaDataType_t::CUDA_R_16BF,
             GemmType::F16 => cs::cudaDataType_t::CUDA_R_16F,
         };
-        let compute = if call.ty == GemmType::F32 && self.tf32 {
+        let compute = if call.ty == GemmType::Tf32 || (call.ty == GemmType::F32 && self.tf32) {
             cs::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
             cs::cublasComputeType_t::CUBLAS_COMPUTE_32F

@@ -137,11 +137,11 @@ impl Blas {
     /// every call of the shape that adds a tensor adds its own output.
     pub(super) fn plan(&self, k: &PlanKey, align: Alignment, in_place: bool) -> Result<Plan> {
         let dt = match k.ty {
-            GemmType::F32 => ls::cudaDataType_t::CUDA_R_32F,
+            GemmType::F32 | GemmType::Tf32 => ls::cudaDataType_t::CUDA_R_32F,
             GemmType::BF16 => ls::cudaDataType_t::CUDA_R_16BF,
             GemmType::F16 => ls::cudaDataType_t::CUDA_R_16F,
         };
-        let compute = if k.ty == GemmType::F32 && self.tf32 {
+        let compute = if k.ty == GemmType::Tf32 || (k.ty == GemmType::F32 && self.tf32) {
             ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
             ls::cublasComputeType_t::CUBLAS_COMPUTE_32F
@@ -335,7 +335,7 @@ pub(super) fn key_of(c: &GemmCall) -> PlanKey {
 
 pub(super) fn elem_bytes(ty: GemmType) -> u64 {
     match ty {
-        GemmType::F32 => 4,
+        GemmType::F32 | GemmType::Tf32 => 4,
         GemmType::BF16 | GemmType::F16 => 2,
     }
 }

@@ -82,7 +82,7 @@ pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
     let dt = match ty {
         GemmType::BF16 => "bf16",
         GemmType::F16 => "f16",
-        GemmType::F32 => "f32",
+        GemmType::F32 | GemmType::Tf32 => unreachable!("the few-row kernels take 16-bit operands only"),
     };
     format!("skinny_w{warps}_u{unroll}{ring}_r{rows}_{dt}")
 }

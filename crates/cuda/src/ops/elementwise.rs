@@ -1,13 +1,14 @@
 //! Lowering of the elementwise ops (`full`, unary maps and their backward,
 //! binary maps with broadcasting, casts) to the grid-stride kernels of
 //! `kernels/elementwise.cu`. Binary operands are walked with strides after
-//! `util::merge_axes`, so most launches see rank 1 or 2.
+//! `util::merge_axes`, so most launches see rank 1 or 2. The split of an
+//! f32 tensor into its TF32 part and the rest (3xTF32 products) is one too.
 
 use stepgraph_core::ops::elementwise::{Binary, Cast, Full, Unary, UnaryBackward};
 use stepgraph_core::ops::UnaryFn;
 
 use super::util::{
-    aligned16, broadcast_strides, float_name, launch_1d, merge_axes, n64, pad, pointwise_launch, MAX_RANK,
+    aligned16, broadcast_strides, float_name, launch_1d, merge_axes, n64, pad, pointwise_launch, ptr, MAX_RANK,
 };
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
@@ -16,6 +17,20 @@ use crate::launch::{Arg, Launch, StructArg};
 
 const ELEMENTWISE: &[KernelModule] =
     &[KernelModule::plain("elementwise", include_str!("../../kernels/elementwise.cu"))];
+
+impl Lower for stepgraph_core::ops::matmul::SplitTf32 {
+    const KERNELS: &'static [KernelModule] = ELEMENTWISE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, hi, lo) = (&cx.inputs[0], &cx.outputs[0], &cx.outputs[1]);
+        let n = x.ty.numel();
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        let args = vec![ptr(x), ptr(hi), ptr(lo), n64(n)];
+        Ok(vec![launch_1d("elementwise", "split_tf32_f32".into(), n, args)])
+    }
+}
 
 impl Lower for Full {
     const KERNELS: &'static [KernelModule] = ELEMENTWISE;

@@ -17,6 +17,7 @@ impl Lower for MatMul {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (a, b, c) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
         let ty = match c.ty.dtype {
+            DType::F32 if self.tf32 => GemmType::Tf32,
             DType::F32 => GemmType::F32,
             DType::BF16 => GemmType::BF16,
             DType::F16 => GemmType::F16,

@@ -52,7 +52,7 @@ fn inside(ptr: u64, bytes: u64, ts: &[DevTensor]) -> bool {
 /// Bytes of a (batched) GEMM operand: the last entry's offset plus one matrix.
 fn gemm_bytes(ty: GemmType, batch: usize, stride: i64, rows: usize, cols: usize) -> u64 {
     let elem = match ty {
-        GemmType::F32 => 4,
+        GemmType::F32 | GemmType::Tf32 => 4,
         GemmType::BF16 | GemmType::F16 => 2,
     };
     ((batch.max(1) as u64 - 1) * stride.max(0) as u64 + (rows * cols) as u64) * elem
