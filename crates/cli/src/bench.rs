@@ -83,6 +83,8 @@ pub struct BenchArgs {
 pub struct BenchReport {
     pub workload: String,
     pub mode: Mode,
+    /// How the step's f32 products ran (`--f32-products`).
+    pub f32_products: stepgraph_core::passes::F32Products,
     pub gpu_arch: String,
     pub params: u64,
     pub tokens_per_step: usize,
@@ -284,6 +286,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let report = BenchReport {
         workload: format!("{:?}", args.workload).to_lowercase(),
         mode: args.mode,
+        f32_products: opts.f32_products,
         gpu_arch: s.arch.clone(),
         params,
         tokens_per_step: b * t,
