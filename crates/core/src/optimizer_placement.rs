@@ -149,19 +149,7 @@ pub fn in_backward(step: &Trace) -> Result<(Trace, usize)> {
             map[o.index()] = Some(v);
         }
     }
-    for o in &step.outputs {
-        let kind = match &o.kind {
-            crate::ir::OutputKind::Grad(p) => crate::ir::OutputKind::Grad(m(&map, *p)),
-            other => other.clone(),
-        };
-        b.output(kind, m(&map, o.value));
-    }
-    for u in &step.updates {
-        b.update(m(&map, u.state), m(&map, u.new));
-    }
-    let mut t = b.finish("optimizer_in_backward")?;
-    t.name = step.name.clone();
-    Ok((t, moved))
+    Ok((b.finish_rewrite(step, &map, "optimizer_in_backward")?, moved))
 }
 
 /// Applies `placement` to `step`, planning with `opts`: the step to run,

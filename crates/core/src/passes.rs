@@ -154,17 +154,5 @@ pub fn split_f32_products(trace: &Trace) -> Result<(Trace, usize)> {
         map[node.outputs[0].index()] = Some(c);
         split_count += 1;
     }
-    for o in &trace.outputs {
-        let kind = match &o.kind {
-            crate::ir::OutputKind::Grad(p) => crate::ir::OutputKind::Grad(m(&map, *p)),
-            other => other.clone(),
-        };
-        b.output(kind, m(&map, o.value));
-    }
-    for u in &trace.updates {
-        b.update(m(&map, u.state), m(&map, u.new));
-    }
-    let mut t = b.finish("split_f32_products")?;
-    t.name = trace.name.clone();
-    Ok((t, split_count))
+    Ok((b.finish_rewrite(trace, &map, "split_f32_products")?, split_count))
 }

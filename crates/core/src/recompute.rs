@@ -282,20 +282,7 @@ pub fn rewrite(step: &Trace, marked: &HashSet<NodeId>) -> Result<(Trace, Vec<(No
             map[o.index()] = Some(n);
         }
     }
-    let m = |v: ValueId| map[v.index()].expect("defined");
-    for o in &step.outputs {
-        let kind = match &o.kind {
-            crate::ir::OutputKind::Grad(p) => crate::ir::OutputKind::Grad(m(*p)),
-            other => other.clone(),
-        };
-        b.output(kind, m(o.value));
-    }
-    for u in &step.updates {
-        b.update(m(u.state), m(u.new));
-    }
-    let mut t = b.finish("recompute")?;
-    t.name = step.name.clone();
-    Ok((t, emitted))
+    Ok((b.finish_rewrite(step, &map, "recompute")?, emitted))
 }
 
 /// The value backward should read for the original value `v`: its

@@ -549,6 +549,27 @@ impl Builder {
         self.trace.updates.push(Update { state, new });
     }
 
+    /// Finish a rewrite of `from` (leaves copied by [`Builder::copy_leaves`],
+    /// nodes pushed anew, `map` taking each old value to its new one): its
+    /// outputs and updates through `map`, then [`Builder::finish`] under
+    /// `pass`, keeping `from`'s name.
+    pub fn finish_rewrite(mut self, from: &Trace, map: &[Option<ValueId>], pass: &str) -> Result<Trace> {
+        let m = |v: ValueId| map[v.index()].expect("every output and update is defined by the rewrite");
+        for o in &from.outputs {
+            let kind = match &o.kind {
+                OutputKind::Grad(p) => OutputKind::Grad(m(*p)),
+                other => other.clone(),
+            };
+            self.output(kind, m(o.value));
+        }
+        for u in &from.updates {
+            self.update(m(u.state), m(u.new));
+        }
+        let mut t = self.finish(pass)?;
+        t.name = from.name.clone();
+        Ok(t)
+    }
+
     /// Finish: number the values canonically (leaves first, then in node
     /// order), record which values are saved for backward, and verify.
     pub fn finish(self, pass: &str) -> Result<Trace> {
