@@ -618,6 +618,16 @@ fn run_command(cli: Cli) -> Result<()> {
                 if opts.epilogues == stepgraph_core::fusion::Epilogues::On {
                     println!("{}", c.fusion);
                 }
+                if opts.f32_products == stepgraph_core::passes::F32Products::Split3xTf32 {
+                    let count =
+                        |f: &dyn Fn(&stepgraph_core::ops::Op) -> bool| c.step.nodes.iter().filter(|n| f(&n.op)).count();
+                    let products = count(&|op| matches!(op, stepgraph_core::ops::Op::MatMul(m) if m.tf32));
+                    let splits = count(&|op| matches!(op, stepgraph_core::ops::Op::SplitTf32(_)));
+                    println!(
+                        "3xTF32: {} f32 products as {products} TF32 products of {splits} operand splits",
+                        products / 3
+                    );
+                }
                 if let Some(census) = &census {
                     println!("{}", profile::census_line(ARCH, census));
                 }

@@ -77,6 +77,27 @@ fn plan_counts_a_steps_launches_and_clipping_adds_few() {
     assert!(clipped <= plain - 237 + 11 + 11, "{clipped} launches clipped, {plain} not: {clipped_classes:?}");
 }
 
+/// `--f32-products 3xtf32`: every f32 product as three TF32 ones, said in
+/// the plan and counted in its launches.
+#[test]
+fn plan_says_how_f32_products_are_split() {
+    let base = ["plan", "--model", "tiny-llama", "--dtype", "f32", "--seq", "16", "--step", "grads"];
+    let (ok, exact, err) = stepgraph(&base);
+    assert!(ok, "{err}");
+    assert!(!exact.contains("3xTF32"), "{exact}");
+    let (ok, split, err) = stepgraph(&[&base[..], &["--f32-products", "3xtf32"]].concat());
+    assert!(ok, "{err}");
+    let line = split.lines().find(|l| l.starts_with("3xTF32: ")).expect(&split);
+    let n: Vec<usize> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(n.len(), 3, "{line}");
+    assert_eq!(n[1], 3 * n[0], "{line}");
+    let launches = |out: &str| -> usize {
+        let l = out.lines().find(|l| l.starts_with("launches per step")).expect(out);
+        l.split(": ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert_eq!(launches(&split), launches(&exact) + 2 * n[0] + n[2], "three products each, and the splits");
+}
+
 #[test]
 fn plan_w2_text_report() {
     let (ok, out, err) = stepgraph(&[
