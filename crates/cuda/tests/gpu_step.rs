@@ -1,7 +1,8 @@
 //! Whole steps on the GPU against the CPU backend: loss and every gradient of
 //! the tiny models (f32 and bf16, grads and train), as built plainly and as
 //! the pipeline compiles them (recomputation by default and to the least
-//! budget, with MLP row tiles, AdamW in backward); graph replay equal to
+//! budget, with MLP row tiles, AdamW in backward, gradient clipping, 3xTF32
+//! products); graph replay equal to
 //! eager bit for bit over 5 training steps, including a replay right after
 //! the eager step that preceded capture, without new inputs (as `bench` and
 //! `train` do); the memory report against the plan, and a step that does
@@ -72,6 +73,12 @@ enum Build {
     /// The pipeline under the least budget it can meet (MLP row tiles and
     /// every recomputation class the budget needs).
     LeastBudget,
+    /// The defaults with `train`'s gradient clipping (1.0): the squared
+    /// norms of all gradients in multi-tensor launches.
+    Clipped,
+    /// The defaults with every f32 product as three TF32 products of split
+    /// operands (`--f32-products 3xtf32`).
+    Split3xTf32,
 }
 
 /// The step trace and its plan for `sp`, built as `how` says.
@@ -83,8 +90,14 @@ fn build(sp: &ModelSpec, kind: StepKind, how: Build) -> (Trace, Trace, MemoryPla
             let p = plan(&step, PlanOptions::default()).unwrap();
             (fwd, step, p)
         }
-        Build::Default | Build::LeastBudget => {
+        Build::Default | Build::LeastBudget | Build::Clipped | Build::Split3xTf32 => {
             let mut opts = StepOptions::new(kind);
+            if let Build::Clipped = how {
+                opts.train.clip_grad_norm = Some(1.0);
+            }
+            if let Build::Split3xTf32 = how {
+                opts.f32_products = stepgraph_core::passes::F32Products::Split3xTf32;
+            }
             if let Build::LeastBudget = how {
                 // One byte cannot be met; the error names the least budget that can.
                 opts.recompute = RecomputePolicy::Budget(1);
@@ -113,6 +126,9 @@ fn tiny_models_match_the_cpu() {
         ("tiny-llama", DType::F32, 1e-4, Build::LeastBudget),
         ("tiny-neox", DType::F32, 1e-4, Build::LeastBudget),
         ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget),
+        ("tiny-llama", DType::F32, 1e-4, Build::Clipped),
+        ("tiny-llama", DType::BF16, 3e-2, Build::Clipped),
+        ("tiny-llama", DType::F32, 1e-4, Build::Split3xTf32),
     ] {
         for kind in [StepKind::Grads, StepKind::Train] {
             let sp = spec(name, dtype);
