@@ -164,6 +164,43 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
     }
 }
 
+/// At one row, an MLP whose `up` part starts 160 bytes into its product's
+/// row (40 f32 gate values): off the arena's 256-byte boundaries, on a
+/// 16-byte one, and read by SwiGLU alone, so it is a narrow view placed on
+/// its bytes, and the plan checks; greedy decoding still equals the full
+/// forward. v, read by the cache write, stays a copy.
+#[test]
+fn a_part_only_swiglu_reads_is_a_view_on_a_16_byte_boundary() {
+    let cfg = config("tiny-llama", Overrides { intermediate_size: Some(40), ..Overrides::default() });
+    let p = program(&cfg, DType::F32, &[1], 6, 12);
+    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    check_plan(&p.trace, &pl).unwrap();
+    let seg = p.segments.iter().find(|s| s.name == "decode1").unwrap();
+    let mut narrow = 0;
+    for n in &p.trace.nodes[seg.nodes.clone()] {
+        let Op::Slice(s) = &n.op else { continue };
+        let input = p.trace.ty(n.inputs[0]);
+        if s.narrow {
+            assert!(s.view && !s.can_view(input) && s.byte_offset(input) % 16 == 0, "{s:?}");
+            let at = pl.slot(n.inputs[0]).offset + s.byte_offset(input);
+            assert_eq!(pl.slot(n.outputs[0]).offset, at, "a narrow view off its bytes");
+            assert_eq!(at % 256, 160, "the up part of a 256-aligned product row");
+            narrow += 1;
+        } else {
+            assert_eq!(s.view, s.can_view(input), "{s:?}");
+        }
+    }
+    assert_eq!(narrow, 2, "one `up` per layer");
+    let mut s = session(&p);
+    let prompt = [5u32, 17, 99];
+    let out = run(&mut s, &p, &[greedy(&prompt, 4)]);
+    let mut seq = prompt.to_vec();
+    for &t in &out[0].tokens {
+        assert_eq!(t, argmax(&full_forward_last_logits(&cfg, DType::F32, &seq)), "after {seq:?}");
+        seq.push(t);
+    }
+}
+
 /// Greedy decoding equals the argmax of the full forward at every step,
 /// for prompts of different lengths in one batch, and the step's logits
 /// equal the full forward's last row.

@@ -221,6 +221,14 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
         None
     }
 
+    /// Whether every backend's kernels read this op's inputs at any
+    /// 16-byte boundary, not only where the arena places values (256
+    /// bytes): a slice at such a boundary that only ops like this read can
+    /// then be a view ([`crate::passes::slice_views`]).
+    fn reads_16_byte_aligned_inputs(&self) -> bool {
+        false
+    }
+
     /// Where a view's output starts in its input's storage (bytes, given the
     /// input's type); 0 for views of the whole input.
     fn view_offset(&self, _input: &TensorType) -> u64 {
@@ -339,6 +347,9 @@ macro_rules! op_list {
             }
             pub fn view_of(&self) -> Option<usize> {
                 match self { $(Op::$variant(o) => o.view_of()),* }
+            }
+            pub fn reads_16_byte_aligned_inputs(&self) -> bool {
+                match self { $(Op::$variant(o) => o.reads_16_byte_aligned_inputs()),* }
             }
             pub fn view_offset(&self, input: &TensorType) -> u64 {
                 match self { $(Op::$variant(o) => o.view_offset(input)),* }

@@ -238,19 +238,39 @@ impl OpDef for Permute {
 /// planned as bytes of the input's storage (no kernel runs): only for a
 /// slice whose bytes are one contiguous run of the input (every axis before
 /// `axis` of size 1) starting at a multiple of the arena's alignment
-/// ([`Slice::can_view`]); `passes::slice_views` sets it where that holds.
+/// ([`Slice::can_view`]), or, with `narrow`, of [`NARROW_VIEW_ALIGN`]
+/// bytes, for a slice that only ops reading inputs at such boundaries read
+/// ([`crate::ops::OpDef::reads_16_byte_aligned_inputs`]);
+/// `passes::slice_views` sets them where that holds.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Slice {
     pub axis: usize,
     pub start: usize,
     pub end: usize,
     pub view: bool,
+    /// The view starts on a [`NARROW_VIEW_ALIGN`]-byte boundary, not
+    /// necessarily an arena one.
+    pub narrow: bool,
 }
+
+/// Where a narrow slice view may start: the 16-byte boundary of the widest
+/// vector loads kernels make.
+pub const NARROW_VIEW_ALIGN: u64 = 16;
 
 impl Slice {
     /// A slice that copies.
     pub fn new(axis: usize, start: usize, end: usize) -> Slice {
-        Slice { axis, start, end, view: false }
+        Slice { axis, start, end, view: false, narrow: false }
+    }
+
+    /// The alignment this slice's view must start at: the arena's, or
+    /// [`NARROW_VIEW_ALIGN`] for a narrow view.
+    pub fn view_align(&self) -> u64 {
+        if self.narrow {
+            NARROW_VIEW_ALIGN
+        } else {
+            crate::plan::ARENA_ALIGN
+        }
     }
 
     /// Byte offset of the slice's first element in an input of type `input`.
@@ -263,8 +283,14 @@ impl Slice {
     /// the input, starting on an arena boundary (kernels and libraries read
     /// every arena tensor at such a boundary).
     pub fn can_view(&self, input: &TensorType) -> bool {
+        self.can_view_at(input, crate::plan::ARENA_ALIGN)
+    }
+
+    /// Whether the slice of `input` is one contiguous run of it starting on
+    /// an `align`-byte boundary.
+    pub fn can_view_at(&self, input: &TensorType, align: u64) -> bool {
         let (outer, _, _) = split_axis(&input.shape, self.axis);
-        outer == 1 && self.byte_offset(input).is_multiple_of(crate::plan::ARENA_ALIGN)
+        outer == 1 && self.byte_offset(input).is_multiple_of(align)
     }
 }
 
@@ -293,14 +319,17 @@ impl OpDef for Slice {
         if self.axis >= s.len() || self.start > self.end || self.end > s[self.axis] {
             return Err(format!("slice {}..{} of axis {} is out of range", self.start, self.end, self.axis));
         }
-        if self.view && !self.can_view(inputs[0]) {
+        if self.narrow && !self.view {
+            return Err("only a view can be narrow".into());
+        }
+        if self.view && !self.can_view_at(inputs[0], self.view_align()) {
             return Err(format!(
                 "slice {}..{} of axis {} of {} cannot be a view: not one contiguous run on a {}-byte boundary",
                 self.start,
                 self.end,
                 self.axis,
                 inputs[0],
-                crate::plan::ARENA_ALIGN
+                self.view_align()
             ));
         }
         let mut out = s.clone();
@@ -339,6 +368,9 @@ impl OpDef for Slice {
         if self.view {
             a.push(("view", Attr::Bool(true)));
         }
+        if self.narrow {
+            a.push(("narrow", Attr::Bool(true)));
+        }
         a
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
@@ -348,6 +380,7 @@ impl OpDef for Slice {
                 start: a.usize("start")?,
                 end: a.usize("end")?,
                 view: a.opt_bool("view")?.unwrap_or(false),
+                narrow: a.opt_bool("narrow")?.unwrap_or(false),
             })
         })
     }

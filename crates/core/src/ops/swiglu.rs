@@ -88,6 +88,12 @@ impl OpDef for SwiGlu {
     fn samples(dtype: DType) -> Vec<Sample> {
         sample_shapes().iter().map(|s| Sample::new(SwiGlu, vec![normal(dtype, s), normal(dtype, s)])).collect()
     }
+    /// Its kernels are element-wise, 16-byte packs where every operand is
+    /// 16-byte aligned and single elements otherwise (generation's `up`
+    /// part at one row, 8640 bf16 into its product's row, is read in place).
+    fn reads_16_byte_aligned_inputs(&self) -> bool {
+        true
+    }
     fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
         (name == "swiglu").then_some(Ok(SwiGlu))
     }

@@ -62,6 +62,13 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     }
     let class_of: Vec<usize> = (0..n).map(|v| views.find(v)).collect();
     let within: Vec<u64> = (0..n).map(|v| views.offset_of(v)).collect();
+    // Narrow slice views, which start on their own (16-byte) boundary.
+    let narrow: std::collections::HashMap<usize, u64> = (trace.nodes.iter())
+        .filter_map(|node| match &node.op {
+            crate::ops::Op::Slice(s) if s.view && s.narrow => Some((node.outputs[0].index(), s.view_align())),
+            _ => None,
+        })
+        .collect();
     let mut classes: Vec<Option<Class>> = (0..n).map(|_| None).collect();
     for v in 0..n {
         let slot = plan.slots[v];
@@ -77,10 +84,11 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
                 trace.describe(ValueId(v as u32))
             ));
         }
-        // Kernels and libraries read arena tensors at 256-byte boundaries and
+        // Kernels and libraries read arena tensors at 256-byte boundaries
+        // (narrow slice views at theirs, for the ops that allow it) and
         // persistent ones at least at their element's.
         let align = match slot.region {
-            Region::Arena => ARENA_ALIGN,
+            Region::Arena => narrow.get(&v).copied().unwrap_or(ARENA_ALIGN),
             Region::Persistent => ty.dtype.size() as u64,
         };
         if !slot.offset.is_multiple_of(align.max(1)) {
