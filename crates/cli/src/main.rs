@@ -598,6 +598,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["recompute"] = serde_json::to_value(&c.recompute)?;
                 value["optimizer"] = serde_json::to_value(&c.placement)?;
                 value["epilogues"] = serde_json::to_value(&c.fusion)?;
+                value["f32_products"] = serde_json::to_value(opts.f32_products)?;
                 value["launches_sm90"] = match &census {
                     Some(census) => serde_json::json!({
                         "total": census.iter().map(|c| c.1).sum::<usize>(),

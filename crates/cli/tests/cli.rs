@@ -96,6 +96,10 @@ fn plan_says_how_f32_products_are_split() {
         l.split(": ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
     };
     assert_eq!(launches(&split), launches(&exact) + 2 * n[0] + n[2], "three products each, and the splits");
+    let (ok, json, err) = stepgraph(&[&base[..], &["--f32-products", "3xtf32", "--json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["f32_products"], "3xtf32", "as the flag says it");
 }
 
 #[test]

@@ -118,6 +118,7 @@ pub enum F32Products {
     /// ([`split_f32_products`]): about f32 accuracy, several times faster on
     /// a GPU with TF32 tensor cores, with the split operands' bytes planned
     /// for the moments they live.
+    #[serde(rename = "3xtf32")]
     Split3xTf32,
 }
 
