@@ -259,22 +259,7 @@ mod tests {
 
     /// A decode-shaped call: `m` rows of x times a `[n, k]` weight.
     fn decode_call(ty: GemmType, m: usize, n: usize, k: usize) -> GemmCall {
-        GemmCall {
-            ty,
-            batch: 1,
-            m,
-            n,
-            k,
-            trans_a: false,
-            trans_b: true,
-            a: 0x1000,
-            b: 0x2000,
-            c: 0x3000,
-            stride_a: 0,
-            stride_b: 0,
-            stride_c: 0,
-            addend: GemmAddend::None,
-        }
+        GemmCall { k, stride_b: 0, stride_c: 0, ..super::super::test_call(ty, 1, m, n, 0x3000) }
     }
 
     #[test]

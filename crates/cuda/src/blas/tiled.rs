@@ -105,20 +105,13 @@ mod tests {
     #[test]
     fn launches_cover_rows_columns_and_batch() {
         let call = GemmCall {
-            ty: GemmType::F32,
-            batch: 2,
-            m: 65,
-            n: 33,
             k: 7,
             trans_a: true,
             trans_b: false,
-            a: 0x1000,
-            b: 0x2000,
-            c: 0x3000,
             stride_a: 65 * 7,
             stride_b: 0,
-            stride_c: 65 * 33,
             addend: GemmAddend::Full(0x3000),
+            ..super::super::test_call(GemmType::F32, 2, 65, 33, 0x3000)
         };
         let names: Vec<String> = kernel_names().collect();
         let l = launch(&call, 0).kernel_launch(&MODULE, &names);
@@ -212,20 +205,10 @@ mod tests {
     fn the_launches_fit_the_compiled_kernels() {
         let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
         let call = GemmCall {
-            ty: GemmType::F32,
-            batch: 1,
-            m: 256,
-            n: 256,
             k: 256,
-            trans_a: false,
-            trans_b: true,
-            a: 0x1000,
-            b: 0x2000,
-            c: 0x3000,
-            stride_a: 0,
             stride_b: 0,
             stride_c: 0,
-            addend: GemmAddend::None,
+            ..super::super::test_call(GemmType::F32, 1, 256, 256, 0x3000)
         };
         let names: Vec<String> = kernel_names().collect();
         for v in 0..VARIANTS.len() {
