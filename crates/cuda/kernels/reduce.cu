@@ -1,6 +1,5 @@
 // Reductions (sum, mean, max over any sorted set of axes), the max
-// reduction's backward, the sum of squares over the last axis and the squared
-// norms of many tensors, matching crates/core/src/ops/reduce.rs.
+// reduction's backward and the squared norms of many tensors, matching crates/core/src/ops/reduce.rs.
 //
 // The host (src/ops/reduce.rs) drops size-1 axes and merges adjacent axes of the
 // same kind, so an input is a row-major walk of kept groups and reduced
@@ -284,37 +283,6 @@ __device__ __forceinline__ void mb_cols(const T* x, const T* y, const T* g, T* g
     }
 }
 
-// Squares summed over the last axis (SumSquares): y[r] = Σ_j x[r, j]², each
-// square and the sum in acc_t<T>, y of type acc_t<T>. One block of 256
-// threads per row (grid-stride over rows): thread t sums j = t, t + 256, ...
-// in order, then a fixed tree (a warp butterfly, then warp 0 adds the eight
-// warps' sums in order). Deterministic; the CPU sums a row sequentially, so
-// the two agree to rounding.
-//   sum_squares_<dt>(const T* x, acc_t<T>* y, i64 rows, i64 len)
-template <typename T> __device__ void sum_squares(const T* x, acc_t<T>* y, i64 rows, i64 len) {
-    typedef acc_t<T> A;
-    __shared__ A warp_sums[8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* row = x + r * len;
-        A s = A(0);
-        for (i64 j = threadIdx.x; j < len; j += blockDim.x) {
-            const A v = load(row, j);
-            s = add_rn(s, mul_rn(v, v));
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
-        if (lane == 0) warp_sums[warp] = s;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            A t = warp_sums[0];
-            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) t = add_rn(t, warp_sums[w]);
-            y[r] = t;
-        }
-        __syncthreads();  // warp_sums is refilled for the next row
-    }
-}
-
 // Squared norms of many tensors (SquaredNorms in crates/core/src/ops/reduce.rs),
 // up to kNormTensors per pair of launches, described by a NormTable:
 //   squared_norms_partial_<dt>(NormTable t, acc_t<T>* partials)
@@ -424,12 +392,8 @@ template <typename T> __device__ void norm_finish(const NormTable& t, acc_t<T>* 
     SG_MAX_BACKWARD(rows, dt, T)             \
     SG_MAX_BACKWARD(warps, dt, T)            \
     SG_MAX_BACKWARD(cols, dt, T)             \
-    SG_SUM_SQUARES(dt, T)
-#define SG_SUM_SQUARES(dt, T)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) sum_squares_##dt(const T* x, acc_t<T>* y, i64 rows, \
-                                                                        i64 len) { sg_pdl_entry();                         \
-        sg_red::sum_squares<T>(x, y, rows, len);                                                           \
-    }                                                                                                      \
+    SG_SQUARED_NORMS(dt, T)
+#define SG_SQUARED_NORMS(dt, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(sg_red::kNormThreads)                                     \
         squared_norms_partial_##dt(const __grid_constant__ sg_red::NormTable t, acc_t<T>* partials) { sg_pdl_entry();      \
         sg_red::norm_partial<T>(t, partials);                                                              \

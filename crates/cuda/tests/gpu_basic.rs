@@ -407,11 +407,6 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
             per_output(&|t| Tol::of(row_tol(t.dtype, c)))
         }
         Op::Rope(_) => per_output(&|t| Tol::of(row_tol(t.dtype, 1))),
-        // A row's squares summed in f32 by a tree on the GPU, in f64 on the CPU.
-        Op::SumSquares(_) => {
-            let c = cols(&inputs[0]);
-            per_output(&|t| Tol::of(row_tol(t.dtype, c)))
-        }
         // Each tensor's squares summed in f32 by runs and trees on the GPU,
         // in f64 on the CPU; the workspace is zero on both.
         Op::SquaredNorms(_) => {

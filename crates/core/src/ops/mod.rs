@@ -274,7 +274,6 @@ macro_rules! for_each_op {
             Cast($crate::ops::elementwise::Cast),
             Reduce($crate::ops::reduce::Reduce),
             MaxBackward($crate::ops::reduce::MaxBackward),
-            SumSquares($crate::ops::reduce::SumSquares),
             SquaredNorms($crate::ops::reduce::SquaredNorms),
             Broadcast($crate::ops::movement::Broadcast),
             Reshape($crate::ops::movement::Reshape),

@@ -283,74 +283,6 @@ impl OpDef for MaxBackward {
     }
 }
 
-// ------------------------------------------------------------ sum_squares
-
-/// `y[..] = Σ_j x[.., j]²` over the last axis, in the wide float type, which
-/// is also the output's (f32; f64 for f64; the CPU reference sums in f64 and
-/// rounds once, a backend may sum in the wide type in its own order): the
-/// squared norms of rows in one pass over `x`, with no widened copy and no
-/// squares stored (what clipping by global norm needs of every gradient,
-/// [`crate::autodiff::clip_by_global_norm`]).
-#[derive(Clone, PartialEq, Debug)]
-pub struct SumSquares;
-
-impl OpDef for SumSquares {
-    /// Rows of every length the kernels split differently, including one
-    /// element and a long vector.
-    fn samples(d: DType) -> Vec<Sample> {
-        let shapes: [&[usize]; 8] = [&[1], &[7], &[3, 5], &[2, 3, 17], &[4, 1000], &[3, 5000], &[40_000], &[64, 3200]];
-        shapes.iter().map(|s| Sample::new(SumSquares, vec![normal(d, s)]).large_over(20_000)).collect()
-    }
-    fn name(&self) -> &'static str {
-        "sum_squares"
-    }
-    fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        expect_inputs(inputs, 1)?;
-        expect_float(inputs[0], "x")?;
-        let x = inputs[0];
-        if x.rank() == 0 {
-            return Err("x must have an axis to reduce, got a scalar".into());
-        }
-        Ok(vec![TensorType::new(super::stat_dtype(x.dtype), &x.shape[..x.rank() - 1])])
-    }
-    /// `gx = 2·x·g`, `g` broadcast along the reduced axis and rounded to x's dtype.
-    fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        let Some(g) = args.cotangents[0] else { return Ok(vec![None]) };
-        let x = args.inputs[0];
-        let (shape, dtype) = (b.shape(x).to_vec(), b.dtype(x));
-        let mut kept = shape.clone();
-        *kept.last_mut().expect("x has an axis") = 1;
-        let gk = b.reshape(g, &kept)?;
-        let gk = if b.dtype(gk) == dtype { gk } else { b.cast(gk, dtype)? };
-        let gb = b.broadcast(gk, &shape)?;
-        let two = b.full(2.0, TensorType::scalar(dtype))?;
-        let x2 = b.mul(x, two)?;
-        Ok(vec![Some(b.mul(x2, gb)?)])
-    }
-    fn cpu(&self, io: &KernelIo) -> Result<()> {
-        with_float!(io.in_ty(0).dtype, T => {
-            let x = io.input::<T>(0);
-            let y = io.output::<<T as Float>::Acc>(0);
-            let len = *io.in_ty(0).shape.last().expect("x has an axis");
-            if len == 0 {
-                y.iter_mut().for_each(|v| *v = <T as Float>::Acc::zero());
-                return Ok(());
-            }
-            // Summed in f64 and rounded once: the reference a backend's
-            // wide-type tree is compared with (a sequential f32 sum of a
-            // 40000-element row drifts by ~1e-5 itself).
-            y.par_iter_mut().zip(x.par_chunks(len)).for_each(|(out, row)| {
-                let s: f64 = row.iter().map(|v| v.acc().to_f64().expect("a float")).map(|a| a * a).sum();
-                *out = c::<<T as Float>::Acc>(s);
-            });
-            Ok(())
-        })
-    }
-    fn parse(name: &str, _: &mut Attrs) -> Option<Result<Self>> {
-        (name == "sum_squares").then_some(Ok(SumSquares))
-    }
-}
-
 // ---------------------------------------------------------- squared_norms
 
 /// Elements per partial sum of [`SquaredNorms`]: a backend sums each run of
@@ -362,8 +294,8 @@ pub const SQUARED_NORM_CHUNK: usize = 16384;
 /// `x_i`, in the wide float type (f32; f64 for f64 inputs; the CPU
 /// reference sums in f64 and rounds once, a backend sums in the wide type
 /// in its own fixed order): what clipping by global norm needs of all the
-/// gradients, in a few multi-tensor launches where one [`SumSquares`], sum
-/// and add per gradient were three each
+/// gradients, in a few multi-tensor launches where a row sum of squares, a
+/// sum and an add per gradient were three each
 /// ([`crate::autodiff::clip_by_global_norm`]).
 ///
 /// Inputs: one or more float tensors of one dtype, any shapes. Outputs:
@@ -467,11 +399,6 @@ impl Builder {
 
     pub fn sum(&mut self, x: ValueId, axes: &[usize], keepdim: bool) -> Result<ValueId> {
         self.reduce(ReduceKind::Sum, x, axes, keepdim)
-    }
-
-    /// Squares summed over the last axis, in the wide float type ([`SumSquares`]).
-    pub fn sum_squares(&mut self, x: ValueId) -> Result<ValueId> {
-        self.push1(SumSquares.into(), &[x])
     }
 
     /// Sum of every element: a scalar. Reduces the last axis first, then

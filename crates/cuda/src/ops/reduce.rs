@@ -1,11 +1,10 @@
 //! Lowering of the reductions (`sum`, `mean`, `max` over axes), of max's
-//! backward, of the sum of squares over the last axis and of the squared
-//! norms of many tensors to the kernels of `kernels/reduce.cu`. A `ReducePlan`
+//! backward and of the squared norms of many tensors to the kernels of `kernels/reduce.cu`. A `ReducePlan`
 //! merges adjacent kept and reduced axes into groups once here and picks
 //! the kernel layout (a block per row, a warp per row, or a thread per
 //! output walking columns) from the shape.
 
-use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind, SquaredNorms, SumSquares, SQUARED_NORM_CHUNK};
+use stepgraph_core::ops::reduce::{MaxBackward, Reduce, ReduceKind, SquaredNorms, SQUARED_NORM_CHUNK};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{contiguous_strides, float_name, launch, Dim3, MAX_GRID};
@@ -163,21 +162,6 @@ impl Lower for MaxBackward {
             plan.arg("max_backward")?,
         ];
         Ok(vec![launch("reduce", format!("max_backward_{layout}_{dt}"), grid, block, args)])
-    }
-}
-
-impl Lower for SumSquares {
-    const KERNELS: &'static [KernelModule] = REDUCE;
-
-    /// One 256-thread block per row, grid-stride over the rows.
-    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        let (x, y) = (&cx.inputs[0], &cx.outputs[0]);
-        let dt = float_name("sum_squares", x.ty.dtype)?;
-        let len = *x.ty.shape.last().expect("the shape rule keeps an axis");
-        let rows = y.ty.numel();
-        let grid = (rows.min(MAX_GRID) as u32, 1, 1);
-        let args = vec![Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::I64(rows as i64), Arg::I64(len as i64)];
-        Ok(vec![launch("reduce", format!("sum_squares_{dt}"), grid, (256, 1, 1), args)])
     }
 }
 
