@@ -419,7 +419,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// `launches on an sm_90 GPU: prefill 290, decode step 262 (bucket 1), ...`:
+/// `launches on an sm_90 GPU: prefill 265, decode step 264 (bucket 1), ...`:
 /// what each segment of the program is on a Hopper GPU, lowered without one.
 fn launch_line(program: &GenerationProgram, step: &stepgraph_cuda::session::LoweredStep) -> String {
     let count = |nodes: &std::ops::Range<usize>| step.of_nodes(nodes.clone()).len();
