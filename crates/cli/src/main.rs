@@ -529,7 +529,9 @@ fn main() {
     let result = parse(std::env::args_os().collect()).and_then(run);
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // A run stopped by a signal exits as the shell reports one the signal ended.
+        let code = e.downcast_ref::<train::signals::Interrupted>().map_or(1, |i| i.exit_code());
+        std::process::exit(code);
     }
 }
 

@@ -16,13 +16,55 @@ fn divergence_is_reported_and_can_fail_the_run() {
     let args = ["train", "--lr", "30", "--steps", "30", "--seq", "16", "--warmup", "2"];
     let (ok, _, err) = stepgraph(&args);
     assert!(ok, "{err}");
-    assert!(err.contains("warning: the loss diverged") && err.contains("x the first"), "{err}");
+    // Warned at the step it happened, not after the run.
+    assert!(err.contains("warning: the loss diverged at step 2") && err.contains("x its best"), "{err}");
     let mut strict = args.to_vec();
     strict.push("--fail-on-divergence");
-    fails_with(&strict, "the loss diverged");
+    let err = fails_with(&strict, "the loss diverged at step 2");
+    assert!(!err.contains("final loss"), "{err}");
     // A healthy run says nothing of the kind.
     let (ok, _, err) = stepgraph(&["train", "--steps", "20", "--seq", "16", "--fail-on-divergence"]);
-    assert!(ok && !err.contains("diverged"), "{err}");
+    assert!(ok && !err.contains("diverged") && !err.contains("collapsed"), "{err}");
+}
+
+/// A learning rate that blows the weights up and leaves a dead model (the
+/// uniform loss, a zero gradient) stops the run at the step it blew up.
+#[test]
+fn a_run_that_kills_its_model_stops_at_once() {
+    let args = ["train", "--lr", "1e3", "--steps", "40", "--eval-every", "0", "--fail-on-divergence"];
+    let (ok, out, err) = stepgraph(&args);
+    assert!(!ok && !out.contains("final loss"), "{out}{err}");
+    assert!(err.contains("at step 2") && err.contains("stopped by --fail-on-divergence"), "{err}");
+}
+
+/// Checkpoints deleted by --keep never include the last one saved before
+/// the divergence began, and the warning names it.
+#[test]
+fn keep_never_deletes_the_last_checkpoint_before_a_divergence() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let args = ["train", "--lr", "3", "--steps", "12", "--seq", "16", "--warmup", "0", "--eval-every", "0"];
+    let mut args = args.to_vec();
+    args.extend(["--checkpoint-dir", ck_s, "--save-every", "1", "--keep", "2"]);
+    let (ok, _, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    assert!(err.contains("warning: the loss diverged") && err.contains("step-000001 (--keep keeps it)"), "{err}");
+    let mut kept: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["step-000001", "step-000011", "step-000012"]);
+    // With --fail-on-divergence the run stops before the next save.
+    let strict_dir = dir.path().join("strict");
+    let mut strict = args.clone();
+    let at = strict.iter().position(|a| *a == ck_s).unwrap();
+    strict[at] = strict_dir.to_str().unwrap();
+    strict.push("--fail-on-divergence");
+    let err = fails_with(&strict, "the last checkpoint saved before it is");
+    assert!(err.contains("step-000001"), "{err}");
 }
 
 #[test]

@@ -28,7 +28,8 @@ use crate::ops::{Op, VjpArgs};
 use crate::passes;
 
 /// What one step computes.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StepKind {
     /// Forward only (inference), outputs the loss.
     Forward,
@@ -53,7 +54,7 @@ impl StepKind {
 }
 
 /// Optimizer settings for [`StepKind::Train`].
-#[derive(Clone, Debug, PartialEq, Default)]
+#[derive(Clone, Debug, PartialEq, Default, serde::Serialize)]
 pub struct TrainOptions {
     pub adamw: AdamW,
     /// dtype of the AdamW moments; `None` chooses [`default_state_dtype`].
@@ -67,7 +68,8 @@ pub struct TrainOptions {
 }
 
 /// Which parameters AdamW's weight decay applies to.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DecayScope {
     /// Every parameter: `torch.optim.AdamW(model.parameters())`.
     #[default]

@@ -58,7 +58,7 @@ use crate::plan::{plan_report, PlanReport};
 pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
 
 /// How to split a step over ranks.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DataParallel {
     /// Number of ranks (GPUs).
     pub world: usize,

@@ -103,6 +103,35 @@ impl HostTensor {
     pub fn to_f64(&self) -> Vec<f64> {
         bytes_to_f64(self.ty.dtype, self.bytes())
     }
+
+    /// The first element that is NaN or infinite, with its index
+    /// ([`first_non_finite`]).
+    pub fn first_non_finite(&self) -> Option<(usize, f64)> {
+        first_non_finite(self.ty.dtype, self.bytes())
+    }
+}
+
+/// The first NaN or infinite element of raw bytes of `dtype`, with its
+/// index; `None` for integer dtypes. Reads the bits in place (no copy), so
+/// checking every tensor a loader reads costs one pass over memory it has
+/// just touched.
+pub fn first_non_finite(dtype: DType, b: &[u8]) -> Option<(usize, f64)> {
+    // A float is NaN or infinite when its exponent bits are all ones.
+    fn scan<const N: usize>(b: &[u8], exponent: u64, decode: impl Fn(u64) -> f64) -> Option<(usize, f64)> {
+        b.chunks_exact(N).enumerate().find_map(|(i, c)| {
+            let mut word = [0u8; 8];
+            word[..N].copy_from_slice(c);
+            let bits = u64::from_le_bytes(word);
+            (bits & exponent == exponent).then(|| (i, decode(bits)))
+        })
+    }
+    match dtype {
+        DType::F32 => scan::<4>(b, 0x7f80_0000, |x| f32::from_bits(x as u32) as f64),
+        DType::F64 => scan::<8>(b, 0x7ff0_0000_0000_0000, f64::from_bits),
+        DType::BF16 => scan::<2>(b, 0x7f80, |x| half::bf16::from_bits(x as u16).to_f64()),
+        DType::F16 => scan::<2>(b, 0x7c00, |x| half::f16::from_bits(x as u16).to_f64()),
+        DType::I32 | DType::I64 | DType::Bool => None,
+    }
 }
 
 /// Decodes raw bytes of `dtype` to f64.
@@ -118,5 +147,30 @@ pub fn bytes_to_f64(dtype: DType, b: &[u8]) -> Vec<f64> {
         DType::I32 => get(b, |x: i32| x as f64),
         DType::I64 => get(b, |x: i64| x as f64),
         DType::Bool => get(b, |x: u8| x as f64),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_non_finite_element_is_found_in_every_float_dtype() {
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let ty = TensorType::new(dtype, [5]);
+            let finite = HostTensor::from_f64(ty.clone(), &[0.0, -1.5, 1e-30, 3.0, -0.0]);
+            assert_eq!(finite.first_non_finite(), None, "{dtype:?}");
+            for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                let t = HostTensor::from_f64(ty.clone(), &[1.0, 2.0, bad, 4.0, bad]);
+                let (i, x) = t.first_non_finite().unwrap_or_else(|| panic!("{dtype:?} {bad}"));
+                assert_eq!(i, 2, "{dtype:?}");
+                assert!(x.is_nan() == bad.is_nan() && (x.is_nan() || x == bad), "{dtype:?}: {x}");
+            }
+        }
+        // The largest finite values are not flagged.
+        let big = HostTensor::from_f64(TensorType::new(DType::F16, [1]), &[65504.0]);
+        assert_eq!(big.first_non_finite(), None);
+        let ints = HostTensor::from_f64(TensorType::new(DType::I32, [2]), &[-1.0, 7.0]);
+        assert_eq!(ints.first_non_finite(), None);
     }
 }

@@ -25,7 +25,8 @@ use crate::ir::{Builder, Phase, Trace, ValueId, ValueKind};
 use crate::plan::{plan, MemoryPlan, PlanOptions};
 
 /// Where a train step's optimizer runs.
-#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerPlacement {
     /// In backward unless that raises the planned peak.
     #[default]

@@ -38,7 +38,7 @@ use crate::plan::{check_plan, MemoryPlan, PlanOptions};
 use crate::recompute::{self, RecomputePolicy, RecomputeReport};
 
 /// What one step computes and how it is built, besides the model spec.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct StepOptions {
     /// Forward only, gradients out, or gradients consumed by AdamW.
     pub kind: StepKind,

@@ -55,7 +55,8 @@ use crate::ops::Op;
 use crate::plan::{plan, MemoryPlan, PlanOptions, Region};
 
 /// How much to recompute.
-#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RecomputePolicy {
     /// Keep every saved value.
     Off,

@@ -41,7 +41,9 @@ pub const STATE_FILE: &str = "state.json";
 /// The parameters, by their trace names.
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 /// The version of `state.json`'s layout.
-const FORMAT: u32 = 1;
+/// Format 2 records the whole run configuration in `run`; format 1 (still
+/// read) recorded a hand-kept list of settings.
+pub const FORMAT: u32 = 2;
 
 /// The AdamW moments' file: one for the whole state, or rank `r`'s shard.
 pub fn optimizer_file(shard: Option<(usize, usize)>) -> String {
@@ -70,6 +72,10 @@ pub struct CheckpointState {
     pub shards: usize,
     /// Every file of the checkpoint besides `state.json`.
     pub files: Vec<String>,
+    /// The run's best smoothed loss so far and its step, for the divergence
+    /// check of a resumed run (absent in checkpoints of format 1).
+    #[serde(default)]
+    pub best: Option<(f64, usize)>,
 }
 
 impl CheckpointState {
@@ -87,26 +93,59 @@ impl CheckpointState {
         } else {
             files.extend((0..shards).map(|r| optimizer_file(Some((r, shards)))));
         }
-        CheckpointState { format: FORMAT, step, lr: schedule.at(step), schedule, loss, data, run, shards, files }
+        CheckpointState {
+            format: FORMAT,
+            step,
+            lr: schedule.at(step),
+            schedule,
+            loss,
+            data,
+            run,
+            shards,
+            files,
+            best: None,
+        }
     }
 }
 
-/// A resumed run must match the checkpoint in every setting of `run`; the
-/// error names the first that differs, with both values.
+/// A resumed run must match the checkpoint in every setting of `run` (the
+/// whole configuration, flattened to dotted keys: `step.f32_products`,
+/// `model.config.n_layer`, `switches.STEPGRAPH_GEMM_TILED`); the error
+/// names the first that differs, with both values. A setting one side
+/// records and the other does not (a stepgraph of another version) is a
+/// difference too.
+///
+/// Checkpoints of format 1 recorded a shorter list under other keys: they
+/// are checked on `legacy`, the same list as it was, and the caller says
+/// that the rest could not be checked.
 pub fn check_compatible(
     dir: &Path,
-    saved: &BTreeMap<String, serde_json::Value>,
+    saved: &CheckpointState,
     now: &BTreeMap<String, serde_json::Value>,
+    legacy: &BTreeMap<String, serde_json::Value>,
 ) -> Result<()> {
-    for (key, value) in now {
-        match saved.get(key) {
-            Some(old) if old == value => {}
-            Some(old) => bail!(
-                "cannot resume from {}: it was trained with {key} = {old}, this run has {key} = {value} \
-                 (resume with the same setting, or start a new run in another --checkpoint-dir)",
+    let now = if saved.format == 1 { legacy } else { now };
+    let keys: std::collections::BTreeSet<&String> = saved.run.keys().chain(now.keys()).collect();
+    for key in keys {
+        match (saved.run.get(key), now.get(key)) {
+            (Some(old), Some(value)) if old == value => {}
+            (Some(old), Some(value)) => bail!(
+                "cannot resume from {}: it was trained with {key} = {old}, this run has {key} = {value}; a resumed \
+                 run must be the same run to continue it bit for bit (resume with the same setting, or start a new \
+                 run in another --checkpoint-dir)",
                 dir.display()
             ),
-            None => bail!("cannot resume from {}: its state.json does not record `{key}`", dir.display()),
+            (None, Some(value)) => bail!(
+                "cannot resume from {}: its state.json does not record `{key}` (this run has {value}); it was \
+                 written by another version of stepgraph: continue it with that version, or start a new run",
+                dir.display()
+            ),
+            (Some(old), None) => bail!(
+                "cannot resume from {}: it was trained with {key} = {old}, a setting this stepgraph does not have; \
+                 continue it with the version that wrote it, or start a new run",
+                dir.display()
+            ),
+            (None, None) => unreachable!("the key came from one of the maps"),
         }
     }
     Ok(())
@@ -137,14 +176,59 @@ pub fn read_complete(dir: &Path) -> Result<CheckpointState> {
         .with_context(|| format!("{} is not a complete checkpoint: reading {}", dir.display(), path.display()))?;
     let state: CheckpointState = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a checkpoint state (state.json of stepgraph train)", path.display()))?;
-    if state.format != FORMAT {
-        bail!("{} has checkpoint format {}, this stepgraph reads format {FORMAT}", path.display(), state.format);
+    if !(1..=FORMAT).contains(&state.format) {
+        bail!("{} has checkpoint format {}, this stepgraph reads formats 1 to {FORMAT}", path.display(), state.format);
     }
     let missing: Vec<&str> = state.files.iter().map(String::as_str).filter(|f| !dir.join(f).is_file()).collect();
     if !missing.is_empty() {
         bail!("{} is not a complete checkpoint: it lacks {}", dir.display(), missing.join(", "));
     }
+    for file in &state.files {
+        check_safetensors_length(&dir.join(file))
+            .with_context(|| format!("{} is not a complete checkpoint", dir.display()))?;
+    }
     Ok(state)
+}
+
+/// Checks that a safetensors file is as long as its header says: a file
+/// cut short (a full disk, a copy interrupted) is caught here, by reading
+/// the header only, instead of half-way through a resume.
+fn check_safetensors_length(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let len = f.metadata().with_context(|| format!("reading {}", path.display()))?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).with_context(|| format!("{} is cut short: {len} bytes, no header", path.display()))?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len > len.saturating_sub(8) {
+        bail!("{} is cut short: {len} bytes for a header of {header_len}", path.display());
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).with_context(|| format!("reading the header of {}", path.display()))?;
+    let header: serde_json::Value =
+        serde_json::from_slice(&header).with_context(|| format!("{} has a damaged header", path.display()))?;
+    let data_end =
+        header.as_object().into_iter().flatten().filter_map(|(_, t)| t["data_offsets"][1].as_u64()).max().unwrap_or(0);
+    let expected = 8 + header_len + data_end;
+    if len != expected {
+        bail!("{} is {len} bytes where its header describes {expected}: the file is damaged", path.display());
+    }
+    Ok(())
+}
+
+/// What a checkpoint directory holds: its complete checkpoints, oldest
+/// first, and the `step-…` directories that are not.
+#[derive(Clone, Debug, Default)]
+pub struct Scan {
+    pub complete: Vec<(usize, PathBuf)>,
+    pub damaged: Vec<Damaged>,
+}
+
+/// A `step-…` directory that is not a usable checkpoint, and why.
+#[derive(Clone, Debug)]
+pub struct Damaged {
+    pub dir: PathBuf,
+    pub reason: String,
 }
 
 impl CheckpointDir {
@@ -162,12 +246,18 @@ impl CheckpointDir {
 
     /// Complete checkpoints, oldest first; torn and foreign directories are skipped.
     pub fn complete(&self) -> Result<Vec<(usize, PathBuf)>> {
+        Ok(self.scan()?.complete)
+    }
+
+    /// Complete checkpoints, oldest first, and the `step-…` directories that
+    /// are not (cut short, a file missing, a state of another step), with why.
+    pub fn scan(&self) -> Result<Scan> {
         let entries = match fs::read_dir(&self.root) {
             Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Scan::default()),
             Err(e) => return Err(e).with_context(|| format!("listing checkpoints in {}", self.root.display())),
         };
-        let mut found = Vec::new();
+        let (mut found, mut damaged) = (Vec::new(), Vec::new());
         for entry in entries {
             let entry = entry.with_context(|| format!("listing checkpoints in {}", self.root.display()))?;
             let name = entry.file_name();
@@ -175,12 +265,32 @@ impl CheckpointDir {
                 continue;
             };
             let dir = entry.path();
-            if read_complete(&dir).is_ok_and(|s| s.step == step) {
-                found.push((step, dir));
+            match read_complete(&dir) {
+                Ok(s) if s.step == step => found.push((step, dir)),
+                Ok(s) => damaged.push(Damaged { dir, reason: format!("its state.json is of step {}", s.step) }),
+                Err(e) => damaged.push(Damaged { dir, reason: format!("{e:#}") }),
             }
         }
         found.sort();
-        Ok(found)
+        damaged.sort_by(|a, b| a.dir.cmp(&b.dir));
+        Ok(Scan { complete: found, damaged })
+    }
+
+    /// Moves a damaged checkpoint out of the `step-…` namespace, to
+    /// `step-NNNNNN.damaged` (kept for the user to inspect, never read as a
+    /// checkpoint), so that the run can save that step again.
+    pub fn set_aside(&self, damaged: &Path) -> Result<PathBuf> {
+        let name = damaged.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut to = self.root.join(format!("{name}.damaged"));
+        let mut n = 1;
+        while to.exists() {
+            n += 1;
+            to = self.root.join(format!("{name}.damaged-{n}"));
+        }
+        fs::rename(damaged, &to)
+            .with_context(|| format!("moving the damaged checkpoint {} aside", damaged.display()))?;
+        sync_dir(&self.root);
+        Ok(to)
     }
 
     /// The newest complete checkpoint.
@@ -227,7 +337,12 @@ impl CheckpointDir {
         let step = state.step;
         let dest = self.step_dir(step);
         if dest.exists() {
-            bail!("{} already exists: a checkpoint is never overwritten", dest.display());
+            if read_complete(&dest).is_ok_and(|s| s.step == step) {
+                bail!("{} already exists: a checkpoint is never overwritten", dest.display());
+            }
+            // A damaged directory of this step (the run skipped it when it
+            // resumed): kept under another name, not overwritten.
+            self.set_aside(&dest)?;
         }
         fs::create_dir_all(&self.root)
             .with_context(|| format!("creating the checkpoint directory {}", self.root.display()))?;
@@ -283,12 +398,18 @@ impl CheckpointDir {
         Ok(())
     }
 
-    /// Deletes all but the newest `keep` complete checkpoints; returns what it deleted.
-    pub fn prune(&self, keep: usize) -> Result<Vec<PathBuf>> {
+    /// Deletes all but the newest `keep` complete checkpoints, and never the
+    /// newest one at or before step `protect` (the last saved before a
+    /// divergence began); returns what it deleted.
+    pub fn prune(&self, keep: usize, protect: Option<usize>) -> Result<Vec<PathBuf>> {
         let complete = self.complete()?;
+        let protected = protect.and_then(|p| complete.iter().rev().find(|(s, _)| *s <= p).map(|(s, _)| *s));
         let excess = complete.len().saturating_sub(keep.max(1));
         let mut deleted = Vec::new();
         for (step, dir) in complete.into_iter().take(excess) {
+            if Some(step) == protected {
+                continue;
+            }
             let doomed = self.root.join(format!(".{}.deleting-{}", step_name(step), std::process::id()));
             fs::rename(&dir, &doomed).with_context(|| format!("retiring the old checkpoint {}", dir.display()))?;
             fs::remove_dir_all(&doomed).with_context(|| format!("deleting {}", doomed.display()))?;
@@ -329,6 +450,13 @@ pub fn load_leaves(session: &mut dyn Session, file: &Path, params: bool) -> Resu
             _ => continue,
         };
         let t = tensors.get(name).with_context(|| format!("{} has no tensor `{name}`", file.display()))?;
+        if let Some((i, x)) = t.first_non_finite() {
+            bail!(
+                "{} holds {x} in `{name}` (element {i}): the checkpoint is damaged (a training run never saves a \
+                 non-finite value); resume from an older checkpoint with --resume DIR/step-NNNNNN",
+                file.display()
+            );
+        }
         session.write(v, t).with_context(|| format!("restoring `{name}` from {}", file.display()))?;
     }
     Ok(())
@@ -367,7 +495,7 @@ mod tests {
         assert_eq!(back, state(10, 0));
         let w = read_safetensors(&d.step_dir(10).join(WEIGHTS_FILE)).unwrap();
         assert_eq!(w[0].1.to_f64(), [10.0, -10.0]);
-        assert_eq!(d.prune(2).unwrap(), [d.step_dir(5)]);
+        assert_eq!(d.prune(2, None).unwrap(), [d.step_dir(5)]);
         assert_eq!(d.newest().unwrap().unwrap().0, 15);
         let e = d.save(&state(15, 0), &tensor(1.0), &tensor(1.0), Duration::ZERO).unwrap_err().to_string();
         assert!(e.contains("already exists"), "{e}");
@@ -418,11 +546,91 @@ mod tests {
 
     #[test]
     fn a_different_setting_is_named_with_both_values() {
-        let saved = BTreeMap::from([("batch".to_string(), serde_json::json!(4)), ("seq".into(), 16.into())]);
-        let mut now = saved.clone();
-        check_compatible(Path::new("ck/step-000002"), &saved, &now).unwrap();
-        now.insert("batch".into(), 2.into());
-        let e = check_compatible(Path::new("ck/step-000002"), &saved, &now).unwrap_err().to_string();
-        assert!(e.contains("ck/step-000002") && e.contains("batch = 4") && e.contains("batch = 2"), "{e}");
+        let mut saved = state(2, 0);
+        saved.run =
+            BTreeMap::from([("model.batch".to_string(), serde_json::json!(4)), ("model.seq".into(), 16.into())]);
+        let mut now = saved.run.clone();
+        let dir = Path::new("ck/step-000002");
+        check_compatible(dir, &saved, &now, &BTreeMap::new()).unwrap();
+        now.insert("model.batch".into(), 2.into());
+        let e = check_compatible(dir, &saved, &now, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("ck/step-000002") && e.contains("model.batch = 4") && e.contains("model.batch = 2"), "{e}");
+        // A setting only one side records is a difference too, either way round.
+        let mut added = saved.run.clone();
+        added.insert("step.f32_products".into(), "exact".into());
+        let e = check_compatible(dir, &saved, &added, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("does not record `step.f32_products`"), "{e}");
+        let mut fewer = saved.run.clone();
+        fewer.remove("model.seq");
+        let e = check_compatible(dir, &saved, &fewer, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("model.seq = 16"), "{e}");
+        // A format-1 checkpoint is checked on the settings it recorded.
+        saved.format = 1;
+        saved.run = BTreeMap::from([("batch".to_string(), serde_json::json!(4))]);
+        let legacy = saved.run.clone();
+        check_compatible(dir, &saved, &now, &legacy).unwrap();
+    }
+
+    #[test]
+    fn pruning_keeps_the_last_checkpoint_before_a_divergence() {
+        let d = CheckpointDir::new(temp_dir("protect"));
+        for step in [5, 10, 15, 20, 25] {
+            d.save(&state(step, 0), &tensor(step as f64), &tensor(0.5), Duration::ZERO).unwrap();
+        }
+        // The best loss was at step 12: step 10's checkpoint survives --keep 2.
+        assert_eq!(d.prune(2, Some(12)).unwrap(), [d.step_dir(5), d.step_dir(15)]);
+        let steps: Vec<usize> = d.complete().unwrap().iter().map(|c| c.0).collect();
+        assert_eq!(steps, [10, 20, 25]);
+        fs::remove_dir_all(&d.root).unwrap();
+    }
+
+    #[test]
+    fn damaged_checkpoints_are_reported_and_set_aside_when_their_step_is_saved_again() {
+        let d = CheckpointDir::new(temp_dir("damaged"));
+        d.save(&state(10, 0), &tensor(10.0), &tensor(0.5), Duration::ZERO).unwrap();
+        let cut = d.save(&state(15, 0), &tensor(15.0), &tensor(0.5), Duration::ZERO).unwrap();
+        let weights = cut.join(WEIGHTS_FILE);
+        let len = fs::metadata(&weights).unwrap().len();
+        File::options().write(true).open(&weights).unwrap().set_len(len - 3).unwrap();
+        // A directory renamed by hand: its state is of another step.
+        let moved = d.save(&state(20, 0), &tensor(20.0), &tensor(0.5), Duration::ZERO).unwrap();
+        fs::rename(&moved, d.step_dir(25)).unwrap();
+        let Scan { complete, damaged } = d.scan().unwrap();
+        assert_eq!(complete.iter().map(|c| c.0).collect::<Vec<_>>(), [10]);
+        assert_eq!(damaged.len(), 2);
+        assert!(
+            damaged[0].reason.contains("weights.safetensors") && damaged[0].reason.contains("damaged"),
+            "{damaged:?}"
+        );
+        assert!(damaged[1].reason.contains("state.json is of step 20"), "{damaged:?}");
+        // Saving step 15 again keeps the damaged one under another name.
+        d.save(&state(15, 0), &tensor(15.0), &tensor(0.5), Duration::ZERO).unwrap();
+        assert!(d.root.join("step-000015.damaged").join(WEIGHTS_FILE).is_file());
+        assert_eq!(d.newest().unwrap().unwrap().0, 15);
+        fs::remove_dir_all(&d.root).unwrap();
+    }
+
+    #[test]
+    fn a_non_finite_tensor_in_a_checkpoint_is_named_with_its_file() {
+        use stepgraph_core::autodiff::StepKind;
+        use stepgraph_core::models::{LossKind, ModelSpec};
+        use stepgraph_core::pipeline::{compile_step, StepOptions};
+        let spec = ModelSpec::named("tiny-llama", 1, 8, DType::F32, LossKind::CrossEntropy).unwrap();
+        let c = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
+        let mut session = stepgraph_core::cpu::exec::CpuSession::new(c.step, c.plan).unwrap();
+        session.zero_state().unwrap();
+        let mut state = read_leaves(&mut session, false).unwrap();
+        let (name, t) = &mut state[3];
+        let name = name.clone();
+        let mut values = t.to_f64();
+        values[5] = f64::INFINITY;
+        *t = HostTensor::from_f64(t.ty.clone(), &values);
+        let d = temp_dir("nan");
+        fs::create_dir_all(&d).unwrap();
+        let file = d.join("optimizer.safetensors");
+        write_safetensors_atomic(&file, &state).unwrap();
+        let e = load_leaves(&mut session, &file, false).unwrap_err().to_string();
+        assert!(e.contains(&format!("inf in `{name}` (element 5)")) && e.contains("optimizer.safetensors"), "{e}");
+        fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -47,11 +47,14 @@
 pub mod checkpoint;
 pub mod config_file;
 pub mod data;
+pub mod divergence;
 pub mod launch;
+pub mod lock;
 pub mod metrics;
 pub mod schedule;
+pub mod signals;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -78,6 +81,8 @@ use crate::memory_args::{free_bytes, MemoryArgs};
 use crate::{LossArg, ModelArgs, OptimArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
 use data::TrainData;
+use divergence::DivergenceMonitor;
+use lock::RunLock;
 use metrics::MetricsFile;
 use schedule::LrSchedule;
 
@@ -127,8 +132,11 @@ pub struct TrainArgs {
     /// The cosine floor as a fraction of the peak learning rate (instead of --min-lr).
     #[arg(long, conflicts_with = "min_lr")]
     pub min_lr_ratio: Option<f64>,
-    /// Fail (exit non-zero) when the loss diverges: the mean of the last
-    /// ten losses above twice the first; without it a warning is printed.
+    /// Stop (exit non-zero) at the step the loss diverges: the mean of the
+    /// last 5 losses above twice its best and 1 nat over it, or the
+    /// uniform model's loss with a zero gradient; without it a warning is
+    /// printed at that step. Either way --keep keeps the last checkpoint
+    /// saved before the best loss.
     #[arg(long)]
     pub fail_on_divergence: bool,
     /// When stderr is not a terminal, log the loss every N steps (0: never).
@@ -312,6 +320,28 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     if args.resume.as_deref() == Some("auto") && args.checkpoint_dir.is_none() {
         bail!("--resume auto looks for checkpoints in --checkpoint-dir: give the directory");
     }
+    let ckpt = checkpoint_dir(args);
+    if let (Some(n), None) = (args.stop_after, &ckpt) {
+        bail!(
+            "--stop-after {n} stops the run to continue it later, which needs a checkpoint to continue from: \
+             give a --checkpoint-dir"
+        );
+    }
+    // One run per checkpoint directory, taken before anything reads or
+    // writes it; the ranks of a --gpus run work under their launcher's lock.
+    let _lock = match (&ckpt, &role) {
+        (Some(dir), Role::Cpu | Role::Gpu | Role::Launcher { .. }) => {
+            let lock = RunLock::acquire(&dir.root)?;
+            if let Some(previous) = &lock.took_over {
+                eprintln!(
+                    "note: {} was left by a run that has ended ({previous}); this run takes it over",
+                    lock.path().display()
+                );
+            }
+            Some(lock)
+        }
+        _ => None,
+    };
     let (spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
     let out = match &args.out {
         Some(dir) => Some(OutTarget::new(dir, args, &spec, pretrained.as_ref())?),
@@ -377,11 +407,11 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     } else {
         None
     };
-    let ckpt = checkpoint_dir(args);
     if ckpt.is_none() && args.save_every > 0 {
         bail!("--save-every {} saves checkpoints: give them a --checkpoint-dir", args.save_every);
     }
-    let run_id = run_identity(&spec, &compiled.step, &opts, world, args);
+    let run_id = run_identity(&spec, &opts, world, args)?;
+    let legacy_id = legacy_run_identity(&spec, &compiled.step, &opts, world, args);
     let resume_from = match (&args.resume, &ckpt) {
         (None, Some(dir)) => {
             if let Some((step, path)) = dir.newest()? {
@@ -395,14 +425,43 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
             None
         }
         (None, None) => None,
-        (Some(r), Some(dir)) if r == "auto" => dir.newest()?.map(|(_, p)| p),
+        (Some(r), Some(dir)) if r == "auto" => {
+            let checkpoint::Scan { complete, damaged } = dir.scan()?;
+            let newest = complete.last().cloned();
+            // A damaged checkpoint newer than the one resumed from is named
+            // now and moved aside, so that saving its step again later
+            // finds the name free.
+            for d in damaged {
+                let newer = d.dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-"));
+                let newer = newer
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .is_some_and(|s| newest.as_ref().is_none_or(|(n, _)| s > *n));
+                if newer && rank == 0 {
+                    let kept = dir.set_aside(&d.dir)?;
+                    eprintln!(
+                        "note: --resume auto skips {}: {}; it is kept as {}",
+                        d.dir.display(),
+                        d.reason,
+                        kept.display()
+                    );
+                }
+            }
+            newest.map(|(_, p)| p)
+        }
         // `--resume auto` without --checkpoint-dir was refused above.
         (Some(path), _) => Some(PathBuf::from(path)),
     };
     let resumed = match &resume_from {
         Some(dir) => {
             let state = checkpoint::read_complete(dir)?;
-            checkpoint::check_compatible(dir, &state.run, &run_id)?;
+            checkpoint::check_compatible(dir, &state, &run_id, &legacy_id)?;
+            if state.format == 1 && rank == 0 {
+                eprintln!(
+                    "note: {} was written by an earlier stepgraph that recorded only part of a run's settings; \
+                     those were checked, the rest could not be",
+                    dir.display()
+                );
+            }
             if state.step > args.steps {
                 bail!(
                     "{} holds step {}, past the run's --steps {}: ask for more steps to continue it",
@@ -420,6 +479,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     };
 
     let CompiledStep { step, plan, forward, .. } = compiled;
+    let moments_dtype = state_dtype(&step);
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
     let opened = Instant::now();
     let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
@@ -438,11 +498,14 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         shard,
         ckpt,
         run_id,
+        train_options: opts.train.clone(),
+        state_dtype: moments_dtype,
         peak_flops: peak,
         params,
         forward,
         out,
         grad_accum: opts.grad_accum,
+        resumed_best: resumed.as_ref().and_then(|(_, s)| s.best),
     };
     let talk = rank == 0;
     let weights_from = Instant::now();
@@ -503,6 +566,9 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         }),
         None => None,
     };
+    if matches!(role, Role::Cpu | Role::Gpu) {
+        signals::install();
+    }
     let outcome =
         train_loop(&run, session.as_mut(), replay_from, data.as_mut(), start, eval.as_mut(), metrics.as_mut());
     if let (Ok(()), true, Some(m)) = (&outcome, talk, &metrics) {
@@ -578,10 +644,68 @@ fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
     }
 }
 
-/// The settings a resumed run must share with its checkpoint: the model's
-/// configuration (`model.*`), the batch, the dtypes, the optimizer, the
-/// group and the data.
+/// The run's configuration, as a resumed run must share it with its
+/// checkpoint: the model and batch ([`ModelSpec`]) and the step options
+/// ([`StepOptions`]), serialized from the very structures the step is
+/// built from (so a setting added to them is covered with no list to
+/// edit), the data, the seed, the group, and the run-time switches that
+/// change results; flattened to dotted keys (`step.f32_products`).
+/// Settings that change no bits are left out: the number of steps and the
+/// schedule (a run may be extended; a changed schedule is noted), logging,
+/// evaluation and checkpoint cadence.
 fn run_identity(
+    spec: &ModelSpec,
+    opts: &StepOptions,
+    world: usize,
+    args: &TrainArgs,
+) -> Result<BTreeMap<String, serde_json::Value>> {
+    let config = serde_json::json!({
+        "model": spec,
+        "step": opts,
+        "data": {"path": args.data.display().to_string(), "val_fraction": args.val_fraction},
+        "seed": args.seed,
+        "gpus": world,
+        "switches": result_switches(std::env::vars()),
+    });
+    let mut id = BTreeMap::new();
+    flatten("", &config, &mut id);
+    Ok(id)
+}
+
+/// The `STEPGRAPH_*` environment variables that are set, but those that
+/// cannot change a result (where kernels are cached, how much is printed,
+/// which libraries are required): the switches that choose kernels,
+/// product algorithms and launch merges, recorded with their values.
+fn result_switches(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    const NO_RESULT: [&str; 6] = [
+        "STEPGRAPH_KERNEL_CACHE",
+        "STEPGRAPH_NVRTC_VERBOSE",
+        "STEPGRAPH_REQUIRE_NVRTC",
+        "STEPGRAPH_REQUIRE_NCCL",
+        "STEPGRAPH_REQUIRE_CHROMIUM",
+        "STEPGRAPH_HOST_MEMORY_LIMIT",
+    ];
+    vars.filter(|(k, _)| k.starts_with("STEPGRAPH_") && !NO_RESULT.contains(&k.as_str())).collect()
+}
+
+/// `{"a": {"b": 1}}` as `a.b = 1`; arrays and scalars are leaves.
+fn flatten(prefix: &str, value: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
+    match value {
+        serde_json::Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                flatten(&key, v, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_string(), value.clone());
+        }
+    }
+}
+
+/// The settings checkpoints of format 1 recorded, under their keys then,
+/// so that a run saved by an earlier stepgraph can still be resumed.
+fn legacy_run_identity(
     spec: &ModelSpec,
     step: &Trace,
     opts: &StepOptions,
@@ -594,14 +718,10 @@ fn run_identity(
             id.insert(format!("model.{k}"), v);
         }
     }
-    let state_dtype = step
-        .leaves()
-        .find(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))
-        .map(|v| step.ty(v).dtype.to_string());
     id.insert("batch".into(), spec.batch.into());
     id.insert("seq".into(), spec.seq.into());
     id.insert("dtype".into(), spec.dtype.to_string().into());
-    id.insert("state-dtype".into(), state_dtype.into());
+    id.insert("state-dtype".into(), state_dtype(step).into());
     id.insert("weight-decay".into(), opts.train.adamw.weight_decay.into());
     id.insert("decay-all".into(), (opts.train.decay == DecayScope::All).into());
     id.insert("clip-grad-norm".into(), opts.train.clip_grad_norm.unwrap_or(0.0).into());
@@ -612,6 +732,11 @@ fn run_identity(
     id.insert("val-fraction".into(), args.val_fraction.into());
     id.insert("seed".into(), args.seed.into());
     id
+}
+
+/// The dtype of the step's optimizer state, as the step was built.
+fn state_dtype(step: &Trace) -> Option<String> {
+    step.leaves().find(|&v| matches!(step.value(v).kind, ValueKind::State { .. })).map(|v| step.ty(v).dtype.to_string())
 }
 
 /// The model of the run and, with `--init-from DIR`, the opened folder:
@@ -731,8 +856,9 @@ fn save_final_model(
     step: usize,
     loss: f64,
     data: &dyn TrainData,
+    monitor: &DivergenceMonitor,
 ) -> Result<Option<SaveReport>> {
-    run.save_checkpoint(session, step, loss, data)?;
+    run.save_checkpoint(session, step, loss, data, monitor)?;
     run.save_out(session)
 }
 
@@ -748,6 +874,9 @@ struct Run<'a> {
     shard: bool,
     ckpt: Option<CheckpointDir>,
     run_id: BTreeMap<String, serde_json::Value>,
+    /// The optimizer settings and the dtype of its state, as the step was built.
+    train_options: stepgraph_core::autodiff::TrainOptions,
+    state_dtype: Option<String>,
     flops_per_token: f64,
     /// The group's peak FLOP/s for MFU; `None` on the CPU or an unknown GPU.
     peak_flops: Option<f64>,
@@ -757,6 +886,8 @@ struct Run<'a> {
     out: Option<OutTarget>,
     /// Micro-batches of `spec.batch` rows in each step.
     grad_accum: usize,
+    /// The best smoothed loss (and its step) of the checkpoint resumed from.
+    resumed_best: Option<(f64, usize)>,
 }
 
 /// How long rank 0 waits for the other ranks' optimizer shards.
@@ -804,8 +935,8 @@ impl Run<'_> {
         eprintln!("  lr          peak {} ({})", short(s.peak), sources[0]);
         eprintln!("  warm-up     {} step{} ({})", s.warmup, if s.warmup == 1 { "" } else { "s" }, sources[1]);
         eprintln!("  decay       cosine to {} at step {} ({})", short(s.min), s.total, sources[2]);
-        let decay_all = self.run_id["decay-all"].as_bool() == Some(true);
-        let scope = if decay_all || self.run_id["weight-decay"].as_f64() == Some(0.0) {
+        let train = &self.train_options;
+        let scope = if train.decay == DecayScope::All || train.adamw.weight_decay == 0.0 {
             ""
         } else {
             " (not on norms, biases or embeddings; --decay-all for every parameter)"
@@ -813,11 +944,11 @@ impl Run<'_> {
         eprintln!(
             "  dtype       {}, AdamW moments {}, weight decay {}{scope}, seed {}",
             spec.dtype,
-            self.run_id["state-dtype"].as_str().unwrap_or("none"),
-            self.run_id["weight-decay"],
+            self.state_dtype.as_deref().unwrap_or("none"),
+            train.adamw.weight_decay,
             args.seed
         );
-        match self.run_id["clip-grad-norm"].as_f64() {
+        match train.clip_grad_norm {
             Some(c) if c > 0.0 => {
                 eprintln!("  clipping    global gradient norm to {c} (--clip-grad-norm; 0 turns it off)")
             }
@@ -872,7 +1003,14 @@ impl Run<'_> {
 
     /// Saves a checkpoint of `step` (every rank takes part: ZeRO-1 ranks
     /// write their shards) and deletes the ones beyond `--keep`.
-    fn save_checkpoint(&self, session: &mut dyn Session, step: usize, loss: f64, data: &dyn TrainData) -> Result<()> {
+    fn save_checkpoint(
+        &self,
+        session: &mut dyn Session,
+        step: usize,
+        loss: f64,
+        data: &dyn TrainData,
+        monitor: &DivergenceMonitor,
+    ) -> Result<()> {
         let Some(dir) = &self.ckpt else { return Ok(()) };
         let shards = if self.shard { self.world } else { 0 };
         if self.rank > 0 {
@@ -884,9 +1022,12 @@ impl Run<'_> {
         }
         let weights = checkpoint::read_leaves(session, true)?;
         let optimizer = checkpoint::read_leaves(session, false)?;
-        let state = CheckpointState::new(step, self.schedule, loss, data.cursor(), self.run_id.clone(), shards);
+        let mut state = CheckpointState::new(step, self.schedule, loss, data.cursor(), self.run_id.clone(), shards);
+        state.best = monitor.best();
         dir.save(&state, &weights, &optimizer, SHARD_WAIT)?;
-        dir.prune(self.args.keep)?;
+        // The checkpoint at or before the best loss is the one to go back
+        // to if the run is diverging (or will): --keep never deletes it.
+        dir.prune(self.args.keep, monitor.last_good_step())?;
         Ok(())
     }
 }
@@ -1041,7 +1182,8 @@ fn train_loop(
     bar.set_position(start as u64 - 1);
     bar.reset_eta();
     let (mut first, mut last_loss) = (f64::NAN, f64::NAN);
-    let mut recent: VecDeque<f64> = VecDeque::with_capacity(SMOOTHING);
+    let mut monitor = DivergenceMonitor::resumed(run.spec.config.padded_vocab_size, run.resumed_best);
+    let mut diverged: Option<String> = None;
     let mut recorded: Option<Duration> = None;
     let mut saved: Option<PathBuf> = None;
     let mut wrote_out: Option<SaveReport> = None;
@@ -1080,10 +1222,6 @@ fn train_loop(
             first = loss;
         }
         last_loss = loss;
-        if recent.len() == SMOOTHING {
-            recent.pop_front();
-        }
-        recent.push_back(loss);
         let train_secs = (t0.elapsed() - eval_time).as_secs_f64();
         let tps = ((it + 1 - start) * global * seq) as f64 / train_secs;
         let mfu = run.peak_flops.map(|peak| run.flops_per_token * tps / peak);
@@ -1118,6 +1256,28 @@ fn train_loop(
             }
             m.write(&row)?;
         }
+        if diverged.is_none() {
+            if let Some(d) = monitor.observe(it, loss, grad_norm) {
+                let good = match &run.ckpt {
+                    None => "no checkpoint was saved (--checkpoint-dir saves them)".to_string(),
+                    Some(dir) => match dir.complete()?.into_iter().rev().find(|(s, _)| *s <= d.best_step()) {
+                        Some((_, p)) => {
+                            format!("the last checkpoint saved before it is {} (--keep keeps it)", p.display())
+                        }
+                        None => "no checkpoint was saved before it".to_string(),
+                    },
+                };
+                let msg = format!("{}; {good} (lower --lr, now {})", d.describe(it), short(run.schedule.peak));
+                if args.fail_on_divergence {
+                    bar.finish_and_clear();
+                    bail!("{msg}; stopped by --fail-on-divergence");
+                }
+                if talk {
+                    bar.suspend(|| eprintln!("warning: {msg}; the run goes on (--fail-on-divergence stops it here)"));
+                }
+                diverged = Some(msg);
+            }
+        }
         if let Some(e) = eval.as_deref_mut() {
             if it % args.eval_every == 0 || it == last {
                 let t = Instant::now();
@@ -1132,31 +1292,40 @@ fn train_loop(
             }
         }
         let periodic = args.save_every > 0 && it % args.save_every == 0;
+        let stop = signals::requested().filter(|_| it < last);
         if it == steps {
-            wrote_out = save_final_model(run, session, it, loss, data)?;
+            wrote_out = save_final_model(run, session, it, loss, data, &monitor)?;
             saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
-        } else if run.ckpt.is_some() && (periodic || it == last) {
-            run.save_checkpoint(session, it, loss, data)?;
+        } else if run.ckpt.is_some() && (periodic || it == last || stop.is_some()) {
+            run.save_checkpoint(session, it, loss, data, &monitor)?;
             saved = run.ckpt.as_ref().map(|d| d.step_dir(it));
+        }
+        if let Some(signal) = stop {
+            bar.finish_and_clear();
+            let kept = match &saved {
+                Some(dir) => {
+                    format!("its checkpoint is {}: continue with the same command and --resume auto", dir.display())
+                }
+                None => format!(
+                    "no checkpoint was saved (--checkpoint-dir saves them): the {} steps are lost",
+                    it + 1 - start
+                ),
+            };
+            let out = match &run.out {
+                Some(out) => format!("; --out {} is written only when the run reaches step {steps}", out.dir.display()),
+                None => String::new(),
+            };
+            return Err(signals::Interrupted {
+                signal,
+                message: format!("stopped by {} after step {it} of {steps}; {kept}{out}", signals::name(signal)),
+            }
+            .into());
         }
     }
     // Clear the bar so that the summary starts on its own line.
     bar.finish_and_clear();
-    let smoothed = recent.iter().sum::<f64>() / recent.len() as f64;
-    if smoothed > DIVERGENCE_FACTOR * first {
-        let msg = format!(
-            "the loss diverged: the mean of the last {} losses, {smoothed:.4}, is {:.1}x the first, {first:.4} \
-             (lower --lr, now {})",
-            recent.len(),
-            smoothed / first,
-            short(run.schedule.peak)
-        );
-        if args.fail_on_divergence {
-            bail!("{msg}");
-        }
-        if talk {
-            eprintln!("warning: {msg}");
-        }
+    if let (Some(msg), true) = (&diverged, talk) {
+        eprintln!("warning: {msg}");
     }
     let note = closing_note(session, eval, recorded)?;
     if talk {
@@ -1217,11 +1386,6 @@ fn closing_note(session: &mut dyn Session, eval: Option<&mut Evaluator>, recorde
         m.comm_bytes as f64 / 1e6
     ))
 }
-
-/// How many of the last losses the divergence check averages.
-const SMOOTHING: usize = 10;
-/// A run diverged when its smoothed final loss exceeds the first by this factor.
-const DIVERGENCE_FACTOR: f64 = 2.0;
 
 /// Names what became non-finite first when the loss of step `it` was not
 /// finite, and the fix that applies. That loss is the forward pass of the

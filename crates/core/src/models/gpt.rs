@@ -26,7 +26,8 @@ use crate::ops::linear_ce::{default_chunk, Reduction};
 use crate::ops::UnaryFn;
 
 /// The loss the forward trace ends with.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LossKind {
     /// `sum(logits)`: the benchmark workloads W1/W3 (no targets).
     Sum,
@@ -54,7 +55,7 @@ pub const TOKENS_INPUT: &str = "input_ids";
 pub const TARGETS_INPUT: &str = "targets";
 
 /// One forward workload: a model and the shape of its batch.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct ModelSpec {
     pub config: Config,
     pub batch: usize,

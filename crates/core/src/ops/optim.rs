@@ -48,7 +48,7 @@ use crate::with_float;
 /// roundings as PyTorch's f32 (f64) tensor ops (up to the last bit where a
 /// backend fuses a multiply-add, as PyTorch's vectorised `lerp` does); for
 /// bf16/f16 parameters it rounds less often.
-#[derive(Clone, PartialEq, Debug)]
+#[derive(Clone, PartialEq, Debug, serde::Serialize)]
 pub struct AdamW {
     pub beta1: f64,
     pub beta2: f64,

@@ -73,7 +73,7 @@ pub struct Group {
 }
 
 /// Planner settings.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]
 pub struct PlanOptions {
     /// Reuse memory: share arena bytes between values with disjoint
     /// lifetimes and let in-place ops write over dying inputs. Off gives
