@@ -316,7 +316,7 @@ fn bad_input_gets_clear_errors() {
     other[8] = "4".into();
     let e = fails_with(
         &other.iter().map(String::as_str).collect::<Vec<_>>(),
-        "it was trained with batch = 2, this run has batch = 4",
+        "it was trained with model.batch = 2, this run has model.batch = 4",
     );
     assert!(e.contains("step-000003"), "{e}");
     // A checkpoint named by its directory resumes too, saving next to it.
@@ -421,7 +421,10 @@ fn accumulation_and_clipping_flags_reach_the_step() {
     let ck = d.join("ck");
     run_ok(&small(&["--steps", "2", "--checkpoint-dir", s(&ck)]));
     let resumed = small(&["--steps", "4", "--resume", "auto", "--grad-accum", "2", "--checkpoint-dir", s(&ck)]);
-    fails_with(&resumed.iter().map(String::as_str).collect::<Vec<_>>(), "grad-accum = 1, this run has grad-accum = 2");
+    fails_with(
+        &resumed.iter().map(String::as_str).collect::<Vec<_>>(),
+        "step.grad_accum = 1, this run has step.grad_accum = 2",
+    );
     std::fs::remove_dir_all(&d).unwrap();
 }
 

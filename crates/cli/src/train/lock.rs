@@ -20,7 +20,7 @@ pub const LOCK_FILE: &str = ".lock";
 /// A held lock; dropping it (or the process ending) releases it.
 #[derive(Debug)]
 pub struct RunLock {
-    _file: File,
+    file: File,
     path: PathBuf,
     /// Who held the file before, when that process had ended without removing it.
     pub took_over: Option<String>,
@@ -65,11 +65,21 @@ impl RunLock {
             .and_then(|()| file.sync_all())
             .with_context(|| format!("writing the lock file {}", path.display()))?;
         let took_over = (!previous.is_empty()).then_some(previous);
-        Ok(RunLock { _file: file, path, took_over })
+        Ok(RunLock { file, path, took_over })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+impl Drop for RunLock {
+    /// A run that ends (an error included) empties the file while it still
+    /// holds the lock; only a killed run leaves its line for the next to see.
+    /// The file itself stays: removing it could let two runs lock two
+    /// different files of the same name.
+    fn drop(&mut self) {
+        let _ = self.file.set_len(0);
     }
 }
 
@@ -107,10 +117,18 @@ mod tests {
             "{e}"
         );
         drop(first);
-        // The file stays behind, as after a kill -9: the next run takes it over and says from whom.
+        // A run that ended leaves an empty file: no note.
         let second = RunLock::acquire(dir.path()).unwrap();
-        assert!(second.took_over.as_deref().is_some_and(|p| p.contains("pid")), "{:?}", second.took_over);
-        let text = std::fs::read_to_string(second.path()).unwrap();
-        assert_eq!(text.lines().count(), 1, "{text}");
+        assert_eq!(second.took_over, None);
+        drop(second);
+        // A killed run leaves its line; the kernel released its lock all the same.
+        std::fs::write(dir.path().join(LOCK_FILE), "pid 4194999 on host elsewhere, started then\n").unwrap();
+        let third = RunLock::acquire(dir.path()).unwrap();
+        assert_eq!(third.took_over.as_deref(), Some("pid 4194999 on host elsewhere, started then"));
+        let text = std::fs::read_to_string(third.path()).unwrap();
+        assert!(
+            text.starts_with(&format!("pid {} on host", std::process::id())) && text.lines().count() == 1,
+            "{text}"
+        );
     }
 }
