@@ -34,6 +34,7 @@ use stepgraph_core::ir::ValueKind;
 use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
 use stepgraph_core::session::Session;
 
+use super::divergence::DivergenceMonitor;
 use super::schedule::LrSchedule;
 
 /// The file that makes a checkpoint directory one: written last.
@@ -72,10 +73,10 @@ pub struct CheckpointState {
     pub shards: usize,
     /// Every file of the checkpoint besides `state.json`.
     pub files: Vec<String>,
-    /// The run's best smoothed loss so far and its step, for the divergence
-    /// check of a resumed run (absent in checkpoints of format 1).
+    /// The divergence check's state after `step`, for a resumed run to go
+    /// on with (absent in checkpoints of format 1).
     #[serde(default)]
-    pub best: Option<(f64, usize)>,
+    pub divergence: Option<DivergenceMonitor>,
 }
 
 impl CheckpointState {
@@ -103,7 +104,7 @@ impl CheckpointState {
             run,
             shards,
             files,
-            best: None,
+            divergence: None,
         }
     }
 }

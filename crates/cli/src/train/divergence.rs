@@ -67,8 +67,9 @@ impl Divergence {
     }
 }
 
-/// Watches the losses of a run, step by step.
-#[derive(Clone, Debug)]
+/// Watches the losses of a run, step by step. Checkpoints carry it, so a
+/// resumed run judges its steps exactly as the run never stopped would.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DivergenceMonitor {
     vocab: usize,
     recent: VecDeque<f64>,
@@ -80,17 +81,6 @@ impl DivergenceMonitor {
     /// A monitor for a model whose logits span `vocab` tokens.
     pub fn new(vocab: usize) -> Self {
         DivergenceMonitor { vocab, recent: VecDeque::with_capacity(WINDOW), best: None }
-    }
-
-    /// A monitor that continues a run whose best smoothed loss so far was
-    /// `best` (loss, step), as its checkpoint recorded it.
-    pub fn resumed(vocab: usize, best: Option<(f64, usize)>) -> Self {
-        DivergenceMonitor { best, ..DivergenceMonitor::new(vocab) }
-    }
-
-    /// The best smoothed loss so far and its step.
-    pub fn best(&self) -> Option<(f64, usize)> {
-        self.best
     }
 
     /// Takes the finite loss of `step` and its gradient norm (when the step

@@ -505,7 +505,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         forward,
         out,
         grad_accum: opts.grad_accum,
-        resumed_best: resumed.as_ref().and_then(|(_, s)| s.best),
+        resumed_divergence: resumed.as_ref().and_then(|(_, s)| s.divergence.clone()),
     };
     let talk = rank == 0;
     let weights_from = Instant::now();
@@ -649,7 +649,8 @@ fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
 /// ([`StepOptions`]), serialized from the very structures the step is
 /// built from (so a setting added to them is covered with no list to
 /// edit), the data, the seed, the group, and the run-time switches that
-/// change results; flattened to dotted keys (`step.f32_products`).
+/// change results; flattened to dotted keys (`step.f32_products`), the
+/// switches as one key (`switches`, those set and their values).
 /// Settings that change no bits are left out: the number of steps and the
 /// schedule (a run may be extended; a changed schedule is noted), logging,
 /// evaluation and checkpoint cadence.
@@ -665,10 +666,11 @@ fn run_identity(
         "data": {"path": args.data.display().to_string(), "val_fraction": args.val_fraction},
         "seed": args.seed,
         "gpus": world,
-        "switches": result_switches(std::env::vars()),
     });
     let mut id = BTreeMap::new();
     flatten("", &config, &mut id);
+    // One key for the switches: an unset switch is a value too (its default).
+    id.insert("switches".into(), serde_json::to_value(result_switches(std::env::vars()))?);
     Ok(id)
 }
 
@@ -886,8 +888,8 @@ struct Run<'a> {
     out: Option<OutTarget>,
     /// Micro-batches of `spec.batch` rows in each step.
     grad_accum: usize,
-    /// The best smoothed loss (and its step) of the checkpoint resumed from.
-    resumed_best: Option<(f64, usize)>,
+    /// The divergence check's state in the checkpoint resumed from.
+    resumed_divergence: Option<DivergenceMonitor>,
 }
 
 /// How long rank 0 waits for the other ranks' optimizer shards.
@@ -1023,7 +1025,7 @@ impl Run<'_> {
         let weights = checkpoint::read_leaves(session, true)?;
         let optimizer = checkpoint::read_leaves(session, false)?;
         let mut state = CheckpointState::new(step, self.schedule, loss, data.cursor(), self.run_id.clone(), shards);
-        state.best = monitor.best();
+        state.divergence = Some(monitor.clone());
         dir.save(&state, &weights, &optimizer, SHARD_WAIT)?;
         // The checkpoint at or before the best loss is the one to go back
         // to if the run is diverging (or will): --keep never deletes it.
@@ -1182,7 +1184,8 @@ fn train_loop(
     bar.set_position(start as u64 - 1);
     bar.reset_eta();
     let (mut first, mut last_loss) = (f64::NAN, f64::NAN);
-    let mut monitor = DivergenceMonitor::resumed(run.spec.config.padded_vocab_size, run.resumed_best);
+    let mut monitor =
+        run.resumed_divergence.clone().unwrap_or_else(|| DivergenceMonitor::new(run.spec.config.padded_vocab_size));
     let mut diverged: Option<String> = None;
     let mut recorded: Option<Duration> = None;
     let mut saved: Option<PathBuf> = None;
