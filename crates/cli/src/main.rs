@@ -17,6 +17,7 @@ mod eval;
 mod generate;
 mod hf_cmd;
 mod memory_args;
+mod output_paths;
 mod prepare;
 mod profile;
 mod train;
