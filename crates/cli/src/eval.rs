@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use stepgraph_core::autodiff::StepKind;
@@ -19,11 +19,11 @@ use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
 use crate::train::{self, data, DeviceArg, Evaluator};
 use crate::ModelArgs;
 
-/// `stepgraph eval`'s own flags (the batch, sequence and dtype flags are the model flags).
+/// `stepgraph eval`'s own flags (the batch, sequence and dtype flags are `EvalModelArgs`).
 #[derive(Args, Clone, Debug)]
 pub struct EvalArgs {
     /// The Hugging Face model folder to evaluate (config.json and safetensors weights).
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    #[arg(long, value_name = "DIR")]
     pub init_from: PathBuf,
     /// The data whose held-out split is evaluated: a token file of `stepgraph prepare`, or byte-level text.
     #[arg(long, default_value = "data/tiny.txt")]
@@ -44,12 +44,13 @@ pub struct EvalArgs {
 
 pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     if args.eval_batches == 0 {
-        anyhow::bail!("--eval-batches 0 evaluates nothing: ask for at least 1");
+        bail!("--eval-batches 0 evaluates nothing: ask for at least 1");
     }
     let (spec, hf) = train::model_spec(model, Some(&args.init_from))?;
     let hf = hf.expect("a folder was given");
     let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
+    data::check_tokenizer(data.as_ref(), None, Some(&args.init_from))?;
     let batches = data.validation_batches(args.eval_batches)?;
     let compiled = compile_step(&spec, &StepOptions::new(StepKind::Forward))?;
     // The folder must fit before a session allocates anything.
@@ -71,6 +72,15 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let n = batches.len();
     let mut eval = Evaluator { session, batches, micro_batches: 1 };
     let loss = eval.mean_loss(0, 1)?;
+    if !loss.is_finite() {
+        bail!(
+            "the validation loss of {} on {} is {loss}: the model's outputs are not finite. Check the weights \
+             of --init-from {} for NaN or Inf values, or evaluate in a wider --dtype (f32)",
+            args.init_from.display(),
+            args.data.display(),
+            args.init_from.display()
+        );
+    }
     if args.json {
         let row = serde_json::json!({
             "model": args.init_from, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,

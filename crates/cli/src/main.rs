@@ -17,6 +17,7 @@ mod eval;
 mod generate;
 mod hf_cmd;
 mod memory_args;
+mod output_paths;
 mod prepare;
 mod profile;
 mod train;
@@ -106,7 +107,7 @@ enum Command {
     /// The validation loss and perplexity of a Hugging Face model folder on the held-out split of --data.
     Eval {
         #[command(flatten)]
-        model: ModelArgs,
+        model: EvalModelArgs,
         #[command(flatten)]
         eval: eval::EvalArgs,
     },
@@ -114,7 +115,7 @@ enum Command {
     /// tokens streamed out; decode steps replayed as CUDA graphs per batch bucket over one planned arena.
     Generate {
         #[command(flatten)]
-        model: ModelArgs,
+        model: GenerateModelArgs,
         #[command(flatten)]
         generate: generate::GenerateArgs,
     },
@@ -158,9 +159,9 @@ enum StepArg {
     Train,
 }
 
-/// Flags shared by every subcommand: which model, which batch, which step.
+/// Which model: a name or a config, with its geometry overridden.
 #[derive(Args, Clone)]
-struct ModelArgs {
+struct ModelChoiceArgs {
     /// A litgpt or Hugging Face model name (e.g. open_llama_3b, Qwen/Qwen2.5-7B) or a test config (tiny-llama).
     #[arg(long, default_value = "tiny-llama")]
     model: String,
@@ -188,6 +189,32 @@ struct ModelArgs {
     /// Hidden width of the MLP (overrides the model's).
     #[arg(long)]
     intermediate_size: Option<usize>,
+}
+
+impl ModelChoiceArgs {
+    /// The default model with nothing overridden: what a command whose
+    /// model comes from `--init-from` alone stands on.
+    fn folder_only() -> Self {
+        ModelChoiceArgs {
+            model: "tiny-llama".into(),
+            config: None,
+            n_layer: None,
+            n_embd: None,
+            n_head: None,
+            n_query_groups: None,
+            vocab: None,
+            block_size: None,
+            intermediate_size: None,
+        }
+    }
+}
+
+/// Flags of the commands that run a step (`plan`, `trace`, `train`): which
+/// model, which batch, which loss.
+#[derive(Args, Clone)]
+struct ModelArgs {
+    #[command(flatten)]
+    choice: ModelChoiceArgs,
     /// Rows (sequences) per step.
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -200,6 +227,50 @@ struct ModelArgs {
     /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
     #[arg(long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
+}
+
+/// `eval`'s model flags: the model is the `--init-from` folder; the batch,
+/// sequence and dtype are the run's (the loss is always cross-entropy).
+#[derive(Args, Clone)]
+struct EvalModelArgs {
+    /// Rows (sequences) per batch.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Tokens per sequence (default: the block size, at most 2048).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// dtype of the parameters and activations.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    dtype: DTypeArg,
+}
+
+impl EvalModelArgs {
+    fn model_args(&self) -> ModelArgs {
+        ModelArgs {
+            choice: ModelChoiceArgs::folder_only(),
+            batch: self.batch,
+            seq: self.seq,
+            dtype: self.dtype,
+            loss: LossArg::Ce,
+        }
+    }
+}
+
+/// `generate`'s model flags: which model and its dtype (batches and lengths
+/// come from the prompts and `--max-new-tokens`, and there is no loss).
+#[derive(Args, Clone)]
+struct GenerateModelArgs {
+    #[command(flatten)]
+    choice: ModelChoiceArgs,
+    /// dtype of the parameters and activations.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    dtype: DTypeArg,
+}
+
+impl GenerateModelArgs {
+    fn model_args(&self) -> ModelArgs {
+        ModelArgs { choice: self.choice.clone(), batch: 1, seq: None, dtype: self.dtype, loss: LossArg::Ce }
+    }
 }
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq)]
@@ -299,7 +370,8 @@ impl OptimArgs {
 
 impl ModelArgs {
     fn config(&self) -> Result<Config> {
-        let base = match &self.config {
+        let c = &self.choice;
+        let base = match &c.config {
             Some(path) => Config::from_hf_file(path).map_err(|e| match e {
                 stepgraph_core::Error::Io { path: file, cause } => anyhow::anyhow!(
                     "--config {}: reading {file}: {cause}; give a Hugging Face config.json or the folder that holds one",
@@ -307,16 +379,16 @@ impl ModelArgs {
                 ),
                 e => e.into(),
             })?,
-            None => Config::named(&self.model)?,
+            None => Config::named(&c.model)?,
         };
         let o = Overrides {
-            n_layer: self.n_layer,
-            n_embd: self.n_embd,
-            n_head: self.n_head,
-            n_query_groups: self.n_query_groups,
-            vocab_size: self.vocab,
-            block_size: self.block_size,
-            intermediate_size: self.intermediate_size,
+            n_layer: c.n_layer,
+            n_embd: c.n_embd,
+            n_head: c.n_head,
+            n_query_groups: c.n_query_groups,
+            vocab_size: c.vocab,
+            block_size: c.block_size,
+            intermediate_size: c.intermediate_size,
         };
         Ok(base.with_overrides(&o)?)
     }
@@ -363,14 +435,15 @@ impl ModelArgs {
 
     /// The flags that change the model's geometry, with whether each is given.
     fn geometry_flags(&self) -> [(bool, &'static str); 7] {
+        let c = &self.choice;
         [
-            (self.n_layer.is_some(), "--n-layer"),
-            (self.n_embd.is_some(), "--n-embd"),
-            (self.n_head.is_some(), "--n-head"),
-            (self.n_query_groups.is_some(), "--n-query-groups"),
-            (self.vocab.is_some(), "--vocab"),
-            (self.block_size.is_some(), "--block-size"),
-            (self.intermediate_size.is_some(), "--intermediate-size"),
+            (c.n_layer.is_some(), "--n-layer"),
+            (c.n_embd.is_some(), "--n-embd"),
+            (c.n_head.is_some(), "--n-head"),
+            (c.n_query_groups.is_some(), "--n-query-groups"),
+            (c.vocab.is_some(), "--vocab"),
+            (c.block_size.is_some(), "--block-size"),
+            (c.intermediate_size.is_some(), "--intermediate-size"),
         ]
     }
 }
@@ -387,18 +460,19 @@ impl ModelArgs {
     /// listed.
     fn size_flags(&self, key: &str) -> Vec<String> {
         let flag = |name: &str, value: Option<usize>| value.map(|v| format!("--{name} {v}"));
+        let c = &self.choice;
         let flags = match key {
             // 1 is the default.
             "batch" => vec![flag("batch", Some(self.batch).filter(|&b| b != 1))],
             "seq" => vec![flag("seq", self.seq)],
-            "n_layer" => vec![flag("n-layer", self.n_layer)],
-            "n_embd" => vec![flag("n-embd", self.n_embd)],
-            "n_head" => vec![flag("n-head", self.n_head)],
-            "n_query_groups" => vec![flag("n-query-groups", self.n_query_groups)],
-            "head_size" => vec![flag("n-embd", self.n_embd), flag("n-head", self.n_head)],
-            "vocab_size" | "padded_vocab_size" => vec![flag("vocab", self.vocab)],
-            "block_size" => vec![flag("block-size", self.block_size)],
-            "intermediate_size" => vec![flag("intermediate-size", self.intermediate_size)],
+            "n_layer" => vec![flag("n-layer", c.n_layer)],
+            "n_embd" => vec![flag("n-embd", c.n_embd)],
+            "n_head" => vec![flag("n-head", c.n_head)],
+            "n_query_groups" => vec![flag("n-query-groups", c.n_query_groups)],
+            "head_size" => vec![flag("n-embd", c.n_embd), flag("n-head", c.n_head)],
+            "vocab_size" | "padded_vocab_size" => vec![flag("vocab", c.vocab)],
+            "block_size" => vec![flag("block-size", c.block_size)],
+            "intermediate_size" => vec![flag("intermediate-size", c.intermediate_size)],
             _ => vec![],
         };
         flags.into_iter().flatten().collect()
@@ -414,7 +488,7 @@ impl ModelArgs {
         use stepgraph_core::Error as CoreError;
         // Errors from reading `--config` name the file and its keys, and
         // come before any flag is applied.
-        let file = self.config.as_ref().map(|path| {
+        let file = self.choice.config.as_ref().map(|path| {
             let file = if path.is_dir() { path.join("config.json") } else { path.clone() };
             file.display().to_string()
         });
@@ -649,8 +723,8 @@ fn run_command(cli: Cli) -> Result<()> {
         Command::Compare(args) => compare::run(&args)?,
         Command::Hf(args) => hf_cmd::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
-        Command::Eval { model, eval } => eval::run(&model, &eval)?,
-        Command::Generate { model, generate } => generate::run(&model, &generate)?,
+        Command::Eval { model, eval } => eval::run(&model.model_args(), &eval)?,
+        Command::Generate { model, generate } => generate::run(&model.model_args(), &generate)?,
         Command::Train { model, optim, train, memory } => train::run(&model, &optim, &train, &memory)?,
     }
     Ok(())

@@ -142,3 +142,89 @@ fn bad_input_is_refused_with_its_reason() {
     ]);
     assert!(ok, "{err}");
 }
+
+/// `--max-new-tokens` of any size is clamped to the model's context with
+/// a note (a wrapped sum once generated a single token).
+#[test]
+fn a_huge_max_new_tokens_is_clamped_to_the_context() {
+    let (ok, _, err) = stepgraph(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--n-layer",
+        "1",
+        "--block-size",
+        "24",
+        "--random-prompts",
+        "1",
+        "--prompt-tokens",
+        "4",
+        "--max-new-tokens",
+        "18446744073709551615",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("18446744073709551615 new tokens") && err.contains("at most 20 new tokens"), "{err}");
+    assert!(err.contains("generated 20 tokens"), "{err}");
+}
+
+/// Flags `generate` and `eval` cannot use are not theirs: not in their
+/// help, and refused by the parser.
+#[test]
+fn generate_and_eval_list_only_the_flags_they_use() {
+    let (ok, help, _) = stepgraph(&["generate", "--help"]);
+    assert!(ok);
+    for flag in ["--batch", "--seq ", "--loss"] {
+        assert!(!help.contains(flag), "generate --help lists {flag}:\n{help}");
+    }
+    assert!(help.contains("--dtype") && help.contains("--n-layer"), "{help}");
+    fails_with(&["generate", "--random-prompts", "1", "--batch", "4"], "unexpected argument '--batch'");
+    let (ok, help, _) = stepgraph(&["eval", "--help"]);
+    assert!(ok);
+    assert!(!help.contains("--loss") && !help.contains("--n-layer"), "eval --help:\n{help}");
+    assert!(help.contains("--batch") && help.contains("--seq") && help.contains("--dtype"), "{help}");
+    fails_with(&["eval", "--init-from", "x", "--loss", "sum"], "unexpected argument '--loss'");
+}
+
+/// Overwrites the first value of tensor `name` in the folder's
+/// `model.safetensors` with NaN (an f32 tensor).
+fn poison(dir: &std::path::Path, name: &str) {
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(header[name]["dtype"], "F32");
+    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// A model whose outputs are NaN fails `generate` and `eval` with a
+/// reason, instead of printing text or a NaN loss with success.
+#[test]
+fn non_finite_outputs_fail_generate_and_eval() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("llama");
+    write_model(&model, "llama", false, None);
+    poison(&model, "model.norm.weight");
+    let m = s(&model);
+    let (ok, out, err) =
+        stepgraph(&["generate", "--device", "cpu", "--init-from", m, "--prompt", "Once", "--max-new-tokens", "3"]);
+    assert!(!ok, "generate succeeded on NaN logits: {out}");
+    assert!((err.contains("NaN") || err.contains("not finite")) && !err.contains("panicked"), "{err}");
+    let tokens = dir.path().join("x.tokens");
+    let (ok, _, err) = stepgraph(&[
+        "prepare",
+        "--tokenizer",
+        common::README_TOKENIZER,
+        "--input",
+        "data/tiny.txt",
+        "--val-docs",
+        "2",
+        "--out",
+        s(&tokens),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = stepgraph(&["eval", "--device", "cpu", "--init-from", m, "--data", s(&tokens), "--seq", "16"]);
+    assert!(!ok, "eval succeeded on NaN outputs: {out}");
+    assert!((err.contains("NaN") || err.contains("not finite")) && !err.contains("panicked"), "{err}");
+}

@@ -78,3 +78,80 @@ fn prepare_errors_name_the_flag_file_and_line() {
     assert!(err.contains("data/missing.txt") && err.contains("reading the input"), "{err}");
     assert!(!Path::new(out).exists());
 }
+
+/// `--out` onto what `prepare` reads is refused before any tokenizing,
+/// however the path is spelled, and the input stays as it was.
+#[test]
+fn prepare_never_overwrites_an_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(dir.path());
+    let text = dir.path().join("text/x.txt");
+    std::fs::create_dir_all(text.parent().unwrap()).unwrap();
+    std::fs::write(&text, "One paragraph.\n\nAnother paragraph.\n").unwrap();
+    std::os::unix::fs::symlink(dir.path().join("text"), dir.path().join("link")).unwrap();
+    let tok_json = Path::new(&tok).join("tokenizer.json");
+    let before = |p: &Path| std::fs::read(p).unwrap();
+    let (text_bytes, tok_bytes) = (before(&text), before(&tok_json));
+    let onto_text = [
+        text.clone(),
+        dir.path().join("text/../text/x.txt"),
+        dir.path().join("link/x.txt"),
+        dir.path().join("text/missing/../x.txt"),
+    ];
+    for out in &onto_text {
+        let (ok, _, err) = stepgraph(&[
+            "prepare",
+            "--tokenizer",
+            &tok,
+            "--input",
+            text.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!ok, "--out {} was accepted", out.display());
+        assert!(err.contains("is the --input file") && err.contains("choose another path"), "{err}");
+    }
+    // The tokenizer's files, given as the folder or as tokenizer.json.
+    for (tok_arg, out) in [
+        (tok.clone(), tok_json.clone()),
+        (tok_json.display().to_string(), Path::new(&tok).join("tokenizer_config.json")),
+    ] {
+        let (ok, _, err) = stepgraph(&[
+            "prepare",
+            "--tokenizer",
+            &tok_arg,
+            "--input",
+            text.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!ok, "--out {} was accepted", out.display());
+        assert!(err.contains("--tokenizer folder"), "{err}");
+    }
+    assert_eq!(before(&text), text_bytes);
+    assert_eq!(before(&tok_json), tok_bytes);
+}
+
+/// `--out` in folders that do not exist yet creates them; an unwritable
+/// place is refused up front, naming the flag, with the OS error once.
+#[test]
+fn prepare_creates_the_out_folder_and_refuses_unwritable_places() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(dir.path());
+    let out = dir.path().join("runs/new/x.tokens");
+    let (ok, _, err) =
+        stepgraph(&["prepare", "--tokenizer", &tok, "--input", "data/tiny.txt", "--out", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(TokenFile::open(&out).is_ok());
+    let file = dir.path().join("plain");
+    std::fs::write(&file, "").unwrap();
+    let under_file = file.join("x.tokens");
+    for (out, want) in
+        [("/proc/x.tokens", "cannot write in /proc"), (under_file.to_str().unwrap(), "cannot create the folder")]
+    {
+        let (ok, _, err) = stepgraph(&["prepare", "--tokenizer", &tok, "--input", "data/tiny.txt", "--out", out]);
+        assert!(!ok);
+        assert!(err.contains(&format!("--out {out}")) && err.contains(want), "{err}");
+        assert_eq!(err.matches("os error").count(), 1, "the cause is said once: {err}");
+    }
+}

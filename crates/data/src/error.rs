@@ -10,14 +10,11 @@ use thiserror::Error;
 /// and while drawing batches.
 #[derive(Debug, Error)]
 pub enum Error {
-    /// A file that could not be read, written, created or renamed.
-    #[error("{}: {action}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    /// A file that could not be read, written, created or renamed. The
+    /// cause is in the message, not a `#[source]`, so `{:#}` chains print
+    /// it once.
+    #[error("{}: {action}: {cause}", path.display())]
+    Io { path: PathBuf, action: &'static str, cause: std::io::Error },
     /// A tokenizer directory or file that cannot be used.
     #[error("tokenizer {}: {reason}", path.display())]
     Tokenizer { path: PathBuf, reason: String },
@@ -49,7 +46,7 @@ fn line_suffix(line: usize) -> String {
 
 impl Error {
     pub(crate) fn io(path: &Path, action: &'static str, source: std::io::Error) -> Self {
-        Error::Io { path: path.to_path_buf(), action, source }
+        Error::Io { path: path.to_path_buf(), action, cause: source }
     }
     pub(crate) fn token_file(path: &Path, reason: impl Into<String>) -> Self {
         Error::TokenFile { path: path.to_path_buf(), reason: reason.into() }

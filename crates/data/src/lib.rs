@@ -32,4 +32,4 @@ pub use error::{Error, Result};
 pub use prepare::{prepare, Holdout, InputFormat, PrepareOptions, PrepareReport};
 pub use records::TextSplit;
 pub use token_file::{Document, Split, TokenFile, TokenFileMeta};
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Tokenizer, TokenizerFingerprint};

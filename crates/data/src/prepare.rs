@@ -207,7 +207,11 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
     }
     let count = validation_count(opts.holdout, docs.len() as u64)?;
     let (train, validation) = split_documents(docs, count, opts.seed);
-    let meta = TokenFileMeta { vocab_size: tokenizer.vocab_size(), eos_id: tokenizer.eos_id };
+    let meta = TokenFileMeta {
+        vocab_size: tokenizer.vocab_size(),
+        eos_id: tokenizer.eos_id,
+        tokenizer: Some(tokenizer.fingerprint()),
+    };
     write_token_file(&opts.out, meta, &train, &validation)?;
     let count_tokens = |d: &[Document]| d.iter().map(|d| d.tokens.len() as u64).sum::<u64>();
     let masked: u64 = train

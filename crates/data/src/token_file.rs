@@ -16,15 +16,19 @@
 //! | 32 | 8 | number of documents `D` |
 //! | 40 | 8 | training documents `D_train`: documents `[0, D_train)` are the training split, `[D_train, D)` the validation split |
 //! | 48 | 8 | number of tokens `N` |
-//! | 56 | 8 | reserved, 0 |
+//! | 56 | 8 | the [`TokenizerFingerprint`] of the tokenizer that wrote the ids; 0 when not recorded |
 //! | 64 | 8·(D+1) | document offsets in tokens: `0 = o₀ < o₁ < … < o_D = N`; document `d` is tokens `[o_d, o_{d+1})` |
 //! | … | N·(2 or 4) | token ids, zero-padded to a multiple of 8 bytes |
 //! | … | ⌈N/8⌉ | loss mask (only with flag bit 0): bit `i % 8` of byte `i / 8` is 1 when token `i` is a loss target |
 //!
-//! Without a mask every token is a loss target. The file has exactly this
-//! length; [`TokenFile::open`] checks all of it (magic, version, sizes,
-//! offsets, every token id) before anything reads a token, so a truncated or
-//! foreign file is an error naming the file and the position, never a panic.
+//! Without a mask every token is a loss target. Files written before the
+//! tokenizer fingerprint was recorded have 0 at offset 56 (then a reserved
+//! field): they stay readable, with [`TokenFileMeta::tokenizer`] `None`.
+//!
+//! The file has exactly this length; [`TokenFile::open`] checks all of it
+//! (magic, version, sizes, offsets, every token id) before anything reads a
+//! token, so a truncated or foreign file is an error naming the file and
+//! the position, never a panic.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -34,6 +38,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::error::{Error, Result};
+use crate::tokenizer::TokenizerFingerprint;
 
 /// The first eight bytes of every token file.
 pub const MAGIC: [u8; 8] = *b"SGTOKENS";
@@ -63,6 +68,9 @@ pub enum Split {
 pub struct TokenFileMeta {
     pub vocab_size: u32,
     pub eos_id: u32,
+    /// The tokenizer that wrote the ids; `None` in files written before it
+    /// was recorded (and by writers without a tokenizer).
+    pub tokenizer: Option<TokenizerFingerprint>,
 }
 
 /// Bytes per token id for a vocabulary: `u16` when every id fits, else `u32`.
@@ -79,7 +87,7 @@ pub fn token_bytes_for(vocab_size: u32) -> u32 {
 /// over `path` (and the directory fsynced), so a crash leaves either the old
 /// file or the complete new one.
 pub fn write_token_file(path: &Path, meta: TokenFileMeta, train: &[Document], validation: &[Document]) -> Result<()> {
-    let TokenFileMeta { vocab_size, eos_id } = meta;
+    let TokenFileMeta { vocab_size, eos_id, tokenizer } = meta;
     if vocab_size == 0 || eos_id >= vocab_size {
         return Err(Error::token_file(
             path,
@@ -135,7 +143,7 @@ pub fn write_token_file(path: &Path, meta: TokenFileMeta, train: &[Document], va
     header.extend_from_slice(&(docs.len() as u64).to_le_bytes());
     header.extend_from_slice(&(train.len() as u64).to_le_bytes());
     header.extend_from_slice(&n_tokens.to_le_bytes());
-    header.extend_from_slice(&0u64.to_le_bytes());
+    header.extend_from_slice(&tokenizer.map_or(0, |t| t.0).to_le_bytes());
     debug_assert_eq!(header.len() as u64, HEADER_BYTES);
     w.write_all(&header).map_err(wio)?;
     let mut offset = 0u64;
@@ -303,7 +311,11 @@ impl TokenFile {
         }
         let tf = TokenFile {
             path: path.to_path_buf(),
-            meta: TokenFileMeta { vocab_size, eos_id },
+            meta: TokenFileMeta {
+                vocab_size,
+                eos_id,
+                tokenizer: Some(read_u64(b, 56)).filter(|&t| t != 0).map(TokenizerFingerprint),
+            },
             token_bytes,
             n_docs,
             n_train_docs,

@@ -1,7 +1,9 @@
 //! A Hugging Face tokenizer as `stepgraph prepare` uses it: `tokenizer.json`
 //! through the `tokenizers` crate (pure Rust, nothing downloaded), plus what
 //! `tokenizer_config.json` adds: the end-of-sequence and beginning-of-sequence
-//! tokens and the chat template (or a `chat_template.jinja` next to it).
+//! tokens and the chat template (or a `chat_template.jinja` next to it);
+//! and the [`TokenizerFingerprint`] that token files record, so data is
+//! never fed to a model whose ids mean other tokens.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +11,90 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::template::ChatTemplate;
+
+/// A fingerprint of a tokenizer's vocabulary: which token each id is.
+/// Two tokenizers with the same fingerprint give their ids the same
+/// meaning, so a token file of one trains a model of the other.
+///
+/// It is the 64-bit FNV-1a hash (offset basis `0xcbf29ce484222325`, prime
+/// `0x100000001b3`) of every entry of the vocabulary, added tokens
+/// included, in increasing id order, each as its id (`u32` little-endian),
+/// the byte length of its text (`u32` little-endian) and that text in
+/// UTF-8. The hash is stable across builds and platforms (it is written
+/// into token files); a hash of 0 is stored as 1, since 0 in a token file
+/// means "no tokenizer recorded".
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TokenizerFingerprint(pub u64);
+
+impl std::fmt::Display for TokenizerFingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+impl TokenizerFingerprint {
+    /// The fingerprint of `(id, token)` entries, in any order.
+    pub fn of_vocab<'a>(entries: impl IntoIterator<Item = (u32, &'a str)>) -> TokenizerFingerprint {
+        let mut entries: Vec<(u32, &str)> = entries.into_iter().collect();
+        entries.sort_unstable();
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                hash = (hash ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        for (id, token) in entries {
+            eat(&id.to_le_bytes());
+            eat(&(token.len() as u32).to_le_bytes());
+            eat(token.as_bytes());
+        }
+        TokenizerFingerprint(hash.max(1))
+    }
+
+    fn of(inner: &tokenizers::Tokenizer) -> TokenizerFingerprint {
+        let vocab = inner.get_vocab(true);
+        Self::of_vocab(vocab.iter().map(|(t, &id)| (id, t.as_str())))
+    }
+}
+
+/// `tokenizer.json` of `dir_or_file`: the file itself, or the one in the directory.
+fn tokenizer_json(dir_or_file: &Path) -> (PathBuf, PathBuf) {
+    if dir_or_file.is_dir() {
+        (dir_or_file.to_path_buf(), dir_or_file.join("tokenizer.json"))
+    } else {
+        let dir = dir_or_file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        (dir.to_path_buf(), dir_or_file.to_path_buf())
+    }
+}
+
+fn load_json(json: &Path) -> Result<tokenizers::Tokenizer> {
+    if !json.is_file() {
+        return Err(Error::Tokenizer {
+            path: json.to_path_buf(),
+            reason: "not found: --tokenizer takes a tokenizer.json or the directory holding one".into(),
+        });
+    }
+    tokenizers::Tokenizer::from_file(json)
+        .map_err(|e| Error::Tokenizer { path: json.to_path_buf(), reason: format!("cannot be loaded: {e}") })
+}
+
+/// Vocabulary size including added tokens: one more than the largest id.
+fn vocab_size_of(inner: &tokenizers::Tokenizer) -> u32 {
+    // Added tokens may sit past the model vocabulary with gaps, so the
+    // size is the largest id plus one, not the number of entries.
+    let largest = inner.get_vocab(true).values().copied().max().unwrap_or(0);
+    (inner.get_vocab_size(true) as u32).max(largest + 1)
+}
+
+/// The `tokenizer.json` of `dir_or_file` (a directory holding it, or the
+/// file), its fingerprint and vocabulary size, without the
+/// `tokenizer_config.json` a full [`Tokenizer::load`] needs: what a model
+/// folder's tokenizer is checked by.
+pub fn fingerprint_of(dir_or_file: &Path) -> Result<(PathBuf, TokenizerFingerprint, u32)> {
+    let (_, json) = tokenizer_json(dir_or_file);
+    let inner = load_json(&json)?;
+    Ok((json, TokenizerFingerprint::of(&inner), vocab_size_of(&inner)))
+}
 
 /// A loaded tokenizer with its special tokens.
 pub struct Tokenizer {
@@ -23,6 +109,7 @@ pub struct Tokenizer {
     /// The chat template, when the config (or `chat_template.jinja`) has one.
     pub chat_template: Option<ChatTemplate>,
     vocab_size: u32,
+    fingerprint: TokenizerFingerprint,
 }
 
 /// A special token in `tokenizer_config.json`: a string, or an added-token
@@ -45,20 +132,8 @@ impl Tokenizer {
     /// Loads `tokenizer.json` from `dir_or_file` (a directory holding it, or
     /// the file itself) and `tokenizer_config.json` from the same directory.
     pub fn load(dir_or_file: &Path) -> Result<Tokenizer> {
-        let (dir, json) = if dir_or_file.is_dir() {
-            (dir_or_file.to_path_buf(), dir_or_file.join("tokenizer.json"))
-        } else {
-            let dir = dir_or_file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            (dir.to_path_buf(), dir_or_file.to_path_buf())
-        };
-        if !json.is_file() {
-            return Err(Error::Tokenizer {
-                path: json,
-                reason: "not found: --tokenizer takes a tokenizer.json or the directory holding one".into(),
-            });
-        }
-        let inner = tokenizers::Tokenizer::from_file(&json)
-            .map_err(|e| Error::Tokenizer { path: json.clone(), reason: format!("cannot be loaded: {e}") })?;
+        let (dir, json) = tokenizer_json(dir_or_file);
+        let inner = load_json(&json)?;
         let config_path = dir.join("tokenizer_config.json");
         let config: Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| Error::Tokenizer {
@@ -110,18 +185,31 @@ impl Tokenizer {
                 }
             }
         };
-        let vocab_size = inner.get_vocab_size(true) as u32;
+        let vocab_size = vocab_size_of(&inner);
+        let fingerprint = TokenizerFingerprint::of(&inner);
         let mut without_post = inner.clone();
         without_post.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
-        Ok(Tokenizer { inner, without_post, path: json, eos_token, eos_id, bos_token, chat_template, vocab_size })
+        Ok(Tokenizer {
+            inner,
+            without_post,
+            path: json,
+            eos_token,
+            eos_id,
+            bos_token,
+            chat_template,
+            vocab_size,
+            fingerprint,
+        })
     }
 
     /// Vocabulary size including added tokens: one more than the largest id.
     pub fn vocab_size(&self) -> u32 {
-        // Added tokens may sit past the model vocabulary with gaps, so the
-        // size is the largest id plus one, not the number of entries.
-        let largest = self.inner.get_vocab(true).values().copied().max().unwrap_or(0);
-        self.vocab_size.max(largest + 1)
+        self.vocab_size
+    }
+
+    /// Which token each id is, as token files record it.
+    pub fn fingerprint(&self) -> TokenizerFingerprint {
+        self.fingerprint
     }
 
     /// Encodes `text`; `special` adds the post-processor's special tokens
@@ -214,5 +302,24 @@ impl StreamDecoder {
             self.read = self.ids.len();
         }
         Ok(&self.text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fingerprint_is_the_documented_hash_of_the_id_order() {
+        // FNV-1a of 00000000 01000000 'a' 01000000 01000000 'b', as documented
+        // (computed independently): a token file written by one build is
+        // checked by every later one.
+        let ab = TokenizerFingerprint::of_vocab([(1, "b"), (0, "a")]);
+        assert_eq!(ab, TokenizerFingerprint(0x1d04_e222_c511_ae87));
+        assert_eq!(ab.to_string(), "1d04e222c511ae87");
+        // Same tokens under other ids, or another token, is another tokenizer.
+        assert_ne!(ab, TokenizerFingerprint::of_vocab([(0, "b"), (1, "a")]));
+        assert_ne!(ab, TokenizerFingerprint::of_vocab([(0, "a"), (1, "c")]));
+        assert_ne!(ab, TokenizerFingerprint::of_vocab([(0, "ab")]));
     }
 }

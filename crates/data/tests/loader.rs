@@ -21,7 +21,7 @@ fn doc(d: u32, len: u32) -> Document {
 
 fn write(dir: &Path, name: &str, vocab: u32, train: &[Document], val: &[Document]) -> PathBuf {
     let path = dir.join(name);
-    write_token_file(&path, TokenFileMeta { vocab_size: vocab, eos_id: EOS }, train, val).unwrap();
+    write_token_file(&path, TokenFileMeta { vocab_size: vocab, eos_id: EOS, tokenizer: None }, train, val).unwrap();
     path
 }
 
@@ -75,9 +75,14 @@ fn round_trip_u16_and_u32_with_mask() {
 fn writing_refuses_ids_outside_the_vocabulary() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.tokens");
-    let err = write_token_file(&path, TokenFileMeta { vocab_size: 300, eos_id: EOS }, &[doc(0, 3), doc(2, 3)], &[])
-        .unwrap_err()
-        .to_string();
+    let err = write_token_file(
+        &path,
+        TokenFileMeta { vocab_size: 300, eos_id: EOS, tokenizer: None },
+        &[doc(0, 3), doc(2, 3)],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("document 1") && err.contains("token id 300") && err.contains("vocabulary size 300"), "{err}");
     assert!(!path.exists(), "nothing is written on error");
 }
@@ -293,4 +298,21 @@ fn bad_options_and_empty_splits_are_errors() {
     let e = f.check_vocab(512).unwrap_err().to_string();
     assert!(e.contains("1000 tokens") && e.contains("512") && e.contains("--vocab 1000"), "{e}");
     f.check_vocab(1000).unwrap();
+}
+
+/// The header's tokenizer fingerprint round-trips; a file without one (as
+/// every file was before it was recorded: 0 in a reserved field) opens
+/// with none.
+#[test]
+fn the_tokenizer_fingerprint_round_trips_and_old_files_have_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = write(dir.path(), "old.tokens", 500, &[doc(0, 4), doc(1, 4)], &[]);
+    assert_eq!(TokenFile::open(&old).unwrap().meta().tokenizer, None);
+    assert_eq!(std::fs::read(&old).unwrap()[56..64], [0u8; 8], "the field of older files is 0");
+    let path = dir.path().join("new.tokens");
+    let fp = stepgraph_data::TokenizerFingerprint(0x0123_4567_89ab_cdef);
+    let meta = TokenFileMeta { vocab_size: 500, eos_id: EOS, tokenizer: Some(fp) };
+    write_token_file(&path, meta, &[doc(0, 4), doc(1, 4)], &[]).unwrap();
+    let file = TokenFile::open(&path).unwrap();
+    assert_eq!(file.meta(), meta);
 }

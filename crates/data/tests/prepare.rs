@@ -302,3 +302,22 @@ fn tokenizer_problems_are_named() {
     let e = prepare(&fx.opts(vec![bad])).unwrap_err().to_string();
     assert!(e.contains("latin1.txt:1") && e.contains("not UTF-8"), "{e}");
 }
+
+/// The token file records which tokenizer wrote it: the same fingerprint
+/// as the tokenizer's, another for a tokenizer of another vocabulary.
+#[test]
+fn the_token_file_records_its_tokenizer() {
+    let fx = fixture(TemplateStyle::ChatMl);
+    let input = fx.input("a.txt", "Once upon a time.\n\nThe end.\n");
+    prepare(&fx.opts(vec![input])).unwrap();
+    let file = TokenFile::open(fx.dir.path().join("out.tokens")).unwrap();
+    let tok = fx.tok();
+    assert_eq!(file.meta().tokenizer, Some(tok.fingerprint()));
+    assert_eq!(file.vocab_size(), tok.vocab_size());
+    // The tokenizer.json alone gives the same fingerprint.
+    let (json, fp, vocab) = stepgraph_data::tokenizer::fingerprint_of(&fx.tokenizer).unwrap();
+    assert_eq!((json, fp, vocab), (fx.tokenizer.join("tokenizer.json"), tok.fingerprint(), tok.vocab_size()));
+    let other =
+        fixtures::train_tokenizer(Path::new(TINY), &fx.dir.path().join("tok300"), 300, TemplateStyle::ChatMl).unwrap();
+    assert_ne!(Tokenizer::load(&other).unwrap().fingerprint(), tok.fingerprint());
+}

@@ -6,6 +6,9 @@
 //! packed with their EOS, a fresh permutation of the sequences every epoch,
 //! the file's loss mask, and the file's own validation split. [`open`]
 //! tells the two apart by the token file's magic bytes, not by the name.
+//! [`check_tokenizer`] refuses data whose ids do not mean the model's
+//! tokens: a token file of another tokenizer, or byte-level text for a
+//! model that has a tokenizer.
 //!
 //! **Invariant:** [`TrainData::cursor`] taken after batch `k` and given to
 //! [`TrainData::restore`] on a fresh source makes the next batch batch
@@ -23,7 +26,8 @@ use stepgraph_core::cpu::memory::try_with_capacity;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_data::token_file::MAGIC;
-use stepgraph_data::{Batcher, BatcherOptions, DataCursor, Split, TokenFile};
+use stepgraph_data::tokenizer::fingerprint_of;
+use stepgraph_data::{Batcher, BatcherOptions, DataCursor, Split, TokenFile, TokenizerFingerprint};
 
 /// Token ids and next-token targets of one global batch, `[batch, seq]` i32.
 pub struct Batch {
@@ -47,6 +51,60 @@ pub trait TrainData {
     /// Checks that every token id of the data is a row of the embedding of
     /// a model with `vocab` rows (`model` names it), before anything trains.
     fn check_vocab(&self, vocab: usize, model: &str) -> Result<()>;
+    /// Checks that the data's ids are the tokens of `model`'s tokenizer
+    /// (see [`check_tokenizer`]).
+    fn check_tokenizer(&self, model: &ModelTokenizer) -> Result<()>;
+}
+
+/// The tokenizer whose ids a model's embedding rows mean.
+pub struct ModelTokenizer {
+    /// The flag it came from and its value: `--tokenizer data/tok`.
+    pub source: String,
+    /// The folder to give `stepgraph prepare --tokenizer`.
+    pub dir: PathBuf,
+    /// Its `tokenizer.json`.
+    pub json: PathBuf,
+    pub fingerprint: TokenizerFingerprint,
+    pub vocab_size: u32,
+}
+
+impl ModelTokenizer {
+    /// The model's tokenizer: `--tokenizer` (a tokenizer.json or its
+    /// folder) when given, else the `tokenizer.json` of the `--init-from`
+    /// folder; `None` for a model without one (a named model, or a folder
+    /// saved without tokenizer files), whose ids are whatever its data says.
+    pub fn find(tokenizer: Option<&Path>, init_from: Option<&Path>) -> Result<Option<ModelTokenizer>> {
+        let (source, path) = match (tokenizer, init_from) {
+            (Some(t), _) => (format!("--tokenizer {}", t.display()), t.to_path_buf()),
+            (None, Some(dir)) if dir.join("tokenizer.json").is_file() => {
+                (format!("--init-from {}", dir.display()), dir.to_path_buf())
+            }
+            _ => return Ok(None),
+        };
+        let (json, fingerprint, vocab_size) =
+            fingerprint_of(&path).with_context(|| format!("reading the model's tokenizer ({source})"))?;
+        let dir = json.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        Ok(Some(ModelTokenizer { source, dir, json, fingerprint, vocab_size }))
+    }
+
+    /// `stepgraph prepare` with this tokenizer, writing `out`.
+    fn prepare_command(&self, input: &str, out: &Path) -> String {
+        format!("stepgraph prepare --tokenizer {} --input {input} --out {}", self.dir.display(), out.display())
+    }
+}
+
+/// Refuses `data` whose ids are not the tokens of the model's tokenizer
+/// (`tokenizer`: the `--tokenizer` flag; `init_from`: the `--init-from`
+/// folder, see [`ModelTokenizer::find`]), before anything is compiled: a
+/// token file written by another tokenizer, or byte-level text (one id per
+/// byte) for a model that has a tokenizer. The errors say which `stepgraph
+/// prepare` to run. A token file written before tokenizers were recorded
+/// is accepted with a note; a model without a tokenizer takes any data.
+pub fn check_tokenizer(data: &dyn TrainData, tokenizer: Option<&Path>, init_from: Option<&Path>) -> Result<()> {
+    match ModelTokenizer::find(tokenizer, init_from)? {
+        Some(model) => data.check_tokenizer(&model),
+        None => Ok(()),
+    }
 }
 
 /// Whether `path` starts with a token file's magic bytes.
@@ -202,6 +260,20 @@ impl TrainData for ByteText {
         )
     }
 
+    fn check_tokenizer(&self, model: &ModelTokenizer) -> Result<()> {
+        let out = self.path.with_extension("tokens");
+        bail!(
+            "--data {} is text, read as one token per byte, but the model's ids are the tokens of its tokenizer {} \
+             ({}): training or evaluating it on bytes would read meaningless ids. Tokenize the text first: `{}`, \
+             then pass --data {}",
+            self.path.display(),
+            model.json.display(),
+            model.source,
+            model.prepare_command(&self.path.display().to_string(), &out),
+            out.display()
+        )
+    }
+
     fn check_vocab(&self, vocab: usize, model: &str) -> Result<()> {
         if vocab < 256 {
             bail!(
@@ -294,6 +366,35 @@ impl TrainData for TokenData {
             self.train.sequences(),
             if f.has_mask() { "; loss mask" } else { "" }
         )
+    }
+
+    fn check_tokenizer(&self, model: &ModelTokenizer) -> Result<()> {
+        let path = self.file.path();
+        let redo = model.prepare_command("<the text and JSONL files>", path);
+        match self.file.meta().tokenizer {
+            None => {
+                eprintln!(
+                    "note: token file {} records no tokenizer (it was written before token files recorded one), so \
+                     it cannot be checked against the model's tokenizer {} ({}); `{redo}` writes one that can be",
+                    path.display(),
+                    model.json.display(),
+                    model.source
+                );
+                Ok(())
+            }
+            Some(fp) if fp == model.fingerprint => Ok(()),
+            Some(fp) => bail!(
+                "token file {} was written by another tokenizer (fingerprint {fp}, {} tokens) than the model's \
+                 tokenizer {} ({}; fingerprint {}, {} tokens): its ids mean other tokens to this model. Tokenize the \
+                 data again with the model's tokenizer: `{redo}`",
+                path.display(),
+                self.file.vocab_size(),
+                model.json.display(),
+                model.source,
+                model.fingerprint,
+                model.vocab_size
+            ),
+        }
     }
 
     fn check_vocab(&self, vocab: usize, model: &str) -> Result<()> {

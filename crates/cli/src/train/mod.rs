@@ -111,7 +111,8 @@ pub struct TrainArgs {
     /// replacing a previous save atomically.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// The tokenizer folder whose files --out copies [default: the --init-from folder].
+    /// The model's tokenizer folder (or its tokenizer.json): token files of --data must be made with it, and
+    /// --out copies its files [default: the --init-from folder's].
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
     /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
@@ -354,6 +355,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     // every micro-batch of a step.
     let mut data = data::open(&args.data, spec.batch * opts.grad_accum, spec.seq, args.val_fraction, args.seed)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
+    data::check_tokenizer(data.as_ref(), args.tokenizer.as_deref(), args.init_from.as_deref())?;
     // Every rank must build the same step: a budget measured per process
     // could differ between them.
     let auto_budget = memory.memory_budget.as_deref().is_some_and(|b| b.trim().eq_ignore_ascii_case("auto"));
