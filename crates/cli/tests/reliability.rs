@@ -310,3 +310,31 @@ fn runs_killed_or_stopped_at_random_moments_end_as_a_straight_run() {
     assert_eq!(step_dirs(&ck), step_dirs(&ck_a), "seed {seed}");
     assert_eq!(tensors(&ck.join("step-000200")), tensors(&ck_a.join("step-000200")), "seed {seed}");
 }
+
+/// An output that cannot be written, or that is an input, is refused
+/// before step 1: no run trains for hours and then fails to save.
+#[test]
+fn outputs_are_checked_before_step_one() {
+    let d = tempfile::tempdir().unwrap();
+    let refused = |extra: &[&str], want: &str| {
+        let mut args = small(&["--steps", "3"]);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let (ok, out, err) = run(&args, &[]);
+        assert!(!ok && err.contains(want), "{extra:?}: expected `{want}` in:\n{err}");
+        assert!(!err.contains("start-up") && !out.contains("final loss"), "{extra:?} did work first:\n{err}");
+        err
+    };
+    refused(&["--out", "/proc/stepgraph-out"], "--out");
+    refused(&["--checkpoint-dir", "/proc/stepgraph-ck"], "--checkpoint-dir");
+    refused(&["--metrics", "/proc/stepgraph/metrics.jsonl"], "--metrics");
+    // The data file is an input: neither the metrics nor the model may replace it.
+    let text = d.path().join("text.txt");
+    std::fs::write(&text, "some text to train on, long enough for a few batches of sixteen tokens each. ".repeat(8))
+        .unwrap();
+    let linked = d.path().join("sub/../text.txt");
+    std::fs::create_dir_all(d.path().join("sub")).unwrap();
+    let err = refused(&["--data", s(&text), "--metrics", s(&linked)], "--metrics");
+    assert!(err.contains("is the --data file"), "{err}");
+    refused(&["--data", s(&text), "--out", s(d.path())], "holds the --data file");
+    assert!(std::fs::read_to_string(&text).unwrap().starts_with("some text"));
+}

@@ -78,6 +78,7 @@ use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
 
 use crate::memory_args::{free_bytes, MemoryArgs};
+use crate::output_paths::{check_writable, refuse_overwriting_inputs};
 use crate::{LossArg, ModelArgs, OptimArgs};
 use checkpoint::{CheckpointDir, CheckpointState};
 use data::TrainData;
@@ -255,6 +256,18 @@ impl TrainArgs {
         }
     }
 
+    /// The files and folders the run reads, by flag: no output may be one of them.
+    pub fn inputs(&self) -> Vec<(&'static str, &Path)> {
+        let mut inputs = vec![("--data", self.data.as_path())];
+        let optional =
+            [("--init-from", &self.init_from), ("--tokenizer", &self.tokenizer), ("--run-config", &self.run_config)];
+        inputs.extend(optional.into_iter().filter_map(|(flag, p)| p.as_deref().map(|p| (flag, p))));
+        if let Some(r) = self.resume.as_deref().filter(|r| *r != "auto") {
+            inputs.push(("--resume", Path::new(r)));
+        }
+        inputs
+    }
+
     pub fn data_parallel(&self, world: usize) -> Result<DataParallel> {
         let bucket_bytes = match self.bucket_mb {
             None => DEFAULT_BUCKET_BYTES,
@@ -327,6 +340,18 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
             "--stop-after {n} stops the run to continue it later, which needs a checkpoint to continue from: \
              give a --checkpoint-dir"
         );
+    }
+    // No output may be an input: checked before anything is created.
+    let inputs = args.inputs();
+    if let Some(out) = &args.out {
+        refuse_overwriting_inputs("--out", out, &inputs)?;
+    }
+    if let Some(metrics) = &args.metrics {
+        refuse_overwriting_inputs("--metrics", metrics, &inputs)?;
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        let not_resume: Vec<_> = inputs.iter().copied().filter(|(flag, _)| *flag != "--resume").collect();
+        refuse_overwriting_inputs("--checkpoint-dir", dir, &not_resume)?;
     }
     // One run per checkpoint directory, taken before anything reads or
     // writes it; the ranks of a --gpus run work under their launcher's lock.
@@ -402,6 +427,9 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         hf.check(&compiled.forward)?;
     }
     let params: usize = compiled.forward.params().map(|p| compiled.forward.ty(p).numel()).sum();
+    if rank == 0 {
+        check_outputs(args, &compiled.step, ckpt.as_ref())?;
+    }
     let (schedule, sources) = args.schedule(params, pretrained.is_some())?;
     let eval_step = if args.eval_every > 0 && rank == 0 {
         data.validation_batches(1)?;
@@ -632,6 +660,33 @@ fn open_sessions(
         Role::Launcher { .. } => unreachable!("the launcher starts ranks and trains nothing itself"),
     }
 }
+
+/// Every output of the run is checked writable, with room for what it
+/// will hold, before step 1 (so that a run never trains for hours and
+/// then fails to save): `--out` the model's weights, `--checkpoint-dir`
+/// one more checkpoint (weights and optimizer state: the old ones are
+/// deleted only after a new one is complete), `--metrics` its rows.
+fn check_outputs(args: &TrainArgs, step: &Trace, ckpt: Option<&CheckpointDir>) -> Result<()> {
+    let bytes = |keep: fn(&ValueKind) -> bool| -> u64 {
+        step.leaves().filter(|&v| keep(&step.value(v).kind)).map(|v| step.ty(v).bytes()).sum()
+    };
+    let weights = bytes(|k| matches!(k, ValueKind::Param { .. }));
+    let state = bytes(|k| matches!(k, ValueKind::State { .. }));
+    if let Some(out) = &args.out {
+        // The new folder is written beside the old one and renamed over it.
+        check_writable("--out", out, weights)?;
+    }
+    if let Some(dir) = ckpt {
+        check_writable("--checkpoint-dir", &dir.root.join(".write-check"), weights + state)?;
+    }
+    if let Some(metrics) = &args.metrics {
+        check_writable("--metrics", metrics, METRICS_ROOM)?;
+    }
+    Ok(())
+}
+
+/// Room a metrics file is checked for: a row is about 200 bytes.
+const METRICS_ROOM: u64 = 1 << 20;
 
 /// The checkpoint directory: `--checkpoint-dir`, or the parent of a
 /// `--resume PATH` checkpoint.
