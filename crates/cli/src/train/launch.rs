@@ -54,6 +54,9 @@ pub fn launch(gpus: usize) -> Result<()> {
     let exe = std::env::current_exe().context("finding this executable to start the ranks")?;
     let own: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut children = Vec::with_capacity(gpus);
+    // A signal to the launcher stops its ranks (see `supervise`) instead of
+    // leaving them running without it.
+    super::signals::install();
     for rank in 0..gpus {
         let child = Command::new(&exe)
             .args(rank_args(&own, rank, &id_file.0))
@@ -79,10 +82,26 @@ fn stop_all(children: &mut [Child]) {
 }
 
 /// Waits for every rank. The first that fails stops the others, and the
-/// error names it with its exit status.
+/// error names it with its exit status. SIGTERM or SIGINT to the launcher
+/// stops every rank at once: the ranks of a data-parallel step must stop
+/// after the same step, which they cannot agree on yet, so the run goes
+/// back to its last checkpoint.
 pub fn supervise(mut children: Vec<Child>, poll: Duration) -> Result<()> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     while done.iter().any(Option::is_none) {
+        if let Some(signal) = super::signals::requested() {
+            stop_all(&mut children);
+            return Err(super::signals::Interrupted {
+                signal,
+                message: format!(
+                    "stopped by {}: the {} ranks were stopped at once (a run over several GPUs does not finish its \
+                     step first); continue from its last checkpoint with the same command and --resume auto",
+                    super::signals::name(signal),
+                    children.len()
+                ),
+            }
+            .into());
+        }
         for (rank, c) in children.iter_mut().enumerate() {
             if done[rank].is_some() {
                 continue;
