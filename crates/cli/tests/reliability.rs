@@ -338,3 +338,21 @@ fn outputs_are_checked_before_step_one() {
     refused(&["--data", s(&text), "--out", s(d.path())], "holds the --data file");
     assert!(std::fs::read_to_string(&text).unwrap().starts_with("some text"));
 }
+
+/// A second signal ends the run at once, without waiting for the step.
+#[test]
+fn a_second_signal_ends_the_run_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let metrics = d.path().join("m.jsonl");
+    let args = ["train", "--device", "cpu", "--seq", "256", "--steps", "1000000", "--eval-every", "0"];
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--metrics".to_string(), s(&metrics).to_string()]);
+    let mut child = spawn(&args);
+    wait_for_rows(&metrics, 2);
+    // Two different signals, back to back: unlike two of one kind they are
+    // never merged into one, so the second always finds the first handled.
+    signal(&child, libc::SIGTERM);
+    signal(&child, libc::SIGINT);
+    let status = child.wait().unwrap();
+    assert!(matches!(status.signal(), Some(libc::SIGTERM | libc::SIGINT)), "{status:?}");
+}
