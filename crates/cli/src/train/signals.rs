@@ -14,7 +14,12 @@ use std::sync::atomic::{AtomicI32, Ordering};
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_signal(signal: libc::c_int) {
-    RECEIVED.store(signal, Ordering::SeqCst);
+    if RECEIVED.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+        // A second signal that reached this handler anyway (the kernel
+        // delivers signals pending together before either handler runs).
+        // SAFETY: _exit is async-signal-safe and ends the process at once.
+        unsafe { libc::_exit(128 + signal) }
+    }
     // SAFETY: `signal` (like the atomic store) is async-signal-safe; the
     // second SIGTERM or SIGINT then ends the process with the default action.
     unsafe {
