@@ -660,7 +660,7 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
     let hypers = [
         AdamW::default(),
         // 1 - beta1 >= 0.5 takes lerp's other branch; larger decay and eps.
-        AdamW { beta1: 0.3, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 },
+        AdamW { beta1: 0.3, beta2: 0.95, eps: 1e-6, weight_decay: 0.1, ..AdamW::default() },
     ];
     let shapes: [&[usize]; 4] = [&[], &[1], &[17], &[33, 65]];
     // (label, op, lr/step dtype, CPU state, GPU state) per configuration.
