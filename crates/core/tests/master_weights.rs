@@ -78,9 +78,9 @@ fn a_bf16_weight_moves_under_updates_below_half_its_ulp_only_with_master_state()
     }
 }
 
-/// PyTorch's f32 AdamW of one element (no decay), as the op's doc defines it.
-fn adamw_f32(w: f32, g: f32, m: &mut f32, v: &mut f32, lr: f64, t: f64, wd: f64, h: &AdamW) -> f32 {
-    let decay = (1.0 - lr * wd) as f32;
+/// PyTorch's f32 AdamW of one element, as the op's doc defines it: the new weight.
+fn adamw_f32(w: f32, g: f32, m: &mut f32, v: &mut f32, lr: f64, t: f64, h: &AdamW) -> f32 {
+    let decay = (1.0 - lr * h.weight_decay) as f32;
     let w1 = (1.0 - h.beta1) as f32;
     let bc1 = 1.0 - h.beta1.powf(t);
     let bc2_sqrt = (1.0 - h.beta2.powf(t)).sqrt();
@@ -112,7 +112,7 @@ fn the_f32_master_is_the_f32_update_and_the_parameter_its_rounding() {
             let o = run_op(&op, &inputs).unwrap();
             (p, m, v, w) = (o[0].clone(), o[1].clone(), o[2].clone(), o[3].clone());
             for i in 0..n {
-                want[i] = adamw_f32(want[i], g[i] as f32, &mut rm[i], &mut rv[i], lr, step as f64, wd, &h);
+                want[i] = adamw_f32(want[i], g[i] as f32, &mut rm[i], &mut rv[i], lr, step as f64, &h);
             }
             let (got_w, got_p) = (w.to_f64(), p.to_f64());
             for i in 0..n {
