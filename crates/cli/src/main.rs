@@ -32,6 +32,7 @@ use stepgraph_core::autodiff::{DecayScope, StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::ops::optim::MasterWeights;
 use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
 use stepgraph_core::plan::{memory_timeline_html, plan_report, TimelineOptions};
 
@@ -283,6 +284,36 @@ enum StateDTypeArg {
     Param,
 }
 
+/// What bf16/f16 parameters keep so that small updates are not rounded away.
+#[derive(Copy, Clone, ValueEnum, Debug, PartialEq)]
+enum MasterWeightsArg {
+    /// An f32 copy of each parameter as optimizer state (4 bytes a weight).
+    F32,
+    /// A compensation of the parameter's dtype carried by the update (2 bytes a weight).
+    Kahan,
+    /// Nothing: updates below half a unit in the parameter's last place are lost.
+    None,
+}
+
+impl MasterWeightsArg {
+    /// The mode a train step takes when none is asked for.
+    fn default_mode() -> Self {
+        match MasterWeights::default() {
+            MasterWeights::F32 => MasterWeightsArg::F32,
+            MasterWeights::Kahan => MasterWeightsArg::Kahan,
+            MasterWeights::None => MasterWeightsArg::None,
+        }
+    }
+
+    fn mode(self) -> MasterWeights {
+        match self {
+            MasterWeightsArg::F32 => MasterWeights::F32,
+            MasterWeightsArg::Kahan => MasterWeights::Kahan,
+            MasterWeightsArg::None => MasterWeights::None,
+        }
+    }
+}
+
 /// The AdamW settings of a train step, shared by `plan`, `trace` and
 /// `train` so that the step they plan and print is the step `train` runs.
 #[derive(Args, Clone, Debug)]
@@ -297,6 +328,12 @@ struct OptimArgs {
     /// Keep the AdamW moments in float32 (the same as --state-dtype f32).
     #[arg(long, conflicts_with = "state_dtype")]
     f32_state: bool,
+    /// What bf16/f16 parameters keep so that updates below half a unit in
+    /// their last place are not rounded away: an f32 master copy, a
+    /// compensation of the parameter's dtype, or nothing (f32 parameters
+    /// need neither; docs/mixed-precision.md compares them).
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = MasterWeightsArg::default_mode())]
+    master_weights: MasterWeightsArg,
     /// Apply --weight-decay to every parameter; without it norm weights,
     /// biases and embedding tables are not decayed.
     #[arg(long)]
@@ -343,6 +380,7 @@ impl OptimArgs {
         t.adamw.weight_decay = wd;
         t.clip_grad_norm = (clip > 0.0).then_some(clip);
         t.decay = if self.decay_all { DecayScope::All } else { DecayScope::Matrices };
+        t.master_weights = self.master_weights.mode();
         t.state_dtype = match (self.f32_state, self.state_dtype) {
             (true, _) | (false, StateDTypeArg::F32) => Some(DType::F32),
             (false, StateDTypeArg::Auto) => None,

@@ -4,9 +4,10 @@
 //! `grads` seeds the scalar loss with 1, walks the forward nodes in reverse
 //! calling each op's VJP rule, accumulates cotangents by addition, and
 //! outputs one gradient per parameter. `train` then appends an AdamW update
-//! per parameter, whose moments are optimizer state leaves and whose learning
-//! rate and step count are step inputs, so one compiled step serves every
-//! iteration.
+//! per parameter, whose moments (and, for bf16/f16 parameters, master state:
+//! [`TrainOptions::master_weights`]) are optimizer state leaves and whose
+//! learning rate and step count are step inputs, so one compiled step
+//! serves every iteration.
 //!
 //! A train step may also clip the global gradient norm before its updates
 //! ([`TrainOptions::clip_grad_norm`], in the optimizer phase, the norm a
@@ -22,7 +23,7 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId, ValueKind};
-use crate::ops::optim::AdamW;
+use crate::ops::optim::{AdamW, MasterWeights};
 use crate::ops::reduce::ReduceKind;
 use crate::ops::{Op, VjpArgs};
 use crate::passes;
@@ -56,6 +57,8 @@ impl StepKind {
 /// Optimizer settings for [`StepKind::Train`].
 #[derive(Clone, Debug, PartialEq, Default, serde::Serialize)]
 pub struct TrainOptions {
+    /// The AdamW hyperparameters; their `master` is set per parameter from
+    /// [`TrainOptions::master_weights`].
     pub adamw: AdamW,
     /// dtype of the AdamW moments; `None` chooses [`default_state_dtype`].
     pub state_dtype: Option<DType>,
@@ -65,6 +68,12 @@ pub struct TrainOptions {
     pub clip_grad_norm: Option<f64>,
     /// Which parameters `adamw.weight_decay` applies to.
     pub decay: DecayScope,
+    /// What bf16 and f16 parameters keep so that updates below half a unit
+    /// in their last place are not rounded away: an f32 master copy
+    /// (`<param>.master`), a compensation of the parameter's dtype
+    /// (`<param>.compensation`), or nothing. Both are optimizer state, saved
+    /// and resumed with the moments. f32 and f64 parameters keep nothing.
+    pub master_weights: MasterWeights,
 }
 
 /// Which parameters AdamW's weight decay applies to.
@@ -215,15 +224,22 @@ pub fn build_accumulated_step(
                 let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(default_state_dtype(b.dtype(p))));
                 let m = b.state(&format!("{name}.exp_avg"), sty.clone())?;
                 let v = b.state(&format!("{name}.exp_avg_sq"), sty)?;
-                let hyper = if no_decay.contains(&p) {
-                    AdamW { weight_decay: 0.0, ..opts.adamw.clone() }
-                } else {
-                    opts.adamw.clone()
+                let master = opts.master_weights.for_param(b.dtype(p));
+                let w = match (master.state_suffix(), master.state_dtype(b.dtype(p))) {
+                    (Some(suffix), Some(dtype)) => {
+                        Some(b.state(&format!("{name}.{suffix}"), b.ty(p).with_dtype(dtype))?)
+                    }
+                    _ => None,
                 };
-                let (p2, m2, v2) = b.adamw(p, g, m, v, lr, step, &hyper)?;
+                let weight_decay = if no_decay.contains(&p) { 0.0 } else { opts.adamw.weight_decay };
+                let hyper = AdamW { weight_decay, master, ..opts.adamw.clone() };
+                let (p2, m2, v2, w2) = b.adamw(p, g, m, v, lr, step, w, &hyper)?;
                 b.update(p, p2);
                 b.update(m, m2);
                 b.update(v, v2);
+                if let (Some(w), Some(w2)) = (w, w2) {
+                    b.update(w, w2);
+                }
             }
         }
         StepKind::Forward => unreachable!("handled above"),

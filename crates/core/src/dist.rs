@@ -19,7 +19,8 @@
 //! 3. **Loss.** The loss is averaged over the ranks right after it is
 //!    computed (`all_reduce_mean`), so every rank reports the global loss.
 //! 4. **ZeRO-1** (train steps only): each rank keeps its shard of every
-//!    parameter's AdamW moments (persistent state of `1/world` the size).
+//!    parameter's AdamW moments and master state (persistent state of
+//!    `1/world` the size).
 //!    The optimizer runs bucket by bucket: per parameter `local_shard` (this
 //!    rank's shard of the parameter), AdamW on the shard, then one
 //!    `all_gather` per bucket writes every rank's updated shards back into
@@ -50,6 +51,7 @@ use crate::host::HostTensor;
 use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
 use crate::models::ModelSpec;
 use crate::ops::collective::{shard_type, ReduceOp};
+use crate::ops::optim::MasterWeights;
 use crate::ops::{BinaryFn, Op};
 use crate::pipeline::{compile_step, trace_step, StepOptions};
 use crate::plan::{plan_report, PlanReport};
@@ -197,7 +199,7 @@ pub fn buckets(step: &Trace, bucket_bytes: u64) -> Result<Vec<Bucket>> {
     Ok(out)
 }
 
-/// The positions of a step's AdamW updates (inputs `p, g, m, v, lr, step`).
+/// The positions of a step's AdamW updates (inputs `p, g, m, v, lr, step[, w]`).
 fn adamw_nodes(step: &Trace) -> Vec<usize> {
     (0..step.nodes.len()).filter(|&i| matches!(step.nodes[i].op, Op::AdamW(_))).collect()
 }
@@ -229,7 +231,9 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
                     step.describe(p)
                 ))
             })?;
-            for &s in &node.inputs[2..4] {
+            let Op::AdamW(hyper) = &node.op else { unreachable!("adamw nodes only") };
+            let master = (hyper.master != MasterWeights::None).then(|| node.inputs[6]);
+            for s in node.inputs[2..4].iter().copied().chain(master) {
                 if !matches!(step.value(s).kind, ValueKind::State { .. }) {
                     return Err(Error::Parallel(format!(
                         "ZeRO-1 expects AdamW moments to be optimizer state, got {}",
@@ -245,10 +249,11 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
                 n.op.name()
             )));
         }
-        // Every update must be one of the AdamW triples rebuilt below.
-        if step.updates.len() != 3 * adamws.len() {
+        // Every update must be one of the AdamW nodes' rebuilt below.
+        let outputs: usize = adamws.iter().map(|&ni| step.nodes[ni].outputs.len()).sum();
+        if step.updates.len() != outputs {
             return Err(Error::Parallel(format!(
-                "ZeRO-1 rewrites the updates of {} AdamW nodes, but the step has {} state updates",
+                "ZeRO-1 rewrites the {outputs} updates of {} AdamW nodes, but the step has {} state updates",
                 adamws.len(),
                 step.updates.len()
             )));
@@ -330,9 +335,14 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
                 let Op::AdamW(hyper) = &node.op else { unreachable!("adamw nodes only") };
                 let i: Vec<ValueId> = node.inputs.iter().map(|&v| m(&map, v)).collect();
                 let p_shard = b.local_shard(world, i[0])?;
-                let (p2, m2, v2) = b.adamw(p_shard, reduced[&node.inputs[1]], i[2], i[3], i[4], i[5], hyper)?;
+                // The master state's shard starts from the parameter's shard (see `AdamW`).
+                let w = (hyper.master != MasterWeights::None).then(|| i[6]);
+                let (p2, m2, v2, w2) = b.adamw(p_shard, reduced[&node.inputs[1]], i[2], i[3], i[4], i[5], w, hyper)?;
                 updates.push((i[2], m2));
                 updates.push((i[3], v2));
+                if let (Some(w), Some(w2)) = (w, w2) {
+                    updates.push((w, w2));
+                }
                 params.push(i[0]);
                 shards.push(p2);
             }

@@ -19,6 +19,7 @@ use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, V
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::collective::{AllGather, AllReduce, LocalShard, ReduceOp, ReduceScatter};
+use stepgraph_core::ops::optim::MasterWeights;
 use stepgraph_core::ops::{Op, VjpArgs};
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions};
 
@@ -126,11 +127,16 @@ fn max_rel(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs()).fold(0.0, f64::max)
 }
 
+/// An AdamW moment or master state: what ZeRO-1 shards over the ranks.
+fn is_optimizer_state(name: &str) -> bool {
+    name.contains("exp_avg") || name.ends_with(".master") || name.ends_with(".compensation")
+}
+
 fn assert_ranks_identical(runs: &[RankRun], what: &str) {
     for (r, run) in runs.iter().enumerate() {
         assert_eq!(run.losses, runs[0].losses, "{what}: rank {r} reports other losses than rank 0");
         for ((name, t), (_, t0)) in run.finals.iter().zip(&runs[0].finals) {
-            if !name.contains("exp_avg") {
+            if !is_optimizer_state(name) {
                 assert_eq!(t, t0, "{what}: rank {r} ends with another `{name}` than rank 0");
             }
         }
@@ -168,8 +174,8 @@ fn n_ranks_train_like_one_rank_and_stay_identical() {
             // parallelism does, only on a shard: same bits.
             assert_eq!(zero[0].losses, plain[0].losses, "{dtype}, {world} ranks: ZeRO-1 losses differ from DP");
             for (name, t) in &plain[0].finals {
-                if name.contains("exp_avg") {
-                    // The full moment is every rank's shard in rank order.
+                if is_optimizer_state(name) {
+                    // The full moment (or master state) is every rank's shard in rank order.
                     let mut gathered = Vec::new();
                     for run in &zero {
                         let (_, s) = run.finals.iter().find(|(n, _)| n == name).unwrap();
@@ -339,9 +345,11 @@ fn collective_traces_print_parse_and_lower() {
             assert_eq!(stepgraph_core::ops::collective::world_of(&node.op), Some(4), "{}", node.op.name());
         }
         if zero1 {
-            // Optimizer state is sharded: a quarter of every parameter.
+            // Optimizer state is sharded: a quarter of every parameter's
+            // moments (2) and compensation (1, bf16 master weights).
             let r = plan_report(&t, &plan(&t, PlanOptions::default()).unwrap(), 1);
-            assert_eq!(r.optimizer_state_bytes * 4, 2 * r.param_bytes);
+            let per_param = 2 + (TrainOptions::default().master_weights == MasterWeights::Kahan) as u64;
+            assert_eq!(r.optimizer_state_bytes * 4, per_param * r.param_bytes);
         }
     }
 }

@@ -15,7 +15,8 @@ use stepgraph_core::ir::{DType, TensorType, Trace};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::elementwise::Binary;
-use stepgraph_core::ops::optim::AdamW;
+use stepgraph_core::ops::optim::{AdamW, MasterWeights};
+use stepgraph_core::ops::sample::Sample;
 use stepgraph_core::ops::{BinaryFn, Op, OpDef};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::testing::{draw_sample, run_op};
@@ -176,7 +177,15 @@ fn clipping_factors_fold_into_adamw_with_the_same_bits() {
         let off = compile_step(&spec, &opts(Epilogues::Off)).unwrap();
         let on = compile_step(&spec, &opts(Epilogues::On)).unwrap();
         let updates = count(&on.step, |op| matches!(op, Op::AdamW(_)));
-        let scaled = on.step.nodes.iter().filter(|n| matches!(n.op, Op::AdamW(_)) && n.inputs.len() == 7).count();
+        // The scale follows the six operands and the master state, if any.
+        let scaled = on
+            .step
+            .nodes
+            .iter()
+            .filter(
+                |n| matches!(&n.op, Op::AdamW(h) if n.inputs.len() == 7 + (h.master != MasterWeights::None) as usize),
+            )
+            .count();
         assert_eq!(scaled, updates, "{dtype}: every update reads its gradient scaled");
         assert_eq!(on.fusion.scales.get("adamw"), Some(&updates));
         let muls = |t: &Trace| count(t, |op| matches!(op, Op::Binary(b) if b.f == BinaryFn::Mul));
@@ -193,12 +202,18 @@ fn clipping_factors_fold_into_adamw_with_the_same_bits() {
     // In 16 bits the epilogue adds round once fewer, so the scale is checked
     // on its own: the folded update equals `mul` then the update, bit for bit.
     for dtype in [DType::BF16, DType::F16, DType::F32, DType::F64] {
-        for sample in AdamW::samples(dtype).into_iter().filter(|s| s.inputs.len() == 7) {
+        // The scale follows the six operands and the master state, if any.
+        let scale_at = |s: &Sample| match &s.op {
+            Op::AdamW(h) => 6 + (h.master != MasterWeights::None) as usize,
+            _ => unreachable!("adamw samples"),
+        };
+        for sample in AdamW::samples(dtype).into_iter().filter(|s| s.inputs.len() == scale_at(s) + 1) {
+            let at = scale_at(&sample);
             let inputs = draw_sample(&sample, 5).unwrap();
             let folded = run_op(&sample.op, &inputs).unwrap();
             let scaled =
-                run_op(&Op::from(Binary { f: BinaryFn::Mul }), &[inputs[1].clone(), inputs[6].clone()]).unwrap();
-            let mut plain = inputs[..6].to_vec();
+                run_op(&Op::from(Binary { f: BinaryFn::Mul }), &[inputs[1].clone(), inputs[at].clone()]).unwrap();
+            let mut plain = inputs[..at].to_vec();
             plain[1] = scaled[0].clone();
             let unfolded = run_op(&sample.op, &plain).unwrap();
             for (x, y) in folded.iter().zip(&unfolded) {

@@ -19,7 +19,7 @@ use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, ValueId};
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
 use stepgraph_core::ops::loss::{CrossEntropy, CrossEntropyBackward};
-use stepgraph_core::ops::optim::AdamW;
+use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::{Op, VjpArgs};
 use stepgraph_core::testing::{interpret, max_rel_diff, run_op};
 use stepgraph_core::Error;
@@ -582,7 +582,10 @@ fn adamw_f32_tracks_f64() {
 
 #[test]
 fn adamw_defaults_are_pytorchs() {
-    assert_eq!(AdamW::default(), AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
+    assert_eq!(
+        AdamW::default(),
+        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, master: MasterWeights::None }
+    );
 }
 
 // ------------------------------------------------------------------ (e) errors
@@ -763,8 +766,8 @@ fn training_ops_print_parse_and_lower() {
     let gx = b.reshape(gx, &[2, 3, 6]).unwrap();
     let gt = b.push1(EmbeddingBackward { num_rows: 7 }.into(), &[ids, gx]).unwrap();
     b.set_phase(Phase::Optimizer);
-    let h = AdamW { beta1: 0.85, beta2: 0.95, eps: 1e-6, weight_decay: 0.0 };
-    let (p2, m2, v2) = b.adamw(table, gt, m, v, lr, step, &h).unwrap();
+    let h = AdamW { beta1: 0.85, beta2: 0.95, eps: 1e-6, weight_decay: 0.0, ..AdamW::default() };
+    let (p2, m2, v2, _) = b.adamw(table, gt, m, v, lr, step, None, &h).unwrap();
     for (s, n) in [(table, p2), (m, m2), (v, v2)] {
         b.update(s, n);
     }

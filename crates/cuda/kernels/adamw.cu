@@ -31,6 +31,14 @@
 // address is 16-byte aligned (the lowering checks) and updates 8 consecutive
 // elements per thread and iteration with 16-byte loads and stores: launch
 // it over n / 8 threads.
+// `adamw[_vec|_multi]_<p>_<m>_<v>_master` and `..._kahan` also carry the
+// master state of AdamW::master in core:
+// the plain and 16-byte kernels take two more arguments after gscale,
+// `const W* w, W* w_out` (W = float for _master, P for _kahan), and the
+// multi-tensor kernel takes MultiTableT<9, 40>, whose address arrays 7 and 8
+// are w and w_out. The update then starts from the f32 master (the
+// parameter itself at step 1) or from p + compensation, and leaves the
+// master, or what rounding the parameter lost, behind.
 // lr and step are one-element device tensors (f32, or f64 where the flag
 // is 1) read inside the kernel, so a captured graph replays with the values
 // written before each step. Outputs may alias their inputs (p_out = p,
@@ -67,7 +75,17 @@ template <typename A> struct Coefs {
     A decay, w1, beta2, w2, neg_step_size, bc2_sqrt, eps;
     A gscale;  // the gradient's factor, when scaled
     int valid, scaled;
+    int first;  // step == 1: an f32 master starts from the parameter
 };
+
+// The master state an update carries (MasterWeights in core).
+enum Mode { kNone = 0, kMaster = 1, kKahan = 2 };
+
+// Its storage type: f32 for a master copy, the parameter's own for a
+// compensation (and, unused, without state).
+template <typename P, int Mode> struct MasterOf { typedef P type; };
+template <typename P> struct MasterOf<P, kMaster> { typedef float type; };
+template <typename P, int Mode> using master_t = typename MasterOf<P, Mode>::type;
 
 __device__ __forceinline__ double read_scalar(const void* p, i64 is_f64) {
     return is_f64 ? *(const double*)p : (double)*(const float*)p;
@@ -80,6 +98,7 @@ __device__ __forceinline__ Coefs<A> coefs(const void* lr_p, i64 lr_f64, const vo
     Coefs<A> c;
     double lr = read_scalar(lr_p, lr_f64), step = read_scalar(step_p, step_f64);
     c.valid = isfinite(lr) && lr >= 0.0 && isfinite(step) && step >= 1.0;
+    c.first = step == 1.0;
     double bc1 = __dsub_rn(1.0, pow(beta1, step));
     double bc2 = __dsub_rn(1.0, pow(beta2, step));
     double step_size = __ddiv_rn(lr, bc1);
@@ -93,10 +112,12 @@ __device__ __forceinline__ Coefs<A> coefs(const void* lr_p, i64 lr_f64, const vo
     return c;
 }
 
-// One element's update: the parameter, first and second moment as stored.
-template <typename P, typename M, typename V>
+// One element's update: the parameter, first and second moment as stored,
+// and the master state (a value of acc_t<P>: what the caller stores in W).
+template <typename P, typename M, typename V, int Mode>
 __device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, acc_t<P> pi0, acc_t<M> mi0,
-                                        acc_t<V> vi0, acc_t<P>& p_new, acc_t<M>& m_new, acc_t<V>& v_new) {
+                                        acc_t<V> vi0, acc_t<P> wi0, acc_t<P>& p_new, acc_t<M>& m_new,
+                                        acc_t<V>& v_new, acc_t<P>& w_new) {
     typedef acc_t<P> A;
     typedef acc_t<M> AM;
     typedef acc_t<V> AV;
@@ -104,11 +125,20 @@ __device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, a
         p_new = pi0;
         m_new = mi0;
         v_new = vi0;
+        w_new = wi0;
         return;
     }
     // g·scale as the `mul` it replaces stores it: rounded to P.
     if (c.scaled) gi = stored((const P*)nullptr, mul_rn(gi, c.gscale));
-    A pi = mul_rn(pi0, c.decay);
+    // The weight the update starts from: the parameter, the f32 master
+    // (the parameter at the first step), or the parameter plus what
+    // rounding it lost.
+    A w0 = pi0;
+    if constexpr (Mode == kMaster) {
+        if (!c.first) w0 = wi0;
+    }
+    if constexpr (Mode == kKahan) w0 = add_rn(pi0, wi0);
+    A pi = mul_rn(w0, c.decay);
     A mi = lerp((A)mi0, gi, c.w1);
     A vi = add_rn(mul_rn((A)vi0, c.beta2), mul_rn(mul_rn(c.w2, gi), gi));
     // The moments as stored: the parameter update reads the state it
@@ -117,6 +147,10 @@ __device__ __forceinline__ void element(const Coefs<acc_t<P>>& c, acc_t<P> gi, a
     v_new = stored((const V*)nullptr, (AV)vi);
     A denom = add_rn(div_rn(sqrt_rn((A)v_new), c.bc2_sqrt), c.eps);
     p_new = add_rn(pi, div_rn(mul_rn(c.neg_step_size, (A)m_new), denom));
+    // The master as computed, or what rounding the parameter to P lost
+    // (exact in A), itself rounded to P when stored.
+    if constexpr (Mode == kMaster) w_new = p_new;
+    if constexpr (Mode == kKahan) w_new = sub_rn(p_new, stored((const P*)nullptr, p_new));
 }
 
 // The block's coefficients, computed by one thread (two f64 pows), with
@@ -136,27 +170,32 @@ __device__ __forceinline__ Coefs<A> block_coefs(const void* lr, i64 lr_f64, cons
     return shared_c;
 }
 
-// Element i: reads it from p, g, m, v and writes it to p_out, m_out,
-// v_out (which may be the inputs: every read comes before any write).
-template <typename P, typename M, typename V>
+// Element i: reads it from p, g, m, v (and w) and writes it to p_out,
+// m_out, v_out (and w_out), which may be the inputs: every read comes
+// before any write. Without master state w and w_out are never touched.
+template <typename P, typename M, typename V, int Mode>
 __device__ __forceinline__ void update_at(const Coefs<acc_t<P>>& c, const P* p, const P* g, const M* m, const V* v,
-                                          P* p_out, M* m_out, V* v_out, i64 i) {
-    acc_t<P> pn;
+                                          const master_t<P, Mode>* w, P* p_out, M* m_out, V* v_out,
+                                          master_t<P, Mode>* w_out, i64 i) {
+    acc_t<P> pn, wn = acc_t<P>(0), w0 = acc_t<P>(0);
     acc_t<M> mn;
     acc_t<V> vn;
-    element<P, M, V>(c, load(g, i), load(p, i), load(m, i), load(v, i), pn, mn, vn);
+    if constexpr (Mode != kNone) w0 = load(w, i);
+    element<P, M, V, Mode>(c, load(g, i), load(p, i), load(m, i), load(v, i), w0, pn, mn, vn, wn);
     store(m_out, i, mn);
     store(v_out, i, vn);
+    if constexpr (Mode != kNone) store(w_out, i, wn);
     store(p_out, i, pn);
 }
 
-template <typename P, typename M, typename V>
+template <typename P, typename M, typename V, int Mode>
 __device__ __forceinline__ void update(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step,
                                        P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,
-                                       double beta2, double eps, double wd, const P* gscale) {
+                                       double beta2, double eps, double wd, const P* gscale,
+                                       const master_t<P, Mode>* w, master_t<P, Mode>* w_out) {
     const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        update_at(c, p, g, m, v, p_out, m_out, v_out, i);
+        update_at<P, M, V, Mode>(c, p, g, m, v, w, p_out, m_out, v_out, w_out, i);
 }
 
 // Elements per thread and iteration of `update_vec`.
@@ -164,21 +203,26 @@ constexpr int kVec = 8;
 
 // Pack j (elements kVec·j ..): read with 16-byte loads, updated in place in
 // the registers (each element read before it is written), written back.
-template <typename P, typename M, typename V>
+template <typename P, typename M, typename V, int Mode>
 __device__ __forceinline__ void update_pack(const Coefs<acc_t<P>>& c, const P* p, const P* g, const M* m, const V* v,
-                                            P* p_out, M* m_out, V* v_out, i64 j) {
+                                            const master_t<P, Mode>* w, P* p_out, M* m_out, V* v_out,
+                                            master_t<P, Mode>* w_out, i64 j) {
     Pack<P, kVec> rp, rg;
     Pack<M, kVec> rm;
     Pack<V, kVec> rv;
+    Pack<master_t<P, Mode>, kVec> rw;
     rp.read(p, j);
     rg.read(g, j);
     rm.read(m, j);
     rv.read(v, j);
+    if constexpr (Mode != kNone) rw.read(w, j);
 #pragma unroll
     for (int k = 0; k < kVec; ++k)
-        update_at(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rp.elems(), rm.elems(), rv.elems(), k);
+        update_at<P, M, V, Mode>(c, rp.elems(), rg.elems(), rm.elems(), rv.elems(), rw.elems(), rp.elems(),
+                                 rm.elems(), rv.elems(), rw.elems(), k);
     rm.write(m_out, j);
     rv.write(v_out, j);
+    if constexpr (Mode != kNone) rw.write(w_out, j);
     rp.write(p_out, j);
 }
 
@@ -186,42 +230,47 @@ __device__ __forceinline__ void update_pack(const Coefs<acc_t<P>>& c, const P* p
 // consecutive elements per iteration with 16-byte loads and stores (the
 // same arithmetic per element, so the same bits), the last n mod kVec
 // element by element.
-template <typename P, typename M, typename V>
+template <typename P, typename M, typename V, int Mode>
 __device__ __forceinline__ void update_vec(const P* p, const P* g, const M* m, const V* v, const void* lr,
                                            const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,
                                            i64 step_f64, double beta1, double beta2, double eps, double wd,
-                                           const P* gscale) {
+                                           const P* gscale, const master_t<P, Mode>* w, master_t<P, Mode>* w_out) {
     const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     const i64 runs = n / kVec;
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = first; j < runs; j += stride) update_pack(c, p, g, m, v, p_out, m_out, v_out, j);
-    for (i64 i = runs * kVec + first; i < n; i += stride) update_at(c, p, g, m, v, p_out, m_out, v_out, i);
+    for (i64 j = first; j < runs; j += stride)
+        update_pack<P, M, V, Mode>(c, p, g, m, v, w, p_out, m_out, v_out, w_out, j);
+    for (i64 i = runs * kVec + first; i < n; i += stride)
+        update_at<P, M, V, Mode>(c, p, g, m, v, w, p_out, m_out, v_out, w_out, i);
 }
 
-// Multi-tensor AdamW: up to kMaxTensors parameters of one kernel's dtypes,
+// Multi-tensor AdamW: up to kMax parameters of one kernel's dtypes,
 // sharing the learning rate, step and hyperparameters, in one launch. The
 // table of addresses travels as the kernel's argument (__grid_constant__:
-// read in place, within the 4 KB of arguments every GPU takes). Each
+// read in place, within the 4 KB of arguments every GPU takes): 48 tensors
+// and 7 address arrays without master state, 40 and 9 with it. Each
 // tensor is cut into chunks of kChunk elements, numbered across the table
 // (chunk_end: the running count); a block takes chunks blockIdx.x,
 // + gridDim.x, ... and updates a chunk as update_vec does (8-element packs,
 // the same arithmetic per element, so the same bits), the chunk holding a
 // tensor's last n mod 8 elements also those, element by element. Every
 // tensor is 16-byte aligned (the host merges only `adamw_vec` launches).
-constexpr int kMaxTensors = 48;
 constexpr int kChunk = 256 * kVec * 2;
 
-struct MultiTable {
-    i64 n[kMaxTensors];
-    unsigned long long ptr[7][kMaxTensors];  // p, g, m, v, p_out, m_out, v_out
-    int chunk_end[kMaxTensors];
+template <int kArrays, int kMax> struct MultiTableT {
+    i64 n[kMax];
+    unsigned long long ptr[kArrays][kMax];  // p, g, m, v, p_out, m_out, v_out[, w, w_out]
+    int chunk_end[kMax];
     int count;
 };
+typedef MultiTableT<7, 48> MultiTable;
+typedef MultiTableT<9, 40> MultiTableMaster;
 
-template <typename P, typename M, typename V>
-__device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr, const void* step, i64 lr_f64,
+template <typename P, typename M, typename V, int Mode, typename Table>
+__device__ __forceinline__ void update_multi(const Table& t, const void* lr, const void* step, i64 lr_f64,
                                              i64 step_f64, double beta1, double beta2, double eps, double wd,
                                              const P* gscale) {
+    typedef master_t<P, Mode> W;
     const Coefs<acc_t<P>> c = block_coefs<P, acc_t<P>>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     const int total = t.chunk_end[t.count - 1];
     int k = 0;  // chunks ascend, so the tensor only moves forward
@@ -234,16 +283,22 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
         P* p_out = (P*)t.ptr[4][k];
         M* m_out = (M*)t.ptr[5][k];
         V* v_out = (V*)t.ptr[6][k];
+        const W* w = nullptr;
+        W* w_out = nullptr;
+        if constexpr (Mode != kNone) {
+            w = (const W*)t.ptr[7][k];
+            w_out = (W*)t.ptr[8][k];
+        }
         const i64 n = t.n[k], runs = n / kVec, base = (i64)(ch - (k ? t.chunk_end[k - 1] : 0)) * kChunk;
 #pragma unroll
         for (int r = 0; r < kChunk / (kVec * 256); ++r) {
             const i64 j = base / kVec + r * 256 + threadIdx.x;
             if (j >= runs) break;
-            update_pack(c, p, g, m, v, p_out, m_out, v_out, j);
+            update_pack<P, M, V, Mode>(c, p, g, m, v, w, p_out, m_out, v_out, w_out, j);
         }
         const i64 tail = runs * kVec;
         if (tail >= base && tail < base + kChunk && tail + threadIdx.x < n)
-            update_at(c, p, g, m, v, p_out, m_out, v_out, tail + threadIdx.x);
+            update_at<P, M, V, Mode>(c, p, g, m, v, w, p_out, m_out, v_out, w_out, tail + threadIdx.x);
     }
 }
 
@@ -253,32 +308,63 @@ __device__ __forceinline__ void update_multi(const MultiTable& t, const void* lr
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr, const void* step, \
                                    P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64, i64 step_f64, double beta1,       \
-                                   double beta2, double eps, double wd, const P* gscale) { sg_pdl_entry();                            \
-        sg_adamw::update<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,       \
-                                  eps, wd, gscale);                                                                   \
+                                   double beta2, double eps, double wd, const P* gscale) { sg_pdl_entry();                    \
+        sg_adamw::update<P, M, V, sg_adamw::kNone>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64,    \
+                                                   beta1, beta2, eps, wd, gscale, nullptr, nullptr);                  \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_vec_##pdt##_##mdt##_##vdt(const P* p, const P* g, const M* m, const V* v, const void* lr,               \
                                        const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,            \
                                        i64 step_f64, double beta1, double beta2, double eps, double wd,              \
-                                       const P* gscale) { sg_pdl_entry();                                                            \
-        sg_adamw::update_vec<P, M, V>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2,   \
-                                      eps, wd, gscale);                                                               \
-    }                                                                                                                      \
+                                       const P* gscale) { sg_pdl_entry();                    \
+        sg_adamw::update_vec<P, M, V, sg_adamw::kNone>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64,          \
+                                                       step_f64, beta1, beta2, eps, wd, gscale, nullptr, nullptr);    \
+    }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         adamw_multi_##pdt##_##mdt##_##vdt(const __grid_constant__ sg_adamw::MultiTable t, const void* lr,              \
                                          const void* step, i64 lr_f64, i64 step_f64, double beta1, double beta2,      \
-                                         double eps, double wd, const P* gscale) { sg_pdl_entry();                                    \
-        sg_adamw::update_multi<P, M, V>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd, gscale);                \
+                                         double eps, double wd, const P* gscale) { sg_pdl_entry();                    \
+        sg_adamw::update_multi<P, M, V, sg_adamw::kNone>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd,        \
+                                                         gscale);                                                     \
     }
 
+// The kernels of one master mode (suffix _master or _kahan, Mode, state type W).
+#define SG_ADAMW_MASTER(pdt, P, mdt, M, vdt, V, suffix, Mode, W)                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        adamw_##pdt##_##mdt##_##vdt##_##suffix(const P* p, const P* g, const M* m, const V* v, const void* lr,         \
+                                               const void* step, P* p_out, M* m_out, V* v_out, i64 n, i64 lr_f64,    \
+                                               i64 step_f64, double beta1, double beta2, double eps, double wd,      \
+                                               const P* gscale, const W* w, W* w_out) { sg_pdl_entry();                    \
+        sg_adamw::update<P, M, V, Mode>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1, beta2, \
+                                        eps, wd, gscale, w, w_out);                                                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        adamw_vec_##pdt##_##mdt##_##vdt##_##suffix(const P* p, const P* g, const M* m, const V* v, const void* lr,    \
+                                                   const void* step, P* p_out, M* m_out, V* v_out, i64 n,            \
+                                                   i64 lr_f64, i64 step_f64, double beta1, double beta2, double eps, \
+                                                   double wd, const P* gscale, const W* w, W* w_out) { sg_pdl_entry();                    \
+        sg_adamw::update_vec<P, M, V, Mode>(p, g, m, v, lr, step, p_out, m_out, v_out, n, lr_f64, step_f64, beta1,    \
+                                            beta2, eps, wd, gscale, w, w_out);                                        \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) adamw_multi_##pdt##_##mdt##_##vdt##_##suffix(                   \
+        const __grid_constant__ sg_adamw::MultiTableMaster t, const void* lr, const void* step, i64 lr_f64,          \
+        i64 step_f64, double beta1, double beta2, double eps, double wd, const P* gscale) { sg_pdl_entry();                    \
+        sg_adamw::update_multi<P, M, V, Mode>(t, lr, step, lr_f64, step_f64, beta1, beta2, eps, wd, gscale);          \
+    }
+
+// Without master state, and with either kind.
+#define SG_ADAMW_ALL(pdt, P, mdt, M, vdt, V)                                        \
+    SG_ADAMW(pdt, P, mdt, M, vdt, V)                                                \
+    SG_ADAMW_MASTER(pdt, P, mdt, M, vdt, V, master, sg_adamw::kMaster, float)       \
+    SG_ADAMW_MASTER(pdt, P, mdt, M, vdt, V, kahan, sg_adamw::kKahan, P)
+
 // Moments in the parameter's dtype or in f32, each independently.
-#define SG_ADAMW_P(pdt, P)               \
-    SG_ADAMW(pdt, P, pdt, P, pdt, P)     \
-    SG_ADAMW(pdt, P, f32, float, pdt, P) \
-    SG_ADAMW(pdt, P, pdt, P, f32, float) \
-    SG_ADAMW(pdt, P, f32, float, f32, float)
-SG_ADAMW_P(bf16, __nv_bfloat16)
-SG_ADAMW_P(f16, __half)
-SG_ADAMW_P(f64, double)
-SG_ADAMW(f32, float, f32, float, f32, float)
+#define SG_ADAMW_P(pdt, P, KERNELS)               \
+    KERNELS(pdt, P, pdt, P, pdt, P)               \
+    KERNELS(pdt, P, f32, float, pdt, P)           \
+    KERNELS(pdt, P, pdt, P, f32, float)           \
+    KERNELS(pdt, P, f32, float, f32, float)
+SG_ADAMW_P(bf16, __nv_bfloat16, SG_ADAMW_ALL)
+SG_ADAMW_P(f16, __half, SG_ADAMW_ALL)
+SG_ADAMW_P(f64, double, SG_ADAMW_ALL)
+SG_ADAMW_ALL(f32, float, f32, float, f32, float)

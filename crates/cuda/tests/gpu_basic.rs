@@ -46,7 +46,7 @@ use stepgraph_core::ir::{Builder, DType, OutputKind, TensorType};
 use stepgraph_core::ops::elementwise::Full;
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
 use stepgraph_core::ops::norm::{LN_ADDEND, RMS_ADDEND};
-use stepgraph_core::ops::optim::AdamW;
+use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::reduce::{Reduce, ReduceKind};
 use stepgraph_core::ops::sample::FLOAT_DTYPES;
 use stepgraph_core::ops::{samples_by_op, stat_dtype, Op, Sample};
@@ -660,7 +660,7 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
     let hypers = [
         AdamW::default(),
         // 1 - beta1 >= 0.5 takes lerp's other branch; larger decay and eps.
-        AdamW { beta1: 0.3, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 },
+        AdamW { beta1: 0.3, beta2: 0.95, eps: 1e-6, weight_decay: 0.1, ..AdamW::default() },
     ];
     let shapes: [&[usize]; 4] = [&[], &[1], &[17], &[33, 65]];
     // (label, op, lr/step dtype, CPU state, GPU state) per configuration.
@@ -680,8 +680,17 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
                     (normal(shape, mt, seed + 1), positive(shape, vt, seed + 2))
                 };
                 let label = format!("adamw p {pt} m {mt} v {vt} scalars {st} hyper {h} {shape:?}");
-                let state = vec![p0, m0, v0];
-                configs.push((label, Op::from(hyper.clone()), st, state.clone(), state));
+                let state = vec![p0.clone(), m0.clone(), v0.clone()];
+                configs.push((label.clone(), Op::from(hyper.clone()), st, state.clone(), state));
+                // 16-bit parameters also with each kind of master state, from zero.
+                if matches!(pt, DType::BF16 | DType::F16) {
+                    for master in [MasterWeights::F32, MasterWeights::Kahan] {
+                        let w = HostTensor::zeros(TensorType::new(master.state_dtype(pt).unwrap(), shape.to_vec()));
+                        let state = vec![p0.clone(), m0.clone(), v0.clone(), w];
+                        let op = Op::from(AdamW { master, ..hyper.clone() });
+                        configs.push((format!("{label} {}", master.name()), op, st, state.clone(), state));
+                    }
+                }
             }
         }
     }
@@ -691,7 +700,10 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
         for (n, (label, op, st, cs, gs)) in configs.iter().enumerate() {
             let grad = normal(&gs[0].ty.shape, gs[0].ty.dtype, 1000 * step as u64 + n as u64);
             let args = |s: &[HostTensor]| {
-                vec![s[0].clone(), grad.clone(), s[1].clone(), s[2].clone(), scalar(*st, lr), scalar(*st, step)]
+                let mut a =
+                    vec![s[0].clone(), grad.clone(), s[1].clone(), s[2].clone(), scalar(*st, lr), scalar(*st, step)];
+                a.extend(s.get(3).cloned());
+                a
             };
             let cmp = Cmp::Close(gs.iter().map(|t| Tol::of(basic_tol(t.ty.dtype))).collect());
             cases.push(case(format!("{label} step {step}"), op.clone(), args(gs), cmp));
@@ -700,8 +712,14 @@ fn adamw_three_steps_match_cpu_and_run_in_place() {
         let gpu = gpu_batch(&cases, false, 1);
         for ((k, g), (config, ci)) in cases.iter().zip(&gpu).zip(configs.iter_mut().zip(&cpu_inputs)) {
             let c = cpu(&k.op, ci);
-            for (j, name) in ["p", "m", "v"].iter().enumerate() {
+            for (j, name) in ["p", "m", "v", "master state"].iter().enumerate().take(c.len()) {
                 assert_close(&format!("{}: {name}", k.what), &g[j], &c[j], basic_tol(c[j].ty.dtype));
+            }
+            // The master-state kernels do the CPU's operations in its order: the same bits.
+            if matches!(&k.op, Op::AdamW(h) if h.master != MasterWeights::None) {
+                for (j, t) in c.iter().enumerate() {
+                    assert_exact(&format!("{}: output {j}", k.what), &g[j], t);
+                }
             }
             (config.3, config.4) = (c, g.clone());
         }

@@ -1,5 +1,6 @@
 //! Lowering of the AdamW update to the kernel of `kernels/adamw.cu`: one
-//! grid-stride launch over the parameter, reading the learning rate and the
+//! grid-stride launch over the parameter (and its master state, with a
+//! kernel of its own per [`MasterWeights`] mode), reading the learning rate and the
 //! step count from device memory (so a captured graph replays with new
 //! values). Invalid scalars (`lr < 0`, `step < 1`) leave the state
 //! unchanged on the device; the session refuses them on the host first.
@@ -10,7 +11,7 @@
 //! table of addresses passed as the kernel's argument.
 
 use stepgraph_core::ir::DType;
-use stepgraph_core::ops::optim::AdamW;
+use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 
 use super::util::{aligned16, float_name, launch, n64, THREADS};
 use super::{Lower, LowerCx};
@@ -30,16 +31,28 @@ impl Lower for AdamW {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let ins = cx.inputs;
         let (p, g, m, v, lr, step) = (&ins[0], &ins[1], &ins[2], &ins[3], &ins[4], &ins[5]);
+        // The master state and its output, when the update keeps one.
+        let master = match self.master {
+            MasterWeights::None => None,
+            _ => Some((&ins[6], &cx.outputs[3])),
+        };
+        let scale = ins.get(6 + master.is_some() as usize);
         let name = |t: &DevTensor| float_name("adamw", t.ty.dtype);
         // Every tensor 16-byte aligned: the kernel that moves 8 elements
         // per thread with 16-byte loads (the same arithmetic per element).
-        let tensors = [p, g, m, v, &cx.outputs[0], &cx.outputs[1], &cx.outputs[2]];
+        let mut tensors = vec![p, g, m, v, &cx.outputs[0], &cx.outputs[1], &cx.outputs[2]];
+        tensors.extend(master.iter().flat_map(|&(w, w_out)| [w, w_out]));
         let vec = p.ty.numel() >= VEC_ELEMS && aligned16(&tensors);
         let kind = if vec { "adamw_vec" } else { "adamw" };
-        let function = format!("{kind}_{}_{}_{}", name(p)?, name(m)?, name(v)?);
+        let suffix = match self.master {
+            MasterWeights::F32 => "_master",
+            MasterWeights::Kahan => "_kahan",
+            MasterWeights::None => "",
+        };
+        let function = format!("{kind}_{}_{}_{}{suffix}", name(p)?, name(m)?, name(v)?);
         let is_f64 = |t: &DevTensor| Arg::I64((t.ty.dtype == DType::F64) as i64);
         let n = p.ty.numel();
-        let args = vec![
+        let mut args = vec![
             Arg::Ptr(p.ptr),
             Arg::Ptr(g.ptr),
             Arg::Ptr(m.ptr),
@@ -57,45 +70,74 @@ impl Lower for AdamW {
             Arg::F64(self.eps),
             Arg::F64(self.weight_decay),
             // Gradient clipping's factor, folded in (null: none).
-            Arg::Ptr(ins.get(6).map_or(0, |s| s.ptr)),
+            Arg::Ptr(scale.map_or(0, |s| s.ptr)),
         ];
+        if let Some((w, w_out)) = master {
+            args.extend([Arg::Ptr(w.ptr), Arg::Ptr(w_out.ptr)]);
+        }
         let threads = if vec { n.div_ceil(VEC_ELEMS) } else { n };
         let grid = blocks(threads, THREADS as usize).min(ADAMW_MAX_GRID as u32);
         Ok(vec![launch("adamw", function, (grid, 1, 1), (THREADS, 1, 1), args)])
     }
 }
 
-/// Parameters per multi-tensor launch (the kernel's `kMaxTensors`): the
-/// table of their addresses is the kernel's argument, within the 4 KB of
-/// arguments every GPU takes.
+/// Parameters per multi-tensor launch (the table's `kMax`): the table of
+/// their addresses is the kernel's argument, within the 4 KB of arguments
+/// every GPU takes.
 pub const MULTI_MAX_TENSORS: usize = 48;
+
+/// Parameters per multi-tensor launch of updates with master state, whose
+/// table has two more address arrays (`MultiTableMaster`).
+pub const MULTI_MAX_TENSORS_MASTER: usize = 40;
 
 /// Elements per chunk of the multi-tensor kernel (`kChunk`: 256 threads × 8 × 2).
 pub const MULTI_CHUNK: usize = 2 * THREADS as usize * VEC_ELEMS;
 
-/// The multi-tensor kernel's table (`sg_adamw::MultiTable`), as bytes:
-/// element counts, seven address arrays (p, g, m, v and the three outputs),
-/// the running chunk counts and the count, padded to 8 bytes; and the
-/// number of chunks in all.
+/// The arguments of an AdamW launch that must be equal for launches to
+/// share a multi-tensor launch, after the learning rate and step tensors:
+/// their flags, the hyperparameters and the gradient's factor.
+const SHARED_ARGS: std::ops::Range<usize> = 10..17;
+
+/// Whether an AdamW launch carries master state (two more addresses, after
+/// the shared arguments).
+fn has_master(k: &KernelLaunch) -> bool {
+    k.args.len() > SHARED_ARGS.end
+}
+
+/// Parameters per multi-tensor launch of `k`'s kind.
+fn max_tensors(k: &KernelLaunch) -> usize {
+    if has_master(k) {
+        MULTI_MAX_TENSORS_MASTER
+    } else {
+        MULTI_MAX_TENSORS
+    }
+}
+
+/// The multi-tensor kernel's table (`sg_adamw::MultiTableT`), as bytes:
+/// element counts, the address arrays (p, g, m, v, the three outputs, and
+/// w, w_out with master state), the running chunk counts and the count,
+/// padded to 8 bytes; and the number of chunks in all.
 fn multi_table(updates: &[&KernelLaunch]) -> (Vec<u8>, usize) {
+    let max = max_tensors(updates[0]);
     let mut b = Vec::with_capacity(3272);
     let cols = |i: usize| -> Vec<u64> {
         let mut c: Vec<u64> = updates.iter().map(|k| ptr_arg(&k.args[i])).collect();
-        c.resize(MULTI_MAX_TENSORS, 0);
+        c.resize(max, 0);
         c
     };
     let n: Vec<i64> = updates.iter().map(|k| elements(k) as i64).collect();
-    for i in 0..MULTI_MAX_TENSORS {
+    for i in 0..max {
         b.extend(n.get(i).copied().unwrap_or(0).to_ne_bytes());
     }
-    // p, g, m, v are arguments 0..4; the outputs 6..9.
-    for i in [0, 1, 2, 3, 6, 7, 8] {
+    // p, g, m, v are arguments 0..4; the outputs 6..9; w and w_out 17 and 18.
+    let arrays: &[usize] = if has_master(updates[0]) { &[0, 1, 2, 3, 6, 7, 8, 17, 18] } else { &[0, 1, 2, 3, 6, 7, 8] };
+    for &i in arrays {
         for p in cols(i) {
             b.extend(p.to_ne_bytes());
         }
     }
     let mut end = 0i32;
-    for i in 0..MULTI_MAX_TENSORS {
+    for i in 0..max {
         if let Some(&n) = n.get(i) {
             end += (n as usize).div_ceil(MULTI_CHUNK) as i32;
         }
@@ -122,20 +164,21 @@ fn elements(k: &KernelLaunch) -> usize {
 }
 
 /// What must be equal for two AdamW launches to share a multi-tensor launch:
-/// the kernel (dtypes), the learning rate and step tensors and their flags,
-/// the hyperparameters and the gradient's factor (arguments 10 on). `None` for any other launch, and for updates of
+/// the kernel (dtypes and master state), the learning rate and step tensors
+/// and the [`SHARED_ARGS`]. `None` for any other launch, and for updates of
 /// tensors not all 16-byte aligned (the element-wise kernel).
 fn merge_key(l: &Launch) -> Option<(&str, &[Arg], &[Arg])> {
     match l {
         Launch::Kernel(k) if k.module == "adamw" && k.function.starts_with("adamw_vec_") => {
-            Some((k.function.as_str(), &k.args[4..6], &k.args[10..]))
+            Some((k.function.as_str(), &k.args[4..6], &k.args[SHARED_ARGS]))
         }
         _ => None,
     }
 }
 
 /// Runs of two or more consecutive AdamW launches with one `merge_key`,
-/// as multi-tensor launches of up to [`MULTI_MAX_TENSORS`] updates each,
+/// as multi-tensor launches of up to [`MULTI_MAX_TENSORS`] updates each
+/// ([`MULTI_MAX_TENSORS_MASTER`] with master state),
 /// with the same results bit for bit (the same arithmetic per element).
 /// `nodes[j]` is launch `j`'s node; returns the launches, each one's last
 /// node (ascending, as before) and each one's first node (different only
@@ -158,8 +201,10 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
             j += 1;
             continue;
         }
-        for start in (j..end).step_by(MULTI_MAX_TENSORS) {
-            let group = start..(start + MULTI_MAX_TENSORS).min(end);
+        let Launch::Kernel(head) = &launches[j] else { unreachable!("merge_key admits kernels only") };
+        let max = max_tensors(head);
+        for start in (j..end).step_by(max) {
+            let group = start..(start + max).min(end);
             let updates: Vec<&KernelLaunch> = launches[group.clone()]
                 .iter()
                 .map(|l| match l {
@@ -171,7 +216,7 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
             let (table, chunks) = multi_table(&updates);
             let mut args = vec![Arg::Struct(table)];
             args.extend(head.args[4..6].iter().cloned());
-            args.extend(head.args[10..].iter().cloned());
+            args.extend(head.args[SHARED_ARGS].iter().cloned());
             let grid = chunks.min(ADAMW_MAX_GRID) as u32;
             out.push(launch(
                 "adamw",
