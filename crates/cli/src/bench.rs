@@ -74,6 +74,11 @@ pub struct BenchArgs {
     /// ../shared/BENCHMARKS.md defines them).
     #[arg(long, value_name = "X", default_value_t = 0.0)]
     pub clip_grad_norm: f64,
+    /// What bf16/f16 parameters keep beside the AdamW moments. Default none:
+    /// the workloads' PyTorch reference updates bf16 parameters in place
+    /// with `torch.optim.AdamW`, as this does; `train` defaults to kahan.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::MasterWeightsArg::None)]
+    pub master_weights: crate::MasterWeightsArg,
     #[command(flatten)]
     pub memory: crate::memory_args::MemoryArgs,
 }
@@ -248,6 +253,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
+    opts.train.master_weights = args.master_weights.mode();
     if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
         bail!("--clip-grad-norm must be a finite number >= 0 (0: no clipping), got {}", args.clip_grad_norm);
     }

@@ -286,7 +286,7 @@ enum StateDTypeArg {
 
 /// What bf16/f16 parameters keep so that small updates are not rounded away.
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq)]
-enum MasterWeightsArg {
+pub(crate) enum MasterWeightsArg {
     /// An f32 copy of each parameter as optimizer state (4 bytes a weight).
     F32,
     /// A compensation of the parameter's dtype carried by the update (2 bytes a weight).
@@ -305,7 +305,7 @@ impl MasterWeightsArg {
         }
     }
 
-    fn mode(self) -> MasterWeights {
+    pub(crate) fn mode(self) -> MasterWeights {
         match self {
             MasterWeightsArg::F32 => MasterWeights::F32,
             MasterWeightsArg::Kahan => MasterWeights::Kahan,
