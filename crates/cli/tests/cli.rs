@@ -41,10 +41,12 @@ fn plan_w1_json_has_the_acceptance_fields() {
 }
 
 /// W5's step with `extra` flags: its plan's launch count on an sm_90 GPU,
-/// total and per class.
+/// total and per class. The bf16 parameters keep no master state, as in
+/// `bench` and W5's PyTorch reference.
 fn w5_launches(extra: &[&str]) -> (u64, Vec<(String, u64)>) {
     let mut args =
         vec!["plan", "--model", "open_llama_3b", "--batch", "4", "--seq", "2048", "--dtype", "bf16", "--step", "train"];
+    args.extend(["--master-weights", "none"]);
     args.extend_from_slice(extra);
     args.push("--json");
     let (ok, out, err) = stepgraph(&args);
@@ -209,6 +211,9 @@ fn plan_w5_8_gpus(extra: &[&str]) -> (serde_json::Value, String) {
         "8",
     ];
     args.extend_from_slice(extra);
+    if !extra.contains(&"--master-weights") {
+        args.extend(["--master-weights", "none"]);
+    }
     let (ok, text, err) = stepgraph(&args);
     assert!(ok, "{err}");
     args.push("--json");
@@ -242,6 +247,9 @@ fn plan_w5_on_8_gpus_with_and_without_zero1() {
         assert!(buckets <= params / json_u64(v, "bucket_bytes") + 1 && buckets > 100, "{buckets} buckets");
     }
     assert_eq!(b(&dp, "per_rank", "optimizer_state_bytes"), 2 * params);
+    // The default keeps a bf16 compensation per weight beside the moments: one more parameter's bytes.
+    let (kahan, _) = plan_w5_8_gpus(&["--master-weights", "kahan"]);
+    assert_eq!(b(&kahan, "single", "optimizer_state_bytes"), 3 * params);
     // ZeRO-1: each rank keeps 1/8 of the optimizer state, and only that changes.
     assert_eq!(b(&z, "per_rank", "optimizer_state_bytes") * 8, b(&z, "single", "optimizer_state_bytes"));
     assert_eq!(b(&dp, "per_rank", "persistent_bytes") - b(&z, "per_rank", "persistent_bytes"), 2 * params / 8 * 7);

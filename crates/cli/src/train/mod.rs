@@ -1007,6 +1007,15 @@ impl Run<'_> {
             train.adamw.weight_decay,
             args.seed
         );
+        if matches!(spec.dtype, DType::BF16 | DType::F16) {
+            use stepgraph_core::ops::optim::MasterWeights;
+            let master = match train.master_weights {
+                MasterWeights::Kahan => format!("kahan: a {} compensation per weight", spec.dtype),
+                MasterWeights::F32 => "f32: a float32 master copy per weight".to_string(),
+                MasterWeights::None => "none: updates below half a unit in the last place are lost".to_string(),
+            };
+            eprintln!("  master      {master} (--master-weights; docs/mixed-precision.md)");
+        }
         match train.clip_grad_norm {
             Some(c) if c > 0.0 => {
                 eprintln!("  clipping    global gradient norm to {c} (--clip-grad-norm; 0 turns it off)")
