@@ -436,6 +436,87 @@ fn load_save_load_round_trips_bit_exactly() {
     }
 }
 
+/// The files beside the weights of folders `transformers` saves
+/// (`save_pretrained` of a model and its tokenizer), by tokenizer kind:
+/// a fast tokenizer with its template in `chat_template.jinja`, a
+/// SentencePiece one (`tokenizer.model`), and a GPT-2 style BPE with the
+/// older `chat_template.json` and added tokens.
+fn loader_files(kind: usize) -> Vec<(&'static str, Vec<u8>)> {
+    let generation = br#"{"bos_token_id": 1, "eos_token_id": 2, "do_sample": true, "temperature": 0.6}"#.to_vec();
+    let special = br#"{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}"#.to_vec();
+    let template = b"{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}".to_vec();
+    let mut files = vec![("generation_config.json", generation), ("special_tokens_map.json", special)];
+    match kind {
+        0 => {
+            files.push(("tokenizer.json", br#"{"version": "1.0", "model": {"type": "BPE"}}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"model_max_length": 32}"#.to_vec()));
+            files.push(("chat_template.jinja", template));
+        }
+        1 => {
+            files.push(("tokenizer.json", br#"{"version": "1.0", "model": {"type": "Unigram"}}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"legacy": false}"#.to_vec()));
+            // SentencePiece's protobuf: binary, not UTF-8.
+            files.push(("tokenizer.model", vec![0x0a, 0x0b, 0xff, 0x00, 0x80, 0x3c, 0x73, 0x3e]));
+            files.push(("chat_template.jinja", template));
+        }
+        _ => {
+            files.push(("vocab.json", br#"{"a": 0, "b": 1, "ab": 2}"#.to_vec()));
+            files.push(("merges.txt", b"#version: 0.2\na b\n".to_vec()));
+            files.push(("added_tokens.json", br#"{"<|im_end|>": 3}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"tokenizer_class": "GPT2Tokenizer"}"#.to_vec()));
+            files
+                .push(("chat_template.json", serde_json::to_vec(&json!({"chat_template": "{{ messages }}"})).unwrap()));
+        }
+    }
+    files
+}
+
+#[test]
+fn every_tokenizer_template_and_generation_file_survives_a_save() {
+    let root = tempfile::tempdir().unwrap();
+    for kind in 0..3 {
+        let dir = root.path().join(format!("src{kind}"));
+        fs::create_dir_all(&dir).unwrap();
+        let f = Fixture::new(HfFamily::Llama);
+        fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&f)).unwrap()).unwrap();
+        write_weights(&dir, &hf_tensors(&f), f.dtype, 1);
+        let files = loader_files(kind);
+        for (name, bytes) in &files {
+            fs::write(dir.join(name), bytes).unwrap();
+        }
+        let hf = HfModelDir::open(&dir).unwrap();
+        let c = compile(hf.config());
+        let mut s = open_session(&c);
+        hf.load_into(&c.forward, &mut s).unwrap();
+        let options = SaveOptions {
+            tokenizer_from: Some(&dir),
+            family: Some(hf.family()),
+            source_config: Some(hf.raw_config()),
+            ..SaveOptions::default()
+        };
+        let out = root.path().join(format!("out{kind}"));
+        let report = save_hf_dir(&out, hf.config(), &c.forward, &mut s, &options).unwrap();
+        for (name, bytes) in &files {
+            assert_eq!(fs::read(out.join(name)).ok().as_ref(), Some(bytes), "{name} of kind {kind}");
+            assert!(
+                report.tokenizer_files.iter().any(|f| f == name),
+                "{name} not reported: {:?}",
+                report.tokenizer_files
+            );
+        }
+        // Saved back into the folder it came from, nothing of it is lost.
+        save_hf_dir(&dir, hf.config(), &c.forward, &mut s, &options).unwrap();
+        for (name, bytes) in &files {
+            assert_eq!(
+                fs::read(dir.join(name)).ok().as_ref(),
+                Some(bytes),
+                "{name} of kind {kind} after saving in place"
+            );
+        }
+        assert!(HfModelDir::open(&dir).is_ok());
+    }
+}
+
 #[test]
 fn a_model_from_a_named_config_saves_in_its_family() {
     let root = tempfile::tempdir().unwrap();

@@ -16,7 +16,8 @@
 //! **Out.** [`save_hf_dir`] writes a folder that
 //! `AutoModelForCausalLM.from_pretrained` loads as it is: `config.json`,
 //! safetensors shards (with `model.safetensors.index.json` when there is more
-//! than one), and the tokenizer files copied from a source folder. Parameters
+//! than one), and the tokenizer, chat-template and generation files
+//! ([`TOKENIZER_FILES`]) copied byte for byte from a source folder. Parameters
 //! are read from the session one at a time. The save is atomic; see
 //! [`save_hf_dir`] for what a `kill -9` at each moment leaves.
 //!
@@ -55,9 +56,26 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// The model's hyper-parameters.
 pub const CONFIG_FILE: &str = "config.json";
-/// Files [`save_hf_dir`] copies from the tokenizer folder when present.
-pub const TOKENIZER_FILES: &[&str] =
-    &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"];
+/// Files [`save_hf_dir`] copies from the tokenizer folder when present:
+/// every file `transformers` reads beside the weights to make the
+/// tokenizer (fast or SentencePiece, BPE vocabulary and merges, added and
+/// special tokens), its chat template (`chat_template.jinja`, or the older
+/// `chat_template.json`) and the generation settings. A folder without one
+/// of them would load a different tokenizer, lose its chat template or
+/// generate with other settings, and a save back into the source folder
+/// would delete the file.
+pub const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
 /// The shard size `transformers` uses by default (5 GB).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
