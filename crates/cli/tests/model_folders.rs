@@ -1,0 +1,187 @@
+//! Hugging Face model folders through the commands that read and write
+//! them: a folder as `transformers` saves it keeps every file a loader
+//! reads through `train --out` and `hf --out`; and an `hf --out` that
+//! would replace its own source is refused before any work.
+//!
+//! The fixtures are tiny models written by [`write_model`] (seeded weights
+//! saved through `save_hf_dir`, the README tokenizer), with the files
+//! `transformers`' `save_pretrained` adds beside them written here.
+
+mod common;
+use common::{fails_with, s, stepgraph, write_model, README_TOKENIZER};
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::models::checkpoint::write_safetensors_atomic;
+use stepgraph_core::models::hf_dir::SINGLE_FILE;
+
+fn run_ok(args: &[&str]) -> (String, String) {
+    let (ok, out, err) = stepgraph(args);
+    assert!(ok, "{args:?} failed:\n{err}");
+    (out, err)
+}
+
+/// A token file of the README's chat records, with two validation documents.
+fn token_file(dir: &Path) -> PathBuf {
+    let out = dir.join("chat.tokens");
+    run_ok(&[
+        "prepare",
+        "--tokenizer",
+        README_TOKENIZER,
+        "--input",
+        "data/tiny-chat.jsonl",
+        "data/tiny.txt",
+        "--chat",
+        "--val-docs",
+        "2",
+        "--out",
+        s(&out),
+    ]);
+    out
+}
+
+/// A tiny Llama folder laid out as `save_pretrained` of a model and its
+/// tokenizer writes it (`transformers` 4.4x and later): config.json,
+/// generation_config.json, model.safetensors, tokenizer.json,
+/// tokenizer_config.json without the template, special_tokens_map.json and
+/// chat_template.jinja, plus `tokenizer.model` for a SentencePiece
+/// tokenizer. Returns the files written beside the weights and config.
+fn write_saved_folder(dir: &Path, sentencepiece: bool) -> BTreeMap<String, Vec<u8>> {
+    write_model(dir, "llama", false, None);
+    let config_path = dir.join("tokenizer_config.json");
+    let mut config: Value = serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    let template = config.as_object_mut().unwrap().remove("chat_template").unwrap();
+    let mut files = BTreeMap::new();
+    files.insert("tokenizer_config.json".to_string(), serde_json::to_vec_pretty(&config).unwrap());
+    files.insert("chat_template.jinja".to_string(), template.as_str().unwrap().as_bytes().to_vec());
+    files.insert(
+        "generation_config.json".to_string(),
+        br#"{"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7, "top_p": 0.9, "transformers_version": "4.57.1"}"#
+            .to_vec(),
+    );
+    files.insert(
+        "special_tokens_map.json".to_string(),
+        br#"{"eos_token": {"content": "<|im_end|>", "lstrip": false, "normalized": false, "rstrip": false, "single_word": false}}"#
+            .to_vec(),
+    );
+    if sentencepiece {
+        // SentencePiece's serialized model: binary, not UTF-8.
+        files.insert("tokenizer.model".to_string(), vec![0x0a, 0x0e, 0x0a, 0x05, 0xff, 0x00, 0x80, 0x15]);
+    }
+    for (name, bytes) in &files {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    files.insert("tokenizer.json".to_string(), std::fs::read(dir.join("tokenizer.json")).unwrap());
+    files
+}
+
+/// Every file of `dir` by name.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_saved_folder_keeps_every_loader_file_through_train_and_hf_out() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    for sentencepiece in [false, true] {
+        let src = d.path().join(format!("src-{sentencepiece}"));
+        let files = write_saved_folder(&src, sentencepiece);
+        let trained = d.path().join(format!("trained-{sentencepiece}"));
+        let copied = d.path().join(format!("copied-{sentencepiece}"));
+        run_ok(&[
+            "train",
+            "--device",
+            "cpu",
+            "--init-from",
+            s(&src),
+            "--data",
+            s(&data),
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+            "--eval-every",
+            "0",
+            "--log-every",
+            "0",
+            "--out",
+            s(&trained),
+        ]);
+        run_ok(&["hf", "--init-from", s(&src), "--out", s(&copied)]);
+        for out in [&trained, &copied] {
+            for (name, bytes) in &files {
+                let written =
+                    std::fs::read(out.join(name)).unwrap_or_else(|e| panic!("{}: {e}", out.join(name).display()));
+                assert!(written == *bytes, "{} differs from the source's", out.join(name).display());
+            }
+            let mut want: Vec<String> =
+                files.keys().cloned().chain(["config.json".to_string(), SINGLE_FILE.to_string()]).collect();
+            want.sort();
+            assert_eq!(listing(out), want, "{}", out.display());
+            // The template went along: a chat prompt renders with it.
+            let (_, err) = run_ok(&[
+                "generate",
+                "--device",
+                "cpu",
+                "--init-from",
+                s(out),
+                "--chat",
+                "--prompt",
+                "Say hi",
+                "--max-new-tokens",
+                "2",
+            ]);
+            assert!(!err.contains("has none"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn hf_out_onto_its_source_is_refused_before_any_work() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("models").join("src");
+    std::fs::create_dir_all(d.path().join("models")).unwrap();
+    write_saved_folder(&src, false);
+    let before: Vec<(String, Vec<u8>)> =
+        listing(&src).into_iter().map(|n| (n.clone(), std::fs::read(src.join(&n)).unwrap())).collect();
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(&src, &link).unwrap();
+    let ids = d.path().join("ids.safetensors");
+    let ids_tensor = HostTensor::from_f64(
+        stepgraph_core::ir::TensorType::new(stepgraph_core::ir::DType::I64, [1, 4]),
+        &[1.0, 2.0, 3.0, 4.0],
+    );
+    write_safetensors_atomic(&ids, &[("input_ids".into(), ids_tensor)]).unwrap();
+    let m = s(&src);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--out".into(), m.into()], "--out"),
+        (vec!["--out".into(), format!("{m}/../src")], "is --init-from"),
+        (vec!["--out".into(), s(&link).into()], "is --init-from"),
+        (vec!["--out".into(), format!("{m}/copy")], "is inside --init-from"),
+        (vec!["--out".into(), s(&d.path().join("models")).into()], "holds --init-from"),
+        (vec!["--out".into(), s(d.path()).into()], "holds --init-from"),
+        (vec!["--ids".into(), s(&ids).into(), "--logits-out".into(), format!("{m}/{SINGLE_FILE}")], "--logits-out"),
+        (vec!["--ids".into(), s(&ids).into(), "--grads-out".into(), s(&ids).into()], "is --ids"),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["hf".to_string(), "--init-from".into(), m.into()];
+        args.extend(extra);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = fails_with(&refs, want);
+        assert!(err.contains("would replace what this command reads"), "{err}");
+    }
+    let after: Vec<(String, Vec<u8>)> =
+        listing(&src).into_iter().map(|n| (n.clone(), std::fs::read(src.join(&n)).unwrap())).collect();
+    assert!(before == after, "the source folder changed");
+    assert_eq!(listing(d.path()), ["ids.safetensors", "link", "models"]);
+}
