@@ -1,7 +1,10 @@
 //! Hugging Face model folders through the commands that read and write
 //! them: a folder as `transformers` saves it keeps every file a loader
-//! reads through `train --out` and `hf --out`; and an `hf --out` that
-//! would replace its own source is refused before any work.
+//! reads through `train --out` and `hf --out`; an `hf --out` that would
+//! replace its own source is refused before any work; a NaN or an infinity
+//! in the weights is named by `train`, `eval` and `generate` instead of
+//! surfacing as a diverged run or empty text; and `compare` reads a
+//! GPT-NeoX reference by the names `--init-from` reads.
 //!
 //! The fixtures are tiny models written by [`write_model`] (seeded weights
 //! saved through `save_hf_dir`, the README tokenizer), with the files
@@ -16,7 +19,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::models::checkpoint::write_safetensors_atomic;
+use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
 use stepgraph_core::models::hf_dir::SINGLE_FILE;
 
 fn run_ok(args: &[&str]) -> (String, String) {
@@ -184,4 +187,62 @@ fn hf_out_onto_its_source_is_refused_before_any_work() {
         listing(&src).into_iter().map(|n| (n.clone(), std::fs::read(src.join(&n)).unwrap())).collect();
     assert!(before == after, "the source folder changed");
     assert_eq!(listing(d.path()), ["ids.safetensors", "link", "models"]);
+}
+
+/// `dir/model.safetensors` with element `at` of `tensor` set to `x`.
+fn damage(dir: &Path, tensor: &str, at: usize, x: f64) {
+    let path = dir.join(SINGLE_FILE);
+    let mut tensors = read_safetensors(&path).unwrap();
+    let (_, t) = tensors.iter_mut().find(|(n, _)| n == tensor).unwrap();
+    let mut data = t.to_f64();
+    data[at] = x;
+    *t = HostTensor::from_f64(t.ty.clone(), &data);
+    write_safetensors_atomic(&path, &tensors).unwrap();
+}
+
+#[test]
+fn a_nan_or_an_infinity_in_the_weights_is_named_by_train_eval_and_generate() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    let cases = [
+        ("model.layers.0.self_attn.q_proj.weight", 17, f64::NAN, "NaN"),
+        ("model.norm.weight", 5, f64::INFINITY, "inf"),
+    ];
+    for (k, (tensor, at, x, shown)) in cases.into_iter().enumerate() {
+        let model = d.path().join(format!("damaged{k}"));
+        write_model(&model, "llama", false, None);
+        damage(&model, tensor, at, x);
+        let m = s(&model);
+        let want = format!("tensor `{tensor}` holds {shown} at element {at}");
+        let out = d.path().join(format!("out{k}"));
+        let commands: [Vec<&str>; 3] = [
+            vec![
+                "train",
+                "--device",
+                "cpu",
+                "--init-from",
+                m,
+                "--data",
+                s(&data),
+                "--seq",
+                "16",
+                "--batch",
+                "2",
+                "--steps",
+                "2",
+                "--eval-every",
+                "0",
+                "--out",
+                s(&out),
+            ],
+            vec!["eval", "--device", "cpu", "--init-from", m, "--data", s(&data), "--seq", "16", "--batch", "2"],
+            vec!["generate", "--device", "cpu", "--init-from", m, "--prompt", "The cat", "--max-new-tokens", "3"],
+        ];
+        for args in commands {
+            let err = fails_with(&args, &want);
+            assert!(err.contains(SINGLE_FILE) && err.contains("the folder is damaged"), "{args:?}: {err}");
+            assert!(!err.contains("learning rate"), "{args:?} blames the learning rate: {err}");
+        }
+        assert!(!out.exists(), "train wrote --out from damaged weights");
+    }
 }

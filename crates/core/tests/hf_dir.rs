@@ -436,6 +436,42 @@ fn load_save_load_round_trips_bit_exactly() {
     }
 }
 
+#[test]
+fn a_nan_or_an_infinity_in_the_weights_is_named_before_it_is_written() {
+    let root = tempfile::tempdir().unwrap();
+    let cases = [
+        (HfFamily::Llama, Dtype::F32, "model.layers.0.self_attn.q_proj.weight", 17, f32::NAN, "NaN"),
+        (HfFamily::Qwen2, Dtype::BF16, "model.norm.weight", 3, f32::INFINITY, "inf"),
+        (HfFamily::Mistral, Dtype::F16, "lm_head.weight", 0, f32::NEG_INFINITY, "-inf"),
+        (HfFamily::GptNeox, Dtype::F32, "gpt_neox.layers.1.attention.query_key_value.weight", 40, f32::NAN, "NaN"),
+    ];
+    for (k, (family, dtype, bad, at, x, shown)) in cases.into_iter().enumerate() {
+        let f = Fixture { dtype, ..Fixture::new(family) };
+        let dir = root.path().join(format!("damaged{k}"));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&f)).unwrap()).unwrap();
+        let mut tensors = hf_tensors(&f);
+        let n = {
+            let (_, shape, data) = tensors.iter_mut().find(|(name, _, _)| name == bad).unwrap();
+            data[at] = x;
+            shape.iter().product::<usize>()
+        };
+        write_weights(&dir, &tensors, dtype, 1);
+        let hf = HfModelDir::open(&dir).unwrap();
+        let c = compile(hf.config());
+        let mut s = open_session(&c);
+        let text = message(hf.load_into(&c.forward, &mut s));
+        assert_contains(
+            &text,
+            &[
+                &dir.join(SINGLE_FILE).display().to_string(),
+                &format!("tensor `{bad}` holds {shown} at element {at} of {n}"),
+                "the folder is damaged",
+            ],
+        );
+    }
+}
+
 /// The files beside the weights of folders `transformers` saves
 /// (`save_pretrained` of a model and its tokenizer), by tokenizer kind:
 /// a fast tokenizer with its template in `chat_template.jinja`, a

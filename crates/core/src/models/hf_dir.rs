@@ -12,6 +12,9 @@
 //! device for a checkpoint that does not fit. [`HfModelDir::load_into`]
 //! then writes the parameters one by one through one reusable host buffer,
 //! cast to the parameter's dtype: the model is never in host memory twice.
+//! Each tensor is checked finite on the host before it is written, so a
+//! damaged file is named (tensor, file, element) instead of surfacing later
+//! as a diverged step or NaN text.
 //!
 //! **Out.** [`save_hf_dir`] writes a folder that
 //! `AutoModelForCausalLM.from_pretrained` loads as it is: `config.json`,
@@ -722,8 +725,9 @@ impl HfModelDir {
     /// `trace` may be the forward trace of the session's step), after
     /// [`HfModelDir::check`]. Tensors are converted one at a time into one
     /// reusable host buffer, cast to the parameter's dtype with one rounding
-    /// to nearest even; a finite value that overflows the parameter's dtype
-    /// is an error naming the file and the tensor.
+    /// to nearest even; a NaN or an infinity in the file, or a finite value
+    /// that overflows the parameter's dtype, is an error naming the file,
+    /// the tensor and the element.
     pub fn load_into(&self, trace: &Trace, session: &mut dyn Session) -> Result<()> {
         self.load_into_with(trace, &mut |name, t| session.write_named(name, t))
     }
@@ -740,6 +744,20 @@ impl HfModelDir {
             let src_dtype = from_safetensors_dtype(entry.file_dtype).expect("checked: a float dtype");
             let src = self.bytes_of(entry);
             let file = self.file_of(entry);
+            // Checked on the host, where the bytes are anyway, before any
+            // reaches the device: a NaN loaded here would surface steps
+            // later as an overflow blamed on the learning rate.
+            if let Some((at, x)) = first_non_finite(src_dtype, src) {
+                return Err(checkpoint_error(
+                    file,
+                    format!(
+                        "tensor `{}` holds {x} at element {at} of {}: the folder is damaged; restore it from a good \
+                         copy (download or save it again)",
+                        m.hf,
+                        src.len() / src_dtype.size()
+                    ),
+                ));
+            }
             let parts = m.params.len();
             for (k, (name, v)) in m.params.iter().enumerate() {
                 let ty = trace.ty(*v).clone();
@@ -792,6 +810,24 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         assigned.insert(name.clone(), file.to_string());
     }
     Ok(assigned)
+}
+
+/// The first element of `bytes` (little-endian `dtype` values) that is NaN
+/// or infinite, with its index and value. Reads only exponent bits, so a
+/// whole checkpoint is scanned at memory speed.
+fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<(usize, f64)> {
+    fn scan<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
+        bytes.chunks_exact(N).position(|c| bad(c.try_into().expect("N bytes")))
+    }
+    let at = match dtype {
+        DType::F32 => scan::<4>(bytes, |b| u32::from_le_bytes(b) & 0x7f80_0000 == 0x7f80_0000),
+        DType::F64 => scan::<8>(bytes, |b| u64::from_le_bytes(b) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000),
+        DType::BF16 => scan::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7f80 == 0x7f80),
+        DType::F16 => scan::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7c00 == 0x7c00),
+        DType::I32 | DType::I64 | DType::Bool => None,
+    }?;
+    let size = dtype.size();
+    Some((at, bytes_to_f64(dtype, &bytes[at * size..(at + 1) * size])[0]))
 }
 
 /// Converts the `from` values in `src` to `to` in `dst` (same element
