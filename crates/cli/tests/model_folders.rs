@@ -11,16 +11,21 @@
 //! `transformers`' `save_pretrained` adds beside them written here.
 
 mod common;
-use common::{fails_with, s, stepgraph, write_model, README_TOKENIZER};
+use common::{config_json, fails_with, s, stepgraph, write_model, README_TOKENIZER};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use stepgraph_core::autodiff::StepKind;
+use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::models::checkpoint::{name_params, read_safetensors, reference_batch, write_safetensors_atomic};
 use stepgraph_core::models::hf_dir::SINGLE_FILE;
+use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
 
 fn run_ok(args: &[&str]) -> (String, String) {
     let (ok, out, err) = stepgraph(args);
@@ -245,4 +250,117 @@ fn a_nan_or_an_infinity_in_the_weights_is_named_by_train_eval_and_generate() {
         }
         assert!(!out.exists(), "train wrote --out from damaged weights");
     }
+}
+
+/// Trace-named GPT-NeoX tensors (parameters or their gradients) in the
+/// layout `transformers` saves, converted by hand from its conventions
+/// rather than by the name table under test: `gpt_neox.*` names,
+/// `embed_out` for the head, and q, k, v fused into `query_key_value`
+/// viewed as `[n_head, 3, head_size, ...]`.
+fn as_neox(tensors: &[(String, HostTensor)], heads: usize) -> Vec<(String, HostTensor)> {
+    let by_name: BTreeMap<&str, &HostTensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        if name.contains(".k_proj.") || name.contains(".v_proj.") {
+            continue;
+        }
+        if name.contains(".q_proj.") {
+            let parts: Vec<&HostTensor> =
+                ["q_proj", "k_proj", "v_proj"].iter().map(|p| by_name[name.replace("q_proj", p).as_str()]).collect();
+            let block = t.bytes().len() / heads;
+            let mut shape = t.ty.shape.clone();
+            shape[0] *= 3;
+            let mut fused = HostTensor::zeros(TensorType::new(t.ty.dtype, shape));
+            for h in 0..heads {
+                for (j, part) in parts.iter().enumerate() {
+                    fused.bytes_mut()[(h * 3 + j) * block..][..block]
+                        .copy_from_slice(&part.bytes()[h * block..][..block]);
+                }
+            }
+            let fused_name = name
+                .replace("model.layers", "gpt_neox.layers")
+                .replace("self_attn.q_proj", "attention.query_key_value");
+            out.push((fused_name, fused));
+            continue;
+        }
+        let renamed = name
+            .replace("model.embed_tokens", "gpt_neox.embed_in")
+            .replace("model.norm", "gpt_neox.final_layer_norm")
+            .replace("model.layers", "gpt_neox.layers")
+            .replace("self_attn.o_proj", "attention.dense")
+            .replace("mlp.up_proj", "mlp.dense_h_to_4h")
+            .replace("mlp.down_proj", "mlp.dense_4h_to_h")
+            .replace("lm_head", "embed_out");
+        out.push((renamed, t.clone()));
+    }
+    out
+}
+
+/// A reference folder for `compare` of a tiny GPT-NeoX, as
+/// `torch_reference.py --save` writes it: `config.json`, the state dict
+/// and the gradients under `transformers`' names, the ids and the loss.
+/// The step is stepgraph's own CPU step on trace names, so the comparison
+/// must be exact.
+fn write_neox_reference(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let config_value = config_json("gpt_neox", false);
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config_value).unwrap()).unwrap();
+    let config = Config::from_hf_json(&config_value.to_string(), "neox").unwrap();
+    let heads = config.n_head;
+    let spec = ModelSpec { config, batch: 2, seq: 5, dtype: DType::F32, loss: LossKind::CrossEntropy };
+    let c = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
+    let weights = name_params(&c.forward, init_params(&c.forward, 5)).unwrap();
+    write_safetensors_atomic(&dir.join("weights.safetensors"), &as_neox(&weights, heads)).unwrap();
+    let ids: Vec<f64> = (0..10).map(|i| ((i * 37 + 11) % 500) as f64).collect();
+    let ids = HostTensor::from_f64(TensorType::new(DType::I64, [2, 5]), &ids);
+    let mut session = CpuSession::new(c.step, c.plan).unwrap();
+    for (name, value) in &weights {
+        session.write_named(name, value).unwrap();
+    }
+    for (name, value) in reference_batch(&ids, LossKind::CrossEntropy).unwrap() {
+        session.write_named(name, &value).unwrap();
+    }
+    session.run_eager().unwrap();
+    let loss = HostTensor::from_f64(TensorType::new(DType::F32, [1]), &[session.loss().unwrap()]);
+    write_safetensors_atomic(&dir.join("io.safetensors"), &[("input_ids".into(), ids), ("loss".into(), loss)]).unwrap();
+    let grads: Vec<(String, HostTensor)> = weights
+        .iter()
+        .map(|(name, _)| {
+            let trace = session.trace();
+            let g = trace.grad_of(trace.leaf_by_name(name).unwrap()).unwrap();
+            (name.clone(), session.read(g))
+        })
+        .collect();
+    write_safetensors_atomic(&dir.join("grads.safetensors"), &as_neox(&grads, heads)).unwrap();
+}
+
+#[test]
+fn compare_reads_a_gpt_neox_reference_by_its_transformers_names() {
+    let d = tempfile::tempdir().unwrap();
+    let reference = d.path().join("neox");
+    write_neox_reference(&reference);
+    let names: Vec<String> =
+        read_safetensors(&reference.join("weights.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
+    assert!(names.iter().any(|n| n == "gpt_neox.layers.1.attention.query_key_value.weight"), "{names:?}");
+    let args = ["compare", "--reference", s(&reference), "--loss", "ce", "--backend", "cpu", "--json"];
+    let (out, _) = run_ok(&args);
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["pass"], true, "{report}");
+    assert_eq!(report["loss"]["rel"], 0.0, "{report}");
+    // Every parameter (16 a layer, q, k and v among them; embedding, head, final norm) compared exactly.
+    let grads = report["grads"].as_array().unwrap();
+    assert_eq!(grads.len(), 2 * 16 + 4, "{report}");
+    assert!(grads.iter().all(|g| g["rel"] == 0.0), "{report}");
+
+    // A wrong element in the k part of a fused gradient fails as k_proj's.
+    let path = reference.join("grads.safetensors");
+    let mut grads = read_safetensors(&path).unwrap();
+    let (_, qkv) = grads.iter_mut().find(|(n, _)| n == "gpt_neox.layers.1.attention.query_key_value.bias").unwrap();
+    let mut data = qkv.to_f64();
+    // Head 2's block is [q, k, v] of head_size 8 each: its k starts at 2·24 + 8.
+    data[2 * 24 + 8 + 3] += 1.0;
+    *qkv = HostTensor::from_f64(qkv.ty.clone(), &data);
+    write_safetensors_atomic(&path, &grads).unwrap();
+    let err = fails_with(&args[..7], "1 of 36 gradients fail");
+    assert!(err.contains("model.layers.1.self_attn.k_proj.bias"), "{err}");
 }

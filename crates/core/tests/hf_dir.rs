@@ -25,7 +25,7 @@ use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::{
-    save_hf_dir, to_hf_tensors, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE,
+    from_hf_tensors, save_hf_dir, to_hf_tensors, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE,
 };
 use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
@@ -420,7 +420,17 @@ fn load_save_load_round_trips_bit_exactly() {
         assert_eq!(folder_tensors(&out), original, "{f:?}");
         // Assembled in memory (as gradients are for comparisons), the same again.
         let assembled = to_hf_tensors(hf.family(), &c.forward, hf.config().n_head, |name| Ok(read_param(&mut s, name)));
-        assert_eq!(assembled.unwrap().into_iter().collect::<BTreeMap<_, _>>(), original, "{f:?}");
+        let assembled = assembled.unwrap();
+        assert_eq!(assembled.iter().cloned().collect::<BTreeMap<_, _>>(), original, "{f:?}");
+        // And split back (as references for comparisons are read), each parameter as loaded.
+        let split = from_hf_tensors(hf.family(), hf.config().n_head, assembled).unwrap();
+        let params: BTreeMap<String, HostTensor> = c
+            .forward
+            .params()
+            .map(|v| c.forward.value(v).kind.leaf_name().unwrap().to_string())
+            .map(|name| (name.clone(), read_param(&mut s, &name)))
+            .collect();
+        assert_eq!(split.into_iter().collect::<BTreeMap<_, _>>(), params, "{f:?}");
 
         // The config says the same network, and keeps the keys stepgraph does not read.
         let again = HfModelDir::open(&out).unwrap();

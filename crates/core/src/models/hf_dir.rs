@@ -766,11 +766,8 @@ impl HfModelDir {
                 match m.join {
                     Join::Same => convert(src_dtype, src, ty.dtype, dst, file, &m.hf)?,
                     Join::QkvPerHead => {
-                        // Part k of head h is block h·parts + k of the fused rows.
-                        let heads = m.heads;
-                        let (src_block, dst_block) = (src.len() / (heads * parts), dst.len() / heads);
-                        for h in 0..heads {
-                            let s = &src[(h * parts + k) * src_block..][..src_block];
+                        let dst_block = dst.len() / m.heads;
+                        for (h, s) in per_head_blocks(src, m.heads, parts, k).enumerate() {
                             convert(src_dtype, s, ty.dtype, &mut dst[h * dst_block..][..dst_block], file, &m.hf)?;
                         }
                     }
@@ -780,6 +777,69 @@ impl HfModelDir {
         }
         Ok(())
     }
+}
+
+/// The bytes of part `k` of a tensor fused per head from `parts` parts
+/// (`[heads, parts, rows, ...]`), head by head: part k of head h is block
+/// `h·parts + k` of the fused rows.
+fn per_head_blocks(fused: &[u8], heads: usize, parts: usize, k: usize) -> impl Iterator<Item = &[u8]> {
+    let block = fused.len() / (heads * parts);
+    (0..heads).map(move |h| &fused[(h * parts + k) * block..][..block])
+}
+
+/// Hugging Face tensors of `family` (a state dict, or its gradients) under
+/// the trace's names, by the same table [`HfModelDir::load_into`] reads:
+/// renamed, and fused tensors split into their parts (GPT-NeoX's
+/// `query_key_value` into q, k and v, `n_head` heads). The inverse of
+/// [`to_hf_tensors`]. Buffers that are not parameters are dropped; a
+/// tensor no rule names is kept as it is, for the caller's check against
+/// the model to report.
+pub fn from_hf_tensors(
+    family: HfFamily,
+    n_head: usize,
+    tensors: Vec<(String, HostTensor)>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let rules = rules_of(family);
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        if family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
+            continue;
+        }
+        let Some((rule, layer)) = rules.iter().find_map(|r| match_pattern(r.hf, &name).map(|l| (r, l))) else {
+            out.push((name, tensor));
+            continue;
+        };
+        match rule.join {
+            Join::Same => out.push((instantiate(rule.trace[0], layer), tensor)),
+            Join::QkvPerHead => {
+                let parts = rule.trace.len();
+                let rows = tensor.ty.shape.first().copied().unwrap_or(0);
+                if n_head == 0 || rows == 0 || rows % (parts * n_head) != 0 {
+                    return Err(Error::Input {
+                        name,
+                        reason: format!(
+                            "is {}, which does not split into {parts} parts of {n_head} heads (the model's \
+                             num_attention_heads)",
+                            tensor.ty
+                        ),
+                    });
+                }
+                let mut shape = tensor.ty.shape.clone();
+                shape[0] = rows / parts;
+                for (k, pattern) in rule.trace.iter().enumerate() {
+                    let mut part = HostTensor::zeros(TensorType::new(tensor.ty.dtype, shape.clone()));
+                    let dst = part.bytes_mut();
+                    let mut offset = 0;
+                    for block in per_head_blocks(tensor.bytes(), n_head, parts, k) {
+                        dst[offset..offset + block.len()].copy_from_slice(block);
+                        offset += block.len();
+                    }
+                    out.push((instantiate(pattern, layer), part));
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn shards_path(shards: &[Shard], index: usize) -> String {
