@@ -1,10 +1,12 @@
 //! 3xTF32 products (`F32Products::Split3xTf32`, `--f32-products 3xtf32`)
 //! keep f32 accuracy: a tiny model's gradients on the CPU backend, which
-//! rounds a `tf32` product's operands as a tensor core does, stay within
+//! rounds a `tf32` product's operands to TF32 (as a GPU reads the split
+//! parts, which are TF32 values already), stay within
 //! 1e-5 of the same step in f64, where TF32 products of unsplit operands
 //! (one product each, what `--tf32` does on a GPU) miss it by far more.
-//! Also: the split in numbers (every TF32 part exact, parts summing to the
-//! value), and what the pass makes of a step.
+//! Also: the split in numbers (both parts TF32 values, which a tensor core
+//! reads unchanged however it reads f32 data, summing to the value within
+//! 2^-22), and what the pass makes of a step.
 
 use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::cpu::exec::CpuSession;
@@ -12,11 +14,12 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, TensorType};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, LossKind, ModelSpec};
-use stepgraph_core::ops::matmul::tf32_round;
+use stepgraph_core::ops::matmul::{tf32_round, SplitTf32};
 use stepgraph_core::ops::Op;
 use stepgraph_core::passes::F32Products;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
+use stepgraph_core::testing::run_op;
 
 const BATCH: usize = 2;
 const SEQ: usize = 16;
@@ -145,4 +148,32 @@ fn the_pass_splits_every_f32_product_into_three_tf32_ones() {
     assert!(text.contains("split_tf32") && text.contains("tf32=true"), "{text}");
     let parsed = stepgraph_core::ir::parse::parse(&text).unwrap();
     assert_eq!(parsed.nodes.len(), split.step.nodes.len());
+}
+
+#[test]
+fn split_parts_are_tf32_values_that_any_tensor_core_reads_unchanged() {
+    let mut x = 0.1f32;
+    let values: Vec<f64> = (0..10_000)
+        .map(|i| {
+            x = f32::from_bits(x.to_bits().wrapping_mul(2_654_435_761).rotate_left(7) & 0x7fff_ffff);
+            // Normal parts: values whose rest is not subnormal either.
+            let v = if x.is_finite() && x.abs() > 1e-30 && x.abs() < 1e30 { x } else { 1.0 + i as f32 };
+            if i % 2 == 0 {
+                v as f64
+            } else {
+                -v as f64
+            }
+        })
+        .collect();
+    let input = HostTensor::from_f64(TensorType::new(DType::F32, [values.len()]), &values);
+    let parts = run_op(&Op::SplitTf32(SplitTf32), &[input]).unwrap();
+    let (hi, lo) = (parts[0].to_f64(), parts[1].to_f64());
+    for ((&v, &h), &l) in values.iter().zip(&hi).zip(&lo) {
+        for part in [h, l] {
+            // A tensor core drops the 13 low bits of f32 data; a TF32 value has none.
+            assert_eq!((part as f32).to_bits() & 0x1fff, 0, "{v:e}: part {part:e} is not a TF32 value");
+        }
+        assert_eq!(h as f32, tf32_round(v as f32), "{v:e}");
+        assert!((v - h - l).abs() <= v.abs() * 2f64.powi(-22), "{v:e} = {h:e} + {l:e} misses by {:e}", v - h - l);
+    }
 }
