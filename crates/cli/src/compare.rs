@@ -7,7 +7,11 @@
 //! (the state dict), `io.safetensors` (`input_ids` [B, T] and the first
 //! step's `loss` \[1\]) and `grads.safetensors` (every parameter's gradient of
 //! that step, Hugging Face names). The model is built from `config.json`, the
-//! batch shape from `input_ids`. The step is compiled once
+//! batch shape from `input_ids`. Weights and gradients are read under the
+//! trace's names by the same table `train --init-from` reads
+//! ([`from_hf_tensors`]): Llama-style names as they are, GPT-NeoX's
+//! `gpt_neox.*` renamed and its fused `query_key_value` split into q, k and
+//! v, whose gradients are then compared (and reported) one by one. The step is compiled once
 //! ([`compile_step`]) and then bound to a backend session (a `dyn Session`:
 //! the CPU reference backend or a `CudaSession` on GPU 0); everything else — loading, running, reading back
 //! and the comparison itself — is the same code for both.
@@ -40,6 +44,7 @@ use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, Trace, ValueId};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors, reference_batch};
+use stepgraph_core::models::hf_dir::{from_hf_tensors, HfFamily};
 use stepgraph_core::models::{Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::MemoryPlan;
@@ -368,6 +373,7 @@ fn compare(
     let config_path = dir.join("config.json");
     // The error names the file.
     let config = Config::from_hf_file(&config_path).context("reading the reference's model config")?;
+    let family = family_of(&config_path)?;
     let io_path = dir.join("io.safetensors");
     let mut io = read_file(dir, "io.safetensors", "the reference's input and loss")?;
     let ids = io.remove("input_ids").with_context(|| format!("{} has no `input_ids`", io_path.display()))?;
@@ -390,6 +396,8 @@ fn compare(
     for (name, tensor) in &weights {
         check_finite(&weights_path, name, tensor)?;
     }
+    let weights = from_hf_tensors(family, config.n_head, weights)
+        .with_context(|| format!("reading the reference's weights {}", weights_path.display()))?;
     let reference_dtypes = float_dtypes(&weights);
     let dtype = match args.dtype {
         Some(CompareDType::F32) => DType::F32,
@@ -417,7 +425,7 @@ fn compare(
         .with_context(|| format!("loading {} into `{}`", weights_path.display(), spec.config.name))?;
     drop(weights);
     let batch_inputs = reference_batch(&ids, loss)?;
-    let ref_grads = reference_grads(&dir.join("grads.safetensors"), &step)?;
+    let ref_grads = reference_grads(&dir.join("grads.safetensors"), &step, family, spec.config.n_head)?;
 
     let mut session = open(backend, step, memory)?;
     for (param, value) in params {
@@ -475,14 +483,25 @@ struct ReferenceGrad {
     reference: HostTensor,
 }
 
-/// Reads the reference's gradients at `path` and matches them with the
-/// parameters of `step`: one float, finite gradient of the parameter's shape
-/// for every parameter, and nothing else.
-fn reference_grads(path: &Path, step: &Trace) -> Result<Vec<ReferenceGrad>> {
+/// The family of the reference's `config.json` (already read as a
+/// [`Config`], so its `model_type` is one stepgraph loads).
+fn family_of(config_path: &Path) -> Result<HfFamily> {
+    let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    let model_type = value.get("model_type").and_then(serde_json::Value::as_str).unwrap_or_default();
+    HfFamily::from_model_type(model_type)
+        .with_context(|| format!("{}: model_type `{model_type}` is not supported", config_path.display()))
+}
+
+/// Reads the reference's gradients at `path` (Hugging Face names of
+/// `family`) and matches them with the parameters of `step`: one float,
+/// finite gradient of the parameter's shape for every parameter, and
+/// nothing else.
+fn reference_grads(path: &Path, step: &Trace, family: HfFamily, n_head: usize) -> Result<Vec<ReferenceGrad>> {
     let tensors =
         read_safetensors(path).with_context(|| format!("reading the reference's gradients {}", path.display()))?;
-    let mut by_name: HashMap<String, HostTensor> = HashMap::with_capacity(tensors.len());
-    for (name, tensor) in tensors {
+    for (name, tensor) in &tensors {
         if !tensor.ty.dtype.is_float() {
             bail!(
                 "{}: the gradient `{name}` is {}; gradients must be f32, f64, bf16 or f16",
@@ -490,7 +509,12 @@ fn reference_grads(path: &Path, step: &Trace) -> Result<Vec<ReferenceGrad>> {
                 tensor.ty.dtype.name()
             );
         }
-        check_finite(path, &name, &tensor)?;
+        check_finite(path, name, tensor)?;
+    }
+    let tensors = from_hf_tensors(family, n_head, tensors)
+        .with_context(|| format!("reading the reference's gradients {}", path.display()))?;
+    let mut by_name: HashMap<String, HostTensor> = HashMap::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
         if by_name.insert(name.clone(), tensor).is_some() {
             bail!("{}: the gradient `{name}` appears twice", path.display());
         }

@@ -13,8 +13,12 @@
 //!   name and layout (GPT-NeoX's fused q/k/v included);
 //! - `--out DIR`: writes the loaded model back as a Hugging Face folder
 //!   ([`save_hf_dir`]), with the tokenizer files of `--init-from`.
+//!
+//! No output may replace an input: an output path that resolves (through
+//! `..` and links) to `--init-from` or `--ids`, lies inside `--init-from`,
+//! or is a folder holding either, is refused before anything is read.
 
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
@@ -102,6 +106,13 @@ pub fn run(args: &HfArgs) -> Result<()> {
         Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
         Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
     };
+    let mut inputs = vec![("--init-from", args.init_from.as_path())];
+    inputs.extend(args.ids.as_deref().map(|ids| ("--ids", ids)));
+    for (flag, out) in [("--out", &args.out), ("--logits-out", &args.logits_out), ("--grads-out", &args.grads_out)] {
+        if let Some(out) = out {
+            refuse_overwriting_inputs(flag, out, &inputs)?;
+        }
+    }
     let hf = HfModelDir::open(&args.init_from)?;
     let config = hf.config().clone();
     let dtype = args.dtype.dtype();
@@ -198,6 +209,65 @@ pub fn run(args: &HfArgs) -> Result<()> {
         println!("hf: wrote loss {loss} and {} gradients to {}", tensors.len() - 1, out.display());
     }
     Ok(())
+}
+
+/// Refuses `out` (the value of `flag`) when, with `..` and links resolved,
+/// it is one of `inputs` (flag and path), lies inside one, or is a folder
+/// holding one: the output would replace the input or take it with it.
+fn refuse_overwriting_inputs(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
+    let target = resolved(out).with_context(|| format!("{flag} {}: resolving the path", out.display()))?;
+    for (input_flag, input) in inputs {
+        // An input that does not exist is reported by its own reader.
+        let Ok(source) = std::fs::canonicalize(input) else { continue };
+        let relation = if target == source {
+            "is"
+        } else if target.starts_with(&source) {
+            "is inside"
+        } else if source.starts_with(&target) {
+            "holds"
+        } else {
+            continue;
+        };
+        bail!(
+            "{flag} {} {relation} {input_flag} {} ({}): writing it would replace what this command reads; give \
+             {flag} a path outside it",
+            out.display(),
+            input.display(),
+            source.display()
+        );
+    }
+    Ok(())
+}
+
+/// `path` made absolute with links resolved: its longest existing ancestor
+/// canonicalized, then the components that do not exist yet, with `.` and
+/// `..` applied to them as written.
+fn resolved(path: &Path) -> std::io::Result<PathBuf> {
+    let absolute = std::path::absolute(path)?;
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    let mut base = loop {
+        match std::fs::canonicalize(existing) {
+            Ok(base) => break base,
+            Err(e) => {
+                let (Some(parent), Some(name)) = (existing.parent(), existing.components().next_back()) else {
+                    return Err(e);
+                };
+                rest.push(name);
+                existing = parent;
+            }
+        }
+    };
+    for component in rest.into_iter().rev() {
+        match component {
+            Component::ParentDir => {
+                base.pop();
+            }
+            Component::CurDir => {}
+            other => base.push(other),
+        }
+    }
+    Ok(base)
 }
 
 fn spec_shape(spec: &ModelSpec) -> [usize; 3] {

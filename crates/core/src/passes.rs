@@ -129,13 +129,14 @@ pub enum F32Products {
 const SPLIT_REUSE_NODES: usize = 16;
 
 /// 3xTF32 products: every f32 `matmul` `c = op(a)·op(b) (+ r)` becomes
-/// `split_tf32` of each operand (`x = x_hi + x_lo`, [`crate::ops::matmul::SplitTf32`])
-/// and three TF32 products, the small terms first, each adding the last:
-/// `p = a_lo·b_hi (+ r)`, `p = a_hi·b_lo + p`, `c = a_hi·b_hi + p`. The
-/// dropped `a_lo·b_lo` is about 2^-22 of `|a|·|b|` and every TF32 rounding
-/// of a `lo` about as small, so `c` is within a few f32 roundings of the
-/// exact product: NVIDIA's 3xTF32, as CUTLASS and the attention kernels'
-/// f32 path do it. Runs after autodiff (split parts have no VJP). Returns
+/// `split_tf32` of each operand (`x ≈ x_hi + x_lo`, both TF32 values,
+/// [`crate::ops::matmul::SplitTf32`]) and three TF32 products, the small
+/// terms first, each adding the last: `p = a_lo·b_hi (+ r)`,
+/// `p = a_hi·b_lo + p`, `c = a_hi·b_hi + p`. The dropped `a_lo·b_lo` is
+/// about 2^-22 of `|a|·|b|` and the rounding of each `lo` about as small,
+/// so `c` is within a few f32 roundings of the exact product: NVIDIA's
+/// 3xTF32, as CUTLASS does it (both parts rounded, so a tensor core reads
+/// them unchanged). Runs after autodiff (split parts have no VJP). Returns
 /// the trace and how many products it split.
 pub fn split_f32_products(trace: &Trace) -> Result<(Trace, usize)> {
     use crate::ops::matmul::MatMul;

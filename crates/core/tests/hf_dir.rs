@@ -25,7 +25,7 @@ use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::{
-    save_hf_dir, to_hf_tensors, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE,
+    from_hf_tensors, save_hf_dir, to_hf_tensors, HfFamily, HfModelDir, SaveOptions, INDEX_FILE, SINGLE_FILE,
 };
 use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
@@ -420,7 +420,17 @@ fn load_save_load_round_trips_bit_exactly() {
         assert_eq!(folder_tensors(&out), original, "{f:?}");
         // Assembled in memory (as gradients are for comparisons), the same again.
         let assembled = to_hf_tensors(hf.family(), &c.forward, hf.config().n_head, |name| Ok(read_param(&mut s, name)));
-        assert_eq!(assembled.unwrap().into_iter().collect::<BTreeMap<_, _>>(), original, "{f:?}");
+        let assembled = assembled.unwrap();
+        assert_eq!(assembled.iter().cloned().collect::<BTreeMap<_, _>>(), original, "{f:?}");
+        // And split back (as references for comparisons are read), each parameter as loaded.
+        let split = from_hf_tensors(hf.family(), hf.config().n_head, assembled).unwrap();
+        let params: BTreeMap<String, HostTensor> = c
+            .forward
+            .params()
+            .map(|v| c.forward.value(v).kind.leaf_name().unwrap().to_string())
+            .map(|name| (name.clone(), read_param(&mut s, &name)))
+            .collect();
+        assert_eq!(split.into_iter().collect::<BTreeMap<_, _>>(), params, "{f:?}");
 
         // The config says the same network, and keeps the keys stepgraph does not read.
         let again = HfModelDir::open(&out).unwrap();
@@ -433,6 +443,123 @@ fn load_save_load_round_trips_bit_exactly() {
         let mut s2 = open_session(&c);
         again.load_into(&c.forward, &mut s2).unwrap();
         assert_eq!(forward_loss(&mut s2).to_bits(), forward_loss(&mut s).to_bits(), "{f:?}");
+    }
+}
+
+#[test]
+fn a_nan_or_an_infinity_in_the_weights_is_named_before_it_is_written() {
+    let root = tempfile::tempdir().unwrap();
+    let cases = [
+        (HfFamily::Llama, Dtype::F32, "model.layers.0.self_attn.q_proj.weight", 17, f32::NAN, "NaN"),
+        (HfFamily::Qwen2, Dtype::BF16, "model.norm.weight", 3, f32::INFINITY, "inf"),
+        (HfFamily::Mistral, Dtype::F16, "lm_head.weight", 0, f32::NEG_INFINITY, "-inf"),
+        (HfFamily::GptNeox, Dtype::F32, "gpt_neox.layers.1.attention.query_key_value.weight", 40, f32::NAN, "NaN"),
+    ];
+    for (k, (family, dtype, bad, at, x, shown)) in cases.into_iter().enumerate() {
+        let f = Fixture { dtype, ..Fixture::new(family) };
+        let dir = root.path().join(format!("damaged{k}"));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&f)).unwrap()).unwrap();
+        let mut tensors = hf_tensors(&f);
+        let n = {
+            let (_, shape, data) = tensors.iter_mut().find(|(name, _, _)| name == bad).unwrap();
+            data[at] = x;
+            shape.iter().product::<usize>()
+        };
+        write_weights(&dir, &tensors, dtype, 1);
+        let hf = HfModelDir::open(&dir).unwrap();
+        let c = compile(hf.config());
+        let mut s = open_session(&c);
+        let text = message(hf.load_into(&c.forward, &mut s));
+        assert_contains(
+            &text,
+            &[
+                &dir.join(SINGLE_FILE).display().to_string(),
+                &format!("tensor `{bad}` holds {shown} at element {at} of {n}"),
+                "the folder is damaged",
+            ],
+        );
+    }
+}
+
+/// The files beside the weights of folders `transformers` saves
+/// (`save_pretrained` of a model and its tokenizer), by tokenizer kind:
+/// a fast tokenizer with its template in `chat_template.jinja`, a
+/// SentencePiece one (`tokenizer.model`), and a GPT-2 style BPE with the
+/// older `chat_template.json` and added tokens.
+fn loader_files(kind: usize) -> Vec<(&'static str, Vec<u8>)> {
+    let generation = br#"{"bos_token_id": 1, "eos_token_id": 2, "do_sample": true, "temperature": 0.6}"#.to_vec();
+    let special = br#"{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}"#.to_vec();
+    let template = b"{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}".to_vec();
+    let mut files = vec![("generation_config.json", generation), ("special_tokens_map.json", special)];
+    match kind {
+        0 => {
+            files.push(("tokenizer.json", br#"{"version": "1.0", "model": {"type": "BPE"}}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"model_max_length": 32}"#.to_vec()));
+            files.push(("chat_template.jinja", template));
+        }
+        1 => {
+            files.push(("tokenizer.json", br#"{"version": "1.0", "model": {"type": "Unigram"}}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"legacy": false}"#.to_vec()));
+            // SentencePiece's protobuf: binary, not UTF-8.
+            files.push(("tokenizer.model", vec![0x0a, 0x0b, 0xff, 0x00, 0x80, 0x3c, 0x73, 0x3e]));
+            files.push(("chat_template.jinja", template));
+        }
+        _ => {
+            files.push(("vocab.json", br#"{"a": 0, "b": 1, "ab": 2}"#.to_vec()));
+            files.push(("merges.txt", b"#version: 0.2\na b\n".to_vec()));
+            files.push(("added_tokens.json", br#"{"<|im_end|>": 3}"#.to_vec()));
+            files.push(("tokenizer_config.json", br#"{"tokenizer_class": "GPT2Tokenizer"}"#.to_vec()));
+            files
+                .push(("chat_template.json", serde_json::to_vec(&json!({"chat_template": "{{ messages }}"})).unwrap()));
+        }
+    }
+    files
+}
+
+#[test]
+fn every_tokenizer_template_and_generation_file_survives_a_save() {
+    let root = tempfile::tempdir().unwrap();
+    for kind in 0..3 {
+        let dir = root.path().join(format!("src{kind}"));
+        fs::create_dir_all(&dir).unwrap();
+        let f = Fixture::new(HfFamily::Llama);
+        fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&f)).unwrap()).unwrap();
+        write_weights(&dir, &hf_tensors(&f), f.dtype, 1);
+        let files = loader_files(kind);
+        for (name, bytes) in &files {
+            fs::write(dir.join(name), bytes).unwrap();
+        }
+        let hf = HfModelDir::open(&dir).unwrap();
+        let c = compile(hf.config());
+        let mut s = open_session(&c);
+        hf.load_into(&c.forward, &mut s).unwrap();
+        let options = SaveOptions {
+            tokenizer_from: Some(&dir),
+            family: Some(hf.family()),
+            source_config: Some(hf.raw_config()),
+            ..SaveOptions::default()
+        };
+        let out = root.path().join(format!("out{kind}"));
+        let report = save_hf_dir(&out, hf.config(), &c.forward, &mut s, &options).unwrap();
+        for (name, bytes) in &files {
+            assert_eq!(fs::read(out.join(name)).ok().as_ref(), Some(bytes), "{name} of kind {kind}");
+            assert!(
+                report.tokenizer_files.iter().any(|f| f == name),
+                "{name} not reported: {:?}",
+                report.tokenizer_files
+            );
+        }
+        // Saved back into the folder it came from, nothing of it is lost.
+        save_hf_dir(&dir, hf.config(), &c.forward, &mut s, &options).unwrap();
+        for (name, bytes) in &files {
+            assert_eq!(
+                fs::read(dir.join(name)).ok().as_ref(),
+                Some(bytes),
+                "{name} of kind {kind} after saving in place"
+            );
+        }
+        assert!(HfModelDir::open(&dir).is_ok());
     }
 }
 

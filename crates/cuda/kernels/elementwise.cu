@@ -273,17 +273,21 @@ SG_FOR_EACH_FLOAT(SG_CAST_FROM)
 
 // ---------------------------------------------------------------- split_tf32
 
-// x as hi + lo for 3xTF32 products: hi the nearest TF32 value, ties away
-// from zero (`cvt.rna.tf32.f32`, as the CPU's `tf32_round`), lo = x - hi,
-// exact in f32. split_tf32_f32(const float* x, float* hi, float* lo, i64 n).
+// x as hi + lo for 3xTF32 products, both TF32 values: hi the nearest TF32
+// value, ties away from zero (`cvt.rna.tf32.f32`, as the CPU's
+// `tf32_round`), lo the same rounding of x - hi (exact in f32). A tensor
+// core drops the low 13 bits of the f32 data it reads; x - hi can have
+// them, TF32 values cannot, so the products see exactly what the CPU's do.
+// split_tf32_f32(const float* x, float* hi, float* lo, i64 n).
 extern "C" __global__ void __launch_bounds__(SG_EW_THREADS)
     split_tf32_f32(const float* x, float* hi, float* lo, i64 n) { sg_pdl_entry();
     SG_EW_LOOP(i, n) {
         const float v = x[i];
-        unsigned h;
+        unsigned h, l;
         asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(h) : "f"(v));
         const float hv = __uint_as_float(h);
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(l) : "f"(__fsub_rn(v, hv)));
         hi[i] = hv;
-        lo[i] = __fsub_rn(v, hv);
+        lo[i] = __uint_as_float(l);
     }
 }

@@ -385,7 +385,7 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         // Token ids and positions: the kernel computes in double with the
         // CPU's noise (decode.cu), so the tokens are the CPU's.
         | Op::SampleNext(_)
-        // `cvt.rna.tf32.f32` rounds as the CPU's `tf32_round`; the rest is exact.
+        // `cvt.rna.tf32.f32` rounds as the CPU's `tf32_round`, both parts.
         | Op::SplitTf32(_) => Cmp::Exact,
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
@@ -394,8 +394,10 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
                 Cmp::Close(vec![Tol { rtol: basic_tol(outs[0].dtype), scale: Scale::PerElement(scale), floor: vec![] }])
             }
         },
-        // TF32 products: the CPU rounds each operand to nearest, cuBLASLt's
-        // kernels may truncate it: up to a TF32 unit (2^-10) per operand.
+        // TF32 products of samples that are not TF32 values: the CPU rounds
+        // each operand to nearest, a tensor core truncates the f32 data it
+        // reads: up to a TF32 unit (2^-10) per operand. (3xTF32's split
+        // operands are TF32 values, read alike: `gpu_step` checks those.)
         Op::MatMul(m) if m.tf32 => per_output(&|_| Tol::of(4e-3)),
         Op::MatMul(m) => {
             let a = &inputs[0].ty.shape;
@@ -580,6 +582,37 @@ fn ln_gx_terms(ins: &[HostTensor], addend: bool) -> Vec<f64> {
 }
 
 // ---------------------------------------------------------------- special cases
+
+/// 3xTF32's operands are TF32 values (both parts of `split_tf32`), which a
+/// tensor core reads unchanged whether it truncates f32 data or a kernel
+/// rounds it first. A product of depth 1 is then exact in f32, so
+/// cuBLASLt's TF32 products of split parts, and their chain with addends
+/// as the 3xTF32 pass builds it, equal the CPU's bit for bit. (Operands
+/// that are not TF32 values are read within a TF32 unit:
+/// `every_sample_matches_cpu`.)
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn tf32_products_of_split_parts_equal_the_cpu() {
+    use stepgraph_core::ops::matmul::{MatMul, SplitTf32};
+    let split = |x: HostTensor| {
+        let mut parts = cpu(&Op::SplitTf32(SplitTf32), &[x]);
+        let lo = parts.pop().unwrap();
+        (parts.pop().unwrap(), lo)
+    };
+    let (a_hi, a_lo) = split(normal(&[64, 1], DType::F32, 11));
+    let (b_hi, b_lo) = split(normal(&[1, 48], DType::F32, 12));
+    let tf32 = |addend| MatMul { trans_a: false, trans_b: false, addend, tf32: true };
+    let mut cases = Vec::new();
+    for (what, a, b) in [("lo·hi", &a_lo, &b_hi), ("hi·lo", &a_hi, &b_lo), ("hi·hi", &a_hi, &b_hi)] {
+        cases.push(case(format!("tf32 {what}"), tf32(false), vec![a.clone(), b.clone()], Cmp::Exact));
+    }
+    // The pass's chain: each product added to the last, one rounding each.
+    let p = cpu(&Op::MatMul(tf32(false)), &[a_lo.clone(), b_hi.clone()]).pop().unwrap();
+    cases.push(case("tf32 hi·lo + p", tf32(true), vec![a_hi.clone(), b_lo.clone(), p.clone()], Cmp::Exact));
+    let p = cpu(&Op::MatMul(tf32(true)), &[a_hi.clone(), b_lo.clone(), p]).pop().unwrap();
+    cases.push(case("tf32 hi·hi + p", tf32(true), vec![a_hi.clone(), b_hi.clone(), p], Cmp::Exact));
+    check_all(&cases);
+}
 
 /// Every special value, checked on its own: signed zeros (a memset for
 /// +0.0), values rounding through f32, infinity and NaN.

@@ -9,16 +9,19 @@
 //! not fit refused before any allocation.
 //! Run on a GPU machine with `scripts/gpu-test.sh`.
 
+use std::collections::HashMap;
+
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::ops::optim::AdamW;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions};
 use stepgraph_core::recompute::RecomputePolicy;
-use stepgraph_core::testing::max_rel_diff;
+use stepgraph_core::testing::{max_rel_diff, update_set_by_rounding, updated_param_rel_diff};
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
 
@@ -137,6 +140,9 @@ fn tiny_models_match_the_cpu() {
             let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
             init(&step, &fwd, 1, |n, t| cpu.write_named(n, t).unwrap());
             init(&step, &fwd, 1, |n, t| gpu.write_named(n, t).unwrap());
+            // Per parameter, the elements whose AdamW update the gradient's
+            // rounding has decided at some step so far (on the CPU).
+            let mut excused: HashMap<String, Vec<bool>> = HashMap::new();
             for it in 1..=2 {
                 step_inputs(&step, &sp, it, |n, t| cpu.write_named(n, t).unwrap());
                 step_inputs(&step, &sp, it, |n, t| gpu.write_named(n, t).unwrap());
@@ -147,6 +153,16 @@ fn tiny_models_match_the_cpu() {
                     (lc - lg).abs() <= tol * lc.abs(),
                     "{name} {dtype} {kind:?} {how:?} step {it}: loss cpu {lc} gpu {lg}"
                 );
+                for v in step.params() {
+                    let param = step.value(v).kind.leaf_name().unwrap().to_string();
+                    if let Some(sq) = step.leaf_by_name(&format!("{param}.exp_avg_sq")) {
+                        let now = update_set_by_rounding(&cpu.read(sq).to_f64(), it, &AdamW::default());
+                        let mask = excused.entry(param).or_insert_with(|| vec![false; now.len()]);
+                        for (m, n) in mask.iter_mut().zip(now) {
+                            *m |= n;
+                        }
+                    }
+                }
                 let mut checked = 0;
                 for o in step.outputs.iter().map(|o| o.value).chain(step.updates.iter().map(|u| u.state)) {
                     // Softmax ignores a constant added to every key, so the key
@@ -168,7 +184,16 @@ fn tiny_models_match_the_cpu() {
                     let tol = if leaf { tol.max(1e-3) } else { tol };
                     let scale = c.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
                     let flips = if leaf && dtype != DType::F32 { 2.0 * LR * (1.0 + 1e-2) } else { 0.0 };
-                    let worst = g.iter().zip(&c).fold(0f64, |m, (x, y)| m.max((x - y).abs() - flips));
+                    let mut worst = g.iter().zip(&c).fold(0f64, |m, (x, y)| m.max((x - y).abs() - flips));
+                    // In f32 too, an element whose gradient is rounding noise
+                    // (|g| near AdamW's ε: -3e-9 in tiny-llama's LM head) moves
+                    // by lr·g/(|g|+ε), which each backend's rounding sets: one
+                    // such element put lm_head.weight 1.1e-3 apart under 3xTF32
+                    // products. Those elements may differ by 2·lr a step.
+                    let param = step.value(o).kind.leaf_name().unwrap_or_default();
+                    if let (true, Some(mask)) = (leaf, excused.get(param)) {
+                        worst = worst.min(updated_param_rel_diff(&g, &c, mask, it, LR) * scale);
+                    }
                     assert!(
                         worst <= tol * scale,
                         "{name} {dtype} {kind:?} {how:?} step {it}: {} differs by {err:e} of its largest magnitude",

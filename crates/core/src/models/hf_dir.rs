@@ -12,11 +12,15 @@
 //! device for a checkpoint that does not fit. [`HfModelDir::load_into`]
 //! then writes the parameters one by one through one reusable host buffer,
 //! cast to the parameter's dtype: the model is never in host memory twice.
+//! Each tensor is checked finite on the host before it is written, so a
+//! damaged file is named (tensor, file, element) instead of surfacing later
+//! as a diverged step or NaN text.
 //!
 //! **Out.** [`save_hf_dir`] writes a folder that
 //! `AutoModelForCausalLM.from_pretrained` loads as it is: `config.json`,
 //! safetensors shards (with `model.safetensors.index.json` when there is more
-//! than one), and the tokenizer files copied from a source folder. Parameters
+//! than one), and the tokenizer, chat-template and generation files
+//! ([`TOKENIZER_FILES`]) copied byte for byte from a source folder. Parameters
 //! are read from the session one at a time. The save is atomic; see
 //! [`save_hf_dir`] for what a `kill -9` at each moment leaves.
 //!
@@ -55,9 +59,26 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// The model's hyper-parameters.
 pub const CONFIG_FILE: &str = "config.json";
-/// Files [`save_hf_dir`] copies from the tokenizer folder when present.
-pub const TOKENIZER_FILES: &[&str] =
-    &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"];
+/// Files [`save_hf_dir`] copies from the tokenizer folder when present:
+/// every file `transformers` reads beside the weights to make the
+/// tokenizer (fast or SentencePiece, BPE vocabulary and merges, added and
+/// special tokens), its chat template (`chat_template.jinja`, or the older
+/// `chat_template.json`) and the generation settings. A folder without one
+/// of them would load a different tokenizer, lose its chat template or
+/// generate with other settings, and a save back into the source folder
+/// would delete the file.
+pub const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
 /// The shard size `transformers` uses by default (5 GB).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
@@ -704,8 +725,9 @@ impl HfModelDir {
     /// `trace` may be the forward trace of the session's step), after
     /// [`HfModelDir::check`]. Tensors are converted one at a time into one
     /// reusable host buffer, cast to the parameter's dtype with one rounding
-    /// to nearest even; a finite value that overflows the parameter's dtype
-    /// is an error naming the file and the tensor.
+    /// to nearest even; a NaN or an infinity in the file, or a finite value
+    /// that overflows the parameter's dtype, is an error naming the file,
+    /// the tensor and the element.
     pub fn load_into(&self, trace: &Trace, session: &mut dyn Session) -> Result<()> {
         self.load_into_with(trace, &mut |name, t| session.write_named(name, t))
     }
@@ -722,6 +744,20 @@ impl HfModelDir {
             let src_dtype = from_safetensors_dtype(entry.file_dtype).expect("checked: a float dtype");
             let src = self.bytes_of(entry);
             let file = self.file_of(entry);
+            // Checked on the host, where the bytes are anyway, before any
+            // reaches the device: a NaN loaded here would surface steps
+            // later as an overflow blamed on the learning rate.
+            if let Some((at, x)) = first_non_finite(src_dtype, src) {
+                return Err(checkpoint_error(
+                    file,
+                    format!(
+                        "tensor `{}` holds {x} at element {at} of {}: the folder is damaged; restore it from a good \
+                         copy (download or save it again)",
+                        m.hf,
+                        src.len() / src_dtype.size()
+                    ),
+                ));
+            }
             let parts = m.params.len();
             for (k, (name, v)) in m.params.iter().enumerate() {
                 let ty = trace.ty(*v).clone();
@@ -730,11 +766,8 @@ impl HfModelDir {
                 match m.join {
                     Join::Same => convert(src_dtype, src, ty.dtype, dst, file, &m.hf)?,
                     Join::QkvPerHead => {
-                        // Part k of head h is block h·parts + k of the fused rows.
-                        let heads = m.heads;
-                        let (src_block, dst_block) = (src.len() / (heads * parts), dst.len() / heads);
-                        for h in 0..heads {
-                            let s = &src[(h * parts + k) * src_block..][..src_block];
+                        let dst_block = dst.len() / m.heads;
+                        for (h, s) in per_head_blocks(src, m.heads, parts, k).enumerate() {
                             convert(src_dtype, s, ty.dtype, &mut dst[h * dst_block..][..dst_block], file, &m.hf)?;
                         }
                     }
@@ -744,6 +777,69 @@ impl HfModelDir {
         }
         Ok(())
     }
+}
+
+/// The bytes of part `k` of a tensor fused per head from `parts` parts
+/// (`[heads, parts, rows, ...]`), head by head: part k of head h is block
+/// `h·parts + k` of the fused rows.
+fn per_head_blocks(fused: &[u8], heads: usize, parts: usize, k: usize) -> impl Iterator<Item = &[u8]> {
+    let block = fused.len() / (heads * parts);
+    (0..heads).map(move |h| &fused[(h * parts + k) * block..][..block])
+}
+
+/// Hugging Face tensors of `family` (a state dict, or its gradients) under
+/// the trace's names, by the same table [`HfModelDir::load_into`] reads:
+/// renamed, and fused tensors split into their parts (GPT-NeoX's
+/// `query_key_value` into q, k and v, `n_head` heads). The inverse of
+/// [`to_hf_tensors`]. Buffers that are not parameters are dropped; a
+/// tensor no rule names is kept as it is, for the caller's check against
+/// the model to report.
+pub fn from_hf_tensors(
+    family: HfFamily,
+    n_head: usize,
+    tensors: Vec<(String, HostTensor)>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let rules = rules_of(family);
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        if family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
+            continue;
+        }
+        let Some((rule, layer)) = rules.iter().find_map(|r| match_pattern(r.hf, &name).map(|l| (r, l))) else {
+            out.push((name, tensor));
+            continue;
+        };
+        match rule.join {
+            Join::Same => out.push((instantiate(rule.trace[0], layer), tensor)),
+            Join::QkvPerHead => {
+                let parts = rule.trace.len();
+                let rows = tensor.ty.shape.first().copied().unwrap_or(0);
+                if n_head == 0 || rows == 0 || rows % (parts * n_head) != 0 {
+                    return Err(Error::Input {
+                        name,
+                        reason: format!(
+                            "is {}, which does not split into {parts} parts of {n_head} heads (the model's \
+                             num_attention_heads)",
+                            tensor.ty
+                        ),
+                    });
+                }
+                let mut shape = tensor.ty.shape.clone();
+                shape[0] = rows / parts;
+                for (k, pattern) in rule.trace.iter().enumerate() {
+                    let mut part = HostTensor::zeros(TensorType::new(tensor.ty.dtype, shape.clone()));
+                    let dst = part.bytes_mut();
+                    let mut offset = 0;
+                    for block in per_head_blocks(tensor.bytes(), n_head, parts, k) {
+                        dst[offset..offset + block.len()].copy_from_slice(block);
+                        offset += block.len();
+                    }
+                    out.push((instantiate(pattern, layer), part));
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn shards_path(shards: &[Shard], index: usize) -> String {
@@ -774,6 +870,24 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         assigned.insert(name.clone(), file.to_string());
     }
     Ok(assigned)
+}
+
+/// The first element of `bytes` (little-endian `dtype` values) that is NaN
+/// or infinite, with its index and value. Reads only exponent bits, so a
+/// whole checkpoint is scanned at memory speed.
+fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<(usize, f64)> {
+    fn scan<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
+        bytes.chunks_exact(N).position(|c| bad(c.try_into().expect("N bytes")))
+    }
+    let at = match dtype {
+        DType::F32 => scan::<4>(bytes, |b| u32::from_le_bytes(b) & 0x7f80_0000 == 0x7f80_0000),
+        DType::F64 => scan::<8>(bytes, |b| u64::from_le_bytes(b) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000),
+        DType::BF16 => scan::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7f80 == 0x7f80),
+        DType::F16 => scan::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7c00 == 0x7c00),
+        DType::I32 | DType::I64 | DType::Bool => None,
+    }?;
+    let size = dtype.size();
+    Some((at, bytes_to_f64(dtype, &bytes[at * size..(at + 1) * size])[0]))
 }
 
 /// Converts the `from` values in `src` to `to` in `dst` (same element

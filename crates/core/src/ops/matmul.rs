@@ -13,10 +13,15 @@
 //!
 //! With `tf32` (f32 operands only), each operand element is first rounded
 //! to TF32 (10 fraction bits, [`tf32_round`]) and the products summed in
-//! f32: what a tensor core does with f32 data. [`SplitTf32`] splits an f32
-//! tensor into a TF32 part and the rest, so that three such products
-//! (`a_lo·b_hi + a_hi·b_lo + a_hi·b_hi`) give an f32 product to about f32
-//! accuracy at tensor-core speed (`passes::split_f32_products`).
+//! f32. A tensor core reading f32 data drops the 13 low bits instead (and
+//! a cuBLASLt kernel may round first), so for operands that are not TF32
+//! values already this is a model within a TF32 unit, not the GPU's bits.
+//! [`SplitTf32`] splits an f32 tensor into two TF32 values, so that three
+//! such products (`a_lo·b_hi + a_hi·b_lo + a_hi·b_hi`) give an f32 product
+//! to about f32 accuracy at tensor-core speed
+//! (`passes::split_f32_products`): their operands are exact TF32 values,
+//! which every way of reading them leaves as they are, so the CPU computes
+//! the products the GPU computes.
 
 use rayon::prelude::*;
 
@@ -355,13 +360,16 @@ pub fn tf32_round(x: f32) -> f32 {
 
 // ---------------------------------------------------------------- split_tf32
 
-/// `x` (f32) as `hi + lo`: `hi` is [`tf32_round`]`(x)`, exactly a TF32
-/// value, and `lo = x − hi`, exact in f32. The operands of 3xTF32 products:
-/// a tensor core reads `hi` without error and `lo` (about 2^-11 of `x`)
-/// with an error of about 2^-22 of `x`, so `a_lo·b_hi + a_hi·b_lo +
-/// a_hi·b_hi` misses `a·b` by about 2^-21 relative, where one TF32 product
-/// misses it by about 2^-11. Made by `passes::split_f32_products` after
-/// autodiff: no VJP.
+/// `x` (f32) as `hi + lo`, both TF32 values: `hi` is [`tf32_round`]`(x)`
+/// and `lo` is [`tf32_round`]`(x − hi)` (the difference is exact in f32),
+/// so `x − hi − lo` is at most half a TF32 unit of `lo`, about 2^-22 of
+/// `x`. The operands of 3xTF32 products: being TF32 values, a tensor core
+/// reads both without error whether it truncates f32 data or a kernel
+/// rounds it first (`x − hi` itself has up to 13 significant bits, which
+/// truncation and rounding would read differently), so `a_lo·b_hi +
+/// a_hi·b_lo + a_hi·b_hi` misses `a·b` by about 2^-21 relative on every
+/// backend alike, where one TF32 product misses it by about 2^-11. Made by
+/// `passes::split_f32_products` after autodiff: no VJP.
 #[derive(Clone, PartialEq, Debug)]
 pub struct SplitTf32;
 
@@ -391,7 +399,7 @@ impl OpDef for SplitTf32 {
         let hi = io.output::<f32>(0);
         hi.par_iter_mut().zip(x.par_iter()).for_each(|(h, &v)| *h = tf32_round(v));
         let lo = io.output::<f32>(1);
-        lo.par_iter_mut().zip(x.par_iter()).for_each(|(l, &v)| *l = v - tf32_round(v));
+        lo.par_iter_mut().zip(x.par_iter()).for_each(|(l, &v)| *l = tf32_round(v - tf32_round(v)));
         Ok(())
     }
     fn parse(name: &str, _: &mut Attrs) -> Option<Result<Self>> {
