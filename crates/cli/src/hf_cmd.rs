@@ -18,9 +18,11 @@
 //! `..` and links) to `--init-from` or `--ids`, lies inside `--init-from`,
 //! or is a folder holding either, is refused before anything is read.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+
+use crate::output_paths::refuse_overwriting_inputs;
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::cpu::exec::CpuSession;
@@ -209,65 +211,6 @@ pub fn run(args: &HfArgs) -> Result<()> {
         println!("hf: wrote loss {loss} and {} gradients to {}", tensors.len() - 1, out.display());
     }
     Ok(())
-}
-
-/// Refuses `out` (the value of `flag`) when, with `..` and links resolved,
-/// it is one of `inputs` (flag and path), lies inside one, or is a folder
-/// holding one: the output would replace the input or take it with it.
-fn refuse_overwriting_inputs(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
-    let target = resolved(out).with_context(|| format!("{flag} {}: resolving the path", out.display()))?;
-    for (input_flag, input) in inputs {
-        // An input that does not exist is reported by its own reader.
-        let Ok(source) = std::fs::canonicalize(input) else { continue };
-        let relation = if target == source {
-            "is"
-        } else if target.starts_with(&source) {
-            "is inside"
-        } else if source.starts_with(&target) {
-            "holds"
-        } else {
-            continue;
-        };
-        bail!(
-            "{flag} {} {relation} {input_flag} {} ({}): writing it would replace what this command reads; give \
-             {flag} a path outside it",
-            out.display(),
-            input.display(),
-            source.display()
-        );
-    }
-    Ok(())
-}
-
-/// `path` made absolute with links resolved: its longest existing ancestor
-/// canonicalized, then the components that do not exist yet, with `.` and
-/// `..` applied to them as written.
-fn resolved(path: &Path) -> std::io::Result<PathBuf> {
-    let absolute = std::path::absolute(path)?;
-    let mut existing = absolute.as_path();
-    let mut rest = Vec::new();
-    let mut base = loop {
-        match std::fs::canonicalize(existing) {
-            Ok(base) => break base,
-            Err(e) => {
-                let (Some(parent), Some(name)) = (existing.parent(), existing.components().next_back()) else {
-                    return Err(e);
-                };
-                rest.push(name);
-                existing = parent;
-            }
-        }
-    };
-    for component in rest.into_iter().rev() {
-        match component {
-            Component::ParentDir => {
-                base.pop();
-            }
-            Component::CurDir => {}
-            other => base.push(other),
-        }
-    }
-    Ok(base)
 }
 
 fn spec_shape(spec: &ModelSpec) -> [usize; 3] {

@@ -173,20 +173,20 @@ fn hf_out_onto_its_source_is_refused_before_any_work() {
     let m = s(&src);
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["--out".into(), m.into()], "--out"),
-        (vec!["--out".into(), format!("{m}/../src")], "is --init-from"),
-        (vec!["--out".into(), s(&link).into()], "is --init-from"),
-        (vec!["--out".into(), format!("{m}/copy")], "is inside --init-from"),
-        (vec!["--out".into(), s(&d.path().join("models")).into()], "holds --init-from"),
-        (vec!["--out".into(), s(d.path()).into()], "holds --init-from"),
+        (vec!["--out".into(), format!("{m}/../src")], "is the --init-from"),
+        (vec!["--out".into(), s(&link).into()], "is the --init-from"),
+        (vec!["--out".into(), format!("{m}/copy")], "is inside the --init-from"),
+        (vec!["--out".into(), s(&d.path().join("models")).into()], "holds the --init-from"),
+        (vec!["--out".into(), s(d.path()).into()], "holds the --init-from"),
         (vec!["--ids".into(), s(&ids).into(), "--logits-out".into(), format!("{m}/{SINGLE_FILE}")], "--logits-out"),
-        (vec!["--ids".into(), s(&ids).into(), "--grads-out".into(), s(&ids).into()], "is --ids"),
+        (vec!["--ids".into(), s(&ids).into(), "--grads-out".into(), s(&ids).into()], "is the --ids"),
     ];
     for (extra, want) in cases {
         let mut args = vec!["hf".to_string(), "--init-from".into(), m.into()];
         args.extend(extra);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let err = fails_with(&refs, want);
-        assert!(err.contains("would replace what this command reads"), "{err}");
+        assert!(err.contains("writing") && err.contains("would"), "{err}");
     }
     let after: Vec<(String, Vec<u8>)> =
         listing(&src).into_iter().map(|n| (n.clone(), std::fs::read(src.join(&n)).unwrap())).collect();
