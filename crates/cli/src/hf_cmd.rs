@@ -169,6 +169,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     if let Some(out) = &args.out {
         let options = SaveOptions {
             tokenizer_from: Some(&args.init_from),
+            model_from: Some(&args.init_from),
             max_shard_bytes,
             family: Some(hf.family()),
             source_config: Some(hf.raw_config()),

@@ -154,6 +154,29 @@ fn a_saved_folder_keeps_every_loader_file_through_train_and_hf_out() {
     }
 }
 
+/// With the tokenizer from another folder (`--tokenizer`), the model's own
+/// generation settings still come from the model's folder.
+#[test]
+fn the_generation_settings_come_from_the_model_folder() {
+    let d = tempfile::tempdir().unwrap();
+    let data = token_file(d.path());
+    let src = d.path().join("src");
+    let files = write_saved_folder(&src, false);
+    let tokenizer = d.path().join("tokenizer");
+    std::fs::create_dir_all(&tokenizer).unwrap();
+    for name in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(name), tokenizer.join(name)).unwrap();
+    }
+    std::fs::write(tokenizer.join("generation_config.json"), br#"{"temperature": 1.5}"#).unwrap();
+    let out = d.path().join("out");
+    let (t, o, m) = (s(&tokenizer), s(&out), s(&src));
+    let args = ["train", "--device", "cpu", "--init-from", m, "--tokenizer", t, "--data", s(&data), "--seq", "16"];
+    let mut args = args.to_vec();
+    args.extend(["--steps", "1", "--eval-every", "0", "--out", o]);
+    run_ok(&args);
+    assert_eq!(std::fs::read(out.join("generation_config.json")).unwrap(), files["generation_config.json"]);
+}
+
 #[test]
 fn hf_out_onto_its_source_is_refused_before_any_work() {
     let d = tempfile::tempdir().unwrap();

@@ -395,6 +395,7 @@ fn load_save_load_round_trips_bit_exactly() {
         let out = root.path().join(format!("out{k}"));
         let options = SaveOptions {
             tokenizer_from: Some(&dir),
+            model_from: None,
             max_shard_bytes,
             family: Some(hf.family()),
             source_config: Some(hf.raw_config()),
@@ -536,6 +537,7 @@ fn every_tokenizer_template_and_generation_file_survives_a_save() {
         hf.load_into(&c.forward, &mut s).unwrap();
         let options = SaveOptions {
             tokenizer_from: Some(&dir),
+            model_from: None,
             family: Some(hf.family()),
             source_config: Some(hf.raw_config()),
             ..SaveOptions::default()

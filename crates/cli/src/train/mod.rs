@@ -1060,6 +1060,7 @@ impl Run<'_> {
         }
         let options = SaveOptions {
             tokenizer_from: out.tokenizer.as_deref(),
+            model_from: self.args.init_from.as_deref(),
             max_shard_bytes: out.max_shard_bytes,
             family: out.source.as_ref().map(|(f, _)| *f),
             source_config: out.source.as_ref().map(|(_, c)| c),

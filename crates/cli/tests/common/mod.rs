@@ -97,6 +97,7 @@ pub fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64
     let tokenizer = root().join(README_TOKENIZER);
     let options = SaveOptions {
         tokenizer_from: Some(&tokenizer),
+        model_from: None,
         max_shard_bytes: shard_bytes.unwrap_or(u64::MAX),
         family: HfFamily::from_model_type(family),
         source_config: Some(&source),

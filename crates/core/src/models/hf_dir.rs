@@ -79,6 +79,9 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "chat_template.json",
     "generation_config.json",
 ];
+/// The model's generation settings, one of [`TOKENIZER_FILES`], taken from
+/// [`SaveOptions::model_from`] when that folder has it.
+pub const GENERATION_FILE: &str = "generation_config.json";
 /// The shard size `transformers` uses by default (5 GB).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
@@ -937,6 +940,10 @@ pub struct SaveOptions<'a> {
     /// Folder whose tokenizer files ([`TOKENIZER_FILES`]) are copied, when
     /// present there.
     pub tokenizer_from: Option<&'a Path>,
+    /// The model folder the weights came from: its [`GENERATION_FILE`]
+    /// (the model's generation settings, not the tokenizer's) is copied in
+    /// preference to one in `tokenizer_from`.
+    pub model_from: Option<&'a Path>,
     /// Largest shard in bytes of tensor data; a single tensor larger than
     /// this gets a shard of its own.
     pub max_shard_bytes: u64,
@@ -952,6 +959,7 @@ impl Default for SaveOptions<'_> {
     fn default() -> Self {
         SaveOptions {
             tokenizer_from: None,
+            model_from: None,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             family: None,
             source_config: None,
@@ -1161,9 +1169,11 @@ fn write_folder(
     }
     write_synced(&temp.join(CONFIG_FILE), &serde_json::to_vec_pretty(config_json)?)?;
     let mut tokenizer_files = Vec::new();
-    if let Some(from) = options.tokenizer_from {
+    if options.tokenizer_from.is_some() || options.model_from.is_some() {
         for file in TOKENIZER_FILES {
-            let src = from.join(file);
+            let from_model =
+                options.model_from.map(|m| m.join(file)).filter(|p| *file == GENERATION_FILE && p.is_file());
+            let Some(src) = from_model.or_else(|| options.tokenizer_from.map(|t| t.join(file))) else { continue };
             if src.is_file() {
                 let bytes = fs::read(&src).map_err(|e| io_error(&src, e))?;
                 write_synced(&temp.join(file), &bytes)?;
