@@ -353,6 +353,11 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         let not_resume: Vec<_> = inputs.iter().copied().filter(|(flag, _)| *flag != "--resume").collect();
         refuse_overwriting_inputs("--checkpoint-dir", dir, &not_resume)?;
     }
+    // A checkpoint to resume from is checked before its directory is locked
+    // (which would create a directory for a mistyped path).
+    if let Some(path) = args.resume.as_deref().filter(|r| *r != "auto") {
+        checkpoint::read_complete(Path::new(path))?;
+    }
     // One run per checkpoint directory, taken before anything reads or
     // writes it; the ranks of a --gpus run work under their launcher's lock.
     let _lock = match (&ckpt, &role) {
