@@ -10,10 +10,10 @@
 //! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
 
 mod common;
-use common::{fails_with, root, s, stepgraph, write_model, README_TOKENIZER, VOCAB};
+use common::{chat_token_file, fails_with, root, s, stepgraph, write_model, README_TOKENIZER, VOCAB};
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::{json, Value};
@@ -54,26 +54,6 @@ fn folder_tensors(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         }
     }
     all
-}
-
-/// A token file of the README's chat records and `data/tiny.txt`, with two
-/// validation documents.
-fn token_file(dir: &Path) -> PathBuf {
-    let out = dir.join("chat.tokens");
-    run_ok(&[
-        "prepare",
-        "--tokenizer",
-        README_TOKENIZER,
-        "--input",
-        "data/tiny-chat.jsonl",
-        "data/tiny.txt",
-        "--chat",
-        "--val-docs",
-        "2",
-        "--out",
-        s(&out),
-    ]);
-    out
 }
 
 /// A short fine-tuning run on the CPU: 2 x 16 tokens, no validation.
@@ -126,7 +106,7 @@ fn the_committed_tokenizer_loads() {
 #[test]
 fn every_family_loads_from_its_folder_and_saves_back_bit_for_bit() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     let cases = [
         ("llama", false, None),
         ("mistral", false, Some(20_000)),
@@ -165,7 +145,7 @@ fn every_family_loads_from_its_folder_and_saves_back_bit_for_bit() {
 #[test]
 fn a_token_file_run_resumes_bit_for_bit() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     let src = d.path().join("src");
     write_model(&src, "llama", false, None);
     let (straight, split) = (d.path().join("straight"), d.path().join("split"));
@@ -207,7 +187,7 @@ fn a_token_file_run_resumes_bit_for_bit() {
 #[test]
 fn what_does_not_fit_fails_before_training() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     let src = d.path().join("src");
     write_model(&src, "qwen2", false, Some(20_000));
     let check = |args: Vec<String>, want: &str| {

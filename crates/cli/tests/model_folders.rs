@@ -11,10 +11,10 @@
 //! `transformers`' `save_pretrained` adds beside them written here.
 
 mod common;
-use common::{config_json, fails_with, s, stepgraph, write_model, README_TOKENIZER};
+use common::{chat_token_file, config_json, fails_with, s, stepgraph, write_model};
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
@@ -31,25 +31,6 @@ fn run_ok(args: &[&str]) -> (String, String) {
     let (ok, out, err) = stepgraph(args);
     assert!(ok, "{args:?} failed:\n{err}");
     (out, err)
-}
-
-/// A token file of the README's chat records, with two validation documents.
-fn token_file(dir: &Path) -> PathBuf {
-    let out = dir.join("chat.tokens");
-    run_ok(&[
-        "prepare",
-        "--tokenizer",
-        README_TOKENIZER,
-        "--input",
-        "data/tiny-chat.jsonl",
-        "data/tiny.txt",
-        "--chat",
-        "--val-docs",
-        "2",
-        "--out",
-        s(&out),
-    ]);
-    out
 }
 
 /// A tiny Llama folder laid out as `save_pretrained` of a model and its
@@ -98,7 +79,7 @@ fn listing(dir: &Path) -> Vec<String> {
 #[test]
 fn a_saved_folder_keeps_every_loader_file_through_train_and_hf_out() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     for sentencepiece in [false, true] {
         let src = d.path().join(format!("src-{sentencepiece}"));
         let files = write_saved_folder(&src, sentencepiece);
@@ -159,7 +140,7 @@ fn a_saved_folder_keeps_every_loader_file_through_train_and_hf_out() {
 #[test]
 fn the_generation_settings_come_from_the_model_folder() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     let src = d.path().join("src");
     let files = write_saved_folder(&src, false);
     let tokenizer = d.path().join("tokenizer");
@@ -231,7 +212,7 @@ fn damage(dir: &Path, tensor: &str, at: usize, x: f64) {
 #[test]
 fn a_nan_or_an_infinity_in_the_weights_is_named_by_train_eval_and_generate() {
     let d = tempfile::tempdir().unwrap();
-    let data = token_file(d.path());
+    let data = chat_token_file(d.path());
     let cases = [
         ("model.layers.0.self_attn.q_proj.weight", 17, f64::NAN, "NaN"),
         ("model.norm.weight", 5, f64::INFINITY, "inf"),

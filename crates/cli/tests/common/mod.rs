@@ -45,6 +45,18 @@ pub fn fails_with(args: &[&str], want: &str) -> String {
     err
 }
 
+/// A token file of the README's chat records and `data/tiny.txt` in `dir`,
+/// with two validation documents.
+pub fn chat_token_file(dir: &Path) -> std::path::PathBuf {
+    let out = dir.join("chat.tokens");
+    let args = ["prepare", "--tokenizer", README_TOKENIZER, "--input", "data/tiny-chat.jsonl", "data/tiny.txt"];
+    let mut args = args.to_vec();
+    args.extend(["--chat", "--val-docs", "2", "--out", s(&out)]);
+    let (ok, _, err) = stepgraph(&args);
+    assert!(ok, "{args:?} failed:\n{err}");
+    out
+}
+
 /// The tokenizer the README's example uses, committed in `data/tokenizer`.
 pub const README_TOKENIZER: &str = "data/tokenizer";
 /// Embedding rows of the fixture models: the tokenizer's ids fit.
