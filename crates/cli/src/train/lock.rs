@@ -56,7 +56,17 @@ impl RunLock {
                     dir.display()
                 );
             }
-            return Err(err).with_context(|| format!("locking {}", path.display()));
+            if matches!(err.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)) {
+                // A filesystem without locks (some network mounts): the run
+                // goes on, said once, rather than being refused outright.
+                eprintln!(
+                    "note: the filesystem of {} does not support file locks ({err}): a second run on this \
+                     checkpoint directory would not be refused",
+                    dir.display()
+                );
+            } else {
+                return Err(err).with_context(|| format!("locking {}", path.display()));
+            }
         }
         let me = holder_line();
         file.set_len(0)
