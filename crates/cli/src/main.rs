@@ -597,16 +597,8 @@ fn timeline_title(spec: &ModelSpec, kind: StepKind) -> String {
 fn write_timeline(path: &std::path::Path, c: &stepgraph_core::pipeline::CompiledStep, title: String) -> Result<()> {
     use anyhow::Context;
     let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: c.recompute.nodes() });
-    let name = path.file_name().ok_or_else(|| anyhow::anyhow!("--html {}: not a file name", path.display()))?;
-    let mut temp_name = std::ffi::OsString::from(".");
-    temp_name.push(name);
-    temp_name.push(format!(".{}.tmp", std::process::id()));
-    let temp = path.with_file_name(temp_name);
-    std::fs::write(&temp, page).with_context(|| format!("--html: writing {}", temp.display()))?;
-    std::fs::rename(&temp, path).with_context(|| {
-        let _ = std::fs::remove_file(&temp);
-        format!("--html: moving the page into place at {}", path.display())
-    })?;
+    stepgraph_core::models::checkpoint::write_atomic(path, |out| out.write_all(page.as_bytes()))
+        .with_context(|| format!("--html: writing {}", path.display()))?;
     eprintln!("memory timeline written to {}", path.display());
     Ok(())
 }

@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 use stepgraph_core::ir::DType;
+use stepgraph_core::models::checkpoint::write_atomic;
 use stepgraph_core::models::Config;
 
 /// An append-only JSONL file of metrics rows.
@@ -43,13 +44,8 @@ impl MetricsFile {
         };
         // The kept rows go to a new file renamed over the old one, so a
         // kill here loses no row of the run.
-        let tmp = path.with_extension("jsonl.tmp");
-        let mut out = File::create(&tmp).with_context(|| format!("creating the metrics file {}", tmp.display()))?;
-        for line in &kept {
-            writeln!(out, "{line}").with_context(|| format!("writing {}", tmp.display()))?;
-        }
-        out.sync_all().with_context(|| format!("writing {}", tmp.display()))?;
-        fs::rename(&tmp, path).with_context(|| format!("creating the metrics file {}", path.display()))?;
+        write_atomic(path, |out| kept.iter().try_for_each(|line| writeln!(out, "{line}")))
+            .with_context(|| format!("creating the metrics file {}", path.display()))?;
         let file = OpenOptions::new().append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
         Ok(MetricsFile { path: path.to_path_buf(), file })
     }

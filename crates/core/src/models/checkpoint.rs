@@ -419,14 +419,28 @@ pub fn write_safetensors_atomic(path: &Path, tensors: &[(String, HostTensor)]) -
     // data starts aligned.
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let (dir, temp, file) = create_temp(path)?;
-    let written = (|| -> io::Result<()> {
-        let mut out = BufWriter::with_capacity(1 << 20, &file);
+    write_atomic(path, |out| {
         out.write_all(&(header.len() as u64).to_le_bytes())?;
         out.write_all(&header)?;
         for (_, tensor) in &order {
             out.write_all(tensor.bytes())?;
         }
+        Ok(())
+    })
+}
+
+/// Writes the file at `path` atomically with what `write` writes: the
+/// bytes go to a new temporary file in the same directory
+/// (`.NAME.PID.N.tmp`), which is flushed and fsynced and then renamed over
+/// `path`, and the directory is fsynced. Readers see the old file or the
+/// complete new one, never a truncated one; an existing file keeps its
+/// permissions; on any error the temporary file is removed and `path` is
+/// untouched. Every file stepgraph writes whole goes through here.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<()> {
+    let (dir, temp, file) = create_temp(path)?;
+    let written = (|| -> io::Result<()> {
+        let mut out = BufWriter::with_capacity(1 << 20, &file);
+        write(&mut out)?;
         out.flush()?;
         drop(out);
         if let Ok(existing) = fs::metadata(path) {
