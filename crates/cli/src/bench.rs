@@ -1,4 +1,4 @@
-//! `stepgraph bench`: one benchmark workload of ../shared/BENCHMARKS.md on the
+//! `stepgraph bench`: one benchmark workload (docs/benchmarks.md) on the
 //! GPU, eager or as one CUDA graph, reporting planned and measured memory
 //! and step times in the fields that document defines.
 //!
@@ -71,7 +71,7 @@ pub struct BenchArgs {
     pub profile: bool,
     /// Clip the global gradient norm to X in train workloads, as `train`
     /// does by default (0: no clipping, the workloads as
-    /// ../shared/BENCHMARKS.md defines them).
+    /// docs/benchmarks.md defines them).
     #[arg(long, value_name = "X", default_value_t = 0.0)]
     pub clip_grad_norm: f64,
     /// What bf16/f16 parameters keep beside the AdamW moments. Default none:
