@@ -38,6 +38,10 @@ pub enum Error {
     /// A trace that breaks one of the IR invariants.
     #[error("trace `{trace}` fails verification: {reason}")]
     Verify { trace: String, reason: String },
+    /// A pass whose output breaks an IR invariant: `pass` names it, `source`
+    /// is the verifier's error ([`crate::pipeline::verify_after`]).
+    #[error("pass `{pass}` produced a trace that fails verification: {source}")]
+    PassOutput { pass: String, source: Box<Error> },
     /// Differentiation could not build the backward trace.
     #[error("autodiff: {0}")]
     Autodiff(String),

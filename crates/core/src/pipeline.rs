@@ -21,6 +21,10 @@
 //! doubling (after the first) no longer lowers the least planned peak,
 //! naming the least it reached and its tiling.
 //!
+//! In debug builds (tests) the verifier runs after every stage
+//! ([`verify_after`]), so a pass that breaks an IR invariant is named by
+//! its error instead of surfacing later as a bad plan or a wrong number.
+//!
 //! **Invariant:** a [`CompiledStep`]'s plan belongs to its step and has
 //! passed `check_plan`.
 
@@ -30,7 +34,7 @@ use crate::autodiff::{build_accumulated_step, StepKind, TrainOptions};
 use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
 use crate::error::{Error, Result};
 use crate::fusion::{self, Epilogues, FusionReport};
-use crate::ir::{Trace, ValueId};
+use crate::ir::{verify::verify, Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
 use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
 use crate::passes::{split_f32_products, F32Products};
@@ -148,6 +152,22 @@ impl CompiledStep {
     }
 }
 
+/// Verifies `trace`, the output of `pass`: the error names the pass and
+/// the broken invariant.
+pub fn verify_after(pass: &str, trace: &Trace) -> Result<()> {
+    verify(trace).map_err(|e| Error::PassOutput { pass: pass.into(), source: Box::new(e) })
+}
+
+/// [`verify_after`] in debug builds only (tests build with debug
+/// assertions): what the pipeline runs after each stage.
+fn debug_verify_after(pass: &str, trace: &Trace) -> Result<()> {
+    if cfg!(debug_assertions) {
+        verify_after(pass, trace)
+    } else {
+        Ok(())
+    }
+}
+
 /// Builds the traces of a step: the forward trace of `spec` (of one rank's
 /// rows under data parallelism), autodiff to `opts.kind`, and the
 /// data-parallel rewrite. Checks the data-parallel settings and the batch
@@ -162,11 +182,15 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
     };
     let forward =
         build_forward_opts(&spec, &ForwardOptions { mlp_tiles: opts.mlp_tiles, ..ForwardOptions::default() })?;
+    debug_verify_after("forward", &forward)?;
     let step = build_accumulated_step(&forward, opts.kind, &opts.train, opts.grad_accum)?;
+    debug_verify_after("autodiff", &step)?;
     let (step, buckets) = match &opts.data_parallel {
         Some(dp) => {
             let sizes = buckets(&step, dp.bucket_bytes)?.iter().map(|b| b.bytes).collect();
-            (data_parallel(&step, dp)?, sizes)
+            let step = data_parallel(&step, dp)?;
+            debug_verify_after("data_parallel", &step)?;
+            (step, sizes)
         }
         None => (step, Vec::new()),
     };
@@ -260,17 +284,23 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
     let (step, fusion) = match opts.epilogues {
-        Epilogues::On => fusion::fold(&step)?,
+        Epilogues::On => {
+            let (step, report) = fusion::fold(&step)?;
+            debug_verify_after("epilogues", &step)?;
+            (step, report)
+        }
         Epilogues::Off => (step, FusionReport::default()),
     };
     let (step, placement) = if opts.kind == StepKind::Train {
         let (step, _, report) = optimizer_placement::apply(&step, opts.optimizer, opts.plan)?;
+        debug_verify_after("optimizer_placement", &step)?;
         (step, Some(report))
     } else {
         (step, None)
     };
     let traced = Instant::now();
     let (step, plan, mut recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
+    debug_verify_after("recompute", &step)?;
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     let (step, plan) = match opts.f32_products {
@@ -280,6 +310,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
         // nodes each, which the plan now holds.
         F32Products::Split3xTf32 => {
             let (step, _) = split_f32_products(&step)?;
+            debug_verify_after("split_f32_products", &step)?;
             let plan = crate::plan::plan(&step, opts.plan)?;
             if let RecomputePolicy::Budget(budget) = opts.recompute {
                 let peak = plan.planned_peak_bytes();
@@ -431,6 +462,25 @@ mod tests {
         // Without clipping there is nothing to suggest.
         let e = compile_step(&spec, &clipped(None, 1)).unwrap_err().to_string();
         assert!(!e.contains("clip"), "{e}");
+    }
+
+    #[test]
+    fn a_pass_whose_output_breaks_an_invariant_is_named() {
+        let c = compile_step(&tiny(1, LossKind::Sum), &StepOptions::new(StepKind::Train)).unwrap();
+        verify_after("recompute", &c.step).unwrap();
+        // A node moved before the producer of its input, as a scheduling
+        // pass with a wrong dependency would leave it.
+        let mut broken = c.step.clone();
+        let last = broken.nodes.pop().unwrap();
+        broken.nodes.insert(0, last);
+        let e = verify_after("recompute", &broken).unwrap_err();
+        assert!(
+            matches!(&e, Error::PassOutput { pass, source } if pass == "recompute"
+            && matches!(**source, Error::Verify { .. })),
+            "{e:?}"
+        );
+        let e = e.to_string();
+        assert!(e.starts_with("pass `recompute` produced a trace that fails verification: trace"), "{e}");
     }
 
     #[test]
