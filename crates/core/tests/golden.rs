@@ -1,13 +1,22 @@
 //! Golden printouts of a micro model's forward, grads and train traces, and
-//! of the grads and ZeRO-1 train steps of one rank of two.
+//! of the grads and ZeRO-1 train steps of one rank of two; and, as
+//! cranelift's filetests, of each pass after them: `golden/passes/NAME.in.txt`
+//! is the pass's input, which the test parses and runs the one pass on,
+//! and `NAME.out.txt` its verified output.
 //! Regenerate after an intended change with
 //! `UPDATE_GOLDEN=1 cargo test -p stepgraph-core --test golden` and review the diff.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::dist::{build_rank_step, DataParallel};
 use stepgraph_core::ir::parse::parse;
-use stepgraph_core::ir::DType;
+use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::optimizer_placement::{self, OptimizerPlacement};
+use stepgraph_core::passes::{split_f32_products, F32Products};
+use stepgraph_core::pipeline::{compile_step, trace_step, verify_after, StepOptions};
+use stepgraph_core::plan::PlanOptions;
+use stepgraph_core::recompute::{self, RecomputePolicy};
+use stepgraph_core::{fusion, Result};
 
 fn micro() -> ModelSpec {
     let o = Overrides {
@@ -26,6 +35,7 @@ fn micro() -> ModelSpec {
 fn check(name: &str, text: &str) {
     let path = format!("{}/tests/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::create_dir_all(std::path::Path::new(&path).parent().unwrap()).unwrap();
         std::fs::write(&path, text).unwrap();
         return;
     }
@@ -76,4 +86,47 @@ fn golden_data_parallel_grads_trace() {
 #[test]
 fn golden_zero1_train_trace() {
     check("train_zero1_dp2", &rank_step(StepKind::Train, true));
+}
+
+/// Between the micro train step's planned peak with the automatic policy
+/// (15,136 B, the least recomputation reaches) and without recomputation
+/// (17,696 B): the budget policy stops as soon as it is met, so it
+/// recomputes less than the automatic one.
+const BUDGET: u64 = 16_384;
+
+/// One pass as a filetest: `input` (the previous stage's output) is the
+/// golden `passes/NAME.in.txt`; the pass runs on that file parsed, and its
+/// output, verified, is the golden `passes/NAME.out.txt`. The same pass on
+/// the in-memory `input` must give the same output: the text holds all the
+/// pass reads. Returns the output, the next pass's input.
+fn check_pass(name: &str, input: &Trace, pass: impl Fn(&Trace) -> Result<Trace>) -> Trace {
+    check(&format!("passes/{name}.in"), &input.to_string());
+    let path = format!("{}/tests/golden/passes/{name}.in.txt", env!("CARGO_MANIFEST_DIR"));
+    let parsed = parse(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let out = pass(&parsed).unwrap();
+    verify_after(name, &out).unwrap();
+    check(&format!("passes/{name}.out"), &out.to_string());
+    assert_eq!(pass(input).unwrap().to_string(), out.to_string(), "{name}: the parsed input gives another output");
+    out
+}
+
+/// The micro model's train step through the passes in the pipeline's
+/// order, each snapshotted, ending where [`compile_step`] ends.
+#[test]
+fn golden_passes() {
+    let spec = micro();
+    let opts = StepOptions { f32_products: F32Products::Split3xTf32, ..StepOptions::new(StepKind::Train) };
+    let plan = PlanOptions::default();
+    let step = trace_step(&spec, &opts).unwrap().step;
+    let step = check_pass("fusion", &step, |t| fusion::fold(t).map(|r| r.0));
+    let step = check_pass("optimizer_placement", &step, |t| {
+        optimizer_placement::apply(t, OptimizerPlacement::Auto, plan).map(|r| r.0)
+    });
+    let budget = check_pass("recompute_budget", &step, |t| {
+        recompute::apply(t, RecomputePolicy::Budget(BUDGET), plan).map(|r| r.0)
+    });
+    let step = check_pass("recompute_auto", &step, |t| recompute::apply(t, RecomputePolicy::Auto, plan).map(|r| r.0));
+    let step = check_pass("split_f32_products", &step, |t| split_f32_products(t).map(|r| r.0));
+    assert_eq!(step.to_string(), compile_step(&spec, &opts).unwrap().step.to_string());
+    assert_ne!(budget.to_string(), step.to_string());
 }
