@@ -22,6 +22,7 @@ use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{device_name, CudaOptions, CudaSession, MemoryReport};
+use stepgraph_cuda::Switches;
 
 use crate::train::metrics;
 
@@ -90,6 +91,8 @@ pub struct BenchReport {
     pub mode: Mode,
     /// How the step's f32 products ran (`--f32-products`).
     pub f32_products: stepgraph_core::passes::F32Products,
+    /// The run-time switches the session ran under (`STEPGRAPH_*`).
+    pub switches: Switches,
     pub gpu_arch: String,
     pub params: u64,
     pub tokens_per_step: usize,
@@ -250,6 +253,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1, got 0");
     }
+    let switches = Switches::from_env()?;
     let (spec, kind) = spec(args.workload)?;
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
@@ -266,12 +270,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     args.memory.apply(&mut opts, crate::memory_args::free_bytes)?;
     let c = compile_step(&spec, &opts)?;
+    let set = switches.not_default_line();
+    if !set.is_empty() {
+        eprintln!("switches: {set} (not the defaults)");
+    }
     eprint!("{}", c.recompute);
     if let Some(p) = &c.placement {
         eprint!("{p}");
     }
     let params = c.param_count() as u64;
-    let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32 })?;
+    let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32, switches })?;
     Session::init_params(&mut s, 0)?;
     s.zero_state()?;
     let Timed { capture_ms, mut times, loss_first, loss_last } = timed_steps(&mut s, args, &spec, kind)?;
@@ -293,6 +301,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         workload: format!("{:?}", args.workload).to_lowercase(),
         mode: args.mode,
         f32_products: opts.f32_products,
+        switches,
         gpu_arch: s.arch.clone(),
         params,
         tokens_per_step: b * t,

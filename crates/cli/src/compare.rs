@@ -264,7 +264,7 @@ fn open_session(backend: Backend, step: Trace, memory: MemoryPlan) -> Result<Box
     Ok(match backend {
         Backend::Cpu => Box::new(CpuSession::new(step, memory)?),
         Backend::Cuda => Box::new(
-            CudaSession::new(step, memory, CudaOptions::default()).context("opening the CUDA session on GPU 0")?,
+            CudaSession::new(step, memory, CudaOptions::from_env()?).context("opening the CUDA session on GPU 0")?,
         ),
     })
 }

@@ -61,7 +61,7 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
         None => gpu_available(),
     };
     let mut session: Box<dyn Session> = if on_gpu {
-        let s = CudaSession::new(compiled.step, compiled.plan, CudaOptions::default())
+        let s = CudaSession::new(compiled.step, compiled.plan, CudaOptions::from_env()?)
             .context("opening the CUDA session on GPU 0")?;
         Box::new(s)
     } else {

@@ -216,6 +216,7 @@ fn gb(b: u64) -> f64 {
 }
 
 pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
+    let switches = stepgraph_cuda::Switches::from_env()?;
     let (spec, hf) = train::model_spec(model, args.init_from.as_deref())?;
     let cfg = spec.config.clone();
     let tok = load_tokenizer(args)?;
@@ -282,7 +283,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         program.spec.buckets,
         built.elapsed().as_secs_f64()
     );
-    if let Ok(step) = stepgraph_cuda::session::step_launches(&program.trace, &memory_plan, "sm_90") {
+    if let Ok(step) = stepgraph_cuda::session::step_launches(&program.trace, &memory_plan, "sm_90", &switches) {
         eprintln!("{}", launch_line(&program, &step));
     }
     let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
@@ -311,7 +312,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     // What cuBLASLt's tuning chose, for `--profile`.
     let mut tuning = None;
     let mut session: Box<dyn Session> = if on_gpu {
-        match CudaSession::new(program.trace.clone(), memory_plan, CudaOptions::default()) {
+        match CudaSession::new(program.trace.clone(), memory_plan, CudaOptions { switches, ..CudaOptions::default() }) {
             Ok(s) => {
                 tuning = Some(s.gemm_tuning().clone());
                 Box::new(s)

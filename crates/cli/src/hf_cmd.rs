@@ -94,7 +94,7 @@ fn open_session(
     Ok(match backend {
         Backend::Cpu => Box::new(CpuSession::new(step, memory)?),
         Backend::Cuda => Box::new(
-            CudaSession::new(step, memory, CudaOptions::default()).context("opening the CUDA session on GPU 0")?,
+            CudaSession::new(step, memory, CudaOptions::from_env()?).context("opening the CUDA session on GPU 0")?,
         ),
     })
 }

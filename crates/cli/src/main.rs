@@ -685,6 +685,7 @@ fn run_command(cli: Cli) -> Result<()> {
             }
         }
         Command::Plan { model, step, optim, memory, json, top, html, .. } => {
+            let switches = stepgraph_cuda::Switches::from_env()?;
             let spec = model.spec()?;
             let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
@@ -696,7 +697,7 @@ fn run_command(cli: Cli) -> Result<()> {
             // What the step is on a Hopper GPU, lowered here without one
             // (a dtype without CUDA kernels, such as f64, has no count).
             const ARCH: &str = "sm_90";
-            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH)
+            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH, &switches)
                 .ok()
                 .map(|step| profile::census(&step.launches));
             if json {
@@ -705,6 +706,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["optimizer"] = serde_json::to_value(&c.placement)?;
                 value["epilogues"] = serde_json::to_value(&c.fusion)?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
+                value["switches"] = serde_json::to_value(switches)?;
                 value["launches_sm90"] = match &census {
                     Some(census) => serde_json::json!({
                         "total": census.iter().map(|c| c.1).sum::<usize>(),
@@ -737,6 +739,10 @@ fn run_command(cli: Cli) -> Result<()> {
                 }
                 if let Some(census) = &census {
                     println!("{}", profile::census_line(ARCH, census));
+                }
+                let set = switches.not_default_line();
+                if !set.is_empty() {
+                    println!("switches: {set} (not the defaults)");
                 }
             }
         }

@@ -79,6 +79,44 @@ fn plan_counts_a_steps_launches_and_clipping_adds_few() {
     assert!(clipped <= plain - 237 + 11 + 11, "{clipped} launches clipped, {plain} not: {clipped_classes:?}");
 }
 
+/// `stepgraph plan` under `env`: success, stdout, stderr.
+fn plan_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_stepgraph"));
+    cmd.arg("plan").args(args).env_remove("RUST_BACKTRACE").current_dir(common::root());
+    for var in stepgraph_cuda::Switches::VARS {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    let out = cmd.output().expect("run stepgraph");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+/// A switch set in the environment changes the plan's launch count (the
+/// AdamW updates are not merged under `STEPGRAPH_MULTI_TENSOR=0`) and the
+/// plan says so; a value the switch does not take is refused naming it.
+#[test]
+fn plan_says_which_switches_are_set() {
+    let base = ["--model", "tiny-llama", "--dtype", "f32", "--seq", "16", "--step", "train"];
+    let launches = |out: &str| -> usize {
+        let l = out.lines().find(|l| l.starts_with("launches per step")).expect(out);
+        l.split(": ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let (ok, default, err) = plan_with_env(&base, &[]);
+    assert!(ok, "{err}");
+    assert!(!default.contains("switches"), "{default}");
+    let (ok, single, err) = plan_with_env(&base, &[("STEPGRAPH_MULTI_TENSOR", "0")]);
+    assert!(ok, "{err}");
+    assert!(single.contains("switches: STEPGRAPH_MULTI_TENSOR=off (not the defaults)"), "{single}");
+    assert!(launches(&single) > launches(&default), "{single}\n{default}");
+    let (ok, json, err) = plan_with_env(&[&base[..], &["--json"]].concat(), &[("STEPGRAPH_MULTI_TENSOR", "off")]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["switches"]["multi_tensor"], false, "{}", v["switches"]);
+    assert_eq!(v["switches"]["gemm_autotune"], true, "{}", v["switches"]);
+    let (ok, _, err) = plan_with_env(&base, &[("STEPGRAPH_MULTI_TENSOR", "sometimes")]);
+    assert!(!ok && err.contains("STEPGRAPH_MULTI_TENSOR=\"sometimes\": expected 1, on, true, yes or 0"), "{err}");
+}
+
 /// `--f32-products 3xtf32`: every f32 product as three TF32 ones, said in
 /// the plan and counted in its launches.
 #[test]

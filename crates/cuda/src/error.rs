@@ -33,6 +33,9 @@ pub enum CudaError {
     /// A session's rank or group does not fit the step's collectives.
     #[error("data-parallel rank: {0}")]
     Rank(String),
+    /// A run-time switch ([`crate::switches`]) set to a value it does not take.
+    #[error("{var}={value:?}: expected {expected}")]
+    Switch { var: String, value: String, expected: String },
     #[error(transparent)]
     Core(#[from] stepgraph_core::Error),
     #[error("io error on `{path}`: {source}")]

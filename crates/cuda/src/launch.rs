@@ -8,8 +8,8 @@ use cudarc::driver::sys;
 use cudarc::driver::DriverError;
 use stepgraph_core::ir::TensorType;
 
-/// The environment variable that launches every stepgraph kernel with
-/// programmatic dependent launch (`1`), on devices of compute capability
+/// The environment variable ([`crate::switches::Switches::pdl`]) that
+/// launches every stepgraph kernel with programmatic dependent launch, on devices of compute capability
 /// 9.0 and later: each kernel may be scheduled while the kernel before it
 /// in the stream finishes, its `sg_pdl_entry()` (common.cuh) waiting for
 /// that kernel's results, so launch latency hides behind the previous
@@ -17,10 +17,10 @@ use stepgraph_core::ir::TensorType;
 pub const PDL_ENV: &str = "STEPGRAPH_PDL";
 
 /// Whether kernels launch with programmatic dependent launch on a device of
-/// architecture `arch` (`sm_90`, ...): [`PDL_ENV`] is `1` and the device
-/// has `griddepcontrol` (sm_90 and later).
-pub fn pdl_on(arch: &str) -> bool {
-    std::env::var(PDL_ENV).is_ok_and(|v| v == "1") && has_griddepcontrol(arch)
+/// architecture `arch` (`sm_90`, ...): `switches` asks for it ([`PDL_ENV`])
+/// and the device has `griddepcontrol` (sm_90 and later).
+pub fn pdl_on(arch: &str, switches: &crate::switches::Switches) -> bool {
+    switches.pdl && has_griddepcontrol(arch)
 }
 
 /// Does a device of architecture `arch` (`sm_90`, `sm_90a`, `sm_80`, ...)

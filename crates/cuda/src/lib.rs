@@ -16,6 +16,10 @@
 //! Initial weights are drawn in place by a kernel ([`init`]) that gives the
 //! bits core's host generator gives.
 //!
+//! The `STEPGRAPH_*` switches that choose kernels, product algorithms and
+//! launch merges are parsed once into [`Switches`] ([`switches`]) and
+//! carried in the session's options and the lowering's [`ops::Target`].
+//!
 //! Everything is loaded dynamically (cudarc's `dynamic-loading`), so the
 //! crate builds and its CPU-side tests run on machines without CUDA.
 
@@ -31,7 +35,9 @@ pub mod nvrtc;
 pub mod ops;
 pub mod overlap;
 pub mod session;
+pub mod switches;
 
 pub use error::{CudaError, Result};
 /// The attention lowering keeps its old path (`stepgraph_cuda::attention`).
 pub use ops::attention;
+pub use switches::Switches;

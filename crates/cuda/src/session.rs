@@ -60,12 +60,25 @@ use crate::launch::{DevTensor, KernelLaunch, Launch};
 use crate::lower::{lower_for, GroupRank, Target};
 use crate::nccl::{Nccl, NcclComm, NcclGroup};
 use crate::nvrtc;
+use crate::switches::Switches;
 
-/// Backend options.
+/// Backend options. [`Default`] has every switch at its default; the
+/// commands and tests that open sessions use [`CudaOptions::from_env`].
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
     /// Let cuBLASLt use TF32 for f32 products (off by default: f32 means f32).
     pub tf32: bool,
+    /// The run-time switches, parsed once where the session's caller
+    /// started ([`Switches::from_env`]) and read from here, never from the
+    /// environment.
+    pub switches: Switches,
+}
+
+impl CudaOptions {
+    /// The defaults with the switches of this process's environment.
+    pub fn from_env() -> Result<Self> {
+        Ok(CudaOptions { switches: Switches::from_env()?, ..CudaOptions::default() })
+    }
 }
 
 /// Where a session runs: its GPU and, for a data-parallel step, its rank.
@@ -422,7 +435,7 @@ fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> R
 
 /// Stage 7: creates cuBLASLt over the allocation's workspace, plans every
 /// product once, and autotunes the algorithms (unless
-/// `STEPGRAPH_GEMM_AUTOTUNE=0`), then waits for the stream.
+/// [`Switches::gemm_autotune`] is off), then waits for the stream.
 fn plan_gemms(
     alloc: &Allocation,
     opts: &CudaOptions,
@@ -431,8 +444,7 @@ fn plan_gemms(
     arch: &str,
 ) -> Result<Blas> {
     let ctx = stream.context();
-    let autotune = crate::blas::autotune_from_env();
-    let mut blas = Blas::new(alloc.workspace_base, alloc.workspace as usize, opts.tf32, autotune, ctx, arch)?;
+    let mut blas = Blas::new(alloc.workspace_base, alloc.workspace as usize, opts.tf32, &opts.switches, ctx, arch)?;
     blas.plan_all(gemms)?;
     // Autotuning runs products on their real addresses. Nothing holds data
     // yet (weights and inputs are written after construction), and a
@@ -534,10 +546,10 @@ impl CudaSession {
         let after_alloc = used_bytes()?.0;
         clock.stage(STAGE_ALLOCATE);
 
-        let target = Target::of_arch(&arch);
+        let target = Target::of_arch(&arch, opts.switches);
         let (launches, launch_nodes) =
             lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group, target)?;
-        let (launches, launch_nodes, launch_first_nodes) = multi_tensor_updates(launches, launch_nodes);
+        let (launches, launch_nodes, launch_first_nodes) = multi_tensor_updates(launches, launch_nodes, &opts.switches);
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
         clock.stage(STAGE_LOWER);
@@ -558,7 +570,7 @@ impl CudaSession {
         memory.device_peak_bytes = after_comm.saturating_sub(baseline);
         clock.stage(STAGE_JOIN_GROUP);
         let id_checks = id_checks(&trace);
-        let pdl = crate::launch::pdl_on(&arch);
+        let pdl = crate::launch::pdl_on(&arch, &opts.switches);
         Ok(CudaSession {
             trace,
             plan,
@@ -1135,11 +1147,14 @@ fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base
 /// cache writes into one launch ([`crate::ops::decode::merge_kv_writes`])
 /// and its q and k rotations into one ([`crate::ops::rope::merge_ropes`]),
 /// unless the step has collectives (whose joins are computed per node) or
-/// `STEPGRAPH_MULTI_TENSOR=0` (for comparisons). Returns the launches, each
-/// one's last node and each one's first node.
-fn multi_tensor_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    let off = std::env::var("STEPGRAPH_MULTI_TENSOR").is_ok_and(|v| v == "0");
-    if off || launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
+/// [`Switches::multi_tensor`] is off (for comparisons). Returns the
+/// launches, each one's last node and each one's first node.
+fn multi_tensor_updates(
+    launches: Vec<Launch>,
+    nodes: Vec<usize>,
+    switches: &Switches,
+) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+    if !switches.multi_tensor || launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
         let first = nodes.clone();
         return (launches, nodes, first);
     }
@@ -1192,14 +1207,15 @@ impl LoweredStep {
 }
 
 /// The launches one step of `trace` makes on a device of architecture
-/// `arch` (`sm_90`, ...), exactly as a session lowers and merges them
-/// (persistent and arena storage at fixed stand-in bases, no device call):
-/// how many kernels a step is, before any GPU is at hand.
-pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str) -> Result<LoweredStep> {
+/// `arch` (`sm_90`, ...) under `switches`, exactly as a session lowers and
+/// merges them (persistent and arena storage at fixed stand-in bases, no
+/// device call): how many kernels a step is, before any GPU is at hand.
+pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str, switches: &Switches) -> Result<LoweredStep> {
     // Bases far apart and 2 MiB aligned, like the driver's allocations.
     let (persistent_base, arena_base) = (1u64 << 40, 1u64 << 44);
-    let (launches, nodes) = lower_step(trace, plan, persistent_base, arena_base, None, Target::of_arch(arch))?;
-    let (launches, last_nodes, _) = multi_tensor_updates(launches, nodes);
+    let target = Target::of_arch(arch, *switches);
+    let (launches, nodes) = lower_step(trace, plan, persistent_base, arena_base, None, target)?;
+    let (launches, last_nodes, _) = multi_tensor_updates(launches, nodes, switches);
     Ok(LoweredStep { launches, last_nodes })
 }
 
@@ -1280,7 +1296,7 @@ fn run_with_plan(
     outs: &[ValueId],
     inputs: &[HostTensor],
 ) -> Result<Vec<HostTensor>> {
-    let mut s = CudaSession::new(trace, plan, CudaOptions::default())?;
+    let mut s = CudaSession::new(trace, plan, CudaOptions::from_env()?)?;
     for (v, t) in ins.iter().zip(inputs) {
         // Raw writes: a single op's inputs are not step inputs with index checks.
         let ptr = s.slot_ptr(s.plan.slot(*v));

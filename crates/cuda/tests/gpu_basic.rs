@@ -153,7 +153,7 @@ fn try_batch(cases: &[Case], aliased: bool, runs: usize) -> Result<Vec<Vec<HostT
             }
         }
     }
-    let mut s = CudaSession::new(trace.clone(), p, CudaOptions::default()).map_err(|e| err(&e))?;
+    let mut s = CudaSession::new(trace.clone(), p, CudaOptions::from_env().unwrap()).map_err(|e| err(&e))?;
     let mut first: Option<Vec<HostTensor>> = None;
     for run in 0..runs {
         for (c, k) in cases.iter().enumerate() {

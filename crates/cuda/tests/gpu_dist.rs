@@ -61,7 +61,8 @@ fn global_batch(it: usize) -> (HostTensor, HostTensor) {
 fn open(step: &Trace, forward: &Trace, rank: RankOptions) -> CudaSession {
     let p = plan(step, PlanOptions::default()).unwrap();
     check_plan(step, &p).unwrap();
-    let mut s = CudaSession::new_rank(step.clone(), p, CudaOptions::default(), rank).unwrap_or_else(|e| panic!("{e}"));
+    let mut s = CudaSession::new_rank(step.clone(), p, CudaOptions::from_env().unwrap(), rank)
+        .unwrap_or_else(|e| panic!("{e}"));
     for (v, t) in init_params(forward, 7) {
         s.write_named(forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
     }

@@ -53,7 +53,7 @@ fn generate(session: &mut dyn Session, p: &GenerationProgram, requests: &[Reques
 
 fn cuda(p: &GenerationProgram) -> CudaSession {
     let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
-    CudaSession::new(p.trace.clone(), pl, CudaOptions::default()).unwrap()
+    CudaSession::new(p.trace.clone(), pl, CudaOptions::from_env().unwrap()).unwrap()
 }
 
 fn cpu(p: &GenerationProgram) -> CpuSession {

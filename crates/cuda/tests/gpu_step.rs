@@ -137,7 +137,7 @@ fn tiny_models_match_the_cpu() {
             let sp = spec(name, dtype);
             let (fwd, step, p) = build(&sp, kind, how);
             let mut cpu = CpuSession::new(step.clone(), p.clone()).unwrap();
-            let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
+            let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::from_env().unwrap()).unwrap();
             init(&step, &fwd, 1, |n, t| cpu.write_named(n, t).unwrap());
             init(&step, &fwd, 1, |n, t| gpu.write_named(n, t).unwrap());
             // Per parameter, the elements whose AdamW update the gradient's
@@ -221,7 +221,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
         let sp = spec(name, dtype);
         let (fwd, step, p) = build(&sp, StepKind::Train, how);
         let run = |graph: bool| -> Vec<Vec<u8>> {
-            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::default()).unwrap();
+            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::from_env().unwrap()).unwrap();
             init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
             let mut out = Vec::new();
             for it in 1..=5 {
@@ -260,11 +260,9 @@ fn multi_tensor_updates_equal_one_launch_per_parameter() {
         let sp = spec("tiny-llama", dtype);
         let (fwd, step, p) = build(&sp, StepKind::Train, Build::Plain);
         let run = |multi: bool| -> (usize, Vec<Vec<u8>>) {
-            if !multi {
-                std::env::set_var("STEPGRAPH_MULTI_TENSOR", "0");
-            }
-            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::default()).unwrap();
-            std::env::remove_var("STEPGRAPH_MULTI_TENSOR");
+            let mut opts = CudaOptions::from_env().unwrap();
+            opts.switches.multi_tensor = multi;
+            let mut s = CudaSession::new(step.clone(), p.clone(), opts).unwrap();
             init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
             for it in 1..=3 {
                 step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
@@ -289,7 +287,7 @@ fn memory_report_matches_the_plan() {
     let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
     let p = plan(&step, PlanOptions::default()).unwrap();
     let planned = p.planned_peak_bytes();
-    let mut s = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
+    let mut s = CudaSession::new(step.clone(), p, CudaOptions::from_env().unwrap()).unwrap();
     init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
     step_inputs(&step, &sp, 1, |n, t| s.write_named(n, t).unwrap());
     s.run_eager().unwrap();
@@ -311,7 +309,7 @@ fn a_step_that_does_not_fit_is_refused_before_allocating() {
     let fwd = build_forward(&sp).unwrap();
     let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
     let p = plan(&step, PlanOptions::default()).unwrap();
-    let err = match CudaSession::new(step, p, CudaOptions::default()) {
+    let err = match CudaSession::new(step, p, CudaOptions::from_env().unwrap()) {
         Err(e) => e,
         Ok(_) => panic!("a {}-byte plan was accepted", 0),
     };
@@ -328,7 +326,7 @@ fn weights_drawn_on_the_gpu_are_the_host_draw_bit_for_bit() {
         let fwd = build_forward(&sp).unwrap();
         let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
         let p = plan(&step, PlanOptions::default()).unwrap();
-        let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::default()).unwrap();
+        let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::from_env().unwrap()).unwrap();
         let report = gpu.init_params(5).unwrap();
         assert!(report.on_device, "{dtype}: drawn on the host");
         let mut checked = 0;

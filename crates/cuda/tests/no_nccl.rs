@@ -20,7 +20,8 @@ fn only_a_step_with_collectives_loads_nccl() {
     assert!(!step_needs_nccl(&single.step));
     // With a GPU this opens a real session; without one it fails at the
     // device. Either way NCCL stays unloaded.
-    let opened = CudaSession::new_rank(single.step, single.plan, CudaOptions::default(), RankOptions::default());
+    let opened =
+        CudaSession::new_rank(single.step, single.plan, CudaOptions::from_env().unwrap(), RankOptions::default());
     if !gpu_available() {
         assert!(opened.is_err());
     }
@@ -38,6 +39,6 @@ fn only_a_step_with_collectives_loads_nccl() {
     assert!(step_needs_nccl(&rank.step));
     let group = NcclGroup { id: NcclId([0; 128]), rank: 0, world: 2 };
     let opts = RankOptions { device: 0, group: Some(group), overlap: false };
-    assert!(CudaSession::new_rank(rank.step, rank.plan, CudaOptions::default(), opts).is_err());
+    assert!(CudaSession::new_rank(rank.step, rank.plan, CudaOptions::from_env().unwrap(), opts).is_err());
     assert!(load_attempted(), "the data-parallel rank did not look for NCCL");
 }

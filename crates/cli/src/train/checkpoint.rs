@@ -111,7 +111,7 @@ impl CheckpointState {
 
 /// A resumed run must match the checkpoint in every setting of `run` (the
 /// whole configuration, flattened to dotted keys: `step.f32_products`,
-/// `model.config.n_layer`, `switches.STEPGRAPH_GEMM_TILED`); the error
+/// `model.config.n_layer`, `switches.gemm_tiled`); the error
 /// names the first that differs, with both values. A setting one side
 /// records and the other does not (a stepgraph of another version) is a
 /// difference too.

@@ -76,6 +76,7 @@ use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{device_name, gpu_available, CudaOptions, CudaSession, RankOptions};
+use stepgraph_cuda::Switches;
 
 use crate::memory_args::{free_bytes, MemoryArgs};
 use crate::output_paths::{check_writable, refuse_overwriting_inputs};
@@ -314,6 +315,7 @@ impl TrainArgs {
 /// `stepgraph train`.
 pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
     let role = args.role(gpu_available())?;
+    let switches = Switches::from_env()?;
     if args.steps == 0 {
         bail!("--steps 0 trains nothing: ask for at least 1 step");
     }
@@ -445,7 +447,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     if ckpt.is_none() && args.save_every > 0 {
         bail!("--save-every {} saves checkpoints: give them a --checkpoint-dir", args.save_every);
     }
-    let run_id = run_identity(&spec, &opts, world, args)?;
+    let run_id = run_identity(&spec, &opts, world, args, &switches)?;
     let legacy_id = legacy_run_identity(&spec, &compiled.step, &opts, world, args);
     let resume_from = match (&args.resume, &ckpt) {
         (None, Some(dir)) => {
@@ -488,7 +490,8 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     };
     let resumed = match &resume_from {
         Some(dir) => {
-            let state = checkpoint::read_complete(dir)?;
+            let mut state = checkpoint::read_complete(dir)?;
+            read_switches_key(&mut state.run);
             checkpoint::check_compatible(dir, &state, &run_id, &legacy_id)?;
             if state.format == 1 && rank == 0 {
                 eprintln!(
@@ -517,7 +520,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     let moments_dtype = state_dtype(&step);
     let shard = opts.data_parallel.as_ref().is_some_and(|dp| dp.zero1 && dp.world > 1);
     let opened = Instant::now();
-    let (mut session, replay_from, device, eval) = open_sessions(&role, args, step, plan, eval_step)?;
+    let (mut session, replay_from, device, eval) = open_sessions(&role, args, switches, step, plan, eval_step)?;
     let session_time = opened.elapsed();
     let peak = match &role {
         Role::Cpu => None,
@@ -533,6 +536,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         shard,
         ckpt,
         run_id,
+        switches,
         train_options: opts.train.clone(),
         state_dtype: moments_dtype,
         peak_flops: peak,
@@ -621,6 +625,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
 fn open_sessions(
     role: &Role,
     args: &TrainArgs,
+    switches: Switches,
     step: Trace,
     plan: stepgraph_core::plan::MemoryPlan,
     eval: Option<CompiledStep>,
@@ -631,7 +636,8 @@ fn open_sessions(
     // graph, unless --eager.
     let gpu_replay = if args.eager { None } else { Some(2) };
     let on_gpu = |device: usize, group: Option<NcclGroup>, overlap: bool, step: Trace, plan| {
-        CudaSession::new_rank(step, plan, CudaOptions::default(), RankOptions { device, group, overlap })
+        let opts = CudaOptions { switches, ..CudaOptions::default() };
+        CudaSession::new_rank(step, plan, opts, RankOptions { device, group, overlap })
             .with_context(|| format!("opening the CUDA session on GPU {device}"))
     };
     let open_eval = |device: Option<usize>| -> Result<Option<Box<dyn Session>>> {
@@ -710,9 +716,9 @@ fn checkpoint_dir(args: &TrainArgs) -> Option<CheckpointDir> {
 /// checkpoint: the model and batch ([`ModelSpec`]) and the step options
 /// ([`StepOptions`]), serialized from the very structures the step is
 /// built from (so a setting added to them is covered with no list to
-/// edit), the data, the seed, the group, and the run-time switches that
-/// change results; flattened to dotted keys (`step.f32_products`), the
-/// switches as one key (`switches`, those set and their values).
+/// edit), the data, the seed, the group, and the run-time switches
+/// ([`Switches`], every one with its value, set or default); flattened to
+/// dotted keys (`step.f32_products`, `switches.multi_tensor`).
 /// Settings that change no bits are left out: the number of steps and the
 /// schedule (a run may be extended; a changed schedule is noted), logging,
 /// evaluation and checkpoint cadence.
@@ -721,6 +727,7 @@ fn run_identity(
     opts: &StepOptions,
     world: usize,
     args: &TrainArgs,
+    switches: &Switches,
 ) -> Result<BTreeMap<String, serde_json::Value>> {
     let config = serde_json::json!({
         "model": spec,
@@ -728,28 +735,25 @@ fn run_identity(
         "data": {"path": args.data.display().to_string(), "val_fraction": args.val_fraction},
         "seed": args.seed,
         "gpus": world,
+        "switches": switches,
     });
     let mut id = BTreeMap::new();
     flatten("", &config, &mut id);
-    // One key for the switches: an unset switch is a value too (its default).
-    id.insert("switches".into(), serde_json::to_value(result_switches(std::env::vars()))?);
     Ok(id)
 }
 
-/// The `STEPGRAPH_*` environment variables that are set, but those that
-/// cannot change a result (where kernels are cached, how much is printed,
-/// which libraries are required): the switches that choose kernels,
-/// product algorithms and launch merges, recorded with their values.
-fn result_switches(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
-    const NO_RESULT: [&str; 6] = [
-        "STEPGRAPH_KERNEL_CACHE",
-        "STEPGRAPH_NVRTC_VERBOSE",
-        "STEPGRAPH_REQUIRE_NVRTC",
-        "STEPGRAPH_REQUIRE_NCCL",
-        "STEPGRAPH_REQUIRE_CHROMIUM",
-        "STEPGRAPH_HOST_MEMORY_LIMIT",
-    ];
-    vars.filter(|(k, _)| k.starts_with("STEPGRAPH_") && !NO_RESULT.contains(&k.as_str())).collect()
+/// Checkpoints of format 2 written before [`Switches`] recorded the
+/// switches as one key, `switches`: the `STEPGRAPH_*` variables that were
+/// set, with their values. Read them as the keys [`run_identity`] records
+/// now (`switches.multi_tensor`, ...), so that such a run resumes under
+/// the same switches and is refused under others. A recorded value the
+/// parser refuses leaves the key as it was (and the resume is refused).
+fn read_switches_key(run: &mut BTreeMap<String, serde_json::Value>) {
+    let Some(serde_json::Value::Object(vars)) = run.get("switches") else { return };
+    let get = |var: &str| vars.get(var).and_then(|v| v.as_str()).map(str::to_string);
+    let Ok(Ok(value)) = Switches::from_vars(get).map(serde_json::to_value) else { return };
+    run.remove("switches");
+    flatten("switches", &value, run);
 }
 
 /// `{"a": {"b": 1}}` as `a.b = 1`; arrays and scalars are leaves.
@@ -938,6 +942,8 @@ struct Run<'a> {
     shard: bool,
     ckpt: Option<CheckpointDir>,
     run_id: BTreeMap<String, serde_json::Value>,
+    /// The run-time switches the sessions were opened with.
+    switches: Switches,
     /// The optimizer settings and the dtype of its state, as the step was built.
     train_options: stepgraph_core::autodiff::TrainOptions,
     state_dtype: Option<String>,
@@ -1053,6 +1059,10 @@ impl Run<'_> {
         }
         if args.eval_every > 0 {
             eprintln!("  validation  every {} steps, {} batches", args.eval_every, args.eval_batches);
+        }
+        let set = self.switches.not_default_line();
+        if !set.is_empty() {
+            eprintln!("  switches    {set} (not the defaults)");
         }
     }
 
@@ -1632,5 +1642,29 @@ mod tests {
         let t = parse(&["--min-lr-ratio", "2"]).unwrap().train;
         assert!(t.schedule(1, false).unwrap_err().to_string().contains("--min-lr-ratio must lie in [0, 1], got 2"));
         assert!(parse(&["--min-lr", "0.1", "--min-lr-ratio", "0.1"]).is_err());
+    }
+
+    /// A checkpoint that recorded the set variables under one key reads as
+    /// today's keys: the same switches compare equal, others differ.
+    #[test]
+    fn the_switches_key_of_earlier_checkpoints_reads_as_the_switches() {
+        let now = |s: &Switches| {
+            let mut id = BTreeMap::new();
+            flatten("switches", &serde_json::to_value(s).unwrap(), &mut id);
+            id
+        };
+        let earlier = |vars: serde_json::Value| {
+            let mut run = BTreeMap::from([("seed".to_string(), serde_json::json!(1)), ("switches".to_string(), vars)]);
+            read_switches_key(&mut run);
+            run.remove("seed");
+            run
+        };
+        assert_eq!(earlier(serde_json::json!({})), now(&Switches::default()));
+        let single = Switches { multi_tensor: false, ..Switches::default() };
+        assert_eq!(earlier(serde_json::json!({"STEPGRAPH_MULTI_TENSOR": "0"})), now(&single));
+        assert_ne!(earlier(serde_json::json!({"STEPGRAPH_MULTI_TENSOR": "0"})), now(&Switches::default()));
+        // A value no switch takes stays as recorded: the resume is refused.
+        let bad = earlier(serde_json::json!({"STEPGRAPH_PDL": "maybe"}));
+        assert!(bad.contains_key("switches") && !bad.contains_key("switches.pdl"), "{bad:?}");
     }
 }

@@ -144,11 +144,6 @@ pub fn few_tiles(batch: usize, m: usize, n: usize, k: usize) -> bool {
     k >= 256 && batch.max(1) * m.div_ceil(128) * n.div_ceil(128) < 256
 }
 
-/// Are split-k variants tried, given the value of [`SPLIT_K_ENV`]? Only when it is `1`.
-pub fn split_k_setting(value: Option<&str>) -> bool {
-    value.is_some_and(|v| v.trim() == "1")
-}
-
 /// A choice remembered for the process: see the module doc.
 #[derive(Clone)]
 struct Remembered {
@@ -161,34 +156,6 @@ type ChoiceKey = (PlanKey, Alignment, bool);
 fn remembered() -> &'static Mutex<HashMap<ChoiceKey, Remembered>> {
     static CHOICES: OnceLock<Mutex<HashMap<ChoiceKey, Remembered>>> = OnceLock::new();
     CHOICES.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-/// Is tuning on, given the value of [`AUTOTUNE_ENV`]? On unless it says off.
-pub fn autotune_setting(value: Option<&str>) -> bool {
-    !matches!(value.map(|v| v.trim().to_ascii_lowercase()).as_deref(), Some("0" | "off" | "false" | "no"))
-}
-
-/// Candidates per shape given the value of [`CANDIDATES_ENV`]:
-/// [`MAX_CANDIDATES`] when unset, else the number, which must lie in
-/// `1..=CANDIDATES_LIMIT`.
-pub fn candidates_setting(value: Option<&str>) -> Result<usize> {
-    let Some(v) = value else { return Ok(MAX_CANDIDATES) };
-    match v.trim().parse::<usize>() {
-        Ok(n) if (1..=CANDIDATES_LIMIT).contains(&n) => Ok(n),
-        _ => Err(crate::error::CudaError::Blas(format!(
-            "{CANDIDATES_ENV}={v:?}: expected a number of algorithms from 1 to {CANDIDATES_LIMIT}"
-        ))),
-    }
-}
-
-/// [`candidates_setting`] of the process environment.
-pub fn candidates_from_env() -> Result<usize> {
-    candidates_setting(std::env::var(CANDIDATES_ENV).ok().as_deref())
-}
-
-/// [`autotune_setting`] of the process environment.
-pub fn autotune_from_env() -> bool {
-    autotune_setting(std::env::var(AUTOTUNE_ENV).ok().as_deref())
 }
 
 impl Blas {
@@ -525,16 +492,6 @@ mod tests {
     }
 
     #[test]
-    fn the_env_setting_is_on_unless_it_says_off() {
-        assert!(autotune_setting(None));
-        assert!(autotune_setting(Some("1")));
-        assert!(autotune_setting(Some("on")));
-        for off in ["0", "off", "OFF", "false", " no "] {
-            assert!(!autotune_setting(Some(off)), "{off}");
-        }
-    }
-
-    #[test]
     fn decode_and_small_products_have_few_tiles_and_training_products_do_not() {
         // W6's decode projections at batch 16: o and down, q/k/v as a batch of 3.
         assert!(few_tiles(1, 16, 3200, 3200) && few_tiles(1, 16, 3200, 8640) && few_tiles(3, 16, 3200, 3200));
@@ -542,18 +499,6 @@ mod tests {
         assert!(few_tiles(1, 256, 256, 256) && few_tiles(1, 4096, 28, 18944));
         // W5's products, Qwen's 152064-entry vocabulary head at decode, and tiny depths are left to the heuristic.
         assert!(!few_tiles(1, 8192, 3200, 3200) && !few_tiles(1, 16, 152064, 3584) && !few_tiles(1, 16, 64, 64));
-        assert!(!split_k_setting(None) && !split_k_setting(Some("0")) && split_k_setting(Some("1")));
-    }
-
-    #[test]
-    fn the_candidates_setting_is_a_count_within_its_limit() {
-        assert_eq!(candidates_setting(None).unwrap(), MAX_CANDIDATES);
-        assert_eq!(candidates_setting(Some(" 32 ")).unwrap(), 32);
-        assert_eq!(candidates_setting(Some("1")).unwrap(), 1);
-        for bad in ["0", "65", "many", ""] {
-            let e = candidates_setting(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(CANDIDATES_ENV) && e.contains("1 to 64"), "{bad}: {e}");
-        }
     }
 
     #[test]

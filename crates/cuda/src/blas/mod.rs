@@ -60,12 +60,11 @@ use cudarc::cublaslt::result as lr;
 use cudarc::cublaslt::sys as ls;
 
 pub use autotune::{
-    autotune_from_env, autotune_setting, candidates_from_env, candidates_setting, few_tiles, split_k_setting,
-    AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES, SPLIT_K_ENV,
-    SPLIT_K_TRIED, TIE_TOLERANCE,
+    few_tiles, AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES,
+    SPLIT_K_ENV, SPLIT_K_TRIED, TIE_TOLERANCE,
 };
 pub use cublas::{CUBLAS_ALGO_ID, CUBLAS_ENV};
-pub use own::{candidate_setting, CandidateUse};
+pub use own::CandidateUse;
 use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
 pub use skinny::{SKINNY_ALGO_ID, SKINNY_ENV};
 pub use tiled::{TILED_ALGO_ID, TILED_ENV};
@@ -73,6 +72,7 @@ pub use tiled::{TILED_ALGO_ID, TILED_ENV};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
 use crate::launch::{GemmAddend, GemmCall};
+use crate::switches::Switches;
 
 /// The kernel modules products may launch outside cuBLAS (compiled with
 /// every other module, and for sm_90 in CI).
@@ -110,14 +110,15 @@ impl Blas {
     /// Workspace cuBLASLt may use per call: what NVIDIA recommends for Hopper.
     pub const WORKSPACE_BYTES: usize = 32 << 20;
 
-    /// With `autotune` off, every shape uses the heuristic's first algorithm.
-    /// `ctx` and `arch` load our own kernels when [`SKINNY_ENV`] or
-    /// [`TILED_ENV`] asks for them.
+    /// With `switches.gemm_autotune` off, every shape uses the heuristic's
+    /// first algorithm; the other `gemm_*` switches say how many candidates
+    /// are timed and which. `ctx` and `arch` load our own kernels when
+    /// [`SKINNY_ENV`] or [`TILED_ENV`] asks for them.
     pub fn new(
         workspace: u64,
         workspace_bytes: usize,
         tf32: bool,
-        autotune: bool,
+        switches: &Switches,
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         arch: &str,
     ) -> Result<Self> {
@@ -125,12 +126,13 @@ impl Blas {
         if !unsafe { ls::is_culib_present() } {
             return Err(CudaError::Missing { lib: "cublasLt", hint: "install the CUDA toolkit's cuBLAS".into() });
         }
-        let candidates = candidates_from_env()?;
-        let split_k = split_k_setting(std::env::var(SPLIT_K_ENV).ok().as_deref());
-        let setting = |var: &str| candidate_setting(std::env::var(var).ok().as_deref());
-        let cublas = cublas::Cublas::open(setting(CUBLAS_ENV), workspace, workspace_bytes, tf32)?;
-        let skinny = own::OwnKernels::open(setting(SKINNY_ENV), &skinny::MODULE, skinny::kernel_names(), ctx, arch)?;
-        let tiled = own::OwnKernels::open(setting(TILED_ENV), &tiled::MODULE, tiled::kernel_names(), ctx, arch)?;
+        let (autotune, candidates, split_k) =
+            (switches.gemm_autotune, switches.gemm_candidates.0, switches.gemm_split_k);
+        let pdl = crate::launch::pdl_on(arch, switches);
+        let cublas = cublas::Cublas::open(switches.gemm_cublas, workspace, workspace_bytes, tf32)?;
+        let skinny =
+            own::OwnKernels::open(switches.gemm_skinny, &skinny::MODULE, skinny::kernel_names(), ctx, arch, pdl)?;
+        let tiled = own::OwnKernels::open(switches.gemm_tiled, &tiled::MODULE, tiled::kernel_names(), ctx, arch, pdl)?;
         let handle = lr::create_handle().map_err(|e| blas_err("cublasLtCreate", e))?;
         Ok(Blas {
             handle,

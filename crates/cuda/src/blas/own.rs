@@ -88,27 +88,7 @@ impl OwnLaunch {
     }
 }
 
-/// What a switch for candidates beyond cuBLASLt's asks for
-/// (`STEPGRAPH_GEMM_CUBLAS`, `STEPGRAPH_GEMM_SKINNY`, `STEPGRAPH_GEMM_TILED`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum CandidateUse {
-    /// Not used (unset, or any other value).
-    Off,
-    /// `1`: more candidates for tuning to time.
-    Candidate,
-    /// `only`: the first of these candidates runs every product it can,
-    /// untimed, so the GPU tests compare exactly that path with the CPU.
-    Only,
-}
-
-/// [`CandidateUse`] given the value of its switch.
-pub fn candidate_setting(value: Option<&str>) -> CandidateUse {
-    match value.map(str::trim) {
-        Some("1") => CandidateUse::Candidate,
-        Some("only") => CandidateUse::Only,
-        _ => CandidateUse::Off,
-    }
-}
+pub use crate::switches::CandidateUse;
 
 /// One family's loaded kernels.
 pub(super) struct OwnKernels {
@@ -133,6 +113,7 @@ impl OwnKernels {
         names: impl IntoIterator<Item = String>,
         ctx: &Arc<CudaContext>,
         arch: &str,
+        pdl: bool,
     ) -> Result<Option<Self>> {
         if how == CandidateUse::Off {
             return Ok(None);
@@ -149,7 +130,6 @@ impl OwnKernels {
                     .map_err(|e| CudaError::Driver(format!("kernel `{name}` in module `{}`: {e:?}", module.name)))
             })
             .collect::<Result<_>>()?;
-        let pdl = crate::launch::pdl_on(arch);
         Ok(Some(OwnKernels { _module: loaded, functions, names, only: how == CandidateUse::Only, pdl }))
     }
 
@@ -180,19 +160,5 @@ impl OwnKernels {
         // the argument values.
         unsafe { crate::launch::launch_kernel(f, l.grid, l.block, 0, stream, &mut params[..l.len], self.pdl) }
             .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", self.names[l.function])))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn switch_values() {
-        assert_eq!(candidate_setting(None), CandidateUse::Off);
-        assert_eq!(candidate_setting(Some("0")), CandidateUse::Off);
-        assert_eq!(candidate_setting(Some("1")), CandidateUse::Candidate);
-        assert_eq!(candidate_setting(Some(" 1")), CandidateUse::Candidate);
-        assert_eq!(candidate_setting(Some(" only")), CandidateUse::Only);
     }
 }

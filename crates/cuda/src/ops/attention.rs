@@ -107,6 +107,7 @@ use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
 use crate::launch::{Arg, KernelLaunch, Launch};
+use crate::switches::{AttentionKernels, Switches};
 
 /// The CUDA-core kernel source module.
 pub const MODULE: &str = "attention";
@@ -244,10 +245,11 @@ pub fn mma_rows(pass: Pass, dtype: DType, dp: usize) -> usize {
 
 /// The padded head size of the tensor-core kernels for `dtype` and head
 /// size `d`, or `None` when the CUDA-core kernels serve it: bf16, f16 and
-/// f32 with `16 < d <= 128`, rounded up to a multiple of 16.
-pub fn mma_width(dtype: DType, d: usize) -> Option<usize> {
+/// f32 with `16 < d <= 128`, rounded up to a multiple of 16, unless
+/// `switches` asks for the CUDA-core kernels ([`AttentionKernels::Simt`]).
+pub fn mma_width(switches: &Switches, dtype: DType, d: usize) -> Option<usize> {
     let covered = matches!(dtype, DType::BF16 | DType::F16 | DType::F32);
-    let forced_simt = std::env::var("STEPGRAPH_ATTENTION").is_ok_and(|v| v == "simt");
+    let forced_simt = switches.attention == AttentionKernels::Simt;
     (covered && d > 16 && d <= 128 && !forced_simt).then(|| d.div_ceil(16) * 16)
 }
 
@@ -401,7 +403,7 @@ impl Dims {
         if t > i32::MAX as usize || hq * d > i32::MAX as usize {
             return Err(fail(format!("sequence length {t} or row size {hq}×{d} does not fit the kernels' int")));
         }
-        let mma = mma_width(q.dtype, d);
+        let mma = mma_width(&target.switches, q.dtype, d);
         let wg = mma.is_some_and(|dp| wgmma_attention(target, q.dtype, dp));
         Ok(Dims { dtype: q.dtype, b, t, hq, hkv, d, bucket, mma, wg })
     }
@@ -684,11 +686,11 @@ mod tests {
 
         // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
         for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 1), (DType::F64, 100)] {
-            assert_eq!(mma_width(dtype, d), None);
+            assert_eq!(mma_width(&Switches::default(), dtype, d), None);
         }
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             for d in 17..=128 {
-                let dp = mma_width(dtype, d).unwrap();
+                let dp = mma_width(&Switches::default(), dtype, d).unwrap();
                 assert!(dp >= d && dp.is_multiple_of(16) && dp - d < 16);
                 for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
                     // Two blocks of four warps fit an SM (228 KB), but for f32 at 128.
@@ -781,7 +783,7 @@ mod tests {
         assert!(!wgmma_attention(hopper, DType::F32, 112));
         assert!(!wgmma_attention(hopper, DType::BF16, 64));
         assert!(!wgmma_attention(Target::default(), DType::BF16, 112));
-        assert!(!wgmma_attention(Target::of_arch("sm_80"), DType::BF16, 112));
+        assert!(!wgmma_attention(Target::of_arch("sm_80", Switches::default()), DType::BF16, 112));
         // Every warpgroup module is declared arch-specific (built for sm_90a).
         for m in KERNELS {
             assert_eq!(m.arch_specific, m.name.ends_with("_wg"), "{}", m.name);

@@ -10,7 +10,7 @@
 //!   [`heads_per_block`] query heads of one kv head's group, so every key
 //!   and value row is read once per group, with loads of [`load_width`]
 //!   elements where the cache's alignment allows. With
-//!   [`Target::decode_staging`](super::Target::decode_staging) each warp
+//!   [`Switches::decode_staging`](crate::switches::Switches::decode_staging) each warp
 //!   first copies its key and value tiles into a ring in shared memory
 //!   ([`staging`]), where the loads and the ring allow.
 //! * `sample_next`: one block per batch row, in double (see the kernel's
@@ -235,7 +235,7 @@ impl Lower for CachedAttention {
         // The alignment every row start shares: the smaller of the two caches'.
         let align = 1u64 << k.ptr.trailing_zeros().min(v.ptr.trailing_zeros()).min(8);
         let (vw, e) = load_width(dt, n.d, align);
-        let (stages, pitch) = if cx.target.decode_staging { staging(dt, heads, n.d, vw) } else { (0, 0) };
+        let (stages, pitch) = if cx.target.switches.decode_staging { staging(dt, heads, n.d, vw) } else { (0, 0) };
         let scale = Arg::F64(self.scale);
         let split_args = vec![
             ptr(q),
@@ -328,6 +328,7 @@ mod tests {
     use super::*;
     use crate::launch::DevTensor;
     use crate::ops::{lower, lower_for, Target};
+    use crate::switches::Switches;
 
     /// A decode step's inputs: one new token per row, a cache of `s` positions per row.
     fn attention(dt: DType, b: usize, hq: usize, hkv: usize, d: usize, s: usize) -> Vec<TensorType> {
@@ -406,7 +407,7 @@ mod tests {
         assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
         assert_eq!((ks[0].shared_bytes, &ks[0].args[16]), (0, &Arg::I32(0)), "read in place: no ring");
         // Staged: four warps' rings of two slots of 32 key and 32 value rows of 100.
-        let staged = Target { decode_staging: true, ..Target::default() };
+        let staged = Target { switches: Switches { decode_staging: true, ..Switches::default() }, ..Target::default() };
         let (ins, outs_s) = operands_of(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048), 0).unwrap();
         let l_s = lower_for(&op, &ins, &outs_s, None, staged).unwrap();
         let k_s = kernels(&l_s)[0];

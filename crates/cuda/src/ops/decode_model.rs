@@ -752,7 +752,10 @@ fn cached_attention_matches_the_cpu_on_the_model() {
         };
         let skews: &[u64] = if s.large { &[0] } else { &[0, 2, 8] };
         // Reading the cache in place, and staging it where the lowering can.
-        let staged = Target { decode_staging: true, ..Target::default() };
+        let staged = Target {
+            switches: crate::switches::Switches { decode_staging: true, ..crate::switches::Switches::default() },
+            ..Target::default()
+        };
         for (&skew, target) in skews.iter().flat_map(|s| [(s, Target::default()), (s, staged)]) {
             let Some(got) = run(&s.op, &inputs, skew, false, target) else { continue };
             let (go, wo) = (got[0].to_f64(), want[0].to_f64());

@@ -53,6 +53,7 @@ use stepgraph_core::ops::Op;
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
 use crate::launch::{DevTensor, Launch};
+use crate::switches::Switches;
 
 /// A session's place in a data-parallel group: what the collective
 /// lowerings need beyond addresses (`local_shard` copies at `rank`'s offset).
@@ -74,28 +75,26 @@ pub struct LowerCx<'a> {
 }
 
 /// What a lowering may assume of the device beyond what every supported GPU
-/// has. The default is the portable set: kernels that run on any of them.
+/// has, and the run-time switches that choose among lowerings. The default
+/// is the portable set (kernels that run on any of them) with every switch
+/// at its default.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct Target {
     /// Compute capability 9.0 (H100, H200): modules built for `sm_90a`
     /// (warpgroup MMA, [`crate::kernels::KernelModule::arch_specific`]) may be launched.
     pub sm90a: bool,
-    /// Decode attention's split pass stages the cache through shared
-    /// memory ([`decode::staging`]) where it can. Off until measured on a
-    /// GPU: `STEPGRAPH_DECODE_STAGING=1` turns it on.
-    pub decode_staging: bool,
+    /// The session's switches: decode staging ([`decode::staging`], where
+    /// [`Switches::decode_staging`] asks for it), the attention kernels, the
+    /// launch merges.
+    pub switches: Switches,
 }
 
 impl Target {
-    /// The target of a device of architecture `arch` (`sm_90`, `sm_80`, ...).
-    /// `STEPGRAPH_PORTABLE_KERNELS=1` keeps to the portable kernels (for
-    /// comparisons); `STEPGRAPH_DECODE_STAGING=1` stages decode attention.
-    pub fn of_arch(arch: &str) -> Target {
-        let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
-        Target {
-            sm90a: arch == "sm_90" && !on("STEPGRAPH_PORTABLE_KERNELS"),
-            decode_staging: on("STEPGRAPH_DECODE_STAGING"),
-        }
+    /// The target of a device of architecture `arch` (`sm_90`, `sm_80`, ...)
+    /// under `switches`: [`Switches::portable_kernels`] keeps to the
+    /// portable kernels (for comparisons).
+    pub fn of_arch(arch: &str, switches: Switches) -> Target {
+        Target { sm90a: arch == "sm_90" && !switches.portable_kernels, switches }
     }
 }
 

@@ -60,7 +60,7 @@ pub fn attention_tol(dtype: DType) -> f64 {
 /// to 2.6e-5 on unit-scale logits at D = 96..128 (peaked p, cancelling ds).
 pub fn attention_grad_tol(dtype: DType, d: usize) -> f64 {
     if dtype == DType::F32 {
-        if stepgraph_cuda::attention::mma_width(dtype, d).is_some() {
+        if stepgraph_cuda::attention::mma_width(&stepgraph_cuda::Switches::from_env().unwrap(), dtype, d).is_some() {
             5e-5
         } else {
             2e-5
