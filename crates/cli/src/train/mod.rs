@@ -490,8 +490,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     };
     let resumed = match &resume_from {
         Some(dir) => {
-            let mut state = checkpoint::read_complete(dir)?;
-            read_switches_key(&mut state.run);
+            let state = checkpoint::read_complete(dir)?;
             checkpoint::check_compatible(dir, &state, &run_id, &legacy_id)?;
             if state.format == 1 && rank == 0 {
                 eprintln!(
@@ -740,20 +739,6 @@ fn run_identity(
     let mut id = BTreeMap::new();
     flatten("", &config, &mut id);
     Ok(id)
-}
-
-/// Checkpoints of format 2 written before [`Switches`] recorded the
-/// switches as one key, `switches`: the `STEPGRAPH_*` variables that were
-/// set, with their values. Read them as the keys [`run_identity`] records
-/// now (`switches.multi_tensor`, ...), so that such a run resumes under
-/// the same switches and is refused under others. A recorded value the
-/// parser refuses leaves the key as it was (and the resume is refused).
-fn read_switches_key(run: &mut BTreeMap<String, serde_json::Value>) {
-    let Some(serde_json::Value::Object(vars)) = run.get("switches") else { return };
-    let get = |var: &str| vars.get(var).and_then(|v| v.as_str()).map(str::to_string);
-    let Ok(Ok(value)) = Switches::from_vars(get).map(serde_json::to_value) else { return };
-    run.remove("switches");
-    flatten("switches", &value, run);
 }
 
 /// `{"a": {"b": 1}}` as `a.b = 1`; arrays and scalars are leaves.
@@ -1642,29 +1627,5 @@ mod tests {
         let t = parse(&["--min-lr-ratio", "2"]).unwrap().train;
         assert!(t.schedule(1, false).unwrap_err().to_string().contains("--min-lr-ratio must lie in [0, 1], got 2"));
         assert!(parse(&["--min-lr", "0.1", "--min-lr-ratio", "0.1"]).is_err());
-    }
-
-    /// A checkpoint that recorded the set variables under one key reads as
-    /// today's keys: the same switches compare equal, others differ.
-    #[test]
-    fn the_switches_key_of_earlier_checkpoints_reads_as_the_switches() {
-        let now = |s: &Switches| {
-            let mut id = BTreeMap::new();
-            flatten("switches", &serde_json::to_value(s).unwrap(), &mut id);
-            id
-        };
-        let earlier = |vars: serde_json::Value| {
-            let mut run = BTreeMap::from([("seed".to_string(), serde_json::json!(1)), ("switches".to_string(), vars)]);
-            read_switches_key(&mut run);
-            run.remove("seed");
-            run
-        };
-        assert_eq!(earlier(serde_json::json!({})), now(&Switches::default()));
-        let single = Switches { multi_tensor: false, ..Switches::default() };
-        assert_eq!(earlier(serde_json::json!({"STEPGRAPH_MULTI_TENSOR": "0"})), now(&single));
-        assert_ne!(earlier(serde_json::json!({"STEPGRAPH_MULTI_TENSOR": "0"})), now(&Switches::default()));
-        // A value no switch takes stays as recorded: the resume is refused.
-        let bad = earlier(serde_json::json!({"STEPGRAPH_PDL": "maybe"}));
-        assert!(bad.contains_key("switches") && !bad.contains_key("switches.pdl"), "{bad:?}");
     }
 }
