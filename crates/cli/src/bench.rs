@@ -107,7 +107,7 @@ pub struct BenchReport {
     pub step_ms_min: f64,
     pub tokens_per_s: f64,
     /// Model FLOPs of one step ([`model_flops`]) and their rate as MFU
-    /// (`../shared/BENCHMARKS.md`): against the GPU's dense peak for the
+    /// (model FLOPs over time): against the GPU's dense peak for the
     /// dtype from training's table ([`metrics::peak_flops`]: 989 TFLOP/s for
     /// an H200 in bf16; `null` for a GPU not in it), and against 769 TFLOP/s,
     /// the bf16 product ceiling measured on the H200 (meaningful there only).

@@ -137,7 +137,7 @@ fn node_traffic(trace: &Trace, n: NodeId) -> u64 {
 }
 
 /// Rates for the time estimate: the matrix-product ceiling and the copy
-/// bandwidth measured on the H200 (`../shared/BENCHMARKS.md`: cuBLAS bf16
+/// bandwidth measured on the H200 (cuBLAS bf16
 /// 769 TFLOP/s, f32 50.6, copy 4176 GB/s).
 const PRODUCT_FLOPS_PER_S_BF16: f64 = 769e12;
 const PRODUCT_FLOPS_PER_S_F32: f64 = 50.6e12;
