@@ -1,11 +1,11 @@
-//! The memory plans of the benchmark workloads (../shared/BENCHMARKS.md),
+//! The memory plans of the benchmark workloads (docs/benchmarks.md),
 //! computed without allocating anything: W1 must fit the 11.9 GB that
 //! PyTorch-based stacks peak at, every plan must sit within 2% of its own
 //! floor, and persistent bytes must be exactly the parameters (plus the
 //! optimizer state under `train`). W5 on 8 GPUs: each rank plans like one
 //! GPU running W5, and ZeRO-1 divides the optimizer state by 8. Through the
 //! step pipeline, W2 plans within 1.7 GB by default and within 0.5 GB
-//! under that budget (issue 10).
+//! under that budget.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::dist::{plan_data_parallel, DataParallel};

@@ -4,7 +4,7 @@
 // tuning as candidates next to cuBLASLt's algorithms.
 //
 // Why: W3's 256 × 256 × 256 f32 products took 15 µs each under cuBLASLt
-// (session 10's profile): 4 output tiles, so 4 SMs of 132 did the work,
+// (a `bench --profile` of W3): 4 output tiles, so 4 SMs of 132 did the work,
 // each at its own CUDA cores' rate. Tiles of BM × BN = 32 × 32 give such a
 // product 64 blocks; 64 × 64 tiles suit larger ones.
 //
