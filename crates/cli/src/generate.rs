@@ -21,7 +21,7 @@
 //! (weights, cache, working set, each captured bucket's graph).
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -32,6 +32,7 @@ use serde_json::json;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{check_requests, BatchTimes, Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::ValueKind;
+use stepgraph_core::models::hf_dir::GENERATION_FILE;
 use stepgraph_core::models::generate::{
     build_generation, FusedWriter, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS,
 };
@@ -120,6 +121,34 @@ fn load_tokenizer(args: &GenerateArgs) -> Result<Option<Tokenizer>> {
         Some(p) => Ok(Some(Tokenizer::load(p).with_context(|| format!("loading the tokenizer of {}", p.display()))?)),
         None => Ok(None),
     }
+}
+
+/// The tokens that end a sequence: the tokenizer's end-of-sequence token and
+/// every `eos_token_id` of the model folder's `generation_config.json`, as
+/// `transformers`' `generate` reads them (a chat model lists its
+/// end-of-turn token there, e.g. `<|im_end|>` next to `<|endoftext|>`).
+fn stop_tokens(tok: Option<&Tokenizer>, model_dir: Option<&Path>) -> Result<Vec<u32>> {
+    let mut stops: Vec<u32> = tok.map(|t| t.eos_id).into_iter().collect();
+    let Some(path) = model_dir.map(|d| d.join(GENERATION_FILE)).filter(|p| p.is_file()) else {
+        return Ok(stops);
+    };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let listed = match config.get("eos_token_id") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(ids)) => ids.iter().collect(),
+        Some(one) => vec![one],
+    };
+    for id in listed {
+        let id = id.as_u64().and_then(|v| u32::try_from(v).ok()).with_context(|| {
+            format!("{}: eos_token_id holds {id}, which is not a token id (a non-negative integer)", path.display())
+        })?;
+        if !stops.contains(&id) {
+            stops.push(id);
+        }
+    }
+    Ok(stops)
 }
 
 fn render_chat(tok: &Tokenizer, messages: &[Message], what: &str) -> Result<String> {
@@ -286,7 +315,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     if let Ok(step) = stepgraph_cuda::session::step_launches(&program.trace, &memory_plan, "sm_90", &switches) {
         eprintln!("{}", launch_line(&program, &step));
     }
-    let eos = if args.ignore_eos { None } else { tok.as_ref().map(|t| t.eos_id) };
+    let stops = if args.ignore_eos { Vec::new() } else { stop_tokens(tok.as_ref(), args.init_from.as_deref())? };
     let requests: Vec<Request> = prompts
         .iter()
         .enumerate()
@@ -294,7 +323,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
             prompt: p.ids.clone(),
             max_new_tokens: args.max_new_tokens.min(context.saturating_sub(p.ids.len())),
             sampling: Sampling { seed: args.seed.wrapping_add(i as u64), ..sampling },
-            stop_tokens: eos.into_iter().collect(),
+            stop_tokens: stops.clone(),
         })
         .collect();
     check_requests(&program, &requests)?;
@@ -364,7 +393,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         let mut on_token = |i: usize, t: u32| -> bool {
             bar.inc(1);
             let Some(tok) = tok.as_ref() else { return false };
-            if eos == Some(t) {
+            if stops.contains(&t) {
                 return false;
             }
             let Ok(grew_at) = decoders[i].push(tok, t) else { return false };
