@@ -127,8 +127,8 @@ WORKLOADS["l8-2l"] = (lambda: llama3_8b(2), torch.bfloat16, 1, 4096, "ce", "adam
 WORKLOADS["w7"] = (lambda: llama3_8b(32), torch.bfloat16, 1, 4096, "ce", "adamw-clip")
 
 
-def build(name, seed=0, checkpointing=False):
-    """The workload's model on the GPU, its token ids and its step.
+def build(name, seed=0, checkpointing=False, device="cuda"):
+    """The workload's model on `device`, its token ids and its step.
 
     Weights are initialised in float32 by transformers' own initialiser and
     then rounded to the workload's dtype, so a float32 run of the same seed
@@ -139,7 +139,7 @@ def build(name, seed=0, checkpointing=False):
     cfg = make_cfg()
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg).to(dtype)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64)
     if checkpointing:
@@ -207,6 +207,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpointing", action="store_true",
                     help="recompute each layer in backward (transformers' gradient checkpointing)")
+    ap.add_argument("--device", default="cuda",
+                    help="torch device (default cuda; cpu runs the small workloads for checking --save, "
+                         "with no memory statistics)")
     ap.add_argument("--save", metavar="DIR",
                     help="write config, weights, input ids, loss and gradients of one step here first")
     args = ap.parse_args()
@@ -217,14 +220,20 @@ def main():
 
     import transformers
 
-    model, ids, step = build(args.workload, seed=args.seed, checkpointing=args.checkpointing)
+    model, ids, step = build(args.workload, seed=args.seed, checkpointing=args.checkpointing, device=args.device)
+    cuda = torch.device(args.device).type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     _, dtype, batch, seq, loss_kind, optimizer = WORKLOADS[args.workload]
     res = {
         "workload": canonical(args.workload), "mode": args.mode,
         "dtype": str(dtype).replace("torch.", ""), "batch": batch, "seq": seq,
         "loss_kind": loss_kind, "optimizer": optimizer, "checkpointing": args.checkpointing,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(torch.device(args.device)) if cuda else None,
         "params": sum(p.numel() for p in model.parameters()),
     }
     if args.save:
@@ -238,16 +247,18 @@ def main():
         model.zero_grad(set_to_none=True)
         if args.mode == "reduce-overhead" and mark_step is not None:
             mark_step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         loss = step(fn)
-        torch.cuda.synchronize()
+        sync()
         elapsed = (time.perf_counter() - t0) * 1e3
         if i >= args.warmup:
             times.append(elapsed)
-            alloc.append(torch.cuda.max_memory_allocated() / MB)
-            reserved.append(torch.cuda.max_memory_reserved() / MB)
+            if cuda:
+                alloc.append(torch.cuda.max_memory_allocated() / MB)
+                reserved.append(torch.cuda.max_memory_reserved() / MB)
             losses.append(float(loss.detach().float().item()))
     if times:
         median = statistics.median(times)
@@ -255,7 +266,8 @@ def main():
             "warmup": args.warmup, "iters": args.iters,
             "step_ms_median": median, "step_ms_min": min(times),
             "tokens_per_s": batch * seq / (median / 1e3),
-            "peak_alloc_MB": max(alloc), "peak_reserved_MB": max(reserved),
+            "peak_alloc_MB": max(alloc) if alloc else None,
+            "peak_reserved_MB": max(reserved) if reserved else None,
             "loss_first": losses[0], "loss_last": losses[-1],
         })
     print("RESULT " + json.dumps(res), flush=True)
