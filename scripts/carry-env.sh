@@ -1,15 +1,23 @@
-# Sourced by the GPU-machine scripts from the repository root:
-# `carry_unpack` unpacks what `gpu-test.sh build` packed and exports where
-# the kernel cache and NCCL are, in the caller's shell; `gpu_script_start`
-# does that and the rest every script starts with; `log_start`, `stamp` and
-# `torch_rows` are the logging and PyTorch-reference steps they share.
+# Sourced by scripts/gpu-*.sh from the repository root.
+#
+# The `.carry/` folder is what `scripts/gpu-test.sh build` leaves: the
+# release CLI, the CUDA test binaries and the NVRTC kernel cache, packed as
+# .carry/pack.tar.xz. It serves two set-ups alike: a machine with both a Rust
+# toolchain and a GPU (build and run in the same checkout), and building on
+# one machine and running on another (a GPU machine without a Rust
+# toolchain): copy the repository with its `.carry/` folder there.
+#
+# `carry_unpack` unpacks the pack once and exports where the kernel cache
+# and NCCL are, in the caller's shell; `gpu_script_start` does that and the
+# rest every script starts with; `log_start`, `stamp` and `torch_rows` are
+# the logging and PyTorch-reference steps the scripts share.
 # shellcheck shell=bash
 
-# The start of a GPU-machine script: $OUT (default ./gpu-out) made, the
-# carry unpacked, $SG the CLI (default the carried one).
+# The start of a GPU script: the results folder $RESULTS (default ./gpu-out)
+# made, the pack unpacked, $SG the CLI (default .carry/stepgraph).
 gpu_script_start() {
-    OUT=${OUT:-gpu-out}
-    mkdir -p "$OUT"
+    RESULTS=${RESULTS:-gpu-out}
+    mkdir -p "$RESULTS"
     carry_unpack
     SG=${SG:-.carry/stepgraph}
 }
@@ -24,13 +32,13 @@ log_start() {
 stamp() { echo "== +$(($(date +%s) - T0))s $*" | tee -a "$LOG"; }
 
 # One PyTorch reference under a time limit: `torch_rows TAG SECONDS SCRIPT
-# ARGS...` runs .carry/bench/SCRIPT, appends all it prints to $LOG, and
-# prints its RESULT rows as JSON, with `"switch": TAG` first unless TAG is
+# ARGS...` runs scripts/SCRIPT (torch_reference.py or torch_generate.py),
+# appends all it prints to $LOG, and prints its RESULT rows as JSON, with `"switch": TAG` first unless TAG is
 # empty. What finished before the limit is kept.
 torch_rows() {
     local tag=$1 limit=$2 script=$3
     shift 3
-    PYTHONUNBUFFERED=1 timeout "$limit" python3 ".carry/bench/$script" "$@" 2>&1 | tee -a "$LOG" |
+    PYTHONUNBUFFERED=1 timeout "$limit" python3 "scripts/$script" "$@" 2>&1 | tee -a "$LOG" |
         grep '^RESULT ' | if [ -n "$tag" ]; then sed "s/^RESULT {/{\"switch\":\"$tag\",/"; else sed 's/^RESULT //'; fi
 }
 

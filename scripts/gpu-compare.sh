@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # stepgraph's loss and every parameter gradient against PyTorch on identical
-# weights (the acceptance of issue 3), on the GPU machine:
+# weights, on a CUDA machine with PyTorch and transformers installed:
 #
-#   scripts/gpu-test.sh build          # here: .carry/stepgraph and .carry/bench/torch_reference.py
-#   scripts/gpu-compare.sh [CASE...]   # on the GPU machine (default: w1-2l w2 w2-truth w2-cpu)
+#   scripts/gpu-test.sh build          # .carry/stepgraph (see gpu-test.sh for building elsewhere)
+#   scripts/gpu-compare.sh [CASE...]   # default: w1-2l w2 w2-truth w2-cpu
 #
-# With the `device` tool: build here, then
-#   run(command="bash scripts/gpu-compare.sh", carry=[".carry"])
+# The references are written by scripts/torch_reference.py --save (and
+# scripts/torch_reference_layers.py for another layer count or a float32
+# step) and read by `stepgraph compare --reference DIR`.
 #
-# Cases (the reference is made once per call and shared by the cases that use it):
+# Cases (the reference is made once per run and shared by the cases that use it):
 #   w1-2l      W1 with 2 layers (open_llama_3b geometry, f32, 1 x 2048, loss sum), CUDA backend, --tol 1e-4
 #   w2         W2 (Qwen2.5-7B geometry, 5 layers, hidden 28, bf16, 1 x 4096, loss ce), CUDA backend, --tol 2e-2
 #   w2-truth   W2's exact gradients: PyTorch's step in float32 on W2's bf16 weights
@@ -22,7 +23,7 @@
 # rel = |a - b|_2 / |b|_2 per tensor (rel_max = max|a - b| / max|b| reported too).
 #
 # References (W1 2 layers: 3.6 GB) go to $REF_DIR (default ${TMPDIR:-/tmp}/stepgraph-ref),
-# not under $OUT. Under $OUT (or ./gpu-out): torch-<ref>.log, compare-<case>.log (text
+# not under $RESULTS. Under $RESULTS (or ./gpu-out): torch-<ref>.log, compare-<case>.log (text
 # report), compare-<case>.json (JSON report) and compare-summary.txt; w2-truth also writes
 # torch-vs-truth-w2.{log,json} (compare_grads.py) and truth-w2-table.txt (per tensor, side
 # by side: stepgraph vs PyTorch bf16, stepgraph vs truth, PyTorch bf16 vs truth). Exits
@@ -30,32 +31,32 @@
 # bf16 tolerance against the truth); every case runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
+RESULTS=${RESULTS:-gpu-out}
 REF_DIR=${REF_DIR:-${TMPDIR:-/tmp}/stepgraph-ref}
-mkdir -p "$OUT" "$REF_DIR"
+mkdir -p "$RESULTS" "$REF_DIR"
 
 # The binaries and kernel cache that `gpu-test.sh build` packed.
 # shellcheck source=scripts/carry-env.sh
 source scripts/carry-env.sh
 carry_unpack
 
-for f in .carry/stepgraph .carry/bench/torch_reference.py; do
+for f in .carry/stepgraph scripts/torch_reference.py; do
     if [ ! -e "$f" ]; then
-        echo "missing $f: run scripts/gpu-test.sh build first (and carry .carry)" >&2
+        echo "missing $f: run scripts/gpu-test.sh build first (and copy .carry/ with the repository)" >&2
         exit 2
     fi
 done
 
 made=" "
-# reference NAME: torch_reference.py --save into $REF_DIR/NAME, once per call.
+# reference NAME: torch_reference.py --save into $REF_DIR/NAME, once per run.
 reference() {
     local name=$1 dir="$REF_DIR/$1"
     case " $made " in *" $name "*) return 0 ;; esac
     local cmd
     case $name in
-    w1-2l) cmd=(scripts/torch_reference_layers.py --reference .carry/bench --n-layer 2 --workload w1) ;;
-    w2) cmd=(.carry/bench/torch_reference.py --workload w2) ;;
-    w2-f32) cmd=(scripts/torch_reference_layers.py --reference .carry/bench --workload w2 --compute-dtype float32) ;;
+    w1-2l) cmd=(scripts/torch_reference_layers.py --reference scripts --n-layer 2 --workload w1) ;;
+    w2) cmd=(scripts/torch_reference.py --workload w2) ;;
+    w2-f32) cmd=(scripts/torch_reference_layers.py --reference scripts --workload w2 --compute-dtype float32) ;;
     *)
         echo "no reference called $name" >&2
         return 2
@@ -63,7 +64,7 @@ reference() {
     esac
     rm -rf "$dir"
     echo "== reference $name: python3 ${cmd[*]} --save $dir --iters 1 --warmup 0"
-    PYTHONUNBUFFERED=1 python3 "${cmd[@]}" --save "$dir" --iters 1 --warmup 0 2>&1 | tee "$OUT/torch-$name.log"
+    PYTHONUNBUFFERED=1 python3 "${cmd[@]}" --save "$dir" --iters 1 --warmup 0 2>&1 | tee "$RESULTS/torch-$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ] || [ ! -e "$dir/grads.safetensors" ]; then
         echo "reference $name failed (exit $rc)" >&2
@@ -93,10 +94,10 @@ run_case() {
     reference "$ref" || return 1
     # shellcheck disable=SC2206 # COMPARE_ARGS is a list of flags, split on purpose
     local cmd=(.carry/stepgraph compare --backend "$backend" --reference "$REF_DIR/$ref" --loss "$loss"
-        --json-out "$OUT/compare-$name.json" ${COMPARE_ARGS:-})
-    rm -f "$OUT/compare-$name.json"
+        --json-out "$RESULTS/compare-$name.json" ${COMPARE_ARGS:-})
+    rm -f "$RESULTS/compare-$name.json"
     echo "== $name: ${cmd[*]}"
-    "${cmd[@]}" 2>&1 | tee "$OUT/compare-$name.log"
+    "${cmd[@]}" 2>&1 | tee "$RESULTS/compare-$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$name" = w2-truth ]; then
         truth_w2 || rc=1
@@ -116,15 +117,15 @@ truth_w2() {
         echo "w2-truth: weights.safetensors of w2 and w2-f32 differ: the comparison is void" >&2
         rc=1
     fi
-    local cmd=(python3 scripts/compare_grads.py "$a" "$b" --json "$OUT/torch-vs-truth-w2.json")
-    rm -f "$OUT/torch-vs-truth-w2.json"
+    local cmd=(python3 scripts/compare_grads.py "$a" "$b" --json "$RESULTS/torch-vs-truth-w2.json")
+    rm -f "$RESULTS/torch-vs-truth-w2.json"
     echo "== w2-truth, PyTorch bf16 against the truth: ${cmd[*]}"
-    "${cmd[@]}" 2>&1 | tee "$OUT/torch-vs-truth-w2.log"
+    "${cmd[@]}" 2>&1 | tee "$RESULTS/torch-vs-truth-w2.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     return "$rc"
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt" || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$RESULTS/gpu.txt" || true
 cases=${*:-w1-2l w2 w2-truth w2-cpu}
 status=0
 results=()
@@ -142,7 +143,7 @@ done
     echo "== summary (rel = |a - b|_2 / |b|_2 per tensor; a = stepgraph, b = PyTorch; for w2-truth b = PyTorch in f32 on the bf16 weights)"
     printf '%s\n' "${results[@]}"
     for c in $cases; do
-        f="$OUT/compare-$c.json"
+        f="$RESULTS/compare-$c.json"
         [ -e "$f" ] && python3 - "$c" "$f" <<'EOF'
 import json, sys
 case, path = sys.argv[1], sys.argv[2]
@@ -159,7 +160,7 @@ print(f"{case}: {r['backend']} on {r['device']}, {r['dtype']}, tol {r['tolerance
       + (f"; failing: {', '.join(bad[:8])}" if bad else ""))
 EOF
         if [ "$c" = w2-truth ]; then
-            python3 - "$OUT" "$cases" <<'EOF'
+            python3 - "$RESULTS" "$cases" <<'EOF'
 # Side by side: stepgraph bf16 and PyTorch bf16, each against the f32 truth.
 import json, os, statistics, sys
 out, cases = sys.argv[1], sys.argv[2].split()
@@ -167,7 +168,7 @@ def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else None
 sg, pt = load("compare-w2-truth.json"), load("torch-vs-truth-w2.json")
-# stepgraph against PyTorch bf16, when this call ran w2 too.
+# stepgraph against PyTorch bf16, when this run did w2 too.
 sp = load("compare-w2.json") if "w2" in cases else None
 num = lambda x: float("nan") if x is None else x  # JSON writes NaN and infinity as null
 key = lambda x: float("inf") if x != x else x  # NaN counts as the worst of all
@@ -196,7 +197,7 @@ if names:
     table = os.path.join(out, "truth-w2-table.txt")
     with open(table, "w") as f:
         f.write("rel = |a - b|_2 / |b|_2 per gradient; truth = PyTorch f32 on W2's bf16 weights; "
-                "sg vs torch: stepgraph against PyTorch bf16 (nan: w2 not run in this call); "
+                "sg vs torch: stepgraph against PyTorch bf16 (nan: w2 not run this time); "
                 "worst against the truth first\n")
         w = max(len(n) for n in names)
         f.write(f"{'tensor':<{w}}  {'sg vs torch':>12} {'sg vs truth':>12} {'torch vs truth':>14}  nearer\n")
@@ -211,5 +212,5 @@ if names:
 EOF
         fi
     done
-} 2>&1 | tee "$OUT/compare-summary.txt"
+} 2>&1 | tee "$RESULTS/compare-summary.txt"
 exit $status

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 9's GPU acceptance in one call, on the GPU machine after
-# `scripts/gpu-test.sh build` here (it packs the release CLI into .carry/):
+# A fine-tune from a Hugging Face folder end to end, on a CUDA machine with
+# PyTorch, transformers and tokenizers installed, after `scripts/gpu-test.sh
+# build` (it packs the release CLI into .carry/; see that script for building
+# on another machine):
 #
-#   run(command="bash scripts/gpu-finetune.sh", carry=[".carry"])
+#   bash scripts/gpu-finetune.sh
 #
 # 1. a Qwen2.5-0.5B-geometry model with random weights, its tokenizer and a
 #    JSONL corpus (scripts/make_hf_model.py: nothing can be downloaded);
@@ -19,7 +21,7 @@
 # 6. PyTorch eager on the same model, dtype, batch and sequence
 #    (scripts/torch_train_reference.py, with the same gradient clipping).
 #
-# Everything lands in $OUT (default ./gpu-out): finetune.log (every command's
+# Everything lands in $RESULTS (default ./gpu-out): finetune.log (every command's
 # output), results.jsonl (one JSON row per stage), metrics.jsonl (the
 # resumed run's metrics, steps 1..STEPS) and summary.json (tokens/s, memory,
 # losses, the checks). Settings: STEPS, BATCH, SEQ, DTYPE, GEOMETRY, WORK;
@@ -37,8 +39,8 @@ DTYPE=${DTYPE:-bf16}
 GEOMETRY=${GEOMETRY:-qwen2.5-0.5b}
 WORK=${WORK:-/tmp/finetune}
 DEVICE=${DEVICE:-cuda}
-LOG=$OUT/finetune.log
-RES=$OUT/results.jsonl
+LOG=$RESULTS/finetune.log
+RES=$RESULTS/results.jsonl
 rm -rf "$WORK" && mkdir -p "$WORK"
 : >"$LOG"
 : >"$RES"
@@ -85,7 +87,7 @@ stage "train: steps 1..$HALF, stopped with a checkpoint"
 logged "$SG" train "${common[@]}" --checkpoint-dir "$WORK/ck" --stop-after "$HALF"
 stage "train: resumed to step $STEPS, --out"
 logged "$SG" train "${common[@]}" --checkpoint-dir "$WORK/ck" --resume auto --out "$WORK/ft"
-cp "$WORK/ck/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+cp "$WORK/ck/metrics.jsonl" "$RESULTS/metrics.jsonl" 2>/dev/null
 stage "train: $STEPS steps straight"
 logged "$SG" train "${common[@]}" --checkpoint-dir "$WORK/straight"
 last=$(printf 'step-%06d' "$STEPS")
@@ -138,7 +140,7 @@ logged python3 scripts/torch_train_reference.py --model "$WORK/base" --dtype "$D
     grep '^RESULT ' "$LOG" | tail -n 1 | sed 's/^RESULT /{"stage":"torch","result":/; s/$/}/' >>"$RES"
 
 stage "summary"
-python3 - "$OUT/metrics.jsonl" "$RES" "$OUT/summary.json" <<'PY' | tee -a "$LOG"
+python3 - "$RESULTS/metrics.jsonl" "$RES" "$RESULTS/summary.json" <<'PY' | tee -a "$LOG"
 import json, statistics, sys
 metrics, res, out = sys.argv[1:4]
 import os

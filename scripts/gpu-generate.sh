@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# Issue 12's GPU acceptance in one call, on the GPU machine after
-# `scripts/gpu-test.sh build` here:
+# Generation on a CUDA machine with PyTorch and transformers installed,
+# after `scripts/gpu-test.sh build` (see that script for building on another
+# machine):
 #
-#   run(command="bash scripts/gpu-generate.sh", carry=[".carry"])
+#   bash scripts/gpu-generate.sh
 #
-# 1. W6 (../shared/BENCHMARKS.md): `stepgraph generate` of the open_llama_3b
+# 1. W6 (docs/benchmarks.md): `stepgraph generate` of the open_llama_3b
 #    geometry in bf16 with random weights, 512-token prompts, 256 new
-#    tokens (EOS ignored), batch 1 and 16; then the PyTorch reference
-#    `torch_generate.py` (transformers `generate`, static cache compiled
-#    with CUDA graphs, and eager) in the same call.
+#    tokens (EOS ignored), batch 1 and 16 (BATCHES); then the PyTorch
+#    reference scripts/torch_generate.py (transformers `generate`, static
+#    cache compiled with CUDA graphs, and eager: TORCH_MODES) right after.
 # 2. Greedy tokens against transformers `generate` on the same weights and
 #    prompt ids: a Qwen2.5-0.5B-geometry folder (scripts/make_hf_model.py)
 #    in f32 (64 new tokens must be identical) and in bf16 (the first
 #    divergence is reported).
 #
-# Results in $OUT (default ./gpu-out): generate.log (every command's
+# Results in $RESULTS (default ./gpu-out): generate.log (every command's
 # output), w6.jsonl (stepgraph's summaries and torch's RESULT rows) and
 # hf_generate.jsonl (the comparisons).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
 gpu_script_start
-LOG=$OUT/generate.log
-W6=$OUT/w6.jsonl
-HFJ=$OUT/hf_generate.jsonl
+LOG=$RESULTS/generate.log
+W6=$RESULTS/w6.jsonl
+HFJ=$RESULTS/hf_generate.jsonl
 WORK=${WORK:-/tmp/generate}
 rm -rf "$WORK" && mkdir -p "$WORK"
 : >"$LOG"
@@ -44,7 +45,7 @@ for b in ${BATCHES:-1 16}; do
 done
 for mode in ${TORCH_MODES:-static eager}; do
     echo "== $(date +%T) torch_generate.py --mode $mode" | tee -a "$LOG"
-    PYTHONUNBUFFERED=1 python3 .carry/bench/torch_generate.py --mode "$mode" --batch ${BATCHES:-1 16} 2>&1 |
+    PYTHONUNBUFFERED=1 python3 scripts/torch_generate.py --mode "$mode" --batch ${BATCHES:-1 16} 2>&1 |
         tee -a "$LOG" | grep '^RESULT ' | sed 's/^RESULT //' >>"$W6"
 done
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The memory acceptance runs on the GPU machine (after `scripts/gpu-test.sh
-# build` here): stepgraph's bench under the memory flags (default, budgets,
-# everything off) and the PyTorch reference of the same workload, eager and
-# torch.compile reduce-overhead, in one call. Usage:
+# Memory flags on a CUDA machine (after `scripts/gpu-test.sh build`; see that
+# script for building on another machine): stepgraph's bench under the
+# memory flags (default, budgets, everything off) and the PyTorch reference
+# of the same workload (scripts/torch_reference.py, eager and torch.compile
+# reduce-overhead) right after. Usage:
 #   scripts/gpu-memory.sh w2        # W2: default, 0.5GB budget, recompute/placement off
 #   scripts/gpu-memory.sh w5        # W5: default, 32GB, 24GB, off; and l8-2l
-# Results: $OUT/memory.jsonl (one JSON line per run, with its flags) and
-# $OUT/torch.jsonl.
+# Results: $RESULTS/memory.jsonl (one JSON line per run, with its flags) and
+# $RESULTS/torch.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
@@ -15,18 +16,18 @@ run() {
     local w=$1
     shift
     echo "== stepgraph $w graph $*"
-    if line=$(.carry/stepgraph bench --workload "$w" --mode graph --json "$@" 2>"$OUT/last.err"); then
-        echo "$line" | sed "s|^{|{\"flags\":\"$*\",|" | tee -a "$OUT/memory.jsonl"
+    if line=$(.carry/stepgraph bench --workload "$w" --mode graph --json "$@" 2>"$RESULTS/last.err"); then
+        echo "$line" | sed "s|^{|{\"flags\":\"$*\",|" | tee -a "$RESULTS/memory.jsonl"
     else
-        tail -3 "$OUT/last.err"
-        echo "{\"workload\":\"$w\",\"flags\":\"$*\",\"error\":$(tail -1 "$OUT/last.err" | python3 -c 'import json,sys;print(json.dumps(sys.stdin.read().strip()))')}" >>"$OUT/memory.jsonl"
+        tail -3 "$RESULTS/last.err"
+        echo "{\"workload\":\"$w\",\"flags\":\"$*\",\"error\":$(tail -1 "$RESULTS/last.err" | python3 -c 'import json,sys;print(json.dumps(sys.stdin.read().strip()))')}" >>"$RESULTS/memory.jsonl"
     fi
-    grep -E 'recompute|optimizer' "$OUT/last.err" | head -3
+    grep -E 'recompute|optimizer' "$RESULTS/last.err" | head -3
 }
 torch() {
     for mode in eager reduce-overhead; do
         echo "== torch $1 $mode"
-        PYTHONUNBUFFERED=1 python3 .carry/bench/torch_reference.py --workload "$1" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl"
+        PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py --workload "$1" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$RESULTS/torch.jsonl"
     done
 }
 case "${1:-}" in

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run-time switches measured with one build, no baseline binary needed. On the
-# GPU machine, after `scripts/gpu-test.sh build` here:
+# Run-time switches measured with one build, no baseline binary needed, on a
+# CUDA machine after `scripts/gpu-test.sh build` (see that script for building
+# on another machine):
 #
-#   run(command="bash scripts/gpu-switches.sh", carry=[".carry"])
+#   bash scripts/gpu-switches.sh
 #
 # 1. The GPU tests named in TESTS (default: gpu_attention gpu_generate
 #    gpu_basic), once per `;`-separated group of settings in TEST_ENV
@@ -20,9 +21,9 @@
 # STEPGRAPH_GEMM_SKINNY=1 (our few-row tensor-core products in tuning) on
 # W6 at batch 1 and 16, STEPGRAPH_GEMM_TILED=1 (our small-tile f32
 # products) on W3, STEPGRAPH_PDL=1 (programmatic dependent launch of every
-# kernel) on the launch-bound workloads, W6 at batch 1, W3 and W2. A call has 10 minutes: pass fewer cases or
-# TORCH=0 to fit (on the H200 a W6 run takes about 2 s, W2 or W3 1 s, W5
-# 7 s; PyTorch's references take minutes). Results in $OUT (default
+# kernel) on the launch-bound workloads, W6 at batch 1, W3 and W2. To keep a
+# run short, pass fewer cases or TORCH=0 (on an H200 a W6 run takes about
+# 2 s, W2 or W3 1 s, W5 7 s; PyTorch's references take minutes). Results in $RESULTS (default
 # ./gpu-out): switches.jsonl (every summary row, tagged "switch": "off",
 # the case's settings, or "torch"), switches.log, tests.log.
 set -uo pipefail
@@ -30,8 +31,8 @@ cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
 gpu_script_start
 CASES=${CASES-STEPGRAPH_GEMM_SKINNY=1|w6:1,w6:16 STEPGRAPH_GEMM_TILED=1|w3 STEPGRAPH_PDL=1|w6:1,w3,w2}
-log_start "$OUT/switches.log"
-ROWS=$OUT/switches.jsonl
+log_start "$RESULTS/switches.log"
+ROWS=$RESULTS/switches.jsonl
 : >"$ROWS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOG" 2>&1
 status=0
@@ -39,16 +40,16 @@ status=0
 # Each `;`-separated group of TEST_ENV runs every test of TESTS once.
 IFS=';' read -r -a test_envs <<<"${TEST_ENV-}"
 [ ${#test_envs[@]} -eq 0 ] && test_envs=("")
-: >"$OUT/tests.log"
+: >"$RESULTS/tests.log"
 for group in "${test_envs[@]}"; do
     # shellcheck disable=SC2206 # a group is a list of VAR=VALUE words
     settings=($group)
     for t in ${TESTS-gpu_attention gpu_generate gpu_basic}; do
         stamp "test $t ${settings[*]}"
-        echo "===== $t ${settings[*]}" >>"$OUT/tests.log"
+        echo "===== $t ${settings[*]}" >>"$RESULTS/tests.log"
         env "${settings[@]}" timeout "${TEST_LIMIT:-300}" ".carry/tests/$t" --ignored --test-threads=1 >/tmp/switch-test.log 2>&1 ||
             status=1
-        cat /tmp/switch-test.log >>"$OUT/tests.log"
+        cat /tmp/switch-test.log >>"$RESULTS/tests.log"
         echo "$t ${settings[*]}: $(grep -E '^test result' /tmp/switch-test.log || echo 'no result (failed or timed out)')" | tee -a "$LOG"
     done
 done

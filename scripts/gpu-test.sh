@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks, in two halves because the GPU machine has no Rust:
+# GPU tests and benchmarks on a CUDA machine, from the repository root:
 #
-#   scripts/gpu-test.sh build        # here: release CLI + CUDA test binaries + torch_reference.py into .carry/
-#   scripts/gpu-test.sh test [NAME...] # on the GPU machine: every GPU test binary (or those named, e.g. gpu_dist)
-#   scripts/gpu-test.sh bench [W...] # on the GPU machine: stepgraph bench + the PyTorch reference, same call
-#                                    # (BENCH_FLAGS: flags for every `stepgraph bench`, e.g. "--f32-products 3xtf32")
-#   scripts/gpu-test.sh bench-ab [W...] # on the GPU machine: the baseline binary and this one, interleaved, + PyTorch
-#   scripts/gpu-compare.sh [CASE...] # on the GPU machine: loss and gradients against PyTorch (see that script)
+#   scripts/gpu-test.sh build           # release CLI + CUDA test binaries + kernel cache into .carry/
+#   scripts/gpu-test.sh test [NAME...]  # every GPU test binary (or those named, e.g. gpu_dist)
+#   scripts/gpu-test.sh bench [W...]    # stepgraph bench (eager, graph) and the PyTorch reference
+#                                       # (scripts/torch_reference.py, eager and reduce-overhead),
+#                                       # one after the other; default workloads: w3 w1 w1-bf16 w2
+#                                       # (BENCH_FLAGS: flags for every `stepgraph bench`,
+#                                       # e.g. "--f32-products 3xtf32")
+#   scripts/gpu-test.sh bench-ab [W...] # a baseline binary and this one, interleaved, + PyTorch
+#   scripts/gpu-compare.sh [CASE...]    # loss and gradients against PyTorch (see that script)
 #
-# With the `device` tool: build here, then run with carry [".carry"], e.g.
-#   run(command="bash scripts/gpu-test.sh test && bash scripts/gpu-test.sh bench", carry=[".carry"])
-# Logs and JSON go to $OUT (or ./gpu-out when $OUT is unset).
+# Logs and JSON go to $RESULTS (default ./gpu-out).
+#
+# On a machine with both a Rust toolchain and a GPU, run `build` and then the
+# other commands in the same checkout. On a GPU machine without a Rust
+# toolchain, run `build` on a machine that has one and copy the repository
+# with its `.carry/` folder to the GPU machine; `test`, `bench` and the other
+# scripts/gpu-*.sh run from the copy (scripts/carry-env.sh describes the pack).
 #
 # `build` also compiles every kernel module for sm_90 with NVRTC (the wheel
 # .ci/run installs) into a kernel cache, so the GPU machine loads CUBINs
-# instead of compiling them (a minute of device time), and packs binaries and
-# cache into .carry/pack.tar.xz (the carry is limited to 64 MiB); `test`,
-# `bench` and scripts/gpu-compare.sh unpack it (`carry_unpack` in scripts/carry-env.sh,
-# which a custom device script can source too) before use.
+# instead of compiling them at first use (about a minute), and packs binaries
+# and cache into .carry/pack.tar.xz; `test`, `bench` and scripts/gpu-compare.sh
+# unpack it (`carry_unpack` in scripts/carry-env.sh, which a custom script can
+# source too) before use. The PyTorch references run from scripts/ directly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-gpu-out}
+mkdir -p "$RESULTS"
 
 # shellcheck source=scripts/carry-env.sh
 source scripts/carry-env.sh
@@ -31,7 +38,7 @@ unpack)
     carry_unpack
     ;;
 build)
-    rm -rf .carry && mkdir -p .carry/tests .carry/bench
+    rm -rf .carry && mkdir -p .carry/tests
     cargo build --release -p stepgraph
     cp target/release/stepgraph .carry/
     cargo test --release -p stepgraph-cuda --no-run --message-format=json 2>/dev/null |
@@ -41,7 +48,6 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
         while read -r name exe; do cp "$exe" ".carry/tests/$name"; done
-    cp ../shared/bench/torch_reference.py ../shared/bench/torch_generate.py scripts/torch_profile.py .carry/bench/
     nvrtc=${NVRTC_DIR:-${HOME:-/tmp}/.cache/stepgraph/nvrtc-13.0}/nvidia/cu13
     if [ -e "$nvrtc/lib/libnvrtc.so.13" ]; then
         LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_INCLUDE="$nvrtc/include" \
@@ -71,7 +77,7 @@ for l in sys.stdin:
     ;;
 test)
     carry_unpack
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RESULTS/gpu.txt"
     shift
     status=0
     tests=()
@@ -82,7 +88,7 @@ test)
     fi
     for t in "${tests[@]}"; do
         echo "== $(basename "$t")"
-        "$t" --ignored --test-threads=1 2>&1 | tee "$OUT/test-$(basename "$t").log" || status=1
+        "$t" --ignored --test-threads=1 2>&1 | tee "$RESULTS/test-$(basename "$t").log" || status=1
     done
     exit $status
     ;;
@@ -94,12 +100,11 @@ bench)
         for mode in eager graph; do
             echo "== stepgraph $w $mode"
             # shellcheck disable=SC2086 # BENCH_FLAGS is a list of flags
-            .carry/stepgraph bench --workload "$w" --mode "$mode" ${BENCH_FLAGS-} --json | tee -a "$OUT/bench.jsonl" || echo "{\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench.jsonl"
+            .carry/stepgraph bench --workload "$w" --mode "$mode" ${BENCH_FLAGS-} --json | tee -a "$RESULTS/bench.jsonl" || echo "{\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$RESULTS/bench.jsonl"
         done
-        tw=${w/-/}
         for mode in eager reduce-overhead; do
-            echo "== torch $tw $mode"
-            PYTHONUNBUFFERED=1 python3 .carry/bench/torch_reference.py --workload "$tw" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl" || true
+            echo "== torch $w $mode"
+            PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py --workload "$w" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$RESULTS/torch.jsonl" || true
         done
     done
     ;;
@@ -118,14 +123,13 @@ bench-ab)
                 exe=.carry/stepgraph
                 [ "$bin" = base ] && exe=.carry/stepgraph-base
                 echo "== $bin $w $mode"
-                "$exe" bench --workload "$w" --mode "$mode" --json | sed "s/^{/{\"binary\":\"$bin\",/" | tee -a "$OUT/bench-ab.jsonl" ||
-                    echo "{\"binary\":\"$bin\",\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$OUT/bench-ab.jsonl"
+                "$exe" bench --workload "$w" --mode "$mode" --json | sed "s/^{/{\"binary\":\"$bin\",/" | tee -a "$RESULTS/bench-ab.jsonl" ||
+                    echo "{\"binary\":\"$bin\",\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$RESULTS/bench-ab.jsonl"
             done
         done
-        tw=${w/-/}
         for mode in $torch_modes; do
-            echo "== torch $tw $mode"
-            PYTHONUNBUFFERED=1 python3 .carry/bench/torch_reference.py --workload "$tw" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl" || true
+            echo "== torch $w $mode"
+            PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py --workload "$w" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$RESULTS/torch.jsonl" || true
         done
     done
     ;;

@@ -1,11 +1,11 @@
 """Where PyTorch's step time goes, for comparing against `stepgraph bench --profile`.
 
-Builds a workload of ../shared/bench/torch_reference.py (copied next to it or
-found through --reference), runs warm-up steps, then profiles one step with
+Builds a workload of scripts/torch_reference.py (next to this script, or the
+one in --reference DIR), runs warm-up steps, then profiles one step with
 torch.profiler and prints the CUDA kernels grouped by a short category and by
 name, with total milliseconds and call counts (`--json` writes them too).
 
-    python3 scripts/torch_profile.py --workload w1 [--reference .carry/bench] [--json out.json]
+    python3 scripts/torch_profile.py --workload w1 [--reference DIR] [--json out.json]
 """
 
 import argparse
@@ -37,7 +37,8 @@ def category(name):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", required=True)
-    ap.add_argument("--reference", default=os.path.join(os.path.dirname(__file__), "..", ".carry", "bench"))
+    ap.add_argument("--reference", default=os.path.dirname(os.path.abspath(__file__)),
+                    help="folder holding torch_reference.py (default: this script's folder)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json")

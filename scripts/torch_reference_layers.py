@@ -1,7 +1,7 @@
 """torch_reference.py with another number of layers, or one step in float32.
 
-Imports the shared PyTorch reference (`torch_reference.py`, from --reference
-DIR), replaces the chosen workload's config builder by one that returns the
+Imports the PyTorch reference `scripts/torch_reference.py` (or the one in
+--reference DIR), replaces the chosen workload's config builder by one that returns the
 same config with `num_hidden_layers = --n-layer`, and runs its `main()` with
 every other argument. Everything else (dtype, batch, sequence, loss, seed,
 `--save`) is the workload's own, so
@@ -9,7 +9,8 @@ every other argument. Everything else (dtype, batch, sequence, loss, seed,
     python3 scripts/torch_reference_layers.py --n-layer 2 --workload w1 --save DIR --iters 1 --warmup 0
 
 writes W1 with 2 layers in the format `stepgraph compare --reference DIR`
-reads (its `config.json` says 2 layers). The shared script is not modified.
+reads (its `config.json` says 2 layers). torch_reference.py itself is not
+modified.
 
 `--compute-dtype float32` on a bf16 or f16 workload writes a reference of the
 exact gradients of the workload's own weights instead:
@@ -45,8 +46,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--n-layer", type=int,
                     help="num_hidden_layers of the workload's model (default: the workload's own)")
-    ap.add_argument("--reference", default=".carry/bench",
-                    help="folder holding torch_reference.py (default: .carry/bench)")
+    ap.add_argument("--reference", default=os.path.dirname(os.path.abspath(__file__)),
+                    help="folder holding torch_reference.py (default: this script's folder)")
     ap.add_argument("--workload", help="passed on to torch_reference.py")
     ap.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
                     help="dtype of the saved step's forward and backward (default: the workload's); "

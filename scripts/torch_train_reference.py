@@ -1,6 +1,6 @@
 """PyTorch eager reference for a `stepgraph train` run: the same model folder,
-dtype, batch and sequence length, AdamW, measured the way ../shared/BENCHMARKS.md
-asks (median step time after warm-up, peak allocated / reserved memory).
+dtype, batch and sequence length, AdamW, measured as docs/benchmarks.md
+describes (median step time after warm-up, peak allocated / reserved memory).
 
     python3 scripts/torch_train_reference.py --model DIR --dtype bf16 --batch 8 --seq 1024 \
         [--micro-batches 1] [--max-grad-norm 0] [--iters 10] [--warmup 3] [--mode eager|compile|reduce-overhead]

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Times builds of the tensor-core attention kernels against each other and
-# against PyTorch's attention, on the GPU machine, in one call:
+# against PyTorch's attention, on a CUDA machine with nvcc and PyTorch:
 #
-#   # here: a CUBIN per build and padded head size, e.g. the last commit's
-#   # kernels against the working tree's, plus their register reports
+#   # first (on any machine with the NVRTC wheel .ci/run installs): a CUBIN
+#   # per build and padded head size, e.g. the last commit's kernels against
+#   # the working tree's, plus their register reports
 #   git show HEAD:crates/cuda/kernels/attention_mma.cu > /tmp/old.cu
 #   ATTN_SRC=/tmp/old.cu CUBIN_DIR=scripts/attention-variants/cubins python3 scripts/attention-variants/regs.py old:
 #   CUBIN_DIR=scripts/attention-variants/cubins python3 scripts/attention-variants/regs.py new: "x:-DSOME_KNOB=1"
-#   # there (carry ["scripts/attention-variants/cubins"]):
+#   # then on the GPU machine, with scripts/attention-variants/cubins/
+#   # copied there if the CUBINs were built elsewhere (the folder is ignored by git):
 #   VARIANTS="old:new
 #   new:new" bash scripts/attention-variants/run.sh
 #
@@ -16,12 +18,13 @@
 # harness.cu times each build on each shape (SHAPES) with events and writes
 # its outputs; compare.py checks them against PyTorch's f32 attention on the
 # same inputs and against the first build, and times PyTorch's own bf16
-# attention on the shapes. Results: $OUT/attention-variants.txt.
+# attention on the shapes. Results: $RESULTS/attention-variants.txt
+# (default folder scripts/attention-variants/out).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-OUT=${OUT:-$here/out}
+RESULTS=${RESULTS:-$here/out}
 work=$(mktemp -d)
-mkdir -p "$OUT"
+mkdir -p "$RESULTS"
 # NAME:ABI: the CUBIN cubins/NAME-dDP.cubin, which regs.py wrote on the
 # build machine (NVRTC, exactly as stepgraph compiles), launched with the
 # geometry of ABI (see harness.cu).
@@ -30,7 +33,7 @@ new:new"}
 # B T Hq Hkv D
 SHAPES=${SHAPES:-"4 2048 32 32 100
 1 4096 32 8 128"}
-log=$OUT/attention-variants.txt
+log=$RESULTS/attention-variants.txt
 : >"$log"
 nvcc -O3 -std=c++17 -arch=sm_90 "$here/harness.cu" -lcuda -o "$work/harness"
 while read -r B T Hq Hkv D; do

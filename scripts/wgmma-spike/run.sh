@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine: which shared-memory layouts and descriptor offsets
-# wgmma reads as intended (see spike.cu). The CUBIN is built here first:
-#   python3 scripts/wgmma-spike/build.py   # writes scripts/wgmma-spike/spike.cubin (ignored: carry it)
+# On a Hopper GPU with nvcc: which shared-memory layouts and descriptor
+# offsets wgmma reads as intended (see spike.cu). The CUBIN is built first,
+# on any machine with the NVRTC wheel .ci/run installs:
+#   python3 scripts/wgmma-spike/build.py   # writes scripts/wgmma-spike/spike.cubin
+# (ignored by git: copy it along when running on another machine).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 nvcc -O2 -std=c++17 -arch=sm_90 "$here/harness.cu" -lcuda -o /tmp/wgmma-spike
