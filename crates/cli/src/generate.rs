@@ -32,10 +32,10 @@ use serde_json::json;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{check_requests, BatchTimes, Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::ValueKind;
-use stepgraph_core::models::hf_dir::GENERATION_FILE;
 use stepgraph_core::models::generate::{
     build_generation, FusedWriter, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS,
 };
+use stepgraph_core::models::hf_dir::GENERATION_FILE;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};

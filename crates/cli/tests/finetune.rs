@@ -266,54 +266,112 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// The `stepgraph` commands of the README's fine-tuning example, in order,
-/// with `runs/` moved to `runs`.
-fn readme_example(runs: &Path) -> Vec<Vec<String>> {
+/// The `stepgraph` command lines of the README's fine-tuning example, in
+/// order, exactly as written.
+fn readme_example() -> Vec<String> {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
     let start = readme.find("<!-- finetune-example").expect("the README marks its fine-tuning example");
     let block = &readme[start..];
     let code = &block[block.find("```\n").unwrap() + 4..];
     let code = &code[..code.find("```").unwrap()];
-    code.lines()
-        .filter(|l| l.starts_with("stepgraph "))
-        .map(|l| {
-            let l = l.replace("runs/", &format!("{}/", runs.display()));
-            let mut args: Vec<String> = l.split_whitespace().skip(1).map(str::to_string).collect();
-            // On the CPU whatever the machine has, as CI runs it.
-            if args[0] != "prepare" {
-                args.extend(["--device".to_string(), "cpu".to_string()]);
-            }
-            args
-        })
-        .collect()
+    code.lines().filter(|l| l.starts_with("stepgraph ")).map(str::to_string).collect()
 }
 
-/// The README's second example as written: prepare, pre-train a base
-/// model with --out, fine-tune it from --init-from with a stop and a
-/// resume, evaluate the saved folder, and generate from it.
+/// A copy of the repository's tracked files (what a fresh clone holds) in
+/// `to`: no `runs/`, no build outputs.
+fn copy_of_the_repository(to: &Path) {
+    let listed = Command::new("git").args(["ls-files", "-z"]).current_dir(root()).output();
+    let files: Vec<String> = match listed {
+        Ok(out) if out.status.success() && !out.stdout.is_empty() => {
+            out.stdout.split(|b| *b == 0).filter(|f| !f.is_empty()).map(|f| String::from_utf8_lossy(f).into()).collect()
+        }
+        // Not a git checkout (a source archive): what the example reads.
+        _ => {
+            let mut files = vec!["README.md".to_string()];
+            for entry in walk(&root().join("data")) {
+                files.push(entry.strip_prefix(root()).unwrap().to_string_lossy().into_owned());
+            }
+            files
+        }
+    };
+    for f in files {
+        let (from, dest) = (root().join(&f), to.join(&f));
+        if from.is_file() {
+            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+            std::fs::copy(&from, &dest).unwrap();
+        }
+    }
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// The README's fine-tuning example as a new user runs it: every command
+/// line exactly as written, through a shell, with `stepgraph` on the
+/// PATH, in a copy of the repository that has no `runs/` folder; on the
+/// CPU (no GPU is visible to it). The fine-tuned model answers the prompt
+/// with text, and `eval` of the saved folder gives the resumed run's last
+/// validation loss.
 #[test]
 fn the_readme_fine_tuning_example_runs_as_written() {
     let d = tempfile::tempdir().unwrap();
-    let commands = readme_example(d.path());
-    let kinds: Vec<&str> = commands.iter().map(|c| c[0].as_str()).collect();
+    let repo = d.path().join("stepgraph");
+    copy_of_the_repository(&repo);
+    assert!(repo.join("README.md").is_file() && !repo.join("runs").exists());
+    let bin = d.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_stepgraph"), bin.join("stepgraph")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let commands = readme_example();
+    let kinds: Vec<&str> = commands.iter().map(|c| c.split_whitespace().nth(1).unwrap()).collect();
     assert_eq!(kinds, ["prepare", "train", "train", "train", "eval", "generate"]);
-    let outputs: Vec<(String, String)> = commands.iter().map(|c| run_ok(&refs(c))).collect();
-    let (base, ft) = (d.path().join("base"), d.path().join("ft"));
+    let outputs: Vec<(String, String)> = commands
+        .iter()
+        .map(|line| {
+            let out = Command::new("sh")
+                .args(["-c", line])
+                .current_dir(&repo)
+                .env("PATH", &path)
+                .env("CUDA_VISIBLE_DEVICES", "")
+                .output()
+                .unwrap();
+            let (stdout, stderr) =
+                (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+            assert!(out.status.success(), "{line}\nfailed:\n{stderr}");
+            (stdout, stderr)
+        })
+        .collect();
+    let (base, ft) = (repo.join("runs/base"), repo.join("runs/ft"));
     // The stopped run says where --out will come from; the resumed one writes it.
-    assert!(outputs[2].1.contains("is written when the run reaches step 40"), "{}", outputs[2].1);
+    assert!(outputs[2].1.contains("is written when the run reaches step 100"), "{}", outputs[2].1);
     assert!(outputs[3].1.contains("resumed     from") && outputs[3].1.contains("model: "), "{}", outputs[3].1);
     assert!(outputs[2].1.contains("(default for fine-tuning"), "{}", outputs[2].1);
     for dir in [&base, &ft] {
         let hf = HfModelDir::open(dir).unwrap();
         assert_eq!(hf.family(), HfFamily::Llama);
-        assert!(dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file());
+        for file in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            assert!(dir.join(file).is_file(), "{} has no {file}", dir.display());
+        }
     }
     assert!(folder_tensors(&base) != folder_tensors(&ft), "fine-tuning left the weights as they were");
     // eval on the saved folder gives the resumed run's last validation loss.
-    let validation = outputs[3].1.split("validation at step 40: loss ").nth(1).unwrap()[..6].to_string();
+    let validation = outputs[3].1.split("validation at step 100: loss ").nth(1).unwrap()[..6].to_string();
     let eval = outputs[4].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
     assert_eq!(eval, validation, "{}", outputs[4].0);
-    // generate answers through the chat template and reports its speed.
+    // The model answers with text, ended by its end-of-turn token, which is not printed.
+    let answer = outputs[5].0.trim();
+    assert!(!answer.is_empty(), "the fine-tuned model answered nothing: {}", outputs[5].1);
+    assert!(!answer.contains("<|im_end|>"), "{answer}");
     assert!(outputs[5].1.contains("time to first token"), "{}", outputs[5].1);
 }
 
