@@ -2,7 +2,7 @@
 //! reference on identical weights and tokens, on the CPU or the CUDA
 //! backend.
 //!
-//! The reference is the folder `shared/bench/torch_reference.py --save DIR`
+//! The reference is the folder `scripts/torch_reference.py --save DIR`
 //! writes: `config.json` (the Hugging Face config), `weights.safetensors`
 //! (the state dict), `io.safetensors` (`input_ids` [B, T] and the first
 //! step's `loss` \[1\]) and `grads.safetensors` (every parameter's gradient of
