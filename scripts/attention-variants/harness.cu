@@ -1,5 +1,5 @@
 // Times and checks builds of the tensor-core attention kernels
-// (kernels/attention_mma.cu) outside stepgraph, so that one device call can
+// (kernels/attention_mma.cu) outside stepgraph, so that one run on a GPU can
 // compare several of them: each build is a CUBIN (made by regs.py with
 // NVRTC, exactly as stepgraph compiles it, or by nvcc in run.sh), loaded and
 // launched through the driver API. Inputs are drawn from a fixed seed, so

@@ -49,7 +49,7 @@ pub enum Mode {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Which workload of BENCHMARKS.md.
+    /// Which workload (defined in docs/benchmarks.md).
     #[arg(long, value_enum)]
     pub workload: Workload,
     /// Run every step eagerly, or replay one captured CUDA graph.

@@ -97,7 +97,7 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Which::Step)]
         which: Which,
     },
-    /// Run a benchmark workload of BENCHMARKS.md on the GPU (eager or as one CUDA graph).
+    /// Run a benchmark workload (docs/benchmarks.md) on the GPU (eager or as one CUDA graph).
     Bench(bench::BenchArgs),
     /// Compare one grads step's loss and gradients with a PyTorch reference (torch_reference.py --save DIR).
     Compare(compare::CompareArgs),

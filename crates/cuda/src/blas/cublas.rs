@@ -1,7 +1,7 @@
 //! cuBLAS's own GEMM as one more tuning candidate: `cublasGemmStridedBatchedEx`
 //! with cuBLAS's internal heuristics, which pick kernels of their own for a
-//! shape (PyTorch's matmuls go this way; session 9 measured its products on
-//! W5's shapes 7% faster than the cuBLASLt algorithms our tuning chose).
+//! shape (PyTorch's matmuls go this way; on an H200 they ran W5's product
+//! shapes 7% faster than the cuBLASLt algorithms our tuning chose).
 //! Off unless [`CUBLAS_ENV`]`=1`, until a GPU run has checked it;
 //! `STEPGRAPH_GEMM_CUBLAS=only` runs every product that can through cuBLAS,
 //! untimed, so the GPU tests compare exactly that path with the CPU.
