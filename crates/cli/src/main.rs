@@ -14,6 +14,7 @@
 mod bench;
 mod compare;
 mod eval;
+mod fit;
 mod generate;
 mod hf_cmd;
 mod memory_args;
@@ -80,6 +81,12 @@ enum Command {
         /// with --gpus, the timeline of one rank.
         #[arg(long, value_name = "FILE")]
         html: Option<PathBuf>,
+        /// End with a verdict: does the step fit a GPU of this much memory
+        /// (24GB, 80GB, 141GB: as cards are sold, in GiB), and if not, the
+        /// least it can plan and what would fit [default: the free memory
+        /// of this machine's GPU, when it has one].
+        #[arg(long, value_name = "SIZE")]
+        gpu_memory: Option<String>,
     },
     /// Print a trace as text.
     Trace {
@@ -657,7 +664,7 @@ fn run(cli: Cli) -> Result<()> {
 fn run_command(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan { gpus: Some(0), .. } => bail!("--gpus must be at least 1, got 0"),
-        Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html } => {
+        Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html, .. } => {
             let bucket_bytes = match bucket_mb {
                 None => DEFAULT_BUCKET_BYTES,
                 Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
@@ -684,8 +691,12 @@ fn run_command(cli: Cli) -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Plan { model, step, optim, memory, json, top, html, .. } => {
+        Command::Plan { model, step, optim, memory, json, top, html, gpu_memory, .. } => {
             let switches = stepgraph_cuda::Switches::from_env()?;
+            let gpu = match gpu_memory.as_deref() {
+                Some(size) => Some(fit::Gpu::sold_as(size)?),
+                None => fit::local_gpu()?,
+            };
             let spec = model.spec()?;
             let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
@@ -707,6 +718,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["epilogues"] = serde_json::to_value(&c.fusion)?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
                 value["switches"] = serde_json::to_value(switches)?;
+                if let Some(gpu) = gpu.clone() {
+                    value["verdict"] = serde_json::to_value(fit::verdict(&spec, &opts, &c, gpu)?)?;
+                }
                 value["launches_sm90"] = match &census {
                     Some(census) => serde_json::json!({
                         "total": census.iter().map(|c| c.1).sum::<usize>(),
@@ -743,6 +757,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 let set = switches.not_default_line();
                 if !set.is_empty() {
                     println!("switches: {set} (not the defaults)");
+                }
+                if let Some(gpu) = gpu {
+                    print!("{}", fit::verdict(&spec, &opts, &c, gpu)?);
                 }
             }
         }

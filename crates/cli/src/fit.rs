@@ -1,0 +1,295 @@
+//! `plan --gpu-memory`: will a step fit a GPU, and if not, what would.
+//!
+//! The verdict is made of real plans, never estimates: the step as asked,
+//! then the same step under a memory budget of the GPU's usable bytes
+//! (every recomputation and MLP tiling the planner has), then variants a
+//! user can ask for with one flag (no gradient clipping, shorter
+//! sequences, ZeRO-1 data parallelism over more GPUs), each planned to the
+//! same budget. It names the least this step can plan and the first
+//! variants that fit.
+
+use std::fmt;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::models::ModelSpec;
+use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
+use stepgraph_core::plan::{Category, Timeline};
+use stepgraph_core::recompute::RecomputePolicy;
+use stepgraph_core::Error as CoreError;
+
+use crate::memory_args::parse_bytes;
+
+/// What a GPU holds that a step's plan does not: the CUDA context, the
+/// kernel modules and cuBLASLt's workspace. Measured on an H200 (context
+/// about 0.5 GiB; modules and workspace 41 MB above the plan), rounded up.
+pub const CONTEXT_RESERVE: u64 = 768 << 20;
+
+/// The GPU a verdict is for.
+#[derive(Clone, Debug, Serialize)]
+pub struct Gpu {
+    /// As the user named it (`24GB`), or `GPU 0 (free memory)`.
+    pub label: String,
+    /// Bytes a step's plan may take on it.
+    pub usable_bytes: u64,
+}
+
+impl Gpu {
+    /// A GPU sold as `text` (`24GB`, `80GB`, `141GB`): cards are sold in
+    /// binary gigabytes (an "80GB" H100 holds 79.6 GiB, a "24GB" card 24
+    /// GiB), so `GB` and `TB` here are GiB and TiB; less what the CUDA
+    /// context and libraries hold.
+    pub fn sold_as(text: &str) -> Result<Gpu> {
+        let t = text.trim();
+        let lower = t.to_ascii_lowercase();
+        let binary = if let Some(n) = lower.strip_suffix("gb") {
+            format!("{n}GiB")
+        } else if let Some(n) = lower.strip_suffix("tb") {
+            format!("{n}TiB")
+        } else {
+            t.to_string()
+        };
+        let bytes = parse_bytes(&binary).map_err(|e| {
+            anyhow::anyhow!(
+                "--gpu-memory {text:?}: {}",
+                e.to_string().replace(&format!("--memory-budget {binary:?}: "), "")
+            )
+        })?;
+        if bytes <= CONTEXT_RESERVE {
+            anyhow::bail!(
+                "--gpu-memory {text:?}: {bytes} bytes is less than the CUDA context and libraries alone take \
+                 ({:.2} GB); give the GPU's memory, such as 24GB or 80GB",
+                CONTEXT_RESERVE as f64 / 1e9
+            );
+        }
+        Ok(Gpu { label: format!("a GPU with {t}"), usable_bytes: bytes - CONTEXT_RESERVE })
+    }
+}
+
+/// Bytes live at the plan's peak, by what they are.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeakBytes {
+    pub weights: u64,
+    pub optimizer_state: u64,
+    pub gradients: u64,
+    pub activations: u64,
+    pub temporaries: u64,
+}
+
+impl PeakBytes {
+    pub fn of(step: &CompiledStep) -> PeakBytes {
+        let timeline = Timeline::new(&step.step, &step.plan, &step.recompute.nodes());
+        let Some(live) = timeline.live.iter().max_by_key(|l| l.iter().sum::<u64>()) else {
+            return PeakBytes::default();
+        };
+        let at = |c: Category| live[Category::ALL.iter().position(|&x| x == c).unwrap()];
+        PeakBytes {
+            weights: at(Category::Parameters),
+            optimizer_state: at(Category::OptimizerState),
+            gradients: at(Category::Gradients),
+            activations: at(Category::SavedActivations) + at(Category::Recomputed),
+            temporaries: at(Category::Temporaries),
+        }
+    }
+}
+
+impl fmt::Display for PeakBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "weights {}, optimizer state {}, gradients {}, activations {}, temporaries {}",
+            gb(self.weights),
+            gb(self.optimizer_state),
+            gb(self.gradients),
+            gb(self.activations),
+            gb(self.temporaries)
+        )
+    }
+}
+
+/// A variant of the step that fits, with the flags that ask for it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Alternative {
+    pub flags: String,
+    pub planned_bytes: u64,
+    pub note: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub gpu: Gpu,
+    pub fits: bool,
+    /// The step as asked.
+    pub planned_bytes: u64,
+    pub at_peak: PeakBytes,
+    /// When the step as asked does not fit but does under a memory budget
+    /// of the GPU's usable bytes: what it plans then.
+    pub budgeted_bytes: Option<u64>,
+    /// When not even that fits: the least the step plans with every memory
+    /// option (every recomputation, MLP tiles).
+    pub least_bytes: Option<u64>,
+    /// Weights and optimizer state: what no recomputation lowers.
+    pub persistent_bytes: u64,
+    pub would_fit: Vec<Alternative>,
+}
+
+/// The verdict for `asked` (planned with `opts`) on `gpu`.
+pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: Gpu) -> Result<Verdict> {
+    let planned = asked.plan.planned_peak_bytes();
+    let mut v = Verdict {
+        fits: planned <= gpu.usable_bytes,
+        planned_bytes: planned,
+        at_peak: PeakBytes::of(asked),
+        budgeted_bytes: None,
+        least_bytes: None,
+        persistent_bytes: asked.plan.persistent_bytes,
+        would_fit: Vec::new(),
+        gpu,
+    };
+    if v.fits {
+        return Ok(v);
+    }
+    // The budget every variant is planned to, as the flag prints it (whole
+    // hundredths of a GB, rounded down), so the printed flags plan exactly
+    // what the verdict says.
+    let hundredths = v.gpu.usable_bytes / 10_000_000;
+    let budget = hundredths * 10_000_000;
+    let budget_flag = format!("--memory-budget {}.{:02}GB", hundredths / 100, hundredths % 100);
+    let budgeted = |spec: &ModelSpec, opts: &StepOptions| -> Result<std::result::Result<u64, u64>> {
+        let opts = StepOptions { recompute: RecomputePolicy::Budget(budget), ..opts.clone() };
+        match compile_step(spec, &opts) {
+            Ok(step) => Ok(Ok(step.plan.planned_peak_bytes())),
+            Err(CoreError::MemoryBudget { least, .. }) => Ok(Err(least)),
+            Err(e) => Err(e.into()),
+        }
+    };
+    match budgeted(spec, opts)? {
+        Ok(bytes) => {
+            v.budgeted_bytes = Some(bytes);
+            v.would_fit.push(Alternative {
+                flags: budget_flag.clone(),
+                planned_bytes: bytes,
+                note: "recomputes activations in backward instead of keeping them".into(),
+            });
+            return Ok(v);
+        }
+        Err(least) => v.least_bytes = Some(least),
+    }
+    let clips =
+        opts.train.clip_grad_norm.is_some_and(|c| c > 0.0) && opts.kind == stepgraph_core::autodiff::StepKind::Train;
+    if clips {
+        let unclipped = StepOptions {
+            train: stepgraph_core::autodiff::TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
+            ..opts.clone()
+        };
+        if let Ok(bytes) = budgeted(spec, &unclipped)? {
+            v.would_fit.push(Alternative {
+                flags: format!("--clip-grad-norm 0 {budget_flag}"),
+                planned_bytes: bytes,
+                note: "without clipping, each gradient is freed by its update in backward".into(),
+            });
+        }
+    }
+    // Shorter sequences, the tokens of a step kept with --grad-accum.
+    let mut seq = spec.seq / 2;
+    while seq >= 64 {
+        let shorter = ModelSpec { seq, ..spec.clone() };
+        if let Ok(bytes) = budgeted(&shorter, opts)? {
+            let accum = spec.seq.div_ceil(seq) * opts.grad_accum.max(1);
+            v.would_fit.push(Alternative {
+                flags: format!("--seq {seq} --grad-accum {accum} {budget_flag}"),
+                planned_bytes: bytes,
+                note: format!("{seq}-token sequences, {accum} of them per update"),
+            });
+            break;
+        }
+        seq /= 2;
+    }
+    // ZeRO-1 over more GPUs: each holds 1/N of the AdamW state.
+    if opts.kind == stepgraph_core::autodiff::StepKind::Train {
+        for world in [2usize, 4, 8] {
+            let dp = DataParallel { world, bucket_bytes: DEFAULT_BUCKET_BYTES, zero1: true };
+            let global = ModelSpec { batch: spec.batch * world, ..spec.clone() };
+            let ranked = StepOptions {
+                data_parallel: Some(dp),
+                train: stepgraph_core::autodiff::TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
+                ..opts.clone()
+            };
+            if let Ok(bytes) = budgeted(&global, &ranked)? {
+                v.would_fit.push(Alternative {
+                    flags: format!("--gpus {world} --zero1 --batch {} {budget_flag}", global.batch),
+                    planned_bytes: bytes,
+                    note: format!("{world} such GPUs, each holding 1/{world} of the AdamW state"),
+                });
+                break;
+            }
+        }
+    }
+    Ok(v)
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "at the peak: {}", self.at_peak)?;
+        if self.fits {
+            return writeln!(
+                f,
+                "verdict: fits {} with {} to spare ({} planned of {} usable)",
+                self.gpu.label,
+                gb(self.gpu.usable_bytes - self.planned_bytes),
+                gb(self.planned_bytes),
+                gb(self.gpu.usable_bytes)
+            );
+        }
+        write!(
+            f,
+            "verdict: does not fit {} ({} usable): this step plans {}",
+            self.gpu.label,
+            gb(self.gpu.usable_bytes),
+            gb(self.planned_bytes)
+        )?;
+        if self.budgeted_bytes.is_some() {
+            write!(f, ", but fits under a memory budget")?;
+        }
+        if let Some(least) = self.least_bytes {
+            write!(f, "; the least it can plan with every memory option is {}", gb(least))?;
+        }
+        if self.persistent_bytes > self.gpu.usable_bytes {
+            write!(
+                f,
+                ", and its weights and optimizer state alone take {}, which no recomputation lowers",
+                gb(self.persistent_bytes)
+            )?;
+        }
+        writeln!(f)?;
+        if self.would_fit.is_empty() {
+            return writeln!(
+                f,
+                "  nothing tried fits (a memory budget, no clipping, sequences down to 64 tokens, ZeRO-1 over up to \
+                 8 GPUs): a smaller model, or a GPU with more memory"
+            );
+        }
+        writeln!(f, "  would fit:")?;
+        for a in &self.would_fit {
+            writeln!(f, "    {:<56} plans {} ({})", a.flags, gb(a.planned_bytes), a.note)?;
+        }
+        Ok(())
+    }
+}
+
+/// This machine's GPU, by its free memory less what the CUDA libraries
+/// take beside a plan (as `--memory-budget auto` counts it); `None`
+/// without a GPU.
+pub fn local_gpu() -> Result<Option<Gpu>> {
+    if !stepgraph_cuda::session::gpu_available() {
+        return Ok(None);
+    }
+    let usable = crate::memory_args::free_bytes()?;
+    Ok(Some(Gpu { label: "GPU 0".into(), usable_bytes: usable }))
+}

@@ -1,0 +1,85 @@
+//! `plan --gpu-memory`: one verdict line for a given GPU, built from real
+//! plans: the bytes at the peak by kind, fits with how much to spare, or
+//! does not fit with the least the step can plan and the flags that would
+//! fit, each of which plans what the verdict says.
+
+mod common;
+use common::stepgraph;
+
+fn plan(args: &[&str]) -> String {
+    let (ok, out, err) = stepgraph(&[&["plan"], args].concat());
+    assert!(ok, "{args:?}: {err}");
+    out
+}
+
+fn verdict(out: &str) -> &str {
+    out.lines().find(|l| l.starts_with("verdict: ")).unwrap_or_else(|| panic!("no verdict in:\n{out}"))
+}
+
+const LLAMA_8B: [&str; 8] = ["--model", "Meta-Llama-3-8B", "--dtype", "bf16", "--seq", "4096", "--step", "train"];
+const LLAMA_1B: [&str; 8] = ["--model", "Llama-3.2-1B", "--dtype", "bf16", "--seq", "4096", "--step", "train"];
+
+/// Full fine-tuning of Llama-3-8B with AdamW on a 24 GB card: the verdict
+/// names the plan, the least any memory option reaches, and why nothing
+/// of this step fits (its weights and optimizer state alone).
+#[test]
+fn an_8b_full_fine_tune_does_not_fit_24gb_and_says_why() {
+    let out = plan(&[&LLAMA_8B[..], &["--gpu-memory", "24GB"]].concat());
+    let v = verdict(&out);
+    assert!(v.starts_with("verdict: does not fit a GPU with 24GB (24.96 GB usable): this step plans 80.38 GB"), "{v}");
+    assert!(v.contains("the least it can plan with every memory option is 80.44 GB"), "{v}");
+    assert!(v.contains("its weights and optimizer state alone take 64.24 GB"), "{v}");
+    let peak = out.lines().find(|l| l.starts_with("at the peak: ")).expect(&out);
+    assert!(peak.contains("weights 16.06 GB, optimizer state 48.18 GB, gradients 16.06 GB"), "{peak}");
+    assert!(out.contains("nothing tried fits"), "{out}");
+    // The same step on an 80 GB and a 141 GB card.
+    let v80 = plan(&[&LLAMA_8B[..], &["--gpu-memory", "80GB"]].concat());
+    assert!(verdict(&v80).starts_with("verdict: fits a GPU with 80GB with 4.72 GB to spare"), "{v80}");
+    let v141 = plan(&[&LLAMA_8B[..], &["--gpu-memory", "141GB"]].concat());
+    assert!(verdict(&v141).starts_with("verdict: fits a GPU with 141GB with 70.22 GB to spare"), "{v141}");
+}
+
+/// A 1B step that misses 12 GB: the verdict lists flags that fit, and each
+/// listed line, run through `plan`, plans the bytes it promised within
+/// the budget it names.
+#[test]
+fn what_would_fit_plans_what_it_says() {
+    let out = plan(&[&LLAMA_1B[..], &["--gpu-memory", "12GB"]].concat());
+    let v = verdict(&out);
+    assert!(v.starts_with("verdict: does not fit a GPU with 12GB"), "{v}");
+    assert!(v.contains("the least it can plan with every memory option is 12.93 GB"), "{v}");
+    let rows: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("  would fit:")).skip(1).collect();
+    assert!(rows.iter().any(|r| r.contains("--clip-grad-norm 0")), "{out}");
+    assert!(rows.iter().any(|r| r.contains("--zero1")), "{out}");
+    for row in rows {
+        let (flags, rest) = row.trim().split_once(" plans ").unwrap();
+        let promised = rest.split(" GB").next().unwrap();
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        let budget: f64 = flags[flags.iter().position(|f| *f == "--memory-budget").unwrap() + 1]
+            .trim_end_matches("GB")
+            .parse()
+            .unwrap();
+        let json = plan(&[&LLAMA_1B[..], &flags, &["--json"]].concat());
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        // With --gpus the report is one rank's plan next to the 1-GPU one.
+        let peak = value.get("per_rank").unwrap_or(&value)["planned_peak_bytes"].as_u64().expect(&json) as f64 / 1e9;
+        assert_eq!(format!("{peak:.2}"), promised, "{row}");
+        assert!(peak <= budget, "{row}: {peak} GB over the budget");
+    }
+}
+
+/// A step that fits says how much is left; a size that is not one is
+/// refused naming the flag.
+#[test]
+fn a_step_that_fits_says_what_is_left_and_bad_sizes_are_refused() {
+    let out = plan(&[&LLAMA_1B[..], &["--gpu-memory", "16GB"]].concat());
+    assert!(verdict(&out).starts_with("verdict: fits a GPU with 16GB with 2.46 GB to spare"), "{out}");
+    let json = plan(&[&LLAMA_1B[..], &["--gpu-memory", "16GB", "--json"]].concat());
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["verdict"]["fits"], true, "{json}");
+    assert_eq!(value["verdict"]["at_peak"]["weights"], 2_471_628_800u64, "{json}");
+    for (bad, want) in [("lots", "--gpu-memory \"lots\""), ("0.5GB", "less than the CUDA context")] {
+        let (ok, _, err) = stepgraph(&[&["plan"], &LLAMA_1B[..], &["--gpu-memory", bad]].concat());
+        assert!(!ok && err.contains(want), "{bad}: {err}");
+    }
+}
