@@ -188,7 +188,7 @@ fn plan_w2_json(extra: &[&str]) -> serde_json::Value {
 }
 
 #[test]
-fn plan_w2_meets_issue_10() {
+fn plan_w2_fits_its_memory_goals_by_default_and_under_half_a_gigabyte() {
     // Default flags: within 1.7 GB, the MLP untiled.
     let v = plan_w2_json(&[]);
     assert!(json_u64(&v, "planned_peak_bytes") <= 1_700_000_000, "{v}");
