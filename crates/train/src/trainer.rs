@@ -211,8 +211,7 @@ impl Trainer {
             Placement::Rank { group, .. } => (group.rank, group.world),
         };
         let opened = Instant::now();
-        let (session, replay_from, device, eval_session) =
-            open_sessions(&placement, eager, &config, step, plan, eval)?;
+        let (session, replay_from, device, eval_session) = open_sessions(&placement, eager, &config, step, plan, eval)?;
         let session_time = opened.elapsed();
         let peak_flops = match &placement {
             Placement::Cpu => None,
@@ -514,9 +513,7 @@ impl Trainer {
     /// The mean loss of the held-out split on the current weights (rank 0,
     /// with evaluation configured).
     pub fn evaluate(&mut self) -> Result<f64> {
-        let Some(e) = &mut self.eval else {
-            bail!("this run has no evaluation step: set eval_every and eval_batches")
-        };
+        let Some(e) = &mut self.eval else { bail!("this run has no evaluation step: set eval_every and eval_batches") };
         e.evaluate(self.session.as_mut(), self.rank, self.world)
     }
 

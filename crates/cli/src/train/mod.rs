@@ -458,7 +458,12 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
             // now (and moved aside by rank 0).
             let (newest, moved) = dir.resume_point(rank == 0)?;
             for (d, kept) in moved {
-                eprintln!("note: --resume auto skips {}: {}; it is kept as {}", d.dir.display(), d.reason, kept.display());
+                eprintln!(
+                    "note: --resume auto skips {}: {}; it is kept as {}",
+                    d.dir.display(),
+                    d.reason,
+                    kept.display()
+                );
             }
             newest
         }
@@ -733,7 +738,6 @@ pub(crate) fn model_spec(model: &ModelArgs, init_from: Option<&Path>) -> Result<
     Ok((model.spec_of(hf.config().clone())?, Some(hf)))
 }
 
-
 /// Where `--out` writes the model, checked before the run starts so that a
 /// destination the save would refuse costs no training.
 struct OutTarget {
@@ -801,7 +805,6 @@ fn out_line(r: &SaveReport) -> String {
         if r.tokenizer_files.is_empty() { "none".to_string() } else { r.tokenizer_files.join(", ") }
     )
 }
-
 
 /// Writes the `--out` folder from the trainer's parameters (rank 0; the
 /// others hold the same parameters). `None` without `--out`.
