@@ -211,7 +211,6 @@ mod tests {
     use stepgraph_core::models::{init_params, Config};
 
     use stepgraph_core::cpu::exec::CpuSession;
-    use stepgraph_core::session::Session;
 
     use super::*;
 

@@ -225,6 +225,10 @@ pub struct Scan {
     pub damaged: Vec<Damaged>,
 }
 
+/// The checkpoint a run continues from, if any, and the damaged
+/// directories moved aside, each with its new name.
+pub type ResumePoint = (Option<PathBuf>, Vec<(Damaged, PathBuf)>);
+
 /// A `step-…` directory that is not a usable checkpoint, and why.
 #[derive(Clone, Debug)]
 pub struct Damaged {
@@ -304,7 +308,7 @@ impl CheckpointDir {
     /// directories newer than it are moved aside ([`CheckpointDir::set_aside`])
     /// so that saving their step again finds the name free; each is
     /// returned with where it went.
-    pub fn resume_point(&self, set_aside: bool) -> Result<(Option<PathBuf>, Vec<(Damaged, PathBuf)>)> {
+    pub fn resume_point(&self, set_aside: bool) -> Result<ResumePoint> {
         let Scan { complete, damaged } = self.scan()?;
         let newest = complete.last().cloned();
         let mut moved = Vec::new();

@@ -493,7 +493,7 @@ impl Trainer {
             }
         }
         let course = &self.config.course;
-        if self.eval.is_some() && (it % course.eval_every == 0 || it == last) {
+        if self.eval.is_some() && (it.is_multiple_of(course.eval_every) || it == last) {
             let t = Instant::now();
             let val = self.evaluate()?;
             self.eval_time += t.elapsed();
@@ -503,7 +503,7 @@ impl Trainer {
             }
         }
         let course = &self.config.course;
-        let periodic = course.checkpoints.as_ref().is_some_and(|c| c.save_every > 0 && it % c.save_every == 0);
+        let periodic = course.checkpoints.as_ref().is_some_and(|c| c.save_every > 0 && it.is_multiple_of(c.save_every));
         if it == steps || (self.ckpt.is_some() && (periodic || it == last)) {
             self.save_checkpoint(it)?;
         }
