@@ -24,6 +24,9 @@ use stepgraph_cuda::Switches;
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    // Plain comments: a doc comment would become the value's help text in
+    // every command that takes a backend.
+    //
     // The CPU reference backend.
     Cpu,
     // The CUDA backend on one GPU.

@@ -350,7 +350,7 @@ impl Trainer {
         StartupTimes::new(compile, self.session_time, self.session.startup_phases(), self.weights_time)
     }
 
-    /// The metrics file, once [`Trainer::run`] opened it.
+    /// The metrics file, once the first step opened it.
     pub fn metrics_path(&self) -> Option<&Path> {
         self.metrics.as_ref().map(MetricsFile::path)
     }
@@ -373,11 +373,6 @@ impl Trainer {
     /// `stop` after each whether to stop there (with a checkpoint).
     pub fn run(&mut self, reporter: &mut dyn Reporter, stop: &mut dyn FnMut() -> bool) -> Result<RunEnd> {
         let last = self.config.course.last();
-        if self.rank == 0 && self.metrics.is_none() && self.next <= last {
-            if let Some(p) = self.config.course.metrics.clone() {
-                self.metrics = Some(MetricsFile::open(&p, self.resumed)?);
-            }
-        }
         while self.next <= last {
             let it = self.next;
             self.step(reporter)?;
@@ -402,13 +397,20 @@ impl Trainer {
     /// Trains the next step: its metrics row, the divergence check, an
     /// evaluation and a checkpoint when they are due. Returns its loss.
     pub fn step(&mut self, reporter: &mut dyn Reporter) -> Result<f64> {
-        let t0 = *self.t0.get_or_insert_with(Instant::now);
-        let course = &self.config.course;
-        let (steps, last) = (course.steps, course.last());
+        let (steps, last) = (self.config.course.steps, self.config.course.last());
         let it = self.next;
         if it > steps {
             bail!("the run is complete: it trained its {steps} steps");
         }
+        if self.t0.is_none() {
+            // Opened at the first step, so that a run with nothing left to
+            // train leaves its metrics as they are; rank 0 writes them.
+            if let (0, Some(p)) = (self.rank, &self.config.course.metrics) {
+                self.metrics = Some(MetricsFile::open(p, self.resumed)?);
+            }
+        }
+        let t0 = *self.t0.get_or_insert_with(Instant::now);
+        let course = &self.config.course;
         let (rank, world, accum) = (self.rank, self.world, self.config.step.grad_accum);
         let global = self.config.model.batch * accum;
         let seq = self.config.model.seq;
