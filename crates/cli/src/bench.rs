@@ -24,7 +24,7 @@ use stepgraph_core::session::Session;
 use stepgraph_cuda::session::{device_name, CudaOptions, CudaSession, MemoryReport};
 use stepgraph_cuda::Switches;
 
-use crate::train::metrics;
+use stepgraph_train::metrics;
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]
 pub enum Workload {

@@ -40,7 +40,6 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use stepgraph_core::autodiff::StepKind;
-use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, Trace, ValueId};
 use stepgraph_core::models::checkpoint::{load_params, read_safetensors, reference_batch};
@@ -49,7 +48,9 @@ use stepgraph_core::models::{Config, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::MemoryPlan;
 use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
+use stepgraph_cuda::session::gpu_available;
+pub use stepgraph_train::Backend;
+use stepgraph_train::SessionOptions;
 
 /// The default tolerance on `rel` when the step and the reference are f32.
 pub const F32_TOLERANCE: f64 = 1e-4;
@@ -73,16 +74,6 @@ pub enum CompareDType {
     F32,
     Bf16,
     F16,
-}
-
-/// The backend that runs stepgraph's step.
-#[derive(Copy, Clone, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// The CPU reference backend.
-    Cpu,
-    /// The CUDA backend on GPU 0 (eager launches).
-    Cuda,
 }
 
 /// Flags of `stepgraph compare`.
@@ -259,14 +250,9 @@ fn resolve_backend(asked: Option<Backend>, gpu_present: impl FnOnce() -> bool) -
     }
 }
 
-/// Binds the planned step to a session of `backend`.
+/// Binds the planned step to a session of `backend` on GPU 0 (eager launches) or the CPU.
 fn open_session(backend: Backend, step: Trace, memory: MemoryPlan) -> Result<Box<dyn Session>> {
-    Ok(match backend {
-        Backend::Cpu => Box::new(CpuSession::new(step, memory)?),
-        Backend::Cuda => Box::new(
-            CudaSession::new(step, memory, CudaOptions::from_env()?).context("opening the CUDA session on GPU 0")?,
-        ),
-    })
+    Ok(stepgraph_train::open_session(backend, step, memory, SessionOptions::default())?.session)
 }
 
 /// The default tolerance for a step in `run` against a reference whose
@@ -732,6 +718,8 @@ fn sort_key(x: f64) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use stepgraph_core::cpu::exec::CpuSession;
+
     use super::*;
     use clap::Parser;
     use stepgraph_core::ir::TensorType;

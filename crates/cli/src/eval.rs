@@ -11,12 +11,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use stepgraph_core::autodiff::StepKind;
-use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
-use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
+use stepgraph_train::data;
+use stepgraph_train::trainer::Evaluator;
+use stepgraph_train::{open_session, Backend, SessionOptions};
 
-use crate::train::{self, data, DeviceArg, Evaluator};
+use crate::train;
 use crate::ModelArgs;
 
 /// `stepgraph eval`'s own flags (the batch, sequence and dtype flags are `EvalModelArgs`).
@@ -36,7 +36,7 @@ pub struct EvalArgs {
     pub val_fraction: f64,
     /// Evaluate on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
     #[arg(long, value_enum)]
-    pub device: Option<DeviceArg>,
+    pub device: Option<Backend>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -55,18 +55,8 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let compiled = compile_step(&spec, &StepOptions::new(StepKind::Forward))?;
     // The folder must fit before a session allocates anything.
     hf.check(&compiled.forward)?;
-    let on_gpu = match args.device {
-        Some(DeviceArg::Cpu) => false,
-        Some(DeviceArg::Cuda) => true,
-        None => gpu_available(),
-    };
-    let mut session: Box<dyn Session> = if on_gpu {
-        let s = CudaSession::new(compiled.step, compiled.plan, CudaOptions::from_env()?)
-            .context("opening the CUDA session on GPU 0")?;
-        Box::new(s)
-    } else {
-        Box::new(CpuSession::new(compiled.step, compiled.plan)?)
-    };
+    let backend = Backend::or_default(args.device);
+    let mut session = open_session(backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
     hf.load_into(&compiled.forward, session.as_mut())
         .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
     let n = batches.len();

@@ -29,7 +29,6 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::generation::{check_requests, BatchTimes, Finish, Generated, Generator, Request, Sampling};
 use stepgraph_core::ir::ValueKind;
 use stepgraph_core::models::generate::{
@@ -38,12 +37,14 @@ use stepgraph_core::models::generate::{
 use stepgraph_core::models::hf_dir::GENERATION_FILE;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{gpu_available, CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
 use stepgraph_data::template::Message;
 use stepgraph_data::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::train::{self, DeviceArg};
+use stepgraph_train::trainer::init_weights;
+use stepgraph_train::{open_session, Backend, SessionOptions};
+
+use crate::train;
 use crate::ModelArgs;
 
 /// `stepgraph generate`'s own flags (the model and dtype flags are shared).
@@ -96,7 +97,7 @@ pub struct GenerateArgs {
     pub buckets: Option<Vec<usize>>,
     /// Generate on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
     #[arg(long, value_enum)]
-    pub device: Option<DeviceArg>,
+    pub device: Option<Backend>,
     /// Run every decode step eagerly instead of replaying its recording.
     #[arg(long)]
     pub eager: bool,
@@ -332,25 +333,16 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     if let Some(hf) = &hf {
         hf.check(&checkpoint)?;
     }
-    let on_gpu = match args.device {
-        Some(DeviceArg::Cpu) => false,
-        Some(DeviceArg::Cuda) => true,
-        None => gpu_available(),
-    };
+    let backend = Backend::or_default(args.device);
     let planned = memory_plan.planned_peak_bytes();
     // What cuBLASLt's tuning chose, for `--profile`.
-    let mut tuning = None;
-    let mut session: Box<dyn Session> = if on_gpu {
-        match CudaSession::new(program.trace.clone(), memory_plan, CudaOptions { switches, ..CudaOptions::default() }) {
-            Ok(s) => {
-                tuning = Some(s.gemm_tuning().clone());
-                Box::new(s)
-            }
-            Err(CudaError::DoesNotFit { needed, free, .. }) => return Err(does_not_fit(&program, needed, free)),
-            Err(e) => return Err(anyhow::Error::new(e).context("opening the CUDA session on GPU 0")),
-        }
-    } else {
-        Box::new(CpuSession::new(program.trace.clone(), memory_plan)?)
+    let opened = open_session(backend, program.trace.clone(), memory_plan, SessionOptions::on_device(0, switches));
+    let (mut session, tuning) = match opened {
+        Ok(o) => (o.session, o.gemm_tuning),
+        Err(e) => match e.downcast_ref::<CudaError>() {
+            Some(&CudaError::DoesNotFit { needed, free, .. }) => return Err(does_not_fit(&program, needed, free)),
+            _ => return Err(e),
+        },
     };
     match hf.as_ref() {
         // The folder's tensors, q/k/v and gate/up rows gathered into the
@@ -361,7 +353,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
                 .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
             writer.finish()?;
         }
-        None => train::init_weights(session.as_mut(), &program.trace, None, args.seed)?,
+        None => init_weights(session.as_mut(), &program.trace, None, args.seed)?,
     }
     // The cache and the decode states start from zeros (the padding a
     // prompt leaves is never read; zeros keep a dump readable).

@@ -25,7 +25,6 @@ use anyhow::{bail, Context, Result};
 use crate::output_paths::refuse_overwriting_inputs;
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
-use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, TensorType};
 use stepgraph_core::models::checkpoint::{read_safetensors, reference_batch, write_safetensors_atomic};
@@ -34,10 +33,8 @@ use stepgraph_core::models::hf_dir::{save_hf_dir, to_hf_tensors, HfModelDir, Sav
 use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
-use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{CudaOptions, CudaSession};
 
-use crate::compare::Backend;
+use stepgraph_train::{open_session, Backend, SessionOptions};
 
 /// Flags of `stepgraph hf`.
 #[derive(clap::Args, Clone, Debug)]
@@ -86,19 +83,6 @@ impl HfDType {
     }
 }
 
-fn open_session(
-    backend: Backend,
-    step: stepgraph_core::ir::Trace,
-    memory: stepgraph_core::plan::MemoryPlan,
-) -> Result<Box<dyn Session>> {
-    Ok(match backend {
-        Backend::Cpu => Box::new(CpuSession::new(step, memory)?),
-        Backend::Cuda => Box::new(
-            CudaSession::new(step, memory, CudaOptions::from_env()?).context("opening the CUDA session on GPU 0")?,
-        ),
-    })
-}
-
 pub fn run(args: &HfArgs) -> Result<()> {
     if args.logits_out.is_none() && args.grads_out.is_none() && args.out.is_none() {
         bail!("nothing to do: give --logits-out, --grads-out (both with --ids) or --out");
@@ -143,7 +127,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
     let step = build_step(&forward, StepKind::Forward, &TrainOptions::default())?;
     let memory = plan(&step, PlanOptions::default())?;
     check_plan(&step, &memory)?;
-    let mut session = open_session(args.backend, step, memory)?;
+    let mut session = open_session(args.backend, step, memory, SessionOptions::default())?.session;
     hf.load_into(&forward, session.as_mut())?;
 
     if let (Some(out), Some(ids)) = (&args.logits_out, &ids) {
@@ -191,7 +175,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
         // A second session: the forward one keeps no gradients.
         drop(session);
         let compiled = compile_step(&spec, &StepOptions::new(StepKind::Grads))?;
-        let mut grads = open_session(args.backend, compiled.step, compiled.plan)?;
+        let mut grads = open_session(args.backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
         hf.load_into(&compiled.forward, grads.as_mut())?;
         for (name, value) in reference_batch(ids, LossKind::CrossEntropy)? {
             grads.write_named(name, &value)?;
@@ -225,6 +209,8 @@ mod tests {
 
     use stepgraph_core::models::hf_dir::{HfFamily, INDEX_FILE};
     use stepgraph_core::models::{init_params, Config};
+
+    use stepgraph_core::cpu::exec::CpuSession;
 
     use super::*;
 

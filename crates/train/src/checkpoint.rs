@@ -34,8 +34,8 @@ use stepgraph_core::ir::ValueKind;
 use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
 use stepgraph_core::session::Session;
 
-use super::divergence::DivergenceMonitor;
-use super::schedule::LrSchedule;
+use crate::divergence::DivergenceMonitor;
+use crate::schedule::LrSchedule;
 
 /// The file that makes a checkpoint directory one: written last.
 pub const STATE_FILE: &str = "state.json";
@@ -225,6 +225,10 @@ pub struct Scan {
     pub damaged: Vec<Damaged>,
 }
 
+/// The checkpoint a run continues from, if any, and the damaged
+/// directories moved aside, each with its new name.
+pub type ResumePoint = (Option<PathBuf>, Vec<(Damaged, PathBuf)>);
+
 /// A `step-…` directory that is not a usable checkpoint, and why.
 #[derive(Clone, Debug)]
 pub struct Damaged {
@@ -297,6 +301,28 @@ impl CheckpointDir {
     /// The newest complete checkpoint.
     pub fn newest(&self) -> Result<Option<(usize, PathBuf)>> {
         Ok(self.complete()?.pop())
+    }
+
+    /// The checkpoint a run continues from: the newest complete one. With
+    /// `set_aside` (the process that saves), the damaged `step-…`
+    /// directories newer than it are moved aside ([`CheckpointDir::set_aside`])
+    /// so that saving their step again finds the name free; each is
+    /// returned with where it went.
+    pub fn resume_point(&self, set_aside: bool) -> Result<ResumePoint> {
+        let Scan { complete, damaged } = self.scan()?;
+        let newest = complete.last().cloned();
+        let mut moved = Vec::new();
+        for d in damaged {
+            let newer = d.dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-"));
+            let newer = newer
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|s| newest.as_ref().is_none_or(|(n, _)| s > *n));
+            if newer && set_aside {
+                let kept = self.set_aside(&d.dir)?;
+                moved.push((d, kept));
+            }
+        }
+        Ok((newest.map(|(_, p)| p), moved))
     }
 
     /// Removes what killed saves left behind: temporary checkpoint

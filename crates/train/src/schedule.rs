@@ -117,6 +117,21 @@ pub fn default_warmup(steps: usize) -> Chosen<usize> {
 /// `--min-lr-ratio` is given: 10%, as in Chinchilla and Llama 2.
 pub const DEFAULT_MIN_LR_RATIO: f64 = 0.1;
 
+/// A learning rate as people write it: `3e-3`, `1.2e-4`, `0.01`, `30`.
+pub fn short(x: f64) -> String {
+    if (1e-2..1e4).contains(&x) {
+        return format!("{x}");
+    }
+    let s = format!("{x:.3e}");
+    let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+    let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+    if exp == "0" {
+        mantissa.to_string()
+    } else {
+        format!("{mantissa}e{exp}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
