@@ -15,17 +15,14 @@ pub mod autodiff;
 pub mod cpu;
 pub mod dist;
 pub mod error;
-pub mod fusion;
 pub mod generation;
 pub mod host;
 pub mod ir;
 pub mod models;
 pub mod ops;
-pub mod optimizer_placement;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;
-pub mod recompute;
 pub mod session;
 pub mod testing;
 

@@ -14,7 +14,8 @@
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
-use stepgraph_core::dist::{build_rank_step, shard_rows, DataParallel};
+use stepgraph_core::dist::{shard_rows, DataParallel};
+use stepgraph_core::pipeline::build_rank_step;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};

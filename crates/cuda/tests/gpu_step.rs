@@ -20,7 +20,7 @@ use stepgraph_core::models::{build_forward, init_params, Config, LossKind, Model
 use stepgraph_core::ops::optim::AdamW;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions};
-use stepgraph_core::recompute::RecomputePolicy;
+use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::testing::{max_rel_diff, update_set_by_rounding, updated_param_rel_diff};
 use stepgraph_cuda::session::{CudaOptions, CudaSession};
 use stepgraph_cuda::CudaError;
