@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::cpu::comm::{run_ranks, Communicator};
-use crate::cpu::{Float, KernelIo, TensorView};
+use crate::ops::kernel::{Float, KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, OutputKind, TensorType, Trace, ValueId, ValueKind};

@@ -23,9 +23,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cpu::comm::Communicator;
+use crate::ops::kernel::Communicator;
 use crate::cpu::memory;
-use crate::cpu::{KernelIo, TensorView};
+use crate::ops::kernel::{KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{DType, Trace, ValueId, ValueKind};

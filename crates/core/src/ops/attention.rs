@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use super::norm::stat_dtype;
 use super::sample::{normal, Input, Sample};
 use super::{expect_float, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo, SendPtr};
+use crate::ops::kernel::{c, Float, KernelIo, SendPtr};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};

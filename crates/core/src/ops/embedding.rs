@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::sample::{fixed, ids, normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{Float, KernelIo};
+use crate::ops::kernel::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};

@@ -3,7 +3,7 @@
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
 use super::sample::{ids, normal, Input, Sample};
 use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{par_chunks, KernelIo, CHUNK};
+use crate::ops::kernel::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};

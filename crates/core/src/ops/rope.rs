@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 
 use super::sample::{fixed, normal, Sample};
 use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
