@@ -12,9 +12,9 @@ use clap::{Args, ValueEnum};
 
 use stepgraph_core::passes::fusion::Epilogues;
 use stepgraph_core::passes::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::passes::F32Products;
 use stepgraph_core::pipeline::StepOptions;
-use stepgraph_core::passes::recompute::RecomputePolicy;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RecomputeArg {

@@ -1,9 +1,14 @@
 //! Data parallelism: the step trace of one rank of `world`, the same trace
 //! on every rank.
 //!
-//! [`data_parallel`] rewrites a finished `grads` or `train` step (after
-//! autodiff) for a group of ranks that each run the step on their own rows
-//! of the global batch:
+//! [`data_parallel`] (as a pass: [`DataParallelRewrite`]) rewrites a
+//! finished `grads` or `train` step (after autodiff) for a group of ranks
+//! that each run the step on their own rows of the global batch. Building
+//! and planning a rank's step from a model spec belongs to
+//! [`crate::pipeline`] (`build_rank_step`, `plan_data_parallel`), which
+//! uses this module; this module does not use the pipeline.
+//!
+//! The rewrite:
 //!
 //! 1. **Buckets.** The gradients, in the order backward produces them, are
 //!    cut into buckets of at least [`DataParallel::bucket_bytes`] (the last

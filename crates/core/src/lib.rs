@@ -2,14 +2,16 @@
 //!
 //! The pipeline: a model builder ([`models`]) records ops on symbolic tensors
 //! into a forward [`ir::Trace`]; [`autodiff`] turns it into a step trace
-//! (forward, loss, backward and optionally the optimizer); [`plan`] schedules
-//! the step and assigns every value an offset in one arena or a persistent
-//! buffer; [`cpu`] runs the planned program. [`dist`] turns a step into the
-//! step of one rank of a data-parallel group (collectives inserted after
-//! autodiff), which [`cpu::comm`] runs in threads. [`pipeline`] assembles
-//! those stages, from a model spec to a checked plan, for every caller, and
-//! [`session::Session`] is the interface every backend's session offers.
-//! Nothing here knows about CUDA.
+//! (forward, loss, backward and optionally the optimizer); [`passes`]
+//! rewrite it (folded adds, the optimizer in backward, recomputation), all
+//! through one [`passes::run_passes`]; [`plan`] schedules the step and
+//! assigns every value an offset in one arena or a persistent buffer;
+//! [`cpu`] runs the planned program with the ops' own kernels ([`ops`]).
+//! [`dist`] turns a step into the step of one rank of a data-parallel group
+//! (collectives inserted after autodiff), which [`cpu::comm`] runs in
+//! threads. [`pipeline`] assembles those stages, from a model spec to a
+//! checked plan, for every caller, and [`session::Session`] is the
+//! interface every backend's session offers. Nothing here knows about CUDA.
 
 pub mod autodiff;
 pub mod cpu;

@@ -17,9 +17,9 @@ use stepgraph_core::models::{
     build_forward, build_forward_opts, init_params, Config, ForwardOptions, LossKind, ModelSpec, Overrides,
 };
 use stepgraph_core::ops::Op;
+use stepgraph_core::passes::recompute::{self, RecomputePolicy};
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::PlanOptions;
-use stepgraph_core::passes::recompute::{self, RecomputePolicy};
 use stepgraph_core::session::Session;
 use stepgraph_core::testing::max_rel_diff;
 

@@ -35,11 +35,11 @@
 
 use super::sample::{normal, Sample};
 use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
-use crate::ops::kernel::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::with_float;
 
 /// How a reduction combines the ranks' values.

@@ -27,10 +27,10 @@ use rayon::prelude::*;
 
 use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::ops::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
-use crate::ops::kernel::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
+use crate::ops::kernel::{Float, KernelIo};
 
 #[derive(Clone, PartialEq, Debug)]
 pub struct MatMul {

@@ -12,9 +12,9 @@ use rayon::prelude::*;
 
 use super::sample::{normal, positive, scalar, zeros, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
-use crate::ops::kernel::{Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::kernel::{Float, KernelIo, CHUNK};
 use crate::with_float;
 
 /// AdamW hyperparameters that are fixed for a run. Inputs

@@ -4,10 +4,10 @@ use num_traits::{Float as _, ToPrimitive, Zero};
 
 use super::sample::{normal, ties, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::ops::kernel::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 use rayon::prelude::*;
 

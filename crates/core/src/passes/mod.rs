@@ -23,7 +23,7 @@
 //! backward), [`recompute`] (values recomputed in backward instead of
 //! kept), [`tf32`] (f32 products as three TF32 products), [`views`] (slices
 //! as views); [`crate::dist::DataParallelRewrite`] (a step made one rank's)
-//! sits with the rest of data parallelism. [`dce`] is the cleanup autodiff
+//! sits with the rest of data parallelism. [`dce()`] is the cleanup autodiff
 //! runs on the traces it builds.
 //!
 //! **Invariants:** a pass never mutates its input; the trace it returns

@@ -495,7 +495,11 @@ impl Pass for Recompute {
 }
 
 /// [`apply`] over the plans of `cx`.
-fn apply_in(step: &Trace, policy: RecomputePolicy, cx: &mut PassContext) -> Result<(Trace, MemoryPlan, RecomputeReport)> {
+fn apply_in(
+    step: &Trace,
+    policy: RecomputePolicy,
+    cx: &mut PassContext,
+) -> Result<(Trace, MemoryPlan, RecomputeReport)> {
     let base_plan = cx.take_plan(step)?;
     let before = base_plan.planned_peak_bytes();
     let unchanged = |name: &str, plan: MemoryPlan| {
