@@ -218,7 +218,8 @@ pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep
 pub struct CompileTimes {
     /// [`trace_step`]: the model builder, autodiff, the data-parallel rewrite.
     pub build: Duration,
-    /// The memory plan and `check_plan`.
+    /// The passes (their time is mostly the plans they choose by), the
+    /// memory plan and `check_plan`.
     pub plan: Duration,
 }
 
@@ -602,6 +603,26 @@ mod tests {
         );
         let e = e.to_string();
         assert!(e.starts_with("pass `recompute` produced a trace that fails verification: trace"), "{e}");
+    }
+
+    #[test]
+    fn the_plan_the_passes_hand_on_is_the_plan_of_the_compiled_step() {
+        let spec = ModelSpec::named("tiny-llama", 2, 32, DType::F32, LossKind::CrossEntropy).unwrap();
+        let budget = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap().planned_peak_bytes() - 1;
+        let variants = [
+            StepOptions::new(StepKind::Train),
+            StepOptions::new(StepKind::Grads),
+            StepOptions { recompute: RecomputePolicy::Off, ..StepOptions::new(StepKind::Train) },
+            StepOptions { recompute: RecomputePolicy::Budget(budget), ..StepOptions::new(StepKind::Train) },
+            StepOptions { f32_products: F32Products::Split3xTf32, ..StepOptions::new(StepKind::Train) },
+            StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::new(StepKind::Train) },
+        ];
+        for opts in variants {
+            let c = compile_step(&spec, &opts).unwrap();
+            let fresh = plan(&c.step, opts.plan).unwrap();
+            assert_eq!(c.plan.slots, fresh.slots, "{opts:?}");
+            assert_eq!(c.planned_peak_bytes(), fresh.planned_peak_bytes(), "{opts:?}");
+        }
     }
 
     #[test]
