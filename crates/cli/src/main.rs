@@ -30,11 +30,11 @@ use anyhow::{bail, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use stepgraph_core::autodiff::{DecayScope, StepKind, TrainOptions};
-use stepgraph_core::dist::{plan_data_parallel, DataParallel, DEFAULT_BUCKET_BYTES};
+use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::ops::optim::MasterWeights;
-use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
+use stepgraph_core::pipeline::{compile_step, plan_data_parallel, trace_step, StepOptions};
 use stepgraph_core::plan::{memory_timeline_html, plan_report, TimelineOptions};
 
 #[derive(Parser)]
@@ -738,7 +738,7 @@ fn run_command(cli: Cli) -> Result<()> {
                     print!("{p}");
                 }
                 print!("{}", c.recompute);
-                if opts.epilogues == stepgraph_core::fusion::Epilogues::On {
+                if opts.epilogues == stepgraph_core::passes::fusion::Epilogues::On {
                     println!("{}", c.fusion);
                 }
                 if opts.f32_products == stepgraph_core::passes::F32Products::Split3xTf32 {

@@ -10,11 +10,11 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 
-use stepgraph_core::fusion::Epilogues;
-use stepgraph_core::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::passes::fusion::Epilogues;
+use stepgraph_core::passes::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::passes::F32Products;
 use stepgraph_core::pipeline::StepOptions;
-use stepgraph_core::recompute::RecomputePolicy;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum RecomputeArg {

@@ -380,7 +380,7 @@ fn accumulate(
 /// gradient as input 0, which [`crate::dist::gradient_order`] relies on)
 /// and the norm before clipping. Every update now reads every gradient
 /// (through the norm), so none can run before backward ends
-/// ([`crate::optimizer_placement`] reports it).
+/// ([`crate::passes::optimizer_placement`] reports it).
 pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) -> Result<(Vec<ValueId>, ValueId)> {
     if !(max_norm.is_finite() && max_norm > 0.0) {
         return Err(Error::Autodiff(format!(

@@ -1,9 +1,14 @@
 //! Data parallelism: the step trace of one rank of `world`, the same trace
 //! on every rank.
 //!
-//! [`data_parallel`] rewrites a finished `grads` or `train` step (after
-//! autodiff) for a group of ranks that each run the step on their own rows
-//! of the global batch:
+//! [`data_parallel`] (as a pass: [`DataParallelRewrite`]) rewrites a
+//! finished `grads` or `train` step (after autodiff) for a group of ranks
+//! that each run the step on their own rows of the global batch. Building
+//! and planning a rank's step from a model spec belongs to
+//! [`crate::pipeline`] (`build_rank_step`, `plan_data_parallel`), which
+//! uses this module; this module does not use the pipeline.
+//!
+//! The rewrite:
 //!
 //! 1. **Buckets.** The gradients, in the order backward produces them, are
 //!    cut into buckets of at least [`DataParallel::bucket_bytes`] (the last
@@ -45,7 +50,6 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::autodiff::{StepKind, TrainOptions};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, NodeId, OutputKind, Phase, Trace, ValueId, ValueKind};
@@ -53,8 +57,7 @@ use crate::models::ModelSpec;
 use crate::ops::collective::{shard_type, ReduceOp};
 use crate::ops::optim::MasterWeights;
 use crate::ops::{BinaryFn, Op};
-use crate::pipeline::{compile_step, trace_step, StepOptions};
-use crate::plan::{plan_report, PlanReport};
+use crate::passes::{Pass, PassContext};
 
 /// PyTorch DDP's default bucket size (`bucket_cap_mb=25`, in MiB).
 pub const DEFAULT_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
@@ -369,124 +372,22 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
     b.finish("data_parallel")
 }
 
-/// Builds one rank's step for the global batch of `spec`: the rank's rows
-/// ([`rank_spec`]), autodiff, then [`data_parallel`], through
-/// [`crate::pipeline::trace_step`]. Returns the rank's spec, its forward
-/// trace and its step.
-pub fn build_rank_step(
-    spec: &ModelSpec,
-    kind: StepKind,
-    opts: &TrainOptions,
-    dp: &DataParallel,
-) -> Result<(ModelSpec, Trace, Trace)> {
-    let step_opts = StepOptions { train: opts.clone(), data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
-    let t = trace_step(spec, &step_opts)?;
-    Ok((t.spec, t.forward, t.step))
-}
+/// [`data_parallel`] as a pass, on a step built for one rank's rows
+/// ([`rank_spec`]); the report holds the bytes of each gradient bucket
+/// ([`buckets`] of the step it receives).
+#[derive(Clone, Debug)]
+pub struct DataParallelRewrite(pub DataParallel);
 
-/// The per-rank memory plan of a data-parallel step next to the plan of the
-/// same global batch on one device: what `stepgraph plan --gpus N` reports.
-#[derive(Clone, Debug, Serialize)]
-pub struct DataParallelReport {
-    pub gpus: usize,
-    pub zero1: bool,
-    pub global_batch: usize,
-    pub rank_batch: usize,
-    pub seq: usize,
-    pub bucket_bytes: u64,
-    /// Gradient buckets, each one collective call per step.
-    pub buckets: usize,
-    /// The largest bucket.
-    pub largest_bucket_bytes: u64,
-    /// Gradient bytes each rank hands to the collectives per step.
-    pub reduced_bytes: u64,
-    /// The whole global batch on one device, no collectives.
-    pub single: PlanReport,
-    /// One rank's step (every rank has the same plan).
-    pub per_rank: PlanReport,
-}
+impl Pass for DataParallelRewrite {
+    fn name(&self) -> &'static str {
+        "data_parallel"
+    }
 
-/// Plans `spec` (global batch) on one device and as one rank of `dp`, both
-/// built with `opts` (its optimizer, placement, recompute and planner
-/// settings; its own `data_parallel` is replaced), checks both plans, and
-/// reports them side by side, listing the `top` largest values live at
-/// each peak.
-pub fn plan_data_parallel(
-    spec: &ModelSpec,
-    opts: &StepOptions,
-    dp: &DataParallel,
-    top: usize,
-) -> Result<DataParallelReport> {
-    let step_opts = StepOptions { data_parallel: Some(dp.clone()), ..opts.clone() };
-    let rank = compile_step(spec, &step_opts)?;
-    let per_rank = plan_report(&rank.step, &rank.plan, top);
-    let one = compile_step(spec, &StepOptions { data_parallel: None, ..step_opts })?;
-    let single = plan_report(&one.step, &one.plan, top);
-
-    Ok(DataParallelReport {
-        gpus: dp.world,
-        zero1: dp.zero1,
-        global_batch: spec.batch,
-        rank_batch: rank.spec.batch,
-        seq: spec.seq,
-        bucket_bytes: dp.bucket_bytes,
-        buckets: rank.buckets.len(),
-        largest_bucket_bytes: rank.buckets.iter().copied().max().unwrap_or(0),
-        reduced_bytes: rank.buckets.iter().sum(),
-        single,
-        per_rank,
-    })
-}
-
-impl std::fmt::Display for DataParallelReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let gb = |b: u64| format!("{:.3} GB", b as f64 / 1e9);
-        let both = |b: u64| format!("{b:>14} B {:>10}", gb(b));
-        let (s, r) = (&self.single, &self.per_rank);
-        writeln!(
-            f,
-            "data parallel over {} GPUs{}: global batch {} = {} x {} rows of {} tokens",
-            self.gpus,
-            if self.zero1 { " with ZeRO-1 (optimizer state sharded)" } else { "" },
-            self.global_batch,
-            self.gpus,
-            self.rank_batch,
-            self.seq
-        )?;
-        writeln!(
-            f,
-            "gradients: {} {} per step in {} bucket{} (budget {:.1} MiB, largest {}), each right after its last gradient",
-            gb(self.reduced_bytes),
-            if self.zero1 { "reduce-scattered" } else { "all-reduced" },
-            self.buckets,
-            if self.buckets == 1 { "" } else { "s" },
-            self.bucket_bytes as f64 / (1024.0 * 1024.0),
-            gb(self.largest_bucket_bytes),
-        )?;
-        let one = format!("1 GPU (batch {})", self.global_batch);
-        let each = format!("per rank (batch {})", self.rank_batch);
-        writeln!(f, "  {:<16} {:>27} {:>27}", "", one, each)?;
-        let rows: [(&str, u64, u64); 7] = [
-            ("persistent", s.persistent_bytes, r.persistent_bytes),
-            ("  parameters", s.param_bytes, r.param_bytes),
-            ("  optimizer", s.optimizer_state_bytes, r.optimizer_state_bytes),
-            ("arena", s.arena_bytes, r.arena_bytes),
-            ("  gradients out", s.gradient_bytes, r.gradient_bytes),
-            ("planned peak", s.planned_peak_bytes, r.planned_peak_bytes),
-            ("floor", s.floor_bytes, r.floor_bytes),
-        ];
-        for (name, a, b) in rows {
-            // A train step consumes its gradients: no gradient outputs to list.
-            if name == "  gradients out" && a == 0 && b == 0 {
-                continue;
-            }
-            writeln!(f, "  {name:<16} {:>27} {:>27}", both(a), both(b))?;
-        }
-        writeln!(f, "  {:<16} {:>27} {:>27}", "nodes", s.nodes, r.nodes)?;
-        writeln!(f, "largest values live at the per-rank peak (node {}):", r.peak_position)?;
-        for l in &r.largest_at_peak {
-            writeln!(f, "  {:>12} B  {:<22} {}", l.bytes, l.ty, l.value)?;
-        }
-        Ok(())
+    fn run(&self, step: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        cx.refuse_segments(self.name())?;
+        let sizes = buckets(step, self.0.bucket_bytes)?.iter().map(|b| b.bytes).collect();
+        let out = data_parallel(step, &self.0)?;
+        cx.report.buckets = Some(sizes);
+        Ok(out)
     }
 }

@@ -39,9 +39,13 @@ pub enum Error {
     #[error("trace `{trace}` fails verification: {reason}")]
     Verify { trace: String, reason: String },
     /// A pass whose output breaks an IR invariant: `pass` names it, `source`
-    /// is the verifier's error ([`crate::pipeline::verify_after`]).
+    /// is the verifier's error ([`crate::passes::verify_after`]).
     #[error("pass `{pass}` produced a trace that fails verification: {source}")]
     PassOutput { pass: String, source: Box<Error> },
+    /// A pass that cannot take the trace it was given (a pass that adds or
+    /// moves nodes, handed a trace run in segments it cannot keep).
+    #[error("pass `{pass}`: {reason}")]
+    Pass { pass: String, reason: String },
     /// Differentiation could not build the backward trace.
     #[error("autodiff: {0}")]
     Autodiff(String),

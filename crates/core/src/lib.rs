@@ -2,30 +2,29 @@
 //!
 //! The pipeline: a model builder ([`models`]) records ops on symbolic tensors
 //! into a forward [`ir::Trace`]; [`autodiff`] turns it into a step trace
-//! (forward, loss, backward and optionally the optimizer); [`plan`] schedules
-//! the step and assigns every value an offset in one arena or a persistent
-//! buffer; [`cpu`] runs the planned program. [`dist`] turns a step into the
-//! step of one rank of a data-parallel group (collectives inserted after
-//! autodiff), which [`cpu::comm`] runs in threads. [`pipeline`] assembles
-//! those stages, from a model spec to a checked plan, for every caller, and
-//! [`session::Session`] is the interface every backend's session offers.
-//! Nothing here knows about CUDA.
+//! (forward, loss, backward and optionally the optimizer); [`passes`]
+//! rewrite it (folded adds, the optimizer in backward, recomputation), all
+//! through one [`passes::run_passes`]; [`plan`] schedules the step and
+//! assigns every value an offset in one arena or a persistent buffer;
+//! [`cpu`] runs the planned program with the ops' own kernels ([`ops`]).
+//! [`dist`] turns a step into the step of one rank of a data-parallel group
+//! (collectives inserted after autodiff), which [`cpu::comm`] runs in
+//! threads. [`pipeline`] assembles those stages, from a model spec to a
+//! checked plan, for every caller, and [`session::Session`] is the
+//! interface every backend's session offers. Nothing here knows about CUDA.
 
 pub mod autodiff;
 pub mod cpu;
 pub mod dist;
 pub mod error;
-pub mod fusion;
 pub mod generation;
 pub mod host;
 pub mod ir;
 pub mod models;
 pub mod ops;
-pub mod optimizer_placement;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;
-pub mod recompute;
 pub mod session;
 pub mod testing;
 

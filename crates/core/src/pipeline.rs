@@ -1,9 +1,13 @@
 //! The step pipeline, assembled in one place: model spec → forward trace →
-//! step trace (autodiff, with its micro-batches of gradient accumulation) → the step of one data-parallel rank (optional) →
-//! adds folded into the products and norms that produce their operands
-//! ([`crate::fusion`]) → the optimizer moved into backward ([`crate::optimizer_placement`], train
-//! steps) → recomputation ([`crate::recompute`]) → memory plan →
-//! `check_plan`.
+//! step trace (autodiff, with its micro-batches of gradient accumulation)
+//! → the step of one data-parallel rank (optional,
+//! [`crate::dist::DataParallelRewrite`]) → the passes ([`crate::passes`],
+//! through [`run_passes`]): adds folded into the products and norms that
+//! produce their operands ([`crate::passes::fusion`]), the optimizer moved
+//! into backward ([`crate::passes::optimizer_placement`], train steps),
+//! recomputation ([`crate::passes::recompute`]), the 3xTF32 split
+//! (optional, [`crate::passes::tf32`]) → memory plan (the one the passes
+//! left, not planned again) → `check_plan`.
 //!
 //! [`trace_step`] runs the stages up to the step trace; [`compile_step`]
 //! runs them all and returns a [`CompiledStep`]: the step with a plan that
@@ -21,6 +25,9 @@
 //! doubling (after the first) no longer lowers the least planned peak,
 //! naming the least it reached and its tiling.
 //!
+//! [`build_rank_step`] and [`plan_data_parallel`] build and plan the step
+//! of one data-parallel rank through the same two functions.
+//!
 //! In debug builds (tests) the verifier runs after every stage
 //! ([`verify_after`]), so a pass that breaks an IR invariant is named by
 //! its error instead of surfacing later as a bad plan or a wrong number.
@@ -30,16 +37,19 @@
 
 use std::time::{Duration, Instant};
 
+use serde::Serialize;
+
 use crate::autodiff::{build_accumulated_step, StepKind, TrainOptions};
-use crate::dist::{buckets, data_parallel, rank_spec, DataParallel};
+use crate::dist::{rank_spec, DataParallel, DataParallelRewrite};
 use crate::error::{Error, Result};
-use crate::fusion::{self, Epilogues, FusionReport};
-use crate::ir::{verify::verify, Trace, ValueId};
+use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
-use crate::optimizer_placement::{self, OptimizerPlacement, PlacementReport};
-use crate::passes::{split_f32_products, F32Products};
-use crate::plan::{check_plan, MemoryPlan, PlanOptions};
-use crate::recompute::{self, RecomputePolicy, RecomputeReport};
+use crate::passes::fusion::{Epilogues, Fold, FusionReport};
+use crate::passes::optimizer_placement::{OptimizerPlacement, PlaceOptimizer, PlacementReport};
+use crate::passes::recompute::{Recompute, RecomputePolicy, RecomputeReport};
+use crate::passes::tf32::SplitF32Products;
+use crate::passes::{run_passes, verify_after, F32Products, Pass, PassContext, PassReport};
+use crate::plan::{check_plan, plan_report, MemoryPlan, PlanOptions, PlanReport};
 
 /// What one step computes and how it is built, besides the model spec.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -152,12 +162,6 @@ impl CompiledStep {
     }
 }
 
-/// Verifies `trace`, the output of `pass`: the error names the pass and
-/// the broken invariant.
-pub fn verify_after(pass: &str, trace: &Trace) -> Result<()> {
-    verify(trace).map_err(|e| Error::PassOutput { pass: pass.into(), source: Box::new(e) })
-}
-
 /// [`verify_after`] in debug builds only (tests build with debug
 /// assertions): what the pipeline runs after each stage.
 fn debug_verify_after(pass: &str, trace: &Trace) -> Result<()> {
@@ -187,10 +191,9 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
     debug_verify_after("autodiff", &step)?;
     let (step, buckets) = match &opts.data_parallel {
         Some(dp) => {
-            let sizes = buckets(&step, dp.bucket_bytes)?.iter().map(|b| b.bytes).collect();
-            let step = data_parallel(&step, dp)?;
-            debug_verify_after("data_parallel", &step)?;
-            (step, sizes)
+            let mut cx = PassContext::new(opts.plan);
+            let step = run_passes(&step, &[&DataParallelRewrite(dp.clone())], &mut cx)?;
+            (step, cx.report.buckets.unwrap_or_default())
         }
         None => (step, Vec::new()),
     };
@@ -215,7 +218,8 @@ pub fn compile_step(spec: &ModelSpec, opts: &StepOptions) -> Result<CompiledStep
 pub struct CompileTimes {
     /// [`trace_step`]: the model builder, autodiff, the data-parallel rewrite.
     pub build: Duration,
-    /// The memory plan and `check_plan`.
+    /// The passes (their time is mostly the plans they choose by), the
+    /// memory plan and `check_plan`.
     pub plan: Duration,
 }
 
@@ -279,66 +283,184 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
     }
 }
 
+/// The passes a step of `opts` runs after [`trace_step`], in order: the
+/// epilogue pass, the optimizer's placement (train steps), recomputation,
+/// and last the 3xTF32 split, so that recomputation and the placement see
+/// the products as the model has them.
+fn step_passes(opts: &StepOptions) -> Vec<Box<dyn Pass>> {
+    let mut passes: Vec<Box<dyn Pass>> = Vec::new();
+    if opts.epilogues == Epilogues::On {
+        passes.push(Box::new(Fold));
+    }
+    if opts.kind == StepKind::Train {
+        passes.push(Box::new(PlaceOptimizer(opts.optimizer)));
+    }
+    passes.push(Box::new(Recompute(opts.recompute)));
+    if opts.f32_products == F32Products::Split3xTf32 {
+        passes.push(Box::new(SplitF32Products));
+    }
+    passes
+}
+
 /// The pipeline with the MLP tiling of `opts`, once.
 fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let start = Instant::now();
     let StepTraces { spec, forward, step, buckets } = trace_step(spec, opts)?;
-    let (step, fusion) = match opts.epilogues {
-        Epilogues::On => {
-            let (step, report) = fusion::fold(&step)?;
-            debug_verify_after("epilogues", &step)?;
-            (step, report)
-        }
-        Epilogues::Off => (step, FusionReport::default()),
-    };
-    let (step, placement) = if opts.kind == StepKind::Train {
-        let (step, _, report) = optimizer_placement::apply(&step, opts.optimizer, opts.plan)?;
-        debug_verify_after("optimizer_placement", &step)?;
-        (step, Some(report))
-    } else {
-        (step, None)
-    };
     let traced = Instant::now();
-    let (step, plan, mut recompute) = recompute::apply(&step, opts.recompute, opts.plan)?;
-    debug_verify_after("recompute", &step)?;
+    let mut cx = PassContext::new(opts.plan);
+    let passes = step_passes(opts);
+    let step = run_passes(&step, &passes.iter().map(|p| &**p).collect::<Vec<_>>(), &mut cx)?;
+    // The plan the last pass left (recomputation's), or, after the split,
+    // whose parts live for a few nodes each, the plan of the split step.
+    let plan = cx.take_plan(&step)?;
+    let PassReport { fusion, placement, recompute, .. } = cx.report;
+    let mut recompute = recompute.expect("every step runs the recompute pass");
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
-    let (step, plan) = match opts.f32_products {
-        F32Products::Exact => (step, plan),
-        // Last, so that recomputation and the optimizer's placement see the
-        // products as the model has them; the split parts live for a few
-        // nodes each, which the plan now holds.
-        F32Products::Split3xTf32 => {
-            let (step, _) = split_f32_products(&step)?;
-            debug_verify_after("split_f32_products", &step)?;
-            let plan = crate::plan::plan(&step, opts.plan)?;
-            if let RecomputePolicy::Budget(budget) = opts.recompute {
-                let peak = plan.planned_peak_bytes();
-                if peak > budget {
-                    return Err(Error::MemoryBudget {
-                        budget,
-                        least: peak,
-                        mlp_tiles: recompute.mlp_tiles,
-                        hint: Some(
-                            "or --f32-products exact: the split operands of the 3xTF32 products need their own \
-                             bytes"
-                                .into(),
-                        ),
-                    });
-                }
-            }
-            (step, plan)
+    if let (F32Products::Split3xTf32, RecomputePolicy::Budget(budget)) = (opts.f32_products, opts.recompute) {
+        let peak = plan.planned_peak_bytes();
+        if peak > budget {
+            return Err(Error::MemoryBudget {
+                budget,
+                least: peak,
+                mlp_tiles: recompute.mlp_tiles,
+                hint: Some(
+                    "or --f32-products exact: the split operands of the 3xTF32 products need their own bytes".into(),
+                ),
+            });
         }
-    };
+    }
     check_plan(&step, &plan)?;
     let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
     Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute, fusion }, times))
+}
+
+/// Builds one rank's step for the global batch of `spec`: the rank's rows
+/// ([`rank_spec`]), autodiff, then [`crate::dist::data_parallel`], through
+/// [`trace_step`]. Returns the rank's spec, its forward trace and its step.
+pub fn build_rank_step(
+    spec: &ModelSpec,
+    kind: StepKind,
+    opts: &TrainOptions,
+    dp: &DataParallel,
+) -> Result<(ModelSpec, Trace, Trace)> {
+    let step_opts = StepOptions { train: opts.clone(), data_parallel: Some(dp.clone()), ..StepOptions::new(kind) };
+    let t = trace_step(spec, &step_opts)?;
+    Ok((t.spec, t.forward, t.step))
+}
+
+/// The per-rank memory plan of a data-parallel step next to the plan of the
+/// same global batch on one device: what `stepgraph plan --gpus N` reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct DataParallelReport {
+    pub gpus: usize,
+    pub zero1: bool,
+    pub global_batch: usize,
+    pub rank_batch: usize,
+    pub seq: usize,
+    pub bucket_bytes: u64,
+    /// Gradient buckets, each one collective call per step.
+    pub buckets: usize,
+    /// The largest bucket.
+    pub largest_bucket_bytes: u64,
+    /// Gradient bytes each rank hands to the collectives per step.
+    pub reduced_bytes: u64,
+    /// The whole global batch on one device, no collectives.
+    pub single: PlanReport,
+    /// One rank's step (every rank has the same plan).
+    pub per_rank: PlanReport,
+}
+
+/// Plans `spec` (global batch) on one device and as one rank of `dp`, both
+/// built with `opts` (its optimizer, placement, recompute and planner
+/// settings; its own `data_parallel` is replaced), checks both plans, and
+/// reports them side by side, listing the `top` largest values live at
+/// each peak.
+pub fn plan_data_parallel(
+    spec: &ModelSpec,
+    opts: &StepOptions,
+    dp: &DataParallel,
+    top: usize,
+) -> Result<DataParallelReport> {
+    let step_opts = StepOptions { data_parallel: Some(dp.clone()), ..opts.clone() };
+    let rank = compile_step(spec, &step_opts)?;
+    let per_rank = plan_report(&rank.step, &rank.plan, top);
+    let one = compile_step(spec, &StepOptions { data_parallel: None, ..step_opts })?;
+    let single = plan_report(&one.step, &one.plan, top);
+
+    Ok(DataParallelReport {
+        gpus: dp.world,
+        zero1: dp.zero1,
+        global_batch: spec.batch,
+        rank_batch: rank.spec.batch,
+        seq: spec.seq,
+        bucket_bytes: dp.bucket_bytes,
+        buckets: rank.buckets.len(),
+        largest_bucket_bytes: rank.buckets.iter().copied().max().unwrap_or(0),
+        reduced_bytes: rank.buckets.iter().sum(),
+        single,
+        per_rank,
+    })
+}
+
+impl std::fmt::Display for DataParallelReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: u64| format!("{:.3} GB", b as f64 / 1e9);
+        let both = |b: u64| format!("{b:>14} B {:>10}", gb(b));
+        let (s, r) = (&self.single, &self.per_rank);
+        writeln!(
+            f,
+            "data parallel over {} GPUs{}: global batch {} = {} x {} rows of {} tokens",
+            self.gpus,
+            if self.zero1 { " with ZeRO-1 (optimizer state sharded)" } else { "" },
+            self.global_batch,
+            self.gpus,
+            self.rank_batch,
+            self.seq
+        )?;
+        writeln!(
+            f,
+            "gradients: {} {} per step in {} bucket{} (budget {:.1} MiB, largest {}), each right after its last gradient",
+            gb(self.reduced_bytes),
+            if self.zero1 { "reduce-scattered" } else { "all-reduced" },
+            self.buckets,
+            if self.buckets == 1 { "" } else { "s" },
+            self.bucket_bytes as f64 / (1024.0 * 1024.0),
+            gb(self.largest_bucket_bytes),
+        )?;
+        let one = format!("1 GPU (batch {})", self.global_batch);
+        let each = format!("per rank (batch {})", self.rank_batch);
+        writeln!(f, "  {:<16} {:>27} {:>27}", "", one, each)?;
+        let rows: [(&str, u64, u64); 7] = [
+            ("persistent", s.persistent_bytes, r.persistent_bytes),
+            ("  parameters", s.param_bytes, r.param_bytes),
+            ("  optimizer", s.optimizer_state_bytes, r.optimizer_state_bytes),
+            ("arena", s.arena_bytes, r.arena_bytes),
+            ("  gradients out", s.gradient_bytes, r.gradient_bytes),
+            ("planned peak", s.planned_peak_bytes, r.planned_peak_bytes),
+            ("floor", s.floor_bytes, r.floor_bytes),
+        ];
+        for (name, a, b) in rows {
+            // A train step consumes its gradients: no gradient outputs to list.
+            if name == "  gradients out" && a == 0 && b == 0 {
+                continue;
+            }
+            writeln!(f, "  {name:<16} {:>27} {:>27}", both(a), both(b))?;
+        }
+        writeln!(f, "  {:<16} {:>27} {:>27}", "nodes", s.nodes, r.nodes)?;
+        writeln!(f, "largest values live at the per-rank peak (node {}):", r.peak_position)?;
+        for l in &r.largest_at_peak {
+            writeln!(f, "  {:>12} B  {:<22} {}", l.bytes, l.ty, l.value)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::autodiff::{build_step, LR_INPUT, STEP_INPUT};
+    use crate::dist::{buckets, data_parallel};
     use crate::ir::DType;
     use crate::models::build_forward;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
@@ -481,6 +603,26 @@ mod tests {
         );
         let e = e.to_string();
         assert!(e.starts_with("pass `recompute` produced a trace that fails verification: trace"), "{e}");
+    }
+
+    #[test]
+    fn the_plan_the_passes_hand_on_is_the_plan_of_the_compiled_step() {
+        let spec = ModelSpec::named("tiny-llama", 2, 32, DType::F32, LossKind::CrossEntropy).unwrap();
+        let budget = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap().planned_peak_bytes() - 1;
+        let variants = [
+            StepOptions::new(StepKind::Train),
+            StepOptions::new(StepKind::Grads),
+            StepOptions { recompute: RecomputePolicy::Off, ..StepOptions::new(StepKind::Train) },
+            StepOptions { recompute: RecomputePolicy::Budget(budget), ..StepOptions::new(StepKind::Train) },
+            StepOptions { f32_products: F32Products::Split3xTf32, ..StepOptions::new(StepKind::Train) },
+            StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::new(StepKind::Train) },
+        ];
+        for opts in variants {
+            let c = compile_step(&spec, &opts).unwrap();
+            let fresh = plan(&c.step, opts.plan).unwrap();
+            assert_eq!(c.plan.slots, fresh.slots, "{opts:?}");
+            assert_eq!(c.planned_peak_bytes(), fresh.planned_peak_bytes(), "{opts:?}");
+        }
     }
 
     #[test]

@@ -16,11 +16,11 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
 use crate::cpu::comm::{run_ranks, Communicator};
-use crate::cpu::{Float, KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, OutputKind, TensorType, Trace, ValueId, ValueKind};
 use crate::ops::collective::world_of;
+use crate::ops::kernel::{Float, KernelIo, TensorView};
 use crate::ops::{Input, Op, Sample, VjpArgs};
 
 /// Runs `trace` with every value in its own buffer (no plan, no reuse), the

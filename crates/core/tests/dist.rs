@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::comm::{run_ranks, Communicator};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
-use stepgraph_core::dist::{self, build_rank_step, data_parallel, shard_rows, DataParallel};
+use stepgraph_core::dist::{self, data_parallel, shard_rows, DataParallel};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId, ValueKind};
@@ -21,6 +21,7 @@ use stepgraph_core::models::{build_forward, init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::collective::{AllGather, AllReduce, LocalShard, ReduceOp, ReduceScatter};
 use stepgraph_core::ops::optim::MasterWeights;
 use stepgraph_core::ops::{Op, VjpArgs};
+use stepgraph_core::pipeline::build_rank_step;
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions};
 
 const STEPS: usize = 20;

@@ -1,4 +1,4 @@
-//! The epilogue pass (`stepgraph_core::fusion`) on whole steps: which adds
+//! The epilogue pass (`stepgraph_core::passes::fusion`) on whole steps: which adds
 //! fold, that folded steps compute what unfolded ones do (on the CPU
 //! backend, every output and every updated state), that their plans are no
 //! larger, and that the folded ops print and parse back.
@@ -8,7 +8,6 @@ use rand::{Rng, SeedableRng};
 
 use stepgraph_core::autodiff::{StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
-use stepgraph_core::fusion::{fold, Epilogues};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{DType, TensorType, Trace};
@@ -18,6 +17,7 @@ use stepgraph_core::ops::elementwise::Binary;
 use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::sample::Sample;
 use stepgraph_core::ops::{BinaryFn, Op, OpDef};
+use stepgraph_core::passes::fusion::{fold, Epilogues};
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::testing::{draw_sample, run_op};
 

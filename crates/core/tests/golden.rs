@@ -7,16 +7,17 @@
 //! `UPDATE_GOLDEN=1 cargo test -p stepgraph-core --test golden` and review the diff.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
-use stepgraph_core::dist::{build_rank_step, DataParallel};
+use stepgraph_core::dist::DataParallel;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
-use stepgraph_core::optimizer_placement::{self, OptimizerPlacement};
-use stepgraph_core::passes::{split_f32_products, F32Products};
-use stepgraph_core::pipeline::{compile_step, trace_step, verify_after, StepOptions};
+use stepgraph_core::passes::fusion::Fold;
+use stepgraph_core::passes::optimizer_placement::{OptimizerPlacement, PlaceOptimizer};
+use stepgraph_core::passes::recompute::{Recompute, RecomputePolicy};
+use stepgraph_core::passes::tf32::SplitF32Products;
+use stepgraph_core::passes::{run_passes, verify_after, F32Products, Pass, PassContext};
+use stepgraph_core::pipeline::{build_rank_step, compile_step, trace_step, StepOptions};
 use stepgraph_core::plan::PlanOptions;
-use stepgraph_core::recompute::{self, RecomputePolicy};
-use stepgraph_core::{fusion, Result};
 
 fn micro() -> ModelSpec {
     let o = Overrides {
@@ -98,15 +99,22 @@ const BUDGET: u64 = 16_384;
 /// golden `passes/NAME.in.txt`; the pass runs on that file parsed, and its
 /// output, verified, is the golden `passes/NAME.out.txt`. The same pass on
 /// the in-memory `input` must give the same output: the text holds all the
-/// pass reads. Returns the output, the next pass's input.
-fn check_pass(name: &str, input: &Trace, pass: impl Fn(&Trace) -> Result<Trace>) -> Trace {
+/// pass reads. The pass runs as the pipeline runs it, through
+/// [`run_passes`], with the verifier on. Returns the output, the next
+/// pass's input.
+fn check_pass(name: &str, input: &Trace, pass: &dyn Pass) -> Trace {
     check(&format!("passes/{name}.in"), &input.to_string());
     let path = format!("{}/tests/golden/passes/{name}.in.txt", env!("CARGO_MANIFEST_DIR"));
     let parsed = parse(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let out = pass(&parsed).unwrap();
+    let run = |t: &Trace| {
+        let mut cx = PassContext::new(PlanOptions::default());
+        cx.verify = true;
+        run_passes(t, &[pass], &mut cx)
+    };
+    let out = run(&parsed).unwrap();
     verify_after(name, &out).unwrap();
     check(&format!("passes/{name}.out"), &out.to_string());
-    assert_eq!(pass(input).unwrap().to_string(), out.to_string(), "{name}: the parsed input gives another output");
+    assert_eq!(run(input).unwrap().to_string(), out.to_string(), "{name}: the parsed input gives another output");
     out
 }
 
@@ -116,17 +124,12 @@ fn check_pass(name: &str, input: &Trace, pass: impl Fn(&Trace) -> Result<Trace>)
 fn golden_passes() {
     let spec = micro();
     let opts = StepOptions { f32_products: F32Products::Split3xTf32, ..StepOptions::new(StepKind::Train) };
-    let plan = PlanOptions::default();
     let step = trace_step(&spec, &opts).unwrap().step;
-    let step = check_pass("fusion", &step, |t| fusion::fold(t).map(|r| r.0));
-    let step = check_pass("optimizer_placement", &step, |t| {
-        optimizer_placement::apply(t, OptimizerPlacement::Auto, plan).map(|r| r.0)
-    });
-    let budget = check_pass("recompute_budget", &step, |t| {
-        recompute::apply(t, RecomputePolicy::Budget(BUDGET), plan).map(|r| r.0)
-    });
-    let step = check_pass("recompute_auto", &step, |t| recompute::apply(t, RecomputePolicy::Auto, plan).map(|r| r.0));
-    let step = check_pass("split_f32_products", &step, |t| split_f32_products(t).map(|r| r.0));
+    let step = check_pass("fusion", &step, &Fold);
+    let step = check_pass("optimizer_placement", &step, &PlaceOptimizer(OptimizerPlacement::Auto));
+    let budget = check_pass("recompute_budget", &step, &Recompute(RecomputePolicy::Budget(BUDGET)));
+    let step = check_pass("recompute_auto", &step, &Recompute(RecomputePolicy::Auto));
+    let step = check_pass("split_f32_products", &step, &SplitF32Products);
     assert_eq!(step.to_string(), compile_step(&spec, &opts).unwrap().step.to_string());
     assert_ne!(budget.to_string(), step.to_string());
 }

@@ -19,7 +19,7 @@ use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::Op;
-use stepgraph_core::optimizer_placement::OptimizerPlacement;
+use stepgraph_core::passes::optimizer_placement::OptimizerPlacement;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::Session;

@@ -17,9 +17,9 @@ use stepgraph_core::models::{
     build_forward, build_forward_opts, init_params, Config, ForwardOptions, LossKind, ModelSpec, Overrides,
 };
 use stepgraph_core::ops::Op;
+use stepgraph_core::passes::recompute::{self, RecomputePolicy};
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::PlanOptions;
-use stepgraph_core::recompute::{self, RecomputePolicy};
 use stepgraph_core::session::Session;
 use stepgraph_core::testing::max_rel_diff;
 
@@ -120,7 +120,7 @@ fn mlp_heavy() -> ModelSpec {
 fn least_with(sp: &ModelSpec, tiles: usize) -> u64 {
     let opts = StepOptions { mlp_tiles: tiles, ..StepOptions::new(StepKind::Grads) };
     // As the pipeline builds it: the adds folded before recomputation.
-    let (step, _) = stepgraph_core::fusion::fold(&trace_step(sp, &opts).unwrap().step).unwrap();
+    let (step, _) = stepgraph_core::passes::fusion::fold(&trace_step(sp, &opts).unwrap().step).unwrap();
     match recompute::apply(&step, RecomputePolicy::Budget(1), PlanOptions::default()) {
         Err(Error::MemoryBudget { least, mlp_tiles: 1, .. }) => least,
         Err(other) => panic!("expected a budget refusal, got {other}"),

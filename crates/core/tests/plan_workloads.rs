@@ -8,12 +8,12 @@
 //! under that budget.
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
-use stepgraph_core::dist::{plan_data_parallel, DataParallel};
+use stepgraph_core::dist::DataParallel;
 use stepgraph_core::ir::{DType, Trace};
 use stepgraph_core::models::{build_forward, Config, LossKind, ModelSpec, Overrides};
-use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
+use stepgraph_core::passes::recompute::RecomputePolicy;
+use stepgraph_core::pipeline::{compile_step, plan_data_parallel, CompiledStep, StepOptions};
 use stepgraph_core::plan::{check_plan, plan, plan_report, PlanOptions, PlanReport};
-use stepgraph_core::recompute::RecomputePolicy;
 
 fn workload(
     name: &str,

@@ -223,8 +223,8 @@ fn training_lowers_the_loss() {
 /// recomputation and a tight budget the planner reuses memory hardest.
 #[test]
 fn a_step_run_again_without_new_inputs_computes_the_same() {
+    use stepgraph_core::passes::recompute::RecomputePolicy;
     use stepgraph_core::pipeline::{compile_step, StepOptions};
-    use stepgraph_core::recompute::RecomputePolicy;
     for (name, policy) in [
         ("tiny-llama", RecomputePolicy::Off),
         ("tiny-llama", RecomputePolicy::Auto),

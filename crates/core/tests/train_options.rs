@@ -16,8 +16,8 @@ use stepgraph_core::ir::{DType, OutputKind, Phase, TensorType, Trace, ValueKind}
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, LossKind, ModelSpec};
 use stepgraph_core::ops::Op;
+use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
-use stepgraph_core::recompute::RecomputePolicy;
 
 const SEQ: usize = 16;
 

@@ -130,7 +130,7 @@ pub enum GemmType {
 }
 
 /// `C[b] = op(A[b]) · op(B[b])` for row-major matrices, as the CPU's
-/// [`stepgraph_core::cpu::gemm::GemmDesc`]: `A[b]` is `[m, k]` (`[k, m]`
+/// [`stepgraph_core::ops::gemm::GemmDesc`]: `A[b]` is `[m, k]` (`[k, m]`
 /// with `trans_a`), `B[b]` is `[k, n]` (`[n, k]` with `trans_b`), `C[b]` is
 /// `[m, n]`. A stride of 0 shares one matrix across the batch. With an
 /// [`GemmAddend`], a tensor is added to the product before its rounding.

@@ -14,11 +14,12 @@
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
-use stepgraph_core::dist::{build_rank_step, shard_rows, DataParallel};
+use stepgraph_core::dist::{shard_rows, DataParallel};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, LossKind, ModelSpec};
+use stepgraph_core::pipeline::build_rank_step;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::{CudaOptions, CudaSession, RankOptions};

@@ -24,20 +24,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 
-/// One rank's view of a group of ranks.
-pub trait Communicator: Send + Sync {
-    /// This rank, in `0..world`.
-    fn rank(&self) -> usize;
-    /// Number of ranks in the group.
-    fn world(&self) -> usize;
-    /// A rendezvous of every rank: each contributes `data` under `tag` (the
-    /// collective and its operand types, which must agree on every rank) and
-    /// receives every rank's contribution, indexed by rank.
-    fn exchange(&self, tag: &str, data: Vec<HostTensor>) -> Result<Arc<Vec<Vec<HostTensor>>>>;
-    /// Fails every pending and future exchange of the group with `reason`
-    /// (called by a rank whose step failed, so its peers do not wait for it).
-    fn abort(&self, reason: &str);
-}
+pub use crate::ops::kernel::Communicator;
 
 /// Shared state of a [`LocalGroup`].
 struct State {

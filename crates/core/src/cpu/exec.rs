@@ -23,12 +23,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cpu::comm::Communicator;
 use crate::cpu::memory;
-use crate::cpu::{KernelIo, TensorView};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{DType, Trace, ValueId, ValueKind};
+use crate::ops::kernel::Communicator;
+use crate::ops::kernel::{KernelIo, TensorView};
 use crate::ops::Op;
 use crate::plan::{MemoryPlan, Region};
 use crate::session::{Session, SessionMemory};

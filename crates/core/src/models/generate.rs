@@ -47,6 +47,10 @@ use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
 use crate::ops::decode::CachedAttention;
+use crate::passes::fusion::Fold;
+use crate::passes::views::SliceViews;
+use crate::passes::{run_passes, PassContext, PassReport};
+use crate::plan::PlanOptions;
 use crate::session::Session;
 
 /// The decode batch buckets used when none are given (vLLM captures 1, 2,
@@ -99,6 +103,8 @@ pub struct GenerationProgram {
     /// tensors each is made of ([`GenerationProgram::checkpoint_params`],
     /// [`FusedWriter`]).
     pub fused: Vec<FusedParam>,
+    /// What the passes did to the recorded trace (adds folded, slices made views).
+    pub report: PassReport,
 }
 
 impl GenerationProgram {
@@ -382,15 +388,16 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
     let fused = std::mem::take(&mut r.g.fused);
     let trace = r.g.b.finish("build")?;
     // The residual adds (and biases) into their products, as in training,
-    // within each segment.
+    // within each segment; then the parts of the fused q/k/v and gate/up
+    // products at one row per sequence (decode at batch 1), runs of the
+    // product's output, as views, not copies (node order unchanged, so the
+    // segments stand).
     let ranges: Vec<_> = segments.iter().map(|s| s.nodes.clone()).collect();
-    let (trace, _, ranges) = crate::fusion::fold_segments(&trace, &ranges)?;
-    for (s, r) in segments.iter_mut().zip(ranges) {
+    let mut cx = PassContext::with_segments(PlanOptions::default(), ranges);
+    let trace = run_passes(&trace, &[&Fold, &SliceViews], &mut cx)?;
+    for (s, r) in segments.iter_mut().zip(cx.segments.take().expect("the passes keep the segments")) {
         s.nodes = r;
     }
-    // The parts of the fused q/k/v and gate/up products at one row per
-    // sequence (decode at batch 1) are runs of the product's output: views,
-    // not copies (node order unchanged, so the segments stand).
-    let (trace, _) = crate::passes::slice_views(&trace)?;
-    Ok(GenerationProgram { spec: spec.clone(), trace, segments, fused })
+    let report = cx.report;
+    Ok(GenerationProgram { spec: spec.clone(), trace, segments, fused, report })
 }

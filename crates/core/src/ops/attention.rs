@@ -16,10 +16,10 @@ use rayon::prelude::*;
 use super::norm::stat_dtype;
 use super::sample::{normal, Input, Sample};
 use super::{expect_float, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo, SendPtr};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo, SendPtr};
 use crate::with_float;
 
 /// `o_i = Σ_{j≤i} softmax_j(scale·q_i·k_j)·v_j` per batch and query head; outputs `(o, lse)`.

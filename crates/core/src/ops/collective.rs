@@ -26,7 +26,7 @@
 //! finished step trace, after autodiff. They are never differentiated.
 //!
 //! **CPU semantics** (the reference): each rank exchanges its operands
-//! through its [`crate::cpu::comm::Communicator`], then reduces them itself
+//! through its [`crate::ops::kernel::Communicator`], then reduces them itself
 //! in rank order (rank 0 first) in the accumulator type, multiplies by
 //! `1/world` for a mean and rounds once to the storage type. Every rank so
 //! gets identical bits. NCCL sums in another order (and in the storage type
@@ -35,11 +35,11 @@
 
 use super::sample::{normal, Sample};
 use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::with_float;
 
 /// How a reduction combines the ranks' values.
@@ -118,7 +118,7 @@ fn tag(name: &str, types: &[&TensorType]) -> String {
 }
 
 /// The communicator of `io`, checked against the op's group size.
-fn comm<'a>(io: &KernelIo<'a>, name: &str, world: usize) -> Result<&'a dyn crate::cpu::comm::Communicator> {
+fn comm<'a>(io: &KernelIo<'a>, name: &str, world: usize) -> Result<&'a dyn crate::ops::kernel::Communicator> {
     let comm = io.comm(name)?;
     if comm.world() != world {
         return Err(Error::Collective(format!(
@@ -163,7 +163,7 @@ fn reduce_bucket(io: &KernelIo, name: &str, world: usize, op: ReduceOp, scatter:
 fn reduce_into<T: Float>(parts: &[&HostTensor], offset: usize, len: usize, op: ReduceOp, world: usize, out: *mut u8) {
     let parts: Vec<&[T]> = parts.iter().map(|h| bytemuck::cast_slice::<u8, T>(h.bytes())).collect();
     let scale: T::Acc = c(1.0 / world as f64);
-    let out = crate::cpu::SendPtr(out as *mut T);
+    let out = crate::ops::kernel::SendPtr(out as *mut T);
     par_chunks(len, CHUNK, |r| {
         for j in r {
             let mut acc = parts[0][offset + j].acc();

@@ -38,9 +38,9 @@ use rayon::prelude::*;
 use super::norm::stat_dtype;
 use super::sample::{fixed, normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo, SendPtr};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo, SendPtr};
 use crate::with_float;
 
 /// The `m` of a split that attends to nothing: finite (so partials compare

@@ -5,9 +5,9 @@ use num_traits::ToPrimitive;
 
 use super::sample::{fixed, normal, positive, Sample, FLOAT_DTYPES};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, BinaryFn, OpDef, UnaryFn, VjpArgs};
-use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::kernel::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::with_float;
 
 // ---------------------------------------------------------------- full

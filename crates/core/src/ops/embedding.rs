@@ -7,10 +7,10 @@ use rayon::prelude::*;
 
 use super::sample::{fixed, ids, normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{Float, KernelIo};
 use crate::with_float;
 
 /// The error for an id outside `[0, rows)`: token ids come from user data, so

@@ -58,10 +58,10 @@ use rayon::prelude::*;
 use super::loss::check_targets;
 use super::sample::{fixed, ids, normal, scalar, Input, Sample};
 use super::{expect_float, no_vjp, stat_dtype, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
-use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::gemm::{gemm_bf16, gemm_f16, gemm_f32, gemm_f64, GemmDesc};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 
 /// How the per-row losses become the loss.

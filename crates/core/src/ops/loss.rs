@@ -15,10 +15,10 @@ use rayon::prelude::*;
 
 use super::sample::{fixed, ids, normal, scalar, Input, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 
 pub use super::stat_dtype;

@@ -9,7 +9,7 @@
 //! rounding to storage: a tensor of the output's type (the residual add, a
 //! gradient summed from two products: cuBLASLt's `beta = 1`) or a row
 //! vector `[n]` broadcast over the rows (a bias: cuBLASLt's bias epilogue).
-//! The epilogue pass ([`crate::fusion`]) makes these from `add` nodes.
+//! The epilogue pass ([`crate::passes::fusion`]) makes these from `add` nodes.
 //!
 //! With `tf32` (f32 operands only), each operand element is first rounded
 //! to TF32 (10 fraction bits, [`tf32_round`]) and the products summed in
@@ -27,10 +27,10 @@ use rayon::prelude::*;
 
 use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
-use crate::cpu::{Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
+use crate::ops::kernel::{Float, KernelIo};
 
 #[derive(Clone, PartialEq, Debug)]
 pub struct MatMul {

@@ -8,12 +8,23 @@
 //! struct plus one line in [`for_each_op!`](crate::for_each_op); the exhaustive matches generated
 //! from that list, here and in each backend, find every place that must know
 //! about it (`docs/architecture.md` lists the steps).
+//!
+//! The CPU kernels are written against [`kernel`] (the buffers of one call,
+//! the storage types, the communicator of a collective) and matrix
+//! products against [`gemm`]; both live here, so the ops depend on nothing
+//! of the CPU backend ([`crate::cpu`] runs the kernels and depends on the
+//! ops). The ops and the IR ([`crate::ir`]) do depend on each other, by
+//! design: a node holds an [`Op`], and an op's rules (its shape rule, its
+//! VJP through the [`Builder`], its printed attributes) sit next to the op
+//! rather than in an IR-wide `match` over every op.
 
 pub mod attention;
 pub mod collective;
 pub mod decode;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm;
+pub mod kernel;
 pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
@@ -29,9 +40,9 @@ pub mod swiglu;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::cpu::KernelIo;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use kernel::KernelIo;
 pub use sample::{Input, Sample};
 
 /// An attribute value as it appears in a printed trace: `{eps=1e-6, axes=[1,2]}`.
@@ -239,7 +250,7 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     /// `output` inside its own kernel, before that output's one rounding to
     /// storage, and the input position the addend takes (the inputs after
     /// it move up by one); `None` when it has no such form for these input
-    /// types. What the epilogue pass ([`crate::fusion`]) folds `add` nodes
+    /// types. What the epilogue pass ([`crate::passes::fusion`]) folds `add` nodes
     /// into. The op it returns must declare the addend as an in-place input
     /// of `output` when their types match, so that the result can take the
     /// addend's storage, as the `add` could.

@@ -3,10 +3,10 @@
 use super::elementwise::{broadcast_shapes, BroadcastIndex};
 use super::sample::{ids, normal, Input, Sample};
 use super::{expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{par_chunks, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{par_chunks, KernelIo, CHUNK};
 
 fn ints(v: &[usize]) -> Attr {
     Attr::Ints(v.iter().map(|&d| d as i64).collect())

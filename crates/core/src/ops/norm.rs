@@ -20,10 +20,10 @@ use rayon::prelude::*;
 
 use super::sample::{normal, positive, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 
 pub use super::stat_dtype;
@@ -186,7 +186,7 @@ impl OpDef for RmsNorm {
 /// `eps` is carried so the node prints like its forward and a backend may
 /// recompute rstd instead of saving it. With `addend`, input 4 (before
 /// grstd) has x's type and is added to gx before its rounding (the residual
-/// stream's gradient, folded in by [`crate::fusion`]); gx may take its storage.
+/// stream's gradient, folded in by [`crate::passes::fusion`]); gx may take its storage.
 /// The addend's input position in [`RmsNormBackward`]: after gy, before grstd.
 pub const RMS_ADDEND: usize = 4;
 

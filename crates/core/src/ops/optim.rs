@@ -12,9 +12,9 @@ use rayon::prelude::*;
 
 use super::sample::{normal, positive, scalar, zeros, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{Float, KernelIo, CHUNK};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::kernel::{Float, KernelIo, CHUNK};
 use crate::with_float;
 
 /// AdamW hyperparameters that are fixed for a run. Inputs
@@ -24,7 +24,7 @@ use crate::with_float;
 /// With `scale` (one element of `g`'s dtype: gradient
 /// clipping's factor), the update reads `g·scale` rounded to `g`'s type,
 /// exactly what a `mul` node before it would store (the epilogue pass,
-/// [`crate::fusion`], folds that node in).
+/// [`crate::passes::fusion`], folds that node in).
 ///
 /// `p` and `g` have one type; `m` and `v` have `p`'s shape and either `p`'s
 /// dtype or f32 (float32 optimizer state for narrow parameters); `lr` and

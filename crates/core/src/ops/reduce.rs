@@ -4,10 +4,10 @@ use num_traits::{Float as _, ToPrimitive, Zero};
 
 use super::sample::{normal, ties, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo};
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 use rayon::prelude::*;
 
@@ -259,7 +259,7 @@ impl OpDef for MaxBackward {
         let plan = ReducePlan::new(&io.in_ty(0).shape, &self.axes);
         with_float!(io.in_ty(0).dtype, T => {
             let (x, y, g) = (io.input::<T>(0), io.input::<T>(1), io.input::<T>(2));
-            let out = crate::cpu::SendPtr(io.output::<T>(0).as_mut_ptr());
+            let out = crate::ops::kernel::SendPtr(io.output::<T>(0).as_mut_ptr());
             (0..y.len()).into_par_iter().for_each(|o| {
                 let base = plan.base(o);
                 let m = y[o];

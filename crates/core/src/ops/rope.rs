@@ -50,10 +50,10 @@ use serde::{Deserialize, Serialize};
 
 use super::sample::{fixed, normal, Sample};
 use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
-use crate::cpu::{c, Float, KernelIo};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{c, Float, KernelIo};
 use crate::with_float;
 
 /// Llama-3.x RoPE frequency scaling (`rope_type: "llama3"` in a Hugging

@@ -11,10 +11,10 @@ use rayon::prelude::*;
 use super::norm::ROW_SHAPES;
 use super::sample::{normal, output_of, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attrs, OpDef, VjpArgs};
-use crate::cpu::{Float, KernelIo};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::ir::{Builder, TensorType, ValueId};
+use crate::ops::kernel::{Float, KernelIo};
 use crate::with_float;
 
 /// `y = exp(x − max) / Σ exp(x − max)` over the last axis of `x`.

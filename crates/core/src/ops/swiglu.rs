@@ -20,9 +20,9 @@
 
 use super::sample::normal;
 use super::{expect_float, expect_inputs, expect_same, no_vjp, Attrs, OpDef, Sample, VjpArgs};
-use crate::cpu::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::error::Result;
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::kernel::{c, par_chunks, Float, KernelIo, CHUNK};
 use crate::with_float;
 
 /// `h = silu(gate) · up`, elementwise over two tensors of one type.

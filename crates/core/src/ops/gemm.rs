@@ -1,4 +1,4 @@
-//! Batched, strided matrix products for the CPU backend.
+//! Batched, strided matrix products for the CPU reference kernels.
 //!
 //! This module owns every dense matrix multiply the CPU reference backend
 //! performs: `C[b] = op(A[b]) · op(B[b])` over a batch of row-major,

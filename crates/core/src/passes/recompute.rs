@@ -49,10 +49,11 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
+use super::{Pass, PassContext};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, NodeId, Phase, Trace, ValueId};
 use crate::ops::Op;
-use crate::plan::{plan, MemoryPlan, PlanOptions, Region};
+use crate::plan::{MemoryPlan, PlanOptions, Region};
 
 /// How much to recompute.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default, Serialize)]
@@ -462,7 +463,44 @@ fn report(
 /// Applies `policy` to `step`, planning with `opts`: the step to run, its
 /// plan (not yet checked: the pipeline checks it), and what was recomputed.
 pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result<(Trace, MemoryPlan, RecomputeReport)> {
-    let base_plan = plan(step, opts)?;
+    let mut cx = PassContext::new(opts);
+    let out = cx.run(&Recompute(policy), step)?;
+    let plan = cx.take_plan(&out)?;
+    let report = cx.report.recompute.take().expect("the pass reports what it recomputed");
+    Ok((out, plan, report))
+}
+
+/// Recomputation as a pass: it starts from the plan of its input that the
+/// context holds (planning it only when no pass before did), plans each
+/// candidate through the context, and leaves the plan of the step it
+/// returns there. The report says what is recomputed.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Recompute(pub RecomputePolicy);
+
+impl Pass for Recompute {
+    fn name(&self) -> &'static str {
+        "recompute"
+    }
+
+    fn run(&self, step: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        if self.0 != RecomputePolicy::Off {
+            // Recomputed copies are emitted into backward, across segments.
+            cx.refuse_segments(self.name())?;
+        }
+        let (out, plan, report) = apply_in(step, self.0, cx)?;
+        cx.report.recompute = Some(report);
+        cx.set_output_plan(plan);
+        Ok(out)
+    }
+}
+
+/// [`apply`] over the plans of `cx`.
+fn apply_in(
+    step: &Trace,
+    policy: RecomputePolicy,
+    cx: &mut PassContext,
+) -> Result<(Trace, MemoryPlan, RecomputeReport)> {
+    let base_plan = cx.take_plan(step)?;
     let before = base_plan.planned_peak_bytes();
     let unchanged = |name: &str, plan: MemoryPlan| {
         let r = report(name, step, step, &[], before, before);
@@ -510,7 +548,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
             let mut best: Option<Candidate> = None;
             for set in sets {
                 let (new, emitted) = rewrite(step, set)?;
-                let new_plan = plan(&new, opts)?;
+                let new_plan = cx.plan(&new)?;
                 let lowest = best.as_ref().map_or(before, |b| b.1.planned_peak_bytes());
                 if new_plan.planned_peak_bytes() < lowest {
                     best = Some((new, new_plan, emitted));
@@ -611,7 +649,7 @@ pub fn apply(step: &Trace, policy: RecomputePolicy, opts: PlanOptions) -> Result
                     }
                 }
                 let (new, emitted) = rewrite(step, &marked)?;
-                let new_plan = plan(&new, opts)?;
+                let new_plan = cx.plan(&new)?;
                 if new_plan.planned_peak_bytes() > current.1.planned_peak_bytes() {
                     // Worse: recomputed copies outlive what they replace
                     // (a residual stream recomputed far from its use). Undo,
@@ -688,7 +726,7 @@ mod tests {
     use crate::ir::DType;
     use crate::models::{LossKind, ModelSpec};
     use crate::pipeline::{trace_step, StepOptions};
-    use crate::plan::check_plan;
+    use crate::plan::{check_plan, plan};
 
     fn step(kind: StepKind, dtype: DType) -> Trace {
         let spec = ModelSpec::named("tiny-llama", 2, 64, dtype, LossKind::CrossEntropy).unwrap();

@@ -20,9 +20,10 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
+use super::{Pass, PassContext};
 use crate::error::Result;
 use crate::ir::{Builder, Phase, Trace, ValueId, ValueKind};
-use crate::plan::{plan, MemoryPlan, PlanOptions};
+use crate::plan::{MemoryPlan, PlanOptions};
 
 /// Where a train step's optimizer runs.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default, Serialize)]
@@ -160,47 +161,79 @@ pub fn apply(
     placement: OptimizerPlacement,
     opts: PlanOptions,
 ) -> Result<(Trace, MemoryPlan, PlacementReport)> {
-    let optimizer_nodes = step.nodes.iter().filter(|n| n.phase == Phase::Optimizer).count();
-    let after_plan = plan(step, opts)?;
-    let after_peak = after_plan.planned_peak_bytes();
-    if optimizer_nodes == 0 || placement == OptimizerPlacement::AfterBackward {
-        let report = PlacementReport {
-            placement: "after backward".into(),
-            moved: 0,
-            after_backward: optimizer_nodes,
-            planned_peak_after_backward: after_peak,
-            planned_peak_in_backward: after_peak,
-            note: None,
-        };
-        return Ok((step.clone(), after_plan, report));
+    let mut cx = PassContext::new(opts);
+    let out = cx.run(&PlaceOptimizer(placement), step)?;
+    let plan = cx.take_plan(&out)?;
+    let report = cx.report.placement.take().expect("the pass reports its placement");
+    Ok((out, plan, report))
+}
+
+/// The placement as a pass: it plans the step both ways, takes the one the
+/// placement asks for, and leaves that one's plan in the context for the
+/// next pass. The report says where the optimizer runs.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct PlaceOptimizer(pub OptimizerPlacement);
+
+impl Pass for PlaceOptimizer {
+    fn name(&self) -> &'static str {
+        "optimizer_placement"
     }
-    let (moved_step, moved) = in_backward(step)?;
-    let in_plan = plan(&moved_step, opts)?;
-    let in_peak = in_plan.planned_peak_bytes();
-    let stuck = optimizer_nodes - moved;
-    // One update (the first layer's, or the embedding's) always waits for
-    // the last backward node; more than that means something reads every
-    // gradient first.
-    let note = (stuck > 1).then(|| {
-        let grads: u64 = gradient_bytes(step);
-        format!(
-            "{stuck} optimizer nodes run after the last backward node because they read values final only \
-             there (gradient clipping by global norm reads every gradient): up to {grads} B of gradients are \
-             live together at the end of backward"
-        )
-    });
-    // A tie still favours backward: gradients no longer all live at the
-    // end leave room that recomputation can then use.
-    let take = placement == OptimizerPlacement::InBackward || in_peak <= after_peak;
-    let report = PlacementReport {
-        placement: if take { "in backward" } else { "after backward" }.into(),
-        moved: if take { moved } else { 0 },
-        after_backward: if take { stuck } else { optimizer_nodes },
-        planned_peak_after_backward: after_peak,
-        planned_peak_in_backward: in_peak,
-        note,
-    };
-    Ok(if take { (moved_step, in_plan, report) } else { (step.clone(), after_plan, report) })
+
+    fn run(&self, step: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        let placement = self.0;
+        let optimizer_nodes = step.nodes.iter().filter(|n| n.phase == Phase::Optimizer).count();
+        if optimizer_nodes > 0 && placement != OptimizerPlacement::AfterBackward {
+            // Updates move into backward, across the segments of a trace run in them.
+            cx.refuse_segments(self.name())?;
+        }
+        let after_plan = cx.take_plan(step)?;
+        let after_peak = after_plan.planned_peak_bytes();
+        if optimizer_nodes == 0 || placement == OptimizerPlacement::AfterBackward {
+            cx.report.placement = Some(PlacementReport {
+                placement: "after backward".into(),
+                moved: 0,
+                after_backward: optimizer_nodes,
+                planned_peak_after_backward: after_peak,
+                planned_peak_in_backward: after_peak,
+                note: None,
+            });
+            cx.set_output_plan(after_plan);
+            return Ok(step.clone());
+        }
+        let (moved_step, moved) = in_backward(step)?;
+        let in_plan = cx.plan(&moved_step)?;
+        let in_peak = in_plan.planned_peak_bytes();
+        let stuck = optimizer_nodes - moved;
+        // One update (the first layer's, or the embedding's) always waits for
+        // the last backward node; more than that means something reads every
+        // gradient first.
+        let note = (stuck > 1).then(|| {
+            let grads: u64 = gradient_bytes(step);
+            format!(
+                "{stuck} optimizer nodes run after the last backward node because they read values final only \
+                 there (gradient clipping by global norm reads every gradient): up to {grads} B of gradients are \
+                 live together at the end of backward"
+            )
+        });
+        // A tie still favours backward: gradients no longer all live at the
+        // end leave room that recomputation can then use.
+        let take = placement == OptimizerPlacement::InBackward || in_peak <= after_peak;
+        cx.report.placement = Some(PlacementReport {
+            placement: if take { "in backward" } else { "after backward" }.into(),
+            moved: if take { moved } else { 0 },
+            after_backward: if take { stuck } else { optimizer_nodes },
+            planned_peak_after_backward: after_peak,
+            planned_peak_in_backward: in_peak,
+            note,
+        });
+        if take {
+            cx.set_output_plan(in_plan);
+            Ok(moved_step)
+        } else {
+            cx.set_output_plan(after_plan);
+            Ok(step.clone())
+        }
+    }
 }
 
 /// Bytes of the gradients the optimizer reads (its non-leaf inputs made in backward).

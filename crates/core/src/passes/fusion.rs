@@ -42,11 +42,12 @@ use std::ops::Range;
 
 use serde::Serialize;
 
+use super::{Pass, PassContext};
 use crate::error::Result;
 use crate::ir::{renumber, verify::debug_verify, Node, NodeId, Trace, ValueKind};
 use crate::ops::{BinaryFn, Op};
 
-/// Whether [`crate::pipeline`] runs the epilogue pass.
+/// Whether [`crate::pipeline`] runs the epilogue pass ([`Fold`]).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Epilogues {
@@ -85,6 +86,30 @@ impl std::fmt::Display for FusionReport {
             write!(f, ", {} scales folded ({})", self.scales.values().sum::<usize>(), scales.join(", "))?;
         }
         Ok(())
+    }
+}
+
+/// The epilogue pass ([`fold`], or [`fold_segments`] over the context's
+/// segments, which it keeps current); the report says what it folded.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Fold;
+
+impl Pass for Fold {
+    fn name(&self) -> &'static str {
+        "epilogues"
+    }
+
+    fn run(&self, trace: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        let (out, report) = match cx.segments.take() {
+            Some(segments) => {
+                let (out, report, moved) = fold_segments(trace, &segments)?;
+                cx.segments = Some(moved);
+                (out, report)
+            }
+            None => fold(trace)?,
+        };
+        cx.report.fusion = report;
+        Ok(out)
     }
 }
 
