@@ -77,7 +77,9 @@ fn prepare_mixes_inputs_by_weight_and_says_what_each_gave() {
     let dir = tempfile::tempdir().unwrap();
     let tok = tokenizer(dir.path());
     let jsonl: String = (0..200)
-        .map(|i| serde_json::json!({ "text": format!("alpha {i}: the planner reads the whole story.") }).to_string() + "\n")
+        .map(|i| {
+            serde_json::json!({ "text": format!("alpha {i}: the planner reads the whole story.") }).to_string() + "\n"
+        })
         .collect();
     let a = write(dir.path(), "alpha.jsonl", &jsonl);
     let beta: Vec<String> = (0..300).map(|i| format!("beta {i}: a gradient can sleep where it lived.")).collect();
@@ -127,7 +129,11 @@ fn prepare_refuses_bad_roles_columns_and_weights() {
 
     let parquet = dir.path().join("texts.parquet");
     fixtures::write_parquet_texts(&parquet, "content", &[Some("one"), Some("two")]).unwrap();
-    fails(&[s(&parquet)], &["--column", "body"], &["texts.parquet", "no column `body`", "content (string), id (int64)"]);
+    fails(
+        &[s(&parquet)],
+        &["--column", "body"],
+        &["texts.parquet", "no column `body`", "content (string), id (int64)"],
+    );
 
     let a = write(dir.path(), "a.jsonl", fixtures::TEXT_JSONL);
     for bad in ["0", "-1", "inf"] {

@@ -37,7 +37,7 @@ pub enum Error {
 }
 
 /// Where a record sits in its input file, as error messages name it.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum RecordAt {
     /// The whole file (a text input); printed as nothing.
     File,

@@ -7,10 +7,10 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use std::sync::Arc;
 
 use parquet::basic::Compression;
 use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
@@ -155,10 +155,11 @@ fn write_parquet(
     schema: &str,
     columns: &[(Vec<ByteArray>, Vec<i16>, Vec<i16>)],
     ids: Option<&[i64]>,
+    compression: Compression,
 ) -> Result<()> {
     let err = parquet_err(path);
     let schema = Arc::new(parse_message_type(schema).map_err(&err)?);
-    let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
+    let props = Arc::new(WriterProperties::builder().set_compression(compression).build());
     let file = std::fs::File::create(path).map_err(|e| Error::io(path, "creating the Parquet fixture", e))?;
     let mut writer = SerializedFileWriter::new(file, schema, props).map_err(&err)?;
     let mut group = writer.next_row_group().map_err(&err)?;
@@ -182,11 +183,35 @@ fn write_parquet(
 /// writes a table: `column`, optional strings (`None` a null), and `id`,
 /// optional int64 (the row's index).
 pub fn write_parquet_texts(path: &Path, column: &str, texts: &[Option<&str>]) -> Result<()> {
+    write_parquet_texts_compressed(path, column, texts, Compression::SNAPPY)
+}
+
+/// [`write_parquet_texts`] with another codec.
+pub fn write_parquet_texts_compressed(
+    path: &Path,
+    column: &str,
+    texts: &[Option<&str>],
+    compression: Compression,
+) -> Result<()> {
     let schema = format!("message schema {{ OPTIONAL BYTE_ARRAY {column} (UTF8); OPTIONAL INT64 id; }}");
     let values: Vec<ByteArray> = texts.iter().flatten().map(|t| ByteArray::from(*t)).collect();
     let def: Vec<i16> = texts.iter().map(|t| i16::from(t.is_some())).collect();
     let ids: Vec<i64> = (0..texts.len() as i64).collect();
-    write_parquet(path, &schema, &[(values, def, vec![])], Some(&ids))
+    write_parquet(path, &schema, &[(values, def, vec![])], Some(&ids), compression)
+}
+
+/// Writes a Snappy-compressed Parquet file of optional string columns,
+/// each a name and its rows (`None` a null), all of one length.
+pub fn write_parquet_string_columns(path: &Path, columns: &[(&str, Vec<Option<&str>>)]) -> Result<()> {
+    let fields: String = columns.iter().map(|(name, _)| format!("OPTIONAL BYTE_ARRAY {name} (UTF8); ")).collect();
+    let data: Vec<_> = columns
+        .iter()
+        .map(|(_, rows)| {
+            let values = rows.iter().flatten().map(|t| ByteArray::from(*t)).collect();
+            (values, rows.iter().map(|t| i16::from(t.is_some())).collect(), vec![])
+        })
+        .collect();
+    write_parquet(path, &format!("message schema {{ {fields}}}"), &data, None, Compression::SNAPPY)
 }
 
 /// Writes a Snappy-compressed Parquet file with one chat column, a list
@@ -215,5 +240,5 @@ pub fn write_parquet_chats(path: &Path, column: &str, keys: (&str, &str), chats:
             }
         }
     }
-    write_parquet(path, &schema, &[roles, texts], None)
+    write_parquet(path, &schema, &[roles, texts], None, Compression::SNAPPY)
 }

@@ -25,8 +25,7 @@ use crate::error::{Error, Result};
 /// `a:1.jsonl:1` is `a:1.jsonl` with weight 1). A weight must be positive
 /// and finite.
 pub fn parse_input(spec: &str) -> Result<(PathBuf, Option<f64>)> {
-    let Some((path, weight)) = spec.rsplit_once(':').and_then(|(p, w)| Some((p, w.trim().parse::<f64>().ok()?)))
-    else {
+    let Some((path, weight)) = spec.rsplit_once(':').and_then(|(p, w)| Some((p, w.trim().parse::<f64>().ok()?))) else {
         return Ok((PathBuf::from(spec), None));
     };
     if path.is_empty() {

@@ -45,8 +45,8 @@ pub fn describe(t: &Type) -> String {
 fn describe_value(t: &Type) -> String {
     let info = t.get_basic_info();
     if t.is_primitive() {
-        let string =
-            matches!(info.logical_type_ref(), Some(LogicalType::String)) || info.converted_type() == ConvertedType::UTF8;
+        let string = matches!(info.logical_type_ref(), Some(LogicalType::String))
+            || info.converted_type() == ConvertedType::UTF8;
         return match t.get_physical_type() {
             PhysicalType::BYTE_ARRAY if string => "string".to_string(),
             PhysicalType::BYTE_ARRAY => "binary".to_string(),
@@ -97,11 +97,7 @@ fn kind_of(field: &Type, path: &Path) -> Result<ColumnKind> {
     } else if d.starts_with("list<struct<") {
         Ok(ColumnKind::Chat)
     } else {
-        Err(Error::record(
-            path,
-            RecordAt::File,
-            format!("column `{}` is {d}; accepted: {ACCEPTED}", field.name()),
-        ))
+        Err(Error::record(path, RecordAt::File, format!("column `{}` is {d}; accepted: {ACCEPTED}", field.name())))
     }
 }
 
@@ -165,9 +161,7 @@ pub fn read_parquet(path: &Path, column: Option<&str>) -> Result<Vec<(RecordAt, 
                 match value {
                     Some(Field::Str(s)) => Record::Text(s.clone()),
                     Some(Field::Bytes(b)) => Record::Text(
-                        b.as_utf8()
-                            .map_err(|_| Error::record(path, at, format!("`{name}` is not UTF-8")))?
-                            .to_string(),
+                        b.as_utf8().map_err(|_| Error::record(path, at, format!("`{name}` is not UTF-8")))?.to_string(),
                     ),
                     Some(Field::Null) | None => {
                         return Err(Error::record(path, at, format!("`{name}` is null")));

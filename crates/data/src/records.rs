@@ -187,7 +187,8 @@ pub fn chat_from_list(list: &Value, shape: ChatShape, name: &str, path: &Path, a
 /// Parses one JSONL line (1-based `line`) into a record.
 pub fn parse_jsonl_record(text: &str, path: &Path, line: usize) -> Result<Record> {
     let at = RecordAt::Line(line);
-    let value: Value = serde_json::from_str(text).map_err(|e| Error::record(path, at, format!("not valid JSON: {e}")))?;
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| Error::record(path, at, format!("not valid JSON: {e}")))?;
     record_from_value(&value, path, at)
 }
 
@@ -296,9 +297,8 @@ pub fn tokenize_chat(tokenizer: &Tokenizer, messages: &[Message], path: &Path, a
         spans.push(before.len()..through.len());
     }
     // The template writes the special tokens (BOS included) itself.
-    let enc = tokenizer
-        .encode_exact_offsets(&full)
-        .map_err(|e| Error::record(path, at, format!("tokenizer failed: {e}")))?;
+    let enc =
+        tokenizer.encode_exact_offsets(&full).map_err(|e| Error::record(path, at, format!("tokenizer failed: {e}")))?;
     let mask: Vec<bool> = enc.offsets.iter().map(|&(start, _)| spans.iter().any(|s| s.contains(&start))).collect();
     if !mask.iter().any(|&m| m) {
         return Err(Error::record(

@@ -7,6 +7,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use parquet::basic::Compression;
 use stepgraph_data::fixtures::{self, TemplateStyle};
 use stepgraph_data::{prepare, Holdout, InputFormat, PrepareOptions, PrepareReport, TextSplit, TokenFile, Tokenizer};
 
@@ -172,6 +173,16 @@ fn a_parquet_string_column_is_a_document_per_row() {
     let (first, _) = &docs(&fx.path("parquet.tokens"))[0];
     assert_eq!(tok.decode(&first[..first.len() - 1]).unwrap(), TEXTS[0]);
 
+    // The codecs published datasets use.
+    for (name, codec) in
+        [("zstd.parquet", Compression::ZSTD(Default::default())), ("plain.parquet", Compression::UNCOMPRESSED)]
+    {
+        let path = fx.path(name);
+        fixtures::write_parquet_texts_compressed(&path, "text", &texts, codec).unwrap();
+        fx.prepare(vec![path], "codec.tokens");
+        assert_eq!(docs(&fx.path("codec.tokens")), docs(&fx.path("jsonl.tokens")), "{name}");
+    }
+
     // Another column name, with --column.
     let content = fx.path("content.parquet");
     fixtures::write_parquet_texts(&content, "content", &texts).unwrap();
@@ -223,6 +234,19 @@ fn parquet_chat_columns_are_chats() {
     fixtures::write_parquet_chats(&messages, "messages", ("role", "content"), &roles).unwrap();
     fx.prepare(vec![messages], "messages-parquet.tokens");
     assert_eq!(docs(&fx.path("messages-parquet.tokens")), want);
+}
+
+#[test]
+fn parquet_alpaca_columns_read_as_alpaca_records() {
+    let fx = fixture();
+    let values: Vec<serde_json::Value> = serde_json::from_str(fixtures::ALPACA_JSON).unwrap();
+    let column = |key: &str| -> Vec<Option<&str>> { values.iter().map(|v| v[key].as_str()).collect() };
+    let path = fx.path("alpaca.parquet");
+    let columns = [("instruction", column("instruction")), ("input", column("input")), ("output", column("output"))];
+    fixtures::write_parquet_string_columns(&path, &columns).unwrap();
+    assert_eq!(fx.prepare(vec![path], "parquet.tokens").docs, 3);
+    fx.prepare(vec![fx.input("alpaca.json", fixtures::ALPACA_JSON)], "json.tokens");
+    assert_eq!(docs(&fx.path("parquet.tokens")), docs(&fx.path("json.tokens")));
 }
 
 #[test]
