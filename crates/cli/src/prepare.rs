@@ -47,7 +47,11 @@ pub struct InputArg {
 }
 
 fn parse_input_arg(spec: &str) -> Result<InputArg, String> {
-    let (path, weight) = stepgraph_data::mixture::parse_input(spec).map_err(|e| e.to_string())?;
+    // clap names the flag and the value already.
+    let (path, weight) = stepgraph_data::mixture::parse_input(spec).map_err(|e| {
+        let e = e.to_string();
+        e.strip_prefix(&format!("--input {spec}: ")).map_or(e.clone(), str::to_string)
+    })?;
     Ok(InputArg { path, weight })
 }
 
