@@ -110,7 +110,7 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Load a Hugging Face model folder (--init-from), write its logits or gradients, or write it back (--out).
     Hf(hf_cmd::HfArgs),
-    /// Tokenize text and JSONL files (plain, instruction and chat records) into a token file for training.
+    /// Tokenize text, JSONL, JSON and Parquet files (plain, instruction, chat and ShareGPT records), one or a weighted mixture, into a token file for training.
     Prepare(prepare::PrepareArgs),
     /// The validation loss and perplexity of a Hugging Face model folder on the held-out split of --data.
     Eval {

@@ -1,6 +1,8 @@
-//! `stepgraph prepare`: text and JSONL files → one token file for training
-//! (the format is documented in `stepgraph_data::token_file`). The work is
-//! `stepgraph_data::prepare`; this module owns the flags, the checks of
+//! `stepgraph prepare`: text, JSONL, JSON and Parquet files, one or a
+//! weighted mixture → one token file for training (the format is
+//! documented in `stepgraph_data::token_file`; the inputs' formats in
+//! docs/guide/data-formats.md). The work is `stepgraph_data::prepare`;
+//! this module owns the flags, the checks of
 //! `--out` before any tokenizing (not an input, writable, room for the
 //! file: [`crate::output_paths`]) and the report.
 
@@ -17,9 +19,15 @@ use crate::output_paths;
 pub enum FormatArg {
     /// Plain text (see --text-split).
     Text,
-    /// One JSON record per line: {"text"}, {"instruction","input","output"} or {"messages"}.
+    /// JSON records, one per line (or one JSON array of them): {"text"},
+    /// {"instruction","input","output"}, {"messages"} or {"conversations"}.
     Jsonl,
-    /// JSONL for .jsonl/.json files, text otherwise.
+    /// The same as jsonl.
+    Json,
+    /// A column of a Parquet file (see --column).
+    Parquet,
+    /// Parquet for files starting with PAR1 or named .parquet, JSON for
+    /// .jsonl/.json, text otherwise.
     Auto,
 }
 
@@ -31,25 +39,58 @@ pub enum TextSplitArg {
     File,
 }
 
+/// One `--input`: a file, and its mixture weight when spelled FILE:WEIGHT.
+#[derive(Clone, Debug)]
+pub struct InputArg {
+    path: PathBuf,
+    weight: Option<f64>,
+}
+
+fn parse_input_arg(spec: &str) -> Result<InputArg, String> {
+    // clap names the flag and the value already.
+    let (path, weight) = stepgraph_data::mixture::parse_input(spec).map_err(|e| {
+        let e = e.to_string();
+        e.strip_prefix(&format!("--input {spec}: ")).map_or(e.clone(), str::to_string)
+    })?;
+    Ok(InputArg { path, weight })
+}
+
 #[derive(Args, Clone)]
+#[command(after_help = "Input formats, with an example of each: docs/guide/data-formats.md")]
 pub struct PrepareArgs {
     /// A Hugging Face tokenizer.json, or the directory holding it and tokenizer_config.json.
     #[arg(long)]
     tokenizer: PathBuf,
-    /// Input files (text or JSONL); repeat the flag or list several.
-    #[arg(long, required = true, num_args = 1..)]
-    input: Vec<PathBuf>,
+    /// Input files (text, JSONL, a JSON array of records, Parquet); FILE:WEIGHT on each makes a mixture.
+    ///
+    /// Repeat the flag or list several. Without weights every document of
+    /// every input is used once. With a weight on every input
+    /// (--input a.jsonl:0.7 b.parquet:0.3), each input gives that share of
+    /// the tokens (weights are normalised): the input that runs out first
+    /// is used whole and the others are sampled by --seed, no document
+    /// twice. The weight is what follows the last ':' when it is a number.
+    #[arg(long, required = true, num_args = 1.., value_name = "FILE[:WEIGHT]", value_parser = parse_input_arg)]
+    input: Vec<InputArg>,
     /// The token file to write (replaced atomically).
     #[arg(long)]
     out: PathBuf,
     /// How to read the inputs.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
     format: FormatArg,
+    /// The column of Parquet inputs [default: text, messages, conversations or instruction + output].
+    ///
+    /// Strings are a document per row; a list of {role, content} or
+    /// {from, value} structs a chat per row. Without the flag: the first of
+    /// text, messages and conversations the file has, else the alpaca
+    /// columns instruction + output (with input and system when present).
+    #[arg(long, value_name = "NAME")]
+    column: Option<String>,
     /// How text files are cut into documents.
     #[arg(long, value_enum, default_value_t = TextSplitArg::Paragraph)]
     text_split: TextSplitArg,
-    /// Accept chat ({"messages"}) and instruction records: render them with the
-    /// tokenizer's chat template and keep only the assistant's tokens in the loss.
+    /// Accept chat ({"messages"}, ShareGPT {"conversations"}) and instruction
+    /// records: render them with the tokenizer's chat template and keep only
+    /// the assistant's tokens in the loss.
     #[arg(long)]
     chat: bool,
     /// Fraction of the documents held out for validation [default: 0.01; at
@@ -59,7 +100,7 @@ pub struct PrepareArgs {
     /// Number of documents held out for validation (instead of --val-fraction).
     #[arg(long)]
     val_docs: Option<u64>,
-    /// Seed of the choice of validation documents.
+    /// Seed of the choice of validation documents and of a mixture's documents.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Print the report as JSON.
@@ -84,11 +125,11 @@ fn check_out(args: &PrepareArgs) -> Result<()> {
     } else {
         args.tokenizer.clone()
     };
-    let mut inputs: Vec<(&str, &Path)> = args.input.iter().map(|p| ("--input", p.as_path())).collect();
+    let mut inputs: Vec<(&str, &Path)> = args.input.iter().map(|i| ("--input", i.path.as_path())).collect();
     inputs.push(("--tokenizer", &tokenizer_dir));
     output_paths::refuse_overwriting_inputs("--out", &args.out, &inputs)?;
     // A missing input is reported by name when it is read.
-    let input_bytes: u64 = args.input.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let input_bytes: u64 = args.input.iter().filter_map(|i| std::fs::metadata(&i.path).ok()).map(|m| m.len()).sum();
     let need = input_bytes.saturating_add(OUT_BYTES_EXTRA);
     output_paths::check_writable("--out", &args.out, need)
 }
@@ -100,14 +141,29 @@ pub fn run(args: &PrepareArgs) -> Result<()> {
         (None, Some(n)) => Holdout::Docs(n),
         (None, None) => Holdout::Fraction(0.01),
     };
+    let weighted = args.input.iter().filter(|i| i.weight.is_some()).count();
+    if weighted != 0 && weighted != args.input.len() {
+        let bare: Vec<String> =
+            args.input.iter().filter(|i| i.weight.is_none()).map(|i| i.path.display().to_string()).collect();
+        bail!(
+            "--input: {weighted} of {} inputs have a mixture weight, but {} has none: \
+             give every input a weight (FILE:WEIGHT) or none",
+            args.input.len(),
+            bare.join(", ")
+        );
+    }
     check_out(args)?;
     let opts = PrepareOptions {
         tokenizer: args.tokenizer.clone(),
-        inputs: args.input.clone(),
+        inputs: args.input.iter().map(|i| i.path.clone()).collect(),
+        weights: args.input.iter().filter_map(|i| i.weight).collect(),
+        column: args.column.clone(),
         out: args.out.clone(),
         format: match args.format {
             FormatArg::Text => InputFormat::Text,
             FormatArg::Jsonl => InputFormat::Jsonl,
+            FormatArg::Json => InputFormat::Json,
+            FormatArg::Parquet => InputFormat::Parquet,
             FormatArg::Auto => InputFormat::Auto,
         },
         text_split: match args.text_split {

@@ -18,10 +18,10 @@ pub enum Error {
     /// A tokenizer directory or file that cannot be used.
     #[error("tokenizer {}: {reason}", path.display())]
     Tokenizer { path: PathBuf, reason: String },
-    /// An input record (a JSONL line or a text file) that cannot be turned
-    /// into a document; `line` is 1-based, 0 for a whole file.
-    #[error("{}{}: {reason}", path.display(), line_suffix(*line))]
-    Record { path: PathBuf, line: usize, reason: String },
+    /// An input record (a JSONL line, an element of a JSON array, a
+    /// Parquet row or a text file) that cannot be turned into a document.
+    #[error("{}{at}: {reason}", path.display())]
+    Record { path: PathBuf, at: RecordAt, reason: String },
     /// A chat template that does not compile or fails while rendering.
     #[error("chat template from {}: {reason}", path.display())]
     Template { path: PathBuf, reason: String },
@@ -36,11 +36,28 @@ pub enum Error {
     Cursor(String),
 }
 
-fn line_suffix(line: usize) -> String {
-    if line == 0 {
-        String::new()
-    } else {
-        format!(":{line}")
+/// Where a record sits in its input file, as error messages name it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RecordAt {
+    /// The whole file (a text input); printed as nothing.
+    File,
+    /// A 1-based line of a JSONL file: `data.jsonl:12`.
+    Line(usize),
+    /// A 0-based element of a JSON array, as indexed in it: `data.json[3]`.
+    Index(usize),
+    /// A 0-based row of a Parquet file, as pandas and `datasets` index it:
+    /// `data.parquet row 3`.
+    Row(usize),
+}
+
+impl std::fmt::Display for RecordAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordAt::File => Ok(()),
+            RecordAt::Line(n) => write!(f, ":{n}"),
+            RecordAt::Index(i) => write!(f, "[{i}]"),
+            RecordAt::Row(r) => write!(f, " row {r}"),
+        }
     }
 }
 
@@ -51,8 +68,8 @@ impl Error {
     pub(crate) fn token_file(path: &Path, reason: impl Into<String>) -> Self {
         Error::TokenFile { path: path.to_path_buf(), reason: reason.into() }
     }
-    pub(crate) fn record(path: &Path, line: usize, reason: impl Into<String>) -> Self {
-        Error::Record { path: path.to_path_buf(), line, reason: reason.into() }
+    pub(crate) fn record(path: &Path, at: RecordAt, reason: impl Into<String>) -> Self {
+        Error::Record { path: path.to_path_buf(), at, reason: reason.into() }
     }
 }
 

@@ -1,14 +1,22 @@
 //! Test fixtures, public so that every crate's tests share them: a small
 //! byte-level BPE tokenizer trained with the `tokenizers` crate on a text
 //! file (no network), saved with a `tokenizer_config.json` whose chat
-//! template is in the Qwen2 (ChatML) or the Llama-3 style, and sample JSONL
-//! records of every kind `stepgraph prepare` reads.
+//! template is in the Qwen2 (ChatML) or the Llama-3 style, sample JSONL
+//! records of every kind `stepgraph prepare` reads, and Parquet files laid
+//! out as pyarrow (and so Hugging Face `datasets`) writes them.
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
 use tokenizers::AddedToken;
 
 use crate::error::{Error, Result};
@@ -124,3 +132,113 @@ pub const INSTRUCTION_JSONL: &str = r#"{"instruction": "Say what the planner doe
 pub const CHAT_JSONL: &str = r#"{"messages": [{"role": "user", "content": "What does the graph keep?"}, {"role": "assistant", "content": "The list of kernels and every address."}]}
 {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What moves the weights?"}, {"role": "assistant", "content": "The optimizer."}, {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "The next batch comes in."}]}
 "#;
+
+/// ShareGPT records (`conversations` of `{from, value}`), one with a system turn.
+pub const SHAREGPT_JSONL: &str = r#"{"conversations": [{"from": "human", "value": "What does the plan hold?"}, {"from": "gpt", "value": "Every buffer of the step, each at its offset."}]}
+{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Where do gradients go?"}, {"from": "gpt", "value": "Into their accumulators."}, {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "The optimizer reads them."}]}
+"#;
+
+/// Alpaca records as one JSON array, as alpaca datasets ship.
+pub const ALPACA_JSON: &str = r#"[
+  {"instruction": "Say what the planner does.", "input": "", "output": "It gives each tensor a place in one arena."},
+  {"instruction": "Finish the sentence.", "input": "The tokens come in, the rows pass", "output": "through the layers, one after another."},
+  {"instruction": "Name the loss.", "input": "", "output": "Cross-entropy."}
+]
+"#;
+
+fn parquet_err(path: &Path) -> impl Fn(parquet::errors::ParquetError) -> Error + '_ {
+    move |e| Error::Options(format!("writing the Parquet fixture {}: {e}", path.display()))
+}
+
+fn write_parquet(
+    path: &Path,
+    schema: &str,
+    columns: &[(Vec<ByteArray>, Vec<i16>, Vec<i16>)],
+    ids: Option<&[i64]>,
+    compression: Compression,
+) -> Result<()> {
+    let err = parquet_err(path);
+    let schema = Arc::new(parse_message_type(schema).map_err(&err)?);
+    let props = Arc::new(WriterProperties::builder().set_compression(compression).build());
+    let file = std::fs::File::create(path).map_err(|e| Error::io(path, "creating the Parquet fixture", e))?;
+    let mut writer = SerializedFileWriter::new(file, schema, props).map_err(&err)?;
+    let mut group = writer.next_row_group().map_err(&err)?;
+    let mut strings = columns.iter();
+    while let Some(mut column) = group.next_column().map_err(&err)? {
+        if let Some((values, def, rep)) = strings.next() {
+            let rep = if rep.is_empty() { None } else { Some(&rep[..]) };
+            column.typed::<ByteArrayType>().write_batch(values, Some(def), rep).map_err(&err)?;
+        } else {
+            let ids = ids.expect("an id column only when ids are given");
+            column.typed::<Int64Type>().write_batch(ids, Some(&vec![1; ids.len()]), None).map_err(&err)?;
+        }
+        column.close().map_err(&err)?;
+    }
+    group.close().map_err(&err)?;
+    writer.close().map_err(&err)?;
+    Ok(())
+}
+
+/// Writes a Snappy-compressed Parquet file of two columns, as pyarrow
+/// writes a table: `column`, optional strings (`None` a null), and `id`,
+/// optional int64 (the row's index).
+pub fn write_parquet_texts(path: &Path, column: &str, texts: &[Option<&str>]) -> Result<()> {
+    write_parquet_texts_compressed(path, column, texts, Compression::SNAPPY)
+}
+
+/// [`write_parquet_texts`] with another codec.
+pub fn write_parquet_texts_compressed(
+    path: &Path,
+    column: &str,
+    texts: &[Option<&str>],
+    compression: Compression,
+) -> Result<()> {
+    let schema = format!("message schema {{ OPTIONAL BYTE_ARRAY {column} (UTF8); OPTIONAL INT64 id; }}");
+    let values: Vec<ByteArray> = texts.iter().flatten().map(|t| ByteArray::from(*t)).collect();
+    let def: Vec<i16> = texts.iter().map(|t| i16::from(t.is_some())).collect();
+    let ids: Vec<i64> = (0..texts.len() as i64).collect();
+    write_parquet(path, &schema, &[(values, def, vec![])], Some(&ids), compression)
+}
+
+/// Writes a Snappy-compressed Parquet file of optional string columns,
+/// each a name and its rows (`None` a null), all of one length.
+pub fn write_parquet_string_columns(path: &Path, columns: &[(&str, Vec<Option<&str>>)]) -> Result<()> {
+    let fields: String = columns.iter().map(|(name, _)| format!("OPTIONAL BYTE_ARRAY {name} (UTF8); ")).collect();
+    let data: Vec<_> = columns
+        .iter()
+        .map(|(_, rows)| {
+            let values = rows.iter().flatten().map(|t| ByteArray::from(*t)).collect();
+            (values, rows.iter().map(|t| i16::from(t.is_some())).collect(), vec![])
+        })
+        .collect();
+    write_parquet(path, &format!("message schema {{ {fields}}}"), &data, None, Compression::SNAPPY)
+}
+
+/// Writes a Snappy-compressed Parquet file with one chat column, a list
+/// of structs laid out as pyarrow writes `list<struct<…>>`: `keys` names
+/// the struct's two string fields (`("role", "content")` as in
+/// `messages`, `("from", "value")` as in ShareGPT's `conversations`), and
+/// each chat is a list of (role, text) pairs.
+pub fn write_parquet_chats(path: &Path, column: &str, keys: (&str, &str), chats: &[Vec<(&str, &str)>]) -> Result<()> {
+    let schema = format!(
+        "message schema {{ OPTIONAL group {column} (LIST) {{ REPEATED group list {{ OPTIONAL group element {{ \
+         OPTIONAL BYTE_ARRAY {} (UTF8); OPTIONAL BYTE_ARRAY {} (UTF8); }} }} }} }}",
+        keys.0, keys.1
+    );
+    // Every level present: definition level 4 (the column, the list
+    // entry, the element, the field); a new row repeats at level 0.
+    let mut roles = (Vec::new(), Vec::new(), Vec::new());
+    let mut texts = (Vec::new(), Vec::new(), Vec::new());
+    for chat in chats {
+        for (i, (role, text)) in chat.iter().enumerate() {
+            let rep = i16::from(i > 0);
+            roles.0.push(ByteArray::from(*role));
+            texts.0.push(ByteArray::from(*text));
+            for levels in [&mut roles, &mut texts] {
+                levels.1.push(4);
+                levels.2.push(rep);
+            }
+        }
+    }
+    write_parquet(path, &schema, &[roles, texts], None, Compression::SNAPPY)
+}

@@ -1,6 +1,8 @@
 //! stepgraph's training data, kept out of the compiler core: Hugging Face
 //! tokenizers and chat templates ([`tokenizer`], [`template`]), input records
-//! and their loss masks ([`records`]), the memory-mapped token file
+//! and their loss masks ([`records`]), the input files they come from
+//! (text, JSONL, JSON arrays, Parquet: [`inputs`], [`parquet_input`]) and
+//! mixtures of them ([`mixture`]), the memory-mapped token file
 //! ([`token_file`]), `stepgraph prepare` as a library call ([`prepare`]),
 //! and the batch loader the training loop calls ([`batcher`]).
 //!
@@ -21,6 +23,9 @@
 pub mod batcher;
 pub mod error;
 pub mod fixtures;
+pub mod inputs;
+pub mod mixture;
+pub mod parquet_input;
 pub mod prepare;
 pub mod records;
 pub mod template;
@@ -28,8 +33,9 @@ pub mod token_file;
 pub mod tokenizer;
 
 pub use batcher::{Batch, Batcher, BatcherOptions, DataCursor, IGNORE_INDEX};
-pub use error::{Error, Result};
-pub use prepare::{prepare, Holdout, InputFormat, PrepareOptions, PrepareReport};
+pub use error::{Error, RecordAt, Result};
+pub use inputs::InputFormat;
+pub use prepare::{prepare, Holdout, InputReport, PrepareOptions, PrepareReport};
 pub use records::TextSplit;
 pub use token_file::{Document, Split, TokenFile, TokenFileMeta};
 pub use tokenizer::{Tokenizer, TokenizerFingerprint};

@@ -1,12 +1,16 @@
-//! `stepgraph prepare` as a library call: read text and JSONL inputs,
-//! tokenize them (in parallel, results in input order), hold out a
-//! validation split, and write one token file.
+//! `stepgraph prepare` as a library call: read the inputs (text, JSONL,
+//! JSON arrays, Parquet: [`crate::inputs`]), tokenize them (in parallel,
+//! results in input order), mix them when they carry weights
+//! ([`crate::mixture`]), hold out a validation split, and write one token
+//! file.
 //!
-//! The documents are held in memory until the split is drawn (about 4 bytes
-//! per token plus a byte per token of a chat), then written in one pass.
+//! Without weights, every document of every input is used once, in input
+//! order. The documents are held in memory until the split is drawn (about
+//! 4 bytes per token plus a byte per token of a chat), then written in one
+//! pass.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
@@ -14,18 +18,12 @@ use rand::SeedableRng;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::records::{parse_jsonl_record, text_documents, tokenize_record, Record, TextSplit};
+use crate::inputs::read_records;
+pub use crate::inputs::InputFormat;
+use crate::mixture;
+use crate::records::{tokenize_record, TextSplit};
 use crate::token_file::{token_bytes_for, write_token_file, Document, TokenFileMeta};
 use crate::tokenizer::Tokenizer;
-
-/// How an input file is read.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum InputFormat {
-    Text,
-    Jsonl,
-    /// JSONL for `.jsonl`/`.json` files, text otherwise.
-    Auto,
-}
 
 /// How many documents to hold out for validation.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -42,16 +40,40 @@ pub enum Holdout {
 pub struct PrepareOptions {
     pub tokenizer: PathBuf,
     pub inputs: Vec<PathBuf>,
+    /// Mixture weights, one per input (see [`crate::mixture`]); empty
+    /// means every document of every input, once.
+    pub weights: Vec<f64>,
+    /// The column read from Parquet inputs (`None`: `text`, `messages`,
+    /// `conversations` or the alpaca columns, the first the file has).
+    pub column: Option<String>,
     pub out: PathBuf,
     pub format: InputFormat,
     pub text_split: TextSplit,
     /// Accept chat and instruction records (rendered with the chat template).
     pub chat: bool,
     pub holdout: Holdout,
-    /// Seeds the choice of validation documents.
+    /// Seeds the choice of validation documents and the mixture's draw.
     pub seed: u64,
     /// Show a progress bar on a terminal.
     pub progress: bool,
+}
+
+/// What one input gave the token file.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct InputReport {
+    pub path: PathBuf,
+    /// The weight asked for (`None` without a mixture).
+    pub weight: Option<f64>,
+    /// The share of the tokens asked for: the normalised weight.
+    pub asked_share: Option<f64>,
+    /// Documents and tokens the input holds.
+    pub docs_read: u64,
+    pub tokens_read: u64,
+    /// Documents and tokens of it in the token file (train and validation).
+    pub docs: u64,
+    pub tokens: u64,
+    /// `tokens` over the token file's tokens.
+    pub share: f64,
 }
 
 /// What `prepare` wrote.
@@ -59,6 +81,8 @@ pub struct PrepareOptions {
 pub struct PrepareReport {
     pub out: PathBuf,
     pub files: usize,
+    /// Each input's contribution, in `--input` order.
+    pub inputs: Vec<InputReport>,
     pub docs: u64,
     pub train_docs: u64,
     pub validation_docs: u64,
@@ -76,6 +100,23 @@ impl fmt::Display for PrepareReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "wrote {}", self.out.display())?;
         writeln!(f, "  input files:      {}", self.files)?;
+        if self.inputs.len() > 1 || self.inputs.iter().any(|i| i.weight.is_some()) {
+            for i in &self.inputs {
+                let asked = match i.asked_share {
+                    Some(a) => format!(", asked {:.1}%", a * 100.0),
+                    None => String::new(),
+                };
+                writeln!(
+                    f,
+                    "    {}: {} tokens ({:.1}%{asked}), {} of {} documents",
+                    i.path.display(),
+                    i.tokens,
+                    i.share * 100.0,
+                    i.docs,
+                    i.docs_read
+                )?;
+            }
+        }
         writeln!(
             f,
             "  documents:        {} ({} train, {} validation)",
@@ -89,39 +130,6 @@ impl fmt::Display for PrepareReport {
         writeln!(f, "  masked tokens:    {} (not loss targets)", self.masked_tokens)?;
         write!(f, "  vocabulary:       {} (u{} ids), eos id {}", self.vocab_size, self.token_bytes * 8, self.eos_id)
     }
-}
-
-fn is_jsonl(path: &Path, format: InputFormat) -> bool {
-    match format {
-        InputFormat::Text => false,
-        InputFormat::Jsonl => true,
-        InputFormat::Auto => {
-            matches!(
-                path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref(),
-                Some("jsonl" | "json")
-            )
-        }
-    }
-}
-
-/// Reads one input file into records, each with its 1-based line (0 for text).
-fn read_records(path: &Path, jsonl: bool, split: TextSplit) -> Result<Vec<(usize, Record)>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "reading the input", e))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
-        let line = e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count() + 1;
-        Error::record(path, line, format!("not UTF-8 (invalid byte at offset {at})"))
-    })?;
-    if !jsonl {
-        return Ok(text_documents(&text, split).into_iter().map(|t| (0, Record::Text(t))).collect());
-    }
-    let mut records = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if !line.trim().is_empty() {
-            records.push((i + 1, parse_jsonl_record(line, path, i + 1)?));
-        }
-    }
-    Ok(records)
 }
 
 /// How many documents of `n` to hold out.
@@ -173,6 +181,18 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
     if opts.inputs.is_empty() {
         return Err(Error::Options("no input files: pass one or more --input FILE".into()));
     }
+    if !opts.weights.is_empty() {
+        if opts.weights.len() != opts.inputs.len() {
+            return Err(Error::Options(format!(
+                "{} mixture weights for {} inputs: either every --input has a weight (FILE:WEIGHT) or none has",
+                opts.weights.len(),
+                opts.inputs.len()
+            )));
+        }
+        for (path, &w) in opts.inputs.iter().zip(&opts.weights) {
+            mixture::check_weight(w, &format!("{}:{w}", path.display()))?;
+        }
+    }
     let tokenizer = Tokenizer::load(&opts.tokenizer)?;
     let total_bytes: u64 = opts.inputs.iter().map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)).sum();
     // Small inputs finish before a bar would be readable.
@@ -187,18 +207,63 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
     } else {
         ProgressBar::hidden()
     };
-    let mut docs: Vec<Document> = Vec::new();
+    let mut per_input: Vec<Vec<Document>> = Vec::with_capacity(opts.inputs.len());
     for path in &opts.inputs {
         bar.set_message(path.display().to_string());
-        let records = read_records(path, is_jsonl(path, opts.format), opts.text_split)?;
+        let records = read_records(path, opts.format, opts.text_split, opts.column.as_deref())?;
         let tokenized: Vec<Document> = records
             .par_iter()
-            .map(|(line, record)| tokenize_record(&tokenizer, record, opts.chat, path, *line))
+            .map(|(at, record)| tokenize_record(&tokenizer, record, opts.chat, path, *at))
             .collect::<Result<_>>()?;
-        docs.extend(tokenized);
+        per_input.push(tokenized);
         bar.inc(std::fs::metadata(path).map(|m| m.len()).unwrap_or(0));
     }
     bar.finish_and_clear();
+    let doc_tokens: Vec<Vec<u64>> =
+        per_input.iter().map(|docs| docs.iter().map(|d| d.tokens.len() as u64).collect()).collect();
+    let asked = (!opts.weights.is_empty()).then(|| mixture::shares(&opts.weights));
+    let mut inputs: Vec<InputReport> = opts
+        .inputs
+        .iter()
+        .zip(&doc_tokens)
+        .enumerate()
+        .map(|(i, (path, lens))| InputReport {
+            path: path.clone(),
+            weight: opts.weights.get(i).copied(),
+            asked_share: asked.as_ref().map(|a| a[i]),
+            docs_read: lens.len() as u64,
+            tokens_read: lens.iter().sum(),
+            docs: lens.len() as u64,
+            tokens: lens.iter().sum(),
+            share: 0.0,
+        })
+        .collect();
+    let docs: Vec<Document> = if opts.weights.is_empty() {
+        per_input.into_iter().flatten().collect()
+    } else {
+        if let Some(empty) = inputs.iter().find(|i| i.tokens_read == 0) {
+            return Err(Error::Options(format!(
+                "{} holds no documents, so it cannot give its share of a mixture",
+                empty.path.display()
+            )));
+        }
+        let chosen = mixture::choose(&doc_tokens, &opts.weights, opts.seed);
+        let mut mixed: Vec<Document> = Vec::new();
+        for ((docs, picks), input) in per_input.into_iter().zip(&chosen).zip(&mut inputs) {
+            let mut docs: Vec<Option<Document>> = docs.into_iter().map(Some).collect();
+            input.docs = picks.len() as u64;
+            input.tokens = 0;
+            for &d in picks {
+                let doc = docs[d].take().expect("a document is drawn once");
+                input.tokens += doc.tokens.len() as u64;
+                mixed.push(doc);
+            }
+        }
+        // The inputs interleaved, so that the file read in order is the
+        // mixture, not one input after another.
+        mixed.shuffle(&mut rand::rngs::StdRng::seed_from_u64(opts.seed ^ 0x696e_7465_726c_6561));
+        mixed
+    };
     if docs.is_empty() {
         return Err(Error::Options(format!(
             "the inputs hold no documents: {}",
@@ -221,9 +286,13 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
         .map(|m| m.iter().filter(|&&t| !t).count() as u64)
         .sum();
     let (train_tokens, validation_tokens) = (count_tokens(&train), count_tokens(&validation));
+    for input in &mut inputs {
+        input.share = input.tokens as f64 / (train_tokens + validation_tokens) as f64;
+    }
     Ok(PrepareReport {
         out: opts.out.clone(),
         files: opts.inputs.len(),
+        inputs,
         docs: (train.len() + validation.len()) as u64,
         train_docs: train.len() as u64,
         validation_docs: validation.len() as u64,

@@ -30,6 +30,8 @@ impl Fixture {
         PrepareOptions {
             tokenizer: self.tokenizer.clone(),
             inputs,
+            weights: vec![],
+            column: None,
             out: self.dir.path().join("out.tokens"),
             format: InputFormat::Auto,
             text_split: TextSplit::Paragraph,
