@@ -32,10 +32,15 @@ impl Family for Mistral {
         llama::write_no_window(keys);
     }
 
-    /// What Llama holds, written as `mistral` only when asked: the same
-    /// network, and Llama is the default name for it.
+    /// An unbiased Llama, written as `mistral` only when asked: the same
+    /// network, and Llama is the default name for it. `transformers`'
+    /// Mistral has no biases, so a biased config saved as `mistral` would
+    /// load as another network.
     fn holds(&self, config: &Config) -> Holds {
         match llama::Llama.holds(config) {
+            Holds::Chosen if config.bias || config.attn_qkv_bias => {
+                Holds::Not("Mistral has no biases on its linear layers".into())
+            }
             Holds::Chosen => Holds::OnRequest,
             holds => holds,
         }

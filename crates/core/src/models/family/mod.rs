@@ -448,6 +448,20 @@ mod tests {
         assert_eq!(back, params, "{family:?}: the parameters do not survive the round trip");
     }
 
+    /// A family that says it holds a config writes a `config.json` that
+    /// reads back as that config: saving as a family on request never
+    /// writes a file that loads as another network.
+    #[test]
+    fn every_family_round_trips_the_configs_it_holds() {
+        for &other in HfFamily::ALL {
+            let config = other.family().example();
+            for &family in HfFamily::ALL.iter().filter(|f| f.can_hold(&config)) {
+                let json = hf_config_json(&config, family, DType::F32, None);
+                assert_eq!(read(&json, &config.name), config, "{other:?}'s example saved as {family:?}");
+            }
+        }
+    }
+
     #[test]
     fn dispatch_and_messages_name_every_family() {
         let supported = HfFamily::supported();
