@@ -18,6 +18,11 @@
 //! drawn where the step runs when the backend can) and reports the phases of
 //! its own start-up ([`Session::startup_phases`]), which [`StartupTimes`]
 //! puts next to building, planning and the weights.
+//!
+//! Every session holds its trace's parameters by name
+//! ([`crate::models::hf_dir::NamedParams`]), which is how Hugging Face
+//! folders load into it and save from it; the dependency runs from here to
+//! the models, not back.
 
 use std::fmt;
 use std::ops::Range;
@@ -28,6 +33,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Trace, ValueId, ValueKind};
+use crate::models::hf_dir::NamedParams;
 use crate::models::init::fill_param;
 use crate::pipeline::CompileTimes;
 use crate::plan::MemoryPlan;
@@ -298,6 +304,28 @@ pub trait Session {
 
     /// The plan next to the memory the session holds, sampled now.
     fn memory(&mut self) -> Result<SessionMemory>;
+}
+
+impl<S: Session + ?Sized> NamedParams for S {
+    fn params_trace_name(&self) -> &str {
+        &self.trace().name
+    }
+
+    fn has_param(&self, name: &str) -> bool {
+        self.trace().leaf_by_name(name).is_some()
+    }
+
+    fn read_param(&mut self, name: &str) -> Result<HostTensor> {
+        let v = self.trace().leaf_by_name(name).ok_or_else(|| Error::Input {
+            name: name.into(),
+            reason: format!("trace `{}` has no leaf of that name", self.trace().name),
+        })?;
+        self.read(v)
+    }
+
+    fn write_param(&mut self, name: &str, value: &HostTensor) -> Result<()> {
+        self.write_named(name, value)
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
-//! Reading a Hugging Face `config.json` (`model_type` `llama`, `mistral`,
-//! `qwen2`, `gpt_neox`) into a [`Config`]: parsing the JSON with typed
-//! getters whose errors name the model and the key, and mapping the
-//! `transformers` hyper-parameters (with their config classes' defaults) to
-//! litgpt's meaning. Anything a [`Config`] cannot express exactly is an
+//! Reading a Hugging Face `config.json` into a [`Config`]: parsing the JSON
+//! with typed getters whose errors name the model and the key ([`HfJson`]),
+//! the RoPE, block-size and head-size rules every family shares, and the
+//! `model_type` dispatch to the family that reads the rest
+//! ([`super::family`]). Anything a [`Config`] cannot express exactly is an
 //! error, never a silently different network.
 //!
 //! The entry points are [`Config::from_hf_json`] and
@@ -13,7 +13,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::config::{config_error, keys_named_in, Config, MlpKind, NormKind};
+use super::config::{config_error, keys_named_in, Config};
+use super::family::HfFamily;
 use crate::error::{Error, Result};
 use crate::ops::rope::Llama3Scaling;
 
@@ -61,8 +62,9 @@ impl Config {
     /// Parses the text of a Hugging Face `config.json` into a validated
     /// config called `name`.
     ///
-    /// Supports `model_type` `llama`, `mistral`, `qwen2` (LLaMA layout; Qwen2
-    /// adds q/k/v biases) and `gpt_neox`. Missing optional keys take the
+    /// Supports the `model_type` of every family in [`super::family`]
+    /// (`llama`, `mistral`, `qwen2`: LLaMA layout, Qwen2 adding q/k/v
+    /// biases; `gpt_neox`). Missing optional keys take the
     /// defaults of the matching `transformers` config class. Since
     /// `config.json` does not give the tokenizer's size, `vocab_size` and
     /// `padded_vocab_size` are both its `vocab_size` (the embedding rows).
@@ -79,15 +81,12 @@ impl Config {
         };
         let hf = HfJson { model: name, prefix: "", obj };
         let model_type = hf.str_req("model_type")?;
-        let config = match model_type {
-            "llama" | "mistral" | "qwen2" => hf.llama_like(model_type)?,
-            "gpt_neox" => hf.gpt_neox()?,
-            other => {
-                return Err(hf.err(format!(
-                    "model_type `{other}` is not supported (supported: llama, mistral, qwen2, gpt_neox)"
-                )))
-            }
+        let Some(family) = HfFamily::from_model_type(model_type) else {
+            return Err(
+                hf.err(format!("model_type `{model_type}` is not supported (supported: {})", HfFamily::supported()))
+            );
         };
+        let config = family.family().read_config(&hf)?;
         config.validate()?;
         Ok(config)
     }
@@ -112,8 +111,9 @@ pub fn hf_key(key: &str) -> Option<&'static str> {
 }
 
 /// A JSON object from a `config.json` (or an object nested in it), with
-/// typed getters whose errors name the model and the key.
-struct HfJson<'a> {
+/// typed getters whose errors name the model and the key: what a
+/// [`super::family::Family`] reads its config from.
+pub struct HfJson<'a> {
     model: &'a str,
     /// `"rope_scaling."` and the like for nested objects, for messages.
     prefix: &'a str,
@@ -121,13 +121,18 @@ struct HfJson<'a> {
 }
 
 impl<'a> HfJson<'a> {
-    fn err(&self, reason: impl Into<String>) -> Error {
+    /// The model's name, which the config read from this object takes.
+    pub fn model(&self) -> &'a str {
+        self.model
+    }
+
+    pub fn err(&self, reason: impl Into<String>) -> Error {
         config_error(self.model, reason)
     }
 
     /// The value of `key`; `null` counts as absent, as `transformers` writes
     /// `null` for unset optional fields.
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
         self.obj.get(key).filter(|value| !value.is_null())
     }
 
@@ -135,11 +140,11 @@ impl<'a> HfJson<'a> {
         self.err(format!("key `{}{key}` must be {expected}, got {value}", self.prefix))
     }
 
-    fn missing(&self, key: &str) -> Error {
+    pub fn missing(&self, key: &str) -> Error {
         self.err(format!("missing required key `{}{key}`", self.prefix))
     }
 
-    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+    pub fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
@@ -150,32 +155,32 @@ impl<'a> HfJson<'a> {
             .ok_or_else(|| self.wrong_type(key, "a non-negative integer", value))
     }
 
-    fn usize_req(&self, key: &str) -> Result<usize> {
+    pub fn usize_req(&self, key: &str) -> Result<usize> {
         self.usize_opt(key)?.ok_or_else(|| self.missing(key))
     }
 
-    fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
+    pub fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
         value.as_f64().map(Some).ok_or_else(|| self.wrong_type(key, "a number", value))
     }
 
-    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+    pub fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
         value.as_bool().map(Some).ok_or_else(|| self.wrong_type(key, "true or false", value))
     }
 
-    fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
+    pub fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
         value.as_str().map(Some).ok_or_else(|| self.wrong_type(key, "a string", value))
     }
 
-    fn str_req(&self, key: &str) -> Result<&'a str> {
+    pub fn str_req(&self, key: &str) -> Result<&'a str> {
         self.str_opt(key)?.ok_or_else(|| self.missing(key))
     }
 
@@ -224,7 +229,7 @@ impl<'a> HfJson<'a> {
     /// three in a `rope_parameters` object; older versions use top-level
     /// keys, tried in the order of `base_keys` and `fraction_keys`, and a
     /// `rope_scaling` object.
-    fn rope(
+    pub fn rope(
         &self,
         base_keys: &[&str],
         fraction_keys: &[&str],
@@ -268,7 +273,7 @@ impl<'a> HfJson<'a> {
     /// applies: within a block no longer than the window, sliding-window
     /// attention is plain causal attention, which is what litgpt does for
     /// Mistral-7B-v0.1 (block 4096).
-    fn block_size(&self, default_positions: usize, sliding: bool) -> Result<usize> {
+    pub fn block_size(&self, default_positions: usize, sliding: bool) -> Result<usize> {
         let positions = self.usize_opt("max_position_embeddings")?.unwrap_or(default_positions);
         let window = if sliding { self.usize_opt("sliding_window")? } else { None };
         Ok(window.map_or(positions, |window| positions.min(window)))
@@ -277,7 +282,7 @@ impl<'a> HfJson<'a> {
     /// `hidden_size / num_attention_heads`, refusing a width the heads do
     /// not divide (which would leave a head size of 0 for more heads than
     /// the width); a zero `n_head` is reported by `validate`.
-    fn head_size(&self, n_embd: usize, n_head: usize) -> Result<usize> {
+    pub fn head_size(&self, n_embd: usize, n_head: usize) -> Result<usize> {
         match n_embd.checked_rem(n_head) {
             Some(r) if r != 0 => {
                 Err(self.err(format!("hidden_size {n_embd} is not divisible by num_attention_heads {n_head}")))
@@ -285,143 +290,13 @@ impl<'a> HfJson<'a> {
             _ => Ok(n_embd.checked_div(n_head).unwrap_or(0)),
         }
     }
-
-    /// `llama`, `mistral` and `qwen2`: RMSNorm, SwiGLU, sequential residual.
-    fn llama_like(&self, model_type: &str) -> Result<Config> {
-        let n_embd = self.usize_req("hidden_size")?;
-        let n_head = self.usize_req("num_attention_heads")?;
-        let vocab_size = self.usize_req("vocab_size")?;
-        let act = self.str_opt("hidden_act")?.unwrap_or("silu");
-        if act != "silu" {
-            return Err(self.err(format!(
-                "hidden_act `{act}` is not supported for model_type `{model_type}`; only `silu` (the SwiGLU MLP) is"
-            )));
-        }
-
-        let (bias, attn_qkv_bias) = match model_type {
-            // Qwen2 always has q/k/v biases and no others.
-            "qwen2" => (false, true),
-            // In `transformers`, Llama's `attention_bias` covers q/k/v and the
-            // output projection and `mlp_bias` the three MLP matrices; only
-            // both together match this config's all-linear `bias`.
-            "llama" => {
-                let attention_bias = self.bool_opt("attention_bias")?.unwrap_or(false);
-                let mlp_bias = self.bool_opt("mlp_bias")?.unwrap_or(false);
-                match (attention_bias, mlp_bias) {
-                    (false, false) => (false, false),
-                    (true, true) => (true, false),
-                    (true, false) => {
-                        return Err(self.err(
-                            "attention_bias true with mlp_bias false is not supported (it biases q/k/v and o_proj but not the MLP)",
-                        ))
-                    }
-                    (false, true) => {
-                        return Err(self.err(
-                            "mlp_bias true with attention_bias false is not supported (it biases the MLP but not attention)",
-                        ))
-                    }
-                }
-            }
-            _ => (false, false),
-        };
-
-        // transformers' defaults for max_position_embeddings and whether the
-        // sliding window is in use.
-        let (default_positions, sliding) = match model_type {
-            "mistral" => (4096 * 32, true),
-            "qwen2" => (32768, self.bool_opt("use_sliding_window")?.unwrap_or(false)),
-            _ => (2048, false),
-        };
-        let (rope_base, rotary_percentage, rope_scaling) = self.rope(&["rope_theta"], &[], 1.0)?;
-        let n_query_groups = self.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
-        let head_size = match self.usize_opt("head_dim")? {
-            Some(head_dim) => head_dim,
-            None => self.head_size(n_embd, n_head)?,
-        };
-
-        Ok(Config {
-            name: self.model.to_string(),
-            block_size: self.block_size(default_positions, sliding)?,
-            vocab_size,
-            padded_vocab_size: vocab_size,
-            n_layer: self.usize_req("num_hidden_layers")?,
-            n_embd,
-            n_head,
-            n_query_groups,
-            head_size,
-            intermediate_size: self.usize_req("intermediate_size")?,
-            norm: NormKind::RmsNorm,
-            norm_eps: self.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
-            mlp: MlpKind::LlamaSwiGlu,
-            parallel_residual: false,
-            shared_attention_norm: false,
-            rotary_percentage,
-            rope_base,
-            rope_scaling,
-            bias,
-            attn_qkv_bias,
-            tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
-            lm_head_bias: false,
-        })
-    }
-
-    /// `gpt_neox` (Pythia): LayerNorm, GELU MLP, biases everywhere.
-    fn gpt_neox(&self) -> Result<Config> {
-        let n_embd = self.usize_req("hidden_size")?;
-        let n_head = self.usize_req("num_attention_heads")?;
-        let vocab_size = self.usize_req("vocab_size")?;
-        let approximate_tanh = match self.str_opt("hidden_act")?.unwrap_or("gelu") {
-            "gelu" => false,
-            "gelu_new" | "gelu_pytorch_tanh" => true,
-            other => {
-                return Err(self.err(format!(
-                    "hidden_act `{other}` is not supported for model_type `gpt_neox`; only `gelu`, `gelu_new` and `gelu_pytorch_tanh` are"
-                )))
-            }
-        };
-        if !self.bool_opt("attention_bias")?.unwrap_or(true) {
-            return Err(self.err(
-                "attention_bias false is not supported for gpt_neox (its MLP keeps biases, and this config biases all linears or none)",
-            ));
-        }
-        // Older configs say `rotary_emb_base`/`rotary_pct`, newer ones
-        // `rope_theta`/`partial_rotary_factor`.
-        let (rope_base, rotary_percentage, rope_scaling) =
-            self.rope(&["rope_theta", "rotary_emb_base"], &["partial_rotary_factor", "rotary_pct"], 0.25)?;
-
-        Ok(Config {
-            name: self.model.to_string(),
-            block_size: self.block_size(2048, false)?,
-            vocab_size,
-            padded_vocab_size: vocab_size,
-            n_layer: self.usize_req("num_hidden_layers")?,
-            n_embd,
-            n_head,
-            // GPT-NeoX has no grouped-query attention.
-            n_query_groups: n_head,
-            head_size: self.head_size(n_embd, n_head)?,
-            intermediate_size: self.usize_req("intermediate_size")?,
-            norm: NormKind::LayerNorm,
-            norm_eps: self.f64_opt("layer_norm_eps")?.unwrap_or(1e-5),
-            mlp: MlpKind::Gelu { approximate_tanh },
-            parallel_residual: self.bool_opt("use_parallel_residual")?.unwrap_or(true),
-            shared_attention_norm: false,
-            rotary_percentage,
-            rope_base,
-            rope_scaling,
-            bias: true,
-            attn_qkv_bias: false,
-            tie_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
-            lm_head_bias: false,
-        })
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::models::config::tests::{config_reason, named};
-    use crate::models::config::Overrides;
+    use crate::models::config::{MlpKind, Overrides};
 
     const LLAMA_2_7B_JSON: &str = r#"{
       "architectures": ["LlamaForCausalLM"],

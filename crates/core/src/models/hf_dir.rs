@@ -25,12 +25,16 @@
 //! [`save_hf_dir`] for what a `kill -9` at each moment leaves.
 //!
 //! **Names.** The trace names parameters Llama-style for every family (see
-//! [`super::gpt`]). `FAMILY_RULES` holds, for each `model_type`, the one
-//! table that maps Hugging Face tensors to trace parameters, with any fusion;
-//! loading and saving both read it. Llama, Mistral and Qwen2 use the trace's
-//! names as they are. GPT-NeoX renames everything and fuses q, k and v into
+//! [`super::gpt`]). Each family's [`super::family::Family::rules`] maps its
+//! Hugging Face tensors to trace parameters, with any fusion; loading and
+//! saving both read it. Llama, Mistral and Qwen2 use the trace's names as
+//! they are. GPT-NeoX renames everything and fuses q, k and v into
 //! `attention.query_key_value`, interleaved per head as `transformers`
 //! views it (`[n_head, 3, head_size, ...]`).
+//!
+//! **Parameters.** Loading writes and saving reads parameters by name
+//! through [`NamedParams`], which every session implements
+//! (`crate::session`), so this module does not depend on sessions.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -44,11 +48,13 @@ use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
 use super::checkpoint::{from_safetensors_dtype, round_to, to_safetensors_dtype};
-use super::config::{Config, MlpKind, NormKind};
+use super::config::Config;
+use super::family::{instantiate, ConfigKeys, Join, Unlisted};
 use crate::error::{Error, Result};
 use crate::host::{bytes_to_f64, HostTensor};
 use crate::ir::{DType, TensorType, Trace, ValueId};
-use crate::session::Session;
+
+pub use super::family::HfFamily;
 
 // Tensor bytes are viewed as they are in the file, which is little-endian.
 const _: () = assert!(cfg!(target_endian = "little"), "safetensors checkpoints need a little-endian host");
@@ -85,6 +91,11 @@ pub const GENERATION_FILE: &str = "generation_config.json";
 /// The shard size `transformers` uses by default (5 GB).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
+/// The trace's names of the token embedding and the LM head, whose
+/// Hugging Face tensors a tied model may hold the same values in.
+const EMBED_PARAM: &str = "model.embed_tokens.weight";
+const HEAD_PARAM: &str = "lm_head.weight";
+
 /// The longest header the `safetensors` reference implementation accepts.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// How many problems an error lists before it says "and N more".
@@ -93,195 +104,21 @@ const LIST_AT_MOST: usize = 8;
 /// a whole tensor.
 const CAST_CHUNK: usize = 1 << 16;
 
-/// The model families whose folders load and save, by `model_type`.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
-pub enum HfFamily {
-    Llama,
-    Mistral,
-    Qwen2,
-    GptNeox,
-}
+/// Parameters held by name, which [`HfModelDir::load_into`] writes and
+/// [`save_hf_dir`] reads: a session (every `crate::session::Session` is
+/// one), or anything else that holds a trace's parameters.
+pub trait NamedParams {
+    /// The name of the trace whose parameters these are, for messages.
+    fn params_trace_name(&self) -> &str;
 
-impl HfFamily {
-    /// The family of a `config.json` `model_type`.
-    pub fn from_model_type(model_type: &str) -> Option<HfFamily> {
-        Some(match model_type {
-            "llama" => HfFamily::Llama,
-            "mistral" => HfFamily::Mistral,
-            "qwen2" => HfFamily::Qwen2,
-            "gpt_neox" => HfFamily::GptNeox,
-            _ => return None,
-        })
-    }
+    /// Whether a leaf called `name` is held.
+    fn has_param(&self, name: &str) -> bool;
 
-    /// `config.json`'s `model_type`.
-    pub fn model_type(self) -> &'static str {
-        match self {
-            HfFamily::Llama => "llama",
-            HfFamily::Mistral => "mistral",
-            HfFamily::Qwen2 => "qwen2",
-            HfFamily::GptNeox => "gpt_neox",
-        }
-    }
+    /// The leaf called `name`, read back to the host.
+    fn read_param(&mut self, name: &str) -> Result<HostTensor>;
 
-    /// `config.json`'s `architectures` entry: the class
-    /// `AutoModelForCausalLM` instantiates.
-    pub fn architecture(self) -> &'static str {
-        match self {
-            HfFamily::Llama => "LlamaForCausalLM",
-            HfFamily::Mistral => "MistralForCausalLM",
-            HfFamily::Qwen2 => "Qwen2ForCausalLM",
-            HfFamily::GptNeox => "GPTNeoXForCausalLM",
-        }
-    }
-
-    /// The family whose `transformers` model computes the network `config`
-    /// describes, or why there is none. Llama-style configs are `llama`
-    /// unless they have q/k/v biases only (`qwen2`); `mistral` is only
-    /// chosen explicitly, as the same network as `llama` here.
-    pub fn of_config(config: &Config) -> std::result::Result<HfFamily, String> {
-        match (config.norm, config.mlp) {
-            (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) => {
-                if config.parallel_residual || config.lm_head_bias {
-                    Err("a Llama-style model with a parallel residual or an LM-head bias has no transformers class"
-                        .into())
-                } else if config.attn_qkv_bias && !config.bias {
-                    Ok(HfFamily::Qwen2)
-                } else {
-                    Ok(HfFamily::Llama)
-                }
-            }
-            (NormKind::LayerNorm, MlpKind::Gelu { .. }) => {
-                if !config.bias || config.lm_head_bias || config.shared_attention_norm {
-                    Err("a GPT-NeoX model needs biases on every linear layer, none on the LM head, and two norms per layer".into())
-                } else if config.n_query_groups != config.n_head || config.head_size * config.n_head != config.n_embd {
-                    Err(format!(
-                        "GPT-NeoX has neither grouped-query attention nor a head size other than n_embd / n_head \
-                         (n_head {}, n_query_groups {}, head_size {}, n_embd {})",
-                        config.n_head, config.n_query_groups, config.head_size, config.n_embd
-                    ))
-                } else {
-                    Ok(HfFamily::GptNeox)
-                }
-            }
-            (norm, mlp) => Err(format!("no transformers model family has {norm:?} with the {mlp:?} MLP")),
-        }
-    }
-
-    /// Whether `family` writes the same network as `self` (a Llama-layout
-    /// config saved as `mistral`, say).
-    fn same_layout(self, family: HfFamily) -> bool {
-        let layout = |f: HfFamily| if f == HfFamily::Mistral { HfFamily::Llama } else { f };
-        layout(self) == layout(family)
-    }
-
-    /// The Hugging Face names of the token embedding and the LM head.
-    fn embed_and_head(self) -> (&'static str, &'static str) {
-        match self {
-            HfFamily::GptNeox => ("gpt_neox.embed_in.weight", "embed_out.weight"),
-            _ => ("model.embed_tokens.weight", "lm_head.weight"),
-        }
-    }
-
-    /// Checkpoint tensors that are buffers, not parameters: skipped on load.
-    fn ignored_suffixes(self) -> &'static [&'static str] {
-        match self {
-            // Old GPT-NeoX checkpoints (Pythia) carry the causal mask and its fill value.
-            HfFamily::GptNeox => &[".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias"],
-            _ => &[".rotary_emb.inv_freq"],
-        }
-    }
-}
-
-/// How the trace parameters of one rule make its Hugging Face tensor.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
-enum Join {
-    /// One parameter, stored as it is.
-    Same,
-    /// q, k and v (`[n_head·d, ...]` each) interleaved per head, as GPT-NeoX's
-    /// `query_key_value` is viewed: `[n_head, 3, d, ...]`.
-    QkvPerHead,
-}
-
-/// One row of a family's name table: a Hugging Face tensor and the trace
-/// parameters it holds; `{i}` stands for the layer number.
-struct Rule {
-    hf: &'static str,
-    trace: &'static [&'static str],
-    join: Join,
-}
-
-const fn same(hf: &'static str, trace: &'static [&'static str]) -> Rule {
-    Rule { hf, trace, join: Join::Same }
-}
-
-/// GPT-NeoX (`transformers`' `GPTNeoXForCausalLM`) against the trace's names.
-const NEOX_RULES: &[Rule] = &[
-    same("gpt_neox.embed_in.weight", &["model.embed_tokens.weight"]),
-    same("gpt_neox.layers.{i}.input_layernorm.weight", &["model.layers.{i}.input_layernorm.weight"]),
-    same("gpt_neox.layers.{i}.input_layernorm.bias", &["model.layers.{i}.input_layernorm.bias"]),
-    same("gpt_neox.layers.{i}.post_attention_layernorm.weight", &["model.layers.{i}.post_attention_layernorm.weight"]),
-    same("gpt_neox.layers.{i}.post_attention_layernorm.bias", &["model.layers.{i}.post_attention_layernorm.bias"]),
-    Rule {
-        hf: "gpt_neox.layers.{i}.attention.query_key_value.weight",
-        trace: &[
-            "model.layers.{i}.self_attn.q_proj.weight",
-            "model.layers.{i}.self_attn.k_proj.weight",
-            "model.layers.{i}.self_attn.v_proj.weight",
-        ],
-        join: Join::QkvPerHead,
-    },
-    Rule {
-        hf: "gpt_neox.layers.{i}.attention.query_key_value.bias",
-        trace: &[
-            "model.layers.{i}.self_attn.q_proj.bias",
-            "model.layers.{i}.self_attn.k_proj.bias",
-            "model.layers.{i}.self_attn.v_proj.bias",
-        ],
-        join: Join::QkvPerHead,
-    },
-    same("gpt_neox.layers.{i}.attention.dense.weight", &["model.layers.{i}.self_attn.o_proj.weight"]),
-    same("gpt_neox.layers.{i}.attention.dense.bias", &["model.layers.{i}.self_attn.o_proj.bias"]),
-    same("gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight", &["model.layers.{i}.mlp.up_proj.weight"]),
-    same("gpt_neox.layers.{i}.mlp.dense_h_to_4h.bias", &["model.layers.{i}.mlp.up_proj.bias"]),
-    same("gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight", &["model.layers.{i}.mlp.down_proj.weight"]),
-    same("gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias", &["model.layers.{i}.mlp.down_proj.bias"]),
-    same("gpt_neox.final_layer_norm.weight", &["model.norm.weight"]),
-    same("gpt_neox.final_layer_norm.bias", &["model.norm.bias"]),
-    same("embed_out.weight", &["lm_head.weight"]),
-];
-
-/// The name table of each family. Llama, Mistral and Qwen2 checkpoints use
-/// the trace's names (the builder names parameters after them), so their
-/// tables are empty and every parameter maps to itself; a GPT-NeoX
-/// parameter no rule covers is an error.
-const FAMILY_RULES: &[(HfFamily, &[Rule])] =
-    &[(HfFamily::Llama, &[]), (HfFamily::Mistral, &[]), (HfFamily::Qwen2, &[]), (HfFamily::GptNeox, NEOX_RULES)];
-
-fn rules_of(family: HfFamily) -> &'static [Rule] {
-    FAMILY_RULES.iter().find(|(f, _)| *f == family).map_or(&[], |(_, rules)| rules)
-}
-
-/// The layer number if `name` is `pattern` with `{i}` replaced by one
-/// (`Some(None)` for a pattern without `{i}` equal to `name`).
-fn match_pattern(pattern: &str, name: &str) -> Option<Option<usize>> {
-    match pattern.split_once("{i}") {
-        None => (pattern == name).then_some(None),
-        Some((prefix, suffix)) => {
-            let middle = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
-            if middle.is_empty() || !middle.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            middle.parse().ok().map(Some)
-        }
-    }
-}
-
-fn instantiate(pattern: &str, layer: Option<usize>) -> String {
-    match layer {
-        Some(layer) => pattern.replace("{i}", &layer.to_string()),
-        None => pattern.to_string(),
-    }
+    /// Writes the leaf called `name`.
+    fn write_param(&mut self, name: &str, value: &HostTensor) -> Result<()>;
 }
 
 /// One Hugging Face tensor of a model and the trace parameters it holds.
@@ -300,7 +137,7 @@ struct Mapping {
 /// Every parameter of `trace` mapped to the Hugging Face tensor that holds
 /// it, in the trace's parameter order (a fused tensor where its first part is).
 fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mapping>> {
-    let rules = rules_of(family);
+    let family = family.family();
     let params: Vec<(String, ValueId)> =
         trace.params().map(|p| (trace.value(p).kind.leaf_name().unwrap_or_default().to_string(), p)).collect();
     let by_name: HashMap<&str, ValueId> = params.iter().map(|(n, v)| (n.as_str(), *v)).collect();
@@ -312,11 +149,9 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
             continue;
         }
         // Any part of a fused tensor finds its rule, whichever the trace lists first.
-        let found =
-            rules.iter().find_map(|rule| rule.trace.iter().find_map(|p| match_pattern(p, name)).map(|l| (rule, l)));
-        let Some((rule, layer)) = found else {
-            if family == HfFamily::GptNeox {
-                return Err(internal(format!("parameter `{name}` has no GPT-NeoX name")));
+        let Some((rule, layer)) = family.rule_for_param(name) else {
+            if let Unlisted::Refused { title } = family.unlisted() {
+                return Err(internal(format!("parameter `{name}` has no {title} name")));
             }
             covered.insert(name);
             mappings.push(Mapping {
@@ -346,7 +181,7 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
         }
         let ty = match rule.join {
             Join::Same => trace.ty(parts[0].1).clone(),
-            Join::QkvPerHead => {
+            Join::PerHead => {
                 let first = trace.ty(parts[0].1);
                 if parts.iter().any(|(_, pv)| trace.ty(*pv) != first) {
                     return Err(internal(format!(
@@ -362,7 +197,7 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
                     )));
                 }
                 let mut shape = first.shape.clone();
-                shape[0] *= 3;
+                shape[0] *= parts.len();
                 TensorType::new(first.dtype, shape)
             }
         };
@@ -692,10 +527,13 @@ impl HfModelDir {
                 )),
             }
         }
-        let (embed, head) = self.family.embed_and_head();
+        let family = self.family.family();
+        let embed = family.hf_name(EMBED_PARAM).unwrap_or_default();
+        let head = family.hf_name(HEAD_PARAM).unwrap_or_default();
+        let (embed, head) = (embed.as_str(), head.as_str());
         let tied = !mappings.iter().any(|m| m.hf == head) && mappings.iter().any(|m| m.hf == embed);
         for (name, entry) in &self.tensors {
-            if used.contains(name.as_str()) || self.family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
+            if used.contains(name.as_str()) || family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
                 continue;
             }
             let file = self.file_of(entry).display();
@@ -731,8 +569,8 @@ impl HfModelDir {
     /// to nearest even; a NaN or an infinity in the file, or a finite value
     /// that overflows the parameter's dtype, is an error naming the file,
     /// the tensor and the element.
-    pub fn load_into(&self, trace: &Trace, session: &mut dyn Session) -> Result<()> {
-        self.load_into_with(trace, &mut |name, t| session.write_named(name, t))
+    pub fn load_into(&self, trace: &Trace, session: &mut (impl NamedParams + ?Sized)) -> Result<()> {
+        self.load_into_with(trace, &mut |name, t| session.write_param(name, t))
     }
 
     /// [`HfModelDir::load_into`] with every parameter handed to `write`
@@ -766,28 +604,16 @@ impl HfModelDir {
                 let ty = trace.ty(*v).clone();
                 buffer.retype(ty.clone());
                 let dst = buffer.bytes_mut();
-                match m.join {
-                    Join::Same => convert(src_dtype, src, ty.dtype, dst, file, &m.hf)?,
-                    Join::QkvPerHead => {
-                        let dst_block = dst.len() / m.heads;
-                        for (h, s) in per_head_blocks(src, m.heads, parts, k).enumerate() {
-                            convert(src_dtype, s, ty.dtype, &mut dst[h * dst_block..][..dst_block], file, &m.hf)?;
-                        }
-                    }
+                let blocks = m.join.part(src, m.heads, parts, k);
+                let dst_block = dst.len() / blocks.len();
+                for (h, s) in blocks.into_iter().enumerate() {
+                    convert(src_dtype, s, ty.dtype, &mut dst[h * dst_block..][..dst_block], file, &m.hf)?;
                 }
                 write(name, &buffer)?;
             }
         }
         Ok(())
     }
-}
-
-/// The bytes of part `k` of a tensor fused per head from `parts` parts
-/// (`[heads, parts, rows, ...]`), head by head: part k of head h is block
-/// `h·parts + k` of the fused rows.
-fn per_head_blocks(fused: &[u8], heads: usize, parts: usize, k: usize) -> impl Iterator<Item = &[u8]> {
-    let block = fused.len() / (heads * parts);
-    (0..heads).map(move |h| &fused[(h * parts + k) * block..][..block])
 }
 
 /// Hugging Face tensors of `family` (a state dict, or its gradients) under
@@ -802,19 +628,19 @@ pub fn from_hf_tensors(
     n_head: usize,
     tensors: Vec<(String, HostTensor)>,
 ) -> Result<Vec<(String, HostTensor)>> {
-    let rules = rules_of(family);
+    let family = family.family();
     let mut out = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
         if family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
             continue;
         }
-        let Some((rule, layer)) = rules.iter().find_map(|r| match_pattern(r.hf, &name).map(|l| (r, l))) else {
+        let Some((rule, layer)) = family.rule_for_hf(&name) else {
             out.push((name, tensor));
             continue;
         };
         match rule.join {
             Join::Same => out.push((instantiate(rule.trace[0], layer), tensor)),
-            Join::QkvPerHead => {
+            Join::PerHead => {
                 let parts = rule.trace.len();
                 let rows = tensor.ty.shape.first().copied().unwrap_or(0);
                 if n_head == 0 || rows == 0 || rows % (parts * n_head) != 0 {
@@ -833,7 +659,7 @@ pub fn from_hf_tensors(
                     let mut part = HostTensor::zeros(TensorType::new(tensor.ty.dtype, shape.clone()));
                     let dst = part.bytes_mut();
                     let mut offset = 0;
-                    for block in per_head_blocks(tensor.bytes(), n_head, parts, k) {
+                    for block in rule.join.part(tensor.bytes(), n_head, parts, k) {
                         dst[offset..offset + block.len()].copy_from_slice(block);
                         offset += block.len();
                     }
@@ -1016,13 +842,13 @@ pub fn save_hf_dir(
     out: &Path,
     config: &Config,
     trace: &Trace,
-    session: &mut dyn Session,
+    session: &mut (impl NamedParams + ?Sized),
     options: &SaveOptions,
 ) -> Result<SaveReport> {
     config.validate()?;
     let natural = HfFamily::of_config(config).map_err(|reason| checkpoint_error(out, reason))?;
     let family = match options.family {
-        Some(family) if !family.same_layout(natural) => {
+        Some(family) if !family.can_hold(config) => {
             return Err(checkpoint_error(
                 out,
                 format!(
@@ -1041,10 +867,10 @@ pub fn save_hf_dir(
     let mappings = map_params(family, trace, config.n_head)?;
     for m in &mappings {
         for (name, _) in &m.params {
-            if session.trace().leaf_by_name(name).is_none() {
+            if !session.has_param(name) {
                 return Err(checkpoint_error(
                     out,
-                    format!("the session's trace `{}` has no parameter `{name}` to save", session.trace().name),
+                    format!("the session's trace `{}` has no parameter `{name}` to save", session.params_trace_name()),
                 ));
             }
         }
@@ -1129,7 +955,7 @@ fn write_folder(
     temp: &Path,
     mappings: &[Mapping],
     config_json: &Value,
-    session: &mut dyn Session,
+    session: &mut (impl NamedParams + ?Sized),
     options: &SaveOptions,
 ) -> Result<SaveReport> {
     // Shards: consecutive tensors, a new shard when the next would overflow.
@@ -1196,7 +1022,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Writes one safetensors shard: the header for `group`, then each tensor
 /// read from `session` (fused ones assembled from their parts); returns the
 /// bytes of tensor data.
-fn write_shard(path: &Path, group: &[&Mapping], session: &mut dyn Session) -> Result<u64> {
+fn write_shard(path: &Path, group: &[&Mapping], session: &mut (impl NamedParams + ?Sized)) -> Result<u64> {
     let mut infos = Vec::with_capacity(group.len());
     let mut offset = 0usize;
     for m in group {
@@ -1227,7 +1053,7 @@ fn write_shard(path: &Path, group: &[&Mapping], session: &mut dyn Session) -> Re
     out.write_all(&header).map_err(io)?;
     for m in group {
         let parts: Vec<HostTensor> =
-            m.params.iter().map(|(name, _)| read_param(session, name)).collect::<Result<_>>()?;
+            m.params.iter().map(|(name, _)| session.read_param(name)).collect::<Result<_>>()?;
         for (part, (name, _)) in parts.iter().zip(&m.params) {
             if part.ty.dtype != m.ty.dtype {
                 return Err(checkpoint_error(
@@ -1247,16 +1073,10 @@ fn write_shard(path: &Path, group: &[&Mapping], session: &mut dyn Session) -> Re
 }
 
 /// The bytes of `m`'s Hugging Face tensor, in order, as slices of its
-/// parts: the part itself, or for a per-head join head 0 of q, k and v,
-/// then head 1, and so on.
+/// parts (see [`Join::chunks`]).
 fn joined_chunks<'a>(m: &Mapping, parts: &'a [HostTensor]) -> Vec<&'a [u8]> {
-    match m.join {
-        Join::Same => vec![parts[0].bytes()],
-        Join::QkvPerHead => {
-            let block = parts[0].bytes().len() / m.heads;
-            (0..m.heads).flat_map(|h| parts.iter().map(move |part| &part.bytes()[h * block..][..block])).collect()
-        }
-    }
+    let parts: Vec<&[u8]> = parts.iter().map(HostTensor::bytes).collect();
+    m.join.chunks(&parts, m.heads)
 }
 
 /// The Hugging Face tensors of `trace`'s parameters as `family` names and
@@ -1298,14 +1118,6 @@ pub fn to_hf_tensors(
         out.push((m.hf, tensor));
     }
     Ok(out)
-}
-
-fn read_param(session: &mut dyn Session, name: &str) -> Result<HostTensor> {
-    let v = session.trace().leaf_by_name(name).ok_or_else(|| Error::Input {
-        name: name.into(),
-        reason: format!("trace `{}` has no leaf of that name", session.trace().name),
-    })?;
-    session.read(v)
 }
 
 /// Puts the complete folder `temp` at `out` (see [`save_hf_dir`]) and
@@ -1362,27 +1174,24 @@ fn exchange(_a: &Path, _b: &Path) -> io::Result<()> {
 /// GPT-NeoX `rotary_emb_base`/`rotary_pct`) and the `transformers` 5 way
 /// (`rope_parameters`), so either version loads the same network.
 pub fn hf_config_json(config: &Config, family: HfFamily, dtype: DType, source: Option<&Map<String, Value>>) -> Value {
-    let mut obj = source.cloned().unwrap_or_default();
+    let mut keys = ConfigKeys { top: source.cloned().unwrap_or_default(), rope: Map::new() };
     // Keys another version or family may have written, rewritten below.
     for key in
         ["rope_scaling", "rope_parameters", "rope_theta", "rotary_emb_base", "rotary_pct", "partial_rotary_factor"]
     {
-        obj.remove(key);
+        keys.top.remove(key);
     }
-    let mut set = |key: &str, value: Value| {
-        obj.insert(key.to_string(), value);
-    };
-    set("architectures", json!([family.architecture()]));
-    set("model_type", json!(family.model_type()));
-    set("vocab_size", json!(config.padded_vocab_size));
-    set("hidden_size", json!(config.n_embd));
-    set("intermediate_size", json!(config.intermediate_size));
-    set("num_hidden_layers", json!(config.n_layer));
-    set("num_attention_heads", json!(config.n_head));
-    set("max_position_embeddings", json!(config.block_size));
-    set("tie_word_embeddings", json!(config.tie_embeddings));
-    set("torch_dtype", json!(torch_dtype(dtype)));
-    set("dtype", json!(torch_dtype(dtype)));
+    keys.set("architectures", json!([family.architecture()]));
+    keys.set("model_type", json!(family.model_type()));
+    keys.set("vocab_size", json!(config.padded_vocab_size));
+    keys.set("hidden_size", json!(config.n_embd));
+    keys.set("intermediate_size", json!(config.intermediate_size));
+    keys.set("num_hidden_layers", json!(config.n_layer));
+    keys.set("num_attention_heads", json!(config.n_head));
+    keys.set("max_position_embeddings", json!(config.block_size));
+    keys.set("tie_word_embeddings", json!(config.tie_embeddings));
+    keys.set("torch_dtype", json!(torch_dtype(dtype)));
+    keys.set("dtype", json!(torch_dtype(dtype)));
     let scaling = config.rope_scaling.map(|s| {
         json!({
             "rope_type": "llama3",
@@ -1392,46 +1201,15 @@ pub fn hf_config_json(config: &Config, family: HfFamily, dtype: DType, source: O
             "original_max_position_embeddings": s.original_max_position_embeddings,
         })
     });
-    let mut rope_parameters = match &scaling {
+    keys.rope = match &scaling {
         Some(Value::Object(map)) => map.clone(),
         _ => Map::from_iter([("rope_type".to_string(), json!("default"))]),
     };
-    rope_parameters.insert("rope_theta".into(), json!(config.rope_base));
-    set("rope_theta", json!(config.rope_base));
-    set("rope_scaling", scaling.unwrap_or(Value::Null));
-    match family {
-        HfFamily::GptNeox => {
-            let act = match config.mlp {
-                MlpKind::Gelu { approximate_tanh: true } => "gelu_pytorch_tanh",
-                _ => "gelu",
-            };
-            set("hidden_act", json!(act));
-            set("layer_norm_eps", json!(config.norm_eps));
-            set("use_parallel_residual", json!(config.parallel_residual));
-            set("rotary_emb_base", json!(config.rope_base));
-            set("rotary_pct", json!(config.rotary_percentage));
-            set("partial_rotary_factor", json!(config.rotary_percentage));
-            set("attention_bias", json!(true));
-            rope_parameters.insert("partial_rotary_factor".into(), json!(config.rotary_percentage));
-        }
-        HfFamily::Llama | HfFamily::Mistral | HfFamily::Qwen2 => {
-            set("hidden_act", json!("silu"));
-            set("rms_norm_eps", json!(config.norm_eps));
-            set("num_key_value_heads", json!(config.n_query_groups));
-            set("head_dim", json!(config.head_size));
-            match family {
-                HfFamily::Llama => {
-                    set("attention_bias", json!(config.bias));
-                    set("mlp_bias", json!(config.bias));
-                }
-                HfFamily::Mistral => set("sliding_window", Value::Null),
-                _ => {
-                    set("use_sliding_window", json!(false));
-                    set("sliding_window", Value::Null);
-                }
-            }
-        }
-    }
-    set("rope_parameters", Value::Object(rope_parameters));
-    Value::Object(obj)
+    keys.set_rope("rope_theta", json!(config.rope_base));
+    keys.set("rope_theta", json!(config.rope_base));
+    keys.set("rope_scaling", scaling.unwrap_or(Value::Null));
+    family.family().write_config(config, &mut keys);
+    let ConfigKeys { mut top, rope } = keys;
+    top.insert("rope_parameters".to_string(), Value::Object(rope));
+    Value::Object(top)
 }

@@ -1,5 +1,6 @@
 //! Models: GPT-family configurations ([`config`]), reading Hugging Face
-//! `config.json` files into them ([`hf`]), the builder that records a
+//! `config.json` files into them ([`hf`]), the Hugging Face model families
+//! and everything that differs between them ([`family`]), the builder that records a
 //! configuration's forward pass and loss as a trace ([`gpt`]), safetensors
 //! files ([`checkpoint`]), whole Hugging Face model folders in and out of
 //! a session ([`hf_dir`]), and the initial weights, the same bits on the
@@ -7,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod family;
 pub mod generate;
 pub mod gpt;
 pub mod hf;
