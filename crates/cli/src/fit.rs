@@ -15,9 +15,9 @@ use serde::Serialize;
 
 use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::models::ModelSpec;
+use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::{Category, Timeline};
-use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::Error as CoreError;
 
 use crate::memory_args::parse_bytes;

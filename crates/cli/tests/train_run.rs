@@ -170,6 +170,12 @@ fn metrics_rows_and_validation() {
     assert!(train[0]["lr"].as_f64().unwrap() <= 0.01);
     let v = val[0]["val_loss"].as_f64().unwrap();
     assert!((val[0]["val_ppl"].as_f64().unwrap() - v.exp()).abs() < 1e-9 * v.exp());
+    // TensorBoard's event file beside it holds every row's scalars (its
+    // frames and contents are checked in the library's tests).
+    let events = std::fs::read(d.join("m.jsonl.tfevents")).expect("an event file next to the metrics");
+    let count = |tag: &str| events.windows(tag.len()).filter(|w| *w == tag.as_bytes()).count();
+    assert_eq!(count("train/loss"), 10);
+    assert_eq!(count("val/loss"), 2);
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -16,6 +16,7 @@
 //! - [`data`]: byte-level text and token files as batches;
 //! - [`divergence`], [`schedule`], [`metrics`]: the loss watch, the
 //!   learning-rate schedule, the JSONL metrics file and MFU;
+//! - [`tensorboard`]: the metrics as TensorBoard event files;
 //! - [`lock`]: one run per checkpoint directory.
 //!
 //! Messages name the `stepgraph train` flags that change a setting, since
@@ -29,6 +30,7 @@ pub mod lock;
 pub mod metrics;
 pub mod schedule;
 pub mod session;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use config::{Checkpoints, Course, DataConfig, RunConfig};

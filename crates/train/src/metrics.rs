@@ -1,5 +1,5 @@
 //! The numbers a user watches: the JSONL metrics file (one row per logged
-//! training step, one per validation), model FLOPs per token and the
+//! training step, one per validation) and its TensorBoard twin, model FLOPs per token and the
 //! model-FLOPs utilization (MFU) against a table of GPU peaks.
 //!
 //! **Invariant:** on resume from step `s` the metrics file keeps only rows
@@ -16,10 +16,14 @@ use stepgraph_core::ir::DType;
 use stepgraph_core::models::checkpoint::write_atomic;
 use stepgraph_core::models::Config;
 
-/// An append-only JSONL file of metrics rows.
+use crate::tensorboard::EventFile;
+
+/// An append-only JSONL file of metrics rows, with its TensorBoard event
+/// file beside it ([`crate::tensorboard`]).
 pub struct MetricsFile {
     path: PathBuf,
     file: File,
+    events: EventFile,
 }
 
 impl MetricsFile {
@@ -47,12 +51,15 @@ impl MetricsFile {
         write_atomic(path, |out| kept.iter().try_for_each(|line| writeln!(out, "{line}")))
             .with_context(|| format!("creating the metrics file {}", path.display()))?;
         let file = OpenOptions::new().append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
-        Ok(MetricsFile { path: path.to_path_buf(), file })
+        let rows: Vec<Value> = kept.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let events = EventFile::create(path, &rows)?;
+        Ok(MetricsFile { path: path.to_path_buf(), file, events })
     }
 
     /// Appends one row.
     pub fn write(&mut self, row: &Value) -> Result<()> {
-        writeln!(self.file, "{row}").with_context(|| format!("writing the metrics file {}", self.path.display()))
+        writeln!(self.file, "{row}").with_context(|| format!("writing the metrics file {}", self.path.display()))?;
+        self.events.write(row)
     }
 
     pub fn path(&self) -> &Path {
