@@ -171,31 +171,31 @@ enum StepArg {
 #[derive(Args, Clone)]
 struct ModelChoiceArgs {
     /// A litgpt or Hugging Face model name (e.g. open_llama_3b, Qwen/Qwen2.5-7B) or a test config (tiny-llama).
-    #[arg(long, default_value = "tiny-llama")]
+    #[arg(help_heading = "Model", long, default_value = "tiny-llama")]
     model: String,
     /// A Hugging Face config.json (or its directory) instead of a named model.
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     config: Option<PathBuf>,
     /// Number of transformer layers (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     n_layer: Option<usize>,
     /// Embedding width (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     n_embd: Option<usize>,
     /// Attention heads (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     n_head: Option<usize>,
     /// Key/value head groups for grouped-query attention (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     n_query_groups: Option<usize>,
     /// Vocabulary size, the embedding rows (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     vocab: Option<usize>,
     /// Longest sequence the model supports (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     block_size: Option<usize>,
     /// Hidden width of the MLP (overrides the model's).
-    #[arg(long)]
+    #[arg(help_heading = "Model", long)]
     intermediate_size: Option<usize>,
 }
 
@@ -224,16 +224,16 @@ struct ModelArgs {
     #[command(flatten)]
     choice: ModelChoiceArgs,
     /// Rows (sequences) per step.
-    #[arg(long, default_value_t = 1)]
+    #[arg(help_heading = "Data", long, default_value_t = 1)]
     batch: usize,
     /// Tokens per sequence (default: the block size, at most 2048).
-    #[arg(long)]
+    #[arg(help_heading = "Data", long)]
     seq: Option<usize>,
     /// dtype of the parameters and activations.
-    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    #[arg(help_heading = "Model", long, value_enum, default_value_t = DTypeArg::F32)]
     dtype: DTypeArg,
     /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
-    #[arg(long, value_enum, default_value_t = LossArg::Ce)]
+    #[arg(help_heading = "Model", long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
 }
 
@@ -326,34 +326,34 @@ impl MasterWeightsArg {
 #[derive(Args, Clone, Debug)]
 struct OptimArgs {
     /// AdamW weight decay.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(help_heading = "Optimization", long, default_value_t = 0.0)]
     weight_decay: f64,
     /// dtype of the AdamW moments: auto keeps them in float32 for f16
     /// parameters (f16 cannot hold (1-β2)·g²) and in the parameter dtype otherwise.
-    #[arg(long, value_enum, default_value_t = StateDTypeArg::Auto)]
+    #[arg(help_heading = "Optimization", long, value_enum, default_value_t = StateDTypeArg::Auto)]
     state_dtype: StateDTypeArg,
     /// Keep the AdamW moments in float32 (the same as --state-dtype f32).
-    #[arg(long, conflicts_with = "state_dtype")]
+    #[arg(help_heading = "Optimization", long, conflicts_with = "state_dtype")]
     f32_state: bool,
     /// What bf16/f16 parameters keep so that updates below half a unit in
     /// their last place are not rounded away: an f32 master copy, a
     /// compensation of the parameter's dtype, or nothing (f32 parameters
     /// need neither; docs/mixed-precision.md compares them).
-    #[arg(long, value_enum, value_name = "MODE", default_value_t = MasterWeightsArg::default_mode())]
+    #[arg(help_heading = "Optimization", long, value_enum, value_name = "MODE", default_value_t = MasterWeightsArg::default_mode())]
     master_weights: MasterWeightsArg,
     /// Apply --weight-decay to every parameter; without it norm weights,
     /// biases and embedding tables are not decayed.
-    #[arg(long)]
+    #[arg(help_heading = "Optimization", long)]
     decay_all: bool,
     /// Clip the global gradient norm to X before each update, computed in
     /// the step (0: no clipping) [default: 1.0, as the Hugging Face Trainer
     /// (max_grad_norm), GPT-3, Llama 2 and nanoGPT; none with --zero1,
     /// whose sharded gradients are not clipped yet].
-    #[arg(long, value_name = "X")]
+    #[arg(help_heading = "Optimization", long, value_name = "X")]
     clip_grad_norm: Option<f64>,
     /// Micro-batches of gradient accumulation in each step: --batch rows
     /// each, forward and backward in turn, one update (N x --batch rows a step).
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(help_heading = "Optimization", long, value_name = "N", default_value_t = 1)]
     grad_accum: usize,
 }
 

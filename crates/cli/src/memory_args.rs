@@ -41,31 +41,31 @@ pub struct MemoryArgs {
     /// with a unit (32GB, 500MB, 1.5GiB, 2.5e9) or `auto` (the free memory of
     /// the GPU, or of the host without one). A budget no recomputation can
     /// meet is refused, naming the smallest that works.
-    #[arg(long, value_name = "BYTES|auto")]
+    #[arg(help_heading = "Memory", long, value_name = "BYTES|auto")]
     pub memory_budget: Option<String>,
     /// Without a budget: recompute cheap values when that lowers the peak (auto) or never (off).
-    #[arg(long, value_enum, default_value_t = RecomputeArg::Auto, conflicts_with = "memory_budget")]
+    #[arg(help_heading = "Memory", long, value_enum, default_value_t = RecomputeArg::Auto, conflicts_with = "memory_budget")]
     pub recompute: RecomputeArg,
     /// Where a train step's AdamW updates run: in backward right after each
     /// gradient is final (on), after backward (off), or whichever plans lower (auto).
-    #[arg(long, value_enum, default_value_t = PlacementArg::Auto)]
+    #[arg(help_heading = "Memory", long, value_enum, default_value_t = PlacementArg::Auto)]
     pub optimizer_in_backward: PlacementArg,
     /// Split the rows of every MLP into this many tiles, run one after the
     /// other, so backward holds one tile's intermediates at a time. A
     /// memory budget these cannot meet tries twice as many, and again.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(help_heading = "Memory", long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub mlp_tiles: u32,
     /// Fold adds into the products and norm backwards that produce their
     /// operands (the residual adds, gradients read by several products, a
     /// bias), as those kernels' epilogues (on), or keep each add a kernel (off).
-    #[arg(long, value_enum, default_value_t = EpilogueArg::On)]
+    #[arg(help_heading = "Performance tuning", long, value_enum, default_value_t = EpilogueArg::On)]
     pub epilogues: EpilogueArg,
     /// How f32 matrix products are computed: exactly (CUDA-core SGEMM on a
     /// GPU), or each as three TF32 tensor-core products of operands split
     /// into a TF32 part and the rest (3xTF32: about f32 accuracy, several
     /// times faster on Ampere and later; the split operands cost planned
     /// bytes). bf16 and f16 steps have no f32 products.
-    #[arg(long, value_enum, default_value_t = F32ProductsArg::Exact)]
+    #[arg(help_heading = "Performance tuning", long, value_enum, default_value_t = F32ProductsArg::Exact)]
     pub f32_products: F32ProductsArg,
 }
 

@@ -379,3 +379,46 @@ fn compare_errors_name_the_missing_gpu_or_reference() {
     assert!(err.contains("reading the reference's model config: io error on `no/such/dir/config.json`"), "{err}");
     assert_eq!(err.matches("no/such/dir/config.json").count(), 1, "{err}");
 }
+
+/// `train --help` groups its flags under headings, in the order a user
+/// reads them, each flag under the one it belongs to.
+#[test]
+fn train_help_groups_its_flags_under_headings() {
+    let (ok, out, err) = stepgraph(&["train", "--help"]);
+    assert!(ok, "{err}");
+    let headings = [
+        "Model:",
+        "Data:",
+        "Optimization:",
+        "Schedule:",
+        "Validation:",
+        "Checkpoints:",
+        "Output:",
+        "Devices:",
+        "Memory:",
+        "Performance tuning:",
+    ];
+    let at = |needle: &str| out.find(&format!("\n{needle}\n")).unwrap_or_else(|| panic!("no `{needle}` in\n{out}"));
+    let positions: Vec<usize> = headings.iter().map(|h| at(h)).collect();
+    let mut sorted = positions.clone();
+    sorted.sort();
+    assert_eq!(positions, sorted, "headings out of order:\n{out}");
+    let under = |flag: &str| {
+        let p = out.find(&format!("      {flag} ")).unwrap_or_else(|| panic!("no {flag} in\n{out}"));
+        headings[positions.iter().rposition(|&h| h < p).expect("a flag before every heading")]
+    };
+    for (flag, heading) in [
+        ("--init-from", "Model:"),
+        ("--data", "Data:"),
+        ("--lr", "Optimization:"),
+        ("--warmup", "Schedule:"),
+        ("--eval-every", "Validation:"),
+        ("--resume", "Checkpoints:"),
+        ("--out", "Output:"),
+        ("--gpus", "Devices:"),
+        ("--memory-budget", "Memory:"),
+        ("--epilogues", "Performance tuning:"),
+    ] {
+        assert_eq!(under(flag), heading, "{flag}");
+    }
+}

@@ -68,81 +68,81 @@ use crate::{LossArg, ModelArgs, OptimArgs};
 pub struct TrainArgs {
     /// What to train on: a token file written by `stepgraph prepare` (known
     /// by its header), or any other file as byte-level text (one token per byte).
-    #[arg(long, default_value = "data/tiny.txt")]
+    #[arg(help_heading = "Data", long, default_value = "data/tiny.txt")]
     pub data: PathBuf,
     /// Start from a Hugging Face model folder (config.json and safetensors
     /// weights): the model comes from its config.json, the weights are
     /// loaded and cast to --dtype, and the default learning rate is a
     /// fine-tuning one.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
+    #[arg(help_heading = "Model", long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
     pub init_from: Option<PathBuf>,
-    /// At the end of the run, write the model as a Hugging Face folder here
-    /// (config.json, safetensors shards and index, the tokenizer files),
-    /// replacing a previous save atomically.
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
     /// The model's tokenizer folder (or its tokenizer.json): token files of --data must be made with it, and
     /// --out copies its files [default: the --init-from folder's].
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = "Model", long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
-    /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
-    #[arg(long, value_name = "MIB", requires = "out")]
-    pub max_shard_mb: Option<f64>,
     /// Optimizer steps of the whole run.
-    #[arg(long, default_value_t = 200)]
+    #[arg(help_heading = "Schedule", long, default_value_t = 200)]
     pub steps: usize,
     /// Peak learning rate [default: from the model's size; printed at start].
-    #[arg(long)]
+    #[arg(help_heading = "Optimization", long)]
     pub lr: Option<f64>,
     /// Linear warm-up steps [default: 5% of --steps, at most 2000].
-    #[arg(long)]
+    #[arg(help_heading = "Schedule", long)]
     pub warmup: Option<usize>,
     /// The learning rate the cosine decay ends at, on the last step [default: 10% of the peak].
-    #[arg(long)]
+    #[arg(help_heading = "Schedule", long)]
     pub min_lr: Option<f64>,
     /// The cosine floor as a fraction of the peak learning rate (instead of --min-lr).
-    #[arg(long, conflicts_with = "min_lr")]
+    #[arg(help_heading = "Schedule", long, conflicts_with = "min_lr")]
     pub min_lr_ratio: Option<f64>,
     /// Stop (exit non-zero) at the step the loss diverges: the mean of the
     /// last 5 losses above twice its best and 1 nat over it, or the
     /// uniform model's loss with a zero gradient; without it a warning is
     /// printed at that step. Either way --keep keeps the last checkpoint
     /// saved before the best loss.
-    #[arg(long)]
+    #[arg(help_heading = "Optimization", long)]
     pub fail_on_divergence: bool,
-    /// When stderr is not a terminal, log the loss every N steps (0: never).
-    #[arg(long, default_value_t = 10)]
-    pub log_every: usize,
     /// Seed for initial weights and batch sampling.
-    #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Data", long, default_value_t = 0)]
     pub seed: u64,
     /// Evaluate the loss and perplexity on the held-out split every N steps and at the end (0: never).
-    #[arg(long, default_value_t = 50)]
+    #[arg(help_heading = "Validation", long, default_value_t = 50)]
     pub eval_every: usize,
     /// Batches of the held-out split each evaluation runs.
-    #[arg(long, default_value_t = 4)]
+    #[arg(help_heading = "Validation", long, default_value_t = 4)]
     pub eval_batches: usize,
     /// The fraction at the end of the text held out for validation.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(help_heading = "Data", long, default_value_t = 0.1)]
     pub val_fraction: f64,
     /// Save checkpoints in DIR (one `step-NNNNNN/` each); without it none are saved.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// With --checkpoint-dir: also save every N steps, not only at the end (0: only at the end).
-    #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Checkpoints", long, default_value_t = 0)]
     pub save_every: usize,
     /// With --checkpoint-dir: keep the newest K checkpoints, deleting older ones.
-    #[arg(long, default_value_t = 3)]
+    #[arg(help_heading = "Checkpoints", long, default_value_t = 3)]
     pub keep: usize,
     /// Continue a run: `auto` (the newest complete checkpoint in --checkpoint-dir,
     /// or a fresh start when there is none) or a checkpoint's `step-NNNNNN` directory.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     pub resume: Option<String>,
     /// Stop after step N of the --steps run (saving a checkpoint), to continue later with --resume.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     pub stop_after: Option<usize>,
+    /// At the end of the run, write the model as a Hugging Face folder here
+    /// (config.json, safetensors shards and index, the tokenizer files),
+    /// replacing a previous save atomically.
+    #[arg(help_heading = "Output", long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
+    #[arg(help_heading = "Output", long, value_name = "MIB", requires = "out")]
+    pub max_shard_mb: Option<f64>,
+    /// When stderr is not a terminal, log the loss every N steps (0: never).
+    #[arg(help_heading = "Output", long, default_value_t = 10)]
+    pub log_every: usize,
     /// A JSONL file with one row per step and per validation [default: metrics.jsonl in --checkpoint-dir].
-    #[arg(long)]
+    #[arg(help_heading = "Output", long)]
     pub metrics: Option<PathBuf>,
     /// Read flags from a TOML file whose keys are this command's flag names
     /// (`steps = 100`, `n-layer = 2` or `n_layer = 2`, `zero1 = true`); flags
@@ -150,25 +150,25 @@ pub struct TrainArgs {
     #[arg(long)]
     pub run_config: Option<PathBuf>,
     /// Train on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Devices", long, value_enum)]
     pub device: Option<Backend>,
     /// Train on N GPUs: 1 is the same as --device cuda; N > 1 trains
     /// data-parallel through NCCL, one process per GPU (`--batch` is the
     /// global batch, split by rows).
-    #[arg(long)]
+    #[arg(help_heading = "Devices", long)]
     pub gpus: Option<usize>,
     /// With --gpus: shard the AdamW state over the GPUs (ZeRO-1).
-    #[arg(long, requires = "gpus")]
+    #[arg(help_heading = "Devices", long, requires = "gpus")]
     pub zero1: bool,
     /// With --gpus: gradient bucket size in MiB, like PyTorch DDP's bucket_cap_mb [default: 25].
-    #[arg(long, requires = "gpus")]
+    #[arg(help_heading = "Devices", long, requires = "gpus")]
     pub bucket_mb: Option<f64>,
     /// With --gpus: run every step eagerly instead of replaying a captured CUDA graph.
-    #[arg(long, requires = "gpus")]
+    #[arg(help_heading = "Devices", long, requires = "gpus")]
     pub eager: bool,
     /// With --gpus: run the collectives on a second stream, overlapping the
     /// backward work that does not touch their gradients.
-    #[arg(long, requires = "gpus")]
+    #[arg(help_heading = "Devices", long, requires = "gpus")]
     pub overlap: bool,
     /// Set by the launcher: this process is rank R (on GPU R) of a --gpus run.
     #[arg(long, hide = true, requires_all = ["gpus", "nccl_id"])]
