@@ -93,7 +93,7 @@ run_case() {
     fi
     reference "$ref" || return 1
     # shellcheck disable=SC2206 # COMPARE_ARGS is a list of flags, split on purpose
-    local cmd=(.carry/stepgraph compare --backend "$backend" --reference "$REF_DIR/$ref" --loss "$loss"
+    local cmd=(.carry/stepgraph compare --device "$backend" --reference "$REF_DIR/$ref" --loss "$loss"
         --json-out "$RESULTS/compare-$name.json" ${COMPARE_ARGS:-})
     rm -f "$RESULTS/compare-$name.json"
     echo "== $name: ${cmd[*]}"

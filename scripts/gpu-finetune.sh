@@ -119,7 +119,7 @@ with tempfile.TemporaryDirectory() as d:
     save_file({"input_ids": ids}, os.path.join(d, "ids.safetensors"))
     out = os.path.join(d, "logits.safetensors")
     subprocess.run([sg, "hf", "--init-from", folder, "--ids", os.path.join(d, "ids.safetensors"),
-                    "--logits-out", out, "--backend", "cuda", "--dtype", "f32"], check=True)
+                    "--logits-out", out, "--device", "cuda", "--dtype", "f32"], check=True)
     ours = load_file(out)["logits"].double()
 with torch.no_grad():
     theirs = model(input_ids=ids.cuda()).logits.double().cpu()

@@ -179,7 +179,7 @@ def run_variant(checks, stepgraph, backend, work, name, model_type, kwargs, shar
     grads_path = os.path.join(work, name, "grads.safetensors")
     cmd = [
         stepgraph, "hf", "--init-from", src, "--ids", ids_path, "--logits-out", logits_path,
-        "--grads-out", grads_path, "--out", out, "--max-shard-mb", "0.05", "--backend", backend,
+        "--grads-out", grads_path, "--out", out, "--max-shard-mb", "0.05", "--device", backend,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:

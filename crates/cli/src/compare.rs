@@ -91,9 +91,9 @@ pub struct CompareArgs {
     /// reference's weights); weights of another dtype are converted.
     #[arg(long, value_enum)]
     pub dtype: Option<CompareDType>,
-    /// The backend to run the step on (default: cuda when a GPU is present,
-    /// else cpu).
-    #[arg(long, value_enum)]
+    /// Where to run the step (default: cuda when a GPU is present, else
+    /// cpu); `--backend` is the same flag under its older name.
+    #[arg(long = "device", alias = "backend", value_enum)]
     pub backend: Option<Backend>,
     /// The largest relative error ‖a − b‖₂ / ‖b‖₂ a tensor (the loss or a
     /// gradient) may have: a finite number above 0 (default: 1e-4 for f32,
@@ -240,8 +240,8 @@ fn resolve_backend(asked: Option<Backend>, gpu_present: impl FnOnce() -> bool) -
         Some(Backend::Cuda) => {
             if !gpu_present() {
                 bail!(
-                    "--backend cuda needs an NVIDIA GPU, and this machine has none (no driver library or no \
-                     device); use --backend cpu"
+                    "--device cuda needs an NVIDIA GPU, and this machine has none (no driver library or no \
+                     device); use --device cpu"
                 );
             }
             Ok(Backend::Cuda)
@@ -785,7 +785,7 @@ mod tests {
         // Asking for the CPU does not even probe for a GPU.
         assert_eq!(resolve_backend(Some(Backend::Cpu), || panic!("probed")).unwrap(), Backend::Cpu);
         let err = resolve_backend(Some(Backend::Cuda), || false).unwrap_err().to_string();
-        assert!(err.contains("--backend cuda needs an NVIDIA GPU") && err.contains("--backend cpu"), "{err}");
+        assert!(err.contains("--device cuda needs an NVIDIA GPU") && err.contains("--device cpu"), "{err}");
     }
 
     #[test]

@@ -60,8 +60,8 @@ pub struct HfArgs {
     /// The dtype the model runs in; weights of another float dtype are cast.
     #[arg(long, value_enum, default_value_t = HfDType::F32)]
     pub dtype: HfDType,
-    /// The backend to run on.
-    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    /// Where to run; `--backend` is the same flag under its older name.
+    #[arg(long = "device", alias = "backend", value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
 }
 

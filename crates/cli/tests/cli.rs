@@ -372,7 +372,7 @@ fn compare_errors_name_the_missing_gpu_or_reference() {
     if !stepgraph_cuda::session::gpu_available() {
         let (ok, _, err) = stepgraph(&["compare", "--backend", "cuda", "--reference", "no/such/dir", "--loss", "sum"]);
         assert!(!ok);
-        assert!(err.contains("--backend cuda needs an NVIDIA GPU") && err.contains("--backend cpu"), "{err}");
+        assert!(err.contains("--device cuda needs an NVIDIA GPU") && err.contains("--device cpu"), "{err}");
     }
     let (ok, _, err) = stepgraph(&["compare", "--backend", "cpu", "--reference", "no/such/dir", "--loss", "sum"]);
     assert!(!ok);

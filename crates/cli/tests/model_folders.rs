@@ -346,7 +346,7 @@ fn compare_reads_a_gpt_neox_reference_by_its_transformers_names() {
     let names: Vec<String> =
         read_safetensors(&reference.join("weights.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
     assert!(names.iter().any(|n| n == "gpt_neox.layers.1.attention.query_key_value.weight"), "{names:?}");
-    let args = ["compare", "--reference", s(&reference), "--loss", "ce", "--backend", "cpu", "--json"];
+    let args = ["compare", "--reference", s(&reference), "--loss", "ce", "--device", "cpu", "--json"];
     let (out, _) = run_ok(&args);
     let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["pass"], true, "{report}");
