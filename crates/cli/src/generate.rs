@@ -566,3 +566,29 @@ fn report(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `eos_token_id` as `transformers` writes it: one id, a list, or null;
+    /// anything else is refused naming the file.
+    #[test]
+    fn stop_tokens_come_from_the_generation_config() {
+        let d = tempfile::tempdir().unwrap();
+        let write = |text: &str| std::fs::write(d.path().join(GENERATION_FILE), text).unwrap();
+        assert_eq!(stop_tokens(None, Some(d.path())).unwrap(), Vec::<u32>::new());
+        write(r#"{"eos_token_id": 7}"#);
+        assert_eq!(stop_tokens(None, Some(d.path())).unwrap(), [7]);
+        write(r#"{"eos_token_id": [2, 0, 2]}"#);
+        assert_eq!(stop_tokens(None, Some(d.path())).unwrap(), [2, 0]);
+        write(r#"{"eos_token_id": null, "bos_token_id": 1}"#);
+        assert_eq!(stop_tokens(None, Some(d.path())).unwrap(), Vec::<u32>::new());
+        write(r#"{"eos_token_id": [-1]}"#);
+        let e = stop_tokens(None, Some(d.path())).unwrap_err().to_string();
+        assert!(e.contains("generation_config.json: eos_token_id holds -1"), "{e}");
+        write("{");
+        let e = format!("{:#}", stop_tokens(None, Some(d.path())).unwrap_err());
+        assert!(e.contains("is not valid JSON"), "{e}");
+    }
+}

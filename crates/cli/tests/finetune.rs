@@ -29,18 +29,31 @@ fn run_ok(args: &[&str]) -> (String, String) {
 }
 
 /// Trains the README's tokenizer on `data/tiny.txt` (a byte-level BPE of
-/// 400 entries with a ChatML template) into `data/tokenizer`:
+/// 400 entries with a ChatML template) into `data/tokenizer`, with the
+/// `generation_config.json` of a ChatML chat model (generation ends at
+/// `<|im_end|>` or `<|endoftext|>`):
 /// `cargo test -p stepgraph --test finetune -- --ignored regenerate`.
 #[test]
 #[ignore = "regenerates the committed data/tokenizer"]
 fn regenerate_the_readme_tokenizer() {
-    fixtures::train_tokenizer(
-        &root().join("data/tiny.txt"),
-        &root().join(README_TOKENIZER),
-        400,
-        TemplateStyle::ChatMl,
-    )
-    .unwrap();
+    let dir = root().join(README_TOKENIZER);
+    fixtures::train_tokenizer(&root().join("data/tiny.txt"), &dir, 400, TemplateStyle::ChatMl).unwrap();
+    let tok = stepgraph_data::Tokenizer::load(&dir).unwrap();
+    let end_of_turn = tok.token_to_id("<|im_end|>").expect("ChatML's end-of-turn token");
+    let config = json!({ "eos_token_id": [end_of_turn, tok.eos_id] });
+    std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&config).unwrap() + "\n").unwrap();
+}
+
+/// The committed generation config ends generation at the chat template's
+/// end-of-turn token as well as at end-of-sequence.
+#[test]
+fn the_committed_generation_config_names_the_end_of_turn_token() {
+    let dir = root().join(README_TOKENIZER);
+    let tok = stepgraph_data::Tokenizer::load(&dir).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("generation_config.json")).unwrap()).unwrap();
+    let ids: Vec<u64> = config["eos_token_id"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(ids, [tok.token_to_id("<|im_end|>").unwrap() as u64, tok.eos_id as u64]);
 }
 
 /// Every tensor of a folder's weight files, by name, as bytes.
