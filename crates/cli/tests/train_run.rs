@@ -498,3 +498,22 @@ fn a_trained_model_goes_out_as_a_hugging_face_folder_and_comes_back_in() {
     run_ok(&small(&["--steps", "4", "--resume", "auto", "--checkpoint-dir", s(&ckpt), "--out", s(&c)]));
     assert!(c.join("model.safetensors").is_file());
 }
+
+/// The summary's ms/step counts the training steps alone: a run that
+/// evaluates 8 batches after every step spends most of its time
+/// evaluating, and its ms/step says what a step took, not the total over
+/// the steps.
+#[test]
+fn the_summary_counts_training_steps_alone() {
+    let mut args = small(&["--steps", "6", "--eval-batches", "8"]);
+    args[10] = "1".into(); // --eval-every
+    let (out, _) = run_ok(&args);
+    let line = out.lines().find(|l| l.starts_with("final loss")).expect(&out);
+    let total_ms = {
+        let t = line.split(" in ").nth(1).unwrap();
+        let (n, unit) = t.split_once(' ').unwrap();
+        n.parse::<f64>().unwrap() * if unit.starts_with("ms") { 1.0 } else { 1e3 }
+    };
+    let per_step: f64 = line.split('(').nth(2).unwrap().split(" ms/step").next().unwrap().parse().unwrap();
+    assert!(per_step > 0.0 && per_step * 6.0 < 0.7 * total_ms, "{line}");
+}

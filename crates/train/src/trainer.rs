@@ -129,9 +129,13 @@ pub struct Summary {
     /// The loss of the first step this process trained, and of the last.
     pub first_loss: f64,
     pub last_loss: f64,
-    /// Steps trained, and the time they took (evaluations included).
+    /// Steps trained, and the wall time from the first to the end of the
+    /// last (evaluations, checkpoints and graph capture included).
     pub ran: usize,
     pub took: Duration,
+    /// The time of the training steps alone: inputs written, the step run
+    /// or replayed, its loss read back (no capture, evaluation or saving).
+    pub step_time: Duration,
     /// Batches skipped for having a part without a loss target.
     pub skipped: u64,
     /// The checkpoint of the last step.
@@ -177,6 +181,8 @@ pub struct Trainer {
     weights_time: Duration,
     // What the steps so far did.
     t0: Option<Instant>,
+    /// The time of the training steps alone ([`Summary::step_time`]).
+    step_time: Duration,
     eval_time: Duration,
     recorded: Option<Duration>,
     first_loss: f64,
@@ -256,6 +262,7 @@ impl Trainer {
             session_time,
             weights_time: Duration::ZERO,
             t0: None,
+            step_time: Duration::ZERO,
             eval_time: Duration::ZERO,
             recorded: None,
             first_loss: f64::NAN,
@@ -388,6 +395,7 @@ impl Trainer {
             last_loss: self.last_loss,
             ran: (last + 1).saturating_sub(self.first),
             took: self.t0.map(|t| t.elapsed()).unwrap_or_default(),
+            step_time: self.step_time,
             skipped: self.skipped,
             saved: self.saved.clone(),
             diverged: self.diverged.clone(),
@@ -417,19 +425,24 @@ impl Trainer {
         let batch = next_usable_batch(self.data.as_mut(), world * accum, &mut self.skipped)?;
         let lr = course.schedule.at(it);
         let session = self.session.as_mut();
+        let step_started = Instant::now();
+        let mut capture = Duration::ZERO;
         session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
         session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
         session.write_named(LR_INPUT, &scalar_input(lr))?;
         session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
         if self.replay_from.is_some_and(|from| it >= from) {
             if self.recorded.is_none() {
+                let capturing = Instant::now();
                 self.recorded = Some(session.prepare_replay()?);
+                capture = capturing.elapsed();
             }
             session.replay()?;
         } else {
             session.run_eager()?;
         }
         let loss = session.loss()?;
+        self.step_time += step_started.elapsed().saturating_sub(capture);
         if !loss.is_finite() {
             let cause = diagnose_non_finite(session, self.config.model.dtype, it)?;
             let kept = match &self.ckpt {

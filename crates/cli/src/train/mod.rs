@@ -600,7 +600,9 @@ fn train_and_report(trainer: &mut Trainer, args: &TrainArgs, out: Option<&OutTar
                 if skipped == 1 { "" } else { "es" }
             );
         }
-        let per_step = secs * 1e3 / ran.max(1) as f64;
+        // Per training step: what evaluation, checkpoints, graph capture
+        // and start-up took is in the total, not here.
+        let per_step = summary.step_time.as_secs_f64() * 1e3 / ran.max(1) as f64;
         let (first, last_loss) = (summary.first_loss, summary.last_loss);
         println!(
             "final loss {last_loss:.4} (first {first:.4}) after {ran} steps in {took} ({per_step:.2} ms/step); {note}"
