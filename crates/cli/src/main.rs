@@ -53,7 +53,7 @@ enum Command {
     Plan {
         #[command(flatten)]
         model: ModelArgs,
-        /// What one step computes [default: grads].
+        /// What one step computes [default: train, the step `train` runs].
         #[arg(long, value_enum)]
         step: Option<StepArg>,
         #[command(flatten)]
@@ -610,9 +610,12 @@ fn write_timeline(path: &std::path::Path, c: &stepgraph_core::pipeline::Compiled
     Ok(())
 }
 
-fn step_kind(step: Option<StepArg>) -> StepKind {
+/// The step `--step` asks for, or `default` without it (`plan`: the train
+/// step, what `train` runs; `trace`: the gradients step).
+fn step_kind(step: Option<StepArg>, default: StepKind) -> StepKind {
     match step {
-        None | Some(StepArg::Grads) => StepKind::Grads,
+        None => default,
+        Some(StepArg::Grads) => StepKind::Grads,
         Some(StepArg::Forward) => StepKind::Forward,
         Some(StepArg::Train) => StepKind::Train,
     }
@@ -671,7 +674,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
             };
             let dp = DataParallel { world: gpus, bucket_bytes, zero1 };
-            let kind = step_kind(step);
+            let kind = step_kind(step, StepKind::Train);
             if zero1 && kind != StepKind::Train {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
             }
@@ -698,7 +701,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 None => fit::local_gpu()?,
             };
             let spec = model.spec()?;
-            let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
+            let mut opts = optim.step_options(step_kind(step, StepKind::Train), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             let c = compile_step(&spec, &opts)?;
             let report = plan_report(&c.step, &c.plan, top);
@@ -765,7 +768,7 @@ fn run_command(cli: Cli) -> Result<()> {
         }
         Command::Trace { model, step, optim, memory, which } => {
             let spec = model.spec()?;
-            let mut opts = optim.step_options(step_kind(step), spec.dtype, false)?;
+            let mut opts = optim.step_options(step_kind(step, StepKind::Grads), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             match which {
                 Which::Forward => print!("{}", trace_step(&spec, &opts)?.forward),

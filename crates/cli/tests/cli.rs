@@ -158,6 +158,8 @@ fn plan_w2_text_report() {
         "4096",
         "--loss",
         "ce",
+        "--step",
+        "grads",
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("planned peak") && out.contains("largest values live at the peak"), "{out}");
@@ -179,6 +181,8 @@ fn plan_w2_json(extra: &[&str]) -> serde_json::Value {
         "4096",
         "--loss",
         "ce",
+        "--step",
+        "grads",
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -209,6 +213,8 @@ fn plan_w2_fits_its_memory_goals_by_default_and_under_half_a_gigabyte() {
         "bf16",
         "--seq",
         "4096",
+        "--step",
+        "grads",
         "--memory-budget",
         "0.5GB",
     ]);
@@ -339,7 +345,7 @@ fn bad_input_gets_clear_errors() {
         (&["plan", "--model", "gpt-17"], "unknown model name `gpt-17`"),
         (&["plan", "--gpus", "3", "--batch", "4"], "the global batch of 4 rows does not split over 3 ranks"),
         (&["plan", "--zero1"], "--gpus"),
-        (&["plan", "--gpus", "2", "--batch", "2", "--zero1"], "--zero1 shards the AdamW state"),
+        (&["plan", "--gpus", "2", "--batch", "2", "--zero1", "--step", "grads"], "--zero1 shards the AdamW state"),
         (
             &["plan", "--gpus", "3", "--batch", "3", "--zero1", "--step", "train"],
             "ZeRO-1 over 3 ranks cannot shard param model.embed_tokens.weight",
@@ -421,4 +427,16 @@ fn train_help_groups_its_flags_under_headings() {
     ] {
         assert_eq!(under(flag), heading, "{flag}");
     }
+}
+
+/// `plan` plans what `train` runs unless told otherwise: the train step,
+/// with train's default clipping.
+#[test]
+fn plan_plans_the_train_step_by_default() {
+    let (ok, out, err) = stepgraph(&["plan", "--model", "tiny-llama", "--seq", "16"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("plan for `train`:"), "{out}");
+    assert!(out.contains("gradient clipping by global norm"), "{out}");
+    let (ok, out, err) = stepgraph(&["plan", "--model", "tiny-llama", "--seq", "16", "--step", "grads"]);
+    assert!(ok && out.starts_with("plan for `grads`:"), "{out}{err}");
 }
