@@ -46,6 +46,8 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     if args.eval_batches == 0 {
         bail!("--eval-batches 0 evaluates nothing: ask for at least 1");
     }
+    let backend = Backend::or_default(args.device);
+    let model = &model.on_gpu(backend == Backend::Cuda);
     let (spec, hf) = train::model_spec(model, Some(&args.init_from))?;
     let hf = hf.expect("a folder was given");
     let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
@@ -55,7 +57,6 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let compiled = compile_step(&spec, &StepOptions::new(StepKind::Forward))?;
     // The folder must fit before a session allocates anything.
     hf.check(&compiled.forward)?;
-    let backend = Backend::or_default(args.device);
     let mut session = open_session(backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
     hf.load_into(&compiled.forward, session.as_mut())
         .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;

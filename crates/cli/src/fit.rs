@@ -175,7 +175,9 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
             });
             return Ok(v);
         }
-        Err(least) => v.least_bytes = Some(least),
+        // Recomputing everything can plan more than the step as asked
+        // (its recomputed values are live at a peak it did not lower).
+        Err(least) => v.least_bytes = Some(least.min(planned)),
     }
     let clips =
         opts.train.clip_grad_norm.is_some_and(|c| c > 0.0) && opts.kind == stepgraph_core::autodiff::StepKind::Train;

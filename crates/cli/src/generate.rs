@@ -247,6 +247,8 @@ fn gb(b: u64) -> f64 {
 
 pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     let switches = stepgraph_cuda::Switches::from_env()?;
+    let backend = Backend::or_default(args.device);
+    let model = &model.on_gpu(backend == Backend::Cuda);
     let (spec, hf) = train::model_spec(model, args.init_from.as_deref())?;
     let cfg = spec.config.clone();
     let tok = load_tokenizer(args)?;
@@ -333,7 +335,6 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     if let Some(hf) = &hf {
         hf.check(&checkpoint)?;
     }
-    let backend = Backend::or_default(args.device);
     let planned = memory_plan.planned_peak_bytes();
     // What cuBLASLt's tuning chose, for `--profile`.
     let opened = open_session(backend, program.trace.clone(), memory_plan, SessionOptions::on_device(0, switches));

@@ -229,9 +229,13 @@ struct ModelArgs {
     /// Tokens per sequence (default: the block size, at most 2048).
     #[arg(help_heading = "Data", long)]
     seq: Option<usize>,
-    /// dtype of the parameters and activations.
-    #[arg(help_heading = "Model", long, value_enum, default_value_t = DTypeArg::F32)]
-    dtype: DTypeArg,
+    /// dtype of the parameters and activations [default: bf16 on a GPU, f32 on the CPU].
+    #[arg(help_heading = "Model", long, value_enum)]
+    dtype: Option<DTypeArg>,
+    /// Whether the step runs on (or is planned for) a GPU: the dtype's
+    /// default follows it. Set by the command, not a flag.
+    #[arg(skip)]
+    on_gpu: bool,
     /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
     #[arg(help_heading = "Model", long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
@@ -247,9 +251,9 @@ struct EvalModelArgs {
     /// Tokens per sequence (default: the block size, at most 2048).
     #[arg(long)]
     seq: Option<usize>,
-    /// dtype of the parameters and activations.
-    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
-    dtype: DTypeArg,
+    /// dtype of the parameters and activations [default: bf16 on a GPU, f32 on the CPU].
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
 }
 
 impl EvalModelArgs {
@@ -259,6 +263,7 @@ impl EvalModelArgs {
             batch: self.batch,
             seq: self.seq,
             dtype: self.dtype,
+            on_gpu: false,
             loss: LossArg::Ce,
         }
     }
@@ -270,14 +275,21 @@ impl EvalModelArgs {
 struct GenerateModelArgs {
     #[command(flatten)]
     choice: ModelChoiceArgs,
-    /// dtype of the parameters and activations.
-    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
-    dtype: DTypeArg,
+    /// dtype of the parameters and activations [default: bf16 on a GPU, f32 on the CPU].
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
 }
 
 impl GenerateModelArgs {
     fn model_args(&self) -> ModelArgs {
-        ModelArgs { choice: self.choice.clone(), batch: 1, seq: None, dtype: self.dtype, loss: LossArg::Ce }
+        ModelArgs {
+            choice: self.choice.clone(),
+            batch: 1,
+            seq: None,
+            dtype: self.dtype,
+            on_gpu: false,
+            loss: LossArg::Ce,
+        }
     }
 }
 
@@ -472,10 +484,24 @@ impl ModelArgs {
 
     fn dtype(&self) -> DType {
         match self.dtype {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::F16 => DType::F16,
+            Some(DTypeArg::F32) => DType::F32,
+            Some(DTypeArg::Bf16) => DType::BF16,
+            Some(DTypeArg::F16) => DType::F16,
+            // A GPU's tensor cores run bf16 products many times faster than
+            // f32 ones; the CPU backend has no bf16 arithmetic of its own.
+            None if self.on_gpu => DType::BF16,
+            None => DType::F32,
         }
+    }
+
+    /// These flags for a step that runs on (or is planned for) a GPU, or not.
+    fn on_gpu(&self, on_gpu: bool) -> ModelArgs {
+        ModelArgs { on_gpu, ..self.clone() }
+    }
+
+    /// Whether `--dtype` was left to its default.
+    fn dtype_defaulted(&self) -> bool {
+        self.dtype.is_none()
     }
 
     /// The flags that change the model's geometry, with whether each is given.
@@ -674,6 +700,8 @@ fn run_command(cli: Cli) -> Result<()> {
                 Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
             };
             let dp = DataParallel { world: gpus, bucket_bytes, zero1 };
+            // Several GPUs are planned for: the dtype defaults as on a GPU.
+            let model = model.on_gpu(true);
             let kind = step_kind(step, StepKind::Train);
             if zero1 && kind != StepKind::Train {
                 bail!("--zero1 shards the AdamW state, so it needs a train step: add --step train");
@@ -700,6 +728,8 @@ fn run_command(cli: Cli) -> Result<()> {
                 Some(size) => Some(fit::Gpu::sold_as(size)?),
                 None => fit::local_gpu()?,
             };
+            // Planned for a GPU (named, or this machine's): what `train` would run there.
+            let model = model.on_gpu(gpu.is_some());
             let spec = model.spec()?;
             let mut opts = optim.step_options(step_kind(step, StepKind::Train), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
@@ -767,7 +797,7 @@ fn run_command(cli: Cli) -> Result<()> {
             }
         }
         Command::Trace { model, step, optim, memory, which } => {
-            let spec = model.spec()?;
+            let spec = model.on_gpu(stepgraph_cuda::session::gpu_available()).spec()?;
             let mut opts = optim.step_options(step_kind(step, StepKind::Grads), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             match which {
@@ -807,5 +837,30 @@ mod tests {
         let mut missing = Vec::new();
         walk(&super::Cli::command(), "stepgraph", &mut missing);
         assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
+}
+
+#[cfg(test)]
+mod dtype_defaults {
+    use super::*;
+    use clap::Parser;
+
+    fn model(args: &[&str]) -> ModelArgs {
+        let cli = Cli::try_parse_from([&["stepgraph", "train"], args].concat()).unwrap();
+        let Command::Train { model, .. } = cli.command else { unreachable!() };
+        model
+    }
+
+    /// bf16 on a GPU, f32 on the CPU, unless `--dtype` says otherwise.
+    #[test]
+    fn the_dtype_follows_the_device_unless_given() {
+        assert_eq!(model(&[]).on_gpu(true).spec().unwrap().dtype, DType::BF16);
+        assert_eq!(model(&[]).on_gpu(false).spec().unwrap().dtype, DType::F32);
+        for (flag, dtype) in [("f32", DType::F32), ("bf16", DType::BF16), ("f16", DType::F16)] {
+            for gpu in [false, true] {
+                assert_eq!(model(&["--dtype", flag]).on_gpu(gpu).spec().unwrap().dtype, dtype, "{flag} {gpu}");
+            }
+        }
+        assert!(model(&[]).dtype_defaulted() && !model(&["--dtype", "f32"]).dtype_defaulted());
     }
 }

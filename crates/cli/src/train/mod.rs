@@ -283,6 +283,8 @@ impl TrainArgs {
 /// `stepgraph train`.
 pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
     let role = args.role(gpu_available())?;
+    // The dtype's default follows where the run trains.
+    let model = &model.on_gpu(role != Role::Cpu);
     let switches = Switches::from_env()?;
     if args.steps == 0 {
         bail!("--steps 0 trains nothing: ask for at least 1 step");
@@ -510,7 +512,8 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     drop(pretrained);
     let talk = rank == 0;
     if talk {
-        print_settings(args, &trainer, &sources, out.as_ref(), resumed_from.as_ref());
+        let gpu_default_dtype = model.on_gpu && model.dtype_defaulted();
+        print_settings(args, &trainer, &sources, out.as_ref(), resumed_from.as_ref(), gpu_default_dtype);
         let session = trainer.session();
         eprint!("{}", plan_report(session.trace(), session.plan(), 3));
         // Where the time before step 1 went: tracing, planning, the session
@@ -836,6 +839,7 @@ fn print_settings(
     sources: &[String; 3],
     out: Option<&OutTarget>,
     resumed: Option<&(PathBuf, usize, LrSchedule)>,
+    gpu_default_dtype: bool,
 ) {
     let config = trainer.config();
     let (spec, s, world) = (&config.model, &config.course.schedule, config.gpus);
@@ -880,8 +884,9 @@ fn print_settings(
     } else {
         " (not on norms, biases or embeddings; --decay-all for every parameter)"
     };
+    let why = if gpu_default_dtype { " (the default on a GPU; --dtype f32 for float32)" } else { "" };
     eprintln!(
-        "  dtype       {}, AdamW moments {}, weight decay {}{scope}, seed {}",
+        "  dtype       {}{why}, AdamW moments {}, weight decay {}{scope}, seed {}",
         spec.dtype,
         trainer.state_dtype().unwrap_or("none"),
         train.adamw.weight_decay,
