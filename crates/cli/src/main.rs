@@ -14,6 +14,7 @@
 mod bench;
 mod compare;
 mod eval;
+mod export;
 mod fit;
 mod generate;
 mod hf_cmd;
@@ -110,6 +111,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Load a Hugging Face model folder (--init-from), write its logits or gradients, or write it back (--out).
     Hf(hf_cmd::HfArgs),
+    /// Write a training checkpoint (`--checkpoint-dir DIR`'s `step-NNNNNN`) as a Hugging Face model folder.
+    Export(export::ExportArgs),
     /// Tokenize text, JSONL, JSON and Parquet files (plain, instruction, chat and ShareGPT records), one or a weighted mixture, into a token file for training.
     Prepare(prepare::PrepareArgs),
     /// The validation loss and perplexity of a Hugging Face model folder on the held-out split of --data.
@@ -808,6 +811,7 @@ fn run_command(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::run(&args)?,
         Command::Compare(args) => compare::run(&args)?,
         Command::Hf(args) => hf_cmd::run(&args)?,
+        Command::Export(args) => export::run(&args)?,
         Command::Prepare(args) => prepare::run(&args)?,
         Command::Eval { model, eval } => eval::run(&model.model_args(), &eval)?,
         Command::Generate { model, generate } => generate::run(&model.model_args(), &generate)?,

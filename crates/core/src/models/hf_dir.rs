@@ -360,6 +360,16 @@ impl HfModelDir {
             return Err(checkpoint_error(dir, "not a directory (expected a Hugging Face model folder)"));
         }
         let config_path = dir.join(CONFIG_FILE);
+        if !config_path.is_file() && dir.join("state.json").is_file() && dir.join("weights.safetensors").is_file() {
+            return Err(checkpoint_error(
+                dir,
+                format!(
+                    "is a training checkpoint, not a model folder: `stepgraph export {} --out DIR` writes it as one \
+                     (add --init-from with the run's starting folder to keep its tokenizer)",
+                    dir.display()
+                ),
+            ));
+        }
         if !config_path.is_file() {
             return Err(checkpoint_error(
                 dir,
