@@ -4,29 +4,12 @@
 //! the validation loss the run printed at its step.
 
 mod common;
-use common::{chat_token_file, fails_with, s, stepgraph};
-
-use std::collections::BTreeMap;
-use std::path::Path;
-
-use stepgraph_core::models::checkpoint::read_safetensors;
+use common::{chat_token_file, fails_with, folder_tensors, s, stepgraph};
 
 fn run_ok(args: &[&str]) -> (String, String) {
     let (ok, out, err) = stepgraph(args);
     assert!(ok, "{args:?} failed:\n{err}");
     (out, err)
-}
-
-fn folder_tensors(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut all = BTreeMap::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        if entry.path().extension().is_some_and(|e| e == "safetensors") {
-            for (name, t) in read_safetensors(&entry.path()).unwrap() {
-                all.insert(name, t.bytes().to_vec());
-            }
-        }
-    }
-    all
 }
 
 #[test]

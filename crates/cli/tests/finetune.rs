@@ -10,7 +10,7 @@
 //! [`regenerate_the_readme_tokenizer`] trains with the `tokenizers` crate.
 
 mod common;
-use common::{chat_token_file, fails_with, root, s, stepgraph, write_model, README_TOKENIZER, VOCAB};
+use common::{chat_token_file, fails_with, folder_tensors, root, s, stepgraph, write_model, README_TOKENIZER, VOCAB};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,7 +18,6 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
-use stepgraph_core::models::checkpoint::read_safetensors;
 use stepgraph_core::models::hf_dir::{HfFamily, HfModelDir, INDEX_FILE};
 use stepgraph_data::fixtures::{self, TemplateStyle};
 
@@ -54,19 +53,6 @@ fn the_committed_generation_config_names_the_end_of_turn_token() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("generation_config.json")).unwrap()).unwrap();
     let ids: Vec<u64> = config["eos_token_id"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_eq!(ids, [tok.token_to_id("<|im_end|>").unwrap() as u64, tok.eos_id as u64]);
-}
-
-/// Every tensor of a folder's weight files, by name, as bytes.
-fn folder_tensors(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut all = BTreeMap::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        if entry.path().extension().is_some_and(|e| e == "safetensors") {
-            for (name, t) in read_safetensors(&entry.path()).unwrap() {
-                all.insert(name, t.bytes().to_vec());
-            }
-        }
-    }
-    all
 }
 
 /// A short fine-tuning run on the CPU: 2 x 16 tokens, no validation.

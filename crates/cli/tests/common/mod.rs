@@ -116,3 +116,16 @@ pub fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64
     };
     save_hf_dir(dir, &config, &c.forward, &mut session, &options).unwrap();
 }
+
+/// Every tensor of a folder's weight files, by name, as bytes.
+pub fn folder_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut all = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.path().extension().is_some_and(|e| e == "safetensors") {
+            for (name, t) in stepgraph_core::models::checkpoint::read_safetensors(&entry.path()).unwrap() {
+                all.insert(name, t.bytes().to_vec());
+            }
+        }
+    }
+    all
+}
