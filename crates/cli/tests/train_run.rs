@@ -517,3 +517,26 @@ fn the_summary_counts_training_steps_alone() {
     let per_step: f64 = line.split('(').nth(2).unwrap().split(" ms/step").next().unwrap().parse().unwrap();
     assert!(per_step > 0.0 && per_step * 6.0 < 0.7 * total_ms, "{line}");
 }
+
+/// `--epochs N` instead of `--steps`: the run trains N passes over the
+/// training sequences, rounded up to whole steps, and says so; it cannot
+/// be given with --steps, and must be positive.
+#[test]
+fn epochs_set_the_steps_from_the_data() {
+    let d = scratch("epochs");
+    let file = d.join("m.jsonl");
+    let (_, err) = run_ok(&small(&["--epochs", "1.5", "--metrics", s(&file)]));
+    let line = err.lines().find(|l| l.starts_with("training ")).expect(&err);
+    let steps: usize = line.split(", ").last().unwrap().split(" steps").next().unwrap().parse().unwrap();
+    let sequences: usize =
+        line.split("epochs of ").nth(1).unwrap().split(" sequences").next().unwrap().parse().unwrap();
+    // small(): 2 rows a step.
+    assert_eq!(steps, (1.5 * sequences as f64 / 2.0).ceil() as usize, "{line}");
+    assert_eq!(metrics(&file).iter().filter(|r| r.get("loss").is_some()).count(), steps);
+    let (ok, _, err) =
+        stepgraph(&small(&["--epochs", "1", "--steps", "3"]).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!ok && err.contains("'--epochs <N>' cannot be used with '--steps <STEPS>'"), "{err}");
+    let (ok, _, err) = stepgraph(&small(&["--epochs", "0"]).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!ok && err.contains("--epochs 0: give a positive number"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -48,6 +48,10 @@ pub trait TrainData {
     fn restore(&mut self, cursor: &serde_json::Value) -> Result<()>;
     /// One line for the start of the run ("data/tiny.txt: 1.1 MB, ...").
     fn describe(&self) -> String;
+    /// Training sequences in one epoch: a token file's packed sequences, or
+    /// as many windows as the training text holds end to end (its windows
+    /// are drawn at random offsets, so an epoch there is a count of tokens).
+    fn sequences_per_epoch(&self) -> u64;
     /// Checks that every token id of the data is a row of the embedding of
     /// a model with `vocab` rows (`model` names it), before anything trains.
     fn check_vocab(&self, vocab: usize, model: &str) -> Result<()>;
@@ -196,6 +200,10 @@ impl ByteText {
 }
 
 impl TrainData for ByteText {
+    fn sequences_per_epoch(&self) -> u64 {
+        (((self.split - 1) / self.seq) as u64).max(1)
+    }
+
     fn next_batch(&mut self) -> Result<Batch> {
         let last_start = self.split - self.seq - 1;
         let offsets: Vec<usize> = (0..self.batch).map(|_| self.rng.gen_range(0..last_start)).collect();
@@ -313,6 +321,10 @@ impl TokenData {
 }
 
 impl TrainData for TokenData {
+    fn sequences_per_epoch(&self) -> u64 {
+        self.train.sequences()
+    }
+
     fn next_batch(&mut self) -> Result<Batch> {
         Ok(Self::host_batch(&self.train.next_batch()?))
     }

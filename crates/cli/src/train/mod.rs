@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// Optimizer steps of the whole run.
     #[arg(help_heading = "Schedule", long, default_value_t = 200)]
     pub steps: usize,
+    /// Train for this many passes over the training data instead of --steps (fractions allowed: 0.5):
+    /// the steps are the epochs' sequences over the rows of a step (--batch x --grad-accum), rounded up.
+    #[arg(help_heading = "Schedule", long, value_name = "N", conflicts_with = "steps")]
+    pub epochs: Option<f64>,
     /// Peak learning rate [default: from the model's size; printed at start].
     #[arg(help_heading = "Optimization", long)]
     pub lr: Option<f64>,
@@ -280,8 +284,23 @@ impl TrainArgs {
     }
 }
 
+/// `--stop-after N` is a step of the run.
+fn check_stop_after(args: &TrainArgs) -> Result<()> {
+    match args.stop_after {
+        Some(n) if n == 0 || n > args.steps => {
+            bail!("--stop-after {n} must be a step of the run, from 1 to --steps {}", args.steps)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `stepgraph train`.
 pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &MemoryArgs) -> Result<()> {
+    if let Some(e) = args.epochs {
+        if !(e.is_finite() && e > 0.0) {
+            bail!("--epochs {e}: give a positive number of passes over the data, such as 3 or 0.5");
+        }
+    }
     let role = args.role(gpu_available())?;
     // The dtype's default follows where the run trains.
     let model = &model.on_gpu(role != Role::Cpu);
@@ -289,10 +308,8 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     if args.steps == 0 {
         bail!("--steps 0 trains nothing: ask for at least 1 step");
     }
-    if let Some(n) = args.stop_after {
-        if n == 0 || n > args.steps {
-            bail!("--stop-after {n} must be a step of the run, from 1 to --steps {}", args.steps);
-        }
+    if args.epochs.is_none() {
+        check_stop_after(args)?;
     }
     if args.eval_every > 0 && args.eval_batches == 0 {
         bail!("--eval-batches 0 evaluates nothing: ask for at least 1, or turn validation off with --eval-every 0");
@@ -358,6 +375,19 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     let data = data::open(&args.data, spec.batch * opts.grad_accum, spec.seq, args.val_fraction, args.seed)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     data::check_tokenizer(data.as_ref(), args.tokenizer.as_deref(), args.init_from.as_deref())?;
+    // --epochs: the run's steps from the data's size, then every setting
+    // that reads --steps sees them.
+    let with_epochs;
+    let args = match args.epochs {
+        Some(epochs) => {
+            let rows_per_step = (spec.batch * opts.grad_accum) as f64;
+            let steps = (epochs * data.sequences_per_epoch() as f64 / rows_per_step).ceil().max(1.0) as usize;
+            with_epochs = TrainArgs { steps, ..args.clone() };
+            check_stop_after(&with_epochs)?;
+            &with_epochs
+        }
+        None => args,
+    };
     // Every rank must build the same step: a budget measured per process
     // could differ between them.
     let auto_budget = memory.memory_budget.as_deref().is_some_and(|b| b.trim().eq_ignore_ascii_case("auto"));
@@ -852,8 +882,16 @@ fn print_settings(
         1 => String::new(),
         n => format!(" x {n} micro-batches"),
     };
+    let epochs = match args.epochs {
+        Some(e) => format!(
+            " ({e} epoch{} of {} sequences)",
+            if e == 1.0 { "" } else { "s" },
+            trainer.data().sequences_per_epoch()
+        ),
+        None => String::new(),
+    };
     eprintln!(
-        "training {} ({} parameters, {} layers) on {}: batch {} x {}{micro} = {} tokens per step{per_rank}, {} steps",
+        "training {} ({} parameters, {} layers) on {}: batch {} x {}{micro} = {} tokens per step{per_rank}, {} steps{epochs}",
         spec.config.name,
         trainer.params(),
         spec.config.n_layer,
