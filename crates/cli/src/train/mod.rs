@@ -83,10 +83,6 @@ pub struct TrainArgs {
     /// Optimizer steps of the whole run.
     #[arg(help_heading = "Schedule", long, default_value_t = 200)]
     pub steps: usize,
-    /// Train for this many passes over the training data instead of --steps (fractions allowed: 0.5):
-    /// the steps are the epochs' sequences over the rows of a step (--batch x --grad-accum), rounded up.
-    #[arg(help_heading = "Schedule", long, value_name = "N", conflicts_with = "steps")]
-    pub epochs: Option<f64>,
     /// Peak learning rate [default: from the model's size; printed at start].
     #[arg(help_heading = "Optimization", long)]
     pub lr: Option<f64>,
@@ -99,6 +95,10 @@ pub struct TrainArgs {
     /// The cosine floor as a fraction of the peak learning rate (instead of --min-lr).
     #[arg(help_heading = "Schedule", long, conflicts_with = "min_lr")]
     pub min_lr_ratio: Option<f64>,
+    /// Train for this many passes over the training data instead of --steps (fractions allowed: 0.5):
+    /// the steps are the epochs' sequences over the rows of a step (--batch x --grad-accum), rounded up.
+    #[arg(help_heading = "Schedule", long, value_name = "N", conflicts_with = "steps")]
+    pub epochs: Option<f64>,
     /// Stop (exit non-zero) at the step the loss diverges: the mean of the
     /// last 5 losses above twice its best and 1 nat over it, or the
     /// uniform model's loss with a zero gradient; without it a warning is
