@@ -13,6 +13,7 @@ use std::fmt;
 use anyhow::Result;
 use serde::Serialize;
 
+use stepgraph_core::autodiff::{StepKind, TrainOptions};
 use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::models::ModelSpec;
 use stepgraph_core::passes::recompute::RecomputePolicy;
@@ -20,7 +21,7 @@ use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::{Category, Timeline};
 use stepgraph_core::Error as CoreError;
 
-use crate::memory_args::parse_bytes;
+use crate::memory_args::parse_size;
 
 /// What a GPU holds that a step's plan does not: the CUDA context, the
 /// kernel modules and cuBLASLt's workspace. Measured on an H200 (context
@@ -43,20 +44,7 @@ impl Gpu {
     /// context and libraries hold.
     pub fn sold_as(text: &str) -> Result<Gpu> {
         let t = text.trim();
-        let lower = t.to_ascii_lowercase();
-        let binary = if let Some(n) = lower.strip_suffix("gb") {
-            format!("{n}GiB")
-        } else if let Some(n) = lower.strip_suffix("tb") {
-            format!("{n}TiB")
-        } else {
-            t.to_string()
-        };
-        let bytes = parse_bytes(&binary).map_err(|e| {
-            anyhow::anyhow!(
-                "--gpu-memory {text:?}: {}",
-                e.to_string().replace(&format!("--memory-budget {binary:?}: "), "")
-            )
-        })?;
+        let bytes = parse_size("--gpu-memory", t, "", true)?;
         if bytes <= CONTEXT_RESERVE {
             anyhow::bail!(
                 "--gpu-memory {text:?}: {bytes} bytes is less than the CUDA context and libraries alone take \
@@ -179,13 +167,10 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
         // (its recomputed values are live at a peak it did not lower).
         Err(least) => v.least_bytes = Some(least.min(planned)),
     }
-    let clips =
-        opts.train.clip_grad_norm.is_some_and(|c| c > 0.0) && opts.kind == stepgraph_core::autodiff::StepKind::Train;
+    let clips = opts.train.clip_grad_norm.is_some_and(|c| c > 0.0) && opts.kind == StepKind::Train;
     if clips {
-        let unclipped = StepOptions {
-            train: stepgraph_core::autodiff::TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
-            ..opts.clone()
-        };
+        let unclipped =
+            StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
         if let Ok(bytes) = budgeted(spec, &unclipped)? {
             v.would_fit.push(Alternative {
                 flags: format!("--clip-grad-norm 0 {budget_flag}"),
@@ -210,13 +195,13 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
         seq /= 2;
     }
     // ZeRO-1 over more GPUs: each holds 1/N of the AdamW state.
-    if opts.kind == stepgraph_core::autodiff::StepKind::Train {
+    if opts.kind == StepKind::Train {
         for world in [2usize, 4, 8] {
             let dp = DataParallel { world, bucket_bytes: DEFAULT_BUCKET_BYTES, zero1: true };
             let global = ModelSpec { batch: spec.batch * world, ..spec.clone() };
             let ranked = StepOptions {
                 data_parallel: Some(dp),
-                train: stepgraph_core::autodiff::TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
+                train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
                 ..opts.clone()
             };
             if let Ok(bytes) = budgeted(&global, &ranked)? {

@@ -127,6 +127,14 @@ impl MemoryArgs {
 /// Bytes from a size with an optional unit: B, kB/MB/GB/TB (powers of
 /// 1000), KiB/MiB/GiB/TiB (powers of 1024); a plain number is bytes.
 pub fn parse_bytes(text: &str) -> Result<u64> {
+    parse_size("--memory-budget", text, ", or `auto`", false)
+}
+
+/// [`parse_bytes`] for `flag`, whose errors name it; `more` ends the list
+/// of what it takes. With `as_sold`, kB to TB are powers of 1024, as
+/// memory cards are sold (a "24GB" card holds 24 GiB).
+pub fn parse_size(flag: &str, text: &str, more: &str, as_sold: bool) -> Result<u64> {
+    let k = if as_sold { 1024.0 } else { 1000.0 };
     let t = text.trim();
     // The unit is the trailing run of letters, so an exponent (2.5e9) stays
     // part of the number.
@@ -134,24 +142,23 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
     let (number, unit) = t.split_at(split);
     let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
-        "kb" | "k" => 1e3,
-        "mb" | "m" => 1e6,
-        "gb" | "g" => 1e9,
-        "tb" | "t" => 1e12,
+        "kb" | "k" => k,
+        "mb" | "m" => k * k,
+        "gb" | "g" => k * k * k,
+        "tb" | "t" => k * k * k * k,
         "kib" => 1024.0,
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "tib" => 1024.0f64.powi(4),
-        other => bail!(
-            "--memory-budget {text:?}: unknown unit {other:?}; use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB, or `auto`"
-        ),
+        other => bail!("{flag} {text:?}: unknown unit {other:?}; use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB{more}"),
     };
-    let value: f64 = number.trim().parse().map_err(|_| {
-        anyhow::anyhow!("--memory-budget {text:?}: expected a size such as 32GB, 500MB or 2.5e9, or `auto`")
-    })?;
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{flag} {text:?}: expected a size such as 32GB, 500MB or 2.5e9{more}"))?;
     let bytes = value * scale;
     if !((1.0..1.2e18).contains(&bytes)) {
-        bail!("--memory-budget {text:?}: expected a positive size below 1 EB, got {bytes} bytes");
+        bail!("{flag} {text:?}: expected a positive size below 1 EB, got {bytes} bytes");
     }
     Ok(bytes as u64)
 }
@@ -178,6 +185,19 @@ pub fn free_bytes() -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Card sizes as sold: GB are GiB; the binary units and bytes are as ever;
+    /// errors name the flag.
+    #[test]
+    fn card_sizes_read_gb_as_gib() {
+        let sold = |t: &str| parse_size("--gpu-memory", t, "", true);
+        assert_eq!(sold("24GB").unwrap(), 24 << 30);
+        assert_eq!(sold("0.5TB").unwrap(), 1 << 39);
+        assert_eq!(sold("80GiB").unwrap(), 80 << 30);
+        assert_eq!(sold("1000").unwrap(), 1000);
+        let e = sold("lots").unwrap_err().to_string();
+        assert!(e.starts_with("--gpu-memory \"lots\": expected a size such as 32GB") && !e.contains("auto"), "{e}");
+    }
 
     #[test]
     fn sizes_parse_with_their_units() {

@@ -1169,7 +1169,7 @@ fn multi_tensor_updates(
 /// The launch list of a whole step: every node lowered over the plan's
 /// addresses (persistent slots from `persistent_base`, arena slots from
 /// `arena_base`) for `group`'s rank and a device of `target`, with the node
-/// of every launch. Data only, no device call.
+/// of every launch. Data only: nothing calls the CUDA driver.
 pub fn lower_step(
     trace: &Trace,
     plan: &MemoryPlan,
@@ -1208,8 +1208,8 @@ impl LoweredStep {
 
 /// The launches one step of `trace` makes on a device of architecture
 /// `arch` (`sm_90`, ...) under `switches`, exactly as a session lowers and
-/// merges them (persistent and arena storage at fixed stand-in bases, no
-/// device call): how many kernels a step is, before any GPU is at hand.
+/// merges them (persistent and arena storage at fixed stand-in bases,
+/// without the CUDA driver): how many kernels a step is, before any GPU is at hand.
 pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str, switches: &Switches) -> Result<LoweredStep> {
     // Bases far apart and 2 MiB aligned, like the driver's allocations.
     let (persistent_base, arena_base) = (1u64 << 40, 1u64 << 44);
