@@ -46,12 +46,12 @@ use super::gpt::Gpt;
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
+use crate::models::hf_dir::NamedParams;
 use crate::ops::decode::CachedAttention;
 use crate::passes::fusion::Fold;
 use crate::passes::views::SliceViews;
 use crate::passes::{run_passes, PassContext, PassReport};
 use crate::plan::PlanOptions;
-use crate::session::Session;
 
 /// The decode batch buckets used when none are given (vLLM captures 1, 2,
 /// 4, then multiples of 8; this is the same ladder up to 64).
@@ -177,9 +177,9 @@ impl<'p> FusedWriter<'p> {
     }
 
     /// Writes the checkpoint tensor `name` (or its rows of a fused weight).
-    pub fn write(&mut self, session: &mut dyn Session, name: &str, t: &HostTensor) -> Result<()> {
+    pub fn write(&mut self, session: &mut (impl NamedParams + ?Sized), name: &str, t: &HostTensor) -> Result<()> {
         let Some(&(f, k)) = self.part_of.get(name) else {
-            return session.write_named(name, t);
+            return session.write_param(name, t);
         };
         let fused = &self.program.fused[f];
         let bad = |reason: String| Error::Input { name: name.into(), reason };
@@ -194,7 +194,7 @@ impl<'p> FusedWriter<'p> {
         *filled += 1;
         if *filled == fused.parts.len() {
             let (buf, _) = self.pending.remove(&fused.name).expect("just filled");
-            session.write_named(&fused.name, &buf)?;
+            session.write_param(&fused.name, &buf)?;
         }
         Ok(())
     }
