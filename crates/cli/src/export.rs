@@ -128,11 +128,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         Some(d) => Some(HfModelDir::open(d).with_context(|| format!("--init-from {}", d.display()))?),
         None => None,
     };
-    let max_shard_bytes = match args.max_shard_mb {
-        None => DEFAULT_MAX_SHARD_BYTES,
-        Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
-        Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
-    };
+    let max_shard_bytes = crate::memory_args::mib_flag("--max-shard-mb", args.max_shard_mb, DEFAULT_MAX_SHARD_BYTES)?;
     let mut inputs: Vec<(&str, &Path)> = vec![("checkpoint", dir.as_path())];
     if let Some(d) = &args.init_from {
         inputs.push(("--init-from", d));

@@ -87,11 +87,11 @@ pub fn run(args: &HfArgs) -> Result<()> {
     if args.logits_out.is_none() && args.grads_out.is_none() && args.out.is_none() {
         bail!("nothing to do: give --logits-out, --grads-out (both with --ids) or --out");
     }
-    let max_shard_bytes = match args.max_shard_mb {
-        None => stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
-        Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
-        Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
-    };
+    let max_shard_bytes = crate::memory_args::mib_flag(
+        "--max-shard-mb",
+        args.max_shard_mb,
+        stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
+    )?;
     let mut inputs = vec![("--init-from", args.init_from.as_path())];
     inputs.extend(args.ids.as_deref().map(|ids| ("--ids", ids)));
     for (flag, out) in [("--out", &args.out), ("--logits-out", &args.logits_out), ("--grads-out", &args.grads_out)] {

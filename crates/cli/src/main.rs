@@ -697,11 +697,7 @@ fn run_command(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan { gpus: Some(0), .. } => bail!("--gpus must be at least 1, got 0"),
         Command::Plan { model, step, optim, memory, json, top, gpus: Some(gpus), zero1, bucket_mb, html, .. } => {
-            let bucket_bytes = match bucket_mb {
-                None => DEFAULT_BUCKET_BYTES,
-                Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
-                Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
-            };
+            let bucket_bytes = crate::memory_args::mib_flag("--bucket-mb", bucket_mb, DEFAULT_BUCKET_BYTES)?;
             let dp = DataParallel { world: gpus, bucket_bytes, zero1 };
             // Several GPUs are planned for: the dtype defaults as on a GPU.
             let model = model.on_gpu(true);

@@ -124,6 +124,16 @@ impl MemoryArgs {
     }
 }
 
+/// Bytes of a flag given in MiB (`--max-shard-mb`, `--bucket-mb`), or
+/// `default` without it; the size must be positive, at least one byte.
+pub fn mib_flag(flag: &str, mib: Option<f64>, default: u64) -> Result<u64> {
+    match mib {
+        None => Ok(default),
+        Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => Ok((mb * 1048576.0).round() as u64),
+        Some(mb) => bail!("{flag} must be a positive size in MiB, got {mb}"),
+    }
+}
+
 /// Bytes from a size with an optional unit: B, kB/MB/GB/TB (powers of
 /// 1000), KiB/MiB/GiB/TiB (powers of 1024); a plain number is bytes.
 pub fn parse_bytes(text: &str) -> Result<u64> {

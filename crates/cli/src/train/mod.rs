@@ -242,11 +242,7 @@ impl TrainArgs {
     }
 
     pub fn data_parallel(&self, world: usize) -> Result<DataParallel> {
-        let bucket_bytes = match self.bucket_mb {
-            None => DEFAULT_BUCKET_BYTES,
-            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
-            Some(mb) => bail!("--bucket-mb must be a positive size in MiB, got {mb}"),
-        };
+        let bucket_bytes = crate::memory_args::mib_flag("--bucket-mb", self.bucket_mb, DEFAULT_BUCKET_BYTES)?;
         Ok(DataParallel { world, bucket_bytes, zero1: self.zero1 })
     }
 
@@ -787,11 +783,11 @@ struct OutTarget {
 
 impl OutTarget {
     fn new(dir: &Path, args: &TrainArgs, spec: &ModelSpec, pretrained: Option<&HfModelDir>) -> Result<Self> {
-        let max_shard_bytes = match args.max_shard_mb {
-            None => stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
-            Some(mb) if mb.is_finite() && mb * 1048576.0 >= 1.0 => (mb * 1048576.0).round() as u64,
-            Some(mb) => bail!("--max-shard-mb must be a positive size in MiB, got {mb}"),
-        };
+        let max_shard_bytes = crate::memory_args::mib_flag(
+            "--max-shard-mb",
+            args.max_shard_mb,
+            stepgraph_core::models::hf_dir::DEFAULT_MAX_SHARD_BYTES,
+        )?;
         if dir.exists() && !dir.is_dir() {
             bail!("--out {} exists and is not a folder; refusing to replace it", dir.display());
         }
