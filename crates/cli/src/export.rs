@@ -143,7 +143,8 @@ pub fn run(args: &ExportArgs) -> Result<()> {
 
     // The forward trace names the parameters and their types; one token of
     // batch is enough, nothing runs.
-    let spec = ModelSpec { config: config.clone(), batch: 1, seq: 1, dtype, loss: LossKind::CrossEntropy };
+    let spec =
+        ModelSpec { config: config.clone(), batch: 1, seq: 1, dtype, loss: LossKind::CrossEntropy, adapters: None };
     let forward = trace_step(&spec, &StepOptions::new(StepKind::Forward))?.forward;
     let tensors: BTreeMap<String, HostTensor> = read_safetensors(&weights_path)?.into_iter().collect();
     let mut weights = CheckpointWeights { name: dir.display().to_string(), tensors };

@@ -119,7 +119,7 @@ pub fn run(args: &HfArgs) -> Result<()> {
         }
     };
     let (batch, seq) = ids.as_ref().map_or((1, 1), |ids| (ids.ty.shape[0], ids.ty.shape[1]));
-    let spec = ModelSpec { config: config.clone(), batch, seq, dtype, loss: LossKind::CrossEntropy };
+    let spec = ModelSpec { config: config.clone(), batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None };
 
     // The forward pass with its logits kept: checked, loaded, run, and saved from.
     let forward = build_forward_with_logits(&spec)?;
@@ -217,7 +217,14 @@ mod tests {
     /// `name` saved from its named config with `init_params(seed)` into `dir`.
     fn save_named(name: &str, dir: &Path) {
         let config = Config::named(name).unwrap();
-        let spec = ModelSpec { config: config.clone(), batch: 1, seq: 2, dtype: DType::F32, loss: LossKind::Sum };
+        let spec = ModelSpec {
+            config: config.clone(),
+            batch: 1,
+            seq: 2,
+            dtype: DType::F32,
+            loss: LossKind::Sum,
+            adapters: None,
+        };
         let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
         let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
         for (v, t) in init_params(&c.forward, 11) {

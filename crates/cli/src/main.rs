@@ -482,6 +482,7 @@ impl ModelArgs {
                 LossArg::Ce => LossKind::CrossEntropy,
             },
             config,
+            adapters: None,
         })
     }
 

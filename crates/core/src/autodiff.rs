@@ -322,6 +322,7 @@ fn accumulate(
                 b.input(name, val.ty.with_shape(shape))?
             }
             ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
+            ValueKind::Frozen { .. } => b.frozen(name, val.ty.clone())?,
             ValueKind::State { .. } => b.state(name, val.ty.clone())?,
             ValueKind::Node(_) => unreachable!("leaves only"),
         });

@@ -271,6 +271,7 @@ pub fn data_parallel(step: &Trace, dp: &DataParallel) -> Result<Trace> {
         let nv = match &val.kind {
             ValueKind::Input { .. } => b.input(name, val.ty.clone())?,
             ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
+            ValueKind::Frozen { .. } => b.frozen(name, val.ty.clone())?,
             ValueKind::State { .. } if sharded_state[v.index()] => {
                 b.state(name, shard_type(&val.ty, world).map_err(Error::Parallel)?)?
             }

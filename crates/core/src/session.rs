@@ -226,7 +226,9 @@ pub trait Session {
     /// generator draws in place instead.
     fn init_params(&mut self, seed: u64) -> Result<InitReport> {
         let start = Instant::now();
-        let params: Vec<ValueId> = self.trace().params().collect();
+        // Frozen weights too: a run with adapters and no pretrained folder
+        // starts its base from the same draw as a full run.
+        let params: Vec<ValueId> = self.trace().weights().collect();
         let Some(largest) = params.iter().map(|&p| self.trace().ty(p)).max_by_key(|t| t.bytes()).cloned() else {
             return Ok(InitReport { tensors: 0, bytes: 0, on_device: false, elapsed: start.elapsed() });
         };
@@ -236,9 +238,8 @@ pub trait Session {
             let ty = self.trace().ty(p).clone();
             let name = self.trace().value(p).kind.leaf_name().unwrap_or_default().to_string();
             bytes += ty.bytes();
-            let dtype = ty.dtype;
-            buffer.retype(ty);
-            fill_param(&name, dtype, seed, buffer.bytes_mut())?;
+            buffer.retype(ty.clone());
+            fill_param(&name, &ty, seed, buffer.bytes_mut())?;
             self.write(p, &buffer)?;
         }
         Ok(InitReport { tensors: params.len(), bytes, on_device: false, elapsed: start.elapsed() })

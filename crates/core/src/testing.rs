@@ -386,7 +386,7 @@ pub fn acc_to_f64<A: ToPrimitive>(a: A) -> f64 {
 
 /// Is `v` a leaf named `name`?
 pub fn is_leaf_named(trace: &Trace, v: ValueId, name: &str) -> bool {
-    matches!(&trace.value(v).kind, ValueKind::Input { name: n } | ValueKind::Param { name: n } | ValueKind::State { name: n } if n == name)
+    matches!(&trace.value(v).kind, ValueKind::Input { name: n } | ValueKind::Param { name: n } | ValueKind::Frozen { name: n } | ValueKind::State { name: n } if n == name)
 }
 
 /// Runs one op with every declared in-place pair sharing storage (where the

@@ -222,8 +222,14 @@ fn write_fixture(root: &Path, name: &str, f: &Fixture) -> PathBuf {
 }
 
 fn compile(config: &Config) -> CompiledStep {
-    let spec =
-        ModelSpec { config: config.clone(), batch: BATCH, seq: SEQ, dtype: DType::F32, loss: LossKind::CrossEntropy };
+    let spec = ModelSpec {
+        config: config.clone(),
+        batch: BATCH,
+        seq: SEQ,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+    };
     compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap()
 }
 
@@ -783,7 +789,14 @@ fn bad_folders_are_errors_naming_the_file_and_the_tensor() {
     let half_fixture = Fixture { shards: 1, ..Fixture::new(HfFamily::Llama) };
     let dir = edited(root.path(), "overflow", &half_fixture, |t| t[0].2[3] = 1e6);
     let hf = HfModelDir::open(&dir).unwrap();
-    let spec = ModelSpec { config: hf.config().clone(), batch: 1, seq: 4, dtype: DType::F16, loss: LossKind::Sum };
+    let spec = ModelSpec {
+        config: hf.config().clone(),
+        batch: 1,
+        seq: 4,
+        dtype: DType::F16,
+        loss: LossKind::Sum,
+        adapters: None,
+    };
     let c16 = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
     let mut s16 = open_session(&c16);
     let text = message(hf.load_into(&c16.forward, &mut s16));
@@ -817,7 +830,8 @@ fn saver_session(c: &CompiledStep, seed: u64) -> CpuSession {
 }
 
 fn saver_compile() -> CompiledStep {
-    let spec = ModelSpec { config: saver_config(), batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::Sum };
+    let spec =
+        ModelSpec { config: saver_config(), batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::Sum, adapters: None };
     compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap()
 }
 

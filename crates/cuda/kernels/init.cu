@@ -10,8 +10,8 @@
 // Launch convention (crates/cuda/src/init.rs builds it): a 1-D grid-stride
 // loop over the n elements, any grid, blockDim.x at most SG_INIT_THREADS;
 // `init_param_<dt>(T* out, i64 n, u64 stream, int kind, float scale)` with
-// kind 0 zeros, 1 ones, 2 random (the stream and the scale are computed on
-// the host: `param_stream`, `irwin_hall_scale`). Writes every element of
+// kind 0 zeros, 1 ones, 2 random, 3 uniform (the stream and the scale are
+// computed on the host: `param_stream`, `ParamInit::scale`). Writes every element of
 // out and reads nothing.
 
 #define SG_INIT_THREADS 256
@@ -32,6 +32,11 @@ __device__ __forceinline__ float value(u64 stream, i64 i, int kind, float scale)
     if (kind == 0) return 0.0f;
     if (kind == 1) return 1.0f;
     u64 z = mix64(stream + ((u64)i + 1ull) * 0x9E3779B97F4A7C15ull);
+    if (kind == 3) {
+        // Uniform (a LoRA A matrix): the top 24 bits, centred; |centred| <= 2^23, exact.
+        int centred = (int)(z >> 40) - 8388608;
+        return __fmul_rn(__int2float_rn(centred), scale);
+    }
     // |centred| <= 131070 < 2^24: the conversion is exact.
     int centred = (int)(z & 0xFFFFull) + (int)((z >> 16) & 0xFFFFull) + (int)((z >> 32) & 0xFFFFull) +
                   (int)(z >> 48) - 131070;

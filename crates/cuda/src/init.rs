@@ -9,7 +9,7 @@
 //! the module and issues the launches.
 
 use stepgraph_core::ir::DType;
-use stepgraph_core::models::init::{irwin_hall_scale, param_stream, ParamInit};
+use stepgraph_core::models::init::{param_stream, ParamInit};
 
 use crate::error::Result;
 use crate::kernels::KernelModule;
@@ -53,6 +53,7 @@ pub fn init_launch(name: &str, out: &DevTensor, seed: u64) -> Result<Option<Kern
         return Ok(None);
     }
     let blocks = n.div_ceil(THREADS as u64).min(MAX_BLOCKS) as u32;
+    let init = ParamInit::of(name, &out.ty.shape);
     Ok(Some(KernelLaunch {
         module: MODULE.name,
         function: format!("init_param_{suffix}"),
@@ -64,8 +65,8 @@ pub fn init_launch(name: &str, out: &DevTensor, seed: u64) -> Result<Option<Kern
             Arg::I64(n as i64),
             // The kernel takes it as `unsigned long long`: the same bits.
             Arg::I64(param_stream(seed, name) as i64),
-            Arg::I32(ParamInit::of(name).code()),
-            Arg::F32(irwin_hall_scale()),
+            Arg::I32(init.code()),
+            Arg::F32(init.scale()),
         ],
     }))
 }
@@ -76,6 +77,7 @@ mod tests {
     use stepgraph_core::models::init::{MIX64_MULTIPLIERS, SPLITMIX_GAMMA};
 
     use super::*;
+    use stepgraph_core::models::init::irwin_hall_scale;
 
     fn tensor(dtype: DType, n: usize) -> DevTensor {
         DevTensor { ty: TensorType::new(dtype, [n]), ptr: 1 << 40 }
@@ -91,6 +93,10 @@ mod tests {
             l.args,
             [Arg::Ptr(1 << 40), Arg::I64(1000), Arg::I64(stream as i64), Arg::I32(2), Arg::F32(irwin_hall_scale())]
         );
+        // An adapter's A matrix: uniform, its scale from its fan-in (the last dimension).
+        let a = DevTensor { ty: TensorType::new(DType::F32, [8, 64]), ptr: 1 << 40 };
+        let l = init_launch("m.q_proj.lora_A.weight", &a, 3).unwrap().unwrap();
+        assert_eq!(l.args[3..], [Arg::I32(3), Arg::F32((1.0 / (8.0 * 8_388_608.0)) as f32)]);
         // Norms and biases by code; the grid stops growing, the loop strides.
         let l = init_launch("model.norm.weight", &tensor(DType::F32, 1 << 30), 3).unwrap().unwrap();
         assert_eq!((l.args[3].clone(), l.grid.0), (Arg::I32(1), 4096));

@@ -610,7 +610,7 @@ impl CudaSession {
         &self.startup
     }
 
-    /// Writes every parameter's initial value for `seed` in place, one
+    /// Writes every weight's initial value for `seed` in place, one
     /// kernel launch per parameter ([`crate::init`]): the bits of
     /// [`stepgraph_core::models::init_params`], with no host copy. Loads
     /// the kernel module on first use (its device memory is counted with
@@ -620,7 +620,7 @@ impl CudaSession {
         self.ctx.bind_to_thread()?;
         let mut launches = Vec::new();
         let (mut tensors, mut bytes) = (0, 0);
-        for p in self.trace.params() {
+        for p in self.trace.weights() {
             let name = self.trace.value(p).kind.leaf_name().unwrap_or_default();
             let out = dev_tensor(&self.trace, &self.plan, self.persistent_base, self.arena_base, p);
             tensors += 1;

@@ -99,7 +99,14 @@ pub fn config_json(family: &str, tied: bool) -> Value {
 pub fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64>) {
     let config_value = config_json(family, tied);
     let config = Config::from_hf_json(&config_value.to_string(), family).unwrap();
-    let spec = ModelSpec { config: config.clone(), batch: 1, seq: 2, dtype: DType::F32, loss: LossKind::CrossEntropy };
+    let spec = ModelSpec {
+        config: config.clone(),
+        batch: 1,
+        seq: 2,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+    };
     let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
     let mut session = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
     for (v, t) in init_params(&c.forward, 7) {

@@ -208,8 +208,13 @@ impl fmt::Display for TensorType {
 pub enum ValueKind {
     /// Written by the host before each step (token ids, targets, learning rate, step count).
     Input { name: String },
-    /// A model parameter: persistent.
+    /// A model parameter: persistent, trained (a train step differentiates
+    /// the loss with respect to it and updates it).
     Param { name: String },
+    /// A frozen model weight (the base model under adapters): persistent
+    /// and read-only. It gets no gradient, no gradient buffer and no
+    /// optimizer state, and no node may update it.
+    Frozen { name: String },
     /// Optimizer state (AdamW moments): persistent.
     State { name: String },
     /// Produced by a node. Its memory comes from the arena.
@@ -223,7 +228,10 @@ impl ValueKind {
 
     pub fn leaf_name(&self) -> Option<&str> {
         match self {
-            ValueKind::Input { name } | ValueKind::Param { name } | ValueKind::State { name } => Some(name),
+            ValueKind::Input { name }
+            | ValueKind::Param { name }
+            | ValueKind::Frozen { name }
+            | ValueKind::State { name } => Some(name),
             ValueKind::Node(_) => None,
         }
     }
@@ -326,6 +334,17 @@ impl Trace {
         self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Param { .. }))
     }
 
+    /// The frozen weights ([`ValueKind::Frozen`]).
+    pub fn frozen(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Frozen { .. }))
+    }
+
+    /// The model's weights: trained parameters and frozen weights alike,
+    /// what a model folder or a checkpoint of the model fills.
+    pub fn weights(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Param { .. } | ValueKind::Frozen { .. }))
+    }
+
     pub fn inputs(&self) -> impl Iterator<Item = ValueId> + '_ {
         self.value_ids().filter(|v| matches!(self.value(*v).kind, ValueKind::Input { .. }))
     }
@@ -357,6 +376,7 @@ impl Trace {
         match &self.value(v).kind {
             ValueKind::Input { name } => format!("input {name}"),
             ValueKind::Param { name } => format!("param {name}"),
+            ValueKind::Frozen { name } => format!("frozen {name}"),
             ValueKind::State { name } => format!("state {name}"),
             ValueKind::Node(n) => {
                 let node = self.node(*n);
@@ -403,6 +423,7 @@ fn leaf_kind_name(kind: &ValueKind) -> &'static str {
     match kind {
         ValueKind::Input { .. } => "input",
         ValueKind::Param { .. } => "parameter",
+        ValueKind::Frozen { .. } => "frozen weight",
         ValueKind::State { .. } => "state",
         ValueKind::Node(_) => "value",
     }
@@ -485,6 +506,11 @@ impl Builder {
 
     pub fn param(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {
         self.leaf(ValueKind::Param { name: name.into() }, ty)
+    }
+
+    /// A frozen weight: persistent, read-only, never differentiated.
+    pub fn frozen(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {
+        self.leaf(ValueKind::Frozen { name: name.into() }, ty)
     }
 
     pub fn state(&mut self, name: &str, ty: TensorType) -> Result<ValueId> {

@@ -37,7 +37,7 @@ pub fn parse(text: &str) -> Result<Trace> {
                 trace.name = rest.trim().to_string();
                 seen_trace = true;
             }
-            "input" | "param" | "state" => {
+            "input" | "param" | "frozen" | "state" => {
                 let (id, rest) = rest.split_once(':').ok_or_else(|| err(format!("expected `{head} %N: TYPE NAME`")))?;
                 let id = parse_id(id).map_err(err)?;
                 let mut parts = rest.split_whitespace();
@@ -49,6 +49,7 @@ pub fn parse(text: &str) -> Result<Trace> {
                 let kind = match head {
                     "input" => ValueKind::Input { name },
                     "param" => ValueKind::Param { name },
+                    "frozen" => ValueKind::Frozen { name },
                     _ => ValueKind::State { name },
                 };
                 define(&mut slots, id, Value { ty, kind }).map_err(err)?;

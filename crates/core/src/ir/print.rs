@@ -40,6 +40,7 @@ pub fn print(trace: &Trace, annotate: Option<Annotate>) -> String {
         let (kind, name) = match &val.kind {
             ValueKind::Input { name } => ("input", name),
             ValueKind::Param { name } => ("param", name),
+            ValueKind::Frozen { name } => ("frozen", name),
             ValueKind::State { name } => ("state", name),
             ValueKind::Node(_) => unreachable!("leaves only"),
         };

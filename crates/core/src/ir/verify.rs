@@ -93,6 +93,12 @@ pub fn verify(trace: &Trace) -> Result<()> {
     }
     for u in &trace.updates {
         let state = trace.value(u.state);
+        if let ValueKind::Frozen { name } = &state.kind {
+            return Err(fail(format!(
+                "update target {} is the frozen weight `{name}`, which nothing may write",
+                u.state
+            )));
+        }
         if !matches!(state.kind, ValueKind::Param { .. } | ValueKind::State { .. }) {
             return Err(fail(format!("update target {} is not a parameter or optimizer state", u.state)));
         }

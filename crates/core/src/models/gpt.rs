@@ -20,6 +20,7 @@
 //! One tile (the default) records the untiled MLP, op for op.
 
 use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
+use super::lora::Adapters;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::linear_ce::{default_chunk, Reduction};
@@ -62,13 +63,18 @@ pub struct ModelSpec {
     pub seq: usize,
     pub dtype: DType,
     pub loss: LossKind,
+    /// Low-rank adapters over a frozen base ([`super::lora`]); `None`
+    /// trains every weight. Left out of the serialization when `None`, so
+    /// what full runs record is unchanged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<Adapters>,
 }
 
 impl ModelSpec {
     /// The named model (litgpt or Hugging Face name, see [`Config::named`])
     /// on batches of `batch` × `seq` tokens.
     pub fn named(name: &str, batch: usize, seq: usize, dtype: DType, loss: LossKind) -> Result<Self> {
-        Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss })
+        Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss, adapters: None })
     }
 
     /// Checks the config, the batch and every size the model records: each
@@ -158,6 +164,9 @@ pub(crate) struct Gpt<'a> {
     /// once per trace segment's first use: the rows of q and k rotated
     /// together (see [`Gpt::attention`]).
     doubled_starts: Vec<(ValueId, ValueId)>,
+    /// Low-rank adapters: every base weight is then a frozen leaf, and the
+    /// adapted linear layers get their adapters ([`Gpt::linear`]).
+    pub(crate) adapters: Option<Adapters>,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -185,10 +194,24 @@ impl<'a> Gpt<'a> {
             fuse_projections: false,
             fused: Vec::new(),
             doubled_starts: Vec::new(),
+            adapters: None,
         }
     }
 
+    /// The model weight `name`: a trained parameter, or with adapters a
+    /// frozen leaf (the base).
     pub(crate) fn param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
+        if let Some(&p) = self.params.get(name) {
+            return Ok(p);
+        }
+        let ty = TensorType::new(self.dtype, shape);
+        let p = if self.adapters.is_some() { self.b.frozen(name, ty)? } else { self.b.param(name, ty)? };
+        self.params.insert(name.to_string(), p);
+        Ok(p)
+    }
+
+    /// The trained parameter `name` (an adapter's matrix), made once.
+    fn adapter_param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
         if let Some(&p) = self.params.get(name) {
             return Ok(p);
         }
@@ -209,9 +232,41 @@ impl<'a> Gpt<'a> {
         Ok((w, bias))
     }
 
+    /// The linear layer `prefix` of `x: [..., inp]`, with its adapter
+    /// beside it when the layer is adapted ([`super::lora`]).
     pub(crate) fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
         let (w, bias) = self.linear_params(prefix, inp, out, bias)?;
-        self.b.linear(x, w, bias)
+        let y = self.b.linear(x, w, bias)?;
+        match &self.adapters {
+            Some(a) if a.adapts(prefix) => {
+                let (rank, scale) = (a.rank, a.scale());
+                self.adapter(x, y, prefix, inp, out, rank, scale)
+            }
+            _ => Ok(y),
+        }
+    }
+
+    /// `y + scale·(x·Aᵀ)·Bᵀ`: the adapter of the layer `prefix` added to
+    /// its base output `y`. The scale multiplies the narrow `[..., rank]`
+    /// product.
+    #[allow(clippy::too_many_arguments)]
+    fn adapter(
+        &mut self,
+        x: ValueId,
+        y: ValueId,
+        prefix: &str,
+        inp: usize,
+        out: usize,
+        rank: usize,
+        scale: f64,
+    ) -> Result<ValueId> {
+        let a = self.adapter_param(&format!("{prefix}.lora_A.weight"), &[rank, inp])?;
+        let b = self.adapter_param(&format!("{prefix}.lora_B.weight"), &[out, rank])?;
+        let down = self.b.linear(x, a, None)?;
+        let s = self.b.full(scale, TensorType::scalar(self.dtype))?;
+        let down = self.b.mul(down, s)?;
+        let up = self.b.linear(down, b, None)?;
+        self.b.add(y, up)
     }
 
     /// The projections `parts` (`(prefix, out)` each, all from `inp`) of
@@ -584,6 +639,10 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
     let mut g = Gpt::new("forward", cfg, spec.dtype, opts.mlp_tiles);
+    if let Some(a) = &spec.adapters {
+        a.validate()?;
+        g.adapters = Some(a.clone());
+    }
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
     let targets = match spec.loss {
         LossKind::CrossEntropy => Some(g.b.input(TARGETS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),

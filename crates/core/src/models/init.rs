@@ -24,6 +24,14 @@
 //! output. Biases start at zero and norm weights at one, as litgpt and
 //! Hugging Face initialise a fresh model.
 //!
+//! **Adapters** start as PEFT starts them: a LoRA `A` matrix (`*.lora_A.weight`,
+//! `[rank, in]`) is uniform on `[−1/√in, 1/√in)` (PyTorch's Kaiming-uniform
+//! with `a = √5`, which `peft` uses), drawn as the top 24 bits of the same
+//! splitmix64 output, centred (an integer in `[−2²³, 2²³)`), converted
+//! exactly and multiplied once by `1/(√in · 2²³)`; a `B` matrix
+//! (`*.lora_B.weight`) starts at zero, so an adapter changes nothing
+//! before its first update.
+//!
 //! [`init_params`] draws on the host (in parallel); a session's
 //! [`crate::session::Session::init_params`] writes straight into its own
 //! memory, on the device where the backend has a kernel for it.
@@ -53,22 +61,30 @@ pub const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 /// The two multipliers of splitmix64's output function ([`mix64`]).
 pub const MIX64_MULTIPLIERS: [u64; 2] = [0xBF58_476D_1CE4_E5B9, 0x94D0_49BB_1331_11EB];
 
-/// How a parameter starts, from its name.
+/// How a parameter starts, from its name (and, for an adapter, its shape).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum ParamInit {
-    /// Biases (`*.bias`).
+    /// Biases (`*.bias`) and LoRA `B` matrices (`*.lora_B.weight`).
     Zeros,
     /// Norm weights (names containing `norm`).
     Ones,
     /// Every other weight: the Irwin–Hall draw of the module doc.
     Random,
+    /// LoRA `A` matrices (`*.lora_A.weight`): uniform on
+    /// `[−1/√fan_in, 1/√fan_in)`, `fan_in` the matrix's last dimension.
+    KaimingUniform { fan_in: usize },
 }
 
+/// Where a LoRA `A` matrix's uniform integer is centred: its 24 bits span `[0, 2²⁴)`.
+const UNIFORM_CENTRE: f64 = (1u64 << 23) as f64;
+
 impl ParamInit {
-    /// The rule for the parameter called `name`.
-    pub fn of(name: &str) -> ParamInit {
-        if name.ends_with(".bias") {
+    /// The rule for the parameter called `name` of shape `shape`.
+    pub fn of(name: &str, shape: &[usize]) -> ParamInit {
+        if name.ends_with(".bias") || name.ends_with(".lora_B.weight") {
             ParamInit::Zeros
+        } else if name.ends_with(".lora_A.weight") {
+            ParamInit::KaimingUniform { fan_in: shape.last().copied().unwrap_or(1).max(1) }
         } else if name.contains("norm") {
             ParamInit::Ones
         } else {
@@ -77,12 +93,23 @@ impl ParamInit {
     }
 
     /// The code the CUDA kernel takes for this rule (`init.cu`: 0 zeros,
-    /// 1 ones, 2 random).
+    /// 1 ones, 2 random, 3 uniform).
     pub fn code(self) -> i32 {
         match self {
             ParamInit::Zeros => 0,
             ParamInit::Ones => 1,
             ParamInit::Random => 2,
+            ParamInit::KaimingUniform { .. } => 3,
+        }
+    }
+
+    /// The one multiplier of a drawn integer: [`irwin_hall_scale`] for a
+    /// random weight, `1/(√fan_in · 2²³)` rounded once to f32 for a
+    /// uniform one (computed in f64, so host and kernel take the same bits).
+    pub fn scale(self) -> f32 {
+        match self {
+            ParamInit::KaimingUniform { fan_in } => (1.0 / ((fan_in as f64).sqrt() * UNIFORM_CENTRE)) as f32,
+            _ => irwin_hall_scale(),
         }
     }
 }
@@ -123,12 +150,24 @@ pub fn random_value(stream: u64, i: u64) -> f32 {
     centred as f32 * irwin_hall_scale()
 }
 
+/// Element `i` of the uniform weight whose stream is `stream` and whose
+/// multiplier is `scale` ([`ParamInit::scale`]), in f32: the top 24 bits of
+/// the same splitmix64 output as [`random_value`], centred.
+#[inline]
+pub fn uniform_value(stream: u64, i: u64, scale: f32) -> f32 {
+    let z = mix64(stream.wrapping_add(i.wrapping_add(1).wrapping_mul(SPLITMIX_GAMMA)));
+    // |centred| ≤ 2²³: exact in f32; one rounded multiply, as in CUDA.
+    let centred = (z >> 40) as i32 - (1 << 23);
+    centred as f32 * scale
+}
+
 /// Fills `out`, the bytes of a `dtype` tensor, with the initial values of
 /// the parameter `name` under `seed` (in parallel). Values are made in f32
 /// and rounded once to `dtype`, to nearest even (f64 holds them exactly).
 /// Refuses a dtype that is not a float type and bytes that are not a whole
 /// number of elements.
-pub fn fill_param(name: &str, dtype: DType, seed: u64, out: &mut [u8]) -> Result<()> {
+pub fn fill_param(name: &str, ty: &TensorType, seed: u64, out: &mut [u8]) -> Result<()> {
+    let dtype = ty.dtype;
     fn fill<T: bytemuck::Pod + Send>(out: &mut [u8], value: impl Fn(u64) -> T + Sync) {
         let s: &mut [T] = bytemuck::cast_slice_mut(out);
         // Chunks, not elements, per task: the work per element is a few
@@ -150,12 +189,13 @@ pub fn fill_param(name: &str, dtype: DType, seed: u64, out: &mut [u8]) -> Result
     if !out.len().is_multiple_of(dtype.size()) || out.as_ptr().align_offset(dtype.size()) != 0 {
         return bad(format!("{} bytes are not whole aligned {dtype} elements", out.len()));
     }
-    let init = ParamInit::of(name);
-    let stream = param_stream(seed, name);
+    let init = ParamInit::of(name, &ty.shape);
+    let (stream, scale) = (param_stream(seed, name), init.scale());
     let value = move |i: u64| match init {
         ParamInit::Zeros => 0.0f32,
         ParamInit::Ones => 1.0f32,
         ParamInit::Random => random_value(stream, i),
+        ParamInit::KaimingUniform { .. } => uniform_value(stream, i, scale),
     };
     match dtype {
         DType::F32 => fill(out, value),
@@ -170,7 +210,7 @@ pub fn fill_param(name: &str, dtype: DType, seed: u64, out: &mut [u8]) -> Result
 /// The initial value of the parameter `name` of type `ty` (a float type).
 pub fn init_param(name: &str, ty: &TensorType, seed: u64) -> Result<HostTensor> {
     let mut t = HostTensor::zeros(ty.clone());
-    fill_param(name, ty.dtype, seed, t.bytes_mut())?;
+    fill_param(name, ty, seed, t.bytes_mut())?;
     Ok(t)
 }
 
@@ -184,7 +224,7 @@ pub fn init_param(name: &str, ty: &TensorType, seed: u64) -> Result<HostTensor> 
 /// never makes ([`init_param`] returns that as an error).
 pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
     trace
-        .params()
+        .weights()
         .map(|p| {
             let name = trace.value(p).kind.leaf_name().expect("a parameter is a leaf");
             (p, init_param(name, trace.ty(p), seed).unwrap_or_else(|e| panic!("{e}")))
@@ -220,11 +260,11 @@ mod tests {
 
     #[test]
     fn rules_follow_the_name() {
-        assert_eq!(ParamInit::of("model.layers.0.self_attn.q_proj.bias"), ParamInit::Zeros);
-        assert_eq!(ParamInit::of("model.layers.3.input_layernorm.weight"), ParamInit::Ones);
-        assert_eq!(ParamInit::of("model.norm.weight"), ParamInit::Ones);
-        assert_eq!(ParamInit::of("model.layers.0.mlp.down_proj.weight"), ParamInit::Random);
-        assert_eq!(ParamInit::of("lm_head.weight"), ParamInit::Random);
+        assert_eq!(ParamInit::of("model.layers.0.self_attn.q_proj.bias", &[4, 4]), ParamInit::Zeros);
+        assert_eq!(ParamInit::of("model.layers.3.input_layernorm.weight", &[4, 4]), ParamInit::Ones);
+        assert_eq!(ParamInit::of("model.norm.weight", &[4, 4]), ParamInit::Ones);
+        assert_eq!(ParamInit::of("model.layers.0.mlp.down_proj.weight", &[4, 4]), ParamInit::Random);
+        assert_eq!(ParamInit::of("lm_head.weight", &[4, 4]), ParamInit::Random);
     }
 
     /// Every dtype holds the f32 value rounded to nearest even, as
@@ -271,10 +311,33 @@ mod tests {
     }
 
     #[test]
+    fn adapter_a_is_kaiming_uniform_and_b_starts_at_zero() {
+        let (rank, fan_in) = (16, 4096);
+        let a = init_param("m.q_proj.lora_A.weight", &TensorType::new(DType::F32, [rank, fan_in]), 5).unwrap();
+        let x = a.to_f64();
+        let bound = 1.0 / (fan_in as f64).sqrt();
+        assert!(x.iter().all(|v| (-bound..bound).contains(v)), "outside ±1/√{fan_in}");
+        // Uniform on [−b, b): mean 0, variance b²/3 (standard errors at
+        // 65536 draws: b/443 for the mean, under 1% for the variance).
+        let n = x.len() as f64;
+        let mean = x.iter().sum::<f64>() / n;
+        let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+        assert!(mean.abs() < bound / 100.0, "mean {mean}");
+        assert!((var / (bound * bound / 3.0) - 1.0).abs() < 0.02, "variance {var}");
+        // Both ends are reached: the draw spans the whole interval.
+        let (lo, hi) = x.iter().fold((0.0f64, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        assert!(lo < -0.999 * bound && hi > 0.999 * bound, "{lo} {hi}");
+        let b = init_param("m.q_proj.lora_B.weight", &TensorType::new(DType::BF16, [fan_in, rank]), 5).unwrap();
+        assert!(b.to_f64().iter().all(|&v| v == 0.0));
+        assert_eq!(ParamInit::of("m.lora_A.weight", &[8, 64]), ParamInit::KaimingUniform { fan_in: 64 });
+        assert_eq!(ParamInit::of("m.lora_A.weight", &[8, 64]).scale(), (1.0 / (8.0 * 8_388_608.0)) as f32);
+    }
+
+    #[test]
     fn integer_parameters_are_refused_by_name() {
         let e = init_param("model.x", &TensorType::new(DType::I32, [4]), 1).unwrap_err().to_string();
         assert!(e.contains("`model.x`") && e.contains("dtype i32") && e.contains("f32, bf16, f16 and f64"), "{e}");
-        let e = fill_param("w", DType::F32, 1, &mut [0u8; 6]).unwrap_err().to_string();
+        let e = fill_param("w", &TensorType::new(DType::F32, [2]), 1, &mut [0u8; 6]).unwrap_err().to_string();
         assert!(e.contains("6 bytes are not whole aligned f32 elements"), "{e}");
     }
 
@@ -299,7 +362,7 @@ mod tests {
         let (mut zeros, mut ones, mut random) = (0, 0, 0);
         for (name, t) in &params {
             let x = t.to_f64();
-            match ParamInit::of(name) {
+            match ParamInit::of(name, &t.ty.shape) {
                 ParamInit::Zeros => {
                     zeros += 1;
                     assert!(x.iter().all(|&v| v == 0.0), "{name}");
@@ -312,6 +375,7 @@ mod tests {
                     random += 1;
                     assert!(x.iter().filter(|&&v| v != 0.0).count() > x.len() / 2, "{name}");
                 }
+                ParamInit::KaimingUniform { .. } => unreachable!("{name}: the model has no adapters"),
             }
         }
         assert!(zeros > 0 && ones > 0 && random > 0, "{zeros} {ones} {random}");
@@ -324,7 +388,7 @@ mod tests {
         assert!(same_shape.len() >= 2 && same_shape[0].ty == same_shape[1].ty);
         assert_ne!(same_shape[0], same_shape[1]);
         for ((name, a), (_, b)) in params.iter().zip(by_name(&fwd, 4)) {
-            if ParamInit::of(name) == ParamInit::Random {
+            if ParamInit::of(name, &a.ty.shape) == ParamInit::Random {
                 assert_ne!(*a, b, "{name}: seeds 3 and 4 agree");
             }
         }

@@ -3,8 +3,9 @@
 //! and everything that differs between them ([`family`]), the builder that records a
 //! configuration's forward pass and loss as a trace ([`gpt`]), safetensors
 //! files ([`checkpoint`]), whole Hugging Face model folders in and out of
-//! a session ([`hf_dir`]), and the initial weights, the same bits on the
-//! host and on a GPU ([`init`]).
+//! a session ([`hf_dir`]), the initial weights, the same bits on the
+//! host and on a GPU ([`init`]), and low-rank adapters over a frozen base
+//! ([`lora`]).
 
 pub mod checkpoint;
 pub mod config;
@@ -14,7 +15,9 @@ pub mod gpt;
 pub mod hf;
 pub mod hf_dir;
 pub mod init;
+pub mod lora;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
 pub use gpt::{build_forward, build_forward_opts, ForwardOptions, LossKind, ModelSpec};
 pub use init::{init_param, init_params};
+pub use lora::{Adapters, BaseStorage, LoraTarget};

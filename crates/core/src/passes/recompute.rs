@@ -764,7 +764,8 @@ mod tests {
     /// one row of `seq` tokens in bf16.
     fn wide_step(name: &str, o: crate::models::Overrides, seq: usize) -> Trace {
         let config = crate::models::Config::named(name).unwrap().with_overrides(&o).unwrap();
-        let spec = ModelSpec { config, batch: 1, seq, dtype: DType::BF16, loss: LossKind::CrossEntropy };
+        let spec =
+            ModelSpec { config, batch: 1, seq, dtype: DType::BF16, loss: LossKind::CrossEntropy, adapters: None };
         trace_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().step
     }
 

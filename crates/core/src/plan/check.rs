@@ -99,7 +99,10 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
                 slot.offset
             ));
         }
-        let persistent = matches!(trace.values[v].kind, ValueKind::Param { .. } | ValueKind::State { .. });
+        let persistent = matches!(
+            trace.values[v].kind,
+            ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. }
+        );
         if persistent != (slot.region == Region::Persistent) && trace.values[v].kind.is_leaf() {
             return fail(format!("{} is in the wrong region", trace.describe(ValueId(v as u32))));
         }

@@ -134,7 +134,7 @@ impl Timeline {
         let saved: HashSet<ValueId> = trace.saved.iter().copied().collect();
         let steps = plan.steps.max(1);
         let category_of = |v: ValueId| match &trace.value(v).kind {
-            ValueKind::Param { .. } => Category::Parameters,
+            ValueKind::Param { .. } | ValueKind::Frozen { .. } => Category::Parameters,
             ValueKind::State { .. } => Category::OptimizerState,
             ValueKind::Input { .. } => Category::Temporaries,
             ValueKind::Node(_) if grads.contains(&v) => Category::Gradients,
@@ -163,6 +163,7 @@ impl Timeline {
                     format!("{} ({})", node.op.name(), node.phase.name())
                 }
                 ValueKind::Param { .. } => "parameter".into(),
+                ValueKind::Frozen { .. } => "frozen weight".into(),
                 ValueKind::State { .. } => "optimizer state".into(),
                 ValueKind::Input { .. } => "step input".into(),
             };

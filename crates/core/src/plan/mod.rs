@@ -214,7 +214,7 @@ impl UnionFind {
 }
 
 fn is_persistent(kind: &ValueKind) -> bool {
-    matches!(kind, ValueKind::Param { .. } | ValueKind::State { .. })
+    matches!(kind, ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. })
 }
 
 /// The values that become a state's new value, each with its state: the

@@ -20,7 +20,12 @@ pub struct PlanReport {
     pub trace: String,
     pub nodes: usize,
     pub values: usize,
+    /// Trained parameters.
     pub param_bytes: u64,
+    /// Frozen weights (the base model under adapters).
+    pub frozen_bytes: u64,
+    /// How the frozen weights are stored (`bf16`, `nf4`), when there are any.
+    pub frozen_storage: Option<String>,
     pub optimizer_state_bytes: u64,
     pub persistent_bytes: u64,
     pub gradient_bytes: u64,
@@ -38,6 +43,8 @@ pub struct PlanReport {
 /// Summarises `plan` for `trace`, listing the `top` largest values live at the peak.
 pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
     let param_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
+    let frozen_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::Frozen { .. }));
+    let frozen_storage = frozen_storage(trace);
     let optimizer_state_bytes = trace.leaf_bytes(|k| matches!(k, ValueKind::State { .. }));
     // A value may be listed more than once, so these sums may pass the
     // plan's cap on distinct bytes: they saturate rather than wrap.
@@ -70,6 +77,8 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         nodes: trace.nodes.len(),
         values: trace.values.len(),
         param_bytes,
+        frozen_bytes,
+        frozen_storage,
         optimizer_state_bytes,
         persistent_bytes: plan.persistent_bytes,
         gradient_bytes,
@@ -84,6 +93,18 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
     }
 }
 
+/// How a trace's frozen weights are stored: `nf4` when its matrices are
+/// 4-bit codes (leaves named `*.nf4_codes`), else the dtype of its matrices
+/// (of any frozen leaf when there are none); `None` without frozen weights.
+fn frozen_storage(trace: &Trace) -> Option<String> {
+    let frozen: Vec<_> = trace.frozen().collect();
+    if frozen.iter().any(|&v| trace.value(v).kind.leaf_name().is_some_and(|n| n.ends_with(".nf4_codes"))) {
+        return Some("nf4".into());
+    }
+    let matrix = frozen.iter().find(|&&v| trace.ty(v).rank() == 2).or(frozen.first());
+    matrix.map(|&v| trace.ty(v).dtype.to_string())
+}
+
 fn gb(b: u64) -> String {
     format!("{:.3} GB", b as f64 / 1e9)
 }
@@ -92,7 +113,14 @@ impl std::fmt::Display for PlanReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "plan for `{}`: {} nodes, {} values", self.trace, self.nodes, self.values)?;
         writeln!(f, "  persistent       {:>14} B  {}", self.persistent_bytes, gb(self.persistent_bytes))?;
-        writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
+        match &self.frozen_storage {
+            Some(storage) => {
+                let base = format!("base ({storage})");
+                writeln!(f, "    {base:<15}{:>14} B  {}  (frozen)", self.frozen_bytes, gb(self.frozen_bytes))?;
+                writeln!(f, "    adapters       {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
+            }
+            None => writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?,
+        }
         writeln!(f, "    optimizer      {:>14} B  {}", self.optimizer_state_bytes, gb(self.optimizer_state_bytes))?;
         writeln!(f, "  arena            {:>14} B  {}", self.arena_bytes, gb(self.arena_bytes))?;
         writeln!(

@@ -422,7 +422,8 @@ mod tests {
         let f = family.family();
         let config = f.example();
         let n_head = config.n_head;
-        let spec = ModelSpec { config, batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::CrossEntropy };
+        let spec =
+            ModelSpec { config, batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None };
         let trace = build_forward(&spec).unwrap();
         let params: BTreeMap<String, HostTensor> = init_params(&trace, 7)
             .into_iter()

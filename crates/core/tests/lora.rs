@@ -1,0 +1,255 @@
+//! Low-rank adapters on the CPU backend: the adapters' gradients against
+//! finite differences, a zero `B` giving the base model's logits bit for
+//! bit, merged and unmerged models agreeing, and a train step that updates
+//! the adapters alone, with no gradient or optimizer state for the base.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
+use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
+use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::lora::merged_weight;
+use stepgraph_core::models::{build_forward, init_params, Adapters, LoraTarget, LossKind, ModelSpec};
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::plan::{plan, plan_report, PlanOptions};
+use stepgraph_core::session::Session;
+use stepgraph_core::testing::interpret;
+
+fn spec(dtype: DType, adapters: Option<Adapters>) -> ModelSpec {
+    let mut s = ModelSpec::named("tiny-llama", 2, 8, dtype, LossKind::CrossEntropy).unwrap();
+    s.adapters = adapters;
+    s
+}
+
+fn adapters(rank: usize, targets: Vec<LoraTarget>) -> Adapters {
+    Adapters::new(rank, 2.0 * rank as f64 + 1.0, targets).unwrap()
+}
+
+fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = spec.batch * spec.seq;
+    let ty = TensorType::new(DType::I32, [spec.batch, spec.seq]);
+    let ids: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
+    let t: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
+    vec![(TOKENS_INPUT, HostTensor::from_f64(ty.clone(), &ids)), (TARGETS_INPUT, HostTensor::from_f64(ty, &t))]
+}
+
+fn name(t: &Trace, v: ValueId) -> String {
+    t.value(v).kind.leaf_name().unwrap().to_string()
+}
+
+/// Every weight of `fwd` by name: the seeded draw, with each adapter's `B`
+/// random too (it starts at zero, where `A`'s gradient is zero) when `random_b`.
+fn weights(fwd: &Trace, seed: u64, random_b: bool) -> HashMap<String, HostTensor> {
+    let mut rng = StdRng::seed_from_u64(seed + 100);
+    init_params(fwd, seed)
+        .into_iter()
+        .map(|(v, t)| {
+            let n = name(fwd, v);
+            let t = if random_b && n.ends_with("lora_B.weight") {
+                let x: Vec<f64> = (0..t.ty.numel())
+                    .map(|_| {
+                        let z: f64 = StandardNormal.sample(&mut rng);
+                        0.1 * z
+                    })
+                    .collect();
+                HostTensor::from_f64(t.ty.clone(), &x)
+            } else {
+                t
+            };
+            (n, t)
+        })
+        .collect()
+}
+
+/// The logits of `fwd` (built with its logits output) on `weights` and `data`.
+fn logits(fwd: &Trace, weights: &HashMap<String, HostTensor>, data: &[(&str, HostTensor)]) -> Vec<f64> {
+    let mut leaves = HashMap::new();
+    for v in fwd.weights() {
+        leaves.insert(v, weights[&name(fwd, v)].clone());
+    }
+    for (n, t) in data {
+        leaves.insert(fwd.leaf_by_name(n).unwrap(), t.clone());
+    }
+    let vals = interpret(fwd, &leaves).unwrap();
+    let out = fwd.outputs.iter().find(|o| o.kind == OutputKind::Named(LOGITS_OUTPUT.into())).unwrap();
+    vals[out.value.index()].to_f64()
+}
+
+#[test]
+fn base_weights_are_frozen_and_only_adapters_are_parameters() {
+    let sp = spec(DType::F32, Some(adapters(4, vec![LoraTarget::Q, LoraTarget::V, LoraTarget::Down])));
+    let fwd = build_forward(&sp).unwrap();
+    let params: Vec<String> = fwd.params().map(|p| name(&fwd, p)).collect();
+    let layers = sp.config.n_layer;
+    assert_eq!(params.len(), 3 * 2 * layers, "{params:?}");
+    assert!(params.iter().all(|p| p.ends_with(".lora_A.weight") || p.ends_with(".lora_B.weight")), "{params:?}");
+    let a = fwd.leaf_by_name("model.layers.0.self_attn.q_proj.lora_A.weight").unwrap();
+    let b = fwd.leaf_by_name("model.layers.0.self_attn.q_proj.lora_B.weight").unwrap();
+    assert_eq!(fwd.ty(a).shape, [4, sp.config.n_embd]);
+    assert_eq!(fwd.ty(b).shape, [sp.config.n_head * sp.config.head_size, 4]);
+    // Every base weight is there, frozen: the full model's parameters.
+    let full = build_forward(&spec(DType::F32, None)).unwrap();
+    let frozen: Vec<String> = fwd.frozen().map(|v| name(&fwd, v)).collect();
+    let all: Vec<String> = full.params().map(|v| name(&full, v)).collect();
+    assert_eq!(frozen, all);
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    for targets in [LoraTarget::ALL.to_vec(), vec![LoraTarget::K, LoraTarget::Gate]] {
+        let sp = spec(DType::F64, Some(adapters(3, targets.clone())));
+        let fwd = build_forward(&sp).unwrap();
+        let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+        // Gradients of the adapters only.
+        let grad_of: Vec<String> = grads
+            .outputs
+            .iter()
+            .filter_map(|o| match o.kind {
+                OutputKind::Grad(p) => Some(name(&grads, p)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(grad_of.len(), fwd.params().count());
+        assert!(grad_of.iter().all(|n| n.contains(".lora_")), "{grad_of:?}");
+
+        let w = weights(&fwd, 3, true);
+        let data = batch(&sp, 1);
+        let p = plan(&grads, PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(grads.clone(), p).unwrap();
+        for v in grads.weights() {
+            s.write(v, &w[&name(&grads, v)]).unwrap();
+        }
+        for (n, t) in &data {
+            s.write_named(n, t).unwrap();
+        }
+        s.run_eager().unwrap();
+
+        let mut rng = StdRng::seed_from_u64(11);
+        let params: Vec<ValueId> = fwd.params().collect();
+        let u: Vec<Vec<f64>> =
+            params.iter().map(|p| (0..fwd.ty(*p).numel()).map(|_| StandardNormal.sample(&mut rng)).collect()).collect();
+        let mut analytic = 0.0;
+        for (k, &p) in params.iter().enumerate() {
+            let gp = grads.leaf_by_name(&name(&fwd, p)).unwrap();
+            let g = s.read(grads.grad_of(gp).unwrap()).to_f64();
+            analytic += g.iter().zip(&u[k]).map(|(a, b)| a * b).sum::<f64>();
+        }
+        let eps = 1e-6;
+        let loss_at = |sign: f64| {
+            let mut leaves = HashMap::new();
+            for v in fwd.weights() {
+                leaves.insert(v, w[&name(&fwd, v)].clone());
+            }
+            for (k, p) in params.iter().enumerate() {
+                let x: Vec<f64> =
+                    w[&name(&fwd, *p)].to_f64().iter().zip(&u[k]).map(|(a, b)| a + sign * eps * b).collect();
+                leaves.insert(*p, HostTensor::from_f64(fwd.ty(*p).clone(), &x));
+            }
+            for (n, t) in &data {
+                leaves.insert(fwd.leaf_by_name(n).unwrap(), t.clone());
+            }
+            let vals = interpret(&fwd, &leaves).unwrap();
+            vals[fwd.loss().unwrap().index()].to_f64()[0]
+        };
+        let fd = (loss_at(1.0) - loss_at(-1.0)) / (2.0 * eps);
+        let rel = (fd - analytic).abs() / fd.abs().max(analytic.abs());
+        assert!(analytic.abs() > 1e-6, "{targets:?}: the adapters' gradient is zero");
+        assert!(rel < 1e-6, "{targets:?}: finite differences {fd} vs gradient {analytic} (rel {rel:e})");
+    }
+}
+
+#[test]
+fn a_zero_b_gives_the_base_models_logits_bit_for_bit() {
+    for dtype in [DType::F32, DType::BF16] {
+        let with = spec(dtype, Some(adapters(4, LoraTarget::ALL.to_vec())));
+        let fwd = build_forward_with_logits(&with).unwrap();
+        let base = build_forward_with_logits(&spec(dtype, None)).unwrap();
+        let w = weights(&fwd, 7, false);
+        let data = batch(&with, 2);
+        let (a, b) = (logits(&fwd, &w, &data), logits(&base, &w, &data));
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().zip(&b).all(|(x, y)| x == y), "{dtype}: adapters at B = 0 changed the logits");
+    }
+}
+
+#[test]
+fn merged_and_unmerged_models_agree() {
+    let a = adapters(4, vec![LoraTarget::Q, LoraTarget::O, LoraTarget::Up]);
+    let scale = a.scale();
+    let with = spec(DType::F64, Some(a));
+    let fwd = build_forward_with_logits(&with).unwrap();
+    let base = build_forward_with_logits(&spec(DType::F64, None)).unwrap();
+    let w = weights(&fwd, 9, true);
+    let mut merged = w.clone();
+    let mut count = 0;
+    for (n, t) in &w {
+        if let Some(prefix) = n.strip_suffix(".lora_A.weight") {
+            let key = format!("{prefix}.weight");
+            let m = merged_weight(&w[&key], t, &w[&format!("{prefix}.lora_B.weight")], scale).unwrap();
+            merged.insert(key, m);
+            count += 1;
+        }
+    }
+    assert_eq!(count, 3 * with.config.n_layer);
+    let data = batch(&with, 4);
+    let (x, y) = (logits(&fwd, &w, &data), logits(&base, &merged, &data));
+    let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs() / a.abs().max(1e-3)).fold(0.0, f64::max);
+    assert!(worst < 1e-10, "merged and unmerged logits differ by {worst:e}");
+    // The adapters change the model: the base alone does not give these logits.
+    let plain = logits(&base, &w, &data);
+    assert!(x.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-6));
+}
+
+#[test]
+fn a_train_step_updates_the_adapters_alone_and_plans_no_base_gradient() {
+    let sp = spec(DType::F32, Some(adapters(2, LoraTarget::ALL.to_vec())));
+    let c = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
+    let step = &c.step;
+    // Optimizer state for the adapters only; nothing updates a frozen weight.
+    let states: Vec<String> = step
+        .leaves()
+        .filter(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))
+        .map(|v| name(step, v))
+        .collect();
+    assert!(!states.is_empty() && states.iter().all(|n| n.contains(".lora_")), "{states:?}");
+    assert!(step.updates.iter().all(|u| !matches!(step.value(u.state).kind, ValueKind::Frozen { .. })));
+    let report = plan_report(step, &c.plan, 4);
+    let adapters: u64 = c.forward.params().map(|p| c.forward.ty(p).bytes()).sum();
+    let base: u64 = c.forward.frozen().map(|p| c.forward.ty(p).bytes()).sum();
+    assert_eq!((report.param_bytes, report.frozen_bytes), (adapters, base));
+    assert_eq!(report.frozen_storage.as_deref(), Some("f32"));
+    assert!(report.to_string().contains("base (f32)") && report.to_string().contains("adapters"));
+    // AdamW's two moments per adapter weight, nothing for the base.
+    assert_eq!(report.optimizer_state_bytes, 2 * adapters);
+    assert_eq!(report.persistent_bytes, base + 3 * adapters);
+
+    let w = weights(&c.forward, 5, false);
+    let mut s = CpuSession::new(step.clone(), c.plan.clone()).unwrap();
+    for v in step.weights() {
+        s.write(v, &w[&name(step, v)]).unwrap();
+    }
+    s.zero_state().unwrap();
+    let mut losses = Vec::new();
+    for it in 1..=8 {
+        for (n, t) in batch(&sp, 1) {
+            s.write_named(n, &t).unwrap();
+        }
+        s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
+        s.write_named(STEP_INPUT, &scalar_input(it as f64)).unwrap();
+        s.run_eager().unwrap();
+        losses.push(s.loss().unwrap());
+    }
+    assert!(losses[7] < losses[0] - 1e-3, "the adapters did not learn one batch: {losses:?}");
+    for v in step.frozen().collect::<Vec<_>>() {
+        assert_eq!(s.read(v), w[&name(step, v)], "{} changed", name(step, v));
+    }
+    let b = step.leaf_by_name("model.layers.0.mlp.down_proj.lora_B.weight").unwrap();
+    assert!(s.read(b).to_f64().iter().any(|&x| x != 0.0), "B did not move from zero");
+}
