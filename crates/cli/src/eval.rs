@@ -61,7 +61,7 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     hf.load_into(&compiled.forward, session.as_mut())
         .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
     let n = batches.len();
-    let mut eval = Evaluator { session, batches, micro_batches: 1 };
+    let mut eval = Evaluator { session, batches, micro_batches: 1, frozen_copied: true };
     let loss = eval.mean_loss(0, 1)?;
     if !loss.is_finite() {
         bail!(

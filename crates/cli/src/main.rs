@@ -11,6 +11,7 @@
 //! on the held-out split of the training data, see [`eval`]) and `generate`
 //! (text from a model, see [`generate`]).
 
+mod adapter_args;
 mod bench;
 mod compare;
 mod eval;
@@ -242,6 +243,8 @@ struct ModelArgs {
     /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
     #[arg(help_heading = "Model", long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
+    #[command(flatten)]
+    adapters: adapter_args::AdapterArgs,
 }
 
 /// `eval`'s model flags: the model is the `--init-from` folder; the batch,
@@ -268,6 +271,7 @@ impl EvalModelArgs {
             dtype: self.dtype,
             on_gpu: false,
             loss: LossArg::Ce,
+            adapters: Default::default(),
         }
     }
 }
@@ -292,6 +296,7 @@ impl GenerateModelArgs {
             dtype: self.dtype,
             on_gpu: false,
             loss: LossArg::Ce,
+            adapters: Default::default(),
         }
     }
 }
@@ -482,7 +487,7 @@ impl ModelArgs {
                 LossArg::Ce => LossKind::CrossEntropy,
             },
             config,
-            adapters: None,
+            adapters: self.adapters.adapters()?,
         })
     }
 

@@ -30,6 +30,8 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::HfModelDir;
+use stepgraph_core::models::init_param;
+use stepgraph_core::models::lora::is_adapter_weight;
 use stepgraph_core::pipeline::{CompileTimes, CompiledStep};
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_cuda::nccl::NcclGroup;
@@ -233,6 +235,7 @@ impl Trainer {
                 session,
                 batches: data.validation_batches(config.course.eval_batches)?,
                 micro_batches: config.step.grad_accum,
+                frozen_copied: false,
             }),
             None => None,
         };
@@ -273,7 +276,14 @@ impl Trainer {
         };
         let weights_from = Instant::now();
         match resume {
-            Some((dir, state)) => trainer.load_checkpoint(&dir, &state)?,
+            Some((dir, state)) => {
+                // A checkpoint of adapters holds no base: it comes from
+                // where it came from at the start.
+                if trainer.forward.frozen().next().is_some() {
+                    init_weights(trainer.session.as_mut(), &trainer.forward, pretrained, trainer.config.seed)?;
+                }
+                trainer.load_checkpoint(&dir, &state)?
+            }
             None => {
                 init_weights(trainer.session.as_mut(), &trainer.forward, pretrained, trainer.config.seed)?;
                 trainer.session.zero_state()?;
@@ -672,9 +682,18 @@ pub fn init_weights(
     seed: u64,
 ) -> Result<()> {
     match pretrained {
-        Some(hf) => hf
-            .load_into(forward, session)
-            .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?,
+        Some(hf) => {
+            hf.load_into(forward, session)
+                .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
+            // Adapters are not in the folder: they start from the seeded
+            // draw (A uniform, B zero), as a fresh PEFT model's do.
+            for p in forward.params() {
+                let name = forward.value(p).kind.leaf_name().unwrap_or_default();
+                if is_adapter_weight(name) {
+                    session.write_named(name, &init_param(name, forward.ty(p), seed)?)?;
+                }
+            }
+        }
         None => {
             session.init_params(seed)?;
         }
@@ -694,15 +713,24 @@ pub struct Evaluator {
     /// Batches of the training step's rows: `micro_batches` of the evaluation step's each.
     pub batches: Vec<data::Batch>,
     pub micro_batches: usize,
+    /// The frozen weights have been copied from the training session.
+    pub frozen_copied: bool,
 }
 
 impl Evaluator {
     /// The mean loss over the validation batches, on the weights of `train`.
     pub fn evaluate(&mut self, train: &mut dyn Session, rank: usize, world: usize) -> Result<f64> {
+        // The trained parameters every time; frozen weights (a base under
+        // adapters) the first time only, since nothing changes them.
         let params: Vec<(String, _)> = {
             let t = self.session.trace();
-            t.params().map(|p| (t.value(p).kind.leaf_name().unwrap_or_default().to_string(), p)).collect()
+            let frozen = if self.frozen_copied { None } else { Some(t.frozen()) };
+            t.params()
+                .chain(frozen.into_iter().flatten())
+                .map(|p| (t.value(p).kind.leaf_name().unwrap_or_default().to_string(), p))
+                .collect()
         };
+        self.frozen_copied = true;
         for (name, v) in params {
             let src = train
                 .trace()

@@ -50,6 +50,7 @@ use serde_json::{json, Map, Value};
 use super::checkpoint::{from_safetensors_dtype, round_to, to_safetensors_dtype};
 use super::config::Config;
 use super::family::{instantiate, ConfigKeys, Join, Unlisted};
+use super::lora::is_adapter_weight;
 use crate::error::{Error, Result};
 use crate::host::{bytes_to_f64, HostTensor};
 use crate::ir::{DType, TensorType, Trace, ValueId};
@@ -134,12 +135,17 @@ struct Mapping {
     ty: TensorType,
 }
 
-/// Every parameter of `trace` mapped to the Hugging Face tensor that holds
-/// it, in the trace's parameter order (a fused tensor where its first part is).
+/// Every weight of the model in `trace` (trained or frozen, adapters
+/// aside: a folder holds the base model) mapped to the Hugging Face tensor
+/// that holds it, in the trace's order (a fused tensor where its first
+/// part is).
 fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mapping>> {
     let family = family.family();
-    let params: Vec<(String, ValueId)> =
-        trace.params().map(|p| (trace.value(p).kind.leaf_name().unwrap_or_default().to_string(), p)).collect();
+    let params: Vec<(String, ValueId)> = trace
+        .weights()
+        .map(|p| (trace.value(p).kind.leaf_name().unwrap_or_default().to_string(), p))
+        .filter(|(name, _)| !is_adapter_weight(name))
+        .collect();
     let by_name: HashMap<&str, ValueId> = params.iter().map(|(n, v)| (n.as_str(), *v)).collect();
     let internal = |reason: String| Error::Checkpoint { path: format!("trace `{}`", trace.name), reason };
     let mut mappings = Vec::new();
@@ -889,7 +895,16 @@ pub fn save_hf_dir(
         return Err(checkpoint_error(out, format!("trace `{}` has no parameters to save", trace.name)));
     };
     let config_json = hf_config_json(config, family, dtype, options.source_config);
+    let report = save_folder_atomically(out, |temp| write_folder(temp, &mappings, &config_json, session, options))?;
+    Ok(SaveReport { dir: out.to_path_buf(), ..report })
+}
 
+/// Makes the folder `out` whole or not at all: `fill` writes (and syncs)
+/// every file into a new temporary folder beside `out`, which then takes
+/// `out`'s place as [`save_hf_dir`] describes; leftovers of interrupted
+/// saves to `out` are cleaned up first, and an error from `fill` removes
+/// the temporary folder and leaves `out` as it was.
+pub(crate) fn save_folder_atomically<R>(out: &Path, fill: impl FnOnce(&Path) -> Result<R>) -> Result<R> {
     let file_name = out
         .file_name()
         .and_then(|n| n.to_str())
@@ -909,7 +924,7 @@ pub fn save_hf_dir(
     let n = SAVE_COUNTER.fetch_add(1, Ordering::Relaxed);
     let temp = parent.join(format!(".{file_name}.tmp-{}-{n}", std::process::id()));
     fs::create_dir(&temp).map_err(|e| io_error(&temp, e))?;
-    let written = write_folder(&temp, &mappings, &config_json, session, options);
+    let written = fill(&temp);
     let report = match written {
         Ok(report) => report,
         Err(e) => {
@@ -919,7 +934,7 @@ pub fn save_hf_dir(
         }
     };
     swap_into_place(&temp, out, &parent, file_name, n)?;
-    Ok(SaveReport { dir: out.to_path_buf(), ..report })
+    Ok(report)
 }
 
 /// Cleans up after interrupted saves to `parent/NAME`: when `NAME` is
@@ -952,7 +967,7 @@ fn remove_leftovers(parent: &Path, file_name: &str) {
     }
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     // Some file systems refuse to fsync a directory; the files are synced
     // either way, so only opening it is an error.
     let handle = File::open(dir).map_err(|e| io_error(dir, e))?;
@@ -1004,24 +1019,33 @@ fn write_folder(
         write_synced(&temp.join(INDEX_FILE), &serde_json::to_vec_pretty(&index)?)?;
     }
     write_synced(&temp.join(CONFIG_FILE), &serde_json::to_vec_pretty(config_json)?)?;
-    let mut tokenizer_files = Vec::new();
-    if options.tokenizer_from.is_some() || options.model_from.is_some() {
-        for file in TOKENIZER_FILES {
-            let from_model =
-                options.model_from.map(|m| m.join(file)).filter(|p| *file == GENERATION_FILE && p.is_file());
-            let Some(src) = from_model.or_else(|| options.tokenizer_from.map(|t| t.join(file))) else { continue };
-            if src.is_file() {
-                let bytes = fs::read(&src).map_err(|e| io_error(&src, e))?;
-                write_synced(&temp.join(file), &bytes)?;
-                tokenizer_files.push(file.to_string());
-            }
-        }
-    }
+    let tokenizer_files = copy_tokenizer_files(temp, options.tokenizer_from, options.model_from)?;
     sync_dir(temp)?;
     Ok(SaveReport { dir: temp.to_path_buf(), shards: names, tensor_bytes, tensors: mappings.len(), tokenizer_files })
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Copies the tokenizer files of `tokenizer_from` into `dir` (and
+/// `generation_config.json` from `model_from` when it has one); returns the
+/// names copied.
+pub(crate) fn copy_tokenizer_files(
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+    model_from: Option<&Path>,
+) -> Result<Vec<String>> {
+    let mut copied = Vec::new();
+    for file in TOKENIZER_FILES {
+        let from_model = model_from.map(|m| m.join(file)).filter(|p| *file == GENERATION_FILE && p.is_file());
+        let Some(src) = from_model.or_else(|| tokenizer_from.map(|t| t.join(file))) else { continue };
+        if src.is_file() {
+            let bytes = fs::read(&src).map_err(|e| io_error(&src, e))?;
+            write_synced(&dir.join(file), &bytes)?;
+            copied.push(file.to_string());
+        }
+    }
+    Ok(copied)
+}
+
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let file = File::create(path).map_err(|e| io_error(path, e))?;
     let mut out = BufWriter::new(&file);
     out.write_all(bytes).and_then(|()| out.flush()).map_err(|e| io_error(path, e))?;

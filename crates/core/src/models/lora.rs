@@ -183,6 +183,12 @@ impl Adapters {
     }
 }
 
+/// Whether the weight `name` is an adapter's matrix (`*.lora_A.weight`,
+/// `*.lora_B.weight`): a parameter no model folder holds.
+pub fn is_adapter_weight(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
 /// The weight of an adapted layer with its adapter merged in:
 /// `W + scale·B·A` for `W: [out, in]`, `A: [rank, in]`, `B: [out, rank]`,
 /// each element summed in f64 and rounded once to `W`'s dtype (what

@@ -4,8 +4,8 @@
 //! configuration's forward pass and loss as a trace ([`gpt`]), safetensors
 //! files ([`checkpoint`]), whole Hugging Face model folders in and out of
 //! a session ([`hf_dir`]), the initial weights, the same bits on the
-//! host and on a GPU ([`init`]), and low-rank adapters over a frozen base
-//! ([`lora`]).
+//! host and on a GPU ([`init`]), low-rank adapters over a frozen base
+//! ([`lora`]) and the adapter folders `peft` reads and writes ([`peft`]).
 
 pub mod checkpoint;
 pub mod config;
@@ -16,6 +16,7 @@ pub mod hf;
 pub mod hf_dir;
 pub mod init;
 pub mod lora;
+pub mod peft;
 
 pub use config::{Config, MlpKind, NormKind, Overrides};
 pub use gpt::{build_forward, build_forward_opts, ForwardOptions, LossKind, ModelSpec};
