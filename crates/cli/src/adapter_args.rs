@@ -34,7 +34,7 @@ pub struct AdapterArgs {
     pub lora_dropout: Option<f64>,
     /// How the frozen base is stored: the model's dtype, or nf4 (QLoRA: 4-bit NormalFloat,
     /// quantized as it loads) [default: model].
-    #[arg(help_heading = "Adapters (LoRA)", long, value_enum, requires = "lora_rank")]
+    #[arg(help_heading = "Adapters (LoRA)", long, value_enum)]
     pub base_dtype: Option<BaseDTypeArg>,
     /// With --base-dtype nf4: quantize the block scales too (8 bits per 64 weights' scale,
     /// about 0.37 bits per weight saved).
@@ -43,11 +43,48 @@ pub struct AdapterArgs {
 }
 
 impl AdapterArgs {
+    /// These flags with the settings of an adapter folder filled in: the
+    /// folder's rank, alpha, dropout and targets, each of which a flag
+    /// given as well must equal.
+    pub fn with_folder(&self, folder: &Adapters, dir: &std::path::Path) -> Result<AdapterArgs> {
+        let differs = |flag: &str, given: String, folder: String| {
+            anyhow::anyhow!(
+                "{flag} {given} differs from the {folder} of --adapter {}: drop the flag to continue the folder's \
+                 adapters as they are",
+                dir.display()
+            )
+        };
+        if let Some(r) = self.lora_rank.filter(|&r| r != folder.rank) {
+            return Err(differs("--lora-rank", r.to_string(), format!("rank {}", folder.rank)));
+        }
+        if let Some(a) = self.lora_alpha.filter(|&a| a != folder.alpha) {
+            return Err(differs("--lora-alpha", a.to_string(), format!("alpha {}", folder.alpha)));
+        }
+        if let Some(d) = self.lora_dropout.filter(|&d| d != folder.dropout) {
+            return Err(differs("--lora-dropout", d.to_string(), format!("dropout {}", folder.dropout)));
+        }
+        let short = |ts: &[LoraTarget]| ts.iter().map(|t| t.short()).collect::<Vec<_>>().join(",");
+        if let Some(list) = &self.lora_targets {
+            let given = LoraTarget::parse_list(list).map_err(|e| anyhow::anyhow!("--lora-targets: {e}"))?;
+            if given != folder.targets {
+                return Err(differs("--lora-targets", list.clone(), format!("targets {}", short(&folder.targets))));
+            }
+        }
+        Ok(AdapterArgs {
+            lora_rank: Some(folder.rank),
+            lora_alpha: Some(folder.alpha),
+            lora_targets: Some(short(&folder.targets)),
+            lora_dropout: Some(folder.dropout),
+            ..self.clone()
+        })
+    }
+
     /// The adapters these flags ask for; `None` without `--lora-rank`.
     pub fn adapters(&self) -> Result<Option<Adapters>> {
         let Some(rank) = self.lora_rank else {
-            if self.double_quant {
-                bail!("--double-quant quantizes the scales of an nf4 base: give --lora-rank and --base-dtype nf4");
+            if self.double_quant || self.base_dtype.is_some() {
+                let flag = if self.double_quant { "--double-quant" } else { "--base-dtype" };
+                bail!("{flag} sets how the frozen base of adapters is stored: train adapters with --lora-rank R");
             }
             return Ok(None);
         };
@@ -91,6 +128,20 @@ mod tests {
     }
 
     #[test]
+    fn a_folders_settings_fill_the_flags_and_a_different_flag_is_refused() {
+        let folder = Adapters::new(16, 32.0, vec![LoraTarget::Q, LoraTarget::V]).unwrap();
+        let dir = std::path::Path::new("adapter");
+        let args = AdapterArgs { base_dtype: Some(BaseDTypeArg::Nf4), ..Default::default() };
+        let a = args.with_folder(&folder, dir).unwrap().adapters().unwrap().unwrap();
+        assert_eq!((a.rank, a.alpha, &a.targets), (16, 32.0, &folder.targets));
+        assert_eq!(a.base, BaseStorage::Nf4 { double_quant: false });
+        let same = AdapterArgs { lora_rank: Some(16), lora_targets: Some("v,q".into()), ..Default::default() };
+        assert!(same.with_folder(&folder, dir).is_ok());
+        let e = AdapterArgs { lora_rank: Some(8), ..Default::default() }.with_folder(&folder, dir).unwrap_err();
+        assert!(e.to_string().contains("--lora-rank 8 differs from the rank 16"), "{e}");
+    }
+
+    #[test]
     fn bad_combinations_say_what_to_change() {
         let e = AdapterArgs { lora_rank: Some(0), ..Default::default() }.adapters().unwrap_err().to_string();
         assert!(e.contains("--lora-rank 0"), "{e}");
@@ -109,6 +160,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--lora-dropout"), "{e}");
+        let e = AdapterArgs { base_dtype: Some(BaseDTypeArg::Nf4), ..Default::default() }
+            .adapters()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--base-dtype") && e.contains("--lora-rank"), "{e}");
         let nf4 = AdapterArgs {
             lora_rank: Some(8),
             base_dtype: Some(BaseDTypeArg::Nf4),

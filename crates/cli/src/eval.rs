@@ -11,9 +11,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use stepgraph_core::autodiff::StepKind;
+use stepgraph_core::models::peft::{read_adapter_config, read_adapter_weights};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_train::data;
-use stepgraph_train::trainer::Evaluator;
+use stepgraph_train::trainer::{load_adapters, Evaluator};
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
 use crate::train;
@@ -25,6 +26,10 @@ pub struct EvalArgs {
     /// The Hugging Face model folder to evaluate (config.json and safetensors weights).
     #[arg(long, value_name = "DIR")]
     pub init_from: PathBuf,
+    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to evaluate over the
+    /// --init-from base.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// The data whose held-out split is evaluated: a token file of `stepgraph prepare`, or byte-level text.
     #[arg(long, default_value = "data/tiny.txt")]
     pub data: PathBuf,
@@ -48,8 +53,19 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     }
     let backend = Backend::or_default(args.device);
     let model = &model.on_gpu(backend == Backend::Cuda);
-    let (spec, hf) = train::model_spec(model, Some(&args.init_from))?;
+    let (mut spec, hf) = train::model_spec(model, Some(&args.init_from))?;
     let hf = hf.expect("a folder was given");
+    // An adapter folder: the model is the base with its adapters beside
+    // the layers they adapt, as it trained.
+    let adapter = match &args.adapter {
+        Some(dir) => {
+            let context = || format!("--adapter {}", dir.display());
+            let (adapters, _) = read_adapter_config(dir).with_context(context)?;
+            spec.adapters = Some(adapters);
+            Some(read_adapter_weights(dir, hf.family()).with_context(context)?)
+        }
+        None => None,
+    };
     let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     data::check_tokenizer(data.as_ref(), None, Some(&args.init_from))?;
@@ -60,6 +76,10 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let mut session = open_session(backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
     hf.load_into(&compiled.forward, session.as_mut())
         .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
+    if let (Some(tensors), Some(dir)) = (&adapter, &args.adapter) {
+        load_adapters(session.as_mut(), &compiled.forward, tensors)
+            .with_context(|| format!("--adapter {}", dir.display()))?;
+    }
     let n = batches.len();
     let mut eval = Evaluator { session, batches, micro_batches: 1, frozen_copied: true };
     let loss = eval.mean_loss(0, 1)?;
@@ -74,19 +94,20 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     }
     if args.json {
         let row = serde_json::json!({
-            "model": args.init_from, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,
+            "model": args.init_from, "adapter": args.adapter, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,
             "val_loss": loss, "val_ppl": loss.exp(),
         });
         println!("{row}");
     } else {
         println!(
-            "validation loss {loss:.4}, perplexity {:.2} ({n} batch{} of {} x {} tokens from {}, model {})",
+            "validation loss {loss:.4}, perplexity {:.2} ({n} batch{} of {} x {} tokens from {}, model {}{})",
             loss.exp(),
             if n == 1 { "" } else { "es" },
             spec.batch,
             spec.seq,
             args.data.display(),
-            args.init_from.display()
+            args.init_from.display(),
+            args.adapter.as_ref().map(|a| format!(" with adapter {}", a.display())).unwrap_or_default()
         );
     }
     Ok(())

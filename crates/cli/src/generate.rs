@@ -34,7 +34,9 @@ use stepgraph_core::ir::ValueKind;
 use stepgraph_core::models::generate::{
     build_generation, FusedWriter, GenerationProgram, GenerationSpec, DEFAULT_BUCKETS,
 };
-use stepgraph_core::models::hf_dir::GENERATION_FILE;
+use stepgraph_core::models::hf_dir::{HfModelDir, GENERATION_FILE};
+use stepgraph_core::models::lora::AdapterMerge;
+use stepgraph_core::models::peft::{read_adapter_config, read_adapter_weights};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
 use stepgraph_cuda::CudaError;
@@ -53,6 +55,10 @@ pub struct GenerateArgs {
     /// A Hugging Face model folder: config.json, safetensors weights, and its tokenizer files.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
     pub init_from: Option<PathBuf>,
+    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the --init-from
+    /// base: its adapters are merged into the base's weights as they load.
+    #[arg(long, value_name = "DIR", requires = "init_from")]
+    pub adapter: Option<PathBuf>,
     /// The tokenizer (a tokenizer.json or its folder) [default: the --init-from folder].
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
@@ -117,7 +123,10 @@ struct Prompt {
 }
 
 fn load_tokenizer(args: &GenerateArgs) -> Result<Option<Tokenizer>> {
-    let path = args.tokenizer.as_ref().or(args.init_from.as_ref());
+    // Random prompts need no tokenizer: a model folder without one is fine.
+    let folder =
+        args.init_from.as_ref().filter(|d| args.random_prompts.is_none() || d.join("tokenizer.json").is_file());
+    let path = args.tokenizer.as_ref().or(folder);
     match path {
         Some(p) => Ok(Some(Tokenizer::load(p).with_context(|| format!("loading the tokenizer of {}", p.display()))?)),
         None => Ok(None),
@@ -245,6 +254,14 @@ fn gb(b: u64) -> f64 {
     b as f64 / 1e9
 }
 
+/// The adapters of the folder `dir` for the base `hf`, to merge as the base loads.
+fn adapter_merge(dir: &std::path::Path, hf: &HfModelDir) -> Result<AdapterMerge> {
+    let context = || format!("--adapter {}", dir.display());
+    let (adapters, _) = read_adapter_config(dir).with_context(context)?;
+    let tensors = read_adapter_weights(dir, hf.family()).with_context(context)?;
+    AdapterMerge::new(adapters.scale(), &tensors).with_context(context)
+}
+
 pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     let switches = stepgraph_cuda::Switches::from_env()?;
     let backend = Backend::or_default(args.device);
@@ -349,9 +366,19 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         // The folder's tensors, q/k/v and gate/up rows gathered into the
         // generation's fused projection weights.
         Some(hf) => {
+            let merge = match &args.adapter {
+                Some(dir) => Some(adapter_merge(dir, hf)?),
+                None => None,
+            };
             let mut writer = FusedWriter::new(&program);
-            hf.load_into_with(&checkpoint, &mut |name, t| writer.write(session.as_mut(), name, t))
-                .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
+            hf.load_into_with(
+                &checkpoint,
+                &mut |name, t| match merge.as_ref().map(|m| m.merge(name, t)).transpose()? {
+                    Some(Some(merged)) => writer.write(session.as_mut(), name, &merged),
+                    _ => writer.write(session.as_mut(), name, t),
+                },
+            )
+            .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
             writer.finish()?;
         }
         None => init_weights(session.as_mut(), &program.trace, None, args.seed)?,

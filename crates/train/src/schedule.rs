@@ -107,6 +107,20 @@ pub fn default_peak_lr(params: usize, fine_tuning: bool) -> Chosen<f64> {
     Chosen { value, source }
 }
 
+/// The default peak learning rate for training low-rank adapters over a
+/// base of `base_params` parameters: 2e-4, the QLoRA paper's rate for
+/// 7B–13B Llama models (and what `peft`'s examples use), 1e-4 from 20B
+/// parameters on (the paper's rate for 33B and 65B). Adapters start at
+/// zero and hold a few million weights, so they take rates ten times those
+/// of full fine-tuning.
+pub fn default_adapter_lr(base_params: usize) -> Chosen<f64> {
+    if base_params < 20_000_000_000 {
+        Chosen { value: 2e-4, source: "QLoRA's rate for 7-13B models" }
+    } else {
+        Chosen { value: 1e-4, source: "QLoRA's rate for 33-65B models" }
+    }
+}
+
 /// Warm-up steps when `--warmup` is not given: 5% of the run, at least 1
 /// and at most 2000 (litgpt's pre-training default `lr_warmup_steps`).
 pub fn default_warmup(steps: usize) -> Chosen<usize> {

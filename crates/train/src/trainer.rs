@@ -70,6 +70,9 @@ pub struct Start<'a> {
     /// Initial weights from a Hugging Face folder (fitted to the step by
     /// [`HfModelDir::check`]); otherwise the seeded draw.
     pub pretrained: Option<&'a HfModelDir>,
+    /// Adapter weights to start from (an adapter folder's, by trace name)
+    /// instead of the seeded draw; not used when resuming.
+    pub adapters: Option<Vec<(String, HostTensor)>>,
     /// A checkpoint to continue, read and checked by [`read_resumable`].
     pub resume: Option<(PathBuf, CheckpointState)>,
 }
@@ -202,14 +205,17 @@ impl Trainer {
         let data = config.open_data()?;
         let (compiled, _) = config.compile()?;
         let eval = eval_step(&config, &compiled, data.as_ref(), &placement)?;
-        Trainer::start(config, Start { compiled, eval, data, placement, eager: false, pretrained: None, resume: None })
+        Trainer::start(
+            config,
+            Start { compiled, eval, data, placement, eager: false, pretrained: None, adapters: None, resume: None },
+        )
     }
 
     /// A run from its configuration and what [`Start`] gives: opens the
     /// sessions, writes the initial weights or loads the checkpoint, and
     /// removes what killed saves left in the checkpoint directory.
     pub fn start(config: RunConfig, start: Start) -> Result<Self> {
-        let Start { compiled, eval, data, placement, eager, pretrained, resume } = start;
+        let Start { compiled, eval, data, placement, eager, pretrained, adapters, resume } = start;
         let CompiledStep { step, plan, forward, .. } = compiled;
         let params: usize = forward.params().map(|p| forward.ty(p).numel()).sum();
         let moments_dtype = state_dtype(&step);
@@ -286,6 +292,9 @@ impl Trainer {
             }
             None => {
                 init_weights(trainer.session.as_mut(), &trainer.forward, pretrained, trainer.config.seed)?;
+                if let Some(tensors) = &adapters {
+                    load_adapters(trainer.session.as_mut(), &trainer.forward, tensors)?;
+                }
                 trainer.session.zero_state()?;
             }
         }
@@ -697,6 +706,29 @@ pub fn init_weights(
         None => {
             session.init_params(seed)?;
         }
+    }
+    Ok(())
+}
+
+/// Writes adapter matrices (an adapter folder's, by trace name) into the
+/// session of the model `forward`, each cast to the adapter's dtype; every
+/// adapter of the model must be given, with its shape.
+pub fn load_adapters(session: &mut dyn Session, forward: &Trace, tensors: &[(String, HostTensor)]) -> Result<()> {
+    for (name, t) in tensors {
+        let Some(v) = forward.leaf_by_name(name) else {
+            bail!("the adapter folder holds `{name}`, which the model has no adapter for");
+        };
+        if forward.ty(v).shape != t.ty.shape {
+            bail!("adapter `{name}` is {} in the folder, {} in the model", t.ty, forward.ty(v));
+        }
+        let cast = HostTensor::from_f64(forward.ty(v).clone(), &t.to_f64());
+        session.write_named(name, &cast)?;
+    }
+    let given: std::collections::HashSet<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    if let Some(missing) =
+        forward.params().find_map(|p| forward.value(p).kind.leaf_name().filter(|n| !given.contains(n)))
+    {
+        bail!("the adapter folder has no `{missing}`, which the model adapts");
     }
     Ok(())
 }

@@ -44,7 +44,11 @@ use stepgraph_core::autodiff::{DecayScope, StepKind};
 use stepgraph_core::dist::{rank_batch, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::{DType, Trace, ValueKind};
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, SaveReport};
-use stepgraph_core::models::ModelSpec;
+use stepgraph_core::models::lora::MergedWeights;
+use stepgraph_core::models::peft::{
+    is_adapter_dir, peft_tensor_name, read_adapter_config, read_adapter_weights, save_adapter_dir, AdapterSaveReport,
+};
+use stepgraph_core::models::{BaseStorage, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
@@ -139,6 +143,15 @@ pub struct TrainArgs {
     /// replacing a previous save atomically.
     #[arg(help_heading = "Output", long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// With adapters (--lora-rank or --adapter): write --out as a merged Hugging Face model folder
+    /// (the base with every adapter folded in) instead of a PEFT adapter folder.
+    #[arg(help_heading = "Output", long, requires = "out")]
+    pub merge: bool,
+    /// Continue training the adapters of a PEFT adapter folder (adapter_config.json and
+    /// adapter_model.safetensors) over the --init-from base: its rank, alpha, dropout and
+    /// targets, its weights as the start.
+    #[arg(help_heading = "Adapters (LoRA)", long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// With --out: the largest weight file in MiB; larger models are sharded with an index [default: 5 GB].
     #[arg(help_heading = "Output", long, value_name = "MIB", requires = "out")]
     pub max_shard_mb: Option<f64>,
@@ -232,8 +245,12 @@ impl TrainArgs {
     /// The files and folders the run reads, by flag: no output may be one of them.
     pub fn inputs(&self) -> Vec<(&'static str, &Path)> {
         let mut inputs = vec![("--data", self.data.as_path())];
-        let optional =
-            [("--init-from", &self.init_from), ("--tokenizer", &self.tokenizer), ("--run-config", &self.run_config)];
+        let optional = [
+            ("--init-from", &self.init_from),
+            ("--tokenizer", &self.tokenizer),
+            ("--run-config", &self.run_config),
+            ("--adapter", &self.adapter),
+        ];
         inputs.extend(optional.into_iter().filter_map(|(flag, p)| p.as_deref().map(|p| (flag, p))));
         if let Some(r) = self.resume.as_deref().filter(|r| *r != "auto") {
             inputs.push(("--resume", Path::new(r)));
@@ -248,9 +265,13 @@ impl TrainArgs {
 
     /// The learning-rate schedule: the flags, or the defaults for a model
     /// of `params` parameters, each with where it came from.
-    pub fn schedule(&self, params: usize, fine_tuning: bool) -> Result<(LrSchedule, [String; 3])> {
+    pub fn schedule(&self, params: usize, fine_tuning: bool, adapters: bool) -> Result<(LrSchedule, [String; 3])> {
         let (peak, peak_src) = match self.lr {
             Some(lr) => (lr, "--lr".to_string()),
+            None if adapters => {
+                let d = schedule::default_adapter_lr(params);
+                (d.value, format!("default for adapters over {:.1}M parameters: {}", params as f64 / 1e6, d.source))
+            }
             None => {
                 let d = schedule::default_peak_lr(params, fine_tuning);
                 let what = if fine_tuning { "fine-tuning" } else { "pre-training" };
@@ -358,7 +379,27 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         }
         _ => None,
     };
+    // An adapter folder to continue: its settings are the run's adapters.
+    let adapter_folder = match &args.adapter {
+        Some(dir) => {
+            let (folder, _) = read_adapter_config(dir).with_context(|| format!("--adapter {}", dir.display()))?;
+            let adapters = model.adapters.with_folder(&folder, dir)?;
+            Some((dir.clone(), ModelArgs { adapters, ..model.clone() }))
+        }
+        None => None,
+    };
+    let model = adapter_folder.as_ref().map_or(model, |(_, m)| m);
     let (spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
+    if args.merge && spec.adapters.is_none() {
+        bail!("--merge folds trained adapters into the base model: train adapters with --lora-rank R or --adapter DIR");
+    }
+    let adapter_start = match &adapter_folder {
+        Some((dir, _)) => {
+            let family = hf_family(&spec, pretrained.as_ref(), "--adapter")?;
+            Some(read_adapter_weights(dir, family).with_context(|| format!("--adapter {}", dir.display()))?)
+        }
+        None => None,
+    };
     let out = match &args.out {
         Some(dir) => Some(OutTarget::new(dir, args, &spec, pretrained.as_ref())?),
         None => None,
@@ -457,7 +498,11 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     if rank == 0 {
         check_outputs(args, &compiled.step, ckpt.as_ref())?;
     }
-    let (schedule, sources) = args.schedule(params, pretrained.is_some())?;
+    let base_params: usize = compiled.forward.frozen().map(|p| compiled.forward.ty(p).numel()).sum();
+    let (schedule, sources) = match compiled.spec.adapters.is_some() {
+        true => args.schedule(base_params, pretrained.is_some(), true)?,
+        false => args.schedule(params, pretrained.is_some(), false)?,
+    };
     config.course.schedule = schedule;
     let eval_step = if args.eval_every > 0 && rank == 0 {
         data.validation_batches(1)?;
@@ -531,6 +576,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         placement,
         eager: args.eager,
         pretrained: pretrained.as_ref(),
+        adapters: adapter_start,
         resume: resumed,
     };
     let mut trainer = Trainer::start(config, start)?;
@@ -769,6 +815,17 @@ pub(crate) fn model_spec(model: &ModelArgs, init_from: Option<&Path>) -> Result<
     Ok((model.spec_of(hf.config().clone())?, Some(hf)))
 }
 
+/// The Hugging Face family of the run's model: the `--init-from` folder's,
+/// or the one whose class computes the model; `flag` is what needs it.
+fn hf_family(spec: &ModelSpec, pretrained: Option<&HfModelDir>, flag: &str) -> Result<HfFamily> {
+    match pretrained {
+        Some(hf) => Ok(hf.family()),
+        None => HfFamily::of_config(&spec.config).map_err(|reason| {
+            anyhow::anyhow!("{flag} needs `{}` as a Hugging Face model, which it is not: {reason}", spec.config.name)
+        }),
+    }
+}
+
 /// Where `--out` writes the model, checked before the run starts so that a
 /// destination the save would refuse costs no training.
 struct OutTarget {
@@ -776,6 +833,10 @@ struct OutTarget {
     /// The family and the `config.json` of `--init-from`, kept so the saved
     /// config carries the keys stepgraph does not read (token ids, ...).
     source: Option<(HfFamily, serde_json::Map<String, serde_json::Value>)>,
+    /// The family the folder is written for.
+    family: HfFamily,
+    /// Write a peft adapter folder (a run with adapters, without --merge).
+    adapter_folder: bool,
     /// The folder whose tokenizer files are copied.
     tokenizer: Option<PathBuf>,
     max_shard_bytes: u64,
@@ -791,23 +852,27 @@ impl OutTarget {
         if dir.exists() && !dir.is_dir() {
             bail!("--out {} exists and is not a folder; refusing to replace it", dir.display());
         }
-        if HfModelDir::open(dir).is_err() && dir.read_dir().is_ok_and(|mut d| d.next().is_some()) {
-            // A folder of something else is not replaced by a model.
+        // What --out writes: an adapter folder when the run trains adapters
+        // (unless --merge), a model folder otherwise.
+        let adapter_folder = spec.adapters.is_some() && !args.merge;
+        let replaceable = if adapter_folder { is_adapter_dir(dir) } else { HfModelDir::open(dir).is_ok() };
+        if !replaceable && dir.read_dir().is_ok_and(|mut d| d.next().is_some()) {
+            // A folder of something else is not replaced.
+            let what = if adapter_folder {
+                "no adapter folder (adapter_config.json)"
+            } else {
+                "no Hugging Face model (config.json and weights)"
+            };
             bail!(
-                "--out {} is a folder that holds files but no Hugging Face model (config.json and weights); \
-                 refusing to replace it: give a new or a model folder",
+                "--out {} is a folder that holds files but {what}; refusing to replace it: give a new folder or \
+                 one of that kind",
                 dir.display()
             );
         }
         if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).with_context(|| format!("--out: creating {}", parent.display()))?;
         }
-        let family = match pretrained {
-            Some(hf) => hf.family(),
-            None => HfFamily::of_config(&spec.config).map_err(|reason| {
-                anyhow::anyhow!("--out cannot write `{}` as a Hugging Face model: {reason}", spec.config.name)
-            })?,
-        };
+        let family = hf_family(spec, pretrained, "--out")?;
         let tokenizer = match (&args.tokenizer, pretrained) {
             (Some(t), _) => {
                 let t = if t.is_file() { t.parent().unwrap_or(Path::new(".")).to_path_buf() } else { t.clone() };
@@ -820,26 +885,45 @@ impl OutTarget {
             (None, None) => None,
         };
         let source = pretrained.map(|hf| (family, hf.raw_config().clone()));
-        Ok(OutTarget { dir: dir.to_path_buf(), source, tokenizer, max_shard_bytes })
+        if adapter_folder {
+            // Every adapted layer must have a name a peft folder can hold.
+            if let Some(a) = &spec.adapters {
+                let layer = format!("model.layers.0.{}", a.targets[0].module());
+                peft_tensor_name(family, &format!("{layer}.lora_A.weight"))
+                    .map_err(|e| anyhow::anyhow!("--out cannot hold these adapters as a peft folder: {e}"))?;
+            }
+        }
+        Ok(OutTarget { dir: dir.to_path_buf(), source, family, adapter_folder, tokenizer, max_shard_bytes })
     }
 }
 
 /// One line on a written `--out` folder.
-fn out_line(r: &SaveReport) -> String {
-    format!(
-        "model: {} (Hugging Face folder: {} tensors, {:.1} MB in {} file{}; tokenizer files: {})",
-        r.dir.display(),
-        r.tensors,
-        mb(r.tensor_bytes),
-        r.shards.len(),
-        if r.shards.len() == 1 { "" } else { "s" },
-        if r.tokenizer_files.is_empty() { "none".to_string() } else { r.tokenizer_files.join(", ") }
-    )
+fn out_line(r: &OutReport) -> String {
+    let files = |names: &[String]| if names.is_empty() { "none".to_string() } else { names.join(", ") };
+    match r {
+        OutReport::Model(r) => format!(
+            "model: {} (Hugging Face folder: {} tensors, {:.1} MB in {} file{}; tokenizer files: {})",
+            r.dir.display(),
+            r.tensors,
+            mb(r.tensor_bytes),
+            r.shards.len(),
+            if r.shards.len() == 1 { "" } else { "s" },
+            files(&r.tokenizer_files)
+        ),
+        OutReport::Adapters { dir, report } => format!(
+            "adapters: {} (peft folder: {} tensors, {:.1} MB; tokenizer files: {}; load with \
+             PeftModel.from_pretrained(base, DIR), or generate/eval --adapter DIR)",
+            dir.display(),
+            report.tensors,
+            mb(report.tensor_bytes),
+            files(&report.tokenizer_files)
+        ),
+    }
 }
 
 /// Writes the `--out` folder from the trainer's parameters (rank 0; the
 /// others hold the same parameters). `None` without `--out`.
-fn save_out(trainer: &mut Trainer, out: Option<&OutTarget>, args: &TrainArgs) -> Result<Option<SaveReport>> {
+fn save_out(trainer: &mut Trainer, out: Option<&OutTarget>, args: &TrainArgs) -> Result<Option<OutReport>> {
     let Some(out) = out else { return Ok(None) };
     if trainer.rank() > 0 {
         return Ok(None);
@@ -853,9 +937,40 @@ fn save_out(trainer: &mut Trainer, out: Option<&OutTarget>, args: &TrainArgs) ->
     };
     let config = trainer.config().model.config.clone();
     let forward = trainer.forward().clone();
-    let report = save_hf_dir(&out.dir, &config, &forward, trainer.session(), &options)
-        .with_context(|| format!("--out {}: writing the model folder", out.dir.display()))?;
-    Ok(Some(report))
+    let adapters = trainer.config().model.adapters.clone();
+    if let (true, Some(adapters)) = (out.adapter_folder, &adapters) {
+        let tensors = checkpoint::read_leaves(trainer.session(), true)?;
+        let base = args.init_from.as_ref().map(|p| p.display().to_string());
+        let r = save_adapter_dir(&out.dir, adapters, out.family, &tensors, base.as_deref(), out.tokenizer.as_deref())
+            .with_context(|| format!("--out {}: writing the adapter folder", out.dir.display()))?;
+        return Ok(Some(OutReport::Adapters { dir: out.dir.clone(), report: r }));
+    }
+    let report = match &adapters {
+        // --merge: the base with every adapter folded in.
+        Some(a) => {
+            let mut merged = MergedWeights::new(trainer.session(), &forward, a.scale())?;
+            save_hf_dir(&out.dir, &config, &forward, &mut merged, &options)
+        }
+        None => save_hf_dir(&out.dir, &config, &forward, trainer.session(), &options),
+    }
+    .with_context(|| format!("--out {}: writing the model folder", out.dir.display()))?;
+    Ok(Some(OutReport::Model(report)))
+}
+
+/// What `--out` wrote.
+enum OutReport {
+    Model(SaveReport),
+    Adapters { dir: PathBuf, report: AdapterSaveReport },
+}
+
+/// A parameter count in words: `41.9M`, `8.03B`.
+fn count(n: usize) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2}B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.1}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
 }
 
 /// The settings in force, each default with where it came from.
@@ -901,6 +1016,33 @@ fn print_settings(
     match &args.init_from {
         Some(dir) => eprintln!("  weights     {} (Hugging Face folder, cast to {})", dir.display(), spec.dtype),
         None => eprintln!("  weights     random (--seed {})", args.seed),
+    }
+    if let Some(a) = &spec.adapters {
+        let forward = trainer.forward();
+        let base: usize = forward.frozen().map(|v| forward.ty(v).numel()).sum();
+        let trained = trainer.params();
+        let storage = match a.base {
+            BaseStorage::Model => format!("{} (--base-dtype nf4 stores it in 4 bits)", spec.dtype),
+            BaseStorage::Nf4 { double_quant: false } => "nf4, a scale per 64 weights".to_string(),
+            BaseStorage::Nf4 { double_quant: true } => "nf4, its scales quantized too (--double-quant)".to_string(),
+        };
+        let targets: Vec<&str> = a.targets.iter().map(|t| t.short()).collect();
+        let from = match &args.adapter {
+            Some(dir) => format!(", continuing {}", dir.display()),
+            None => String::new(),
+        };
+        eprintln!(
+            "  adapters    LoRA rank {}, alpha {} (scale {}), dropout {} on {}{from}: {} trained of {} ({:.2}%)",
+            a.rank,
+            short(a.alpha),
+            short(a.scale()),
+            a.dropout,
+            targets.join(","),
+            count(trained),
+            count(base + trained),
+            100.0 * trained as f64 / (base + trained).max(1) as f64
+        );
+        eprintln!("  base        frozen, {storage}");
     }
     if let Some(out) = out {
         let tok = match &out.tokenizer {
@@ -1071,23 +1213,31 @@ mod tests {
     #[test]
     fn the_schedule_comes_from_the_flags_or_the_model() {
         let t = parse(&["--steps", "100"]).unwrap().train;
-        let (s, src) = t.schedule(3_000_000, false).unwrap();
+        let (s, src) = t.schedule(3_000_000, false, false).unwrap();
         assert_eq!((s.peak, s.warmup, s.total), (3e-3, 5, 100));
         assert!((s.min - 3e-4).abs() < 1e-15, "{}", s.min);
         assert!(
             src[0].contains("3.0M parameters") && src[1].starts_with("default") && src[2].contains("10%"),
             "{src:?}"
         );
-        let (s, _) = t.schedule(7_000_000_000, false).unwrap();
+        let (s, _) = t.schedule(7_000_000_000, false, false).unwrap();
         assert_eq!(s.peak, 1.2e-4);
-        let (s, _) = t.schedule(7_000_000_000, true).unwrap();
+        let (s, _) = t.schedule(7_000_000_000, true, false).unwrap();
         assert_eq!(s.peak, 2e-5);
+        // Adapters over an 8B base: QLoRA's rate.
+        let (s, src) = t.schedule(8_000_000_000, true, true).unwrap();
+        assert_eq!(s.peak, 2e-4);
+        assert!(src[0].contains("adapters"), "{src:?}");
         let t = parse(&["--steps", "100", "--lr", "0.01", "--warmup", "0", "--min-lr-ratio", "0.5"]).unwrap().train;
-        let (s, src) = t.schedule(3_000_000, false).unwrap();
+        let (s, src) = t.schedule(3_000_000, false, false).unwrap();
         assert_eq!((s.peak, s.warmup, s.min), (0.01, 0, 0.005));
         assert_eq!(src[0], "--lr");
         let t = parse(&["--min-lr-ratio", "2"]).unwrap().train;
-        assert!(t.schedule(1, false).unwrap_err().to_string().contains("--min-lr-ratio must lie in [0, 1], got 2"));
+        assert!(t
+            .schedule(1, false, false)
+            .unwrap_err()
+            .to_string()
+            .contains("--min-lr-ratio must lie in [0, 1], got 2"));
         assert!(parse(&["--min-lr", "0.1", "--min-lr-ratio", "0.1"]).is_err());
     }
 }

@@ -26,6 +26,8 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
+use crate::ir::Trace;
+use crate::models::hf_dir::NamedParams;
 
 /// A linear layer an adapter can sit beside, by its role in the block.
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
@@ -214,6 +216,104 @@ pub fn merged_weight(w: &HostTensor, a: &HostTensor, b: &HostTensor, scale: f64)
         }
     });
     Ok(HostTensor::from_f64(w.ty.clone(), &merged))
+}
+
+/// Adapters held on the host, merged into base weights as they load (a
+/// model that runs without adapters of its own, such as generation's).
+pub struct AdapterMerge {
+    scale: f64,
+    /// Each adapted layer's `(A, B)` by its weight's name (`...q_proj.weight`).
+    by_weight: std::collections::HashMap<String, (HostTensor, HostTensor)>,
+}
+
+impl AdapterMerge {
+    /// The adapter matrices `tensors` (by trace name) at `scale` (α/r);
+    /// every layer must have both its `A` and its `B`.
+    pub fn new(scale: f64, tensors: &[(String, HostTensor)]) -> Result<AdapterMerge> {
+        let find = |name: &str| tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone());
+        let mut by_weight = std::collections::HashMap::new();
+        for (name, _) in tensors {
+            let Some(layer) = name.strip_suffix(".lora_A.weight") else { continue };
+            let b = find(&format!("{layer}.lora_B.weight")).ok_or_else(|| Error::Input {
+                name: name.clone(),
+                reason: format!("the adapter of `{layer}` has an A matrix but no B"),
+            })?;
+            by_weight.insert(format!("{layer}.weight"), (find(name).expect("listed"), b));
+        }
+        if let Some((name, _)) = tensors.iter().find(|(n, _)| {
+            n.strip_suffix(".lora_B.weight").is_some_and(|l| !by_weight.contains_key(&format!("{l}.weight")))
+        }) {
+            return Err(Error::Input { name: name.clone(), reason: "a B matrix without its A".into() });
+        }
+        Ok(AdapterMerge { scale, by_weight })
+    }
+
+    /// The layers adapted.
+    pub fn len(&self) -> usize {
+        self.by_weight.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_weight.is_empty()
+    }
+
+    /// The weight `name` with its adapter merged in, or `None` when the
+    /// layer has no adapter.
+    pub fn merge(&self, name: &str, weight: &HostTensor) -> Result<Option<HostTensor>> {
+        match self.by_weight.get(name) {
+            Some((a, b)) => Ok(Some(merged_weight(weight, a, b, self.scale)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// A model's weights with its adapters merged in, read through
+/// [`NamedParams`] as a model folder saves them: reading an adapted layer's
+/// weight gives [`merged_weight`], every other weight reads as it is held.
+/// Read-only.
+pub struct MergedWeights<'a, S: NamedParams + ?Sized> {
+    weights: &'a mut S,
+    /// The prefixes of the adapted layers (`model.layers.0.self_attn.q_proj`).
+    adapted: std::collections::HashSet<String>,
+    scale: f64,
+}
+
+impl<'a, S: NamedParams + ?Sized> MergedWeights<'a, S> {
+    /// The weights `weights` holds for the model `trace` (whose adapter
+    /// parameters say which layers are adapted), merged at `scale` (α/r).
+    pub fn new(weights: &'a mut S, trace: &Trace, scale: f64) -> Result<Self> {
+        let adapted = trace
+            .params()
+            .filter_map(|p| trace.value(p).kind.leaf_name()?.strip_suffix(".lora_A.weight").map(str::to_string))
+            .collect();
+        Ok(MergedWeights { weights, adapted, scale })
+    }
+}
+
+impl<S: NamedParams + ?Sized> NamedParams for MergedWeights<'_, S> {
+    fn params_trace_name(&self) -> &str {
+        self.weights.params_trace_name()
+    }
+
+    fn has_param(&self, name: &str) -> bool {
+        self.weights.has_param(name)
+    }
+
+    fn read_param(&mut self, name: &str) -> Result<HostTensor> {
+        let w = self.weights.read_param(name)?;
+        match name.strip_suffix(".weight").filter(|layer| self.adapted.contains(*layer)) {
+            Some(layer) => {
+                let a = self.weights.read_param(&format!("{layer}.lora_A.weight"))?;
+                let b = self.weights.read_param(&format!("{layer}.lora_B.weight"))?;
+                merged_weight(&w, &a, &b, self.scale)
+            }
+            None => Ok(w),
+        }
+    }
+
+    fn write_param(&mut self, name: &str, _value: &HostTensor) -> Result<()> {
+        Err(Error::Input { name: name.into(), reason: "merged weights are read-only".into() })
+    }
 }
 
 #[cfg(test)]

@@ -164,6 +164,35 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 /// Reads the adapter folder `dir` for a base model of `family`, refusing
 /// what stepgraph's adapters cannot express (see the module doc).
 pub fn read_adapter_dir(dir: &Path, family: HfFamily) -> Result<AdapterDir> {
+    let (adapters, base_model) = read_adapter_config(dir)?;
+    let tensors = read_adapter_weights(dir, family)?;
+    let mut targets: Vec<LoraTarget> = Vec::new();
+    for (name, _) in &tensors {
+        let layer = name.trim_end_matches(".weight").rsplit_once('.').map(|(l, _)| l).unwrap_or_default();
+        if let Some(t) = LoraTarget::of_layer(layer).filter(|t| !targets.contains(t)) {
+            targets.push(t);
+        }
+    }
+    targets.sort();
+    if targets != adapters.targets {
+        let names = |ts: &[LoraTarget]| ts.iter().map(|t| t.module()).collect::<Vec<_>>().join(", ");
+        return Err(folder_error(
+            dir,
+            format!(
+                "{ADAPTER_CONFIG} targets {} but {ADAPTER_WEIGHTS} adapts {}",
+                names(&adapters.targets),
+                names(&targets)
+            ),
+        ));
+    }
+    Ok(AdapterDir { adapters, tensors, base_model })
+}
+
+/// The settings of the adapter folder `dir` (`adapter_config.json`) and
+/// the base model it names, refusing what stepgraph's adapters cannot
+/// express. The base is stored in the model's dtype here: how it is
+/// stored is a choice of the run, not of the folder.
+pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
     let config_path = dir.join(ADAPTER_CONFIG);
     let text = fs::read_to_string(&config_path).map_err(|e| {
         folder_error(dir, format!("no readable {ADAPTER_CONFIG} ({e}): not an adapter folder (a PEFT save_pretrained)"))
@@ -203,44 +232,55 @@ pub fn read_adapter_dir(dir: &Path, family: HfFamily) -> Result<AdapterDir> {
         .and_then(Value::as_u64)
         .filter(|&r| r > 0)
         .ok_or_else(|| bad("has no positive integer `r` (the adapter rank)".into()))? as usize;
+    // `peft`'s defaults for keys a folder leaves out.
     let alpha = config.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
     let dropout = config.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0);
-    let base_model = config.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
-
-    let weights_path = dir.join(ADAPTER_WEIGHTS);
-    if !weights_path.is_file() {
-        return Err(folder_error(dir, format!("has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")));
-    }
-    let mut tensors = Vec::new();
-    let mut targets = Vec::new();
-    for (name, t) in read_safetensors(&weights_path)? {
-        let Some(trace_name) = trace_tensor_name(family, &name) else {
-            return Err(folder_error(
-                &weights_path,
-                format!(
-                    "tensor `{name}` is not a LoRA matrix of a `{}` layer stepgraph adapts (q, k, v, o, gate, up, \
-                     down projections)",
-                    family.model_type()
-                ),
-            ));
-        };
-        let layer = trace_name.trim_end_matches(".weight").rsplit_once('.').map(|(l, _)| l).unwrap_or_default();
-        let target = LoraTarget::of_layer(layer).ok_or_else(|| {
-            folder_error(
-                &weights_path,
-                format!("tensor `{name}` adapts `{layer}`, which is not a linear layer stepgraph adapts"),
-            )
-        })?;
-        if !targets.contains(&target) {
-            targets.push(target);
+    let targets = match config.get("target_modules") {
+        Some(Value::String(s)) if s == "all-linear" => LoraTarget::ALL.to_vec(),
+        Some(Value::Array(list)) => {
+            let names: Vec<&str> = list.iter().filter_map(Value::as_str).collect();
+            LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?
         }
-        debug_assert!(is_adapter_weight(&trace_name));
-        tensors.push((trace_name, t));
-    }
-    targets.sort();
+        Some(Value::String(s)) => {
+            return Err(bad(format!(
+                "`target_modules` is the pattern \"{s}\"; stepgraph reads a list of module names or \"all-linear\""
+            )))
+        }
+        _ => return Err(bad("has no `target_modules`".into())),
+    };
+    let base_model = config.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
     let adapters = Adapters { rank, alpha, targets, dropout, base: BaseStorage::Model };
     adapters.validate().map_err(|e| bad(e.to_string()))?;
-    Ok(AdapterDir { adapters, tensors, base_model })
+    Ok((adapters, base_model))
+}
+
+/// The adapter matrices of the folder `dir` (`adapter_model.safetensors`)
+/// by trace name, for a base model of `family`.
+pub fn read_adapter_weights(dir: &Path, family: HfFamily) -> Result<Vec<(String, HostTensor)>> {
+    let weights_path = dir.join(ADAPTER_WEIGHTS);
+    if !weights_path.is_file() {
+        return Err(folder_error(dir, format!("has no {ADAPTER_WEIGHTS}")));
+    }
+    let mut tensors = Vec::new();
+    for (name, t) in read_safetensors(&weights_path)? {
+        let trace_name = trace_tensor_name(family, &name)
+            .filter(|n| {
+                let layer = n.trim_end_matches(".weight").rsplit_once('.').map(|(l, _)| l).unwrap_or_default();
+                is_adapter_weight(n) && LoraTarget::of_layer(layer).is_some()
+            })
+            .ok_or_else(|| {
+                folder_error(
+                    &weights_path,
+                    format!(
+                        "tensor `{name}` is not a LoRA matrix of a `{}` layer stepgraph adapts (the q, k, v, o, \
+                         gate, up and down projections)",
+                        family.model_type()
+                    ),
+                )
+            })?;
+        tensors.push((trace_name, t));
+    }
+    Ok(tensors)
 }
 
 #[cfg(test)]

@@ -1,0 +1,234 @@
+//! Adapter runs through the commands: `train --lora-rank` writes a peft
+//! folder that `eval --adapter` and `generate --adapter` read (agreeing with
+//! the run's own validation and with the merged model `--merge` writes),
+//! `--adapter` continues a folder's adapters, a stopped adapter run resumes
+//! bit for bit, and flags that contradict each other are refused first.
+
+mod common;
+use common::{chat_token_file, fails_with, folder_tensors, s, stepgraph, write_model};
+
+use std::path::Path;
+
+use serde_json::Value;
+
+fn run_ok(args: &[&str]) -> (String, String) {
+    let (ok, out, err) = stepgraph(args);
+    assert!(ok, "{args:?} failed:\n{err}");
+    (out, err)
+}
+
+/// The number after `key` in `text` (`validation at step 6: loss 5.1234`).
+fn number_after(text: &str, key: &str) -> f64 {
+    let at = text.find(key).unwrap_or_else(|| panic!("no `{key}` in:\n{text}")) + key.len();
+    let digits: String = text[at..].trim_start().chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+    digits.parse().unwrap_or_else(|_| panic!("no number after `{key}` in:\n{text}"))
+}
+
+/// The token ids `generate --json` printed for its one prompt.
+fn generated_ids(out: &str) -> Vec<u64> {
+    let row: Value = out.lines().find_map(|l| serde_json::from_str(l).ok()).expect("a JSON row");
+    row["ids"]
+        .as_array()
+        .or_else(|| row["tokens"].as_array())
+        .expect("generated ids")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect()
+}
+
+fn train_args<'a>(base: &'a str, data: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "train",
+        "--init-from",
+        base,
+        "--data",
+        data,
+        "--device",
+        "cpu",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "6",
+        "--eval-batches",
+        "2",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "q,v,down",
+        "--out",
+        out,
+    ]
+}
+
+#[test]
+fn an_adapter_run_writes_a_peft_folder_that_eval_and_generate_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "llama", false, None);
+    let data = chat_token_file(tmp.path());
+    let (adapter, merged) = (tmp.path().join("adapter"), tmp.path().join("merged"));
+    let (_, err) = run_ok(&train_args(s(&base), s(&data), s(&adapter)));
+    assert!(err.contains("adapters    LoRA rank 4, alpha 8 (scale 2), dropout 0 on q,v,down"), "{err}");
+    assert!(err.contains("base (f32)") && err.contains("(frozen)"), "{err}");
+    let val = number_after(&err, "validation at step 6: loss");
+
+    // The folder peft reads: its config, its tensors under peft's names, the tokenizer.
+    let config: Value = serde_json::from_slice(&std::fs::read(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((config["peft_type"].as_str(), config["r"].as_u64()), (Some("LORA"), Some(4)));
+    assert_eq!(config["target_modules"], serde_json::json!(["down_proj", "q_proj", "v_proj"]));
+    assert!(adapter.join("tokenizer.json").is_file());
+    let tensors = folder_tensors(&adapter);
+    assert!(
+        tensors.contains_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+        "{:?}",
+        tensors.keys()
+    );
+    assert!(tensors.keys().all(|k| k.starts_with("base_model.model.model.layers.")), "{:?}", tensors.keys());
+
+    // eval over the base with the adapter: the run's own validation.
+    let (out, _) = run_ok(&[
+        "eval",
+        "--init-from",
+        s(&base),
+        "--adapter",
+        s(&adapter),
+        "--data",
+        s(&data),
+        "--device",
+        "cpu",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--eval-batches",
+        "2",
+    ]);
+    assert_eq!(number_after(&out, "validation loss"), val, "{out}");
+    assert!(out.contains("with adapter"), "{out}");
+
+    // The same run with --merge writes the base with the adapters folded in.
+    let mut args = train_args(s(&base), s(&data), s(&merged));
+    args.push("--merge");
+    run_ok(&args);
+    assert!(merged.join("config.json").is_file() && !merged.join("adapter_config.json").exists());
+    let (out, _) = run_ok(&[
+        "eval",
+        "--init-from",
+        s(&merged),
+        "--data",
+        s(&data),
+        "--device",
+        "cpu",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--eval-batches",
+        "2",
+    ]);
+    assert!((number_after(&out, "validation loss") - val).abs() <= 2e-4, "{out} vs {val}");
+
+    // generate with the adapter merges it as the base loads: the merged folder's tokens.
+    let gen = |folder: &Path, adapter: Option<&Path>| {
+        let mut args = vec![
+            "generate",
+            "--init-from",
+            s(folder),
+            "--device",
+            "cpu",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "12",
+        ];
+        args.extend(["--ignore-eos", "--json"]);
+        if let Some(a) = adapter {
+            args.extend(["--adapter", s(a)]);
+        }
+        generated_ids(&run_ok(&args).0)
+    };
+    let with_adapter = gen(&base, Some(&adapter));
+    assert_eq!(with_adapter, gen(&merged, None));
+    assert_eq!(with_adapter.len(), 12);
+}
+
+#[test]
+fn an_adapter_run_resumes_bit_for_bit_and_continues_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "llama", false, None);
+    let data = chat_token_file(tmp.path());
+    let (straight, resumed, ck) = (tmp.path().join("straight"), tmp.path().join("resumed"), tmp.path().join("ck"));
+    run_ok(&train_args(s(&base), s(&data), s(&straight)));
+    let mut first = train_args(s(&base), s(&data), s(&resumed));
+    first.extend(["--checkpoint-dir", s(&ck), "--stop-after", "3"]);
+    run_ok(&first);
+    // The checkpoint holds the adapters and their moments, not the base.
+    let ck3 = ck.join("step-000003");
+    let weights = folder_tensors(&ck3);
+    assert!(!weights.is_empty() && weights.keys().all(|k| k.contains(".lora_")), "{:?}", weights.keys());
+    let mut second = train_args(s(&base), s(&data), s(&resumed));
+    second.extend(["--checkpoint-dir", s(&ck), "--resume", "auto"]);
+    run_ok(&second);
+    assert_eq!(folder_tensors(&resumed), folder_tensors(&straight));
+
+    // --adapter continues the folder: its settings, its weights as the start.
+    let more = tmp.path().join("more");
+    let (_, err) = run_ok(&[
+        "train",
+        "--init-from",
+        s(&base),
+        "--adapter",
+        s(&straight),
+        "--data",
+        s(&data),
+        "--device",
+        "cpu",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--out",
+        s(&more),
+    ]);
+    assert!(err.contains(&format!("continuing {}", straight.display())), "{err}");
+    assert_eq!(folder_tensors(&more).len(), folder_tensors(&straight).len());
+    assert_ne!(folder_tensors(&more), folder_tensors(&straight));
+}
+
+#[test]
+fn contradicting_adapter_flags_are_refused_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "llama", false, None);
+    let data = chat_token_file(tmp.path());
+    let adapter = tmp.path().join("adapter");
+    let mut args = vec!["train", "--init-from", s(&base), "--data", s(&data), "--device", "cpu", "--seq", "16"];
+    args.extend(["--steps", "1", "--eval-every", "0", "--lora-rank", "2", "--out", s(&adapter)]);
+    run_ok(&args);
+    fails_with(
+        &["train", "--init-from", s(&base), "--adapter", s(&adapter), "--lora-rank", "8", "--device", "cpu"],
+        "--lora-rank 8 differs from the rank 2",
+    );
+    fails_with(
+        &["train", "--device", "cpu", "--out", s(&tmp.path().join("m")), "--merge"],
+        "--merge folds trained adapters",
+    );
+    fails_with(&["plan", "--base-dtype", "nf4"], "--lora-rank");
+    fails_with(&["train", "--device", "cpu", "--lora-rank", "4", "--lora-targets", "q,lm_head"], "`lm_head`");
+    // The plan of an adapter run names the frozen base and the adapters.
+    let (out, _) = run_ok(&["plan", "--model", "tiny-llama", "--lora-rank", "4", "--gpu-memory", "24GB"]);
+    assert!(out.contains("base (") && out.contains("adapters"), "{out}");
+}
