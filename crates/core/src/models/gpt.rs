@@ -641,6 +641,12 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let mut g = Gpt::new("forward", cfg, spec.dtype, opts.mlp_tiles);
     if let Some(a) = &spec.adapters {
         a.validate()?;
+        if a.base != super::lora::BaseStorage::Model {
+            return Err(Error::Config {
+                model: cfg.name.clone(),
+                reason: "this build stores the frozen base in the model's dtype only (--base-dtype model)".into(),
+            });
+        }
         g.adapters = Some(a.clone());
     }
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
