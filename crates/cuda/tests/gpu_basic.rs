@@ -386,7 +386,9 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         // CPU's noise (decode.cu), so the tokens are the CPU's.
         | Op::SampleNext(_)
         // `cvt.rna.tf32.f32` rounds as the CPU's `tf32_round`, both parts.
-        | Op::SplitTf32(_) => Cmp::Exact,
+        | Op::SplitTf32(_)
+        // One f32 product (after the absmax's `_rn` operations), rounded once.
+        | Op::DequantizeNf4(_) => Cmp::Exact,
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
             kind => {

@@ -29,6 +29,7 @@ pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;
+pub mod nf4;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
@@ -311,6 +312,8 @@ macro_rules! for_each_op {
             LinearCrossEntropyBackward($crate::ops::linear_ce::LinearCrossEntropyBackward),
             SwiGlu($crate::ops::swiglu::SwiGlu),
             SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
+            // Frozen NF4 weights: no gradient flows into the codes.
+            DequantizeNf4($crate::ops::nf4::DequantizeNf4),
             AdamW($crate::ops::optim::AdamW),
             // Generation: no VJP.
             KvWrite($crate::ops::decode::KvWrite),

@@ -30,6 +30,7 @@ pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;
+pub mod nf4;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
