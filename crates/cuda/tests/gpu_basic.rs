@@ -387,6 +387,8 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         | Op::SampleNext(_)
         // `cvt.rna.tf32.f32` rounds as the CPU's `tf32_round`, both parts.
         | Op::SplitTf32(_)
+        // The same integer mask and one correctly rounded product.
+        | Op::Dropout(_)
         // One f32 product (after the absmax's `_rn` operations), rounded once.
         | Op::DequantizeNf4(_) => Cmp::Exact,
         Op::Reduce(r) => match r.kind {

@@ -72,7 +72,7 @@ pub enum RecomputePolicy {
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CostClass {
-    /// Views, casts, element-wise arithmetic, SwiGLU, RoPE, NF4
+    /// Views, casts, element-wise arithmetic, SwiGLU, RoPE, dropout, NF4
     /// dequantization, embedding lookups.
     Pointwise,
     /// RMSNorm, LayerNorm, softmax: one row reduction and a pointwise pass.
@@ -96,6 +96,7 @@ pub fn cost_class(op: &Op) -> Option<CostClass> {
         | Op::Concat(_)
         | Op::Rope(_)
         | Op::SwiGlu(_)
+        | Op::Dropout(_)
         // Reads half a byte per element and writes the float weight: the
         // float weight of a frozen NF4 layer is recomputed, not kept.
         | Op::DequantizeNf4(_)

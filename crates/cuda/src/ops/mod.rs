@@ -24,6 +24,7 @@
 pub mod attention;
 pub mod collective;
 pub mod decode;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear_ce;
