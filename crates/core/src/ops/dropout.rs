@@ -271,7 +271,7 @@ mod tests {
                 _ => unreachable!(),
             };
             if p > 0.0 && y.len() > 16 {
-                assert!(y.iter().any(|&v| v == 0.0), "{:?}", s.op);
+                assert!(y.contains(&0.0), "{:?}", s.op);
             }
         }
     }

@@ -64,6 +64,9 @@ use crate::with_float;
 
 /// The 16 NormalFloat4 levels (the QLoRA paper's NF4 data type: quantiles
 /// of a standard normal scaled to [−1, 1], with an exact 0), ascending.
+/// Written with the digits they are published with; each is the f32
+/// nearest to its decimal.
+#[allow(clippy::excessive_precision)]
 pub const NF4_LEVELS: [f32; 16] = [
     -1.0,
     -0.696_192_800_998_687_7,
@@ -158,9 +161,9 @@ fn code(words: &[i32], i: usize) -> usize {
 /// The code of the level nearest to `x`, the lowest one on a tie.
 pub fn nearest_level(x: f32) -> u8 {
     let mut best = 0;
-    for k in 1..NF4_LEVELS.len() {
+    for (k, &level) in NF4_LEVELS.iter().enumerate().skip(1) {
         // Strictly closer only: a tie keeps the lower code.
-        if (x - NF4_LEVELS[k]).abs() < (x - NF4_LEVELS[best]).abs() {
+        if (x - level).abs() < (x - NF4_LEVELS[best]).abs() {
             best = k;
         }
     }
@@ -625,6 +628,23 @@ mod tests {
         assert!(op.infer(&[&codes, &scale_codes]).is_err());
         let e = DequantizeNf4 { dtype: DType::I32, ..op }.infer(&[&codes, &scale_codes, &scales]).unwrap_err();
         assert!(e.contains("float dtype"), "{e}");
+    }
+
+    #[test]
+    fn no_cotangent_flows_into_the_leaves_and_none_is_refused() {
+        let mut b = Builder::new("q");
+        let leaves: Vec<ValueId> = Nf4Weight::leaf_types(&[2, 64], false)
+            .unwrap()
+            .into_iter()
+            .map(|(s, t)| b.input(&format!("w.{s}"), t).unwrap())
+            .collect();
+        let y = b.dequantize_nf4(&leaves, &[2, 64], false, DType::F32).unwrap();
+        let gy = b.input("gy", TensorType::new(DType::F32, [2, 64])).unwrap();
+        let op = DequantizeNf4 { shape: vec![2, 64], double_quant: false, dtype: DType::F32 };
+        let nodes = b.trace().nodes.len();
+        let g = op.vjp(&mut b, &VjpArgs { inputs: &leaves, outputs: &[y], cotangents: &[Some(gy)] }).unwrap();
+        assert_eq!(g, vec![None, None]);
+        assert_eq!(b.trace().nodes.len(), nodes, "the VJP emits no node");
     }
 
     #[test]
