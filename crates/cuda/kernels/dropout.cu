@@ -54,8 +54,7 @@ __device__ __forceinline__ void dropout(const T* x, const float* step, T* y, i64
 #define SG_DROPOUT_KERNELS(sfx, T)                                                                                \
     extern "C" __global__ void __launch_bounds__(SG_DROPOUT_THREADS)                                             \
         dropout_##sfx(const T* x, const float* step, T* y, i64 n, i64 stream, i64 micro_batch, i64 threshold,    \
-                      acc_t<T> scale) {                                                                           \
-        sg_pdl_entry();                                                                                           \
+                      acc_t<T> scale) { sg_pdl_entry(); \
         sg_dropout::dropout<T>(x, step, y, n, (unsigned long long)stream, (unsigned long long)micro_batch,       \
                                (unsigned long long)threshold, scale);                                             \
     }

@@ -70,13 +70,11 @@ __device__ __forceinline__ void dq(const int* codes, const int* absmax_codes, co
 
 #define SG_NF4_KERNELS(sfx, T)                                                                                  \
     extern "C" __global__ void __launch_bounds__(SG_NF4_THREADS)                                               \
-        nf4_dequantize_##sfx(const int* codes, const float* absmax, T* out, i64 words) {                        \
-        sg_pdl_entry();                                                                                         \
+        nf4_dequantize_##sfx(const int* codes, const float* absmax, T* out, i64 words) { sg_pdl_entry(); \
         sg_nf4::plain<T>(codes, absmax, out, words);                                                            \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(SG_NF4_THREADS) nf4_dequantize_dq_##sfx(                      \
-        const int* codes, const int* absmax_codes, const float* scales, i64 groups, T* out, i64 words) {        \
-        sg_pdl_entry();                                                                                         \
+        const int* codes, const int* absmax_codes, const float* scales, i64 groups, T* out, i64 words) { sg_pdl_entry(); \
         sg_nf4::dq<T>(codes, absmax_codes, scales, groups, out, words);                                         \
     }
 SG_FOR_EACH_FLOAT(SG_NF4_KERNELS)
