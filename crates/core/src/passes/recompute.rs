@@ -829,7 +829,7 @@ mod tests {
             let leaves: Vec<ValueId> = Nf4Weight::leaf_types(&[256, 256], layer == 1)
                 .unwrap()
                 .into_iter()
-                .map(|(suffix, ty)| b.input(&format!("w{layer}.{suffix}"), ty).unwrap())
+                .map(|(suffix, ty)| b.frozen(&format!("w{layer}.{suffix}"), ty).unwrap())
                 .collect();
             let w = b.dequantize_nf4(&leaves, &[256, 256], layer == 1, DType::F32).unwrap();
             h = b.matmul(h, w, false, true).unwrap();
