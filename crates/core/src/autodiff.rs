@@ -343,7 +343,7 @@ fn accumulate(
         for node in &forward.nodes {
             let inputs: Vec<ValueId> =
                 node.inputs.iter().map(|&v| map[v.index()].expect("defined before use")).collect();
-            for (&o, n) in node.outputs.iter().zip(b.push(node.op.clone(), &inputs)?) {
+            for (&o, n) in node.outputs.iter().zip(b.push(for_micro_batch(&node.op, k)?, &inputs)?) {
                 map[o.index()] = Some(n);
             }
         }
@@ -372,6 +372,19 @@ fn accumulate(
     b.output(OutputKind::Loss, mean);
     // `params()` of the new trace lists the parameters in the forward's order.
     Ok((b, acc))
+}
+
+/// `op` as micro-batch `k` of [`accumulate`] runs it: a dropout draws that
+/// micro-batch's own mask (its backward, built from the copy, the same one).
+fn for_micro_batch(op: &Op, k: usize) -> Result<Op> {
+    Ok(match op {
+        Op::Dropout(d) => {
+            let micro_batch = u32::try_from(k)
+                .map_err(|_| Error::Autodiff(format!("dropout numbers micro-batches in 32 bits, not {k}")))?;
+            Op::Dropout(crate::ops::dropout::Dropout { micro_batch, ..d.clone() })
+        }
+        op => op.clone(),
+    })
 }
 
 /// Scales `grads` so that their global L2 norm is at most `max_norm`, as
@@ -455,4 +468,47 @@ fn undecayed_params(trace: &Trace) -> Vec<ValueId> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_micro_batch_draws_its_own_dropout_mask() {
+        let mut b = Builder::new("dropout");
+        let w = b.param("w", TensorType::new(DType::F32, [4, 8])).unwrap();
+        let step = b.full(3.0, TensorType::scalar(DType::F32)).unwrap();
+        let y = b.dropout(w, step, 0.5, 17).unwrap();
+        let loss = b.sum_all(y).unwrap();
+        b.output(OutputKind::Loss, loss);
+        let forward = b.finish("build").unwrap();
+        let t = build_accumulated_step(&forward, StepKind::Grads, &TrainOptions::default(), 3).unwrap();
+        let mut seen: Vec<(Phase, u32)> = Vec::new();
+        for n in &t.nodes {
+            if let Op::Dropout(d) = &n.op {
+                assert_eq!((d.p, d.stream), (0.5, 17));
+                seen.push((n.phase, d.micro_batch));
+            }
+        }
+        // Each micro-batch's forward dropout and the one of its backward
+        // (the same mask on the cotangent), in order.
+        let want = [
+            (Phase::Forward, 0),
+            (Phase::Backward, 0),
+            (Phase::Backward, 1),
+            (Phase::Backward, 1),
+            (Phase::Backward, 2),
+            (Phase::Backward, 2),
+        ];
+        assert_eq!(seen, want);
+        // Without accumulation the forward's op is kept as it is.
+        let t = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
+        let mbs: Vec<u32> = t
+            .nodes
+            .iter()
+            .filter_map(|n| if let Op::Dropout(d) = &n.op { Some(d.micro_batch) } else { None })
+            .collect();
+        assert_eq!(mbs, [0, 0]);
+    }
 }

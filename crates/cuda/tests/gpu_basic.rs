@@ -17,7 +17,7 @@
 //! Tolerances ([`comparison`], by op kind and output dtype): ops whose GPU
 //! formula is the CPU's sequence of correctly rounded operations (binary
 //! maps, casts, fills, max, max_backward, movement, embedding and its
-//! backward) must match bit for bit. Library functions (exp, tanh, erf,
+//! backward, dropout, NF4 dequantization) must match bit for bit. Library functions (exp, tanh, erf,
 //! pow) and summation order differ by rounding: f32 1e-5, f64 1e-12, bf16
 //! 1e-2 (about one bf16 ulp), f16 2e-3, relative to the largest magnitude
 //! of the output (for sums: of the summed |x|). The row-wise network ops
@@ -386,7 +386,11 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         // CPU's noise (decode.cu), so the tokens are the CPU's.
         | Op::SampleNext(_)
         // `cvt.rna.tf32.f32` rounds as the CPU's `tf32_round`, both parts.
-        | Op::SplitTf32(_) => Cmp::Exact,
+        | Op::SplitTf32(_)
+        // The same integer mask and one correctly rounded product.
+        | Op::Dropout(_)
+        // One f32 product (after the absmax's `_rn` operations), rounded once.
+        | Op::DequantizeNf4(_) => Cmp::Exact,
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
             kind => {

@@ -21,6 +21,7 @@
 pub mod attention;
 pub mod collective;
 pub mod decode;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
@@ -29,6 +30,7 @@ pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;
+pub mod nf4;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
@@ -311,6 +313,9 @@ macro_rules! for_each_op {
             LinearCrossEntropyBackward($crate::ops::linear_ce::LinearCrossEntropyBackward),
             SwiGlu($crate::ops::swiglu::SwiGlu),
             SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
+            Dropout($crate::ops::dropout::Dropout),
+            // Frozen NF4 weights: no gradient flows into the codes.
+            DequantizeNf4($crate::ops::nf4::DequantizeNf4),
             AdamW($crate::ops::optim::AdamW),
             // Generation: no VJP.
             KvWrite($crate::ops::decode::KvWrite),

@@ -72,7 +72,8 @@ pub enum RecomputePolicy {
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CostClass {
-    /// Views, casts, element-wise arithmetic, SwiGLU, RoPE, embedding lookups.
+    /// Views, casts, element-wise arithmetic, SwiGLU, RoPE, dropout, NF4
+    /// dequantization, embedding lookups.
     Pointwise,
     /// RMSNorm, LayerNorm, softmax: one row reduction and a pointwise pass.
     Norm,
@@ -95,6 +96,10 @@ pub fn cost_class(op: &Op) -> Option<CostClass> {
         | Op::Concat(_)
         | Op::Rope(_)
         | Op::SwiGlu(_)
+        | Op::Dropout(_)
+        // Reads half a byte per element and writes the float weight: the
+        // float weight of a frozen NF4 layer is recomputed, not kept.
+        | Op::DequantizeNf4(_)
         | Op::Embedding(_) => Some(CostClass::Pointwise),
         Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) | Op::Reduce(_) => Some(CostClass::Norm),
         Op::MatMul(_) | Op::Attention(_) => Some(CostClass::Product),
@@ -807,6 +812,47 @@ mod tests {
         let (_, _, r) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
         assert!(!r.recomputed.is_empty(), "{r}");
         assert!(r.recomputed.iter().all(|n| n.class != CostClass::Product), "{r}");
+    }
+
+    #[test]
+    fn auto_recomputes_nf4_weights_in_backward_instead_of_keeping_them() {
+        use crate::autodiff::{build_step, TrainOptions};
+        use crate::ir::{OutputKind, TensorType};
+        use crate::ops::nf4::Nf4Weight;
+        // Two frozen NF4 layers over a trained input: backward needs each
+        // float weight for the input's cotangent, and the leaves they are
+        // dequantized from stay alive anyway.
+        let mut b = Builder::new("qlora");
+        let x = b.param("x", TensorType::new(DType::F32, [4, 256])).unwrap();
+        let mut h = x;
+        for layer in 0..2 {
+            let leaves: Vec<ValueId> = Nf4Weight::leaf_types(&[256, 256], layer == 1)
+                .unwrap()
+                .into_iter()
+                .map(|(suffix, ty)| b.frozen(&format!("w{layer}.{suffix}"), ty).unwrap())
+                .collect();
+            let w = b.dequantize_nf4(&leaves, &[256, 256], layer == 1, DType::F32).unwrap();
+            h = b.matmul(h, w, false, true).unwrap();
+        }
+        let loss = b.sum_all(h).unwrap();
+        b.output(OutputKind::Loss, loss);
+        let forward = b.finish("build").unwrap();
+        let s = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
+        let (t, p, r) = apply(&s, RecomputePolicy::Auto, PlanOptions::default()).unwrap();
+        check_plan(&t, &p).unwrap();
+        assert_eq!(r.recomputed.iter().filter(|n| n.op == "dequantize_nf4").count(), 2, "{r}");
+        assert!(r.planned_peak_after < r.planned_peak_before, "{r}");
+        // The forward's float weights die in forward: no later node reads them.
+        let weights: HashSet<ValueId> = t
+            .nodes
+            .iter()
+            .filter(|n| n.phase == Phase::Forward && matches!(n.op, Op::DequantizeNf4(_)))
+            .map(|n| n.outputs[0])
+            .collect();
+        assert_eq!(weights.len(), 2);
+        for n in t.nodes.iter().filter(|n| n.phase != Phase::Forward) {
+            assert!(n.inputs.iter().all(|v| !weights.contains(v)), "{} reads a forward weight\n{t}", n.op.name());
+        }
     }
 
     #[test]

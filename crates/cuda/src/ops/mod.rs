@@ -24,12 +24,14 @@
 pub mod attention;
 pub mod collective;
 pub mod decode;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
 pub mod movement;
+pub mod nf4;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
