@@ -35,6 +35,7 @@ use crate::host::HostTensor;
 use crate::ir::{Trace, ValueId, ValueKind};
 use crate::models::hf_dir::NamedParams;
 use crate::models::init::fill_param;
+use crate::models::lora::{init_quantized, is_quantized_leaf};
 use crate::pipeline::CompileTimes;
 use crate::plan::MemoryPlan;
 
@@ -228,7 +229,11 @@ pub trait Session {
         let start = Instant::now();
         // Frozen weights too: a run with adapters and no pretrained folder
         // starts its base from the same draw as a full run.
-        let params: Vec<ValueId> = self.trace().weights().collect();
+        let params: Vec<ValueId> = self
+            .trace()
+            .weights()
+            .filter(|&v| !self.trace().value(v).kind.leaf_name().is_some_and(is_quantized_leaf))
+            .collect();
         let Some(largest) = params.iter().map(|&p| self.trace().ty(p)).max_by_key(|t| t.bytes()).cloned() else {
             return Ok(InitReport { tensors: 0, bytes: 0, on_device: false, elapsed: start.elapsed() });
         };
@@ -242,7 +247,9 @@ pub trait Session {
             fill_param(&name, &ty, seed, buffer.bytes_mut())?;
             self.write(p, &buffer)?;
         }
-        Ok(InitReport { tensors: params.len(), bytes, on_device: false, elapsed: start.elapsed() })
+        let trace = self.trace().clone();
+        let quantized = init_quantized(self, &trace, seed)?;
+        Ok(InitReport { tensors: params.len() + quantized, bytes, on_device: false, elapsed: start.elapsed() })
     }
 
     /// The phases of opening this session and their times, in order (for

@@ -253,3 +253,51 @@ fn a_train_step_updates_the_adapters_alone_and_plans_no_base_gradient() {
     let b = step.leaf_by_name("model.layers.0.mlp.down_proj.lora_B.weight").unwrap();
     assert!(s.read(b).to_f64().iter().any(|&x| x != 0.0), "B did not move from zero");
 }
+
+#[test]
+fn an_nf4_base_computes_with_its_dequantized_weights_bit_for_bit() {
+    use stepgraph_core::models::lora::quantized_weights;
+    use stepgraph_core::models::BaseStorage;
+    use stepgraph_core::ops::nf4::{dequantize_nf4, quantize_nf4};
+    for double_quant in [false, true] {
+        let a =
+            Adapters { base: BaseStorage::Nf4 { double_quant }, ..adapters(2, vec![LoraTarget::Q, LoraTarget::Up]) };
+        let q_spec = spec(DType::F32, Some(a.clone()));
+        let q = build_forward_with_logits(&q_spec).unwrap();
+        let plain =
+            build_forward_with_logits(&spec(DType::F32, Some(Adapters { base: BaseStorage::Model, ..a }))).unwrap();
+        let quantized = quantized_weights(&q);
+        // Every linear layer of the blocks is stored in 4 bits, adapted or not.
+        assert_eq!(
+            quantized.len(),
+            7 * q.frozen().filter(|&v| name(&q, v).ends_with("input_layernorm.weight")).count()
+        );
+        let mut w = weights(&plain, 3, true);
+        let mut leaves = w.clone();
+        for qw in &quantized {
+            let x: Vec<f32> = w[&qw.name].to_f64().iter().map(|&v| v as f32).collect();
+            let nf4 = quantize_nf4(&x, double_quant).unwrap();
+            for ((leaf, _), (_, t)) in qw.leaves.iter().zip(nf4.leaves()) {
+                leaves.insert(leaf.clone(), t);
+            }
+            let back: Vec<f64> = dequantize_nf4(&nf4, x.len()).into_iter().map(f64::from).collect();
+            w.insert(qw.name.clone(), HostTensor::from_f64(qw.ty.clone(), &back));
+        }
+        let data = batch(&spec(DType::F32, None), 6);
+        assert_eq!(logits(&q, &leaves, &data), logits(&plain, &w, &data), "double quant {double_quant}");
+
+        // The plan holds the base at about half a byte a weight.
+        let c = compile_step(&q_spec, &StepOptions::new(StepKind::Train)).unwrap();
+        let report = plan_report(&c.step, &c.plan, 2);
+        assert_eq!(report.frozen_storage.as_deref(), Some("nf4"));
+        let matrices: u64 = quantized.iter().map(|q| q.ty.numel() as u64).sum();
+        let others: u64 = plain
+            .frozen()
+            .filter(|&v| !quantized.iter().any(|q| q.name == name(&plain, v)))
+            .map(|v| plain.ty(v).bytes())
+            .sum();
+        let scales = if double_quant { matrices / 64 + 4 * quantized.len() as u64 * 2 } else { 4 * matrices / 64 };
+        assert!(report.frozen_bytes <= others + matrices / 2 + scales, "{} bytes", report.frozen_bytes);
+        assert!(report.frozen_bytes >= others + matrices / 2);
+    }
+}

@@ -47,6 +47,7 @@ use serde::Serialize;
 use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{Builder, Trace, ValueId, ValueKind};
+use stepgraph_core::models::lora::{init_quantized, is_quantized_leaf};
 use stepgraph_core::ops::collective::world_of;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
@@ -622,6 +623,10 @@ impl CudaSession {
         let (mut tensors, mut bytes) = (0, 0);
         for p in self.trace.weights() {
             let name = self.trace.value(p).kind.leaf_name().unwrap_or_default();
+            // NF4 leaves hold a drawn weight quantized on the host, below.
+            if is_quantized_leaf(name) {
+                continue;
+            }
             let out = dev_tensor(&self.trace, &self.plan, self.persistent_base, self.arena_base, p);
             tensors += 1;
             bytes += out.ty.bytes();
@@ -652,6 +657,8 @@ impl CudaSession {
                 .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", l.function)))?;
         }
         self.stream.synchronize()?;
+        let trace = self.trace.clone();
+        tensors += init_quantized(self, &trace, seed)?;
         self.sample()?;
         Ok(InitReport { tensors, bytes, on_device: true, elapsed: start.elapsed() })
     }

@@ -20,10 +20,11 @@
 //! One tile (the default) records the untiled MLP, op for op.
 
 use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
-use super::lora::Adapters;
+use super::lora::{Adapters, BaseStorage, LoraTarget};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::linear_ce::{default_chunk, Reduction};
+use crate::ops::nf4::Nf4Weight;
 use crate::ops::UnaryFn;
 
 /// The loss the forward trace ends with.
@@ -210,6 +211,28 @@ impl<'a> Gpt<'a> {
         Ok(p)
     }
 
+    /// The frozen weight `name` stored as NF4 leaves (`{name}.nf4_codes`,
+    /// ...; see [`crate::ops::nf4`]), dequantized to the model's dtype
+    /// where it is used; made once, and the dequantized value shared by
+    /// every use in the forward pass (recomputation makes it again for
+    /// backward rather than keep it).
+    fn nf4_weight(&mut self, name: &str, shape: &[usize], double_quant: bool) -> Result<ValueId> {
+        if let Some(&w) = self.params.get(name) {
+            return Ok(w);
+        }
+        let types = Nf4Weight::leaf_types(shape, double_quant).map_err(|e| Error::Config {
+            model: self.cfg.name.clone(),
+            reason: format!("`{name}` cannot be stored as nf4 (--base-dtype nf4): {e}"),
+        })?;
+        let mut leaves = Vec::with_capacity(types.len());
+        for (suffix, ty) in types {
+            leaves.push(self.b.frozen(&format!("{name}.{suffix}"), ty)?);
+        }
+        let w = self.b.dequantize_nf4(&leaves, shape, double_quant, self.dtype)?;
+        self.params.insert(name.to_string(), w);
+        Ok(w)
+    }
+
     /// The trained parameter `name` (an adapter's matrix), made once.
     fn adapter_param(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
         if let Some(&p) = self.params.get(name) {
@@ -227,7 +250,12 @@ impl<'a> Gpt<'a> {
         out: usize,
         bias: bool,
     ) -> Result<(ValueId, Option<ValueId>)> {
-        let w = self.param(&format!("{prefix}.weight"), &[out, inp])?;
+        let w = match self.adapters.as_ref().map(|a| a.base) {
+            Some(BaseStorage::Nf4 { double_quant }) if LoraTarget::of_layer(prefix).is_some() => {
+                self.nf4_weight(&format!("{prefix}.weight"), &[out, inp], double_quant)?
+            }
+            _ => self.param(&format!("{prefix}.weight"), &[out, inp])?,
+        };
         let bias = if bias { Some(self.param(&format!("{prefix}.bias"), &[out])?) } else { None };
         Ok((w, bias))
     }
@@ -641,12 +669,6 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let mut g = Gpt::new("forward", cfg, spec.dtype, opts.mlp_tiles);
     if let Some(a) = &spec.adapters {
         a.validate()?;
-        if a.base != super::lora::BaseStorage::Model {
-            return Err(Error::Config {
-                model: cfg.name.clone(),
-                reason: "this build stores the frozen base in the model's dtype only (--base-dtype model)".into(),
-            });
-        }
         g.adapters = Some(a.clone());
     }
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;

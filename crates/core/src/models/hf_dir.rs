@@ -50,10 +50,10 @@ use serde_json::{json, Map, Value};
 use super::checkpoint::{from_safetensors_dtype, round_to, to_safetensors_dtype};
 use super::config::Config;
 use super::family::{instantiate, ConfigKeys, Join, Unlisted};
-use super::lora::is_adapter_weight;
+use super::lora::{is_adapter_weight, is_quantized_leaf, quantized_weights};
 use crate::error::{Error, Result};
 use crate::host::{bytes_to_f64, HostTensor};
-use crate::ir::{DType, TensorType, Trace, ValueId};
+use crate::ir::{DType, TensorType, Trace};
 
 pub use super::family::HfFamily;
 
@@ -127,7 +127,7 @@ pub trait NamedParams {
 struct Mapping {
     hf: String,
     /// The parameters, in the order the join takes them (q, k, v).
-    params: Vec<(String, ValueId)>,
+    params: Vec<(String, TensorType)>,
     join: Join,
     /// Attention heads, which a per-head join interleaves.
     heads: usize,
@@ -141,12 +141,15 @@ struct Mapping {
 /// part is).
 fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mapping>> {
     let family = family.family();
-    let params: Vec<(String, ValueId)> = trace
+    // The weights as a folder holds them: an NF4 weight as the one tensor
+    // its leaves stand for.
+    let mut params: Vec<(String, TensorType)> = trace
         .weights()
-        .map(|p| (trace.value(p).kind.leaf_name().unwrap_or_default().to_string(), p))
-        .filter(|(name, _)| !is_adapter_weight(name))
+        .map(|p| (trace.value(p).kind.leaf_name().unwrap_or_default().to_string(), trace.ty(p).clone()))
+        .filter(|(name, _)| !is_adapter_weight(name) && !is_quantized_leaf(name))
         .collect();
-    let by_name: HashMap<&str, ValueId> = params.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+    params.extend(quantized_weights(trace).into_iter().map(|q| (q.name, q.ty)));
+    let by_name: HashMap<&str, TensorType> = params.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
     let internal = |reason: String| Error::Checkpoint { path: format!("trace `{}`", trace.name), reason };
     let mut mappings = Vec::new();
     let mut covered: BTreeSet<&str> = BTreeSet::new();
@@ -162,17 +165,17 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
             covered.insert(name);
             mappings.push(Mapping {
                 hf: name.clone(),
-                params: vec![(name.clone(), *v)],
+                params: vec![(name.clone(), v.clone())],
                 join: Join::Same,
                 heads,
-                ty: trace.ty(*v).clone(),
+                ty: v.clone(),
             });
             continue;
         };
         let mut parts = Vec::with_capacity(rule.trace.len());
         for pattern in rule.trace {
             let part = instantiate(pattern, layer);
-            let Some(&pv) = by_name.get(part.as_str()) else {
+            let Some(pv) = by_name.get(part.as_str()).cloned() else {
                 return Err(internal(format!(
                     "parameter `{name}` needs `{part}` beside it to make `{}`",
                     instantiate(rule.hf, layer)
@@ -186,14 +189,14 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
             }
         }
         let ty = match rule.join {
-            Join::Same => trace.ty(parts[0].1).clone(),
+            Join::Same => parts[0].1.clone(),
             Join::PerHead => {
-                let first = trace.ty(parts[0].1);
-                if parts.iter().any(|(_, pv)| trace.ty(*pv) != first) {
+                let first = &parts[0].1;
+                if parts.iter().any(|(_, pv)| pv != first) {
                     return Err(internal(format!(
                         "q, k and v of `{}` must have one type to be fused, got {}",
                         instantiate(rule.hf, layer),
-                        parts.iter().map(|(_, pv)| trace.ty(*pv).to_string()).collect::<Vec<_>>().join(", ")
+                        parts.iter().map(|(_, pv)| pv.to_string()).collect::<Vec<_>>().join(", ")
                     )));
                 }
                 if first.shape.first().is_none_or(|&rows| heads == 0 || rows % heads != 0) {
@@ -586,7 +589,12 @@ impl HfModelDir {
     /// that overflows the parameter's dtype, is an error naming the file,
     /// the tensor and the element.
     pub fn load_into(&self, trace: &Trace, session: &mut (impl NamedParams + ?Sized)) -> Result<()> {
-        self.load_into_with(trace, &mut |name, t| session.write_param(name, t))
+        // A base weight stored as NF4 is quantized as it loads.
+        let quantized = quantized_weights(trace);
+        self.load_into_with(trace, &mut |name, t| match quantized.iter().find(|q| q.name == name) {
+            Some(q) => q.write(session, t),
+            None => session.write_param(name, t),
+        })
     }
 
     /// [`HfModelDir::load_into`] with every parameter handed to `write`
@@ -616,8 +624,8 @@ impl HfModelDir {
                 ));
             }
             let parts = m.params.len();
-            for (k, (name, v)) in m.params.iter().enumerate() {
-                let ty = trace.ty(*v).clone();
+            for (k, (name, ty)) in m.params.iter().enumerate() {
+                let ty = ty.clone();
                 buffer.retype(ty.clone());
                 let dst = buffer.bytes_mut();
                 let blocks = m.join.part(src, m.heads, parts, k);
@@ -1127,20 +1135,12 @@ pub fn to_hf_tensors(
     for m in map_params(family, trace, n_head)? {
         let parts: Vec<HostTensor> = m.params.iter().map(|(name, _)| value_of(name)).collect::<Result<_>>()?;
         let dtype = parts[0].ty.dtype;
-        if let Some(((name, _), part)) = m
-            .params
-            .iter()
-            .zip(&parts)
-            .find(|(_, p)| p.ty.shape != trace.ty(m.params[0].1).shape || p.ty.dtype != dtype)
+        if let Some(((name, _), part)) =
+            m.params.iter().zip(&parts).find(|(_, p)| p.ty.shape != m.params[0].1.shape || p.ty.dtype != dtype)
         {
             return Err(Error::Input {
                 name: name.clone(),
-                reason: format!(
-                    "got {}, expected {} like the other parts of `{}`",
-                    part.ty,
-                    trace.ty(m.params[0].1),
-                    m.hf
-                ),
+                reason: format!("got {}, expected {} like the other parts of `{}`", part.ty, m.params[0].1, m.hf),
             });
         }
         let mut tensor = HostTensor::zeros(m.ty.with_dtype(dtype));

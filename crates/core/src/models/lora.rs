@@ -26,8 +26,10 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
-use crate::ir::Trace;
+use crate::ir::{TensorType, Trace, ValueId};
 use crate::models::hf_dir::NamedParams;
+use crate::ops::nf4::{dequantize_nf4, quantize_nf4, Nf4Weight, CODES_SUFFIX};
+use crate::ops::Op;
 
 /// A linear layer an adapter can sit beside, by its role in the block.
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
@@ -218,6 +220,88 @@ pub fn merged_weight(w: &HostTensor, a: &HostTensor, b: &HostTensor, scale: f64)
     Ok(HostTensor::from_f64(w.ty.clone(), &merged))
 }
 
+/// A base weight stored as NF4 leaves: the weight it stands for (its name
+/// and type as a model folder holds it) and the frozen leaves that hold it.
+#[derive(Clone, Debug)]
+pub struct QuantizedWeight {
+    /// The weight's name (`model.layers.0.mlp.up_proj.weight`).
+    pub name: String,
+    /// Its shape and dtype as the model computes with it.
+    pub ty: TensorType,
+    /// The leaves (`{name}.nf4_codes`, ...), in the dequantization's input order.
+    pub leaves: Vec<(String, ValueId)>,
+    pub double_quant: bool,
+}
+
+/// Whether the leaf `name` holds part of an NF4 weight.
+pub fn is_quantized_leaf(name: &str) -> bool {
+    name.rsplit('.').next().is_some_and(|last| last.starts_with("nf4_"))
+}
+
+/// The NF4 weights of `trace`: every `dequantize_nf4` of frozen leaves.
+pub fn quantized_weights(trace: &Trace) -> Vec<QuantizedWeight> {
+    let mut out: Vec<QuantizedWeight> = Vec::new();
+    for node in &trace.nodes {
+        let Op::DequantizeNf4(op) = &node.op else { continue };
+        let leaf_name = |v: ValueId| trace.value(v).kind.leaf_name().map(str::to_string);
+        let Some(name) =
+            leaf_name(node.inputs[0]).and_then(|n| n.strip_suffix(&format!(".{CODES_SUFFIX}")).map(str::to_string))
+        else {
+            continue;
+        };
+        if out.iter().any(|q| q.name == name) {
+            continue;
+        }
+        let leaves = node.inputs.iter().filter_map(|&v| leaf_name(v).map(|n| (n, v))).collect();
+        out.push(QuantizedWeight {
+            name,
+            ty: TensorType::new(op.dtype, op.shape.clone()),
+            leaves,
+            double_quant: op.double_quant,
+        });
+    }
+    out
+}
+
+impl QuantizedWeight {
+    /// Quantizes `value` (the weight, any float dtype) and writes its leaves.
+    pub fn write(&self, weights: &mut (impl NamedParams + ?Sized), value: &HostTensor) -> Result<()> {
+        if value.ty.shape != self.ty.shape {
+            return Err(Error::Input {
+                name: self.name.clone(),
+                reason: format!("got {}, the weight is {}", value.ty, self.ty),
+            });
+        }
+        let x: Vec<f32> = value.to_f64().into_iter().map(|v| v as f32).collect();
+        let q = quantize_nf4(&x, self.double_quant)
+            .map_err(|e| Error::Input { name: self.name.clone(), reason: e.to_string() })?;
+        for ((name, _), (_, t)) in self.leaves.iter().zip(q.leaves()) {
+            weights.write_param(name, &t)?;
+        }
+        Ok(())
+    }
+
+    /// The weight its leaves hold now, dequantized as the step computes it
+    /// (each value rounded once to the weight's dtype).
+    pub fn read(&self, weights: &mut (impl NamedParams + ?Sized)) -> Result<HostTensor> {
+        let leaves: Vec<HostTensor> = self.leaves.iter().map(|(n, _)| weights.read_param(n)).collect::<Result<_>>()?;
+        let q = Nf4Weight::from_leaves(&leaves)?;
+        let x: Vec<f64> = dequantize_nf4(&q, self.ty.numel()).into_iter().map(f64::from).collect();
+        Ok(HostTensor::from_f64(self.ty.clone(), &x))
+    }
+}
+
+/// Writes every NF4 weight of `trace` as the seeded draw would start it:
+/// the weight [`crate::models::init_param`] draws for its name, quantized.
+/// (A base is frozen, so a drawn one only serves tests and benchmarks.)
+pub fn init_quantized(weights: &mut (impl NamedParams + ?Sized), trace: &Trace, seed: u64) -> Result<usize> {
+    let quantized = quantized_weights(trace);
+    for q in &quantized {
+        q.write(weights, &crate::models::init_param(&q.name, &q.ty, seed)?)?;
+    }
+    Ok(quantized.len())
+}
+
 /// Adapters held on the host, merged into base weights as they load (a
 /// model that runs without adapters of its own, such as generation's).
 pub struct AdapterMerge {
@@ -273,6 +357,8 @@ impl AdapterMerge {
 /// Read-only.
 pub struct MergedWeights<'a, S: NamedParams + ?Sized> {
     weights: &'a mut S,
+    /// The base weights stored as NF4, read dequantized.
+    quantized: Vec<QuantizedWeight>,
     /// The prefixes of the adapted layers (`model.layers.0.self_attn.q_proj`).
     adapted: std::collections::HashSet<String>,
     scale: f64,
@@ -286,7 +372,7 @@ impl<'a, S: NamedParams + ?Sized> MergedWeights<'a, S> {
             .params()
             .filter_map(|p| trace.value(p).kind.leaf_name()?.strip_suffix(".lora_A.weight").map(str::to_string))
             .collect();
-        Ok(MergedWeights { weights, adapted, scale })
+        Ok(MergedWeights { weights, quantized: quantized_weights(trace), adapted, scale })
     }
 }
 
@@ -296,11 +382,14 @@ impl<S: NamedParams + ?Sized> NamedParams for MergedWeights<'_, S> {
     }
 
     fn has_param(&self, name: &str) -> bool {
-        self.weights.has_param(name)
+        self.weights.has_param(name) || self.quantized.iter().any(|q| q.name == name)
     }
 
     fn read_param(&mut self, name: &str) -> Result<HostTensor> {
-        let w = self.weights.read_param(name)?;
+        let w = match self.quantized.iter().find(|q| q.name == name) {
+            Some(q) => q.read(self.weights)?,
+            None => self.weights.read_param(name)?,
+        };
         match name.strip_suffix(".weight").filter(|layer| self.adapted.contains(*layer)) {
             Some(layer) => {
                 let a = self.weights.read_param(&format!("{layer}.lora_A.weight"))?;

@@ -233,6 +233,42 @@ impl Nf4Weight {
         out
     }
 
+    /// The weight its leaves hold, in [`Nf4Weight::leaves`]' order (as a
+    /// session reads them back); an error naming what does not fit.
+    pub fn from_leaves(leaves: &[HostTensor]) -> Result<Nf4Weight> {
+        fn words<T: bytemuck::Pod>(t: &HostTensor, dtype: DType, what: &str) -> Result<Vec<T>> {
+            if t.ty.dtype != dtype || t.ty.rank() != 1 {
+                return Err(format_error(format!("the {what} leaf is {}, expected a {dtype} vector", t.ty)));
+            }
+            // Read element by element: the host buffer's bytes need not be aligned for `T`.
+            let size = std::mem::size_of::<T>();
+            Ok(t.bytes().chunks_exact(size).map(bytemuck::pod_read_unaligned).collect())
+        }
+        let bad = |n: usize| format_error(format!("an NF4 weight has 2 or 3 leaves, got {n}"));
+        let codes = words::<i32>(leaves.first().ok_or_else(|| bad(0))?, DType::I32, CODES_SUFFIX)?;
+        let absmax = match leaves {
+            [_, a] => Nf4Absmax::Plain(words::<f32>(a, DType::F32, ABSMAX_SUFFIX)?),
+            [_, c, s] => {
+                let mut scales = words::<f32>(s, DType::F32, ABSMAX_SCALES_SUFFIX)?;
+                let mean = scales.pop().ok_or_else(|| format_error("the absmax scales leaf is empty".into()))?;
+                Nf4Absmax::Double { codes: words::<i32>(c, DType::I32, ABSMAX_CODES_SUFFIX)?, scales, mean }
+            }
+            _ => return Err(bad(leaves.len())),
+        };
+        let w = Nf4Weight { codes, absmax };
+        let blocks = w.numel() / NF4_BLOCK;
+        let expected = leaf_types_of(&[w.numel()], w.double_quant()).map_err(format_error)?;
+        for ((suffix, ty), t) in expected.iter().zip(leaves) {
+            if ty.shape != t.ty.shape {
+                return Err(format_error(format!(
+                    "the {suffix} leaf of a {blocks}-block weight is {}, expected {ty}",
+                    t.ty
+                )));
+            }
+        }
+        Ok(w)
+    }
+
     fn scales(&self) -> Scales<'_> {
         match &self.absmax {
             Nf4Absmax::Plain(a) => Scales::Plain(a),
@@ -645,6 +681,18 @@ mod tests {
         let g = op.vjp(&mut b, &VjpArgs { inputs: &leaves, outputs: &[y], cotangents: &[Some(gy)] }).unwrap();
         assert_eq!(g, vec![None, None]);
         assert_eq!(b.trace().nodes.len(), nodes, "the VJP emits no node");
+    }
+
+    #[test]
+    fn a_weight_reads_back_from_its_leaves() {
+        let w: Vec<f32> = (0..64 * 9).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        for dq in [false, true] {
+            let q = quantize_nf4(&w, dq).unwrap();
+            let leaves: Vec<HostTensor> = q.leaves().into_iter().map(|(_, t)| t).collect();
+            let back = Nf4Weight::from_leaves(&leaves).unwrap();
+            assert_eq!(back, q);
+            assert!(Nf4Weight::from_leaves(&leaves[..1]).is_err());
+        }
     }
 
     #[test]
