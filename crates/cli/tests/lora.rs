@@ -61,6 +61,8 @@ fn train_args<'a>(base: &'a str, data: &'a str, out: &'a str) -> Vec<&'a str> {
         "4",
         "--lora-targets",
         "q,v,down",
+        "--lora-dropout",
+        "0.1",
         "--out",
         out,
     ]
@@ -74,7 +76,7 @@ fn an_adapter_run_writes_a_peft_folder_that_eval_and_generate_read() {
     let data = chat_token_file(tmp.path());
     let (adapter, merged) = (tmp.path().join("adapter"), tmp.path().join("merged"));
     let (_, err) = run_ok(&train_args(s(&base), s(&data), s(&adapter)));
-    assert!(err.contains("adapters    LoRA rank 4, alpha 8 (scale 2), dropout 0 on q,v,down"), "{err}");
+    assert!(err.contains("adapters    LoRA rank 4, alpha 8 (scale 2), dropout 0.1 on q,v,down"), "{err}");
     assert!(err.contains("base (f32)") && err.contains("(frozen)"), "{err}");
     let val = number_after(&err, "validation at step 6: loss");
 

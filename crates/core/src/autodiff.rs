@@ -218,7 +218,11 @@ pub fn build_accumulated_step(
                 DecayScope::Matrices => undecayed_params(b.trace()),
             };
             let lr = b.input(LR_INPUT, TensorType::scalar(DType::F32))?;
-            let step = b.input(STEP_INPUT, TensorType::scalar(DType::F32))?;
+            // The forward pass may read the step count already (adapter dropout).
+            let step = match b.trace().leaf_by_name(STEP_INPUT) {
+                Some(step) => step,
+                None => b.input(STEP_INPUT, TensorType::scalar(DType::F32))?,
+            };
             for (&p, &g) in params.iter().zip(&grads) {
                 let name = b.trace().value(p).kind.leaf_name().unwrap_or_default().to_string();
                 let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(default_state_dtype(b.dtype(p))));
@@ -309,16 +313,12 @@ fn accumulate(
         let val = forward.value(v);
         let name = val.kind.leaf_name().expect("a leaf");
         leaf[v.index()] = Some(match &val.kind {
+            // A scalar input (the step count adapter dropout reads) is
+            // the step's, shared by every micro-batch.
+            ValueKind::Input { .. } if val.ty.rank() == 0 => b.input(name, val.ty.clone())?,
             ValueKind::Input { .. } => {
                 let mut shape = val.ty.shape.clone();
-                match shape.first_mut() {
-                    Some(rows) => *rows *= micro_batches,
-                    None => {
-                        return Err(Error::Autodiff(format!(
-                            "gradient accumulation splits step inputs by rows, and `{name}` is a scalar"
-                        )))
-                    }
-                }
+                shape[0] *= micro_batches;
                 b.input(name, val.ty.with_shape(shape))?
             }
             ValueKind::Param { .. } => b.param(name, val.ty.clone())?,
@@ -334,7 +334,7 @@ fn accumulate(
     for k in 0..micro_batches {
         b.set_phase(if k == 0 { Phase::Forward } else { Phase::Backward });
         let mut map = leaf.clone();
-        for v in forward.inputs() {
+        for v in forward.inputs().filter(|&v| forward.ty(v).rank() > 0) {
             let rows = forward.ty(v).shape[0];
             let all = leaf[v.index()].expect("every leaf is mapped");
             map[v.index()] = Some(b.slice(all, 0, k * rows, (k + 1) * rows)?);

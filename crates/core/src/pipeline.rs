@@ -184,8 +184,14 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
         }
         None => spec.clone(),
     };
-    let forward =
-        build_forward_opts(&spec, &ForwardOptions { mlp_tiles: opts.mlp_tiles, ..ForwardOptions::default() })?;
+    let forward = build_forward_opts(
+        &spec,
+        &ForwardOptions {
+            mlp_tiles: opts.mlp_tiles,
+            training: opts.kind == StepKind::Train,
+            ..ForwardOptions::default()
+        },
+    )?;
     debug_verify_after("forward", &forward)?;
     let step = build_accumulated_step(&forward, opts.kind, &opts.train, opts.grad_accum)?;
     debug_verify_after("autodiff", &step)?;

@@ -301,3 +301,48 @@ fn an_nf4_base_computes_with_its_dequantized_weights_bit_for_bit() {
         assert!(report.frozen_bytes >= others + matrices / 2);
     }
 }
+
+#[test]
+fn adapter_dropout_is_drawn_in_training_steps_only_and_per_micro_batch() {
+    use stepgraph_core::ops::Op;
+    let a = Adapters { dropout: 0.25, ..adapters(2, vec![LoraTarget::Q, LoraTarget::Down]) };
+    let sp = spec(DType::F32, Some(a));
+    let dropouts = |t: &Trace| t.nodes.iter().filter(|n| matches!(n.op, Op::Dropout(_))).count();
+    let forward = compile_step(&sp, &StepOptions::new(StepKind::Forward)).unwrap();
+    assert_eq!(dropouts(&forward.step), 0, "evaluation draws no masks");
+    let mut opts = StepOptions::new(StepKind::Train);
+    opts.grad_accum = 2;
+    let c = compile_step(&sp, &opts).unwrap();
+    // Two adapted linears a layer and two micro-batches: a mask each in
+    // forward, and the same mask again in each one's backward.
+    let micro: std::collections::HashSet<u32> = c
+        .step
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Dropout(d) => Some(d.micro_batch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(micro.len(), 2, "each micro-batch draws its own masks");
+    assert!(dropouts(&c.step) >= 2 * 2 * sp.config.n_layer, "{} dropouts", dropouts(&c.step));
+    let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
+    let w = weights(&c.forward, 5, true);
+    for v in c.step.weights() {
+        s.write(v, &w[&name(&c.step, v)]).unwrap();
+    }
+    s.zero_state().unwrap();
+    let mut big = spec(DType::F32, None);
+    big.batch *= 2;
+    let mut losses = Vec::new();
+    for it in 1..=3 {
+        for (n, t) in batch(&big, 1) {
+            s.write_named(n, &t).unwrap();
+        }
+        s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
+        s.write_named(STEP_INPUT, &scalar_input(it as f64)).unwrap();
+        s.run_eager().unwrap();
+        losses.push(s.loss().unwrap());
+    }
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}

@@ -20,7 +20,9 @@
 //! One tile (the default) records the untiled MLP, op for op.
 
 use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
+use super::init::param_stream;
 use super::lora::{Adapters, BaseStorage, LoraTarget};
+use crate::autodiff::STEP_INPUT;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::linear_ce::{default_chunk, Reduction};
@@ -168,6 +170,9 @@ pub(crate) struct Gpt<'a> {
     /// Low-rank adapters: every base weight is then a frozen leaf, and the
     /// adapted linear layers get their adapters ([`Gpt::linear`]).
     pub(crate) adapters: Option<Adapters>,
+    /// With adapter dropout in a training step: the step-count input its
+    /// masks are drawn from.
+    pub(crate) dropout_step: Option<ValueId>,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -196,6 +201,7 @@ impl<'a> Gpt<'a> {
             fused: Vec::new(),
             doubled_starts: Vec::new(),
             adapters: None,
+            dropout_step: None,
         }
     }
 
@@ -290,6 +296,12 @@ impl<'a> Gpt<'a> {
     ) -> Result<ValueId> {
         let a = self.adapter_param(&format!("{prefix}.lora_A.weight"), &[rank, inp])?;
         let b = self.adapter_param(&format!("{prefix}.lora_B.weight"), &[out, rank])?;
+        // Dropout on the adapter's input only, as peft applies it; each
+        // layer draws its own masks (its stream is its name's).
+        let x = match (self.dropout_step, self.adapters.as_ref().map_or(0.0, |a| a.dropout)) {
+            (Some(step), p) if p > 0.0 => self.b.dropout(x, step, p, param_stream(0, prefix))?,
+            _ => x,
+        };
         let down = self.b.linear(x, a, None)?;
         let s = self.b.full(scale, TensorType::scalar(self.dtype))?;
         let down = self.b.mul(down, s)?;
@@ -616,11 +628,15 @@ pub struct ForwardOptions {
     /// MLP; more split its `batch × seq` rows into that many tiles (at
     /// most one per row).
     pub mlp_tiles: usize,
+    /// The forward pass of a training step: adapter dropout is recorded
+    /// (reading the step count, [`crate::autodiff::STEP_INPUT`], so each
+    /// step draws its own masks). Evaluation and generation leave it out.
+    pub training: bool,
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
-        ForwardOptions { head_loss: HeadLoss::default(), mlp_tiles: 1 }
+        ForwardOptions { head_loss: HeadLoss::default(), mlp_tiles: 1, training: false }
     }
 }
 
@@ -670,6 +686,9 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     if let Some(a) = &spec.adapters {
         a.validate()?;
         g.adapters = Some(a.clone());
+        if opts.training && a.dropout > 0.0 {
+            g.dropout_step = Some(g.b.input(STEP_INPUT, TensorType::scalar(DType::F32))?);
+        }
     }
     let tokens = g.b.input(TOKENS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?;
     let targets = match spec.loss {
