@@ -12,7 +12,10 @@
 //!   and writes `loss` and every parameter's gradient under its Hugging Face
 //!   name and layout (GPT-NeoX's fused q/k/v included);
 //! - `--out DIR`: writes the loaded model back as a Hugging Face folder
-//!   ([`save_hf_dir`]), with the tokenizer files of `--init-from`.
+//!   ([`save_hf_dir`]), with the tokenizer files of `--init-from`;
+//! - with `--adapter DIR` (a peft folder), the logits are the adapted
+//!   model's and the gradients the adapters' (under peft's names), as
+//!   `peft`'s model computes them.
 //!
 //! No output may replace an input: an output path that resolves (through
 //! `..` and links) to `--init-from` or `--ids`, lies inside `--init-from`,
@@ -34,6 +37,8 @@ use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 
+use stepgraph_core::models::peft::{peft_tensor_name, read_adapter_config, read_adapter_weights};
+use stepgraph_train::trainer::load_adapters;
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
 /// Flags of `stepgraph hf`.
@@ -51,6 +56,10 @@ pub struct HfArgs {
     /// Write one grads step's `loss` and gradients on --ids (Hugging Face names) to this safetensors file.
     #[arg(long, value_name = "FILE", requires = "ids")]
     pub grads_out: Option<PathBuf>,
+    /// A PEFT adapter folder over the model: --logits-out runs the model with its adapters, and
+    /// --grads-out writes the adapters' gradients under peft's tensor names.
+    #[arg(long, value_name = "DIR", conflicts_with = "out")]
+    pub adapter: Option<PathBuf>,
     /// Write the loaded model as a Hugging Face folder here (replaced atomically if it exists).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -119,7 +128,16 @@ pub fn run(args: &HfArgs) -> Result<()> {
         }
     };
     let (batch, seq) = ids.as_ref().map_or((1, 1), |ids| (ids.ty.shape[0], ids.ty.shape[1]));
-    let spec = ModelSpec { config: config.clone(), batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None };
+    let adapter = match &args.adapter {
+        Some(dir) => {
+            let context = || format!("--adapter {}", dir.display());
+            let (adapters, _) = read_adapter_config(dir).with_context(context)?;
+            Some((adapters, read_adapter_weights(dir, hf.family()).with_context(context)?))
+        }
+        None => None,
+    };
+    let adapters = adapter.as_ref().map(|(a, _)| a.clone());
+    let spec = ModelSpec { config: config.clone(), batch, seq, dtype, loss: LossKind::CrossEntropy, adapters };
 
     // The forward pass with its logits kept: checked, loaded, run, and saved from.
     let forward = build_forward_with_logits(&spec)?;
@@ -129,6 +147,9 @@ pub fn run(args: &HfArgs) -> Result<()> {
     check_plan(&step, &memory)?;
     let mut session = open_session(args.backend, step, memory, SessionOptions::default())?.session;
     hf.load_into(&forward, session.as_mut())?;
+    if let Some((_, tensors)) = &adapter {
+        load_adapters(session.as_mut(), &forward, tensors)?;
+    }
 
     if let (Some(out), Some(ids)) = (&args.logits_out, &ids) {
         for (name, value) in reference_batch(ids, LossKind::CrossEntropy)? {
@@ -177,11 +198,29 @@ pub fn run(args: &HfArgs) -> Result<()> {
         let compiled = compile_step(&spec, &StepOptions::new(StepKind::Grads))?;
         let mut grads = open_session(args.backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
         hf.load_into(&compiled.forward, grads.as_mut())?;
+        if let Some((_, tensors)) = &adapter {
+            load_adapters(grads.as_mut(), &compiled.forward, tensors)?;
+        }
         for (name, value) in reference_batch(ids, LossKind::CrossEntropy)? {
             grads.write_named(name, &value)?;
         }
         grads.run_eager()?;
         let loss = grads.loss()?;
+        if adapter.is_some() {
+            // The adapters' gradients, named as peft names its parameters.
+            let mut tensors = Vec::new();
+            for p in compiled.forward.params() {
+                let name = compiled.forward.value(p).kind.leaf_name().unwrap_or_default().to_string();
+                let v = grads.trace().leaf_by_name(&name).and_then(|p| grads.trace().grad_of(p));
+                let g = grads.read(v.with_context(|| format!("no gradient of `{name}`"))?)?;
+                let peft = peft_tensor_name(hf.family(), &name).map_err(anyhow::Error::msg)?;
+                tensors.push((peft, HostTensor::from_f64(g.ty.with_dtype(DType::F32), &g.to_f64())));
+            }
+            tensors.push(("loss".into(), HostTensor::from_f64(TensorType::new(DType::F32, [1]), &[loss])));
+            write_safetensors_atomic(out, &tensors)?;
+            println!("hf: wrote loss {loss} and {} adapter gradients to {}", tensors.len() - 1, out.display());
+            return Ok(());
+        }
         let mut tensors = to_hf_tensors(hf.family(), &compiled.forward, config.n_head, |name| {
             let trace = grads.trace();
             let param = trace.leaf_by_name(name).with_context(|| format!("the step has no parameter `{name}`"));

@@ -234,3 +234,45 @@ fn contradicting_adapter_flags_are_refused_before_any_work() {
     let (out, _) = run_ok(&["plan", "--model", "tiny-llama", "--lora-rank", "4", "--gpu-memory", "24GB"]);
     assert!(out.contains("base (") && out.contains("adapters"), "{out}");
 }
+
+#[test]
+fn hf_runs_a_model_with_its_adapter_as_the_merged_model_runs() {
+    use stepgraph_core::host::HostTensor;
+    use stepgraph_core::ir::{DType, TensorType};
+    use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "llama", false, None);
+    let data = chat_token_file(tmp.path());
+    let (adapter, merged) = (tmp.path().join("adapter"), tmp.path().join("merged"));
+    run_ok(&train_args(s(&base), s(&data), s(&adapter)));
+    let mut args = train_args(s(&base), s(&data), s(&merged));
+    args.push("--merge");
+    run_ok(&args);
+    let ids = tmp.path().join("ids.safetensors");
+    let x: Vec<f64> = (0..10).map(|i| (i * 7 % 50) as f64).collect();
+    write_safetensors_atomic(
+        &ids,
+        &[("input_ids".into(), HostTensor::from_f64(TensorType::new(DType::I32, [2, 5]), &x))],
+    )
+    .unwrap();
+    let logits = |folder: &Path, adapter: Option<&Path>, out: &Path| {
+        let mut args = vec!["hf", "--init-from", s(folder), "--ids", s(&ids), "--logits-out", s(out)];
+        if let Some(a) = adapter {
+            args.extend(["--adapter", s(a)]);
+        }
+        run_ok(&args);
+        read_safetensors(out).unwrap().into_iter().find(|(n, _)| n == "logits").unwrap().1.to_f64()
+    };
+    let a = logits(&base, Some(&adapter), &tmp.path().join("a.safetensors"));
+    let m = logits(&merged, None, &tmp.path().join("m.safetensors"));
+    let worst = a.iter().zip(&m).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    assert!(worst < 1e-4, "adapted and merged logits differ by {worst}");
+    let grads = tmp.path().join("g.safetensors");
+    let (out, _) =
+        run_ok(&["hf", "--init-from", s(&base), "--adapter", s(&adapter), "--ids", s(&ids), "--grads-out", s(&grads)]);
+    assert!(out.contains("adapter gradients"), "{out}");
+    let names: Vec<String> = read_safetensors(&grads).unwrap().into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"base_model.model.model.layers.0.mlp.down_proj.lora_B.weight".to_string()), "{names:?}");
+    assert_eq!(names.len(), folder_tensors(&adapter).len() + 1);
+}

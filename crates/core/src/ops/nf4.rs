@@ -292,9 +292,12 @@ pub fn quantize_nf4(weights: &[f32], double_quant: bool) -> Result<Nf4Weight> {
     if let Some(i) = weights.iter().position(|w| !w.is_finite()) {
         return Err(format_error(format!("element {i} is {}, not a finite number", weights[i])));
     }
-    let absmax: Vec<f32> = weights.chunks(NF4_BLOCK).map(|b| b.iter().fold(0.0f32, |m, w| m.max(w.abs()))).collect();
+    // In parallel: an 8B model's base is seven billion weights, quantized
+    // as it loads. Each word's code depends on its own block alone.
+    let absmax: Vec<f32> =
+        weights.par_chunks(NF4_BLOCK).map(|b| b.iter().fold(0.0f32, |m, w| m.max(w.abs()))).collect();
     let codes: Vec<i32> = weights
-        .chunks(NF4_CODES_PER_WORD)
+        .par_chunks(NF4_CODES_PER_WORD)
         .enumerate()
         .map(|(k, ws)| {
             let a = absmax[k * NF4_CODES_PER_WORD / NF4_BLOCK];
