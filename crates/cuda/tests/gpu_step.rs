@@ -45,6 +45,14 @@ fn init(step: &Trace, fwd: &Trace, it: usize, mut write: impl FnMut(&str, &HostT
     for (v, t) in init_params(fwd, 1) {
         write(fwd.value(v).kind.leaf_name().unwrap(), &t);
     }
+    // An NF4 base: each weight drawn, quantized on the host.
+    for q in stepgraph_core::models::lora::quantized_weights(fwd) {
+        let mut host = HostLeaves::default();
+        q.write(&mut host, &stepgraph_core::models::init_param(&q.name, &q.ty, 1).unwrap()).unwrap();
+        for (leaf, t) in &host.0 {
+            write(leaf, t);
+        }
+    }
     for v in step.leaves() {
         if let ValueKind::State { name } = &step.value(v).kind {
             write(name, &HostTensor::zeros(step.ty(v).clone()));
@@ -121,20 +129,29 @@ fn build(sp: &ModelSpec, kind: StepKind, how: Build) -> (Trace, Trace, MemoryPla
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn tiny_models_match_the_cpu() {
     let _ = GPU;
-    for (name, dtype, tol, how) in [
-        ("tiny-llama", DType::F32, 1e-4, Build::Plain),
-        ("tiny-neox", DType::F32, 1e-4, Build::Plain),
-        ("tiny-llama", DType::BF16, 3e-2, Build::Plain),
-        ("tiny-llama", DType::F32, 1e-4, Build::Default),
-        ("tiny-llama", DType::F32, 1e-4, Build::LeastBudget),
-        ("tiny-neox", DType::F32, 1e-4, Build::LeastBudget),
-        ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget),
-        ("tiny-llama", DType::F32, 1e-4, Build::Clipped),
-        ("tiny-llama", DType::BF16, 3e-2, Build::Clipped),
-        ("tiny-llama", DType::F32, 1e-4, Build::Split3xTf32),
+    use stepgraph_core::models::{Adapters, BaseStorage, LoraTarget};
+    let lora = |base, dropout| Adapters {
+        base,
+        dropout,
+        ..Adapters::new(4, 8.0, vec![LoraTarget::Q, LoraTarget::V, LoraTarget::Down]).unwrap()
+    };
+    for (name, dtype, tol, how, adapters) in [
+        ("tiny-llama", DType::F32, 1e-4, Build::Plain, None),
+        ("tiny-neox", DType::F32, 1e-4, Build::Plain, None),
+        ("tiny-llama", DType::BF16, 3e-2, Build::Plain, None),
+        ("tiny-llama", DType::F32, 1e-4, Build::Default, None),
+        ("tiny-llama", DType::F32, 1e-4, Build::LeastBudget, None),
+        ("tiny-neox", DType::F32, 1e-4, Build::LeastBudget, None),
+        ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget, None),
+        ("tiny-llama", DType::F32, 1e-4, Build::Clipped, None),
+        ("tiny-llama", DType::BF16, 3e-2, Build::Clipped, None),
+        ("tiny-llama", DType::F32, 1e-4, Build::Split3xTf32, None),
+        ("tiny-llama", DType::F32, 1e-4, Build::Plain, Some(lora(BaseStorage::Model, 0.1))),
+        ("tiny-llama", DType::F32, 1e-4, Build::Default, Some(lora(BaseStorage::Nf4 { double_quant: false }, 0.0))),
+        ("tiny-llama", DType::BF16, 3e-2, Build::Default, Some(lora(BaseStorage::Nf4 { double_quant: true }, 0.1))),
     ] {
         for kind in [StepKind::Grads, StepKind::Train] {
-            let sp = spec(name, dtype);
+            let sp = ModelSpec { adapters: adapters.clone(), ..spec(name, dtype) };
             let (fwd, step, p) = build(&sp, kind, how);
             let mut cpu = CpuSession::new(step.clone(), p.clone()).unwrap();
             let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::from_env().unwrap()).unwrap();
@@ -332,11 +349,42 @@ fn a_step_that_does_not_fit_is_refused_before_allocating() {
     assert!(msg.contains("the planned step needs") && msg.contains("free"), "{msg}");
 }
 
+/// Leaves written by name into host memory (what a quantized weight writes).
+#[derive(Default)]
+struct HostLeaves(Vec<(String, stepgraph_core::host::HostTensor)>);
+
+impl stepgraph_core::models::hf_dir::NamedParams for HostLeaves {
+    fn params_trace_name(&self) -> &str {
+        "host"
+    }
+    fn has_param(&self, name: &str) -> bool {
+        self.0.iter().any(|(n, _)| n == name)
+    }
+    fn read_param(&mut self, name: &str) -> stepgraph_core::Result<stepgraph_core::host::HostTensor> {
+        Ok(self.0.iter().find(|(n, _)| n == name).expect("written").1.clone())
+    }
+    fn write_param(&mut self, name: &str, value: &stepgraph_core::host::HostTensor) -> stepgraph_core::Result<()> {
+        self.0.push((name.to_string(), value.clone()));
+        Ok(())
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn weights_drawn_on_the_gpu_are_the_host_draw_bit_for_bit() {
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let sp = spec("tiny-llama", dtype);
+    use stepgraph_core::models::lora::quantized_weights;
+    use stepgraph_core::models::{Adapters, BaseStorage, LoraTarget};
+    let lora = |base| Adapters { base, ..Adapters::new(4, 8.0, vec![LoraTarget::Q, LoraTarget::Down]).unwrap() };
+    let cases = [
+        (DType::F32, None),
+        (DType::BF16, None),
+        (DType::F16, None),
+        // Adapters: A uniform, B zero, the base drawn as a full model's.
+        (DType::BF16, Some(lora(BaseStorage::Model))),
+        (DType::BF16, Some(lora(BaseStorage::Nf4 { double_quant: true }))),
+    ];
+    for (dtype, adapters) in cases {
+        let sp = ModelSpec { adapters, ..spec("tiny-llama", dtype) };
         let fwd = build_forward(&sp).unwrap();
         let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
         let p = plan(&step, PlanOptions::default()).unwrap();
@@ -349,6 +397,17 @@ fn weights_drawn_on_the_gpu_are_the_host_draw_bit_for_bit() {
             let sv = step.leaf_by_name(name).unwrap();
             let got = gpu.read(sv).unwrap();
             assert_eq!(got.bytes(), host.bytes(), "{dtype} {name}: device draw differs from the host's");
+            checked += 1;
+        }
+        // An NF4 base: the host's draw of each weight, quantized.
+        for q in quantized_weights(&fwd) {
+            let drawn = stepgraph_core::models::init_param(&q.name, &q.ty, 5).unwrap();
+            let mut host = HostLeaves::default();
+            q.write(&mut host, &drawn).unwrap();
+            for (leaf, t) in host.0 {
+                let got = gpu.read(step.leaf_by_name(&leaf).unwrap()).unwrap();
+                assert_eq!(got.bytes(), t.bytes(), "{leaf}: differs from the host's quantized draw");
+            }
             checked += 1;
         }
         assert_eq!(checked, report.tensors);

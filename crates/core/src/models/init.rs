@@ -225,6 +225,8 @@ pub fn init_param(name: &str, ty: &TensorType, seed: u64) -> Result<HostTensor> 
 pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
     trace
         .weights()
+        // NF4 leaves hold a drawn weight quantized: `lora::init_quantized`.
+        .filter(|&v| !trace.value(v).kind.leaf_name().is_some_and(crate::models::lora::is_quantized_leaf))
         .map(|p| {
             let name = trace.value(p).kind.leaf_name().expect("a parameter is a leaf");
             (p, init_param(name, trace.ty(p), seed).unwrap_or_else(|e| panic!("{e}")))
