@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# LoRA and QLoRA on a CUDA machine with PyTorch, transformers, peft and
+# safetensors, after `scripts/gpu-test.sh build` (it packs the release CLI
+# into .carry/; see that script for building on another machine):
+#
+#   bash scripts/gpu-lora.sh [STAGE...]     # default: peft memory
+#
+# peft    a tiny f32 Llama folder made by transformers (scripts/peft_check.py
+#         make-base); `stepgraph train --lora-rank 4` from it, written as an
+#         adapter folder and, with --merge, as a merged model folder;
+#         `stepgraph hf --adapter` logits and adapter gradients in f32 and
+#         bf16; then scripts/peft_check.py compare: peft loads the adapter
+#         folder and its logits and gradients are compared with stepgraph's,
+#         and transformers loads the merged folder;
+# memory  Meta-Llama-3-8B geometry (random weights), rank 16 on all seven
+#         linear layers, 1 x 4096, bf16: `stepgraph train` with the base in
+#         bf16 under --memory-budget 20GB and at the default plan, and in
+#         NF4 with --double-quant at its least plan (planned and held bytes,
+#         ms per step, from the metrics file); then the Hugging Face + peft
+#         reference with gradient checkpointing and SDPA in the same run
+#         (scripts/peft_reference.py).
+#
+# Everything lands in $RESULTS (default ./gpu-out): lora.log (every
+# command's output) and lora.jsonl (one JSON row per check and run).
+# Settings: WORK (default /tmp/lora), STEPS (default 6).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/carry-env.sh
+gpu_script_start
+WORK=${WORK:-/tmp/lora}
+STEPS=${STEPS:-6}
+STAGES=${*:-peft memory}
+rm -rf "$WORK" && mkdir -p "$WORK"
+log_start "$RESULTS/lora.log"
+OUTJ="$RESULTS/lora.jsonl"
+
+run() { "$@" >>"$LOG" 2>&1; }
+
+peft_stage() {
+    stamp "peft: base model and ids"
+    run python3 scripts/peft_check.py make-base --out "$WORK/base" || return 1
+    run python3 scripts/peft_check.py ids --out "$WORK/ids.safetensors" || return 1
+    local common=(--init-from "$WORK/base" --data data/tiny.txt --device cuda --dtype f32 --seq 64 --batch 2
+        --steps 4 --lr 1e-2 --eval-every 0 --lora-rank 4 --lora-alpha 8 --seed 3)
+    stamp "peft: train the adapters, as a peft folder and merged"
+    run "$SG" train "${common[@]}" --out "$WORK/ours" || return 1
+    run "$SG" train "${common[@]}" --out "$WORK/merged" --merge || return 1
+    for dt in f32 bf16; do
+        stamp "peft: $dt logits and adapter gradients"
+        run "$SG" hf --init-from "$WORK/base" --adapter "$WORK/ours" --ids "$WORK/ids.safetensors" --dtype "$dt" \
+            --device cuda --logits-out "$WORK/logits-$dt.safetensors" --grads-out "$WORK/grads-$dt.safetensors"
+        python3 scripts/peft_check.py compare --base "$WORK/base" --adapter "$WORK/ours" --merged "$WORK/merged" \
+            --ids "$WORK/ids.safetensors" --logits "$WORK/logits-$dt.safetensors" \
+            --grads "$WORK/grads-$dt.safetensors" --dtype "$dt" 2>>"$LOG" | grep RESULT | sed 's/^RESULT {/{"check":"peft",/' | tee -a "$OUTJ"
+    done
+}
+
+# One 8B adapter run: `train_row NAME FLAGS...` appends its row to lora.jsonl.
+train_row() {
+    local name=$1
+    shift
+    stamp "memory: $name"
+    local metrics="$WORK/metrics-$name.jsonl"
+    "$SG" train --model Meta-Llama-3-8B --dtype bf16 --batch 1 --seq 4096 --steps "$STEPS" --eval-every 0 \
+        --data data/tiny.txt --lora-rank 16 --log-every 1 --metrics "$metrics" "$@" >"$WORK/$name.log" 2>&1
+    local rc=$?
+    cat "$WORK/$name.log" >>"$LOG"
+    python3 - "$name" "$metrics" "$WORK/$name.log" "$rc" <<'EOF' | tee -a "$OUTJ"
+import json, re, sys
+name, metrics, log, rc = sys.argv[1], sys.argv[2], open(sys.argv[3]).read(), int(sys.argv[4])
+rows = [json.loads(l) for l in open(metrics)] if rc == 0 else []
+steps = [r for r in rows if "loss" in r]
+m = re.search(r"\(([0-9.]+) ms/step\)", log)
+row = {"check": "lora-8b", "run": name, "rc": rc}
+if steps:
+    last = steps[-1]
+    row.update(planned_bytes=last["planned_bytes"], held_bytes=last["held_bytes"],
+               held_minus_planned_MB=(last["held_bytes"] - last["planned_bytes"]) / 2**20,
+               tokens_per_s=last["tokens_per_s"], loss_first=steps[0]["loss"], loss_last=last["loss"])
+if m:
+    row["step_ms"] = float(m.group(1))
+if rc != 0:
+    row["error"] = log.strip().splitlines()[-1] if log.strip() else "no output"
+print(json.dumps(row))
+EOF
+}
+
+memory_stage() {
+    train_row lora-budget-20GB --memory-budget 20GB
+    train_row lora-default
+    train_row qlora-nf4-dq --base-dtype nf4 --double-quant --memory-budget 9.5GB
+    stamp "memory: transformers + peft, gradient checkpointing, SDPA"
+    python3 scripts/peft_reference.py --seq 4096 --rank 16 --steps "$STEPS" 2>>"$LOG" | grep RESULT |
+        sed 's/^RESULT {/{"check":"peft-reference",/' | tee -a "$OUTJ"
+}
+
+for stage in $STAGES; do
+    case $stage in
+    peft) peft_stage || stamp "peft stage failed (see $LOG)" ;;
+    memory) memory_stage ;;
+    *) echo "unknown stage $stage (peft, memory)" >&2 ;;
+    esac
+done
+stamp "done"
