@@ -268,8 +268,13 @@ fn copy_dir(from: &Path, to: &Path) {
 /// The `stepgraph` command lines of the README's fine-tuning example, in
 /// order, exactly as written.
 fn readme_example() -> Vec<String> {
+    readme_block("<!-- finetune-example")
+}
+
+/// The `stepgraph` lines of the README's code block after `marker`.
+fn readme_block(marker: &str) -> Vec<String> {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
-    let start = readme.find("<!-- finetune-example").expect("the README marks its fine-tuning example");
+    let start = readme.find(marker).unwrap_or_else(|| panic!("the README has no `{marker}` block"));
     let block = &readme[start..];
     let code = &block[block.find("```\n").unwrap() + 4..];
     let code = &code[..code.find("```").unwrap()];
@@ -320,7 +325,7 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 /// PATH, in a copy of the repository that has no `runs/` folder; on the
 /// CPU (no GPU is visible to it). The fine-tuned model answers the prompt
 /// with text, and `eval` of the saved folder gives the resumed run's last
-/// validation loss.
+/// validation loss; then the adapter example over the same base.
 #[test]
 fn the_readme_fine_tuning_example_runs_as_written() {
     let d = tempfile::tempdir().unwrap();
@@ -331,9 +336,14 @@ fn the_readme_fine_tuning_example_runs_as_written() {
     std::fs::create_dir(&bin).unwrap();
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_stepgraph"), bin.join("stepgraph")).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let commands = readme_example();
+    let mut commands = readme_example();
     let kinds: Vec<&str> = commands.iter().map(|c| c.split_whitespace().nth(1).unwrap()).collect();
     assert_eq!(kinds, ["prepare", "train", "train", "train", "eval", "generate"]);
+    // Then the adapter example, over the same base and data.
+    let lora = readme_block("<!-- lora-example");
+    let kinds: Vec<&str> = lora.iter().map(|c| c.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!(kinds, ["train", "eval", "generate"]);
+    commands.extend(lora);
     let outputs: Vec<(String, String)> = commands
         .iter()
         .map(|line| {
@@ -372,6 +382,17 @@ fn the_readme_fine_tuning_example_runs_as_written() {
     assert!(!answer.is_empty(), "the fine-tuned model answered nothing: {}", outputs[5].1);
     assert!(!answer.contains("<|im_end|>"), "{answer}");
     assert!(outputs[5].1.contains("time to first token"), "{}", outputs[5].1);
+    // The adapter run writes a peft folder; eval with it gives the run's
+    // last validation loss; the base with its adapter answers with text.
+    let lora = repo.join("runs/lora");
+    for file in ["adapter_config.json", "adapter_model.safetensors", "tokenizer.json"] {
+        assert!(lora.join(file).is_file(), "runs/lora has no {file}");
+    }
+    assert!(outputs[6].1.contains("adapters    LoRA rank 8") && outputs[6].1.contains("default for adapters"));
+    let validation = outputs[6].1.split("validation at step 100: loss ").nth(1).unwrap()[..6].to_string();
+    let eval = outputs[7].0.split("validation loss ").nth(1).unwrap()[..6].to_string();
+    assert_eq!(eval, validation, "{}", outputs[7].0);
+    assert!(!outputs[8].0.trim().is_empty(), "the base with its adapter answered nothing: {}", outputs[8].1);
 }
 
 /// `train --out` killed with SIGKILL while it writes the folder: the
