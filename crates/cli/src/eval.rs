@@ -12,11 +12,13 @@ use clap::Args;
 
 use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::models::peft::{read_adapter_config, read_adapter_weights};
+use stepgraph_core::models::BaseStorage;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_train::data;
 use stepgraph_train::trainer::{load_adapters, Evaluator};
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
+use crate::adapter_args::BaseDTypeArg;
 use crate::train;
 use crate::ModelArgs;
 
@@ -30,6 +32,12 @@ pub struct EvalArgs {
     /// --init-from base.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
+    /// With --adapter: how the base is stored, as the adapter was trained (nf4 for QLoRA) [default: model].
+    #[arg(long, value_enum, requires = "adapter")]
+    pub base_dtype: Option<BaseDTypeArg>,
+    /// With --base-dtype nf4: the block scales quantized too, as --double-quant trained.
+    #[arg(long, requires = "base_dtype")]
+    pub double_quant: bool,
     /// The data whose held-out split is evaluated: a token file of `stepgraph prepare`, or byte-level text.
     #[arg(long, default_value = "data/tiny.txt")]
     pub data: PathBuf,
@@ -60,7 +68,12 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let adapter = match &args.adapter {
         Some(dir) => {
             let context = || format!("--adapter {}", dir.display());
-            let (adapters, _) = read_adapter_config(dir).with_context(context)?;
+            let (mut adapters, _) = read_adapter_config(dir).with_context(context)?;
+            adapters.base = match (args.base_dtype, args.double_quant) {
+                (Some(BaseDTypeArg::Nf4), double_quant) => BaseStorage::Nf4 { double_quant },
+                (_, true) => bail!("--double-quant applies to an nf4 base: add --base-dtype nf4"),
+                _ => BaseStorage::Model,
+            };
             spec.adapters = Some(adapters);
             Some(read_adapter_weights(dir, hf.family()).with_context(context)?)
         }

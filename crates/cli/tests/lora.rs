@@ -161,6 +161,29 @@ fn an_adapter_run_writes_a_peft_folder_that_eval_and_generate_read() {
 }
 
 #[test]
+fn a_qlora_run_evaluates_over_the_same_nf4_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "llama", false, None);
+    let data = chat_token_file(tmp.path());
+    let adapter = tmp.path().join("adapter");
+    let mut args = train_args(s(&base), s(&data), s(&adapter));
+    args.extend(["--base-dtype", "nf4", "--double-quant"]);
+    let (_, err) = run_ok(&args);
+    assert!(err.contains("base (nf4)") && err.contains("its scales quantized too"), "{err}");
+    let val = number_after(&err, "validation at step 6: loss");
+    let eval = |extra: &[&str]| {
+        let mut args = vec!["eval", "--init-from", s(&base), "--adapter", s(&adapter), "--data", s(&data)];
+        args.extend(["--device", "cpu", "--seq", "32", "--batch", "2", "--eval-batches", "2"]);
+        args.extend(extra);
+        number_after(&run_ok(&args).0, "validation loss")
+    };
+    assert_eq!(eval(&["--base-dtype", "nf4", "--double-quant"]), val);
+    // Over the unquantized base the same adapters see other weights.
+    assert_ne!(eval(&[]), val);
+}
+
+#[test]
 fn an_adapter_run_resumes_bit_for_bit_and_continues_a_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
