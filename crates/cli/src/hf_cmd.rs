@@ -279,6 +279,7 @@ mod tests {
             ids: None,
             logits_out: None,
             grads_out: None,
+            adapter: None,
             out: None,
             max_shard_mb: None,
             dtype: HfDType::F32,
