@@ -36,6 +36,22 @@ fn generated_ids(out: &str) -> Vec<u64> {
         .collect()
 }
 
+/// `eval`'s validation loss of `folder` (with `adapter` and `extra` flags)
+/// on the batches `train_args` validates on.
+fn eval_loss(folder: &Path, adapter: Option<&Path>, data: &Path, extra: &[&str]) -> f64 {
+    let mut args = vec!["eval", "--init-from", s(folder), "--data", s(data), "--device", "cpu"];
+    args.extend(["--seq", "32", "--batch", "2", "--eval-batches", "2"]);
+    if let Some(a) = adapter {
+        args.extend(["--adapter", s(a)]);
+    }
+    args.extend(extra);
+    let (out, _) = run_ok(&args);
+    if adapter.is_some() {
+        assert!(out.contains("with adapter"), "{out}");
+    }
+    number_after(&out, "validation loss")
+}
+
 fn train_args<'a>(base: &'a str, data: &'a str, out: &'a str) -> Vec<&'a str> {
     vec![
         "train",
@@ -94,47 +110,15 @@ fn an_adapter_run_writes_a_peft_folder_that_eval_and_generate_read() {
     assert!(tensors.keys().all(|k| k.starts_with("base_model.model.model.layers.")), "{:?}", tensors.keys());
 
     // eval over the base with the adapter: the run's own validation.
-    let (out, _) = run_ok(&[
-        "eval",
-        "--init-from",
-        s(&base),
-        "--adapter",
-        s(&adapter),
-        "--data",
-        s(&data),
-        "--device",
-        "cpu",
-        "--seq",
-        "32",
-        "--batch",
-        "2",
-        "--eval-batches",
-        "2",
-    ]);
-    assert_eq!(number_after(&out, "validation loss"), val, "{out}");
-    assert!(out.contains("with adapter"), "{out}");
+    assert_eq!(eval_loss(&base, Some(&adapter), &data, &[]), val);
 
     // The same run with --merge writes the base with the adapters folded in.
     let mut args = train_args(s(&base), s(&data), s(&merged));
     args.push("--merge");
     run_ok(&args);
     assert!(merged.join("config.json").is_file() && !merged.join("adapter_config.json").exists());
-    let (out, _) = run_ok(&[
-        "eval",
-        "--init-from",
-        s(&merged),
-        "--data",
-        s(&data),
-        "--device",
-        "cpu",
-        "--seq",
-        "32",
-        "--batch",
-        "2",
-        "--eval-batches",
-        "2",
-    ]);
-    assert!((number_after(&out, "validation loss") - val).abs() <= 2e-4, "{out} vs {val}");
+    let merged_loss = eval_loss(&merged, None, &data, &[]);
+    assert!((merged_loss - val).abs() <= 2e-4, "{merged_loss} vs {val}");
 
     // generate with the adapter merges it as the base loads: the merged folder's tokens.
     let gen = |folder: &Path, adapter: Option<&Path>| {
@@ -172,15 +156,9 @@ fn a_qlora_run_evaluates_over_the_same_nf4_base() {
     let (_, err) = run_ok(&args);
     assert!(err.contains("base (nf4)") && err.contains("its scales quantized too"), "{err}");
     let val = number_after(&err, "validation at step 6: loss");
-    let eval = |extra: &[&str]| {
-        let mut args = vec!["eval", "--init-from", s(&base), "--adapter", s(&adapter), "--data", s(&data)];
-        args.extend(["--device", "cpu", "--seq", "32", "--batch", "2", "--eval-batches", "2"]);
-        args.extend(extra);
-        number_after(&run_ok(&args).0, "validation loss")
-    };
-    assert_eq!(eval(&["--base-dtype", "nf4", "--double-quant"]), val);
+    assert_eq!(eval_loss(&base, Some(&adapter), &data, &["--base-dtype", "nf4", "--double-quant"]), val);
     // Over the unquantized base the same adapters see other weights.
-    assert_ne!(eval(&[]), val);
+    assert_ne!(eval_loss(&base, Some(&adapter), &data, &[]), val);
 }
 
 #[test]
