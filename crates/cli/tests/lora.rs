@@ -183,29 +183,10 @@ fn an_adapter_run_resumes_bit_for_bit_and_continues_a_folder() {
 
     // --adapter continues the folder: its settings, its weights as the start.
     let more = tmp.path().join("more");
-    let (_, err) = run_ok(&[
-        "train",
-        "--init-from",
-        s(&base),
-        "--adapter",
-        s(&straight),
-        "--data",
-        s(&data),
-        "--device",
-        "cpu",
-        "--seq",
-        "32",
-        "--batch",
-        "2",
-        "--steps",
-        "2",
-        "--lr",
-        "1e-2",
-        "--eval-every",
-        "0",
-        "--out",
-        s(&more),
-    ]);
+    // The same flags as the folder's are accepted beside it.
+    let mut args = train_args(s(&base), s(&data), s(&more));
+    args.extend(["--adapter", s(&straight)]);
+    let (_, err) = run_ok(&args);
     assert!(err.contains(&format!("continuing {}", straight.display())), "{err}");
     assert_eq!(folder_tensors(&more).len(), folder_tensors(&straight).len());
     assert_ne!(folder_tensors(&more), folder_tensors(&straight));
