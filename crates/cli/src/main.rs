@@ -65,9 +65,13 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// How many of the largest values live at the peak to list.
+        /// How many of the largest values live at the peak to list (with --verbose or --json).
         #[arg(long, default_value_t = 10)]
         top: usize,
+        /// Also print the floor (the most bytes live at any one node) and the largest values live at
+        /// the peak, by their ids in the trace.
+        #[arg(long)]
+        verbose: bool,
         /// Plan one rank of data-parallel training over N GPUs, next to the
         /// 1-GPU plan; `--batch` is the global batch, split by rows over the GPUs.
         #[arg(long)]
@@ -727,7 +731,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Plan { model, step, optim, memory, json, top, html, gpu_memory, .. } => {
+        Command::Plan { model, step, optim, memory, json, top, html, gpu_memory, verbose, .. } => {
             let switches = stepgraph_cuda::Switches::from_env()?;
             let gpu = match gpu_memory.as_deref() {
                 Some(size) => Some(fit::Gpu::sold_as(size)?),
@@ -771,7 +775,11 @@ fn run_command(cli: Cli) -> Result<()> {
                 };
                 println!("{}", serde_json::to_string_pretty(&value)?);
             } else {
-                print!("{report}");
+                if verbose {
+                    print!("{report}");
+                } else {
+                    print!("{}", report.brief());
+                }
                 if let Some(p) = &c.placement {
                     print!("{p}");
                 }

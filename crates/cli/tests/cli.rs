@@ -144,25 +144,38 @@ fn plan_says_how_f32_products_are_split() {
 
 #[test]
 fn plan_w2_text_report() {
-    let (ok, out, err) = stepgraph(&[
-        "plan",
-        "--model",
-        "Qwen2.5-7B",
-        "--n-layer",
-        "5",
-        "--n-embd",
-        "28",
-        "--dtype",
-        "bf16",
-        "--seq",
-        "4096",
-        "--loss",
-        "ce",
-        "--step",
-        "grads",
-    ]);
-    assert!(ok, "{err}");
-    assert!(out.contains("planned peak") && out.contains("largest values live at the peak"), "{out}");
+    let plan = |verbose: bool| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "Qwen2.5-7B",
+            "--n-layer",
+            "5",
+            "--n-embd",
+            "28",
+            "--dtype",
+            "bf16",
+            "--seq",
+            "4096",
+            "--loss",
+            "ce",
+            "--step",
+            "grads",
+        ];
+        if verbose {
+            args.push("--verbose");
+        }
+        let (ok, out, err) = stepgraph(&args);
+        assert!(ok, "{err}");
+        out
+    };
+    // Bytes by kind by default; the floor and the values at the peak, by
+    // their ids in the trace, with --verbose.
+    let out = plan(false);
+    assert!(out.contains("planned peak") && out.contains("saved for bwd"), "{out}");
+    assert!(!out.contains("largest values live at the peak") && !out.contains("floor") && !out.contains(" %"), "{out}");
+    let out = plan(true);
+    assert!(out.contains("floor") && out.contains("largest values live at the peak"), "{out}");
 }
 
 /// W2's plan with `extra` flags, as JSON.

@@ -587,7 +587,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         let gpu_default_dtype = model.on_gpu && model.dtype_defaulted();
         print_settings(args, &trainer, &sources, out.as_ref(), resumed_from.as_ref(), gpu_default_dtype);
         let session = trainer.session();
-        eprint!("{}", plan_report(session.trace(), session.plan(), 3));
+        eprint!("{}", plan_report(session.trace(), session.plan(), 3).brief());
         // Where the time before step 1 went: tracing, planning, the session
         // (kernel load and GEMM tuning among its phases on a GPU), the weights.
         eprintln!("{}", trainer.startup(compile_times));

@@ -109,8 +109,15 @@ fn gb(b: u64) -> String {
     format!("{:.3} GB", b as f64 / 1e9)
 }
 
-impl std::fmt::Display for PlanReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl PlanReport {
+    /// The report without the floor and the values live at the peak (IR
+    /// ids a user rarely needs): bytes by kind and the planned peak. The
+    /// full report is the `Display` of the report itself.
+    pub fn brief(&self) -> impl std::fmt::Display + '_ {
+        Brief(self)
+    }
+
+    fn write_bytes(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "plan for `{}`: {} nodes, {} values", self.trace, self.nodes, self.values)?;
         writeln!(f, "  persistent       {:>14} B  {}", self.persistent_bytes, gb(self.persistent_bytes))?;
         match &self.frozen_storage {
@@ -135,7 +142,21 @@ impl std::fmt::Display for PlanReport {
             self.saved_for_backward_bytes,
             gb(self.saved_for_backward_bytes)
         )?;
-        writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))?;
+        writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))
+    }
+}
+
+struct Brief<'a>(&'a PlanReport);
+
+impl std::fmt::Display for Brief<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.write_bytes(f)
+    }
+}
+
+impl std::fmt::Display for PlanReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.write_bytes(f)?;
         writeln!(
             f,
             "  floor            {:>14} B  {}  (planned peak is {:+.2}% over it)",
