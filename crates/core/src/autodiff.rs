@@ -249,7 +249,10 @@ pub fn build_accumulated_step(
         StepKind::Forward => unreachable!("handled above"),
     }
     let trace = b.finish("autodiff")?;
-    passes::dce(&trace)
+    let trace = passes::dce(&trace)?;
+    // A frozen head's weight gradient is dead once nothing reads it, but
+    // the fused loss's backward makes it beside the input gradient: off.
+    Ok(crate::ops::linear_ce::skip_unread_weight_gradients(&trace).0)
 }
 
 /// Reverse-mode over the nodes `nodes` (indices into the builder's trace,

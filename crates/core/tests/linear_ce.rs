@@ -168,7 +168,7 @@ fn the_sum_is_the_mean_times_the_kept_rows_and_ignored_rows_get_no_gradient() {
     // Backward with only a loss cotangent: ignored rows of dhidden are zero;
     // sum with cotangent g equals mean with cotangent g · kept.
     let backward = |reduction, g: f64| {
-        let op = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction, ignore_index: IGNORE });
+        let op = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction, ignore_index: IGNORE, weight_grad: true });
         let mut ins = x.clone();
         ins.push(mean[1].clone());
         ins.push(HostTensor::from_f64(TensorType::scalar(DType::F64), &[g]));

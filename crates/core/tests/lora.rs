@@ -220,6 +220,19 @@ fn a_train_step_updates_the_adapters_alone_and_plans_no_base_gradient() {
         .collect();
     assert!(!states.is_empty() && states.iter().all(|n| n.contains(".lora_")), "{states:?}");
     assert!(step.updates.iter().all(|u| !matches!(step.value(u.state).kind, ValueKind::Frozen { .. })));
+    // The frozen head's weight gradient is not computed: the fused loss's
+    // backward runs without it, and no value of the head's size is planned.
+    let head = c.forward.leaf_by_name("lm_head.weight").unwrap();
+    let loss_backward: Vec<bool> = step
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            stepgraph_core::ops::Op::LinearCrossEntropyBackward(op) => Some(op.weight_grad),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(loss_backward, [false]);
+    assert!(!step.value_ids().any(|v| step.ty(v) == c.forward.ty(head) && !step.value(v).kind.is_leaf()));
     let report = plan_report(step, &c.plan, 4);
     let adapters: u64 = c.forward.params().map(|p| c.forward.ty(p).bytes()).sum();
     let base: u64 = c.forward.frozen().map(|p| c.forward.ty(p).bytes()).sum();

@@ -189,9 +189,12 @@ impl Lower for LinearCrossEntropyBackward {
                 let block = (row_threads(cw), 1, 1);
                 l.push(typed_kernel("linear_ce", "linear_ce_backward_chunk", g.dt, grid, block, args));
             }
-            // This chunk's rows of dweight: dlogits[:, chunk]ᵀ · hidden, over all rows.
-            let dw = g.row_of(dweight.ptr, v0);
-            l.extend(g.product(cw, g.feats, g.rows, true, false, buf.ptr, hidden.ptr, dw));
+            // This chunk's rows of dweight: dlogits[:, chunk]ᵀ · hidden, over
+            // all rows (none when nothing reads the weight's gradient).
+            if self.weight_grad {
+                let dw = g.row_of(dweight.ptr, v0);
+                l.extend(g.product(cw, g.feats, g.rows, true, false, buf.ptr, hidden.ptr, dw));
+            }
             if hidden_elems > 0 {
                 // This chunk's share of dhidden, dlogits[:, chunk] · weight[chunk],
                 // in dhidden's buffer, added to the f32 sum in chunk order.
@@ -261,7 +264,12 @@ mod tests {
 
     #[test]
     fn the_backward_writes_each_chunk_of_dweight_once_and_adds_dhidden_in_order() {
-        let op = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction: Reduction::Sum, ignore_index: -100 });
+        let op = Op::from(LinearCrossEntropyBackward {
+            chunk: 4,
+            reduction: Reduction::Sum,
+            ignore_index: -100,
+            weight_grad: true,
+        });
         let mut types = operands(6, 8, 6);
         types.extend([t(DType::F32, &[6]), t(DType::F32, &[])]);
         let l = lower_types(&op, &types, 0).unwrap();
@@ -295,7 +303,12 @@ mod tests {
         let fwd = Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
         let l = lower_types(&fwd, &operands(0, 8, 6), 0).unwrap();
         assert_eq!(names(&l), ["linear_ce_finish_bf16"], "the mean over no row is still written (NaN)");
-        let bwd = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let bwd = Op::from(LinearCrossEntropyBackward {
+            chunk: 4,
+            reduction: Reduction::Mean,
+            ignore_index: -100,
+            weight_grad: true,
+        });
         let mut types = operands(0, 8, 6);
         types.extend([t(DType::F32, &[0]), t(DType::F32, &[])]);
         let l = lower_types(&bwd, &types, 0).unwrap();
