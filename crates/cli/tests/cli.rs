@@ -142,66 +142,32 @@ fn plan_says_how_f32_products_are_split() {
     assert_eq!(v["f32_products"], "3xtf32", "as the flag says it");
 }
 
+/// `stepgraph plan` of W2 with `extra` flags: its stdout.
+fn plan_w2(extra: &[&str]) -> String {
+    let mut args = vec!["plan", "--model", "Qwen2.5-7B", "--n-layer", "5", "--n-embd", "28", "--dtype", "bf16"];
+    args.extend(["--seq", "4096", "--loss", "ce", "--step", "grads"]);
+    args.extend_from_slice(extra);
+    let (ok, out, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    out
+}
+
 #[test]
 fn plan_w2_text_report() {
-    let plan = |verbose: bool| {
-        let mut args = vec![
-            "plan",
-            "--model",
-            "Qwen2.5-7B",
-            "--n-layer",
-            "5",
-            "--n-embd",
-            "28",
-            "--dtype",
-            "bf16",
-            "--seq",
-            "4096",
-            "--loss",
-            "ce",
-            "--step",
-            "grads",
-        ];
-        if verbose {
-            args.push("--verbose");
-        }
-        let (ok, out, err) = stepgraph(&args);
-        assert!(ok, "{err}");
-        out
-    };
     // Bytes by kind by default; the floor and the values at the peak, by
     // their ids in the trace, with --verbose.
-    let out = plan(false);
+    let out = plan_w2(&[]);
     assert!(out.contains("planned peak") && out.contains("saved for bwd"), "{out}");
     assert!(!out.contains("largest values live at the peak") && !out.contains("floor") && !out.contains(" %"), "{out}");
-    let out = plan(true);
+    let out = plan_w2(&["--verbose"]);
     assert!(out.contains("floor") && out.contains("largest values live at the peak"), "{out}");
 }
 
 /// W2's plan with `extra` flags, as JSON.
 fn plan_w2_json(extra: &[&str]) -> serde_json::Value {
-    let mut args = vec![
-        "plan",
-        "--model",
-        "Qwen2.5-7B",
-        "--n-layer",
-        "5",
-        "--n-embd",
-        "28",
-        "--dtype",
-        "bf16",
-        "--seq",
-        "4096",
-        "--loss",
-        "ce",
-        "--step",
-        "grads",
-        "--json",
-    ];
+    let mut args = vec!["--json"];
     args.extend_from_slice(extra);
-    let (ok, out, err) = stepgraph(&args);
-    assert!(ok, "{err}");
-    serde_json::from_str(&out).unwrap()
+    serde_json::from_str(&plan_w2(&args)).unwrap()
 }
 
 #[test]
