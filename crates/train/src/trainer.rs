@@ -27,7 +27,7 @@ use stepgraph_core::autodiff::{TrainOptions, GRAD_NORM_OUTPUT, LR_INPUT, STEP_IN
 use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::dist::shard_rows;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId};
+use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::HfModelDir;
 use stepgraph_core::models::init_param;
@@ -654,7 +654,15 @@ fn open_sessions(
         let Some(c) = eval else { return Ok(None) };
         // The evaluation step has no collectives: no group, no NCCL.
         let opts = SessionOptions::on_device(device, switches);
-        Ok(Some(open_session(backend, c.step, c.plan, opts)?.session))
+        let weights = c.step.leaf_bytes(|k| matches!(k, ValueKind::Param { .. } | ValueKind::Frozen { .. }));
+        let opened = open_session(backend, c.step, c.plan, opts).with_context(|| {
+            format!(
+                "opening the evaluation step, which holds its own copy of the model's weights ({:.2} GB): \
+                 --eval-every 0 turns validation off",
+                weights as f64 / 1e9
+            )
+        })?;
+        Ok(Some(opened.session))
     };
     match placement {
         Placement::Cpu => {
