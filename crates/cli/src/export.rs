@@ -6,7 +6,9 @@
 //! `run`: the model's configuration, dtype, and the step's settings); the
 //! weights are its `weights.safetensors` under stepgraph's names. The
 //! folder is written by the same `save_hf_dir` as `train --out`, so it
-//! holds the same files and names.
+//! holds the same files and names. A checkpoint of adapters (a LoRA run)
+//! holds the adapters alone and is written as the peft adapter folder
+//! `train --out` writes for such a run.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,8 +21,10 @@ use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::checkpoint::read_safetensors;
+use stepgraph_core::models::hf_dir::HfFamily;
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfModelDir, NamedParams, SaveOptions, DEFAULT_MAX_SHARD_BYTES};
-use stepgraph_core::models::{Config, LossKind, ModelSpec};
+use stepgraph_core::models::peft::save_adapter_dir;
+use stepgraph_core::models::{Adapters, BaseStorage, Config, LoraTarget, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{trace_step, StepOptions};
 use stepgraph_train::checkpoint::{read_complete, CheckpointDir, WEIGHTS_FILE};
 
@@ -92,6 +96,34 @@ fn recorded_model(run: &BTreeMap<String, Value>, at: &Path) -> Result<(Config, D
     Ok((config, dtype))
 }
 
+/// The adapters a checkpoint's run identity records (`model.adapters.*`),
+/// when the run trained adapters.
+fn recorded_adapters(run: &BTreeMap<String, Value>, at: &Path) -> Result<Option<Adapters>> {
+    let key = |k: &str| run.get(&format!("model.adapters.{k}"));
+    let Some(rank) = key("rank") else { return Ok(None) };
+    let bad = |what: &str| anyhow::anyhow!("{}: the recorded adapters' {what} does not read back", at.display());
+    let targets: Vec<&str> = key("targets")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("targets"))?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let base = match key("base.kind").and_then(Value::as_str) {
+        Some("nf4") => {
+            BaseStorage::Nf4 { double_quant: key("base.double_quant").and_then(Value::as_bool).unwrap_or(false) }
+        }
+        _ => BaseStorage::Model,
+    };
+    let adapters = Adapters {
+        rank: rank.as_u64().ok_or_else(|| bad("rank"))? as usize,
+        alpha: key("alpha").and_then(Value::as_f64).ok_or_else(|| bad("alpha"))?,
+        targets: LoraTarget::parse_list(&targets.join(",")).map_err(|_| bad("targets"))?,
+        dropout: key("dropout").and_then(Value::as_f64).unwrap_or(0.0),
+        base,
+    };
+    Ok(Some(adapters))
+}
+
 /// A checkpoint's weights by stepgraph name, as `save_hf_dir` reads them.
 struct CheckpointWeights {
     name: String,
@@ -141,6 +173,33 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     let weight_bytes = std::fs::metadata(&weights_path).map(|m| m.len()).unwrap_or(0);
     check_writable("--out", &args.out, weight_bytes)?;
 
+    // A run of adapters: its checkpoint holds the adapters alone, written
+    // as the peft folder `train --out` writes.
+    if let Some(adapters) = recorded_adapters(&state.run, &dir)? {
+        let family = match &pretrained {
+            Some(hf) => hf.family(),
+            None => HfFamily::of_config(&config).map_err(|reason| {
+                anyhow::anyhow!("--out cannot name `{}`'s layers as a Hugging Face model: {reason}", config.name)
+            })?,
+        };
+        let tensors = read_safetensors(&weights_path)?;
+        let base = args.init_from.as_ref().map(|p| p.display().to_string());
+        let tokenizer = args.tokenizer.as_deref().or(args.init_from.as_deref());
+        let r = save_adapter_dir(&args.out, &adapters, family, &tensors, base.as_deref(), tokenizer)
+            .with_context(|| format!("--out {}: writing the adapter folder", args.out.display()))?;
+        eprintln!(
+            "exported step {} of {} (loss {:.4}) to {}: a peft adapter folder of {} tensors (rank {}); tokenizer \
+             files: {}",
+            state.step,
+            dir.display(),
+            state.loss,
+            args.out.display(),
+            r.tensors,
+            adapters.rank,
+            if r.tokenizer_files.is_empty() { "none".to_string() } else { r.tokenizer_files.join(", ") }
+        );
+        return Ok(());
+    }
     // The forward trace names the parameters and their types; one token of
     // batch is enough, nothing runs.
     let spec =

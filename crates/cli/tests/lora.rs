@@ -180,6 +180,11 @@ fn an_adapter_run_resumes_bit_for_bit_and_continues_a_folder() {
     second.extend(["--checkpoint-dir", s(&ck), "--resume", "auto"]);
     run_ok(&second);
     assert_eq!(folder_tensors(&resumed), folder_tensors(&straight));
+    // The last checkpoint exported is the run's adapter folder.
+    let exported = tmp.path().join("exported");
+    run_ok(&["export", s(&ck), "--out", s(&exported), "--init-from", s(&base)]);
+    assert_eq!(folder_tensors(&exported), folder_tensors(&straight));
+    assert!(exported.join("adapter_config.json").is_file() && exported.join("tokenizer.json").is_file());
 
     // --adapter continues the folder: its settings, its weights as the start.
     let more = tmp.path().join("more");
