@@ -30,6 +30,32 @@ pub fn interpret(trace: &Trace, leaves: &HashMap<ValueId, HostTensor>) -> Result
     interpret_with_comm(trace, leaves, None)
 }
 
+/// The derivative of `trace`'s loss along `direction` (a vector per leaf,
+/// added to that leaf's value in `leaves`) by central differences with step
+/// `eps`: `(L(x + eps·u) − L(x − eps·u)) / 2·eps`, each loss interpreted.
+/// Compared with `⟨∇L, u⟩` from a gradient step, it checks a whole model's
+/// backward pass.
+pub fn directional_derivative(
+    trace: &Trace,
+    leaves: &HashMap<ValueId, HostTensor>,
+    direction: &[(ValueId, Vec<f64>)],
+    eps: f64,
+) -> Result<f64> {
+    let loss = trace.loss().ok_or_else(|| Error::Input {
+        name: "loss".into(),
+        reason: format!("trace `{}` has no loss output", trace.name),
+    })?;
+    let loss_at = |sign: f64| -> Result<f64> {
+        let mut moved = leaves.clone();
+        for (v, u) in direction {
+            let x: Vec<f64> = leaves[v].to_f64().iter().zip(u).map(|(a, b)| a + sign * eps * b).collect();
+            moved.insert(*v, HostTensor::from_f64(trace.ty(*v).clone(), &x));
+        }
+        Ok(interpret(trace, &moved)?[loss.index()].to_f64()[0])
+    };
+    Ok((loss_at(1.0)? - loss_at(-1.0)?) / (2.0 * eps))
+}
+
 /// [`interpret`] with a communicator for the trace's collectives.
 pub fn interpret_with_comm(
     trace: &Trace,
