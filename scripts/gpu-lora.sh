@@ -18,7 +18,16 @@
 #         NF4 with --double-quant at its least plan (planned and held bytes,
 #         ms per step, from the metrics file); then the Hugging Face + peft
 #         reference with gradient checkpointing and SDPA in the same run
-#         (scripts/peft_reference.py).
+#         (scripts/peft_reference.py);
+# context the longest sequences of the fine-tuning guide's table that
+#         run on a 24 GB and an 80 GB card (Llama-3.1-8B geometry), trained
+#         for CONTEXT_STEPS (default 2) steps under
+#         the card's budget (its size in GiB less 768 MiB for the CUDA
+#         context): planned and held bytes against the card. Each row is
+#         `CARD_GIB SEQ`, in $CONTEXT_LORA and $CONTEXT_QLORA (defaults:
+#         the table's 24 GB rows; add the 80 GB ones, "24 16384 80 131072",
+#         on a card that holds them: a 131,072-token step takes about a
+#         minute on an H100).
 #
 # Everything lands in $RESULTS (default ./gpu-out): lora.log (every
 # command's output) and lora.jsonl (one JSON row per check and run).
@@ -31,6 +40,10 @@ WORK=${WORK:-/tmp/lora}
 STEPS=${STEPS:-6}
 STAGES=${*:-peft memory}
 rm -rf "$WORK" && mkdir -p "$WORK"
+# Random-weight runs need only enough text for their sequences: the
+# sample repeated to 300 kB holds 131,072-token rows and their validation.
+TEXT="$WORK/text.txt"
+for _ in $(seq 110); do cat data/tiny.txt; done >"$TEXT"
 log_start "$RESULTS/lora.log"
 OUTJ="$RESULTS/lora.jsonl"
 
@@ -55,14 +68,17 @@ peft_stage() {
     done
 }
 
-# One 8B adapter run: `train_row NAME FLAGS...` appends its row to lora.jsonl.
+# One 8B adapter run: `train_row NAME FLAGS...` appends its row to
+# lora.jsonl; ROW_MODEL, ROW_SEQ and ROW_STEPS set its geometry, sequence
+# and steps (default Meta-Llama-3-8B, 4096, $STEPS).
 train_row() {
     local name=$1
     shift
     stamp "memory: $name"
     local metrics="$WORK/metrics-$name.jsonl"
-    "$SG" train --model Meta-Llama-3-8B --dtype bf16 --batch 1 --seq 4096 --steps "$STEPS" --eval-every 0 \
-        --data data/tiny.txt --lora-rank 16 --log-every 1 --metrics "$metrics" "$@" >"$WORK/$name.log" 2>&1
+    "$SG" train --model "${ROW_MODEL:-Meta-Llama-3-8B}" --dtype bf16 --batch 1 --seq "${ROW_SEQ:-4096}" \
+        --steps "${ROW_STEPS:-$STEPS}" --eval-every 0 \
+        --data "$TEXT" --lora-rank 16 --log-every 1 --metrics "$metrics" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
     cat "$WORK/$name.log" >>"$LOG"
     python3 - "$name" "$metrics" "$WORK/$name.log" "$rc" <<'EOF' | tee -a "$OUTJ"
@@ -72,6 +88,9 @@ rows = [json.loads(l) for l in open(metrics)] if rc == 0 else []
 steps = [r for r in rows if "loss" in r]
 m = re.search(r"\(([0-9.]+) ms/step\)", log)
 row = {"check": "lora-8b", "run": name, "rc": rc}
+card = re.search(r"-(\d+)GiB-card", name)
+if card:
+    row["card_bytes"] = int(card.group(1)) * 2**30
 if steps:
     last = steps[-1]
     row.update(planned_bytes=last["planned_bytes"], held_bytes=last["held_bytes"],
@@ -94,11 +113,31 @@ memory_stage() {
         sed 's/^RESULT {/{"check":"peft-reference",/' | tee -a "$OUTJ"
 }
 
+# `context_rows KIND "CARD SEQ ..." FLAGS...`: one run per card and sequence.
+context_rows() {
+    local kind=$1 rows=$2
+    shift 2
+    local -a pairs
+    read -r -a pairs <<<"$rows"
+    for ((i = 0; i + 1 < ${#pairs[@]}; i += 2)); do
+        local card=${pairs[i]} seq=${pairs[i + 1]}
+        local budget=$((card * 2 ** 30 - 768 * 2 ** 20))
+        ROW_MODEL=Llama-3.1-8B ROW_SEQ=$seq ROW_STEPS=${CONTEXT_STEPS:-2} \
+            train_row "$kind-$seq-$card""GiB-card" --memory-budget "$budget" "$@"
+    done
+}
+
+context_stage() {
+    context_rows lora "${CONTEXT_LORA:-24 16384}"
+    context_rows qlora "${CONTEXT_QLORA:-24 32768}" --base-dtype nf4 --double-quant
+}
+
 for stage in $STAGES; do
     case $stage in
     peft) peft_stage || stamp "peft stage failed (see $LOG)" ;;
     memory) memory_stage ;;
-    *) echo "unknown stage $stage (peft, memory)" >&2 ;;
+    context) context_stage ;;
+    *) echo "unknown stage $stage (peft, memory, context)" >&2 ;;
     esac
 done
 stamp "done"

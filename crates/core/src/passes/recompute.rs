@@ -38,7 +38,12 @@
 //!   smallest planned peak the pass reached: no budget below it works with
 //!   this pass on this step (the pipeline then tries tiling the MLP).
 //!   Greedy is not an exact knapsack; it is exact in the common case where
-//!   the peak's saved values are per-layer copies of one kind.
+//!   the peak's saved values are per-layer copies of one kind. No value is
+//!   recomputed from a recomputed value of its own kind: the residual
+//!   stream's sums after attention and after the MLP are one kind, and a
+//!   chain of them would recompute every earlier layer at the first
+//!   layer's backward; marking alternate members keeps one stream value
+//!   per layer (each layer's input) and recomputes the other from it.
 //! - **`Off`**: the step unchanged.
 //!
 //! **Invariant:** the transformed step computes the same values as the
@@ -580,6 +585,7 @@ fn apply_in(
             let mut current = (step.clone(), base_plan, Vec::new());
             let mut best_peak = before;
             let mut rejected: HashSet<String> = HashSet::new();
+            let mut kinds = MarkedKinds::default();
             loop {
                 let (ref t, ref p, _) = current;
                 if p.planned_peak_bytes() <= budget {
@@ -612,6 +618,7 @@ fn apply_in(
                     .filter(|n| !marked.contains(n) && live_at_peak.contains(n))
                     .filter(|&n| step.node(n).op.view_of().is_none() && !rejected.contains(&signature(step, n)))
                     .filter_map(|n| closure(step, n, &kept, &marked).map(|c| (n, c)))
+                    .filter(|(n, nodes)| !kinds.chains(step, &signature(step, *n), nodes))
                     .map(|(n, nodes)| {
                         let class = nodes
                             .iter()
@@ -648,11 +655,21 @@ fn apply_in(
                 let previous = marked.clone();
                 let mut same: Vec<&Candidate> = candidates.iter().filter(|c| signature(step, c.node) == key).collect();
                 same.sort_by_key(|c| c.node);
+                let mut batch = MarkedKinds::default();
                 for c in same.iter().take(same.len().div_ceil(2)) {
+                    // Candidates were chosen before this batch: one may
+                    // now read another's output.
+                    if batch.chains(step, &key, &c.nodes) {
+                        continue;
+                    }
+                    let before_mark = marked.clone();
                     for &m in &c.nodes {
                         mark_with_views(step, &views, m, &needed, &mut marked);
                     }
+                    batch.add(step, &key, marked.difference(&before_mark).copied());
                 }
+                let undo = kinds.clone();
+                kinds.extend(batch);
                 let (new, emitted) = rewrite(step, &marked)?;
                 let new_plan = cx.plan(&new)?;
                 if new_plan.planned_peak_bytes() > current.1.planned_peak_bytes() {
@@ -660,6 +677,7 @@ fn apply_in(
                     // (a residual stream recomputed far from its use). Undo,
                     // and leave values of this kind kept.
                     marked = previous;
+                    kinds = undo;
                     rejected.insert(key);
                     continue;
                 }
@@ -672,6 +690,67 @@ fn apply_in(
             Ok((t, p, r))
         }
     }
+}
+
+/// The nodes the budget policy has marked, by the kind (signature) of
+/// the candidate that marked them, and the producers their inputs come
+/// from. A value of one kind is not recomputed from another value of the
+/// same kind that is itself recomputed: along the residual stream (the
+/// sums after attention and after the MLP are one kind) such a chain would
+/// recompute every earlier layer's stream at the first layer's backward
+/// and keep the copies alive to the end. Marking alternate members keeps
+/// one stream value per layer and recomputes the other from it.
+#[derive(Clone, Default)]
+struct MarkedKinds {
+    nodes: HashMap<String, HashSet<NodeId>>,
+    read: HashMap<String, HashSet<NodeId>>,
+}
+
+impl MarkedKinds {
+    fn add(&mut self, step: &Trace, key: &str, nodes: impl Iterator<Item = NodeId>) {
+        for n in nodes {
+            self.nodes.entry(key.to_string()).or_default().insert(n);
+            let read = self.read.entry(key.to_string()).or_default();
+            read.extend(step.node(n).inputs.iter().filter_map(|&i| source_producer(step, i)));
+        }
+    }
+
+    fn extend(&mut self, other: MarkedKinds) {
+        for (k, v) in other.nodes {
+            self.nodes.entry(k).or_default().extend(v);
+        }
+        for (k, v) in other.read {
+            self.read.entry(k).or_default().extend(v);
+        }
+    }
+
+    /// Whether recomputing `closure` (for a candidate of kind `key`) reads
+    /// a value recomputed for the same kind, or is read by one.
+    fn chains(&self, step: &Trace, key: &str, closure: &[NodeId]) -> bool {
+        let (Some(nodes), Some(read)) = (self.nodes.get(key), self.read.get(key)) else {
+            return false;
+        };
+        closure.iter().any(|&m| {
+            read.contains(&m)
+                || step
+                    .node(m)
+                    .inputs
+                    .iter()
+                    .any(|&i| source_producer(step, i).is_some_and(|p| !closure.contains(&p) && nodes.contains(&p)))
+        })
+    }
+}
+
+/// The node that computes the bytes of `v`: its producer, through views.
+fn source_producer(step: &Trace, v: ValueId) -> Option<NodeId> {
+    let mut p = step.producer(v)?;
+    while let Some(i) = step.node(p).op.view_of() {
+        match step.producer(step.node(p).inputs[i]) {
+            Some(q) => p = q,
+            None => break,
+        }
+    }
+    Some(p)
 }
 
 /// A value the budget policy may recompute next, with what it costs.
@@ -875,6 +954,38 @@ mod tests {
         let (_, _, r) = apply(&s, RecomputePolicy::Budget(least), PlanOptions::default()).unwrap();
         assert!(r.recomputed.iter().any(|n| n.class != CostClass::Pointwise), "{r}");
         assert!(r.added_flops > 0 && r.estimated_seconds > 0.0, "{r}");
+    }
+
+    /// Forward values of the residual stream's type that backward reads:
+    /// what the step keeps of the stream across forward and backward.
+    fn stream_values_kept(t: &Trace, stream: &crate::ir::TensorType) -> usize {
+        let read_in_backward: HashSet<ValueId> =
+            t.nodes.iter().filter(|n| n.phase != Phase::Forward).flat_map(|n| n.inputs.iter().copied()).collect();
+        t.nodes
+            .iter()
+            .filter(|n| n.phase == Phase::Forward && matches!(n.op, Op::Binary(_) | Op::MatMul(_)))
+            .flat_map(|n| n.outputs.iter().copied())
+            .filter(|v| t.ty(*v) == stream && read_in_backward.contains(v))
+            .count()
+    }
+
+    #[test]
+    fn the_least_budget_keeps_one_residual_stream_value_per_layer() {
+        let layers = 8;
+        let s = wide_step(
+            "tiny-llama",
+            crate::models::Overrides { n_layer: Some(layers), block_size: Some(512), ..Default::default() },
+            512,
+        );
+        let stream = crate::ir::TensorType::new(DType::BF16, vec![1, 512, 64]);
+        let err = apply(&s, RecomputePolicy::Budget(1), PlanOptions::default()).unwrap_err().to_string();
+        let least: u64 = err.split("plans ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let (t, p, r) = apply(&s, RecomputePolicy::Budget(least), PlanOptions::default()).unwrap();
+        check_plan(&t, &p).unwrap();
+        // Each layer's input, or the sum after its attention: not both,
+        // and never a chain of recomputed sums reaching back over layers.
+        let kept = stream_values_kept(&t, &stream);
+        assert!(kept <= layers + 1, "{kept} stream values kept for {layers} layers\n{r}");
     }
 
     #[test]
