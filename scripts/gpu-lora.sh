@@ -15,7 +15,7 @@
 # memory  Meta-Llama-3-8B geometry (random weights), rank 16 on all seven
 #         linear layers, 1 x 4096, bf16: `stepgraph train` with the base in
 #         bf16 under --memory-budget 20GB and at the default plan, and in
-#         NF4 with --double-quant at its least plan (planned and held bytes,
+#         NF4 with --double-quant under --memory-budget 7GB (planned and held bytes,
 #         ms per step, from the metrics file); then the Hugging Face + peft
 #         reference with gradient checkpointing and SDPA in the same run
 #         (scripts/peft_reference.py);
@@ -107,7 +107,7 @@ EOF
 memory_stage() {
     train_row lora-budget-20GB --memory-budget 20GB
     train_row lora-default
-    train_row qlora-nf4-dq --base-dtype nf4 --double-quant --memory-budget 9.5GB
+    train_row qlora-nf4-dq-7GB --base-dtype nf4 --double-quant --memory-budget 7GB
     stamp "memory: transformers + peft, gradient checkpointing, SDPA"
     python3 scripts/peft_reference.py --seq 4096 --rank 16 --steps "$STEPS" 2>>"$LOG" | grep RESULT |
         sed 's/^RESULT {/{"check":"peft-reference",/' | tee -a "$OUTJ"

@@ -316,7 +316,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     let gspec = GenerationSpec { config: cfg.clone(), dtype: spec.dtype, buckets, context, prompt_len, logits: false };
     let built = Instant::now();
     let program = build_generation(&gspec)?;
-    let memory_plan = plan(&program.trace, PlanOptions { reuse: true })?;
+    let memory_plan = plan(&program.trace, PlanOptions::default())?;
     check_plan(&program.trace, &memory_plan)?;
     let weights_bytes = program.trace.leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
     let cache_bytes = program.cache_bytes();

@@ -231,6 +231,41 @@ pub struct CompileTimes {
 
 /// [`compile_step`], timing its halves (of the tiling that is returned).
 pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
+    let first = compile_budgeted(spec, opts);
+    // Under a budget that the step misses without recomputing, frozen
+    // embedding tables (a base under adapters) move to host memory first:
+    // a step reads one row per token of them over the bus, far cheaper
+    // than any recomputation. Only adapters make frozen weights.
+    let RecomputePolicy::Budget(_) = opts.recompute else { return first };
+    if opts.plan.host_tables || spec.adapters.is_none() {
+        return first;
+    }
+    let misses = match &first {
+        Ok((c, _)) => !c.recompute.recomputed.is_empty() || c.recompute.mlp_tiles > opts.mlp_tiles.max(1),
+        Err(Error::MemoryBudget { .. }) => true,
+        Err(_) => false,
+    };
+    if !misses {
+        return first;
+    }
+    let hosted = StepOptions { plan: PlanOptions { host_tables: true, ..opts.plan }, ..opts.clone() };
+    let second = compile_budgeted(spec, &hosted);
+    let hosted_is_better = match (&first, &second) {
+        // No table moved (the head reads the embedding): the same step.
+        (_, Ok((c, _))) => c.plan.host_bytes > 0,
+        (Err(Error::MemoryBudget { least: a, .. }), Err(Error::MemoryBudget { least: b, .. })) => b < a,
+        _ => false,
+    };
+    if hosted_is_better {
+        second
+    } else {
+        first
+    }
+}
+
+/// [`compile_step_timed`] without host tables: recomputation, then MLP
+/// tiles, as the module doc says.
+fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let first = compile_tiled(spec, opts);
     let Err(Error::MemoryBudget { budget, mut least, .. }) = first else { return first };
     // Rows of one rank's MLP. As Arctic Long-Sequence Training sizes its
@@ -621,7 +656,10 @@ mod tests {
             StepOptions { recompute: RecomputePolicy::Off, ..StepOptions::new(StepKind::Train) },
             StepOptions { recompute: RecomputePolicy::Budget(budget), ..StepOptions::new(StepKind::Train) },
             StepOptions { f32_products: F32Products::Split3xTf32, ..StepOptions::new(StepKind::Train) },
-            StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::new(StepKind::Train) },
+            StepOptions {
+                plan: PlanOptions { reuse: false, ..PlanOptions::default() },
+                ..StepOptions::new(StepKind::Train)
+            },
         ];
         for opts in variants {
             let c = compile_step(&spec, &opts).unwrap();
@@ -635,7 +673,10 @@ mod tests {
     fn the_planner_options_reach_the_plan() {
         let spec = tiny(1, LossKind::Sum);
         let reuse = compile_step(&spec, &StepOptions::unoptimized(StepKind::Grads)).unwrap();
-        let opts = StepOptions { plan: PlanOptions { reuse: false }, ..StepOptions::unoptimized(StepKind::Grads) };
+        let opts = StepOptions {
+            plan: PlanOptions { reuse: false, ..PlanOptions::default() },
+            ..StepOptions::unoptimized(StepKind::Grads)
+        };
         let unplanned = compile_step(&spec, &opts).unwrap();
         assert!(unplanned.planned_peak_bytes() > reuse.planned_peak_bytes());
     }

@@ -308,7 +308,7 @@ fn buckets_follow_backward_and_sit_right_after_their_last_gradient() {
             }
             // Every plan of a transformed step is safe, with reuse and without.
             for reuse in [true, false] {
-                let p = plan(&t, PlanOptions { reuse }).unwrap();
+                let p = plan(&t, PlanOptions { reuse, ..PlanOptions::default() }).unwrap();
                 check_plan(&t, &p).unwrap();
             }
             // The planner runs the collectives in place: each gradient is
@@ -597,7 +597,7 @@ fn rank_steps_run_the_same_planned_and_unplanned_eager_and_replayed() {
     let run = |reuse: bool, replay: bool| {
         run_ranks(2, |comm| {
             let rank = comm.rank();
-            let p = plan(&step, PlanOptions { reuse })?;
+            let p = plan(&step, PlanOptions { reuse, ..PlanOptions::default() })?;
             check_plan(&step, &p)?;
             let mut s = CpuSession::new(step.clone(), p)?;
             for (v, t) in init_params(&fwd, 7) {

@@ -32,7 +32,7 @@ fn program(cfg: &Config, dtype: DType, buckets: &[usize], prompt_len: usize, con
 /// own parameters draw them (the fused q/k/v and gate/up weights assembled
 /// from their parts' draws by `FusedWriter`, as a checkpoint loads).
 fn session(p: &GenerationProgram) -> CpuSession {
-    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&p.trace, PlanOptions::default()).unwrap();
     check_plan(&p.trace, &pl).unwrap();
     let mut s = CpuSession::new(p.trace.clone(), pl).unwrap();
     let plain = p.checkpoint_params().unwrap();
@@ -51,7 +51,7 @@ fn full_forward_last_logits(cfg: &Config, dtype: DType, tokens: &[u32]) -> Vec<f
     let spec =
         ModelSpec { config: cfg.clone(), batch: 1, seq: tokens.len(), dtype, loss: LossKind::Sum, adapters: None };
     let fwd = build_forward_with_logits(&spec).unwrap();
-    let pl = plan(&fwd, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&fwd, PlanOptions::default()).unwrap();
     let mut s = CpuSession::new(fwd.clone(), pl).unwrap();
     s.init_params(SEED).unwrap();
     let ids: Vec<f64> = tokens.iter().map(|&t| t as f64).collect();
@@ -99,7 +99,7 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
         let folded = nodes.iter().filter(|n| matches!(n.op, Op::MatMul(ref m) if m.addend)).count();
         assert_eq!(folded, 4, "{}", s.name);
     }
-    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&p.trace, PlanOptions::default()).unwrap();
     check_plan(&p.trace, &pl).unwrap();
     // 2 layers × (k, v) × [4, 24, 2, 16] f32.
     assert_eq!(p.cache_bytes(), 2 * 2 * 4 * 24 * 2 * 16 * 4);
@@ -174,7 +174,7 @@ fn the_program_plans_and_keeps_its_cache_in_place() {
 fn a_part_only_swiglu_reads_is_a_view_on_a_16_byte_boundary() {
     let cfg = config("tiny-llama", Overrides { intermediate_size: Some(40), ..Overrides::default() });
     let p = program(&cfg, DType::F32, &[1], 6, 12);
-    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&p.trace, PlanOptions::default()).unwrap();
     check_plan(&p.trace, &pl).unwrap();
     let seg = p.segments.iter().find(|s| s.name == "decode1").unwrap();
     let mut narrow = 0;
@@ -390,13 +390,13 @@ fn a_state_written_twice_stays_in_place_and_a_stale_read_is_refused() {
         b.finish("build").unwrap()
     };
     let t = build(false);
-    let pl = plan(&t, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&t, PlanOptions::default()).unwrap();
     check_plan(&t, &pl).unwrap();
     let cache = t.leaf_by_name("cache").unwrap();
     for node in t.nodes.iter().filter(|n| n.op.name() == "kv_write") {
         assert_eq!(pl.slot(node.outputs[0]), pl.slot(cache));
     }
-    let err = plan(&build(true), PlanOptions { reuse: true }).unwrap_err().to_string();
+    let err = plan(&build(true), PlanOptions::default()).unwrap_err().to_string();
     assert!(err.contains("cannot run in place"), "{err}");
 }
 
@@ -425,7 +425,7 @@ fn projections_are_fused_and_load_from_the_models_own_parameters() {
     // A part of the wrong shape, or a fused weight left without some of its parts, is refused.
     let cfg = config("tiny-llama", Overrides::default());
     let p = program(&cfg, DType::F32, &[1], 4, 8);
-    let mut s = CpuSession::new(p.trace.clone(), plan(&p.trace, PlanOptions { reuse: true }).unwrap()).unwrap();
+    let mut s = CpuSession::new(p.trace.clone(), plan(&p.trace, PlanOptions::default()).unwrap()).unwrap();
     let q = "model.layers.0.self_attn.q_proj.weight";
     let part = p.fused.iter().flat_map(|f| &f.parts).find(|(n, _)| n == q).unwrap().1.clone();
     let mut writer = FusedWriter::new(&p);

@@ -350,3 +350,82 @@ fn adapter_dropout_is_drawn_in_training_steps_only_and_per_micro_batch() {
     }
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
+
+/// Losses and adapter weights of `steps` train steps of `c` on the CPU.
+fn train_on_cpu(
+    c: &stepgraph_core::pipeline::CompiledStep,
+    sp: &ModelSpec,
+    steps: usize,
+) -> (Vec<u64>, Vec<HostTensor>) {
+    let step = &c.step;
+    let w = weights(&c.forward, 5, false);
+    let mut s = CpuSession::new(step.clone(), c.plan.clone()).unwrap();
+    for v in step.weights() {
+        s.write(v, &w[&name(step, v)]).unwrap();
+    }
+    s.zero_state().unwrap();
+    let mut losses = Vec::new();
+    for it in 1..=steps {
+        for (n, t) in batch(sp, it as u64) {
+            s.write_named(n, &t).unwrap();
+        }
+        s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
+        s.write_named(STEP_INPUT, &scalar_input(it as f64)).unwrap();
+        s.run_eager().unwrap();
+        losses.push(s.loss().unwrap().to_bits());
+    }
+    let adapters = step.params().collect::<Vec<_>>().into_iter().map(|v| s.read(v)).collect();
+    (losses, adapters)
+}
+
+#[test]
+fn under_a_budget_the_frozen_embedding_moves_to_host_memory_and_computes_the_same_bits() {
+    use stepgraph_core::passes::recompute::RecomputePolicy;
+    use stepgraph_core::plan::{check_plan, Region};
+    let sp = spec(DType::F32, Some(adapters(2, LoraTarget::ALL.to_vec())));
+    let plain = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
+    assert_eq!(plain.plan.host_bytes, 0, "no budget, no host tables");
+    let budgeted =
+        |budget: u64| StepOptions { recompute: RecomputePolicy::Budget(budget), ..StepOptions::new(StepKind::Train) };
+    // A budget the default plan misses by a byte: moving the table meets
+    // it, so nothing is recomputed.
+    let budget = plain.planned_peak_bytes() - 1;
+    let hosted = compile_step(&sp, &budgeted(budget)).unwrap();
+    let table = hosted.step.leaf_by_name("model.embed_tokens.weight").unwrap();
+    assert_eq!(hosted.plan.slot(table).region, Region::Host);
+    assert_eq!(hosted.plan.host_bytes, hosted.step.ty(table).bytes());
+    assert!(hosted.planned_peak_bytes() <= budget);
+    assert!(hosted.recompute.recomputed.is_empty(), "{}", hosted.recompute);
+    let report = plan_report(&hosted.step, &hosted.plan, 4);
+    assert_eq!(report.host_bytes, hosted.plan.host_bytes);
+    assert!(report.to_string().contains("host tables"), "{report}");
+    // The head is on the device: a product reads it.
+    let head = hosted.step.leaf_by_name("lm_head.weight").unwrap();
+    assert_eq!(hosted.plan.slot(head).region, Region::Persistent);
+    // The same step, bit for bit.
+    assert_eq!(train_on_cpu(&plain, &sp, 3), train_on_cpu(&hosted, &sp, 3));
+
+    // A budget met without recomputing anything keeps the table on the
+    // device; so does a model whose head is its embedding.
+    let kept_all = StepOptions { recompute: RecomputePolicy::Off, ..StepOptions::new(StepKind::Train) };
+    let kept_all = compile_step(&sp, &kept_all).unwrap().planned_peak_bytes();
+    let met = compile_step(&sp, &budgeted(kept_all)).unwrap();
+    assert_eq!(met.plan.host_bytes, 0);
+    let mut tied = sp.clone();
+    tied.config.tie_embeddings = true;
+    let tied_plain = compile_step(&tied, &StepOptions::new(StepKind::Train)).unwrap();
+    let tied = compile_step(&tied, &budgeted(tied_plain.planned_peak_bytes() - 1)).unwrap();
+    assert_eq!(tied.plan.host_bytes, 0);
+    // Full fine-tuning has nothing frozen to move.
+    let full = spec(DType::F32, None);
+    let full_plain = compile_step(&full, &StepOptions::new(StepKind::Train)).unwrap();
+    let full = compile_step(&full, &budgeted(full_plain.planned_peak_bytes() - 1)).unwrap();
+    assert_eq!(full.plan.host_bytes, 0);
+
+    // The checker refuses a trained weight placed on the host.
+    let mut bad = hosted.plan.clone();
+    let adapter = hosted.step.params().next().unwrap();
+    bad.slots[adapter.index()].region = Region::Host;
+    let err = check_plan(&hosted.step, &bad).unwrap_err().to_string();
+    assert!(err.contains("wrong region") || err.contains("does not fit"), "{err}");
+}

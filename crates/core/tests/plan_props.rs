@@ -103,7 +103,7 @@ proptest! {
     fn random_programs_plan_safely(instrs in prop::collection::vec(instr(), 1..40), outs in prop::collection::vec(any::<usize>(), 1..4)) {
         let trace = program(&instrs, &outs);
         for reuse in [true, false] {
-            let p = plan(&trace, PlanOptions { reuse }).unwrap();
+            let p = plan(&trace, PlanOptions { reuse, ..PlanOptions::default() }).unwrap();
             check_plan(&trace, &p).unwrap();
             prop_assert!(p.arena_bytes >= p.arena_floor_bytes);
             prop_assert_eq!(p.persistent_bytes, 4 * 8 * 4);
@@ -347,6 +347,7 @@ fn move_group(p: &mut MemoryPlan, g: usize, offset: u64) {
     match p.groups[g].region {
         Region::Arena => p.arena_bytes = p.arena_bytes.max(end),
         Region::Persistent => p.persistent_bytes = p.persistent_bytes.max(end),
+        Region::Host => p.host_bytes = p.host_bytes.max(end),
     }
 }
 
@@ -367,7 +368,7 @@ struct FuzzStats {
 fn fuzz_case(program: &FuzzProgram, seed: u64, stats: &mut FuzzStats) -> Result<(), TestCaseError> {
     let trace = fuzz_trace(program);
     let planned = plan(&trace, PlanOptions::default()).unwrap();
-    let unplanned = plan(&trace, PlanOptions { reuse: false }).unwrap();
+    let unplanned = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() }).unwrap();
     for p in [&planned, &unplanned] {
         check_plan(&trace, p).unwrap();
         prop_assert!(p.arena_bytes >= p.arena_floor_bytes);
@@ -452,6 +453,7 @@ fn fuzz_case(program: &FuzzProgram, seed: u64, stats: &mut FuzzStats) -> Result<
         match slot.region {
             Region::Arena => p.arena_bytes = p.arena_bytes.max(end),
             Region::Persistent => p.persistent_bytes = p.persistent_bytes.max(end),
+            Region::Host => p.host_bytes = p.host_bytes.max(end),
         }
         rejects(&p, "does not sit at its place", "a view apart from its source")?;
         stats.rejected += 1;

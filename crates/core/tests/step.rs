@@ -39,7 +39,7 @@ fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
 
 /// A session for `step` with parameters initialised from `seed` (and zero optimizer state).
 fn session(step: &Trace, forward: &Trace, reuse: bool, seed: u64) -> CpuSession {
-    let p = plan(step, PlanOptions { reuse }).unwrap();
+    let p = plan(step, PlanOptions { reuse, ..PlanOptions::default() }).unwrap();
     check_plan(step, &p).unwrap();
     let mut s = CpuSession::new(step.clone(), p).unwrap();
     for (v, t) in init_params(forward, seed) {
@@ -148,7 +148,7 @@ fn planning_reuses_memory() {
     let fwd = build_forward(&sp).unwrap();
     let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
     let planned = plan(&step, PlanOptions::default()).unwrap();
-    let unplanned = plan(&step, PlanOptions { reuse: false }).unwrap();
+    let unplanned = plan(&step, PlanOptions { reuse: false, ..PlanOptions::default() }).unwrap();
     assert!(
         planned.arena_bytes * 10 < unplanned.arena_bytes * 6,
         "{} vs {}",

@@ -139,8 +139,10 @@ pub struct CudaSession {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     base: u64,
-    persistent_base: u64,
-    arena_base: u64,
+    /// Where each region of the plan starts.
+    bases: Bases,
+    /// The page-locked host allocation of [`Region::Host`] (0 without one).
+    host: u64,
     prepared: Vec<Prepared>,
     blas: Blas,
     /// Kernel modules, kept as long as the session: the step's, and the
@@ -251,11 +253,33 @@ struct Device {
     total: u64,
 }
 
-/// The session's one device allocation, `[persistent | arena | workspace]`.
+/// Where each region of a plan starts, as device addresses.
+#[derive(Copy, Clone, Debug)]
+pub struct Bases {
+    pub persistent: u64,
+    pub arena: u64,
+    /// The device address of the page-locked host allocation (0 without one).
+    pub host: u64,
+}
+
+impl Bases {
+    fn of(&self, region: Region) -> u64 {
+        match region {
+            Region::Persistent => self.persistent,
+            Region::Arena => self.arena,
+            Region::Host => self.host,
+        }
+    }
+}
+
+/// The session's one device allocation, `[persistent | arena | workspace]`,
+/// and the host tables' page-locked host memory, mapped into the device's
+/// address space.
 struct Allocation {
     base: u64,
-    persistent_base: u64,
-    arena_base: u64,
+    /// The host allocation (its host pointer), or 0.
+    host: u64,
+    bases: Bases,
     /// Arena bytes (the plan's, aligned).
     arena: u64,
     workspace_base: u64,
@@ -338,7 +362,44 @@ fn allocate(plan: &MemoryPlan, stream: &CudaStream, baseline: u64, total: u64) -
     // SAFETY: `[arena_base, arena_base + arena)` lies inside the allocation
     // just made, and nothing else uses it yet.
     unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
-    Ok(Allocation { base, persistent_base, arena_base, arena, workspace_base: arena_base + arena, workspace, bytes })
+    let (host, host_base) = match allocate_host(plan.host_bytes) {
+        Ok(h) => h,
+        Err(e) => {
+            // SAFETY: the allocation just made, not yet used by anything.
+            let _ = unsafe { dr::free_sync(base) };
+            return Err(e);
+        }
+    };
+    let bases = Bases { persistent: persistent_base, arena: arena_base, host: host_base };
+    Ok(Allocation { base, host, bases, arena, workspace_base: arena_base + arena, workspace, bytes })
+}
+
+/// Page-locked host memory of `bytes` for the plan's host tables, mapped
+/// into the device's address space: `(host pointer, device address)`, or
+/// zeros for none. Kernels read it over the bus; copies to and from it go
+/// through its device address like any other slot's.
+fn allocate_host(bytes: u64) -> Result<(u64, u64)> {
+    if bytes == 0 {
+        return Ok((0, 0));
+    }
+    // SAFETY: a page-locked allocation in the current context, freed once
+    // by the session's Drop (or right below on failure).
+    let host =
+        unsafe { dr::malloc_host(bytes as usize, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(|e| {
+            CudaError::Driver(format!(
+                "allocating {:.3} GB of page-locked host memory for the frozen embedding tables: {e}",
+                bytes as f64 / 1e9
+            ))
+        })?;
+    let mut device = 0;
+    // SAFETY: `host` is the mapped allocation just made; flags must be 0.
+    let mapped = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
+    if let Err(e) = mapped {
+        // SAFETY: the allocation made above, not yet used by anything.
+        let _ = unsafe { dr::free_host(host) };
+        return Err(e.into());
+    }
+    Ok((host as u64, device))
 }
 
 /// Stage 5, with `RankOptions::overlap`: the collectives' own stream, one
@@ -356,7 +417,7 @@ fn side_stream(
     if !launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
         return Ok(None);
     }
-    let ranges = node_ranges(trace, plan, alloc.persistent_base, alloc.arena_base);
+    let ranges = node_ranges(trace, plan, alloc.bases);
     let joins = crate::overlap::joins(launches, launch_nodes, &ranges);
     let event = || dr::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING);
     let mut done = HashMap::new();
@@ -451,13 +512,13 @@ fn plan_gemms(
     // yet (weights and inputs are written after construction), and a
     // matmul output is never persistent (not a leaf, no in-place or view
     // pair), so only the arena is offered: tuning writes nowhere else.
-    let arena = alloc.arena_base..alloc.arena_base + alloc.arena;
+    let arena = alloc.bases.arena..alloc.bases.arena + alloc.arena;
     blas.autotune(gemms, arena, stream)?;
     if !blas.tuning().shapes.is_empty() {
         // Re-poison what the timing runs overwrote, as `allocate` does.
         // SAFETY: the arena lies inside the session's allocation, and the
         // timing runs that wrote it were enqueued on this same stream.
-        unsafe { dr::memset_d8_async(alloc.arena_base, 0xFF, alloc.arena as usize, stream.cu_stream()) }?;
+        unsafe { dr::memset_d8_async(alloc.bases.arena, 0xFF, alloc.arena as usize, stream.cu_stream()) }?;
     }
     stream.synchronize()?;
     Ok(blas)
@@ -548,8 +609,7 @@ impl CudaSession {
         clock.stage(STAGE_ALLOCATE);
 
         let target = Target::of_arch(&arch, opts.switches);
-        let (launches, launch_nodes) =
-            lower_step(&trace, &plan, alloc.persistent_base, alloc.arena_base, group, target)?;
+        let (launches, launch_nodes) = lower_step(&trace, &plan, alloc.bases, group, target)?;
         let (launches, launch_nodes, launch_first_nodes) = multi_tensor_updates(launches, launch_nodes, &opts.switches);
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
@@ -578,8 +638,8 @@ impl CudaSession {
             ctx,
             stream,
             base: alloc.base,
-            persistent_base: alloc.persistent_base,
-            arena_base: alloc.arena_base,
+            bases: alloc.bases,
+            host: alloc.host,
             prepared,
             blas,
             modules,
@@ -627,7 +687,7 @@ impl CudaSession {
             if is_quantized_leaf(name) {
                 continue;
             }
-            let out = dev_tensor(&self.trace, &self.plan, self.persistent_base, self.arena_base, p);
+            let out = dev_tensor(&self.trace, &self.plan, self.bases, p);
             tensors += 1;
             bytes += out.ty.bytes();
             launches.extend(crate::init::init_launch(name, &out, seed)?);
@@ -722,10 +782,7 @@ impl CudaSession {
     }
 
     fn slot_ptr(&self, s: Slot) -> u64 {
-        match s.region {
-            Region::Persistent => self.persistent_base + s.offset,
-            Region::Arena => self.arena_base + s.offset,
-        }
+        self.bases.of(s.region) + s.offset
     }
 
     /// Writes a leaf (parameter, optimizer state or step input).
@@ -1036,6 +1093,11 @@ impl Drop for CudaSession {
         // both streams are idle, and the graph and the communicator that
         // could still reference it were dropped above.
         let _ = unsafe { dr::free_sync(self.base) };
+        if self.host != 0 {
+            // SAFETY: the host allocation of `allocate_host`, freed once,
+            // with every stream that read it idle.
+            let _ = unsafe { dr::free_host(self.host as *mut std::ffi::c_void) };
+        }
         let _ = &self.ctx;
     }
 }
@@ -1140,13 +1202,9 @@ impl Session for CudaSession {
     }
 }
 
-fn dev_tensor(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base: u64, v: ValueId) -> DevTensor {
+fn dev_tensor(trace: &Trace, plan: &MemoryPlan, bases: Bases, v: ValueId) -> DevTensor {
     let s = plan.slot(v);
-    let b = match s.region {
-        Region::Persistent => persistent_base,
-        Region::Arena => arena_base,
-    };
-    DevTensor { ty: trace.ty(v).clone(), ptr: b + s.offset }
+    DevTensor { ty: trace.ty(v).clone(), ptr: bases.of(s.region) + s.offset }
 }
 
 /// The step's AdamW updates merged into multi-tensor launches where they run
@@ -1174,18 +1232,17 @@ fn multi_tensor_updates(
 /// inspect a step's launches without a GPU.
 ///
 /// The launch list of a whole step: every node lowered over the plan's
-/// addresses (persistent slots from `persistent_base`, arena slots from
-/// `arena_base`) for `group`'s rank and a device of `target`, with the node
+/// addresses (each region's slots from its base in `bases`) for `group`'s
+/// rank and a device of `target`, with the node
 /// of every launch. Data only: nothing calls the CUDA driver.
 pub fn lower_step(
     trace: &Trace,
     plan: &MemoryPlan,
-    persistent_base: u64,
-    arena_base: u64,
+    bases: Bases,
     group: Option<GroupRank>,
     target: Target,
 ) -> Result<(Vec<Launch>, Vec<usize>)> {
-    let view = |v: ValueId| dev_tensor(trace, plan, persistent_base, arena_base, v);
+    let view = |v: ValueId| dev_tensor(trace, plan, bases, v);
     let (mut launches, mut nodes) = (Vec::new(), Vec::new());
     for (n, node) in trace.nodes.iter().enumerate() {
         let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
@@ -1219,15 +1276,15 @@ impl LoweredStep {
 /// without the CUDA driver): how many kernels a step is, before any GPU is at hand.
 pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str, switches: &Switches) -> Result<LoweredStep> {
     // Bases far apart and 2 MiB aligned, like the driver's allocations.
-    let (persistent_base, arena_base) = (1u64 << 40, 1u64 << 44);
+    let bases = Bases { persistent: 1u64 << 40, arena: 1u64 << 44, host: 1u64 << 45 };
     let target = Target::of_arch(arch, *switches);
-    let (launches, nodes) = lower_step(trace, plan, persistent_base, arena_base, None, target)?;
+    let (launches, nodes) = lower_step(trace, plan, bases, None, target)?;
     let (launches, last_nodes, _) = multi_tensor_updates(launches, nodes, switches);
     Ok(LoweredStep { launches, last_nodes })
 }
 
 /// The device bytes `[start, end)` each node's inputs and outputs occupy.
-pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena_base: u64) -> Vec<Vec<(u64, u64)>> {
+pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, bases: Bases) -> Vec<Vec<(u64, u64)>> {
     trace
         .nodes
         .iter()
@@ -1236,7 +1293,7 @@ pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, persistent_base: u64, arena
                 .iter()
                 .chain(&node.outputs)
                 .map(|&v| {
-                    let t = dev_tensor(trace, plan, persistent_base, arena_base, v);
+                    let t = dev_tensor(trace, plan, bases, v);
                     (t.ptr, t.ptr + t.ty.bytes())
                 })
                 .collect()
@@ -1319,7 +1376,7 @@ fn run_with_plan(
 /// Runs one op on the GPU through its lowering, every value in its own bytes.
 pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
     let (trace, ins, outs) = one_op_trace(op, inputs)?;
-    let p = plan(&trace, PlanOptions { reuse: false })?;
+    let p = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() })?;
     run_with_plan(trace, p, &ins, &outs, inputs)
 }
 
@@ -1328,7 +1385,7 @@ pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
 /// step may run it. An op's kernels must give the same bits either way.
 pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
     let (trace, ins, outs) = one_op_trace(op, inputs)?;
-    let mut p = plan(&trace, PlanOptions { reuse: false })?;
+    let mut p = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() })?;
     let mut taken = vec![false; ins.len()];
     let mut done = vec![false; outs.len()];
     for (o, i) in op.inplace() {
@@ -1376,16 +1433,18 @@ mod tests {
                 let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(world) };
                 let t = data_parallel(&step, &dp).unwrap();
                 let p = plan(&t, PlanOptions::default()).unwrap();
-                let (pb, ab) = (1u64 << 40, (1u64 << 40) + p.persistent_bytes.div_ceil(256) * 256);
+                let persistent = 1u64 << 40;
+                let bases =
+                    Bases { persistent, arena: persistent + p.persistent_bytes.div_ceil(256) * 256, host: 1u64 << 45 };
                 let collectives = t.nodes.iter().filter(|n| world_of(&n.op).is_some()).count();
                 let shards = t.nodes.iter().filter(|n| matches!(n.op, Op::LocalShard(_))).count();
                 for rank in 0..world {
                     let (l, nodes) =
-                        lower_step(&t, &p, pb, ab, Some(GroupRank { rank, world }), Target::default()).unwrap();
+                        lower_step(&t, &p, bases, Some(GroupRank { rank, world }), Target::default()).unwrap();
                     assert_eq!(nodes.len(), l.len());
                     // With overlap every collective rejoins the compute stream
                     // exactly once: before a launch touching its bytes, or at the end.
-                    let j = crate::overlap::joins(&l, &nodes, &node_ranges(&t, &p, pb, ab));
+                    let j = crate::overlap::joins(&l, &nodes, &node_ranges(&t, &p, bases));
                     let mut joined: Vec<usize> = j.before.iter().flatten().chain(&j.at_end).copied().collect();
                     joined.sort();
                     let colls: Vec<usize> = (0..l.len()).filter(|&i| matches!(l[i], Launch::Collective(_))).collect();
@@ -1417,7 +1476,7 @@ mod tests {
                         assert!(calls.iter().flat_map(|c| &c.parts).all(|p| p.send == p.recv));
                     }
                 }
-                let e = lower_step(&t, &p, pb, ab, None, Target::default()).unwrap_err().to_string();
+                let e = lower_step(&t, &p, bases, None, Target::default()).unwrap_err().to_string();
                 assert!(e.contains("one rank of a group"), "{e}");
             }
         }

@@ -138,7 +138,7 @@ fn try_batch(cases: &[Case], aliased: bool, runs: usize) -> Result<Vec<Vec<HostT
         }
     }
     let trace = b.finish("gpu_basic").map_err(|e| err(&e))?;
-    let mut p = plan(&trace, PlanOptions { reuse: false }).map_err(|e| err(&e))?;
+    let mut p = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() }).map_err(|e| err(&e))?;
     if aliased {
         for node in &trace.nodes {
             let mut taken = vec![false; node.inputs.len()];

@@ -52,12 +52,12 @@ fn generate(session: &mut dyn Session, p: &GenerationProgram, requests: &[Reques
 }
 
 fn cuda(p: &GenerationProgram) -> CudaSession {
-    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&p.trace, PlanOptions::default()).unwrap();
     CudaSession::new(p.trace.clone(), pl, CudaOptions::from_env().unwrap()).unwrap()
 }
 
 fn cpu(p: &GenerationProgram) -> CpuSession {
-    let pl = plan(&p.trace, PlanOptions { reuse: true }).unwrap();
+    let pl = plan(&p.trace, PlanOptions::default()).unwrap();
     CpuSession::new(p.trace.clone(), pl).unwrap()
 }
 

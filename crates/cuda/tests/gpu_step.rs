@@ -149,10 +149,15 @@ fn tiny_models_match_the_cpu() {
         ("tiny-llama", DType::F32, 1e-4, Build::Plain, Some(lora(BaseStorage::Model, 0.1))),
         ("tiny-llama", DType::F32, 1e-4, Build::Default, Some(lora(BaseStorage::Nf4 { double_quant: false }, 0.0))),
         ("tiny-llama", DType::BF16, 3e-2, Build::Default, Some(lora(BaseStorage::Nf4 { double_quant: true }, 0.1))),
+        // The least budget moves the frozen embedding to host memory.
+        ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget, Some(lora(BaseStorage::Nf4 { double_quant: true }, 0.0))),
     ] {
         for kind in [StepKind::Grads, StepKind::Train] {
             let sp = ModelSpec { adapters: adapters.clone(), ..spec(name, dtype) };
             let (fwd, step, p) = build(&sp, kind, how);
+            if matches!(how, Build::LeastBudget) && adapters.is_some() {
+                assert!(p.host_bytes > 0, "the least budget kept the frozen embedding on the device");
+            }
             let mut cpu = CpuSession::new(step.clone(), p.clone()).unwrap();
             let mut gpu = CudaSession::new(step.clone(), p, CudaOptions::from_env().unwrap()).unwrap();
             init(&step, &fwd, 1, |n, t| cpu.write_named(n, t).unwrap());
@@ -249,35 +254,45 @@ fn graph_replay_equals_eager_bit_for_bit() {
         ("tiny-neox", DType::BF16, Build::LeastBudget),
     ] {
         let sp = spec(name, dtype);
-        let (fwd, step, p) = build(&sp, StepKind::Train, how);
-        let run = |graph: bool| -> Vec<Vec<u8>> {
-            let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::from_env().unwrap()).unwrap();
-            init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
-            let mut out = Vec::new();
-            for it in 1..=5 {
-                step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
-                // Step 1 runs twice, the second time without new inputs: in
-                // graph mode that is the eager step before capture and the
-                // first replay after it, as `bench` and `train` run them.
-                if it == 1 {
-                    s.run_eager().unwrap();
+        // And an adapter run whose frozen embedding the least budget puts
+        // in host memory.
+        let lora =
+            stepgraph_core::models::Adapters::new(4, 8.0, stepgraph_core::models::LoraTarget::ALL.to_vec()).unwrap();
+        let cases = [(sp.clone(), how)].into_iter().chain(
+            matches!((name, dtype, how), ("tiny-llama", DType::F32, Build::LeastBudget))
+                .then(|| (ModelSpec { adapters: Some(lora), ..sp.clone() }, how)),
+        );
+        for (sp, how) in cases {
+            let (fwd, step, p) = build(&sp, StepKind::Train, how);
+            let run = |graph: bool| -> Vec<Vec<u8>> {
+                let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::from_env().unwrap()).unwrap();
+                init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
+                let mut out = Vec::new();
+                for it in 1..=5 {
+                    step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
+                    // Step 1 runs twice, the second time without new inputs: in
+                    // graph mode that is the eager step before capture and the
+                    // first replay after it, as `bench` and `train` run them.
+                    if it == 1 {
+                        s.run_eager().unwrap();
+                        out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
+                    }
+                    if graph {
+                        s.replay().unwrap();
+                    } else {
+                        s.run_eager().unwrap();
+                    }
                     out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
                 }
-                if graph {
-                    s.replay().unwrap();
-                } else {
-                    s.run_eager().unwrap();
+                for u in &step.updates {
+                    out.push(s.read(u.state).unwrap().bytes().to_vec());
                 }
-                out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
-            }
-            for u in &step.updates {
-                out.push(s.read(u.state).unwrap().bytes().to_vec());
-            }
-            out
-        };
-        let (eager, graph) = (run(false), run(true));
-        assert_eq!(eager.len(), graph.len());
-        assert!(eager == graph, "{name} {dtype} {how:?}: graph replay differs from eager");
+                out
+            };
+            let (eager, graph) = (run(false), run(true));
+            assert_eq!(eager.len(), graph.len());
+            assert!(eager == graph, "{name} {dtype} {how:?}: graph replay differs from eager");
+        }
     }
 }
 

@@ -629,7 +629,10 @@ pub fn eval_step(
         return Ok(None);
     }
     data.validation_batches(1)?;
-    let opts = stepgraph_core::pipeline::StepOptions::new(stepgraph_core::autodiff::StepKind::Forward);
+    let mut opts = stepgraph_core::pipeline::StepOptions::new(stepgraph_core::autodiff::StepKind::Forward);
+    // Where training keeps the frozen embedding on the host to fit its
+    // budget, evaluation does too.
+    opts.plan.host_tables = compiled.plan.host_bytes > 0;
     Ok(Some(stepgraph_core::pipeline::compile_step(&compiled.spec, &opts)?))
 }
 

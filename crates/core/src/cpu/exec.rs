@@ -68,6 +68,8 @@ pub struct CpuSession {
     plan: MemoryPlan,
     persistent: HostBuffer,
     arena: HostBuffer,
+    /// [`Region::Host`]: on the CPU, host memory like the rest.
+    host: HostBuffer,
     launches: Option<Vec<Launch>>,
     /// Step inputs that index something, checked when written.
     id_checks: Vec<IdCheck>,
@@ -82,7 +84,7 @@ impl CpuSession {
         if plan.slots.len() != trace.values.len() {
             return Err(Error::Cpu("the plan does not belong to this trace".into()));
         }
-        memory::check_fits(plan.planned_peak_bytes(), &format!("the planned step `{}`", trace.name))?;
+        memory::check_fits(plan.planned_peak_bytes() + plan.host_bytes, &format!("the planned step `{}`", trace.name))?;
         let id_checks = id_checks(&trace);
         Ok(CpuSession {
             persistent: HostBuffer::new(
@@ -90,6 +92,7 @@ impl CpuSession {
                 "the persistent buffer (parameters and optimizer state)",
             )?,
             arena: HostBuffer::new(plan.arena_bytes, "the arena")?,
+            host: HostBuffer::new(plan.host_bytes, "the host tables")?,
             trace,
             plan,
             launches: None,
@@ -139,6 +142,7 @@ impl CpuSession {
         let base = match slot.region {
             Region::Persistent => self.persistent.base(),
             Region::Arena => self.arena.base(),
+            Region::Host => self.host.base(),
         };
         // SAFETY: the planner keeps every slot inside its region (check_plan verifies it).
         unsafe { base.add(slot.offset as usize) }

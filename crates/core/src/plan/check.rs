@@ -76,6 +76,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         let limit = match slot.region {
             Region::Persistent => plan.persistent_bytes,
             Region::Arena => plan.arena_bytes,
+            Region::Host => plan.host_bytes,
         };
         let fits = slot.offset.checked_add(ty.bytes()).is_some_and(|end| end <= limit);
         if slot.bytes < ty.bytes() || !fits {
@@ -89,7 +90,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         // persistent ones at least at their element's.
         let align = match slot.region {
             Region::Arena => narrow.get(&v).copied().unwrap_or(ARENA_ALIGN),
-            Region::Persistent => ty.dtype.size() as u64,
+            Region::Persistent | Region::Host => ty.dtype.size() as u64,
         };
         if !slot.offset.is_multiple_of(align.max(1)) {
             return fail(format!(
@@ -103,7 +104,13 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             trace.values[v].kind,
             ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. }
         );
-        if persistent != (slot.region == Region::Persistent) && trace.values[v].kind.is_leaf() {
+        // Only frozen tables may live on the host (`PlanOptions::host_tables`).
+        let region_ok = match slot.region {
+            Region::Persistent => persistent,
+            Region::Arena => !persistent,
+            Region::Host => matches!(trace.values[v].kind, ValueKind::Frozen { .. }),
+        };
+        if !region_ok && (trace.values[v].kind.is_leaf() || slot.region == Region::Host) {
             return fail(format!("{} is in the wrong region", trace.describe(ValueId(v as u32))));
         }
         // The class's first byte, as this value's slot places it (a slice
@@ -155,8 +162,9 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         trace.updates.iter().map(|u| (class_of[u.state.index()], class_of[u.new.index()])).collect();
 
     // A class without bytes overlaps nothing.
-    let (mut persistent, mut arena): (Vec<&Class>, Vec<&Class>) =
-        classes.iter().flatten().filter(|c| c.bytes > 0).partition(|c| c.region == Region::Persistent);
+    let in_region =
+        |r: Region| -> Vec<&Class> { classes.iter().flatten().filter(|c| c.bytes > 0 && c.region == r).collect() };
+    let mut arena = in_region(Region::Arena);
 
     // Each state's update chain (the in-place writes its new value comes
     // from), by class: the state's own class and every link's.
@@ -170,20 +178,23 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     // state and its update, or two links of one state's update chain that
     // hand over in place (a cache written by several steps of one trace).
     // Sorted by offset, each class meets only the classes that start inside it.
-    persistent.sort_by_key(|c| (c.offset, c.key));
-    for (a, ca) in persistent.iter().enumerate() {
-        for cb in persistent[a + 1..].iter().take_while(|cb| cb.offset < ca.end_byte()) {
-            let (first, second) = by_birth(ca, cb);
-            if updates.contains(&(first.key, second.key)) || updates.contains(&(second.key, first.key)) {
-                continue;
-            }
-            let one_chain = chain_of.get(&first.key).is_some_and(|s| chain_of.get(&second.key) == Some(s));
-            let handed_over = first.end < second.start
-                || (first.end == second.start
-                    && first.offset == second.offset
-                    && handover.contains(&(first.end, first.key, second.key)));
-            if !(one_chain && handed_over) {
-                return fail(overlap(trace, first, second));
+    // Host tables are checked the same way, in their own region.
+    for mut persistent in [in_region(Region::Persistent), in_region(Region::Host)] {
+        persistent.sort_by_key(|c| (c.offset, c.key));
+        for (a, ca) in persistent.iter().enumerate() {
+            for cb in persistent[a + 1..].iter().take_while(|cb| cb.offset < ca.end_byte()) {
+                let (first, second) = by_birth(ca, cb);
+                if updates.contains(&(first.key, second.key)) || updates.contains(&(second.key, first.key)) {
+                    continue;
+                }
+                let one_chain = chain_of.get(&first.key).is_some_and(|s| chain_of.get(&second.key) == Some(s));
+                let handed_over = first.end < second.start
+                    || (first.end == second.start
+                        && first.offset == second.offset
+                        && handover.contains(&(first.end, first.key, second.key)));
+                if !(one_chain && handed_over) {
+                    return fail(overlap(trace, first, second));
+                }
             }
         }
     }

@@ -146,7 +146,8 @@ impl Timeline {
         // Difference arrays: +bytes at start, -bytes after end, per category.
         let mut delta = vec![[0i128; 6]; steps + 1];
         for g in &plan.groups {
-            if g.members.is_empty() || g.bytes == 0 {
+            // The timeline is device memory: host tables are not in it.
+            if g.members.is_empty() || g.bytes == 0 || g.region == Region::Host {
                 continue;
             }
             // The most telling member decides: leaves and gradients over
@@ -154,7 +155,7 @@ impl Timeline {
             let category = g.members.iter().map(|&v| category_of(v)).min().unwrap_or(Category::Temporaries);
             let shown = g.members.iter().copied().find(|&v| category_of(v) == category).unwrap_or(g.members[0]);
             let (start, end) = match g.region {
-                Region::Persistent => (0, steps - 1),
+                Region::Persistent | Region::Host => (0, steps - 1),
                 Region::Arena => (g.start.min(steps - 1), g.end.min(steps - 1)),
             };
             let producer = match &trace.value(shown).kind {

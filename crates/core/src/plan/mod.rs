@@ -16,9 +16,11 @@
 //!    to its last use; step outputs (loss, gradients) live to the end of the
 //!    step; step inputs from its start.
 //! 4. **Placement**: parameters and optimizer state are persistent, packed
-//!    with no padding; every other group gets an offset in one arena, greedy
-//!    by size (largest first, lowest offset that conflicts with no placed
-//!    group whose lifetime intersects).
+//!    with no padding; with [`PlanOptions::host_tables`], frozen embedding
+//!    tables go to the host region instead (packed the same way); every
+//!    other group gets an offset in one arena, greedy by size (largest
+//!    first, lowest offset that conflicts with no placed group whose
+//!    lifetime intersects).
 //!
 //! [`check_plan`] re-derives lifetimes from the trace and proves that no
 //! two values whose lifetimes intersect share a byte, except a view and its
@@ -51,6 +53,11 @@ pub enum Region {
     Persistent,
     /// Everything else: one buffer whose bytes are reused within a step.
     Arena,
+    /// Frozen tables that only embedding lookups read
+    /// ([`PlanOptions::host_tables`]): page-locked host memory that the
+    /// device reads over the bus, one row per token, and that is not device
+    /// memory. Outlives every step, as persistent memory does.
+    Host,
 }
 
 /// The bytes of one value.
@@ -79,11 +86,18 @@ pub struct PlanOptions {
     /// lifetimes and let in-place ops write over dying inputs. Off gives
     /// every value its own bytes (the "unplanned" reference).
     pub reuse: bool,
+    /// Keep frozen weights that only embedding lookups read (the token
+    /// table of a model trained through adapters) in [`Region::Host`]: a
+    /// step reads one row per token of them (32 MB of Llama-3-8B's 1.05 GB
+    /// table at 4096 tokens), so they need not hold device memory. Off by
+    /// default; [`crate::pipeline::compile_step`] turns it on under a
+    /// memory budget the step does not meet without recomputation.
+    pub host_tables: bool,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { reuse: true }
+        PlanOptions { reuse: true, host_tables: false }
     }
 }
 
@@ -98,6 +112,8 @@ pub struct MemoryPlan {
     pub steps: usize,
     pub persistent_bytes: u64,
     pub arena_bytes: u64,
+    /// Bytes of [`Region::Host`]: not device memory, not in the planned peak.
+    pub host_bytes: u64,
     /// The largest sum of live arena bytes at any position: no arena can be smaller.
     pub arena_floor_bytes: u64,
     /// The position where live arena bytes peak.
@@ -109,7 +125,8 @@ impl MemoryPlan {
         self.slots[v.index()]
     }
 
-    /// Persistent buffer plus arena: what a device must hold for this step.
+    /// Persistent buffer plus arena: what a device must hold for this step
+    /// (host tables are not device memory).
     pub fn planned_peak_bytes(&self) -> u64 {
         self.persistent_bytes + self.arena_bytes
     }
@@ -213,6 +230,45 @@ impl UnionFind {
     }
 }
 
+/// Packs the groups of `region` (persistent or host) from offset 0:
+/// 256-byte multiples first (aligned, no padding), then the small
+/// odd-sized ones by falling element size, each aligned to its element, so
+/// the buffer holds exactly the bytes of its values. Returns its size.
+fn pack(trace: &Trace, groups: &mut [Group], region: Region) -> u64 {
+    let elem = |g: &Group| trace.ty(g.members[0]).dtype.size() as u64;
+    let mut order: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == region).collect();
+    order.sort_by_key(|&g| {
+        let gr = &groups[g];
+        (!gr.bytes.is_multiple_of(ARENA_ALIGN), std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
+    });
+    let mut off = 0u64;
+    for &g in &order {
+        let align = if groups[g].bytes.is_multiple_of(ARENA_ALIGN) { ARENA_ALIGN } else { elem(&groups[g]) };
+        off = off.div_ceil(align) * align;
+        groups[g].offset = off;
+        off += groups[g].bytes;
+    }
+    off
+}
+
+/// Values that may live in [`Region::Host`]: frozen leaves that no node
+/// reads but as the table of an embedding lookup (so no product, no
+/// gradient and no update ever touches them).
+pub fn host_tables(trace: &Trace) -> Vec<bool> {
+    let mut host: Vec<bool> = trace.values.iter().map(|v| matches!(v.kind, ValueKind::Frozen { .. })).collect();
+    for node in &trace.nodes {
+        for (k, &i) in node.inputs.iter().enumerate() {
+            if !(matches!(node.op, crate::ops::Op::Embedding(_)) && k == 1) {
+                host[i.index()] = false;
+            }
+        }
+    }
+    for o in &trace.outputs {
+        host[o.value.index()] = false;
+    }
+    host
+}
+
 fn is_persistent(kind: &ValueKind) -> bool {
     matches!(kind, ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. })
 }
@@ -309,6 +365,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         }
     }
 
+    let host_table = if opts.host_tables { host_tables(trace) } else { vec![false; n] };
     // Build groups.
     let mut group_index = vec![usize::MAX; n];
     let mut groups: Vec<Group> = Vec::new();
@@ -332,7 +389,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         g.members.push(ValueId(v as u32));
         g.bytes = g.bytes.max(at + trace.values[v].ty.bytes());
         if is_persistent(&trace.values[v].kind) {
-            g.region = Region::Persistent;
+            g.region = if opts.host_tables && host_table[v] { Region::Host } else { Region::Persistent };
         }
         group_of[v] = group_index[r];
     }
@@ -353,23 +410,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         });
     }
 
-    // Persistent: 256-byte multiples first (aligned, no padding), then the
-    // small odd-sized ones by falling element size, each aligned to its
-    // element, so the buffer holds exactly the bytes of its values.
-    let elem = |g: &Group| trace.ty(g.members[0]).dtype.size() as u64;
-    let mut pers: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Persistent).collect();
-    pers.sort_by_key(|&g| {
-        let gr = &groups[g];
-        (!gr.bytes.is_multiple_of(ARENA_ALIGN), std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
-    });
-    let mut off = 0u64;
-    for &g in &pers {
-        let align = if groups[g].bytes.is_multiple_of(ARENA_ALIGN) { ARENA_ALIGN } else { elem(&groups[g]) };
-        off = off.div_ceil(align) * align;
-        groups[g].offset = off;
-        off += groups[g].bytes;
-    }
-    let persistent_bytes = off;
+    let persistent_bytes = pack(trace, &mut groups, Region::Persistent);
+    let host_bytes = pack(trace, &mut groups, Region::Host);
 
     let arena: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Arena).collect();
     let intervals: Vec<(usize, usize, u64)> =
@@ -409,6 +451,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         steps,
         persistent_bytes,
         arena_bytes,
+        host_bytes,
         arena_floor_bytes: floor as u64,
         peak_position,
     })

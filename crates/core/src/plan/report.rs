@@ -32,6 +32,10 @@ pub struct PlanReport {
     pub saved_for_backward_bytes: u64,
     pub arena_bytes: u64,
     pub arena_floor_bytes: u64,
+    /// Frozen embedding tables in page-locked host memory
+    /// ([`super::Region::Host`]): part of `frozen_bytes`, not of the
+    /// persistent bytes or the planned peak.
+    pub host_bytes: u64,
     pub planned_peak_bytes: u64,
     pub floor_bytes: u64,
     /// `planned_peak_bytes / floor_bytes - 1`: what the placement loses to fragmentation.
@@ -85,6 +89,7 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         saved_for_backward_bytes,
         arena_bytes: plan.arena_bytes,
         arena_floor_bytes: plan.arena_floor_bytes,
+        host_bytes: plan.host_bytes,
         planned_peak_bytes: plan.planned_peak_bytes(),
         floor_bytes: floor,
         overhead_vs_floor: plan.planned_peak_bytes() as f64 / floor.max(1) as f64 - 1.0,
@@ -123,7 +128,8 @@ impl PlanReport {
         match &self.frozen_storage {
             Some(storage) => {
                 let base = format!("base ({storage})");
-                writeln!(f, "    {base:<15}{:>14} B  {}  (frozen)", self.frozen_bytes, gb(self.frozen_bytes))?;
+                let on_device = self.frozen_bytes.saturating_sub(self.host_bytes);
+                writeln!(f, "    {base:<15}{on_device:>14} B  {}  (frozen)", gb(on_device))?;
                 writeln!(f, "    adapters       {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
             }
             None => writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?,
@@ -142,7 +148,16 @@ impl PlanReport {
             self.saved_for_backward_bytes,
             gb(self.saved_for_backward_bytes)
         )?;
-        writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))
+        writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))?;
+        if self.host_bytes > 0 {
+            writeln!(
+                f,
+                "  host tables      {:>14} B  {}  (frozen embedding, page-locked host memory read one row per token; not in the peak)",
+                self.host_bytes,
+                gb(self.host_bytes)
+            )?;
+        }
+        Ok(())
     }
 }
 
