@@ -122,7 +122,8 @@ pub struct BenchReport {
 /// ([`metrics::train_flops_per_token`]: products and attention, forward and
 /// backward); a forward-only step does a third of that.
 pub fn model_flops(spec: &ModelSpec, kind: StepKind, params: u64) -> f64 {
-    let step = metrics::train_flops_per_token(params as usize, &spec.config, spec.seq) * (spec.batch * spec.seq) as f64;
+    let step =
+        metrics::train_flops_per_token(params as usize, 0, &spec.config, spec.seq) * (spec.batch * spec.seq) as f64;
     match kind {
         StepKind::Forward => step / 3.0,
         StepKind::Grads | StepKind::Train => step,

@@ -2,7 +2,9 @@
 //!
 //! [`CudaSession::new`] checks that the plan fits the device before
 //! allocating anything, then makes **one** device allocation laid out as
-//! `[persistent | arena | cuBLASLt workspace]`, compiles (or loads from the
+//! `[persistent | arena | cuBLASLt workspace]` (and, for a plan with host
+//! tables, one page-locked host allocation mapped into the device's
+//! address space), compiles (or loads from the
 //! disk cache) the kernel modules the step needs, lowers every node to
 //! launches over fixed addresses and plans every matrix product once. The
 //! step then runs eagerly ([`CudaSession::run_eager`], launch by launch on

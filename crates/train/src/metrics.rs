@@ -68,12 +68,26 @@ impl MetricsFile {
 }
 
 /// Model FLOPs of one token of a training step (forward and backward):
-/// `6·N` for the `N` parameters' matrix products (2 forward, 4 backward),
-/// plus attention's score and value products, `12·L·T·d` for `L` layers of
-/// width `d` at sequence length `T` (the PaLM paper's appendix B count, which
-/// MFU is defined by; a causal mask's skipped half is not subtracted).
-pub fn train_flops_per_token(params: usize, config: &Config, seq: usize) -> f64 {
-    6.0 * params as f64 + 12.0 * (config.n_layer * seq * config.n_head * config.head_size) as f64
+/// `6·N` for the `N` trained parameters' matrix products (2 forward, 4
+/// backward), `4·F` for the `F` frozen ones (a base under adapters: forward
+/// and the input's gradient, no weight gradient), plus attention's score
+/// and value products, `12·L·T·d` for `L` layers of width `d` at sequence
+/// length `T` (the PaLM paper's appendix B count, which MFU is defined by;
+/// a causal mask's skipped half is not subtracted).
+pub fn train_flops_per_token(params: usize, frozen: usize, config: &Config, seq: usize) -> f64 {
+    6.0 * params as f64 + 4.0 * frozen as f64 + 12.0 * (config.n_layer * seq * config.n_head * config.head_size) as f64
+}
+
+/// The frozen weights of `forward` counted as the model computes with
+/// them: an NF4 base by its dequantized weights' elements, not its codes.
+pub fn frozen_weight_count(forward: &stepgraph_core::ir::Trace) -> usize {
+    use stepgraph_core::models::lora::{is_quantized_leaf, quantized_weights};
+    let plain: usize = forward
+        .frozen()
+        .filter(|&v| !forward.value(v).kind.leaf_name().is_some_and(is_quantized_leaf))
+        .map(|v| forward.ty(v).numel())
+        .sum();
+    plain + quantized_weights(forward).iter().map(|q| q.ty.numel()).sum::<usize>()
 }
 
 /// The dense peak FLOP/s of a GPU, by the name the driver reports, for the
@@ -118,10 +132,27 @@ mod tests {
     fn flops_per_token_count_parameters_and_attention() {
         let c = Config::named("tiny-llama").unwrap();
         let n = 1000;
-        let base = train_flops_per_token(n, &c, 0);
+        let base = train_flops_per_token(n, 0, &c, 0);
         assert_eq!(base, 6000.0);
-        let with_attention = train_flops_per_token(n, &c, 64);
+        let with_attention = train_flops_per_token(n, 0, &c, 64);
         assert_eq!(with_attention - base, (12 * c.n_layer * 64 * c.n_head * c.head_size) as f64);
+        // A frozen weight's products: forward and the input's gradient.
+        assert_eq!(train_flops_per_token(n, 500, &c, 0), 8000.0);
+    }
+
+    #[test]
+    fn a_frozen_base_counts_its_weights_as_the_model_computes_with_them() {
+        use stepgraph_core::ir::DType;
+        use stepgraph_core::models::{build_forward, Adapters, BaseStorage, LoraTarget, LossKind, ModelSpec};
+        let full = ModelSpec::named("tiny-llama", 1, 8, DType::BF16, LossKind::CrossEntropy).unwrap();
+        let fwd = build_forward(&full).unwrap();
+        let all: usize = fwd.params().map(|p| fwd.ty(p).numel()).sum();
+        assert_eq!(frozen_weight_count(&fwd), 0);
+        for base in [BaseStorage::Model, BaseStorage::Nf4 { double_quant: true }] {
+            let adapters = Adapters { base, ..Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap() };
+            let fwd = build_forward(&ModelSpec { adapters: Some(adapters), ..full.clone() }).unwrap();
+            assert_eq!(frozen_weight_count(&fwd), all, "{base:?}");
+        }
     }
 
     #[test]

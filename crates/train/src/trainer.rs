@@ -246,7 +246,12 @@ impl Trainer {
             None => None,
         };
         let mut trainer = Trainer {
-            flops_per_token: metrics::train_flops_per_token(params, &config.model.config, config.model.seq),
+            flops_per_token: metrics::train_flops_per_token(
+                params,
+                metrics::frozen_weight_count(&forward),
+                &config.model.config,
+                config.model.seq,
+            ),
             monitor: DivergenceMonitor::new(config.model.config.padded_vocab_size),
             grad_norm: grad_norm_output(session.trace()),
             config,
