@@ -31,13 +31,13 @@
 #
 # Everything lands in $RESULTS (default ./gpu-out): lora.log (every
 # command's output) and lora.jsonl (one JSON row per check and run).
-# Settings: WORK (default /tmp/lora), STEPS (default 6).
+# Settings: WORK (default /tmp/lora), STEPS (default 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
 gpu_script_start
 WORK=${WORK:-/tmp/lora}
-STEPS=${STEPS:-6}
+STEPS=${STEPS:-8}
 STAGES=${*:-peft memory}
 rm -rf "$WORK" && mkdir -p "$WORK"
 # Random-weight runs need only enough text for their sequences: the
