@@ -221,5 +221,11 @@ mod tests {
         assert_eq!(c.identity().unwrap(), id);
         c.step.grad_accum = 2;
         assert_ne!(c.identity().unwrap(), id);
+        // Where the plan keeps a frozen table changes no value either, and
+        // checkpoints written before that choice existed still resume.
+        c.step.grad_accum = 1;
+        c.step.plan.host_tables = true;
+        assert_eq!(c.identity().unwrap(), id);
+        assert!(id.contains_key("step.plan.reuse") && !id.keys().any(|k| k.contains("host")), "{id:?}");
     }
 }

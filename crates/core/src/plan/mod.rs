@@ -92,6 +92,9 @@ pub struct PlanOptions {
     /// table at 4096 tokens), so they need not hold device memory. Off by
     /// default; [`crate::pipeline::compile_step`] turns it on under a
     /// memory budget the step does not meet without recomputation.
+    /// Not serialized: where a frozen table lives changes no value, so it
+    /// is no part of a run's resume identity.
+    #[serde(skip)]
     pub host_tables: bool,
 }
 
