@@ -1,5 +1,6 @@
 //! `stepgraph eval`: the validation loss and perplexity of a Hugging Face
-//! model folder (one written by `train --out`, say) on the held-out split of
+//! model folder (one written by `train --out`, say, or any checkpoint a run
+//! saved, read through [`stepgraph_train::export`]) on the held-out split of
 //! the training data: a token file's validation documents, or the last
 //! `--val-fraction` of a byte-level text. The batches are the ones a
 //! training run with the same `--batch`, `--seq` and `--eval-batches`
@@ -15,6 +16,7 @@ use stepgraph_core::models::peft::{read_adapter_config, read_adapter_weights};
 use stepgraph_core::models::BaseStorage;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_train::data;
+use stepgraph_train::export::model_folders;
 use stepgraph_train::trainer::{load_adapters, Evaluator};
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
@@ -25,14 +27,16 @@ use crate::ModelArgs;
 /// `stepgraph eval`'s own flags (the batch, sequence and dtype flags are `EvalModelArgs`).
 #[derive(Args, Clone, Debug)]
 pub struct EvalArgs {
-    /// The Hugging Face model folder to evaluate (config.json and safetensors weights).
+    /// The Hugging Face model folder to evaluate (config.json and safetensors weights), or a
+    /// checkpoint a run saved (`DIR/step-000050`).
     #[arg(long, value_name = "DIR")]
     pub init_from: PathBuf,
-    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to evaluate over the
-    /// --init-from base.
+    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors), or a checkpoint of a
+    /// run of adapters, to evaluate over the --init-from base.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
-    /// With --adapter: how the base is stored, as the adapter was trained (nf4 for QLoRA) [default: model].
+    /// With --adapter: how the base is stored, as the adapter was trained (nf4 for QLoRA) [default:
+    /// model, or what an adapter checkpoint records].
     #[arg(long, value_enum, requires = "adapter")]
     pub base_dtype: Option<BaseDTypeArg>,
     /// With --base-dtype nf4: the block scales quantized too, as --double-quant trained.
@@ -59,6 +63,14 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     if args.eval_batches == 0 {
         bail!("--eval-batches 0 evaluates nothing: ask for at least 1");
     }
+    // Checkpoints are read through folders written from them; messages
+    // name what was given.
+    let folders = model_folders(&args.init_from, args.adapter.as_deref(), None)?;
+    for note in &folders.notes {
+        eprintln!("{note}");
+    }
+    let given = args;
+    let args = &EvalArgs { init_from: folders.init_from.clone(), adapter: folders.adapter.clone(), ..args.clone() };
     let backend = Backend::or_default(args.device);
     let model = &model.on_gpu(backend == Backend::Cuda);
     let (mut spec, hf) = train::model_spec(model, Some(&args.init_from))?;
@@ -67,12 +79,14 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     // the layers they adapt, as it trained.
     let adapter = match &args.adapter {
         Some(dir) => {
-            let context = || format!("--adapter {}", dir.display());
+            let shown = given.adapter.as_deref().unwrap_or(dir);
+            let context = || format!("--adapter {}", shown.display());
             let (mut adapters, _) = read_adapter_config(dir).with_context(context)?;
             adapters.base = match (args.base_dtype, args.double_quant) {
                 (Some(BaseDTypeArg::Nf4), double_quant) => BaseStorage::Nf4 { double_quant },
                 (_, true) => bail!("--double-quant applies to an nf4 base: add --base-dtype nf4"),
-                _ => BaseStorage::Model,
+                (Some(BaseDTypeArg::Model), _) => BaseStorage::Model,
+                (None, _) => folders.recorded_base.unwrap_or(BaseStorage::Model),
             };
             spec.adapters = Some(adapters);
             Some(read_adapter_weights(dir, hf.family()).with_context(context)?)
@@ -82,32 +96,30 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
     let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     data::check_tokenizer(data.as_ref(), None, Some(&args.init_from))?;
+    let (model_name, adapter_name) = (given.init_from.display(), given.adapter.as_ref().map(|a| a.display()));
     let batches = data.validation_batches(args.eval_batches)?;
     let compiled = compile_step(&spec, &StepOptions::new(StepKind::Forward))?;
     // The folder must fit before a session allocates anything.
     hf.check(&compiled.forward)?;
     let mut session = open_session(backend, compiled.step, compiled.plan, SessionOptions::default())?.session;
     hf.load_into(&compiled.forward, session.as_mut())
-        .with_context(|| format!("loading the weights of {}", args.init_from.display()))?;
-    if let (Some(tensors), Some(dir)) = (&adapter, &args.adapter) {
-        load_adapters(session.as_mut(), &compiled.forward, tensors)
-            .with_context(|| format!("--adapter {}", dir.display()))?;
+        .with_context(|| format!("loading the weights of {model_name}"))?;
+    if let (Some(tensors), Some(name)) = (&adapter, &adapter_name) {
+        load_adapters(session.as_mut(), &compiled.forward, tensors).with_context(|| format!("--adapter {name}"))?;
     }
     let n = batches.len();
     let mut eval = Evaluator { session, batches, micro_batches: 1, frozen_copied: true };
     let loss = eval.mean_loss(0, 1)?;
     if !loss.is_finite() {
         bail!(
-            "the validation loss of {} on {} is {loss}: the model's outputs are not finite. Check the weights \
-             of --init-from {} for NaN or Inf values, or evaluate in a wider --dtype (f32)",
-            args.init_from.display(),
+            "the validation loss of {model_name} on {} is {loss}: the model's outputs are not finite. Check the \
+             weights of --init-from {model_name} for NaN or Inf values, or evaluate in a wider --dtype (f32)",
             args.data.display(),
-            args.init_from.display()
         );
     }
     if args.json {
         let row = serde_json::json!({
-            "model": args.init_from, "adapter": args.adapter, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,
+            "model": given.init_from, "adapter": given.adapter, "data": args.data, "batches": n, "batch": spec.batch, "seq": spec.seq,
             "val_loss": loss, "val_ppl": loss.exp(),
         });
         println!("{row}");
@@ -119,8 +131,8 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
             spec.batch,
             spec.seq,
             args.data.display(),
-            args.init_from.display(),
-            args.adapter.as_ref().map(|a| format!(" with adapter {}", a.display())).unwrap_or_default()
+            model_name,
+            adapter_name.map(|a| format!(" with adapter {a}")).unwrap_or_default()
         );
     }
     Ok(())

@@ -43,6 +43,7 @@ use stepgraph_cuda::CudaError;
 use stepgraph_data::template::Message;
 use stepgraph_data::tokenizer::{StreamDecoder, Tokenizer};
 
+use stepgraph_train::export::{is_checkpoint, model_folders};
 use stepgraph_train::trainer::init_weights;
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
@@ -52,11 +53,13 @@ use crate::ModelArgs;
 /// `stepgraph generate`'s own flags (the model and dtype flags are shared).
 #[derive(Args, Clone, Debug)]
 pub struct GenerateArgs {
-    /// A Hugging Face model folder: config.json, safetensors weights, and its tokenizer files.
+    /// A Hugging Face model folder: config.json, safetensors weights, and its tokenizer files; or a
+    /// checkpoint a run saved (`DIR/step-000050`, with --tokenizer for text prompts).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "config"])]
     pub init_from: Option<PathBuf>,
-    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) over the --init-from
-    /// base: its adapters are merged into the base's weights as they load.
+    /// A PEFT adapter folder (adapter_config.json, adapter_model.safetensors), or a checkpoint of a
+    /// run of adapters, over the --init-from base: its adapters are merged into the base's weights
+    /// as they load.
     #[arg(long, value_name = "DIR", requires = "init_from")]
     pub adapter: Option<PathBuf>,
     /// The tokenizer (a tokenizer.json or its folder) [default: the --init-from folder].
@@ -255,8 +258,9 @@ fn gb(b: u64) -> f64 {
 }
 
 /// The adapters of the folder `dir` for the base `hf`, to merge as the base loads.
-fn adapter_merge(dir: &std::path::Path, hf: &HfModelDir) -> Result<AdapterMerge> {
-    let context = || format!("--adapter {}", dir.display());
+/// The adapters of the folder `dir` (given as `shown`) as merged into `hf`'s weights.
+fn adapter_merge(dir: &std::path::Path, shown: &std::path::Path, hf: &HfModelDir) -> Result<AdapterMerge> {
+    let context = || format!("--adapter {}", shown.display());
     let (adapters, _) = read_adapter_config(dir).with_context(context)?;
     let tensors = read_adapter_weights(dir, hf.family()).with_context(context)?;
     AdapterMerge::new(adapters.scale(), &tensors).with_context(context)
@@ -266,6 +270,30 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     let switches = stepgraph_cuda::Switches::from_env()?;
     let backend = Backend::or_default(args.device);
     let model = &model.on_gpu(backend == Backend::Cuda);
+    // Checkpoints are read through folders written from them; messages
+    // name what was given.
+    let given = args;
+    if let Some(dir) = args.init_from.as_ref().filter(|d| is_checkpoint(d)) {
+        if args.tokenizer.is_none() && args.random_prompts.is_none() {
+            bail!(
+                "--init-from {}: a checkpoint holds no tokenizer: give --tokenizer DIR (the folder the run \
+                 started from) for text prompts, or --random-prompts N",
+                dir.display()
+            );
+        }
+    }
+    let folders = match &args.init_from {
+        Some(dir) => Some(model_folders(dir, args.adapter.as_deref(), args.tokenizer.as_deref())?),
+        None => None,
+    };
+    for note in folders.iter().flat_map(|f| &f.notes) {
+        eprintln!("{note}");
+    }
+    let args = &GenerateArgs {
+        init_from: folders.as_ref().map(|f| f.init_from.clone()).or_else(|| args.init_from.clone()),
+        adapter: folders.as_ref().and_then(|f| f.adapter.clone()),
+        ..args.clone()
+    };
     let (spec, hf) = train::model_spec(model, args.init_from.as_deref())?;
     let cfg = spec.config.clone();
     let tok = load_tokenizer(args)?;
@@ -366,9 +394,9 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         // The folder's tensors, q/k/v and gate/up rows gathered into the
         // generation's fused projection weights.
         Some(hf) => {
-            let merge = match &args.adapter {
-                Some(dir) => Some(adapter_merge(dir, hf)?),
-                None => None,
+            let merge = match (&args.adapter, &given.adapter) {
+                (Some(dir), Some(shown)) => Some(adapter_merge(dir, shown, hf)?),
+                _ => None,
             };
             let mut writer = FusedWriter::new(&program);
             hf.load_into_with(
@@ -378,7 +406,12 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
                     _ => writer.write(session.as_mut(), name, t),
                 },
             )
-            .with_context(|| format!("loading the weights of --init-from {}", hf.dir().display()))?;
+            .with_context(|| {
+                format!(
+                    "loading the weights of --init-from {}",
+                    given.init_from.as_deref().unwrap_or(hf.dir()).display()
+                )
+            })?;
             writer.finish()?;
         }
         None => init_weights(session.as_mut(), &program.trace, None, args.seed)?,

@@ -185,6 +185,16 @@ fn an_adapter_run_resumes_bit_for_bit_and_continues_a_folder() {
     run_ok(&["export", s(&ck), "--out", s(&exported), "--init-from", s(&base)]);
     assert_eq!(folder_tensors(&exported), folder_tensors(&straight));
     assert!(exported.join("adapter_config.json").is_file() && exported.join("tokenizer.json").is_file());
+    // `eval --adapter` reads the checkpoint as it is.
+    let newest = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-"))
+        .max()
+        .unwrap();
+    assert_eq!(eval_loss(&base, Some(&newest), &data, &[]), eval_loss(&base, Some(&exported), &data, &[]));
+    // A checkpoint of adapters is no model.
+    fails_with(&["eval", "--device", "cpu", "--init-from", s(&newest), "--data", s(&data)], "holds no model");
 
     // --adapter continues the folder: its settings, its weights as the start.
     let more = tmp.path().join("more");

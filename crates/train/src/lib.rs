@@ -13,6 +13,7 @@
 //! - [`trainer`]: the training loop, evaluation, checkpoints and resume;
 //! - [`session`]: [`Backend`] and [`open_session`];
 //! - [`checkpoint`]: atomic checkpoint directories, keeping K;
+//! - [`export`]: a checkpoint as a model (or peft adapter) folder;
 //! - [`data`]: byte-level text and token files as batches;
 //! - [`divergence`], [`schedule`], [`metrics`]: the loss watch, the
 //!   learning-rate schedule, the JSONL metrics file and MFU;
@@ -26,6 +27,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod divergence;
+pub mod export;
 pub mod lock;
 pub mod metrics;
 pub mod schedule;
