@@ -360,7 +360,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
         program.spec.buckets,
         built.elapsed().as_secs_f64()
     );
-    if let Ok(step) = stepgraph_cuda::session::step_launches(&program.trace, &memory_plan, "sm_90", &switches) {
+    if let Ok(step) = stepgraph_cuda::lower::step_launches(&program.trace, &memory_plan, "sm_90", &switches) {
         eprintln!("{}", launch_line(&program, &step));
     }
     let stops = if args.ignore_eos { Vec::new() } else { stop_tokens(tok.as_ref(), args.init_from.as_deref())? };
@@ -507,7 +507,7 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
 
 /// `launches on an sm_90 GPU: prefill 265, decode step 264 (bucket 1), ...`:
 /// what each segment of the program is on a Hopper GPU, lowered without one.
-fn launch_line(program: &GenerationProgram, step: &stepgraph_cuda::session::LoweredStep) -> String {
+fn launch_line(program: &GenerationProgram, step: &stepgraph_cuda::launch::LaunchList) -> String {
     let count = |nodes: &std::ops::Range<usize>| step.of_nodes(nodes.clone()).len();
     let decode: Vec<String> = (program.spec.buckets.iter())
         .filter_map(|&b| program.decode(b).map(|s| format!("{} (bucket {b})", count(&s.nodes))))

@@ -750,7 +750,7 @@ fn run_command(cli: Cli) -> Result<()> {
             // What the step is on a Hopper GPU, lowered here without one
             // (a dtype without CUDA kernels, such as f64, has no count).
             const ARCH: &str = "sm_90";
-            let census = stepgraph_cuda::session::step_launches(&c.step, &c.plan, ARCH, &switches)
+            let census = stepgraph_cuda::lower::step_launches(&c.step, &c.plan, ARCH, &switches)
                 .ok()
                 .map(|step| profile::census(&step.launches));
             if json {

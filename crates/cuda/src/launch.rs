@@ -315,3 +315,68 @@ mod tests {
         }
     }
 }
+
+/// A step's launches in order, each with the first and last node it comes
+/// from (one node for a launch as lowered, a run of nodes for a merged
+/// one). Built by [`crate::lower::lower_step`]; the merge rules
+/// ([`crate::ops::optim::merge_updates`], [`crate::ops::decode::merge_kv_writes`],
+/// [`crate::ops::rope::merge_ropes`]) take one and give one.
+#[derive(Clone, Debug, Default)]
+pub struct LaunchList {
+    pub launches: Vec<Launch>,
+    /// The last node of each launch (ascending).
+    pub last_nodes: Vec<usize>,
+    /// The first node of each launch: node ranges must not cut a launch.
+    pub first_nodes: Vec<usize>,
+}
+
+impl LaunchList {
+    /// `launches` as lowered: launch `j` made by node `nodes[j]` alone.
+    pub fn one_node_each(launches: Vec<Launch>, nodes: Vec<usize>) -> LaunchList {
+        LaunchList { launches, first_nodes: nodes.clone(), last_nodes: nodes }
+    }
+
+    /// The launches, their last nodes and their first nodes.
+    pub fn into_parts(self) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
+        (self.launches, self.last_nodes, self.first_nodes)
+    }
+
+    /// Appends `launch`, made by the nodes `first..=last`.
+    pub fn push(&mut self, launch: Launch, first: usize, last: usize) {
+        self.launches.push(launch);
+        self.first_nodes.push(first);
+        self.last_nodes.push(last);
+    }
+
+    pub fn len(&self) -> usize {
+        self.launches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.launches.is_empty()
+    }
+
+    /// Adjacent launches `j, j + 1` that `pair` makes one launch of,
+    /// merged, left to right (a merged launch is not paired again), each
+    /// merged pair's nodes spanning both.
+    pub(crate) fn merge_adjacent(self, pair: impl Fn(&Launch, &Launch) -> Option<Launch>) -> LaunchList {
+        let mut out = LaunchList::default();
+        let mut j = 0;
+        while j < self.launches.len() {
+            if let Some(merged) = self.launches.get(j + 1).and_then(|next| pair(&self.launches[j], next)) {
+                out.push(merged, self.first_nodes[j], self.last_nodes[j + 1]);
+                j += 2;
+            } else {
+                out.push(self.launches[j].clone(), self.first_nodes[j], self.last_nodes[j]);
+                j += 1;
+            }
+        }
+        out
+    }
+
+    /// The launches of the nodes `nodes` (one segment of a trace that holds
+    /// several programs, such as a generation bucket's decode step).
+    pub fn of_nodes(&self, nodes: std::ops::Range<usize>) -> Vec<&Launch> {
+        self.launches.iter().zip(&self.last_nodes).filter(|(_, n)| nodes.contains(n)).map(|(l, _)| l).collect()
+    }
+}

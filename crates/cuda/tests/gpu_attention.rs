@@ -17,7 +17,7 @@ use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 use stepgraph_core::ops::sample::normal;
 use stepgraph_core::ops::{Op, Sample};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op as cpu_run};
-use stepgraph_cuda::session::run_op as gpu_run;
+use stepgraph_cuda::testing::run_op as gpu_run;
 
 mod common;
 use common::{attention_grad_tol, attention_tol};

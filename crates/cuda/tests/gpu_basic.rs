@@ -7,12 +7,12 @@
 //! covers them.
 //!
 //! The sweep gathers an op's samples of one dtype and seed, one node each
-//! with every value in its own bytes (as `session::run_op`), into one trace
+//! with every value in its own bytes (as `testing::run_op`), into one trace
 //! and one `CudaSession`, runs it twice (the runs must agree bit for bit:
 //! no atomics) and compares every output with the CPU; a batch that fails
-//! is re-run case by case through `session::run_op` to name the culprit.
+//! is re-run case by case through `testing::run_op` to name the culprit.
 //! The same batch with every declared in-place pair sharing storage (as
-//! `session::run_op_aliased`) must give the same bits as without.
+//! `testing::run_op_aliased`) must give the same bits as without.
 //!
 //! Tolerances ([`comparison`], by op kind and output dtype): ops whose GPU
 //! formula is the CPU's sequence of correctly rounded operations (binary
@@ -115,7 +115,7 @@ fn cpu(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
 /// Runs every case as one node of one trace on the GPU, every value in its
 /// own bytes (`aliased`: each node's declared in-place pairs of matching
 /// types share storage, the first pair per output and per input, as
-/// `session::run_op_aliased` does for one op). One session per batch instead
+/// `testing::run_op_aliased` does for one op). One session per batch instead
 /// of one per case keeps the test fast. The step runs `runs` times; every
 /// run must give the same bits (no atomics). Returns each case's outputs.
 fn try_batch(cases: &[Case], aliased: bool, runs: usize) -> Result<Vec<Vec<HostTensor>>, String> {
@@ -181,16 +181,16 @@ fn try_batch(cases: &[Case], aliased: bool, runs: usize) -> Result<Vec<Vec<HostT
 }
 
 /// [`try_batch`], and when the batch fails, each case alone through
-/// `session::run_op` (or `run_op_aliased`) to name the one that fails.
+/// `testing::run_op` (or `run_op_aliased`) to name the one that fails.
 fn gpu_batch(cases: &[Case], aliased: bool, runs: usize) -> Vec<Vec<HostTensor>> {
     match try_batch(cases, aliased, runs) {
         Ok(outs) => outs,
         Err(batch_err) => {
             for k in cases {
                 let r = if aliased {
-                    stepgraph_cuda::session::run_op_aliased(&k.op, &k.inputs)
+                    stepgraph_cuda::testing::run_op_aliased(&k.op, &k.inputs)
                 } else {
-                    stepgraph_cuda::session::run_op(&k.op, &k.inputs)
+                    stepgraph_cuda::testing::run_op(&k.op, &k.inputs)
                 };
                 if let Err(e) = r {
                     panic!("{}: GPU run failed: {e}", k.what);
@@ -651,7 +651,7 @@ fn embedding_kernels_stay_in_bounds_for_bad_ids() {
     let gy = normal(&[raw.len(), width], DType::F32, 4);
     for id_dt in [DType::I32, DType::I64] {
         let i = tensor(id_dt, &[raw.len()], &raw);
-        if let Ok(y) = stepgraph_cuda::session::run_op(&Op::from(Embedding), &[i.clone(), table.clone()]) {
+        if let Ok(y) = stepgraph_cuda::testing::run_op(&Op::from(Embedding), &[i.clone(), table.clone()]) {
             let (y, t) = (y[0].to_f64(), table.to_f64());
             for (p, &id) in raw.iter().enumerate() {
                 for c in 0..width {
@@ -661,7 +661,7 @@ fn embedding_kernels_stay_in_bounds_for_bad_ids() {
             }
         }
         let op = Op::from(EmbeddingBackward { num_rows: rows });
-        if let Ok(gt) = stepgraph_cuda::session::run_op(&op, &[i.clone(), gy.clone()]) {
+        if let Ok(gt) = stepgraph_cuda::testing::run_op(&op, &[i.clone(), gy.clone()]) {
             let g = gy.to_f64();
             let mut want = vec![0.0f64; rows * width];
             for (p, &id) in raw.iter().enumerate().filter(|(_, &id)| valid(id)) {
@@ -781,7 +781,7 @@ fn adamw_with_invalid_scalars_leaves_the_state_unchanged() {
             scalar(DType::F32, lr),
             scalar(DType::F32, step),
         ];
-        if let Ok(out) = stepgraph_cuda::session::run_op(&op, &inputs) {
+        if let Ok(out) = stepgraph_cuda::testing::run_op(&op, &inputs) {
             for (j, i) in [(0, 0), (1, 2), (2, 3)] {
                 assert_exact(&format!("adamw lr {lr} step {step}: output {j}"), &out[j], &inputs[i]);
             }

@@ -19,7 +19,7 @@ use stepgraph_core::ops::sample;
 use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
 use stepgraph_core::ops::{Op, OpDef};
 use stepgraph_core::testing::{self, draw_input, draw_sample};
-use stepgraph_cuda::session;
+use stepgraph_cuda::testing as gpu;
 
 mod common;
 use common::{normal, row_tol, scalar};
@@ -39,7 +39,7 @@ fn warm_gpu() {
 
 fn gpu_run(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
     warm_gpu();
-    session::run_op(op, inputs).unwrap_or_else(|e| panic!("{}: GPU: {e}", op.name()))
+    gpu::run_op(op, inputs).unwrap_or_else(|e| panic!("{}: GPU: {e}", op.name()))
 }
 
 /// `gpu` equals `cpu` within `tol` of the largest finite |cpu|; NaN where
@@ -72,7 +72,7 @@ fn assert_close(what: &str, gpu: &HostTensor, cpu: &HostTensor, tol: f64) {
 fn check(what: &str, op: &Op, inputs: &[HostTensor], reduced: usize) -> Vec<HostTensor> {
     let cpu = testing::run_op(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
     warm_gpu();
-    let gpu = session::run_op(op, inputs).unwrap_or_else(|e| panic!("{what}: GPU: {e}"));
+    let gpu = gpu::run_op(op, inputs).unwrap_or_else(|e| panic!("{what}: GPU: {e}"));
     assert_eq!(gpu.len(), cpu.len(), "{what}: output count");
     for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
         assert_close(&format!("{what}: output {k}"), g, c, row_tol(c.ty.dtype, reduced));

@@ -28,13 +28,13 @@ use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{
-    float_name, independent_pair, launch, merge_adjacent, n64, ptr, row_grid, two_row_launch, typed_kernel, unit_for,
-    MAX_ROW_BLOCKS, UNITS,
+    float_name, independent_pair, launch, n64, ptr, row_grid, two_row_launch, typed_kernel, unit_for, MAX_ROW_BLOCKS,
+    UNITS,
 };
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch, LaunchList};
 
 /// The module of every generation kernel.
 const MODULE: &str = "decode";
@@ -152,15 +152,9 @@ fn kv_write_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
 /// cache and new rows (a layer's keys then values: the same rows,
 /// positions and shapes) as one `kv_write2` launch, when neither writes
 /// bytes the other reads or writes: the same copies, one launch fewer per
-/// layer. `last[j]` and `first[j]` are launch `j`'s last and first nodes
-/// (as [`super::optim::merge_updates`] returns them); returns the three
-/// lists with each merged pair's nodes spanning both.
-pub fn merge_kv_writes(
-    launches: Vec<Launch>,
-    last: Vec<usize>,
-    first: Vec<usize>,
-) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    merge_adjacent(launches, last, first, |a, b| {
+/// layer.
+pub fn merge_kv_writes(list: LaunchList) -> LaunchList {
+    list.merge_adjacent(|a, b| {
         let (ka, kb) = independent_pair(a, b, |k| kv_write_ranges(k).map(|[cache, src]| [src, cache]))?;
         if ka.args[2..] != kb.args[2..] {
             return None;

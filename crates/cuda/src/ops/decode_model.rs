@@ -786,6 +786,7 @@ fn cached_attention_matches_the_cpu_on_the_model() {
 #[test]
 fn merged_cache_writes_equal_the_two_launches() {
     use super::decode::merge_kv_writes;
+    use crate::launch::LaunchList;
     use stepgraph_core::ops::decode::KvWrite;
     let op = Op::from(KvWrite);
     let (b, t, n, s, h, d) = (3, 2, 4, 9, 2, 6);
@@ -818,7 +819,8 @@ fn merged_cache_writes_equal_the_two_launches() {
         let mut launches = lower_one(&at[0], &at[1]);
         launches.extend(lower_one(&at[2], &at[3]));
         assert_eq!(launches.len(), 2, "in place: one kernel each");
-        let (merged, last, first) = merge_kv_writes(launches.clone(), vec![5, 6], vec![5, 6]);
+        let (merged, last, first) =
+            merge_kv_writes(LaunchList::one_node_each(launches.clone(), vec![5, 6])).into_parts();
         assert_eq!((merged.len(), last, first), (1, vec![6], vec![5]), "{dt}");
         let Launch::Kernel(k) = &merged[0] else { panic!("a kernel") };
         assert!(k.function.starts_with("kv_write2_") && k.grid.1 == 2, "{}", k.function);
@@ -840,14 +842,18 @@ fn merged_cache_writes_equal_the_two_launches() {
         emulate(k, &mut mem);
         assert_eq!(mem.0, apart.0, "{dt}: the merged launch writes what the two do");
         // A write into the other's cache, or other rows, is not merged.
-        let (overlapping, _, _) =
-            merge_kv_writes([lower_one(&at[0], &at[1]), lower_one(&at[0], &at[3])].concat(), vec![0, 1], vec![0, 1]);
+        let (overlapping, _, _) = merge_kv_writes(LaunchList::one_node_each(
+            [lower_one(&at[0], &at[1]), lower_one(&at[0], &at[3])].concat(),
+            vec![0, 1],
+        ))
+        .into_parts();
         assert_eq!(overlapping.len(), 2, "{dt}: both write the first cache");
         let other_rows =
             super::lower(&op, &[at[2].clone(), at[3].clone(), at[5].clone(), at[5].clone()], &[at[2].clone()], None)
                 .unwrap();
         let (apart_rows, _, _) =
-            merge_kv_writes([lower_one(&at[0], &at[1]), other_rows].concat(), vec![0, 1], vec![0, 1]);
+            merge_kv_writes(LaunchList::one_node_each([lower_one(&at[0], &at[1]), other_rows].concat(), vec![0, 1]))
+                .into_parts();
         assert_eq!(apart_rows.len(), 2, "{dt}: different rows");
     }
 }

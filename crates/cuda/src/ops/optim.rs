@@ -17,7 +17,7 @@ use super::util::{aligned16, float_name, launch, n64, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
 use crate::kernels::KernelModule;
-use crate::launch::{blocks, Arg, DevTensor, KernelLaunch, Launch};
+use crate::launch::{blocks, Arg, DevTensor, KernelLaunch, Launch, LaunchList};
 
 /// Grid cap for AdamW, whose blocks each compute the step's coefficients once.
 const ADAMW_MAX_GRID: usize = 4096;
@@ -179,13 +179,11 @@ fn merge_key(l: &Launch) -> Option<(&str, &[Arg], &[Arg])> {
 /// Runs of two or more consecutive AdamW launches with one `merge_key`,
 /// as multi-tensor launches of up to [`MULTI_MAX_TENSORS`] updates each
 /// ([`MULTI_MAX_TENSORS_MASTER`] with master state),
-/// with the same results bit for bit (the same arithmetic per element).
-/// `nodes[j]` is launch `j`'s node; returns the launches, each one's last
-/// node (ascending, as before) and each one's first node (different only
-/// for a merged launch).
-pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    let mut out = Vec::with_capacity(launches.len());
-    let (mut last, mut first) = (Vec::with_capacity(nodes.len()), Vec::with_capacity(nodes.len()));
+/// with the same results bit for bit (the same arithmetic per element),
+/// each merged launch's nodes spanning those of its updates.
+pub fn merge_updates(list: LaunchList) -> LaunchList {
+    let LaunchList { launches, last_nodes, first_nodes } = list;
+    let mut out = LaunchList::default();
     let mut j = 0;
     while j < launches.len() {
         let mut end = j + 1;
@@ -195,9 +193,7 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
             }
         }
         if end - j < 2 {
-            out.push(launches[j].clone());
-            last.push(nodes[j]);
-            first.push(nodes[j]);
+            out.push(launches[j].clone(), first_nodes[j], last_nodes[j]);
             j += 1;
             continue;
         }
@@ -218,19 +214,21 @@ pub fn merge_updates(launches: Vec<Launch>, nodes: Vec<usize>) -> (Vec<Launch>, 
             args.extend(head.args[4..6].iter().cloned());
             args.extend(head.args[SHARED_ARGS].iter().cloned());
             let grid = chunks.min(ADAMW_MAX_GRID) as u32;
-            out.push(launch(
-                "adamw",
-                head.function.replacen("adamw_vec_", "adamw_multi_", 1),
-                (grid, 1, 1),
-                (THREADS, 1, 1),
-                args,
-            ));
-            first.push(nodes[group.start]);
-            last.push(nodes[group.end - 1]);
+            out.push(
+                launch(
+                    "adamw",
+                    head.function.replacen("adamw_vec_", "adamw_multi_", 1),
+                    (grid, 1, 1),
+                    (THREADS, 1, 1),
+                    args,
+                ),
+                first_nodes[group.start],
+                last_nodes[group.end - 1],
+            );
         }
         j = end;
     }
-    (out, last, first)
+    out
 }
 
 #[cfg(test)]
@@ -305,7 +303,8 @@ mod tests {
         launches.push(update(16, 80 << 32, 0x300, 0));
         launches.push(other.clone());
         let nodes: Vec<usize> = (0..launches.len()).map(|i| 10 * i).collect();
-        let (merged, last, first) = merge_updates(launches.clone(), nodes.clone());
+        let (merged, last, first) =
+            merge_updates(LaunchList::one_node_each(launches.clone(), nodes.clone())).into_parts();
         let names: Vec<&str> = merged.iter().map(function).collect();
         assert_eq!(
             names,
@@ -330,7 +329,7 @@ mod tests {
         assert_eq!(k.args[3..], one.args[10..]);
         // Nothing to merge: the same list.
         let alone = vec![other.clone(), update(64, 1 << 32, 0x200, 0), other];
-        let (same, last, first) = merge_updates(alone.clone(), vec![1, 2, 3]);
+        let (same, last, first) = merge_updates(LaunchList::one_node_each(alone.clone(), vec![1, 2, 3])).into_parts();
         assert_eq!(same, alone);
         assert_eq!((last, first), (vec![1, 2, 3], vec![1, 2, 3]));
     }
@@ -344,7 +343,8 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| update(n, (i as u64 + 1) << 32, 0x200, 0))
             .collect();
-        let (merged, _, _) = merge_updates(launches.clone(), (0..launches.len()).collect());
+        let (merged, _, _) =
+            merge_updates(LaunchList::one_node_each(launches.clone(), (0..launches.len()).collect())).into_parts();
         let [Launch::Kernel(k)] = &merged[..] else { panic!("{merged:?}") };
         let Arg::Struct(t) = &k.args[0] else { unreachable!() };
         let word = |i: usize| i64::from_ne_bytes(t[8 * i..8 * i + 8].try_into().unwrap());

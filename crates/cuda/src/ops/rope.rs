@@ -15,11 +15,11 @@
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
 
-use super::util::{independent_pair, merge_adjacent, n64, ptr, row_grid, two_row_launch, typed_kernel, MAX_ROW_BLOCKS};
+use super::util::{independent_pair, n64, ptr, row_grid, two_row_launch, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch, LaunchList};
 
 /// `ROPE_CHUNK` of rope.cu: pairs whose angles a rope block holds at once.
 const ROPE_CHUNK: usize = 256;
@@ -108,13 +108,8 @@ fn rope_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
 /// `blockIdx.y` rotating the first tensor or the second, when the second
 /// reads or writes nothing the first writes and writes nothing it reads:
 /// the same arithmetic per element, one launch fewer per layer and pass.
-/// Lists as [`merge_adjacent`] takes and returns them.
-pub fn merge_ropes(
-    launches: Vec<Launch>,
-    last: Vec<usize>,
-    first: Vec<usize>,
-) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    merge_adjacent(launches, last, first, |a, b| {
+pub fn merge_ropes(list: LaunchList) -> LaunchList {
+    list.merge_adjacent(|a, b| {
         let (ka, kb) = independent_pair(a, b, rope_ranges)?;
         if ka.args[2..4] != kb.args[2..4] || ka.args[5..] != kb.args[5..] {
             return None;
@@ -156,7 +151,7 @@ mod tests {
         let one = |op: &Op, x: DevTensor, y: DevTensor| lower(op, &[x], &[y], None).unwrap();
         let (q, qr, k, kr) = (at(1 << 20, 4), at(2 << 20, 4), at(3 << 20, 2), at(4 << 20, 2));
         let launches = [one(&rope(false), q.clone(), qr.clone()), one(&rope(false), k.clone(), kr.clone())].concat();
-        let (merged, last, first) = merge_ropes(launches.clone(), vec![7, 8], vec![7, 8]);
+        let (merged, last, first) = merge_ropes(LaunchList::one_node_each(launches.clone(), vec![7, 8])).into_parts();
         assert_eq!((merged.len(), last, first), (1, vec![8], vec![7]));
         let (Launch::Kernel(m), Launch::Kernel(a)) = (&merged[0], &launches[0]) else { panic!("kernels") };
         assert_eq!((m.function.as_str(), m.grid, m.block), ("rope2_bf16", (a.grid.0, 2, 1), a.block));
@@ -176,14 +171,14 @@ mod tests {
         }
         // Each rotated in place: still one launch.
         let in_place = [one(&rope(true), q.clone(), q.clone()), one(&rope(true), k.clone(), k.clone())].concat();
-        assert_eq!(merge_ropes(in_place, vec![0, 1], vec![0, 1]).0.len(), 1);
+        assert_eq!(merge_ropes(LaunchList::one_node_each(in_place, vec![0, 1])).into_parts().0.len(), 1);
         // The second reads what the first writes: apart.
         let chained =
             [one(&rope(false), q.clone(), qr.clone()), one(&rope(false), qr.clone(), at(5 << 20, 4))].concat();
-        assert_eq!(merge_ropes(chained, vec![0, 1], vec![0, 1]).0.len(), 2);
+        assert_eq!(merge_ropes(LaunchList::one_node_each(chained, vec![0, 1])).into_parts().0.len(), 2);
         // Opposite directions: apart.
         let mixed = [one(&rope(false), q.clone(), qr.clone()), one(&rope(true), k.clone(), kr.clone())].concat();
-        assert_eq!(merge_ropes(mixed, vec![0, 1], vec![0, 1]).0.len(), 2);
+        assert_eq!(merge_ropes(LaunchList::one_node_each(mixed, vec![0, 1])).into_parts().0.len(), 2);
     }
 
     #[test]

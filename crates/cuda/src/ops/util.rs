@@ -215,35 +215,6 @@ pub(crate) fn unit_for(bytes: &[u64]) -> (u64, &'static str) {
     *UNITS.iter().find(|(w, _)| bytes.iter().all(|b| b % w == 0)).expect("1 divides everything")
 }
 
-/// Adjacent launches `j, j + 1` that `pair` makes one launch of, merged,
-/// left to right (a merged launch is not paired again). `last[j]` and
-/// `first[j]` are launch `j`'s last and first nodes (as
-/// [`super::optim::merge_updates`] returns them); returns the three lists
-/// with each merged pair's nodes spanning both.
-pub(crate) fn merge_adjacent(
-    launches: Vec<Launch>,
-    last: Vec<usize>,
-    first: Vec<usize>,
-    pair: impl Fn(&Launch, &Launch) -> Option<Launch>,
-) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    let (mut out, mut out_last, mut out_first) = (Vec::new(), Vec::new(), Vec::new());
-    let mut j = 0;
-    while j < launches.len() {
-        if let Some(merged) = launches.get(j + 1).and_then(|next| pair(&launches[j], next)) {
-            out.push(merged);
-            out_first.push(first[j]);
-            out_last.push(last[j + 1]);
-            j += 2;
-        } else {
-            out.push(launches[j].clone());
-            out_first.push(first[j]);
-            out_last.push(last[j]);
-            j += 1;
-        }
-    }
-    (out, out_last, out_first)
-}
-
 /// Do byte ranges `[a.0, a.1)` and `[b.0, b.1)` share a byte?
 fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1

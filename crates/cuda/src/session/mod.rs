@@ -33,6 +33,13 @@
 //! zeroes the optimizer state with memsets, so a billion-parameter model
 //! starts without a host copy of its weights.
 //!
+//! The parts: this module builds the session and moves data in and out;
+//! `device` opens the GPU and makes its memory (stages 2 and 3); `run`
+//! enqueues the launches, eagerly, under capture or for a range of nodes,
+//! and times them for profiles. The launch list itself, built and merged
+//! without a device, is [`crate::lower`]'s; the one-op test harness is
+//! `crate::testing` module's (the `testing` feature).
+//!
 //! Device memory is measured, not assumed: the driver's used memory
 //! (total − free) is sampled against a baseline taken right after the
 //! context exists, and reported next to the plan ([`MemoryReport`]).
@@ -42,28 +49,32 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{CUevent, CUevent_flags, CUevent_wait_flags, CUfunction_attribute};
+use cudarc::driver::sys::{CUevent, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{result as dr, CudaContext, CudaModule, CudaStream};
 use serde::Serialize;
 
 use stepgraph_core::cpu::exec::{id_checks, validate_ids, IdCheck};
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{Builder, Trace, ValueId, ValueKind};
+use stepgraph_core::ir::{Trace, ValueId, ValueKind};
 use stepgraph_core::models::lora::{init_quantized, is_quantized_leaf};
 use stepgraph_core::ops::collective::world_of;
-use stepgraph_core::ops::Op;
-use stepgraph_core::plan::{plan, MemoryPlan, PlanOptions, Region, Slot, ARENA_ALIGN};
+use stepgraph_core::plan::{MemoryPlan, Slot, ARENA_ALIGN};
 use stepgraph_core::session::{InitReport, Session, SessionMemory, StartupPhase};
 use stepgraph_core::Result as CoreResult;
 
 use crate::blas::Blas;
 use crate::error::{CudaError, Result};
 use crate::graph::StepGraph;
-use crate::launch::{DevTensor, KernelLaunch, Launch};
-use crate::lower::{lower_for, GroupRank, Target};
+use crate::launch::{KernelLaunch, Launch, LaunchList};
+use crate::lower::{dev_tensor, lower_step, merge_launches, node_ranges, Bases, GroupRank, Target};
 use crate::nccl::{Nccl, NcclComm, NcclGroup};
 use crate::nvrtc;
 use crate::switches::Switches;
+
+mod device;
+mod run;
+
+use device::{allocate, open_device, Allocation, Device};
 
 /// Backend options. [`Default`] has every switch at its default; the
 /// commands and tests that open sessions use [`CudaOptions::from_env`].
@@ -247,50 +258,6 @@ fn align(x: u64) -> u64 {
 /// An opened GPU: its context and compute stream, its architecture, and the
 /// driver's used and total memory right after the context exists (the
 /// baseline the session's memory is measured against).
-struct Device {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    arch: String,
-    baseline: u64,
-    total: u64,
-}
-
-/// Where each region of a plan starts, as device addresses.
-#[derive(Copy, Clone, Debug)]
-pub struct Bases {
-    pub persistent: u64,
-    pub arena: u64,
-    /// The device address of the page-locked host allocation (0 without one).
-    pub host: u64,
-}
-
-impl Bases {
-    fn of(&self, region: Region) -> u64 {
-        match region {
-            Region::Persistent => self.persistent,
-            Region::Arena => self.arena,
-            Region::Host => self.host,
-        }
-    }
-}
-
-/// The session's one device allocation, `[persistent | arena | workspace]`,
-/// and the host tables' page-locked host memory, mapped into the device's
-/// address space.
-struct Allocation {
-    base: u64,
-    /// The host allocation (its host pointer), or 0.
-    host: u64,
-    bases: Bases,
-    /// Arena bytes (the plan's, aligned).
-    arena: u64,
-    workspace_base: u64,
-    /// cuBLASLt workspace bytes.
-    workspace: u64,
-    /// The whole allocation.
-    bytes: u64,
-}
-
 /// A lowered step resolved against its kernel modules.
 struct Loaded {
     prepared: Vec<Prepared>,
@@ -307,101 +274,6 @@ fn check_rank(trace: &Trace, rank: &RankOptions) -> Result<(Option<GroupRank>, O
     let group = check_group(trace, rank.group.as_ref())?;
     let nccl = if step_needs_nccl(trace) { Some(crate::nccl::nccl()?) } else { None };
     Ok((group, nccl))
-}
-
-/// Stage 2: opens GPU `device` (after `CUDA_VISIBLE_DEVICES`): its context
-/// with event tracking off, one compute stream, its architecture, and the
-/// memory baseline.
-fn open_device(device: usize) -> Result<Device> {
-    if !gpu_available() {
-        return Err(CudaError::Missing { lib: "cuda", hint: "no NVIDIA driver or no GPU on this machine".into() });
-    }
-    let devices = device_count()?;
-    if device >= devices {
-        return Err(CudaError::Rank(format!(
-            "GPU {device} asked for, but this machine shows {devices} (CUDA_VISIBLE_DEVICES may hide some)"
-        )));
-    }
-    let ctx = CudaContext::new(device)?;
-    // Event tracking makes captured launches fail with STREAM_CAPTURE_ISOLATION;
-    // the session orders everything itself: on one stream, or with its
-    // own events for the collectives' side stream (`RankOptions::overlap`).
-    // SAFETY: the contract is that the caller synchronises streams itself
-    // for every slice created from now on: none is freed, read or written on
-    // one stream while another still uses it. The session makes no
-    // `CudaSlice` (its memory is one raw allocation), and its launches run in
-    // order on one stream, or with its own events for the side stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream()?;
-    let (major, minor) = ctx.compute_capability()?;
-    let arch = format!("sm_{major}{minor}");
-    let (baseline, total) = used_bytes()?;
-    Ok(Device { ctx, stream, arch, baseline, total })
-}
-
-/// Stage 3: checks that the plan plus the cuBLASLt workspace fits the
-/// device's free memory (refusing before allocating anything), makes the one
-/// allocation, and poisons the arena with 0xFF so that a kernel reading
-/// memory nothing wrote shows up as NaN in tests.
-fn allocate(plan: &MemoryPlan, stream: &CudaStream, baseline: u64, total: u64) -> Result<Allocation> {
-    let workspace = Blas::WORKSPACE_BYTES as u64;
-    let persistent = align(plan.persistent_bytes);
-    let arena = align(plan.arena_bytes);
-    let bytes = persistent + arena + workspace;
-    let free = total - baseline;
-    if bytes > free {
-        return Err(CudaError::DoesNotFit {
-            needed: bytes,
-            needed_gb: bytes as f64 / 1e9,
-            free,
-            free_gb: free as f64 / 1e9,
-        });
-    }
-    // SAFETY: a plain device allocation in the current context (bound by
-    // `open_device`); the session frees it in Drop, once its stream is idle.
-    let base = unsafe { dr::malloc_sync(bytes as usize) }?;
-    let (persistent_base, arena_base) = (base, base + persistent);
-    // SAFETY: `[arena_base, arena_base + arena)` lies inside the allocation
-    // just made, and nothing else uses it yet.
-    unsafe { dr::memset_d8_async(arena_base, 0xFF, arena as usize, stream.cu_stream()) }?;
-    let (host, host_base) = match allocate_host(plan.host_bytes) {
-        Ok(h) => h,
-        Err(e) => {
-            // SAFETY: the allocation just made, not yet used by anything.
-            let _ = unsafe { dr::free_sync(base) };
-            return Err(e);
-        }
-    };
-    let bases = Bases { persistent: persistent_base, arena: arena_base, host: host_base };
-    Ok(Allocation { base, host, bases, arena, workspace_base: arena_base + arena, workspace, bytes })
-}
-
-/// Page-locked host memory of `bytes` for the plan's host tables, mapped
-/// into the device's address space: `(host pointer, device address)`, or
-/// zeros for none. Kernels read it over the bus; copies to and from it go
-/// through its device address like any other slot's.
-fn allocate_host(bytes: u64) -> Result<(u64, u64)> {
-    if bytes == 0 {
-        return Ok((0, 0));
-    }
-    // SAFETY: a page-locked allocation in the current context, freed once
-    // by the session's Drop (or right below on failure).
-    let host =
-        unsafe { dr::malloc_host(bytes as usize, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(|e| {
-            CudaError::Driver(format!(
-                "allocating {:.3} GB of page-locked host memory for the frozen embedding tables: {e}",
-                bytes as f64 / 1e9
-            ))
-        })?;
-    let mut device = 0;
-    // SAFETY: `host` is the mapped allocation just made; flags must be 0.
-    let mapped = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
-    if let Err(e) = mapped {
-        // SAFETY: the allocation made above, not yet used by anything.
-        let _ = unsafe { dr::free_host(host) };
-        return Err(e.into());
-    }
-    Ok((host as u64, device))
 }
 
 /// Stage 5, with `RankOptions::overlap`: the collectives' own stream, one
@@ -611,8 +483,8 @@ impl CudaSession {
         clock.stage(STAGE_ALLOCATE);
 
         let target = Target::of_arch(&arch, opts.switches);
-        let (launches, launch_nodes) = lower_step(&trace, &plan, alloc.bases, group, target)?;
-        let (launches, launch_nodes, launch_first_nodes) = multi_tensor_updates(launches, launch_nodes, &opts.switches);
+        let list = merge_launches(lower_step(&trace, &plan, alloc.bases, group, target)?, &opts.switches);
+        let LaunchList { launches, last_nodes: launch_nodes, first_nodes: launch_first_nodes } = list;
         let side =
             if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
         clock.stage(STAGE_LOWER);
@@ -787,6 +659,24 @@ impl CudaSession {
         self.bases.of(s.region) + s.offset
     }
 
+    /// Writes the bytes of any value, without a step input's checks (the
+    /// inputs of a one-op session: [`crate::testing`]).
+    #[cfg(feature = "testing")]
+    pub(crate) fn write_unchecked(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
+        let ptr = self.slot_ptr(self.plan.slot(v));
+        if data.bytes().len() as u64 != self.plan.slot(v).bytes {
+            return Err(CudaError::lower(
+                "write",
+                format!("{} bytes for a slot of {}", data.bytes().len(), self.plan.slot(v).bytes),
+            ));
+        }
+        // SAFETY: the slot holds exactly the tensor's bytes (checked above),
+        // inside the session's memory; the copy finishes before it returns.
+        unsafe { dr::memcpy_htod_async(ptr, data.bytes(), self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
     /// Writes a leaf (parameter, optimizer state or step input).
     pub fn write(&mut self, v: ValueId, data: &HostTensor) -> Result<()> {
         let val = self.trace.value(v);
@@ -836,233 +726,6 @@ impl CudaSession {
     pub fn loss(&mut self) -> Result<f64> {
         let l = self.trace.loss().ok_or_else(|| CudaError::lower("loss", "the trace has no loss"))?;
         Ok(self.read(l)?.to_f64()[0])
-    }
-
-    fn enqueue(&self) -> Result<()> {
-        // Ranks in threads of one process each use their own device.
-        self.ctx.bind_to_thread()?;
-        let s = self.stream.cu_stream();
-        let Some(side) = &self.side else {
-            return self.enqueue_list(&self.prepared, s);
-        };
-        let wait = |stream, event| {
-            // SAFETY: a live event of this context and a stream of it.
-            unsafe { dr::stream::wait_event(stream, event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-        };
-        let ss = side.stream.cu_stream();
-        for (j, p) in self.prepared.iter().enumerate() {
-            for k in &side.joins.before[j] {
-                wait(s, side.done[k])?;
-            }
-            if matches!(p, Prepared::Collective(_)) {
-                // Fork: the side stream starts after everything enqueued so far.
-                // SAFETY: live events and streams of this context.
-                unsafe { dr::event::record(side.fork, s) }?;
-                wait(ss, side.fork)?;
-                self.enqueue_list(std::slice::from_ref(p), ss)?;
-                // SAFETY: as above.
-                unsafe { dr::event::record(side.done[&j], ss) }?;
-            } else {
-                self.enqueue_list(std::slice::from_ref(p), s)?;
-            }
-        }
-        for k in &side.joins.at_end {
-            wait(s, side.done[k])?;
-        }
-        Ok(())
-    }
-
-    fn enqueue_list(&self, list: &[Prepared], s: cudarc::driver::sys::CUstream) -> Result<()> {
-        for p in list {
-            match p {
-                Prepared::Kernel { func, launch, args } => {
-                    let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
-                    // SAFETY: `func` belongs to a module the session keeps; the
-                    // arguments match the kernel's signature (the lowering's
-                    // contract) and point into the session's allocation; every
-                    // stepgraph kernel begins with `sg_pdl_entry()` (kernels.rs tests).
-                    unsafe {
-                        crate::launch::launch_kernel(
-                            *func,
-                            launch.grid,
-                            launch.block,
-                            launch.shared_bytes,
-                            s,
-                            &mut params,
-                            self.pdl,
-                        )
-                    }
-                    .map_err(|e| CudaError::Driver(format!("launching `{}`: {e:?}", launch.function)))?;
-                }
-                Prepared::Gemm(g) => self.blas.run(g, s)?,
-                Prepared::Memset { ptr, bytes, value } => {
-                    // SAFETY: the lowering's contract: `[ptr, ptr + bytes)` is a
-                    // planned slice of the session's allocation.
-                    unsafe { dr::memset_d8_async(*ptr, *value, *bytes as usize, s) }?
-                }
-                Prepared::Copy { dst, src, bytes } => {
-                    // SAFETY: the lowering's contract: both ranges are planned
-                    // slices of the session's allocation (a view the plan did
-                    // not alias, or a rank's shard); the plan gives the source
-                    // and the destination, two live values, disjoint bytes.
-                    unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?
-                }
-                Prepared::Collective(c) => {
-                    let comm = self.comm.as_ref().ok_or_else(|| {
-                        CudaError::Rank(format!("{} needs the group's communicator", c.op.nccl_name()))
-                    })?;
-                    // SAFETY: the parts are planned slices of the session's allocation
-                    // and `s` is the session's stream, on the communicator's device.
-                    unsafe { comm.issue(c, s) }?
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Runs one step launch by launch and waits for it.
-    pub fn run_eager(&mut self) -> Result<()> {
-        self.enqueue()?;
-        self.stream.synchronize()?;
-        self.sample()
-    }
-
-    /// Captures the step into one CUDA graph (once); returns capture + instantiate time.
-    pub fn capture(&mut self) -> Result<Duration> {
-        let (graph, grew) = self.capture_with(|s| s.enqueue())?;
-        let t = graph.capture_time;
-        self.graph = Some(graph);
-        self.memory.graph_bytes = grew;
-        self.sample()?;
-        Ok(t)
-    }
-
-    /// A graph of what `enqueue` issues on the stream, and the device
-    /// memory its capture and instantiation took.
-    fn capture_with(&self, enqueue: impl FnOnce(&Self) -> Result<()>) -> Result<(StepGraph, u64)> {
-        let before = used_bytes()?.0;
-        let graph = StepGraph::capture(&self.stream, || enqueue(self))?;
-        self.stream.synchronize()?;
-        Ok((graph, used_bytes()?.0.saturating_sub(before)))
-    }
-
-    /// Replays the captured step (capturing first if needed) and waits for it.
-    pub fn replay(&mut self) -> Result<()> {
-        if self.graph.is_none() {
-            self.capture()?;
-        }
-        self.graph.as_ref().expect("captured above").replay()?;
-        self.stream.synchronize()?;
-        Ok(())
-    }
-
-    /// The launches of the nodes `nodes`, a range of `prepared`.
-    fn launch_range(&self, nodes: &std::ops::Range<usize>) -> Result<std::ops::Range<usize>> {
-        stepgraph_core::cpu::exec::check_node_range(nodes, self.trace.nodes.len())?;
-        if self.side.is_some() {
-            return Err(CudaError::lower(
-                "segment",
-                "node ranges run on the compute stream only: open the session without collective overlap",
-            ));
-        }
-        let first = self.launch_nodes.partition_point(|&n| n < nodes.start);
-        let end = self.launch_nodes.partition_point(|&n| n < nodes.end);
-        if self.launch_first_nodes[first..end].iter().any(|&n| n < nodes.start) {
-            return Err(CudaError::lower(
-                "segment",
-                format!(
-                    "nodes {nodes:?} cut a merged launch (multi-tensor AdamW, or a layer's two cache writes): \
-                     open the session with STEPGRAPH_MULTI_TENSOR=0"
-                ),
-            ));
-        }
-        Ok(first..end)
-    }
-
-    /// Runs the nodes `nodes` launch by launch and waits for them: one
-    /// segment of a trace holding several programs over one plan.
-    pub fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
-        let launches = self.launch_range(&nodes)?;
-        self.ctx.bind_to_thread()?;
-        self.enqueue_list(&self.prepared[launches], self.stream.cu_stream())?;
-        self.stream.synchronize()?;
-        self.sample()
-    }
-
-    /// Replays the nodes `nodes` from their own CUDA graph, captured over
-    /// the same launches at the first call (run them eagerly once before,
-    /// so the modules are warm), and waits for it.
-    pub fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
-        let key = (nodes.start, nodes.end);
-        if !self.segment_graphs.contains_key(&key) {
-            let launches = self.launch_range(&nodes)?;
-            self.ctx.bind_to_thread()?;
-            let (graph, grew) = self.capture_with(|s| s.enqueue_list(&s.prepared[launches], s.stream.cu_stream()))?;
-            self.memory.graph_bytes += grew;
-            self.segment_graphs.insert(key, (graph, grew));
-            self.sample()?;
-        }
-        self.segment_graphs[&key].0.replay()?;
-        self.stream.synchronize()?;
-        Ok(())
-    }
-
-    /// The device memory the capture of the graph of `nodes` took (`None`
-    /// before [`CudaSession::replay_nodes`] captured it).
-    pub fn segment_graph_bytes(&self, nodes: std::ops::Range<usize>) -> Option<u64> {
-        self.segment_graphs.get(&(nodes.start, nodes.end)).map(|g| g.1)
-    }
-
-    /// Runs one step eagerly with a timing event after every launch and
-    /// returns, per kernel name (cuBLASLt products as `gemm`), the launch
-    /// count and total milliseconds, slowest first. For finding where a
-    /// step's time goes; the events perturb timing slightly.
-    pub fn profile(&mut self) -> Result<Vec<(String, usize, f64)>> {
-        self.profile_launches(0..self.prepared.len())
-    }
-
-    /// [`CudaSession::profile`] of the nodes `nodes` only (one segment).
-    pub fn profile_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<Vec<(String, usize, f64)>> {
-        let range = self.launch_range(&nodes)?;
-        self.profile_launches(range)
-    }
-
-    /// Runs the launches `range` on the compute stream, each timed.
-    fn profile_launches(&mut self, range: std::ops::Range<usize>) -> Result<Vec<(String, usize, f64)>> {
-        use cudarc::driver::sys::CUevent_flags;
-        let s = self.stream.cu_stream();
-        let mut events = Vec::with_capacity(range.len() + 1);
-        let new_event = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-        let first = new_event()?;
-        first.record(&self.stream)?;
-        for p in &self.prepared[range.clone()] {
-            let one = std::slice::from_ref(p);
-            self.enqueue_list(one, s)?;
-            let e = new_event()?;
-            e.record(&self.stream)?;
-            events.push(e);
-        }
-        self.stream.synchronize()?;
-        let mut totals: HashMap<String, (usize, f64)> = HashMap::new();
-        let mut prev = &first;
-        for (p, e) in self.prepared[range].iter().zip(&events) {
-            let ms = prev.elapsed_ms(e)? as f64;
-            let name = match p {
-                Prepared::Kernel { launch, .. } => launch.function.clone(),
-                // Per shape and transposition, so a slow product shape stands out.
-                Prepared::Gemm(g) => crate::blas::shape_name(g),
-                Prepared::Memset { .. } => "memset".into(),
-                Prepared::Copy { .. } => "copy".into(),
-                Prepared::Collective(c) => c.op.nccl_name().into(),
-            };
-            let t = totals.entry(name).or_insert((0, 0.0));
-            t.0 += 1;
-            t.1 += ms;
-            prev = e;
-        }
-        let mut out: Vec<(String, usize, f64)> = totals.into_iter().map(|(k, (n, ms))| (k, n, ms)).collect();
-        out.sort_by(|a, b| b.2.partial_cmp(&a.2).unwrap_or(std::cmp::Ordering::Equal));
-        Ok(out)
     }
 
     /// What cuBLASLt autotuning chose per product shape when the session
@@ -1204,105 +867,6 @@ impl Session for CudaSession {
     }
 }
 
-fn dev_tensor(trace: &Trace, plan: &MemoryPlan, bases: Bases, v: ValueId) -> DevTensor {
-    let s = plan.slot(v);
-    DevTensor { ty: trace.ty(v).clone(), ptr: bases.of(s.region) + s.offset }
-}
-
-/// The step's AdamW updates merged into multi-tensor launches where they run
-/// back to back ([`crate::ops::optim::merge_updates`]), a layer's two
-/// cache writes into one launch ([`crate::ops::decode::merge_kv_writes`])
-/// and its q and k rotations into one ([`crate::ops::rope::merge_ropes`]),
-/// unless the step has collectives (whose joins are computed per node) or
-/// [`Switches::multi_tensor`] is off (for comparisons). Returns the
-/// launches, each one's last node and each one's first node.
-fn multi_tensor_updates(
-    launches: Vec<Launch>,
-    nodes: Vec<usize>,
-    switches: &Switches,
-) -> (Vec<Launch>, Vec<usize>, Vec<usize>) {
-    if !switches.multi_tensor || launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
-        let first = nodes.clone();
-        return (launches, nodes, first);
-    }
-    let (launches, last, first) = crate::ops::optim::merge_updates(launches, nodes);
-    let (launches, last, first) = crate::ops::decode::merge_kv_writes(launches, last, first);
-    crate::ops::rope::merge_ropes(launches, last, first)
-}
-
-/// Stage 4 of [`CudaSession::new_rank`], public for tests and tools that
-/// inspect a step's launches without a GPU.
-///
-/// The launch list of a whole step: every node lowered over the plan's
-/// addresses (each region's slots from its base in `bases`) for `group`'s
-/// rank and a device of `target`, with the node
-/// of every launch. Data only: nothing calls the CUDA driver.
-pub fn lower_step(
-    trace: &Trace,
-    plan: &MemoryPlan,
-    bases: Bases,
-    group: Option<GroupRank>,
-    target: Target,
-) -> Result<(Vec<Launch>, Vec<usize>)> {
-    let view = |v: ValueId| dev_tensor(trace, plan, bases, v);
-    let (mut launches, mut nodes) = (Vec::new(), Vec::new());
-    for (n, node) in trace.nodes.iter().enumerate() {
-        let ins: Vec<DevTensor> = node.inputs.iter().map(|&v| view(v)).collect();
-        let outs: Vec<DevTensor> = node.outputs.iter().map(|&v| view(v)).collect();
-        let l = lower_for(&node.op, &ins, &outs, group, target)?;
-        nodes.extend(std::iter::repeat_n(n, l.len()));
-        launches.extend(l);
-    }
-    Ok((launches, nodes))
-}
-
-/// A step's launches as a session makes them, each with the last node it
-/// belongs to (a merged launch spans several), from [`step_launches`].
-#[derive(Clone, Debug)]
-pub struct LoweredStep {
-    pub launches: Vec<Launch>,
-    pub last_nodes: Vec<usize>,
-}
-
-impl LoweredStep {
-    /// The launches of the nodes `nodes` (one segment of a trace that holds
-    /// several programs, such as a generation bucket's decode step).
-    pub fn of_nodes(&self, nodes: std::ops::Range<usize>) -> Vec<&Launch> {
-        self.launches.iter().zip(&self.last_nodes).filter(|(_, n)| nodes.contains(n)).map(|(l, _)| l).collect()
-    }
-}
-
-/// The launches one step of `trace` makes on a device of architecture
-/// `arch` (`sm_90`, ...) under `switches`, exactly as a session lowers and
-/// merges them (persistent and arena storage at fixed stand-in bases,
-/// without the CUDA driver): how many kernels a step is, before any GPU is at hand.
-pub fn step_launches(trace: &Trace, plan: &MemoryPlan, arch: &str, switches: &Switches) -> Result<LoweredStep> {
-    // Bases far apart and 2 MiB aligned, like the driver's allocations.
-    let bases = Bases { persistent: 1u64 << 40, arena: 1u64 << 44, host: 1u64 << 45 };
-    let target = Target::of_arch(arch, *switches);
-    let (launches, nodes) = lower_step(trace, plan, bases, None, target)?;
-    let (launches, last_nodes, _) = multi_tensor_updates(launches, nodes, switches);
-    Ok(LoweredStep { launches, last_nodes })
-}
-
-/// The device bytes `[start, end)` each node's inputs and outputs occupy.
-pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, bases: Bases) -> Vec<Vec<(u64, u64)>> {
-    trace
-        .nodes
-        .iter()
-        .map(|node| {
-            node.inputs
-                .iter()
-                .chain(&node.outputs)
-                .map(|&v| {
-                    let t = dev_tensor(trace, plan, bases, v);
-                    (t.ptr, t.ptr + t.ty.bytes())
-                })
-                .collect()
-        })
-        .collect()
-}
-
 /// The session's rank, checked against every collective of `trace`: each
 /// must be for the group's size, and a step with collectives needs a group.
 fn check_group(trace: &Trace, group: Option<&NcclGroup>) -> Result<Option<GroupRank>> {
@@ -1338,74 +902,14 @@ fn check_group(trace: &Trace, group: Option<&NcclGroup>) -> Result<Option<GroupR
     Ok(group.map(|g| GroupRank { rank: g.rank, world: g.world }))
 }
 
-fn one_op_trace(op: &Op, inputs: &[HostTensor]) -> Result<(Trace, Vec<ValueId>, Vec<ValueId>)> {
-    let mut b = Builder::new("op");
-    let ids: Vec<ValueId> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| b.input(&format!("x{i}"), t.ty.clone()))
-        .collect::<std::result::Result<_, _>>()?;
-    let outs = b.push(op.clone(), &ids)?;
-    for (k, &o) in outs.iter().enumerate() {
-        b.output(stepgraph_core::ir::OutputKind::Named(format!("y{k}")), o);
-    }
-    let trace = b.finish("build")?;
-    let ins: Vec<ValueId> = trace.inputs().collect();
-    let outs: Vec<ValueId> = trace.outputs.iter().map(|o| o.value).collect();
-    Ok((trace, ins, outs))
-}
-
-fn run_with_plan(
-    trace: Trace,
-    plan: MemoryPlan,
-    ins: &[ValueId],
-    outs: &[ValueId],
-    inputs: &[HostTensor],
-) -> Result<Vec<HostTensor>> {
-    let mut s = CudaSession::new(trace, plan, CudaOptions::from_env()?)?;
-    for (v, t) in ins.iter().zip(inputs) {
-        // Raw writes: a single op's inputs are not step inputs with index checks.
-        let ptr = s.slot_ptr(s.plan.slot(*v));
-        // SAFETY: the slot holds exactly the tensor's bytes, inside the
-        // session's allocation; `inputs` outlives the copy, which the
-        // stream finishes before `run_eager` below returns.
-        unsafe { dr::memcpy_htod_async(ptr, t.bytes(), s.stream.cu_stream()) }?;
-    }
-    s.run_eager()?;
-    outs.iter().map(|&o| s.read(o)).collect()
-}
-
-/// Runs one op on the GPU through its lowering, every value in its own bytes.
-pub fn run_op(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
-    let (trace, ins, outs) = one_op_trace(op, inputs)?;
-    let p = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() })?;
-    run_with_plan(trace, p, &ins, &outs, inputs)
-}
-
-/// Like [`run_op`], with every declared in-place pair of matching types
-/// sharing storage (the first pair per output and per input), as a planned
-/// step may run it. An op's kernels must give the same bits either way.
-pub fn run_op_aliased(op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
-    let (trace, ins, outs) = one_op_trace(op, inputs)?;
-    let mut p = plan(&trace, PlanOptions { reuse: false, ..PlanOptions::default() })?;
-    let mut taken = vec![false; ins.len()];
-    let mut done = vec![false; outs.len()];
-    for (o, i) in op.inplace() {
-        if !done[o] && !taken[i] && trace.ty(outs[o]) == trace.ty(ins[i]) {
-            p.slots[outs[o].index()] = p.slots[ins[i].index()];
-            done[o] = true;
-            taken[i] = true;
-        }
-    }
-    // The aliased input's bytes are also its output's: read outputs after the run.
-    run_with_plan(trace, p, &ins, &outs, inputs)
-}
-
 #[cfg(test)]
 mod tests {
     use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
     use stepgraph_core::dist::{data_parallel, DataParallel};
     use stepgraph_core::models::{build_forward, LossKind, ModelSpec};
+
+    use stepgraph_core::ops::Op;
+    use stepgraph_core::plan::{plan, PlanOptions};
 
     use super::*;
     use crate::nccl::NcclId;
@@ -1435,14 +939,12 @@ mod tests {
                 let dp = DataParallel { zero1, bucket_bytes: 16 << 10, ..DataParallel::new(world) };
                 let t = data_parallel(&step, &dp).unwrap();
                 let p = plan(&t, PlanOptions::default()).unwrap();
-                let persistent = 1u64 << 40;
-                let bases =
-                    Bases { persistent, arena: persistent + p.persistent_bytes.div_ceil(256) * 256, host: 1u64 << 45 };
+                let bases = Bases::STAND_IN;
                 let collectives = t.nodes.iter().filter(|n| world_of(&n.op).is_some()).count();
                 let shards = t.nodes.iter().filter(|n| matches!(n.op, Op::LocalShard(_))).count();
                 for rank in 0..world {
-                    let (l, nodes) =
-                        lower_step(&t, &p, bases, Some(GroupRank { rank, world }), Target::default()).unwrap();
+                    let list = lower_step(&t, &p, bases, Some(GroupRank { rank, world }), Target::default()).unwrap();
+                    let (l, nodes) = (list.launches, list.last_nodes);
                     assert_eq!(nodes.len(), l.len());
                     // With overlap every collective rejoins the compute stream
                     // exactly once: before a launch touching its bytes, or at the end.
