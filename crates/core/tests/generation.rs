@@ -237,7 +237,9 @@ fn greedy_decoding_is_the_argmax_of_the_full_forward() {
 fn decode_logits_equal_the_full_forward() {
     let gqa = config("tiny-llama", Overrides::default());
     let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
-    for cfg in [gqa, mha] {
+    // Qwen3's layout: per-head q/k norms before the rotation, wider heads.
+    let qwen3 = Config { qk_norm: true, head_size: 2 * mha.head_size, ..mha.clone() };
+    for cfg in [gqa, mha, qwen3] {
         decode_logits_equal_the_full_forward_for(&cfg);
     }
 }

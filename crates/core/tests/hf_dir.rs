@@ -37,6 +37,8 @@ const HEADS: usize = 4;
 const LAYERS: usize = 2;
 const BATCH: usize = 2;
 const SEQ: usize = 8;
+/// Qwen3's head size, twice the width over the heads.
+const QWEN3_HEAD_DIM: usize = 8;
 
 /// A tiny model of one family, as `transformers` would save it.
 #[derive(Clone, Copy, Debug)]
@@ -94,16 +96,24 @@ fn config_json(f: &Fixture) -> Value {
             let (arch, model_type) = match family {
                 HfFamily::Llama => ("LlamaForCausalLM", "llama"),
                 HfFamily::Mistral => ("MistralForCausalLM", "mistral"),
+                HfFamily::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
                 _ => ("Qwen2ForCausalLM", "qwen2"),
             };
-            json!({
+            let mut c = json!({
                 "architectures": [arch], "model_type": model_type, "bos_token_id": 1, "eos_token_id": 2,
                 "hidden_act": "silu", "hidden_size": HIDDEN, "intermediate_size": 24,
                 "max_position_embeddings": 32, "num_attention_heads": HEADS, "num_key_value_heads": 2,
                 "num_hidden_layers": LAYERS, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                 "sliding_window": null, "tie_word_embeddings": f.tied, "torch_dtype": "float32",
                 "vocab_size": VOCAB
-            })
+            });
+            if family == HfFamily::Qwen3 {
+                // A head wider than the width over the heads, as Qwen3's are.
+                c["head_dim"] = json!(QWEN3_HEAD_DIM);
+                c["attention_bias"] = json!(false);
+                c["use_sliding_window"] = json!(false);
+            }
+            c
         }
     };
     if f.llama3_rope {
@@ -151,12 +161,13 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             }
         }
         family => {
-            let (kv, i) = (2 * (c / HEADS), 24);
+            let head = if family == HfFamily::Qwen3 { QWEN3_HEAD_DIM } else { c / HEADS };
+            let (q, kv, i) = (HEADS * head, 2 * head, 24);
             add("model.embed_tokens.weight".into(), vec![v, c], 0.0);
             for l in 0..LAYERS {
                 let p = format!("model.layers.{l}");
                 add(format!("{p}.input_layernorm.weight"), vec![c], 1.0);
-                add(format!("{p}.self_attn.q_proj.weight"), vec![c, c], 0.0);
+                add(format!("{p}.self_attn.q_proj.weight"), vec![q, c], 0.0);
                 add(format!("{p}.self_attn.k_proj.weight"), vec![kv, c], 0.0);
                 add(format!("{p}.self_attn.v_proj.weight"), vec![kv, c], 0.0);
                 if family == HfFamily::Qwen2 {
@@ -164,7 +175,11 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
                     add(format!("{p}.self_attn.k_proj.bias"), vec![kv], 0.0);
                     add(format!("{p}.self_attn.v_proj.bias"), vec![kv], 0.0);
                 }
-                add(format!("{p}.self_attn.o_proj.weight"), vec![c, c], 0.0);
+                if family == HfFamily::Qwen3 {
+                    add(format!("{p}.self_attn.q_norm.weight"), vec![head], 1.0);
+                    add(format!("{p}.self_attn.k_norm.weight"), vec![head], 1.0);
+                }
+                add(format!("{p}.self_attn.o_proj.weight"), vec![c, q], 0.0);
                 add(format!("{p}.post_attention_layernorm.weight"), vec![c], 1.0);
                 add(format!("{p}.mlp.gate_proj.weight"), vec![i, c], 0.0);
                 add(format!("{p}.mlp.up_proj.weight"), vec![i, c], 0.0);
@@ -319,7 +334,7 @@ fn assert_contains(text: &str, needles: &[&str]) {
 /// Every fixture variant this suite loads.
 fn all_fixtures() -> Vec<Fixture> {
     let mut v = Vec::new();
-    for family in [HfFamily::Llama, HfFamily::Mistral, HfFamily::Qwen2, HfFamily::GptNeox] {
+    for family in [HfFamily::Llama, HfFamily::Mistral, HfFamily::Qwen2, HfFamily::Qwen3, HfFamily::GptNeox] {
         for (tied, shards) in [(false, 1), (true, 1), (false, 3), (true, 2)] {
             v.push(Fixture { tied, shards, ..Fixture::new(family) });
         }

@@ -62,11 +62,28 @@ fn write_batch(s: &mut CpuSession, b: &[(&str, HostTensor)]) {
 
 #[test]
 fn tiny_model_gradients_match_finite_differences() {
-    for (name, loss) in
-        [("tiny-llama", LossKind::CrossEntropy), ("tiny-neox", LossKind::CrossEntropy), ("tiny-llama", LossKind::Sum)]
-    {
-        let sp = spec(name, DType::F64, loss);
+    // And Qwen3's layout: per-head q/k norms, heads wider than the width
+    // over the heads, a tied head.
+    let llama = Config::named("tiny-llama").unwrap();
+    let qwen3 = Config {
+        name: "tiny-qwen3".into(),
+        qk_norm: true,
+        head_size: 2 * llama.head_size,
+        tie_embeddings: true,
+        ..llama
+    };
+    for (name, loss) in [
+        ("tiny-llama", LossKind::CrossEntropy),
+        ("tiny-neox", LossKind::CrossEntropy),
+        ("tiny-llama", LossKind::Sum),
+        ("tiny-qwen3", LossKind::CrossEntropy),
+    ] {
+        let sp = match name {
+            "tiny-qwen3" => ModelSpec { config: qwen3.clone(), ..spec("tiny-llama", DType::F64, loss) },
+            _ => spec(name, DType::F64, loss),
+        };
         let fwd = build_forward(&sp).unwrap();
+        assert_eq!(fwd.leaf_by_name("model.layers.0.self_attn.k_norm.weight").is_some(), sp.config.qk_norm);
         let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
         let data = batch(&sp, 1);
         let mut gs = session(&grads, &fwd, true, 3);

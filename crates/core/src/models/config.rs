@@ -100,6 +100,12 @@ pub struct Config {
     pub tie_embeddings: bool,
     /// The LM head has a bias.
     pub lm_head_bias: bool,
+    /// An RMSNorm over each head of q and of k (weights of the head's
+    /// size, `q_norm` and `k_norm`), after the projections and before
+    /// RoPE (Qwen3). Left out of the serialized config when off, so the
+    /// configs written before it existed read back the same.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
 }
 
 /// Hyper-parameters to replace in a named config, as a command line gives
@@ -144,6 +150,10 @@ const NAMED: &[Named] = &[
     Named { name: "Qwen2.5-0.5B", hf_repo: Some("Qwen/Qwen2.5-0.5B"), build: qwen2_5_0_5b },
     Named { name: "Qwen2.5-1.5B", hf_repo: Some("Qwen/Qwen2.5-1.5B"), build: qwen2_5_1_5b },
     Named { name: "Qwen2.5-3B", hf_repo: Some("Qwen/Qwen2.5-3B"), build: qwen2_5_3b },
+    Named { name: "Qwen3-0.6B", hf_repo: Some("Qwen/Qwen3-0.6B"), build: qwen3_0_6b },
+    Named { name: "Qwen3-1.7B", hf_repo: Some("Qwen/Qwen3-1.7B"), build: qwen3_1_7b },
+    Named { name: "Qwen3-4B", hf_repo: Some("Qwen/Qwen3-4B"), build: qwen3_4b },
+    Named { name: "Qwen3-8B", hf_repo: Some("Qwen/Qwen3-8B"), build: qwen3_8b },
     Named { name: "Llama-3.2-1B", hf_repo: Some("meta-llama/Llama-3.2-1B"), build: llama_3_2_1b },
     Named { name: "Llama-3.2-3B", hf_repo: Some("meta-llama/Llama-3.2-3B"), build: llama_3_2_3b },
     Named { name: "Llama-3.1-8B", hf_repo: Some("meta-llama/Llama-3.1-8B"), build: llama_3_1_8b },
@@ -281,6 +291,7 @@ fn llama_base(name: &str) -> Config {
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
+        qk_norm: false,
     }
 }
 
@@ -312,6 +323,7 @@ fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_hea
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
+        qk_norm: false,
     }
 }
 
@@ -414,6 +426,44 @@ fn qwen2_5_1_5b() -> Config {
 
 fn qwen2_5_3b() -> Config {
     qwen2_5_small("Qwen2.5-3B", 36, 2048, 16, 128, 11008)
+}
+
+/// Qwen3's dense models: 151936 embedding rows, heads of 128 with 8
+/// key/value groups and per-head q/k norms, no biases, RoPE base 1e6; the
+/// LM head tied to the embedding below 8B.
+fn qwen3(name: &str, n_layer: usize, n_embd: usize, n_head: usize, intermediate_size: usize, tied: bool) -> Config {
+    Config {
+        block_size: 40960,
+        vocab_size: 151643,
+        padded_vocab_size: 151936,
+        n_layer,
+        n_embd,
+        n_head,
+        n_query_groups: 8,
+        head_size: 128,
+        intermediate_size,
+        norm_eps: 1e-6,
+        rope_base: 1000000.0,
+        tie_embeddings: tied,
+        qk_norm: true,
+        ..llama_base(name)
+    }
+}
+
+fn qwen3_0_6b() -> Config {
+    qwen3("Qwen3-0.6B", 28, 1024, 16, 3072, true)
+}
+
+fn qwen3_1_7b() -> Config {
+    qwen3("Qwen3-1.7B", 28, 2048, 16, 6144, true)
+}
+
+fn qwen3_4b() -> Config {
+    qwen3("Qwen3-4B", 36, 2560, 32, 9728, true)
+}
+
+fn qwen3_8b() -> Config {
+    qwen3("Qwen3-8B", 36, 4096, 32, 12288, false)
 }
 
 /// Llama 3.1's RoPE: base 500000, frequencies rescaled for a context
@@ -894,6 +944,9 @@ impl Config {
         if self.bias {
             attention = attention.checked_add(embd)?;
         }
+        if self.qk_norm {
+            attention = attention.checked_add(n(self.head_size)?.checked_mul(2)?)?;
+        }
 
         let (matrices, bias_rows) = match self.mlp {
             MlpKind::LlamaSwiGlu => (3, 2),
@@ -936,7 +989,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 14] = [
+        let expected: [(&str, u64); 18] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -945,6 +998,10 @@ pub(crate) mod tests {
             ("Qwen2.5-0.5B", 494_032_768),
             ("Qwen2.5-1.5B", 1_543_714_304),
             ("Qwen2.5-3B", 3_085_938_688),
+            ("Qwen3-0.6B", 596_049_920),
+            ("Qwen3-1.7B", 1_720_574_976),
+            ("Qwen3-4B", 4_022_468_096),
+            ("Qwen3-8B", 8_190_735_360),
             ("Llama-3.2-1B", 1_235_814_400),
             ("Llama-3.2-3B", 3_212_749_824),
             ("Llama-3.1-8B", 8_030_261_248),

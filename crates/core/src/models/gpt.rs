@@ -488,7 +488,9 @@ impl<'a> Gpt<'a> {
             Some(s) => g.b.rope_at(x, s, n_rot, base, scaling),
             None => g.b.rope(x, n_rot, base, scaling),
         };
-        let (q, k, v) = if self.fuse_projections && batch * seq == 1 && n_rot > 0 {
+        // Per-head q/k norms go between the projections and the rotation,
+        // which the fused paths below join: those are for models without.
+        let (q, k, v) = if self.fuse_projections && batch * seq == 1 && n_rot > 0 && !cfg.qk_norm {
             // One row (decode at batch 1): q and k lie side by side in the
             // fused product's output, so one rotation covers both heads'
             // sets; the parts are then runs of single rows, which the
@@ -499,7 +501,7 @@ impl<'a> Gpt<'a> {
             let qk = rotate(self, qk)?;
             let v = self.b.slice(y, 2, (hq + hkv) * d, (hq + 2 * hkv) * d)?;
             (self.b.slice(qk, 2, 0, hq)?, self.b.slice(qk, 2, hq, hq + hkv)?, self.b.reshape(v, &[1, 1, hkv, d])?)
-        } else if self.fuse_projections && batch * seq > 1 && n_rot > 0 && hq == hkv && !qkv_bias {
+        } else if self.fuse_projections && batch * seq > 1 && n_rot > 0 && hq == hkv && !qkv_bias && !cfg.qk_norm {
             // Several rows without grouped heads: q, k and v are a batch of
             // three products, blocks [3, B·T, H·D] (`part_batch`), so q and
             // k together are [2B, T, H, D], rotated in one launch (row b of
@@ -525,6 +527,12 @@ impl<'a> Gpt<'a> {
             let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
             let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
             let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
+            if cfg.qk_norm {
+                let wq = self.param(&format!("{prefix}.q_norm.weight"), &[d])?;
+                let wk = self.param(&format!("{prefix}.k_norm.weight"), &[d])?;
+                q = self.b.rms_norm(q, wq, cfg.norm_eps)?;
+                k = self.b.rms_norm(k, wk, cfg.norm_eps)?;
+            }
             if n_rot > 0 {
                 q = rotate(self, q)?;
                 k = rotate(self, k)?;

@@ -111,6 +111,7 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             lm_head_bias: false,
+            qk_norm: false,
         })
     }
 
@@ -187,6 +188,7 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: true,
             lm_head_bias: false,
+            qk_norm: false,
         }
     }
 }

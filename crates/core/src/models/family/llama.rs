@@ -44,7 +44,14 @@ impl Family for Llama {
                     ))
                 }
             };
-            Ok(Variant { bias, attn_qkv_bias: false, default_positions: 2048, sliding: false })
+            Ok(Variant {
+                bias,
+                attn_qkv_bias: false,
+                default_positions: 2048,
+                sliding: false,
+                default_head_dim: None,
+                qk_norm: false,
+            })
         })
     }
 
@@ -89,6 +96,11 @@ pub struct Variant {
     pub default_positions: usize,
     /// Whether `sliding_window` applies (see [`HfJson::block_size`]).
     pub sliding: bool,
+    /// `head_dim` when the file does not give it (`None`: the width over
+    /// the heads).
+    pub default_head_dim: Option<usize>,
+    /// An RMSNorm over each head of q and k ([`Config::qk_norm`]).
+    pub qk_norm: bool,
 }
 
 /// Reads a Llama-layout `config.json` of `model_type`; `variant` reads the
@@ -103,12 +115,12 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
             "hidden_act `{act}` is not supported for model_type `{model_type}`; only `silu` (the SwiGLU MLP) is"
         )));
     }
-    let Variant { bias, attn_qkv_bias, default_positions, sliding } = variant(hf)?;
+    let Variant { bias, attn_qkv_bias, default_positions, sliding, default_head_dim, qk_norm } = variant(hf)?;
     let (rope_base, rotary_percentage, rope_scaling) = hf.rope(&["rope_theta"], &[], 1.0)?;
     let n_query_groups = hf.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
-    let head_size = match hf.usize_opt("head_dim")? {
-        Some(head_dim) => head_dim,
-        None => hf.head_size(n_embd, n_head)?,
+    let head_size = match (hf.usize_opt("head_dim")?, default_head_dim) {
+        (Some(head_dim), _) | (None, Some(head_dim)) => head_dim,
+        (None, None) => hf.head_size(n_embd, n_head)?,
     };
 
     Ok(Config {
@@ -134,6 +146,7 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
         attn_qkv_bias,
         tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         lm_head_bias: false,
+        qk_norm,
     })
 }
 
@@ -153,9 +166,10 @@ pub fn write_no_window(keys: &mut ConfigKeys) {
 
 /// Whether the Llama layout holds `config`, before a family's own bias
 /// rules: [`Holds::Chosen`] for any RMSNorm/SwiGLU config the layout
-/// computes.
+/// computes. A config with per-head q/k norms is another network (Qwen3's,
+/// which checks the rest through [`qk_norm_layout_holds`]).
 pub fn layout_holds(config: &Config) -> Holds {
-    if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) {
+    if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) || config.qk_norm {
         return Holds::Other;
     }
     if config.parallel_residual || config.lm_head_bias {
@@ -164,6 +178,15 @@ pub fn layout_holds(config: &Config) -> Holds {
         );
     }
     Holds::Chosen
+}
+
+/// [`layout_holds`] for the Llama layout with per-head q/k norms:
+/// [`Holds::Other`] without them.
+pub fn qk_norm_layout_holds(config: &Config) -> Holds {
+    if !config.qk_norm {
+        return Holds::Other;
+    }
+    layout_holds(&Config { qk_norm: false, ..config.clone() })
 }
 
 /// A small Llama-layout config with the sizes a file carries set away from
@@ -194,5 +217,6 @@ pub fn example_layout(name: &str) -> Config {
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
+        qk_norm: false,
     }
 }

@@ -23,7 +23,14 @@ impl Family for Mistral {
         // transformers' MistralConfig defaults to 4096·32 positions and
         // always applies its sliding window.
         llama::read_layout(hf, self.model_type(), |_| {
-            Ok(Variant { bias: false, attn_qkv_bias: false, default_positions: 4096 * 32, sliding: true })
+            Ok(Variant {
+                bias: false,
+                attn_qkv_bias: false,
+                default_positions: 4096 * 32,
+                sliding: true,
+                default_head_dim: None,
+                qk_norm: false,
+            })
         })
     }
 

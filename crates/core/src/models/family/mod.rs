@@ -44,6 +44,7 @@ mod gpt_neox;
 pub mod llama;
 mod mistral;
 mod qwen2;
+mod qwen3;
 #[cfg(test)]
 mod test_family;
 
@@ -58,6 +59,7 @@ macro_rules! for_each_family {
             Llama(llama::Llama),
             Mistral(mistral::Mistral),
             Qwen2(qwen2::Qwen2),
+            Qwen3(qwen3::Qwen3),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]
             TestRenamed(test_family::TestRenamed),

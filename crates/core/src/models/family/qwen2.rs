@@ -26,7 +26,14 @@ impl Family for Qwen2 {
             // Qwen2 always has q/k/v biases and no others; its window
             // applies only when `use_sliding_window` says so.
             let sliding = hf.bool_opt("use_sliding_window")?.unwrap_or(false);
-            Ok(Variant { bias: false, attn_qkv_bias: true, default_positions: 32768, sliding })
+            Ok(Variant {
+                bias: false,
+                attn_qkv_bias: true,
+                default_positions: 32768,
+                sliding,
+                default_head_dim: None,
+                qk_norm: false,
+            })
         })
     }
 

@@ -38,7 +38,14 @@ impl Family for TestRenamed {
 
     fn read_config(&self, hf: &HfJson) -> Result<Config> {
         llama::read_layout(hf, self.model_type(), |_| {
-            Ok(Variant { bias: false, attn_qkv_bias: false, default_positions: 2048, sliding: false })
+            Ok(Variant {
+                bias: false,
+                attn_qkv_bias: false,
+                default_positions: 2048,
+                sliding: false,
+                default_head_dim: None,
+                qk_norm: false,
+            })
         })
     }
 
