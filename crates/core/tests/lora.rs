@@ -234,22 +234,9 @@ fn a_train_step_updates_the_adapters_alone_and_plans_no_base_gradient() {
     assert_eq!(report.optimizer_state_bytes, 2 * adapters);
     assert_eq!(report.persistent_bytes, base + 3 * adapters);
 
+    // One batch, eight times.
+    let (mut s, losses) = trained(&c, &sp, 8, |_| 1);
     let w = weights(&c.forward, 5, false);
-    let mut s = CpuSession::new(step.clone(), c.plan.clone()).unwrap();
-    for v in step.weights() {
-        s.write(v, &w[&name(step, v)]).unwrap();
-    }
-    s.zero_state().unwrap();
-    let mut losses = Vec::new();
-    for it in 1..=8 {
-        for (n, t) in batch(&sp, 1) {
-            s.write_named(n, &t).unwrap();
-        }
-        s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
-        s.write_named(STEP_INPUT, &scalar_input(it as f64)).unwrap();
-        s.run_eager().unwrap();
-        losses.push(s.loss().unwrap());
-    }
     assert!(losses[7] < losses[0] - 1e-3, "the adapters did not learn one batch: {losses:?}");
     for v in step.frozen().collect::<Vec<_>>() {
         assert_eq!(s.read(v), w[&name(step, v)], "{} changed", name(step, v));
@@ -351,12 +338,14 @@ fn adapter_dropout_is_drawn_in_training_steps_only_and_per_micro_batch() {
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
 
-/// Losses and adapter weights of `steps` train steps of `c` on the CPU.
-fn train_on_cpu(
+/// A CPU session of `c` with the seeded weights, after `steps` train
+/// steps on the batches `batch_seed(step)` draws, and its losses.
+fn trained(
     c: &stepgraph_core::pipeline::CompiledStep,
     sp: &ModelSpec,
     steps: usize,
-) -> (Vec<u64>, Vec<HostTensor>) {
+    batch_seed: impl Fn(usize) -> u64,
+) -> (CpuSession, Vec<f64>) {
     let step = &c.step;
     let w = weights(&c.forward, 5, false);
     let mut s = CpuSession::new(step.clone(), c.plan.clone()).unwrap();
@@ -366,16 +355,26 @@ fn train_on_cpu(
     s.zero_state().unwrap();
     let mut losses = Vec::new();
     for it in 1..=steps {
-        for (n, t) in batch(sp, it as u64) {
+        for (n, t) in batch(sp, batch_seed(it)) {
             s.write_named(n, &t).unwrap();
         }
         s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
         s.write_named(STEP_INPUT, &scalar_input(it as f64)).unwrap();
         s.run_eager().unwrap();
-        losses.push(s.loss().unwrap().to_bits());
+        losses.push(s.loss().unwrap());
     }
-    let adapters = step.params().collect::<Vec<_>>().into_iter().map(|v| s.read(v)).collect();
-    (losses, adapters)
+    (s, losses)
+}
+
+/// Loss bits and adapter weights of `steps` train steps of `c` on the CPU.
+fn train_on_cpu(
+    c: &stepgraph_core::pipeline::CompiledStep,
+    sp: &ModelSpec,
+    steps: usize,
+) -> (Vec<u64>, Vec<HostTensor>) {
+    let (mut s, losses) = trained(c, sp, steps, |it| it as u64);
+    let adapters = c.step.params().collect::<Vec<_>>().into_iter().map(|v| s.read(v)).collect();
+    (losses.iter().map(|l| l.to_bits()).collect(), adapters)
 }
 
 #[test]
