@@ -10,7 +10,7 @@ use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::generate::{build_generation, FusedWriter, GenerationProgram, GenerationSpec};
 use stepgraph_core::models::gpt::{build_forward_with_logits, LossKind, ModelSpec, LOGITS_OUTPUT, TOKENS_INPUT};
 use stepgraph_core::models::init::init_param;
-use stepgraph_core::models::{Config, Overrides};
+use stepgraph_core::models::{Config, Overrides, QkNorm};
 use stepgraph_core::ops::decode::sample_row;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
@@ -238,8 +238,10 @@ fn decode_logits_equal_the_full_forward() {
     let gqa = config("tiny-llama", Overrides::default());
     let mha = config("tiny-llama", Overrides { n_query_groups: Some(4), ..Overrides::default() });
     // Qwen3's layout: per-head q/k norms before the rotation, wider heads.
-    let qwen3 = Config { qk_norm: true, head_size: 2 * mha.head_size, ..mha.clone() };
-    for cfg in [gqa, mha, qwen3] {
+    let qwen3 = Config { qk_norm: QkNorm::PerHead, head_size: 2 * mha.head_size, ..mha.clone() };
+    // OLMo 2's: norms over all of q and k, norms after the sublayers.
+    let olmo2 = Config { qk_norm: QkNorm::Whole, post_norms: true, ..gqa.clone() };
+    for cfg in [gqa, mha, qwen3, olmo2] {
         decode_logits_equal_the_full_forward_for(&cfg);
     }
 }

@@ -97,6 +97,7 @@ fn config_json(f: &Fixture) -> Value {
                 HfFamily::Llama => ("LlamaForCausalLM", "llama"),
                 HfFamily::Mistral => ("MistralForCausalLM", "mistral"),
                 HfFamily::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+                HfFamily::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
                 _ => ("Qwen2ForCausalLM", "qwen2"),
             };
             let mut c = json!({
@@ -166,7 +167,9 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             add("model.embed_tokens.weight".into(), vec![v, c], 0.0);
             for l in 0..LAYERS {
                 let p = format!("model.layers.{l}");
-                add(format!("{p}.input_layernorm.weight"), vec![c], 1.0);
+                if family != HfFamily::Olmo2 {
+                    add(format!("{p}.input_layernorm.weight"), vec![c], 1.0);
+                }
                 add(format!("{p}.self_attn.q_proj.weight"), vec![q, c], 0.0);
                 add(format!("{p}.self_attn.k_proj.weight"), vec![kv, c], 0.0);
                 add(format!("{p}.self_attn.v_proj.weight"), vec![kv, c], 0.0);
@@ -178,6 +181,11 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
                 if family == HfFamily::Qwen3 {
                     add(format!("{p}.self_attn.q_norm.weight"), vec![head], 1.0);
                     add(format!("{p}.self_attn.k_norm.weight"), vec![head], 1.0);
+                }
+                if family == HfFamily::Olmo2 {
+                    add(format!("{p}.self_attn.q_norm.weight"), vec![q], 1.0);
+                    add(format!("{p}.self_attn.k_norm.weight"), vec![kv], 1.0);
+                    add(format!("{p}.post_feedforward_layernorm.weight"), vec![c], 1.0);
                 }
                 add(format!("{p}.self_attn.o_proj.weight"), vec![c, q], 0.0);
                 add(format!("{p}.post_attention_layernorm.weight"), vec![c], 1.0);
@@ -334,7 +342,9 @@ fn assert_contains(text: &str, needles: &[&str]) {
 /// Every fixture variant this suite loads.
 fn all_fixtures() -> Vec<Fixture> {
     let mut v = Vec::new();
-    for family in [HfFamily::Llama, HfFamily::Mistral, HfFamily::Qwen2, HfFamily::Qwen3, HfFamily::GptNeox] {
+    for family in
+        [HfFamily::Llama, HfFamily::Mistral, HfFamily::Qwen2, HfFamily::Qwen3, HfFamily::Olmo2, HfFamily::GptNeox]
+    {
         for (tied, shards) in [(false, 1), (true, 1), (false, 3), (true, 2)] {
             v.push(Fixture { tied, shards, ..Fixture::new(family) });
         }

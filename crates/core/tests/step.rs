@@ -13,7 +13,7 @@ use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
+use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides, QkNorm};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::testing::directional_derivative;
 
@@ -67,23 +67,32 @@ fn tiny_model_gradients_match_finite_differences() {
     let llama = Config::named("tiny-llama").unwrap();
     let qwen3 = Config {
         name: "tiny-qwen3".into(),
-        qk_norm: true,
+        qk_norm: QkNorm::PerHead,
         head_size: 2 * llama.head_size,
         tie_embeddings: true,
-        ..llama
+        ..llama.clone()
     };
+    // And OLMo 2's: norms over all of q and k, norms after the sublayers.
+    let olmo2 = Config { name: "tiny-olmo2".into(), qk_norm: QkNorm::Whole, post_norms: true, ..llama };
     for (name, loss) in [
         ("tiny-llama", LossKind::CrossEntropy),
         ("tiny-neox", LossKind::CrossEntropy),
         ("tiny-llama", LossKind::Sum),
         ("tiny-qwen3", LossKind::CrossEntropy),
+        ("tiny-olmo2", LossKind::CrossEntropy),
     ] {
         let sp = match name {
             "tiny-qwen3" => ModelSpec { config: qwen3.clone(), ..spec("tiny-llama", DType::F64, loss) },
+            "tiny-olmo2" => ModelSpec { config: olmo2.clone(), ..spec("tiny-llama", DType::F64, loss) },
             _ => spec(name, DType::F64, loss),
         };
         let fwd = build_forward(&sp).unwrap();
-        assert_eq!(fwd.leaf_by_name("model.layers.0.self_attn.k_norm.weight").is_some(), sp.config.qk_norm);
+        assert_eq!(fwd.leaf_by_name("model.layers.0.self_attn.k_norm.weight").is_some(), !sp.config.qk_norm.is_none());
+        assert_eq!(
+            fwd.leaf_by_name("model.layers.1.post_feedforward_layernorm.weight").is_some(),
+            sp.config.post_norms
+        );
+        assert_eq!(fwd.leaf_by_name("model.layers.1.input_layernorm.weight").is_none(), sp.config.post_norms);
         let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
         let data = batch(&sp, 1);
         let mut gs = session(&grads, &fwd, true, 3);

@@ -100,12 +100,38 @@ pub struct Config {
     pub tie_embeddings: bool,
     /// The LM head has a bias.
     pub lm_head_bias: bool,
-    /// An RMSNorm over each head of q and of k (weights of the head's
-    /// size, `q_norm` and `k_norm`), after the projections and before
-    /// RoPE (Qwen3). Left out of the serialized config when off, so the
+    /// RMSNorms on q and k (`q_norm`, `k_norm`) after the projections and
+    /// before RoPE: per head (Qwen3) or over the whole projection (OLMo 2).
+    /// Left out of the serialized config when there are none, so the
     /// configs written before it existed read back the same.
+    #[serde(default, skip_serializing_if = "QkNorm::is_none")]
+    pub qk_norm: QkNorm,
+    /// Norms on the attention's and the MLP's outputs before each joins
+    /// the residual stream (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), and none on their inputs (OLMo 2).
+    /// Left out of the serialized config when off.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub qk_norm: bool,
+    pub post_norms: bool,
+}
+
+/// The RMSNorms a model puts on q and k before RoPE ([`Config::qk_norm`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    /// None (Llama, Qwen2, Mistral, GPT-NeoX).
+    #[default]
+    None,
+    /// Over each head, with weights of the head's size (Qwen3).
+    PerHead,
+    /// Over all of q (and all of k), with weights of the projection's
+    /// width (OLMo 2).
+    Whole,
+}
+
+impl QkNorm {
+    pub fn is_none(&self) -> bool {
+        *self == QkNorm::None
+    }
 }
 
 /// Hyper-parameters to replace in a named config, as a command line gives
@@ -291,7 +317,8 @@ fn llama_base(name: &str) -> Config {
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
     }
 }
 
@@ -323,7 +350,8 @@ fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_hea
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
     }
 }
 
@@ -445,7 +473,7 @@ fn qwen3(name: &str, n_layer: usize, n_embd: usize, n_head: usize, intermediate_
         norm_eps: 1e-6,
         rope_base: 1000000.0,
         tie_embeddings: tied,
-        qk_norm: true,
+        qk_norm: QkNorm::PerHead,
         ..llama_base(name)
     }
 }
@@ -813,6 +841,9 @@ impl Config {
         if !divides(self.n_query_groups, self.n_head) {
             return fail(format!("n_head {} is not divisible by n_query_groups {}", self.n_head, self.n_query_groups));
         }
+        if self.post_norms && self.parallel_residual {
+            return fail("norms after the sublayers (post_norms) need the sequential residual".into());
+        }
         // Every weight, and the parameters together, within what one plan
         // can hold at one byte each: the arithmetic on them below and in
         // the model builder cannot overflow. [`ModelSpec`] checks them
@@ -944,9 +975,11 @@ impl Config {
         if self.bias {
             attention = attention.checked_add(embd)?;
         }
-        if self.qk_norm {
-            attention = attention.checked_add(n(self.head_size)?.checked_mul(2)?)?;
-        }
+        attention = attention.checked_add(match self.qk_norm {
+            QkNorm::None => 0,
+            QkNorm::PerHead => n(self.head_size)?.checked_mul(2)?,
+            QkNorm::Whole => q_width.checked_add(kv_width)?,
+        })?;
 
         let (matrices, bias_rows) = match self.mlp {
             MlpKind::LlamaSwiGlu => (3, 2),

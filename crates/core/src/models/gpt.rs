@@ -19,7 +19,7 @@
 //! `[rows/tiles, intermediate]` tensors at a time instead of the layer's.
 //! One tile (the default) records the untiled MLP, op for op.
 
-use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, PARAM_KEYS};
+use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, QkNorm, PARAM_KEYS};
 use super::init::param_stream;
 use super::lora::{Adapters, BaseStorage, LoraTarget};
 use crate::autodiff::STEP_INPUT;
@@ -444,6 +444,17 @@ impl<'a> Gpt<'a> {
         let cfg = self.cfg;
         for layer in 0..cfg.n_layer {
             let p = format!("model.layers.{layer}");
+            if cfg.post_norms {
+                // Each sublayer reads the stream as it is and its output is
+                // normalised before it joins (OLMo 2).
+                let a = self.attention(x, layer, batch, seq, start, attend)?;
+                let a = self.norm(a, &format!("{p}.post_attention_layernorm"))?;
+                x = self.b.add(a, x)?;
+                let m = self.mlp(x, &format!("{p}.mlp"))?;
+                let m = self.norm(m, &format!("{p}.post_feedforward_layernorm"))?;
+                x = self.b.add(m, x)?;
+                continue;
+            }
             let h = self.norm(x, &format!("{p}.input_layernorm"))?;
             let a = self.attention(h, layer, batch, seq, start, attend)?;
             if cfg.parallel_residual {
@@ -490,7 +501,7 @@ impl<'a> Gpt<'a> {
         };
         // Per-head q/k norms go between the projections and the rotation,
         // which the fused paths below join: those are for models without.
-        let (q, k, v) = if self.fuse_projections && batch * seq == 1 && n_rot > 0 && !cfg.qk_norm {
+        let (q, k, v) = if self.fuse_projections && batch * seq == 1 && n_rot > 0 && cfg.qk_norm.is_none() {
             // One row (decode at batch 1): q and k lie side by side in the
             // fused product's output, so one rotation covers both heads'
             // sets; the parts are then runs of single rows, which the
@@ -501,7 +512,13 @@ impl<'a> Gpt<'a> {
             let qk = rotate(self, qk)?;
             let v = self.b.slice(y, 2, (hq + hkv) * d, (hq + 2 * hkv) * d)?;
             (self.b.slice(qk, 2, 0, hq)?, self.b.slice(qk, 2, hq, hq + hkv)?, self.b.reshape(v, &[1, 1, hkv, d])?)
-        } else if self.fuse_projections && batch * seq > 1 && n_rot > 0 && hq == hkv && !qkv_bias && !cfg.qk_norm {
+        } else if self.fuse_projections
+            && batch * seq > 1
+            && n_rot > 0
+            && hq == hkv
+            && !qkv_bias
+            && cfg.qk_norm.is_none()
+        {
             // Several rows without grouped heads: q, k and v are a batch of
             // three products, blocks [3, B·T, H·D] (`part_batch`), so q and
             // k together are [2B, T, H, D], rotated in one launch (row b of
@@ -521,13 +538,19 @@ impl<'a> Gpt<'a> {
             let k = self.b.slice(qk, 0, batch, 2 * batch)?;
             (q, k, self.b.reshape(v, &[batch, seq, hkv, d])?)
         } else {
-            let [q, k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
+            let [mut q, mut k, v] = self.projections(x, &format!("{prefix}.qkv_proj"), &parts, c, qkv_bias)?[..] else {
                 unreachable!("three parts give three projections")
             };
+            if cfg.qk_norm == QkNorm::Whole {
+                let wq = self.param(&format!("{prefix}.q_norm.weight"), &[hq * d])?;
+                let wk = self.param(&format!("{prefix}.k_norm.weight"), &[hkv * d])?;
+                q = self.b.rms_norm(q, wq, cfg.norm_eps)?;
+                k = self.b.rms_norm(k, wk, cfg.norm_eps)?;
+            }
             let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
             let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
             let v = self.b.reshape(v, &[batch, seq, hkv, d])?;
-            if cfg.qk_norm {
+            if cfg.qk_norm == QkNorm::PerHead {
                 let wq = self.param(&format!("{prefix}.q_norm.weight"), &[d])?;
                 let wk = self.param(&format!("{prefix}.k_norm.weight"), &[d])?;
                 q = self.b.rms_norm(q, wq, cfg.norm_eps)?;

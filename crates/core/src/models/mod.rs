@@ -18,7 +18,7 @@ pub mod init;
 pub mod lora;
 pub mod peft;
 
-pub use config::{Config, MlpKind, NormKind, Overrides};
+pub use config::{Config, MlpKind, NormKind, Overrides, QkNorm};
 pub use gpt::{build_forward, build_forward_opts, ForwardOptions, LossKind, ModelSpec};
 pub use init::{init_param, init_params};
 pub use lora::{Adapters, BaseStorage, LoraTarget};

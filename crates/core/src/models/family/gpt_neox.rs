@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::{ConfigKeys, Family, Holds, Join, Rule, Unlisted};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind};
+use crate::models::config::{Config, MlpKind, NormKind, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `gpt_neox`.
@@ -111,7 +111,8 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             lm_head_bias: false,
-            qk_norm: false,
+            qk_norm: QkNorm::None,
+            post_norms: false,
         })
     }
 
@@ -188,7 +189,8 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: true,
             lm_head_bias: false,
-            qk_norm: false,
+            qk_norm: QkNorm::None,
+            post_norms: false,
         }
     }
 }

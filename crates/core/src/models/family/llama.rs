@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind};
+use crate::models::config::{Config, MlpKind, NormKind, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `llama`: Llama 1–3.x, TinyLlama, and the many models saved
@@ -50,7 +50,7 @@ impl Family for Llama {
                 default_positions: 2048,
                 sliding: false,
                 default_head_dim: None,
-                qk_norm: false,
+                qk_norm: QkNorm::None,
             })
         })
     }
@@ -99,8 +99,8 @@ pub struct Variant {
     /// `head_dim` when the file does not give it (`None`: the width over
     /// the heads).
     pub default_head_dim: Option<usize>,
-    /// An RMSNorm over each head of q and k ([`Config::qk_norm`]).
-    pub qk_norm: bool,
+    /// The norms on q and k ([`Config::qk_norm`]).
+    pub qk_norm: QkNorm,
 }
 
 /// Reads a Llama-layout `config.json` of `model_type`; `variant` reads the
@@ -147,6 +147,7 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
         tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         lm_head_bias: false,
         qk_norm,
+        post_norms: false,
     })
 }
 
@@ -166,10 +167,12 @@ pub fn write_no_window(keys: &mut ConfigKeys) {
 
 /// Whether the Llama layout holds `config`, before a family's own bias
 /// rules: [`Holds::Chosen`] for any RMSNorm/SwiGLU config the layout
-/// computes. A config with per-head q/k norms is another network (Qwen3's,
-/// which checks the rest through [`qk_norm_layout_holds`]).
+/// computes. A config with q/k norms or with norms after the sublayers is
+/// another network (Qwen3's or OLMo 2's, which check the rest through
+/// [`variant_layout_holds`]).
 pub fn layout_holds(config: &Config) -> Holds {
-    if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) || config.qk_norm {
+    let plain = !config.qk_norm.is_none() || config.post_norms;
+    if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) || plain {
         return Holds::Other;
     }
     if config.parallel_residual || config.lm_head_bias {
@@ -180,13 +183,14 @@ pub fn layout_holds(config: &Config) -> Holds {
     Holds::Chosen
 }
 
-/// [`layout_holds`] for the Llama layout with per-head q/k norms:
-/// [`Holds::Other`] without them.
-pub fn qk_norm_layout_holds(config: &Config) -> Holds {
-    if !config.qk_norm {
+/// [`layout_holds`] for the Llama layout with the q/k norms `qk_norm` and
+/// norms after the sublayers when `post_norms`: [`Holds::Other`] for a
+/// config without exactly those.
+pub fn variant_layout_holds(config: &Config, qk_norm: QkNorm, post_norms: bool) -> Holds {
+    if (config.qk_norm, config.post_norms) != (qk_norm, post_norms) {
         return Holds::Other;
     }
-    layout_holds(&Config { qk_norm: false, ..config.clone() })
+    layout_holds(&Config { qk_norm: QkNorm::None, post_norms: false, ..config.clone() })
 }
 
 /// A small Llama-layout config with the sizes a file carries set away from
@@ -217,6 +221,7 @@ pub fn example_layout(name: &str) -> Config {
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
     }
 }

@@ -4,7 +4,7 @@
 use super::llama::{self, Variant};
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::Config;
+use crate::models::config::{Config, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `mistral`.
@@ -29,7 +29,7 @@ impl Family for Mistral {
                 default_positions: 4096 * 32,
                 sliding: true,
                 default_head_dim: None,
-                qk_norm: false,
+                qk_norm: QkNorm::None,
             })
         })
     }

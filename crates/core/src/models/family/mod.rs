@@ -43,6 +43,7 @@ use crate::error::Result;
 mod gpt_neox;
 pub mod llama;
 mod mistral;
+mod olmo2;
 mod qwen2;
 mod qwen3;
 #[cfg(test)]
@@ -60,6 +61,7 @@ macro_rules! for_each_family {
             Mistral(mistral::Mistral),
             Qwen2(qwen2::Qwen2),
             Qwen3(qwen3::Qwen3),
+            Olmo2(olmo2::Olmo2),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]
             TestRenamed(test_family::TestRenamed),

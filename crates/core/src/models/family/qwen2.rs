@@ -6,7 +6,7 @@ use serde_json::json;
 use super::llama::{self, Variant};
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::Config;
+use crate::models::config::{Config, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `qwen2`.
@@ -32,7 +32,7 @@ impl Family for Qwen2 {
                 default_positions: 32768,
                 sliding,
                 default_head_dim: None,
-                qk_norm: false,
+                qk_norm: QkNorm::None,
             })
         })
     }

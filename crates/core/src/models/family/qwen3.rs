@@ -8,7 +8,7 @@ use serde_json::json;
 use super::llama::{self, Variant};
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::Config;
+use crate::models::config::{Config, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `qwen3`.
@@ -41,7 +41,7 @@ impl Family for Qwen3 {
                 default_positions: 32768,
                 sliding,
                 default_head_dim: Some(128),
-                qk_norm: true,
+                qk_norm: QkNorm::PerHead,
             })
         })
     }
@@ -54,7 +54,7 @@ impl Family for Qwen3 {
     }
 
     fn holds(&self, config: &Config) -> Holds {
-        match llama::qk_norm_layout_holds(config) {
+        match llama::variant_layout_holds(config, QkNorm::PerHead, false) {
             Holds::Chosen if config.bias || config.attn_qkv_bias => {
                 Holds::Not("Qwen3 has no biases on its linear layers".into())
             }
@@ -64,6 +64,11 @@ impl Family for Qwen3 {
 
     #[cfg(test)]
     fn example(&self) -> Config {
-        Config { qk_norm: true, tie_embeddings: true, norm_eps: 1e-5, ..llama::example_layout("qwen3-example") }
+        Config {
+            qk_norm: QkNorm::PerHead,
+            tie_embeddings: true,
+            norm_eps: 1e-5,
+            ..llama::example_layout("qwen3-example")
+        }
     }
 }

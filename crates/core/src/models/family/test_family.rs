@@ -6,7 +6,7 @@
 use super::llama::{self, Variant};
 use super::{ConfigKeys, Family, Holds, Rule, Unlisted};
 use crate::error::Result;
-use crate::models::config::Config;
+use crate::models::config::{Config, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `stepgraph_test`.
@@ -44,7 +44,7 @@ impl Family for TestRenamed {
                 default_positions: 2048,
                 sliding: false,
                 default_head_dim: None,
-                qk_norm: false,
+                qk_norm: QkNorm::None,
             })
         })
     }
