@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face folders through stepgraph and back, checked against PyTorch.
 
-For each supported family (llama, mistral, qwen2, qwen3, olmo2, gpt_neox; tied and untied
+For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gpt_neox; tied and untied
 heads; Llama-3.x RoPE scaling; sharded and single-file), on the GPU machine
 (PyTorch and transformers 5.x installed, no network):
 
@@ -96,6 +96,10 @@ def variants():
         # OLMo 2: norms over all of q and k, norms after the sublayers.
         ("olmo2", "olmo2", dict(llama_like, rms_norm_eps=1e-5, tie_word_embeddings=False), None),
         ("olmo2-tied-sharded", "olmo2", dict(llama_like, tie_word_embeddings=True), "40KB"),
+        # Phi-3: q/k/v and gate/up stacked, RoPE on part of each head.
+        ("phi3", "phi3", dict(llama_like, rms_norm_eps=1e-5, partial_rotary_factor=0.75,
+                              tie_word_embeddings=False), None),
+        ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True), "40KB"),
         ("gpt_neox", "gpt_neox", dict(neox, tie_word_embeddings=False), None),
         ("gpt_neox-sequential-sharded", "gpt_neox", dict(neox, tie_word_embeddings=False, use_parallel_residual=False), "40KB"),
     ]

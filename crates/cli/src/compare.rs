@@ -382,7 +382,7 @@ fn compare(
     for (name, tensor) in &weights {
         check_finite(&weights_path, name, tensor)?;
     }
-    let weights = from_hf_tensors(family, config.n_head, weights)
+    let weights = from_hf_tensors(family, &config, weights)
         .with_context(|| format!("reading the reference's weights {}", weights_path.display()))?;
     let reference_dtypes = float_dtypes(&weights);
     let dtype = match args.dtype {
@@ -411,7 +411,7 @@ fn compare(
         .with_context(|| format!("loading {} into `{}`", weights_path.display(), spec.config.name))?;
     drop(weights);
     let batch_inputs = reference_batch(&ids, loss)?;
-    let ref_grads = reference_grads(&dir.join("grads.safetensors"), &step, family, spec.config.n_head)?;
+    let ref_grads = reference_grads(&dir.join("grads.safetensors"), &step, family, &spec.config)?;
 
     let mut session = open(backend, step, memory)?;
     for (param, value) in params {
@@ -484,7 +484,12 @@ fn family_of(config_path: &Path) -> Result<HfFamily> {
 /// `family`) and matches them with the parameters of `step`: one float,
 /// finite gradient of the parameter's shape for every parameter, and
 /// nothing else.
-fn reference_grads(path: &Path, step: &Trace, family: HfFamily, n_head: usize) -> Result<Vec<ReferenceGrad>> {
+fn reference_grads(
+    path: &Path,
+    step: &Trace,
+    family: HfFamily,
+    config: &stepgraph_core::models::Config,
+) -> Result<Vec<ReferenceGrad>> {
     let tensors =
         read_safetensors(path).with_context(|| format!("reading the reference's gradients {}", path.display()))?;
     for (name, tensor) in &tensors {
@@ -497,7 +502,7 @@ fn reference_grads(path: &Path, step: &Trace, family: HfFamily, n_head: usize) -
         }
         check_finite(path, name, tensor)?;
     }
-    let tensors = from_hf_tensors(family, n_head, tensors)
+    let tensors = from_hf_tensors(family, config, tensors)
         .with_context(|| format!("reading the reference's gradients {}", path.display()))?;
     let mut by_name: HashMap<String, HostTensor> = HashMap::with_capacity(tensors.len());
     for (name, tensor) in tensors {

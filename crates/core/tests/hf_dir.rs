@@ -98,6 +98,7 @@ fn config_json(f: &Fixture) -> Value {
                 HfFamily::Mistral => ("MistralForCausalLM", "mistral"),
                 HfFamily::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
                 HfFamily::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
+                HfFamily::Phi3 => ("Phi3ForCausalLM", "phi3"),
                 _ => ("Qwen2ForCausalLM", "qwen2"),
             };
             let mut c = json!({
@@ -108,6 +109,10 @@ fn config_json(f: &Fixture) -> Value {
                 "sliding_window": null, "tie_word_embeddings": f.tied, "torch_dtype": "float32",
                 "vocab_size": VOCAB
             });
+            if family == HfFamily::Phi3 {
+                // RoPE on half of each head.
+                c["partial_rotary_factor"] = json!(0.5);
+            }
             if family == HfFamily::Qwen3 {
                 // A head wider than the width over the heads, as Qwen3's are.
                 c["head_dim"] = json!(QWEN3_HEAD_DIM);
@@ -170,9 +175,13 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
                 if family != HfFamily::Olmo2 {
                     add(format!("{p}.input_layernorm.weight"), vec![c], 1.0);
                 }
-                add(format!("{p}.self_attn.q_proj.weight"), vec![q, c], 0.0);
-                add(format!("{p}.self_attn.k_proj.weight"), vec![kv, c], 0.0);
-                add(format!("{p}.self_attn.v_proj.weight"), vec![kv, c], 0.0);
+                if family == HfFamily::Phi3 {
+                    add(format!("{p}.self_attn.qkv_proj.weight"), vec![q + 2 * kv, c], 0.0);
+                } else {
+                    add(format!("{p}.self_attn.q_proj.weight"), vec![q, c], 0.0);
+                    add(format!("{p}.self_attn.k_proj.weight"), vec![kv, c], 0.0);
+                    add(format!("{p}.self_attn.v_proj.weight"), vec![kv, c], 0.0);
+                }
                 if family == HfFamily::Qwen2 {
                     add(format!("{p}.self_attn.q_proj.bias"), vec![c], 0.0);
                     add(format!("{p}.self_attn.k_proj.bias"), vec![kv], 0.0);
@@ -189,8 +198,12 @@ fn hf_tensors(f: &Fixture) -> Vec<(String, Vec<usize>, Vec<f32>)> {
                 }
                 add(format!("{p}.self_attn.o_proj.weight"), vec![c, q], 0.0);
                 add(format!("{p}.post_attention_layernorm.weight"), vec![c], 1.0);
-                add(format!("{p}.mlp.gate_proj.weight"), vec![i, c], 0.0);
-                add(format!("{p}.mlp.up_proj.weight"), vec![i, c], 0.0);
+                if family == HfFamily::Phi3 {
+                    add(format!("{p}.mlp.gate_up_proj.weight"), vec![2 * i, c], 0.0);
+                } else {
+                    add(format!("{p}.mlp.gate_proj.weight"), vec![i, c], 0.0);
+                    add(format!("{p}.mlp.up_proj.weight"), vec![i, c], 0.0);
+                }
                 add(format!("{p}.mlp.down_proj.weight"), vec![c, i], 0.0);
             }
             add("model.norm.weight".into(), vec![c], 1.0);
@@ -281,6 +294,31 @@ fn as_trace_names(f: &Fixture, dir: &Path) -> Vec<(String, HostTensor)> {
             tensors.extend(read_safetensors(&path).unwrap());
         }
     }
+    if f.family == HfFamily::Phi3 {
+        // The stacked tensors cut into their parts by rows.
+        let (q, kv, i) = (HIDDEN, 2 * (HIDDEN / HEADS), 24);
+        let mut out = Vec::new();
+        for (name, t) in tensors {
+            let parts: &[(&str, usize)] = if name.ends_with("qkv_proj.weight") {
+                &[("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+            } else if name.ends_with("gate_up_proj.weight") {
+                &[("gate_proj", i), ("up_proj", i)]
+            } else {
+                out.push((name, t));
+                continue;
+            };
+            let fused = name.rsplit('.').nth(1).unwrap();
+            let row = t.bytes().len() / t.ty.shape[0];
+            let mut start = 0;
+            for (part, rows) in parts {
+                let mut p = HostTensor::zeros(TensorType::new(t.ty.dtype, vec![*rows, HIDDEN]));
+                p.bytes_mut().copy_from_slice(&t.bytes()[start * row..(start + rows) * row]);
+                start += rows;
+                out.push((name.replace(fused, part), p));
+            }
+        }
+        return out;
+    }
     if f.family != HfFamily::GptNeox {
         return tensors;
     }
@@ -342,9 +380,15 @@ fn assert_contains(text: &str, needles: &[&str]) {
 /// Every fixture variant this suite loads.
 fn all_fixtures() -> Vec<Fixture> {
     let mut v = Vec::new();
-    for family in
-        [HfFamily::Llama, HfFamily::Mistral, HfFamily::Qwen2, HfFamily::Qwen3, HfFamily::Olmo2, HfFamily::GptNeox]
-    {
+    for family in [
+        HfFamily::Llama,
+        HfFamily::Mistral,
+        HfFamily::Qwen2,
+        HfFamily::Qwen3,
+        HfFamily::Olmo2,
+        HfFamily::Phi3,
+        HfFamily::GptNeox,
+    ] {
         for (tied, shards) in [(false, 1), (true, 1), (false, 3), (true, 2)] {
             v.push(Fixture { tied, shards, ..Fixture::new(family) });
         }
@@ -455,7 +499,7 @@ fn load_save_load_round_trips_bit_exactly() {
         let assembled = assembled.unwrap();
         assert_eq!(assembled.iter().cloned().collect::<BTreeMap<_, _>>(), original, "{f:?}");
         // And split back (as references for comparisons are read), each parameter as loaded.
-        let split = from_hf_tensors(hf.family(), hf.config().n_head, assembled).unwrap();
+        let split = from_hf_tensors(hf.family(), hf.config(), assembled).unwrap();
         let params: BTreeMap<String, HostTensor> = c
             .forward
             .params()

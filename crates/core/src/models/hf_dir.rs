@@ -209,6 +209,20 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
                 shape[0] *= parts.len();
                 TensorType::new(first.dtype, shape)
             }
+            Join::Rows => {
+                let first = &parts[0].1;
+                let trailing = |t: &TensorType| (t.dtype, t.shape.get(1..).map(<[usize]>::to_vec));
+                if parts.iter().any(|(_, pv)| trailing(pv) != trailing(first)) {
+                    return Err(internal(format!(
+                        "the parts of `{}` must differ in rows only to be stacked, got {}",
+                        instantiate(rule.hf, layer),
+                        parts.iter().map(|(_, pv)| pv.to_string()).collect::<Vec<_>>().join(", ")
+                    )));
+                }
+                let mut shape = first.shape.clone();
+                shape[0] = parts.iter().map(|(_, pv)| pv.shape[0]).sum();
+                TensorType::new(first.dtype, shape)
+            }
         };
         mappings.push(Mapping { hf: instantiate(rule.hf, layer), params: parts, join: rule.join, heads, ty });
     }
@@ -623,12 +637,13 @@ impl HfModelDir {
                     ),
                 ));
             }
-            let parts = m.params.len();
+            // Each part's bytes as the file stores them.
+            let sizes: Vec<usize> = m.params.iter().map(|(_, ty)| ty.numel() * src_dtype.size()).collect();
             for (k, (name, ty)) in m.params.iter().enumerate() {
                 let ty = ty.clone();
                 buffer.retype(ty.clone());
                 let dst = buffer.bytes_mut();
-                let blocks = m.join.part(src, m.heads, parts, k);
+                let blocks = m.join.part(src, m.heads, &sizes, k);
                 let dst_block = dst.len() / blocks.len();
                 for (h, s) in blocks.into_iter().enumerate() {
                     convert(src_dtype, s, ty.dtype, &mut dst[h * dst_block..][..dst_block], file, &m.hf)?;
@@ -643,16 +658,18 @@ impl HfModelDir {
 /// Hugging Face tensors of `family` (a state dict, or its gradients) under
 /// the trace's names, by the same table [`HfModelDir::load_into`] reads:
 /// renamed, and fused tensors split into their parts (GPT-NeoX's
-/// `query_key_value` into q, k and v, `n_head` heads). The inverse of
+/// `query_key_value` into q, k and v of `config`'s heads, Phi-3's
+/// `qkv_proj` and `gate_up_proj` by the rows of each part). The inverse of
 /// [`to_hf_tensors`]. Buffers that are not parameters are dropped; a
 /// tensor no rule names is kept as it is, for the caller's check against
 /// the model to report.
 pub fn from_hf_tensors(
     family: HfFamily,
-    n_head: usize,
+    config: &Config,
     tensors: Vec<(String, HostTensor)>,
 ) -> Result<Vec<(String, HostTensor)>> {
     let family = family.family();
+    let n_head = config.n_head;
     let mut out = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
         if family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
@@ -683,16 +700,59 @@ pub fn from_hf_tensors(
                     let mut part = HostTensor::zeros(TensorType::new(tensor.ty.dtype, shape.clone()));
                     let dst = part.bytes_mut();
                     let mut offset = 0;
-                    for block in rule.join.part(tensor.bytes(), n_head, parts, k) {
+                    let sizes = vec![tensor.bytes().len() / parts; parts];
+                    for block in rule.join.part(tensor.bytes(), n_head, &sizes, k) {
                         dst[offset..offset + block.len()].copy_from_slice(block);
                         offset += block.len();
                     }
                     out.push((instantiate(pattern, layer), part));
                 }
             }
+            Join::Rows => {
+                let rows: Vec<usize> =
+                    rule.trace.iter().map(|p| part_rows(config, p)).collect::<Option<_>>().ok_or_else(|| {
+                        Error::Input {
+                            name: name.clone(),
+                            reason: format!("has parts {:?} whose rows the model does not give", rule.trace),
+                        }
+                    })?;
+                let total: usize = rows.iter().sum();
+                if tensor.ty.shape.first() != Some(&total) {
+                    return Err(Error::Input {
+                        name,
+                        reason: format!(
+                            "is {}, but its parts {:?} stack {total} rows (the model's config.json)",
+                            tensor.ty, rule.trace
+                        ),
+                    });
+                }
+                let row_bytes = tensor.bytes().len() / total.max(1);
+                let sizes: Vec<usize> = rows.iter().map(|r| r * row_bytes).collect();
+                for (k, pattern) in rule.trace.iter().enumerate() {
+                    let mut shape = tensor.ty.shape.clone();
+                    shape[0] = rows[k];
+                    let mut part = HostTensor::zeros(TensorType::new(tensor.ty.dtype, shape));
+                    part.bytes_mut().copy_from_slice(rule.join.part(tensor.bytes(), n_head, &sizes, k)[0]);
+                    out.push((instantiate(pattern, layer), part));
+                }
+            }
         }
     }
     Ok(out)
+}
+
+/// Rows of the parameter named by the rule pattern `pattern` (the
+/// builder's names: q, k and v projections, gate and up projections), as
+/// `config` sizes them; `None` for a name a join of rows does not stack.
+fn part_rows(config: &Config, pattern: &str) -> Option<usize> {
+    let (q, kv) = (config.n_head * config.head_size, config.n_query_groups * config.head_size);
+    let part = pattern.rsplit('.').nth(1)?;
+    match part {
+        "q_proj" => Some(q),
+        "k_proj" | "v_proj" => Some(kv),
+        "gate_proj" | "up_proj" => Some(config.intermediate_size),
+        _ => None,
+    }
 }
 
 fn shards_path(shards: &[Shard], index: usize) -> String {
@@ -870,20 +930,23 @@ pub fn save_hf_dir(
     options: &SaveOptions,
 ) -> Result<SaveReport> {
     config.validate()?;
-    let natural = HfFamily::of_config(config).map_err(|reason| checkpoint_error(out, reason))?;
+    // The family asked for, when it computes this network (a family held
+    // on request only, as Phi-3 holds a partial-RoPE config, has no
+    // natural family to fall back on); else the natural one.
+    let natural = || HfFamily::of_config(config).map_err(|reason| checkpoint_error(out, reason));
     let family = match options.family {
-        Some(family) if !family.can_hold(config) => {
+        Some(family) if family.can_hold(config) => family,
+        Some(family) => {
+            let layout = match natural() {
+                Ok(f) => format!("the layout of `{}`", f.model_type()),
+                Err(e) => e.to_string(),
+            };
             return Err(checkpoint_error(
                 out,
-                format!(
-                    "cannot save as model_type `{}`: the config has the layout of `{}`",
-                    family.model_type(),
-                    natural.model_type()
-                ),
-            ))
+                format!("cannot save as model_type `{}`: the config has {layout}", family.model_type()),
+            ));
         }
-        Some(family) => family,
-        None => natural,
+        None => natural()?,
     };
     if options.max_shard_bytes == 0 {
         return Err(checkpoint_error(out, "the largest shard size must be positive, got 0 bytes"));
@@ -1135,12 +1198,13 @@ pub fn to_hf_tensors(
     for m in map_params(family, trace, n_head)? {
         let parts: Vec<HostTensor> = m.params.iter().map(|(name, _)| value_of(name)).collect::<Result<_>>()?;
         let dtype = parts[0].ty.dtype;
-        if let Some(((name, _), part)) =
-            m.params.iter().zip(&parts).find(|(_, p)| p.ty.shape != m.params[0].1.shape || p.ty.dtype != dtype)
+        // Each part as its parameter is shaped, all in one dtype.
+        if let Some(((name, ty), part)) =
+            m.params.iter().zip(&parts).find(|((_, ty), p)| p.ty.shape != ty.shape || p.ty.dtype != dtype)
         {
             return Err(Error::Input {
                 name: name.clone(),
-                reason: format!("got {}, expected {} like the other parts of `{}`", part.ty, m.params[0].1, m.hf),
+                reason: format!("got {}, expected {} as a part of `{}`", part.ty, ty.with_dtype(dtype), m.hf),
             });
         }
         let mut tensor = HostTensor::zeros(m.ty.with_dtype(dtype));

@@ -169,11 +169,15 @@ pub fn write_no_window(keys: &mut ConfigKeys) {
 /// rules: [`Holds::Chosen`] for any RMSNorm/SwiGLU config the layout
 /// computes. A config with q/k norms or with norms after the sublayers is
 /// another network (Qwen3's or OLMo 2's, which check the rest through
-/// [`variant_layout_holds`]).
+/// [`variant_layout_holds`]); the layout rotates whole heads (Phi-3, which
+/// rotates part of each, checks the rest through [`partial_rope_layout_holds`]).
 pub fn layout_holds(config: &Config) -> Holds {
     let plain = !config.qk_norm.is_none() || config.post_norms;
     if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) || plain {
         return Holds::Other;
+    }
+    if config.rotary_percentage != 1.0 {
+        return Holds::Not("this Llama-style family's RoPE rotates whole heads".into());
     }
     if config.parallel_residual || config.lm_head_bias {
         return Holds::Not(
@@ -191,6 +195,11 @@ pub fn variant_layout_holds(config: &Config, qk_norm: QkNorm, post_norms: bool) 
         return Holds::Other;
     }
     layout_holds(&Config { qk_norm: QkNorm::None, post_norms: false, ..config.clone() })
+}
+
+/// [`layout_holds`] for a layout that may rotate part of each head.
+pub fn partial_rope_layout_holds(config: &Config) -> Holds {
+    layout_holds(&Config { rotary_percentage: 1.0, ..config.clone() })
 }
 
 /// A small Llama-layout config with the sizes a file carries set away from

@@ -44,6 +44,7 @@ mod gpt_neox;
 pub mod llama;
 mod mistral;
 mod olmo2;
+mod phi3;
 mod qwen2;
 mod qwen3;
 #[cfg(test)]
@@ -62,6 +63,7 @@ macro_rules! for_each_family {
             Qwen2(qwen2::Qwen2),
             Qwen3(qwen3::Qwen3),
             Olmo2(olmo2::Olmo2),
+            Phi3(phi3::Phi3),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]
             TestRenamed(test_family::TestRenamed),
@@ -275,6 +277,9 @@ pub enum Join {
     /// Parts (q, k and v, `[n_head·d, ...]` each) interleaved per head, as
     /// GPT-NeoX's `query_key_value` is viewed: `[n_head, parts, d, ...]`.
     PerHead,
+    /// Parts stacked along the first axis, in order, each its own number
+    /// of rows (Phi-3's `qkv_proj` and `gate_up_proj`).
+    Rows,
 }
 
 impl Join {
@@ -284,6 +289,7 @@ impl Join {
     pub fn chunks<'a>(self, parts: &[&'a [u8]], heads: usize) -> Vec<&'a [u8]> {
         match self {
             Join::Same => vec![parts[0]],
+            Join::Rows => parts.to_vec(),
             Join::PerHead => {
                 let block = parts[0].len() / heads;
                 (0..heads).flat_map(|h| parts.iter().map(move |part| &part[h * block..][..block])).collect()
@@ -291,16 +297,22 @@ impl Join {
         }
     }
 
-    /// The bytes of part `k` of a tensor joined from `parts` parts, block by
-    /// block in the part's order: the whole tensor for [`Join::Same`]; for a
-    /// per-head join (`[heads, parts, rows, ...]`) part k of head h is block
-    /// `h·parts + k`.
-    pub fn part(self, joined: &[u8], heads: usize, parts: usize, k: usize) -> Vec<&[u8]> {
+    /// The bytes of part `k` of a tensor joined from parts of `sizes`
+    /// bytes each, block by block in the part's order: the whole tensor
+    /// for [`Join::Same`]; for a per-head join (`[heads, parts, rows, ...]`)
+    /// part k of head h is block `h·parts + k`; for a join of rows, the
+    /// part's run after the parts before it.
+    pub fn part<'a>(self, joined: &'a [u8], heads: usize, sizes: &[usize], k: usize) -> Vec<&'a [u8]> {
         match self {
             Join::Same => vec![joined],
             Join::PerHead => {
+                let parts = sizes.len();
                 let block = joined.len() / (heads * parts);
                 (0..heads).map(|h| &joined[(h * parts + k) * block..][..block]).collect()
+            }
+            Join::Rows => {
+                let start: usize = sizes[..k].iter().sum();
+                vec![&joined[start..][..sizes[k]]]
             }
         }
     }
@@ -426,8 +438,14 @@ mod tests {
         let f = family.family();
         let config = f.example();
         let n_head = config.n_head;
-        let spec =
-            ModelSpec { config, batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None };
+        let spec = ModelSpec {
+            config: config.clone(),
+            batch: 1,
+            seq: 4,
+            dtype: DType::F32,
+            loss: LossKind::CrossEntropy,
+            adapters: None,
+        };
         let trace = build_forward(&spec).unwrap();
         let params: BTreeMap<String, HostTensor> = init_params(&trace, 7)
             .into_iter()
@@ -449,7 +467,7 @@ mod tests {
                 assert_eq!(f.hf_name(&part).as_deref(), Some(name.as_str()), "{family:?}: `{name}` -> `{part}`");
             }
         }
-        let back: BTreeMap<String, HostTensor> = from_hf_tensors(family, n_head, hf).unwrap().into_iter().collect();
+        let back: BTreeMap<String, HostTensor> = from_hf_tensors(family, &config, hf).unwrap().into_iter().collect();
         assert_eq!(back, params, "{family:?}: the parameters do not survive the round trip");
     }
 

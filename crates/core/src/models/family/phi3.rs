@@ -1,0 +1,101 @@
+//! Phi-3 (`Phi3ForCausalLM`: Phi-3, Phi-3.5, Phi-4 and Phi-4-mini): the
+//! Llama layout with q, k and v stored stacked as one `qkv_proj` tensor and
+//! the gate and up projections as one `gate_up_proj`, RoPE on a part of
+//! each head when `partial_rotary_factor` says so, its sliding window
+//! whenever `sliding_window` is set, and no biases.
+
+use serde_json::json;
+
+use super::llama::{self, Variant};
+use super::{ConfigKeys, Family, Holds, Join, Rule};
+use crate::error::Result;
+use crate::models::config::{Config, QkNorm};
+use crate::models::hf::HfJson;
+
+/// `model_type` `phi3`.
+pub struct Phi3;
+
+/// Phi-3's stacked tensors; every other tensor has the trace's name.
+const RULES: &[Rule] = &[
+    Rule {
+        hf: "model.layers.{i}.self_attn.qkv_proj.weight",
+        trace: &[
+            "model.layers.{i}.self_attn.q_proj.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        ],
+        join: Join::Rows,
+    },
+    Rule {
+        hf: "model.layers.{i}.mlp.gate_up_proj.weight",
+        trace: &["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+        join: Join::Rows,
+    },
+];
+
+impl Family for Phi3 {
+    fn model_type(&self) -> &'static str {
+        "phi3"
+    }
+
+    fn architecture(&self) -> &'static str {
+        "Phi3ForCausalLM"
+    }
+
+    fn read_config(&self, hf: &HfJson) -> Result<Config> {
+        let mut config = llama::read_layout(hf, self.model_type(), |_| {
+            Ok(Variant {
+                bias: false,
+                attn_qkv_bias: false,
+                default_positions: 4096,
+                sliding: true,
+                default_head_dim: None,
+                qk_norm: QkNorm::None,
+            })
+        })?;
+        // transformers' Phi3Config defaults its norms' epsilon to 1e-5 and
+        // also takes the rotary fraction as a top-level key.
+        if hf.f64_opt("rms_norm_eps")?.is_none() {
+            config.norm_eps = 1e-5;
+        }
+        if let Some(fraction) = hf.f64_opt("partial_rotary_factor")? {
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(hf.err(format!("partial_rotary_factor {fraction} is not in (0, 1]")));
+            }
+            config.rotary_percentage = fraction;
+        }
+        Ok(config)
+    }
+
+    fn write_config(&self, config: &Config, keys: &mut ConfigKeys) {
+        llama::write_layout(config, keys);
+        keys.set_rope("partial_rotary_factor", json!(config.rotary_percentage));
+        llama::write_no_window(keys);
+    }
+
+    /// An unbiased Llama-layout model, written as `phi3` only when asked
+    /// (or when it came from a Phi-3 folder): the same network as Llama's
+    /// with its q/k/v and gate/up tensors stacked. Its heads are the width
+    /// over the heads, as Phi-3 derives them.
+    fn holds(&self, config: &Config) -> Holds {
+        match llama::partial_rope_layout_holds(config) {
+            Holds::Chosen if config.bias || config.attn_qkv_bias => {
+                Holds::Not("Phi-3 has no biases on its linear layers".into())
+            }
+            Holds::Chosen if config.head_size * config.n_head != config.n_embd => {
+                Holds::Not("Phi-3's heads are the width over the heads wide".into())
+            }
+            Holds::Chosen => Holds::OnRequest,
+            holds => holds,
+        }
+    }
+
+    fn rules(&self) -> &'static [Rule] {
+        RULES
+    }
+
+    #[cfg(test)]
+    fn example(&self) -> Config {
+        Config { head_size: 8, rotary_percentage: 0.75, norm_eps: 1e-6, ..llama::example_layout("phi3-example") }
+    }
+}
