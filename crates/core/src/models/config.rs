@@ -180,6 +180,8 @@ const NAMED: &[Named] = &[
     Named { name: "Qwen3-1.7B", hf_repo: Some("Qwen/Qwen3-1.7B"), build: qwen3_1_7b },
     Named { name: "Qwen3-4B", hf_repo: Some("Qwen/Qwen3-4B"), build: qwen3_4b },
     Named { name: "Qwen3-8B", hf_repo: Some("Qwen/Qwen3-8B"), build: qwen3_8b },
+    Named { name: "Phi-3-mini-4k-instruct", hf_repo: Some("microsoft/Phi-3-mini-4k-instruct"), build: phi_3_mini_4k },
+    Named { name: "phi-4", hf_repo: Some("microsoft/phi-4"), build: phi_4 },
     Named { name: "Llama-3.2-1B", hf_repo: Some("meta-llama/Llama-3.2-1B"), build: llama_3_2_1b },
     Named { name: "Llama-3.2-3B", hf_repo: Some("meta-llama/Llama-3.2-3B"), build: llama_3_2_3b },
     Named { name: "Llama-3.1-8B", hf_repo: Some("meta-llama/Llama-3.1-8B"), build: llama_3_1_8b },
@@ -492,6 +494,45 @@ fn qwen3_4b() -> Config {
 
 fn qwen3_8b() -> Config {
     qwen3("Qwen3-8B", 36, 4096, 32, 12288, false)
+}
+
+/// Phi-3-mini (4k): the Llama layout (its q/k/v and gate/up stored
+/// stacked), 32064 embedding rows, full multi-head attention, RMSNorm eps
+/// 1e-5. Its 2047-token sliding window bounds the block: within it the
+/// window changes nothing.
+fn phi_3_mini_4k() -> Config {
+    Config {
+        block_size: 2047,
+        vocab_size: 32064,
+        padded_vocab_size: 32064,
+        n_layer: 32,
+        n_embd: 3072,
+        n_head: 32,
+        n_query_groups: 32,
+        head_size: 96,
+        intermediate_size: 8192,
+        norm_eps: 1e-5,
+        ..llama_base("Phi-3-mini-4k-instruct")
+    }
+}
+
+/// Phi-4 (14B): 40 layers of width 5120, 10 key/value groups of heads of
+/// 128, RoPE base 250000, 100352 embedding rows.
+fn phi_4() -> Config {
+    Config {
+        block_size: 16384,
+        vocab_size: 100352,
+        padded_vocab_size: 100352,
+        n_layer: 40,
+        n_embd: 5120,
+        n_head: 40,
+        n_query_groups: 10,
+        head_size: 128,
+        intermediate_size: 17920,
+        norm_eps: 1e-5,
+        rope_base: 250000.0,
+        ..llama_base("phi-4")
+    }
 }
 
 /// Llama 3.1's RoPE: base 500000, frequencies rescaled for a context
@@ -1022,7 +1063,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 18] = [
+        let expected: [(&str, u64); 20] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1035,6 +1076,8 @@ pub(crate) mod tests {
             ("Qwen3-1.7B", 1_720_574_976),
             ("Qwen3-4B", 4_022_468_096),
             ("Qwen3-8B", 8_190_735_360),
+            ("Phi-3-mini-4k-instruct", 3_821_079_552),
+            ("phi-4", 14_659_507_200),
             ("Llama-3.2-1B", 1_235_814_400),
             ("Llama-3.2-3B", 3_212_749_824),
             ("Llama-3.1-8B", 8_030_261_248),
