@@ -16,6 +16,11 @@
 //! builders go through these two functions, so a stage added here reaches
 //! all of them.
 //!
+//! Under a memory budget that a step of adapters misses without
+//! recomputing, [`compile_step`] builds it with its frozen embedding table
+//! in host memory ([`PlanOptions::host_tables`]) before anything is
+//! recomputed, and keeps that step when a table moved.
+//!
 //! A memory budget that recomputation cannot meet makes [`compile_step`]
 //! build the step again with every MLP in 2, 4, 8, … row tiles
 //! ([`crate::models::ForwardOptions::mlp_tiles`]; tiles of at least
