@@ -280,8 +280,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if !set.is_empty() {
         eprintln!("switches: {set} (not the defaults)");
     }
-    eprint!("{}", c.recompute);
-    if let Some(p) = &c.placement {
+    eprint!("{}", c.recompute());
+    if let Some(p) = c.placement() {
         eprint!("{p}");
     }
     let params = c.param_count() as u64;

@@ -68,7 +68,7 @@ pub struct PeakBytes {
 
 impl PeakBytes {
     pub fn of(step: &CompiledStep) -> PeakBytes {
-        let timeline = Timeline::new(&step.step, &step.plan, &step.recompute.nodes());
+        let timeline = Timeline::new(&step.step, &step.plan, &step.recompute().nodes());
         let Some(live) = timeline.live.iter().max_by_key(|l| l.iter().sum::<u64>()) else {
             return PeakBytes::default();
         };

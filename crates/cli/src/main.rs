@@ -642,7 +642,7 @@ fn timeline_title(spec: &ModelSpec, kind: StepKind) -> String {
 /// renamed into place, so a failed write never leaves half a page.
 fn write_timeline(path: &std::path::Path, c: &stepgraph_core::pipeline::CompiledStep, title: String) -> Result<()> {
     use anyhow::Context;
-    let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: c.recompute.nodes() });
+    let page = memory_timeline_html(&c.step, &c.plan, &TimelineOptions { title, recomputed: c.recompute().nodes() });
     stepgraph_core::models::checkpoint::write_atomic(path, |out| out.write_all(page.as_bytes()))
         .with_context(|| format!("--html: writing {}", path.display()))?;
     eprintln!("memory timeline written to {}", path.display());
@@ -755,9 +755,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 .map(|step| profile::census(&step.launches));
             if json {
                 let mut value = serde_json::to_value(&report)?;
-                value["recompute"] = serde_json::to_value(&c.recompute)?;
-                value["optimizer"] = serde_json::to_value(&c.placement)?;
-                value["epilogues"] = serde_json::to_value(&c.fusion)?;
+                value["recompute"] = serde_json::to_value(c.recompute())?;
+                value["optimizer"] = serde_json::to_value(c.placement())?;
+                value["epilogues"] = serde_json::to_value(c.fusion())?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
                 value["switches"] = serde_json::to_value(switches)?;
                 if let Some(gpu) = gpu.clone() {
@@ -780,12 +780,12 @@ fn run_command(cli: Cli) -> Result<()> {
                 } else {
                     print!("{}", report.brief());
                 }
-                if let Some(p) = &c.placement {
+                if let Some(p) = c.placement() {
                     print!("{p}");
                 }
-                print!("{}", c.recompute);
+                print!("{}", c.recompute());
                 if opts.epilogues == stepgraph_core::passes::fusion::Epilogues::On {
-                    println!("{}", c.fusion);
+                    println!("{}", c.fusion());
                 }
                 if opts.f32_products == stepgraph_core::passes::F32Products::Split3xTf32 {
                     let count =

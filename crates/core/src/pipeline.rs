@@ -142,15 +142,28 @@ pub struct CompiledStep {
     pub plan: MemoryPlan,
     /// As [`StepTraces::buckets`].
     pub buckets: Vec<u64>,
-    /// Where the optimizer runs (train steps).
-    pub placement: Option<PlacementReport>,
-    /// What is recomputed in backward, and the MLP tiling the step was built with.
-    pub recompute: RecomputeReport,
-    /// The adds folded into the kernels that produce their operands.
-    pub fusion: FusionReport,
+    /// What each pass did ([`run_passes`]'s report): read through
+    /// [`CompiledStep::placement`], [`CompiledStep::recompute`] and
+    /// [`CompiledStep::fusion`].
+    pub passes: PassReport,
 }
 
 impl CompiledStep {
+    /// Where the optimizer runs (train steps).
+    pub fn placement(&self) -> Option<&PlacementReport> {
+        self.passes.placement.as_ref()
+    }
+
+    /// What is recomputed in backward, and the MLP tiling the step was built with.
+    pub fn recompute(&self) -> &RecomputeReport {
+        self.passes.recompute.as_ref().expect("every step runs the recompute pass")
+    }
+
+    /// The adds folded into the kernels that produce their operands.
+    pub fn fusion(&self) -> &FusionReport {
+        &self.passes.fusion
+    }
+
     /// Persistent buffer plus arena.
     pub fn planned_peak_bytes(&self) -> u64 {
         self.plan.planned_peak_bytes()
@@ -246,7 +259,7 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
         return first;
     }
     let misses = match &first {
-        Ok((c, _)) => !c.recompute.recomputed.is_empty() || c.recompute.mlp_tiles > opts.mlp_tiles.max(1),
+        Ok((c, _)) => !c.recompute().recomputed.is_empty() || c.recompute().mlp_tiles > opts.mlp_tiles.max(1),
         Err(Error::MemoryBudget { .. }) => true,
         Err(_) => false,
     };
@@ -359,17 +372,18 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     // The plan the last pass left (recomputation's), or, after the split,
     // whose parts live for a few nodes each, the plan of the split step.
     let plan = cx.take_plan(&step)?;
-    let PassReport { fusion, placement, recompute, .. } = cx.report;
-    let mut recompute = recompute.expect("every step runs the recompute pass");
+    let mut passes = cx.report;
+    let recompute = passes.recompute.as_mut().expect("every step runs the recompute pass");
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
+    let mlp_tiles = recompute.mlp_tiles;
     if let (F32Products::Split3xTf32, RecomputePolicy::Budget(budget)) = (opts.f32_products, opts.recompute) {
         let peak = plan.planned_peak_bytes();
         if peak > budget {
             return Err(Error::MemoryBudget {
                 budget,
                 least: peak,
-                mlp_tiles: recompute.mlp_tiles,
+                mlp_tiles,
                 hint: Some(
                     "or --f32-products exact: the split operands of the 3xTF32 products need their own bytes".into(),
                 ),
@@ -378,7 +392,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     }
     check_plan(&step, &plan)?;
     let times = CompileTimes { build: traced - start, plan: traced.elapsed() };
-    Ok((CompiledStep { spec, forward, step, plan, buckets, placement, recompute, fusion }, times))
+    Ok((CompiledStep { spec, forward, step, plan, buckets, passes }, times))
 }
 
 /// Builds one rank's step for the global batch of `spec`: the rank's rows
@@ -594,10 +608,10 @@ mod tests {
         let plain = compile_step(&spec, &StepOptions::unoptimized(StepKind::Train)).unwrap();
         let c = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
         assert!(c.planned_peak_bytes() < plain.planned_peak_bytes());
-        let placement = c.placement.as_ref().unwrap();
+        let placement = c.placement().unwrap();
         assert_eq!(placement.placement, "in backward", "{placement}");
-        assert!(!c.recompute.recomputed.is_empty(), "{}", c.recompute);
-        assert_eq!(c.recompute.planned_peak_after, c.planned_peak_bytes());
+        assert!(!c.recompute().recomputed.is_empty(), "{}", c.recompute());
+        assert_eq!(c.recompute().planned_peak_after, c.planned_peak_bytes());
         // A budget below the default's peak recomputes more and is met; one
         // below what recomputation reaches is refused before anything runs.
         let least = plain.plan.persistent_bytes;
@@ -605,7 +619,7 @@ mod tests {
         let e = compile_step(&spec, &opts).unwrap_err().to_string();
         assert!(e.contains("cannot be met"), "{e}");
         // Grads steps have no optimizer to place.
-        assert!(compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().placement.is_none());
+        assert!(compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().placement().is_none());
     }
 
     #[test]

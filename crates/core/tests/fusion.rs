@@ -84,12 +84,12 @@ fn every_add_of_a_llama_step_folds_into_a_product_or_a_norm_backward() {
         let adds = count(&off.step, is_add);
         assert!(adds > 0);
         assert_eq!(count(&on.step, is_add), 0, "{kind:?}: an add was left");
-        assert_eq!(on.fusion.total(), adds);
+        assert_eq!(on.fusion().total(), adds);
         let into_products = count(&on.step, |op| matches!(op, Op::MatMul(m) if m.addend));
         let into_norms = count(&on.step, |op| matches!(op, Op::RmsNormBackward(n) if n.addend));
         assert_eq!(into_products + into_norms, adds);
         assert!(into_products > 0 && into_norms > 0);
-        assert_eq!(on.fusion.folded.get("matmul"), Some(&into_products));
+        assert_eq!(on.fusion().folded.get("matmul"), Some(&into_products));
         // On the same trace, the pass removes one node per add (the
         // compiled steps may recompute differently).
         let (folded, report) = fold(&off.step).unwrap();
@@ -122,7 +122,7 @@ fn folded_steps_compute_what_unfolded_steps_do() {
     ] {
         let off = compile(name, DType::F64, kind, Epilogues::Off, 1);
         let on = compile(name, DType::F64, kind, Epilogues::On, 1);
-        assert!(on.fusion.total() > 0);
+        assert!(on.fusion().total() > 0);
         let rel = worst_rel(&run(&on, 1), &run(&off, 1));
         assert!(rel < 1e-12, "{name} {kind:?}: folded and unfolded differ by {rel:e}");
     }
@@ -187,10 +187,10 @@ fn clipping_factors_fold_into_adamw_with_the_same_bits() {
             )
             .count();
         assert_eq!(scaled, updates, "{dtype}: every update reads its gradient scaled");
-        assert_eq!(on.fusion.scales.get("adamw"), Some(&updates));
+        assert_eq!(on.fusion().scales.get("adamw"), Some(&updates));
         let muls = |t: &Trace| count(t, |op| matches!(op, Op::Binary(b) if b.f == BinaryFn::Mul));
         assert_eq!(muls(&on.step) + updates, muls(&off.step));
-        assert!(on.fusion.to_string().contains(&format!("{updates} into adamw")), "{}", on.fusion);
+        assert!(on.fusion().to_string().contains(&format!("{updates} into adamw")), "{}", on.fusion());
         // (In bf16 an AdamW step from noise-level gradients of either sign
         // moves weights by ±lr, so only f32's whole step is compared.)
         if dtype == DType::F32 {

@@ -394,7 +394,7 @@ fn under_a_budget_the_frozen_embedding_moves_to_host_memory_and_computes_the_sam
     assert_eq!(hosted.plan.slot(table).region, Region::Host);
     assert_eq!(hosted.plan.host_bytes, hosted.step.ty(table).bytes());
     assert!(hosted.planned_peak_bytes() <= budget);
-    assert!(hosted.recompute.recomputed.is_empty(), "{}", hosted.recompute);
+    assert!(hosted.recompute().recomputed.is_empty(), "{}", hosted.recompute());
     let report = plan_report(&hosted.step, &hosted.plan, 4);
     assert_eq!(report.host_bytes, hosted.plan.host_bytes);
     assert!(report.to_string().contains("host tables"), "{report}");

@@ -82,7 +82,7 @@ fn tiled_steps_compute_the_untiled_loss_and_gradients() {
                 let c = compile_step(&sp, &opts).unwrap();
                 // At most one tile per row; a tile per layer's MLP each.
                 let effective = tiles.min(16);
-                assert_eq!(c.recompute.mlp_tiles, effective);
+                assert_eq!(c.recompute().mlp_tiles, effective);
                 assert_eq!(count(&c, "concat"), sp.config.n_layer, "{name} {tiles}");
                 let down = c.step.nodes.iter().filter(|n| matches!(n.op, Op::MatMul(_))).count();
                 let plain_down = plain.step.nodes.iter().filter(|n| matches!(n.op, Op::MatMul(_))).count();
@@ -146,14 +146,14 @@ fn a_budget_that_recomputation_cannot_meet_tiles_the_mlp() {
     // the doubling that do.
     let target = (least + untiled) / 2;
     let c = compile_step(&sp, &budget(target)).unwrap();
-    let t = c.recompute.mlp_tiles;
-    assert!(c.planned_peak_bytes() <= target, "{}", c.recompute);
-    assert!(t > 1 && t.is_power_of_two() && t <= tiles, "{}", c.recompute);
+    let t = c.recompute().mlp_tiles;
+    assert!(c.planned_peak_bytes() <= target, "{}", c.recompute());
+    assert!(t > 1 && t.is_power_of_two() && t <= tiles, "{}", c.recompute());
     assert!(least_with(&sp, t / 2) > target, "{} tiles would do", t / 2);
-    assert!(c.recompute.to_string().contains(&format!("every MLP in {t} row tiles")), "{}", c.recompute);
+    assert!(c.recompute().to_string().contains(&format!("every MLP in {t} row tiles")), "{}", c.recompute());
     // A budget one tile meets is met untiled.
     let c1 = compile_step(&sp, &budget(untiled)).unwrap();
-    assert_eq!(c1.recompute.mlp_tiles, 1);
+    assert_eq!(c1.recompute().mlp_tiles, 1);
     // And the tiled step computes the plain step's loss and gradients.
     let plain = compile_step(&sp, &StepOptions::unoptimized(StepKind::Grads)).unwrap();
     let (l0, g0) = run(&plain);

@@ -216,7 +216,7 @@ fn plans_with_clipping_keep_every_gradient_until_the_norm() {
     let clip = TrainOptions { clip_grad_norm: Some(1.0), ..TrainOptions::default() };
     let clipped = compile_step(&sp, &train_opts(clip)).unwrap();
     let params = clipped.forward.params().count();
-    let r = clipped.placement.as_ref().unwrap();
+    let r = clipped.placement().unwrap();
     assert!(r.after_backward >= params, "{r}");
     assert!(r.note.as_deref().unwrap_or("").contains("gradient clipping"), "{r}");
     // Every AdamW update comes after the last node that makes a gradient's square.
