@@ -151,6 +151,19 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
     })
 }
 
+/// Refuses `attention_bias: true` for the families (Qwen3, OLMo 2) whose
+/// flag biases q, k, v and the output projection but not the MLP, which no
+/// config here expresses.
+pub fn refuse_attention_bias(hf: &HfJson, model_type: &str) -> Result<()> {
+    if hf.bool_opt("attention_bias")?.unwrap_or(false) {
+        return Err(hf.err(format!(
+            "attention_bias true is not supported for model_type `{model_type}` (it biases q, k, v and o_proj but \
+             not the MLP)"
+        )));
+    }
+    Ok(())
+}
+
 /// Writes the keys every Llama-layout family has.
 pub fn write_layout(config: &Config, keys: &mut ConfigKeys) {
     keys.set("hidden_act", json!("silu"));

@@ -400,6 +400,18 @@ mod tests {
         Config::from_hf_json(&json.to_string(), name).unwrap_or_else(|e| panic!("{json}: {e}"))
     }
 
+    /// Qwen3's and OLMo 2's `attention_bias` biases the output projection
+    /// too, which no config expresses: refused, naming the key.
+    #[test]
+    fn an_attention_bias_of_qwen3_or_olmo2_is_refused() {
+        for family in [HfFamily::Qwen3, HfFamily::Olmo2] {
+            let mut json = hf_config_json(&family.family().example(), family, DType::F32, None);
+            json["attention_bias"] = serde_json::json!(true);
+            let err = Config::from_hf_json(&json.to_string(), "m").unwrap_err().to_string();
+            assert!(err.contains("attention_bias true is not supported") && err.contains(family.model_type()), "{err}");
+        }
+    }
+
     /// `read(write(c)) == c` for the family's example, written alone and
     /// over every family's `config.json` (whose other keys a save keeps).
     fn config_round_trips(family: HfFamily) {

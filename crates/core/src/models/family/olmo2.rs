@@ -26,14 +26,7 @@ impl Family for Olmo2 {
 
     fn read_config(&self, hf: &HfJson) -> Result<Config> {
         let mut config = llama::read_layout(hf, self.model_type(), |hf| {
-            // `attention_bias` biases q, k, v and the output projection but
-            // not the MLP, which no config here expresses.
-            if hf.bool_opt("attention_bias")?.unwrap_or(false) {
-                return Err(hf.err(
-                    "attention_bias true is not supported for model_type `olmo2` (it biases q, k, v and o_proj but \
-                     not the MLP)",
-                ));
-            }
+            llama::refuse_attention_bias(hf, "olmo2")?;
             Ok(Variant {
                 bias: false,
                 attn_qkv_bias: false,

@@ -25,14 +25,7 @@ impl Family for Qwen3 {
 
     fn read_config(&self, hf: &HfJson) -> Result<Config> {
         llama::read_layout(hf, self.model_type(), |hf| {
-            // `attention_bias` biases q, k, v and the output projection but
-            // not the MLP, which no config here expresses.
-            if hf.bool_opt("attention_bias")?.unwrap_or(false) {
-                return Err(hf.err(
-                    "attention_bias true is not supported for model_type `qwen3` (it biases q, k, v and o_proj but \
-                     not the MLP)",
-                ));
-            }
+            llama::refuse_attention_bias(hf, "qwen3")?;
             // Its window applies only when `use_sliding_window` says so.
             let sliding = hf.bool_opt("use_sliding_window")?.unwrap_or(false);
             Ok(Variant {
