@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use stepgraph_core::autodiff::{StepKind, TrainOptions};
 use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
-use stepgraph_core::models::ModelSpec;
+use stepgraph_core::models::{Adapters, BaseStorage, LoraTarget, ModelSpec};
 use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::{Category, Timeline};
@@ -214,6 +214,32 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
             }
         }
     }
+    // Another method: adapters over the frozen base, which trains far
+    // fewer weights and keeps no optimizer state for the base (LoRA, then
+    // QLoRA with the base in 4 bits).
+    if opts.kind == StepKind::Train && spec.adapters.is_none() {
+        let methods = [
+            ("", BaseStorage::Model, "LoRA: rank-16 adapters on every linear layer, the base frozen"),
+            (
+                " --base-dtype nf4 --double-quant",
+                BaseStorage::Nf4 { double_quant: true },
+                "QLoRA: rank-16 adapters, the frozen base in 4 bits",
+            ),
+        ];
+        for (flags, base, note) in methods {
+            let adapters = Adapters { base, ..Adapters::new(16, 32.0, LoraTarget::ALL.to_vec())? };
+            let lora = ModelSpec { adapters: Some(adapters), ..spec.clone() };
+            // A model the adapters cannot go on is no alternative.
+            if let Ok(Ok(bytes)) = budgeted(&lora, opts) {
+                v.would_fit.push(Alternative {
+                    flags: format!("--lora-rank 16{flags} {budget_flag}"),
+                    planned_bytes: bytes,
+                    note: note.into(),
+                });
+                break;
+            }
+        }
+    }
     Ok(v)
 }
 
@@ -259,7 +285,7 @@ impl fmt::Display for Verdict {
             return writeln!(
                 f,
                 "  nothing tried fits (a memory budget, no clipping, sequences down to 64 tokens, ZeRO-1 over up to \
-                 8 GPUs): a smaller model, or a GPU with more memory"
+                 8 GPUs, LoRA and QLoRA adapters): a smaller model, or a GPU with more memory"
             );
         }
         writeln!(f, "  would fit:")?;

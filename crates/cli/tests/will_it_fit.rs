@@ -20,8 +20,9 @@ const LLAMA_8B: [&str; 8] = ["--model", "Meta-Llama-3-8B", "--dtype", "bf16", "-
 const LLAMA_1B: [&str; 8] = ["--model", "Llama-3.2-1B", "--dtype", "bf16", "--seq", "4096", "--step", "train"];
 
 /// Full fine-tuning of Llama-3-8B with AdamW on a 24 GB card: the verdict
-/// names the plan, the least any memory option reaches, and why nothing
-/// of this step fits (its weights and optimizer state alone).
+/// names the plan, the least any memory option reaches, why no full
+/// fine-tune fits (its weights and optimizer state alone), and that
+/// adapters over the frozen base would.
 #[test]
 fn an_8b_full_fine_tune_does_not_fit_24gb_and_says_why() {
     let out = plan(&[&LLAMA_8B[..], &["--gpu-memory", "24GB"]].concat());
@@ -31,7 +32,11 @@ fn an_8b_full_fine_tune_does_not_fit_24gb_and_says_why() {
     assert!(v.contains("its weights and optimizer state alone take 64.24 GB"), "{v}");
     let peak = out.lines().find(|l| l.starts_with("at the peak: ")).expect(&out);
     assert!(peak.contains("weights 16.06 GB, optimizer state 48.18 GB, gradients 16.06 GB"), "{peak}");
-    assert!(out.contains("nothing tried fits"), "{out}");
+    // No full fine-tune of it does; adapters over the frozen base do.
+    let rows: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("  would fit:")).skip(1).collect();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert!(rows[0].trim().starts_with("--lora-rank 16 --memory-budget 24.96GB "), "{out}");
+    assert!(rows[0].contains("LoRA: rank-16 adapters on every linear layer"), "{out}");
     // The same step on an 80 GB and a 141 GB card.
     let v80 = plan(&[&LLAMA_8B[..], &["--gpu-memory", "80GB"]].concat());
     assert!(verdict(&v80).starts_with("verdict: fits a GPU with 80GB with 4.72 GB to spare"), "{v80}");
@@ -97,7 +102,7 @@ fn a_step_planned_for_a_gpu_defaults_to_bf16() {
 
 /// The question as a user asks it, with every default: Llama-3-8B's
 /// train step, planned for a 24 GB card, gets one verdict naming the
-/// least plan and what (nothing, today) would fit.
+/// least plan and what would fit: no full fine-tune, rank-16 adapters.
 #[test]
 fn will_llama_3_8b_fit_24gb() {
     let out = plan(&["--model", "Meta-Llama-3-8B", "--gpu-memory", "24GB"]);
@@ -105,5 +110,5 @@ fn will_llama_3_8b_fit_24gb() {
     let v = verdict(&out);
     assert!(v.starts_with("verdict: does not fit a GPU with 24GB (24.96 GB usable): this step plans 80.32 GB"), "{v}");
     assert!(v.contains("the least it can plan with every memory option is 80.32 GB"), "{v}");
-    assert!(out.contains("nothing tried fits (a memory budget, no clipping"), "{out}");
+    assert!(out.contains("\n  would fit:\n    --lora-rank 16 --memory-budget 24.96GB "), "{out}");
 }
