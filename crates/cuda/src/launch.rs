@@ -348,14 +348,6 @@ impl LaunchList {
         self.last_nodes.push(last);
     }
 
-    pub fn len(&self) -> usize {
-        self.launches.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.launches.is_empty()
-    }
-
     /// Adjacent launches `j, j + 1` that `pair` makes one launch of,
     /// merged, left to right (a merged launch is not paired again), each
     /// merged pair's nodes spanning both.
