@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::ir::MAX_VALUE_BYTES;
+use crate::ops::attention::Scores;
 use crate::ops::rope::Llama3Scaling;
 
 /// The normalization used before attention, before the MLP and at the end.
@@ -725,6 +726,13 @@ pub(super) fn config_error(model: &str, reason: impl Into<String>) -> Error {
 }
 
 impl Config {
+    /// Which keys layer `layer`'s queries see and how its scores are
+    /// capped: the plain causal rule unless the family sets a window or a
+    /// soft-cap.
+    pub fn scores(&self, _layer: usize) -> Scores {
+        Scores::default()
+    }
+
     /// The config called `name`: a litgpt name (`open_llama_3b`,
     /// `Llama-2-7b-hf`, `Meta-Llama-3-8B` (litgpt's `Llama-3-8B` works too),
     /// `Qwen2.5-7B`, `Mistral-7B-v0.1`, `Qwen2.5-0.5B`, `Qwen2.5-1.5B`,

@@ -276,14 +276,14 @@ impl Recorder<'_> {
     fn layers(&mut self, x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
         let Recorder { g, cache, .. } = self;
         let start = io.splits.map(|_| io.start);
-        g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale| {
+        g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale, scores| {
             let (kc, vc) = cache[layer];
             let kc = g.b.kv_write(kc, k, io.rows, io.start)?;
             let vc = g.b.kv_write(vc, v, io.rows, io.start)?;
             cache[layer] = (kc, vc);
             match io.splits {
-                Some(splits) => g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits),
-                None => g.b.attention(q, k, v, scale),
+                Some(splits) => g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits, scores),
+                None => g.b.attention_with(q, k, v, scale, scores, None),
             }
         })
     }

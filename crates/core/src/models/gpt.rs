@@ -25,6 +25,7 @@ use super::lora::{Adapters, BaseStorage, LoraTarget};
 use crate::autodiff::STEP_INPUT;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
+use crate::ops::attention::Scores;
 use crate::ops::linear_ce::{default_chunk, Reduction};
 use crate::ops::nf4::Nf4Weight;
 use crate::ops::UnaryFn;
@@ -187,7 +188,8 @@ pub struct FusedParam {
 
 /// How a block's attention gets from its rotated `q, k, v` and scale to
 /// `[B, T, Hq, D]` (see [`Gpt::layers`]); called with the layer index.
-pub(crate) type Attend<'f, 'a> = dyn FnMut(&mut Gpt<'a>, usize, ValueId, ValueId, ValueId, f64) -> Result<ValueId> + 'f;
+pub(crate) type Attend<'f, 'a> =
+    dyn FnMut(&mut Gpt<'a>, usize, ValueId, ValueId, ValueId, f64, Scores) -> Result<ValueId> + 'f;
 
 impl<'a> Gpt<'a> {
     pub(crate) fn new(name: &str, cfg: &'a Config, dtype: DType, mlp_tiles: usize) -> Self {
@@ -428,8 +430,9 @@ impl<'a> Gpt<'a> {
     }
 
     /// Every block of the model on `x: [B, T, C]`, each attention's core
-    /// (from rotated q, k, v and the scale to `[B, T, Hq, D]`) recorded by
-    /// `attend(g, layer, q, k, v, scale)`: training attends over the
+    /// (from rotated q, k, v, the scale and the layer's [`Scores`] to
+    /// `[B, T, Hq, D]`) recorded by `attend(g, layer, q, k, v, scale,
+    /// scores)`: training attends over the
     /// sequence itself, generation writes a KV cache and attends over it.
     /// Row `b`'s tokens sit at positions `start[b] + t` when `start` is
     /// given, at `t` otherwise.
@@ -571,7 +574,7 @@ impl<'a> Gpt<'a> {
         if n_rot == 1 {
             scale *= 2.0;
         }
-        let o = attend(self, layer, q, k, v, scale)?;
+        let o = attend(self, layer, q, k, v, scale, cfg.scores(layer))?;
         let o = self.b.reshape(o, &[batch, seq, hq * d])?;
         self.linear(o, &format!("{prefix}.o_proj"), hq * d, c, cfg.bias)
     }
@@ -729,7 +732,9 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let wte = g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])?;
     let x = g.b.embedding(tokens, wte)?;
     // Causal attention over the sequence itself.
-    let x = g.layers(x, bsz, seq, None, &mut |g, _, q, k, v, scale| g.b.attention(q, k, v, scale))?;
+    let x = g.layers(x, bsz, seq, None, &mut |g, _, q, k, v, scale, scores| {
+        g.b.attention_with(q, k, v, scale, scores, None)
+    })?;
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };

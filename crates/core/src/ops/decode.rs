@@ -12,7 +12,8 @@
 //! host checks lengths before it runs a step).
 //!
 //! **Split-K attention** ("flash-decoding"): a query at position `p`
-//! attends to cache positions `0..=p`, which are cut into `splits` chunks
+//! attends to cache positions `0..=p` (`p + 1 − window..=p` with a sliding
+//! window, [`Scores`], whose soft-cap applies as in training), which are cut into `splits` chunks
 //! of `ceil(S / splits)` positions. Each chunk yields a partial result —
 //! the largest scaled score `m`, `l = Σ exp(s − m)` and `acc = Σ exp(s − m)·v`
 //! — kept as the op's second output (so the GPU's partials live in the
@@ -35,6 +36,7 @@
 use num_traits::Float as _;
 use rayon::prelude::*;
 
+use super::attention::Scores;
 use super::norm::stat_dtype;
 use super::sample::{fixed, normal, Sample};
 use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
@@ -168,6 +170,7 @@ impl OpDef for KvWrite {
 pub struct CachedAttention {
     pub scale: f64,
     pub splits: usize,
+    pub scores: Scores,
 }
 
 /// Sizes of one cached-attention problem.
@@ -241,7 +244,7 @@ struct CachedIo<'a, T: Float> {
 }
 
 /// One task per query row `(b, t, h)`: its splits, then their combination.
-fn cached_attention_cpu<T: Float>(a: CachedIo<T>, n: CachedDims, scale: f64) {
+fn cached_attention_cpu<T: Float>(a: CachedIo<T>, n: CachedDims, scale: f64, scores: Scores) {
     let scale: T::Acc = c(scale);
     let zero: T::Acc = c(0.0);
     let empty: T::Acc = c(EMPTY_MAX);
@@ -260,18 +263,19 @@ fn cached_attention_cpu<T: Float>(a: CachedIo<T>, n: CachedDims, scale: f64) {
             }
             let row = a.rows[b] as i64;
             let pos = a.start[b] as i64 + t as i64;
-            // Keys 0..=pos of a valid row, within the cache.
+            // Keys 0..=pos of a valid row (the window's of them), within the cache.
             let last = if (0..n.n as i64).contains(&row) && pos >= 0 { (pos as usize).min(n.s - 1) + 1 } else { 0 };
+            let first = if scores.window > 0 && pos >= 0 { scores.first_key(pos as usize, None) } else { 0 };
             let kv_at = |j: usize| ((row as usize * n.s + j) * n.hkv + g) * n.d;
             let (mut big_m, mut parts) = (empty, Vec::with_capacity(n.splits));
             for sp in 0..n.splits {
-                let (lo, hi) = (sp * chunk, ((sp + 1) * chunk).min(last));
+                let (lo, hi) = ((sp * chunk).max(first), ((sp + 1) * chunk).min(last));
                 let (mut m, mut l) = (empty, zero);
                 acc.fill(zero);
                 for j in lo..hi.max(lo) {
                     let ko = kv_at(j);
                     let dot = qa.iter().zip(&a.k[ko..ko + n.d]).fold(zero, |s, (x, y)| s + *x * y.acc());
-                    let score = scale * dot;
+                    let score = scores.cap(scale * dot);
                     // Online softmax within the split.
                     let m_new = if score > m { score } else { m };
                     let rescale = (m - m_new).exp();
@@ -320,9 +324,12 @@ impl OpDef for CachedAttention {
     /// One token per sequence at different positions (the decode step),
     /// grouped-query heads, several new tokens per sequence (causal among
     /// them), a split per position and one split over everything, a row
-    /// outside the cache and positions past its end.
+    /// outside the cache and positions past its end; sliding windows and
+    /// soft-caps.
     fn samples(d: DType) -> Vec<Sample> {
         let i32s = |v: &[f64]| fixed(DType::I32, &[v.len()], v);
+        let plain = Scores::default();
+        let window = |window| Scores { window, softcap: 0.0 };
         let case = |b: usize,
                     t: usize,
                     hq: usize,
@@ -332,10 +339,11 @@ impl OpDef for CachedAttention {
                     s: usize,
                     splits: usize,
                     rows: &[f64],
-                    start: &[f64]| {
+                    start: &[f64],
+                    scores: Scores| {
             let scale = 1.0 / (dd as f64).sqrt();
             Sample::new(
-                CachedAttention { scale, splits },
+                CachedAttention { scale, splits, scores },
                 vec![
                     normal(d, &[b, t, hq, dd]),
                     normal(d, &[n, s, hkv, dd]),
@@ -347,14 +355,21 @@ impl OpDef for CachedAttention {
             .large_over(200_000)
         };
         vec![
-            case(3, 1, 4, 4, 8, 4, 16, 4, &[0.0, 2.0, 3.0], &[0.0, 7.0, 15.0]),
-            case(2, 1, 8, 2, 16, 2, 40, 3, &[1.0, 0.0], &[39.0, 12.0]),
-            case(2, 3, 4, 1, 8, 3, 12, 2, &[2.0, 0.0], &[0.0, 5.0]),
-            case(1, 4, 2, 2, 4, 1, 9, 9, &[0.0], &[3.0]),
-            case(2, 1, 2, 1, 32, 2, 20, 1, &[0.0, 1.0], &[19.0, 4.0]),
-            case(3, 1, 2, 2, 8, 2, 10, 2, &[5.0, 1.0, 0.0], &[2.0, 30.0, -1.0]),
-            case(4, 1, 32, 32, 100, 4, 768, 8, &[0.0, 1.0, 2.0, 3.0], &[511.0, 600.0, 767.0, 0.0]),
-            case(2, 1, 28, 4, 128, 2, 1024, 4, &[1.0, 0.0], &[1000.0, 64.0]),
+            case(3, 1, 4, 4, 8, 4, 16, 4, &[0.0, 2.0, 3.0], &[0.0, 7.0, 15.0], plain),
+            case(2, 1, 8, 2, 16, 2, 40, 3, &[1.0, 0.0], &[39.0, 12.0], plain),
+            case(2, 3, 4, 1, 8, 3, 12, 2, &[2.0, 0.0], &[0.0, 5.0], plain),
+            case(1, 4, 2, 2, 4, 1, 9, 9, &[0.0], &[3.0], plain),
+            case(2, 1, 2, 1, 32, 2, 20, 1, &[0.0, 1.0], &[19.0, 4.0], plain),
+            case(3, 1, 2, 2, 8, 2, 10, 2, &[5.0, 1.0, 0.0], &[2.0, 30.0, -1.0], plain),
+            case(4, 1, 32, 32, 100, 4, 768, 8, &[0.0, 1.0, 2.0, 3.0], &[511.0, 600.0, 767.0, 0.0], plain),
+            case(2, 1, 28, 4, 128, 2, 1024, 4, &[1.0, 0.0], &[1000.0, 64.0], plain),
+            // Sliding windows shorter than a split and longer, reaching
+            // before position 0 and not; soft-caps that bite.
+            case(3, 1, 4, 2, 8, 3, 40, 4, &[0.0, 1.0, 2.0], &[0.0, 7.0, 39.0], window(5)),
+            case(2, 3, 4, 1, 8, 3, 12, 2, &[2.0, 0.0], &[0.0, 5.0], window(3)),
+            case(2, 1, 4, 4, 16, 2, 64, 3, &[1.0, 0.0], &[63.0, 30.0], Scores { window: 40, softcap: 1.0 }),
+            case(2, 1, 8, 2, 64, 2, 300, 4, &[0.0, 1.0], &[299.0, 100.0], Scores { window: 0, softcap: 2.0 }),
+            case(2, 1, 8, 4, 256, 2, 600, 4, &[0.0, 1.0], &[599.0, 200.0], Scores { window: 128, softcap: 50.0 }),
         ]
     }
     fn name(&self) -> &'static str {
@@ -381,16 +396,19 @@ impl OpDef for CachedAttention {
                 o: SendPtr(io.output::<T>(0).as_mut_ptr()),
                 part: SendPtr(io.output::<<T as Float>::Acc>(1).as_mut_ptr()),
             };
-            cached_attention_cpu(a, n, self.scale);
+            cached_attention_cpu(a, n, self.scale, self.scores);
             Ok(())
         })
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        vec![("scale", Attr::Float(self.scale)), ("splits", Attr::Int(self.splits as i64))]
+        let mut v = vec![("scale", Attr::Float(self.scale)), ("splits", Attr::Int(self.splits as i64))];
+        self.scores.attrs(&mut v);
+        v
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "cached_attention")
-            .then(|| Ok(CachedAttention { scale: a.float("scale")?, splits: a.usize("splits")? }))
+        (name == "cached_attention").then(|| {
+            Ok(CachedAttention { scale: a.float("scale")?, splits: a.usize("splits")?, scores: Scores::parse(a)? })
+        })
     }
 }
 
@@ -603,8 +621,9 @@ impl Builder {
         start: ValueId,
         scale: f64,
         splits: usize,
+        scores: Scores,
     ) -> Result<ValueId> {
-        Ok(self.push(CachedAttention { scale, splits }.into(), &[q, k_cache, v_cache, rows, start])?[0])
+        Ok(self.push(CachedAttention { scale, splits, scores }.into(), &[q, k_cache, v_cache, rows, start])?[0])
     }
 
     /// The next token of each row and the advanced positions (see [`SampleNext`]).
