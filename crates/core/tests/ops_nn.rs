@@ -590,7 +590,7 @@ fn shape_rule_errors_name_the_problem() {
             &["dtype"],
         ),
         (
-            AttentionBackward { scale: 1.0 }.into(),
+            AttentionBackward { scale: 1.0, scores: Default::default(), documents: false }.into(),
             vec![
                 f(&[1, 4, 2, 8]),
                 f(&[1, 4, 2, 8]),

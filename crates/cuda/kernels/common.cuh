@@ -36,6 +36,58 @@ __device__ __forceinline__ void sg_pdl_entry() {
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Which keys an attention query sees and how its scores are capped (the
+// `Scores` and `positions` of crates/core/src/ops/attention.rs): query row
+// i of batch row b sees the keys first(i)..=i, with first(i) the largest of
+// 0, i + 1 − window (window > 0) and i − pos[b, i] (pos not null: packed
+// documents restarting their positions at 0), at most i. first(i) never
+// decreases along a row, so a tile of rows i0..i1 sees no key before
+// first(i0), and the queries that see key j are j..=last_query(j).
+struct SgKeys {
+    const int* pos;  // [B, T] positions within documents, or null
+    int window;      // sliding window, 0 for none
+    double softcap;  // logit soft-cap (natural units), 0 for none
+
+    __device__ __forceinline__ bool masked() const { return pos != nullptr || window > 0; }
+
+    __device__ __forceinline__ int first(int b, int Tn, int i) const {
+        int lo = window > 0 ? max(i + 1 - window, 0) : 0;
+        if (pos) lo = max(lo, i - pos[(i64)b * Tn + i]);
+        return max(min(lo, i), 0);
+    }
+
+    // The last query row (< Tn) whose keys include j: j + window − 1 at
+    // most, and within j's document (a binary search over first()).
+    __device__ __forceinline__ int last_query(int b, int Tn, int j) const {
+        int hi = Tn - 1;
+        if (window > 0) hi = min(hi, j + window - 1);
+        if (!pos || hi <= j) return hi;
+        int lo = j;  // first(j) <= j always
+        while (lo < hi) {
+            const int mid = lo + (hi - lo + 1) / 2;
+            if (first(b, Tn, mid) <= j) lo = mid;
+            else hi = mid - 1;
+        }
+        return lo;
+    }
+};
+
+// The soft-capped score of a scaled product s (natural units), and the
+// slope of the cap at a capped score c: softcap·tanh(s/softcap), 1 − (c/softcap)².
+__device__ __forceinline__ float sg_cap(float s, double softcap) {
+    const float cap = (float)softcap;
+    return cap * tanhf(s / cap);
+}
+__device__ __forceinline__ double sg_cap(double s, double softcap) { return softcap * tanh(s / softcap); }
+__device__ __forceinline__ float sg_cap_slope(float c, double softcap) {
+    const float r = c / (float)softcap;
+    return 1.f - r * r;
+}
+__device__ __forceinline__ double sg_cap_slope(double c, double softcap) {
+    const double r = c / softcap;
+    return 1.0 - r * r;
+}
+
 template <typename T> struct AccOf { typedef float type; };
 template <> struct AccOf<double> { typedef double type; };
 template <typename T> using acc_t = typename AccOf<T>::type;

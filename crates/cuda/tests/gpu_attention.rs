@@ -76,7 +76,7 @@ impl Case {
     fn qkv(&self) -> Vec<HostTensor> {
         let (b, t, hq, hkv, d, dt) = (self.b, self.t, self.hq, self.hkv, self.d, self.dtype);
         let qkv = vec![normal(dt, &[b, t, hq, d]), normal(dt, &[b, t, hkv, d]), normal(dt, &[b, t, hkv, d])];
-        draw_sample(&Sample::new(Attention { scale: self.scale }, qkv), self.seed).unwrap()
+        draw_sample(&Sample::new(Attention::causal(self.scale), qkv), self.seed).unwrap()
     }
 
     /// The cotangents (go, glse) of (o, lse).
@@ -116,14 +116,14 @@ fn cpu(op: &Op, inputs: &[HostTensor]) -> Vec<HostTensor> {
 /// o and lse, so both sides see the same inputs), each against the CPU.
 fn check_case(c: &Case, report: &mut Report, slack: f64) {
     let qkv = c.qkv();
-    let fwd = Op::from(Attention { scale: c.scale });
+    let fwd = Op::from(Attention { scale: c.scale, scores: Default::default() });
     let want = cpu(&fwd, &qkv);
     let got = gpu(&fwd, &qkv);
     report.check(c, "o", &got[0], &want[0], attention_tol(c.dtype) * slack);
     report.check(c, "lse", &got[1], &want[1], lse_tol(c.dtype) * slack);
 
     let (go, glse) = c.cotangents();
-    let bwd = Op::from(AttentionBackward { scale: c.scale });
+    let bwd = Op::from(AttentionBackward { scale: c.scale, scores: Default::default(), documents: false });
     let mut ins: Vec<HostTensor> = qkv.clone();
     ins.extend([want[0].clone(), want[1].clone(), go]);
     for with_glse in [false, true] {
@@ -173,14 +173,14 @@ fn repeated_runs_give_identical_bits() {
     {
         let c = Case::new(dtype, 2, t, heads, d, 9000 + i as u64);
         let qkv = c.qkv();
-        let fwd = Op::from(Attention { scale: c.scale });
+        let fwd = Op::from(Attention { scale: c.scale, scores: Default::default() });
         let a = gpu(&fwd, &qkv);
         let b = gpu(&fwd, &qkv);
         assert!(a == b, "{c:?}: two forward runs differ");
         let (go, glse) = c.cotangents();
         let mut ins = qkv;
         ins.extend([a[0].clone(), a[1].clone(), go, glse]);
-        let bwd = Op::from(AttentionBackward { scale: c.scale });
+        let bwd = Op::from(AttentionBackward { scale: c.scale, scores: Default::default(), documents: false });
         let a = gpu(&bwd, &ins);
         let b = gpu(&bwd, &ins);
         assert!(a == b, "{c:?}: two backward runs differ");
@@ -248,10 +248,10 @@ fn benchmark_shape(c: Case, kv_heads: &[usize]) {
     let g = c.hq / c.hkv;
     let slack = (c.t as f64 / 256.0).sqrt().max(1.0);
     let qkv = c.qkv();
-    let fwd = Op::from(Attention { scale: c.scale });
+    let fwd = Op::from(Attention { scale: c.scale, scores: Default::default() });
     let got = gpu(&fwd, &qkv);
     let (go, glse) = c.cotangents();
-    let bwd = Op::from(AttentionBackward { scale: c.scale });
+    let bwd = Op::from(AttentionBackward { scale: c.scale, scores: Default::default(), documents: false });
     let mut ins = qkv.clone();
     ins.extend([got[0].clone(), got[1].clone(), go, glse]);
     let gotb = gpu(&bwd, &ins);

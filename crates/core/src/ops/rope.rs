@@ -20,8 +20,10 @@
 //!
 //! **Positions:** with a second input `start: i32[B]`, row `b`'s token `t`
 //! sits at position `start[b] + t` instead of `t`: the new tokens of a
-//! generation step, appended to sequences of different lengths. The
-//! transpose uses the same positions.
+//! generation step, appended to sequences of different lengths. With
+//! `positions: i32[B, T]` instead, token `(b, t)` sits at `positions[b, t]`:
+//! packed documents, each counting from 0. The transpose uses the same
+//! positions.
 //!
 //! **Llama-3.x frequency scaling:** with [`Rope::scaling`] set, each pair's
 //! inverse frequency `base^(−2i/n_rot)` is replaced by
@@ -182,11 +184,15 @@ fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T], start: Option<
                 rotate_row(op, dim, half, &tab[t * half.max(1)..(t + 1) * half.max(1)], yr);
             });
         }
-        // Positions per batch row: each row's angles from its own start.
+        // Positions per batch row (each row's angles from its own start),
+        // or per token.
         Some(start) => {
+            // One position per (b, t) row; with T = 1 both forms agree.
+            let per_token = start.len() == y.len() / row;
             y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
                 let (b, t) = (bt / seq, bt % seq);
-                let tab = op.table::<T::Acc>(start[b] as i64 + t as i64, 1);
+                let pos = if per_token { start[bt] as i64 } else { start[b] as i64 + t as i64 };
+                let tab = op.table::<T::Acc>(pos, 1);
                 rotate_row(op, dim, half, &tab, yr);
             });
         }
@@ -289,6 +295,18 @@ impl OpDef for Rope {
                 v.push(Sample::new(rope, vec![normal(d, shape), start]).large_over(40_000));
             }
         }
+        // Positions per token (packed documents restarting at 0).
+        let per_token: [(&[usize], usize, &[f64]); 2] = [
+            (&[2, 4, 3, 8], 8, &[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 3.0]),
+            (&[1, 6, 2, 16], 12, &[0.0, 1.0, 2.0, 0.0, 0.0, 1.0]),
+        ];
+        for (shape, n_rot, positions) in per_token {
+            for inverse in [false, true] {
+                let rope = Rope { n_rot, base: 10000.0, inverse, scaling: None };
+                let positions = fixed(DType::I32, &shape[..2], positions);
+                v.push(Sample::new(rope, vec![normal(d, shape), positions]));
+            }
+        }
         v
     }
     fn name(&self) -> &'static str {
@@ -304,8 +322,11 @@ impl OpDef for Rope {
             return Err(format!("x must be [B, T, H, D] (rank 4), got {x}"));
         }
         if let Some(start) = inputs.get(1) {
-            if start.dtype != DType::I32 || start.shape != [x.shape[0]] {
-                return Err(format!("start positions must be i32[{}] (one per batch row), got {start}", x.shape[0]));
+            let (b, t) = (x.shape[0], x.shape[1]);
+            if start.dtype != DType::I32 || (start.shape != [b] && start.shape != [b, t]) {
+                return Err(format!(
+                    "positions must be i32[{b}] (a start per batch row) or i32[{b}, {t}] (one per token), got {start}"
+                ));
             }
         }
         let d = x.shape[3];
@@ -393,6 +414,19 @@ impl Builder {
         scaling: Option<Llama3Scaling>,
     ) -> Result<ValueId> {
         self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x, start])
+    }
+
+    /// Rotary embedding of `x: [B, T, H, D]` whose token `(b, t)` sits at
+    /// `positions[b, t]` (an `i32[B, T]` value): packed documents.
+    pub fn rope_positions(
+        &mut self,
+        x: ValueId,
+        positions: ValueId,
+        n_rot: usize,
+        base: f64,
+        scaling: Option<Llama3Scaling>,
+    ) -> Result<ValueId> {
+        self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x, positions])
     }
 
     /// Rotary embedding of the first `n_rot` dims of each head of `x: [B, T, H, D]`

@@ -101,7 +101,7 @@
 //! same bits on every run, eagerly or in a CUDA graph.
 
 use stepgraph_core::ir::{DType, TensorType};
-use stepgraph_core::ops::attention::{Attention, AttentionBackward};
+use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 
 use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
@@ -413,7 +413,7 @@ impl Dims {
         self.b == 0 || self.t == 0 || self.hq == 0
     }
 
-    fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64) -> Launch {
+    fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64, keys: &Keys) -> Launch {
         let (module, function, rows, threads, shared_bytes) = match self.mma {
             Some(dp) if self.wg => (
                 mma_module(self.dtype, dp, true),
@@ -441,6 +441,9 @@ impl Dims {
             Arg::I32(self.hkv as i32),
             Arg::I32(self.d as i32),
             Arg::F64(scale),
+            Arg::Ptr(keys.positions),
+            Arg::I32(keys.scores.window.min(i32::MAX as usize) as i32),
+            Arg::F64(keys.scores.softcap),
         ]);
         Launch::Kernel(KernelLaunch {
             module,
@@ -453,11 +456,20 @@ impl Dims {
     }
 }
 
+/// What every pass of the op takes after the scale: which keys each query
+/// sees and the soft-cap (`SgKeys` in `kernels/common.cuh`).
+struct Keys {
+    /// The `positions` input (`i32[B, T]`), or 0 for none.
+    positions: u64,
+    scores: Scores,
+}
+
 impl Lower for Attention {
     const KERNELS: &'static [KernelModule] = KERNELS;
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        forward(self.scale, cx)
+        let positions = cx.inputs.get(3).map_or(0, |p| p.ptr);
+        forward(self.scale, &Keys { positions, scores: self.scores }, cx)
     }
 }
 
@@ -465,12 +477,13 @@ impl Lower for AttentionBackward {
     const KERNELS: &'static [KernelModule] = KERNELS;
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        backward(self.scale, cx)
+        let positions = if self.documents { cx.inputs[3].ptr } else { 0 };
+        backward(self.scale, &Keys { positions, scores: self.scores }, self.saved(), cx)
     }
 }
 
-/// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale)`.
-fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
+/// `attention_fwd(q, k, v, o, lse, T, Hq, Hkv, D, scale, pos, window, softcap)`.
+fn forward(scale: f64, keys: &Keys, cx: &LowerCx) -> Result<Vec<Launch>> {
     let (inputs, outputs) = (cx.inputs, cx.outputs);
     let mut n = Dims::of("attention", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
@@ -478,37 +491,39 @@ fn forward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
     }
     let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
     n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[1].ptr, ptrs[2].ptr, ptrs[3].ptr]);
-    Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale)])
+    Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale, keys)])
 }
 
-/// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, delta, T, Hq, Hkv, D, scale)`, then
-/// `attention_bwd_kv(q, k, v, o, lse, go, glse, [delta,] gk, gv, T, Hq, Hkv, D, scale)`
-/// (the tensor-core key side reads the query side's `delta`; the CUDA-core
-/// one recomputes the row terms); `glse` is a null pointer when the node has
-/// no lse cotangent.
-fn backward(scale: f64, cx: &LowerCx) -> Result<Vec<Launch>> {
+/// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, delta, T, Hq, Hkv, D, scale, pos, window, softcap)`,
+/// then `attention_bwd_kv(q, k, v, o, lse, go, glse, [delta,] gk, gv, T, Hq,
+/// Hkv, D, scale, pos, window, softcap)` (the tensor-core key side reads the
+/// query side's `delta`; the CUDA-core one recomputes the row terms); `glse`
+/// is a null pointer when the node has no lse cotangent. `saved` is the
+/// index of `o` among the inputs (after the positions, when given).
+fn backward(scale: f64, keys: &Keys, saved: usize, cx: &LowerCx) -> Result<Vec<Launch>> {
     let (inputs, outputs) = (cx.inputs, cx.outputs);
     let mut n = Dims::of("attention_backward", &inputs[0].ty, &inputs[1].ty, cx.target)?;
     if n.empty() {
         return Ok(vec![]);
     }
+    let (o, go) = (&inputs[saved], &inputs[saved + 2]);
     // q, k, v, o, go (tiles of q, k, v and go are copied; o is read for D_i).
-    n.wg &= wgmma_fits(n.d, &[inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, inputs[3].ptr, inputs[5].ptr]);
-    let mut common: Vec<Arg> = inputs[..6].iter().map(|t| Arg::Ptr(t.ptr)).collect();
-    common.push(Arg::Ptr(inputs.get(6).map_or(0, |t| t.ptr)));
+    n.wg &= wgmma_fits(n.d, &[inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, o.ptr, go.ptr]);
+    let mut common: Vec<Arg> = inputs[..3].iter().chain(&inputs[saved..saved + 3]).map(|t| Arg::Ptr(t.ptr)).collect();
+    common.push(Arg::Ptr(inputs.get(saved + 3).map_or(0, |t| t.ptr)));
     let (gq, gk, gv, delta) = (&outputs[0], &outputs[1], &outputs[2], &outputs[3]);
     let mut q = common.clone();
     q.extend([Arg::Ptr(gq.ptr), Arg::Ptr(delta.ptr)]);
     if n.d == 0 {
         // Only the row terms (−glse) to write: the gradients are empty.
-        return Ok(vec![n.launch(Pass::BackwardQ, q, scale)]);
+        return Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys)]);
     }
     let mut kv = common;
     if n.mma.is_some() {
         kv.push(Arg::Ptr(delta.ptr));
     }
     kv.extend([Arg::Ptr(gk.ptr), Arg::Ptr(gv.ptr)]);
-    Ok(vec![n.launch(Pass::BackwardQ, q, scale), n.launch(Pass::BackwardKv, kv, scale)])
+    Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys), n.launch(Pass::BackwardKv, kv, scale, keys)])
 }
 
 #[cfg(test)]
@@ -571,7 +586,7 @@ mod tests {
         let v = dev(DType::F32, &[1, 2048, 32, 256], 0x3000);
         let o = dev(DType::F32, &[1, 2048, 32, 256], 0x4000);
         let lse = dev(DType::F32, &[1, 32, 2048], 0x5000);
-        let op = Op::from(Attention { scale: 0.1 });
+        let op = Op::from(Attention::causal(0.1));
         let l = lower(&op, &[q, k, v], &[o, lse]).unwrap();
         assert_eq!(l.len(), 1);
         let k = kernel(&l[0]);
@@ -615,7 +630,7 @@ mod tests {
             dev(dtype, &[b, t, hkv, d], at(10)),
             dev(stat(dtype), &[b, hq, t], at(11)),
         ];
-        lower(&Op::from(AttentionBackward { scale: 1.0 }), &ins, &outs).unwrap()
+        lower(&Op::from(AttentionBackward { scale: 1.0, scores: Scores::default(), documents: false }), &ins, &outs).unwrap()
     }
 
     #[test]
@@ -656,7 +671,7 @@ mod tests {
         let t = |dtype, shape: &[usize], p| dev(dtype, shape, p);
         let q = t(DType::BF16, &[1, 2048, 32, 100], at(1));
         let lse = t(DType::F32, &[1, 32, 2048], at(5));
-        let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
+        let l = lower(&Op::from(Attention::causal(0.1)), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_bf16", "attention_mma_fwd_d112_bf16"));
         assert_eq!((k.grid, k.block), ((16, 32, 1), (128, 1, 1)));
@@ -710,7 +725,7 @@ mod tests {
         // W1 (f32, 100 → 112): 3xTF32 kernels, single-buffered 32-key tiles.
         let q = t(DType::F32, &[1, 2048, 32, 100], at(1));
         let lse = t(DType::F32, &[1, 32, 2048], at(5));
-        let l = lower(&Op::from(Attention { scale: 0.1 }), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
+        let l = lower(&Op::from(Attention::causal(0.1)), &[q.clone(), q.clone(), q.clone()], &[q, lse]).unwrap();
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_f32", "attention_mma_fwd_d112_f32"));
         assert_eq!(k.shared_bytes as usize, (64 + 2 * 32) * 116 * 4);
@@ -735,7 +750,7 @@ mod tests {
             dev(DType::BF16, &[b, t, h, d], at(10)),
             dev(DType::F32, &[b, h, t], at(11)),
         ];
-        let op = Op::from(AttentionBackward { scale: 0.1 });
+        let op = Op::from(AttentionBackward { scale: 0.1, scores: Scores::default(), documents: false });
         let l = crate::ops::lower_for(&op, &ins, &outs, None, hopper).unwrap();
         let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
         assert_eq!((q.module, q.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_bwd_q_d112_bf16"));
@@ -754,7 +769,7 @@ mod tests {
             assert!(!kernel(mma).module.ends_with("_wg"));
         }
         // The forward: a q tile and two stages of k and v tiles of 128 rows, eight mbarriers.
-        let fwd_op = Op::from(Attention { scale: 0.1 });
+        let fwd_op = Op::from(Attention::causal(0.1));
         let fwd_outs = [outs[0].clone(), outs[3].clone()];
         let fwd = crate::ops::lower_for(&fwd_op, &ins[..3], &fwd_outs, None, hopper).unwrap();
         let f = kernel(&fwd[0]);
@@ -816,14 +831,14 @@ mod tests {
         // D = 0 still has an lse to write.
         let t = |s: &[usize]| dev(DType::F32, s, at(1));
         let l = lower(
-            &Op::from(Attention { scale: 1.0 }),
+            &Op::from(Attention::causal(1.0)),
             &[t(&[1, 3, 2, 0]), t(&[1, 3, 1, 0]), t(&[1, 3, 1, 0])],
             &[t(&[1, 3, 2, 0]), t(&[1, 2, 3])],
         )
         .unwrap();
         assert_eq!(kernel(&l[0]).function, "attention_fwd_d1_f32");
         let big = lower(
-            &Op::from(Attention { scale: 1.0 }),
+            &Op::from(Attention::causal(1.0)),
             &[t(&[1, 3, 2, 257]), t(&[1, 3, 1, 257]), t(&[1, 3, 1, 257])],
             &[t(&[1, 3, 2, 257]), t(&[1, 2, 3])],
         );
@@ -831,7 +846,7 @@ mod tests {
         let ints = TensorType::new(DType::I32, [1, 3, 2, 4]);
         let i = DevTensor { ty: ints, ptr: at(1) };
         assert!(
-            lower(&Op::from(Attention { scale: 1.0 }), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err()
+            lower(&Op::from(Attention::causal(1.0)), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err()
         );
     }
 

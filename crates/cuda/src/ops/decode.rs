@@ -249,6 +249,10 @@ impl Lower for CachedAttention {
             n64(n.chunk()),
             scale,
             Arg::I32(pitch as i32),
+            // Which cache positions a query sees and the soft-cap
+            // (`SgKeys` of kernels/common.cuh, without positions).
+            Arg::I32(self.scores.window.min(i32::MAX as usize) as i32),
+            Arg::F64(self.scores.softcap),
         ];
         let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
         let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_s{stages}_{sfx}");
@@ -393,7 +397,7 @@ mod tests {
     #[test]
     fn cached_attention_grids_cover_rows_splits_and_head_groups() {
         // W6-like: 32 heads of 100 in bf16, batch 4, 8 splits.
-        let op = Op::from(CachedAttention { scale: 0.1, splits: 8 });
+        let op = Op::from(CachedAttention { scale: 0.1, splits: 8, scores: Default::default() });
         let (_, outs, l) = lowered(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048));
         let ks = kernels(&l);
         assert_eq!(ks.len(), 2);
@@ -414,14 +418,14 @@ mod tests {
         assert_eq!(ks[1].grid, (32, 1, 1), "4 × 32 query rows, 4 per block");
         assert_eq!(ks[1].args[..2], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
         // One split: the split pass writes o itself, no combine.
-        let op1 = Op::from(CachedAttention { scale: 0.1, splits: 1 });
+        let op1 = Op::from(CachedAttention { scale: 0.1, splits: 1, scores: Default::default() });
         let (_, _, l) = lowered(&op1, &attention(DType::BF16, 16, 32, 32, 100, 768));
         assert_eq!(
             kernels(&l).iter().map(|k| k.function.as_str()).collect::<Vec<_>>(),
             ["cached_attention_split_h1_v4_e4_s0_bf16"]
         );
         // 28 query heads on 4 kv heads: groups of 7 fit one block; in f64, two.
-        let op = Op::from(CachedAttention { scale: 0.1, splits: 4 });
+        let op = Op::from(CachedAttention { scale: 0.1, splits: 4, scores: Default::default() });
         let (_, _, l) = lowered(&op, &attention(DType::F16, 2, 28, 4, 128, 1024));
         assert_eq!(kernels(&l)[0].grid, (2, 4, 4));
         let (_, _, l) = lowered(&op, &attention(DType::F64, 2, 28, 4, 128, 1024));

@@ -721,7 +721,7 @@ fn cached_attention_matches_the_cpu_on_the_model() {
                     rows: &[f64],
                     start: &[f64]| {
             Sample::new(
-                CachedAttention { scale: 1.0 / (dd as f64).sqrt(), splits },
+                CachedAttention { scale: 1.0 / (dd as f64).sqrt(), splits, scores: Default::default() },
                 vec![
                     normal(d, &[b, 2, hq, dd]),
                     normal(d, &[n, s, hkv, dd]),

@@ -2,8 +2,8 @@
 //! Positions on axis 1 (one input): one block per position of
 //! `[B, T, H, D]`, rotating that position's row of every batch row with the
 //! angles it computes once. Per-row start positions (a second input, for
-//! generation): one block per row `(b, t)`, since rows at different
-//! positions share no angles. Either way a 2-D block whose x lanes cover
+//! generation) or per-token positions (packed documents): one block per
+//! row `(b, t)`, since rows at different positions share no angles. Either way a 2-D block whose x lanes cover
 //! one chunk of a head's rotated pairs and y lanes the heads; Llama-3.x
 //! frequency scaling passed as arguments. The identity in place (no rotated
 //! dims, output aliasing input) launches nothing.
@@ -55,9 +55,12 @@ impl Lower for Rope {
         let start = cx.inputs.get(1);
         let mut args = vec![ptr(x), ptr(y)];
         args.extend(start.map(ptr));
+        // `rope_at` puts row (b, t) at start[b] + t: positions per token are
+        // that with every row its own "batch row" of one token.
+        let per_token = start.is_some_and(|s| s.ty.rank() == 2);
         args.extend([
             n64(bt),
-            n64(seq),
+            n64(if per_token { 1 } else { seq }),
             Arg::I32(heads_i),
             Arg::I32(dim_i),
             Arg::I32(n_rot_i),
