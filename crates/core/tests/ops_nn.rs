@@ -17,7 +17,7 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::print::print;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId};
-use stepgraph_core::ops::attention::{Attention, AttentionBackward};
+use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
 use stepgraph_core::ops::rope::{Llama3Scaling, Rope};
 use stepgraph_core::ops::sample::{self, Input};
@@ -137,7 +137,7 @@ fn run_trace(trace: &Trace, leaves: &HashMap<String, HostTensor>) -> HashMap<Str
 #[test]
 fn vjp_with_partial_cotangents() {
     let attn = Sample::new(
-        Attention { scale: 1.0 / 3f64.sqrt() },
+        Attention::causal(1.0 / 3f64.sqrt()),
         vec![normal(&[2, 5, 4, 3]), normal(&[2, 5, 2, 3]), normal(&[2, 5, 2, 3])],
     );
     let masked: Vec<(Sample, Vec<Vec<bool>>)> = vec![
@@ -232,7 +232,12 @@ fn rope_ref(x: &[f64], shape: &[usize], o: &Rope, start: Option<&[f64]>) -> Vec<
     let sign = if inverse { -1.0 } else { 1.0 };
     for b in 0..bsz {
         for t in 0..seq {
-            let pos = start.map_or(0.0, |s| s[b]) + t as f64;
+            // Positions per batch row (start + t) or per token.
+            let pos = match start {
+                Some(s) if s.len() == bsz * seq && seq > 1 => s[b * seq + t],
+                Some(s) => s[b] + t as f64,
+                None => t as f64,
+            };
             for h in 0..heads {
                 let o = ((b * seq + t) * heads + h) * d;
                 if n_rot == 1 {
@@ -266,6 +271,7 @@ fn softmax_ref(x: &[f64], n: usize) -> Vec<f64> {
 /// softmax, times v, with kv heads repeated as Hugging Face `repeat_kv`.
 /// `dk` (q, k) and `dv` (v, o) head sizes may differ. Returns (o, lse).
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 fn attention_ref(
     q: &[f64],
     k: &[f64],
@@ -274,18 +280,32 @@ fn attention_ref(
     dk: usize,
     dv: usize,
     scale: f64,
+    (scores_rule, positions): (Scores, Option<&[f64]>),
 ) -> (Vec<f64>, Vec<f64>) {
     let mut o = vec![0.0; bsz * seq * hq * dv];
     let mut lse = vec![0.0; bsz * hq * seq];
     for b in 0..bsz {
+        // Key j is masked for query i after i, outside the window, or in
+        // an earlier document (before i's own start, i − position).
+        let visible = |i: usize, j: usize| {
+            let in_window = scores_rule.window == 0 || i - j < scores_rule.window;
+            let same_doc = positions.is_none_or(|p| j as f64 >= i as f64 - p[b * seq + i]);
+            j <= i && in_window && same_doc
+        };
         for h in 0..hq {
             let g = h / (hq / hkv);
             let mut scores = vec![vec![f64::NEG_INFINITY; seq]; seq];
             for (i, row) in scores.iter_mut().enumerate() {
                 for (j, s) in row.iter_mut().enumerate().take(i + 1) {
+                    if !visible(i, j) {
+                        continue;
+                    }
                     let qi = &q[((b * seq + i) * hq + h) * dk..][..dk];
                     let kj = &k[((b * seq + j) * hkv + g) * dk..][..dk];
                     *s = scale * dot(qi, kj);
+                    if scores_rule.softcap > 0.0 {
+                        *s = scores_rule.softcap * (*s / scores_rule.softcap).tanh();
+                    }
                 }
             }
             for (i, row) in scores.iter().enumerate() {
@@ -322,7 +342,8 @@ fn reference(op: &Op, x: &[HostTensor]) -> Vec<Vec<f64>> {
         Op::Attention(o) => {
             let (b, t, hq, d) = (shape[0], shape[1], shape[2], shape[3]);
             let hkv = x[1].ty.shape[2];
-            let (out, lse) = attention_ref(&f[0], &f[1], &f[2], (b, t, hq, hkv), d, d, o.scale);
+            let rule = (o.scores, f.get(3).map(Vec::as_slice));
+            let (out, lse) = attention_ref(&f[0], &f[1], &f[2], (b, t, hq, hkv), d, d, o.scale, rule);
             vec![out, lse]
         }
         _ => panic!("no reference for {}", op.name()),
@@ -401,7 +422,7 @@ fn rope_head_size_one_matches_hf_duplicated_dimension() {
     let (bsz, seq, hq, hkv) = (2, 6, 4, 2);
     let scale = 0.7;
     let qkv = vec![normal(&[bsz, seq, hq, 1]), normal(&[bsz, seq, hkv, 1]), normal(&[bsz, seq, hkv, 1])];
-    let x = draw_sample(&Sample::new(Attention { scale }, qkv), 9).unwrap();
+    let x = draw_sample(&Sample::new(Attention::causal(scale), qkv), 9).unwrap();
     let (q, k, v) = (&x[0], &x[1], &x[2]);
     for inverse in [false, true] {
         let rope: Op = Rope { n_rot: 1, base: 10000.0, inverse, scaling: None }.into();
@@ -434,8 +455,8 @@ fn rope_head_size_one_matches_hf_duplicated_dimension() {
             }
         }
         let to = |d: &[f64], heads: usize| HostTensor::from_f64(TensorType::new(DType::F64, [bsz, seq, heads, 1]), d);
-        let o = run_op(&Attention { scale: 2.0 * scale }.into(), &[to(&qr, hq), to(&kr, hkv), v.clone()]).unwrap();
-        let (o_hf, lse_hf) = attention_ref(&qh, &kh, &v.to_f64(), (bsz, seq, hq, hkv), 2, 1, scale);
+        let o = run_op(&Attention::causal(2.0 * scale).into(), &[to(&qr, hq), to(&kr, hkv), v.clone()]).unwrap();
+        let (o_hf, lse_hf) = attention_ref(&qh, &kh, &v.to_f64(), (bsz, seq, hq, hkv), 2, 1, scale, (Scores::default(), None));
         assert!(max_rel_diff(&o[0].to_f64(), &o_hf) < 1e-12);
         assert!(max_rel_diff(&o[1].to_f64(), &lse_hf) < 1e-12);
     }
@@ -488,7 +509,7 @@ fn results_do_not_depend_on_thread_count() {
         Sample::new(LayerNorm { eps: 1e-6 }, vec![bf(&[3, 111, 40]), bf(&[40]), bf(&[40])]),
         Sample::new(Softmax, vec![bf(&[300, 33])]),
         Sample::new(Rope { n_rot: 12, base: 10000.0, inverse: false, scaling: None }, vec![bf(&[2, 40, 3, 16])]),
-        Sample::new(Attention { scale: 0.25 }, vec![bf(&[2, 37, 8, 16]), bf(&[2, 37, 2, 16]), bf(&[2, 37, 2, 16])]),
+        Sample::new(Attention::causal(0.25), vec![bf(&[2, 37, 8, 16]), bf(&[2, 37, 2, 16]), bf(&[2, 37, 2, 16])]),
     ];
     for c in &big {
         let run = |threads: usize| {
@@ -569,23 +590,23 @@ fn shape_rule_errors_name_the_problem() {
     let f = |s: &[usize]| t(DType::F32, s);
     let cases: Vec<(Op, Vec<TensorType>, &[&str])> = vec![
         (
-            Attention { scale: 1.0 }.into(),
+            Attention::causal(1.0).into(),
             vec![f(&[1, 4, 3, 8]), f(&[1, 4, 2, 8]), f(&[1, 4, 2, 8])],
             &["attention", "Hq=3", "Hkv=2"],
         ),
         (
-            Attention { scale: 1.0 }.into(),
+            Attention::causal(1.0).into(),
             vec![f(&[1, 4, 2, 8]), f(&[1, 4, 2, 8]), f(&[1, 4, 2, 4])],
             &["k", "v", "same shape"],
         ),
-        (Attention { scale: 1.0 }.into(), vec![f(&[4, 2, 8]), f(&[1, 4, 2, 8]), f(&[1, 4, 2, 8])], &["q", "rank 4"]),
+        (Attention::causal(1.0).into(), vec![f(&[4, 2, 8]), f(&[1, 4, 2, 8]), f(&[1, 4, 2, 8])], &["q", "rank 4"]),
         (
-            Attention { scale: 1.0 }.into(),
+            Attention::causal(1.0).into(),
             vec![f(&[1, 5, 2, 8]), f(&[1, 4, 2, 8]), f(&[1, 4, 2, 8])],
             &["sequence length"],
         ),
         (
-            Attention { scale: 1.0 }.into(),
+            Attention::causal(1.0).into(),
             vec![f(&[1, 4, 2, 8]), t(DType::BF16, &[1, 4, 2, 8]), t(DType::BF16, &[1, 4, 2, 8])],
             &["dtype"],
         ),
