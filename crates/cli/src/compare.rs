@@ -396,7 +396,7 @@ fn compare(
         CompareLoss::Sum => LossKind::Sum,
         CompareLoss::Ce => LossKind::CrossEntropy,
     };
-    let spec = ModelSpec { config, batch, seq, dtype, loss, adapters: None };
+    let spec = ModelSpec { config, batch, seq, dtype, loss, adapters: None, documents: false };
     let opts = StepOptions {
         epilogues: args.epilogues.into(),
         f32_products: args.f32_products.into(),
@@ -836,6 +836,7 @@ mod tests {
             dtype: DType::F32,
             loss,
             adapters: None,
+            documents: false,
         };
         let c = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
         let weights = name_params(&c.forward, init_params(&c.forward, 3)).unwrap();

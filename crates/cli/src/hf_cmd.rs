@@ -137,7 +137,15 @@ pub fn run(args: &HfArgs) -> Result<()> {
         None => None,
     };
     let adapters = adapter.as_ref().map(|(a, _)| a.clone());
-    let spec = ModelSpec { config: config.clone(), batch, seq, dtype, loss: LossKind::CrossEntropy, adapters };
+    let spec = ModelSpec {
+        config: config.clone(),
+        batch,
+        seq,
+        dtype,
+        loss: LossKind::CrossEntropy,
+        adapters,
+        documents: false,
+    };
 
     // The forward pass with its logits kept: checked, loaded, run, and saved from.
     let forward = build_forward_with_logits(&spec)?;
@@ -263,6 +271,7 @@ mod tests {
             dtype: DType::F32,
             loss: LossKind::Sum,
             adapters: None,
+            documents: false,
         };
         let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
         let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();

@@ -492,6 +492,7 @@ impl ModelArgs {
             },
             config,
             adapters: self.adapters.adapters()?,
+            documents: false,
         })
     }
 

@@ -311,7 +311,15 @@ fn write_neox_reference(dir: &Path) {
     std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config_value).unwrap()).unwrap();
     let config = Config::from_hf_json(&config_value.to_string(), "neox").unwrap();
     let heads = config.n_head;
-    let spec = ModelSpec { config, batch: 2, seq: 5, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None };
+    let spec = ModelSpec {
+        config,
+        batch: 2,
+        seq: 5,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
     let c = compile_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap();
     let weights = name_params(&c.forward, init_params(&c.forward, 5)).unwrap();
     write_safetensors_atomic(&dir.join("weights.safetensors"), &as_neox(&weights, heads)).unwrap();

@@ -41,7 +41,7 @@ fn hf_ids(vocab: usize) -> HostTensor {
 
 /// The `grads` step of `config` on a [2, 8] batch.
 fn grads_step(config: Config, loss: LossKind) -> (Trace, Trace) {
-    let spec = ModelSpec { config, batch: 2, seq: 8, dtype: DType::F32, loss, adapters: None };
+    let spec = ModelSpec { config, batch: 2, seq: 8, dtype: DType::F32, loss, adapters: None, documents: false };
     let forward = build_forward(&spec).unwrap();
     let step = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
     (forward, step)

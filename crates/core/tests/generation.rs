@@ -48,8 +48,15 @@ fn session(p: &GenerationProgram) -> CpuSession {
 /// The logits of the full forward at the last position of `tokens`, on
 /// the weights of seed [`SEED`].
 fn full_forward_last_logits(cfg: &Config, dtype: DType, tokens: &[u32]) -> Vec<f64> {
-    let spec =
-        ModelSpec { config: cfg.clone(), batch: 1, seq: tokens.len(), dtype, loss: LossKind::Sum, adapters: None };
+    let spec = ModelSpec {
+        config: cfg.clone(),
+        batch: 1,
+        seq: tokens.len(),
+        dtype,
+        loss: LossKind::Sum,
+        adapters: None,
+        documents: false,
+    };
     let fwd = build_forward_with_logits(&spec).unwrap();
     let pl = plan(&fwd, PlanOptions::default()).unwrap();
     let mut s = CpuSession::new(fwd.clone(), pl).unwrap();
@@ -415,8 +422,15 @@ fn projections_are_fused_and_load_from_the_models_own_parameters() {
         assert!(names.iter().any(|n| n.ends_with("self_attn.qkv_proj.weight")), "{name}: {names:?}");
         assert!(!names.iter().any(|n| n.ends_with("q_proj.weight")), "{name}: {names:?}");
         // The checkpoint's view is the training model's parameters, name for name and type for type.
-        let spec =
-            ModelSpec { config: cfg.clone(), batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::Sum, adapters: None };
+        let spec = ModelSpec {
+            config: cfg.clone(),
+            batch: 1,
+            seq: 4,
+            dtype: DType::F32,
+            loss: LossKind::Sum,
+            adapters: None,
+            documents: false,
+        };
         let fwd = build_forward_with_logits(&spec).unwrap();
         let of = |t: &stepgraph_core::ir::Trace| {
             let mut v: Vec<(String, TensorType)> =

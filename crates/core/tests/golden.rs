@@ -30,7 +30,15 @@ fn micro() -> ModelSpec {
         ..Default::default()
     };
     let config = Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap();
-    ModelSpec { config, batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None }
+    ModelSpec {
+        config,
+        batch: 1,
+        seq: 4,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    }
 }
 
 fn check(name: &str, text: &str) {

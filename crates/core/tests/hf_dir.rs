@@ -265,6 +265,7 @@ fn compile(config: &Config) -> CompiledStep {
         dtype: DType::F32,
         loss: LossKind::CrossEntropy,
         adapters: None,
+        documents: false,
     };
     compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap()
 }
@@ -865,6 +866,7 @@ fn bad_folders_are_errors_naming_the_file_and_the_tensor() {
         dtype: DType::F16,
         loss: LossKind::Sum,
         adapters: None,
+        documents: false,
     };
     let c16 = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
     let mut s16 = open_session(&c16);
@@ -899,8 +901,15 @@ fn saver_session(c: &CompiledStep, seed: u64) -> CpuSession {
 }
 
 fn saver_compile() -> CompiledStep {
-    let spec =
-        ModelSpec { config: saver_config(), batch: 1, seq: 4, dtype: DType::F32, loss: LossKind::Sum, adapters: None };
+    let spec = ModelSpec {
+        config: saver_config(),
+        batch: 1,
+        seq: 4,
+        dtype: DType::F32,
+        loss: LossKind::Sum,
+        adapters: None,
+        documents: false,
+    };
     compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap()
 }
 

@@ -30,7 +30,7 @@ const IGNORE: i64 = -100;
 fn spec(name: &str, dtype: DType, tied: bool) -> ModelSpec {
     let mut config = Config::named(name).unwrap();
     config.tie_embeddings = tied;
-    ModelSpec { config, batch: 2, seq: 8, dtype, loss: LossKind::CrossEntropy, adapters: None }
+    ModelSpec { config, batch: 2, seq: 8, dtype, loss: LossKind::CrossEntropy, adapters: None, documents: false }
 }
 
 /// Random tokens and targets with every fifth target ignored.

@@ -25,7 +25,7 @@ use stepgraph_core::testing::max_rel_diff;
 
 fn spec(name: &str, o: Overrides, batch: usize, seq: usize, dtype: DType) -> ModelSpec {
     let config = Config::named(name).unwrap().with_overrides(&o).unwrap();
-    ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None }
+    ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None, documents: false }
 }
 
 /// The loss and every gradient (by parameter name) of one CPU run of `c`.

@@ -25,7 +25,7 @@ fn workload(
     kind: StepKind,
 ) -> (Trace, PlanReport) {
     let config = Config::named(name).unwrap().with_overrides(&o).unwrap();
-    let fwd = build_forward(&ModelSpec { config, batch, seq, dtype, loss, adapters: None }).unwrap();
+    let fwd = build_forward(&ModelSpec { config, batch, seq, dtype, loss, adapters: None, documents: false }).unwrap();
     let step = build_step(&fwd, kind, &TrainOptions::default()).unwrap();
     let p = plan(&step, PlanOptions::default()).unwrap();
     check_plan(&step, &p).unwrap();
@@ -78,8 +78,15 @@ fn w2_plan_is_near_its_floor() {
 fn w2_compiled(recompute: RecomputePolicy) -> Result<CompiledStep, stepgraph_core::error::Error> {
     let o = Overrides { n_layer: Some(5), n_embd: Some(28), ..Default::default() };
     let config = Config::named("Qwen2.5-7B").unwrap().with_overrides(&o).unwrap();
-    let spec =
-        ModelSpec { config, batch: 1, seq: 4096, dtype: DType::BF16, loss: LossKind::CrossEntropy, adapters: None };
+    let spec = ModelSpec {
+        config,
+        batch: 1,
+        seq: 4096,
+        dtype: DType::BF16,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
     compile_step(&spec, &StepOptions { recompute, ..StepOptions::new(StepKind::Grads) })
 }
 

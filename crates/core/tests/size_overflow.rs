@@ -145,7 +145,7 @@ proptest! {
         }
         // param_count never wraps: it is exact or saturates.
         let _ = config.param_count();
-        build_and_plan(&ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy , adapters: None});
+        build_and_plan(&ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None, documents: false });
     }
 
     /// The same keys through command-line overrides, with the derived
@@ -167,7 +167,7 @@ proptest! {
         let o = Overrides { n_layer, n_embd, n_head, n_query_groups, vocab_size, block_size, intermediate_size };
         match config.with_overrides(&o) {
             Err(e) => check_refusal(&e),
-            Ok(config) => build_and_plan(&ModelSpec { config, batch, seq, dtype: DType::F32, loss , adapters: None}),
+            Ok(config) => build_and_plan(&ModelSpec { config, batch, seq, dtype: DType::F32, loss, adapters: None, documents: false }),
         }
     }
 
@@ -202,7 +202,7 @@ proptest! {
             block_size: seq,
             ..Config::named(if neox { "tiny-neox" } else { "tiny-llama" }).unwrap()
         };
-        build_and_plan(&ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy , adapters: None});
+        build_and_plan(&ModelSpec { config, batch, seq, dtype, loss: LossKind::CrossEntropy, adapters: None, documents: false });
     }
 
     /// Any shape: a value's size is checked before it joins a trace, so
@@ -254,6 +254,7 @@ fn the_reported_overflows_are_refused_by_key() {
         dtype: DType::F32,
         loss: LossKind::CrossEntropy,
         adapters: None,
+        documents: false,
     };
     let size_keys = |r: stepgraph_core::Result<()>| match r {
         Err(Error::Size { keys, reason }) => (keys, reason),

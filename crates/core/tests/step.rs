@@ -19,7 +19,7 @@ use stepgraph_core::testing::directional_derivative;
 
 fn spec(name: &str, dtype: DType, loss: LossKind) -> ModelSpec {
     let config = Config::named(name).unwrap();
-    ModelSpec { config, batch: 2, seq: 8, dtype, loss, adapters: None }
+    ModelSpec { config, batch: 2, seq: 8, dtype, loss, adapters: None, documents: false }
 }
 
 /// Random token ids (and targets with one ignored position) for `spec`.

@@ -350,8 +350,15 @@ fn memory_report_matches_the_plan() {
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn a_step_that_does_not_fit_is_refused_before_allocating() {
     let config = Config::named("Meta-Llama-3-8B").unwrap().with_overrides(&Overrides::default()).unwrap();
-    let sp =
-        ModelSpec { config, batch: 16, seq: 8192, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None };
+    let sp = ModelSpec {
+        config,
+        batch: 16,
+        seq: 8192,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
     let fwd = build_forward(&sp).unwrap();
     let step = build_step(&fwd, StepKind::Train, &TrainOptions::default()).unwrap();
     let p = plan(&step, PlanOptions::default()).unwrap();

@@ -206,8 +206,15 @@ pub fn export_checkpoint(path: &Path, out: &Path, opts: &ExportOptions) -> Resul
     }
     // The forward trace names the parameters and their types; one token of
     // batch is enough, nothing runs.
-    let spec =
-        ModelSpec { config: config.clone(), batch: 1, seq: 1, dtype, loss: LossKind::CrossEntropy, adapters: None };
+    let spec = ModelSpec {
+        config: config.clone(),
+        batch: 1,
+        seq: 1,
+        dtype,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
     let forward = trace_step(&spec, &StepOptions::new(StepKind::Forward))?.forward;
     let tensors: BTreeMap<String, HostTensor> = read_safetensors(&weights_path)?.into_iter().collect();
     let mut weights = CheckpointWeights { name: dir.display().to_string(), tensors };

@@ -46,8 +46,15 @@ const STEPS: usize = 6;
 fn config(dir: &Path) -> RunConfig {
     let overrides = Overrides { n_layer: Some(1), ..Overrides::default() };
     let config = Config::named("tiny-llama").unwrap().with_overrides(&overrides).unwrap();
-    let model =
-        ModelSpec { config, batch: 2, seq: 16, dtype: DType::F32, loss: LossKind::CrossEntropy, adapters: None };
+    let model = ModelSpec {
+        config,
+        batch: 2,
+        seq: 16,
+        dtype: DType::F32,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tiny.txt");
     let mut course = Course::new(STEPS, LrSchedule::new(3e-3, 1, 3e-4, STEPS).unwrap());
     course.eval_every = 3;

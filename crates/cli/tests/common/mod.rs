@@ -106,6 +106,7 @@ pub fn write_model(dir: &Path, family: &str, tied: bool, shard_bytes: Option<u64
         dtype: DType::F32,
         loss: LossKind::CrossEntropy,
         adapters: None,
+        documents: false,
     };
     let c = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
     let mut session = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();

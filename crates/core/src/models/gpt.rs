@@ -58,6 +58,10 @@ pub const IGNORE_INDEX: i64 = -100;
 pub const TOKENS_INPUT: &str = "input_ids";
 /// Name of the target step input (cross-entropy only).
 pub const TARGETS_INPUT: &str = "targets";
+/// Name of the step input of each token's position in its document
+/// (`i32[batch, seq]`, [`ModelSpec::documents`]), as Hugging Face's
+/// `position_ids`: 0 at each document's first token in the row.
+pub const POSITIONS_INPUT: &str = "position_ids";
 
 /// One forward workload: a model and the shape of its batch.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -72,13 +76,19 @@ pub struct ModelSpec {
     /// what full runs record is unchanged.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adapters: Option<Adapters>,
+    /// Rows are packed with documents that must not see each other: the
+    /// step takes each token's position in its document
+    /// ([`POSITIONS_INPUT`]), which RoPE rotates by and attention masks
+    /// by. Left out of the serialization when off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub documents: bool,
 }
 
 impl ModelSpec {
     /// The named model (litgpt or Hugging Face name, see [`Config::named`])
     /// on batches of `batch` × `seq` tokens.
     pub fn named(name: &str, batch: usize, seq: usize, dtype: DType, loss: LossKind) -> Result<Self> {
-        Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss, adapters: None })
+        Ok(ModelSpec { config: Config::named(name)?, batch, seq, dtype, loss, adapters: None, documents: false })
     }
 
     /// Checks the config, the batch and every size the model records: each
@@ -435,7 +445,8 @@ impl<'a> Gpt<'a> {
     /// scores)`: training attends over the
     /// sequence itself, generation writes a KV cache and attends over it.
     /// Row `b`'s tokens sit at positions `start[b] + t` when `start` is
-    /// given, at `t` otherwise.
+    /// `i32[B]`, at `start[b, t]` when it is `i32[B, T]` (packed
+    /// documents), at `t` when it is `None`.
     pub(crate) fn layers(
         &mut self,
         mut x: ValueId,
@@ -729,11 +740,15 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
         LossKind::CrossEntropy => Some(g.b.input(TARGETS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),
         LossKind::Sum => None,
     };
+    let positions = match spec.documents {
+        true => Some(g.b.input(POSITIONS_INPUT, TensorType::new(DType::I32, [bsz, seq]))?),
+        false => None,
+    };
     let wte = g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])?;
     let x = g.b.embedding(tokens, wte)?;
-    // Causal attention over the sequence itself.
-    let x = g.layers(x, bsz, seq, None, &mut |g, _, q, k, v, scale, scores| {
-        g.b.attention_with(q, k, v, scale, scores, None)
+    // Causal attention over the sequence itself (each document over itself).
+    let x = g.layers(x, bsz, seq, positions, &mut |g, _, q, k, v, scale, scores| {
+        g.b.attention_with(q, k, v, scale, scores, positions)
     })?;
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };

@@ -848,8 +848,15 @@ mod tests {
     /// one row of `seq` tokens in bf16.
     fn wide_step(name: &str, o: crate::models::Overrides, seq: usize) -> Trace {
         let config = crate::models::Config::named(name).unwrap().with_overrides(&o).unwrap();
-        let spec =
-            ModelSpec { config, batch: 1, seq, dtype: DType::BF16, loss: LossKind::CrossEntropy, adapters: None };
+        let spec = ModelSpec {
+            config,
+            batch: 1,
+            seq,
+            dtype: DType::BF16,
+            loss: LossKind::CrossEntropy,
+            adapters: None,
+            documents: false,
+        };
         trace_step(&spec, &StepOptions::new(StepKind::Grads)).unwrap().step
     }
 

@@ -457,6 +457,7 @@ mod tests {
             dtype: DType::F32,
             loss: LossKind::CrossEntropy,
             adapters: None,
+            documents: false,
         };
         let trace = build_forward(&spec).unwrap();
         let params: BTreeMap<String, HostTensor> = init_params(&trace, 7)
