@@ -17,7 +17,7 @@ use stepgraph_core::autodiff::{StepKind, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
-use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
@@ -80,8 +80,59 @@ pub struct BenchArgs {
     /// with `torch.optim.AdamW`, as this does; `train` defaults to kahan.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::MasterWeightsArg::None)]
     pub master_weights: crate::MasterWeightsArg,
+    /// Fill each row with packed documents of MIN to MAX tokens (lengths
+    /// drawn uniformly, seeded), none seeing another (`train --packing
+    /// documents`): the step takes their positions and attention skips the
+    /// key tiles of earlier documents. A cross-entropy workload only.
+    #[arg(long, value_name = "MIN-MAX", value_parser = parse_lengths)]
+    pub documents: Option<(usize, usize)>,
     #[command(flatten)]
     pub memory: crate::memory_args::MemoryArgs,
+}
+
+/// `--documents MIN-MAX`.
+fn parse_lengths(s: &str) -> std::result::Result<(usize, usize), String> {
+    let parsed = s.split_once('-').and_then(|(a, b)| Some((a.trim().parse().ok()?, b.trim().parse().ok()?)));
+    match parsed {
+        Some((lo, hi)) if 1 <= lo && lo <= hi => Ok((lo, hi)),
+        _ => Err(format!("`{s}` is not a range of document lengths: give MIN-MAX tokens, such as 100-1500")),
+    }
+}
+
+/// Positions within documents for `batch` rows of `seq` tokens, packed
+/// with documents whose lengths are drawn uniformly from `lengths`.
+fn packed_positions(rng: &mut impl Rng, batch: usize, seq: usize, (lo, hi): (usize, usize)) -> Vec<f64> {
+    let mut p = Vec::with_capacity(batch * seq);
+    for _ in 0..batch {
+        let mut left = seq;
+        while left > 0 {
+            let len = rng.gen_range(lo..=hi).min(left);
+            p.extend((0..len).map(|i| i as f64));
+            left -= len;
+        }
+    }
+    p
+}
+
+/// The fraction of the causal step's 64 × 64 (query, key) tiles that hold
+/// no key a query sees, with positions `p` (`batch × seq`): the attention
+/// work that packing skips.
+pub fn skipped_tile_fraction(p: &[f64], batch: usize, seq: usize) -> f64 {
+    const TILE: usize = 64;
+    let (mut causal, mut skipped) = (0usize, 0usize);
+    for row in p.chunks(seq).take(batch) {
+        for q0 in (0..seq).step_by(TILE) {
+            // The first key of the tile's first query is the tile's least.
+            let first = q0 - row[q0] as usize;
+            for k0 in (0..=q0).step_by(TILE) {
+                causal += 1;
+                if k0 + TILE <= first {
+                    skipped += 1;
+                }
+            }
+        }
+    }
+    skipped as f64 / causal.max(1) as f64
 }
 
 /// What one benchmark run reports.
@@ -216,12 +267,20 @@ fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: St
     let mut write_batch = |s: &mut dyn Session, it: usize| -> Result<()> {
         let ids: Vec<f64> = (0..b * t).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
         s.write_named(TOKENS_INPUT, &HostTensor::from_f64(ids_ty.clone(), &ids))?;
+        let positions = args.documents.map(|lengths| packed_positions(&mut rng, b, t, lengths));
+        if let Some(p) = &positions {
+            s.write_named(POSITIONS_INPUT, &HostTensor::from_f64(ids_ty.clone(), p))?;
+        }
         if spec.loss == LossKind::CrossEntropy {
-            // Labels are the inputs shifted by one, as Hugging Face's `labels=input_ids`.
+            // Labels are the inputs shifted by one, as Hugging Face's
+            // `labels=input_ids`; a packed document's last token has none.
             let mut tg = vec![IGNORE_INDEX as f64; b * t];
             for r in 0..b {
                 for c in 0..t - 1 {
-                    tg[r * t + c] = ids[r * t + c + 1];
+                    let ends_document = positions.as_ref().is_some_and(|p| p[r * t + c + 1] == 0.0);
+                    if !ends_document {
+                        tg[r * t + c] = ids[r * t + c + 1];
+                    }
                 }
             }
             s.write_named(TARGETS_INPUT, &HostTensor::from_f64(ids_ty.clone(), &tg))?;
@@ -265,7 +324,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         bail!("--steps must be at least 1, got 0");
     }
     let switches = Switches::from_env()?;
-    let (spec, kind) = spec(args.workload)?;
+    let (mut spec, kind) = spec(args.workload)?;
+    if let Some((lo, hi)) = args.documents {
+        if spec.loss != LossKind::CrossEntropy {
+            bail!("--documents needs a cross-entropy workload (w2, w5, l8-2l): packed documents predict their own tokens");
+        }
+        spec.documents = true;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let p = packed_positions(&mut rng, spec.batch, spec.seq, (lo, hi));
+        eprintln!(
+            "documents of {lo}-{hi} tokens: {:.1}% of the causal 64 x 64 attention tiles see no key",
+            100.0 * skipped_tile_fraction(&p, spec.batch, spec.seq)
+        );
+    }
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
     opts.train.master_weights = args.master_weights.mode();
@@ -363,6 +434,29 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_positions_fill_rows_and_count_skipped_tiles() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let p = packed_positions(&mut rng, 2, 1000, (100, 300));
+        assert_eq!(p.len(), 2000);
+        // Every document counts up from 0 and is within the lengths (the
+        // last of a row may be cut).
+        for row in p.chunks(1000) {
+            let starts: Vec<usize> = (0..1000).filter(|&i| row[i] == 0.0).collect();
+            for w in starts.windows(2) {
+                assert!((100..=300).contains(&(w[1] - w[0])), "{starts:?}");
+            }
+            assert!((1..1000).all(|i| row[i] == 0.0 || row[i] == row[i - 1] + 1.0));
+        }
+        // One document per row skips nothing; documents of one tile skip
+        // every tile below the diagonal.
+        let one: Vec<f64> = (0..256).map(|i| i as f64).collect();
+        assert_eq!(skipped_tile_fraction(&one, 1, 256), 0.0);
+        let tiles: Vec<f64> = (0..256).map(|i| (i % 64) as f64).collect();
+        assert_eq!(skipped_tile_fraction(&tiles, 1, 256), 6.0 / 10.0);
+        assert!(parse_lengths("100-1500").is_ok() && parse_lengths("5-2").is_err() && parse_lengths("0-3").is_err());
+    }
 
     #[test]
     fn w5_model_flops_are_products_plus_attention() {

@@ -15,6 +15,7 @@ use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::models::peft::{read_adapter_config, read_adapter_weights};
 use stepgraph_core::models::BaseStorage;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_data::Packing;
 use stepgraph_train::data;
 use stepgraph_train::export::model_folders;
 use stepgraph_train::trainer::{load_adapters, Evaluator};
@@ -51,6 +52,9 @@ pub struct EvalArgs {
     /// For byte-level text: the fraction at the end held out (as `train --val-fraction`).
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
+    /// How a token file's documents share rows (as `train --packing`): documents, stream or none.
+    #[arg(long, default_value = "documents", value_parser = crate::train::parse_packing)]
+    pub packing: Packing,
     /// Evaluate on the CPU or on one GPU [default: cuda when this machine has an NVIDIA GPU].
     #[arg(long, value_enum)]
     pub device: Option<Backend>,
@@ -93,7 +97,8 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
         }
         None => None,
     };
-    let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0)?;
+    let data = data::open(&args.data, spec.batch, spec.seq, args.val_fraction, 0, args.packing)?;
+    spec.documents = data.has_positions();
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
     data::check_tokenizer(data.as_ref(), None, Some(&args.init_from))?;
     let (model_name, adapter_name) = (given.init_from.display(), given.adapter.as_ref().map(|a| a.display()));

@@ -9,15 +9,16 @@
 //! The training loop's use:
 //!
 //! ```no_run
-//! # use stepgraph_data::{TokenFile, Batcher, BatcherOptions, Split};
+//! # use stepgraph_data::{TokenFile, Batcher, BatcherOptions, Packing, Split};
 //! # fn main() -> stepgraph_data::Result<()> {
 //! let file = TokenFile::open("data/tiny.tokens")?;
-//! let opts = BatcherOptions { batch: 8, seq: 128, seed: 0, split: Split::Train };
+//! let opts = BatcherOptions { batch: 8, seq: 128, seed: 0, split: Split::Train, packing: Packing::Documents };
 //! let mut batches = Batcher::new(&file, opts)?;
 //! let batch = batches.next_batch()?;
 //! let [input_ids, targets] = batch.host_tensors();
+//! let position_ids = batch.positions_tensor(); // each token's position in its document
 //! let cursor = batches.cursor(); // saved with a checkpoint; Batcher::resume restores it
-//! # let _ = (input_ids, targets, cursor); Ok(()) }
+//! # let _ = (input_ids, targets, position_ids, cursor); Ok(()) }
 //! ```
 
 pub mod batcher;
@@ -32,7 +33,7 @@ pub mod template;
 pub mod token_file;
 pub mod tokenizer;
 
-pub use batcher::{Batch, Batcher, BatcherOptions, DataCursor, IGNORE_INDEX};
+pub use batcher::{Batch, Batcher, BatcherOptions, DataCursor, Packing, IGNORE_INDEX};
 pub use error::{Error, RecordAt, Result};
 pub use inputs::InputFormat;
 pub use prepare::{prepare, Holdout, InputReport, PrepareOptions, PrepareReport};

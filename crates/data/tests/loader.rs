@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use stepgraph_data::token_file::{write_token_file, TokenFileMeta, MAGIC};
-use stepgraph_data::{Batch, Batcher, BatcherOptions, DataCursor, Document, Split, TokenFile, IGNORE_INDEX};
+use stepgraph_data::{Batch, Batcher, BatcherOptions, DataCursor, Document, Packing, Split, TokenFile, IGNORE_INDEX};
 
 const IGNORE: i32 = IGNORE_INDEX as i32;
 const EOS: u32 = 0;
@@ -29,8 +29,9 @@ fn stream(docs: &[Document]) -> Vec<u32> {
     docs.iter().flat_map(|d| d.tokens.iter().copied()).collect()
 }
 
+/// Options of the stream packing, whose batches the older tests describe.
 fn opts(batch: usize, seq: usize, seed: u64, split: Split) -> BatcherOptions {
-    BatcherOptions { batch, seq, seed, split }
+    BatcherOptions { batch, seq, seed, split, packing: Packing::Stream }
 }
 
 fn open_err(path: &Path) -> String {
@@ -315,4 +316,82 @@ fn the_tokenizer_fingerprint_round_trips_and_old_files_have_none() {
     write_token_file(&path, meta, &[doc(0, 4), doc(1, 4)], &[]).unwrap();
     let file = TokenFile::open(&path).unwrap();
     assert_eq!(file.meta(), meta);
+}
+
+/// Validation rows in stream order: the batches of one pass, row by row.
+fn rows_of(b: &Batch) -> Vec<(Vec<i32>, Vec<i32>, Option<Vec<i32>>)> {
+    (0..b.batch)
+        .map(|r| {
+            let span = r * b.seq..(r + 1) * b.seq;
+            (b.inputs[span.clone()].to_vec(), b.targets[span.clone()].to_vec(), b.positions.as_ref().map(|p| p[span].to_vec()))
+        })
+        .collect()
+}
+
+#[test]
+fn document_packing_restarts_positions_and_predicts_nothing_across_a_boundary() {
+    let dir = tempfile::tempdir().unwrap();
+    // Documents of 3, 1 and 5 tokens plus EOS: 4 + 2 + 6 = 12 tokens.
+    let val = vec![doc(0, 3), doc(1, 1), doc(2, 5)];
+    let path = write(dir.path(), "docs.tokens", 2000, &[doc(9, 9)], &val);
+    let f = TokenFile::open(&path).unwrap();
+    let o = BatcherOptions { packing: Packing::Documents, ..opts(1, 5, 0, Split::Validation) };
+    let mut b = Batcher::new(&f, o).unwrap();
+    let rows: Vec<_> = (0..b.batches_per_pass()).flat_map(|_| rows_of(&b.next_batch().unwrap())).collect();
+    let e = EOS as i32;
+    // Row 0: 100 101 102 EOS | 200; row 1: EOS | 300 301 302 303; row 2:
+    // 304 EOS, padding. Positions count from each document's first token
+    // in the row (and from the row's first token); an EOS predicts nothing.
+    assert_eq!(rows[0], (vec![100, 101, 102, e, 200], vec![101, 102, e, IGNORE, e], Some(vec![0, 1, 2, 3, 0])));
+    assert_eq!(rows[1], (vec![e, 300, 301, 302, 303], vec![IGNORE, 301, 302, 303, 304], Some(vec![0, 0, 1, 2, 3])));
+    assert_eq!(rows[2], (vec![304, e, e, e, e], vec![e, IGNORE, IGNORE, IGNORE, IGNORE], Some(vec![0, 1, 0, 0, 0])));
+    assert_eq!(rows.len(), 3);
+    // The positions tensor has the batch's shape.
+    let t = b.next_batch().unwrap().positions_tensor().unwrap();
+    assert_eq!(t.ty.shape, vec![1, 5]);
+}
+
+#[test]
+fn no_packing_gives_each_document_rows_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 + 1 tokens: one row; 1 + 1: one row; 5 + 1 at seq 4: two rows
+    // (5 targets), the second sharing the first's last token.
+    let val = vec![doc(0, 3), doc(1, 1), doc(2, 5)];
+    let path = write(dir.path(), "pad.tokens", 2000, &[doc(9, 9)], &val);
+    let f = TokenFile::open(&path).unwrap();
+    let o = BatcherOptions { packing: Packing::None, ..opts(2, 4, 0, Split::Validation) };
+    let mut b = Batcher::new(&f, o).unwrap();
+    assert_eq!(b.sequences(), 4);
+    let rows: Vec<_> = (0..b.batches_per_pass()).flat_map(|_| rows_of(&b.next_batch().unwrap())).collect();
+    let e = EOS as i32;
+    assert_eq!(rows[0], (vec![100, 101, 102, e], vec![101, 102, e, IGNORE], None));
+    assert_eq!(rows[1], (vec![200, e, e, e], vec![e, IGNORE, IGNORE, IGNORE], None));
+    assert_eq!(rows[2], (vec![300, 301, 302, 303], vec![301, 302, 303, 304], None));
+    assert_eq!(rows[3], (vec![304, e, e, e], vec![e, IGNORE, IGNORE, IGNORE], None));
+    // Training rows are the same sequences, shuffled.
+    let o = BatcherOptions { split: Split::Train, ..o };
+    let mut t = Batcher::new(&f, o).unwrap();
+    assert_eq!(t.sequences(), 3);
+    let batch = t.next_batch().unwrap();
+    assert!(batch.inputs.iter().all(|&x| x == e || (1000..1009).contains(&x)));
+}
+
+#[test]
+fn a_cursor_resumes_only_with_its_packing_and_old_cursors_read_as_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "p.tokens", 1000, &[doc(0, 30), doc(1, 20)], &[]);
+    let f = TokenFile::open(&path).unwrap();
+    let o = BatcherOptions { packing: Packing::Documents, ..opts(2, 8, 3, Split::Train) };
+    let mut b = Batcher::new(&f, o).unwrap();
+    b.next_batch().unwrap();
+    let cursor = b.cursor();
+    let stream = BatcherOptions { packing: Packing::Stream, ..o };
+    let err = Batcher::resume(&f, stream, &cursor).err().expect("another packing is refused").to_string();
+    assert!(err.contains("--packing") && err.contains("documents") && err.contains("stream"), "{err}");
+    // A cursor saved before packing was a choice has no `packing` field.
+    let mut json = serde_json::to_value(&cursor).unwrap();
+    json.as_object_mut().unwrap().remove("packing");
+    let old: DataCursor = serde_json::from_value(json).unwrap();
+    assert_eq!(old.packing, Packing::Stream);
+    assert!(Batcher::resume(&f, stream, &old).is_ok());
 }

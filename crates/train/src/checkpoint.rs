@@ -114,7 +114,8 @@ impl CheckpointState {
 /// `model.config.n_layer`, `switches.gemm_tiled`); the error
 /// names the first that differs, with both values. A setting one side
 /// records and the other does not (a stepgraph of another version) is a
-/// difference too.
+/// difference too, except `data.packing`: a run saved before packing was a
+/// choice packed the stream, and is taken to have said so.
 ///
 /// Checkpoints of format 1 recorded a shorter list under other keys: they
 /// are checked on `legacy`, the same list as it was, and the caller says
@@ -126,9 +127,14 @@ pub fn check_compatible(
     legacy: &BTreeMap<String, serde_json::Value>,
 ) -> Result<()> {
     let now = if saved.format == 1 { legacy } else { now };
-    let keys: std::collections::BTreeSet<&String> = saved.run.keys().chain(now.keys()).collect();
+    // Runs saved before packing was a choice packed the stream.
+    let mut run = saved.run.clone();
+    if saved.format > 1 && now.contains_key(PACKING_KEY) {
+        run.entry(PACKING_KEY.to_string()).or_insert_with(|| "stream".into());
+    }
+    let keys: std::collections::BTreeSet<&String> = run.keys().chain(now.keys()).collect();
     for key in keys {
-        match (saved.run.get(key), now.get(key)) {
+        match (run.get(key), now.get(key)) {
             (Some(old), Some(value)) if old == value => {}
             (Some(old), Some(value)) => bail!(
                 "cannot resume from {}: it was trained with {key} = {old}, this run has {key} = {value}; a resumed \
@@ -151,6 +157,9 @@ pub fn check_compatible(
     }
     Ok(())
 }
+
+/// The resume-identity key of `--packing`.
+const PACKING_KEY: &str = "data.packing";
 
 /// The directory holding a run's checkpoints.
 #[derive(Clone, Debug)]

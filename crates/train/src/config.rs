@@ -23,6 +23,8 @@ use stepgraph_core::models::ModelSpec;
 use stepgraph_core::pipeline::{compile_step_timed, CompileTimes, CompiledStep, StepOptions};
 use stepgraph_cuda::Switches;
 
+use stepgraph_data::Packing;
+
 use crate::data::{self, TrainData};
 use crate::schedule::LrSchedule;
 
@@ -54,6 +56,8 @@ pub struct DataConfig {
     pub path: PathBuf,
     /// The fraction at the end of byte-level text held out for validation.
     pub val_fraction: f64,
+    /// How a token file's documents share rows.
+    pub packing: Packing,
 }
 
 fn display_path<S: Serializer>(path: &Path, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -161,6 +165,7 @@ impl RunConfig {
             self.model.seq,
             self.data.val_fraction,
             self.seed,
+            self.data.packing,
         )
     }
 }
@@ -198,7 +203,7 @@ mod tests {
         RunConfig {
             model,
             step: StepOptions::new(StepKind::Train),
-            data: DataConfig { path: "data/tiny.txt".into(), val_fraction: 0.1 },
+            data: DataConfig { path: "data/tiny.txt".into(), val_fraction: 0.1, packing: Packing::Documents },
             seed: 3,
             gpus: 1,
             switches: Switches::default(),

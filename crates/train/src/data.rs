@@ -27,12 +27,15 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_data::token_file::MAGIC;
 use stepgraph_data::tokenizer::fingerprint_of;
-use stepgraph_data::{Batcher, BatcherOptions, DataCursor, Split, TokenFile, TokenizerFingerprint};
+use stepgraph_data::{Batcher, BatcherOptions, DataCursor, Packing, Split, TokenFile, TokenizerFingerprint};
 
 /// Token ids and next-token targets of one global batch, `[batch, seq]` i32.
 pub struct Batch {
     pub tokens: HostTensor,
     pub targets: HostTensor,
+    /// Each token's position in its document (`[batch, seq]` i32), when the
+    /// rows are packed with documents that must not see each other.
+    pub positions: Option<HostTensor>,
 }
 
 /// A source of training and validation batches.
@@ -58,6 +61,12 @@ pub trait TrainData {
     /// Checks that the data's ids are the tokens of `model`'s tokenizer
     /// (see [`check_tokenizer`]).
     fn check_tokenizer(&self, model: &ModelTokenizer) -> Result<()>;
+    /// Whether batches carry positions within documents
+    /// ([`Batch::positions`]): the model must then take them
+    /// (`ModelSpec::documents`).
+    fn has_positions(&self) -> bool {
+        false
+    }
 }
 
 /// The tokenizer whose ids a model's embedding rows mean.
@@ -125,10 +134,18 @@ pub fn is_token_file(path: &Path) -> Result<bool> {
 /// The data source of `--data PATH`: a token file (by its magic bytes) or
 /// byte-level text. `batch` is the rows of one optimizer step (every
 /// micro-batch of it), `val_fraction` applies to text only (a token file
-/// carries its split).
-pub fn open(path: &Path, batch: usize, seq: usize, val_fraction: f64, seed: u64) -> Result<Box<dyn TrainData>> {
+/// carries its split), and so does `packing` (text has no documents: it is
+/// one stream).
+pub fn open(
+    path: &Path,
+    batch: usize,
+    seq: usize,
+    val_fraction: f64,
+    seed: u64,
+    packing: Packing,
+) -> Result<Box<dyn TrainData>> {
     if is_token_file(path)? {
-        Ok(Box::new(TokenData::open(path, batch, seq, seed)?))
+        Ok(Box::new(TokenData::open(path, batch, seq, seed, packing)?))
     } else {
         Ok(Box::new(ByteText::open(path, batch, seq, val_fraction, seed ^ 0x5eed)?))
     }
@@ -195,6 +212,7 @@ impl ByteText {
         Ok(Batch {
             tokens: HostTensor::try_from_f64(ty.clone(), &tokens, "a batch's token ids")?,
             targets: HostTensor::try_from_f64(ty, &targets, "a batch's targets")?,
+            positions: None,
         })
     }
 }
@@ -307,16 +325,16 @@ pub struct TokenData {
 impl TokenData {
     /// Opens and validates the whole file (every token id); the training
     /// split must hold at least one sequence pair.
-    pub fn open(path: &Path, batch: usize, seq: usize, seed: u64) -> Result<Self> {
+    pub fn open(path: &Path, batch: usize, seq: usize, seed: u64, packing: Packing) -> Result<Self> {
         let file = Arc::new(TokenFile::open(path)?);
-        let opts = BatcherOptions { batch, seq, seed, split: Split::Train };
+        let opts = BatcherOptions { batch, seq, seed, split: Split::Train, packing };
         let train = Batcher::new(file.clone(), opts)?;
         Ok(TokenData { file, train, opts })
     }
 
     fn host_batch(b: &stepgraph_data::Batch) -> Batch {
         let [tokens, targets] = b.host_tensors();
-        Batch { tokens, targets }
+        Batch { tokens, targets, positions: b.positions_tensor() }
     }
 }
 
@@ -367,7 +385,7 @@ impl TrainData for TokenData {
         let docs = |s: Split| f.split_docs(s).end - f.split_docs(s).start;
         format!(
             "{} (token file: {} tokens of a {}-token vocabulary; {} documents, {} tokens for training, {} documents, \
-             {} tokens held out; {} sequences per epoch{})",
+             {} tokens held out; {} sequences per epoch, packing {}{})",
             f.path().display(),
             f.n_tokens(),
             f.vocab_size(),
@@ -376,6 +394,7 @@ impl TrainData for TokenData {
             docs(Split::Validation),
             val.end - val.start,
             self.train.sequences(),
+            self.opts.packing.name(),
             if f.has_mask() { "; loss mask" } else { "" }
         )
     }
@@ -407,6 +426,10 @@ impl TrainData for TokenData {
                 model.vocab_size
             ),
         }
+    }
+
+    fn has_positions(&self) -> bool {
+        self.opts.packing.has_positions()
     }
 
     fn check_vocab(&self, vocab: usize, model: &str) -> Result<()> {

@@ -28,7 +28,7 @@ use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::dist::shard_rows;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId, ValueKind};
-use stepgraph_core::models::gpt::{IGNORE_INDEX, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::HfModelDir;
 use stepgraph_core::models::init_param;
 use stepgraph_core::models::lora::is_adapter_weight;
@@ -453,6 +453,9 @@ impl Trainer {
         let mut capture = Duration::ZERO;
         session.write_named(TOKENS_INPUT, &shard_rows(&batch.tokens, rank, world)?)?;
         session.write_named(TARGETS_INPUT, &shard_rows(&batch.targets, rank, world)?)?;
+        if let Some(p) = &batch.positions {
+            session.write_named(POSITIONS_INPUT, &shard_rows(p, rank, world)?)?;
+        }
         session.write_named(LR_INPUT, &scalar_input(lr))?;
         session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
         if self.replay_from.is_some_and(|from| it >= from) {
@@ -806,6 +809,9 @@ impl Evaluator {
                 }
                 self.session.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
                 self.session.write_named(TARGETS_INPUT, &targets)?;
+                if let Some(p) = &b.positions {
+                    self.session.write_named(POSITIONS_INPUT, &shard_rows(&shard_rows(p, k, n)?, rank, world)?)?;
+                }
                 self.session.run_eager()?;
                 total += self.session.loss()?;
                 counted += 1;

@@ -9,6 +9,7 @@ use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::StepOptions;
 use stepgraph_cuda::Switches;
+use stepgraph_data::Packing;
 use stepgraph_train::checkpoint::CheckpointDir;
 use stepgraph_train::schedule::LrSchedule;
 use stepgraph_train::{
@@ -64,7 +65,7 @@ fn config(dir: &Path) -> RunConfig {
     RunConfig {
         model,
         step: StepOptions::new(StepKind::Train),
-        data: DataConfig { path: data, val_fraction: 0.1 },
+        data: DataConfig { path: data, val_fraction: 0.1, packing: Packing::Documents },
         seed: 7,
         gpus: 1,
         switches: Switches::default(),

@@ -55,6 +55,7 @@ use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::gpu_available;
 use stepgraph_cuda::Switches;
 use stepgraph_train::checkpoint::{self, CheckpointDir};
+use stepgraph_data::Packing;
 use stepgraph_train::data;
 use stepgraph_train::lock::RunLock;
 use stepgraph_train::schedule::{self, short, LrSchedule};
@@ -122,6 +123,11 @@ pub struct TrainArgs {
     /// The fraction at the end of the text held out for validation.
     #[arg(help_heading = "Data", long, default_value_t = 0.1)]
     pub val_fraction: f64,
+    /// How a token file's documents share rows: `documents` packs them back to back, none seeing another
+    /// (positions restart and attention stops at each boundary); `stream` lets each token see everything
+    /// before it in its row (pre-training style); `none` gives each document rows of its own, padded.
+    #[arg(help_heading = "Data", long, default_value = "documents", value_parser = parse_packing)]
+    pub packing: Packing,
     /// Save checkpoints in DIR (one `step-NNNNNN/` each); without it none are saved.
     #[arg(help_heading = "Checkpoints", long)]
     pub checkpoint_dir: Option<PathBuf>,
@@ -301,6 +307,11 @@ impl TrainArgs {
     }
 }
 
+/// `--packing NAME`.
+pub(crate) fn parse_packing(s: &str) -> std::result::Result<Packing, String> {
+    Packing::parse(s).ok_or_else(|| format!("`{s}` is not a packing; use one of {}", Packing::NAMES.join(", ")))
+}
+
 /// `--stop-after N` is a step of the run.
 fn check_stop_after(args: &TrainArgs) -> Result<()> {
     match args.stop_after {
@@ -389,7 +400,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         None => None,
     };
     let model = adapter_folder.as_ref().map_or(model, |(_, m)| m);
-    let (spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
+    let (mut spec, pretrained) = model_spec(model, args.init_from.as_deref())?;
     if args.merge && spec.adapters.is_none() {
         bail!("--merge folds trained adapters into the base model: train adapters with --lora-rank R or --adapter DIR");
     }
@@ -409,8 +420,11 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     // The data before anything is compiled: a token id the model has no
     // embedding row for is refused here, naming the file. Its batches hold
     // every micro-batch of a step.
-    let data = data::open(&args.data, spec.batch * opts.grad_accum, spec.seq, args.val_fraction, args.seed)?;
+    let data =
+        data::open(&args.data, spec.batch * opts.grad_accum, spec.seq, args.val_fraction, args.seed, args.packing)?;
     data.check_vocab(spec.config.padded_vocab_size, &spec.config.name)?;
+    // Packed documents: the step takes each token's position in its document.
+    spec.documents = data.has_positions();
     data::check_tokenizer(data.as_ref(), args.tokenizer.as_deref(), args.init_from.as_deref())?;
     // --epochs: the run's steps from the data's size, then every setting
     // that reads --steps sees them.
@@ -463,7 +477,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     let mut config = RunConfig {
         model: spec,
         step: opts,
-        data: DataConfig { path: args.data.clone(), val_fraction: args.val_fraction },
+        data: DataConfig { path: args.data.clone(), val_fraction: args.val_fraction, packing: args.packing },
         seed: args.seed,
         gpus: world,
         switches,
