@@ -31,6 +31,21 @@
 // slots, see Tc32). Softmax runs in base 2 on f32 scores; in 16-bit storage
 // probabilities are rounded only as the A operand of `p·v` (and the score
 // gradients as that of `ds·k`, `dsᵀ·q`), as in FlashAttention-2.
+//
+// Which keys a query sees (`SgKeys`, common.cuh): row i sees the keys
+// first(i)..=i, which covers causal, sliding-window and packed-document
+// masks at once. Every pass masks each score entry outside that range (and
+// past T), with first() (or, on the key side, last_query()) computed once
+// per row a thread owns. first() never decreases along a row, so whole
+// tiles are skipped without looking at each row: the query-side passes
+// start at the key tile holding first() of their block's first row, and
+// bwd_kv stops at the query tile holding last_query() of its block's last
+// key row. With a soft-cap a score is capped in natural units,
+// softcap·tanh(scale·q·k / softcap), before it goes to base 2, and the
+// score gradients take the cap's slope. The cap sits behind a branch that
+// is uniform over the launch, and without a window or positions the tile
+// ranges are the full ones and the added compares never fire, so plain
+// causal attention computes exactly what it did before.
 
 #define SGM_LOG2E 1.4426950408889634074f
 #define SGM_LN2 0.69314718055994530942f
@@ -350,13 +365,14 @@ __device__ __forceinline__ void mma_kn1(float (*acc)[4], const typename Tc::A& a
 
 // ---------------------------------------------------------------------------
 // Forward: the block owns FWD_ROWS query rows (16·FWD_MT per warp) and walks
-// the key tiles up to the diagonal with an online softmax. (Skipping the
-// tiles wholly after a warp's rows and masking only diagonal tiles was tried:
-// exact, but slower as measured: the branches cost more than the work.)
+// the key tiles from the one holding its first row's first key up to the
+// diagonal with an online softmax. (Skipping the tiles wholly after a warp's
+// rows and masking only diagonal tiles was tried: exact, but slower as
+// measured: the branches cost more than the work. So every tile is masked.)
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
-                    double scale) {
+                    double scale, const SgKeys keys) {
     typedef Geo<T, DP> G;
     typedef typename G::Tc Tc;
     typedef typename G::E E;
@@ -383,15 +399,20 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
     const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    // Key tiles j0..ntiles − 1: no row of the block sees a key before its
+    // first row's first key.
+    const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BC, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // Soft-capped scores are already in base 2 when they are masked (f2 = 1).
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2;
     auto issue = [&](int j, int buf) {
         tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
         tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
     };
 
     tile<ROWS, DP, SD>(Qs, qb, vec_of<G::ES>(q, D), q0, Tn, qs, D);
-    issue(0, 0);
+    issue(j0, j0 % NB);  // tile j lives in buffer j % NB
     cp_commit();
 
     // This warp's rows: w0.. (a lane's rows: w0 + 16·mt + g and + 8).
@@ -402,12 +423,24 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < NO; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
-    // The first key tile is not masked for any row, so m is finite after it.
+    // m stays −∞ while every key a row has met was masked (its first key
+    // lies in a later tile); it is finite once the row meets itself.
     float m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+    // The keys a lane's rows see: lo..hi, hi the row itself or T − 1 past
+    // T (so `key > hi` is the causal mask and the mask past T in one).
+    int lo[MT][2], hi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + mt * 16 + g + r * 8;
+            hi[mt][r] = min(row, Tn - 1);
+            lo[mt][r] = row < Tn ? keys.first(b, Tn, row) : 0;
+        }
 
-    for (int j = 0; j < ntiles; ++j) {
+    for (int j = j0; j < ntiles; ++j) {
         if (NB == 2 && j + 1 < ntiles) {
             issue(j + 1, (j + 1) & 1);
             cp_commit();
@@ -417,7 +450,7 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
         }
         __syncthreads();
         if constexpr (HOLD) {
-            if (j == 0) {
+            if (j == j0) {
 #pragma unroll
                 for (int kk = 0; kk < KT; ++kk) Tc::template load_a<SD>(qf[kk], Qs, warp * 16, kk * KS, lane);
             }
@@ -443,7 +476,16 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
             mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
         }
 
-        // Scale; mask future keys and keys past T.
+        // Soft-cap (natural units) and go to base 2; then scale by f2 and
+        // mask the keys outside lo..hi.
+        if (cap) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][n][e] = sg_cap(s[mt][n][e] * sc, keys.softcap) * SGM_LOG2E;
+        }
         float mx[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -452,29 +494,33 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
             for (int n = 0; n < NS; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
-                    const float x = key > row || key >= Tn ? -INFINITY : s[mt][n][e] * c2;
+                    const int key = k0 + n * 8 + 2 * c + (e & 1);
+                    const bool out = key > hi[mt][e >> 1] || key < lo[mt][e >> 1];
+                    const float x = out ? -INFINITY : s[mt][n][e] * f2;
                     s[mt][n][e] = x;
                     mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], x);
                 }
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            float alpha[2], sum[2] = {0.f, 0.f};
+            // mr: the new maximum, or 0 for a row with no key yet (so that
+            // exp2 gets −∞ rather than −∞ − (−∞)).
+            float alpha[2], sum[2] = {0.f, 0.f}, mr[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float x = mx[mt][r];
                 x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
                 x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
                 const float mn = fmaxf(m[mt][r], x);
-                alpha[r] = exp2f(m[mt][r] - mn);
+                mr[r] = mn == -INFINITY ? 0.f : mn;
+                alpha[r] = exp2f(m[mt][r] - mr[r]);
                 m[mt][r] = mn;
             }
 #pragma unroll
             for (int n = 0; n < NS; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(s[mt][n][e] - m[mt][e >> 1]);
+                    const float p = exp2f(s[mt][n][e] - mr[e >> 1]);
                     s[mt][n][e] = p;
                     sum[e >> 1] += p;
                 }
@@ -531,14 +577,17 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
 
 // ---------------------------------------------------------------------------
 // Backward, query side: the block owns BQ_ROWS query rows and walks the key tiles
-// up to the diagonal: gq = scale · Σ_j p_ij (go_i·v_j − D_i) k_j. It runs
+// from the one holding its first row's first key up to the diagonal:
+// gq = scale · Σ_j p_ij (go_i·v_j − D_i) k_j (ds times the cap's slope
+// with a soft-cap). It runs
 // first and stores its rows' D_i = go_i·o_i − glse_i in delta for bwd_kv
 // (which otherwise streamed o tiles to recompute them for every key block:
 // a third more tile traffic and a dot product per step; 24% of its time).
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                      const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+                      const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale,
+                      const SgKeys keys) {
     typedef Geo<T, DP> G;
     typedef typename G::Tc Tc;
     typedef typename G::E E;
@@ -567,8 +616,13 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
     const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
     const int vk = vec_of<G::ES>(k, D), vv = vec_of<G::ES>(v, D);
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    // Key tiles j0..ntiles − 1, as in the forward.
+    const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BC, ntiles = last / BC + 1;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // With a soft-cap the scores are in base 2 and dp holds the cap's
+    // slope times dp − D_i before the shared pointwise step (f2 = 1, dm = 0).
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
     auto issue = [&](int j, int buf) {
         tile<BC, DP, SD>(Ks + buf * BC * SD, kb, vk, j * BC, Tn, ks, D);
         tile<BC, DP, SD>(Vs + buf * BC * SD, vb, vv, j * BC, Tn, ks, D);
@@ -576,7 +630,7 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 
     tile<ROWS, DP, SD>(Qs, q + qoff, vec_of<G::ES>(q, D), q0, Tn, qs, D);
     tile<ROWS, DP, SD>(Gs, go + qoff, vec_of<G::ES>(go, D), q0, Tn, qs, D);
-    issue(0, 0);
+    issue(j0, j0 % NB);  // tile j lives in buffer j % NB
     cp_commit();
     row_stats<T, ROWS>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn, D);
 
@@ -588,8 +642,18 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
         for (int n = 0; n < NO; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
     const int w0 = q0 + warp * 16 * MT;  // this warp's rows (a lane's: w0 + 16·mt + g and + 8)
     float Lr[MT][2], Dr[MT][2];
+    // The keys a lane's rows see: lo..hi (as in the forward).
+    int lo[MT][2], hi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + mt * 16 + g + r * 8;
+            hi[mt][r] = min(row, Tn - 1);
+            lo[mt][r] = row < Tn ? keys.first(b, Tn, row) : 0;
+        }
 
-    for (int j = 0; j < ntiles; ++j) {
+    for (int j = j0; j < ntiles; ++j) {
         if (NB == 2 && j + 1 < ntiles) {
             issue(j + 1, (j + 1) & 1);
             cp_commit();
@@ -598,7 +662,7 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
             cp_wait<0>();
         }
         __syncthreads();
-        if (j == 0) {
+        if (j == j0) {
             if constexpr (HOLD) {
 #pragma unroll
                 for (int kk = 0; kk < KT; ++kk) {
@@ -641,17 +705,33 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
             mma_nk<Tc, SD, NS, MT>(s, qa, Kt, kk * KS, lane);
             mma_nk<Tc, SD, NS, MT>(dp, ga, Vt, kk * KS, lane);
         }
-        // ds = p · (dp − D_i), p = exp2(s·scale·log2 e − L_i), zero where masked.
+        // With a soft-cap: the capped score x (natural units) in base 2 into
+        // s, and (dp − D_i)·slope(x) into dp. (As one pass with the one below
+        // the cap's temporaries crowded registers: d48's rose from 143 to 226.)
+        if (cap) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float x = sg_cap(s[mt][n][e] * sc, keys.softcap);
+                        const float di = Dr[mt][e >> 1];
+                        s[mt][n][e] = x * SGM_LOG2E;
+                        dp[mt][n][e] = (dp[mt][n][e] - di) * sg_cap_slope(x, keys.softcap);
+                    }
+        }
+        // ds = p · (dp − D_i), p = exp2(s·scale·log2 e − L_i), zero outside lo..hi.
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NS; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
-                    const float p =
-                        key > row || key >= Tn ? 0.f : exp2f(s[mt][n][e] * c2 - Lr[mt][e >> 1]);
-                    s[mt][n][e] = p * (dp[mt][n][e] - Dr[mt][e >> 1]);
+                    const int key = k0 + n * 8 + 2 * c + (e & 1);
+                    const bool out = key > hi[mt][e >> 1] || key < lo[mt][e >> 1];
+                    const float p = out ? 0.f : exp2f(s[mt][n][e] * f2 - Lr[mt][e >> 1]);
+                    s[mt][n][e] = p * (dp[mt][n][e] - Dr[mt][e >> 1] * dm);
                 }
         // acc += ds · k.
 #pragma unroll
@@ -674,7 +754,8 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 
 // ---------------------------------------------------------------------------
 // Backward, key side: the block owns 64 key rows of one kv head and walks the
-// query heads of its group, then their query tiles from the diagonal on:
+// query heads of its group, then their query tiles from the diagonal to the
+// one holding the last query that sees its last key (last_query()):
 // gv_j = Σ_i p_ij go_i, gk_j = scale · Σ_i p_ij (go_i·v_j − D_i) q_i, with
 // D_i from bwd_q (delta; o and glse are not read). Scores are computed
 // transposed (keys × queries) so that they are A operands.
@@ -682,7 +763,7 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 template <typename T, int DP>
 __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
                        const float* glse, const float* delta, T* gk, T* gv, int Tn, int Hq, int Hkv, int D,
-                       double scale) {
+                       double scale, const SgKeys keys) {
     typedef Geo<T, DP> G;
     typedef typename G::Tc Tc;
     typedef typename G::E E;
@@ -703,8 +784,16 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
     const int vq = vec_of<G::ES>(q, D), vg = vec_of<G::ES>(go, D);
-    const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
+    // Query tiles first..nq − 1 of each head: the diagonal's, up to the one
+    // holding the last query that sees the block's last key (last_query()
+    // never decreases along the keys).
+    const int kl = min(k0 + BR, Tn) - 1, nq = keys.last_query(b, Tn, kl) / BQ + 1;
+    const int first = k0 / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // With a soft-cap the scores are in base 2 and dp holds the cap's
+    // slope times dp − D_i before the shared pointwise step (f2 = 1, dm = 0).
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
 
     tile<BR, DP, SD>(Ks, k + koff, vec_of<G::ES>(k, D), k0, Tn, ks, D);
     tile<BR, DP, SD>(Vs, v + koff, vec_of<G::ES>(v, D), k0, Tn, ks, D);
@@ -723,6 +812,9 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
     const int key0 = k0 + warp * 16 + g;  // this lane's keys: key0, key0 + 8
+    // The queries that see this lane's keys: key..lq (lq < T, so `query >
+    // lq` is also the mask past T).
+    const int lq[2] = {keys.last_query(b, Tn, key0), keys.last_query(b, Tn, key0 + 8)};
 
     for (int st = 0; st < steps; ++st) {
         const int buf = st % NB;
@@ -769,16 +861,29 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             mma_nk1<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
             mma_nk1<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
         }
-        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+        // With a soft-cap: the capped score x (natural units) in base 2 into
+        // s, and (dp − D_i)·slope(x) into dp (as in bwd_q).
+        if (cap) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = n * 8 + 2 * c + (e & 1);
+                    const float x = sg_cap(s[n][e] * sc, keys.softcap);
+                    s[n][e] = x * SGM_LOG2E;
+                    dp[n][e] = (dp[n][e] - Dt[qi]) * sg_cap_slope(x, keys.softcap);
+                }
+        }
+        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or
+        // is past lq. (dp − D_i·dm is dp − D_i exactly where dm = 1.)
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                const float p =
-                    query < key || query >= Tn ? 0.f : exp2f(s[n][e] * c2 - Lt[qi]);
+                const float p = query < key || query > lq[e >> 1] ? 0.f : exp2f(s[n][e] * f2 - Lt[qi]);
                 s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - Dt[qi]);
+                dp[n][e] = p * (dp[n][e] - Dt[qi] * dm);
             }
         // gv += pᵀ·go, gk += dsᵀ·q.
 #pragma unroll
@@ -1038,8 +1143,13 @@ __device__ __forceinline__ float wg_exp2(float x) {
 // s_j, runs the online softmax on it while the tensor cores do p·v, then
 // waits for p·v before rescaling acc and packing p_j (the registers an
 // in-flight wgmma reads or writes are left alone until it completes).
-// Results as `fwd` up to summation order; masks only on the last tile
-// (the diagonal, and keys past T).
+// Results as `fwd` up to summation order. The block walks the key tiles
+// from the one holding its first row's first key to the diagonal; steps,
+// stages and phase parities count from that tile (step j is tile j0 + j).
+// Masks go only where a key can be outside a row's first()..=row: on the
+// last tile (the diagonal, and keys past T) and, with a window or
+// documents, on the first tiles, those before the first key of the warp's
+// last row; the tiles between run unmasked.
 // ---------------------------------------------------------------------------
 template <int DP> struct WgFwd {
     static constexpr int ROWS = 128, BN = 128, THREADS = 256;
@@ -1080,7 +1190,7 @@ template <int N> __device__ __forceinline__ void wg_wait() {
 
 template <typename T, int DP>
 __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
-                       double scale) {
+                       double scale, const SgKeys keys) {
     typedef WgFwd<DP> G;
     typedef u16 E;
     constexpr int ROWS = G::ROWS, BN = G::BN, NTH = G::THREADS, KT = G::KT, NO = DP / 8, NS = BN / 8;
@@ -1108,16 +1218,20 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
     // Copies of two bytes would be plain stores, which the mbarriers do not
     // track; the host launches this kernel only where D and the bases allow 4.
     if (min(vq, min(vk, vv)) < 2) __trap();
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BN + 1;
+    // ntiles steps over the key tiles j0..=diagonal (step j: tile j0 + j).
+    const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BN, ntiles = last / BN + 1 - j0;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // Soft-capped scores are in base 2 before their maximum is taken (f2 = 1).
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2;
 
     mbar_init_all(full_k, 8, NTH);
     auto load_k = [&](int j) {
-        tile_cm<BN, DP, E, NTH>(Ks + (j & 1) * KT, kb, vk, j * BN, Tn, ks, D, tid);
+        tile_cm<BN, DP, E, NTH>(Ks + (j & 1) * KT, kb, vk, (j0 + j) * BN, Tn, ks, D, tid);
         mbar_arrive_copies(full_k + (j & 1));
     };
     auto load_v = [&](int j) {
-        tile_cm<BN, DP, E, NTH>(Vs + (j & 1) * KT, vb, vv, j * BN, Tn, ks, D, tid);
+        tile_cm<BN, DP, E, NTH>(Vs + (j & 1) * KT, vb, vv, (j0 + j) * BN, Tn, ks, D, tid);
         mbar_arrive_copies(full_v + (j & 1));
     };
     // q lands with the first k tile (that arrival waits for all earlier copies).
@@ -1132,8 +1246,20 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
     u32 pa[BN / 16][4];
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-    // m in units of scores · c2 (base 2); l per lane over its own columns.
+    // m in base 2 (scores · c2, or capped scores · log2 e); l per lane over
+    // its own columns. m stays −∞ while every key a row has met was masked.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    // The keys a lane's rows see, lo..hi (hi: the row, or T − 1 past T), and
+    // the first key of the warp's last row: tiles from there on need no
+    // mask but the diagonal's.
+    int lo[2], hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        hi[r] = min(row, Tn - 1);
+        lo[r] = row < Tn ? keys.first(b, Tn, row) : 0;
+    }
+    const int wlo = keys.first(b, Tn, min(w0 + 15, Tn - 1));
 
     auto issue_scores = [&](int j) {
         mbar_wait(full_k + (j & 1), (j >> 1) & 1);
@@ -1156,17 +1282,23 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
             Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
         wg_commit();
     };
-    // The online softmax of tile j's scores, in place (s becomes p in f32);
-    // returns the factors acc must be rescaled by.
+    // The online softmax of step j's scores, in place (s becomes p in f32);
+    // returns the factors acc must be rescaled by. With a soft-cap the
+    // scores are first capped (natural units) and put in base 2, so that
+    // the maximum below is taken over the capped scores themselves.
     auto softmax = [&](int j, float* alpha) {
-        if (j == ntiles - 1) {  // mask future keys and keys past T
-            const int k0 = j * BN;
+        if (cap) {
+#pragma unroll
+            for (int i = 0; i < NS * 4; ++i) s[i] = sg_cap(s[i] * sc, keys.softcap) * SGM_LOG2E;
+        }
+        const int k0 = (j0 + j) * BN;
+        if (j == ntiles - 1 || k0 < wlo) {  // mask keys outside lo..hi
 #pragma unroll
             for (int n = 0; n < NS; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-                    if (key > row || key >= Tn) s[4 * n + e] = -INFINITY;
+                    const int key = k0 + n * 8 + 2 * c + (e & 1);
+                    if (key > hi[e >> 1] || key < lo[e >> 1]) s[4 * n + e] = -INFINITY;
                 }
         }
         float mx[2] = {-INFINITY, -INFINITY};
@@ -1174,21 +1306,24 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
-        float sum[2] = {0.f, 0.f}, mn[2];
+        // mr: the new maximum, or 0 for a row with no key yet (so that
+        // wg_exp2 gets −∞ rather than −∞ − (−∞)).
+        float sum[2] = {0.f, 0.f}, mr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float x = mx[r];
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-            mn[r] = fmaxf(m[r], x * c2);  // c2 > 0: the scaled maximum
-            alpha[r] = wg_exp2(m[r] - mn[r]);
-            m[r] = mn[r];
+            const float mn = fmaxf(m[r], x * f2);  // f2 > 0: the scaled maximum
+            mr[r] = mn == -INFINITY ? 0.f : mn;
+            alpha[r] = wg_exp2(m[r] - mr[r]);
+            m[r] = mn;
         }
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = wg_exp2(fmaf(s[4 * n + e], c2, -mn[e >> 1]));
+                const float p = wg_exp2(fmaf(s[4 * n + e], f2, -mr[e >> 1]));
                 s[4 * n + e] = p;
                 sum[e >> 1] += p;
             }
@@ -1273,8 +1408,10 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
 // cores may still run the previous step's ds·k), waits for them, frees the
 // previous step's stage, refills it with the tile two steps ahead, and runs
 // the pointwise part and the gradient products of this step.
-// Same grid order, arguments, outputs and determinism as the one-warpgroup
-// passes (every output element accumulated by one thread in a fixed order).
+// Same grid order, arguments, outputs, tile ranges and determinism as the
+// one-warpgroup passes (every output element accumulated by one thread in
+// a fixed order). Steps, stages and phase parities count from the first
+// tile of the range (0 for each head's diagonal tile in bwd_kv, as before).
 // ---------------------------------------------------------------------------
 // Once step j (of `total`) holds what it needs of its stage ring's tiles:
 // this thread's part in freeing the previous step's stage, then, once
@@ -1304,7 +1441,8 @@ template <int DP> struct WgBwd {
 
 template <typename T, int DP>
 __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                          const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+                          const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale,
+                          const SgKeys keys) {
     typedef WgBwd<DP> G;
     typedef u16 E;
     constexpr int ROWS = G::ROWS, BC = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
@@ -1331,14 +1469,18 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
     const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
     if (min(min(vq, vg), min(vk, vv)) < 2) __trap();  // the host checks D and the bases (mbarriers track cp.async only)
-    const int last = min(q0 + ROWS, Tn) - 1, ntiles = last / BC + 1;
+    // ntiles steps over the key tiles j0..=diagonal (step j: tile j0 + j).
+    const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BC, ntiles = last / BC + 1 - j0;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // A soft-cap is folded in before the shared pointwise step (f2 = 1, dm = 0), as in bwd_q.
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
 
     mbar_init_all(full, 2 * NST, NTH);
     auto load = [&](int j) {
         const int st = j % NST;
-        tile_cm<BC, DP, E, NTH>(Ks + st * TILE, kb, vk, j * BC, Tn, ks, D, tid);
-        tile_cm<BC, DP, E, NTH>(Vs + st * TILE, vb, vv, j * BC, Tn, ks, D, tid);
+        tile_cm<BC, DP, E, NTH>(Ks + st * TILE, kb, vk, (j0 + j) * BC, Tn, ks, D, tid);
+        tile_cm<BC, DP, E, NTH>(Vs + st * TILE, vb, vv, (j0 + j) * BC, Tn, ks, D, tid);
         mbar_arrive_copies(full + st);
     };
     tile_cm<ROWS, DP, E, NTH>(Qs, q + qoff, vq, q0, Tn, qs, D, tid);
@@ -1352,6 +1494,14 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     const unsigned char* const Qw = Qs + wg * 64 * DP * 2;
     const unsigned char* const Gw = Gs + wg * 64 * DP * 2;
     const float Lr[2] = {Ls[r0 + g], Ls[r0 + g + 8]}, Dr[2] = {Ds[r0 + g], Ds[r0 + g + 8]};
+    // The keys a lane's rows see: lo..hi (hi: the row, or T − 1 past T).
+    int lo[2], hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        hi[r] = min(row, Tn - 1);
+        lo[r] = row < Tn ? keys.first(b, Tn, row) : 0;
+    }
     float acc[DP / 2], s[NS * 4], dp[NS * 4];
     u32 da[BC / 16][4];
     // A step up to its score gradients, packed as the A operand of ds·k in
@@ -1368,14 +1518,26 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         wg_scores_issue<T, DP>(s, dp, Qw, Kt, Gw, Vt);
         wg_wait<0>();  // these scores, and the previous step's ds·k
         recycle_stage<NST>(free_, j, ntiles, load);
-        const int k0 = j * BC;
+        const int k0 = (j0 + j) * BC;
+        // With a soft-cap: the capped score x in base 2 into s, (dp − D_i)·slope(x) into dp.
+        if (cap) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x = sg_cap(s[4 * n + e] * sc, keys.softcap);
+                    s[4 * n + e] = x * SGM_LOG2E;
+                    dp[4 * n + e] = (dp[4 * n + e] - Dr[e >> 1]) * sg_cap_slope(x, keys.softcap);
+                }
+        }
+        // ds = p·(dp − D_i), zero outside lo..hi.
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-                const float p = key > row || key >= Tn ? 0.f : wg_exp2(s[4 * n + e] * c2 - Lr[e >> 1]);
-                s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1]);
+                const int key = k0 + n * 8 + 2 * c + (e & 1);
+                const float p = key > hi[e >> 1] || key < lo[e >> 1] ? 0.f : wg_exp2(s[4 * n + e] * f2 - Lr[e >> 1]);
+                s[4 * n + e] = p * (dp[4 * n + e] - Dr[e >> 1] * dm);
             }
 #pragma unroll
         for (int kc = 0; kc < BC / 16; ++kc) wg_a_from_c<T>(da[kc], s + 8 * kc);
@@ -1402,7 +1564,7 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
 
 template <typename T, int DP>
 __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
-                           T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+                           T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale, const SgKeys keys) {
     typedef WgBwd<DP> G;
     typedef u16 E;
     constexpr int ROWS = G::ROWS, BQ = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
@@ -1424,8 +1586,13 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
     const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
     if (min(min(vq, vg), min(vk, vv)) < 2) __trap();
-    const int first = k0 / BQ, nq = (Tn + BQ - 1) / BQ, per_head = nq - first, steps = grp * per_head;
+    // Query tiles first..nq − 1 of each head (as in bwd_kv).
+    const int kl = min(k0 + ROWS, Tn) - 1, nq = keys.last_query(b, Tn, kl) / BQ + 1;
+    const int first = k0 / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
+    // A soft-cap is folded in before the shared pointwise step (f2 = 1, dm = 0), as in bwd_kv.
+    const bool cap = keys.softcap > 0;
+    const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
 
     mbar_init_all(full, 2 * NST, NTH);
     auto load = [&](int step) {
@@ -1452,6 +1619,9 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     u32 pa[BQ / 16][4], da[BQ / 16][4];
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.f;
+    // The queries that see this lane's keys: key..lq (lq < T, so `query >
+    // lq` is also the mask past T).
+    const int lq[2] = {keys.last_query(b, Tn, key0), keys.last_query(b, Tn, key0 + 8)};
 
     for (int st = 0; st < steps; ++st) {
         const int sg = st % NST;
@@ -1464,20 +1634,36 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         const float* const Lt = reinterpret_cast<const float*>(S + 2 * TILE);
         const float* const Dt = Lt + BQ;
         // (The upper warpgroup's first query tile of each head lies wholly
-        // before its keys; it is computed and masked all the same: a wgmma
-        // on a branch makes ptxas serialize every one of them.)
+        // before its keys, and with a window or documents the lower one's
+        // last tiles may lie wholly after its keys' last queries; they are
+        // computed and masked all the same: a wgmma on a branch makes ptxas
+        // serialize every one of them.)
         wg_scores_issue<T, DP>(s, dp, Kw, Qt, Vw, Gt);
         wg_wait<0>();
         recycle_stage<NST>(free_, st, steps, load);
-        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or is past T.
+        // With a soft-cap: the capped score x in base 2 into s, (dp − D_i)·slope(x) into dp.
+        if (cap) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = n * 8 + 2 * c + (e & 1);
+                    const float x = sg_cap(s[4 * n + e] * sc, keys.softcap);
+                    s[4 * n + e] = x * SGM_LOG2E;
+                    dp[4 * n + e] = (dp[4 * n + e] - Dt[qi]) * sg_cap_slope(x, keys.softcap);
+                }
+        }
+        // pᵀ into s, dsᵀ into dp; zero where the query precedes the key or
+        // is past lq. (dp − D_i·dm is dp − D_i exactly where dm = 1.)
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = n * 8 + 2 * c + (e & 1), query = t0 + qi, key = key0 + (e >> 1) * 8;
-                const float p = query < key || query >= Tn ? 0.f : wg_exp2(s[4 * n + e] * c2 - Lt[qi] * SGM_LOG2E);
+                const float p =
+                    query < key || query > lq[e >> 1] ? 0.f : wg_exp2(s[4 * n + e] * f2 - Lt[qi] * SGM_LOG2E);
                 s[4 * n + e] = p;
-                dp[4 * n + e] = p * (dp[4 * n + e] - Dt[qi]);
+                dp[4 * n + e] = p * (dp[4 * n + e] - Dt[qi] * dm);
             }
         // gv += pᵀ·go, gk += dsᵀ·q over the 64 queries, 16 at a time.
 #pragma unroll
@@ -1513,20 +1699,28 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 #define SGM_ENTRY(sfx, T, DP)                                                                                     \
     extern "C" __global__ void __launch_bounds__(SGM_FWD_THREADS) attention_mma_fwd_d##DP##_##sfx(                \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
-        float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale) { sg_pdl_entry();                                  \
+        float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale, const int* __restrict__ pos,       \
+        int window, double softcap) {                                                                             \
+        sg_pdl_entry();                                                                                           \
+        const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_q_d##DP##_##sfx(                      \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
-        T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale) { sg_pdl_entry();            \
+        T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale,               \
+        const int* __restrict__ pos, int window, double softcap) {                                                \
+        sg_pdl_entry();                                                                                           \
+        const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(SGM_BWD_THREADS) attention_mma_bwd_kv_d##DP##_##sfx(                     \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
-        double scale) { sg_pdl_entry();                                                                                           \
+        double scale, const int* __restrict__ pos, int window, double softcap) {                                  \
+        sg_pdl_entry();                                                                                           \
+        const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_KV(T, DP);                                                                                        \
     }
 // The passes: on warpgroup MMA in a module built for sm_90a with SGM_WGMMA
@@ -1536,16 +1730,16 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 // synchronous products (commit 5a55a4e) measured slower than mma.sync.
 #ifdef SGM_WGMMA
 #define SGM_FWD_THREADS 256
-#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
+#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_THREADS 256
-#define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
-#define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale)
+#define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
+#define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)
 #else
 #define SGM_BWD_THREADS sgm::NT
 #define SGM_FWD_THREADS sgm::NT
-#define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale)
-#define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale)
-#define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale)
+#define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, keys)
+#define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
+#define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)
 #endif
 // Expands the variant macros before they are pasted into names.
 #define SGM_ENTRY_OF(sfx, T, DP) SGM_ENTRY(sfx, T, DP)

@@ -60,7 +60,7 @@ struct SgKeys {
     // most, and within j's document (a binary search over first()).
     __device__ __forceinline__ int last_query(int b, int Tn, int j) const {
         int hi = Tn - 1;
-        if (window > 0) hi = min(hi, j + window - 1);
+        if (window > 0) hi = (int)min((i64)hi, (i64)j + window - 1);  // 64-bit: window may be near INT_MAX
         if (!pos || hi <= j) return hi;
         int lo = j;  // first(j) <= j always
         while (lo < hi) {
