@@ -7,6 +7,19 @@
 // The design and the determinism argument are in crates/cuda/src/ops/attention.rs;
 // the launch geometry there must match the tile constants below.
 //
+// Which keys a query row sees (`SgKeys` of common.cuh, the three arguments
+// after the scale: positions, window, soft-cap): row i of batch row b sees
+// keys first(i)..=i, first(i) = max(0, i + 1 − window, i − pos[b, i]) (the
+// window when > 0, the document start when positions are given), the rule
+// of crates/core/src/ops/attention.rs. first() never decreases along a row,
+// so a block of consecutive query rows needs no key tile before the one
+// holding first() of its first row, and a block of key rows no query tile
+// after the one holding last_query() of its last key: those tiles are
+// skipped, the others masked entry by entry. With softcap > 0 a score is
+// capped, softcap·tanh(scale·q·k / softcap), before the softmax, and the
+// backward multiplies ds by the cap's slope. Plain causal attention
+// (no positions, window or soft-cap) runs the arithmetic it always ran.
+//
 // Kernels (dtype suffix f32, bf16, f16, f64; V is the head-size bucket):
 //   attention_fwd_dV_<dt>     grid (ceil(T/rows), Hq, B)   o, lse
 //   attention_bwd_q_dV_<dt>   grid (ceil(T/rows), Hq, B)   gq
@@ -28,6 +41,7 @@ __device__ __forceinline__ double lg2(double x) { return log2(x); }
 __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
 // The launch geometry is computed on the host (src/ops/attention.rs) from the
 // same tile sizes; a launch that disagrees would skip rows, so it traps.
@@ -332,10 +346,87 @@ __device__ void row_stats(A* Ls, A* Ds, int n, int t0, const T* o, const T* go, 
     }
 }
 
-// Forward: the block owns R query rows; online softmax over key tiles of C.
+// The elementwise steps that turn score tiles into probabilities or their
+// gradients, one copy per CAP (softcap > 0), chosen by a uniform branch in
+// each kernel. The plain copy is the expressions as they were before
+// soft-caps existed, so plain attention keeps its bits: its products
+// contract into the same FMAs, where one shared copy would put a select
+// between a product and its sum. Only the capped copy pays for tanh.
+// Masked entries are those outside first(row)..=row.
+
+// Forward: s <- the score in base 2 (scale·q·k·log2 e, or the capped score
+// times log2 e), −inf where key k0 + CPT·cx + c is masked for row r0 + 4ry + r.
+template <bool CAP, class Cf, typename A>
+__device__ __forceinline__ void fwd_scores(A (&s)[4][Cf::CPT], int k0, int r0, const int (&lo)[4], int ry, int cx,
+                                           A c2, A sc, double softcap) {
+    const A ninf = -inf_of(A(0));
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < Cf::CPT; ++c) {
+            const int key = k0 + Cf::CPT * cx + c;
+            const bool on = key <= r0 + 4 * ry + r && key >= lo[r];
+            if constexpr (CAP)
+                s[r][c] = on ? A(sg_cap(s[r][c] * sc, softcap)) * A(SGA_LOG2E) : ninf;
+            else
+                s[r][c] = on ? s[r][c] * c2 : ninf;
+        }
+}
+
+// Query side: s <- ds = p·(dp − D) (times the cap's slope), zero where
+// masked (Lo: the first key of each of the block's rows).
+template <bool CAP, class Cf, typename A>
+__device__ __forceinline__ void bq_ds(A (&s)[4][Cf::CPT], const A (&dp)[4][Cf::CPT], int k0, int r0,
+                                      const int* Lo, const A (&L2)[4], const A (&Di)[4], int ry, int cx, A c2,
+                                      A sc, double softcap) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < Cf::CPT; ++c) {
+            const int key = k0 + Cf::CPT * cx + c;
+            const bool on = key <= r0 + 4 * ry + r && key >= Lo[4 * ry + r];
+            if constexpr (CAP) {
+                const A cs = A(sg_cap(s[r][c] * sc, softcap));
+                const A p = on ? ex2(cs * A(SGA_LOG2E) - L2[r]) : A(0);
+                s[r][c] = p * (dp[r][c] - Di[r]) * A(sg_cap_slope(cs, softcap));
+            } else {
+                const A p = on ? ex2(s[r][c] * c2 - L2[r]) : A(0);
+                s[r][c] = p * (dp[r][c] - Di[r]);
+            }
+        }
+}
+
+// Key side (rows are keys j0 + 4ry + r, columns queries q0 + CPT·cx + c):
+// s <- p, dp <- ds (times the cap's slope), zero where the query precedes
+// the key, is past T or past the key's last query (Lq, one per block row).
+template <bool CAP, class Cf, typename A>
+__device__ __forceinline__ void bkv_p_ds(A (&s)[4][Cf::CPT], A (&dp)[4][Cf::CPT], int q0, int j0, int Tn,
+                                         const int* Lq, const A* Ls, const A* Ds, int ry, int cx, A c2, A sc,
+                                         double softcap) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < Cf::CPT; ++c) {
+            const int i = Cf::CPT * cx + c, t = q0 + i;
+            const bool on = t >= j0 + 4 * ry + r && t < Tn && t <= Lq[4 * ry + r];
+            if constexpr (CAP) {
+                const A cs = A(sg_cap(s[r][c] * sc, softcap));
+                const A p = on ? ex2(cs * A(SGA_LOG2E) - Ls[i]) : A(0);
+                s[r][c] = p;
+                dp[r][c] = p * (dp[r][c] - Ds[i]) * A(sg_cap_slope(cs, softcap));
+            } else {
+                const A p = on ? ex2(s[r][c] * c2 - Ls[i]) : A(0);
+                s[r][c] = p;
+                dp[r][c] = p * (dp[r][c] - Ds[i]);
+            }
+        }
+}
+
+// Forward: the block owns R query rows; online softmax over key tiles of C,
+// from the tile holding the first key its first row sees.
 template <typename T, class Cf>
 __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
-                          double scale) {
+                          double scale, SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
     constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
@@ -357,19 +448,24 @@ __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
     const T* const qb = q + ((i64)b * Tn * Hq + h) * D;
     const T* const kb = k + ((i64)b * Tn * Hkv + g) * D;
     const T* const vb = v + ((i64)b * Tn * Hkv + g) * D;
-    const A c2 = A(scale * SGA_LOG2E), ninf = -inf_of(A(0));
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale), ninf = -inf_of(A(0));
     const int nch = (D + DC - 1) / DC;
 
     A acc[4][DPT], m[4], l[4];
+    int lo[4];  // the first key each of the thread's rows sees (0 past T: never stored)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
         m[r] = ninf;
         l[r] = A(0);
+        const int row = r0 + 4 * ry + r;
+        lo[r] = row < Tn ? keys.first(b, Tn, row) : 0;
 #pragma unroll
         for (int j = 0; j < DPT; ++j) acc[r][j] = A(0);
     }
 
-    for (int k0 = 0; k0 <= last; k0 += C) {
+    // first() never decreases along a row: no row of the block sees a key
+    // before its first row's first key, so earlier tiles are skipped.
+    for (int k0 = keys.first(b, Tn, r0) / C * C; k0 <= last; k0 += C) {
         A s[4][CPT];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
@@ -390,17 +486,20 @@ __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
             dot_slice<Cf>(s, XT, YT, ry, cx);
             __syncthreads();
         }
+        // Scores in base 2, −inf outside first(row)..=row. A row may see no
+        // key of a tile (its first key lies beyond): its max stays −inf
+        // and the tile adds exp2(−inf) = 0 below.
+        if (keys.softcap > 0)
+            fwd_scores<true, Cf>(s, k0, r0, lo, ry, cx, c2, sc, keys.softcap);
+        else
+            fwd_scores<false, Cf>(s, k0, r0, lo, ry, cx, c2, sc, keys.softcap);
         // Online softmax in base 2; every lane of a row group holds the same m, l.
         A alpha[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int row = r0 + 4 * ry + r;
             A mt = ninf;
 #pragma unroll
-            for (int c = 0; c < CPT; ++c) {
-                s[r][c] = (k0 + CPT * cx + c <= row) ? s[r][c] * c2 : ninf;
-                mt = amax(mt, s[r][c]);
-            }
+            for (int c = 0; c < CPT; ++c) mt = amax(mt, s[r][c]);
             mt = group_max<NX>(mt);
             const A mn = amax(m[r], mt), mref = (mn == ninf) ? A(0) : mn;
             alpha[r] = ex2(m[r] - mref);
@@ -434,10 +533,12 @@ __device__ void fwd_tiled(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
 }
 
 // Backward, query side: the block owns R query rows of one head and steps
-// over key tiles in order: gq_i = scale · sum_j p_ij (go_i·v_j − D_i) k_j.
+// over key tiles in order, from the one holding its first row's first key:
+// gq_i = scale · sum_j p_ij (go_i·v_j − D_i) k_j (times the cap's slope).
 template <typename T, class Cf>
 __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale,
+                         SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
     constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
@@ -449,6 +550,7 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     A* const W = sm + U;                // ds tile [C][RS]
     A* const Ls = W + C * RS;           // [R]
     A* const Ds = Ls + R;               // [R]
+    __shared__ int Lo[R];               // first key of each row (0 past T), as Lq in bkv_tiled
 
     check_launch(R, NT, Tn);
     const int tid = threadIdx.x, ry = tid / NX, cx = tid % NX;
@@ -458,9 +560,10 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
     const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const T *const qb = q + qoff, *const gob = go + qoff, *const kb = k + koff, *const vb = v + koff;
-    const A c2 = A(scale * SGA_LOG2E);
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale);
 
     row_stats(Ls, Ds, R, r0, o + qoff, gob, lse, glse, delta, qs, ((i64)b * Hq + h) * Tn, Tn, D);
+    for (int r = tid; r < R; r += NT) Lo[r] = r0 + r < Tn ? keys.first(b, Tn, r0 + r) : 0;
     __syncthreads();
     A L2[4], Di[4], acc[4][DPT];
 #pragma unroll
@@ -471,17 +574,14 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
         for (int j = 0; j < DPT; ++j) acc[r][j] = A(0);
     }
 
-    for (int k0 = 0; k0 <= last; k0 += C) {
+    // As in the forward, tiles before the first row's first key are skipped.
+    for (int k0 = keys.first(b, Tn, r0) / C * C; k0 <= last; k0 += C) {
         A s[4][CPT], dp[4][CPT];
         pair_scores<Cf>(s, dp, sm, qb, gob, qs, r0, kb, vb, ks, k0, Tn, D, ry, cx);
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < CPT; ++c) {
-                const bool on = k0 + CPT * cx + c <= r0 + 4 * ry + r;
-                const A p = on ? ex2(s[r][c] * c2 - L2[r]) : A(0);
-                s[r][c] = p * (dp[r][c] - Di[r]);
-            }
+        if (keys.softcap > 0)
+            bq_ds<true, Cf>(s, dp, k0, r0, Lo, L2, Di, ry, cx, c2, sc, keys.softcap);
+        else
+            bq_ds<false, Cf>(s, dp, k0, r0, Lo, L2, Di, ry, cx, c2, sc, keys.softcap);
         put_tile<Cf>(W, s, ry, cx);
         const int nkc = (imin(C, last + 1 - k0) + KC - 1) / KC;
         mul_staged_rows<Cf>(acc, W, Z, kb, ks, k0, nkc, Tn, D, ry, cx);
@@ -491,11 +591,14 @@ __device__ void bq_tiled(const T* q, const T* k, const T* v, const T* o, const a
 }
 
 // Backward, key side: the block owns R key rows of one kv head and steps,
-// in order, over the query heads of its group and their query tiles:
-// gv_j = sum_i p_ij go_i, gk_j = scale · sum_i p_ij (go_i·v_j − D_i) q_i.
+// in order, over the query heads of its group and their query tiles, from
+// the diagonal to the tile holding the last query that sees its last key:
+// gv_j = sum_i p_ij go_i, gk_j = scale · sum_i p_ij (go_i·v_j − D_i) q_i
+// (times the cap's slope).
 template <typename T, class Cf>
 __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale,
+                          SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = Cf::NT, R = Cf::R, C = Cf::C, NX = Cf::NX, DC = Cf::DC, KC = Cf::KC;
     constexpr int CPT = Cf::CPT, DPT = Cf::DPT;
@@ -507,38 +610,42 @@ __device__ void bkv_tiled(const T* q, const T* k, const T* v, const T* o, const 
     A* const W = sm + U;                // p, then ds [C][RS]
     A* const Ls = W + C * RS;           // [C]
     A* const Ds = Ls + C;               // [C]
+    __shared__ int Lq[R];               // last query of each key row
 
     check_launch(R, NT, Tn);
     const int tid = threadIdx.x, ry = tid / NX, cx = tid % NX;
     const int j0 = blockIdx.x * R, g = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const T *const kb = k + koff, *const vb = v + koff;
-    const A c2 = A(scale * SGA_LOG2E);
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale);
 
+    // The queries that see key j are j..=last_query(j) (first() never
+    // decreases), so query t >= j sees key j exactly when t <= Lq[j − j0]:
+    // one search per key row here instead of a first() per query and tile.
+    // Past T, last_query is T − 1 without reading positions. Kept in shared
+    // memory: four more registers per thread spill in the 128-register buckets.
+    for (int r = tid; r < R; r += NT) Lq[r] = keys.last_query(b, Tn, j0 + r);
+    __syncthreads();
     A ak[4][DPT], av[4][DPT];
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int j = 0; j < DPT; ++j) ak[r][j] = av[r][j] = A(0);
+    // last_query never decreases either: no query after the last key's
+    // last one sees a key of the block (T without positions or a window).
+    const int qend = keys.last_query(b, Tn, imin(Tn - 1, j0 + R - 1)) + 1;
 
     for (int h = g * G; h < (g + 1) * G; ++h) {
         const i64 qoff = ((i64)b * Tn * Hq + h) * D, stat = ((i64)b * Hq + h) * Tn;
         const T *const qb = q + qoff, *const gob = go + qoff;
-        for (int q0 = j0 / C * C; q0 < Tn; q0 += C) {
+        for (int q0 = j0 / C * C; q0 < qend; q0 += C) {
             row_stats(Ls, Ds, C, q0, o + qoff, gob, lse, glse, (A*)nullptr, qs, stat, Tn, D);
             A s[4][CPT], dp[4][CPT];
             pair_scores<Cf>(s, dp, sm, kb, vb, ks, j0, qb, gob, qs, q0, Tn, D, ry, cx);
-            // s <- p, dp <- ds; zero where the query precedes the key or is past T.
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < CPT; ++c) {
-                    const int i = CPT * cx + c, t = q0 + i;
-                    const bool on = t >= j0 + 4 * ry + r && t < Tn;
-                    const A p = on ? ex2(s[r][c] * c2 - Ls[i]) : A(0);
-                    s[r][c] = p;
-                    dp[r][c] = p * (dp[r][c] - Ds[i]);
-                }
+            if (keys.softcap > 0)
+                bkv_p_ds<true, Cf>(s, dp, q0, j0, Tn, Lq, Ls, Ds, ry, cx, c2, sc, keys.softcap);
+            else
+                bkv_p_ds<false, Cf>(s, dp, q0, j0, Tn, Lq, Ls, Ds, ry, cx, c2, sc, keys.softcap);
             const int nqc = (imin(C, Tn - q0) + KC - 1) / KC;
             put_tile<Cf>(W, s, ry, cx);
             mul_staged_rows<Cf>(av, W, Z, gob, qs, q0, nqc, Tn, D, ry, cx);
@@ -599,9 +706,108 @@ __device__ __forceinline__ void stage_kv(A* Ks, A* Vs, const T* kb, const T* vb,
     }
 }
 
+// The per-key steps of the small kernels, one copy per CAP as for the
+// tiled ones (see fwd_scores).
+
+// fwd: keys jbeg..jend of the staged tile into the row's online softmax.
+template <bool CAP, int DS, typename A>
+__device__ __forceinline__ void fwd_small_keys(A (&acc)[DS], A& m, A& l, const A (&qr)[DS], const A* Ks, const A* Vs,
+                                               int jbeg, int jend, A c2, A sc, double softcap) {
+    for (int j = jbeg; j < jend; ++j) {
+        A kr[DS], vr[DS];
+        lds<DS>(kr, Ks + j * DS);
+        A s = A(0);
+#pragma unroll
+        for (int d = 0; d < DS; ++d) s += qr[d] * kr[d];
+        if constexpr (CAP)
+            s = A(sg_cap(s * sc, softcap)) * A(SGA_LOG2E);
+        else
+            s *= c2;
+        if (s > m) {  // new running max: rescale what was accumulated
+            const A alpha = ex2(m - s);
+            l *= alpha;
+#pragma unroll
+            for (int d = 0; d < DS; ++d) acc[d] *= alpha;
+            m = s;
+        }
+        const A p = ex2(s - m);
+        l += p;
+        lds<DS>(vr, Vs + j * DS);
+#pragma unroll
+        for (int d = 0; d < DS; ++d) acc[d] += p * vr[d];
+    }
+}
+
+// bwd_q: acc += ds·k over keys jbeg..jend of the staged tile.
+template <bool CAP, int DS, typename A>
+__device__ __forceinline__ void bq_small_keys(A (&acc)[DS], const A (&qr)[DS], const A (&gr)[DS], const A* Ks,
+                                              const A* Vs, int jbeg, int jend, A L2, A Di, A c2, A sc,
+                                              double softcap) {
+    for (int j = jbeg; j < jend; ++j) {
+        A kr[DS], vr[DS];
+        lds<DS>(kr, Ks + j * DS);
+        lds<DS>(vr, Vs + j * DS);
+        A s = A(0), dp = A(0);
+#pragma unroll
+        for (int d = 0; d < DS; ++d) {
+            s += qr[d] * kr[d];
+            dp += gr[d] * vr[d];
+        }
+        A ds;
+        if constexpr (CAP) {
+            const A cs = A(sg_cap(s * sc, softcap));
+            ds = ex2(cs * A(SGA_LOG2E) - L2) * (dp - Di) * A(sg_cap_slope(cs, softcap));
+        } else {
+            ds = ex2(s * c2 - L2) * (dp - Di);
+        }
+#pragma unroll
+        for (int d = 0; d < DS; ++d) acc[d] += ds * kr[d];
+    }
+}
+
+// bwd_kv: the lane's key j against its slice sl of the staged query tile
+// q0.. (rows sl, sl + NS, ...): the queries j..=lq (and < T) see it.
+template <bool CAP, int DS, int QT, int NS, typename A>
+__device__ __forceinline__ void bkv_small_queries(A (&ak)[DS], A (&av)[DS], const A (&kr)[DS], const A (&vr)[DS],
+                                                  const A* Qs, const A* Gs, const A* Ls, const A* Ds, int sl, int q0,
+                                                  int j, int lq, int Tn, A c2, A sc, double softcap) {
+#pragma unroll 2
+    for (int u = 0; u < QT / NS; ++u) {
+        const int i = sl + NS * u, t = q0 + i;
+        if (t >= j && t < Tn && t <= lq) {
+            A qv[DS], gvv[DS];
+            lds<DS>(qv, Qs + i * DS);
+            lds<DS>(gvv, Gs + i * DS);
+            A s = A(0), dp = A(0);
+#pragma unroll
+            for (int d = 0; d < DS; ++d) {
+                s += qv[d] * kr[d];
+                dp += gvv[d] * vr[d];
+            }
+            A p, ds;
+            if constexpr (CAP) {
+                const A cs = A(sg_cap(s * sc, softcap));
+                p = ex2(cs * A(SGA_LOG2E) - Ls[i]);
+                ds = p * (dp - Ds[i]) * A(sg_cap_slope(cs, softcap));
+            } else {
+                p = ex2(s * c2 - Ls[i]);
+                ds = p * (dp - Ds[i]);
+            }
+#pragma unroll
+            for (int d = 0; d < DS; ++d) {
+                av[d] += p * gvv[d];
+                ak[d] += ds * qv[d];
+            }
+        }
+    }
+}
+
+// fwd and bwd_q: the block's rows r0.. see no key before first(r0) (first()
+// never decreases), so key tiles start at the one holding it; in a tile, a
+// row walks its keys from first(row) (or the tile's start) to itself.
 template <typename T, int DS>
 __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* lse, int Tn, int Hq, int Hkv, int D,
-                          double scale) {
+                          double scale, SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = SMALL_NT, KT = small_kt<DS, A>();
     __shared__ __align__(16) A Ks[KT * DS];
@@ -609,39 +815,24 @@ __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
     check_launch(NT, NT, Tn);
     const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
-    const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
+    const int r0 = qt * NT, row = r0 + (int)threadIdx.x, last = imin(Tn - 1, r0 + NT - 1);
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
     const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
-    const A c2 = A(scale * SGA_LOG2E);
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale);
+    const int lo = row < Tn ? keys.first(b, Tn, row) : 0;
     A qr[DS], acc[DS];
     load_row<DS>(qr, q + qoff, qs, row, Tn, D);
 #pragma unroll
     for (int d = 0; d < DS; ++d) acc[d] = A(0);
     A m = -inf_of(A(0)), l = A(0);
-    for (int k0 = 0; k0 <= last; k0 += KT) {
+    for (int k0 = keys.first(b, Tn, r0) / KT * KT; k0 <= last; k0 += KT) {
         stage_kv<DS, NT, KT>(Ks, Vs, k + koff, v + koff, ks, k0, last + 1, D);
         __syncthreads();
-        const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
-        for (int j = 0; j < jend; ++j) {
-            A kr[DS], vr[DS];
-            lds<DS>(kr, Ks + j * DS);
-            A s = A(0);
-#pragma unroll
-            for (int d = 0; d < DS; ++d) s += qr[d] * kr[d];
-            s *= c2;
-            if (s > m) {  // new running max: rescale what was accumulated
-                const A alpha = ex2(m - s);
-                l *= alpha;
-#pragma unroll
-                for (int d = 0; d < DS; ++d) acc[d] *= alpha;
-                m = s;
-            }
-            const A p = ex2(s - m);
-            l += p;
-            lds<DS>(vr, Vs + j * DS);
-#pragma unroll
-            for (int d = 0; d < DS; ++d) acc[d] += p * vr[d];
-        }
+        const int jbeg = imax(lo - k0, 0), jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
+        if (keys.softcap > 0)
+            fwd_small_keys<true, DS>(acc, m, l, qr, Ks, Vs, jbeg, jend, c2, sc, keys.softcap);
+        else
+            fwd_small_keys<false, DS>(acc, m, l, qr, Ks, Vs, jbeg, jend, c2, sc, keys.softcap);
         __syncthreads();
     }
     if (row < Tn) {
@@ -655,7 +846,8 @@ __device__ void fwd_small(const T* q, const T* k, const T* v, T* o, acc_t<T>* ls
 
 template <typename T, int DS>
 __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale) {
+                         const acc_t<T>* glse, T* gq, acc_t<T>* delta, int Tn, int Hq, int Hkv, int D, double scale,
+                         SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = SMALL_NT, KT = small_kt<DS, A>();
     __shared__ __align__(16) A Ks[KT * DS];
@@ -663,11 +855,12 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
     check_launch(NT, NT, Tn);
     const int nqt = (Tn + NT - 1) / NT, qt = nqt - 1 - (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (Hq / Hkv);
-    const int row = qt * NT + (int)threadIdx.x, last = imin(Tn - 1, qt * NT + NT - 1);
+    const int r0 = qt * NT, row = r0 + (int)threadIdx.x, last = imin(Tn - 1, r0 + NT - 1);
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D;
     const i64 qoff = ((i64)b * Tn * Hq + h) * D, koff = ((i64)b * Tn * Hkv + g) * D;
     const i64 st = ((i64)b * Hq + h) * Tn + row;
-    const A c2 = A(scale * SGA_LOG2E);
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale);
+    const int lo = row < Tn ? keys.first(b, Tn, row) : 0;
     A qr[DS], gr[DS], orow[DS], acc[DS];
     load_row<DS>(qr, q + qoff, qs, row, Tn, D);
     load_row<DS>(gr, go + qoff, qs, row, Tn, D);
@@ -684,24 +877,14 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
         L2 = lse[st] * A(SGA_LOG2E);
         delta[st] = Di;
     }
-    for (int k0 = 0; k0 <= last; k0 += KT) {
+    for (int k0 = keys.first(b, Tn, r0) / KT * KT; k0 <= last; k0 += KT) {
         stage_kv<DS, NT, KT>(Ks, Vs, k + koff, v + koff, ks, k0, last + 1, D);
         __syncthreads();
-        const int jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
-        for (int j = 0; j < jend; ++j) {
-            A kr[DS], vr[DS];
-            lds<DS>(kr, Ks + j * DS);
-            lds<DS>(vr, Vs + j * DS);
-            A s = A(0), dp = A(0);
-#pragma unroll
-            for (int d = 0; d < DS; ++d) {
-                s += qr[d] * kr[d];
-                dp += gr[d] * vr[d];
-            }
-            const A ds = ex2(s * c2 - L2) * (dp - Di);
-#pragma unroll
-            for (int d = 0; d < DS; ++d) acc[d] += ds * kr[d];
-        }
+        const int jbeg = imax(lo - k0, 0), jend = row < Tn ? imin(KT, row - k0 + 1) : 0;
+        if (keys.softcap > 0)
+            bq_small_keys<true, DS>(acc, qr, gr, Ks, Vs, jbeg, jend, L2, Di, c2, sc, keys.softcap);
+        else
+            bq_small_keys<false, DS>(acc, qr, gr, Ks, Vs, jbeg, jend, L2, Di, c2, sc, keys.softcap);
         __syncthreads();
     }
     if (row < Tn) {
@@ -711,9 +894,13 @@ __device__ void bq_small(const T* q, const T* k, const T* v, const T* o, const a
     }
 }
 
+// bwd_kv: query t sees the lane's key j, j <= t, exactly when t <= last_query(j)
+// (first() never decreases); query tiles stop after the block's last key's
+// last query.
 template <typename T, int DS>
 __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const acc_t<T>* lse, const T* go,
-                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale) {
+                          const acc_t<T>* glse, T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale,
+                          SgKeys keys) {
     typedef acc_t<T> A;
     constexpr int NT = SKV_KB * SKV_NS, KB = SKV_KB, NS = SKV_NS, QT = skv_qt<DS, A>();
     static_assert(QT % NS == 0, "a query row's slice is its row mod NS in every tile");
@@ -728,7 +915,9 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
     const int j0 = blockIdx.x * KB, g = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
     const int j = j0 + lane;
     const i64 qs = (i64)Hq * D, ks = (i64)Hkv * D, koff = ((i64)b * Tn * Hkv + g) * D;
-    const A c2 = A(scale * SGA_LOG2E);
+    const A c2 = A(scale * SGA_LOG2E), sc = A(scale);
+    // T − 1 for keys past T (nothing is read there) or without positions and window.
+    const int lq = keys.last_query(b, Tn, j), qend = keys.last_query(b, Tn, imin(Tn - 1, j0 + KB - 1)) + 1;
     A kr[DS], vr[DS], ak[DS], av[DS];
     load_row<DS>(kr, k + koff, ks, j, Tn, D);
     load_row<DS>(vr, v + koff, ks, j, Tn, D);
@@ -737,7 +926,7 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 
     for (int h = g * G; h < (g + 1) * G; ++h) {
         const i64 qoff = ((i64)b * Tn * Hq + h) * D, stat = ((i64)b * Hq + h) * Tn;
-        for (int q0 = j0 / QT * QT; q0 < Tn; q0 += QT) {
+        for (int q0 = j0 / QT * QT; q0 < qend; q0 += QT) {
             for (int e = threadIdx.x; e < QT * DS; e += NT) {
                 const int t = q0 + e / DS, d = e % DS;
                 const bool ok = t < Tn && d < D;
@@ -757,27 +946,12 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
                 Ds[i] = di;
             }
             __syncthreads();
-#pragma unroll 2
-            for (int u = 0; u < QT / NS; ++u) {
-                const int i = sl + NS * u, t = q0 + i;
-                if (t >= j && t < Tn) {
-                    A qv[DS], gvv[DS];
-                    lds<DS>(qv, Qs + i * DS);
-                    lds<DS>(gvv, Gs + i * DS);
-                    A s = A(0), dp = A(0);
-#pragma unroll
-                    for (int d = 0; d < DS; ++d) {
-                        s += qv[d] * kr[d];
-                        dp += gvv[d] * vr[d];
-                    }
-                    const A p = ex2(s * c2 - Ls[i]), ds = p * (dp - Ds[i]);
-#pragma unroll
-                    for (int d = 0; d < DS; ++d) {
-                        av[d] += p * gvv[d];
-                        ak[d] += ds * qv[d];
-                    }
-                }
-            }
+            if (keys.softcap > 0)
+                bkv_small_queries<true, DS, QT, NS>(ak, av, kr, vr, Qs, Gs, Ls, Ds, sl, q0, j, lq, Tn, c2, sc,
+                                                    keys.softcap);
+            else
+                bkv_small_queries<false, DS, QT, NS>(ak, av, kr, vr, Qs, Gs, Ls, Ds, sl, q0, j, lq, Tn, c2, sc,
+                                                     keys.softcap);
             __syncthreads();
         }
     }
@@ -805,45 +979,52 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 // Entry points.
 // ---------------------------------------------------------------------------
 
+// Every pass ends with the key rule and soft-cap (`SgKeys`): positions
+// (i32[B, T], or null), window (0: none), softcap (0: none).
+#define SGA_KEYS const int *__restrict__ pos, int window, double softcap
+#define SGA_KEYS_OF (SgKeys{pos, window, softcap})
 #define SGA_FWD_PARAMS(T)                                                                       \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o, \
-        acc_t<T> *__restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale
+        acc_t<T> *__restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale, SGA_KEYS
 #define SGA_BWD_INPUTS(T)                                                                             \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ o, \
         const acc_t<T> *__restrict__ lse, const T *__restrict__ go, const acc_t<T> *__restrict__ glse
-#define SGA_BQ_PARAMS(T) \
-    SGA_BWD_INPUTS(T), T *__restrict__ gq, acc_t<T> *__restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale
+#define SGA_BQ_PARAMS(T)                                                                                \
+    SGA_BWD_INPUTS(T), T *__restrict__ gq, acc_t<T> *__restrict__ delta, int Tn, int Hq, int Hkv, int D, \
+        double scale, SGA_KEYS
 #define SGA_BKV_PARAMS(T) \
-    SGA_BWD_INPUTS(T), T *__restrict__ gk, T *__restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale
+    SGA_BWD_INPUTS(T), T *__restrict__ gk, T *__restrict__ gv, int Tn, int Hq, int Hkv, int D, double scale, SGA_KEYS
 
-#define SGA_SMALL(sfx, T, DS)                                                                          \
-    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
-        attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry();                                               \
-        sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
-    }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                        \
-        attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry();                                              \
-        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
-    }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                            \
-        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();                                            \
-        sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
+#define SGA_SMALL(sfx, T, DS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                                \
+        attention_fwd_d##DS##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry();                                       \
+        sga::fwd_small<T, DS>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);                            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(sga::SMALL_NT)                                                \
+        attention_bwd_q_d##DS##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry();                                      \
+        sga::bq_small<T, DS>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(sga::SKV_KB * sga::SKV_NS)                                    \
+        attention_bwd_kv_d##DS##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();                                    \
+        sga::bkv_small<T, DS>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);         \
     }
 
 #define SGA_TILED_BOUNDS(T, DM) __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb)
-#define SGA_TILED(sfx, T, DM)                                                                          \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry(); \
-        typedef typename sga::Cfg<acc_t<T>, DM>::fwd Cf;                                               \
-        sga::fwd_tiled<T, Cf>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale);                                 \
-    }                                                                                                  \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry(); \
-        typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                \
-        sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale);                     \
-    }                                                                                                  \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM)                                                 \
-        attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();                                            \
-        typedef typename sga::Cfg<acc_t<T>, DM>::bkv Cf;                                               \
-        sga::bkv_tiled<T, Cf>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale);                \
+#define SGA_TILED(sfx, T, DM)                                                                                  \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) {        \
+        sg_pdl_entry();                                                                                        \
+        typedef typename sga::Cfg<acc_t<T>, DM>::fwd Cf;                                                       \
+        sga::fwd_tiled<T, Cf>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);                            \
+    }                                                                                                          \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) {       \
+        sg_pdl_entry();                                                                                        \
+        typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                        \
+        sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);        \
+    }                                                                                                          \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {     \
+        sg_pdl_entry();                                                                                        \
+        typedef typename sga::Cfg<acc_t<T>, DM>::bkv Cf;                                                       \
+        sga::bkv_tiled<T, Cf>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);         \
     }
 
 #define SGA_ALL(sfx, T)                                                                            \

@@ -16,7 +16,8 @@
 //       `merge_kv_writes` from consecutive launches.
 //   cached_attention_split_h<H>_v<VW>_e<E>_s<ST>_<dtype>(q, k_cache, v_cache, rows, start,
 //                part, o, i64 seq, i64 n, i64 s, int hq, int hkv, int d,
-//                i64 splits, i64 chunk, double scale, int pitch)
+//                i64 splits, i64 chunk, double scale, int pitch, int window,
+//                double softcap)
 //       grid (B·T, splits, Hkv · head tiles), CA_THREADS threads; with
 //       ST > 0, CA_WARPS · ST · 2 · 32 · pitch elements of dynamic shared
 //       memory (each warp's ring of ST key and value tiles).
@@ -107,6 +108,14 @@ SG_KV_WRITE2(u128, uint4)
 // ring, a pitch whose 4-byte words per load are odd, so the 32 lanes
 // reading their key rows a load at a time hit distinct banks.
 //
+// Window and soft-cap (`Scores` of crates/core/src/ops/attention.rs, as
+// `cached_attention_cpu` applies them): a query at cache position p sees
+// positions max(0, p + 1 − window)..=p when window > 0, so a split starts
+// at the later of its own start and the window's, and one wholly before the
+// window writes the empty partial; with softcap > 0 a score is
+// softcap·tanh(scale·q·k / softcap). Without either, the arithmetic is
+// what it was before they existed.
+//
 // Combine pass: one warp per query row walks its splits in order, as the
 // CPU does: o = Σ acc·e^{m − M} / Σ l·e^{m − M}, zeros where nothing was
 // attended to. With one split the split pass writes o = acc / l itself.
@@ -158,7 +167,8 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* src, i64 at, i64 str
 template <typename T, int H, int VW, int E, int ST>
 __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, const int* rows, const int* start,
                                        acc_t<T>* part, T* o, i64 seq, i64 n_rows, i64 cache_len, int hq, int hkv,
-                                       int d, i64 splits, i64 chunk, double scale_d, int pitch, T* ring) {
+                                       int d, i64 splits, i64 chunk, double scale_d, int pitch, int window,
+                                       double softcap, T* ring) {
     typedef acc_t<T> A;
     constexpr int NS = E / VW;  // packs of the accumulator per lane
     constexpr int VB = H * NS <= 2 ? CA_BATCH : H * NS <= 4 ? CA_BATCH / 2 : CA_BATCH / 4;
@@ -173,9 +183,11 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
     const int h0 = g * group + tile * H, nh = min(H, group - tile * H);
     const i64 b = bt / seq, t = bt - b * seq;
     const i64 row = rows[b], pos = (i64)start[b] + t;
-    // Keys 0..=pos of a valid row, within the cache; none for an invalid row.
+    // Keys 0..=pos of a valid row (the window's of them), within the cache;
+    // none for an invalid row. A split before the window has lo >= hi.
     const i64 last = (row >= 0 && row < n_rows && pos >= 0) ? min(pos, cache_len - 1) + 1 : 0;
-    const i64 lo = sp * chunk, hi = min((sp + 1) * chunk, last);
+    const i64 lo = window > 0 ? max(sp * chunk, pos + 1 - window) : sp * chunk;
+    const i64 hi = min((sp + 1) * chunk, last);
     const A scale = (A)scale_d, empty = (A)SG_EMPTY_MAX;
     const int packs = d / VW;
     const i64 stride = (i64)hkv * d;  // elements from one position to the next
@@ -260,7 +272,8 @@ __device__ void cached_attention_split(const T* q, const T* kc, const T* vc, con
 #pragma unroll
         for (int h = 0; h < H; ++h) {
             if (h >= nh) continue;
-            const A s = valid ? scale * dot[h] : A(-INFINITY);
+            // A uniform branch: the plain score stays the product it was.
+            const A s = !valid ? A(-INFINITY) : softcap > 0 ? A(sg_cap(scale * dot[h], softcap)) : scale * dot[h];
             const A m_new = fmax(m[h], warp_max(s));
             const A rescale = exp(m[h] - m_new);  // 0 while m is still EMPTY_MAX
             p[h] = exp(s - m_new);                // 0 for lanes past the split
@@ -399,10 +412,12 @@ template <typename T> __device__ void cached_attention_combine(const acc_t<T>* p
     extern "C" __global__ void __launch_bounds__(CA_THREADS)                                                     \
         cached_attention_split_h##H##_v##VW##_e##E##_s##ST##_##sfx(                                              \
             const T* q, const T* kc, const T* vc, const int* rows, const int* start, acc_t<T>* part, T* o,        \
-            i64 seq, i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale, int pitch) { sg_pdl_entry();      \
+            i64 seq, i64 n, i64 s, int hq, int hkv, int d, i64 splits, i64 chunk, double scale, int pitch,        \
+            int window, double softcap) { sg_pdl_entry();                                                         \
         extern __shared__ __align__(16) unsigned char ca_ring[];                                                 \
         cached_attention_split<T, H, VW, E, ST>(q, kc, vc, rows, start, part, o, seq, n, s, hq, hkv, d, splits, \
-                                                chunk, scale, pitch, reinterpret_cast<T*>(ca_ring));             \
+                                                chunk, scale, pitch, window, softcap,                            \
+                                                reinterpret_cast<T*>(ca_ring));                                  \
     }
 // Every width reads the cache in place (ST = 0); those whose loads are at
 // least 4 bytes (cp.async's smallest copy) can also stage it (ST = 2).

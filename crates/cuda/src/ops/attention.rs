@@ -14,17 +14,29 @@
 //! One launch for the forward and two for the backward (query side first):
 //!
 //! * `attention_fwd`: a block owns a tile of query rows of one (batch,
-//!   query head) and walks the key tiles `0..=diagonal` in order with an
-//!   online softmax; it writes `o` and `lse`.
+//!   query head) and walks the key tiles from the one holding its first
+//!   row's first key to the diagonal, in order, with an online softmax; it
+//!   writes `o` and `lse`.
 //! * `attention_bwd_q`: a block owns a tile of query rows of one (batch,
 //!   query head), computes its rows' `D_i = go_i·o_i − glse_i` (stored in
 //!   the op's `delta` output) and walks the key tiles in order: `gq += ds·k`.
 //! * `attention_bwd_kv`: a block owns a tile of key rows of one (batch, kv
 //!   head) and walks, in order, the query heads of its group and their query
-//!   tiles from the diagonal on. It recomputes `p = exp(s − lse)` and
+//!   tiles from the diagonal to the one holding the last query that sees
+//!   its last key. It recomputes `p = exp(s − lse)` and
 //!   `ds = p·(go·v − D_i)` per tile (the tensor-core kernel reads `D_i` from
 //!   `delta`; the CUDA-core one recomputes it) and accumulates `gv += pᵀ·go`
 //!   and `gk += dsᵀ·q` in registers.
+//!
+//! Which keys a query sees follows the op's [`Scores`] and positions (see
+//! `stepgraph_core::ops::attention`): query `i` sees keys `first(i)..=i`,
+//! which is causal, sliding-window and packed-document masking at once, so
+//! every pass masks entries outside that range and skips the tiles wholly
+//! outside it: a windowed or packed step does less work. Soft-capped
+//! scores are capped in natural units before they go to base 2, and the
+//! score gradients take the cap's slope. Every pass takes the positions
+//! pointer (null for none), the window (0) and the soft-cap (0) after the
+//! scale (`SgKeys` in `kernels/common.cuh`).
 //!
 //! Head sizes are bucketed (`D ≤ 1, 4, 16, 32, 64, 128, 256`), one kernel per
 //! bucket and dtype, zero-padded to the bucket. Buckets up to 16 use one
@@ -608,6 +620,10 @@ mod tests {
                 Arg::I32(32),
                 Arg::I32(256),
                 Arg::F64(0.1),
+                // No positions, window or soft-cap.
+                Arg::Ptr(0),
+                Arg::I32(0),
+                Arg::F64(0.0),
             ]
         );
     }
@@ -630,7 +646,8 @@ mod tests {
             dev(dtype, &[b, t, hkv, d], at(10)),
             dev(stat(dtype), &[b, hq, t], at(11)),
         ];
-        lower(&Op::from(AttentionBackward { scale: 1.0, scores: Scores::default(), documents: false }), &ins, &outs).unwrap()
+        lower(&Op::from(AttentionBackward { scale: 1.0, scores: Scores::default(), documents: false }), &ins, &outs)
+            .unwrap()
     }
 
     #[test]
@@ -649,11 +666,24 @@ mod tests {
             k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p >> 8) } else { None }).collect()
         };
         // The CUDA-core key side recomputes the row terms: no delta for it.
-        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 0, 9, 10]);
-        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8, 11]);
-        assert_eq!(kv.args.len(), 14);
-        assert_eq!(q.args.len(), 14);
-        assert_eq!(kv.args[9..], [Arg::I32(4096), Arg::I32(28), Arg::I32(4), Arg::I32(1), Arg::F64(1.0)]);
+        // The last pointer is the (absent) positions.
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 0, 9, 10, 0]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 0, 8, 11, 0]);
+        assert_eq!(kv.args.len(), 17);
+        assert_eq!(q.args.len(), 17);
+        assert_eq!(
+            kv.args[9..],
+            [
+                Arg::I32(4096),
+                Arg::I32(28),
+                Arg::I32(4),
+                Arg::I32(1),
+                Arg::F64(1.0),
+                Arg::Ptr(0),
+                Arg::I32(0),
+                Arg::F64(0.0)
+            ]
+        );
 
         let l = backward_launches(DType::F64, 1, 257, 8, 1, 256, true);
         let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
@@ -661,8 +691,42 @@ mod tests {
         assert_eq!(kv.grid, (17, 1, 1));
         assert_eq!(q.function, "attention_bwd_q_d256_f64");
         assert_eq!(q.grid, (9, 8, 1));
-        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
-        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11]);
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 9, 10, 0]);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11, 0]);
+    }
+
+    #[test]
+    fn positions_window_and_soft_cap_are_the_last_three_arguments() {
+        let scores = Scores { window: 17, softcap: 30.0 };
+        let (b, t, h) = (2, 200, 4);
+        for (dtype, d, function) in
+            [(DType::F64, 8, "attention_fwd_d16_f64"), (DType::BF16, 64, "attention_mma_fwd_d64_bf16")]
+        {
+            let x = |p| dev(dtype, &[b, t, h, d], at(p));
+            let (pos, lse) = (dev(DType::I32, &[b, t], at(4)), dev(stat(dtype), &[b, h, t], at(6)));
+            // The forward: q, k, v, o, lse, sizes, scale, then positions, window, soft-cap.
+            let fwd = Op::from(Attention { scale: 0.25, scores });
+            let l = lower(&fwd, &[x(1), x(2), x(3), pos.clone()], &[x(5), lse.clone()]).unwrap();
+            let k = kernel(&l[0]);
+            assert_eq!(k.function, function);
+            assert_eq!(k.args.len(), 13);
+            assert_eq!(k.args[..5], [1, 2, 3, 5, 6].map(|p| Arg::Ptr(at(p))));
+            assert_eq!(k.args[9..], [Arg::F64(0.25), Arg::Ptr(at(4)), Arg::I32(17), Arg::F64(30.0)]);
+            // Without positions the window and soft-cap still come, after a null pointer.
+            let l = lower(&fwd, &[x(1), x(2), x(3)], &[x(5), lse.clone()]).unwrap();
+            assert_eq!(kernel(&l[0]).args[10..], [Arg::Ptr(0), Arg::I32(17), Arg::F64(30.0)]);
+            // The backward reads o, lse and go after the positions and passes them last on both sides.
+            let bwd = Op::from(AttentionBackward { scale: 0.25, scores, documents: true });
+            let ins = [x(1), x(2), x(3), pos.clone(), x(5), lse.clone(), x(7)];
+            let outs = [x(8), x(9), x(10), dev(stat(dtype), &[b, h, t], at(11))];
+            let l = lower(&bwd, &ins, &outs).unwrap();
+            assert_eq!(l.len(), 2);
+            for k in l.iter().map(kernel) {
+                let n = k.args.len();
+                assert_eq!(k.args[..6], [1, 2, 3, 5, 6, 7].map(|p| Arg::Ptr(at(p))), "{}", k.function);
+                assert_eq!(k.args[n - 4..], [Arg::F64(0.25), Arg::Ptr(at(4)), Arg::I32(17), Arg::F64(30.0)]);
+            }
+        }
     }
 
     #[test]
@@ -695,9 +759,9 @@ mod tests {
         let ptrs = |k: &KernelLaunch| -> Vec<u64> {
             k.args.iter().filter_map(|a| if let Arg::Ptr(p) = a { Some(*p >> 8) } else { None }).collect()
         };
-        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11]);
-        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 11, 9, 10]);
-        assert_eq!(kv.args.len(), 15);
+        assert_eq!(ptrs(q), vec![1, 2, 3, 4, 5, 6, 7, 8, 11, 0]);
+        assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 11, 9, 10, 0]);
+        assert_eq!(kv.args.len(), 18);
 
         // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
         for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 1), (DType::F64, 100)] {
@@ -845,9 +909,7 @@ mod tests {
         assert!(big.unwrap_err().to_string().contains("head size 257"));
         let ints = TensorType::new(DType::I32, [1, 3, 2, 4]);
         let i = DevTensor { ty: ints, ptr: at(1) };
-        assert!(
-            lower(&Op::from(Attention::causal(1.0)), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err()
-        );
+        assert!(lower(&Op::from(Attention::causal(1.0)), &[i.clone(), i.clone(), i.clone()], &[i.clone(), i]).is_err());
     }
 
     /// The names the lowering asks for are the ones the source instantiates.

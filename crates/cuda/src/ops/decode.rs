@@ -320,6 +320,7 @@ impl Lower for SampleNext {
 
 #[cfg(test)]
 mod tests {
+    use stepgraph_core::ops::attention::Scores;
     use stepgraph_core::ops::Op;
 
     use super::super::testing::{kernels, lowered, operands_of, t};
@@ -412,6 +413,14 @@ mod tests {
         assert_eq!(k_s.function, "cached_attention_split_h1_v4_e4_s2_bf16");
         assert_eq!((k_s.grid, k_s.shared_bytes), ((4, 8, 32), 4 * 2 * 64 * 100 * 2));
         assert_eq!(k_s.args[16], Arg::I32(100), "pitch");
+        // Plain attention: no window, no soft-cap, the last two arguments.
+        assert_eq!((ks[0].args.len(), &ks[0].args[17..]), (19, &[Arg::I32(0), Arg::F64(0.0)][..]));
+        let windowed =
+            Op::from(CachedAttention { scale: 0.1, splits: 8, scores: Scores { window: 4096, softcap: 50.0 } });
+        let (_, _, l_w) = lowered(&windowed, &attention(DType::BF16, 4, 32, 32, 100, 2048));
+        let k_w = kernels(&l_w)[0];
+        assert_eq!(k_w.args[..17], ks[0].args[..17]);
+        assert_eq!(k_w.args[17..], [Arg::I32(4096), Arg::F64(50.0)]);
         assert_eq!(ks[0].args[5..7], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
         assert_eq!(ks[0].args[14], Arg::I64(256), "chunk = ceil(2048 / 8)");
         assert_eq!(ks[1].function, "cached_attention_combine_bf16");

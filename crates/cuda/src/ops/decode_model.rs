@@ -12,6 +12,7 @@
 use half::{bf16, f16};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::ops::attention::Scores;
 use stepgraph_core::ops::decode::{gumbel_uniform, CachedAttention, SampleNext};
 use stepgraph_core::ops::sample::{fixed, normal, Sample, FLOAT_DTYPES};
 use stepgraph_core::ops::{samples_by_op, Op};
@@ -272,8 +273,8 @@ impl WarpRing {
 }
 
 /// `cached_attention_split`: every block of the grid, its warps taking
-/// 32-key tiles in turn (through their rings when staged), then combined
-/// in warp order.
+/// 32-key tiles in turn (through their rings when staged) from the later of
+/// the split's start and the sliding window's, then combined in warp order.
 fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64, stages: i64) {
     let a = &k.args;
     let (q, kc, vc, rows, start, part) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
@@ -281,6 +282,10 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
     let (seq, n_rows, cache_len) = (int(&a[7]), int(&a[8]), int(&a[9]));
     let (hq, hkv, d) = (i32_arg(&a[10]), i32_arg(&a[11]), i32_arg(&a[12]));
     let (splits, chunk, scale) = (int(&a[13]), int(&a[14]), f64_arg(&a[15]));
+    // After the pitch (a[16]): which positions a query sees, and the soft-cap.
+    assert_eq!(a.len(), 19, "q, k, v, rows, start, part, o, 9 sizes, pitch, window, softcap");
+    let (window, softcap) = (i32_arg(&a[17]), f64_arg(&a[18]));
+    let cap = |s: f64| if softcap > 0.0 { softcap * (s / softcap).tanh() } else { s };
     let (group, packs, stride) = (hq / hkv, d / vw, hkv * d);
     let tiles = (group + heads - 1) / heads;
     assert_eq!(k.grid.2 as i64, hkv * tiles, "grid z: kv heads × head tiles");
@@ -313,7 +318,8 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
                 let row = load(mem, DType::I32, rows, b) as i64;
                 let pos = load(mem, DType::I32, start, b) as i64 + t;
                 let last = if (0..n_rows).contains(&row) && pos >= 0 { pos.min(cache_len - 1) + 1 } else { 0 };
-                let (lo, hi) = (sp * chunk, ((sp + 1) * chunk).min(last));
+                let lo = if window > 0 { (sp * chunk).max(pos + 1 - window) } else { sp * chunk };
+                let hi = ((sp + 1) * chunk).min(last);
                 let head_at = if lo < hi { row * cache_len * stride } else { 0 } + g * d;
                 let qs: Vec<Vec<f64>> = (0..nh)
                     .map(|hh| (0..d).map(|dd| load(mem, dt, q, (bt * hq + h0 + hh) * d + dd)).collect())
@@ -360,7 +366,7 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
                         for (hh, (m, l, acc)) in st.iter_mut().enumerate() {
                             let s: Vec<f64> = krows
                                 .iter()
-                                .map(|kr| scale * kr.iter().zip(&qs[hh]).map(|(x, y)| x * y).sum::<f64>())
+                                .map(|kr| cap(scale * kr.iter().zip(&qs[hh]).map(|(x, y)| x * y).sum::<f64>()))
                                 .collect();
                             let m_new = s.iter().copied().fold(*m, f64::max);
                             let rescale = (*m - m_new).exp();
@@ -709,7 +715,9 @@ fn sample_extra(d: DType) -> Vec<Sample> {
 fn cached_attention_matches_the_cpu_on_the_model() {
     let i32s = |v: &[f64]| fixed(DType::I32, &[v.len()], v);
     // Groups of more query heads than a block holds, the largest head
-    // size, one not a multiple of 4, and a cache of one position.
+    // size, one not a multiple of 4, a cache of one position, and a window
+    // that starts inside a warp's tile of a split with splits wholly before
+    // it, soft-capped (staged where the lowering stages).
     let extra = |d: DType| {
         let case = |b: usize,
                     hq: usize,
@@ -719,9 +727,10 @@ fn cached_attention_matches_the_cpu_on_the_model() {
                     s: usize,
                     splits: usize,
                     rows: &[f64],
-                    start: &[f64]| {
+                    start: &[f64],
+                    scores: Scores| {
             Sample::new(
-                CachedAttention { scale: 1.0 / (dd as f64).sqrt(), splits, scores: Default::default() },
+                CachedAttention { scale: 1.0 / (dd as f64).sqrt(), splits, scores },
                 vec![
                     normal(d, &[b, 2, hq, dd]),
                     normal(d, &[n, s, hkv, dd]),
@@ -731,11 +740,13 @@ fn cached_attention_matches_the_cpu_on_the_model() {
                 ],
             )
         };
+        let plain = Scores::default();
         vec![
-            case(2, 12, 1, 16, 2, 70, 3, &[1.0, 0.0], &[68.0, 33.0]),
-            case(1, 2, 2, 256, 1, 40, 2, &[0.0], &[37.0]),
-            case(2, 4, 2, 130, 2, 9, 2, &[0.0, 1.0], &[3.0, 7.0]),
-            case(1, 2, 1, 6, 1, 1, 1, &[0.0], &[0.0]),
+            case(2, 12, 1, 16, 2, 70, 3, &[1.0, 0.0], &[68.0, 33.0], plain),
+            case(1, 2, 2, 256, 1, 40, 2, &[0.0], &[37.0], plain),
+            case(2, 4, 2, 130, 2, 9, 2, &[0.0, 1.0], &[3.0, 7.0], plain),
+            case(1, 2, 1, 6, 1, 1, 1, &[0.0], &[0.0], plain),
+            case(2, 12, 2, 64, 2, 400, 5, &[1.0, 0.0], &[397.0, 150.0], Scores { window: 203, softcap: 3.0 }),
         ]
     };
     for (what, s, inputs) in cases("CachedAttention", extra) {
