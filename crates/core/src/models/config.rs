@@ -32,6 +32,17 @@ pub enum NormKind {
     RmsNorm,
     /// LayerNorm: a weight and a bias (GPT-NeoX / Pythia).
     LayerNorm,
+    /// RMSNorm whose weight is stored as an offset from one,
+    /// `x·rstd·(1 + w)`, computed in f32 whatever the model's dtype and
+    /// rounded once (Gemma 2 and 3, whose checkpoints hold `w`).
+    RmsNormUnitOffset,
+}
+
+impl NormKind {
+    /// Whether the norm has a bias beside its weight.
+    pub fn has_bias(self) -> bool {
+        self == NormKind::LayerNorm
+    }
 }
 
 /// The feed-forward block of every layer.
@@ -45,6 +56,19 @@ pub enum MlpKind {
         /// erf form (what Pythia uses).
         approximate_tanh: bool,
     },
+    /// `down(gelu(gate(x)) * up(x))`, three matrices (Gemma's GeGLU).
+    GeGlu {
+        /// `true` for the tanh approximation of GELU (`gelu_pytorch_tanh`,
+        /// what Gemma 2 and 3 use), `false` for the exact erf form.
+        approximate_tanh: bool,
+    },
+}
+
+impl MlpKind {
+    /// Whether the MLP is gated: a gate and an up projection, then down.
+    pub fn is_gated(self) -> bool {
+        matches!(self, MlpKind::LlamaSwiGlu | MlpKind::GeGlu { .. })
+    }
 }
 
 /// The hyper-parameters of one GPT-family model, with litgpt's meaning.
@@ -113,6 +137,104 @@ pub struct Config {
     /// Left out of the serialized config when off.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub post_norms: bool,
+    /// Norms on each sublayer's input and on its output (Gemma 2 and 3:
+    /// `input_layernorm` and `post_attention_layernorm` around attention,
+    /// `pre_feedforward_layernorm` and `post_feedforward_layernorm` around
+    /// the MLP). Left out of the serialized config when off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sandwich_norms: bool,
+    /// The hidden states leaving the embedding are multiplied by
+    /// `√n_embd`, rounded to the model's dtype first (Gemma). Left out of
+    /// the serialized config when off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub scale_embeddings: bool,
+    /// Attention scores are scaled by `attention_scalar^(-1/2)` instead of
+    /// `head_size^(-1/2)` (Gemma's `query_pre_attn_scalar`); `None` for the
+    /// head size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_scalar: Option<f64>,
+    /// A sliding window on the layers [`Config::sliding_layers`] names:
+    /// their query `i` sees keys `i + 1 − window..=i` only (Mistral,
+    /// Gemma). `None` for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// Which layers are sliding layers (the others are global): those the
+    /// window applies to, and those that rotate with
+    /// [`Config::rope_local_base`]. Left out of the serialized config when
+    /// every layer is one.
+    #[serde(default, skip_serializing_if = "SlidingLayers::is_all")]
+    pub sliding_layers: SlidingLayers,
+    /// Attention scores soft-capped, `s ↦ cap·tanh(s/cap)`, after the scale
+    /// and before the softmax (Gemma 2's `attn_logit_softcapping`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_softcap: Option<f64>,
+    /// The output logits soft-capped, `x ↦ cap·tanh(x/cap)`, before the loss
+    /// and before sampling (Gemma 2's `final_logit_softcapping`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_softcap: Option<f64>,
+    /// The RoPE base of the sliding layers, which rotate without any RoPE
+    /// scaling (Gemma 3's `rope_local_base_freq`); `None`: every layer uses
+    /// [`Config::rope_base`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_base: Option<f64>,
+    /// Linear RoPE scaling (`rope_type: "linear"`): positions divided by
+    /// this factor on every layer that rotates with [`Config::rope_base`]
+    /// (Gemma 3's global layers from 4B up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_linear_factor: Option<f64>,
+}
+
+/// Which layers of a model are sliding layers ([`Config::sliding_layers`]).
+/// A config read from a file holds the shortest form that describes its
+/// layers ([`SlidingLayers::canonical`]), so equal layouts compare equal.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlidingLayers {
+    /// Every layer (Mistral).
+    #[default]
+    All,
+    /// Every `n`-th layer is global, counting from one, and the others
+    /// slide: layer `i` slides unless `(i + 1) % n == 0` (Gemma 2: 2,
+    /// Gemma 3: 6; 1: no layer slides). `transformers`' default pattern.
+    GlobalEvery(usize),
+    /// Layer by layer, `true` for a sliding layer.
+    Listed(Vec<bool>),
+}
+
+impl SlidingLayers {
+    pub fn is_all(&self) -> bool {
+        *self == SlidingLayers::All
+    }
+
+    /// Whether layer `layer` slides.
+    pub fn slides(&self, layer: usize) -> bool {
+        match self {
+            SlidingLayers::All => true,
+            SlidingLayers::GlobalEvery(n) => !divides((*n).max(1), layer + 1),
+            SlidingLayers::Listed(list) => list.get(layer).copied().unwrap_or(false),
+        }
+    }
+
+    /// The shortest form of these layers for a model of `n_layer`: [`All`]
+    /// when every layer slides, [`GlobalEvery`] when the layers follow
+    /// that pattern, the list otherwise.
+    ///
+    /// [`All`]: SlidingLayers::All
+    /// [`GlobalEvery`]: SlidingLayers::GlobalEvery
+    pub fn canonical(&self, n_layer: usize) -> SlidingLayers {
+        let list: Vec<bool> = (0..n_layer).map(|l| self.slides(l)).collect();
+        match list.iter().position(|slides| !slides) {
+            None => SlidingLayers::All,
+            Some(first_global) => {
+                let pattern = SlidingLayers::GlobalEvery(first_global + 1);
+                if (0..n_layer).all(|l| pattern.slides(l) == list[l]) {
+                    pattern
+                } else {
+                    SlidingLayers::Listed(list)
+                }
+            }
+        }
+    }
 }
 
 /// The RMSNorms a model puts on q and k before RoPE ([`Config::qk_norm`]).
@@ -183,6 +305,13 @@ const NAMED: &[Named] = &[
     Named { name: "Qwen3-8B", hf_repo: Some("Qwen/Qwen3-8B"), build: qwen3_8b },
     Named { name: "Phi-3-mini-4k-instruct", hf_repo: Some("microsoft/Phi-3-mini-4k-instruct"), build: phi_3_mini_4k },
     Named { name: "phi-4", hf_repo: Some("microsoft/phi-4"), build: phi_4 },
+    Named { name: "gemma-2-2b", hf_repo: Some("google/gemma-2-2b"), build: gemma_2_2b },
+    Named { name: "gemma-2-9b", hf_repo: Some("google/gemma-2-9b"), build: gemma_2_9b },
+    Named { name: "gemma-2-27b", hf_repo: Some("google/gemma-2-27b"), build: gemma_2_27b },
+    Named { name: "gemma-3-1b", hf_repo: Some("google/gemma-3-1b-pt"), build: gemma_3_1b },
+    Named { name: "gemma-3-4b", hf_repo: Some("google/gemma-3-4b-pt"), build: gemma_3_4b },
+    Named { name: "gemma-3-12b", hf_repo: Some("google/gemma-3-12b-pt"), build: gemma_3_12b },
+    Named { name: "gemma-3-27b", hf_repo: Some("google/gemma-3-27b-pt"), build: gemma_3_27b },
     Named { name: "Llama-3.2-1B", hf_repo: Some("meta-llama/Llama-3.2-1B"), build: llama_3_2_1b },
     Named { name: "Llama-3.2-3B", hf_repo: Some("meta-llama/Llama-3.2-3B"), build: llama_3_2_3b },
     Named { name: "Llama-3.1-8B", hf_repo: Some("meta-llama/Llama-3.1-8B"), build: llama_3_1_8b },
@@ -216,6 +345,13 @@ const ALIASES: &[(&str, &str)] = &[
     ("Qwen2.5-3B-Instruct", "Qwen2.5-3B"),
     ("Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
     ("Mistral-7B-Instruct-v0.1", "Mistral-7B-v0.1"),
+    ("gemma-2-2b-it", "gemma-2-2b"),
+    ("gemma-2-9b-it", "gemma-2-9b"),
+    ("gemma-2-27b-it", "gemma-2-27b"),
+    ("gemma-3-1b-it", "gemma-3-1b"),
+    ("gemma-3-4b-it", "gemma-3-4b"),
+    ("gemma-3-12b-it", "gemma-3-12b"),
+    ("gemma-3-27b-it", "gemma-3-27b"),
     ("tiny-llama-1.1b-chat", "tiny-llama-1.1b"),
     ("TinyLlama-1.1B-Chat-v1.0", "tiny-llama-1.1b"),
 ];
@@ -322,6 +458,15 @@ fn llama_base(name: &str) -> Config {
         lm_head_bias: false,
         qk_norm: QkNorm::None,
         post_norms: false,
+        sandwich_norms: false,
+        scale_embeddings: false,
+        attention_scalar: None,
+        sliding_window: None,
+        sliding_layers: SlidingLayers::All,
+        attn_softcap: None,
+        final_softcap: None,
+        rope_local_base: None,
+        rope_linear_factor: None,
     }
 }
 
@@ -355,6 +500,15 @@ fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_hea
         lm_head_bias: false,
         qk_norm: QkNorm::None,
         post_norms: false,
+        sandwich_norms: false,
+        scale_embeddings: false,
+        attention_scalar: None,
+        sliding_window: None,
+        sliding_layers: SlidingLayers::All,
+        attn_softcap: None,
+        final_softcap: None,
+        rope_local_base: None,
+        rope_linear_factor: None,
     }
 }
 
@@ -408,15 +562,142 @@ fn qwen2_5_7b() -> Config {
     }
 }
 
+/// Mistral 7B v0.1: every layer attends over a 4096-token sliding window
+/// of its 32768 positions.
 fn mistral_7b_v0_1() -> Config {
     Config {
-        // The checkpoint uses a 4096-token sliding window; with blocks no
-        // longer than the window that is plain causal attention.
-        block_size: 4096,
+        block_size: 32768,
         n_query_groups: 8,
         intermediate_size: 14336,
+        sliding_window: Some(4096),
         ..llama_base("Mistral-7B-v0.1")
     }
+}
+
+/// What Gemma 2 and 3 share: GeGLU (tanh GELU), RMSNorms of weights
+/// stored as offsets from one before and after each sublayer, embeddings
+/// scaled by √n_embd, heads of their own size, the LM head tied to the
+/// embedding, RMSNorm epsilon 1e-6.
+#[allow(clippy::too_many_arguments)]
+fn gemma_base(
+    name: &str,
+    vocab_size: usize,
+    n_layer: usize,
+    n_embd: usize,
+    n_head: usize,
+    n_query_groups: usize,
+    head_size: usize,
+    intermediate_size: usize,
+) -> Config {
+    Config {
+        vocab_size,
+        padded_vocab_size: vocab_size,
+        n_layer,
+        n_embd,
+        n_head,
+        n_query_groups,
+        head_size,
+        intermediate_size,
+        norm: NormKind::RmsNormUnitOffset,
+        norm_eps: 1e-6,
+        mlp: MlpKind::GeGlu { approximate_tanh: true },
+        tie_embeddings: true,
+        sandwich_norms: true,
+        scale_embeddings: true,
+        ..llama_base(name)
+    }
+}
+
+/// Gemma 2: 256000 embedding rows, 8192 positions, a 4096-token window on
+/// every other layer (the first slides), attention scores capped at 50
+/// and logits at 30, RoPE base 10000; `query_pre_attn_scalar` is 256 for
+/// 2B and the width over the heads for 9B and 27B.
+#[allow(clippy::too_many_arguments)]
+fn gemma_2(
+    name: &str,
+    n_layer: usize,
+    n_embd: usize,
+    n_head: usize,
+    n_query_groups: usize,
+    head_size: usize,
+    intermediate_size: usize,
+    attention_scalar: f64,
+) -> Config {
+    Config {
+        block_size: 8192,
+        attention_scalar: Some(attention_scalar),
+        sliding_window: Some(4096),
+        sliding_layers: SlidingLayers::GlobalEvery(2),
+        attn_softcap: Some(50.0),
+        final_softcap: Some(30.0),
+        ..gemma_base(name, 256000, n_layer, n_embd, n_head, n_query_groups, head_size, intermediate_size)
+    }
+}
+
+fn gemma_2_2b() -> Config {
+    gemma_2("gemma-2-2b", 26, 2304, 8, 4, 256, 9216, 256.0)
+}
+
+fn gemma_2_9b() -> Config {
+    gemma_2("gemma-2-9b", 42, 3584, 16, 8, 256, 14336, 224.0)
+}
+
+fn gemma_2_27b() -> Config {
+    gemma_2("gemma-2-27b", 46, 4608, 32, 16, 128, 36864, 144.0)
+}
+
+/// Gemma 3's language models: per-head q/k norms, five sliding layers to
+/// one global, RoPE base 10000 on the sliding layers and 1e6 on the global
+/// ones, no soft-caps; from 4B up (the text part of the image-and-text
+/// models) 262208 embedding rows, 131072 positions, a 1024-token window and
+/// the global layers' RoPE scaled linearly by 8.
+#[allow(clippy::too_many_arguments)]
+fn gemma_3(
+    name: &str,
+    n_layer: usize,
+    n_embd: usize,
+    n_head: usize,
+    n_query_groups: usize,
+    head_size: usize,
+    intermediate_size: usize,
+    attention_scalar: f64,
+) -> Config {
+    Config {
+        block_size: 131072,
+        rope_base: 1_000_000.0,
+        qk_norm: QkNorm::PerHead,
+        attention_scalar: Some(attention_scalar),
+        sliding_window: Some(1024),
+        sliding_layers: SlidingLayers::GlobalEvery(6),
+        rope_local_base: Some(10000.0),
+        rope_linear_factor: Some(8.0),
+        ..gemma_base(name, 262208, n_layer, n_embd, n_head, n_query_groups, head_size, intermediate_size)
+    }
+}
+
+/// Gemma 3 1B, a text-only model: 262144 embedding rows, 32768 positions,
+/// a 512-token window, no RoPE scaling.
+fn gemma_3_1b() -> Config {
+    Config {
+        vocab_size: 262144,
+        padded_vocab_size: 262144,
+        block_size: 32768,
+        sliding_window: Some(512),
+        rope_linear_factor: None,
+        ..gemma_3("gemma-3-1b", 26, 1152, 4, 1, 256, 6912, 256.0)
+    }
+}
+
+fn gemma_3_4b() -> Config {
+    gemma_3("gemma-3-4b", 34, 2560, 8, 4, 256, 10240, 256.0)
+}
+
+fn gemma_3_12b() -> Config {
+    gemma_3("gemma-3-12b", 48, 3840, 16, 8, 256, 15360, 256.0)
+}
+
+fn gemma_3_27b() -> Config {
+    gemma_3("gemma-3-27b", 62, 5376, 32, 16, 128, 21504, 168.0)
 }
 
 /// Qwen2.5's small models: 151936 embedding rows, grouped heads of 64 or
@@ -720,6 +1001,17 @@ fn divides(divisor: usize, n: usize) -> bool {
     n.checked_rem(divisor) == Some(0)
 }
 
+/// Linear RoPE scaling by `factor` (`inv_freq / factor` for every pair)
+/// as the rope op's Llama-3.x scaling computes it: with an original
+/// context of one position and frequency factors of 10⁹ and 2·10⁹, every
+/// wavelength (at least 2π for any base of at least one) is longer than
+/// the low-frequency wavelength (10⁻⁹), so every pair takes the
+/// `inv_freq / factor` branch and none the interpolated one, on the CPU and
+/// in the kernel alike, which compute the same f64 expression.
+pub(crate) fn linear_rope(factor: f64) -> Llama3Scaling {
+    Llama3Scaling { factor, low_freq_factor: 1e9, high_freq_factor: 2e9, original_max_position_embeddings: 1 }
+}
+
 /// An [`Error::Config`] about `model`.
 pub(super) fn config_error(model: &str, reason: impl Into<String>) -> Error {
     Error::Config { model: model.to_string(), reason: reason.into() }
@@ -727,16 +1019,55 @@ pub(super) fn config_error(model: &str, reason: impl Into<String>) -> Error {
 
 impl Config {
     /// Which keys layer `layer`'s queries see and how its scores are
-    /// capped: the plain causal rule unless the family sets a window or a
-    /// soft-cap.
-    pub fn scores(&self, _layer: usize) -> Scores {
-        Scores::default()
+    /// capped: the window on a sliding layer of a model with one, the
+    /// attention soft-cap on every layer of a model with one; the plain
+    /// causal rule otherwise.
+    pub fn scores(&self, layer: usize) -> Scores {
+        let window = match self.sliding_window {
+            Some(window) if self.sliding_layers.slides(layer) => window,
+            _ => 0,
+        };
+        Scores { window, softcap: self.attn_softcap.unwrap_or(0.0) }
+    }
+
+    /// The RoPE base and frequency scaling of layer `layer`: a sliding
+    /// layer of a model with [`Config::rope_local_base`] rotates with that
+    /// base and no scaling; every other layer with [`Config::rope_base`]
+    /// and the model's scaling.
+    pub fn rope_of(&self, layer: usize) -> (f64, Option<Llama3Scaling>) {
+        match self.rope_local_base {
+            Some(local) if self.sliding_layers.slides(layer) => (local, None),
+            _ => (self.rope_base, self.rope_scaling.or(self.rope_linear_factor.map(linear_rope))),
+        }
+    }
+
+    /// The factor attention scores are scaled by before the softmax
+    /// (before the soft-cap): `attention_scalar^(-1/2)`, by default
+    /// `head_size^(-1/2)`, computed as `transformers` computes it.
+    pub fn attention_scale(&self) -> f64 {
+        match self.attention_scalar {
+            Some(scalar) => scalar.powf(-0.5),
+            None => 1.0 / (self.head_size as f64).sqrt(),
+        }
+    }
+
+    /// The factor the embedding's output is multiplied by in `dtype`
+    /// ([`Config::scale_embeddings`]): `√n_embd` rounded to f32 (as
+    /// `torch.tensor` makes it) and then to `dtype` by the op that holds
+    /// it; exact in f64.
+    pub fn embedding_scale(&self, dtype: crate::ir::DType) -> f64 {
+        let scale = (self.n_embd as f64).sqrt();
+        match dtype {
+            crate::ir::DType::F64 => scale,
+            _ => scale as f32 as f64,
+        }
     }
 
     /// The config called `name`: a litgpt name (`open_llama_3b`,
     /// `Llama-2-7b-hf`, `Meta-Llama-3-8B` (litgpt's `Llama-3-8B` works too),
     /// `Qwen2.5-7B`, `Mistral-7B-v0.1`, `Qwen2.5-0.5B`, `Qwen2.5-1.5B`,
     /// `Qwen2.5-3B`, `Llama-3.2-1B`, `Llama-3.2-3B`, `Llama-3.1-8B`,
+    /// `gemma-2-2b` to `gemma-2-27b`, `gemma-3-1b` to `gemma-3-27b`,
     /// `tiny-llama-1.1b`, `pythia-14m`, `pythia-160m`, and the instruction
     /// and chat releases of these), a Hugging Face repo id such as
     /// `Qwen/Qwen2.5-7B`, or one of the small configs `tiny-llama`,
@@ -893,6 +1224,42 @@ impl Config {
         if self.post_norms && self.parallel_residual {
             return fail("norms after the sublayers (post_norms) need the sequential residual".into());
         }
+        if self.sandwich_norms && (self.post_norms || self.parallel_residual) {
+            return fail(
+                "norms before and after each sublayer (sandwich_norms) need the sequential residual and exclude \
+                 post_norms"
+                    .into(),
+            );
+        }
+        if self.sliding_window == Some(0) {
+            return fail("sliding_window must be at least one position (or none), got 0".into());
+        }
+        match &self.sliding_layers {
+            SlidingLayers::GlobalEvery(0) => {
+                return fail("sliding_layers: a global layer every 0 layers has no meaning; the least is 1".into())
+            }
+            SlidingLayers::Listed(list) if list.len() != self.n_layer => {
+                return fail(format!("sliding_layers lists {} layers, but n_layer is {}", list.len(), self.n_layer))
+            }
+            _ => {}
+        }
+        let positive = [
+            ("attention_scalar", self.attention_scalar),
+            ("attn_softcap", self.attn_softcap),
+            ("final_softcap", self.final_softcap),
+            ("rope_local_base", self.rope_local_base),
+            ("rope_linear_factor", self.rope_linear_factor),
+        ];
+        for (key, value) in positive {
+            if let Some(v) = value {
+                if !(v.is_finite() && v > 0.0) {
+                    return fail(format!("{key} must be a finite number > 0, got {v}"));
+                }
+            }
+        }
+        if self.rope_linear_factor.is_some() && self.rope_scaling.is_some() {
+            return fail("rope_linear_factor and rope_scaling are two RoPE scalings; a model has at most one".into());
+        }
         // Every weight, and the parameters together, within what one plan
         // can hold at one byte each: the arithmetic on them below and in
         // the model builder cannot overflow. [`ModelSpec`] checks them
@@ -1012,10 +1379,14 @@ impl Config {
         let qkv_width = q_width.checked_add(kv_width.checked_mul(2)?)?;
 
         let norm = match self.norm {
-            NormKind::RmsNorm => embd,
+            NormKind::RmsNorm | NormKind::RmsNormUnitOffset => embd,
             NormKind::LayerNorm => embd.checked_mul(2)?,
         };
-        let norms_per_layer = if self.shared_attention_norm { 1 } else { 2 };
+        let norms_per_layer = match (self.shared_attention_norm, self.sandwich_norms) {
+            (true, _) => 1,
+            (false, true) => 4,
+            (false, false) => 2,
+        };
 
         let mut attention = embd.checked_mul(qkv_width)?.checked_add(q_width.checked_mul(embd)?)?;
         if self.bias || self.attn_qkv_bias {
@@ -1031,7 +1402,7 @@ impl Config {
         })?;
 
         let (matrices, bias_rows) = match self.mlp {
-            MlpKind::LlamaSwiGlu => (3, 2),
+            MlpKind::LlamaSwiGlu | MlpKind::GeGlu { .. } => (3, 2),
             MlpKind::Gelu { .. } => (2, 1),
         };
         let biases = if self.bias { hidden.checked_mul(bias_rows)?.checked_add(embd)? } else { 0 };
@@ -1071,7 +1442,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 20] = [
+        let expected: [(&str, u64); 24] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1092,6 +1463,10 @@ pub(crate) mod tests {
             ("tiny-llama-1.1b", 1_100_048_384),
             ("pythia-14m", 14_067_712),
             ("pythia-160m", 162_322_944),
+            ("gemma-2-2b", 2_614_341_888),
+            ("gemma-2-9b", 9_241_705_984),
+            ("gemma-2-27b", 27_227_128_320),
+            ("gemma-3-1b", 999_885_952),
         ];
         for (name, count) in expected {
             assert_eq!(named(name).param_count(), count, "{name}");
@@ -1151,6 +1526,70 @@ pub(crate) mod tests {
         assert_eq!(pythia.mlp, MlpKind::Gelu { approximate_tanh: false });
         assert_eq!((pythia.head_size, pythia.n_rot()), (32, 8));
         assert!(pythia.parallel_residual && pythia.bias && !pythia.tie_embeddings);
+    }
+
+    #[test]
+    fn gemma_and_mistral_layers_slide_and_rotate_as_their_models_do() {
+        let mistral = named("Mistral-7B-v0.1");
+        assert_eq!((mistral.block_size, mistral.sliding_window), (32768, Some(4096)));
+        assert!((0..32).all(|l| mistral.scores(l) == Scores { window: 4096, softcap: 0.0 }));
+
+        let g2 = named("gemma-2-9b");
+        assert_eq!(g2.scores(0), Scores { window: 4096, softcap: 50.0 });
+        assert_eq!(g2.scores(1), Scores { window: 0, softcap: 50.0 });
+        assert_eq!(g2.scores(40), Scores { window: 4096, softcap: 50.0 });
+        assert_eq!(g2.attention_scale(), 224f64.powf(-0.5));
+        assert_eq!((g2.rope_of(0), g2.rope_of(1)), ((10000.0, None), (10000.0, None)));
+        assert_eq!(named("gemma-2-27b").attention_scale(), 144f64.powf(-0.5));
+
+        let g3 = named("gemma-3-4b");
+        let global: Vec<usize> = (0..g3.n_layer).filter(|&l| g3.scores(l).window == 0).collect();
+        assert_eq!(global, [5, 11, 17, 23, 29]);
+        assert_eq!(g3.scores(4), Scores { window: 1024, softcap: 0.0 });
+        assert_eq!(g3.rope_of(4), (10000.0, None));
+        assert_eq!(g3.rope_of(5), (1e6, Some(linear_rope(8.0))));
+        assert_eq!(named("gemma-3-1b").rope_of(5), (1e6, None));
+        assert_eq!(named("gemma-3-1b").scores(0).window, 512);
+        assert_eq!(named("google/gemma-3-27b-it"), named("gemma-3-27b"));
+        assert_eq!(named("gemma-2-2b-it"), named("gemma-2-2b"));
+
+        // The config files written before these fields existed read back
+        // the same: none of them is serialized when off.
+        let text = serde_json::to_string(&named("Qwen2.5-7B")).unwrap();
+        for key in ["sliding", "softcap", "sandwich", "scale_embeddings", "attention_scalar", "rope_l"] {
+            assert!(!text.contains(key), "{text}");
+        }
+        let back: Config = serde_json::from_str(&serde_json::to_string(&g3).unwrap()).unwrap();
+        assert_eq!(back, g3);
+    }
+
+    #[test]
+    fn linear_rope_scaling_divides_every_frequency_by_its_factor() {
+        use crate::ops::rope::Rope;
+        for (base, n_rot, factor) in [(10000.0, 256, 8.0), (1e6, 128, 8.0), (10.0, 16, 2.0), (1.5, 64, 3.0)] {
+            let plain = Rope { n_rot, base, inverse: false, scaling: None };
+            let linear = Rope { scaling: Some(linear_rope(factor)), ..plain.clone() };
+            for i in 0..n_rot / 2 {
+                assert_eq!(linear.inv_freq(i), plain.inv_freq(i) / factor, "base {base} pair {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn sliding_layers_take_their_shortest_form() {
+        let list = |v: &[bool]| SlidingLayers::Listed(v.to_vec());
+        assert_eq!(list(&[true, true, true]).canonical(3), SlidingLayers::All);
+        assert_eq!(list(&[true, false, true, false]).canonical(4), SlidingLayers::GlobalEvery(2));
+        assert_eq!(list(&[false, false]).canonical(2), SlidingLayers::GlobalEvery(1));
+        assert_eq!(list(&[true, false, false]).canonical(3), list(&[true, false, false]));
+        assert_eq!(SlidingLayers::GlobalEvery(6).canonical(5), SlidingLayers::All);
+        let base = named("gemma-3-1b");
+        let reason = config_reason(Config { sliding_layers: list(&[true]), ..base.clone() }.validate());
+        assert!(reason.contains("sliding_layers lists 1 layers, but n_layer is 26"), "{reason}");
+        let reason = config_reason(Config { sliding_window: Some(0), ..base.clone() }.validate());
+        assert!(reason.contains("sliding_window must be at least one position"), "{reason}");
+        let reason = config_reason(Config { final_softcap: Some(-2.0), ..base.clone() }.validate());
+        assert!(reason.contains("final_softcap must be a finite number > 0, got -2"), "{reason}");
     }
 
     #[test]

@@ -304,6 +304,7 @@ impl Recorder<'_> {
         };
         let bias = if cfg.lm_head_bias { Some(self.g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
         let logits = self.g.b.linear(x, head, bias)?;
+        let logits = self.g.cap_logits(logits)?;
         if self.spec.logits {
             self.g.b.output(OutputKind::Named(format!("{name}.logits")), logits);
         }
@@ -321,6 +322,7 @@ impl Recorder<'_> {
         let token = self.i32s("prefill.token", &[1])?;
         let table = self.embed_table()?;
         let x = self.g.b.embedding(ids, table)?;
+        let x = self.g.scale_embedding(x)?;
         let x = self.layers(x, 1, l, CacheIo { rows: row, start, splits: None })?;
         // Only the last prompt token's hidden state goes on: its row,
         // gathered by index (norm and head are per row).
@@ -344,6 +346,7 @@ impl Recorder<'_> {
         let table = self.embed_table()?;
         let ids = self.g.b.reshape(tokens, &[batch, 1])?;
         let x = self.g.b.embedding(ids, table)?;
+        let x = self.g.scale_embedding(x)?;
         let x = self.layers(x, batch, 1, CacheIo { rows, start: positions, splits: Some(splits) })?;
         let x = self.g.b.reshape(x, &[batch, cfg.n_embd])?;
         let logits = self.head(x, &name)?;

@@ -2,7 +2,14 @@
 //! [`Config`] on symbolic tensors into a [`Trace`], with litgpt's
 //! architecture choices (RMSNorm or LayerNorm, SwiGLU or GELU MLP, parallel
 //! or sequential residual, partial rotary, grouped-query attention, q/k/v
-//! biases, tied or untied head).
+//! biases, tied or untied head) and the ones Mistral and Gemma add (sliding
+//! windows on some layers, each layer its own RoPE base, attention and
+//! logit soft-caps, norms before and after each sublayer, RMSNorm weights
+//! stored as offsets from one, GeGLU, scaled embeddings).
+//!
+//! A final logit soft-cap has no fused form: a cross-entropy of a model
+//! that caps its logits materialises them ([`HeadLoss::Materialised`]'s
+//! path), caps them, then takes the loss.
 //!
 //! Parameters carry Hugging Face Llama-style names (`model.embed_tokens.weight`,
 //! `model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...) so
@@ -431,12 +438,57 @@ impl<'a> Gpt<'a> {
         let c = self.cfg.n_embd;
         let w = self.param(&format!("{prefix}.weight"), &[c])?;
         match self.cfg.norm {
-            NormKind::RmsNorm => self.b.rms_norm(x, w, self.cfg.norm_eps),
+            NormKind::RmsNorm | NormKind::RmsNormUnitOffset => self.rms_norm(x, w),
             NormKind::LayerNorm => {
                 let bias = self.param(&format!("{prefix}.bias"), &[c])?;
                 self.b.layer_norm(x, w, bias, self.cfg.norm_eps)
             }
         }
+    }
+
+    /// The model's RMSNorm of `x` with the weight `w` (a LayerNorm model's
+    /// q/k norms are RMSNorms too): `x·rstd·w`, or for a weight stored as
+    /// an offset from one `x·rstd·(1 + w)` computed as `transformers`'
+    /// Gemma RMSNorm computes it, on `x` and `w` widened to f32, `1 + w` in
+    /// f32, the result rounded once to `x`'s dtype.
+    fn rms_norm(&mut self, x: ValueId, w: ValueId) -> Result<ValueId> {
+        let eps = self.cfg.norm_eps;
+        if self.cfg.norm != NormKind::RmsNormUnitOffset {
+            return self.b.rms_norm(x, w, eps);
+        }
+        let dtype = self.b.dtype(x);
+        let wide = if dtype.size() < 4 { DType::F32 } else { dtype };
+        let xw = self.b.cast(x, wide)?;
+        let ww = self.b.cast(w, wide)?;
+        let one = self.b.full(1.0, TensorType::scalar(wide))?;
+        let ww = self.b.add(ww, one)?;
+        let y = self.b.rms_norm(xw, ww, eps)?;
+        self.b.cast(y, dtype)
+    }
+
+    /// The embedding's output `x`, multiplied by `√n_embd` rounded to the
+    /// model's dtype when the model scales its embeddings (Gemma).
+    pub(crate) fn scale_embedding(&mut self, x: ValueId) -> Result<ValueId> {
+        if !self.cfg.scale_embeddings {
+            return Ok(x);
+        }
+        let dtype = self.b.dtype(x);
+        let s = self.b.full(self.cfg.embedding_scale(dtype), TensorType::scalar(dtype))?;
+        self.b.mul(x, s)
+    }
+
+    /// The logits `x`, soft-capped as `cap·tanh(x/cap)` in their own dtype,
+    /// one rounding per step as `transformers` computes it, when the model
+    /// caps them (Gemma 2); as they are otherwise.
+    pub(crate) fn cap_logits(&mut self, x: ValueId) -> Result<ValueId> {
+        let Some(cap) = self.cfg.final_softcap else {
+            return Ok(x);
+        };
+        let dtype = self.b.dtype(x);
+        let c = self.b.full(cap, TensorType::scalar(dtype))?;
+        let y = self.b.div(x, c)?;
+        let y = self.b.unary(UnaryFn::Tanh, y)?;
+        self.b.mul(y, c)
     }
 
     /// Every block of the model on `x: [B, T, C]`, each attention's core
@@ -458,6 +510,19 @@ impl<'a> Gpt<'a> {
         let cfg = self.cfg;
         for layer in 0..cfg.n_layer {
             let p = format!("model.layers.{layer}");
+            if cfg.sandwich_norms {
+                // Each sublayer between two norms of its own, its normalised
+                // output joining the stream (Gemma 2 and 3).
+                let h = self.norm(x, &format!("{p}.input_layernorm"))?;
+                let a = self.attention(h, layer, batch, seq, start, attend)?;
+                let a = self.norm(a, &format!("{p}.post_attention_layernorm"))?;
+                x = self.b.add(a, x)?;
+                let h = self.norm(x, &format!("{p}.pre_feedforward_layernorm"))?;
+                let m = self.mlp(h, &format!("{p}.mlp"))?;
+                let m = self.norm(m, &format!("{p}.post_feedforward_layernorm"))?;
+                x = self.b.add(m, x)?;
+                continue;
+            }
             if cfg.post_norms {
                 // Each sublayer reads the stream as it is and its output is
                 // normalised before it joins (OLMo 2).
@@ -508,7 +573,7 @@ impl<'a> Gpt<'a> {
             (format!("{prefix}.v_proj"), hkv * d),
         ];
         let n_rot = cfg.n_rot();
-        let (base, scaling) = (cfg.rope_base, cfg.rope_scaling);
+        let (base, scaling) = cfg.rope_of(layer);
         let rotate = |g: &mut Self, x: ValueId| match start {
             Some(s) => g.b.rope_at(x, s, n_rot, base, scaling),
             None => g.b.rope(x, n_rot, base, scaling),
@@ -558,8 +623,8 @@ impl<'a> Gpt<'a> {
             if cfg.qk_norm == QkNorm::Whole {
                 let wq = self.param(&format!("{prefix}.q_norm.weight"), &[hq * d])?;
                 let wk = self.param(&format!("{prefix}.k_norm.weight"), &[hkv * d])?;
-                q = self.b.rms_norm(q, wq, cfg.norm_eps)?;
-                k = self.b.rms_norm(k, wk, cfg.norm_eps)?;
+                q = self.rms_norm(q, wq)?;
+                k = self.rms_norm(k, wk)?;
             }
             let mut q = self.b.reshape(q, &[batch, seq, hq, d])?;
             let mut k = self.b.reshape(k, &[batch, seq, hkv, d])?;
@@ -567,8 +632,8 @@ impl<'a> Gpt<'a> {
             if cfg.qk_norm == QkNorm::PerHead {
                 let wq = self.param(&format!("{prefix}.q_norm.weight"), &[d])?;
                 let wk = self.param(&format!("{prefix}.k_norm.weight"), &[d])?;
-                q = self.b.rms_norm(q, wq, cfg.norm_eps)?;
-                k = self.b.rms_norm(k, wk, cfg.norm_eps)?;
+                q = self.rms_norm(q, wq)?;
+                k = self.rms_norm(k, wk)?;
             }
             if n_rot > 0 {
                 q = rotate(self, q)?;
@@ -576,12 +641,13 @@ impl<'a> Gpt<'a> {
             }
             (q, k, v)
         };
-        // litgpt and Hugging Face scale by the configured head size. With a
-        // rotary dimension of 1 (head size 1, as in workload W2) both
-        // duplicate the rotated component through a broadcast in their rope,
-        // which doubles every score; `rope` computes one copy and the scale
-        // carries the factor 2 (see ops/rope.rs).
-        let mut scale = 1.0 / (d as f64).sqrt();
+        // litgpt and Hugging Face scale by the configured head size (Gemma
+        // by its `query_pre_attn_scalar`). With a rotary dimension of 1
+        // (head size 1, as in workload W2) both duplicate the rotated
+        // component through a broadcast in their rope, which doubles every
+        // score; `rope` computes one copy and the scale carries the factor 2
+        // (see ops/rope.rs).
+        let mut scale = cfg.attention_scale();
         if n_rot == 1 {
             scale *= 2.0;
         }
@@ -629,6 +695,16 @@ impl<'a> Gpt<'a> {
                 };
                 // One op, so backward keeps gate and up but not silu(gate).
                 let h = self.b.swiglu(gate, up)?;
+                linear(self, h, "down_proj", i, c)
+            }
+            MlpKind::GeGlu { approximate_tanh } => {
+                let parts = [(format!("{prefix}.gate_proj"), i), (format!("{prefix}.up_proj"), i)];
+                let [gate, up] = self.projections(x, &format!("{prefix}.gate_up_proj"), &parts, c, bias)?[..] else {
+                    unreachable!("two parts give two projections")
+                };
+                let f = if approximate_tanh { UnaryFn::GeluTanh } else { UnaryFn::GeluErf };
+                let g = self.b.unary(f, gate)?;
+                let h = self.b.mul(g, up)?;
                 linear(self, h, "down_proj", i, c)
             }
             MlpKind::Gelu { approximate_tanh } => {
@@ -746,6 +822,7 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     };
     let wte = g.param("model.embed_tokens.weight", &[cfg.padded_vocab_size, cfg.n_embd])?;
     let x = g.b.embedding(tokens, wte)?;
+    let x = g.scale_embedding(x)?;
     // Causal attention over the sequence itself (each document over itself).
     let x = g.layers(x, bsz, seq, positions, &mut |g, _, q, k, v, scale, scores| {
         g.b.attention_with(q, k, v, scale, scores, positions)
@@ -753,13 +830,15 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
+    // The fused loss has no soft-cap: capped logits are materialised.
     let fused_chunk = match head_loss {
-        HeadLoss::Fused { chunk } if head_bias.is_none() => Some(chunk),
+        HeadLoss::Fused { chunk } if head_bias.is_none() && cfg.final_softcap.is_none() => Some(chunk),
         _ => None,
     };
     let loss = match (targets, fused_chunk) {
         (None, _) => {
             let logits = g.b.linear(x, head, head_bias)?;
+            let logits = g.cap_logits(logits)?;
             if logits_output {
                 g.b.output(OutputKind::Named(LOGITS_OUTPUT.into()), logits);
             }
@@ -774,9 +853,10 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
             let chunk = chunk.unwrap_or_else(|| default_chunk(rows, v, spec.dtype));
             g.b.linear_cross_entropy(x2, head, t2, chunk, Reduction::Mean, IGNORE_INDEX)?
         }
-        // Asked for, or a head bias (which has no fused form).
+        // Asked for, a head bias or a soft-cap (which have no fused form).
         (Some(t), None) => {
             let logits = g.b.linear(x, head, head_bias)?;
+            let logits = g.cap_logits(logits)?;
             if logits_output {
                 g.b.output(OutputKind::Named(LOGITS_OUTPUT.into()), logits);
             }

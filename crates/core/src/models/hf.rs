@@ -63,8 +63,10 @@ impl Config {
     /// config called `name`.
     ///
     /// Supports the `model_type` of every family in [`super::family`]
-    /// (`llama`, `mistral`, `qwen2`: LLaMA layout, Qwen2 adding q/k/v
-    /// biases; `gpt_neox`). Missing optional keys take the
+    /// (`llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `phi3`: the LLaMA
+    /// layout and its variants; `gemma2`, `gemma3_text`; `gpt_neox`), and
+    /// refuses a few others by name with the reason
+    /// ([`HfFamily::refusal`]). Missing optional keys take the
     /// defaults of the matching `transformers` config class. Since
     /// `config.json` does not give the tokenizer's size, `vocab_size` and
     /// `padded_vocab_size` are both its `vocab_size` (the embedding rows).
@@ -82,6 +84,9 @@ impl Config {
         let hf = HfJson { model: name, prefix: "", obj };
         let model_type = hf.str_req("model_type")?;
         let Some(family) = HfFamily::from_model_type(model_type) else {
+            if let Some(why) = HfFamily::refusal(model_type) {
+                return Err(hf.err(format!("model_type `{model_type}` is not supported: {why}")));
+            }
             return Err(
                 hf.err(format!("model_type `{model_type}` is not supported (supported: {})", HfFamily::supported()))
             );
@@ -136,6 +141,41 @@ impl<'a> HfJson<'a> {
         self.obj.get(key).filter(|value| !value.is_null())
     }
 
+    /// Whether `key` is present and `null`: for the keys whose default is
+    /// a value and whose `null` turns the feature off (Gemma's soft-caps
+    /// and window).
+    pub fn is_null(&self, key: &str) -> bool {
+        self.obj.get(key).is_some_and(Value::is_null)
+    }
+
+    /// The number under `key`: `default` when the key is absent, `None`
+    /// when it is `null`.
+    pub fn f64_or(&self, key: &str, default: Option<f64>) -> Result<Option<f64>> {
+        if self.is_null(key) {
+            return Ok(None);
+        }
+        Ok(self.f64_opt(key)?.or(default))
+    }
+
+    /// The non-negative integer under `key`: `default` when the key is
+    /// absent, `None` when it is `null`.
+    pub fn usize_or(&self, key: &str, default: Option<usize>) -> Result<Option<usize>> {
+        if self.is_null(key) {
+            return Ok(None);
+        }
+        Ok(self.usize_opt(key)?.or(default))
+    }
+
+    /// The strings of the array under `key`, if there is one.
+    pub fn strs_opt(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        let bad = || self.wrong_type(key, "an array of strings", value);
+        let items = value.as_array().ok_or_else(bad)?;
+        items.iter().map(|v| v.as_str().ok_or_else(bad)).collect::<Result<Vec<_>>>().map(Some)
+    }
+
     fn wrong_type(&self, key: &str, expected: &str, value: &Value) -> Error {
         self.err(format!("key `{}{key}` must be {expected}, got {value}", self.prefix))
     }
@@ -185,7 +225,7 @@ impl<'a> HfJson<'a> {
     }
 
     /// The object under `key`, with `prefix` naming it in messages.
-    fn nested(&self, key: &str, prefix: &'a str) -> Result<Option<HfJson<'a>>> {
+    pub fn nested(&self, key: &str, prefix: &'a str) -> Result<Option<HfJson<'a>>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
@@ -196,7 +236,7 @@ impl<'a> HfJson<'a> {
     /// The RoPE variant of this object (`rope_type`, or the older `type`):
     /// `None` for plain RoPE (absent or `default`), the Llama-3.x scaling for
     /// `llama3`; any other variant is refused.
-    fn rope_variant(&self) -> Result<Option<Llama3Scaling>> {
+    pub fn rope_variant(&self) -> Result<Option<Llama3Scaling>> {
         let kind = match self.str_opt("rope_type")? {
             Some(kind) => Some(kind),
             None => self.str_opt("type")?,
@@ -272,7 +312,10 @@ impl<'a> HfJson<'a> {
     /// `max_position_embeddings`, shortened to the sliding window when one
     /// applies: within a block no longer than the window, sliding-window
     /// attention is plain causal attention, which is what litgpt does for
-    /// Mistral-7B-v0.1 (block 4096).
+    /// Mistral-7B-v0.1 (block 4096). The families whose windows the model
+    /// computes (Mistral, Gemma) read the window into
+    /// [`Config::sliding_window`] instead; Qwen2, Qwen3 and Phi-3 still
+    /// shorten their block.
     pub fn block_size(&self, default_positions: usize, sliding: bool) -> Result<usize> {
         let positions = self.usize_opt("max_position_embeddings")?.unwrap_or(default_positions);
         let window = if sliding { self.usize_opt("sliding_window")? } else { None };
@@ -296,7 +339,7 @@ impl<'a> HfJson<'a> {
 mod tests {
     use super::*;
     use crate::models::config::tests::{config_reason, named};
-    use crate::models::config::{MlpKind, Overrides};
+    use crate::models::config::{MlpKind, Overrides, SlidingLayers};
 
     const LLAMA_2_7B_JSON: &str = r#"{
       "architectures": ["LlamaForCausalLM"],
@@ -682,6 +725,178 @@ mod tests {
         check("[1, 2]", "must hold a JSON object");
 
         assert!(matches!(from_json("{not json"), Err(Error::Json(_))));
+    }
+
+    // The config.json files of google/gemma-2-9b and google/gemma-3-1b-pt.
+    const GEMMA_2_9B_JSON: &str = r#"{
+      "architectures": ["Gemma2ForCausalLM"],
+      "attention_bias": false,
+      "attention_dropout": 0.0,
+      "attn_logit_softcapping": 50.0,
+      "bos_token_id": 2,
+      "cache_implementation": "hybrid",
+      "eos_token_id": 1,
+      "final_logit_softcapping": 30.0,
+      "head_dim": 256,
+      "hidden_act": "gelu_pytorch_tanh",
+      "hidden_activation": "gelu_pytorch_tanh",
+      "hidden_size": 3584,
+      "initializer_range": 0.02,
+      "intermediate_size": 14336,
+      "max_position_embeddings": 8192,
+      "model_type": "gemma2",
+      "num_attention_heads": 16,
+      "num_hidden_layers": 42,
+      "num_key_value_heads": 8,
+      "pad_token_id": 0,
+      "query_pre_attn_scalar": 224,
+      "rms_norm_eps": 1e-06,
+      "rope_theta": 10000.0,
+      "sliding_window": 4096,
+      "sliding_window_size": 4096,
+      "torch_dtype": "float32",
+      "transformers_version": "4.42.0.dev0",
+      "use_cache": true,
+      "vocab_size": 256000
+    }"#;
+
+    const GEMMA_3_1B_JSON: &str = r#"{
+      "architectures": ["Gemma3ForCausalLM"],
+      "attention_bias": false,
+      "attention_dropout": 0.0,
+      "attn_logit_softcapping": null,
+      "bos_token_id": 2,
+      "cache_implementation": "hybrid",
+      "eos_token_id": [1, 106],
+      "final_logit_softcapping": null,
+      "head_dim": 256,
+      "hidden_activation": "gelu_pytorch_tanh",
+      "hidden_size": 1152,
+      "initializer_range": 0.02,
+      "intermediate_size": 6912,
+      "max_position_embeddings": 32768,
+      "model_type": "gemma3_text",
+      "num_attention_heads": 4,
+      "num_hidden_layers": 26,
+      "num_key_value_heads": 1,
+      "pad_token_id": 0,
+      "query_pre_attn_scalar": 256,
+      "rms_norm_eps": 1e-06,
+      "rope_local_base_freq": 10000,
+      "rope_scaling": null,
+      "rope_theta": 1000000,
+      "sliding_window": 512,
+      "sliding_window_pattern": 6,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.50.0.dev0",
+      "use_cache": true,
+      "vocab_size": 262144
+    }"#;
+
+    #[test]
+    fn gemma_and_mistral_files_match_the_named_configs() {
+        let gemma2 = Config::from_hf_json(GEMMA_2_9B_JSON, "gemma-2-9b").unwrap();
+        assert_eq!(gemma2, named("gemma-2-9b"));
+        let gemma3 = Config::from_hf_json(GEMMA_3_1B_JSON, "gemma-3-1b").unwrap();
+        assert_eq!(gemma3, named("gemma-3-1b"));
+        // Without `layer_types` or `sliding_window_pattern`, transformers'
+        // default patterns: every other layer global, one in six.
+        let no_pattern = edit(GEMMA_3_1B_JSON, "sliding_window_pattern", Value::Null);
+        assert_eq!(from_json(&no_pattern).unwrap().sliding_layers, SlidingLayers::GlobalEvery(6));
+        let listed = edit(
+            GEMMA_2_9B_JSON,
+            "layer_types",
+            serde_json::json!((0..42)
+                .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                .collect::<Vec<_>>()),
+        );
+        assert_eq!(from_json(&listed).unwrap(), Config { name: "test-model".into(), ..gemma2.clone() });
+        let odd: Vec<&str> = (0..42).map(|l| if l == 3 { "full_attention" } else { "sliding_attention" }).collect();
+        let odd = from_json(&edit(GEMMA_2_9B_JSON, "layer_types", serde_json::json!(odd))).unwrap();
+        assert!(matches!(&odd.sliding_layers, SlidingLayers::Listed(l) if !l[3] && l[4]));
+
+        // `null` turns a default-on setting off; absence keeps the default.
+        let uncapped =
+            edit(&edit(GEMMA_2_9B_JSON, "final_logit_softcapping", Value::Null), "sliding_window", Value::Null);
+        let uncapped = from_json(&uncapped).unwrap();
+        assert_eq!((uncapped.final_softcap, uncapped.sliding_window), (Some(30.0), Some(4096)));
+        let mut json: Value = serde_json::from_str(GEMMA_2_9B_JSON).unwrap();
+        json["final_logit_softcapping"] = Value::Null;
+        json["sliding_window"] = Value::Null;
+        let off = from_json(&json.to_string()).unwrap();
+        assert_eq!((off.final_softcap, off.sliding_window, off.attn_softcap), (None, None, Some(50.0)));
+
+        // transformers 5 keeps Gemma 3's two RoPEs under rope_parameters.
+        let mut v5: Value = serde_json::from_str(GEMMA_3_1B_JSON).unwrap();
+        for key in ["rope_theta", "rope_local_base_freq", "rope_scaling"] {
+            v5.as_object_mut().unwrap().remove(key);
+        }
+        v5["rope_parameters"] = serde_json::json!({
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}});
+        let v5 = from_json(&v5.to_string()).unwrap();
+        assert_eq!((v5.rope_base, v5.rope_local_base, v5.rope_linear_factor), (1e6, Some(1e4), Some(8.0)));
+        assert_eq!(v5.rope_of(0), (1e4, None));
+        assert_eq!(v5.rope_of(5), (1e6, Some(crate::models::config::linear_rope(8.0))));
+
+        // Mistral's window applies whatever the block; null is none.
+        let mistral = Config::from_hf_json(MISTRAL_7B_JSON, "Mistral-7B-v0.1").unwrap();
+        assert_eq!((mistral.block_size, mistral.sliding_window), (32768, Some(4096)));
+        assert_eq!(
+            from_json(&edit(MISTRAL_7B_JSON, "sliding_window", Value::Null)).unwrap().sliding_window,
+            Some(4096)
+        );
+        let mut json: Value = serde_json::from_str(MISTRAL_7B_JSON).unwrap();
+        json["sliding_window"] = Value::Null;
+        assert_eq!(from_json(&json.to_string()).unwrap().sliding_window, None);
+    }
+
+    #[test]
+    fn gemma_and_mistral_settings_without_a_meaning_here_are_refused_by_name() {
+        let check = |text: &str, needle: &str| {
+            let reason = config_reason(from_json(text));
+            assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
+        };
+        let image_and_text = serde_json::json!({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}});
+        check(
+            &image_and_text.to_string(),
+            "model_type `gemma3` is not supported: it is Gemma 3's image-and-text model",
+        );
+        check(&image_and_text.to_string(), "`gemma3_text`");
+        check(&edit(GEMMA_2_9B_JSON, "attention_bias", Value::Bool(true)), "attention_bias true");
+        check(&edit(GEMMA_3_1B_JSON, "use_bidirectional_attention", Value::Bool(true)), "use_bidirectional_attention");
+        check(&edit(GEMMA_2_9B_JSON, "hidden_activation", "relu".into()), "hidden_activation `relu` is not supported");
+        check(
+            &edit(GEMMA_2_9B_JSON, "layer_types", serde_json::json!(["sliding_attention", "full_attention"])),
+            "layer_types has 2 entries for num_hidden_layers 42",
+        );
+        check(
+            &edit(GEMMA_3_1B_JSON, "layer_types", serde_json::json!(vec!["chunked_attention"; 26])),
+            "layer_types entry `chunked_attention` is not supported",
+        );
+        check(
+            &edit(GEMMA_3_1B_JSON, "rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 8.0})),
+            "rope_type `yarn` (RoPE scaling of the global layers) is not supported",
+        );
+        check(
+            &edit(
+                GEMMA_3_1B_JSON,
+                "rope_parameters",
+                serde_json::json!({"sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+            ),
+            "rope_parameters.sliding_attention.rope_type `linear` is not supported",
+        );
+        check(
+            &edit(GEMMA_3_1B_JSON, "rope_parameters", serde_json::json!({"rope_type": "default", "rope_theta": 1e6})),
+            "holds one object per layer type",
+        );
+        check(
+            &edit(GEMMA_2_9B_JSON, "rope_parameters", serde_json::json!({"rope_type": "linear", "factor": 2.0})),
+            "rope_parameters.rope_type `linear` (RoPE scaling) is not supported",
+        );
+        check(&edit(GEMMA_2_9B_JSON, "attn_logit_softcapping", serde_json::json!(-1.0)), "attn_logit_softcapping -1");
+        check(&edit(GEMMA_3_1B_JSON, "sliding_window_pattern", serde_json::json!(0)), "sliding_window_pattern 0");
+        check(&edit(MISTRAL_7B_JSON, "sliding_window", serde_json::json!(0)), "sliding_window 0");
     }
 
     #[test]

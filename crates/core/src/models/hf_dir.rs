@@ -27,8 +27,8 @@
 //! **Names.** The trace names parameters Llama-style for every family (see
 //! [`super::gpt`]). Each family's [`super::family::Family::rules`] maps its
 //! Hugging Face tensors to trace parameters, with any fusion; loading and
-//! saving both read it. Llama, Mistral and Qwen2 use the trace's names as
-//! they are. GPT-NeoX renames everything and fuses q, k and v into
+//! saving both read it. Llama, Mistral, Qwen2, Qwen3, OLMo 2 and Gemma use
+//! the trace's names as they are. GPT-NeoX renames everything and fuses q, k and v into
 //! `attention.query_key_value`, interleaved per head as `transformers`
 //! views it (`[n_head, 3, head_size, ...]`).
 //!

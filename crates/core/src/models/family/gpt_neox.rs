@@ -5,9 +5,9 @@
 
 use serde_json::json;
 
-use super::{ConfigKeys, Family, Holds, Join, Rule, Unlisted};
+use super::{extra_feature, ConfigKeys, Family, Holds, Join, Rule, Unlisted};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind, QkNorm};
+use crate::models::config::{Config, MlpKind, NormKind, QkNorm, SlidingLayers};
 use crate::models::hf::HfJson;
 
 /// `model_type` `gpt_neox`.
@@ -113,6 +113,15 @@ impl Family for GptNeox {
             lm_head_bias: false,
             qk_norm: QkNorm::None,
             post_norms: false,
+            sandwich_norms: false,
+            scale_embeddings: false,
+            attention_scalar: None,
+            sliding_window: None,
+            sliding_layers: SlidingLayers::All,
+            attn_softcap: None,
+            final_softcap: None,
+            rope_local_base: None,
+            rope_linear_factor: None,
         })
     }
 
@@ -134,6 +143,12 @@ impl Family for GptNeox {
     fn holds(&self, config: &Config) -> Holds {
         if !(config.norm == NormKind::LayerNorm && matches!(config.mlp, MlpKind::Gelu { .. })) {
             return Holds::Other;
+        }
+        if let Some(feature) = extra_feature(config) {
+            return Holds::Not(format!("GPT-NeoX has no {feature}"));
+        }
+        if !config.qk_norm.is_none() || config.post_norms {
+            return Holds::Not("GPT-NeoX has neither q/k norms nor norms after the sublayers".into());
         }
         if !config.bias || config.lm_head_bias || config.shared_attention_norm {
             Holds::Not(
@@ -191,6 +206,15 @@ impl Family for GptNeox {
             lm_head_bias: false,
             qk_norm: QkNorm::None,
             post_norms: false,
+            sandwich_norms: false,
+            scale_embeddings: false,
+            attention_scalar: None,
+            sliding_window: None,
+            sliding_layers: SlidingLayers::All,
+            attn_softcap: None,
+            final_softcap: None,
+            rope_local_base: None,
+            rope_linear_factor: None,
         }
     }
 }

@@ -5,9 +5,9 @@
 
 use serde_json::{json, Value};
 
-use super::{ConfigKeys, Family, Holds};
+use super::{extra_feature, ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind, QkNorm};
+use crate::models::config::{Config, MlpKind, NormKind, QkNorm, SlidingLayers};
 use crate::models::hf::HfJson;
 
 /// `model_type` `llama`: Llama 1–3.x, TinyLlama, and the many models saved
@@ -148,6 +148,15 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
         lm_head_bias: false,
         qk_norm,
         post_norms: false,
+        sandwich_norms: false,
+        scale_embeddings: false,
+        attention_scalar: None,
+        sliding_window: None,
+        sliding_layers: SlidingLayers::All,
+        attn_softcap: None,
+        final_softcap: None,
+        rope_local_base: None,
+        rope_linear_factor: None,
     })
 }
 
@@ -172,8 +181,9 @@ pub fn write_layout(config: &Config, keys: &mut ConfigKeys) {
     keys.set("head_dim", json!(config.head_size));
 }
 
-/// Writes `sliding_window` as unset: a config's block is never longer than
-/// its window (see [`HfJson::block_size`]), so the window changes nothing.
+/// Writes `sliding_window` as unset: a config these families hold has no
+/// window, and one read from a file with a window is no longer than it
+/// (see [`HfJson::block_size`]), where the window changes nothing.
 pub fn write_no_window(keys: &mut ConfigKeys) {
     keys.set("sliding_window", Value::Null);
 }
@@ -188,6 +198,9 @@ pub fn layout_holds(config: &Config) -> Holds {
     let plain = !config.qk_norm.is_none() || config.post_norms;
     if (config.norm, config.mlp) != (NormKind::RmsNorm, MlpKind::LlamaSwiGlu) || plain {
         return Holds::Other;
+    }
+    if let Some(feature) = extra_feature(config) {
+        return Holds::Not(format!("this Llama-style family has no {feature}"));
     }
     if config.rotary_percentage != 1.0 {
         return Holds::Not("this Llama-style family's RoPE rotates whole heads".into());
@@ -245,5 +258,14 @@ pub fn example_layout(name: &str) -> Config {
         lm_head_bias: false,
         qk_norm: QkNorm::None,
         post_norms: false,
+        sandwich_norms: false,
+        scale_embeddings: false,
+        attention_scalar: None,
+        sliding_window: None,
+        sliding_layers: SlidingLayers::All,
+        attn_softcap: None,
+        final_softcap: None,
+        rope_local_base: None,
+        rope_linear_factor: None,
     }
 }

@@ -40,6 +40,8 @@ use super::config::Config;
 use super::hf::HfJson;
 use crate::error::Result;
 
+mod gemma2;
+mod gemma3;
 mod gpt_neox;
 pub mod llama;
 mod mistral;
@@ -64,6 +66,8 @@ macro_rules! for_each_family {
             Qwen3(qwen3::Qwen3),
             Olmo2(olmo2::Olmo2),
             Phi3(phi3::Phi3),
+            Gemma2(gemma2::Gemma2),
+            Gemma3(gemma3::Gemma3Text),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]
             TestRenamed(test_family::TestRenamed),
@@ -101,6 +105,16 @@ impl HfFamily {
     /// The family of a `config.json` `model_type`.
     pub fn from_model_type(model_type: &str) -> Option<HfFamily> {
         HfFamily::ALL.iter().copied().find(|f| f.model_type() == model_type)
+    }
+
+    /// Why a `model_type` that names no family here is refused, when it is
+    /// one people meet beside the supported ones and a reason helps more
+    /// than the list (the image-and-text Gemma 3).
+    pub fn refusal(model_type: &str) -> Option<&'static str> {
+        match model_type {
+            "gemma3" => Some(gemma3::MULTIMODAL_REFUSAL),
+            _ => None,
+        }
     }
 
     /// The supported `model_type`s, in list order, for messages.
@@ -153,13 +167,34 @@ pub enum Holds {
     /// It does, and a save picks this family when none is asked for.
     Chosen,
     /// It does, but a save writes this family only when asked to (Mistral
-    /// computes what Llama computes; Llama is the default).
+    /// without a window computes what Llama computes; Llama is the
+    /// default).
     OnRequest,
     /// The config has this family's kind of network (its norm and MLP) but
     /// a variant the class does not compute: why.
     Not(String),
     /// Another kind of network.
     Other,
+}
+
+/// The first feature of `config` that the families of the Llama and
+/// GPT-NeoX layouts lack (a window, soft-caps, Gemma's scales and norms,
+/// per-layer RoPE), named for a [`Holds::Not`] reason; `None` when it has
+/// none of them. A family that writes a config with such a feature left
+/// out would save another network.
+pub(crate) fn extra_feature(config: &Config) -> Option<&'static str> {
+    let features = [
+        (config.sliding_window.is_some(), "sliding window"),
+        (!config.sliding_layers.is_all(), "split into sliding and global layers"),
+        (config.attn_softcap.is_some(), "attention soft-capping"),
+        (config.final_softcap.is_some(), "logit soft-capping"),
+        (config.attention_scalar.is_some(), "attention scale of its own (query_pre_attn_scalar)"),
+        (config.scale_embeddings, "embedding scale"),
+        (config.sandwich_norms, "norms both before and after each sublayer"),
+        (config.rope_local_base.is_some(), "RoPE base of its own on sliding layers"),
+        (config.rope_linear_factor.is_some(), "linear RoPE scaling"),
+    ];
+    features.into_iter().find(|(has, _)| *has).map(|(_, what)| what)
 }
 
 /// What parameters a family's [`Rule`] table does not list become.
