@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Hugging Face folders through stepgraph and back, checked against PyTorch.
 
-For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gpt_neox; tied and untied
-heads; Llama-3.x RoPE scaling; sharded and single-file), on the GPU machine
+For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gemma2,
+gemma3_text, gpt_neox; tied and untied heads; Llama-3.x and linear RoPE
+scaling; sliding windows shorter than the sequence; soft-caps; sharded and
+single-file), on the GPU machine
 (PyTorch and transformers 5.x installed, no network):
 
 1. build a small random model with `transformers` (f32, eager attention) and
@@ -81,6 +83,25 @@ def variants():
         attention_dropout=0.0,
         hidden_dropout=0.0,
     )
+    gemma = dict(
+        vocab_size=96,
+        hidden_size=72,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        query_pre_attn_scalar=20,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        sliding_window=5,
+        hidden_activation="gelu_pytorch_tanh",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    gemma3_layers = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     return [
         ("llama", "llama", dict(llama_like, tie_word_embeddings=False), None),
         ("llama-tied-sharded", "llama", dict(llama_like, tie_word_embeddings=True), "40KB"),
@@ -102,6 +123,30 @@ def variants():
                               tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2), None),
         ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
                                            bos_token_id=2), "40KB"),
+        # Mistral with a window shorter than the 24-token sequence.
+        ("mistral-window", "mistral", dict(llama_like, tie_word_embeddings=False, sliding_window=5), None),
+        # Gemma 2: offset norms before and after each sublayer, GeGLU, scaled
+        # embeddings, query_pre_attn_scalar apart from head_dim, head_dim
+        # apart from hidden / heads, a window shorter than the sequence on
+        # the sliding layers, soft-caps that bite.
+        ("gemma2", "gemma2", dict(gemma, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  attn_logit_softcapping=1.0, final_logit_softcapping=1.5,
+                                  tie_word_embeddings=True), None),
+        ("gemma2-untied-sharded", "gemma2", dict(gemma, layer_types=["sliding_attention", "full_attention",
+                                                                     "full_attention"],
+                                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                                 tie_word_embeddings=False), "40KB"),
+        # Gemma 3's language model: per-head q/k norms, two RoPE bases (the
+        # global layers' scaled linearly), two sliding layers to one global.
+        ("gemma3_text", "gemma3_text", dict(gemma, num_hidden_layers=4, layer_types=gemma3_layers,
+                                            rope_theta=1e6, rope_local_base_freq=100.0,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                            tie_word_embeddings=True), None),
+        ("gemma3_text-capped-sharded", "gemma3_text", dict(gemma, num_hidden_layers=4, layer_types=gemma3_layers,
+                                                           rope_theta=1e4, rope_local_base_freq=500.0,
+                                                           attn_logit_softcapping=1.0,
+                                                           final_logit_softcapping=1.5,
+                                                           tie_word_embeddings=True), "40KB"),
         ("gpt_neox", "gpt_neox", dict(neox, tie_word_embeddings=False), None),
         ("gpt_neox-sequential-sharded", "gpt_neox", dict(neox, tie_word_embeddings=False, use_parallel_residual=False), "40KB"),
     ]
@@ -116,7 +161,16 @@ def make_config(model_type, kwargs):
     config_class = type(AutoConfig.for_model(model_type))
     params = inspect.signature(config_class.__init__).parameters
     accepts_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if "rope_parameters" in params:
+    if model_type == "gemma3_text" and "rope_parameters" in params:
+        # transformers 5: one RoPE per layer type, the scaling on the global layers.
+        full = dict(scaling or {"rope_type": "default"})
+        full["rope_theta"] = kwargs.pop("rope_theta", 1e6)
+        local = kwargs.pop("rope_local_base_freq", 10000.0)
+        kwargs["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+    elif "rope_parameters" in params:
         rope = dict(scaling or {"rope_type": "default"})
         rope["rope_theta"] = kwargs.get("rope_theta", 10000.0)
         if "partial_rotary_factor" in kwargs:
@@ -136,13 +190,15 @@ def make_config(model_type, kwargs):
 
 def randomize(model, seed):
     """Weights larger than the default init, so every path matters in the
-    comparison; norms near 1, biases small but non-zero."""
+    comparison; norms near 1 (Gemma's, stored as offsets from 1, near 0),
+    biases small but non-zero."""
     g = torch.Generator().manual_seed(seed)
+    offset_norms = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
+                p.copy_((0.0 if offset_norms else 1.0) + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.05 * noise)
             else:
