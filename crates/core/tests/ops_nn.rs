@@ -271,7 +271,6 @@ fn softmax_ref(x: &[f64], n: usize) -> Vec<f64> {
 /// softmax, times v, with kv heads repeated as Hugging Face `repeat_kv`.
 /// `dk` (q, k) and `dv` (v, o) head sizes may differ. Returns (o, lse).
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 fn attention_ref(
     q: &[f64],
     k: &[f64],
