@@ -22,6 +22,7 @@ Workloads (the same geometry, dtype, batch and loss as `stepgraph bench
     w3       tiny Llama (2 layers, width 256), f32, 1 x 256, loss = sum(logits)
     w5       open_llama_3b (26 layers), bf16, 4 x 2048, cross-entropy, AdamW
     l8-2l    Meta-Llama-3-8B with 2 layers, bf16, 1 x 4096, as w5
+    g3-1b    Gemma-3-1B (text), bf16, 1 x 8192, as w5
     w7       Meta-Llama-3-8B (32 layers), bf16, 1 x 4096, cross-entropy, gradient
              clipping at 1.0, AdamW (about 105 GB in eager mode; --checkpointing
              recomputes each layer in backward to fit a smaller GPU)
@@ -114,6 +115,28 @@ def qwen25_7b_head_size_1():
     return cfg
 
 
+def gemma3_1b():
+    """Gemma-3-1B's text geometry: 26 layers of 4 query heads and 1 kv head
+    of 256, sliding windows of 512 on five layers of every six (their RoPE
+    base 10,000, the global layers' 1,000,000), a 262,144-token tied head."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+    )
+    # transformers 5 takes both RoPE bases in `rope_parameters`, 4 in two keys.
+    if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict) and \
+            "full_attention" in cfg.rope_parameters:
+        cfg.rope_parameters["full_attention"]["rope_theta"] = 1000000.0
+        cfg.rope_parameters["sliding_attention"]["rope_theta"] = 10000.0
+    else:
+        cfg.rope_theta, cfg.rope_local_base_freq = 1000000.0, 10000.0
+    return cfg
+
+
 # name: (config builder, dtype, batch, seq, loss, optimizer)
 #   loss: "sum" (sum of the logits) or "ce" (cross-entropy, labels = input ids)
 #   optimizer: None (gradients only), "adamw", or "adamw-clip" (global norm clipped to 1.0 first)
@@ -125,6 +148,7 @@ WORKLOADS["w3"] = (lambda: llama_config(2, 256, 4, 688), torch.float32, 1, 256, 
 WORKLOADS["w5"] = (lambda: open_llama_3b(26), torch.bfloat16, 4, 2048, "ce", "adamw")
 WORKLOADS["l8-2l"] = (lambda: llama3_8b(2), torch.bfloat16, 1, 4096, "ce", "adamw")
 WORKLOADS["w7"] = (lambda: llama3_8b(32), torch.bfloat16, 1, 4096, "ce", "adamw-clip")
+WORKLOADS["g3-1b"] = (gemma3_1b, torch.bfloat16, 1, 8192, "ce", "adamw")
 
 
 def build(name, seed=0, checkpointing=False, device="cuda"):
@@ -200,7 +224,7 @@ def save_reference(model, ids, step, folder):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, help="w1, w1-bf16, w2, w3, w5, l8-2l or w7")
+    ap.add_argument("--workload", required=True, help="w1, w1-bf16, w2, w3, w5, l8-2l, w7 or g3-1b")
     ap.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
@@ -214,7 +238,7 @@ def main():
                     help="write config, weights, input ids, loss and gradients of one step here first")
     args = ap.parse_args()
     if args.workload not in WORKLOADS:
-        ap.error(f"unknown workload {args.workload!r}; known: w1 w1-bf16 w2 w3 w5 l8-2l w7")
+        ap.error(f"unknown workload {args.workload!r}; known: w1 w1-bf16 w2 w3 w5 l8-2l w7 g3-1b")
     if args.iters < 0 or args.warmup < 0:
         ap.error("--iters and --warmup must not be negative")
 

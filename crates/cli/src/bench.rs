@@ -38,6 +38,10 @@ pub enum Workload {
     /// 8B geometry (vocabulary, widths) of a one-card fine-tune.
     #[value(name = "l8-2l")]
     L8TwoLayers,
+    /// Gemma-3-1B (text), bf16, AdamW, 1 × 8192: head size 256, sliding
+    /// windows of 512 on five layers of every six.
+    #[value(name = "g3-1b")]
+    G3OneB,
 }
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq, Serialize)]
@@ -233,6 +237,18 @@ fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
             },
             StepKind::Train,
         ),
+        Workload::G3OneB => (
+            ModelSpec {
+                config: named("gemma-3-1b", Overrides::default())?,
+                batch: 1,
+                seq: 8192,
+                dtype: DType::BF16,
+                loss: LossKind::CrossEntropy,
+                adapters: None,
+                documents: false,
+            },
+            StepKind::Train,
+        ),
         Workload::W5 => (
             ModelSpec {
                 config: named("open_llama_3b", Overrides::default())?,
@@ -327,7 +343,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let (mut spec, kind) = spec(args.workload)?;
     if let Some((lo, hi)) = args.documents {
         if spec.loss != LossKind::CrossEntropy {
-            bail!("--documents needs a cross-entropy workload (w2, w5, l8-2l): packed documents predict their own tokens");
+            bail!(
+                "--documents needs a cross-entropy workload (w2, w5, l8-2l, g3-1b): packed documents predict their own \
+                 tokens"
+            );
         }
         spec.documents = true;
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
@@ -346,7 +365,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.clip_grad_norm > 0.0 {
         if kind != StepKind::Train {
             let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
-            bail!("--clip-grad-norm needs a train workload (w5, l8-2l): {name} computes gradients only");
+            bail!("--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b): {name} computes gradients only");
         }
         opts.train.clip_grad_norm = Some(args.clip_grad_norm);
     }
@@ -434,6 +453,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn g3_1b_is_gemma_3_1b_with_its_sliding_pattern() {
+        let (spec, kind) = spec(Workload::G3OneB).unwrap();
+        spec.validate().unwrap();
+        assert_eq!((kind, spec.batch, spec.seq, spec.config.n_layer, spec.config.head_size), (StepKind::Train, 1, 8192, 26, 256));
+        // Five sliding layers of 512, then a global one.
+        let windows: Vec<usize> = (0..6).map(|l| spec.config.scores(l).window).collect();
+        assert_eq!(windows, [512, 512, 512, 512, 512, 0]);
+    }
 
     #[test]
     fn packed_positions_fill_rows_and_count_skipped_tiles() {

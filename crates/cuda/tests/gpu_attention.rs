@@ -4,8 +4,10 @@
 //! the tile sizes, the tensor-core widths, unit-scale logits, the backward
 //! with and without the lse cotangent): large logits in every dtype,
 //! the CUDA-core kernels forced by `STEPGRAPH_ATTENTION=simt`, bitwise
-//! determinism, and the W1 and W2 benchmark shapes checked on whole kv
-//! groups, all against the CPU reference (`stepgraph_core::testing::run_op`).
+//! determinism, the W1 and W2 benchmark shapes checked on whole kv
+//! groups, and the samples with sliding windows, soft-caps and packed
+//! documents on every kernel family (warpgroup, `mma.sync`, CUDA-core), all
+//! against the CPU reference (`stepgraph_core::testing::run_op`).
 //!
 //! Every test needs an NVIDIA GPU: `scripts/gpu-test.sh`.
 
@@ -15,7 +17,7 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::attention::{Attention, AttentionBackward};
 use stepgraph_core::ops::sample::normal;
-use stepgraph_core::ops::{Op, Sample};
+use stepgraph_core::ops::{samples_by_op, Op, Sample};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op as cpu_run};
 use stepgraph_cuda::testing::run_op as gpu_run;
 
@@ -325,4 +327,54 @@ fn simt_kernels_match_cpu() {
     }
     std::env::remove_var("STEPGRAPH_ATTENTION");
     report.finish();
+}
+
+/// The attention samples with a window, a soft-cap or packed documents
+/// (windows and documents shorter and longer than a tile, head sizes of
+/// every kernel family up to 256, GQA), forward and backward, on each
+/// kernel family in turn: the default (warpgroup MMA on Hopper for 16-bit
+/// widths 80..=128), `mma.sync` (`STEPGRAPH_PORTABLE_KERNELS=1`) and the
+/// CUDA-core kernels (`STEPGRAPH_ATTENTION=simt`), each against the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn windows_soft_caps_and_documents_match_cpu_on_every_kernel_family() {
+    let masked = |op: &Op, inputs: usize| match op {
+        Op::Attention(a) => a.scores != Default::default() || inputs == 4,
+        Op::AttentionBackward(a) => a.scores != Default::default() || a.documents,
+        _ => false,
+    };
+    let mut failed = Vec::new();
+    let mut checked = 0;
+    for (var, value) in [(None, ""), (Some("STEPGRAPH_PORTABLE_KERNELS"), "1"), (Some("STEPGRAPH_ATTENTION"), "simt")] {
+        if let Some(v) = var {
+            std::env::set_var(v, value);
+        }
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for (name, samples) in samples_by_op(dtype) {
+                for (i, s) in samples.iter().enumerate().filter(|(_, s)| masked(&s.op, s.inputs.len())) {
+                    let inputs = draw_sample(s, 7).unwrap();
+                    let (got, want) = (gpu(&s.op, &inputs), cpu(&s.op, &inputs));
+                    let d = inputs[0].ty.shape[3];
+                    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let tol = match (&s.op, k) {
+                            (Op::Attention(_), 0) => attention_tol(dtype),
+                            (Op::Attention(_), _) => lse_tol(dtype),
+                            (_, 3) => continue, // delta: the row terms, checked through gq and gk
+                            _ => attention_grad_tol(dtype, d),
+                        };
+                        let e = err(g, w);
+                        if e.is_nan() || e > tol {
+                            failed.push(format!("{var:?} {name}#{i} {dtype} output {k}: off by {e:.3e} (tolerance {tol:.0e})"));
+                        }
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        if let Some(v) = var {
+            std::env::remove_var(v);
+        }
+    }
+    assert!(checked > 100, "only {checked} masked samples");
+    assert!(failed.is_empty(), "{} mismatches:\n{}", failed.len(), failed.join("\n"));
 }
