@@ -117,9 +117,10 @@ def variants():
         # OLMo 2: norms over all of q and k, norms after the sublayers.
         ("olmo2", "olmo2", dict(llama_like, rms_norm_eps=1e-5, tie_word_embeddings=False), None),
         ("olmo2-tied-sharded", "olmo2", dict(llama_like, tie_word_embeddings=True), "40KB"),
-        # Phi-3: q/k/v and gate/up stacked, RoPE on part of each head (its
-        # config's default pad and eos ids, 32000, lie outside a tiny vocabulary).
-        ("phi3", "phi3", dict(llama_like, rms_norm_eps=1e-5, partial_rotary_factor=0.75,
+        # Phi-3: q/k/v and gate/up stacked, RoPE on part of each head, a
+        # window shorter than the sequence (its config's default pad and eos
+        # ids, 32000, lie outside a tiny vocabulary).
+        ("phi3", "phi3", dict(llama_like, rms_norm_eps=1e-5, partial_rotary_factor=0.75, sliding_window=7,
                               tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2), None),
         ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
                                            bos_token_id=2), "40KB"),

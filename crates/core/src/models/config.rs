@@ -780,11 +780,11 @@ fn qwen3_8b() -> Config {
 
 /// Phi-3-mini (4k): the Llama layout (its q/k/v and gate/up stored
 /// stacked), 32064 embedding rows, full multi-head attention, RMSNorm eps
-/// 1e-5. Its 2047-token sliding window bounds the block: within it the
-/// window changes nothing.
+/// 1e-5, a 2047-token sliding window over its 4096 positions.
 fn phi_3_mini_4k() -> Config {
     Config {
-        block_size: 2047,
+        block_size: 4096,
+        sliding_window: Some(2047),
         vocab_size: 32064,
         padded_vocab_size: 32064,
         n_layer: 32,

@@ -1,15 +1,16 @@
 //! Phi-3 (`Phi3ForCausalLM`: Phi-3, Phi-3.5, Phi-4 and Phi-4-mini): the
 //! Llama layout with q, k and v stored stacked as one `qkv_proj` tensor and
 //! the gate and up projections as one `gate_up_proj`, RoPE on a part of
-//! each head when `partial_rotary_factor` says so, its sliding window
-//! whenever `sliding_window` is set, and no biases.
+//! each head when `partial_rotary_factor` says so, a sliding window on
+//! every layer whenever `sliding_window` is set (query `i` sees keys
+//! `i + 1 − window..=i`, as `transformers`' mask has it), and no biases.
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::llama::{self, Variant};
 use super::{ConfigKeys, Family, Holds, Join, Rule};
 use crate::error::Result;
-use crate::models::config::{Config, QkNorm};
+use crate::models::config::{Config, QkNorm, SlidingLayers};
 use crate::models::hf::HfJson;
 
 /// `model_type` `phi3`.
@@ -48,7 +49,7 @@ impl Family for Phi3 {
                 bias: false,
                 attn_qkv_bias: false,
                 default_positions: 4096,
-                sliding: true,
+                sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
             })
@@ -64,13 +65,18 @@ impl Family for Phi3 {
             }
             config.rotary_percentage = fraction;
         }
+        // transformers' Phi3Config has no window unless the file gives one.
+        config.sliding_window = hf.usize_or("sliding_window", None)?;
+        if config.sliding_window == Some(0) {
+            return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
+        }
         Ok(config)
     }
 
     fn write_config(&self, config: &Config, keys: &mut ConfigKeys) {
         llama::write_layout(config, keys);
         keys.set_rope("partial_rotary_factor", json!(config.rotary_percentage));
-        llama::write_no_window(keys);
+        keys.set("sliding_window", config.sliding_window.map_or(Value::Null, |w| json!(w)));
     }
 
     /// An unbiased Llama-layout model, written as `phi3` only when asked
@@ -78,7 +84,11 @@ impl Family for Phi3 {
     /// with its q/k/v and gate/up tensors stacked. Its heads are the width
     /// over the heads, as Phi-3 derives them.
     fn holds(&self, config: &Config) -> Holds {
-        match llama::partial_rope_layout_holds(config) {
+        if config.sliding_window.is_some() && !config.sliding_layers.is_all() {
+            return Holds::Not("Phi-3's window applies to every layer".into());
+        }
+        let unwindowed = Config { sliding_window: None, sliding_layers: SlidingLayers::All, ..config.clone() };
+        match llama::partial_rope_layout_holds(&unwindowed) {
             Holds::Chosen if config.bias || config.attn_qkv_bias => {
                 Holds::Not("Phi-3 has no biases on its linear layers".into())
             }
@@ -96,6 +106,12 @@ impl Family for Phi3 {
 
     #[cfg(test)]
     fn example(&self) -> Config {
-        Config { head_size: 8, rotary_percentage: 0.75, norm_eps: 1e-6, ..llama::example_layout("phi3-example") }
+        Config {
+            head_size: 8,
+            rotary_percentage: 0.75,
+            norm_eps: 1e-6,
+            sliding_window: Some(3),
+            ..llama::example_layout("phi3-example")
+        }
     }
 }
