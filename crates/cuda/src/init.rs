@@ -29,9 +29,10 @@ const THREADS: u32 = 256;
 const MAX_BLOCKS: u64 = 4096;
 
 /// The launch writing the initial value of the parameter `name` under
-/// `seed` into `out`; `None` for a parameter without elements. Refuses a
+/// `seed` into `out` by the rule `init` (`stepgraph_core::models::param_init`
+/// of the trace); `None` for a parameter without elements. Refuses a
 /// parameter that is not of a float type, naming it.
-pub fn init_launch(name: &str, out: &DevTensor, seed: u64) -> Result<Option<KernelLaunch>> {
+pub fn init_launch(init: ParamInit, name: &str, out: &DevTensor, seed: u64) -> Result<Option<KernelLaunch>> {
     let dtype = out.ty.dtype;
     let suffix = match dtype {
         DType::F32 => "f32",
@@ -53,7 +54,6 @@ pub fn init_launch(name: &str, out: &DevTensor, seed: u64) -> Result<Option<Kern
         return Ok(None);
     }
     let blocks = n.div_ceil(THREADS as u64).min(MAX_BLOCKS) as u32;
-    let init = ParamInit::of(name, &out.ty.shape);
     Ok(Some(KernelLaunch {
         module: MODULE.name,
         function: format!("init_param_{suffix}"),
@@ -79,13 +79,25 @@ mod tests {
     use super::*;
     use stepgraph_core::models::init::irwin_hall_scale;
 
+    /// The rule a parameter called `name` of `t`'s shape follows.
+    fn by_name(name: &str, t: &DevTensor) -> ParamInit {
+        ParamInit::of(name, &t.ty.shape)
+    }
+
     fn tensor(dtype: DType, n: usize) -> DevTensor {
         DevTensor { ty: TensorType::new(dtype, [n]), ptr: 1 << 40 }
     }
 
     #[test]
     fn one_launch_per_parameter_with_the_hosts_stream_and_scale() {
-        let l = init_launch("model.layers.0.mlp.up_proj.weight", &tensor(DType::BF16, 1000), 3).unwrap().unwrap();
+        let l = init_launch(
+            by_name("model.layers.0.mlp.up_proj.weight", &tensor(DType::BF16, 1000)),
+            "model.layers.0.mlp.up_proj.weight",
+            &tensor(DType::BF16, 1000),
+            3,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!((l.module, l.function.as_str()), ("init", "init_param_bf16"));
         assert_eq!((l.grid, l.block), ((4, 1, 1), (256, 1, 1)));
         let stream = param_stream(3, "model.layers.0.mlp.up_proj.weight");
@@ -95,15 +107,25 @@ mod tests {
         );
         // An adapter's A matrix: uniform, its scale from its fan-in (the last dimension).
         let a = DevTensor { ty: TensorType::new(DType::F32, [8, 64]), ptr: 1 << 40 };
-        let l = init_launch("m.q_proj.lora_A.weight", &a, 3).unwrap().unwrap();
+        let l = init_launch(by_name("m.q_proj.lora_A.weight", &a), "m.q_proj.lora_A.weight", &a, 3).unwrap().unwrap();
         assert_eq!(l.args[3..], [Arg::I32(3), Arg::F32((1.0 / (8.0 * 8_388_608.0)) as f32)]);
         // Norms and biases by code; the grid stops growing, the loop strides.
-        let l = init_launch("model.norm.weight", &tensor(DType::F32, 1 << 30), 3).unwrap().unwrap();
+        let l = init_launch(
+            by_name("model.norm.weight", &tensor(DType::F32, 1 << 30)),
+            "model.norm.weight",
+            &tensor(DType::F32, 1 << 30),
+            3,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!((l.args[3].clone(), l.grid.0), (Arg::I32(1), 4096));
-        let l = init_launch("lm_head.bias", &tensor(DType::F16, 7), 3).unwrap().unwrap();
+        let l = init_launch(by_name("lm_head.bias", &tensor(DType::F16, 7)), "lm_head.bias", &tensor(DType::F16, 7), 3)
+            .unwrap()
+            .unwrap();
         assert_eq!((l.args[3].clone(), l.function.as_str()), (Arg::I32(0), "init_param_f16"));
-        assert!(init_launch("w", &tensor(DType::F64, 0), 3).unwrap().is_none());
-        let e = init_launch("w", &tensor(DType::I32, 4), 3).unwrap_err().to_string();
+        assert!(init_launch(by_name("w", &tensor(DType::F64, 0)), "w", &tensor(DType::F64, 0), 3).unwrap().is_none());
+        let e =
+            init_launch(by_name("w", &tensor(DType::I32, 4)), "w", &tensor(DType::I32, 4), 3).unwrap_err().to_string();
         assert!(e.contains("`w`") && e.contains("dtype i32"), "{e}");
     }
 
@@ -127,7 +149,8 @@ mod tests {
     fn the_launch_fits_the_compiled_kernel() {
         let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
-            let l = init_launch("w", &tensor(dtype, 1 << 20), 1).unwrap().unwrap();
+            let l =
+                init_launch(by_name("w", &tensor(dtype, 1 << 20)), "w", &tensor(dtype, 1 << 20), 1).unwrap().unwrap();
             crate::ops::sweep::check_signature(&format!("init {dtype}"), &cubin, &l);
         }
     }

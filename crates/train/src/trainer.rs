@@ -30,8 +30,8 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId, ValueKind};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::hf_dir::HfModelDir;
-use stepgraph_core::models::init_param;
 use stepgraph_core::models::lora::is_adapter_weight;
+use stepgraph_core::models::{init_param_as, param_init};
 use stepgraph_core::pipeline::{CompileTimes, CompiledStep};
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_cuda::nccl::NcclGroup;
@@ -718,7 +718,7 @@ pub fn init_weights(
             for p in forward.params() {
                 let name = forward.value(p).kind.leaf_name().unwrap_or_default();
                 if is_adapter_weight(name) {
-                    session.write_named(name, &init_param(name, forward.ty(p), seed)?)?;
+                    session.write_named(name, &init_param_as(param_init(forward, p), name, forward.ty(p), seed)?)?;
                 }
             }
         }

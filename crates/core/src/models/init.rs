@@ -22,7 +22,9 @@
 //! ±√12·σ ≈ ±0.0693 (a normal would exceed that once in about 1 900
 //! draws). The four uniforms are the four 16-bit quarters of one splitmix64
 //! output. Biases start at zero and norm weights at one, as litgpt and
-//! Hugging Face initialise a fresh model.
+//! Hugging Face initialise a fresh model; a norm weight stored as an offset
+//! from one (Gemma's `x·(1 + w)`, recorded as `w + 1`) starts at zero, so
+//! the fresh network is the same ([`param_init`]).
 //!
 //! **Adapters** start as PEFT starts them: a LoRA `A` matrix (`*.lora_A.weight`,
 //! `[rank, in]`) is uniform on `[−1/√in, 1/√in)` (PyTorch's Kaiming-uniform
@@ -41,6 +43,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{DType, TensorType, Trace, ValueId};
+use crate::ops::{BinaryFn, Op};
 
 /// The standard deviation of a random weight.
 pub const INIT_STD: f64 = 0.02;
@@ -167,6 +170,11 @@ pub fn uniform_value(stream: u64, i: u64, scale: f32) -> f32 {
 /// Refuses a dtype that is not a float type and bytes that are not a whole
 /// number of elements.
 pub fn fill_param(name: &str, ty: &TensorType, seed: u64, out: &mut [u8]) -> Result<()> {
+    fill_param_as(ParamInit::of(name, &ty.shape), name, ty, seed, out)
+}
+
+/// [`fill_param`] by the rule `init` (see [`param_init`]).
+pub fn fill_param_as(init: ParamInit, name: &str, ty: &TensorType, seed: u64, out: &mut [u8]) -> Result<()> {
     let dtype = ty.dtype;
     fn fill<T: bytemuck::Pod + Send>(out: &mut [u8], value: impl Fn(u64) -> T + Sync) {
         let s: &mut [T] = bytemuck::cast_slice_mut(out);
@@ -189,7 +197,6 @@ pub fn fill_param(name: &str, ty: &TensorType, seed: u64, out: &mut [u8]) -> Res
     if !out.len().is_multiple_of(dtype.size()) || out.as_ptr().align_offset(dtype.size()) != 0 {
         return bad(format!("{} bytes are not whole aligned {dtype} elements", out.len()));
     }
-    let init = ParamInit::of(name, &ty.shape);
     let (stream, scale) = (param_stream(seed, name), init.scale());
     let value = move |i: u64| match init {
         ParamInit::Zeros => 0.0f32,
@@ -209,9 +216,40 @@ pub fn fill_param(name: &str, ty: &TensorType, seed: u64, out: &mut [u8]) -> Res
 
 /// The initial value of the parameter `name` of type `ty` (a float type).
 pub fn init_param(name: &str, ty: &TensorType, seed: u64) -> Result<HostTensor> {
+    init_param_as(ParamInit::of(name, &ty.shape), name, ty, seed)
+}
+
+/// [`init_param`] by the rule `init` (see [`param_init`]).
+pub fn init_param_as(init: ParamInit, name: &str, ty: &TensorType, seed: u64) -> Result<HostTensor> {
     let mut t = HostTensor::zeros(ty.clone());
-    fill_param(name, ty, seed, t.bytes_mut())?;
+    fill_param_as(init, name, ty, seed, t.bytes_mut())?;
     Ok(t)
+}
+
+/// How parameter `p` of `trace` starts: by its name ([`ParamInit::of`]),
+/// except that a norm weight the trace adds one to before use (directly or
+/// after a cast: `x·(1 + w)`, Gemma's RMSNorm) starts at zero rather than
+/// one, as `transformers` starts it, so that the fresh network normalises
+/// with a unit scale like every other.
+pub fn param_init(trace: &Trace, p: ValueId) -> ParamInit {
+    let name = trace.value(p).kind.leaf_name().unwrap_or_default();
+    let rule = ParamInit::of(name, &trace.ty(p).shape);
+    if rule == ParamInit::Ones && is_unit_offset(trace, p) {
+        ParamInit::Zeros
+    } else {
+        rule
+    }
+}
+
+/// Whether `v` (or a cast of it) is added to a constant one.
+fn is_unit_offset(trace: &Trace, v: ValueId) -> bool {
+    let is_one =
+        |x: ValueId| trace.producer(x).is_some_and(|n| matches!(&trace.node(n).op, Op::Full(f) if f.value == 1.0));
+    trace.nodes.iter().filter(|n| n.inputs.contains(&v)).any(|n| match &n.op {
+        Op::Cast(_) => n.outputs.iter().any(|&o| is_unit_offset(trace, o)),
+        Op::Binary(b) if b.f == BinaryFn::Add => n.inputs.iter().any(|&x| x != v && is_one(x)),
+        _ => false,
+    })
 }
 
 /// Initial values of every parameter of `trace` (a forward or a step
@@ -229,7 +267,7 @@ pub fn init_params(trace: &Trace, seed: u64) -> Vec<(ValueId, HostTensor)> {
         .filter(|&v| !trace.value(v).kind.leaf_name().is_some_and(crate::models::lora::is_quantized_leaf))
         .map(|p| {
             let name = trace.value(p).kind.leaf_name().expect("a parameter is a leaf");
-            (p, init_param(name, trace.ty(p), seed).unwrap_or_else(|e| panic!("{e}")))
+            (p, init_param_as(param_init(trace, p), name, trace.ty(p), seed).unwrap_or_else(|e| panic!("{e}")))
         })
         .collect()
 }
@@ -395,6 +433,42 @@ mod tests {
             }
         }
         assert_eq!(params, by_name(&fwd, 3), "deterministic in the seed");
+    }
+
+    #[test]
+    fn norms_stored_as_offsets_from_one_start_at_zero() {
+        let small = crate::models::Overrides {
+            n_layer: Some(2),
+            n_embd: Some(64),
+            n_head: Some(4),
+            n_query_groups: Some(1),
+            vocab_size: Some(96),
+            intermediate_size: Some(128),
+            ..Default::default()
+        };
+        let config = crate::models::Config::named("gemma-3-1b").unwrap().with_overrides(&small).unwrap();
+        let spec = ModelSpec {
+            config,
+            batch: 1,
+            seq: 8,
+            dtype: DType::BF16,
+            loss: LossKind::CrossEntropy,
+            adapters: None,
+            documents: false,
+        };
+        let fwd = build_forward(&spec).unwrap();
+        let norms: Vec<(String, HostTensor)> =
+            by_name(&fwd, 3).into_iter().filter(|(n, _)| n.contains("norm")).collect();
+        // The four sandwich norms of each layer, its q and k norms and the final one.
+        assert_eq!(norms.len(), 2 * 6 + 1);
+        for (name, t) in &norms {
+            assert!(t.to_f64().iter().all(|&v| v == 0.0), "{name} should start at zero (x·(1 + w))");
+        }
+        // A plain RMSNorm's weight still starts at one.
+        let llama =
+            build_forward(&ModelSpec::named("tiny-llama", 1, 8, DType::F32, LossKind::CrossEntropy).unwrap()).unwrap();
+        let w = llama.leaf_by_name("model.norm.weight").unwrap();
+        assert_eq!(param_init(&llama, w), ParamInit::Ones);
     }
 
     #[test]

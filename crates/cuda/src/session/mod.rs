@@ -564,7 +564,8 @@ impl CudaSession {
             let out = dev_tensor(&self.trace, &self.plan, self.bases, p);
             tensors += 1;
             bytes += out.ty.bytes();
-            launches.extend(crate::init::init_launch(name, &out, seed)?);
+            let rule = stepgraph_core::models::param_init(&self.trace, p);
+            launches.extend(crate::init::init_launch(rule, name, &out, seed)?);
         }
         let module = self.init_module()?;
         let mut functions: HashMap<String, cudarc::driver::sys::CUfunction> = HashMap::new();
