@@ -97,7 +97,9 @@ def variants():
         rope_theta=10000.0,
         sliding_window=5,
         hidden_activation="gelu_pytorch_tanh",
-        pad_token_id=0,
+        # No pad id: PyTorch's embedding gives a pad row no gradient, and
+        # the random ids here use every row.
+        pad_token_id=None,
         eos_token_id=1,
         bos_token_id=2,
     )
@@ -118,11 +120,13 @@ def variants():
         ("olmo2", "olmo2", dict(llama_like, rms_norm_eps=1e-5, tie_word_embeddings=False), None),
         ("olmo2-tied-sharded", "olmo2", dict(llama_like, tie_word_embeddings=True), "40KB"),
         # Phi-3: q/k/v and gate/up stacked, RoPE on part of each head, a
-        # window shorter than the sequence (its config's default pad and eos
-        # ids, 32000, lie outside a tiny vocabulary).
+        # window shorter than the sequence. Its config's default pad and eos
+        # ids (32000) lie outside a tiny vocabulary, and a pad id makes
+        # PyTorch's embedding leave that row without a gradient, which
+        # stepgraph's does not: no pad id, as the other variants.
         ("phi3", "phi3", dict(llama_like, rms_norm_eps=1e-5, partial_rotary_factor=0.75, sliding_window=7,
-                              tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2), None),
-        ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                              tie_word_embeddings=False, pad_token_id=None, eos_token_id=1, bos_token_id=2), None),
+        ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True, pad_token_id=None, eos_token_id=1,
                                            bos_token_id=2), "40KB"),
         # Mistral with a window shorter than the 24-token sequence.
         ("mistral-window", "mistral", dict(llama_like, tie_word_embeddings=False, sliding_window=5), None),
