@@ -15,7 +15,7 @@ use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STE
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, Trace, ValueKind};
-use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{POSITIONS_INPUT, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::ops::optim::AdamW;
 use stepgraph_core::passes::recompute::RecomputePolicy;
@@ -67,6 +67,11 @@ const LR: f64 = 1e-3;
 fn step_inputs(step: &Trace, sp: &ModelSpec, it: usize, mut write: impl FnMut(&str, &HostTensor)) {
     for (n, t) in batch(sp, it as u64) {
         write(n, &t);
+    }
+    if sp.documents {
+        // Documents of 5, 1 and 10 tokens in row 0, of 7 and 9 in row 1.
+        let p: Vec<f64> = [5, 1, 10, 7, 9].iter().flat_map(|&len| (0..len).map(|i| i as f64)).collect();
+        write(POSITIONS_INPUT, &HostTensor::from_f64(TensorType::new(DType::I32, [sp.batch, sp.seq]), &p));
     }
     if step.leaf_by_name(LR_INPUT).is_some() {
         write(LR_INPUT, &scalar_input(LR));
@@ -152,8 +157,39 @@ fn tiny_models_match_the_cpu() {
         // The least budget moves the frozen embedding to host memory.
         ("tiny-llama", DType::BF16, 3e-2, Build::LeastBudget, Some(lora(BaseStorage::Nf4 { double_quant: true }, 0.0))),
     ] {
+        let sp = ModelSpec { adapters: adapters.clone(), ..spec(name, dtype) };
+        step_matches_cpu(&sp, how, tol);
+    }
+    // Packed documents (positions per token), and a Gemma 2 geometry whose
+    // window, attention soft-cap and logit soft-cap all bite at 16 tokens.
+    let packed = ModelSpec { documents: true, ..spec("tiny-llama", DType::BF16) };
+    step_matches_cpu(&packed, Build::Default, 3e-2);
+    step_matches_cpu(&ModelSpec { documents: true, ..spec("tiny-llama", DType::F32) }, Build::Plain, 1e-4);
+    let small = Overrides {
+        n_layer: Some(2),
+        n_embd: Some(64),
+        n_head: Some(4),
+        n_query_groups: Some(2),
+        vocab_size: Some(256),
+        intermediate_size: Some(96),
+        ..Default::default()
+    };
+    let gemma = Config::named("gemma-2-2b").unwrap().with_overrides(&small).unwrap();
+    let gemma = Config { sliding_window: Some(5), attn_softcap: Some(2.0), final_softcap: Some(3.0), ..gemma };
+    for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2)] {
+        let sp = ModelSpec { config: gemma.clone(), ..spec("tiny-llama", dtype) };
+        step_matches_cpu(&sp, Build::Default, tol);
+    }
+}
+
+/// Two steps of `sp` (gradients only, then training) on the CPU and the
+/// GPU: the loss, every output and every updated state agree within `tol`
+/// of their largest magnitude (see the allowances below).
+fn step_matches_cpu(sp: &ModelSpec, how: Build, tol: f64) {
+    let (name, dtype, adapters) = (sp.config.name.as_str(), sp.dtype, &sp.adapters);
+    {
         for kind in [StepKind::Grads, StepKind::Train] {
-            let sp = ModelSpec { adapters: adapters.clone(), ..spec(name, dtype) };
+            let sp = sp.clone();
             let (fwd, step, p) = build(&sp, kind, how);
             if matches!(how, Build::LeastBudget) && adapters.is_some() {
                 assert!(p.host_bytes > 0, "the least budget kept the frozen embedding on the device");
