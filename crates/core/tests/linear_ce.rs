@@ -5,7 +5,10 @@
 //! gradient, f64 to 1e-6 relative and bf16 within its rounding, untied and
 //! tied heads, several chunk sizes), the sum reduction and ignored rows
 //! against their definitions, what the builder records, the memory the
-//! planner gives the head, and user-facing errors.
+//! planner gives the head, and user-facing errors; and the soft-capped
+//! head (Gemma 2's final logit cap) against an independent f64 reference,
+//! against the capped materialised step, and what the builder and the
+//! planner make of a capped model.
 
 use std::collections::HashMap;
 
@@ -15,8 +18,11 @@ use rand_distr::{Distribution, StandardNormal};
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace};
-use stepgraph_core::models::gpt::{build_forward_with, HeadLoss, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{
+    build_forward_with, build_forward_with_logits, HeadLoss, TARGETS_INPUT, TOKENS_INPUT,
+};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec};
 use stepgraph_core::ops::linear_ce::{LinearCrossEntropy, LinearCrossEntropyBackward, Reduction};
 use stepgraph_core::ops::loss::CrossEntropy;
@@ -134,7 +140,11 @@ fn head_inputs(dtype: DType, rows: usize, feats: usize, classes: usize, seed: u6
 }
 
 fn lce(chunk: usize, reduction: Reduction) -> Op {
-    Op::from(LinearCrossEntropy { chunk, reduction, ignore_index: IGNORE })
+    lce_capped(chunk, reduction, 0.0)
+}
+
+fn lce_capped(chunk: usize, reduction: Reduction, softcap: f64) -> Op {
+    Op::from(LinearCrossEntropy { chunk, reduction, ignore_index: IGNORE, softcap })
 }
 
 #[test]
@@ -168,7 +178,13 @@ fn the_sum_is_the_mean_times_the_kept_rows_and_ignored_rows_get_no_gradient() {
     // Backward with only a loss cotangent: ignored rows of dhidden are zero;
     // sum with cotangent g equals mean with cotangent g · kept.
     let backward = |reduction, g: f64| {
-        let op = Op::from(LinearCrossEntropyBackward { chunk: 4, reduction, ignore_index: IGNORE, weight_grad: true });
+        let op = Op::from(LinearCrossEntropyBackward {
+            chunk: 4,
+            reduction,
+            ignore_index: IGNORE,
+            softcap: 0.0,
+            weight_grad: true,
+        });
         let mut ins = x.clone();
         ins.push(mean[1].clone());
         ins.push(HostTensor::from_f64(TensorType::scalar(DType::F64), &[g]));
@@ -278,4 +294,203 @@ fn bad_operands_are_refused_with_what_would_be_accepted() {
     assert!(matches!(&e, Error::Input { name, .. } if name == "targets"), "{e}");
     let e = e.to_string();
     assert!(e.contains("target 5") && e.contains("position 1") && e.contains("5 classes"), "{e}");
+}
+
+/// The soft-capped head by its definition, in f64 loops over the inputs
+/// `x` of [`head_inputs`]: each logit `cap·tanh(h·w/cap)` (`h·w` when `cap`
+/// is 0), the rows' log-sum-exps, the loss (the mean or the sum over the
+/// kept rows) and, for the loss cotangent `gloss` and the lse cotangent
+/// `glse`, the cotangents of the hidden states and the weight, through the
+/// cap's slope `1 − tanh²`.
+struct Definition {
+    loss: f64,
+    lse: Vec<f64>,
+    dhidden: Vec<f64>,
+    dweight: Vec<f64>,
+}
+
+fn definition(x: &[HostTensor], cap: f64, reduction: Reduction, gloss: f64, glse: &[f64]) -> Definition {
+    let (h, w, t) = (x[0].to_f64(), x[1].to_f64(), x[2].to_f64());
+    let (rows, feats, classes) = (x[0].ty.shape[0], x[0].ty.shape[1], x[1].ty.shape[0]);
+    let kept = t.iter().filter(|&&t| t != IGNORE as f64).count() as f64;
+    let per_row = if reduction == Reduction::Mean { gloss / kept } else { gloss };
+    let (mut loss, mut lse) = (0.0, vec![0.0; rows]);
+    let (mut dhidden, mut dweight) = (vec![0.0; rows * feats], vec![0.0; classes * feats]);
+    for n in 0..rows {
+        let hn = &h[n * feats..(n + 1) * feats];
+        let z: Vec<f64> = (0..classes).map(|v| (0..feats).map(|k| hn[k] * w[v * feats + k]).sum()).collect();
+        let y: Vec<f64> = z.iter().map(|&z| if cap > 0.0 { cap * (z / cap).tanh() } else { z }).collect();
+        let m = y.iter().fold(f64::NEG_INFINITY, |m, &y| m.max(y));
+        lse[n] = m + y.iter().map(|&y| (y - m).exp()).sum::<f64>().ln();
+        let target = (t[n] != IGNORE as f64).then_some(t[n] as usize);
+        if let Some(tn) = target {
+            loss += lse[n] - y[tn];
+        }
+        let a = if target.is_some() { per_row } else { 0.0 };
+        for v in 0..classes {
+            let p = (y[v] - lse[n]).exp();
+            let dy = a * (p - if target == Some(v) { 1.0 } else { 0.0 }) + glse[n] * p;
+            let dz = if cap > 0.0 { dy * (1.0 - (z[v] / cap).tanh().powi(2)) } else { dy };
+            for k in 0..feats {
+                dhidden[n * feats + k] += dz * w[v * feats + k];
+                dweight[v * feats + k] += dz * hn[k];
+            }
+        }
+    }
+    if reduction == Reduction::Mean {
+        loss /= kept;
+    }
+    Definition { loss, lse, dhidden, dweight }
+}
+
+#[test]
+fn soft_capped_heads_match_their_definition_in_f64() {
+    // Six features of unit normals: logits of standard deviation about 2.4,
+    // so a cap of 1 bites hard, 2.5 in the tails and 30 barely.
+    let (rows, feats, classes) = (10, 6, 23);
+    let x = head_inputs(DType::F64, rows, feats, classes, 4);
+    let glse: Vec<f64> = (0..rows).map(|i| 0.1 * i as f64 - 0.4).collect();
+    let uncapped = definition(&x, 0.0, Reduction::Mean, 1.0, &glse).loss;
+    for cap in [0.0, 1.0, 2.5, 30.0] {
+        for reduction in [Reduction::Mean, Reduction::Sum] {
+            let want = definition(&x, cap, reduction, 0.75, &glse);
+            if cap > 0.0 && cap < 30.0 && reduction == Reduction::Mean {
+                let moved = (want.loss - uncapped).abs() / uncapped;
+                assert!(moved > 0.05, "cap {cap}: the cap moves the loss by only {moved:e} (relative)");
+            }
+            // One column at a time, a narrower last chunk, one chunk, wider.
+            for chunk in [1, 4, 23, 64] {
+                let what = format!("cap {cap} {reduction:?} chunk {chunk}");
+                let fwd = run_op(&lce_capped(chunk, reduction, cap), &x).unwrap();
+                let loss = fwd[0].to_f64()[0];
+                assert!((loss - want.loss).abs() <= 1e-12 * want.loss.abs(), "{what}: loss {loss} vs {}", want.loss);
+                assert!(rel(&fwd[1].to_f64(), &want.lse) <= 1e-12, "{what}: lse");
+                let op = Op::from(LinearCrossEntropyBackward {
+                    chunk,
+                    reduction,
+                    ignore_index: IGNORE,
+                    softcap: cap,
+                    weight_grad: true,
+                });
+                let mut ins = x.clone();
+                ins.push(fwd[1].clone());
+                ins.push(HostTensor::from_f64(TensorType::scalar(DType::F64), &[0.75]));
+                ins.push(HostTensor::from_f64(TensorType::new(DType::F64, [rows]), &glse));
+                let bwd = run_op(&op, &ins).unwrap();
+                let r = rel(&bwd[0].to_f64(), &want.dhidden);
+                assert!(r <= 1e-12, "{what}: dhidden differs by {r:e} (relative)");
+                let r = rel(&bwd[1].to_f64(), &want.dweight);
+                assert!(r <= 1e-12, "{what}: dweight differs by {r:e} (relative)");
+                for w in fwd[2..].iter().chain(&bwd[2..]) {
+                    assert!(w.to_f64().iter().all(|&v| v == 0.0), "{what}: a workspace came back non-zero");
+                }
+            }
+        }
+    }
+}
+
+/// [`spec`] with the logits soft-capped at `cap`.
+fn capped_spec(name: &str, dtype: DType, tied: bool, cap: f64) -> ModelSpec {
+    let mut sp = spec(name, dtype, tied);
+    sp.config.final_softcap = Some(cap);
+    sp
+}
+
+/// A cap that bites on the tiny models' logits (initialised small).
+const TINY_CAP: f64 = 0.05;
+
+#[test]
+fn capped_fused_steps_equal_the_capped_materialised_step() {
+    for tied in [false, true] {
+        let plain = loss_and_grads(&spec("tiny-llama", DType::F64, tied), HeadLoss::Materialised, 3).0;
+        let sp = capped_spec("tiny-llama", DType::F64, tied, TINY_CAP);
+        let (loss, grads) = loss_and_grads(&sp, HeadLoss::Materialised, 3);
+        // The cap moves the loss: the comparison below would not see a
+        // fused op that ignored it otherwise.
+        assert!((loss - plain).abs() > 1e-4 * plain, "tied={tied}: capped loss {loss}, plain {plain}");
+        for chunk in [Some(1), Some(7), None, Some(1000)] {
+            let (fl, fg) = loss_and_grads(&sp, HeadLoss::Fused { chunk }, 3);
+            let what = format!("tied={tied} chunk {chunk:?}");
+            assert!((fl - loss).abs() <= 1e-12 * loss.abs(), "{what}: loss {fl} vs {loss}");
+            assert_eq!(fg.len(), grads.len(), "{what}");
+            for (p, g) in &grads {
+                let r = rel(&fg[p], g);
+                assert!(r <= 1e-12, "{what}: gradient of {p} differs by {r:e} (relative)");
+            }
+        }
+    }
+    // bf16: the materialised path caps in bf16 (three roundings), the
+    // fused one in f32 from the rounded product.
+    let sp = capped_spec("tiny-llama", DType::BF16, false, TINY_CAP);
+    let (loss, grads) = loss_and_grads(&sp, HeadLoss::Materialised, 5);
+    let (fl, fg) = loss_and_grads(&sp, HeadLoss::Fused { chunk: Some(40) }, 5);
+    let (wl, wg) =
+        loss_and_grads(&capped_spec("tiny-llama", DType::F64, false, TINY_CAP), HeadLoss::Fused { chunk: Some(40) }, 5);
+    assert!((fl - loss).abs() <= 1e-2 * loss.abs(), "bf16 loss {fl} vs materialised {loss}");
+    assert!((fl - wl).abs() <= 1e-2 * wl.abs(), "bf16 loss {fl} vs f64 {wl}");
+    for (p, g) in &grads {
+        let r = rel(&fg[p], g);
+        assert!(r <= 5e-2, "gradient of {p}: fused differs from materialised by {r:e}");
+        let r = rel(&fg[p], &wg[p]);
+        assert!(r <= 5e-2, "gradient of {p}: bf16 differs from f64 by {r:e}");
+    }
+}
+
+#[test]
+fn a_capped_model_fuses_its_head_and_the_cap_prints_only_where_set() {
+    let sp = capped_spec("tiny-llama", DType::F32, false, 30.0);
+    let fwd = build_forward(&sp).unwrap();
+    let ops = ops_of(&fwd);
+    assert!(
+        ops.contains(&"linear_cross_entropy") && !ops.contains(&"cross_entropy") && !ops.contains(&"tanh"),
+        "{ops:?}"
+    );
+    let n = fwd.nodes.iter().find(|n| n.op.name() == "linear_cross_entropy").unwrap();
+    assert_eq!(n.op, lce_capped(32, Reduction::Mean, 30.0));
+    let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+    let bwd = step.nodes.iter().find_map(|n| match &n.op {
+        Op::LinearCrossEntropyBackward(b) => Some(b.softcap),
+        _ => None,
+    });
+    assert_eq!(bwd, Some(30.0), "the backward carries the forward's cap");
+    // Printed on both ops, and read back.
+    let text = step.to_string();
+    let capped_lines = text.lines().filter(|l| l.contains("linear_cross_entropy") && l.contains("softcap")).count();
+    assert_eq!(capped_lines, 2, "{text}");
+    assert_eq!(parse(&text).unwrap().to_string(), text);
+    // An uncapped head prints no cap (golden files unchanged).
+    let plain = build_forward(&spec("tiny-llama", DType::F32, false)).unwrap().to_string();
+    assert!(plain.contains("linear_cross_entropy") && !plain.contains("softcap"), "{plain}");
+    // The logits as an output: materialised and capped, as before.
+    let ops = ops_of(&build_forward_with_logits(&sp).unwrap());
+    assert!(ops.contains(&"tanh") && ops.contains(&"cross_entropy") && !ops.contains(&"linear_cross_entropy"));
+    // A cap that is no number is refused by the shape rule and the parser.
+    let x = head_inputs(DType::F32, 4, 3, 5, 3);
+    let e = lce_capped(2, Reduction::Mean, -1.0).infer(&[&x[0].ty, &x[1].ty, &x[2].ty]).unwrap_err();
+    assert!(e.contains("soft-cap") && e.contains("got -1"), "{e}");
+    let bad = text.replacen("softcap=30", "softcap=-30", 1);
+    assert_ne!(bad, text, "the cap prints as softcap=30…");
+    assert!(parse(&bad).unwrap_err().to_string().contains("soft-cap"));
+}
+
+#[test]
+fn a_capped_fused_head_plans_less_than_its_capped_logits() {
+    // As `the_fused_head_plans_less_than_the_logits`, with the cap: the
+    // materialised path holds the logits and their capped copy.
+    let mut sp = capped_spec("tiny-llama", DType::BF16, false, 30.0);
+    sp.config.vocab_size = 8192;
+    sp.config.padded_vocab_size = 8192;
+    sp.batch = 4;
+    sp.seq = 64;
+    let peak = |head| {
+        let fwd = build_forward_with(&sp, head).unwrap();
+        let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+        plan(&step, PlanOptions::default()).unwrap().planned_peak_bytes()
+    };
+    let (materialised, fused) = (peak(HeadLoss::Materialised), peak(HeadLoss::default()));
+    let logits = (sp.batch * sp.seq * 8192 * 2) as u64;
+    assert!(
+        fused + logits <= materialised,
+        "fused {fused} bytes, materialised {materialised}: at least the logits ({logits}) should be gone"
+    );
 }

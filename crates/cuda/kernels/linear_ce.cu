@@ -6,11 +6,20 @@
 // Nothing here is in place across operands; each kernel's outputs are
 // disjoint from its inputs except where noted.
 //
+// Soft-capping (`softcap` > 0, Gemma 2's final logit cap): the chunk
+// kernels read each logit x as softcap·tanh(x/softcap) (`sg_cap`, in acc_t)
+// for the max, the sum, the target logit and the backward's softmax, and
+// the backward multiplies the capped logit's cotangent by the cap's slope
+// 1 − (capped/softcap)² before it is stored. Each chunk kernel has one copy
+// per CAP, chosen by a uniform branch on `softcap`; the plain copy is the
+// expressions as they were before caps, so uncapped heads keep their bits.
+//
 // Forward (lse holds each row's running max until `finish`):
 // - `linear_ce_init_<dtype>(lse, run_sum, tlogit, rows)`, 1-D grid-stride:
 //   max −inf, sum 0, target logit 0.
 // - per chunk, after the product: `linear_ce_chunk_stats_<dtype>(logits,
-//   tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index)`: one
+//   tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index,
+//   softcap)`: one
 //   block per row (grid-striding), blockDim.x a multiple of 32 ≤ 1024; folds
 //   the chunk into the row's running max and sum (online log-sum-exp, the
 //   old sum rescaled unless it is 0) and picks the target logit when the
@@ -24,10 +33,11 @@
 //
 // Backward, per chunk after the product of the chunk's logits:
 // - `linear_ce_backward_chunk_<dtype>(g, tgt, tgt_i64, lse, gloss, glse,
-//   has_glse, rows, cw, v0, classes, ignore_index, mean)`: one block per row
+//   has_glse, rows, cw, v0, classes, ignore_index, mean, softcap)`: one block per row
 //   (grid-striding, at most LCE_BWD_MAX_BLOCKS blocks, each recounting the
 //   kept rows for the mean's divisor), overwriting the chunk's logits g in
-//   place with their cotangent a·(p − onehot) + glse·p, p = exp(g − lse),
+//   place with their cotangent a·(p − onehot) + glse·p, p = exp(g − lse)
+//   (with a cap: g capped, and the cotangent times the cap's slope),
 //   a = gloss / #kept (mean) or gloss (sum) for kept rows, 0 for ignored
 //   ones; each element is read and then written by one thread.
 // - `linear_ce_accumulate_<dtype>(partial, acc, n, first)`, 1-D grid-stride:
@@ -85,10 +95,20 @@ __device__ void lce_init(acc_t<T>* lse, acc_t<T>* run_sum, acc_t<T>* tlogit, i64
     }
 }
 
-template <typename T>
+// The logit of the product x: softcap·tanh(x/softcap) in the CAP copy, x
+// itself in the plain one.
+template <bool CAP, typename A> __device__ __forceinline__ A lce_logit(A x, double softcap) {
+    if constexpr (CAP)
+        return A(sg_cap(x, softcap));
+    else
+        return x;
+}
+
+template <bool CAP, typename T>
 __device__ void lce_chunk_stats(const T* __restrict__ logits, const void* __restrict__ tgt, int tgt_i64,
                                 acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ run_sum,
-                                acc_t<T>* __restrict__ tlogit, i64 rows, i64 cw, i64 v0, i64 ignore_index) {
+                                acc_t<T>* __restrict__ tlogit, i64 rows, i64 cw, i64 v0, i64 ignore_index,
+                                double softcap) {
     typedef acc_t<T> A;
     __shared__ A scratch[32];
     const bool packed = lce_packed(logits, cw);
@@ -96,11 +116,11 @@ __device__ void lce_chunk_stats(const T* __restrict__ logits, const void* __rest
         const T* row = logits + r * cw;
         const A old_max = lse[r];
         A m = old_max;
-        lce_row_each(row, cw, packed, [&](A x) { m = fmax(m, x); });
+        lce_row_each(row, cw, packed, [&](A x) { m = fmax(m, lce_logit<CAP>(x, softcap)); });
         m = block_max(m, scratch);  // fmax ignores NaN, as Rust's `max`
         const A sh = lce_shift(m);
         A s = A(0);
-        lce_row_each(row, cw, packed, [&](A x) { s += exp(x - sh); });
+        lce_row_each(row, cw, packed, [&](A x) { s += exp(lce_logit<CAP>(x, softcap) - sh); });
         s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
             const A old = run_sum[r];
@@ -109,7 +129,7 @@ __device__ void lce_chunk_stats(const T* __restrict__ logits, const void* __rest
             run_sum[r] = kept + s;
             lse[r] = m;
             const i64 t = lce_target(tgt, tgt_i64, r);
-            if (t != ignore_index && t >= v0 && t < v0 + cw) tlogit[r] = load(row, t - v0);
+            if (t != ignore_index && t >= v0 && t < v0 + cw) tlogit[r] = lce_logit<CAP>(load(row, t - v0), softcap);
         }
     }
 }
@@ -136,11 +156,27 @@ __device__ void lce_finish(const void* __restrict__ tgt, int tgt_i64, acc_t<T>* 
     if (threadIdx.x == 0) loss[0] = mean ? sum / (A)(double)kept : sum;
 }
 
-template <typename T>
+// The cotangent of the product x (read from the chunk) of column v0 + k:
+// a·(p − onehot) + coef_glse·p with p = exp(logit − l), times the cap's
+// slope in the CAP copy; the plain copy is the expression as it was before
+// caps.
+template <bool CAP, typename A>
+__device__ __forceinline__ A lce_dlogit(A x, A l, A coef, A a, bool onehot, double softcap) {
+    if constexpr (CAP) {
+        const A z = A(sg_cap(x, softcap));
+        const A p = exp(z - l);
+        return (coef * p - (onehot ? a : A(0))) * A(sg_cap_slope(z, softcap));
+    } else {
+        const A p = exp(x - l);
+        return coef * p - (onehot ? a : A(0));
+    }
+}
+
+template <bool CAP, typename T>
 __device__ void lce_backward_chunk(T* g, const void* __restrict__ tgt, int tgt_i64, const acc_t<T>* __restrict__ lse,
                                    const acc_t<T>* __restrict__ gloss, const acc_t<T>* __restrict__ glse,
                                    int has_glse, i64 rows, i64 cw, i64 v0, i64 classes, i64 ignore_index,
-                                   int mean) {
+                                   int mean, double softcap) {
     typedef acc_t<T> A;
     typedef Pack<T> P;
     __shared__ i64 count_scratch[32];
@@ -169,8 +205,7 @@ __device__ void lce_backward_chunk(T* g, const void* __restrict__ tgt, int tgt_i
 #pragma unroll
                 for (int e = 0; e < P::N; ++e) {
                     const i64 k = j * P::N + e;
-                    const A p = exp(load(x.elems(), e) - l);
-                    const A v = coef * p - (v0 + k == t ? a : A(0));
+                    const A v = lce_dlogit<CAP>(load(x.elems(), e), l, coef, a, v0 + k == t, softcap);
                     store(x.elems(), e, bad ? lce_nan<A>() : v);
                 }
                 x.write(gr, j);
@@ -178,8 +213,7 @@ __device__ void lce_backward_chunk(T* g, const void* __restrict__ tgt, int tgt_i
             continue;
         }
         for (i64 k = threadIdx.x; k < cw; k += blockDim.x) {
-            const A p = exp(load(gr, k) - l);
-            const A v = coef * p - (v0 + k == t ? a : A(0));
+            const A v = lce_dlogit<CAP>(load(gr, k), l, coef, a, v0 + k == t, softcap);
             store(gr, k, bad ? lce_nan<A>() : v);
         }
     }
@@ -207,8 +241,13 @@ template <typename T> __device__ void lce_round(const acc_t<T>* __restrict__ acc
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_chunk_stats_##sfx(const T* logits, const void* tgt, int tgt_i64, acc_t<T>* lse,               \
                                     acc_t<T>* run_sum, acc_t<T>* tlogit, i64 rows, i64 cw, i64 v0,              \
-                                    i64 ignore_index) { sg_pdl_entry();                                                         \
-        lce_chunk_stats<T>(logits, tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index);             \
+                                    i64 ignore_index, double softcap) { sg_pdl_entry();                                         \
+        if (softcap > 0)                                                                                        \
+            lce_chunk_stats<true, T>(logits, tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index,    \
+                                     softcap);                                                                  \
+        else                                                                                                    \
+            lce_chunk_stats<false, T>(logits, tgt, tgt_i64, lse, run_sum, tlogit, rows, cw, v0, ignore_index,   \
+                                      softcap);                                                                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_finish_##sfx(const void* tgt, int tgt_i64, acc_t<T>* lse, const acc_t<T>* run_sum,            \
@@ -219,9 +258,14 @@ template <typename T> __device__ void lce_round(const acc_t<T>* __restrict__ acc
     extern "C" __global__ void __launch_bounds__(1024)                                                          \
         linear_ce_backward_chunk_##sfx(T* g, const void* tgt, int tgt_i64, const acc_t<T>* lse,                 \
                                        const acc_t<T>* gloss, const acc_t<T>* glse, int has_glse, i64 rows,     \
-                                       i64 cw, i64 v0, i64 classes, i64 ignore_index, int mean) { sg_pdl_entry();               \
-        lce_backward_chunk<T>(g, tgt, tgt_i64, lse, gloss, glse, has_glse, rows, cw, v0, classes, ignore_index, \
-                              mean);                                                                            \
+                                       i64 cw, i64 v0, i64 classes, i64 ignore_index, int mean,                 \
+                                       double softcap) { sg_pdl_entry();                                                        \
+        if (softcap > 0)                                                                                        \
+            lce_backward_chunk<true, T>(g, tgt, tgt_i64, lse, gloss, glse, has_glse, rows, cw, v0, classes,     \
+                                        ignore_index, mean, softcap);                                           \
+        else                                                                                                    \
+            lce_backward_chunk<false, T>(g, tgt, tgt_i64, lse, gloss, glse, has_glse, rows, cw, v0, classes,    \
+                                         ignore_index, mean, softcap);                                          \
     }                                                                                                           \
     extern "C" __global__ void linear_ce_accumulate_##sfx(const T* partial, acc_t<T>* acc, i64 n, int first) { sg_pdl_entry();   \
         lce_accumulate<T>(partial, acc, n, first);                                                              \

@@ -7,9 +7,11 @@
 //! logit soft-caps, norms before and after each sublayer, RMSNorm weights
 //! stored as offsets from one, GeGLU, scaled embeddings).
 //!
-//! A final logit soft-cap has no fused form: a cross-entropy of a model
-//! that caps its logits materialises them ([`HeadLoss::Materialised`]'s
-//! path), caps them, then takes the loss.
+//! A final logit soft-cap is applied inside the fused head and loss
+//! (`linear_cross_entropy`'s `softcap`), so a model that caps its logits
+//! does not hold them either; the materialised path
+//! ([`HeadLoss::Materialised`], [`build_forward_with_logits`]) caps them in
+//! their own dtype, then takes the loss.
 //!
 //! Parameters carry Hugging Face Llama-style names (`model.embed_tokens.weight`,
 //! `model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...) so
@@ -33,7 +35,7 @@ use crate::autodiff::STEP_INPUT;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::attention::Scores;
-use crate::ops::linear_ce::{default_chunk, Reduction};
+use crate::ops::linear_ce::{default_chunk, LinearCrossEntropy, Reduction};
 use crate::ops::nf4::Nf4Weight;
 use crate::ops::UnaryFn;
 
@@ -830,9 +832,10 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let x = g.norm(x, "model.norm")?;
     let head = if cfg.tie_embeddings { wte } else { g.param("lm_head.weight", &[cfg.padded_vocab_size, cfg.n_embd])? };
     let head_bias = if cfg.lm_head_bias { Some(g.param("lm_head.bias", &[cfg.padded_vocab_size])?) } else { None };
-    // The fused loss has no soft-cap: capped logits are materialised.
+    // A soft-cap of the logits (Gemma 2) is the fused op's own; only a head
+    // bias, which it has no form for, materialises the logits.
     let fused_chunk = match head_loss {
-        HeadLoss::Fused { chunk } if head_bias.is_none() && cfg.final_softcap.is_none() => Some(chunk),
+        HeadLoss::Fused { chunk } if head_bias.is_none() => Some(chunk),
         _ => None,
     };
     let loss = match (targets, fused_chunk) {
@@ -844,16 +847,20 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
             }
             g.b.sum_all(logits)?
         }
-        // The head and the loss as one op: the [tokens, vocab] logits are
-        // never held, only one chunk of vocabulary columns at a time.
+        // The head (and its soft-cap) and the loss as one op: the
+        // [tokens, vocab] logits are never held, only one chunk of
+        // vocabulary columns at a time.
         (Some(t), Some(chunk)) => {
             let (rows, v) = (bsz * seq, cfg.padded_vocab_size);
             let x2 = g.b.reshape(x, &[rows, cfg.n_embd])?;
             let t2 = g.b.reshape(t, &[rows])?;
             let chunk = chunk.unwrap_or_else(|| default_chunk(rows, v, spec.dtype));
-            g.b.linear_cross_entropy(x2, head, t2, chunk, Reduction::Mean, IGNORE_INDEX)?
+            let softcap = cfg.final_softcap.unwrap_or(0.0);
+            let op = LinearCrossEntropy { chunk, reduction: Reduction::Mean, ignore_index: IGNORE_INDEX, softcap };
+            g.b.linear_cross_entropy_with(op, x2, head, t2)?
         }
-        // Asked for, a head bias or a soft-cap (which have no fused form).
+        // Asked for (the logits as an output among them), or a head bias
+        // (which has no fused form).
         (Some(t), None) => {
             let logits = g.b.linear(x, head, head_bias)?;
             let logits = g.cap_logits(logits)?;

@@ -50,6 +50,15 @@
 //! Reductions: [`Reduction::Mean`] divides by the number of rows whose
 //! target is not `ignore_index` (NaN when there is none, 0/0 as PyTorch),
 //! [`Reduction::Sum`] does not.
+//!
+//! **Soft-capping** (`softcap > 0`, Gemma 2's `final_logit_softcapping`):
+//! every logit `z` (the product as the chunk buffer holds it, read into the
+//! accumulator type) becomes `softcap·tanh(z/softcap)` in the accumulator
+//! type before anything reads it: the max, the sum, the target logit, the
+//! softmax of the backward. The cotangent of `z` is the capped logit's
+//! cotangent times the cap's slope `1 − (capped/softcap)²`, and is what is
+//! rounded to the data dtype for the products. With `softcap` 0 no
+//! instruction of the plain path changes.
 
 use half::{bf16, f16};
 use num_traits::{Float as _, Zero};
@@ -82,6 +91,9 @@ pub struct LinearCrossEntropy {
     pub chunk: usize,
     pub reduction: Reduction,
     pub ignore_index: i64,
+    /// Logit soft-capping `z ↦ softcap·tanh(z/softcap)` before the softmax
+    /// (module doc); 0 for none. Printed in a trace only when set.
+    pub softcap: f64,
 }
 
 /// The cotangents of [`LinearCrossEntropy`]'s hidden states and weight:
@@ -92,6 +104,8 @@ pub struct LinearCrossEntropyBackward {
     pub chunk: usize,
     pub reduction: Reduction,
     pub ignore_index: i64,
+    /// The forward's soft-cap (0: none).
+    pub softcap: f64,
     /// Compute the head weight's gradient (output 1). Off when nothing reads
     /// it (a frozen head under adapters, [`skip_unread_weight_gradients`]):
     /// output 1 is then empty (`[0]`) and its products are not run.
@@ -169,8 +183,10 @@ struct Dims {
     w: usize,
 }
 
-/// The shape rule shared by the forward and the backward's first three inputs.
-fn check_operands(chunk: usize, inputs: &[&TensorType]) -> std::result::Result<Dims, String> {
+/// The shape rule shared by the forward and the backward's first three
+/// inputs, and the attributes' own rule.
+fn check_operands(chunk: usize, softcap: f64, inputs: &[&TensorType]) -> std::result::Result<Dims, String> {
+    check_softcap(softcap)?;
     let (hidden, weight, targets) = (inputs[0], inputs[1], inputs[2]);
     expect_float(hidden, "hidden")?;
     if hidden.rank() != 2 {
@@ -198,18 +214,67 @@ fn check_operands(chunk: usize, inputs: &[&TensorType]) -> std::result::Result<D
     Ok(Dims { n, c, v, w: chunk.min(v) })
 }
 
-fn attrs_of(chunk: usize, reduction: Reduction, ignore_index: i64) -> Vec<(&'static str, Attr)> {
-    vec![
+fn check_softcap(softcap: f64) -> std::result::Result<(), String> {
+    if !(softcap.is_finite() && softcap >= 0.0) {
+        return Err(format!("the logit soft-cap must be a positive number or 0 (none), got {softcap}"));
+    }
+    Ok(())
+}
+
+/// The attributes both ops print; the soft-cap only when set, so traces of
+/// uncapped heads read (and golden files stay) as before.
+fn attrs_of(chunk: usize, reduction: Reduction, ignore_index: i64, softcap: f64) -> Vec<(&'static str, Attr)> {
+    let mut a = vec![
         ("chunk", Attr::Int(chunk as i64)),
         ("mean", Attr::Bool(reduction == Reduction::Mean)),
         ("ignore_index", Attr::Int(ignore_index)),
-    ]
+    ];
+    if softcap != 0.0 {
+        a.push(("softcap", Attr::Float(softcap)));
+    }
+    a
 }
 
-fn parse_attrs(a: &mut Attrs) -> Result<(usize, Reduction, i64)> {
+/// `(chunk, reduction, ignore_index, softcap)`, the soft-cap 0 when absent.
+fn parse_attrs(a: &mut Attrs) -> Result<(usize, Reduction, i64, f64)> {
     let chunk = a.usize("chunk")?;
     let reduction = if a.bool("mean")? { Reduction::Mean } else { Reduction::Sum };
-    Ok((chunk, reduction, a.int("ignore_index")?))
+    let ignore_index = a.int("ignore_index")?;
+    let softcap = if a.map.contains_key("softcap") { a.float("softcap")? } else { 0.0 };
+    check_softcap(softcap).map_err(|e| Error::op(&a.op, e))?;
+    Ok((chunk, reduction, ignore_index, softcap))
+}
+
+/// The soft-cap in the accumulator type `A`: `None` for none.
+#[derive(Copy, Clone)]
+struct Cap<A>(Option<A>);
+
+impl<A: num_traits::Float + num_traits::FromPrimitive> Cap<A> {
+    fn new(softcap: f64) -> Self {
+        Cap((softcap > 0.0).then(|| c(softcap)))
+    }
+
+    /// The logit of the product `z`: `cap·tanh(z/cap)`, or `z` itself.
+    #[inline]
+    fn logit(self, z: A) -> A {
+        match self.0 {
+            Some(cap) => cap * (z / cap).tanh(),
+            None => z,
+        }
+    }
+
+    /// The cotangent of the product from `g`, the cotangent of its logit
+    /// `capped`: `g·(1 − (capped/cap)²)`, or `g` itself.
+    #[inline]
+    fn chain(self, g: A, capped: A) -> A {
+        match self.0 {
+            Some(cap) => {
+                let r = capped / cap;
+                g * (A::one() - r * r)
+            }
+            None => g,
+        }
+    }
 }
 
 /// A storage type with its statistics type and its CPU product.
@@ -284,7 +349,12 @@ impl OpDef for LinearCrossEntropy {
         lce_cases(d)
             .into_iter()
             .map(|case| {
-                let op = LinearCrossEntropy { chunk: case.chunk, reduction: case.reduction, ignore_index: case.ignore };
+                let op = LinearCrossEntropy {
+                    chunk: case.chunk,
+                    reduction: case.reduction,
+                    ignore_index: case.ignore,
+                    softcap: case.softcap,
+                };
                 let s = Sample::new(op, vec![case.hidden, case.weight, case.targets]);
                 if case.large {
                     s.large()
@@ -301,7 +371,7 @@ impl OpDef for LinearCrossEntropy {
         if inputs.len() != 3 {
             return Err(format!("expects 3 inputs (hidden, weight, targets), got {}", inputs.len()));
         }
-        let d = check_operands(self.chunk, inputs)?;
+        let d = check_operands(self.chunk, self.softcap, inputs)?;
         let (dt, st) = (inputs[0].dtype, stat_dtype(inputs[0].dtype));
         Ok(vec![
             TensorType::scalar(st),
@@ -328,6 +398,7 @@ impl OpDef for LinearCrossEntropy {
             chunk: self.chunk,
             reduction: self.reduction,
             ignore_index: self.ignore_index,
+            softcap: self.softcap,
             weight_grad: true,
         };
         let g = b.push(op.into(), &ins)?;
@@ -336,18 +407,18 @@ impl OpDef for LinearCrossEntropy {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let tys = [io.in_ty(0), io.in_ty(1), io.in_ty(2)];
-        let d = check_operands(self.chunk, &tys).map_err(|e| Error::op(self.name(), e))?;
+        let d = check_operands(self.chunk, self.softcap, &tys).map_err(|e| Error::op(self.name(), e))?;
         let targets = io.ids(2)?;
         check_targets(&targets, d.v, self.ignore_index)?;
         with_float!(io.in_ty(0).dtype, T => forward_kernel::<T>(self, &d, io, &targets))
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        attrs_of(self.chunk, self.reduction, self.ignore_index)
+        attrs_of(self.chunk, self.reduction, self.ignore_index, self.softcap)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "linear_cross_entropy").then(|| {
-            let (chunk, reduction, ignore_index) = parse_attrs(a)?;
-            Ok(LinearCrossEntropy { chunk, reduction, ignore_index })
+            let (chunk, reduction, ignore_index, softcap) = parse_attrs(a)?;
+            Ok(LinearCrossEntropy { chunk, reduction, ignore_index, softcap })
         })
     }
 }
@@ -358,6 +429,8 @@ fn forward_kernel<T: HeadFloat>(op: &LinearCrossEntropy, d: &Dims, io: &KernelIo
     let (loss, lse) = (io.output::<T::Stat>(0), io.output::<T::Stat>(1));
     let buf = io.output::<T>(2);
     let (run_sum, target_logit) = io.output::<T::Stat>(3).split_at_mut(d.n);
+    let cap = Cap::<A<T>>::new(op.softcap);
+    let logit = |x: &T| cap.logit(x.acc());
     // `lse` holds each row's running max until the last chunk.
     lse.par_iter_mut().for_each(|m| *m = T::Stat::from_acc(A::<T>::neg_infinity()));
     zero(run_sum);
@@ -372,19 +445,19 @@ fn forward_kernel<T: HeadFloat>(op: &LinearCrossEntropy, d: &Dims, io: &KernelIo
             .enumerate()
             .for_each(|(n, (((row, m), s), tl))| {
                 let old_max = m.acc();
-                let new_max = row.iter().fold(old_max, |mx, x| mx.max(x.acc()));
+                let new_max = row.iter().fold(old_max, |mx, x| mx.max(logit(x)));
                 let sh = shift(new_max);
                 // Rescaling an empty sum is skipped: 0 · exp(+huge) would be NaN.
                 let old = s.acc();
                 let mut sum = if old.is_zero() { old } else { old * (shift(old_max) - sh).exp() };
                 for x in row {
-                    sum = sum + (x.acc() - sh).exp();
+                    sum = sum + (logit(x) - sh).exp();
                 }
                 *m = T::Stat::from_acc(new_max);
                 *s = T::Stat::from_acc(sum);
                 let t = targets[n];
                 if t != op.ignore_index && (v0 as i64..(v0 + cw) as i64).contains(&t) {
-                    *tl = T::Stat::from_acc(row[t as usize - v0].acc());
+                    *tl = T::Stat::from_acc(logit(&row[t as usize - v0]));
                 }
             });
     }
@@ -426,12 +499,12 @@ impl OpDef for LinearCrossEntropyBackward {
         let mut v = Vec::new();
         for case in lce_cases(d).into_iter().filter(|c| c.weight.ty().shape[0] > 1) {
             let n = case.hidden.ty().shape[0];
-            let (chunk, reduction, ignore_index) = (case.chunk, case.reduction, case.ignore);
+            let (chunk, reduction, ignore_index, softcap) = (case.chunk, case.reduction, case.ignore, case.softcap);
             for weight_grad in [true, false] {
-                let op = LinearCrossEntropyBackward { chunk, reduction, ignore_index, weight_grad };
+                let op = LinearCrossEntropyBackward { chunk, reduction, ignore_index, softcap, weight_grad };
                 let s = Sample::new(op, vec![case.hidden.clone(), case.weight.clone(), case.targets.clone()]);
                 let args = vec![s.earlier(0), s.earlier(1), s.earlier(2)];
-                let s = s.with_output(LinearCrossEntropy { chunk, reduction, ignore_index }, args, 1);
+                let s = s.with_output(LinearCrossEntropy { chunk, reduction, ignore_index, softcap }, args, 1);
                 let s = if case.large { s.large() } else { s };
                 if !weight_grad {
                     // Without the weight gradient: one of the four cases is enough.
@@ -456,7 +529,7 @@ impl OpDef for LinearCrossEntropyBackward {
                 inputs.len()
             ));
         }
-        let d = check_operands(self.chunk, inputs)?;
+        let d = check_operands(self.chunk, self.softcap, inputs)?;
         let (dt, st) = (inputs[0].dtype, stat_dtype(inputs[0].dtype));
         let row_stat = TensorType::new(st, vec![d.n]);
         super::expect_same(inputs[3], &row_stat, "lse")?;
@@ -472,13 +545,13 @@ impl OpDef for LinearCrossEntropyBackward {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let tys = [io.in_ty(0), io.in_ty(1), io.in_ty(2)];
-        let d = check_operands(self.chunk, &tys).map_err(|e| Error::op(self.name(), e))?;
+        let d = check_operands(self.chunk, self.softcap, &tys).map_err(|e| Error::op(self.name(), e))?;
         let targets = io.ids(2)?;
         check_targets(&targets, d.v, self.ignore_index)?;
         with_float!(io.in_ty(0).dtype, T => backward_kernel::<T>(self, &d, io, &targets))
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        let mut a = attrs_of(self.chunk, self.reduction, self.ignore_index);
+        let mut a = attrs_of(self.chunk, self.reduction, self.ignore_index, self.softcap);
         // Printed only when off, so traces of trained heads read as before.
         if !self.weight_grad {
             a.push(("weight_grad", Attr::Bool(false)));
@@ -487,9 +560,9 @@ impl OpDef for LinearCrossEntropyBackward {
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "linear_cross_entropy_backward").then(|| {
-            let (chunk, reduction, ignore_index) = parse_attrs(a)?;
+            let (chunk, reduction, ignore_index, softcap) = parse_attrs(a)?;
             let weight_grad = a.opt_bool("weight_grad")?.unwrap_or(true);
-            Ok(LinearCrossEntropyBackward { chunk, reduction, ignore_index, weight_grad })
+            Ok(LinearCrossEntropyBackward { chunk, reduction, ignore_index, softcap, weight_grad })
         })
     }
 }
@@ -507,6 +580,7 @@ fn backward_kernel<T: HeadFloat>(
     let glse = (io.inputs.len() == 6).then(|| io.input::<T::Stat>(5));
     let (dhidden, dweight, buf) = (io.output::<T>(0), io.output::<T>(1), io.output::<T>(2));
     let acc = io.output::<T::Stat>(3);
+    let cap = Cap::<A<T>>::new(op.softcap);
     let kept = targets.iter().filter(|&&t| t != op.ignore_index).count();
     // One rounded scale for every row. Unused when no row is kept (every
     // `a_n` is then 0, as PyTorch's zero gradient).
@@ -529,7 +603,8 @@ fn backward_kernel<T: HeadFloat>(
             let (l, coef) = (lse[n].acc(), a + b);
             for (j, x) in row.iter_mut().enumerate() {
                 let onehot = if (v0 + j) as i64 == t { a } else { A::<T>::zero() };
-                *x = T::from_acc(coef * (x.acc() - l).exp() - onehot);
+                let z = cap.logit(x.acc());
+                *x = T::from_acc(cap.chain(coef * (z - l).exp() - onehot, z));
             }
         });
         let g: &[T] = g;
@@ -563,7 +638,19 @@ impl Builder {
         reduction: Reduction,
         ignore_index: i64,
     ) -> Result<ValueId> {
-        let op = LinearCrossEntropy { chunk, reduction, ignore_index };
+        let op = LinearCrossEntropy { chunk, reduction, ignore_index, softcap: 0.0 };
+        self.linear_cross_entropy_with(op, hidden, weight, targets)
+    }
+
+    /// [`Builder::linear_cross_entropy`] as the op `op` says, a soft-cap
+    /// of the logits included. Returns the scalar loss.
+    pub fn linear_cross_entropy_with(
+        &mut self,
+        op: LinearCrossEntropy,
+        hidden: ValueId,
+        weight: ValueId,
+        targets: ValueId,
+    ) -> Result<ValueId> {
         Ok(self.push(op.into(), &[hidden, weight, targets])?[0])
     }
 }
@@ -576,14 +663,20 @@ struct Case {
     chunk: usize,
     reduction: Reduction,
     ignore: i64,
+    softcap: f64,
     large: bool,
 }
 
 /// The cases: a single class; chunks that divide the vocabulary, one that
 /// leaves a narrower last chunk, one wider than the vocabulary; mean and
 /// sum; every third target ignored, i32 and i64 targets; an ignore index
-/// that is a valid class; every row ignored (a NaN mean, a zero sum); and, for the GPU sweep only, Qwen2.5's 152064
-/// classes in the default chunk.
+/// that is a valid class; every row ignored (a NaN mean, a zero sum);
+/// soft-capped logits, caps of 2 and 5 against logits of standard
+/// deviation 2 to 4 (the features' square root), so the cap bites, over
+/// chunks that leave a narrower last one, whole 16-byte packs and a
+/// single chunk, a valid-class ignore index and every row ignored; and,
+/// for the GPU sweep only, Qwen2.5's 152064 classes in the default chunk,
+/// plain and capped at 5.
 fn lce_cases(d: DType) -> Vec<Case> {
     const IGNORE: i64 = -100;
     use Reduction::{Mean, Sum};
@@ -596,12 +689,16 @@ fn lce_cases(d: DType) -> Vec<Case> {
         (33, 16, 130, 32, Sum),
         (16, 12, 300, 64, Mean),
     ];
+    // The targets of case k: every third row ignored, the others spread over the classes.
+    let spread = |rows: usize, classes: usize, k: usize| -> Vec<f64> {
+        (0..rows)
+            .map(|i| if (i + k).is_multiple_of(3) { IGNORE as f64 } else { ((i * 7919 + 3 * k) % classes) as f64 })
+            .collect()
+    };
     let mut v = Vec::new();
     for (k, (rows, feats, classes, chunk, reduction)) in shapes.into_iter().enumerate() {
         let tdt = if k % 2 == 0 { DType::I64 } else { DType::I32 };
-        let t: Vec<f64> = (0..rows)
-            .map(|i| if (i + k) % 3 == 0 { IGNORE as f64 } else { ((i * 7919 + 3 * k) % classes) as f64 })
-            .collect();
+        let t = spread(rows, classes, k);
         v.push(Case {
             hidden: normal(d, &[rows, feats]),
             weight: normal(d, &[classes, feats]),
@@ -609,6 +706,7 @@ fn lce_cases(d: DType) -> Vec<Case> {
             chunk,
             reduction,
             ignore: IGNORE,
+            softcap: 0.0,
             large: false,
         });
     }
@@ -619,17 +717,32 @@ fn lce_cases(d: DType) -> Vec<Case> {
         chunk,
         reduction,
         ignore,
+        softcap: 0.0,
         large: false,
     };
+    let capped = |softcap, case: Case| Case { softcap, ..case };
     v.push(case(10, 6, 11, 4, Sum, IGNORE, ids(DType::I32, &[10], 11)));
     v.push(case(4, 5, 3, 2, Mean, 2, fixed(DType::I32, &[4], &[2.0, 0.0, 2.0, 1.0])));
     v.push(case(5, 4, 11, 4, Mean, IGNORE, fixed(DType::I64, &[5], &[IGNORE as f64; 5])));
     v.push(case(5, 4, 11, 4, Sum, IGNORE, fixed(DType::I64, &[5], &[IGNORE as f64; 5])));
+    // Soft-capped: a narrower last chunk; whole packs (8 of 33 columns);
+    // one chunk wider than the vocabulary; a valid-class ignore index;
+    // every row ignored.
+    v.push(capped(2.0, case(9, 5, 7, 3, Mean, IGNORE, fixed(DType::I64, &[9], &spread(9, 7, 1)))));
+    v.push(capped(5.0, case(12, 16, 33, 8, Sum, IGNORE, fixed(DType::I32, &[12], &spread(12, 33, 2)))));
+    v.push(capped(2.0, case(7, 6, 20, 64, Mean, IGNORE, ids(DType::I64, &[7], 20))));
+    v.push(capped(5.0, case(33, 16, 130, 32, Mean, 2, ids(DType::I32, &[33], 130))));
+    v.push(capped(2.0, case(5, 4, 11, 4, Mean, IGNORE, fixed(DType::I64, &[5], &[IGNORE as f64; 5]))));
     let (rows, classes) = (24, 152_064);
-    let mut big =
-        case(rows, 16, classes, default_chunk(rows, classes, d), Mean, IGNORE, ids(DType::I32, &[rows], 152_064));
-    big.large = true;
-    v.push(big);
+    let big = |softcap| Case {
+        large: true,
+        ..capped(
+            softcap,
+            case(rows, 16, classes, default_chunk(rows, classes, d), Mean, IGNORE, ids(DType::I32, &[rows], 152_064)),
+        )
+    };
+    v.push(big(0.0));
+    v.push(big(5.0));
     v
 }
 

@@ -5,6 +5,8 @@
 //! log-sum-exp, the chunk's softmax cotangent, the `dhidden` accumulation),
 //! in a fixed order on one stream: deterministic, no atomics. The workspace
 //! outputs are cleared by memsets at the end (core's module doc says why).
+//! The soft-cap (0: none) is the last argument of both chunk kernels, which
+//! branch on it uniformly, so an uncapped head runs the plain code.
 //! f64 has no cuBLASLt product and is declined as unsupported, as `matmul`.
 
 use stepgraph_core::ir::DType;
@@ -151,7 +153,7 @@ impl Lower for LinearCrossEntropy {
                 let mut args = vec![ptr(buf)];
                 args.extend(targets(tgt));
                 args.extend([ptr(lse), run_sum.clone(), tlogit.clone(), n64(g.rows), n64(cw), n64(v0)]);
-                args.push(Arg::I64(self.ignore_index));
+                args.extend([Arg::I64(self.ignore_index), Arg::F64(self.softcap)]);
                 l.extend(row_launch("linear_ce", "linear_ce_chunk_stats", g.dt, g.rows, cw, args));
             }
         }
@@ -184,7 +186,7 @@ impl Lower for LinearCrossEntropyBackward {
                 args.extend([ptr(lse), ptr(gloss)]);
                 args.extend(optional(ins.get(5)));
                 args.extend([n64(g.rows), n64(cw), n64(v0), n64(g.classes), Arg::I64(self.ignore_index)]);
-                args.push(mean_flag(self.reduction));
+                args.extend([mean_flag(self.reduction), Arg::F64(self.softcap)]);
                 let grid = row_grid(g.rows, LCE_BWD_MAX_BLOCKS);
                 let block = (row_threads(cw), 1, 1);
                 l.push(typed_kernel("linear_ce", "linear_ce_backward_chunk", g.dt, grid, block, args));
@@ -238,7 +240,8 @@ mod tests {
 
     #[test]
     fn the_forward_walks_the_chunks_in_order_with_a_narrower_last_one() {
-        let op = Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let op =
+            Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100, softcap: 0.0 });
         let l = lower_types(&op, &operands(6, 8, 10), 0).unwrap();
         assert_eq!(
             names(&l),
@@ -268,6 +271,7 @@ mod tests {
             chunk: 4,
             reduction: Reduction::Sum,
             ignore_index: -100,
+            softcap: 0.0,
             weight_grad: true,
         });
         let mut types = operands(6, 8, 6);
@@ -300,13 +304,15 @@ mod tests {
 
     #[test]
     fn no_rows_still_write_the_loss_and_a_zero_dweight() {
-        let fwd = Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let fwd =
+            Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100, softcap: 0.0 });
         let l = lower_types(&fwd, &operands(0, 8, 6), 0).unwrap();
         assert_eq!(names(&l), ["linear_ce_finish_bf16"], "the mean over no row is still written (NaN)");
         let bwd = Op::from(LinearCrossEntropyBackward {
             chunk: 4,
             reduction: Reduction::Mean,
             ignore_index: -100,
+            softcap: 0.0,
             weight_grad: true,
         });
         let mut types = operands(0, 8, 6);
@@ -323,9 +329,74 @@ mod tests {
         assert_eq!(fills, [4 * 8 * 2, 2 * 8 * 2]);
     }
 
+    /// The parameters of kernel `name` (`..._##sfx`) in `linear_ce.cu`, by
+    /// their declarations.
+    fn kernel_params(name: &str) -> Vec<String> {
+        let src = include_str!("../../kernels/linear_ce.cu");
+        let at = src.find(&format!("{name}_##sfx(")).unwrap_or_else(|| panic!("no kernel {name}"));
+        let open = at + src[at..].find('(').unwrap() + 1;
+        let close = open + src[open..].find(')').unwrap();
+        src[open..close]
+            .replace('\\', " ")
+            .split(',')
+            .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect()
+    }
+
+    /// The arguments of every launch of `function`.
+    fn args_of<'a>(l: &'a [Launch], function: &str) -> Vec<&'a [Arg]> {
+        l.iter()
+            .filter_map(|l| match l {
+                Launch::Kernel(k) if k.function == function => Some(k.args.as_slice()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_soft_cap_is_the_last_argument_of_both_chunk_kernels() {
+        for softcap in [0.0, 30.0] {
+            let fwd =
+                Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100, softcap });
+            let l = lower_types(&fwd, &operands(6, 8, 10), 0).unwrap();
+            let stats = args_of(&l, "linear_ce_chunk_stats_bf16");
+            assert_eq!(stats.len(), 3, "one per chunk");
+            let params = kernel_params("linear_ce_chunk_stats");
+            assert_eq!(params.last().map(String::as_str), Some("double softcap"));
+            for a in stats {
+                assert_eq!(a.len(), params.len(), "{params:?}");
+                assert_eq!(a.last(), Some(&Arg::F64(softcap)));
+            }
+
+            let bwd = Op::from(LinearCrossEntropyBackward {
+                chunk: 4,
+                reduction: Reduction::Mean,
+                ignore_index: -100,
+                softcap,
+                weight_grad: true,
+            });
+            let params = kernel_params("linear_ce_backward_chunk");
+            assert_eq!(params.last().map(String::as_str), Some("double softcap"));
+            // Without and with the lse cotangent.
+            for extra in [0, 1] {
+                let mut types = operands(6, 8, 10);
+                types.extend([t(DType::F32, &[6]), t(DType::F32, &[])]);
+                types.extend((0..extra).map(|_| t(DType::F32, &[6])));
+                let l = lower_types(&bwd, &types, 0).unwrap();
+                let chunks = args_of(&l, "linear_ce_backward_chunk_bf16");
+                assert_eq!(chunks.len(), 3, "one per chunk");
+                for a in chunks {
+                    assert_eq!(a.len(), params.len(), "{params:?}");
+                    assert_eq!(a.last(), Some(&Arg::F64(softcap)));
+                }
+            }
+        }
+    }
+
     #[test]
     fn f64_is_declined_as_unsupported() {
-        let op = Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100 });
+        let op =
+            Op::from(LinearCrossEntropy { chunk: 4, reduction: Reduction::Mean, ignore_index: -100, softcap: 0.0 });
         let types = [t(DType::F64, &[2, 3]), t(DType::F64, &[5, 3]), t(DType::I64, &[2])];
         assert!(matches!(lower_types(&op, &types, 0), Err(CudaError::Unsupported { .. })));
     }
