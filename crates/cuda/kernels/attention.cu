@@ -1011,18 +1011,15 @@ __device__ void bkv_small(const T* q, const T* k, const T* v, const T* o, const 
 
 #define SGA_TILED_BOUNDS(T, DM) __launch_bounds__(256, sga::Cfg<acc_t<T>, DM>::minb)
 #define SGA_TILED(sfx, T, DM)                                                                                  \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) {        \
-        sg_pdl_entry();                                                                                        \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_fwd_d##DM##_##sfx(SGA_FWD_PARAMS(T)) { sg_pdl_entry();        \
         typedef typename sga::Cfg<acc_t<T>, DM>::fwd Cf;                                                       \
         sga::fwd_tiled<T, Cf>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);                            \
     }                                                                                                          \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) {       \
-        sg_pdl_entry();                                                                                        \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_q_d##DM##_##sfx(SGA_BQ_PARAMS(T)) { sg_pdl_entry();       \
         typedef typename sga::Cfg<acc_t<T>, DM>::bq Cf;                                                        \
         sga::bq_tiled<T, Cf>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);        \
     }                                                                                                          \
-    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) {     \
-        sg_pdl_entry();                                                                                        \
+    extern "C" __global__ void SGA_TILED_BOUNDS(T, DM) attention_bwd_kv_d##DM##_##sfx(SGA_BKV_PARAMS(T)) { sg_pdl_entry();     \
         typedef typename sga::Cfg<acc_t<T>, DM>::bkv Cf;                                                       \
         sga::bkv_tiled<T, Cf>(q, k, v, o, lse, go, glse, gk, gv, Tn, Hq, Hkv, D, scale, SGA_KEYS_OF);         \
     }

@@ -1700,8 +1700,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     extern "C" __global__ void __launch_bounds__(SGM_FWD_THREADS) attention_mma_fwd_d##DP##_##sfx(                \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
         float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale, const int* __restrict__ pos,       \
-        int window, double softcap) {                                                                             \
-        sg_pdl_entry();                                                                                           \
+        int window, double softcap) { sg_pdl_entry();                                                                             \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
@@ -1709,8 +1708,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale,               \
-        const int* __restrict__ pos, int window, double softcap) {                                                \
-        sg_pdl_entry();                                                                                           \
+        const int* __restrict__ pos, int window, double softcap) { sg_pdl_entry();                                                \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
@@ -1718,8 +1716,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
-        double scale, const int* __restrict__ pos, int window, double softcap) {                                  \
-        sg_pdl_entry();                                                                                           \
+        double scale, const int* __restrict__ pos, int window, double softcap) { sg_pdl_entry();                                  \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_KV(T, DP);                                                                                        \
     }
