@@ -432,7 +432,7 @@ pub fn suggest_names(name: &str) -> Vec<&'static str> {
 /// The litgpt LLaMA layout every LLaMA-like named config starts from:
 /// Llama-2-7B's numbers, sequential residual, RMSNorm, SwiGLU, full RoPE, no
 /// bias, untied head.
-fn llama_base(name: &str) -> Config {
+pub(crate) fn llama_base(name: &str) -> Config {
     Config {
         name: name.to_string(),
         block_size: 4096,

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::{extra_feature, ConfigKeys, Family, Holds, Join, Rule, Unlisted};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind, QkNorm, SlidingLayers};
+use crate::models::config::{llama_base, Config, MlpKind, NormKind};
 use crate::models::hf::HfJson;
 
 /// `model_type` `gpt_neox`.
@@ -111,17 +111,8 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             lm_head_bias: false,
-            qk_norm: QkNorm::None,
-            post_norms: false,
-            sandwich_norms: false,
-            scale_embeddings: false,
-            attention_scalar: None,
-            sliding_window: None,
-            sliding_layers: SlidingLayers::All,
-            attn_softcap: None,
-            final_softcap: None,
-            rope_local_base: None,
-            rope_linear_factor: None,
+            // None of the newer families' features.
+            ..llama_base("")
         })
     }
 
@@ -204,17 +195,8 @@ impl Family for GptNeox {
             attn_qkv_bias: false,
             tie_embeddings: true,
             lm_head_bias: false,
-            qk_norm: QkNorm::None,
-            post_norms: false,
-            sandwich_norms: false,
-            scale_embeddings: false,
-            attention_scalar: None,
-            sliding_window: None,
-            sliding_layers: SlidingLayers::All,
-            attn_softcap: None,
-            final_softcap: None,
-            rope_local_base: None,
-            rope_linear_factor: None,
+            // None of the newer families' features.
+            ..llama_base("")
         }
     }
 }

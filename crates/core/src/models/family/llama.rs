@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::{extra_feature, ConfigKeys, Family, Holds};
 use crate::error::Result;
-use crate::models::config::{Config, MlpKind, NormKind, QkNorm, SlidingLayers};
+use crate::models::config::{llama_base, Config, MlpKind, NormKind, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `llama`: Llama 1–3.x, TinyLlama, and the many models saved
@@ -147,16 +147,9 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
         tie_embeddings: hf.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         lm_head_bias: false,
         qk_norm,
-        post_norms: false,
-        sandwich_norms: false,
-        scale_embeddings: false,
-        attention_scalar: None,
-        sliding_window: None,
-        sliding_layers: SlidingLayers::All,
-        attn_softcap: None,
-        final_softcap: None,
-        rope_local_base: None,
-        rope_linear_factor: None,
+        // None of the other newer features: the families that have them
+        // set them after this layout is read.
+        ..llama_base("")
     })
 }
 
