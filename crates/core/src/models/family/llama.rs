@@ -249,16 +249,6 @@ pub fn example_layout(name: &str) -> Config {
         attn_qkv_bias: false,
         tie_embeddings: false,
         lm_head_bias: false,
-        qk_norm: QkNorm::None,
-        post_norms: false,
-        sandwich_norms: false,
-        scale_embeddings: false,
-        attention_scalar: None,
-        sliding_window: None,
-        sliding_layers: SlidingLayers::All,
-        attn_softcap: None,
-        final_softcap: None,
-        rope_local_base: None,
-        rope_linear_factor: None,
+        ..llama_base(name)
     }
 }
