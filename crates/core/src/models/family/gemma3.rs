@@ -66,6 +66,12 @@ impl Family for Gemma3Text {
             rope_scaling,
             rope_local_base: Some(rope_local_base),
             rope_linear_factor,
+            // `transformers`' Gemma 3 keeps `attn_logit_softcapping` in its
+            // config but its attention never reads it (Gemma 3 dropped
+            // Gemma 2's attention soft-cap), so a folder that sets it
+            // computes the uncapped network there; so it does here, and the
+            // folder written back says null.
+            attn_softcap: None,
             ..config
         })
     }
@@ -96,6 +102,9 @@ impl Family for Gemma3Text {
     }
 
     fn holds(&self, config: &Config) -> Holds {
+        if config.attn_softcap.is_some() {
+            return Holds::Not("Gemma 3's attention has no soft-cap (transformers does not apply one)".into());
+        }
         match gemma2::layout_holds(config, QkNorm::PerHead, "Gemma 3") {
             Holds::Chosen if config.rope_local_base.is_none() => {
                 Holds::Not("Gemma 3 rotates its sliding layers with a RoPE base of their own".into())
@@ -111,6 +120,7 @@ impl Family for Gemma3Text {
             sliding_layers: SlidingLayers::Listed(vec![true, false, false]),
             rope_local_base: Some(20000.0),
             rope_linear_factor: Some(4.0),
+            attn_softcap: None,
             ..gemma2::example_layout("gemma3-example")
         }
     }
