@@ -458,7 +458,10 @@ mod tests {
     fn g3_1b_is_gemma_3_1b_with_its_sliding_pattern() {
         let (spec, kind) = spec(Workload::G3OneB).unwrap();
         spec.validate().unwrap();
-        assert_eq!((kind, spec.batch, spec.seq, spec.config.n_layer, spec.config.head_size), (StepKind::Train, 1, 8192, 26, 256));
+        assert_eq!(
+            (kind, spec.batch, spec.seq, spec.config.n_layer, spec.config.head_size),
+            (StepKind::Train, 1, 8192, 26, 256)
+        );
         // Five sliding layers of 512, then a global one.
         let windows: Vec<usize> = (0..6).map(|l| spec.config.scores(l).window).collect();
         assert_eq!(windows, [512, 512, 512, 512, 512, 0]);

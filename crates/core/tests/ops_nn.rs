@@ -455,7 +455,8 @@ fn rope_head_size_one_matches_hf_duplicated_dimension() {
         }
         let to = |d: &[f64], heads: usize| HostTensor::from_f64(TensorType::new(DType::F64, [bsz, seq, heads, 1]), d);
         let o = run_op(&Attention::causal(2.0 * scale).into(), &[to(&qr, hq), to(&kr, hkv), v.clone()]).unwrap();
-        let (o_hf, lse_hf) = attention_ref(&qh, &kh, &v.to_f64(), (bsz, seq, hq, hkv), 2, 1, scale, (Scores::default(), None));
+        let (o_hf, lse_hf) =
+            attention_ref(&qh, &kh, &v.to_f64(), (bsz, seq, hq, hkv), 2, 1, scale, (Scores::default(), None));
         assert!(max_rel_diff(&o[0].to_f64(), &o_hf) < 1e-12);
         assert!(max_rel_diff(&o[1].to_f64(), &lse_hf) < 1e-12);
     }

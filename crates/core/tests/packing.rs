@@ -19,7 +19,13 @@ use stepgraph_core::testing::max_rel_diff;
 
 /// A small grouped-query model with RoPE (the positions matter).
 fn config() -> Config {
-    let o = Overrides { n_layer: Some(2), n_embd: Some(32), n_head: Some(4), n_query_groups: Some(2), ..Overrides::default() };
+    let o = Overrides {
+        n_layer: Some(2),
+        n_embd: Some(32),
+        n_head: Some(4),
+        n_query_groups: Some(2),
+        ..Overrides::default()
+    };
     Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap()
 }
 
@@ -37,7 +43,12 @@ fn targets_of(doc: &[f64]) -> Vec<f64> {
 
 /// The loss and every gradient of one f64 CPU step on `rows` (tokens,
 /// targets and, for a packed spec, positions; each `batch × seq`).
-fn step(spec: &ModelSpec, tokens: &[f64], targets: &[f64], positions: Option<&[f64]>) -> (f64, BTreeMap<String, Vec<f64>>) {
+fn step(
+    spec: &ModelSpec,
+    tokens: &[f64],
+    targets: &[f64],
+    positions: Option<&[f64]>,
+) -> (f64, BTreeMap<String, Vec<f64>>) {
     let c = compile_step(spec, &StepOptions::new(StepKind::Grads)).unwrap();
     let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
     for (v, value) in init_params(&c.forward, 5) {

@@ -364,7 +364,9 @@ fn windows_soft_caps_and_documents_match_cpu_on_every_kernel_family() {
                         };
                         let e = err(g, w);
                         if e.is_nan() || e > tol {
-                            failed.push(format!("{var:?} {name}#{i} {dtype} output {k}: off by {e:.3e} (tolerance {tol:.0e})"));
+                            failed.push(format!(
+                                "{var:?} {name}#{i} {dtype} output {k}: off by {e:.3e} (tolerance {tol:.0e})"
+                            ));
                         }
                     }
                     checked += 1;

@@ -402,11 +402,8 @@ impl<F: Borrow<TokenFile>> Batcher<F> {
             *input = file.token(at) as i32;
             // With positions, a document's last token predicts nothing.
             let next_in_reach = at + 1 < end && (positions.is_none() || at + 1 < doc.end);
-            *target = if next_in_reach && file.is_target(at + 1) {
-                file.token(at + 1) as i32
-            } else {
-                IGNORE_INDEX as i32
-            };
+            *target =
+                if next_in_reach && file.is_target(at + 1) { file.token(at + 1) as i32 } else { IGNORE_INDEX as i32 };
         }
     }
 

@@ -323,7 +323,11 @@ fn rows_of(b: &Batch) -> Vec<(Vec<i32>, Vec<i32>, Option<Vec<i32>>)> {
     (0..b.batch)
         .map(|r| {
             let span = r * b.seq..(r + 1) * b.seq;
-            (b.inputs[span.clone()].to_vec(), b.targets[span.clone()].to_vec(), b.positions.as_ref().map(|p| p[span].to_vec()))
+            (
+                b.inputs[span.clone()].to_vec(),
+                b.targets[span.clone()].to_vec(),
+                b.positions.as_ref().map(|p| p[span].to_vec()),
+            )
         })
         .collect()
 }
