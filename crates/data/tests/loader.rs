@@ -318,8 +318,11 @@ fn the_tokenizer_fingerprint_round_trips_and_old_files_have_none() {
     assert_eq!(file.meta(), meta);
 }
 
-/// Validation rows in stream order: the batches of one pass, row by row.
-fn rows_of(b: &Batch) -> Vec<(Vec<i32>, Vec<i32>, Option<Vec<i32>>)> {
+/// One row of a batch: its inputs, targets and positions (if any).
+type Row = (Vec<i32>, Vec<i32>, Option<Vec<i32>>);
+
+/// A batch's rows, in order.
+fn rows_of(b: &Batch) -> Vec<Row> {
     (0..b.batch)
         .map(|r| {
             let span = r * b.seq..(r + 1) * b.seq;
