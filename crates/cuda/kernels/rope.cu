@@ -31,7 +31,10 @@
 // `rope2_<dtype>(x1, y1, x2, y2, bt_rows, seq, heads1, heads2, dim, ...)`:
 // two rotations of the same rows and angles (a layer's q and k) in one
 // launch, block row blockIdx.y = 0 rotating x1 (heads1 heads) into y1 and
-// row 1 x2 (heads2) into y2, each as `rope_<dtype>` would.
+// row 1 x2 (heads2) into y2, each as `rope_<dtype>` would; and
+// `rope2_at_<dtype>(x1, y1, x2, y2, start, ...)`, the same for `rope_at`.
+// With per-token positions (packed documents) the lowering passes seq = 1,
+// so row (b, t) sits at start[b·T + t].
 //
 // In place (y == x) is correct: one thread reads both elements of a pair
 // before it writes either, and no other thread touches that pair.
@@ -200,3 +203,16 @@ SG_FOR_EACH_FLOAT(SG_ROPE2_KERNEL)
     }
 
 SG_FOR_EACH_FLOAT(SG_ROPE_AT_KERNEL)
+
+#define SG_ROPE2_AT_KERNEL(sfx, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(1024)                                                           \
+        rope2_at_##sfx(const T* x1, T* y1, const T* x2, T* y2, const int* start, i64 bt_rows, i64 seq, int heads1, \
+                       int heads2, int dim, int n_rot, double base, int inverse, int scaled, double factor,       \
+                       double low_freq_factor, double high_freq_factor, double old_context) { sg_pdl_entry();    \
+        const bool second = blockIdx.y == 1;                                                                     \
+        rope_rows_positioned<T>(second ? x2 : x1, second ? y2 : y1, start, bt_rows, seq, second ? heads2 : heads1, \
+                                dim, n_rot, base, inverse, scaled, factor, low_freq_factor, high_freq_factor,    \
+                                old_context);                                                                    \
+    }
+
+SG_FOR_EACH_FLOAT(SG_ROPE2_AT_KERNEL)

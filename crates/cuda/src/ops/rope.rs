@@ -9,8 +9,8 @@
 //! dims, output aliasing input) launches nothing.
 //!
 //! [`merge_ropes`] then makes a layer's two rotations (q then k, forward or
-//! inverse) one `rope2` launch whose grid's second dimension picks the
-//! tensor.
+//! inverse, at the same positions) one `rope2` (`rope2_at`) launch whose
+//! grid's second dimension picks the tensor.
 
 use stepgraph_core::ops::rope::Rope;
 use stepgraph_core::ops::OpDef;
@@ -86,10 +86,14 @@ impl Lower for Rope {
     }
 }
 
-/// The bytes `[start, end)` a `rope_<dt>` launch reads (x) and writes (y);
-/// `None` for any other launch.
+/// The bytes `[start, end)` a `rope_<dt>` or `rope_at_<dt>` launch reads
+/// (x) and writes (y); `None` for any other launch.
 fn rope_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
-    let dtype = k.function.strip_prefix("rope_")?;
+    // `rope_at` has the positions after x and y; its sizes follow them.
+    let (dtype, sizes) = match k.function.strip_prefix("rope_at_") {
+        Some(dtype) => (dtype, 3),
+        None => (k.function.strip_prefix("rope_")?, 2),
+    };
     let elem = match dtype {
         "f32" => 4,
         "bf16" | "f16" => 2,
@@ -97,7 +101,7 @@ fn rope_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
         _ => return None,
     };
     let (Arg::Ptr(x), Arg::Ptr(y), Arg::I64(rows), Arg::I32(heads), Arg::I32(dim)) =
-        (&k.args[0], &k.args[1], &k.args[2], &k.args[4], &k.args[5])
+        (&k.args[0], &k.args[1], &k.args[sizes], &k.args[sizes + 2], &k.args[sizes + 3])
     else {
         return None;
     };
@@ -105,21 +109,26 @@ fn rope_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
     Some([(*x, x + bytes), (*y, y + bytes)])
 }
 
-/// Consecutive rotations at axis-1 positions (`rope_<dt>`) that differ only
-/// in their tensors and head counts (a layer's q and k: the same rows,
-/// head size, angles and direction) as one `rope2_<dt>` launch, block row
-/// `blockIdx.y` rotating the first tensor or the second, when the second
-/// reads or writes nothing the first writes and writes nothing it reads:
-/// the same arithmetic per element, one launch fewer per layer and pass.
+/// Consecutive rotations that differ only in their tensors and head counts
+/// (a layer's q and k: the same rows, head size, angles, direction and, for
+/// `rope_at_<dt>`, positions) as one `rope2_<dt>` / `rope2_at_<dt>` launch,
+/// block row `blockIdx.y` rotating the first tensor or the second, when the
+/// second reads or writes nothing the first writes and writes nothing it
+/// reads: the same arithmetic per element, one launch fewer per layer and
+/// pass.
 pub fn merge_ropes(list: LaunchList) -> LaunchList {
     list.merge_adjacent(|a, b| {
         let (ka, kb) = independent_pair(a, b, rope_ranges)?;
-        if ka.args[2..4] != kb.args[2..4] || ka.args[5..] != kb.args[5..] {
+        // Arguments after x and y: [positions,] rows, seq, heads, dim, ...
+        let sizes = if ka.function.starts_with("rope_at_") { 3 } else { 2 };
+        let heads = sizes + 2;
+        if ka.args[2..heads] != kb.args[2..heads] || ka.args[heads + 1..] != kb.args[heads + 1..] {
             return None;
         }
         let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
-        args.extend([ka.args[2].clone(), ka.args[3].clone(), ka.args[4].clone(), kb.args[4].clone()]);
-        args.extend(ka.args[5..].iter().cloned());
+        args.extend(ka.args[2..heads].iter().cloned());
+        args.extend([ka.args[heads].clone(), kb.args[heads].clone()]);
+        args.extend(ka.args[heads + 1..].iter().cloned());
         Some(two_row_launch(ka, ka.function.replacen("rope_", "rope2_", 1), args))
     })
 }
@@ -145,7 +154,7 @@ mod tests {
 
     /// A layer's q and k rotations (grouped heads: 4 and 2) merge into one
     /// `rope2` launch carrying both tensors and head counts; rotations that
-    /// share bytes, differ in direction, or take per-row positions do not.
+    /// share bytes or differ in direction do not.
     #[test]
     fn a_layers_q_and_k_rotations_are_one_launch() {
         let rope = |inverse| Op::Rope(Rope { n_rot: 64, base: 10000.0, inverse, scaling: None });
@@ -182,6 +191,41 @@ mod tests {
         // Opposite directions: apart.
         let mixed = [one(&rope(false), q.clone(), qr.clone()), one(&rope(true), k.clone(), kr.clone())].concat();
         assert_eq!(merge_ropes(LaunchList::one_node_each(mixed, vec![0, 1])).into_parts().0.len(), 2);
+    }
+
+    /// Rotations at per-token positions (packed documents) or per-row
+    /// starts (generation) merge as `rope2_at`, when both read the same
+    /// positions; not across different positions.
+    #[test]
+    fn positioned_q_and_k_rotations_are_one_launch() {
+        let op = Op::Rope(Rope { n_rot: 32, base: 10000.0, inverse: false, scaling: None });
+        let t = |heads| TensorType::new(DType::F32, [2, 16, heads, 32]);
+        let at = |ptr, heads| DevTensor { ty: t(heads), ptr };
+        let positions = |ptr| DevTensor { ty: TensorType::new(DType::I32, [2, 16]), ptr };
+        let one = |x: DevTensor, p: DevTensor, y: DevTensor| lower(&op, &[x, p], &[y], None).unwrap();
+        let (q, qr, k, kr, p) = (at(1 << 20, 8), at(2 << 20, 8), at(3 << 20, 2), at(4 << 20, 2), positions(5 << 20));
+        let launches = [one(q.clone(), p.clone(), qr.clone()), one(k.clone(), p.clone(), kr.clone())].concat();
+        let (merged, _, _) = merge_ropes(LaunchList::one_node_each(launches.clone(), vec![0, 1])).into_parts();
+        assert_eq!(merged.len(), 1);
+        let (Launch::Kernel(m), Launch::Kernel(a)) = (&merged[0], &launches[0]) else { panic!("kernels") };
+        assert_eq!((m.function.as_str(), m.grid), ("rope2_at_f32", (a.grid.0, 2, 1)));
+        let ptrs = [Arg::Ptr(q.ptr), Arg::Ptr(qr.ptr), Arg::Ptr(k.ptr), Arg::Ptr(kr.ptr), Arg::Ptr(p.ptr)];
+        assert_eq!(m.args[..5], ptrs);
+        // Per-token positions: B·T rows, each its own row of one token.
+        assert_eq!(m.args[5..9], [Arg::I64(32), Arg::I64(1), Arg::I32(8), Arg::I32(2)]);
+        assert_eq!(m.args[9..], a.args[6..], "head size onwards as each launch has them");
+        if crate::nvrtc::available() {
+            let cubin = crate::nvrtc::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            crate::ops::sweep::check_signature("merged positioned rope", &cubin, m);
+        } else {
+            assert!(
+                std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
+                "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+        }
+        // Other positions: apart.
+        let other = [one(q.clone(), p.clone(), qr.clone()), one(k.clone(), positions(6 << 20), kr.clone())].concat();
+        assert_eq!(merge_ropes(LaunchList::one_node_each(other, vec![0, 1])).into_parts().0.len(), 2);
     }
 
     #[test]
