@@ -181,6 +181,33 @@ fn a_token_file_run_resumes_bit_for_bit() {
     assert_eq!(loss_bits(rows(&straight)), loss_bits(rows(&split)));
 }
 
+/// `--packing`: each way of sharing rows trains and says which it is; a
+/// resume with another packing than the checkpoint's is refused naming
+/// both; an unknown one lists the choices.
+#[test]
+fn packing_is_chosen_and_kept_across_a_resume() {
+    let d = tempfile::tempdir().unwrap();
+    let data = chat_token_file(d.path());
+    let src = d.path().join("src");
+    write_model(&src, "llama", false, None);
+    let mut losses = Vec::new();
+    for packing in ["documents", "stream", "none"] {
+        let (out, err) = run_ok(&refs(&ft(&src, &data, &["--steps", "2", "--packing", packing])));
+        assert!(err.contains(&format!("packing {packing}")), "{err}");
+        let loss = out.split("final loss ").nth(1).expect("a final loss").split_whitespace().next().unwrap();
+        losses.push(loss.to_string());
+    }
+    // Masking documents from each other changes what the model sees.
+    assert_ne!(losses[0], losses[1], "documents and stream packing trained alike");
+    let ck = d.path().join("ck");
+    run_ok(&refs(&ft(&src, &data, &["--steps", "4", "--stop-after", "2", "--checkpoint-dir", s(&ck)])));
+    let resumed =
+        ft(&src, &data, &["--steps", "4", "--resume", "auto", "--checkpoint-dir", s(&ck), "--packing", "stream"]);
+    let err = fails_with(&refs(&resumed), "data.packing");
+    assert!(err.contains("documents") && err.contains("stream"), "{err}");
+    fails_with(&refs(&ft(&src, &data, &["--steps", "1", "--packing", "padded"])), "documents, stream, none");
+}
+
 /// Folders, flags and data that do not fit fail before the run starts
 /// (no plan is printed), naming the file and the tensor or the flag.
 #[test]
