@@ -115,4 +115,13 @@ fn flag_errors_quote_the_flag_and_value() {
         &["bench", "--workload", "w5", "--clip-grad-norm=-1"],
         &["--clip-grad-norm must be a finite number >= 0"],
     );
+    fails_with(
+        &["bench", "--workload", "w1", "--documents", "100-200"],
+        &["--documents needs a cross-entropy workload"],
+    );
+    fails_with(
+        &["bench", "--workload", "w5", "--documents", "300-200"],
+        &["`300-200` is not a range of document lengths"],
+    );
+    fails_with(&["train", "--packing", "padded"], &["`padded` is not a packing", "documents, stream, none"]);
 }
