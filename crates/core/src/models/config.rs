@@ -303,6 +303,8 @@ const NAMED: &[Named] = &[
     Named { name: "Qwen3-1.7B", hf_repo: Some("Qwen/Qwen3-1.7B"), build: qwen3_1_7b },
     Named { name: "Qwen3-4B", hf_repo: Some("Qwen/Qwen3-4B"), build: qwen3_4b },
     Named { name: "Qwen3-8B", hf_repo: Some("Qwen/Qwen3-8B"), build: qwen3_8b },
+    Named { name: "Qwen3-14B", hf_repo: Some("Qwen/Qwen3-14B"), build: qwen3_14b },
+    Named { name: "Qwen3-32B", hf_repo: Some("Qwen/Qwen3-32B"), build: qwen3_32b },
     Named { name: "Phi-3-mini-4k-instruct", hf_repo: Some("microsoft/Phi-3-mini-4k-instruct"), build: phi_3_mini_4k },
     Named { name: "phi-4", hf_repo: Some("microsoft/phi-4"), build: phi_4 },
     Named { name: "gemma-2-2b", hf_repo: Some("google/gemma-2-2b"), build: gemma_2_2b },
@@ -776,6 +778,15 @@ fn qwen3_4b() -> Config {
 
 fn qwen3_8b() -> Config {
     qwen3("Qwen3-8B", 36, 4096, 32, 12288, false)
+}
+
+fn qwen3_14b() -> Config {
+    qwen3("Qwen3-14B", 40, 5120, 40, 17408, false)
+}
+
+/// Qwen3-32B: 64 query heads of 128 over a width of 5120.
+fn qwen3_32b() -> Config {
+    qwen3("Qwen3-32B", 64, 5120, 64, 25600, false)
 }
 
 /// Phi-3-mini (4k): the Llama layout (its q/k/v and gate/up stored
@@ -1442,7 +1453,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 24] = [
+        let expected: [(&str, u64); 26] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1455,6 +1466,10 @@ pub(crate) mod tests {
             ("Qwen3-1.7B", 1_720_574_976),
             ("Qwen3-4B", 4_022_468_096),
             ("Qwen3-8B", 8_190_735_360),
+            // From their config.json geometry; the releases round them to
+            // 14.8B and 32.8B.
+            ("Qwen3-14B", 14_768_307_200),
+            ("Qwen3-32B", 32_762_123_264),
             ("Phi-3-mini-4k-instruct", 3_821_079_552),
             ("phi-4", 14_659_507_200),
             ("Llama-3.2-1B", 1_235_814_400),
