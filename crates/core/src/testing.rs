@@ -8,7 +8,7 @@
 //! differences of the op's CPU kernel, `Jᵀ·v` by running the op's VJP rule
 //! (the backward ops it emits, on their CPU kernels).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use num_traits::ToPrimitive;
 use rand::rngs::StdRng;
@@ -343,6 +343,19 @@ pub fn check_vjp(sample: &Sample, seed: u64) -> Result<VjpCheck> {
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Every parameter gradient that `step` outputs, by parameter name, each
+/// read by `read` (from a session, or an interpreter's values).
+pub fn grads_by_name(step: &Trace, mut read: impl FnMut(ValueId) -> Vec<f64>) -> BTreeMap<String, Vec<f64>> {
+    let mut grads = BTreeMap::new();
+    for o in &step.outputs {
+        if let OutputKind::Grad(p) = o.kind {
+            let name = step.value(p).kind.leaf_name().expect("a parameter is a leaf").to_string();
+            grads.insert(name, read(o.value));
+        }
+    }
+    grads
 }
 
 /// Largest relative difference between two float tensors, relative to the

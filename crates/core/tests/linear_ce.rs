@@ -10,7 +10,7 @@
 //! against the capped materialised step, and what the builder and the
 //! planner make of a capped model.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -19,7 +19,7 @@ use rand_distr::{Distribution, StandardNormal};
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::parse::parse;
-use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace};
+use stepgraph_core::ir::{DType, TensorType, Trace};
 use stepgraph_core::models::gpt::{
     build_forward_with, build_forward_with_logits, HeadLoss, TARGETS_INPUT, TOKENS_INPUT,
 };
@@ -28,7 +28,7 @@ use stepgraph_core::ops::linear_ce::{LinearCrossEntropy, LinearCrossEntropyBackw
 use stepgraph_core::ops::loss::CrossEntropy;
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{plan, PlanOptions};
-use stepgraph_core::testing::{interpret, run_op};
+use stepgraph_core::testing::{grads_by_name, interpret, run_op};
 use stepgraph_core::Error;
 
 const IGNORE: i64 = -100;
@@ -53,7 +53,7 @@ fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
 /// The loss and every parameter's gradient (by parameter name) of the
 /// grads step of `spec` with the head recorded as `head`, interpreted on
 /// the CPU kernels from parameters initialised by `seed`.
-fn loss_and_grads(spec: &ModelSpec, head: HeadLoss, seed: u64) -> (f64, HashMap<String, Vec<f64>>) {
+fn loss_and_grads(spec: &ModelSpec, head: HeadLoss, seed: u64) -> (f64, BTreeMap<String, Vec<f64>>) {
     let fwd = build_forward_with(spec, head).unwrap();
     let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
     let mut leaves = HashMap::new();
@@ -66,14 +66,7 @@ fn loss_and_grads(spec: &ModelSpec, head: HeadLoss, seed: u64) -> (f64, HashMap<
     }
     let vals = interpret(&step, &leaves).unwrap();
     let loss = vals[step.loss().unwrap().index()].to_f64()[0];
-    let mut grads = HashMap::new();
-    for o in &step.outputs {
-        if let OutputKind::Grad(p) = o.kind {
-            let name = step.value(p).kind.leaf_name().unwrap().to_string();
-            grads.insert(name, vals[o.value.index()].to_f64());
-        }
-    }
-    (loss, grads)
+    (loss, grads_by_name(&step, |v| vals[v.index()].to_f64()))
 }
 
 /// max |a − b| over max |b|.
@@ -252,6 +245,13 @@ fn the_builder_fuses_the_head_only_for_cross_entropy_without_a_head_bias() {
     assert!(e.contains("tiny-llama") && e.contains("chunk") && e.contains("got 0"), "{e}");
 }
 
+/// The planned peak of `sp`'s gradient step with its head recorded as `head`.
+fn peak(sp: &ModelSpec, head: HeadLoss) -> u64 {
+    let fwd = build_forward_with(sp, head).unwrap();
+    let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+    plan(&step, PlanOptions::default()).unwrap().planned_peak_bytes()
+}
+
 #[test]
 fn the_fused_head_plans_less_than_the_logits() {
     // A vocabulary large next to the model, as in W2: the materialised step
@@ -262,12 +262,7 @@ fn the_fused_head_plans_less_than_the_logits() {
     sp.config.padded_vocab_size = 8192;
     sp.batch = 4;
     sp.seq = 64;
-    let peak = |head| {
-        let fwd = build_forward_with(&sp, head).unwrap();
-        let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
-        plan(&step, PlanOptions::default()).unwrap().planned_peak_bytes()
-    };
-    let (materialised, fused) = (peak(HeadLoss::Materialised), peak(HeadLoss::default()));
+    let (materialised, fused) = (peak(&sp, HeadLoss::Materialised), peak(&sp, HeadLoss::default()));
     let logits = (sp.batch * sp.seq * 8192 * 2) as u64;
     // The fused head holds a chunk (an eighth of the logits) and two
     // [tokens, features] buffers at its own nodes: at least 3/4 of the
@@ -482,12 +477,7 @@ fn a_capped_fused_head_plans_less_than_its_capped_logits() {
     sp.config.padded_vocab_size = 8192;
     sp.batch = 4;
     sp.seq = 64;
-    let peak = |head| {
-        let fwd = build_forward_with(&sp, head).unwrap();
-        let step = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
-        plan(&step, PlanOptions::default()).unwrap().planned_peak_bytes()
-    };
-    let (materialised, fused) = (peak(HeadLoss::Materialised), peak(HeadLoss::default()));
+    let (materialised, fused) = (peak(&sp, HeadLoss::Materialised), peak(&sp, HeadLoss::default()));
     let logits = (sp.batch * sp.seq * 8192 * 2) as u64;
     assert!(
         fused + logits <= materialised,

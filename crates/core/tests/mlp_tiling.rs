@@ -11,7 +11,7 @@ use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::error::Error;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, OutputKind, TensorType};
+use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{
     build_forward, build_forward_opts, init_params, Config, ForwardOptions, LossKind, ModelSpec, Overrides,
@@ -21,7 +21,7 @@ use stepgraph_core::passes::recompute::{self, RecomputePolicy};
 use stepgraph_core::pipeline::{compile_step, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::PlanOptions;
 use stepgraph_core::session::Session;
-use stepgraph_core::testing::max_rel_diff;
+use stepgraph_core::testing::{grads_by_name, max_rel_diff};
 
 fn spec(name: &str, o: Overrides, batch: usize, seq: usize, dtype: DType) -> ModelSpec {
     let config = Config::named(name).unwrap().with_overrides(&o).unwrap();
@@ -42,14 +42,7 @@ fn run(c: &CompiledStep) -> (f64, BTreeMap<String, Vec<f64>>) {
     s.write_named(TARGETS_INPUT, &HostTensor::from_f64(ty, &targets)).unwrap();
     Session::run_eager(&mut s).unwrap();
     let loss = Session::loss(&mut s).unwrap();
-    let mut grads = BTreeMap::new();
-    for o in &c.step.outputs {
-        if let OutputKind::Grad(p) = o.kind {
-            let name = c.step.value(p).kind.leaf_name().unwrap().to_string();
-            grads.insert(name, Session::read(&mut s, o.value).unwrap().to_f64());
-        }
-    }
-    (loss, grads)
+    (loss, grads_by_name(&c.step, |v| Session::read(&mut s, v).unwrap().to_f64()))
 }
 
 fn count(c: &CompiledStep, name: &str) -> usize {

@@ -10,12 +10,12 @@ use std::collections::BTreeMap;
 use stepgraph_core::autodiff::StepKind;
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, OutputKind, TensorType};
+use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, TOKENS_INPUT};
 use stepgraph_core::models::{init_params, Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
-use stepgraph_core::testing::max_rel_diff;
+use stepgraph_core::testing::{grads_by_name, max_rel_diff};
 
 /// A small grouped-query model with RoPE (the positions matter).
 fn config() -> Config {
@@ -62,14 +62,7 @@ fn step(
     }
     Session::run_eager(&mut s).unwrap();
     let loss = Session::loss(&mut s).unwrap();
-    let mut grads = BTreeMap::new();
-    for o in &c.step.outputs {
-        if let OutputKind::Grad(p) = o.kind {
-            let name = c.step.value(p).kind.leaf_name().unwrap().to_string();
-            grads.insert(name, Session::read(&mut s, o.value).unwrap().to_f64());
-        }
-    }
-    (loss, grads)
+    (loss, grads_by_name(&c.step, |v| Session::read(&mut s, v).unwrap().to_f64()))
 }
 
 #[test]
