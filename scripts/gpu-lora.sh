@@ -28,6 +28,16 @@
 #         the table's 24 GB rows; add the 80 GB ones, "24 16384 80 131072",
 #         on a card that holds them: a 131,072-token step takes about a
 #         minute on an H100).
+# fusion  what folding the adapters into their base products gives: the
+#         memory stage's default run with all seven linear layers adapted
+#         and with the query projection alone, each with the epilogue pass
+#         on (the default: each adapter's up-projection adds into the base
+#         output, and its input gradient into the base's, inside the
+#         product) and off (separate adds); 10 steps each;
+# full    W7, the full fine-tune of the same geometry (no adapters, with
+#         validation every 4 steps), and
+#         PyTorch eager on it in the same run (scripts/torch_reference.py;
+#         it may not fit the card: its error is the row).
 #
 # Everything lands in $RESULTS (default ./gpu-out): lora.log (every
 # command's output) and lora.jsonl (one JSON row per check and run).
@@ -70,15 +80,17 @@ peft_stage() {
 
 # One 8B adapter run: `train_row NAME FLAGS...` appends its row to
 # lora.jsonl; ROW_MODEL, ROW_SEQ and ROW_STEPS set its geometry, sequence
-# and steps (default Meta-Llama-3-8B, 4096, $STEPS).
+# and steps (default Meta-Llama-3-8B, 4096, $STEPS), ROW_ADAPTERS its
+# adapter flags (default `--lora-rank 16`; empty for a full fine-tune),
+# ROW_EVAL its validation interval (default 0: none).
 train_row() {
     local name=$1
     shift
     stamp "memory: $name"
     local metrics="$WORK/metrics-$name.jsonl"
     "$SG" train --model "${ROW_MODEL:-Meta-Llama-3-8B}" --dtype bf16 --batch 1 --seq "${ROW_SEQ:-4096}" \
-        --steps "${ROW_STEPS:-$STEPS}" --eval-every 0 \
-        --data "$TEXT" --lora-rank 16 --log-every 1 --metrics "$metrics" "$@" >"$WORK/$name.log" 2>&1
+        --steps "${ROW_STEPS:-$STEPS}" --eval-every "${ROW_EVAL:-0}" \
+        --data "$TEXT" ${ROW_ADAPTERS---lora-rank 16} --log-every 1 --metrics "$metrics" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
     cat "$WORK/$name.log" >>"$LOG"
     python3 - "$name" "$metrics" "$WORK/$name.log" "$rc" <<'EOF' | tee -a "$OUTJ"
@@ -132,12 +144,37 @@ context_stage() {
     context_rows qlora "${CONTEXT_QLORA:-24 32768}" --base-dtype nf4 --double-quant
 }
 
+fusion_stage() {
+    local epilogues targets
+    for epilogues in on off; do
+        for targets in all-linear q; do
+            ROW_STEPS=10 train_row "lora-$targets-epilogues-$epilogues" --lora-targets "$targets" \
+                --epilogues "$epilogues"
+        done
+    done
+}
+
+full_stage() {
+    ROW_ADAPTERS="" ROW_EVAL=4 train_row full-w7
+    stamp "full: PyTorch eager W7"
+    python3 scripts/torch_reference.py --workload w7 --mode eager >"$WORK/torch-w7.log" 2>&1
+    local rc=$?
+    cat "$WORK/torch-w7.log" >>"$LOG"
+    python3 - "$WORK/torch-w7.log" "$rc" <<'EOF' | tee -a "$OUTJ"
+import json, sys
+log, rc = open(sys.argv[1]).read().strip().splitlines(), int(sys.argv[2])
+print(json.dumps({"check": "torch-w7-eager", "rc": rc, "tail": log[-3:]}))
+EOF
+}
+
 for stage in $STAGES; do
     case $stage in
     peft) peft_stage || stamp "peft stage failed (see $LOG)" ;;
     memory) memory_stage ;;
     context) context_stage ;;
-    *) echo "unknown stage $stage (peft, memory, context)" >&2 ;;
+    fusion) fusion_stage ;;
+    full) full_stage ;;
+    *) echo "unknown stage $stage (peft, memory, context, fusion, full)" >&2 ;;
     esac
 done
 stamp "done"

@@ -31,6 +31,7 @@ pub mod blas;
 pub mod error;
 pub mod graph;
 pub mod init;
+pub(crate) mod kernel_args;
 pub mod kernels;
 pub mod launch;
 pub mod lower;

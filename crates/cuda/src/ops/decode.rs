@@ -28,13 +28,13 @@ use stepgraph_core::ops::decode::{CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{
-    float_name, independent_pair, launch, n64, ptr, row_grid, two_row_launch, typed_kernel, unit_for, MAX_ROW_BLOCKS,
-    UNITS,
+    float_name, independent_pair, launch, row_grid, two_row_launch, typed_kernel, unit_for, MAX_ROW_BLOCKS, UNITS,
 };
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernel_args::kernel_args;
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch, LaunchList};
+use crate::launch::{KernelLaunch, Launch, LaunchList};
 
 /// The module of every generation kernel.
 const MODULE: &str = "decode";
@@ -131,21 +131,147 @@ pub fn split_staged_bytes(dtype: DType, pitch: usize, stages: usize) -> usize {
     CA_WARPS * stages * 64 * pitch * dtype.size()
 }
 
+kernel_args! {
+    /// `kv_write_<unit>`: row `(b, t)` of the `bt_rows` rows of `src`
+    /// (`seq` per batch row) into slot `(rows[b], start[b] + t)` of the
+    /// `[n, s]` rows of `cache`, rows of `row_units` copy units.
+    pub(crate) struct KvWriteArgs {
+        cache: u64,
+        src: u64,
+        rows: u64,
+        start: u64,
+        bt_rows: i64,
+        seq: i64,
+        n: i64,
+        s: i64,
+        row_units: i64,
+    }
+}
+
+kernel_args! {
+    /// `kv_write2_<unit>`: two [`KvWriteArgs`] launches of the same rows
+    /// and shapes, blocks with `blockIdx.y` 0 doing the first, 1 the second.
+    pub(crate) struct KvWrite2Args {
+        cache0: u64,
+        src0: u64,
+        cache1: u64,
+        src1: u64,
+        rows: u64,
+        start: u64,
+        bt_rows: i64,
+        seq: i64,
+        n: i64,
+        s: i64,
+        row_units: i64,
+    }
+}
+
+impl KvWrite2Args {
+    /// `first` and `second` as one launch, when they write the same rows
+    /// of the same shapes.
+    fn pair(first: KvWriteArgs, second: KvWriteArgs) -> Option<Self> {
+        let same = KvWriteArgs { cache: first.cache, src: first.src, ..second.clone() } == first;
+        same.then_some(KvWrite2Args {
+            cache0: first.cache,
+            src0: first.src,
+            cache1: second.cache,
+            src1: second.src,
+            rows: first.rows,
+            start: first.start,
+            bt_rows: first.bt_rows,
+            seq: first.seq,
+            n: first.n,
+            s: first.s,
+            row_units: first.row_units,
+        })
+    }
+
+    /// The two writes this launch does, in grid-row order.
+    #[cfg(test)]
+    pub(crate) fn halves(&self) -> [KvWriteArgs; 2] {
+        [(self.cache0, self.src0), (self.cache1, self.src1)].map(|(cache, src)| KvWriteArgs {
+            cache,
+            src,
+            rows: self.rows,
+            start: self.start,
+            bt_rows: self.bt_rows,
+            seq: self.seq,
+            n: self.n,
+            s: self.s,
+            row_units: self.row_units,
+        })
+    }
+}
+
+kernel_args! {
+    /// `cached_attention_split_h<H>_v<VW>_e<E>_s<ST>_<dtype>`: the split
+    /// pass over query rows `(b, t)` (`seq` per batch row) against cache
+    /// rows `rows[b]` (of `n`, `s` positions each) up to `start[b] + t`,
+    /// writing each split's partials, or `o` itself with one split.
+    pub(crate) struct CachedAttentionSplitArgs {
+        q: u64,
+        k_cache: u64,
+        v_cache: u64,
+        rows: u64,
+        start: u64,
+        partials: u64,
+        o: u64,
+        seq: i64,
+        n: i64,
+        s: i64,
+        q_heads: i32,
+        kv_heads: i32,
+        head_size: i32,
+        splits: i64,
+        /// Cache positions per split.
+        chunk: i64,
+        scale: f64,
+        /// Elements between ring rows in shared memory (0: no ring).
+        pitch: i32,
+        /// Which cache positions a query sees and the soft-cap (`SgKeys`
+        /// of kernels/common.cuh, without positions).
+        window: i32,
+        softcap: f64,
+    }
+}
+
+kernel_args! {
+    /// `cached_attention_combine_<dtype>`: the `splits` partials of each of
+    /// `rows` query rows combined into its `head_size` outputs.
+    pub(crate) struct CachedAttentionCombineArgs {
+        partials: u64,
+        o: u64,
+        rows: i64,
+        head_size: i32,
+        splits: i64,
+    }
+}
+
+kernel_args! {
+    /// `sample_next_<dtype>`: one token per batch row from its logits (of
+    /// `vocab`) under its sampling settings and seed; positions advance by
+    /// `advance`.
+    pub(crate) struct SampleNextArgs {
+        logits: u64,
+        sampling: u64,
+        seeds: u64,
+        start_in: u64,
+        next: u64,
+        start_out: u64,
+        batch: i64,
+        vocab: i64,
+        advance: i64,
+    }
+}
+
 /// The bytes `kv_write_<u>`'s launch `k` writes (its cache) and reads (its
 /// new rows), from its arguments.
 fn kv_write_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
     let unit = UNITS.iter().find(|(_, n)| k.function.strip_prefix("kv_write_") == Some(*n))?.0;
-    let int = |i: usize| match k.args[i] {
-        Arg::I64(x) => Some(x.max(0) as u64),
-        _ => None,
-    };
-    let ptr = |i: usize| match k.args[i] {
-        Arg::Ptr(p) => Some(p),
-        _ => None,
-    };
-    let (bt, n, s, units) = (int(4)?, int(6)?, int(7)?, int(8)?);
-    let (cache, src) = (ptr(0)?, ptr(1)?);
-    Some([(cache, cache + n * s * units * unit), (src, src + bt * units * unit)])
+    let a = KvWriteArgs::try_from_args(&k.args)?;
+    let extent = |x: i64| x.max(0) as u64;
+    let (bt, n, s, units) = (extent(a.bt_rows), extent(a.n), extent(a.s), extent(a.row_units));
+    Some([(a.cache, a.cache + n * s * units * unit), (a.src, a.src + bt * units * unit)])
 }
 
 /// Consecutive `kv_write` launches of one step that differ only in their
@@ -156,12 +282,8 @@ fn kv_write_ranges(k: &KernelLaunch) -> Option<[(u64, u64); 2]> {
 pub fn merge_kv_writes(list: LaunchList) -> LaunchList {
     list.merge_adjacent(|a, b| {
         let (ka, kb) = independent_pair(a, b, |k| kv_write_ranges(k).map(|[cache, src]| [src, cache]))?;
-        if ka.args[2..] != kb.args[2..] {
-            return None;
-        }
-        let mut args = vec![ka.args[0].clone(), ka.args[1].clone(), kb.args[0].clone(), kb.args[1].clone()];
-        args.extend(ka.args[2..].iter().cloned());
-        Some(two_row_launch(ka, ka.function.replacen("kv_write_", "kv_write2_", 1), args))
+        let pair = KvWrite2Args::pair(KvWriteArgs::try_from_args(&ka.args)?, KvWriteArgs::try_from_args(&kb.args)?)?;
+        Some(two_row_launch(ka, ka.function.replacen("kv_write_", "kv_write2_", 1), pair.args()))
     })
 }
 
@@ -190,7 +312,18 @@ impl Lower for KvWrite {
         let (unit, name) = unit_for(&[row_bytes, out.ptr, new.ptr]);
         let row_units = (row_bytes / unit) as usize;
         let threads = row_units.next_multiple_of(32).clamp(32, KV_WRITE_THREADS) as u32;
-        let args = vec![ptr(out), ptr(new), ptr(rows), ptr(start), n64(bt), n64(t), n64(n), n64(s), n64(row_units)];
+        let args = KvWriteArgs {
+            cache: out.ptr,
+            src: new.ptr,
+            rows: rows.ptr,
+            start: start.ptr,
+            bt_rows: bt as i64,
+            seq: t as i64,
+            n: n as i64,
+            s: s as i64,
+            row_units: row_units as i64,
+        }
+        .args();
         launches.push(launch(MODULE, format!("kv_write_{name}"), row_grid(bt, MAX_ROW_BLOCKS), (threads, 1, 1), args));
         Ok(launches)
     }
@@ -230,30 +363,28 @@ impl Lower for CachedAttention {
         let align = 1u64 << k.ptr.trailing_zeros().min(v.ptr.trailing_zeros()).min(8);
         let (vw, e) = load_width(dt, n.d, align);
         let (stages, pitch) = if cx.target.switches.decode_staging { staging(dt, heads, n.d, vw) } else { (0, 0) };
-        let scale = Arg::F64(self.scale);
-        let split_args = vec![
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            ptr(rows),
-            ptr(start),
-            ptr(part),
-            ptr(o),
-            n64(n.t),
-            n64(n.n),
-            n64(n.s),
-            Arg::I32(n.hq as i32),
-            Arg::I32(n.hkv as i32),
-            Arg::I32(n.d as i32),
-            n64(n.splits),
-            n64(n.chunk()),
-            scale,
-            Arg::I32(pitch as i32),
-            // Which cache positions a query sees and the soft-cap
-            // (`SgKeys` of kernels/common.cuh, without positions).
-            Arg::I32(self.scores.window.min(i32::MAX as usize) as i32),
-            Arg::F64(self.scores.softcap),
-        ];
+        let split_args = CachedAttentionSplitArgs {
+            q: q.ptr,
+            k_cache: k.ptr,
+            v_cache: v.ptr,
+            rows: rows.ptr,
+            start: start.ptr,
+            partials: part.ptr,
+            o: o.ptr,
+            seq: n.t as i64,
+            n: n.n as i64,
+            s: n.s as i64,
+            q_heads: n.hq as i32,
+            kv_heads: n.hkv as i32,
+            head_size: n.d as i32,
+            splits: n.splits as i64,
+            chunk: n.chunk() as i64,
+            scale: self.scale,
+            pitch: pitch as i32,
+            window: self.scores.window.min(i32::MAX as usize) as i32,
+            softcap: self.scores.softcap,
+        }
+        .args();
         let grid = (rows_bt as u32, n.splits as u32, head_blocks as u32);
         let split = format!("cached_attention_split_h{heads}_v{vw}_e{e}_s{stages}_{sfx}");
         let mut launches = vec![Launch::Kernel(KernelLaunch {
@@ -269,7 +400,14 @@ impl Lower for CachedAttention {
         if n.d > 0 && n.splits > 1 {
             let query_rows = rows_bt * n.hq;
             let warps = (CA_THREADS / 32) as usize;
-            let combine_args = vec![ptr(part), ptr(o), n64(query_rows), Arg::I32(n.d as i32), n64(n.splits)];
+            let combine_args = CachedAttentionCombineArgs {
+                partials: part.ptr,
+                o: o.ptr,
+                rows: query_rows as i64,
+                head_size: n.d as i32,
+                splits: n.splits as i64,
+            }
+            .args();
             launches.push(typed_kernel(
                 MODULE,
                 "cached_attention_combine",
@@ -296,17 +434,18 @@ impl Lower for SampleNext {
         let advance = i64::try_from(self.advance)
             .map_err(|_| CudaError::lower(self.name(), format!("advance {} does not fit i64", self.advance)))?;
         // The tokens input is not read: its only role is to be overwritten by `next`.
-        let args = vec![
-            ptr(logits),
-            ptr(sampling),
-            ptr(seeds),
-            ptr(start),
-            ptr(next),
-            ptr(start_out),
-            n64(b),
-            n64(v),
-            Arg::I64(advance),
-        ];
+        let args = SampleNextArgs {
+            logits: logits.ptr,
+            sampling: sampling.ptr,
+            seeds: seeds.ptr,
+            start_in: start.ptr,
+            next: next.ptr,
+            start_out: start_out.ptr,
+            batch: b as i64,
+            vocab: v as i64,
+            advance,
+        }
+        .args();
         Ok(vec![typed_kernel(
             MODULE,
             "sample_next",
@@ -404,7 +543,8 @@ mod tests {
         assert_eq!(ks.len(), 2);
         assert_eq!(ks[0].function, "cached_attention_split_h1_v4_e4_s0_bf16");
         assert_eq!((ks[0].grid, ks[0].block), ((4, 8, 32), (128, 1, 1)));
-        assert_eq!((ks[0].shared_bytes, &ks[0].args[16]), (0, &Arg::I32(0)), "read in place: no ring");
+        let split = CachedAttentionSplitArgs::from_args(&ks[0].args);
+        assert_eq!((ks[0].shared_bytes, split.pitch), (0, 0), "read in place: no ring");
         // Staged: four warps' rings of two slots of 32 key and 32 value rows of 100.
         let staged = Target { switches: Switches { decode_staging: true, ..Switches::default() }, ..Target::default() };
         let (ins, outs_s) = operands_of(&op, &attention(DType::BF16, 4, 32, 32, 100, 2048), 0).unwrap();
@@ -412,20 +552,21 @@ mod tests {
         let k_s = kernels(&l_s)[0];
         assert_eq!(k_s.function, "cached_attention_split_h1_v4_e4_s2_bf16");
         assert_eq!((k_s.grid, k_s.shared_bytes), ((4, 8, 32), 4 * 2 * 64 * 100 * 2));
-        assert_eq!(k_s.args[16], Arg::I32(100), "pitch");
-        // Plain attention: no window, no soft-cap, the last two arguments.
-        assert_eq!((ks[0].args.len(), &ks[0].args[17..]), (19, &[Arg::I32(0), Arg::F64(0.0)][..]));
+        assert_eq!(CachedAttentionSplitArgs::from_args(&k_s.args).pitch, 100);
+        // Plain attention: no window, no soft-cap.
+        assert_eq!((split.window, split.softcap), (0, 0.0));
         let windowed =
             Op::from(CachedAttention { scale: 0.1, splits: 8, scores: Scores { window: 4096, softcap: 50.0 } });
         let (_, _, l_w) = lowered(&windowed, &attention(DType::BF16, 4, 32, 32, 100, 2048));
         let k_w = kernels(&l_w)[0];
-        assert_eq!(k_w.args[..17], ks[0].args[..17]);
-        assert_eq!(k_w.args[17..], [Arg::I32(4096), Arg::F64(50.0)]);
-        assert_eq!(ks[0].args[5..7], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
-        assert_eq!(ks[0].args[14], Arg::I64(256), "chunk = ceil(2048 / 8)");
+        let split_w = CachedAttentionSplitArgs::from_args(&k_w.args);
+        assert_eq!(split_w, CachedAttentionSplitArgs { window: 4096, softcap: 50.0, ..split.clone() });
+        assert_eq!((split.partials, split.o), (outs[1].ptr, outs[0].ptr));
+        assert_eq!(split.chunk, 256, "chunk = ceil(2048 / 8)");
         assert_eq!(ks[1].function, "cached_attention_combine_bf16");
         assert_eq!(ks[1].grid, (32, 1, 1), "4 × 32 query rows, 4 per block");
-        assert_eq!(ks[1].args[..2], [Arg::Ptr(outs[1].ptr), Arg::Ptr(outs[0].ptr)]);
+        let combine = CachedAttentionCombineArgs::from_args(&ks[1].args);
+        assert_eq!((combine.partials, combine.o), (outs[1].ptr, outs[0].ptr));
         // One split: the split pass writes o itself, no combine.
         let op1 = Op::from(CachedAttention { scale: 0.1, splits: 1, scores: Default::default() });
         let (_, _, l) = lowered(&op1, &attention(DType::BF16, 16, 32, 32, 100, 768));
@@ -467,7 +608,7 @@ mod tests {
         let aliased = [DevTensor { ty: types[0].clone(), ptr: ins[0].ptr }];
         let l = lower(&op, &ins, &aliased, None).unwrap();
         assert_eq!(l.len(), 1);
-        assert_eq!(kernels(&l)[0].args[0], Arg::Ptr(ins[0].ptr));
+        assert_eq!(KvWriteArgs::from_args(&kernels(&l)[0].args).cache, ins[0].ptr);
     }
 
     #[test]
@@ -483,8 +624,9 @@ mod tests {
         let (ins, outs, l) = lowered(&op, &types);
         let k = kernels(&l)[0];
         assert_eq!((k.function.as_str(), k.grid, k.block), ("sample_next_bf16", (3, 1, 1), (1024, 1, 1)));
-        assert_eq!(k.args[4..6], [Arg::Ptr(outs[0].ptr), Arg::Ptr(outs[1].ptr)]);
-        assert_eq!(k.args[6..], [Arg::I64(3), Arg::I64(152064), Arg::I64(1)]);
+        let a = SampleNextArgs::from_args(&k.args);
+        assert_eq!((a.next, a.start_out), (outs[0].ptr, outs[1].ptr));
+        assert_eq!((a.batch, a.vocab, a.advance), (3, 152064, 1));
         // Aliased as planned in place: next over tokens, start over start.
         let aliased = [
             DevTensor { ty: ins[3].ty.clone(), ptr: ins[3].ptr },
@@ -492,6 +634,7 @@ mod tests {
         ];
         let l = lower(&op, &ins, &aliased, None).unwrap();
         let k = kernels(&l)[0];
-        assert_eq!(k.args[3..6], [Arg::Ptr(ins[4].ptr), Arg::Ptr(ins[3].ptr), Arg::Ptr(ins[4].ptr)]);
+        let a = SampleNextArgs::from_args(&k.args);
+        assert_eq!((a.start_in, a.next, a.start_out), (ins[4].ptr, ins[3].ptr, ins[4].ptr));
     }
 }

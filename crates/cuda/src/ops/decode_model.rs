@@ -18,10 +18,11 @@ use stepgraph_core::ops::sample::{fixed, normal, Sample, FLOAT_DTYPES};
 use stepgraph_core::ops::{samples_by_op, Op};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op};
 
-use super::host_model::{int, ptr, Mem};
+use super::decode::{CachedAttentionCombineArgs, CachedAttentionSplitArgs, KvWrite2Args, KvWriteArgs, SampleNextArgs};
+use super::host_model::Mem;
 use super::util::UNITS;
 use super::{lower_for, Target};
-use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
+use crate::launch::{DevTensor, KernelLaunch, Launch};
 
 /// Constants of decode.cu the model mirrors.
 const SN_CANDIDATES: usize = 1536;
@@ -31,20 +32,6 @@ const CA_WARPS: i64 = super::decode::CA_WARPS as i64;
 /// Staged split launches the model has run (the attention test checks
 /// that its staged lowering really staged some).
 static STAGED_BLOCKS_MODELLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-fn i32_arg(a: &Arg) -> i64 {
-    match a {
-        Arg::I32(x) => *x as i64,
-        other => panic!("expected an i32, got {other:?}"),
-    }
-}
-
-fn f64_arg(a: &Arg) -> f64 {
-    match a {
-        Arg::F64(x) => *x,
-        other => panic!("expected an f64, got {other:?}"),
-    }
-}
 
 /// The raw bits of element `i` of a `dt` tensor at `base`.
 fn bits(mem: &mut Mem, dt: DType, base: u64, i: i64) -> u64 {
@@ -111,16 +98,19 @@ fn emulate(k: &KernelLaunch, mem: &mut Mem) {
         // run in any order, and the merge admits only pairs that touch
         // disjoint bytes.
         assert_eq!(k.grid.1, 2, "one grid row per write");
-        for pair in [1, 0] {
-            let mut args = vec![a[2 * pair].clone(), a[2 * pair + 1].clone()];
-            args.extend(a[4..].iter().cloned());
-            let one = KernelLaunch { function: format!("kv_write_{unit}"), grid: (k.grid.0, 1, 1), args, ..k.clone() };
+        let [first, second] = KvWrite2Args::from_args(a).halves();
+        for half in [second, first] {
+            let one = KernelLaunch {
+                function: format!("kv_write_{unit}"),
+                grid: (k.grid.0, 1, 1),
+                args: half.args(),
+                ..k.clone()
+            };
             emulate(&one, mem);
         }
     } else if let Some(unit) = f.strip_prefix("kv_write_") {
         let w = UNITS.iter().find(|(_, n)| *n == unit).expect("a copy unit").0 as i64;
-        let (cache, src, rows, start) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
-        let (bt_rows, seq, n, s, row_units) = (int(&a[4]), int(&a[5]), int(&a[6]), int(&a[7]), int(&a[8]));
+        let KvWriteArgs { cache, src, rows, start, bt_rows, seq, n, s, row_units } = KvWriteArgs::from_args(a);
         let row = |mem: &mut Mem, b| load(mem, DType::I32, rows, b) as i64;
         let first = |mem: &mut Mem, b| load(mem, DType::I32, start, b) as i64;
         // Blocks run in any order: the model runs them last first, so only
@@ -143,7 +133,8 @@ fn emulate(k: &KernelLaunch, mem: &mut Mem) {
         split_model(k, mem, dtype_of(f), n[0], n[1], n[2], n[3]);
     } else if f.starts_with("cached_attention_combine_") {
         let dt = dtype_of(f);
-        let (part, o, rows, d, splits) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), i32_arg(&a[3]), int(&a[4]));
+        let c = CachedAttentionCombineArgs::from_args(a);
+        let (part, o, rows, d, splits) = (c.partials, c.o, c.rows, c.head_size as i64, c.splits);
         let width = d + 2;
         for r in 0..rows {
             let at = |sp: i64, c: i64| (r * splits + sp) * width + c;
@@ -276,15 +267,12 @@ impl WarpRing {
 /// 32-key tiles in turn (through their rings when staged) from the later of
 /// the split's start and the sliding window's, then combined in warp order.
 fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, e: i64, stages: i64) {
-    let a = &k.args;
-    let (q, kc, vc, rows, start, part) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-    let o = ptr(&a[6]);
-    let (seq, n_rows, cache_len) = (int(&a[7]), int(&a[8]), int(&a[9]));
-    let (hq, hkv, d) = (i32_arg(&a[10]), i32_arg(&a[11]), i32_arg(&a[12]));
-    let (splits, chunk, scale) = (int(&a[13]), int(&a[14]), f64_arg(&a[15]));
-    // After the pitch (a[16]): which positions a query sees, and the soft-cap.
-    assert_eq!(a.len(), 19, "q, k, v, rows, start, part, o, 9 sizes, pitch, window, softcap");
-    let (window, softcap) = (i32_arg(&a[17]), f64_arg(&a[18]));
+    let a = CachedAttentionSplitArgs::from_args(&k.args);
+    let (q, kc, vc, rows, start, part, o) = (a.q, a.k_cache, a.v_cache, a.rows, a.start, a.partials, a.o);
+    let (seq, n_rows, cache_len) = (a.seq, a.n, a.s);
+    let (hq, hkv, d) = (a.q_heads as i64, a.kv_heads as i64, a.head_size as i64);
+    let (splits, chunk, scale) = (a.splits, a.chunk, a.scale);
+    let (window, softcap) = (a.window as i64, a.softcap);
     let cap = |s: f64| if softcap > 0.0 { softcap * (s / softcap).tanh() } else { s };
     let (group, packs, stride) = (hq / hkv, d / vw, hkv * d);
     let tiles = (group + heads - 1) / heads;
@@ -294,7 +282,7 @@ fn split_model(k: &KernelLaunch, mem: &mut Mem, dt: DType, heads: i64, vw: i64, 
     // Staged, each warp's ring of `stages` slots of 32 key and 32 value rows
     // `pitch` apart is the block's dynamic shared memory, and every pack
     // lands aligned for its cp.async (4, 8 or 16 bytes).
-    let pitch = i32_arg(&a[16]);
+    let pitch = a.pitch as i64;
     if stages > 0 {
         STAGED_BLOCKS_MODELLED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(k.shared_bytes as i64, CA_WARPS * stages * 64 * pitch * size as i64, "ring bytes");
@@ -542,10 +530,8 @@ fn sample_row_model(toks: &[Tok], dt: DType, t: f64, top_k: f64, top_p: f64, see
 }
 
 fn sample_model(k: &KernelLaunch, mem: &mut Mem, dt: DType) {
-    let a = &k.args;
-    let (logits, sampling, seeds, start_in, next, start_out) =
-        (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-    let (batch, vocab, advance) = (int(&a[6]), int(&a[7]), int(&a[8]));
+    let SampleNextArgs { logits, sampling, seeds, start_in, next, start_out, batch, vocab, advance } =
+        SampleNextArgs::from_args(&k.args);
     for r in 0..batch {
         let toks: Vec<Tok> = (0..vocab)
             .map(|i| {

@@ -12,8 +12,9 @@ use super::util::{
 };
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernel_args::{kernel_args, kernel_struct};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, Launch, StructArg};
+use crate::launch::{Arg, Launch};
 
 const ELEMENTWISE: &[KernelModule] =
     &[KernelModule::plain("elementwise", include_str!("../../kernels/elementwise.cu"))];
@@ -82,6 +83,30 @@ impl Lower for UnaryBackward {
     }
 }
 
+kernel_struct! {
+    /// `BinaryShape` of elementwise.cu: the output's axes (`rank` of them,
+    /// padded with 1) and each operand's element stride along them (0 where
+    /// it broadcasts; padded with 0).
+    pub(crate) struct BinaryShape {
+        rank: i64,
+        size: [i64; MAX_RANK],
+        stride_a: [i64; MAX_RANK],
+        stride_b: [i64; MAX_RANK],
+    }
+}
+
+kernel_args! {
+    /// The strided binary kernels `<op>_<dtype>`: `y[i] = op(a[..], b[..])`
+    /// for the `n` elements of `y`.
+    pub(crate) struct BinaryArgs {
+        a: u64,
+        b: u64,
+        y: u64,
+        n: i64,
+        shape: BinaryShape,
+    }
+}
+
 impl Lower for Binary {
     const KERNELS: &'static [KernelModule] = ELEMENTWISE;
 
@@ -106,13 +131,13 @@ impl Lower for Binary {
             let args = vec![Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::Ptr(y.ptr), n64(n)];
             return Ok(vec![pointwise_launch("elementwise", name, y.ty.dtype, n, &[a, b, y], args)]);
         }
-        let shape = StructArg::default()
-            .i64(sizes.len() as i64)
-            .i64s(&pad(&sizes, 1))
-            .i64s(&pad(&strides[0], 0))
-            .i64s(&pad(&strides[1], 0))
-            .build();
-        let args = vec![Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::Ptr(y.ptr), n64(n), shape];
+        let shape = BinaryShape {
+            rank: sizes.len() as i64,
+            size: pad(&sizes, 1),
+            stride_a: pad(&strides[0], 0),
+            stride_b: pad(&strides[1], 0),
+        };
+        let args = BinaryArgs { a: a.ptr, b: b.ptr, y: y.ptr, n: n as i64, shape }.args();
         Ok(vec![launch_1d("elementwise", format!("{name}_{dt}"), n, args)])
     }
 }

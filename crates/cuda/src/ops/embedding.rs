@@ -9,16 +9,43 @@
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
 
-use super::util::{float_name, launch, n64, unit_for, MAX_GRID, THREADS};
+use super::util::{float_name, launch, unit_for, MAX_GRID, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernel_args::kernel_args;
 use crate::kernels::KernelModule;
-use crate::launch::{blocks, Arg, Launch};
+use crate::launch::{blocks, Launch};
 
 const EMBEDDING: &[KernelModule] = &[KernelModule::plain("embedding", include_str!("../../kernels/embedding.cu"))];
 
 /// Columns each embedding-backward thread accumulates (`kCols` in embedding.cu).
 const EMB_COLS_PER_THREAD: usize = 8;
+
+kernel_args! {
+    /// `embedding_<unit>_<ids>`: row `ids[p]` of the `rows`-row table to
+    /// row `p` of `y`, for the `n` ids, rows of `row_units` copy units.
+    pub(crate) struct EmbeddingArgs {
+        ids: u64,
+        table: u64,
+        y: u64,
+        n: i64,
+        rows: i64,
+        row_units: i64,
+    }
+}
+
+kernel_args! {
+    /// `embedding_backward_<dtype>_<ids>`: row r of `gt` (of `rows`, each
+    /// `width` elements) is the sum of the rows of `gy` whose id is r.
+    pub(crate) struct EmbeddingBackwardArgs {
+        ids: u64,
+        gy: u64,
+        gt: u64,
+        n: i64,
+        rows: i64,
+        width: i64,
+    }
+}
 
 fn id_name(op: &str, dt: DType) -> Result<&'static str> {
     match dt {
@@ -43,7 +70,15 @@ impl Lower for Embedding {
         let ty = THREADS / tx;
         let n_ids = ids.ty.numel();
         let grid = blocks(n_ids, ty as usize).min(MAX_GRID as u32);
-        let args = vec![Arg::Ptr(ids.ptr), Arg::Ptr(table.ptr), Arg::Ptr(y.ptr), n64(n_ids), n64(rows), n64(wu)];
+        let args = EmbeddingArgs {
+            ids: ids.ptr,
+            table: table.ptr,
+            y: y.ptr,
+            n: n_ids as i64,
+            rows: rows as i64,
+            row_units: wu as i64,
+        }
+        .args();
         Ok(vec![launch("embedding", format!("embedding_{unit}_{id}"), (grid, 1, 1), (tx, ty, 1), args)])
     }
 }
@@ -60,14 +95,15 @@ impl Lower for EmbeddingBackward {
         // 512, the kernel's bound), at least 128 so the id scan is wide.
         let threads = (width.div_ceil(EMB_COLS_PER_THREAD).div_ceil(32) * 32).clamp(128, 512) as u32;
         let grid = self.num_rows.clamp(1, MAX_GRID) as u32;
-        let args = vec![
-            Arg::Ptr(ids.ptr),
-            Arg::Ptr(gy.ptr),
-            Arg::Ptr(gt.ptr),
-            n64(ids.ty.numel()),
-            n64(self.num_rows),
-            n64(width),
-        ];
+        let args = EmbeddingBackwardArgs {
+            ids: ids.ptr,
+            gy: gy.ptr,
+            gt: gt.ptr,
+            n: ids.ty.numel() as i64,
+            rows: self.num_rows as i64,
+            width: width as i64,
+        }
+        .args();
         Ok(vec![launch("embedding", format!("embedding_backward_{dt}_{id}"), (grid, 1, 1), (threads, 1, 1), args)])
     }
 }

@@ -14,11 +14,14 @@ use stepgraph_core::ops::sample::{ids, normal};
 use stepgraph_core::ops::{BinaryFn, Op};
 use stepgraph_core::testing::{draw_input, run_op};
 
+use super::elementwise::BinaryArgs;
+use super::embedding::{EmbeddingArgs, EmbeddingBackwardArgs};
 use super::lower;
-use super::reduce::MAX_GROUPS;
+use super::movement::{ChunkedArgs, GatherArgs};
+use super::reduce::{MaxBackwardArgs, ReduceArgs, ReduceShape};
 use super::testing::operands;
-use super::util::{MAX_RANK, UNITS};
-use crate::launch::{Arg, Launch};
+use super::util::UNITS;
+use crate::launch::Launch;
 
 /// Host memory standing in for the device: one buffer per operand at its
 /// fake address.
@@ -49,25 +52,6 @@ impl Mem {
     }
 }
 
-pub(super) fn ptr(a: &Arg) -> u64 {
-    match a {
-        Arg::Ptr(p) => *p,
-        other => panic!("expected a pointer, got {other:?}"),
-    }
-}
-pub(super) fn int(a: &Arg) -> i64 {
-    match a {
-        Arg::I64(x) => *x,
-        other => panic!("expected an i64, got {other:?}"),
-    }
-}
-fn words(a: &Arg) -> Vec<i64> {
-    match a {
-        Arg::Struct(b) => b.chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect(),
-        other => panic!("expected a struct, got {other:?}"),
-    }
-}
-
 /// Offset of `idx` in a row-major walk of axes `size` with `stride`.
 fn walk(mut idx: i64, size: &[i64], stride: &[i64]) -> i64 {
     let mut off = 0;
@@ -76,6 +60,20 @@ fn walk(mut idx: i64, size: &[i64], stride: &[i64]) -> i64 {
         idx /= size[d];
     }
     off
+}
+
+/// The (address, value) of the `count` f64 elements of `x` that output `o`
+/// of a reduction of `shape` reads, in the kernel's order.
+fn reduced_elements(mem: &mut Mem, x: u64, shape: &ReduceShape, o: i64, count: i64) -> Vec<(u64, f64)> {
+    let (kept, reduced) = (shape.kept as usize, shape.reduced as usize);
+    let base = walk(o, &shape.kept_size[..kept], &shape.kept_stride[..kept]);
+    (0..count)
+        .map(|r| {
+            let addr =
+                x + ((base + walk(r, &shape.reduced_size[..reduced], &shape.reduced_stride[..reduced])) * 8) as u64;
+            (addr, mem.f64(addr))
+        })
+        .collect()
 }
 
 /// Runs a launch the way its kernel (see the `.cu` file) reads its
@@ -95,46 +93,49 @@ fn emulate(l: &Launch, mem: &mut Mem) {
         w.0 as usize
     };
     if f.starts_with("broadcast_") || f.starts_with("permute_") {
-        let (w, s) = (unit(f), words(&a[3]));
-        let rank = s[0] as usize;
-        let (size, stride) = (&s[1..1 + rank], &s[1 + MAX_RANK..1 + MAX_RANK + rank]);
-        for i in 0..int(&a[2]) {
-            mem.copy(ptr(&a[1]) + (i as u64) * w as u64, ptr(&a[0]) + walk(i, size, stride) as u64 * w as u64, w);
+        let (w, g) = (unit(f), GatherArgs::from_args(a));
+        let rank = g.shape.rank as usize;
+        let (size, stride) = (&g.shape.size[..rank], &g.shape.stride[..rank]);
+        for i in 0..g.n {
+            mem.copy(g.y + (i as u64) * w as u64, g.x + walk(i, size, stride) as u64 * w as u64, w);
         }
     } else if f.starts_with("slice_backward_") {
-        let (w, cy, cx, lo) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
-        for i in 0..int(&a[2]) {
-            let j = i % cy;
-            let dst = ptr(&a[1]) + i as u64 * w;
-            if j >= lo && j < lo + cx {
-                mem.copy(dst, ptr(&a[0]) + ((i / cy) * cx + j - lo) as u64 * w, w as usize);
+        // The output walked in runs of the full axis; the gradient's run is the window.
+        let (w, c) = (unit(f) as u64, ChunkedArgs::from_args(a));
+        for i in 0..c.n {
+            let j = i % c.walked;
+            let dst = c.y + i as u64 * w;
+            if j >= c.offset && j < c.offset + c.other {
+                mem.copy(dst, c.x + ((i / c.walked) * c.other + j - c.offset) as u64 * w, w as usize);
             } else {
                 mem.at(dst, w as usize).fill(0);
             }
         }
     } else if f.starts_with("slice_") {
-        let (w, cy, cx, off) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
-        for i in 0..int(&a[2]) {
-            mem.copy(ptr(&a[1]) + i as u64 * w, ptr(&a[0]) + ((i / cy) * cx + off + i % cy) as u64 * w, w as usize);
+        let (w, c) = (unit(f) as u64, ChunkedArgs::from_args(a));
+        for i in 0..c.n {
+            let src = c.x + ((i / c.walked) * c.other + c.offset + i % c.walked) as u64 * w;
+            mem.copy(c.y + i as u64 * w, src, w as usize);
         }
     } else if f.starts_with("concat_") {
-        let (w, cx, cy, off) = (unit(f) as u64, int(&a[3]), int(&a[4]), int(&a[5]));
-        for i in 0..int(&a[2]) {
-            mem.copy(ptr(&a[1]) + ((i / cx) * cy + off + i % cx) as u64 * w, ptr(&a[0]) + i as u64 * w, w as usize);
+        let (w, c) = (unit(f) as u64, ChunkedArgs::from_args(a));
+        for i in 0..c.n {
+            let dst = c.y + ((i / c.walked) * c.other + c.offset + i % c.walked) as u64 * w;
+            mem.copy(dst, c.x + i as u64 * w, w as usize);
         }
     } else if f.starts_with("embedding_backward_f64") {
         let i32s = f.ends_with("i32");
-        let (ids, gy, gt, n, rows, width) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        let e = EmbeddingBackwardArgs::from_args(a);
         let isz = if i32s { 4 } else { 8 };
-        for row in 0..rows {
-            let hits: Vec<i64> = (0..n).filter(|&p| mem.id(ids + (p * isz) as u64, i32s) == row).collect();
-            for c in 0..width {
-                let dst = gt + ((row * width + c) * 8) as u64;
+        for row in 0..e.rows {
+            let hits: Vec<i64> = (0..e.n).filter(|&p| mem.id(e.ids + (p * isz) as u64, i32s) == row).collect();
+            for c in 0..e.width {
+                let dst = e.gt + ((row * e.width + c) * 8) as u64;
                 match hits[..] {
                     [] => mem.set_f64(dst, 0.0),
-                    [p] => mem.copy(dst, gy + ((p * width + c) * 8) as u64, 8),
+                    [p] => mem.copy(dst, e.gy + ((p * e.width + c) * 8) as u64, 8),
                     _ => {
-                        let sum = hits.iter().fold(0.0, |acc, p| acc + mem.f64(gy + ((p * width + c) * 8) as u64));
+                        let sum = hits.iter().fold(0.0, |acc, p| acc + mem.f64(e.gy + ((p * e.width + c) * 8) as u64));
                         mem.set_f64(dst, sum)
                     }
                 }
@@ -142,66 +143,55 @@ fn emulate(l: &Launch, mem: &mut Mem) {
         }
     } else if f.starts_with("embedding_") {
         let (w, i32s) = (unit(f) as i64, f.ends_with("i32"));
-        let (ids, table, y, n, rows, wu) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
-        for p in 0..n {
-            let id = mem.id(ids + (p * if i32s { 4 } else { 8 }) as u64, i32s);
-            assert!((0..rows).contains(&id));
-            mem.copy(y + (p * wu * w) as u64, table + (id * wu * w) as u64, (wu * w) as usize);
+        let e = EmbeddingArgs::from_args(a);
+        let row_bytes = e.row_units * w;
+        for p in 0..e.n {
+            let id = mem.id(e.ids + (p * if i32s { 4 } else { 8 }) as u64, i32s);
+            assert!((0..e.rows).contains(&id));
+            mem.copy(e.y + (p * row_bytes) as u64, e.table + (id * row_bytes) as u64, row_bytes as usize);
         }
-    } else if f.starts_with("sum_") || f.starts_with("max_") {
-        let mb = f.starts_with("max_backward");
-        let (x, nout, count) = (ptr(&a[0]), int(&a[if mb { 4 } else { 2 }]), int(&a[if mb { 5 } else { 3 }]));
-        let s = words(&a[if mb { 6 } else { 5 }]);
-        let g = MAX_GROUPS;
-        let nk = s[0] as usize;
-        let (ks, kst) = (&s[1..1 + nk], &s[1 + g..1 + g + nk]);
-        let nr = s[1 + 2 * g] as usize;
-        let (rs, rst) = (&s[2 + 2 * g..2 + 2 * g + nr], &s[2 + 3 * g..2 + 3 * g + nr]);
-        for o in 0..nout {
-            let base = walk(o, ks, kst);
-            let xs: Vec<(u64, f64)> = (0..count)
-                .map(|r| {
-                    let addr = x + ((base + walk(r, rs, rst)) * 8) as u64;
-                    (addr, mem.f64(addr))
-                })
-                .collect();
-            if mb {
-                let (y, gy, gx) = (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
-                let m = mem.f64(y + o as u64 * 8);
-                let ties = xs.iter().filter(|v| v.1 == m).count().max(1);
-                let share = mem.f64(gy + o as u64 * 8) / ties as f64;
-                for (addr, v) in xs {
-                    mem.set_f64(gx + (addr - x), if v == m { share } else { 0.0 });
-                }
-            } else {
-                let v = if f.starts_with("max_") {
-                    xs.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.1))
-                } else {
-                    let s = xs.iter().fold(0.0, |acc, v| acc + v.1);
-                    if int(&a[4]) == 1 {
-                        s / count as f64
-                    } else {
-                        s
-                    }
-                };
-                mem.set_f64(ptr(&a[1]) + o as u64 * 8, v);
+    } else if f.starts_with("max_backward_") {
+        let m = MaxBackwardArgs::from_args(a);
+        for o in 0..m.nout {
+            let xs = reduced_elements(mem, m.x, &m.shape, o, m.count);
+            let top = mem.f64(m.y + o as u64 * 8);
+            let ties = xs.iter().filter(|v| v.1 == top).count().max(1);
+            let share = mem.f64(m.gy + o as u64 * 8) / ties as f64;
+            for (addr, v) in xs {
+                mem.set_f64(m.gx + (addr - m.x), if v == top { share } else { 0.0 });
             }
         }
+    } else if f.starts_with("sum_") || f.starts_with("max_") {
+        let r = ReduceArgs::from_args(a);
+        for o in 0..r.nout {
+            let xs = reduced_elements(mem, r.x, &r.shape, o, r.count);
+            let v = if f.starts_with("max_") {
+                xs.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.1))
+            } else {
+                let s = xs.iter().fold(0.0, |acc, v| acc + v.1);
+                if r.mean == 1 {
+                    s / r.count as f64
+                } else {
+                    s
+                }
+            };
+            mem.set_f64(r.y + o as u64 * 8, v);
+        }
     } else if ["add_f64", "sub_f64", "mul_f64", "div_f64"].contains(&f) {
-        let s = words(&a[4]);
-        let rank = s[0] as usize;
-        let size = &s[1..1 + rank];
-        let (sa, sb) = (&s[1 + MAX_RANK..1 + MAX_RANK + rank], &s[1 + 2 * MAX_RANK..1 + 2 * MAX_RANK + rank]);
-        for i in 0..int(&a[3]) {
-            let x = mem.f64(ptr(&a[0]) + walk(i, size, sa) as u64 * 8);
-            let y = mem.f64(ptr(&a[1]) + walk(i, size, sb) as u64 * 8);
+        let b = BinaryArgs::from_args(a);
+        let rank = b.shape.rank as usize;
+        let size = &b.shape.size[..rank];
+        let (sa, sb) = (&b.shape.stride_a[..rank], &b.shape.stride_b[..rank]);
+        for i in 0..b.n {
+            let x = mem.f64(b.a + walk(i, size, sa) as u64 * 8);
+            let y = mem.f64(b.b + walk(i, size, sb) as u64 * 8);
             let v = match &f[..3] {
                 "add" => x + y,
                 "sub" => x - y,
                 "mul" => x * y,
                 _ => x / y,
             };
-            mem.set_f64(ptr(&a[2]) + i as u64 * 8, v);
+            mem.set_f64(b.y + i as u64 * 8, v);
         }
     } else {
         panic!("no model of `{f}`");

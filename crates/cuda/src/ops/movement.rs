@@ -11,10 +11,48 @@ use stepgraph_core::ops::movement::{Broadcast, Concat, Permute, Reshape, Slice, 
 use super::util::{broadcast_strides, contiguous_strides, launch_1d, merge_axes, pad, unit_for, MAX_RANK};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernel_args::{kernel_args, kernel_struct};
 use crate::kernels::KernelModule;
-use crate::launch::{Arg, DevTensor, Launch, StructArg};
+use crate::launch::{DevTensor, Launch};
 
 const MOVEMENT: &[KernelModule] = &[KernelModule::plain("movement", include_str!("../../kernels/movement.cu"))];
+
+kernel_struct! {
+    /// `sg_mv::GatherShape` of movement.cu: the output's axes (`rank` of
+    /// them, padded with 1) and the input's stride in copy units along each
+    /// (padded with 0).
+    pub(crate) struct GatherShape {
+        rank: i64,
+        size: [i64; MAX_RANK],
+        stride: [i64; MAX_RANK],
+    }
+}
+
+kernel_args! {
+    /// `broadcast_<unit>` and `permute_<unit>`: `y[i] = x[offset(i)]` for
+    /// the `n` units of `y`.
+    pub(crate) struct GatherArgs {
+        x: u64,
+        y: u64,
+        n: i64,
+        shape: GatherShape,
+    }
+}
+
+kernel_args! {
+    /// `slice_<unit>`, `slice_backward_<unit>` and `concat_<unit>`, in copy
+    /// units: the kernel walks the `n` units of one tensor (the output of a
+    /// slice and its backward, the input of a concat) in runs of `walked`,
+    /// each the window at `offset` of a run of `other` in the other tensor.
+    pub(crate) struct ChunkedArgs {
+        x: u64,
+        y: u64,
+        n: i64,
+        walked: i64,
+        other: i64,
+        offset: i64,
+    }
+}
 
 /// A strided gather (`broadcast` or `permute`): output axes `sizes`, input
 /// element strides `strides` per output axis.
@@ -53,8 +91,8 @@ fn gather(
         *s = *s * es / w;
     }
     let n: i64 = sizes.iter().product();
-    let shape = StructArg::default().i64(sizes.len() as i64).i64s(&pad(&sizes, 1)).i64s(&pad(&strides, 0)).build();
-    let args = vec![Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::I64(n), shape];
+    let shape = GatherShape { rank: sizes.len() as i64, size: pad(&sizes, 1), stride: pad(&strides, 0) };
+    let args = GatherArgs { x: x.ptr, y: y.ptr, n, shape }.args();
     Ok(vec![launch_1d("movement", format!("{kernel}_{unit}"), n as usize, args)])
 }
 
@@ -71,17 +109,11 @@ fn chunked(kernel: &'static str, x: &DevTensor, y: &DevTensor, es: usize, n: usi
     let mut q = vec![x.ptr, y.ptr];
     q.extend(chunk.iter().map(|&c| c as u64 * es));
     let (w, unit) = unit_for(&q);
-    let scale = |c: usize| Arg::I64((c as u64 * es / w) as i64);
-    let n_units = (n as u64 * es / w) as usize;
-    let args = vec![
-        Arg::Ptr(x.ptr),
-        Arg::Ptr(y.ptr),
-        Arg::I64(n_units as i64),
-        scale(chunk[0]),
-        scale(chunk[1]),
-        scale(chunk[2]),
-    ];
-    launch_1d("movement", format!("{kernel}_{unit}"), n_units, args)
+    let units = |c: usize| (c as u64 * es / w) as i64;
+    let n_units = units(n);
+    let [walked, other, offset] = chunk.map(units);
+    let args = ChunkedArgs { x: x.ptr, y: y.ptr, n: n_units, walked, other, offset }.args();
+    launch_1d("movement", format!("{kernel}_{unit}"), n_units as usize, args)
 }
 
 impl Lower for Broadcast {

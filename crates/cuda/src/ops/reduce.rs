@@ -10,6 +10,7 @@ use stepgraph_core::ops::OpDef;
 use super::util::{contiguous_strides, float_name, launch, Dim3, MAX_GRID};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
+use crate::kernel_args::{kernel_args, kernel_struct};
 use crate::kernels::KernelModule;
 use crate::launch::{blocks, Arg, DevTensor, Launch, StructArg};
 
@@ -21,6 +22,48 @@ pub(crate) const MAX_GROUPS: usize = 4;
 
 /// (size, input element stride) of merged axis groups, outer to inner.
 type Groups = Vec<(i64, i64)>;
+
+kernel_struct! {
+    /// `sg_red::ReduceShape` of reduce.cu: the kept and the reduced axis
+    /// groups (a count of each, then sizes padded with 1 and input element
+    /// strides padded with 0), outer to inner.
+    pub(crate) struct ReduceShape {
+        kept: i64,
+        kept_size: [i64; MAX_GROUPS],
+        kept_stride: [i64; MAX_GROUPS],
+        reduced: i64,
+        reduced_size: [i64; MAX_GROUPS],
+        reduced_stride: [i64; MAX_GROUPS],
+    }
+}
+
+kernel_args! {
+    /// `sum_<layout>_<dtype>` and `max_<layout>_<dtype>`: `nout` outputs,
+    /// each over `count` elements; with `mean` = 1 the sum is divided by
+    /// the count.
+    pub(crate) struct ReduceArgs {
+        x: u64,
+        y: u64,
+        nout: i64,
+        count: i64,
+        mean: i64,
+        shape: ReduceShape,
+    }
+}
+
+kernel_args! {
+    /// `max_backward_<layout>_<dtype>`: `gy` shared among the elements of
+    /// `x` equal to their maximum `y`, zero elsewhere.
+    pub(crate) struct MaxBackwardArgs {
+        x: u64,
+        y: u64,
+        gy: u64,
+        gx: u64,
+        nout: i64,
+        count: i64,
+        shape: ReduceShape,
+    }
+}
 
 /// Kept and reduced groups of a reduction, as the kernels' `ReduceShape`.
 #[derive(Debug, PartialEq)]
@@ -70,26 +113,28 @@ impl ReducePlan {
         self.reduced.iter().map(|g| g.0).product()
     }
 
-    fn arg(&self, op: &str) -> Result<Arg> {
+    fn shape(&self, op: &str) -> Result<ReduceShape> {
         if self.kept.len() > MAX_GROUPS || self.reduced.len() > MAX_GROUPS {
             return Err(CudaError::lower(op, format!("more than {MAX_GROUPS} kept or reduced axis groups")));
         }
         // Sizes padded with 1 and strides with 0 to the struct's fixed arrays.
         let sizes_strides = |g: &Groups| {
-            let (mut s, mut t): (Vec<i64>, Vec<i64>) = g.iter().copied().unzip();
-            s.resize(MAX_GROUPS, 1);
-            t.resize(MAX_GROUPS, 0);
-            (s, t)
+            let (mut sizes, mut strides) = ([1; MAX_GROUPS], [0; MAX_GROUPS]);
+            for (i, &(size, stride)) in g.iter().enumerate() {
+                (sizes[i], strides[i]) = (size, stride);
+            }
+            (sizes, strides)
         };
-        let ((ks, kt), (rs, rt)) = (sizes_strides(&self.kept), sizes_strides(&self.reduced));
-        Ok(StructArg::default()
-            .i64(self.kept.len() as i64)
-            .i64s(&ks)
-            .i64s(&kt)
-            .i64(self.reduced.len() as i64)
-            .i64s(&rs)
-            .i64s(&rt)
-            .build())
+        let ((kept_size, kept_stride), (reduced_size, reduced_stride)) =
+            (sizes_strides(&self.kept), sizes_strides(&self.reduced));
+        Ok(ReduceShape {
+            kept: self.kept.len() as i64,
+            kept_size,
+            kept_stride,
+            reduced: self.reduced.len() as i64,
+            reduced_size,
+            reduced_stride,
+        })
     }
 
     /// The kernel layout (`rows`, `warps` or `cols`), grid and block; see reduce.cu.
@@ -132,14 +177,9 @@ impl Lower for Reduce {
         let dt = float_name(name, x.ty.dtype)?;
         let plan = ReducePlan::new(&x.ty.shape, &self.axes);
         let (layout, grid, block) = plan.layout();
-        let args = vec![
-            Arg::Ptr(x.ptr),
-            Arg::Ptr(y.ptr),
-            Arg::I64(plan.nout()),
-            Arg::I64(plan.count()),
-            Arg::I64(mean),
-            plan.arg(name)?,
-        ];
+        let args =
+            ReduceArgs { x: x.ptr, y: y.ptr, nout: plan.nout(), count: plan.count(), mean, shape: plan.shape(name)? }
+                .args();
         Ok(vec![launch("reduce", format!("{kernel}_{layout}_{dt}"), grid, block, args)])
     }
 }
@@ -152,15 +192,16 @@ impl Lower for MaxBackward {
         let dt = float_name("max_backward", gx.ty.dtype)?;
         let plan = ReducePlan::new(&x.ty.shape, &self.axes);
         let (layout, grid, block) = plan.layout();
-        let args = vec![
-            Arg::Ptr(x.ptr),
-            Arg::Ptr(y.ptr),
-            Arg::Ptr(g.ptr),
-            Arg::Ptr(gx.ptr),
-            Arg::I64(plan.nout()),
-            Arg::I64(plan.count()),
-            plan.arg("max_backward")?,
-        ];
+        let args = MaxBackwardArgs {
+            x: x.ptr,
+            y: y.ptr,
+            gy: g.ptr,
+            gx: gx.ptr,
+            nout: plan.nout(),
+            count: plan.count(),
+            shape: plan.shape("max_backward")?,
+        }
+        .args();
         Ok(vec![launch("reduce", format!("max_backward_{layout}_{dt}"), grid, block, args)])
     }
 }

@@ -198,9 +198,9 @@ pub(crate) fn merge_axes(sizes: &[usize], strides: &[Vec<i64>]) -> (Vec<i64>, Ve
 }
 
 /// `v` padded with `fill` to `MAX_RANK` entries (the kernels' fixed arrays).
-pub(crate) fn pad(v: &[i64], fill: i64) -> Vec<i64> {
-    let mut p = v.to_vec();
-    p.resize(MAX_RANK, fill);
+pub(crate) fn pad(v: &[i64], fill: i64) -> [i64; MAX_RANK] {
+    let mut p = [fill; MAX_RANK];
+    p[..v.len()].copy_from_slice(v);
     p
 }
 
