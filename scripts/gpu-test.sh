@@ -9,6 +9,8 @@
 #                                       # (BENCH_FLAGS: flags for every `stepgraph bench`,
 #                                       # e.g. "--f32-products 3xtf32")
 #   scripts/gpu-test.sh bench-ab [W...] # a baseline binary and this one, interleaved, + PyTorch
+#                                       # (w6 is `stepgraph generate`'s W6 against
+#                                       # scripts/torch_generate.py)
 #   scripts/gpu-compare.sh [CASE...]    # loss and gradients against PyTorch (see that script)
 #
 # Logs and JSON go to $RESULTS (default ./gpu-out).
@@ -123,13 +125,27 @@ bench-ab)
                 exe=.carry/stepgraph
                 [ "$bin" = base ] && exe=.carry/stepgraph-base
                 echo "== $bin $w $mode"
-                "$exe" bench --workload "$w" --mode "$mode" --json | sed "s/^{/{\"binary\":\"$bin\",/" | tee -a "$RESULTS/bench-ab.jsonl" ||
+                if [ "$w" = w6 ]; then
+                    # W6 is generation: graph replay of the decode steps.
+                    [ "$mode" = graph ] || continue
+                    "$exe" generate --model open_llama_3b --dtype bf16 --random-prompts 1 --prompt-tokens 512 \
+                        --max-new-tokens 256 --ignore-eos --json
+                else
+                    "$exe" bench --workload "$w" --mode "$mode" --json
+                fi | sed "s/^{/{\"binary\":\"$bin\",\"workload\":\"$w\",/" | tee -a "$RESULTS/bench-ab.jsonl" ||
                     echo "{\"binary\":\"$bin\",\"workload\":\"$w\",\"mode\":\"$mode\",\"error\":true}" >>"$RESULTS/bench-ab.jsonl"
             done
         done
         for mode in $torch_modes; do
             echo "== torch $w $mode"
-            PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py --workload "$w" --mode "$mode" 2>&1 | grep RESULT | sed 's/^RESULT //' | tee -a "$RESULTS/torch.jsonl" || true
+            if [ "$w" = w6 ]; then
+                # transformers' generate: eager, and with a static cache compiled.
+                tmode=static
+                [ "$mode" = eager ] && tmode=eager
+                PYTHONUNBUFFERED=1 python3 scripts/torch_generate.py --mode "$tmode" --batch 1 2>&1
+            else
+                PYTHONUNBUFFERED=1 python3 scripts/torch_reference.py --workload "$w" --mode "$mode" 2>&1
+            fi | grep RESULT | sed 's/^RESULT //' | tee -a "$RESULTS/torch.jsonl" || true
         done
     done
     ;;

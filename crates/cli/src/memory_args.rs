@@ -177,7 +177,7 @@ pub fn parse_size(flag: &str, text: &str, more: &str, as_sold: bool) -> Result<u
 /// 256 MiB for the CUDA libraries' workspaces and kernel modules, which
 /// the plan does not hold) when there is a GPU, else the host memory
 /// available (`MemAvailable`, a cgroup's limit, or
-/// `STEPGRAPH_HOST_MEMORY_LIMIT`: [`stepgraph_core::cpu::memory`]), what
+/// `STEPGRAPH_HOST_MEMORY_LIMIT`: [`stepgraph_core::host::memory`]), what
 /// the CPU backend checks a plan against.
 pub fn free_bytes() -> Result<u64> {
     const RESERVE: u64 = 256 << 20;
@@ -185,7 +185,7 @@ pub fn free_bytes() -> Result<u64> {
         let free = stepgraph_cuda::session::free_device_memory(0)?;
         return Ok(free.saturating_sub(RESERVE));
     }
-    let host = stepgraph_core::cpu::memory::available()?.context(
+    let host = stepgraph_core::host::memory::available()?.context(
         "the host memory available is unknown here (no /proc/meminfo or cgroup limit): give a size, or set \
          STEPGRAPH_HOST_MEMORY_LIMIT",
     )?;

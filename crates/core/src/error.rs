@@ -72,7 +72,7 @@ pub enum Error {
     MemoryBudget { budget: u64, least: u64, mlp_tiles: usize, hint: Option<String> },
     /// `what` (a planned step) needs more host memory than is available:
     /// refused before anything was allocated. `origin` says where the
-    /// available number comes from (see [`crate::cpu::memory`]).
+    /// available number comes from (see [`crate::host::memory`]).
     #[error(
         "{what} needs {needed} bytes ({:.2} GB) of host memory, but {available} bytes ({:.2} GB) are available \
          ({origin}); nothing was allocated",

@@ -1,11 +1,14 @@
 //! Host tensors: a typed byte buffer in host memory, in any dtype, 8-byte
 //! aligned so every dtype can be viewed in place. The currency between the
 //! runtime and its users: step inputs written to a session, outputs read
-//! back, checkpoint tensors, and test data.
+//! back, checkpoint tensors, and test data. Also how much host memory a
+//! process may still take, and allocation that fails with an error
+//! ([`memory`]).
 
-use crate::cpu::memory::try_vec;
+pub mod memory;
+
 use crate::error::{Error, Result};
-use crate::ir::{DType, TensorType};
+use crate::types::{DType, TensorType};
 
 /// A tensor in host memory, 8-byte aligned so every dtype can be viewed in place.
 #[derive(Clone, Debug)]
@@ -33,7 +36,7 @@ impl HostTensor {
     pub fn try_zeros(ty: TensorType, what: &str) -> Result<Self> {
         let too_large = || Error::Allocation { what: format!("{what} ({ty})"), bytes: ty.bytes() };
         let bytes = ty.checked_bytes().and_then(|b| usize::try_from(b).ok()).ok_or_else(too_large)?;
-        let words = try_vec(bytes.div_ceil(8), 0u64, &format!("{what} ({ty})"))?;
+        let words = memory::try_vec(bytes.div_ceil(8), 0u64, &format!("{what} ({ty})"))?;
         Ok(HostTensor { ty, words })
     }
 

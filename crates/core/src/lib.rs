@@ -27,5 +27,6 @@ pub mod pipeline;
 pub mod plan;
 pub mod session;
 pub mod testing;
+pub mod types;
 
 pub use error::{Error, Result};

@@ -23,7 +23,7 @@ fn main() {
     let mut failed = false;
     for m in &modules {
         let t = Instant::now();
-        match stepgraph_cuda::nvrtc::compile(m, &arch) {
+        match stepgraph_cuda::kernels::compile(m, &arch) {
             Ok(cubin) => println!("{m}: {} bytes in {:.1} s", cubin.len(), t.elapsed().as_secs_f64()),
             Err(e) => {
                 eprintln!("{m}: {e}");

@@ -12,7 +12,7 @@ use stepgraph_core::ir::DType;
 use stepgraph_core::models::init::{param_stream, ParamInit};
 
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, DevTensor, KernelLaunch};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
@@ -147,7 +147,7 @@ mod tests {
     /// module's CUBIN with the parameters the launch fills.
     #[test]
     fn the_launch_fits_the_compiled_kernel() {
-        let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
+        let Some(cubin) = crate::nvrtc::test_cubin(&MODULE) else { return };
         for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             let l =
                 init_launch(by_name("w", &tensor(dtype, 1 << 20)), "w", &tensor(dtype, 1 << 20), 1).unwrap().unwrap();

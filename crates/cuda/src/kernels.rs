@@ -16,45 +16,8 @@
 //! **Invariant:** module names are unique; two ops naming one module give
 //! the same source and defines (checked by `every_module_has_one_source`).
 
-/// The header every source starts with: dtype helpers and conversions.
-pub const COMMON: &str = include_str!("../kernels/common.cuh");
-
-/// One kernel module: its name (what [`crate::launch::KernelLaunch::module`]
-/// names), its source and the `#define`s prepended for a variant (empty for
-/// a plain source).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct KernelModule {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub defines: &'static str,
-    /// Compiled for the architecture-specific target (`sm_90a` on an
-    /// `sm_90` device): it uses instructions that only that architecture
-    /// has (warpgroup MMA), so lowerings name it only for such a device
-    /// ([`crate::ops::Target`]).
-    pub arch_specific: bool,
-}
-
-impl KernelModule {
-    /// A plain source compiled as it is.
-    pub const fn plain(name: &'static str, source: &'static str) -> Self {
-        KernelModule { name, source, defines: "", arch_specific: false }
-    }
-
-    /// The full text NVRTC compiles: the shared header, the defines, the source.
-    pub fn text(&self) -> String {
-        format!("{COMMON}\n{}#line 1 \"{}.cu\"\n{}", self.defines, self.name, self.source)
-    }
-
-    /// The target it is built for on a device of `arch` (`sm_90`): that
-    /// architecture's specific target (`sm_90a`) when it is [`Self::arch_specific`].
-    pub fn target(&self, arch: &str) -> String {
-        if self.arch_specific {
-            format!("{arch}a")
-        } else {
-            arch.to_string()
-        }
-    }
-}
+use crate::error::{CudaError, Result};
+pub use crate::kernel_module::{KernelModule, COMMON};
 
 /// Every module the op list declares, each once, in op-list order, then
 /// the session's own.
@@ -76,6 +39,16 @@ pub fn modules() -> impl Iterator<Item = &'static str> {
 /// The declaration of `module`.
 pub fn module(name: &str) -> Option<&'static KernelModule> {
     all().find(|m| m.name == name)
+}
+
+/// Compiles the module named `name` for `arch` ([`crate::nvrtc::compile`]).
+pub fn compile(name: &str, arch: &str) -> Result<Vec<u8>> {
+    let m = module(name).ok_or_else(|| CudaError::Compile {
+        source_name: name.into(),
+        arch: arch.into(),
+        log: "no such kernel source".into(),
+    })?;
+    crate::nvrtc::compile(m, arch)
 }
 
 /// The full text NVRTC compiles for `module`.

@@ -8,28 +8,6 @@ use cudarc::driver::sys;
 use cudarc::driver::DriverError;
 use stepgraph_core::ir::TensorType;
 
-/// The environment variable ([`crate::switches::Switches::pdl`]) that
-/// launches every stepgraph kernel with programmatic dependent launch, on devices of compute capability
-/// 9.0 and later: each kernel may be scheduled while the kernel before it
-/// in the stream finishes, its `sg_pdl_entry()` (common.cuh) waiting for
-/// that kernel's results, so launch latency hides behind the previous
-/// kernel's last blocks. Off until a GPU run has checked and timed it.
-pub const PDL_ENV: &str = "STEPGRAPH_PDL";
-
-/// Whether kernels launch with programmatic dependent launch on a device of
-/// architecture `arch` (`sm_90`, ...): `switches` asks for it ([`PDL_ENV`])
-/// and the device has `griddepcontrol` (sm_90 and later).
-pub fn pdl_on(arch: &str, switches: &crate::switches::Switches) -> bool {
-    switches.pdl && has_griddepcontrol(arch)
-}
-
-/// Does a device of architecture `arch` (`sm_90`, `sm_90a`, `sm_80`, ...)
-/// have `griddepcontrol`: compute capability 9.0 or later?
-fn has_griddepcontrol(arch: &str) -> bool {
-    let cc = arch.strip_prefix("sm_").and_then(|v| v.trim_end_matches(char::is_alphabetic).parse::<u32>().ok());
-    cc.is_some_and(|v| v >= 90)
-}
-
 /// Launches `f` on `stream` as `cuLaunchKernel` does, or, with `pdl`, with
 /// programmatic stream serialization (`cuLaunchKernelEx`): the kernel's
 /// blocks may start before the previous kernel in the stream has finished
@@ -195,12 +173,33 @@ impl Launch {
     pub fn profile_name(&self) -> String {
         match self {
             Launch::Kernel(k) => k.function.clone(),
-            Launch::Gemm(g) => crate::blas::shape_name(g),
+            Launch::Gemm(g) => shape_name(g),
             Launch::Memset { .. } => "memset".into(),
             Launch::Copy { .. } => "copy".into(),
             Launch::Collective(c) => c.op.nccl_name().into(),
         }
     }
+}
+
+/// A product's shape as the session's profile names it:
+/// `gemm_{dtype}_{m}x{n}x{k}` with `_ta`, `_tb` for transposed operands,
+/// `_b{batch}` when batched, and `_acc` or `_bias` for an addend.
+pub fn shape_name(g: &GemmCall) -> String {
+    format!(
+        "gemm_{}_{}x{}x{}{}{}{}{}",
+        format!("{:?}", g.ty).to_lowercase(),
+        g.m,
+        g.n,
+        g.k,
+        if g.trans_a { "_ta" } else { "" },
+        if g.trans_b { "_tb" } else { "" },
+        if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() },
+        match g.addend {
+            GemmAddend::None => "",
+            GemmAddend::Full(_) => "_acc",
+            GemmAddend::Bias(_) => "_bias",
+        }
+    )
 }
 
 /// NCCL's reduction for a collective: `ncclSum`, or `ncclAvg` for a mean.
@@ -301,18 +300,6 @@ impl StructArg {
     }
     pub fn build(self) -> Arg {
         Arg::Struct(self.0)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn programmatic_launch_needs_hopper_or_later() {
-        let cases =
-            [("sm_90", true), ("sm_90a", true), ("sm_100", true), ("sm_89", false), ("sm_80", false), ("gpu", false)];
-        for (arch, has) in cases {
-            assert_eq!(super::has_griddepcontrol(arch), has, "{arch}");
-        }
     }
 }
 

@@ -32,6 +32,7 @@ pub mod error;
 pub mod graph;
 pub mod init;
 pub(crate) mod kernel_args;
+pub mod kernel_module;
 pub mod kernels;
 pub mod launch;
 pub mod lower;

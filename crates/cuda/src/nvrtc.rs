@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use crate::error::{CudaError, Result};
-use crate::kernels;
+use crate::kernel_module::KernelModule;
 
 /// Is the NVRTC library loadable here?
 pub fn available() -> bool {
@@ -25,9 +25,9 @@ pub fn available() -> bool {
 /// `STEPGRAPH_REQUIRE_NVRTC` is set, which turns a missing NVRTC into a
 /// failure.
 #[cfg(test)]
-pub(crate) fn test_cubin(module: &str) -> Option<Vec<u8>> {
+pub(crate) fn test_cubin(module: &KernelModule) -> Option<Vec<u8>> {
     if !available() {
-        eprintln!("NVRTC not found: CUBIN check of `{module}` skipped (see .ci/run)");
+        eprintln!("NVRTC not found: CUBIN check of `{}` skipped (see .ci/run)", module.name);
         assert!(
             std::env::var_os("STEPGRAPH_REQUIRE_NVRTC").is_none(),
             "STEPGRAPH_REQUIRE_NVRTC is set but NVRTC is missing"
@@ -87,15 +87,11 @@ fn cache_dir() -> PathBuf {
     home.join("stepgraph").join("kernels")
 }
 
-/// Compiles `module` to CUBIN for `arch` (e.g. `sm_90`; `sm_90a` for a
-/// module declared [`KernelModule::arch_specific`](crate::kernels::KernelModule)),
-/// from the disk cache when it is there.
-pub fn compile(module: &str, arch: &str) -> Result<Vec<u8>> {
-    let m = kernels::module(module).ok_or_else(|| CudaError::Compile {
-        source_name: module.into(),
-        arch: arch.into(),
-        log: "no such kernel source".into(),
-    })?;
+/// Compiles `m` to CUBIN for `arch` (e.g. `sm_90`; `sm_90a` for a
+/// module declared [`KernelModule::arch_specific`]), from the disk cache
+/// when it is there. ([`crate::kernels::compile`] finds a module by name.)
+pub fn compile(m: &KernelModule, arch: &str) -> Result<Vec<u8>> {
+    let module = m.name;
     let (src, target) = (m.text(), m.target(arch));
     let arch = target.as_str();
     let (maj, min) = version()?;
@@ -199,8 +195,8 @@ mod tests {
         }
         let dir = std::env::temp_dir().join(format!("stepgraph-nvrtc-test-{}", std::process::id()));
         std::env::set_var("STEPGRAPH_KERNEL_CACHE", &dir);
-        for module in kernels::modules() {
-            let cubin = compile(module, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        for module in crate::kernels::modules() {
+            let cubin = crate::kernels::compile(module, "sm_90").unwrap_or_else(|e| panic!("{e}"));
             assert!(cubin.len() > 100, "{module}: empty CUBIN");
         }
         let _ = std::fs::remove_dir_all(dir);

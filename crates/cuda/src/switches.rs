@@ -30,11 +30,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::blas::{
-    AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, CUBLAS_ENV, MAX_CANDIDATES, SKINNY_ENV, SPLIT_K_ENV, TILED_ENV,
-};
 use crate::error::{CudaError, Result};
-use crate::launch::PDL_ENV;
 
 /// Which attention kernels serve the cases both kinds cover
 /// (`STEPGRAPH_ATTENTION`).
@@ -253,8 +249,68 @@ impl Switches {
     }
 }
 
+// The names of the product-tuning switches and the range of the
+// candidate count, here with the switches they name; the products
+// ([`crate::blas`]) read them through [`Switches`] and re-export them.
+
+/// The environment variable that adds cuBLAS's GEMM to the timed candidates (`1`).
+pub const CUBLAS_ENV: &str = "STEPGRAPH_GEMM_CUBLAS";
+/// How many algorithms the heuristic is asked for per shape when tuning,
+/// unless [`CANDIDATES_ENV`] says otherwise.
+pub const MAX_CANDIDATES: usize = 8;
+/// The environment variable that sets how many algorithms are timed per
+/// shape (1 to [`CANDIDATES_LIMIT`]): more find rarer winners (split-k
+/// variants for the few-row products of decode, say) at more build time.
+pub const CANDIDATES_ENV: &str = "STEPGRAPH_GEMM_CANDIDATES";
+/// The most candidates [`CANDIDATES_ENV`] may ask for.
+pub const CANDIDATES_LIMIT: usize = 64;
+/// The environment variable that turns tuning off (`0`, `off`, `false`, `no`).
+pub const AUTOTUNE_ENV: &str = "STEPGRAPH_GEMM_AUTOTUNE";
+/// The environment variable that adds split-k variants to the timed
+/// candidates (`1`); off until measured on a GPU.
+pub const SPLIT_K_ENV: &str = "STEPGRAPH_GEMM_SPLIT_K";
+/// The environment variable that adds these kernels to tuning (`1`) or
+/// makes them the only candidate where they apply (`only`).
+pub const SKINNY_ENV: &str = "STEPGRAPH_GEMM_SKINNY";
+/// The environment variable that adds these kernels to tuning (`1`) or
+/// makes the first the only candidate where they apply (`only`).
+pub const TILED_ENV: &str = "STEPGRAPH_GEMM_TILED";
+
+// Programmatic dependent launch.
+
+/// The environment variable ([`Switches::pdl`]) that
+/// launches every stepgraph kernel with programmatic dependent launch, on devices of compute capability
+/// 9.0 and later: each kernel may be scheduled while the kernel before it
+/// in the stream finishes, its `sg_pdl_entry()` (common.cuh) waiting for
+/// that kernel's results, so launch latency hides behind the previous
+/// kernel's last blocks. Off until a GPU run has checked and timed it.
+pub const PDL_ENV: &str = "STEPGRAPH_PDL";
+
+/// Whether kernels launch with programmatic dependent launch on a device of
+/// architecture `arch` (`sm_90`, ...): `switches` asks for it ([`PDL_ENV`])
+/// and the device has `griddepcontrol` (sm_90 and later).
+pub fn pdl_on(arch: &str, switches: &crate::switches::Switches) -> bool {
+    switches.pdl && has_griddepcontrol(arch)
+}
+
+/// Does a device of architecture `arch` (`sm_90`, `sm_90a`, `sm_80`, ...)
+/// have `griddepcontrol`: compute capability 9.0 or later?
+fn has_griddepcontrol(arch: &str) -> bool {
+    let cc = arch.strip_prefix("sm_").and_then(|v| v.trim_end_matches(char::is_alphabetic).parse::<u32>().ok());
+    cc.is_some_and(|v| v >= 90)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn programmatic_launch_needs_hopper_or_later() {
+        let cases =
+            [("sm_90", true), ("sm_90a", true), ("sm_100", true), ("sm_89", false), ("sm_80", false), ("gpu", false)];
+        for (arch, has) in cases {
+            assert_eq!(super::has_griddepcontrol(arch), has, "{arch}");
+        }
+    }
+
     use super::*;
 
     fn parse(pairs: &[(&str, &str)]) -> Result<Switches> {

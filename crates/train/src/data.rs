@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use stepgraph_core::cpu::memory::try_with_capacity;
+use stepgraph_core::host::memory::try_with_capacity;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_data::token_file::MAGIC;

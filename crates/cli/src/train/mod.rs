@@ -501,7 +501,7 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     let (compiled, compile_times) = config.compile()?;
     if role == Role::Cpu {
         // Before any batch is drawn; the session checks again as it allocates.
-        stepgraph_core::cpu::memory::check_fits(compiled.plan.planned_peak_bytes(), "the planned training step")?;
+        stepgraph_core::host::memory::check_fits(compiled.plan.planned_peak_bytes(), "the planned training step")?;
     }
     // The pretrained weights must fit the step's parameters (names, shapes,
     // dtypes that cast) before any session allocates device memory.

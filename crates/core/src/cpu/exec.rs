@@ -23,8 +23,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cpu::memory;
 use crate::error::{Error, Result};
+use crate::host::memory;
 use crate::host::HostTensor;
 use crate::ir::{DType, Trace, ValueId, ValueKind};
 use crate::ops::kernel::Communicator;

@@ -14,4 +14,3 @@
 
 pub mod comm;
 pub mod exec;
-pub mod memory;

@@ -269,7 +269,7 @@ impl Slice {
         if self.narrow {
             NARROW_VIEW_ALIGN
         } else {
-            crate::plan::ARENA_ALIGN
+            crate::ir::ARENA_ALIGN
         }
     }
 
@@ -283,7 +283,7 @@ impl Slice {
     /// the input, starting on an arena boundary (kernels and libraries read
     /// every arena tensor at such a boundary).
     pub fn can_view(&self, input: &TensorType) -> bool {
-        self.can_view_at(input, crate::plan::ARENA_ALIGN)
+        self.can_view_at(input, crate::ir::ARENA_ALIGN)
     }
 
     /// Whether the slice of `input` is one contiguous run of it starting on

@@ -43,8 +43,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
 use occupancy::Occupancy;
 
-/// Alignment of every arena offset, in bytes (what GPU libraries want).
-pub const ARENA_ALIGN: u64 = 256;
+pub use crate::ir::ARENA_ALIGN;
 
 /// Where a value's bytes live.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]

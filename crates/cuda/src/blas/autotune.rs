@@ -18,15 +18,6 @@ use super::{shape_name, Blas};
 use crate::error::Result;
 use crate::launch::GemmCall;
 
-/// How many algorithms the heuristic is asked for per shape when tuning,
-/// unless [`CANDIDATES_ENV`] says otherwise.
-pub const MAX_CANDIDATES: usize = 8;
-/// The environment variable that sets how many algorithms are timed per
-/// shape (1 to [`CANDIDATES_LIMIT`]): more find rarer winners (split-k
-/// variants for the few-row products of decode, say) at more build time.
-pub const CANDIDATES_ENV: &str = "STEPGRAPH_GEMM_CANDIDATES";
-/// The most candidates [`CANDIDATES_ENV`] may ask for.
-pub const CANDIDATES_LIMIT: usize = 64;
 /// Candidates whose median is within this fraction of the fastest count as
 /// ties; the earliest in the heuristic's order wins a tie. Keeps the
 /// heuristic's pick unless another is measurably faster, and makes the
@@ -41,8 +32,6 @@ const RUN_BUDGET_MS: f64 = 20.0;
 /// A candidate whose first timed run takes longer than this multiple of the
 /// best median so far is not timed further: it cannot win.
 const PRUNE_FACTOR: f64 = 2.0;
-/// The environment variable that turns tuning off (`0`, `off`, `false`, `no`).
-pub const AUTOTUNE_ENV: &str = "STEPGRAPH_GEMM_AUTOTUNE";
 
 /// A cuBLASLt algorithm's configuration, for reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -132,9 +121,6 @@ impl GemmTuning {
 pub const SPLIT_K_TRIED: [u32; 4] = [2, 4, 8, 16];
 /// How many of the heuristic's candidates get split-k variants.
 const SPLIT_K_BASES: usize = 4;
-/// The environment variable that adds split-k variants to the timed
-/// candidates (`1`); off until measured on a GPU.
-pub const SPLIT_K_ENV: &str = "STEPGRAPH_GEMM_SPLIT_K";
 
 /// Does a `batch` of `m × n` outputs over depth `k` have few output tiles:
 /// fewer 128 × 128 tiles than two waves of an H100's or H200's 132 SMs,

@@ -23,9 +23,6 @@ use super::plan::{Epilogue, PlanKey};
 use crate::error::{CudaError, Result};
 use crate::launch::{GemmAddend, GemmCall, GemmType};
 
-/// The environment variable that adds cuBLAS's GEMM to the timed candidates (`1`).
-pub const CUBLAS_ENV: &str = "STEPGRAPH_GEMM_CUBLAS";
-
 /// [`AlgoConfig::id`](super::AlgoConfig::id) of the cuBLAS candidate in tuning reports.
 pub const CUBLAS_ALGO_ID: i32 = -1;
 

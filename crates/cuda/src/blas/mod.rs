@@ -59,18 +59,20 @@ use std::ffi::c_void;
 use cudarc::cublaslt::result as lr;
 use cudarc::cublaslt::sys as ls;
 
-pub use autotune::{
-    few_tiles, AlgoConfig, GemmTuning, ShapeTuning, AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, MAX_CANDIDATES,
-    SPLIT_K_ENV, SPLIT_K_TRIED, TIE_TOLERANCE,
-};
-pub use cublas::{CUBLAS_ALGO_ID, CUBLAS_ENV};
+pub use autotune::{few_tiles, AlgoConfig, GemmTuning, ShapeTuning, SPLIT_K_TRIED, TIE_TOLERANCE};
+pub use cublas::CUBLAS_ALGO_ID;
 pub use own::CandidateUse;
 use plan::{call_alignment, key_of, Alignment, Candidate, Plan, PlanKey};
-pub use skinny::{SKINNY_ALGO_ID, SKINNY_ENV};
-pub use tiled::{TILED_ALGO_ID, TILED_ENV};
+pub use skinny::SKINNY_ALGO_ID;
+pub use tiled::TILED_ALGO_ID;
+// The tuning switches' names, kept with the other switches.
+pub use crate::switches::{
+    AUTOTUNE_ENV, CANDIDATES_ENV, CANDIDATES_LIMIT, CUBLAS_ENV, MAX_CANDIDATES, SKINNY_ENV, SPLIT_K_ENV, TILED_ENV,
+};
 
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
+pub use crate::launch::shape_name;
 use crate::launch::{GemmAddend, GemmCall};
 use crate::switches::Switches;
 
@@ -128,7 +130,7 @@ impl Blas {
         }
         let (autotune, candidates, split_k) =
             (switches.gemm_autotune, switches.gemm_candidates.0, switches.gemm_split_k);
-        let pdl = crate::launch::pdl_on(arch, switches);
+        let pdl = crate::switches::pdl_on(arch, switches);
         let cublas = cublas::Cublas::open(switches.gemm_cublas, workspace, workspace_bytes, tf32)?;
         let skinny =
             own::OwnKernels::open(switches.gemm_skinny, &skinny::MODULE, skinny::kernel_names(), ctx, arch, pdl)?;
@@ -255,27 +257,6 @@ impl Drop for Blas {
         // SAFETY: the handle is ours and no call is in flight (the session synchronises first).
         unsafe { lr::destroy_handle(self.handle) }.ok();
     }
-}
-
-/// A product's shape as the session's profile names it:
-/// `gemm_{dtype}_{m}x{n}x{k}` with `_ta`, `_tb` for transposed operands,
-/// `_b{batch}` when batched, and `_acc` or `_bias` for an addend.
-pub fn shape_name(g: &GemmCall) -> String {
-    format!(
-        "gemm_{}_{}x{}x{}{}{}{}{}",
-        format!("{:?}", g.ty).to_lowercase(),
-        g.m,
-        g.n,
-        g.k,
-        if g.trans_a { "_ta" } else { "" },
-        if g.trans_b { "_tb" } else { "" },
-        if g.batch > 1 { format!("_b{}", g.batch) } else { String::new() },
-        match g.addend {
-            GemmAddend::None => "",
-            GemmAddend::Full(_) => "_acc",
-            GemmAddend::Bias(_) => "_bias",
-        }
-    )
 }
 
 /// A product of `batch` `[m, n]` outputs at `c`, for tests.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule};
 
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, GemmAddend, GemmCall};
 
 /// Most parameters of our product kernels: the common eleven plus the
@@ -118,7 +118,7 @@ impl OwnKernels {
         if how == CandidateUse::Off {
             return Ok(None);
         }
-        let cubin = crate::nvrtc::compile(module.name, arch)?;
+        let cubin = crate::nvrtc::compile(module, arch)?;
         let loaded = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
         let names: Vec<String> = names.into_iter().collect();
         let functions = names

@@ -13,15 +13,11 @@
 
 use super::own::OwnLaunch;
 use super::plan::{Alignment, PlanKey};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{GemmCall, GemmType};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("skinny", include_str!("../../kernels/skinny.cu"));
-
-/// The environment variable that adds these kernels to tuning (`1`) or
-/// makes them the only candidate where they apply (`only`).
-pub const SKINNY_ENV: &str = "STEPGRAPH_GEMM_SKINNY";
 
 /// [`AlgoConfig::id`](super::AlgoConfig::id) of these kernels in tuning
 /// reports (the tile field holds the warps per block, split-k the chunks
@@ -292,7 +288,7 @@ mod tests {
     /// module's CUBIN with the parameters the launch fills.
     #[test]
     fn the_launches_fit_the_compiled_kernels() {
-        let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
+        let Some(cubin) = crate::nvrtc::test_cubin(&MODULE) else { return };
         let names: Vec<String> = kernel_names().collect();
         for ty in TYPES {
             for (v, m) in (0..VARIANTS.len()).flat_map(|v| [(v, 1), (v, 9)]) {

@@ -13,15 +13,11 @@
 
 use super::own::OwnLaunch;
 use super::plan::PlanKey;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{GemmCall, GemmType};
 
 /// The kernel module, compiled with every other (and for sm_90 in CI).
 pub const MODULE: KernelModule = KernelModule::plain("tiled", include_str!("../../kernels/tiled.cu"));
-
-/// The environment variable that adds these kernels to tuning (`1`) or
-/// makes the first the only candidate where they apply (`only`).
-pub const TILED_ENV: &str = "STEPGRAPH_GEMM_TILED";
 
 /// [`AlgoConfig::id`](super::AlgoConfig::id) of these kernels in tuning
 /// reports (the tile field holds the tile's rows, stages its columns).
@@ -203,7 +199,7 @@ mod tests {
     /// CUBIN with the parameters the launch fills.
     #[test]
     fn the_launches_fit_the_compiled_kernels() {
-        let Some(cubin) = crate::nvrtc::test_cubin(MODULE.name) else { return };
+        let Some(cubin) = crate::nvrtc::test_cubin(&MODULE) else { return };
         let call = GemmCall {
             k: 256,
             stride_b: 0,

@@ -117,7 +117,7 @@ use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 
 use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, KernelLaunch, Launch};
 use crate::switches::{AttentionKernels, Switches};
 

@@ -33,7 +33,7 @@ use super::util::{
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::kernel_args;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{KernelLaunch, Launch, LaunchList};
 
 /// The module of every generation kernel.

@@ -823,7 +823,7 @@ fn merged_cache_writes_equal_the_two_launches() {
         assert!(k.function.starts_with("kv_write2_") && k.grid.1 == 2, "{}", k.function);
         // No sample lowers to the merged kernel: check its parameters here.
         if crate::nvrtc::available() {
-            let cubin = crate::nvrtc::compile("decode", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let cubin = crate::kernels::compile("decode", "sm_90").unwrap_or_else(|e| panic!("{e}"));
             super::sweep::check_signature(&format!("merged kv_write {dt}"), &cubin, k);
         } else {
             assert!(

@@ -10,7 +10,7 @@ use stepgraph_core::ops::dropout::{threshold, Dropout};
 use super::util::{float_name, launch_1d, n64, ptr};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, Launch};
 
 const DROPOUT: &[KernelModule] = &[KernelModule::plain("dropout", include_str!("../../kernels/dropout.cu"))];

@@ -13,7 +13,7 @@ use super::util::{
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::{kernel_args, kernel_struct};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, Launch};
 
 const ELEMENTWISE: &[KernelModule] =

@@ -13,7 +13,7 @@ use super::util::{float_name, launch, unit_for, MAX_GRID, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::kernel_args;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{blocks, Launch};
 
 const EMBEDDING: &[KernelModule] = &[KernelModule::plain("embedding", include_str!("../../kernels/embedding.cu"))];

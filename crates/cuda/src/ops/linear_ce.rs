@@ -15,7 +15,7 @@ use stepgraph_core::ops::linear_ce::{LinearCrossEntropy, LinearCrossEntropyBackw
 use super::util::{launch_1d, n64, optional, ptr, row_grid, row_launch, row_threads, typed_kernel};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, DevTensor, GemmAddend, GemmCall, GemmType, Launch};
 
 const LINEAR_CE: &[KernelModule] = &[KernelModule::plain("linear_ce", include_str!("../../kernels/linear_ce.cu"))];

@@ -11,7 +11,7 @@ use stepgraph_core::ops::loss::{CrossEntropy, CrossEntropyBackward};
 use super::util::{n64, optional, ptr, row_grid, row_launch, row_threads, rows_cols, typed_kernel};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, DevTensor, Launch};
 
 const LOSS: &[KernelModule] = &[KernelModule::plain("loss", include_str!("../../kernels/loss.cu"))];

@@ -53,7 +53,7 @@ use stepgraph_core::ir::TensorType;
 use stepgraph_core::ops::Op;
 
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{DevTensor, Launch};
 use crate::switches::Switches;
 
@@ -83,7 +83,7 @@ pub struct LowerCx<'a> {
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct Target {
     /// Compute capability 9.0 (H100, H200): modules built for `sm_90a`
-    /// (warpgroup MMA, [`crate::kernels::KernelModule::arch_specific`]) may be launched.
+    /// (warpgroup MMA, [`crate::kernel_module::KernelModule::arch_specific`]) may be launched.
     pub sm90a: bool,
     /// The session's switches: decode staging ([`decode::staging`], where
     /// [`Switches::decode_staging`] asks for it), the attention kernels, the

@@ -12,7 +12,7 @@ use super::util::{broadcast_strides, contiguous_strides, launch_1d, merge_axes, 
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::{kernel_args, kernel_struct};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{DevTensor, Launch};
 
 const MOVEMENT: &[KernelModule] = &[KernelModule::plain("movement", include_str!("../../kernels/movement.cu"))];

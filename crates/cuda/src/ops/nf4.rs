@@ -8,7 +8,7 @@ use stepgraph_core::ops::nf4::{DequantizeNf4, NF4_CODES_PER_WORD};
 use super::util::{float_name, launch_1d, n64, ptr};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::Launch;
 
 const NF4: &[KernelModule] = &[KernelModule::plain("nf4", include_str!("../../kernels/nf4.cu"))];

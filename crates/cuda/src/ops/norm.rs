@@ -18,7 +18,7 @@ use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBa
 use super::util::{aligned16, n64, optional, ptr, row_grid, row_launch, rows_cols, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, DevTensor, Launch};
 
 const NORM: &[KernelModule] = &[KernelModule::plain("norm", include_str!("../../kernels/norm.cu"))];

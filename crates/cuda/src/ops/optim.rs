@@ -16,7 +16,7 @@ use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use super::util::{aligned16, float_name, launch, n64, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{blocks, Arg, DevTensor, KernelLaunch, Launch, LaunchList};
 
 /// Grid cap for AdamW, whose blocks each compute the step's coefficients once.

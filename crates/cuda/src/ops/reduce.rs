@@ -11,7 +11,7 @@ use super::util::{contiguous_strides, float_name, launch, Dim3, MAX_GRID};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::{kernel_args, kernel_struct};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{blocks, Arg, DevTensor, Launch, StructArg};
 
 const REDUCE: &[KernelModule] = &[KernelModule::plain("reduce", include_str!("../../kernels/reduce.cu"))];

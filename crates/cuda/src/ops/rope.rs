@@ -18,7 +18,7 @@ use stepgraph_core::ops::OpDef;
 use super::util::{independent_pair, n64, ptr, row_grid, two_row_launch, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, KernelLaunch, Launch, LaunchList};
 
 /// `ROPE_CHUNK` of rope.cu: pairs whose angles a rope block holds at once.
@@ -173,7 +173,7 @@ mod tests {
         assert_eq!(m.args[8..], a.args[5..], "head size onwards as each launch has them");
         // No sample lowers to the merged kernel: check its parameters here.
         if crate::nvrtc::available() {
-            let cubin = crate::nvrtc::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let cubin = crate::kernels::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
             crate::ops::sweep::check_signature("merged rope", &cubin, m);
         } else {
             assert!(
@@ -215,7 +215,7 @@ mod tests {
         assert_eq!(m.args[5..9], [Arg::I64(32), Arg::I64(1), Arg::I32(8), Arg::I32(2)]);
         assert_eq!(m.args[9..], a.args[6..], "head size onwards as each launch has them");
         if crate::nvrtc::available() {
-            let cubin = crate::nvrtc::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let cubin = crate::kernels::compile("rope", "sm_90").unwrap_or_else(|e| panic!("{e}"));
             crate::ops::sweep::check_signature("merged positioned rope", &cubin, m);
         } else {
             assert!(

@@ -6,7 +6,7 @@ use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
 use super::util::{n64, ptr, row_launch, rows_cols};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::Launch;
 
 const SOFTMAX: &[KernelModule] = &[KernelModule::plain("softmax", include_str!("../../kernels/softmax.cu"))];

@@ -231,7 +231,7 @@ fn check_case(
         if let (Some(cubins), Launch::Kernel(k)) = (cubins.as_deref_mut(), l) {
             let cubin = cubins
                 .entry(k.module)
-                .or_insert_with(|| crate::nvrtc::compile(k.module, "sm_90").unwrap_or_else(|e| panic!("{e}")));
+                .or_insert_with(|| crate::kernels::compile(k.module, "sm_90").unwrap_or_else(|e| panic!("{e}")));
             check_signature(what, cubin, k);
         }
     }

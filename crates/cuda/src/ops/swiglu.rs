@@ -7,7 +7,7 @@ use stepgraph_core::ops::swiglu::{SwiGlu, SwiGluBackward};
 use super::util::{float_name, n64, pointwise_launch, ptr};
 use super::{Lower, LowerCx};
 use crate::error::Result;
-use crate::kernels::KernelModule;
+use crate::kernel_module::KernelModule;
 use crate::launch::Launch;
 
 const SWIGLU: &[KernelModule] = &[KernelModule::plain("swiglu", include_str!("../../kernels/swiglu.cu"))];

@@ -68,7 +68,6 @@ use crate::graph::StepGraph;
 use crate::launch::{KernelLaunch, Launch, LaunchList};
 use crate::lower::{dev_tensor, lower_step, merge_launches, node_ranges, Bases, GroupRank, Target};
 use crate::nccl::{Nccl, NcclComm, NcclGroup};
-use crate::nvrtc;
 use crate::switches::Switches;
 
 mod device;
@@ -186,7 +185,7 @@ pub struct CudaSession {
     /// The collectives' own stream, when they overlap compute.
     side: Option<SideStream>,
     /// Kernels launch with programmatic dependent launch
-    /// ([`crate::launch::pdl_on`]).
+    /// ([`crate::switches::pdl_on`]).
     pdl: bool,
 }
 
@@ -317,7 +316,7 @@ fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> R
         prepared.push(match l {
             Launch::Kernel(k) => {
                 if !modules.contains_key(k.module) {
-                    let cubin = nvrtc::compile(k.module, arch)?;
+                    let cubin = crate::kernels::compile(k.module, arch)?;
                     let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
                     modules.insert(k.module, module);
                 }
@@ -505,7 +504,7 @@ impl CudaSession {
         memory.device_peak_bytes = after_comm.saturating_sub(baseline);
         clock.stage(STAGE_JOIN_GROUP);
         let id_checks = id_checks(&trace);
-        let pdl = crate::launch::pdl_on(&arch, &opts.switches);
+        let pdl = crate::switches::pdl_on(&arch, &opts.switches);
         Ok(CudaSession {
             trace,
             plan,
@@ -606,7 +605,7 @@ impl CudaSession {
             return Ok(m.clone());
         }
         let before = used_bytes()?.0;
-        let cubin = nvrtc::compile(name, &self.arch)?;
+        let cubin = crate::kernels::compile(name, &self.arch)?;
         let module = self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
         self.memory.modules_bytes += used_bytes()?.0.saturating_sub(before);
         self.modules.insert(name, module.clone());

@@ -1,6 +1,6 @@
 //! Hugging Face model families, one file each: everything that differs
 //! between `model_type`s lives behind the [`Family`] trait, and the list in
-//! [`for_each_family!`] is the only place that names the families.
+//! `for_each_family!` is the only place that names the families.
 //!
 //! A family owns its `model_type` and `architectures` strings, how it reads
 //! a `config.json` into a [`Config`] and writes one back (the keys that are
@@ -27,7 +27,7 @@
 //!    `example` config the generated tests round-trip). A Llama-layout
 //!    family reuses the helpers of [`llama`].
 //! 2. Add `mod <name>;` below and one line `Variant(<name>::Struct)` to
-//!    [`for_each_family!`].
+//!    `for_each_family!`.
 //!
 //! That is all: [`HfFamily`] gains the variant, `model_type` dispatch and
 //! the supported list in error messages include it, saving picks it for the
@@ -79,7 +79,7 @@ macro_rules! for_each_family {
 macro_rules! family_list {
     ($($(#[$attr:meta])* $variant:ident($ty:path)),* $(,)?) => {
         /// The model families whose folders load and save, by `model_type`:
-        /// one variant per [`Family`] in [`for_each_family!`].
+        /// one variant per [`Family`] in `for_each_family!`.
         #[derive(Copy, Clone, PartialEq, Eq, Debug)]
         pub enum HfFamily {
             $($(#[$attr])* $variant,)*
