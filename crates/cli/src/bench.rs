@@ -21,10 +21,10 @@ use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, 
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
-use stepgraph_cuda::session::{device_name, CudaOptions, CudaSession, MemoryReport};
+use stepgraph_cuda::session::{device_name, MemoryReport};
 use stepgraph_cuda::Switches;
 
-use stepgraph_train::metrics;
+use stepgraph_train::{metrics, open_cuda_session, SessionOptions};
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq)]
 pub enum Workload {
@@ -380,7 +380,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         eprint!("{p}");
     }
     let params = c.param_count() as u64;
-    let mut s = CudaSession::new(c.step, c.plan, CudaOptions { tf32: args.tf32, switches })?;
+    let options = SessionOptions { switches: Some(switches), tf32: args.tf32, ..SessionOptions::default() };
+    let mut s = open_cuda_session(c.step, c.plan, options)?;
     Session::init_params(&mut s, 0)?;
     s.zero_state()?;
     let Timed { capture_ms, mut times, loss_first, loss_last } = timed_steps(&mut s, args, &spec, kind)?;

@@ -36,5 +36,5 @@ pub mod tensorboard;
 pub mod trainer;
 
 pub use config::{Checkpoints, Course, DataConfig, RunConfig};
-pub use session::{open_session, Backend, Opened, SessionOptions};
+pub use session::{open_cuda_session, open_session, Backend, Opened, SessionOptions};
 pub use trainer::{Placement, Quiet, Reporter, RunEnd, Start, StepReport, Summary, Trainer};

@@ -1,6 +1,9 @@
 //! Binding a planned step to a backend: the one place where every command
 //! (train, eval, generate, compare, hf) opens its session, on the CPU
-//! reference backend or on a GPU, through one [`Backend`] enum.
+//! reference backend or on a GPU, through one [`Backend`] enum
+//! ([`open_session`]). `bench`, which profiles and times the CUDA session
+//! itself, opens it through [`open_cuda_session`], the GPU half of the same
+//! function.
 //!
 //! A GPU session reads its run-time switches from [`SessionOptions`], or,
 //! when none were parsed by the caller, from this process's environment at
@@ -48,17 +51,24 @@ pub struct SessionOptions {
     pub switches: Option<Switches>,
     /// The GPU, and for a data-parallel step the group this session is a rank of.
     pub rank: RankOptions,
+    /// f32 products on TF32 tensor cores (cuBLASLt's fast mode) instead of
+    /// exact f32; `bench --tf32` measures it.
+    pub tf32: bool,
 }
 
 impl SessionOptions {
     /// On GPU `device`, with no group and the given switches.
     pub fn on_device(device: usize, switches: Switches) -> Self {
-        SessionOptions { switches: Some(switches), rank: RankOptions { device, ..RankOptions::default() } }
+        SessionOptions {
+            switches: Some(switches),
+            rank: RankOptions { device, ..RankOptions::default() },
+            ..SessionOptions::default()
+        }
     }
 
     /// Rank `group.rank` of a data-parallel group on GPU `device`.
     pub fn rank(device: usize, group: Option<NcclGroup>, overlap: bool, switches: Switches) -> Self {
-        SessionOptions { switches: Some(switches), rank: RankOptions { device, group, overlap } }
+        SessionOptions { switches: Some(switches), rank: RankOptions { device, group, overlap }, tf32: false }
     }
 }
 
@@ -76,16 +86,22 @@ pub fn open_session(backend: Backend, step: Trace, plan: MemoryPlan, options: Se
     Ok(match backend {
         Backend::Cpu => Opened { session: Box::new(CpuSession::new(step, plan)?), gemm_tuning: None },
         Backend::Cuda => {
-            let device = options.rank.device;
-            let switches = match options.switches {
-                Some(s) => s,
-                None => CudaOptions::from_env()?.switches,
-            };
-            let opts = CudaOptions { switches, ..CudaOptions::default() };
-            let s = CudaSession::new_rank(step, plan, opts, options.rank)
-                .with_context(|| format!("opening the CUDA session on GPU {device}"))?;
+            let s = open_cuda_session(step, plan, options)?;
             let gemm_tuning = Some(s.gemm_tuning().clone());
             Opened { session: Box::new(s), gemm_tuning }
         }
     })
+}
+
+/// The CUDA session [`open_session`] opens for [`Backend::Cuda`], as its
+/// own type (profiles, memory figures, graph capture).
+pub fn open_cuda_session(step: Trace, plan: MemoryPlan, options: SessionOptions) -> Result<CudaSession> {
+    let device = options.rank.device;
+    let switches = match options.switches {
+        Some(s) => s,
+        None => CudaOptions::from_env()?.switches,
+    };
+    let opts = CudaOptions { switches, tf32: options.tf32 };
+    CudaSession::new_rank(step, plan, opts, options.rank)
+        .with_context(|| format!("opening the CUDA session on GPU {device}"))
 }
