@@ -105,7 +105,7 @@ fn sample_tables_line_up_across_dtypes() {
 fn checkable(sample: &Sample) -> bool {
     let Ok(x) = draw_sample(sample, 0) else { return false };
     let Ok(y) = run_op(&sample.op, &x) else { return false };
-    y.iter().all(|t| t.ty.dtype == DType::F64 && t.to_f64().iter().all(|v| v.is_finite()))
+    y.iter().all(|t| t.ty.dtype.is_int() || (t.ty.dtype == DType::F64 && t.to_f64().iter().all(|v| v.is_finite())))
         && sample.inputs.iter().any(|i| i.differentiable())
 }
 
@@ -156,9 +156,10 @@ fn every_vjp_matches_finite_differences_in_f64() {
     report("VJP checks", &failures);
     // Only samples without f64 outputs, without finite outputs or without
     // differentiable inputs are skipped: casts to narrow types, fills, the
-    // all-ignored cross-entropy. A handful, not whole ops.
+    // all-ignored cross-entropy, top-k over rows of ties (which no small
+    // step leaves in place). A handful, not whole ops.
     assert!(checked > 300 && refused > 100, "checked {checked}, refused {refused}");
-    assert!(skipped.len() < 60, "skipped {} samples: {skipped:?}", skipped.len());
+    assert!(skipped.len() < 64, "skipped {} samples: {skipped:?}", skipped.len());
     assert!(zero_jacobians.len() <= 2, "zero Jacobians: {zero_jacobians:?}");
 }
 

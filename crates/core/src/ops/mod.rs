@@ -29,6 +29,7 @@ pub mod kernel;
 pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
+pub mod moe;
 pub mod movement;
 pub mod nf4;
 pub mod norm;
@@ -313,6 +314,12 @@ macro_rules! for_each_op {
             LinearCrossEntropyBackward($crate::ops::linear_ce::LinearCrossEntropyBackward),
             SwiGlu($crate::ops::swiglu::SwiGlu),
             SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
+            // Mixture-of-experts routing and grouped products.
+            TopK($crate::ops::moe::TopK),
+            TopKBackward($crate::ops::moe::TopKBackward),
+            ExpertSort($crate::ops::moe::ExpertSort),
+            GroupedMatmul($crate::ops::moe::GroupedMatmul),
+            GroupedMatmulWeightGrad($crate::ops::moe::GroupedMatmulWeightGrad),
             Dropout($crate::ops::dropout::Dropout),
             // Frozen NF4 weights: no gradient flows into the codes.
             DequantizeNf4($crate::ops::nf4::DequantizeNf4),

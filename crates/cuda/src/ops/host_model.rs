@@ -1,4 +1,5 @@
-//! A host model of the index-only kernels and of f64 arithmetic kernels:
+//! A host model of the index-only kernels, of f64 arithmetic kernels and of
+//! the mixture-of-experts kernels (routing, grouped products):
 //! the lowering's arguments, run through a sequential emulation of each
 //! kernel (as its `.cu` file reads them) over host buffers at the fake
 //! addresses, must give the CPU reference's bytes. This checks every shape,
@@ -17,11 +18,13 @@ use stepgraph_core::testing::{draw_input, run_op};
 use super::elementwise::BinaryArgs;
 use super::embedding::{EmbeddingArgs, EmbeddingBackwardArgs};
 use super::lower;
+use super::moe::{ExpertSortArgs, GroupedMatmulArgs, GroupedMatmulWeightGradArgs, TopKArgs, TopKBackwardArgs};
 use super::movement::{ChunkedArgs, GatherArgs};
 use super::reduce::{MaxBackwardArgs, ReduceArgs, ReduceShape};
 use super::testing::operands;
 use super::util::UNITS;
 use crate::launch::Launch;
+use stepgraph_core::ops::moe::ranks_before;
 
 /// Host memory standing in for the device: one buffer per operand at its
 /// fake address.
@@ -193,9 +196,100 @@ fn emulate(l: &Launch, mem: &mut Mem) {
             };
             mem.set_f64(b.y + i as u64 * 8, v);
         }
-    } else {
+    } else if !emulate_moe(f, a, mem) {
         panic!("no model of `{f}`");
     }
+}
+
+/// The kernels of moe.cu, as each thread computes (f64 data, i32 indices);
+/// `false` when `f` is none of them.
+fn emulate_moe(f: &str, a: &[crate::launch::Arg], mem: &mut Mem) -> bool {
+    let i32_at = |mem: &mut Mem, base: u64, i: i64| mem.id(base + i as u64 * 4, true);
+    let set_i32 = |mem: &mut Mem, base: u64, i: i64, v: i64| {
+        mem.at(base + i as u64 * 4, 4).copy_from_slice(&(v as i32).to_le_bytes());
+    };
+    if f == "top_k_f64" {
+        let t = TopKArgs::from_args(a);
+        for r in 0..t.rows {
+            for s in 0..t.k {
+                let taken: Vec<i64> = (0..s).map(|q| i32_at(mem, t.indices, r * t.k + q)).collect();
+                let mut best: Option<(i64, f64)> = None;
+                for i in (0..t.width).filter(|i| !taken.contains(i)) {
+                    let v = mem.f64(t.x + ((r * t.width + i) * 8) as u64);
+                    if best.is_none_or(|(bi, bv)| ranks_before(v, i as usize, bv, bi as usize)) {
+                        best = Some((i, v));
+                    }
+                }
+                let (bi, bv) = best.expect("k <= width");
+                set_i32(mem, t.indices, r * t.k + s, bi);
+                mem.set_f64(t.values + ((r * t.k + s) * 8) as u64, bv);
+            }
+        }
+    } else if f == "top_k_backward_f64" {
+        let t = TopKBackwardArgs::from_args(a);
+        for e in 0..t.rows * t.width {
+            let (r, c) = (e / t.width, e % t.width);
+            let mut v = 0.0;
+            for s in 0..t.k {
+                if i32_at(mem, t.indices, r * t.k + s) == c {
+                    v = mem.f64(t.g + ((r * t.k + s) * 8) as u64);
+                }
+            }
+            mem.set_f64(t.gx + (e * 8) as u64, v);
+        }
+    } else if let Some(id) = f.strip_prefix("expert_sort_") {
+        let s = ExpertSortArgs::from_args(a);
+        let expert = |mem: &mut Mem, i: i64| mem.id(s.ids + i as u64 * if id == "i32" { 4 } else { 8 }, id == "i32");
+        // The block's threads, one expert each, then thread 0's sum, then the placement.
+        for e in 0..s.experts {
+            let count = (0..s.pairs).filter(|&i| expert(mem, i).clamp(0, s.experts - 1) == e).count();
+            set_i32(mem, s.offsets, e + 1, count as i64);
+        }
+        set_i32(mem, s.offsets, 0, 0);
+        for e in 0..s.experts {
+            let v = i32_at(mem, s.offsets, e + 1) + i32_at(mem, s.offsets, e);
+            set_i32(mem, s.offsets, e + 1, v);
+        }
+        for e in 0..s.experts {
+            let mut p = i32_at(mem, s.offsets, e);
+            for i in 0..s.pairs {
+                if expert(mem, i).clamp(0, s.experts - 1) == e {
+                    set_i32(mem, s.tokens, p, i / s.k);
+                    set_i32(mem, s.position, i, p);
+                    p += 1;
+                }
+            }
+        }
+    } else if f == "grouped_matmul_f64" {
+        let g = GroupedMatmulArgs::from_args(a);
+        for o in 0..g.m * g.n {
+            let (p, j) = (o / g.n, o % g.n);
+            // The last expert whose first row is at or before p.
+            let e = (0..g.experts).rev().find(|&e| i32_at(mem, g.offsets, e) <= p).unwrap_or(0);
+            let we = g.w + (e * g.k * g.n * 8) as u64;
+            let mut acc = 0.0;
+            for i in 0..g.k {
+                let wi = if g.trans_w == 1 { i * g.n + j } else { j * g.k + i };
+                acc += mem.f64(g.x + ((p * g.k + i) * 8) as u64) * mem.f64(we + (wi * 8) as u64);
+            }
+            mem.set_f64(g.y + (o * 8) as u64, acc);
+        }
+    } else if f == "grouped_matmul_weight_grad_f64" {
+        let g = GroupedMatmulWeightGradArgs::from_args(a);
+        for o in 0..g.experts * g.na * g.nb {
+            let (e, i, j) = (o / (g.na * g.nb), (o / g.nb) % g.na, o % g.nb);
+            let lo = i32_at(mem, g.offsets, e).clamp(0, g.m);
+            let hi = i32_at(mem, g.offsets, e + 1).clamp(lo, g.m);
+            let mut acc = 0.0;
+            for p in lo..hi {
+                acc += mem.f64(g.a + ((p * g.na + i) * 8) as u64) * mem.f64(g.b + ((p * g.nb + j) * 8) as u64);
+            }
+            mem.set_f64(g.out + (o * 8) as u64, acc);
+        }
+    } else {
+        return false;
+    }
+    true
 }
 
 /// Lowers `op` over `inputs` at fake addresses skewed by `skew` bytes,
@@ -340,6 +434,20 @@ fn lowered_arguments_reproduce_the_cpu_on_a_host_model() {
             let y = run_op(&max, std::slice::from_ref(&xt)).unwrap().remove(0);
             let g = f64s(&y.ty.shape, 4);
             cases.push((MaxBackward { axes: axes.to_vec() }.into(), vec![xt, y, g]));
+        }
+    }
+    // The mixture-of-experts kernels on every sample (f64 data; the routing
+    // sort has integer inputs only, listed under f32).
+    for dt in [DType::F64, DType::F32] {
+        for (name, samples) in stepgraph_core::ops::samples_by_op(dt) {
+            let moe = ["TopK", "TopKBackward", "ExpertSort", "GroupedMatmul", "GroupedMatmulWeightGrad"];
+            if !moe.contains(&name) {
+                continue;
+            }
+            for s in samples.iter().filter(|s| dt == DType::F64 || s.input_types().iter().all(|t| !t.dtype.is_float()))
+            {
+                cases.push((s.op.clone(), stepgraph_core::testing::draw_sample(s, 11).expect("a drawable sample")));
+            }
         }
     }
     for (op, inputs) in &cases {

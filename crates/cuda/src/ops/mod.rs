@@ -30,6 +30,7 @@ pub mod embedding;
 pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
+pub mod moe;
 pub mod movement;
 pub mod nf4;
 pub mod norm;

@@ -1,0 +1,208 @@
+//! Lowering of the mixture-of-experts ops ([`TopK`], [`TopKBackward`],
+//! [`ExpertSort`], [`GroupedMatmul`], [`GroupedMatmulWeightGrad`]) to the
+//! kernels of `kernels/moe.cu`: one launch each. The routing sort is one
+//! block (a stable counting sort whose offsets stay on the device); the
+//! rest are grid-stride loops with a thread per output row or element,
+//! computing in the CPU reference's order, so every output is the CPU's
+//! bit for bit. These are the plain forms, correct on every shape; the
+//! grouped products do not use tensor cores yet.
+
+use stepgraph_core::ops::moe::{ExpertSort, GroupedMatmul, GroupedMatmulWeightGrad, TopK, TopKBackward};
+
+use super::util::{float_name, launch, launch_1d};
+use super::{Lower, LowerCx};
+use crate::error::{CudaError, Result};
+use crate::kernel_args::kernel_args;
+use crate::kernel_module::KernelModule;
+use crate::launch::Launch;
+
+const MODULE: &str = "moe";
+const MOE: &[KernelModule] = &[KernelModule::plain(MODULE, include_str!("../../kernels/moe.cu"))];
+
+/// Threads of the routing sort's one block.
+const SORT_THREADS: u32 = 256;
+
+kernel_args! {
+    /// `top_k_<dtype>`: the `k` best entries of each of `rows` rows of `width`.
+    pub(crate) struct TopKArgs {
+        x: u64,
+        values: u64,
+        indices: u64,
+        rows: i64,
+        width: i64,
+        k: i64,
+    }
+}
+
+kernel_args! {
+    /// `top_k_backward_<dtype>`: each row's `k` cotangents back at the
+    /// entries they were picked from, zero elsewhere.
+    pub(crate) struct TopKBackwardArgs {
+        indices: u64,
+        g: u64,
+        gx: u64,
+        rows: i64,
+        width: i64,
+        k: i64,
+    }
+}
+
+kernel_args! {
+    /// `expert_sort_<ids>`: the `pairs` routed pairs (`k` per token) sorted
+    /// by expert into tokens, positions and the `experts + 1` offsets.
+    pub(crate) struct ExpertSortArgs {
+        ids: u64,
+        tokens: u64,
+        position: u64,
+        offsets: u64,
+        pairs: i64,
+        k: i64,
+        experts: i64,
+    }
+}
+
+kernel_args! {
+    /// `grouped_matmul_<dtype>`: `y [m, n]` from rows `x [m, k]` and each
+    /// expert's weight (`[n, k]`, or `[k, n]` with `trans_w` = 1).
+    pub(crate) struct GroupedMatmulArgs {
+        x: u64,
+        w: u64,
+        offsets: u64,
+        y: u64,
+        m: i64,
+        k: i64,
+        n: i64,
+        experts: i64,
+        trans_w: i64,
+    }
+}
+
+kernel_args! {
+    /// `grouped_matmul_weight_grad_<dtype>`: `out [experts, na, nb]`, each
+    /// expert's sum of `a[p]ᵀ b[p]` over its rows.
+    pub(crate) struct GroupedMatmulWeightGradArgs {
+        a: u64,
+        b: u64,
+        offsets: u64,
+        out: u64,
+        m: i64,
+        na: i64,
+        nb: i64,
+        experts: i64,
+    }
+}
+
+/// The rows of a `[..., width]` tensor and its width.
+fn rows_width(shape: &[usize]) -> (usize, usize) {
+    let width = shape.last().copied().unwrap_or(1);
+    (shape.iter().product::<usize>() / width.max(1), width)
+}
+
+impl Lower for TopK {
+    const KERNELS: &'static [KernelModule] = MOE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, vals, idx) = (&cx.inputs[0], &cx.outputs[0], &cx.outputs[1]);
+        let dt = float_name("top_k", x.ty.dtype)?;
+        let (rows, width) = rows_width(&x.ty.shape);
+        let args = TopKArgs {
+            x: x.ptr,
+            values: vals.ptr,
+            indices: idx.ptr,
+            rows: rows as i64,
+            width: width as i64,
+            k: self.k as i64,
+        }
+        .args();
+        Ok(vec![launch_1d(MODULE, format!("top_k_{dt}"), rows, args)])
+    }
+}
+
+impl Lower for TopKBackward {
+    const KERNELS: &'static [KernelModule] = MOE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (idx, g, gx) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
+        let dt = float_name("top_k_backward", g.ty.dtype)?;
+        let (rows, k) = rows_width(&g.ty.shape);
+        let args = TopKBackwardArgs {
+            indices: idx.ptr,
+            g: g.ptr,
+            gx: gx.ptr,
+            rows: rows as i64,
+            width: self.width as i64,
+            k: k as i64,
+        }
+        .args();
+        Ok(vec![launch_1d(MODULE, format!("top_k_backward_{dt}"), gx.ty.numel(), args)])
+    }
+}
+
+impl Lower for ExpertSort {
+    const KERNELS: &'static [KernelModule] = MOE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let ids = &cx.inputs[0];
+        let (tokens, position, offsets) = (&cx.outputs[0], &cx.outputs[1], &cx.outputs[2]);
+        let id = match ids.ty.dtype {
+            d @ (stepgraph_core::ir::DType::I32 | stepgraph_core::ir::DType::I64) => d.name(),
+            d => return Err(CudaError::lower("expert_sort", format!("expert ids must be i32 or i64, got {d}"))),
+        };
+        let args = ExpertSortArgs {
+            ids: ids.ptr,
+            tokens: tokens.ptr,
+            position: position.ptr,
+            offsets: offsets.ptr,
+            pairs: ids.ty.numel() as i64,
+            k: ids.ty.shape[1] as i64,
+            experts: self.experts as i64,
+        }
+        .args();
+        // One block: the offsets are summed between the count and the placement.
+        Ok(vec![launch(MODULE, format!("expert_sort_{id}"), (1, 1, 1), (SORT_THREADS, 1, 1), args)])
+    }
+}
+
+impl Lower for GroupedMatmul {
+    const KERNELS: &'static [KernelModule] = MOE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (x, w, offsets, y) = (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.outputs[0]);
+        let dt = float_name("grouped_matmul", x.ty.dtype)?;
+        let (m, k, n) = (x.ty.shape[0], x.ty.shape[1], y.ty.shape[1]);
+        let args = GroupedMatmulArgs {
+            x: x.ptr,
+            w: w.ptr,
+            offsets: offsets.ptr,
+            y: y.ptr,
+            m: m as i64,
+            k: k as i64,
+            n: n as i64,
+            experts: w.ty.shape[0] as i64,
+            trans_w: self.trans_w as i64,
+        }
+        .args();
+        Ok(vec![launch_1d(MODULE, format!("grouped_matmul_{dt}"), m * n, args)])
+    }
+}
+
+impl Lower for GroupedMatmulWeightGrad {
+    const KERNELS: &'static [KernelModule] = MOE;
+
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (a, b, offsets, out) = (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.outputs[0]);
+        let dt = float_name("grouped_matmul_weight_grad", a.ty.dtype)?;
+        let args = GroupedMatmulWeightGradArgs {
+            a: a.ptr,
+            b: b.ptr,
+            offsets: offsets.ptr,
+            out: out.ptr,
+            m: a.ty.shape[0] as i64,
+            na: a.ty.shape[1] as i64,
+            nb: b.ty.shape[1] as i64,
+            experts: out.ty.shape[0] as i64,
+        }
+        .args();
+        Ok(vec![launch_1d(MODULE, format!("grouped_matmul_weight_grad_{dt}"), out.ty.numel(), args)])
+    }
+}
