@@ -182,6 +182,47 @@ pub struct Config {
     /// (Gemma 3's global layers from 4B up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_linear_factor: Option<f64>,
+    /// A mixture of experts in place of the dense MLP on the layers it
+    /// names (Mixtral, Qwen3-MoE); `None` for a dense model. Left out of
+    /// the serialized config when dense.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts MLP ([`Config::moe`]). On a sparse layer each
+/// token's MLP output is the weighted sum of the gated (SwiGLU) MLPs of its
+/// `experts_per_token` best experts: the router is a linear layer to one
+/// score per expert, then a softmax (in f32, as `transformers` computes
+/// it), the `experts_per_token` largest probabilities, renormalised to sum
+/// to one when `normalize_top_k`, as the weights. Routing is dropless:
+/// every token reaches all of its experts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_local_experts`, `num_experts`).
+    pub experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Hidden width of each expert's MLP (`moe_intermediate_size`; Mixtral's
+    /// `intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// The chosen probabilities divided by their sum (Mixtral always;
+    /// Qwen-MoE's `norm_topk_prob`).
+    pub normalize_top_k: bool,
+    /// Layer `i` is sparse when `(i + 1) % sparse_step == 0` and it is not
+    /// one of [`MoeConfig::dense_layers`] (Qwen-MoE's
+    /// `decoder_sparse_step`); 1 for every layer.
+    pub sparse_step: usize,
+    /// Layers that keep the dense MLP of [`Config::intermediate_size`]
+    /// (Qwen-MoE's `mlp_only_layers`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer` has the experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.dense_layers.contains(&layer) && divides(self.sparse_step.max(1), layer + 1)
+    }
 }
 
 /// Which layers of a model are sliding layers ([`Config::sliding_layers`]).
@@ -469,6 +510,7 @@ pub(crate) fn llama_base(name: &str) -> Config {
         final_softcap: None,
         rope_local_base: None,
         rope_linear_factor: None,
+        moe: None,
     }
 }
 
@@ -511,6 +553,7 @@ fn neox_base(name: &str, block_size: usize, n_layer: usize, n_embd: usize, n_hea
         final_softcap: None,
         rope_local_base: None,
         rope_linear_factor: None,
+        moe: None,
     }
 }
 
@@ -1327,6 +1370,33 @@ impl Config {
         if let Some(scaling) = &self.rope_scaling {
             scaling.check().map_err(|reason| config_error(&self.name, format!("rope_scaling: {reason}")))?;
         }
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || !(1..=m.experts).contains(&m.experts_per_token) {
+                return fail(format!(
+                    "moe: {} experts per token must be between 1 and the {} experts",
+                    m.experts_per_token, m.experts
+                ));
+            }
+            if m.expert_intermediate_size == 0 || m.sparse_step == 0 {
+                return fail("moe: the experts' intermediate size and the sparse step must be at least 1".into());
+            }
+            if let Some(l) = m.dense_layers.iter().find(|&&l| l >= self.n_layer) {
+                return fail(format!("moe: dense layer {l} is not one of the {} layers", self.n_layer));
+            }
+            if self.mlp != MlpKind::LlamaSwiGlu || self.bias || self.parallel_residual {
+                return fail(
+                    "moe: experts are SwiGLU MLPs without biases in a sequential block (as Mixtral's and Qwen-MoE's)"
+                        .into(),
+                );
+            }
+            // Each of a layer's three expert matrices is one value of all experts.
+            let factors = [
+                ("num_experts", m.experts),
+                ("moe_intermediate_size", m.expert_intermediate_size),
+                ("n_embd", self.n_embd),
+            ];
+            check_bytes(&self.name, "an expert weight (every expert's, stacked)", &factors, 1)?;
+        }
         // litgpt refuses this combination too: without a parallel residual
         // the MLP's input is not the attention's input, so it needs its own
         // norm.
@@ -1419,14 +1489,27 @@ impl Config {
         let biases = if self.bias { hidden.checked_mul(bias_rows)?.checked_add(embd)? } else { 0 };
         let mlp = embd.checked_mul(hidden)?.checked_mul(matrices)?.checked_add(biases)?;
 
-        let layer = norm.checked_mul(norms_per_layer)?.checked_add(attention)?.checked_add(mlp)?;
+        let base = norm.checked_mul(norms_per_layer)?.checked_add(attention)?;
+        let layer = base.checked_add(mlp)?;
+        // Sparse layers: the router and each expert's three matrices instead of the MLP.
+        let (sparse, sparse_layer) = match &self.moe {
+            Some(m) => {
+                let count = (0..self.n_layer).filter(|&l| m.is_sparse(l)).count();
+                let expert = embd.checked_mul(n(m.expert_intermediate_size)?)?.checked_mul(3)?;
+                let experts = n(m.experts)?.checked_mul(expert.checked_add(embd)?)?;
+                (n(count)?, base.checked_add(experts)?)
+            }
+            None => (0, 0),
+        };
         let embedding = vocab.checked_mul(embd)?;
         let head_weight = if self.tie_embeddings { 0 } else { embedding };
         // Tying shares the weight only; litgpt's head bias stays its own.
         let head_bias = if self.lm_head_bias { vocab } else { 0 };
 
         n(self.n_layer)?
+            .checked_sub(sparse)?
             .checked_mul(layer)?
+            .checked_add(sparse.checked_mul(sparse_layer)?)?
             .checked_add(embedding)?
             .checked_add(norm)?
             .checked_add(head_weight)?

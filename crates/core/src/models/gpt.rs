@@ -28,7 +28,7 @@
 //! `[rows/tiles, intermediate]` tensors at a time instead of the layer's.
 //! One tile (the default) records the untiled MLP, op for op.
 
-use super::config::{check_bytes, show_values, Config, Factor, MlpKind, NormKind, QkNorm, PARAM_KEYS};
+use super::config::{check_bytes, show_values, Config, Factor, MlpKind, MoeConfig, NormKind, QkNorm, PARAM_KEYS};
 use super::init::param_stream;
 use super::lora::{Adapters, BaseStorage, LoraTarget};
 use crate::autodiff::STEP_INPUT;
@@ -37,7 +37,7 @@ use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALU
 use crate::ops::attention::Scores;
 use crate::ops::linear_ce::{default_chunk, LinearCrossEntropy, Reduction};
 use crate::ops::nf4::Nf4Weight;
-use crate::ops::UnaryFn;
+use crate::ops::{stat_dtype, UnaryFn};
 
 /// The loss the forward trace ends with.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]
@@ -520,7 +520,7 @@ impl<'a> Gpt<'a> {
                 let a = self.norm(a, &format!("{p}.post_attention_layernorm"))?;
                 x = self.b.add(a, x)?;
                 let h = self.norm(x, &format!("{p}.pre_feedforward_layernorm"))?;
-                let m = self.mlp(h, &format!("{p}.mlp"))?;
+                let m = self.feed_forward(h, layer, &format!("{p}.mlp"))?;
                 let m = self.norm(m, &format!("{p}.post_feedforward_layernorm"))?;
                 x = self.b.add(m, x)?;
                 continue;
@@ -531,7 +531,7 @@ impl<'a> Gpt<'a> {
                 let a = self.attention(x, layer, batch, seq, start, attend)?;
                 let a = self.norm(a, &format!("{p}.post_attention_layernorm"))?;
                 x = self.b.add(a, x)?;
-                let m = self.mlp(x, &format!("{p}.mlp"))?;
+                let m = self.feed_forward(x, layer, &format!("{p}.mlp"))?;
                 let m = self.norm(m, &format!("{p}.post_feedforward_layernorm"))?;
                 x = self.b.add(m, x)?;
                 continue;
@@ -541,13 +541,13 @@ impl<'a> Gpt<'a> {
             if cfg.parallel_residual {
                 let h2 =
                     if cfg.shared_attention_norm { h } else { self.norm(x, &format!("{p}.post_attention_layernorm"))? };
-                let m = self.mlp(h2, &format!("{p}.mlp"))?;
+                let m = self.feed_forward(h2, layer, &format!("{p}.mlp"))?;
                 let am = self.b.add(a, m)?;
                 x = self.b.add(am, x)?;
             } else {
                 x = self.b.add(a, x)?;
                 let h2 = self.norm(x, &format!("{p}.post_attention_layernorm"))?;
-                let m = self.mlp(h2, &format!("{p}.mlp"))?;
+                let m = self.feed_forward(h2, layer, &format!("{p}.mlp"))?;
                 x = self.b.add(m, x)?;
             }
         }
@@ -677,6 +677,60 @@ impl<'a> Gpt<'a> {
             parts.push(self.mlp_rows(xt, prefix)?);
         }
         let y = self.b.concat(&parts, 0)?;
+        self.b.reshape(y, &shape)
+    }
+
+    /// Layer `layer`'s feed-forward block on `x`: its experts on a sparse
+    /// layer of a mixture-of-experts model, the MLP otherwise.
+    fn feed_forward(&mut self, x: ValueId, layer: usize, prefix: &str) -> Result<ValueId> {
+        match self.cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            Some(moe) => self.experts(x, prefix, moe),
+            None => self.mlp(x, prefix),
+        }
+    }
+
+    /// The mixture of experts on `x: [..., C]` ([`MoeConfig`]), dropless:
+    /// the router's probabilities (softmax in f32, or f64 for an f64
+    /// model), each token's `k` best experts and their weights; the
+    /// `tokens × k` routed rows sorted by expert and gathered; each
+    /// expert's SwiGLU MLP on its rows as grouped products; the outputs
+    /// gathered back to their tokens and summed with the weights.
+    /// Weights: `{prefix}.gate.weight` `[E, C]` (the router),
+    /// `{prefix}.experts.{gate,up}_proj.weight` `[E, F, C]` and
+    /// `{prefix}.experts.down_proj.weight` `[E, C, F]`.
+    fn experts(&mut self, x: ValueId, prefix: &str, moe: &MoeConfig) -> Result<ValueId> {
+        let shape = self.b.shape(x).to_vec();
+        let c = self.cfg.n_embd;
+        let tokens = shape.iter().product::<usize>() / c.max(1);
+        let (e, k, f) = (moe.experts, moe.experts_per_token, moe.expert_intermediate_size);
+        let x2 = self.b.reshape(x, &[tokens, c])?;
+        let router = self.param(&format!("{prefix}.gate.weight"), &[e, c])?;
+        let logits = self.b.linear(x2, router, None)?;
+        let logits = self.b.cast(logits, stat_dtype(self.dtype))?;
+        let probs = self.b.softmax(logits)?;
+        let (weights, chosen) = self.b.top_k(probs, k)?;
+        let weights = if moe.normalize_top_k {
+            let total = self.b.sum(weights, &[1], true)?;
+            self.b.div(weights, total)?
+        } else {
+            weights
+        };
+        let weights = self.b.cast(weights, self.dtype)?;
+        let (rows, position, offsets) = self.b.expert_sort(chosen, e)?;
+        let routed = self.b.embedding(rows, x2)?;
+        let w_gate = self.param(&format!("{prefix}.experts.gate_proj.weight"), &[e, f, c])?;
+        let w_up = self.param(&format!("{prefix}.experts.up_proj.weight"), &[e, f, c])?;
+        let w_down = self.param(&format!("{prefix}.experts.down_proj.weight"), &[e, c, f])?;
+        let gate = self.b.grouped_matmul(routed, w_gate, offsets, false)?;
+        let up = self.b.grouped_matmul(routed, w_up, offsets, false)?;
+        let h = self.b.swiglu(gate, up)?;
+        let out = self.b.grouped_matmul(h, w_down, offsets, false)?;
+        // Back in (token, slot) order, weighted and summed over the slots.
+        let slots = self.b.embedding(position, out)?;
+        let slots = self.b.reshape(slots, &[tokens, k, c])?;
+        let weights = self.b.reshape(weights, &[tokens, k, 1])?;
+        let weighted = self.b.mul(slots, weights)?;
+        let y = self.b.sum(weighted, &[1], false)?;
         self.b.reshape(y, &shape)
     }
 

@@ -18,7 +18,7 @@ pub mod init;
 pub mod lora;
 pub mod peft;
 
-pub use config::{Config, MlpKind, NormKind, Overrides, QkNorm};
+pub use config::{Config, MlpKind, MoeConfig, NormKind, Overrides, QkNorm};
 pub use gpt::{build_forward, build_forward_opts, ForwardOptions, LossKind, ModelSpec};
 pub use init::{init_param, init_param_as, init_params, param_init};
 pub use lora::{Adapters, BaseStorage, LoraTarget};

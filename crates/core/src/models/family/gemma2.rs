@@ -173,6 +173,7 @@ pub fn read_layout(hf: &HfJson, model_type: &str, defaults: &Defaults) -> Result
         final_softcap: cap("final_logit_softcapping", defaults.final_softcap)?,
         rope_local_base: None,
         rope_linear_factor: None,
+        moe: None,
     })
 }
 
@@ -271,5 +272,6 @@ pub fn example_layout(name: &str) -> Config {
         final_softcap: Some(15.0),
         rope_local_base: None,
         rope_linear_factor: None,
+        moe: None,
     }
 }

@@ -1,0 +1,234 @@
+//! Mixture-of-experts models ([`MoeConfig`]): a tiny model with a sparse
+//! and a dense layer, its gradients against finite differences of its loss,
+//! its experts equal to a dense MLP giving that MLP's model exactly, and the
+//! planned and compiled step carrying the routing, the sort and the grouped
+//! products.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
+use stepgraph_core::cpu::exec::CpuSession;
+use stepgraph_core::host::HostTensor;
+use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueId};
+use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, MoeConfig};
+use stepgraph_core::ops::Op;
+use stepgraph_core::pipeline::{compile_step, StepOptions};
+use stepgraph_core::plan::{plan, PlanOptions};
+use stepgraph_core::session::Session;
+use stepgraph_core::testing::{directional_derivative, interpret};
+
+/// A tiny Llama-layout model whose layer 0 has 4 experts (2 per token) and
+/// layer 1 the dense MLP.
+fn config(normalize_top_k: bool) -> Config {
+    let mut c = Config::named("tiny-llama").unwrap();
+    c.name = "tiny-moe".into();
+    c.moe = Some(MoeConfig {
+        experts: 4,
+        experts_per_token: 2,
+        expert_intermediate_size: 12,
+        normalize_top_k,
+        sparse_step: 1,
+        dense_layers: vec![1],
+    });
+    c
+}
+
+fn spec(config: Config, dtype: DType) -> ModelSpec {
+    ModelSpec { config, batch: 2, seq: 8, dtype, loss: LossKind::CrossEntropy, adapters: None, documents: false }
+}
+
+fn name(t: &Trace, v: ValueId) -> String {
+    t.value(v).kind.leaf_name().unwrap().to_string()
+}
+
+fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = spec.batch * spec.seq;
+    let ty = TensorType::new(DType::I32, [spec.batch, spec.seq]);
+    let ids: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
+    let t: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
+    vec![(TOKENS_INPUT, HostTensor::from_f64(ty.clone(), &ids)), (TARGETS_INPUT, HostTensor::from_f64(ty, &t))]
+}
+
+/// Every weight of `fwd` by name, drawn with a spread that makes the
+/// router's scores differ (the default draw is small).
+fn weights(fwd: &Trace, seed: u64) -> HashMap<String, HostTensor> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    init_params(fwd, seed)
+        .into_iter()
+        .map(|(v, t)| {
+            let n = name(fwd, v);
+            let t = if n.contains("norm") {
+                t
+            } else {
+                let x: Vec<f64> = (0..t.ty.numel())
+                    .map(|_| {
+                        let z: f64 = StandardNormal.sample(&mut rng);
+                        0.3 * z
+                    })
+                    .collect();
+                HostTensor::from_f64(t.ty.clone(), &x)
+            };
+            (n, t)
+        })
+        .collect()
+}
+
+fn leaves(fwd: &Trace, w: &HashMap<String, HostTensor>, data: &[(&str, HostTensor)]) -> HashMap<ValueId, HostTensor> {
+    let mut leaves = HashMap::new();
+    for v in fwd.weights() {
+        leaves.insert(v, w[&name(fwd, v)].clone());
+    }
+    for (n, t) in data {
+        leaves.insert(fwd.leaf_by_name(n).unwrap(), t.clone());
+    }
+    leaves
+}
+
+fn logits(fwd: &Trace, w: &HashMap<String, HostTensor>, data: &[(&str, HostTensor)]) -> Vec<f64> {
+    let vals = interpret(fwd, &leaves(fwd, w, data)).unwrap();
+    let out = fwd.outputs.iter().find(|o| o.kind == OutputKind::Named(LOGITS_OUTPUT.into())).unwrap();
+    vals[out.value.index()].to_f64()
+}
+
+#[test]
+fn the_sparse_layer_has_a_router_and_stacked_experts_and_the_dense_one_its_mlp() {
+    let sp = spec(config(true), DType::F32);
+    let fwd = build_forward(&sp).unwrap();
+    let ty = |n: &str| fwd.ty(fwd.leaf_by_name(n).unwrap_or_else(|| panic!("no `{n}`"))).shape.clone();
+    let (c, f) = (sp.config.n_embd, 12);
+    assert_eq!(ty("model.layers.0.mlp.gate.weight"), [4, c]);
+    assert_eq!(ty("model.layers.0.mlp.experts.gate_proj.weight"), [4, f, c]);
+    assert_eq!(ty("model.layers.0.mlp.experts.up_proj.weight"), [4, f, c]);
+    assert_eq!(ty("model.layers.0.mlp.experts.down_proj.weight"), [4, c, f]);
+    assert_eq!(ty("model.layers.1.mlp.gate_proj.weight"), [sp.config.intermediate_size, c]);
+    assert!(fwd.leaf_by_name("model.layers.0.mlp.gate_proj.weight").is_none());
+    // The config counts what the trace holds.
+    let held: u64 = fwd.params().map(|p| fwd.ty(p).numel() as u64).sum();
+    assert_eq!(sp.config.param_count(), held);
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    for normalize in [true, false] {
+        let sp = spec(config(normalize), DType::F64);
+        let fwd = build_forward(&sp).unwrap();
+        let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+        let w = weights(&fwd, 5);
+        let data = batch(&sp, 2);
+        let p = plan(&grads, PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(grads.clone(), p).unwrap();
+        for v in grads.weights() {
+            s.write(v, &w[&name(&grads, v)]).unwrap();
+        }
+        for (n, t) in &data {
+            s.write_named(n, t).unwrap();
+        }
+        s.run_eager().unwrap();
+
+        // One random direction per parameter group: the router, the experts,
+        // and everything else, each checked on its own.
+        let params: Vec<ValueId> = fwd.params().collect();
+        for part in ["mlp.gate.weight", "mlp.experts.", ""] {
+            let mut rng = StdRng::seed_from_u64(17);
+            let chosen: Vec<ValueId> = params
+                .iter()
+                .copied()
+                .filter(|&p| {
+                    let n = name(&fwd, p);
+                    if part.is_empty() {
+                        !n.contains("mlp.gate.weight") && !n.contains("mlp.experts.")
+                    } else {
+                        n.contains(part)
+                    }
+                })
+                .collect();
+            assert!(!chosen.is_empty(), "{part}");
+            let direction: Vec<(ValueId, Vec<f64>)> = chosen
+                .iter()
+                .map(|&p| (p, (0..fwd.ty(p).numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
+                .collect();
+            let mut analytic = 0.0;
+            for (p, u) in &direction {
+                let gp = grads.leaf_by_name(&name(&fwd, *p)).unwrap();
+                let g = s.read(grads.grad_of(gp).unwrap()).to_f64();
+                analytic += g.iter().zip(u).map(|(a, b)| a * b).sum::<f64>();
+            }
+            let fd = directional_derivative(&fwd, &leaves(&fwd, &w, &data), &direction, 1e-6).unwrap();
+            let rel = (fd - analytic).abs() / fd.abs().max(analytic.abs());
+            assert!(analytic.abs() > 1e-6, "normalize {normalize}, `{part}`: zero gradient");
+            assert!(
+                rel < 1e-6,
+                "normalize {normalize}, `{part}`: finite differences {fd} vs gradient {analytic} ({rel:e})"
+            );
+        }
+    }
+}
+
+/// Experts that are all the same MLP, with the chosen weights renormalised
+/// to sum to one, make the layer that MLP, whichever experts the router
+/// picks: the MoE model's logits equal the dense model's.
+#[test]
+fn identical_experts_make_the_dense_mlp() {
+    // Experts as wide as the dense MLP.
+    let mut moe_config = config(true);
+    let width = moe_config.intermediate_size;
+    moe_config.moe.as_mut().unwrap().expert_intermediate_size = width;
+    let dense_spec = spec(Config { moe: None, ..moe_config.clone() }, DType::F64);
+    let moe_spec = spec(moe_config, DType::F64);
+    let dense = build_forward_with_logits(&dense_spec).unwrap();
+    let moe = build_forward_with_logits(&moe_spec).unwrap();
+    let w = weights(&dense, 9);
+    let mut mw: HashMap<String, HostTensor> = w.clone();
+    let stack = |t: &HostTensor, copies: usize| {
+        let v = t.to_f64();
+        let mut shape = vec![copies];
+        shape.extend(&t.ty.shape);
+        HostTensor::from_f64(TensorType::new(DType::F64, shape), &v.repeat(copies))
+    };
+    for part in ["gate_proj", "up_proj", "down_proj"] {
+        let dense_w = &w[&format!("model.layers.0.mlp.{part}.weight")];
+        mw.insert(format!("model.layers.0.mlp.experts.{part}.weight"), stack(dense_w, 4));
+    }
+    let mut rng = StdRng::seed_from_u64(3);
+    let router: Vec<f64> = (0..4 * moe_spec.config.n_embd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let router_ty = TensorType::new(DType::F64, [4, moe_spec.config.n_embd]);
+    mw.insert("model.layers.0.mlp.gate.weight".into(), HostTensor::from_f64(router_ty, &router));
+    let data = batch(&moe_spec, 4);
+    let (a, b) = (logits(&dense, &w, &data), logits(&moe, &mw, &data));
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / x.abs().max(1e-3)).fold(0.0, f64::max);
+    // Equal up to f64 rounding: the weights sum to one within an ulp or two.
+    assert!(worst < 1e-10, "dense and identical-expert logits differ by {worst:e}");
+}
+
+#[test]
+fn a_compiled_train_step_routes_sorts_and_runs_grouped_products() {
+    let sp = spec(config(true), DType::BF16);
+    let c = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
+    let count = |f: fn(&Op) -> bool| c.step.nodes.iter().filter(|n| f(&n.op)).count();
+    assert_eq!(count(|o| matches!(o, Op::TopK(_))), 1);
+    assert_eq!(count(|o| matches!(o, Op::TopKBackward(_))), 1);
+    assert_eq!(count(|o| matches!(o, Op::ExpertSort(_))), 1);
+    // Forward: gate, up and down; backward: each one's input gradient.
+    assert_eq!(count(|o| matches!(o, Op::GroupedMatmul(_))), 6);
+    assert_eq!(count(|o| matches!(o, Op::GroupedMatmulWeightGrad(_))), 3);
+    // The routed rows (tokens × k) are planned like any other value.
+    let routed = 2 * 8 * 2 * sp.config.n_embd * 2;
+    assert!(c.plan.planned_peak_bytes() > routed as u64);
+    // And the step runs on the CPU.
+    let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
+    s.init_params(1).unwrap();
+    for (n, t) in batch(&sp, 6) {
+        s.write_named(n, &t).unwrap();
+    }
+    s.write_named(stepgraph_core::autodiff::LR_INPUT, &stepgraph_core::cpu::exec::scalar_input(1e-3)).unwrap();
+    s.write_named(stepgraph_core::autodiff::STEP_INPUT, &stepgraph_core::cpu::exec::scalar_input(1.0)).unwrap();
+    s.run_eager().unwrap();
+    let loss = s.read(c.step.loss().unwrap()).to_f64()[0];
+    assert!(loss.is_finite() && loss > 0.0, "loss {loss}");
+}
