@@ -760,6 +760,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["optimizer"] = serde_json::to_value(c.placement())?;
                 value["epilogues"] = serde_json::to_value(c.fusion())?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
+                value["experts"] = serde_json::to_value(stepgraph_core::models::moe::ExpertsReport::of(&spec))?;
                 value["switches"] = serde_json::to_value(switches)?;
                 if let Some(gpu) = gpu.clone() {
                     value["verdict"] = serde_json::to_value(fit::verdict(&spec, &opts, &c, gpu)?)?;
@@ -780,6 +781,9 @@ fn run_command(cli: Cli) -> Result<()> {
                     print!("{report}");
                 } else {
                     print!("{}", report.brief());
+                }
+                if let Some(experts) = stepgraph_core::models::moe::ExpertsReport::of(&spec) {
+                    print!("{experts}");
                 }
                 if let Some(p) = c.placement() {
                     print!("{p}");

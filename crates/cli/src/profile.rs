@@ -5,8 +5,9 @@
 //! `scripts/torch_profile.py` prints for PyTorch on the same workload.
 
 /// The kernel classes, in the order the table prints them.
-pub const CLASSES: [&str; 8] = [
+pub const CLASSES: [&str; 9] = [
     "products",
+    "experts",
     "attention forward",
     "attention backward",
     "decode attention",
@@ -22,6 +23,9 @@ pub fn class_of(kernel: &str) -> &'static str {
     let has = |p: &str| kernel.contains(p);
     if kernel.starts_with("gemm") || kernel.starts_with("gemv") {
         "products"
+    } else if ["top_k", "expert_sort", "grouped_matmul"].iter().any(|p| kernel.starts_with(p)) {
+        // Mixture-of-experts routing and the experts' grouped products.
+        "experts"
     } else if kernel.starts_with("cached_attention") || kernel.starts_with("kv_write") {
         "decode attention"
     } else if kernel.starts_with("attention") && has("bwd") {
@@ -202,6 +206,9 @@ mod tests {
             ("attention_bwd_q_d1_bf16", "attention backward"),
             ("cached_attention_split_h1_v4_e4_s2_bf16", "decode attention"),
             ("kv_write_u128", "decode attention"),
+            ("grouped_matmul_weight_grad_bf16", "experts"),
+            ("expert_sort_i32", "experts"),
+            ("top_k_backward_f32", "experts"),
             ("rms_norm_backward_gw_bf16", "pointwise and row-wise"),
             ("rope_at_bf16", "pointwise and row-wise"),
             ("add_vec_bf16", "pointwise and row-wise"),

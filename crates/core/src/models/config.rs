@@ -346,6 +346,8 @@ const NAMED: &[Named] = &[
     Named { name: "Qwen3-8B", hf_repo: Some("Qwen/Qwen3-8B"), build: qwen3_8b },
     Named { name: "Qwen3-14B", hf_repo: Some("Qwen/Qwen3-14B"), build: qwen3_14b },
     Named { name: "Qwen3-32B", hf_repo: Some("Qwen/Qwen3-32B"), build: qwen3_32b },
+    Named { name: "Qwen3-30B-A3B", hf_repo: Some("Qwen/Qwen3-30B-A3B"), build: qwen3_30b_a3b },
+    Named { name: "Mixtral-8x7B-v0.1", hf_repo: Some("mistralai/Mixtral-8x7B-v0.1"), build: mixtral_8x7b },
     Named { name: "Phi-3-mini-4k-instruct", hf_repo: Some("microsoft/Phi-3-mini-4k-instruct"), build: phi_3_mini_4k },
     Named { name: "phi-4", hf_repo: Some("microsoft/phi-4"), build: phi_4 },
     Named { name: "gemma-2-2b", hf_repo: Some("google/gemma-2-2b"), build: gemma_2_2b },
@@ -830,6 +832,44 @@ fn qwen3_14b() -> Config {
 /// Qwen3-32B: 64 query heads of 128 over a width of 5120.
 fn qwen3_32b() -> Config {
     qwen3("Qwen3-32B", 64, 5120, 64, 25600, false)
+}
+
+/// Qwen3-30B-A3B: 48 layers of width 2048, each with 128 experts of width
+/// 768 of which every token takes 8 (their probabilities renormalised),
+/// 32 query heads of 128 over 4 key/value heads.
+fn qwen3_30b_a3b() -> Config {
+    Config {
+        n_query_groups: 4,
+        moe: Some(MoeConfig {
+            experts: 128,
+            experts_per_token: 8,
+            expert_intermediate_size: 768,
+            normalize_top_k: true,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+        }),
+        ..qwen3("Qwen3-30B-A3B", 48, 2048, 32, 6144, false)
+    }
+}
+
+/// Mixtral 8x7B: Mistral 7B's attention (without its window) and, on every
+/// layer, 8 experts of width 14336 of which every token takes 2.
+fn mixtral_8x7b() -> Config {
+    Config {
+        block_size: 32768,
+        n_query_groups: 8,
+        intermediate_size: 14336,
+        rope_base: 1_000_000.0,
+        moe: Some(MoeConfig {
+            experts: 8,
+            experts_per_token: 2,
+            expert_intermediate_size: 14336,
+            normalize_top_k: true,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+        }),
+        ..llama_base("Mixtral-8x7B-v0.1")
+    }
 }
 
 /// Phi-3-mini (4k): the Llama layout (its q/k/v and gate/up stored
@@ -1536,7 +1576,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 26] = [
+        let expected: [(&str, u64); 28] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1553,6 +1593,8 @@ pub(crate) mod tests {
             // 14.8B and 32.8B.
             ("Qwen3-14B", 14_768_307_200),
             ("Qwen3-32B", 32_762_123_264),
+            ("Qwen3-30B-A3B", 30_532_122_624),
+            ("Mixtral-8x7B-v0.1", 46_702_792_704),
             ("Phi-3-mini-4k-instruct", 3_821_079_552),
             ("phi-4", 14_659_507_200),
             ("Llama-3.2-1B", 1_235_814_400),

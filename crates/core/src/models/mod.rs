@@ -5,7 +5,8 @@
 //! files ([`checkpoint`]), whole Hugging Face model folders in and out of
 //! a session ([`hf_dir`]), the initial weights, the same bits on the
 //! host and on a GPU ([`init`]), low-rank adapters over a frozen base
-//! ([`lora`]) and the adapter folders `peft` reads and writes ([`peft`]).
+//! ([`lora`]) and the adapter folders `peft` reads and writes ([`peft`]),
+//! and what a mixture-of-experts step holds for its experts ([`moe`]).
 
 pub mod checkpoint;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod hf;
 pub mod hf_dir;
 pub mod init;
 pub mod lora;
+pub mod moe;
 pub mod peft;
 
 pub use config::{Config, MlpKind, MoeConfig, NormKind, Overrides, QkNorm};
