@@ -1,4 +1,7 @@
-//! Mistral with a window, Gemma 2 and Gemma 3's language model: tiny
+//! Mistral with a window, Gemma 2 and Gemma 3's language model, and the
+//! mixtures of experts Mixtral (a window, renormalised routing) and
+//! Qwen3-MoE (q/k norms, a dense layer among the sparse ones, routing
+//! weights left as the softmax gives them): tiny
 //! folders written here in `transformers`' layout (its tensor names, its
 //! config keys) with every setting that changes the math away from its
 //! default (windows shorter than the sequence, soft-caps that bite, heads
@@ -46,12 +49,37 @@ const SEQ: usize = 8;
 const WINDOW: usize = 3;
 const IGNORE: i64 = -100;
 
-/// The three families, and what their fixtures set.
+/// Experts of a fixture and each one's width.
+const EXPERTS: usize = 4;
+const EXPERT_WIDTH: usize = 12;
+
+/// The families, and what their fixtures set.
 #[derive(Copy, Clone, Debug, PartialEq)]
 enum Kind {
     Mistral,
     Gemma2,
     Gemma3,
+    Mixtral,
+    Qwen3Moe,
+}
+
+/// A fixture's mixture of experts, as the reference computes it.
+#[derive(Clone, Debug)]
+struct NetMoe {
+    /// Experts per token.
+    k: usize,
+    /// Width of each expert (the dense layers keep [`INTERMEDIATE`]).
+    width: usize,
+    /// The chosen probabilities renormalised to sum to one.
+    normalize: bool,
+    /// Layers with the dense MLP.
+    dense: Vec<usize>,
+    /// The router's and the experts' tensor names, `{p}` the layer's prefix
+    /// and `{e}` the expert.
+    router: &'static str,
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
 }
 
 /// The network a fixture describes, as the reference computes it.
@@ -72,6 +100,9 @@ struct Net {
     rope_local: f64,
     tied: bool,
     eps: f64,
+    /// RMSNorms over each head of q and k (Gemma 3's offset from one, Qwen3's not).
+    qk_norm: bool,
+    moe: Option<NetMoe>,
 }
 
 impl Net {
@@ -88,7 +119,7 @@ impl Net {
 
 impl Kind {
     fn gemma(self) -> bool {
-        self != Kind::Mistral
+        matches!(self, Kind::Gemma2 | Kind::Gemma3)
     }
 
     fn family(self) -> HfFamily {
@@ -96,6 +127,8 @@ impl Kind {
             Kind::Mistral => HfFamily::Mistral,
             Kind::Gemma2 => HfFamily::Gemma2,
             Kind::Gemma3 => HfFamily::Gemma3,
+            Kind::Mixtral => HfFamily::Mixtral,
+            Kind::Qwen3Moe => HfFamily::Qwen3Moe,
         }
     }
 
@@ -114,6 +147,8 @@ impl Kind {
                 rope_local: 500.0,
                 tied: false,
                 eps: 1e-5,
+                qk_norm: false,
+                moe: None,
             },
             // Explicit layer types: sliding, global, sliding.
             Kind::Gemma2 => Net {
@@ -129,6 +164,8 @@ impl Kind {
                 rope_local: 300.0,
                 tied: true,
                 eps: 1e-6,
+                qk_norm: false,
+                moe: None,
             },
             // The default pattern from `sliding_window_pattern` 3: two
             // sliding layers, then a global one.
@@ -145,8 +182,58 @@ impl Kind {
                 rope_local: 30.0,
                 tied: true,
                 eps: 1e-6,
+                qk_norm: true,
+                moe: None,
+            },
+            // Mistral's window on every layer, experts on both.
+            Kind::Mixtral => Net {
+                moe: Some(NetMoe {
+                    k: 2,
+                    width: INTERMEDIATE,
+                    normalize: true,
+                    dense: vec![],
+                    router: "{p}.block_sparse_moe.gate.weight",
+                    gate: "{p}.block_sparse_moe.experts.{e}.w1.weight",
+                    up: "{p}.block_sparse_moe.experts.{e}.w3.weight",
+                    down: "{p}.block_sparse_moe.experts.{e}.w2.weight",
+                }),
+                rope_global: 700.0,
+                rope_local: 700.0,
+                ..Kind::Mistral.net()
+            },
+            // No window; layer 1 of three dense.
+            Kind::Qwen3Moe => Net {
+                kind: self,
+                layers: 3,
+                sliding: vec![false; 3],
+                window: WINDOW,
+                scale: 1.0 / (HEAD_DIM as f64).sqrt(),
+                attn_cap: None,
+                final_cap: None,
+                rope_global: 900.0,
+                rope_linear: 1.0,
+                rope_local: 900.0,
+                tied: false,
+                eps: 1e-6,
+                qk_norm: true,
+                moe: Some(NetMoe {
+                    k: 2,
+                    width: EXPERT_WIDTH,
+                    normalize: false,
+                    dense: vec![1],
+                    router: "{p}.mlp.gate.weight",
+                    gate: "{p}.mlp.experts.{e}.gate_proj.weight",
+                    up: "{p}.mlp.experts.{e}.up_proj.weight",
+                    down: "{p}.mlp.experts.{e}.down_proj.weight",
+                }),
             },
         }
+    }
+}
+
+impl NetMoe {
+    fn name(pattern: &str, prefix: &str, expert: usize) -> String {
+        pattern.replace("{p}", prefix).replace("{e}", &expert.to_string())
     }
 }
 
@@ -196,6 +283,34 @@ fn config_json(kind: Kind) -> Value {
             set("rope_local_base_freq", json!(net.rope_local));
             set("rope_scaling", json!({"rope_type": "linear", "factor": net.rope_linear}));
         }
+        Kind::Mixtral => {
+            set("architectures", json!(["MixtralForCausalLM"]));
+            set("model_type", json!("mixtral"));
+            set("hidden_act", json!("silu"));
+            set("rope_theta", json!(net.rope_global));
+            set("num_local_experts", json!(EXPERTS));
+            set("num_experts_per_tok", json!(2));
+            set("output_router_logits", json!(false));
+            set("router_aux_loss_coef", json!(0.02));
+            set("router_jitter_noise", json!(0.0));
+        }
+        Kind::Qwen3Moe => {
+            set("architectures", json!(["Qwen3MoeForCausalLM"]));
+            set("model_type", json!("qwen3_moe"));
+            set("hidden_act", json!("silu"));
+            set("rope_theta", json!(net.rope_global));
+            set("attention_bias", json!(false));
+            set("use_sliding_window", json!(false));
+            set("max_window_layers", json!(3));
+            set("num_experts", json!(EXPERTS));
+            set("num_experts_per_tok", json!(2));
+            set("moe_intermediate_size", json!(EXPERT_WIDTH));
+            set("norm_topk_prob", json!(false));
+            set("decoder_sparse_step", json!(1));
+            set("mlp_only_layers", json!([1]));
+            set("output_router_logits", json!(false));
+            set("router_aux_loss_coef", json!(0.001));
+        }
     }
     Value::Object(c)
 }
@@ -242,13 +357,26 @@ fn hf_tensors(kind: Kind) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
         add(format!("{p}.self_attn.k_proj.weight"), vec![kv, c], 0.0, 0.6);
         add(format!("{p}.self_attn.v_proj.weight"), vec![kv, c], 0.0, 0.4);
         add(format!("{p}.self_attn.o_proj.weight"), vec![c, q], 0.0, 0.3);
-        if kind == Kind::Gemma3 {
-            add(format!("{p}.self_attn.q_norm.weight"), vec![HEAD_DIM], 0.0, 0.3);
-            add(format!("{p}.self_attn.k_norm.weight"), vec![HEAD_DIM], 0.0, 0.3);
+        if net.qk_norm {
+            add(format!("{p}.self_attn.q_norm.weight"), vec![HEAD_DIM], norm_center, 0.3);
+            add(format!("{p}.self_attn.k_norm.weight"), vec![HEAD_DIM], norm_center, 0.3);
         }
-        add(format!("{p}.mlp.gate_proj.weight"), vec![i, c], 0.0, 0.4);
-        add(format!("{p}.mlp.up_proj.weight"), vec![i, c], 0.0, 0.4);
-        add(format!("{p}.mlp.down_proj.weight"), vec![c, i], 0.0, 0.3);
+        match &net.moe {
+            Some(moe) if !moe.dense.contains(&l) => {
+                // A router spread wide enough that no two chosen experts tie.
+                add(NetMoe::name(moe.router, &p, 0), vec![EXPERTS, c], 0.0, 1.5);
+                for e in 0..EXPERTS {
+                    add(NetMoe::name(moe.gate, &p, e), vec![moe.width, c], 0.0, 0.4);
+                    add(NetMoe::name(moe.up, &p, e), vec![moe.width, c], 0.0, 0.4);
+                    add(NetMoe::name(moe.down, &p, e), vec![c, moe.width], 0.0, 0.3);
+                }
+            }
+            _ => {
+                add(format!("{p}.mlp.gate_proj.weight"), vec![i, c], 0.0, 0.4);
+                add(format!("{p}.mlp.up_proj.weight"), vec![i, c], 0.0, 0.4);
+                add(format!("{p}.mlp.down_proj.weight"), vec![c, i], 0.0, 0.3);
+            }
+        }
     }
     add("model.norm.weight".into(), vec![c], norm_center, 0.3);
     if !net.tied {
@@ -347,8 +475,8 @@ fn reference_logits(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids
                 for (heads, xt, which) in [(HEADS, &mut qt, "q"), (KV_HEADS, &mut kt, "k")] {
                     for head in 0..heads {
                         let row = &mut xt[head * HEAD_DIM..(head + 1) * HEAD_DIM];
-                        if net.kind == Kind::Gemma3 {
-                            let normed = rms(row, g(&format!("{p}.self_attn.{which}_norm.weight")), net.eps, true);
+                        if net.qk_norm {
+                            let normed = rms(row, g(&format!("{p}.self_attn.{which}_norm.weight")), net.eps, gemma);
                             row.copy_from_slice(&normed);
                         }
                         rope(row, t, base, factor);
@@ -389,11 +517,42 @@ fn reference_logits(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids
             for xt in x.iter_mut() {
                 let pre = if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
                 let h = norm(xt, &format!("{p}.{pre}.weight"));
-                let gate = matvec(g(&format!("{p}.mlp.gate_proj.weight")), &h, INTERMEDIATE);
-                let up = matvec(g(&format!("{p}.mlp.up_proj.weight")), &h, INTERMEDIATE);
-                let act: Vec<f64> =
-                    gate.iter().zip(&up).map(|(g, u)| if gemma { gelu_tanh(*g) } else { silu(*g) } * u).collect();
-                let m = matvec(g(&format!("{p}.mlp.down_proj.weight")), &act, HIDDEN);
+                let mlp = |gate: &str, up: &str, down: &str, width: usize| {
+                    let gate = matvec(g(gate), &h, width);
+                    let up = matvec(g(up), &h, width);
+                    let act: Vec<f64> =
+                        gate.iter().zip(&up).map(|(g, u)| if gemma { gelu_tanh(*g) } else { silu(*g) } * u).collect();
+                    matvec(g(down), &act, HIDDEN)
+                };
+                let m = match &net.moe {
+                    Some(moe) if !moe.dense.contains(&l) => {
+                        // transformers' routing: softmax over the experts, the
+                        // k most probable (the lower index among equals),
+                        // renormalised or not, each expert's MLP weighted.
+                        let scores = matvec(g(&NetMoe::name(moe.router, &p, 0)), &h, EXPERTS);
+                        let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        let probs: Vec<f64> = e.iter().map(|x| x / z).collect();
+                        let mut order: Vec<usize> = (0..EXPERTS).collect();
+                        order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap().then(a.cmp(&b)));
+                        let chosen = &order[..moe.k];
+                        let total: f64 = if moe.normalize { chosen.iter().map(|&e| probs[e]).sum() } else { 1.0 };
+                        let mut m = vec![0.0; HIDDEN];
+                        for &ex in chosen {
+                            let name = |pattern| NetMoe::name(pattern, &p, ex);
+                            let y = mlp(&name(moe.gate), &name(moe.up), &name(moe.down), moe.width);
+                            m.iter_mut().zip(&y).for_each(|(m, y)| *m += probs[ex] / total * y);
+                        }
+                        m
+                    }
+                    _ => mlp(
+                        &format!("{p}.mlp.gate_proj.weight"),
+                        &format!("{p}.mlp.up_proj.weight"),
+                        &format!("{p}.mlp.down_proj.weight"),
+                        INTERMEDIATE,
+                    ),
+                };
                 let m = if gemma { norm(&m, &format!("{p}.post_feedforward_layernorm.weight")) } else { m };
                 xt.iter_mut().zip(&m).for_each(|(x, m)| *x += m);
             }
@@ -472,7 +631,7 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
     d / n
 }
 
-const KINDS: [Kind; 3] = [Kind::Mistral, Kind::Gemma2, Kind::Gemma3];
+const KINDS: [Kind; 5] = [Kind::Mistral, Kind::Gemma2, Kind::Gemma3, Kind::Mixtral, Kind::Qwen3Moe];
 
 #[test]
 fn configs_read_as_the_fixture_says() {
@@ -481,7 +640,13 @@ fn configs_read_as_the_fixture_says() {
         let hf = HfModelDir::open(&write_fixture(root.path(), "m", kind)).unwrap();
         let (c, net) = (hf.config(), kind.net());
         assert_eq!(hf.family(), kind.family());
-        assert_eq!((c.head_size, c.n_query_groups, c.sliding_window), (HEAD_DIM, KV_HEADS, Some(WINDOW)));
+        let window = net.sliding.iter().any(|&s| s).then_some(WINDOW);
+        assert_eq!((c.head_size, c.n_query_groups, c.sliding_window), (HEAD_DIM, KV_HEADS, window), "{kind:?}");
+        if let Some(moe) = &net.moe {
+            let m = c.moe.as_ref().unwrap_or_else(|| panic!("{kind:?}: no experts"));
+            assert_eq!((m.experts, m.experts_per_token, m.expert_intermediate_size), (EXPERTS, moe.k, moe.width));
+            assert_eq!((m.normalize_top_k, &m.dense_layers), (moe.normalize, &moe.dense), "{kind:?}");
+        }
         for l in 0..net.layers {
             let scores = c.scores(l);
             assert_eq!(scores.window, if net.sliding[l] { WINDOW } else { 0 }, "{kind:?} layer {l}");
@@ -506,7 +671,7 @@ fn logits_and_loss_match_the_f64_reference() {
         let want_loss = reference_loss(&want, &targets);
         // The caps bite: some scores and logits are far along the tanh.
         let big = want.iter().filter(|z| z.abs() > 0.5 * kind.net().final_cap.unwrap_or(f64::INFINITY)).count();
-        assert!(kind == Kind::Mistral || big > 10, "{kind:?}: {big} logits near the cap");
+        assert!(!kind.gemma() || big > 10, "{kind:?}: {big} logits near the cap");
 
         let (logits, loss) = stepgraph_forward(&hf, DType::F64);
         let e = rel(&logits, &want);
@@ -592,6 +757,11 @@ fn the_embedding_scale_is_rounded_to_the_model_dtype() {
     }
 }
 
+/// The window a fixture's network has, if any.
+fn net_window(kind: Kind) -> Option<usize> {
+    kind.net().sliding.iter().any(|&s| s).then_some(WINDOW)
+}
+
 /// The tensors of a folder by name.
 fn folder_tensors(dir: &Path) -> BTreeMap<String, HostTensor> {
     read_safetensors(&dir.join("model.safetensors")).unwrap().into_iter().collect()
@@ -623,9 +793,22 @@ fn a_saved_folder_has_the_family_names_and_keys_and_reads_back() {
         let source = config_json(kind);
         assert_eq!(written["model_type"], source["model_type"]);
         assert_eq!(written["architectures"], source["architectures"]);
-        assert_eq!(written["sliding_window"], json!(WINDOW));
+        let window = net_window(kind);
+        assert_eq!(written["sliding_window"], json!(window), "{kind:?}");
         assert_eq!(written["head_dim"], json!(HEAD_DIM));
         let net = kind.net();
+        if kind == Kind::Mixtral {
+            assert_eq!(
+                (written["num_local_experts"].clone(), written["num_experts_per_tok"].clone()),
+                (json!(4), json!(2))
+            );
+        }
+        if kind == Kind::Qwen3Moe {
+            assert_eq!(written["num_experts"], json!(EXPERTS));
+            assert_eq!(written["moe_intermediate_size"], json!(EXPERT_WIDTH));
+            assert_eq!(written["mlp_only_layers"], json!([1]));
+            assert_eq!(written["norm_topk_prob"], json!(false));
+        }
         if kind.gemma() {
             let types: Vec<&str> =
                 net.sliding.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();

@@ -133,6 +133,23 @@ struct Mapping {
     heads: usize,
     /// The Hugging Face tensor's shape and dtype (the parameters' dtype).
     ty: TensorType,
+    /// For a [`Join::Experts`] rule, the expert this tensor is: the
+    /// parameter's slice `expert` along its first axis.
+    expert: Option<usize>,
+}
+
+impl Mapping {
+    /// The bytes of this tensor within `stack`, the value of its one
+    /// parameter, for an expert's tensor (its slice); the whole value otherwise.
+    fn slice_of<'a>(&self, stack: &'a [u8]) -> &'a [u8] {
+        match self.expert {
+            Some(e) => {
+                let n = self.ty.numel() * stack.len() / self.params[0].1.numel().max(1);
+                &stack[e * n..][..n]
+            }
+            None => stack,
+        }
+    }
 }
 
 /// Every weight of the model in `trace` (trained or frozen, adapters
@@ -169,9 +186,28 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
                 join: Join::Same,
                 heads,
                 ty: v.clone(),
+                expert: None,
             });
             continue;
         };
+        if rule.join == Join::Experts {
+            // One tensor per expert, each the parameter's slice along its first axis.
+            covered.insert(name);
+            let Some((&experts, slice)) = v.shape.split_first() else {
+                return Err(internal(format!("parameter `{name}` stacks experts but is a scalar")));
+            };
+            for e in 0..experts {
+                mappings.push(Mapping {
+                    hf: super::family::instantiate_expert(rule.hf, layer, e),
+                    params: vec![(name.clone(), v.clone())],
+                    join: Join::Experts,
+                    heads,
+                    ty: TensorType::new(v.dtype, slice.to_vec()),
+                    expert: Some(e),
+                });
+            }
+            continue;
+        }
         let mut parts = Vec::with_capacity(rule.trace.len());
         for pattern in rule.trace {
             let part = instantiate(pattern, layer);
@@ -189,7 +225,7 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
             }
         }
         let ty = match rule.join {
-            Join::Same => parts[0].1.clone(),
+            Join::Same | Join::Experts => parts[0].1.clone(),
             Join::PerHead => {
                 let first = &parts[0].1;
                 if parts.iter().any(|(_, pv)| pv != first) {
@@ -224,7 +260,14 @@ fn map_params(family: HfFamily, trace: &Trace, heads: usize) -> Result<Vec<Mappi
                 TensorType::new(first.dtype, shape)
             }
         };
-        mappings.push(Mapping { hf: instantiate(rule.hf, layer), params: parts, join: rule.join, heads, ty });
+        mappings.push(Mapping {
+            hf: instantiate(rule.hf, layer),
+            params: parts,
+            join: rule.join,
+            heads,
+            ty,
+            expert: None,
+        });
     }
     Ok(mappings)
 }
@@ -618,6 +661,9 @@ impl HfModelDir {
     pub fn load_into_with(&self, trace: &Trace, write: &mut dyn FnMut(&str, &HostTensor) -> Result<()>) -> Result<()> {
         let mappings = self.check_mappings(trace)?;
         let mut buffer = HostTensor::zeros(TensorType::new(DType::F32, [0]));
+        // A parameter stacking experts, filled one expert's tensor at a
+        // time (its tensors are consecutive mappings) and written whole.
+        let mut stack: Option<HostTensor> = None;
         for m in &mappings {
             let entry = &self.tensors[&m.hf];
             let src_dtype = from_safetensors_dtype(entry.file_dtype).expect("checked: a float dtype");
@@ -636,6 +682,16 @@ impl HfModelDir {
                         src.len() / src_dtype.size()
                     ),
                 ));
+            }
+            if let Some(e) = m.expert {
+                let (name, ty) = &m.params[0];
+                let whole = stack.get_or_insert_with(|| HostTensor::zeros(ty.clone()));
+                let slice = m.slice_of(whole.bytes()).len();
+                convert(src_dtype, src, ty.dtype, &mut whole.bytes_mut()[e * slice..][..slice], file, &m.hf)?;
+                if e + 1 == ty.shape[0] {
+                    write(name, &stack.take().expect("filled above"))?;
+                }
+                continue;
             }
             // Each part's bytes as the file stores them.
             let sizes: Vec<usize> = m.params.iter().map(|(_, ty)| ty.numel() * src_dtype.size()).collect();
@@ -671,6 +727,8 @@ pub fn from_hf_tensors(
     let family = family.family();
     let n_head = config.n_head;
     let mut out = Vec::with_capacity(tensors.len());
+    // Expert tensors by the parameter that stacks them, until all are seen.
+    let mut stacks: BTreeMap<String, Vec<Option<HostTensor>>> = BTreeMap::new();
     for (name, tensor) in tensors {
         if family.ignored_suffixes().iter().any(|s| name.ends_with(s)) {
             continue;
@@ -681,6 +739,39 @@ pub fn from_hf_tensors(
         };
         match rule.join {
             Join::Same => out.push((instantiate(rule.trace[0], layer), tensor)),
+            Join::Experts => {
+                let experts = config.moe.as_ref().map_or(0, |m| m.experts);
+                let expert = super::family::match_numbers(rule.hf, &name).and_then(|(_, e)| e);
+                let Some(e) = expert.filter(|&e| e < experts) else {
+                    return Err(Error::Input {
+                        name,
+                        reason: format!("names an expert the model's {experts} experts do not have"),
+                    });
+                };
+                let param = instantiate(rule.trace[0], layer);
+                let slots = stacks.entry(param.clone()).or_insert_with(|| vec![None; experts]);
+                if let Some(first) = slots.iter().flatten().next() {
+                    if first.ty != tensor.ty {
+                        return Err(Error::Input {
+                            name,
+                            reason: format!("is {}, but the other experts of `{param}` are {}", tensor.ty, first.ty),
+                        });
+                    }
+                }
+                slots[e] = Some(tensor);
+                if slots.iter().all(Option::is_some) {
+                    let parts: Vec<HostTensor> =
+                        stacks.remove(&param).expect("present").into_iter().flatten().collect();
+                    let mut shape = vec![experts];
+                    shape.extend(&parts[0].ty.shape);
+                    let mut stack = HostTensor::zeros(TensorType::new(parts[0].ty.dtype, shape));
+                    let n = parts[0].bytes().len();
+                    for (k, p) in parts.iter().enumerate() {
+                        stack.bytes_mut()[k * n..][..n].copy_from_slice(p.bytes());
+                    }
+                    out.push((param, stack));
+                }
+            }
             Join::PerHead => {
                 let parts = rule.trace.len();
                 let rows = tensor.ty.shape.first().copied().unwrap_or(0);
@@ -737,6 +828,10 @@ pub fn from_hf_tensors(
                 }
             }
         }
+    }
+    if let Some((param, slots)) = stacks.into_iter().next() {
+        let missing: Vec<usize> = slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(e, _)| e).collect();
+        return Err(Error::Input { name: param, reason: format!("has no tensor for experts {missing:?}") });
     }
     Ok(out)
 }
@@ -1156,7 +1251,24 @@ fn write_shard(path: &Path, group: &[&Mapping], session: &mut (impl NamedParams 
     let io = |e| io_error(path, e);
     out.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
     out.write_all(&header).map_err(io)?;
+    // The parameter a run of expert tensors slices, read once for the run.
+    let mut last: Option<(String, HostTensor)> = None;
     for m in group {
+        if m.expert.is_some() {
+            let name = &m.params[0].0;
+            if last.as_ref().is_none_or(|(n, _)| n != name) {
+                last = Some((name.clone(), session.read_param(name)?));
+            }
+            let (_, stack) = last.as_ref().expect("read above");
+            if stack.ty.dtype != m.ty.dtype {
+                return Err(checkpoint_error(
+                    path,
+                    format!("parameter `{name}` reads back as {}, the model's parameters are {}", stack.ty, m.ty.dtype),
+                ));
+            }
+            out.write_all(m.slice_of(stack.bytes())).map_err(io)?;
+            continue;
+        }
         let parts: Vec<HostTensor> =
             m.params.iter().map(|(name, _)| session.read_param(name)).collect::<Result<_>>()?;
         for (part, (name, _)) in parts.iter().zip(&m.params) {
@@ -1195,7 +1307,25 @@ pub fn to_hf_tensors(
     mut value_of: impl FnMut(&str) -> Result<HostTensor>,
 ) -> Result<Vec<(String, HostTensor)>> {
     let mut out = Vec::new();
+    let mut last: Option<(String, HostTensor)> = None;
     for m in map_params(family, trace, n_head)? {
+        if m.expert.is_some() {
+            let name = &m.params[0].0;
+            if last.as_ref().is_none_or(|(n, _)| n != name) {
+                last = Some((name.clone(), value_of(name)?));
+            }
+            let (_, stack) = last.as_ref().expect("read above");
+            if stack.ty.shape != m.params[0].1.shape {
+                return Err(Error::Input {
+                    name: name.clone(),
+                    reason: format!("got {}, expected {} stacking `{}`", stack.ty, m.params[0].1, m.hf),
+                });
+            }
+            let mut tensor = HostTensor::zeros(m.ty.with_dtype(stack.ty.dtype));
+            tensor.bytes_mut().copy_from_slice(m.slice_of(stack.bytes()));
+            out.push((m.hf, tensor));
+            continue;
+        }
         let parts: Vec<HostTensor> = m.params.iter().map(|(name, _)| value_of(name)).collect::<Result<_>>()?;
         let dtype = parts[0].ty.dtype;
         // Each part as its parameter is shaped, all in one dtype.

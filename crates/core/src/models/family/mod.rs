@@ -45,10 +45,12 @@ mod gemma3;
 mod gpt_neox;
 pub mod llama;
 mod mistral;
+mod mixtral;
 mod olmo2;
 mod phi3;
 mod qwen2;
 mod qwen3;
+mod qwen3_moe;
 #[cfg(test)]
 mod test_family;
 
@@ -68,6 +70,8 @@ macro_rules! for_each_family {
             Phi3(phi3::Phi3),
             Gemma2(gemma2::Gemma2),
             Gemma3(gemma3::Gemma3Text),
+            Mixtral(mixtral::Mixtral),
+            Qwen3Moe(qwen3_moe::Qwen3Moe),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]
             TestRenamed(test_family::TestRenamed),
@@ -193,6 +197,7 @@ pub(crate) fn extra_feature(config: &Config) -> Option<&'static str> {
         (config.sandwich_norms, "norms both before and after each sublayer"),
         (config.rope_local_base.is_some(), "RoPE base of its own on sliding layers"),
         (config.rope_linear_factor.is_some(), "linear RoPE scaling"),
+        (config.moe.is_some(), "mixture of experts"),
     ];
     features.into_iter().find(|(has, _)| *has).map(|(_, what)| what)
 }
@@ -264,10 +269,12 @@ pub trait Family: Sync {
         self.rules().iter().find_map(|rule| match_pattern(rule.hf, name).map(|l| (rule, l)))
     }
 
-    /// The Hugging Face tensor that holds the parameter `name`, or `None`
-    /// for an unlisted parameter of a family that refuses those.
+    /// The Hugging Face tensor that holds the parameter `name` (the first
+    /// expert's for a parameter stacking experts), or `None` for an
+    /// unlisted parameter of a family that refuses those.
     fn hf_name(&self, name: &str) -> Option<String> {
         match self.rule_for_param(name) {
+            Some((rule, layer)) if rule.join == Join::Experts => Some(instantiate_expert(rule.hf, layer, 0)),
             Some((rule, layer)) => Some(instantiate(rule.hf, layer)),
             None if self.unlisted() == Unlisted::AsTheyAre => Some(name.to_string()),
             None => None,
@@ -315,6 +322,11 @@ pub enum Join {
     /// Parts stacked along the first axis, in order, each its own number
     /// of rows (Phi-3's `qkv_proj` and `gate_up_proj`).
     Rows,
+    /// The other way round: one parameter stacking every expert's matrix
+    /// along a new first axis (`[experts, ...]`), each expert stored as a
+    /// tensor of its own, whose name has `{e}` for the expert's number
+    /// (Mixtral's `block_sparse_moe.experts.{e}.w1.weight`).
+    Experts,
 }
 
 impl Join {
@@ -323,7 +335,8 @@ impl Join {
     /// part, then head 1, and so on.
     pub fn chunks<'a>(self, parts: &[&'a [u8]], heads: usize) -> Vec<&'a [u8]> {
         match self {
-            Join::Same => vec![parts[0]],
+            // An expert's tensor is its slice of the stack (the caller cuts it).
+            Join::Same | Join::Experts => vec![parts[0]],
             Join::Rows => parts.to_vec(),
             Join::PerHead => {
                 let block = parts[0].len() / heads;
@@ -339,7 +352,7 @@ impl Join {
     /// part's run after the parts before it.
     pub fn part<'a>(self, joined: &'a [u8], heads: usize, sizes: &[usize], k: usize) -> Vec<&'a [u8]> {
         match self {
-            Join::Same => vec![joined],
+            Join::Same | Join::Experts => vec![joined],
             Join::PerHead => {
                 let parts = sizes.len();
                 let block = joined.len() / (heads * parts);
@@ -354,7 +367,8 @@ impl Join {
 }
 
 /// One row of a family's name table: a Hugging Face tensor and the trace
-/// parameters it holds; `{i}` stands for the layer number.
+/// parameters it holds; `{i}` stands for the layer number and, in the
+/// Hugging Face name of a [`Join::Experts`] rule, `{e}` for the expert's.
 #[derive(Debug)]
 pub struct Rule {
     pub hf: &'static str,
@@ -369,18 +383,37 @@ impl Rule {
     }
 }
 
-/// The layer number if `name` is `pattern` with `{i}` replaced by one
-/// (`Some(None)` for a pattern without `{i}` equal to `name`).
+/// The layer number if `name` is `pattern` with `{i}` (and `{e}`)
+/// replaced by numbers (`Some(None)` for a pattern without `{i}` equal to
+/// `name`).
 fn match_pattern(pattern: &str, name: &str) -> Option<Option<usize>> {
-    match pattern.split_once("{i}") {
-        None => (pattern == name).then_some(None),
-        Some((prefix, suffix)) => {
-            let middle = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
-            if middle.is_empty() || !middle.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            middle.parse().ok().map(Some)
+    match_numbers(pattern, name).map(|(layer, _)| layer)
+}
+
+/// The layer (`{i}`) and expert (`{e}`) numbers if `name` is `pattern`
+/// with its placeholders replaced by numbers.
+pub fn match_numbers(pattern: &str, name: &str) -> Option<(Option<usize>, Option<usize>)> {
+    let (mut layer, mut expert) = (None, None);
+    let mut rest = name;
+    let mut pat = pattern;
+    loop {
+        let next = ["{i}", "{e}"].iter().filter_map(|p| pat.find(p).map(|at| (at, *p))).min();
+        let Some((at, placeholder)) = next else {
+            return (rest == pat).then_some((layer, expert));
+        };
+        rest = rest.strip_prefix(&pat[..at])?;
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return None;
         }
+        let number = rest[..digits].parse().ok()?;
+        if placeholder == "{i}" {
+            layer = Some(number);
+        } else {
+            expert = Some(number);
+        }
+        rest = &rest[digits..];
+        pat = &pat[at + placeholder.len()..];
     }
 }
 
@@ -390,6 +423,11 @@ pub fn instantiate(pattern: &str, layer: Option<usize>) -> String {
         Some(layer) => pattern.replace("{i}", &layer.to_string()),
         None => pattern.to_string(),
     }
+}
+
+/// `pattern` with `{i}` replaced by `layer` and `{e}` by `expert`.
+pub fn instantiate_expert(pattern: &str, layer: Option<usize>, expert: usize) -> String {
+    instantiate(pattern, layer).replace("{e}", &expert.to_string())
 }
 
 /// One test module per family, generated from the list: a family added to
@@ -512,7 +550,14 @@ mod tests {
         assert_eq!(hf_names.len(), hf.len(), "{family:?}: two parameters share a Hugging Face tensor");
         for (name, _) in &hf {
             for part in f.param_names(name) {
-                assert_eq!(f.hf_name(&part).as_deref(), Some(name.as_str()), "{family:?}: `{name}` -> `{part}`");
+                // An expert's tensor names its parameter's first expert's tensor but for its number.
+                let expected = match f.rule_for_hf(name) {
+                    Some((rule, layer)) if rule.join == super::Join::Experts => {
+                        super::instantiate_expert(rule.hf, layer, 0)
+                    }
+                    _ => name.clone(),
+                };
+                assert_eq!(f.hf_name(&part), Some(expected), "{family:?}: `{name}` -> `{part}`");
             }
         }
         let back: BTreeMap<String, HostTensor> = from_hf_tensors(family, &config, hf).unwrap().into_iter().collect();
