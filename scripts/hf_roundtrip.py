@@ -2,9 +2,10 @@
 """Hugging Face folders through stepgraph and back, checked against PyTorch.
 
 For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gemma2,
-gemma3_text, gpt_neox; tied and untied heads; Llama-3.x and linear RoPE
-scaling; sliding windows shorter than the sequence; soft-caps; sharded and
-single-file), on the GPU machine
+gemma3_text, mixtral, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x
+and linear RoPE scaling; sliding windows shorter than the sequence;
+soft-caps; mixtures of experts with and without renormalised routing and a
+dense layer among sparse ones; sharded and single-file), on the GPU machine
 (PyTorch and transformers 5.x installed, no network):
 
 1. build a small random model with `transformers` (f32, eager attention) and
@@ -152,6 +153,22 @@ def variants():
                                                            attn_logit_softcapping=1.0,
                                                            final_logit_softcapping=1.5,
                                                            tie_word_embeddings=True), "40KB"),
+        # Mixtral: 4 experts, 2 per token, renormalised, a window shorter
+        # than the sequence. Qwen3-MoE: per-head q/k norms, 6 experts of
+        # their own width, 2 per token as the softmax gives them, layer 1 of
+        # three dense.
+        ("mixtral", "mixtral", dict(llama_like, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                                    tie_word_embeddings=False, router_jitter_noise=0.0), None),
+        ("mixtral-sharded", "mixtral", dict(llama_like, num_local_experts=3, num_experts_per_tok=2,
+                                            sliding_window=None, tie_word_embeddings=True), "40KB"),
+        ("qwen3_moe", "qwen3_moe", dict(llama_like, head_dim=24, num_hidden_layers=3, num_experts=6,
+                                        num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+                                        mlp_only_layers=[1], decoder_sparse_step=1, use_sliding_window=False,
+                                        tie_word_embeddings=False), None),
+        ("qwen3_moe-normalized-sharded", "qwen3_moe", dict(llama_like, head_dim=24, num_experts=4,
+                                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                                           norm_topk_prob=True, use_sliding_window=False,
+                                                           tie_word_embeddings=False), "40KB"),
         ("gpt_neox", "gpt_neox", dict(neox, tie_word_embeddings=False), None),
         ("gpt_neox-sequential-sharded", "gpt_neox", dict(neox, tie_word_embeddings=False, use_parallel_residual=False), "40KB"),
     ]
@@ -208,6 +225,46 @@ def randomize(model, seed):
                 p.copy_(0.05 * noise)
             else:
                 p.copy_(0.08 * noise)
+
+
+def expert_grad(grads, pname, num_experts):
+    """Our gradient of the transformers parameter `pname` when transformers
+    holds a layer's experts fused (transformers 5: `experts.gate_up_proj`
+    [E, 2F, D], `experts.down_proj` [E, D, F]) and stepgraph writes them as
+    the checkpoints name them, one tensor per expert; None otherwise."""
+    if not (pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj")):
+        return None
+    prefix = pname.rsplit("experts.", 1)[0]
+    # Mixtral's checkpoints keep the experts under block_sparse_moe, w1 w3 w2.
+    legacy = prefix.replace(".mlp.", ".block_sparse_moe.")
+    names = {
+        "gate": [f"{prefix}experts.{{e}}.gate_proj.weight", f"{legacy}experts.{{e}}.w1.weight"],
+        "up": [f"{prefix}experts.{{e}}.up_proj.weight", f"{legacy}experts.{{e}}.w3.weight"],
+        "down": [f"{prefix}experts.{{e}}.down_proj.weight", f"{legacy}experts.{{e}}.w2.weight"],
+    }
+
+    def expert(part, e):
+        for pattern in names[part]:
+            name = pattern.format(e=e)
+            if name in grads:
+                return grads[name]
+        return None
+
+    parts = ["gate", "up"] if pname.endswith("gate_up_proj") else ["down"]
+    stacked = []
+    for e in range(num_experts):
+        got = [expert(part, e) for part in parts]
+        if any(g is None for g in got):
+            return None
+        stacked.append(torch.cat(got, dim=0))
+    return torch.stack(stacked)
+
+
+def expert_names(grads, pname):
+    """The per-expert names of ours that `expert_grad` used for `pname`."""
+    prefix = pname.rsplit("experts.", 1)[0]
+    legacy = prefix.replace(".mlp.", ".block_sparse_moe.")
+    return {n for n in grads if n.startswith(prefix + "experts.") or n.startswith(legacy + "experts.")}
 
 
 def rel(a, b):
@@ -282,6 +339,16 @@ def run_variant(checks, stepgraph, backend, work, name, model_type, kwargs, shar
         # transformers 5 calls GPT-NeoX's output layer `lm_head` in the module
         # tree but still reads and writes it as `embed_out` in checkpoints.
         gname = CHECKPOINT_ALIASES.get(pname, pname) if pname not in grads else pname
+        # transformers 5 calls Mixtral's router mlp.gate; its checkpoints block_sparse_moe.gate.
+        if gname not in grads and ".mlp.gate." in gname:
+            gname = gname.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        fused = expert_grad(grads, pname, p.shape[0]) if gname not in grads else None
+        if fused is not None:
+            ref_names.update(expert_names(grads, pname))
+            e = rel(fused, p.grad)
+            if not (e <= worst):
+                worst, worst_name = e, pname
+            continue
         ref_names.add(gname)
         if gname not in grads:
             missing.append(pname)

@@ -206,6 +206,27 @@ fn identical_experts_make_the_dense_mlp() {
     assert!(worst < 1e-10, "dense and identical-expert logits differ by {worst:e}");
 }
 
+/// Adapters go on the attention and the dense layers; the router and the
+/// experts are frozen with the rest of the base.
+#[test]
+fn adapters_leave_the_experts_frozen() {
+    use stepgraph_core::models::{Adapters, LoraTarget};
+    let mut sp = spec(config(true), DType::F32);
+    sp.adapters = Some(Adapters::new(4, 8.0, LoraTarget::ALL.to_vec()).unwrap());
+    let fwd = build_forward(&sp).unwrap();
+    let params: Vec<String> = fwd.params().map(|p| name(&fwd, p)).collect();
+    assert!(params.iter().all(|p| p.contains(".lora_")), "{params:?}");
+    // Attention on both layers and the dense layer's MLP are adapted.
+    assert!(params.iter().any(|p| p.starts_with("model.layers.1.mlp.down_proj.lora_")), "{params:?}");
+    assert!(params.iter().any(|p| p.starts_with("model.layers.0.self_attn.q_proj.lora_")), "{params:?}");
+    let frozen: Vec<String> = fwd.frozen().map(|v| name(&fwd, v)).collect();
+    assert!(frozen.contains(&"model.layers.0.mlp.experts.gate_proj.weight".to_string()));
+    assert!(frozen.contains(&"model.layers.0.mlp.gate.weight".to_string()));
+    let c = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
+    // No weight gradient for the experts: their products' backward passes the input gradient only.
+    assert_eq!(c.step.nodes.iter().filter(|n| matches!(n.op, Op::GroupedMatmulWeightGrad(_))).count(), 0);
+}
+
 #[test]
 fn a_compiled_train_step_routes_sorts_and_runs_grouped_products() {
     let sp = spec(config(true), DType::BF16);
