@@ -302,7 +302,8 @@ fn config_json(kind: Kind) -> Value {
             set("attention_bias", json!(false));
             set("use_sliding_window", json!(false));
             set("max_window_layers", json!(3));
-            set("num_experts", json!(EXPERTS));
+            // As transformers 5 writes it (released folders say num_experts).
+            set("num_local_experts", json!(EXPERTS));
             set("num_experts_per_tok", json!(2));
             set("moe_intermediate_size", json!(EXPERT_WIDTH));
             set("norm_topk_prob", json!(false));

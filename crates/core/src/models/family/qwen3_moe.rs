@@ -57,7 +57,9 @@ impl Family for Qwen3Moe {
                 attn_qkv_bias: false,
                 default_positions: 32768,
                 sliding,
-                default_head_dim: Some(128),
+                // transformers' Qwen3-MoE has no head_dim default: the
+                // width over the heads unless the file gives one.
+                default_head_dim: None,
                 qk_norm: QkNorm::PerHead,
             })
         })?;
@@ -74,8 +76,17 @@ impl Family for Qwen3Moe {
                 .collect::<Result<Vec<usize>>>()?,
             Some(other) => return Err(hf.err(format!("mlp_only_layers must be a list, got {other}"))),
         };
+        // transformers 5 writes `num_local_experts` (reading `num_experts`
+        // as another name for it); released folders give `num_experts`.
+        let experts = match (hf.usize_opt("num_experts")?, hf.usize_opt("num_local_experts")?) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(hf.err(format!("num_experts {a} and num_local_experts {b} disagree")));
+            }
+            (Some(n), _) | (None, Some(n)) => n,
+            (None, None) => 128,
+        };
         let moe = MoeConfig {
-            experts: hf.usize_opt("num_experts")?.unwrap_or(128),
+            experts,
             experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(8),
             expert_intermediate_size: hf.usize_opt("moe_intermediate_size")?.unwrap_or(768),
             normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
@@ -91,7 +102,9 @@ impl Family for Qwen3Moe {
         keys.set("use_sliding_window", json!(false));
         llama::write_no_window(keys);
         if let Some(moe) = &config.moe {
+            // Both names: transformers 4 reads the first, 5 writes the second.
             keys.set("num_experts", json!(moe.experts));
+            keys.set("num_local_experts", json!(moe.experts));
             keys.set("moe_intermediate_size", json!(moe.expert_intermediate_size));
             keys.set("norm_topk_prob", json!(moe.normalize_top_k));
             keys.set("decoder_sparse_step", json!(moe.sparse_step));
