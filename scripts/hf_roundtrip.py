@@ -154,11 +154,12 @@ def variants():
                                                            final_logit_softcapping=1.5,
                                                            tie_word_embeddings=True), "40KB"),
         # Mixtral: 4 experts, 2 per token, renormalised, a window shorter
-        # than the sequence. Qwen3-MoE: per-head q/k norms, 6 experts of
-        # their own width, 2 per token as the softmax gives them, layer 1 of
-        # three dense.
+        # than the sequence, the load-balancing loss in the training loss.
+        # Qwen3-MoE: per-head q/k norms, 6 experts of their own width, 2 per
+        # token as the softmax gives them, layer 1 of three dense.
         ("mixtral", "mixtral", dict(llama_like, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-                                    tie_word_embeddings=False, router_jitter_noise=0.0), None),
+                                    tie_word_embeddings=False, router_jitter_noise=0.0,
+                                    output_router_logits=True, router_aux_loss_coef=0.05), None),
         ("mixtral-sharded", "mixtral", dict(llama_like, num_local_experts=3, num_experts_per_tok=2,
                                             sliding_window=None, tie_word_embeddings=True), "40KB"),
         ("qwen3_moe", "qwen3_moe", dict(llama_like, head_dim=24, num_hidden_layers=3, num_experts=6,

@@ -74,6 +74,8 @@ struct NetMoe {
     normalize: bool,
     /// Layers with the dense MLP.
     dense: Vec<usize>,
+    /// The load-balancing loss's weight (`output_router_logits`).
+    aux: Option<f64>,
     /// The router's and the experts' tensor names, `{p}` the layer's prefix
     /// and `{e}` the expert.
     router: &'static str,
@@ -192,6 +194,7 @@ impl Kind {
                     width: INTERMEDIATE,
                     normalize: true,
                     dense: vec![],
+                    aux: Some(0.02),
                     router: "{p}.block_sparse_moe.gate.weight",
                     gate: "{p}.block_sparse_moe.experts.{e}.w1.weight",
                     up: "{p}.block_sparse_moe.experts.{e}.w3.weight",
@@ -221,6 +224,7 @@ impl Kind {
                     width: EXPERT_WIDTH,
                     normalize: false,
                     dense: vec![1],
+                    aux: None,
                     router: "{p}.mlp.gate.weight",
                     gate: "{p}.mlp.experts.{e}.gate_proj.weight",
                     up: "{p}.mlp.experts.{e}.up_proj.weight",
@@ -290,7 +294,8 @@ fn config_json(kind: Kind) -> Value {
             set("rope_theta", json!(net.rope_global));
             set("num_local_experts", json!(EXPERTS));
             set("num_experts_per_tok", json!(2));
-            set("output_router_logits", json!(false));
+            // The load-balancing loss joins the training loss.
+            set("output_router_logits", json!(true));
             set("router_aux_loss_coef", json!(0.02));
             set("router_jitter_noise", json!(0.0));
         }
@@ -448,6 +453,28 @@ fn rope(x: &mut [f64], pos: usize, base: f64, factor: f64) {
 
 /// The logits `[B·T, V]` of the network on `ids`, in f64.
 fn reference_logits(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids: &[usize]) -> Vec<f64> {
+    reference_forward(net, w, ids).0
+}
+
+/// The training loss: the cross-entropy, plus the weighted load-balancing
+/// loss of a mixture of experts that adds it.
+fn reference_total_loss(
+    net: &Net,
+    w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>,
+    ids: &[usize],
+    targets: &[i64],
+) -> f64 {
+    let (logits, aux) = reference_forward(net, w, ids);
+    let weight = net.moe.as_ref().and_then(|m| m.aux).unwrap_or(0.0);
+    reference_loss(&logits, targets) + weight * aux
+}
+
+/// The logits and the load-balancing loss (`transformers`'
+/// `load_balancing_loss_func` over every sparse layer's router at once:
+/// `E · Σ_e f_e · P_e`, `f_e` the share of (token, slot) pairs routed to
+/// `e`, `P_e` its mean probability; 0 for a dense network).
+fn reference_forward(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids: &[usize]) -> (Vec<f64>, f64) {
+    let (mut routed, mut prob_sums, mut rows) = (vec![0.0; EXPERTS], vec![0.0; EXPERTS], 0usize);
     let t_len = ids.len() / BATCH;
     let g = |name: &str| &w[name].1;
     let gemma = net.kind.gemma();
@@ -538,6 +565,13 @@ fn reference_logits(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids
                         let mut order: Vec<usize> = (0..EXPERTS).collect();
                         order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap().then(a.cmp(&b)));
                         let chosen = &order[..moe.k];
+                        rows += 1;
+                        for (e, p) in probs.iter().enumerate() {
+                            prob_sums[e] += p;
+                        }
+                        for &e in chosen {
+                            routed[e] += 1.0;
+                        }
                         let total: f64 = if moe.normalize { chosen.iter().map(|&e| probs[e]).sum() } else { 1.0 };
                         let mut m = vec![0.0; HIDDEN];
                         for &ex in chosen {
@@ -564,7 +598,13 @@ fn reference_logits(net: &Net, w: &BTreeMap<String, (Vec<usize>, Vec<f64>)>, ids
             logits.extend(matvec(g(head), &h, VOCAB).into_iter().map(|z| cap(z, net.final_cap)));
         }
     }
-    logits
+    let aux = if rows == 0 {
+        0.0
+    } else {
+        let n = rows as f64;
+        EXPERTS as f64 * routed.iter().zip(&prob_sums).map(|(f, p)| (f / n) * (p / n)).sum::<f64>()
+    };
+    (logits, aux)
 }
 
 /// Mean cross-entropy of `logits` against `targets` (skipping [`IGNORE`]).
@@ -669,7 +709,7 @@ fn logits_and_loss_match_the_f64_reference() {
         let hf = HfModelDir::open(&dir).unwrap();
         let (ids, targets) = batch();
         let want = reference_logits(&kind.net(), &hf_tensors(kind), &ids);
-        let want_loss = reference_loss(&want, &targets);
+        let want_loss = reference_total_loss(&kind.net(), &hf_tensors(kind), &ids, &targets);
         // The caps bite: some scores and logits are far along the tanh.
         let big = want.iter().filter(|z| z.abs() > 0.5 * kind.net().final_cap.unwrap_or(f64::INFINITY)).count();
         assert!(!kind.gemma() || big > 10, "{kind:?}: {big} logits near the cap");
@@ -725,7 +765,7 @@ fn every_gradient_matches_finite_differences_of_the_reference() {
             let at = |sign: f64| {
                 let mut moved = tensors.clone();
                 moved.get_mut(name).unwrap().1.iter_mut().zip(&u).for_each(|(x, u)| *x += sign * eps * u);
-                reference_loss(&reference_logits(&net, &moved, &ids), &targets)
+                reference_total_loss(&net, &moved, &ids, &targets)
             };
             let fd = (at(1.0) - at(-1.0)) / (2.0 * eps);
             let err = (fd - analytic).abs() / fd.abs().max(analytic.abs()).max(1e-8);

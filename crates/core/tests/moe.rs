@@ -34,6 +34,7 @@ fn config(normalize_top_k: bool) -> Config {
         normalize_top_k,
         sparse_step: 1,
         dense_layers: vec![1],
+        aux_loss_coef: None,
     });
     c
 }

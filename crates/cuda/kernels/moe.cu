@@ -11,8 +11,9 @@
 //   i64 width, i64 k)`: a thread per element of gx, the cotangent of the
 //   slot that picked it or zero. 1-D grid-stride.
 // - `expert_sort_<id>(const Id* ids, int* tokens, int* position,
-//   int* offsets, i64 pairs, i64 k, i64 experts)`: ONE block. Each thread
-//   counts its experts' pairs, thread 0 sums the counts into offsets, then
+//   int* offsets, float* counts, i64 pairs, i64 k, i64 experts)`: ONE
+//   block. Each thread counts its experts' pairs (also written to counts as
+//   floats), thread 0 sums the counts into offsets, then
 //   each thread walks all pairs in order placing its experts' pairs (a
 //   stable counting sort). Ids outside [0, experts) are clamped into it
 //   (the CPU refuses them), so the kernel never writes out of bounds.
@@ -74,8 +75,8 @@ __device__ __forceinline__ void top_k_backward(const int* idx, const T* g, T* gx
 }
 
 template <typename Id>
-__device__ __forceinline__ void expert_sort(const Id* ids, int* tokens, int* position, int* offsets, i64 pairs,
-                                            i64 k, i64 experts) {
+__device__ __forceinline__ void expert_sort(const Id* ids, int* tokens, int* position, int* offsets, float* counts,
+                                            i64 pairs, i64 k, i64 experts) {
     auto expert = [&](i64 i) -> i64 {
         const i64 e = (i64)ids[i];
         return e < 0 ? 0 : (e >= experts ? experts - 1 : e);
@@ -84,6 +85,7 @@ __device__ __forceinline__ void expert_sort(const Id* ids, int* tokens, int* pos
         int count = 0;
         for (i64 i = 0; i < pairs; ++i) count += expert(i) == e;
         offsets[e + 1] = count;
+        counts[e] = (float)count;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -168,9 +170,9 @@ SG_FOR_EACH_FLOAT(SG_MOE_FLOAT_KERNELS)
 
 #define SG_MOE_SORT_KERNEL(sfx, Id)                                                                           \
     extern "C" __global__ void __launch_bounds__(SG_MOE_THREADS)                                              \
-        expert_sort_##sfx(const Id* ids, int* tokens, int* position, int* offsets, i64 pairs, i64 k,          \
-                          i64 experts) { sg_pdl_entry(); \
-        sg_moe::expert_sort<Id>(ids, tokens, position, offsets, pairs, k, experts);                           \
+        expert_sort_##sfx(const Id* ids, int* tokens, int* position, int* offsets, float* counts, i64 pairs,  \
+                          i64 k, i64 experts) { sg_pdl_entry(); \
+        sg_moe::expert_sort<Id>(ids, tokens, position, offsets, counts, pairs, k, experts);                   \
     }
 SG_MOE_SORT_KERNEL(i32, int)
 SG_MOE_SORT_KERNEL(i64, long long)

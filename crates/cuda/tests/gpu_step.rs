@@ -192,6 +192,7 @@ fn tiny_models_match_the_cpu() {
             normalize_top_k: true,
             sparse_step: 1,
             dense_layers: vec![1],
+            aux_loss_coef: None,
         }),
         ..moe
     };

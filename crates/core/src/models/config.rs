@@ -196,7 +196,7 @@ pub struct Config {
 /// it), the `experts_per_token` largest probabilities, renormalised to sum
 /// to one when `normalize_top_k`, as the weights. Routing is dropless:
 /// every token reaches all of its experts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
     /// Experts per sparse layer (`num_local_experts`, `num_experts`).
     pub experts: usize,
@@ -216,6 +216,14 @@ pub struct MoeConfig {
     /// (Qwen-MoE's `mlp_only_layers`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_layers: Vec<usize>,
+    /// The load-balancing loss added to the training loss with this
+    /// weight (`transformers`' `router_aux_loss_coef` when
+    /// `output_router_logits` is set): `E · Σ_e f_e · P_e` over the sparse
+    /// layers together, `f_e` the share of routed (token, slot) pairs that
+    /// went to expert `e` and `P_e` its mean router probability
+    /// ([`super::gpt`] builds it). `None`: the loss alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss_coef: Option<f64>,
 }
 
 impl MoeConfig {
@@ -847,6 +855,7 @@ fn qwen3_30b_a3b() -> Config {
             normalize_top_k: true,
             sparse_step: 1,
             dense_layers: Vec::new(),
+            aux_loss_coef: None,
         }),
         ..qwen3("Qwen3-30B-A3B", 48, 2048, 32, 6144, false)
     }
@@ -867,6 +876,7 @@ fn mixtral_8x7b() -> Config {
             normalize_top_k: true,
             sparse_step: 1,
             dense_layers: Vec::new(),
+            aux_loss_coef: None,
         }),
         ..llama_base("Mixtral-8x7B-v0.1")
     }
@@ -1416,6 +1426,9 @@ impl Config {
                     "moe: {} experts per token must be between 1 and the {} experts",
                     m.experts_per_token, m.experts
                 ));
+            }
+            if m.aux_loss_coef.is_some_and(|c| !c.is_finite()) {
+                return fail("moe: the load-balancing loss's coefficient must be a finite number".into());
             }
             if m.expert_intermediate_size == 0 || m.sparse_step == 0 {
                 return fail("moe: the experts' intermediate size and the sparse step must be at least 1".into());

@@ -193,6 +193,10 @@ pub(crate) struct Gpt<'a> {
     /// With adapter dropout in a training step: the step-count input its
     /// masks are drawn from.
     pub(crate) dropout_step: Option<ValueId>,
+    /// Each sparse layer's router probabilities `[N, E]` and per-expert
+    /// counts `[E]`, kept for the load-balancing loss when the model has
+    /// one ([`MoeConfig::aux_loss_coef`]).
+    pub(crate) router_stats: Vec<(ValueId, ValueId)>,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -223,6 +227,7 @@ impl<'a> Gpt<'a> {
             doubled_starts: Vec::new(),
             adapters: None,
             dropout_step: None,
+            router_stats: Vec::new(),
         }
     }
 
@@ -716,7 +721,10 @@ impl<'a> Gpt<'a> {
             weights
         };
         let weights = self.b.cast(weights, self.dtype)?;
-        let (rows, position, offsets) = self.b.expert_sort(chosen, e)?;
+        let [rows, position, offsets, counts] = self.b.expert_sort(chosen, e)?;
+        if moe.aux_loss_coef.is_some() {
+            self.router_stats.push((probs, counts));
+        }
         let routed = self.b.embedding(rows, x2)?;
         let w_gate = self.param(&format!("{prefix}.experts.gate_proj.weight"), &[e, f, c])?;
         let w_up = self.param(&format!("{prefix}.experts.up_proj.weight"), &[e, f, c])?;
@@ -927,6 +935,57 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
             g.b.cross_entropy(l2, t2, IGNORE_INDEX)?
         }
     };
+    let loss = match (targets, cfg.moe.as_ref().and_then(|m| m.aux_loss_coef)) {
+        (Some(_), Some(coef)) => {
+            let aux = g.load_balancing_loss(bsz * seq)?;
+            g.b.output(OutputKind::Named(ROUTER_AUX_LOSS_OUTPUT.into()), aux);
+            let w = g.b.full(coef, g.b.ty(aux).clone())?;
+            let weighted = g.b.mul(aux, w)?;
+            let aux = g.b.cast(weighted, g.b.dtype(loss))?;
+            g.b.add(loss, aux)?
+        }
+        _ => loss,
+    };
     g.b.output(OutputKind::Loss, loss);
     g.b.finish("build")
+}
+
+/// The named output of a forward trace with a load-balancing loss: that
+/// loss before its weight ([`MoeConfig::aux_loss_coef`]).
+pub const ROUTER_AUX_LOSS_OUTPUT: &str = "router_aux_loss";
+
+impl Gpt<'_> {
+    /// The load-balancing loss of the sparse layers recorded so far over
+    /// `tokens` tokens each, as `transformers`' `load_balancing_loss_func`
+    /// computes it over the layers' routers together:
+    /// `E · Σ_e f_e · P_e`, with `f_e` the routed (token, slot) pairs that
+    /// went to expert `e` over all layers, divided by `layers · tokens`, and
+    /// `P_e` expert `e`'s router probability summed over every layer's
+    /// tokens, divided by the same. Only `P` carries a gradient.
+    fn load_balancing_loss(&mut self, tokens: usize) -> Result<ValueId> {
+        let stats = std::mem::take(&mut self.router_stats);
+        let (mut counts, mut probs): (Option<ValueId>, Option<ValueId>) = (None, None);
+        let acc = |b: &mut Builder, total: Option<ValueId>, x: ValueId| match total {
+            Some(t) => b.add(t, x),
+            None => Ok(x),
+        };
+        let experts = self.cfg.moe.as_ref().map_or(1, |m| m.experts);
+        for &(p, c) in &stats {
+            let p_sum = self.b.sum(p, &[0], false)?;
+            let c = self.b.cast(c, self.b.dtype(p_sum))?;
+            probs = Some(acc(&mut self.b, probs, p_sum)?);
+            counts = Some(acc(&mut self.b, counts, c)?);
+        }
+        let (Some(counts), Some(probs)) = (counts, probs) else {
+            return Err(Error::Config {
+                model: self.cfg.name.clone(),
+                reason: "a load-balancing loss needs at least one sparse layer".into(),
+            });
+        };
+        let product = self.b.mul(counts, probs)?;
+        let total = self.b.sum_all(product)?;
+        let rows = (stats.len() * tokens) as f64;
+        let scale = self.b.full(experts as f64 / (rows * rows), self.b.ty(total).clone())?;
+        self.b.mul(total, scale)
+    }
 }

@@ -196,10 +196,12 @@ impl OpDef for TopKBackward {
 // ---------------------------------------------------------------- routing
 
 /// A stable sort of the `(token, slot)` pairs of `experts: [N, k]` (each
-/// token's chosen experts, i32 or i64 in `[0, E)`) by expert. Outputs, all
-/// i32: `tokens [N·k]`, the token of each sorted row; `position [N·k]`,
-/// where pair `n·k + j` landed; `offsets [E + 1]`, expert `e`'s rows being
-/// `offsets[e]..offsets[e + 1]`. Pairs of one expert keep their order.
+/// token's chosen experts, i32 or i64 in `[0, E)`) by expert. Outputs:
+/// `tokens` i32 `[N·k]`, the token of each sorted row; `position` i32
+/// `[N·k]`, where pair `n·k + j` landed; `offsets` i32 `[E + 1]`, expert
+/// `e`'s rows being `offsets[e]..offsets[e + 1]`; `counts` f32 `[E]`, each
+/// expert's rows as a number (what a load-balancing loss weighs; exact
+/// below 2^24 pairs). Pairs of one expert keep their order.
 #[derive(Clone, PartialEq, Debug)]
 pub struct ExpertSort {
     pub experts: usize,
@@ -260,10 +262,12 @@ impl OpDef for ExpertSort {
             TensorType::new(DType::I32, [n]),
             TensorType::new(DType::I32, [n]),
             TensorType::new(DType::I32, [self.experts + 1]),
+            TensorType::new(DType::F32, [self.experts]),
         ])
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        // Integer input and outputs: nothing flows.
+        // The counts are piecewise constant in the routing and the input is
+        // integer: nothing flows.
         Ok(vec![None])
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
@@ -273,6 +277,9 @@ impl OpDef for ExpertSort {
         io.output::<i32>(0).copy_from_slice(&sorted.tokens);
         io.output::<i32>(1).copy_from_slice(&sorted.position);
         io.output::<i32>(2).copy_from_slice(&sorted.offsets);
+        for (c, w) in io.output::<f32>(3).iter_mut().zip(sorted.offsets.windows(2)) {
+            *c = (w[1] - w[0]) as f32;
+        }
         Ok(())
     }
     /// No float input: listed once, under f32.
@@ -500,10 +507,10 @@ impl Builder {
     }
 
     /// The routed pairs of `experts: [N, k]` sorted by expert:
-    /// `(tokens, position, offsets)` ([`ExpertSort`]).
-    pub fn expert_sort(&mut self, experts: ValueId, num_experts: usize) -> Result<(ValueId, ValueId, ValueId)> {
+    /// `[tokens, position, offsets, counts]` ([`ExpertSort`]).
+    pub fn expert_sort(&mut self, experts: ValueId, num_experts: usize) -> Result<[ValueId; 4]> {
         let y = self.push(ExpertSort { experts: num_experts }.into(), &[experts])?;
-        Ok((y[0], y[1], y[2]))
+        Ok([y[0], y[1], y[2], y[3]])
     }
 
     /// Each sorted row times its expert's weight ([`GroupedMatmul`]).

@@ -244,6 +244,7 @@ fn emulate_moe(f: &str, a: &[crate::launch::Arg], mem: &mut Mem) -> bool {
         for e in 0..s.experts {
             let count = (0..s.pairs).filter(|&i| expert(mem, i).clamp(0, s.experts - 1) == e).count();
             set_i32(mem, s.offsets, e + 1, count as i64);
+            mem.at(s.counts + e as u64 * 4, 4).copy_from_slice(&(count as f32).to_le_bytes());
         }
         set_i32(mem, s.offsets, 0, 0);
         for e in 0..s.experts {

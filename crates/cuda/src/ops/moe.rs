@@ -49,12 +49,14 @@ kernel_args! {
 
 kernel_args! {
     /// `expert_sort_<ids>`: the `pairs` routed pairs (`k` per token) sorted
-    /// by expert into tokens, positions and the `experts + 1` offsets.
+    /// by expert into tokens, positions, the `experts + 1` offsets and the
+    /// per-expert counts (f32).
     pub(crate) struct ExpertSortArgs {
         ids: u64,
         tokens: u64,
         position: u64,
         offsets: u64,
+        counts: u64,
         pairs: i64,
         k: i64,
         experts: i64,
@@ -143,7 +145,7 @@ impl Lower for ExpertSort {
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let ids = &cx.inputs[0];
-        let (tokens, position, offsets) = (&cx.outputs[0], &cx.outputs[1], &cx.outputs[2]);
+        let (tokens, position, offsets, counts) = (&cx.outputs[0], &cx.outputs[1], &cx.outputs[2], &cx.outputs[3]);
         let id = match ids.ty.dtype {
             d @ (stepgraph_core::ir::DType::I32 | stepgraph_core::ir::DType::I64) => d.name(),
             d => return Err(CudaError::lower("expert_sort", format!("expert ids must be i32 or i64, got {d}"))),
@@ -153,6 +155,7 @@ impl Lower for ExpertSort {
             tokens: tokens.ptr,
             position: position.ptr,
             offsets: offsets.ptr,
+            counts: counts.ptr,
             pairs: ids.ty.numel() as i64,
             k: ids.ty.shape[1] as i64,
             experts: self.experts as i64,

@@ -36,31 +36,31 @@ const RULES: &[Rule] = &[
     },
 ];
 
-/// What Mixtral's and Qwen-MoE's configs share: no noise on the router in
-/// training and no load-balancing loss added to the training loss (both
-/// change what a step computes, and neither is computed here).
-pub(super) fn refuse_router_training_terms(hf: &HfJson) -> Result<()> {
+/// `transformers`' default `router_aux_loss_coef`.
+const DEFAULT_AUX_LOSS_COEF: f64 = 0.001;
+
+/// What Mixtral's and Qwen-MoE's configs share about training the router:
+/// the load-balancing loss's weight when `output_router_logits` adds it to
+/// the training loss (`router_aux_loss_coef`), and no noise on the router
+/// (which is refused: a step here computes none).
+pub(super) fn router_training_terms(hf: &HfJson) -> Result<Option<f64>> {
     if hf.f64_opt("router_jitter_noise")?.is_some_and(|x| x != 0.0) {
         return Err(
             hf.err("router_jitter_noise other than 0 (noise on the router's inputs in training) is not supported")
         );
     }
-    if hf.bool_opt("output_router_logits")?.unwrap_or(false) {
-        return Err(hf.err(
-            "output_router_logits true (the load-balancing loss added to the training loss) is not supported; set it \
-             to false",
-        ));
+    if !hf.bool_opt("output_router_logits")?.unwrap_or(false) {
+        return Ok(None);
     }
-    Ok(())
+    Ok(Some(hf.f64_opt("router_aux_loss_coef")?.unwrap_or(DEFAULT_AUX_LOSS_COEF)))
 }
 
-/// Writes the router keys a saved folder carries: no jitter and no
-/// load-balancing loss, as this config computes, with `transformers`'
-/// default coefficient should it be turned on there.
+/// Writes the router keys a saved folder carries: experts per token, and
+/// the load-balancing loss on or off with its weight.
 pub(super) fn write_router_keys(moe: &MoeConfig, keys: &mut ConfigKeys) {
     keys.set("num_experts_per_tok", json!(moe.experts_per_token));
-    keys.set("output_router_logits", json!(false));
-    keys.set("router_aux_loss_coef", json!(0.001));
+    keys.set("output_router_logits", json!(moe.aux_loss_coef.is_some()));
+    keys.set("router_aux_loss_coef", json!(moe.aux_loss_coef.unwrap_or(DEFAULT_AUX_LOSS_COEF)));
 }
 
 impl Family for Mixtral {
@@ -83,7 +83,7 @@ impl Family for Mixtral {
                 qk_norm: QkNorm::None,
             })
         })?;
-        refuse_router_training_terms(hf)?;
+        let aux_loss_coef = router_training_terms(hf)?;
         let sliding_window = hf.usize_or("sliding_window", None)?;
         if sliding_window == Some(0) {
             return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
@@ -95,6 +95,7 @@ impl Family for Mixtral {
             normalize_top_k: true,
             sparse_step: 1,
             dense_layers: Vec::new(),
+            aux_loss_coef,
         };
         Ok(Config { sliding_window, moe: Some(moe), ..config })
     }
@@ -148,6 +149,7 @@ impl Family for Mixtral {
                 normalize_top_k: true,
                 sparse_step: 1,
                 dense_layers: Vec::new(),
+                aux_loss_coef: Some(0.02),
             }),
             ..layout
         }

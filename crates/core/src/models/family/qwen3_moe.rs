@@ -10,7 +10,7 @@
 use serde_json::json;
 
 use super::llama::{self, Variant};
-use super::mixtral::{refuse_router_training_terms, write_router_keys};
+use super::mixtral::{router_training_terms, write_router_keys};
 use super::{ConfigKeys, Family, Holds, Join, Rule};
 use crate::error::Result;
 use crate::models::config::{Config, MoeConfig, QkNorm};
@@ -63,7 +63,7 @@ impl Family for Qwen3Moe {
                 qk_norm: QkNorm::PerHead,
             })
         })?;
-        refuse_router_training_terms(hf)?;
+        let aux_loss_coef = router_training_terms(hf)?;
         let dense_layers = match hf.get("mlp_only_layers") {
             None | Some(serde_json::Value::Null) => Vec::new(),
             Some(serde_json::Value::Array(list)) => list
@@ -92,6 +92,7 @@ impl Family for Qwen3Moe {
             normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
             sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
             dense_layers,
+            aux_loss_coef,
         };
         Ok(Config { moe: Some(moe), ..config })
     }
@@ -141,6 +142,7 @@ impl Family for Qwen3Moe {
                 normalize_top_k: false,
                 sparse_step: 1,
                 dense_layers: vec![1],
+                aux_loss_coef: None,
             }),
             ..llama::example_layout("qwen3-moe-example")
         }
