@@ -97,6 +97,20 @@ pub enum DecayScope {
 /// before clipping (what `clip_grad_norm_` returns).
 pub const GRAD_NORM_OUTPUT: &str = "grad_norm";
 
+/// The named output of a mixture-of-experts model whose training loss
+/// includes the load-balancing loss: that loss before its weight. A step
+/// keeps it (the mean over micro-batches), for the metrics.
+pub const ROUTER_AUX_LOSS_OUTPUT: &str = "router_aux_loss";
+
+/// Whether `kind` is an output a gradient or train step keeps from its forward trace.
+fn kept_in_steps(kind: &OutputKind) -> bool {
+    match kind {
+        OutputKind::Loss => true,
+        OutputKind::Named(n) => n == ROUTER_AUX_LOSS_OUTPUT,
+        _ => false,
+    }
+}
+
 /// Added to the norm before dividing, as PyTorch's `clip_grad_norm_` does.
 pub const CLIP_EPS: f64 = 1e-6;
 
@@ -171,8 +185,9 @@ pub fn build_accumulated_step(
         let n_forward = forward.nodes.len();
         let mut fwd = forward.clone();
         fwd.name = kind.name().into();
-        // Outputs other than the loss (logits of an inference trace) are not part of a training step.
-        fwd.outputs.retain(|o| o.kind == OutputKind::Loss);
+        // Outputs other than the loss and the load-balancing loss (logits of
+        // an inference trace) are not part of a training step.
+        fwd.outputs.retain(|o| kept_in_steps(&o.kind));
         let mut b = Builder::from_trace(fwd);
         b.set_phase(Phase::Backward);
         let seed = b.full(1.0, b.ty(loss).clone())?;
@@ -333,6 +348,12 @@ fn accumulate(
     let params: Vec<ValueId> = forward.params().collect();
     let mut acc: Vec<Option<ValueId>> = vec![None; params.len()];
     let mut total: Option<ValueId> = None;
+    let aux = forward
+        .outputs
+        .iter()
+        .find(|o| kept_in_steps(&o.kind) && o.kind != OutputKind::Loss)
+        .map(|o| (o.kind.clone(), o.value));
+    let mut aux_total: Option<ValueId> = None;
     let weight = 1.0 / micro_batches as f64;
     for k in 0..micro_batches {
         b.set_phase(if k == 0 { Phase::Forward } else { Phase::Backward });
@@ -368,11 +389,23 @@ fn accumulate(
             Some(t) => b.add(t, loss_k)?,
             None => loss_k,
         });
+        if let Some((_, a)) = &aux {
+            let a_k = map[a.index()].expect("computed with the loss");
+            aux_total = Some(match aux_total {
+                Some(t) => b.add(t, a_k)?,
+                None => a_k,
+            });
+        }
     }
     let total = total.expect("at least one micro-batch");
     let w = b.full(weight, b.ty(total).clone())?;
     let mean = b.mul(total, w)?;
     b.output(OutputKind::Loss, mean);
+    if let (Some((kind, _)), Some(a)) = (aux, aux_total) {
+        let w = b.full(weight, b.ty(a).clone())?;
+        let mean = b.mul(a, w)?;
+        b.output(kind, mean);
+    }
     // `params()` of the new trace lists the parameters in the forward's order.
     Ok((b, acc))
 }

@@ -207,6 +207,36 @@ fn identical_experts_make_the_dense_mlp() {
     assert!(worst < 1e-10, "dense and identical-expert logits differ by {worst:e}");
 }
 
+/// With a load-balancing loss the training loss is the cross-entropy plus
+/// its weight times that loss, which the forward trace and every step
+/// (with micro-batches too) report as a named output.
+#[test]
+fn the_load_balancing_loss_joins_the_loss_and_is_reported() {
+    use stepgraph_core::autodiff::{build_accumulated_step, ROUTER_AUX_LOSS_OUTPUT};
+    let with = |coef: Option<f64>| {
+        let mut c = config(true);
+        c.moe.as_mut().unwrap().aux_loss_coef = coef;
+        spec(c, DType::F64)
+    };
+    let (plain, weighted) = (build_forward(&with(None)).unwrap(), build_forward(&with(Some(0.25))).unwrap());
+    let w = weights(&plain, 4);
+    let data = batch(&with(None), 8);
+    let value = |t: &Trace, v: ValueId| interpret(t, &leaves(t, &w, &data)).unwrap()[v.index()].to_f64()[0];
+    let named = |t: &Trace| {
+        t.outputs.iter().find(|o| o.kind == OutputKind::Named(ROUTER_AUX_LOSS_OUTPUT.into())).map(|o| o.value)
+    };
+    assert!(named(&plain).is_none());
+    let aux = value(&weighted, named(&weighted).unwrap());
+    let (l0, l1) = (value(&plain, plain.loss().unwrap()), value(&weighted, weighted.loss().unwrap()));
+    // Four experts, two per token: a balanced router gives about 2.
+    assert!(aux > 1.0 && aux < 4.0, "aux {aux}");
+    assert!((l1 - l0 - 0.25 * aux).abs() < 1e-12 * l1, "{l1} = {l0} + 0.25 · {aux}?");
+    for micro_batches in [1, 2] {
+        let step = build_accumulated_step(&weighted, StepKind::Grads, &TrainOptions::default(), micro_batches).unwrap();
+        assert!(named(&step).is_some(), "{micro_batches} micro-batches");
+    }
+}
+
 /// Adapters go on the attention and the dense layers; the router and the
 /// experts are frozen with the rest of the base.
 #[test]

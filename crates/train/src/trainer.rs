@@ -507,6 +507,9 @@ impl Trainer {
             if let Some(g) = grad_norm {
                 row["grad_norm"] = g.into();
             }
+            if let Some(a) = router_aux_loss_output(self.session.trace()) {
+                row["router_aux_loss"] = self.session.read(a)?.to_f64()[0].into();
+            }
             if let Some(m) = mfu {
                 row["mfu"] = m.into();
             }
@@ -861,6 +864,13 @@ fn next_usable_batch(data: &mut dyn TrainData, parts: usize, skipped: &mut u64) 
         "{MAX_SKIPPED_IN_A_ROW} training batches in a row have a part without a loss target: the token file's loss \
          mask leaves too few targets for --seq {seq} (prepare other data, or use a longer --seq or a larger --batch)"
     )
+}
+
+/// The named output of a step whose loss includes a mixture of experts'
+/// load-balancing loss: that loss before its weight.
+pub fn router_aux_loss_output(trace: &Trace) -> Option<ValueId> {
+    let name = stepgraph_core::autodiff::ROUTER_AUX_LOSS_OUTPUT;
+    trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == name)).map(|o| o.value)
 }
 
 /// The named output `grad_norm` of a step that computes it (gradient clipping).

@@ -31,7 +31,7 @@
 use super::config::{check_bytes, show_values, Config, Factor, MlpKind, MoeConfig, NormKind, QkNorm, PARAM_KEYS};
 use super::init::param_stream;
 use super::lora::{Adapters, BaseStorage, LoraTarget};
-use crate::autodiff::STEP_INPUT;
+use crate::autodiff::{ROUTER_AUX_LOSS_OUTPUT, STEP_INPUT};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::attention::Scores;
@@ -949,10 +949,6 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     g.b.output(OutputKind::Loss, loss);
     g.b.finish("build")
 }
-
-/// The named output of a forward trace with a load-balancing loss: that
-/// loss before its weight ([`MoeConfig::aux_loss_coef`]).
-pub const ROUTER_AUX_LOSS_OUTPUT: &str = "router_aux_loss";
 
 impl Gpt<'_> {
     /// The load-balancing loss of the sparse layers recorded so far over
