@@ -23,6 +23,8 @@ Workloads (the same geometry, dtype, batch and loss as `stepgraph bench
     w5       open_llama_3b (26 layers), bf16, 4 x 2048, cross-entropy, AdamW
     l8-2l    Meta-Llama-3-8B with 2 layers, bf16, 1 x 4096, as w5
     g3-1b    Gemma-3-1B (text), bf16, 1 x 8192, as w5
+    q3moe-4l Qwen3-30B-A3B with 4 layers (128 experts, 8 per token), bf16,
+             1 x 4096, as w5
     w7       Meta-Llama-3-8B (32 layers), bf16, 1 x 4096, cross-entropy, gradient
              clipping at 1.0, AdamW (about 105 GB in eager mode; --checkpointing
              recomputes each layer in backward to fit a smaller GPU)
@@ -137,6 +139,27 @@ def gemma3_1b():
     return cfg
 
 
+def qwen3_30b_a3b(layers):
+    """Qwen3-30B-A3B's geometry with `layers` layers: width 2048, 32 query
+    heads and 4 kv heads of 128 with per-head q/k norms, 128 experts of
+    width 768 per layer, 8 per token, their probabilities renormalised."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, output_router_logits=False,
+    )
+    # transformers 5 derives the head size from the width unless told.
+    cfg.head_dim = 128
+    if hasattr(cfg, "rope_parameters") and isinstance(cfg.rope_parameters, dict):
+        cfg.rope_parameters["rope_theta"] = 1000000.0
+    else:
+        cfg.rope_theta = 1000000.0
+    return cfg
+
+
 # name: (config builder, dtype, batch, seq, loss, optimizer)
 #   loss: "sum" (sum of the logits) or "ce" (cross-entropy, labels = input ids)
 #   optimizer: None (gradients only), "adamw", or "adamw-clip" (global norm clipped to 1.0 first)
@@ -149,6 +172,7 @@ WORKLOADS["w5"] = (lambda: open_llama_3b(26), torch.bfloat16, 4, 2048, "ce", "ad
 WORKLOADS["l8-2l"] = (lambda: llama3_8b(2), torch.bfloat16, 1, 4096, "ce", "adamw")
 WORKLOADS["w7"] = (lambda: llama3_8b(32), torch.bfloat16, 1, 4096, "ce", "adamw-clip")
 WORKLOADS["g3-1b"] = (gemma3_1b, torch.bfloat16, 1, 8192, "ce", "adamw")
+WORKLOADS["q3moe-4l"] = (lambda: qwen3_30b_a3b(4), torch.bfloat16, 1, 4096, "ce", "adamw")
 
 
 def build(name, seed=0, checkpointing=False, device="cuda"):
@@ -224,7 +248,7 @@ def save_reference(model, ids, step, folder):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, help="w1, w1-bf16, w2, w3, w5, l8-2l, w7 or g3-1b")
+    ap.add_argument("--workload", required=True, help="w1, w1-bf16, w2, w3, w5, l8-2l, w7, g3-1b or q3moe-4l")
     ap.add_argument("--mode", default="eager", choices=["eager", "compile", "reduce-overhead"])
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
@@ -238,7 +262,7 @@ def main():
                     help="write config, weights, input ids, loss and gradients of one step here first")
     args = ap.parse_args()
     if args.workload not in WORKLOADS:
-        ap.error(f"unknown workload {args.workload!r}; known: w1 w1-bf16 w2 w3 w5 l8-2l w7 g3-1b")
+        ap.error(f"unknown workload {args.workload!r}; known: w1 w1-bf16 w2 w3 w5 l8-2l w7 g3-1b q3moe-4l")
     if args.iters < 0 or args.warmup < 0:
         ap.error("--iters and --warmup must not be negative")
 

@@ -42,6 +42,10 @@ pub enum Workload {
     /// windows of 512 on five layers of every six.
     #[value(name = "g3-1b")]
     G3OneB,
+    /// Qwen3-30B-A3B cut to 4 layers, bf16, AdamW, 1 × 4096: 128 experts
+    /// of width 768 per layer, 8 per token (32,768 routed rows a layer).
+    #[value(name = "q3moe-4l")]
+    Qwen3MoeFourLayers,
 }
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq, Eq, Serialize)]
@@ -249,6 +253,18 @@ fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
             },
             StepKind::Train,
         ),
+        Workload::Qwen3MoeFourLayers => (
+            ModelSpec {
+                config: named("Qwen3-30B-A3B", Overrides { n_layer: Some(4), ..Default::default() })?,
+                batch: 1,
+                seq: 4096,
+                dtype: DType::BF16,
+                loss: LossKind::CrossEntropy,
+                adapters: None,
+                documents: false,
+            },
+            StepKind::Train,
+        ),
         Workload::W5 => (
             ModelSpec {
                 config: named("open_llama_3b", Overrides::default())?,
@@ -344,7 +360,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some((lo, hi)) = args.documents {
         if spec.loss != LossKind::CrossEntropy {
             bail!(
-                "--documents needs a cross-entropy workload (w2, w5, l8-2l, g3-1b): packed documents predict their own \
+                "--documents needs a cross-entropy workload (w2, w5, l8-2l, g3-1b, q3moe-4l): packed documents predict their own \
                  tokens"
             );
         }
@@ -365,7 +381,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.clip_grad_norm > 0.0 {
         if kind != StepKind::Train {
             let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
-            bail!("--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b): {name} computes gradients only");
+            bail!(
+                "--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): {name} computes gradients only"
+            );
         }
         opts.train.clip_grad_norm = Some(args.clip_grad_norm);
     }
@@ -466,6 +484,16 @@ mod tests {
         // Five sliding layers of 512, then a global one.
         let windows: Vec<usize> = (0..6).map(|l| spec.config.scores(l).window).collect();
         assert_eq!(windows, [512, 512, 512, 512, 512, 0]);
+    }
+
+    #[test]
+    fn q3moe_4l_is_qwen3_30b_a3b_with_four_sparse_layers() {
+        let (spec, kind) = spec(Workload::Qwen3MoeFourLayers).unwrap();
+        spec.validate().unwrap();
+        let moe = spec.config.moe.as_ref().unwrap();
+        assert_eq!((kind, spec.batch, spec.seq, spec.config.n_layer), (StepKind::Train, 1, 4096, 4));
+        assert_eq!((moe.experts, moe.experts_per_token, moe.expert_intermediate_size), (128, 8, 768));
+        assert!((0..4).all(|l| moe.is_sparse(l)));
     }
 
     #[test]

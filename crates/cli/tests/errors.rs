@@ -109,7 +109,7 @@ fn flag_errors_quote_the_flag_and_value() {
     fails_with(&["bench", "--workload", "w3", "--steps", "0"], &["--steps must be at least 1, got 0"]);
     fails_with(
         &["bench", "--workload", "w1", "--clip-grad-norm", "1"],
-        &["--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b): w1 computes gradients only"],
+        &["--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): w1 computes gradients only"],
     );
     fails_with(
         &["bench", "--workload", "w5", "--clip-grad-norm=-1"],
