@@ -73,8 +73,15 @@ impl MetricsFile {
 /// and the input's gradient, no weight gradient), plus attention's score
 /// and value products, `12·L·T·d` for `L` layers of width `d` at sequence
 /// length `T` (the PaLM paper's appendix B count, which MFU is defined by;
-/// a causal mask's skipped half is not subtracted).
+/// a causal mask's skipped half is not subtracted). A mixture of experts
+/// counts the experts a token uses, `k` of `E` on each sparse layer: the
+/// others' weights ([`Config::idle_expert_weights`]) are left out of the
+/// trained count, or of the frozen one when the experts are frozen (under
+/// adapters).
 pub fn train_flops_per_token(params: usize, frozen: usize, config: &Config, seq: usize) -> f64 {
+    let idle = config.idle_expert_weights();
+    let (params, frozen) =
+        if frozen > 0 && frozen >= idle { (params, frozen - idle) } else { (params.saturating_sub(idle), frozen) };
     6.0 * params as f64 + 4.0 * frozen as f64 + 12.0 * (config.n_layer * seq * config.n_head * config.head_size) as f64
 }
 
@@ -138,6 +145,12 @@ mod tests {
         assert_eq!(with_attention - base, (12 * c.n_layer * 64 * c.n_head * c.head_size) as f64);
         // A frozen weight's products: forward and the input's gradient.
         assert_eq!(train_flops_per_token(n, 500, &c, 0), 8000.0);
+        // Qwen3-30B-A3B: 8 of 128 experts a token; its 3.3B active parameters
+        // (of 30.5B) make the count.
+        let moe = Config::named("Qwen3-30B-A3B").unwrap();
+        let active = moe.param_count() as usize - moe.idle_expert_weights();
+        assert_eq!(active, 3_353_032_704);
+        assert_eq!(train_flops_per_token(moe.param_count() as usize, 0, &moe, 0), 6.0 * active as f64);
     }
 
     #[test]

@@ -1504,6 +1504,20 @@ impl Config {
         self.checked_param_count().unwrap_or(u64::MAX)
     }
 
+    /// The expert weights a token does not use: on each sparse layer, the
+    /// three matrices of the `experts − experts_per_token` experts it is
+    /// not routed to (0 for a dense model). What MFU leaves out.
+    pub fn idle_expert_weights(&self) -> usize {
+        match &self.moe {
+            Some(m) => {
+                let sparse = (0..self.n_layer).filter(|&l| m.is_sparse(l)).count();
+                let idle = m.experts.saturating_sub(m.experts_per_token);
+                sparse.saturating_mul(idle).saturating_mul(3 * m.expert_intermediate_size * self.n_embd)
+            }
+            None => 0,
+        }
+    }
+
     /// [`Config::param_count`], or `None` when the count passes `u64`.
     pub fn checked_param_count(&self) -> Option<u64> {
         let n = |x: usize| u64::try_from(x).ok();
