@@ -16,7 +16,10 @@ dense layer among sparse ones; sharded and single-file), on the GPU machine
 3. check that stepgraph's logits and loss match PyTorch's (f32: relative
    L2 error <= 1e-5) and its gradients PyTorch's (<= 1e-4 per tensor), that
    `AutoModelForCausalLM.from_pretrained(OUT)` loads as it is, holds exactly
-   the source's tensors and gives stepgraph's logits (<= 1e-5).
+   the source's tensors and gives stepgraph's logits (<= 1e-5);
+4. greedy generation: `stepgraph generate --init-from SRC` from two random
+   prompts gives the tokens `transformers`' `generate` gives (32 new
+   tokens each, end-of-sequence ignored).
 
 Usage: python3 scripts/hf_roundtrip.py [--stepgraph target/release/stepgraph]
        [--backend cpu|cuda] [--work DIR] [--only NAME ...]
@@ -378,6 +381,30 @@ def run_variant(checks, stepgraph, backend, work, name, model_type, kwargs, shar
     checks.check(f"{name} tokenizer files copied", marker == name, f"marker {marker!r}")
     out_sharded = os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     checks.check(f"{name} saved shards", out_sharded, "index written for --max-shard-mb 0.05")
+
+    # Greedy decoding: stepgraph's decode graphs against transformers' generate.
+    new = 32
+    cmd = [
+        stepgraph, "generate", "--init-from", src, "--random-prompts", "2", "--prompt-tokens", "8",
+        "--max-new-tokens", str(new), "--ignore-eos", "--dtype", "f32", "--device", backend, "--seed", "5", "--json",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        checks.check(f"{name} greedy generation", False, result.stderr.strip() or result.stdout.strip())
+        return
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in rows if "prompt_ids" in r]
+    mismatch = []
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        for row in rows:
+            prompt = torch.tensor([row["prompt_ids"]])
+            want = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, prompt.shape[1]:]
+            if want.tolist() != row["tokens"]:
+                mismatch.append((row["tokens"], want.tolist()))
+    checks.check(f"{name} greedy generation vs transformers", len(rows) == 2 and not mismatch,
+                 f"{len(rows)} prompts x {new} tokens, first difference {mismatch[:1]}")
 
 
 def main():
