@@ -78,15 +78,31 @@ fn tokens_and_logits_match_the_cpu() {
             .unwrap()
             .with_overrides(&Overrides { n_query_groups: Some(4), ..Overrides::default() })
     };
+    // A mixture of experts: 4 experts, 2 per token, routed in the decode
+    // graphs as in training.
+    let moe = || Config {
+        moe: Some(stepgraph_core::models::MoeConfig {
+            experts: 4,
+            experts_per_token: 2,
+            expert_intermediate_size: 48,
+            normalize_top_k: true,
+            sparse_step: 1,
+            dense_layers: vec![],
+            aux_loss_coef: None,
+        }),
+        ..Config::named("tiny-llama").unwrap()
+    };
     let cases = [
         ("tiny-llama", DType::F32),
         ("tiny-llama without grouped heads", DType::F32),
         ("tiny-neox", DType::F32),
         ("tiny-llama", DType::BF16),
+        ("tiny-llama with experts", DType::F32),
     ];
     for (name, dtype) in cases {
         let p = match name {
             "tiny-llama without grouped heads" => program_of(mha().unwrap(), dtype, &[1, 2, 4]),
+            "tiny-llama with experts" => program_of(moe(), dtype, &[1, 2, 4]),
             _ => program(name, dtype, &[1, 2, 4]),
         };
         for sampled in [false, true] {
