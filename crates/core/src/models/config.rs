@@ -358,6 +358,7 @@ const NAMED: &[Named] = &[
     Named { name: "Mixtral-8x7B-v0.1", hf_repo: Some("mistralai/Mixtral-8x7B-v0.1"), build: mixtral_8x7b },
     Named { name: "Phi-3-mini-4k-instruct", hf_repo: Some("microsoft/Phi-3-mini-4k-instruct"), build: phi_3_mini_4k },
     Named { name: "phi-4", hf_repo: Some("microsoft/phi-4"), build: phi_4 },
+    Named { name: "Phi-4-mini-instruct", hf_repo: Some("microsoft/Phi-4-mini-instruct"), build: phi_4_mini },
     Named { name: "gemma-2-2b", hf_repo: Some("google/gemma-2-2b"), build: gemma_2_2b },
     Named { name: "gemma-2-9b", hf_repo: Some("google/gemma-2-9b"), build: gemma_2_9b },
     Named { name: "gemma-2-27b", hf_repo: Some("google/gemma-2-27b"), build: gemma_2_27b },
@@ -918,6 +919,29 @@ fn phi_4() -> Config {
         norm_eps: 1e-5,
         rope_base: 250000.0,
         ..llama_base("phi-4")
+    }
+}
+
+/// Phi-4-mini (3.8B): 32 layers of width 3072, 24 query heads and 8
+/// key/value heads of 128, RoPE on three quarters of each head, a
+/// 200064-token vocabulary tied to the head. Its LongRoPE frequency
+/// factors are not modelled (a folder that sets them is refused on load):
+/// the geometry is what `plan` and `bench` need.
+fn phi_4_mini() -> Config {
+    Config {
+        block_size: 131072,
+        vocab_size: 200064,
+        padded_vocab_size: 200064,
+        n_layer: 32,
+        n_embd: 3072,
+        n_head: 24,
+        n_query_groups: 8,
+        head_size: 128,
+        intermediate_size: 8192,
+        norm_eps: 1e-5,
+        rotary_percentage: 0.75,
+        tie_embeddings: true,
+        ..llama_base("Phi-4-mini-instruct")
     }
 }
 
@@ -1603,7 +1627,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 28] = [
+        let expected: [(&str, u64); 29] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1624,6 +1648,8 @@ pub(crate) mod tests {
             ("Mixtral-8x7B-v0.1", 46_702_792_704),
             ("Phi-3-mini-4k-instruct", 3_821_079_552),
             ("phi-4", 14_659_507_200),
+            // From its config.json geometry; the release rounds it to 3.8B.
+            ("Phi-4-mini-instruct", 3_836_021_760),
             ("Llama-3.2-1B", 1_235_814_400),
             ("Llama-3.2-3B", 3_212_749_824),
             ("Llama-3.1-8B", 8_030_261_248),
