@@ -5,8 +5,9 @@ For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gemma2,
 gemma3_text, mixtral, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x
 and linear RoPE scaling; sliding windows shorter than the sequence;
 soft-caps; mixtures of experts with and without renormalised routing and a
-dense layer among sparse ones; sharded and single-file), on the GPU machine
-(PyTorch and transformers 5.x installed, no network):
+dense layer among sparse ones; sharded and single-file), on a machine with
+PyTorch and transformers 5.x (no network needed): a GPU machine with
+`--backend cuda`, or any machine with `--backend cpu`:
 
 1. build a small random model with `transformers` (f32, eager attention) and
    `save_pretrained` it (sharded for some variants);
