@@ -191,92 +191,34 @@ pub fn model_flops(spec: &ModelSpec, kind: StepKind, params: u64) -> f64 {
 
 fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
     let named = |name: &str, o: Overrides| -> Result<Config> { Ok(Config::named(name)?.with_overrides(&o)?) };
-    let ten = Overrides { n_layer: Some(10), ..Default::default() };
+    let layers = |n: usize| Overrides { n_layer: Some(n), ..Default::default() };
+    // Every workload: random weights, no adapters, one sequence per row.
+    let spec = |config: Config, batch: usize, seq: usize, dtype: DType, loss: LossKind| ModelSpec {
+        config,
+        batch,
+        seq,
+        dtype,
+        loss,
+        adapters: None,
+        documents: false,
+    };
+    let (ce, bf16) = (LossKind::CrossEntropy, DType::BF16);
     Ok(match w {
-        Workload::W1 | Workload::W1Bf16 => (
-            ModelSpec {
-                config: named("open_llama_3b", ten)?,
-                batch: 1,
-                seq: 2048,
-                dtype: if w == Workload::W1 { DType::F32 } else { DType::BF16 },
-                loss: LossKind::Sum,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Grads,
-        ),
-        Workload::W2 => (
-            ModelSpec {
-                config: named("Qwen2.5-7B", Overrides { n_layer: Some(5), n_embd: Some(28), ..Default::default() })?,
-                batch: 1,
-                seq: 4096,
-                dtype: DType::BF16,
-                loss: LossKind::CrossEntropy,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Grads,
-        ),
-        Workload::W3 => (
-            ModelSpec {
-                config: named("w3-llama", Overrides::default())?,
-                batch: 1,
-                seq: 256,
-                dtype: DType::F32,
-                loss: LossKind::Sum,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Grads,
-        ),
-        Workload::L8TwoLayers => (
-            ModelSpec {
-                config: named("Meta-Llama-3-8B", Overrides { n_layer: Some(2), ..Default::default() })?,
-                batch: 1,
-                seq: 4096,
-                dtype: DType::BF16,
-                loss: LossKind::CrossEntropy,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Train,
-        ),
-        Workload::G3OneB => (
-            ModelSpec {
-                config: named("gemma-3-1b", Overrides::default())?,
-                batch: 1,
-                seq: 8192,
-                dtype: DType::BF16,
-                loss: LossKind::CrossEntropy,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Train,
-        ),
-        Workload::Qwen3MoeFourLayers => (
-            ModelSpec {
-                config: named("Qwen3-30B-A3B", Overrides { n_layer: Some(4), ..Default::default() })?,
-                batch: 1,
-                seq: 4096,
-                dtype: DType::BF16,
-                loss: LossKind::CrossEntropy,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Train,
-        ),
-        Workload::W5 => (
-            ModelSpec {
-                config: named("open_llama_3b", Overrides::default())?,
-                batch: 4,
-                seq: 2048,
-                dtype: DType::BF16,
-                loss: LossKind::CrossEntropy,
-                adapters: None,
-                documents: false,
-            },
-            StepKind::Train,
-        ),
+        Workload::W1 | Workload::W1Bf16 => {
+            let dtype = if w == Workload::W1 { DType::F32 } else { bf16 };
+            (spec(named("open_llama_3b", layers(10))?, 1, 2048, dtype, LossKind::Sum), StepKind::Grads)
+        }
+        Workload::W2 => {
+            let narrow = Overrides { n_layer: Some(5), n_embd: Some(28), ..Default::default() };
+            (spec(named("Qwen2.5-7B", narrow)?, 1, 4096, bf16, ce), StepKind::Grads)
+        }
+        Workload::W3 => {
+            (spec(named("w3-llama", Overrides::default())?, 1, 256, DType::F32, LossKind::Sum), StepKind::Grads)
+        }
+        Workload::L8TwoLayers => (spec(named("Meta-Llama-3-8B", layers(2))?, 1, 4096, bf16, ce), StepKind::Train),
+        Workload::G3OneB => (spec(named("gemma-3-1b", Overrides::default())?, 1, 8192, bf16, ce), StepKind::Train),
+        Workload::Qwen3MoeFourLayers => (spec(named("Qwen3-30B-A3B", layers(4))?, 1, 4096, bf16, ce), StepKind::Train),
+        Workload::W5 => (spec(named("open_llama_3b", Overrides::default())?, 4, 2048, bf16, ce), StepKind::Train),
     })
 }
 

@@ -17,6 +17,16 @@ pub struct Mistral;
 /// transformers' `MistralConfig.sliding_window` when the file has none.
 const DEFAULT_WINDOW: usize = 4096;
 
+/// A `sliding_window` that applies to every layer (Mistral, Mixtral,
+/// Phi-3): `default` when the file has none, none for `null`; 0 is refused.
+pub(super) fn read_window(hf: &HfJson, default: Option<usize>) -> Result<Option<usize>> {
+    let window = hf.usize_or("sliding_window", default)?;
+    if window == Some(0) {
+        return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
+    }
+    Ok(window)
+}
+
 impl Family for Mistral {
     fn model_type(&self) -> &'static str {
         "mistral"
@@ -39,11 +49,7 @@ impl Family for Mistral {
                 qk_norm: QkNorm::None,
             })
         })?;
-        let sliding_window = hf.usize_or("sliding_window", Some(DEFAULT_WINDOW))?;
-        if sliding_window == Some(0) {
-            return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
-        }
-        Ok(Config { sliding_window, ..config })
+        Ok(Config { sliding_window: read_window(hf, Some(DEFAULT_WINDOW))?, ..config })
     }
 
     fn write_config(&self, config: &Config, keys: &mut ConfigKeys) {

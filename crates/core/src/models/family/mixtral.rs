@@ -84,10 +84,7 @@ impl Family for Mixtral {
             })
         })?;
         let aux_loss_coef = router_training_terms(hf)?;
-        let sliding_window = hf.usize_or("sliding_window", None)?;
-        if sliding_window == Some(0) {
-            return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
-        }
+        let sliding_window = super::mistral::read_window(hf, None)?;
         let moe = MoeConfig {
             experts: hf.usize_opt("num_local_experts")?.unwrap_or(8),
             experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(2),

@@ -66,10 +66,7 @@ impl Family for Phi3 {
             config.rotary_percentage = fraction;
         }
         // transformers' Phi3Config has no window unless the file gives one.
-        config.sliding_window = hf.usize_or("sliding_window", None)?;
-        if config.sliding_window == Some(0) {
-            return Err(hf.err("sliding_window 0 leaves a query no key; use null for no window"));
-        }
+        config.sliding_window = super::mistral::read_window(hf, None)?;
         Ok(config)
     }
 
