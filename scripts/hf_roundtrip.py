@@ -2,7 +2,7 @@
 """Hugging Face folders through stepgraph and back, checked against PyTorch.
 
 For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gemma2,
-gemma3_text, mixtral, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x
+gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x
 and linear RoPE scaling; sliding windows shorter than the sequence;
 soft-caps; mixtures of experts with and without renormalised routing and a
 dense layer among sparse ones; sharded and single-file), on a machine with
@@ -174,6 +174,12 @@ def variants():
                                                            num_experts_per_tok=2, moe_intermediate_size=32,
                                                            norm_topk_prob=True, use_sliding_window=False,
                                                            tie_word_embeddings=False), "40KB"),
+        # Qwen2-MoE: q/k/v biases, a shared expert with its sigmoid gate
+        # beside 4 routed experts, every other layer sparse.
+        ("qwen2_moe", "qwen2_moe", dict(llama_like, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=24, shared_expert_intermediate_size=56,
+                                        decoder_sparse_step=2, norm_topk_prob=False, use_sliding_window=False,
+                                        tie_word_embeddings=False), None),
         ("gpt_neox", "gpt_neox", dict(neox, tie_word_embeddings=False), None),
         ("gpt_neox-sequential-sharded", "gpt_neox", dict(neox, tie_word_embeddings=False, use_parallel_residual=False), "40KB"),
     ]

@@ -23,7 +23,8 @@ use stepgraph_core::session::Session;
 use stepgraph_core::testing::{directional_derivative, interpret};
 
 /// A tiny Llama-layout model whose layer 0 has 4 experts (2 per token) and
-/// layer 1 the dense MLP.
+/// layer 1 the dense MLP; without renormalisation, a shared expert too (as
+/// Qwen2-MoE's).
 fn config(normalize_top_k: bool) -> Config {
     let mut c = Config::named("tiny-llama").unwrap();
     c.name = "tiny-moe".into();
@@ -35,6 +36,7 @@ fn config(normalize_top_k: bool) -> Config {
         sparse_step: 1,
         dense_layers: vec![1],
         aux_loss_coef: None,
+        shared_expert: (!normalize_top_k).then_some(10),
     });
     c
 }
@@ -80,6 +82,10 @@ fn weights(fwd: &Trace, seed: u64) -> HashMap<String, HostTensor> {
         .collect()
 }
 
+fn ty2(t: &Trace, name: &str) -> Vec<usize> {
+    t.ty(t.leaf_by_name(name).unwrap_or_else(|| panic!("no `{name}`"))).shape.clone()
+}
+
 fn leaves(fwd: &Trace, w: &HashMap<String, HostTensor>, data: &[(&str, HostTensor)]) -> HashMap<ValueId, HostTensor> {
     let mut leaves = HashMap::new();
     for v in fwd.weights() {
@@ -109,9 +115,14 @@ fn the_sparse_layer_has_a_router_and_stacked_experts_and_the_dense_one_its_mlp()
     assert_eq!(ty("model.layers.0.mlp.experts.down_proj.weight"), [4, c, f]);
     assert_eq!(ty("model.layers.1.mlp.gate_proj.weight"), [sp.config.intermediate_size, c]);
     assert!(fwd.leaf_by_name("model.layers.0.mlp.gate_proj.weight").is_none());
-    // The config counts what the trace holds.
+    // The config counts what the trace holds, with a shared expert too.
     let held: u64 = fwd.params().map(|p| fwd.ty(p).numel() as u64).sum();
     assert_eq!(sp.config.param_count(), held);
+    let shared = build_forward(&spec(config(false), DType::F32)).unwrap();
+    assert_eq!(ty2(&shared, "model.layers.0.mlp.shared_expert_gate.weight"), [1, c]);
+    assert_eq!(ty2(&shared, "model.layers.0.mlp.shared_expert.down_proj.weight"), [c, 10]);
+    let held: u64 = shared.params().map(|p| shared.ty(p).numel() as u64).sum();
+    assert_eq!(config(false).param_count(), held);
 }
 
 #[test]
@@ -133,9 +144,14 @@ fn gradients_match_finite_differences() {
         s.run_eager().unwrap();
 
         // One random direction per parameter group: the router, the experts,
-        // and everything else, each checked on its own.
+        // the shared expert and its gate, and everything else, each checked on its own.
         let params: Vec<ValueId> = fwd.params().collect();
-        for part in ["mlp.gate.weight", "mlp.experts.", ""] {
+        let parts: &[&str] = if normalize {
+            &["mlp.gate.weight", "mlp.experts.", ""]
+        } else {
+            &["mlp.gate.weight", "mlp.experts.", "mlp.shared_expert", ""]
+        };
+        for &part in parts {
             let mut rng = StdRng::seed_from_u64(17);
             let chosen: Vec<ValueId> = params
                 .iter()
@@ -143,7 +159,9 @@ fn gradients_match_finite_differences() {
                 .filter(|&p| {
                     let n = name(&fwd, p);
                     if part.is_empty() {
-                        !n.contains("mlp.gate.weight") && !n.contains("mlp.experts.")
+                        !n.contains("mlp.gate.weight")
+                            && !n.contains("mlp.experts.")
+                            && !n.contains("mlp.shared_expert")
                     } else {
                         n.contains(part)
                     }

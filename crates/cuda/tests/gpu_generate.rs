@@ -89,6 +89,7 @@ fn tokens_and_logits_match_the_cpu() {
             sparse_step: 1,
             dense_layers: vec![],
             aux_loss_coef: None,
+            shared_expert: None,
         }),
         ..Config::named("tiny-llama").unwrap()
     };

@@ -193,6 +193,7 @@ fn tiny_models_match_the_cpu() {
             sparse_step: 1,
             dense_layers: vec![1],
             aux_loss_coef: None,
+            shared_expert: None,
         }),
         ..moe
     };

@@ -224,6 +224,13 @@ pub struct MoeConfig {
     /// ([`super::gpt`] builds it). `None`: the loss alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aux_loss_coef: Option<f64>,
+    /// A shared expert of this width that every token of a sparse layer
+    /// passes through besides its routed ones, its output scaled by
+    /// `sigmoid(x · g)` for a gate `g` of its own (Qwen2-MoE's
+    /// `shared_expert_intermediate_size` and `shared_expert_gate`); `None`
+    /// for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_expert: Option<usize>,
 }
 
 impl MoeConfig {
@@ -857,6 +864,7 @@ fn qwen3_30b_a3b() -> Config {
             sparse_step: 1,
             dense_layers: Vec::new(),
             aux_loss_coef: None,
+            shared_expert: None,
         }),
         ..qwen3("Qwen3-30B-A3B", 48, 2048, 32, 6144, false)
     }
@@ -878,6 +886,7 @@ fn mixtral_8x7b() -> Config {
             sparse_step: 1,
             dense_layers: Vec::new(),
             aux_loss_coef: None,
+            shared_expert: None,
         }),
         ..llama_base("Mixtral-8x7B-v0.1")
     }
@@ -1454,7 +1463,7 @@ impl Config {
             if m.aux_loss_coef.is_some_and(|c| !c.is_finite()) {
                 return fail("moe: the load-balancing loss's coefficient must be a finite number".into());
             }
-            if m.expert_intermediate_size == 0 || m.sparse_step == 0 {
+            if m.expert_intermediate_size == 0 || m.sparse_step == 0 || m.shared_expert == Some(0) {
                 return fail("moe: the experts' intermediate size and the sparse step must be at least 1".into());
             }
             if let Some(l) = m.dense_layers.iter().find(|&&l| l >= self.n_layer) {
@@ -1588,7 +1597,12 @@ impl Config {
                 let count = (0..self.n_layer).filter(|&l| m.is_sparse(l)).count();
                 let expert = embd.checked_mul(n(m.expert_intermediate_size)?)?.checked_mul(3)?;
                 let experts = n(m.experts)?.checked_mul(expert.checked_add(embd)?)?;
-                (n(count)?, base.checked_add(experts)?)
+                // The shared expert's three matrices and its one-row gate.
+                let shared = match m.shared_expert {
+                    Some(width) => embd.checked_mul(n(width)?)?.checked_mul(3)?.checked_add(embd)?,
+                    None => 0,
+                };
+                (n(count)?, base.checked_add(experts)?.checked_add(shared)?)
             }
             None => (0, 0),
         };

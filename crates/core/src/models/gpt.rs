@@ -702,7 +702,9 @@ impl<'a> Gpt<'a> {
     /// gathered back to their tokens and summed with the weights.
     /// Weights: `{prefix}.gate.weight` `[E, C]` (the router),
     /// `{prefix}.experts.{gate,up}_proj.weight` `[E, F, C]` and
-    /// `{prefix}.experts.down_proj.weight` `[E, C, F]`.
+    /// `{prefix}.experts.down_proj.weight` `[E, C, F]`; with a shared
+    /// expert, `{prefix}.shared_expert.{gate,up,down}_proj.weight` and its
+    /// gate `{prefix}.shared_expert_gate.weight` `[1, C]`.
     fn experts(&mut self, x: ValueId, prefix: &str, moe: &MoeConfig) -> Result<ValueId> {
         let shape = self.b.shape(x).to_vec();
         let c = self.cfg.n_embd;
@@ -738,7 +740,20 @@ impl<'a> Gpt<'a> {
         let slots = self.b.reshape(slots, &[tokens, k, c])?;
         let weights = self.b.reshape(weights, &[tokens, k, 1])?;
         let weighted = self.b.mul(slots, weights)?;
-        let y = self.b.sum(weighted, &[1], false)?;
+        let mut y = self.b.sum(weighted, &[1], false)?;
+        if let Some(width) = moe.shared_expert {
+            // Every token through the shared expert too, scaled by its gate.
+            let gate_w = self.param(&format!("{prefix}.shared_expert_gate.weight"), &[1, c])?;
+            let gate = self.b.linear(x2, gate_w, None)?;
+            let gate = self.b.unary(UnaryFn::Sigmoid, gate)?;
+            let shared = format!("{prefix}.shared_expert");
+            let g = self.linear(x2, &format!("{shared}.gate_proj"), c, width, false)?;
+            let u = self.linear(x2, &format!("{shared}.up_proj"), c, width, false)?;
+            let h = self.b.swiglu(g, u)?;
+            let out = self.linear(h, &format!("{shared}.down_proj"), width, c, false)?;
+            let scaled = self.b.mul(out, gate)?;
+            y = self.b.add(y, scaled)?;
+        }
         self.b.reshape(y, &shape)
     }
 

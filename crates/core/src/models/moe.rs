@@ -19,7 +19,8 @@ pub struct ExpertsReport {
     pub experts_per_token: usize,
     /// Hidden width of one expert's MLP.
     pub expert_width: usize,
-    /// Every sparse layer's router and expert matrices, in the model's dtype.
+    /// Every sparse layer's router and expert matrices (a shared expert's
+    /// included), in the model's dtype.
     pub expert_weight_bytes: u64,
     /// Rows one sparse layer routes: tokens × experts per token.
     pub routed_rows: usize,
@@ -42,7 +43,8 @@ impl ExpertsReport {
         let size = spec.dtype.size() as u64;
         let (c, f) = (cfg.n_embd as u64, moe.expert_intermediate_size as u64);
         let sparse_layers = (0..cfg.n_layer).filter(|&l| moe.is_sparse(l)).count();
-        let per_layer_weights = moe.experts as u64 * (3 * f * c + c);
+        let shared = moe.shared_expert.map_or(0, |w| 3 * w as u64 * c + c);
+        let per_layer_weights = moe.experts as u64 * (3 * f * c + c) + shared;
         let tokens = spec.batch * spec.seq;
         let routed_rows = tokens * moe.experts_per_token;
         // Per row: the gathered input (C), gate, up and their SwiGLU (3F),

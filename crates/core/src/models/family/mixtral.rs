@@ -93,6 +93,7 @@ impl Family for Mixtral {
             sparse_step: 1,
             dense_layers: Vec::new(),
             aux_loss_coef,
+            shared_expert: None,
         };
         Ok(Config { sliding_window, moe: Some(moe), ..config })
     }
@@ -122,6 +123,7 @@ impl Family for Mixtral {
             Holds::Chosen if !moe.normalize_top_k || moe.sparse_step != 1 || !moe.dense_layers.is_empty() => {
                 Holds::Not("Mixtral renormalises its routing weights and has experts on every layer".into())
             }
+            Holds::Chosen if moe.shared_expert.is_some() => Holds::Not("Mixtral has no shared expert".into()),
             Holds::Chosen if moe.expert_intermediate_size != config.intermediate_size => {
                 Holds::Not("Mixtral's experts are as wide as its intermediate_size".into())
             }
@@ -147,6 +149,7 @@ impl Family for Mixtral {
                 sparse_step: 1,
                 dense_layers: Vec::new(),
                 aux_loss_coef: Some(0.02),
+                shared_expert: None,
             }),
             ..layout
         }

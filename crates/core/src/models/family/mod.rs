@@ -49,6 +49,7 @@ mod mixtral;
 mod olmo2;
 mod phi3;
 mod qwen2;
+mod qwen2_moe;
 mod qwen3;
 mod qwen3_moe;
 #[cfg(test)]
@@ -71,6 +72,7 @@ macro_rules! for_each_family {
             Gemma2(gemma2::Gemma2),
             Gemma3(gemma3::Gemma3Text),
             Mixtral(mixtral::Mixtral),
+            Qwen2Moe(qwen2_moe::Qwen2Moe),
             Qwen3Moe(qwen3_moe::Qwen3Moe),
             GptNeox(gpt_neox::GptNeox),
             #[cfg(test)]

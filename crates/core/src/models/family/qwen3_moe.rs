@@ -39,6 +39,22 @@ const RULES: &[Rule] = &[
     },
 ];
 
+/// `mlp_only_layers`: the layers that keep the dense MLP (none when absent).
+pub(super) fn read_dense_layers(hf: &HfJson) -> Result<Vec<usize>> {
+    Ok(match hf.get("mlp_only_layers") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|l| l as usize)
+                    .ok_or_else(|| hf.err(format!("mlp_only_layers must list layer numbers, got {v}")))
+            })
+            .collect::<Result<Vec<usize>>>()?,
+        Some(other) => return Err(hf.err(format!("mlp_only_layers must be a list, got {other}"))),
+    })
+}
+
 impl Family for Qwen3Moe {
     fn model_type(&self) -> &'static str {
         "qwen3_moe"
@@ -64,18 +80,7 @@ impl Family for Qwen3Moe {
             })
         })?;
         let aux_loss_coef = router_training_terms(hf)?;
-        let dense_layers = match hf.get("mlp_only_layers") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|l| l as usize)
-                        .ok_or_else(|| hf.err(format!("mlp_only_layers must list layer numbers, got {v}")))
-                })
-                .collect::<Result<Vec<usize>>>()?,
-            Some(other) => return Err(hf.err(format!("mlp_only_layers must be a list, got {other}"))),
-        };
+        let dense_layers = read_dense_layers(hf)?;
         // transformers 5 writes `num_local_experts` (reading `num_experts`
         // as another name for it); released folders give `num_experts`.
         let experts = match (hf.usize_opt("num_experts")?, hf.usize_opt("num_local_experts")?) {
@@ -93,6 +98,7 @@ impl Family for Qwen3Moe {
             sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
             dense_layers,
             aux_loss_coef,
+            shared_expert: None,
         };
         Ok(Config { moe: Some(moe), ..config })
     }
@@ -115,8 +121,14 @@ impl Family for Qwen3Moe {
     }
 
     fn holds(&self, config: &Config) -> Holds {
-        if config.moe.is_none() {
-            return Holds::Other;
+        let Some(moe) = &config.moe else { return Holds::Other };
+        if moe.shared_expert.is_some() {
+            // Qwen2-MoE's kind of layer, on Qwen3's attention.
+            return if config.qk_norm.is_none() {
+                Holds::Other
+            } else {
+                Holds::Not("Qwen3-MoE has no shared expert".into())
+            };
         }
         match llama::variant_layout_holds(&Config { moe: None, ..config.clone() }, QkNorm::PerHead, false) {
             Holds::Chosen if config.bias || config.attn_qkv_bias => {
@@ -143,6 +155,7 @@ impl Family for Qwen3Moe {
                 sparse_step: 1,
                 dense_layers: vec![1],
                 aux_loss_coef: None,
+                shared_expert: None,
             }),
             ..llama::example_layout("qwen3-moe-example")
         }

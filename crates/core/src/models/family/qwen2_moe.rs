@@ -1,0 +1,130 @@
+//! Qwen2-MoE (`Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-MoE): Qwen2's
+//! attention (biases on q, k and v when `qkv_bias`, as by default) and on
+//! the sparse layers a mixture of SwiGLU experts beside a shared expert:
+//! the router `mlp.gate`, each expert's `mlp.experts.{e}.{gate,up,down}_proj`
+//! stored as tensors of their own (stacked here into one parameter per
+//! matrix), and `mlp.shared_expert` (of `shared_expert_intermediate_size`)
+//! whose output every token takes, scaled by `sigmoid` of the one-row
+//! `mlp.shared_expert_gate`. The dense layers (`mlp_only_layers`, or off the
+//! `decoder_sparse_step`) keep the MLP of `intermediate_size`.
+
+use serde_json::json;
+
+use super::llama::{self, Variant};
+use super::mixtral::{router_training_terms, write_router_keys};
+use super::{ConfigKeys, Family, Holds, Join, Rule};
+use crate::error::Result;
+use crate::models::config::{Config, MoeConfig, QkNorm};
+use crate::models::hf::HfJson;
+
+/// `model_type` `qwen2_moe`.
+pub struct Qwen2Moe;
+
+/// The experts, one tensor per expert; the router, the shared expert, its
+/// gate and the dense layers' MLPs have the trace's names.
+const RULES: &[Rule] = &[
+    Rule {
+        hf: "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+        trace: &["model.layers.{i}.mlp.experts.gate_proj.weight"],
+        join: Join::Experts,
+    },
+    Rule {
+        hf: "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+        trace: &["model.layers.{i}.mlp.experts.up_proj.weight"],
+        join: Join::Experts,
+    },
+    Rule {
+        hf: "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        trace: &["model.layers.{i}.mlp.experts.down_proj.weight"],
+        join: Join::Experts,
+    },
+];
+
+impl Family for Qwen2Moe {
+    fn model_type(&self) -> &'static str {
+        "qwen2_moe"
+    }
+
+    fn architecture(&self) -> &'static str {
+        "Qwen2MoeForCausalLM"
+    }
+
+    fn read_config(&self, hf: &HfJson) -> Result<Config> {
+        let config = llama::read_layout(hf, self.model_type(), |hf| {
+            let sliding = hf.bool_opt("use_sliding_window")?.unwrap_or(false);
+            Ok(Variant {
+                bias: false,
+                // transformers 4 always biases q, k and v; 5 says so in `qkv_bias`.
+                attn_qkv_bias: hf.bool_opt("qkv_bias")?.unwrap_or(true),
+                default_positions: 32768,
+                sliding,
+                default_head_dim: None,
+                qk_norm: QkNorm::None,
+            })
+        })?;
+        let aux_loss_coef = router_training_terms(hf)?;
+        let moe = MoeConfig {
+            experts: hf.usize_opt("num_experts")?.unwrap_or(60),
+            experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(4),
+            expert_intermediate_size: hf.usize_opt("moe_intermediate_size")?.unwrap_or(1408),
+            normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
+            sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
+            dense_layers: super::qwen3_moe::read_dense_layers(hf)?,
+            aux_loss_coef,
+            shared_expert: Some(hf.usize_opt("shared_expert_intermediate_size")?.unwrap_or(5632)),
+        };
+        Ok(Config { moe: Some(moe), ..config })
+    }
+
+    fn write_config(&self, config: &Config, keys: &mut ConfigKeys) {
+        llama::write_layout(config, keys);
+        keys.set("qkv_bias", json!(config.attn_qkv_bias));
+        keys.set("use_sliding_window", json!(false));
+        llama::write_no_window(keys);
+        if let Some(moe) = &config.moe {
+            keys.set("num_experts", json!(moe.experts));
+            keys.set("moe_intermediate_size", json!(moe.expert_intermediate_size));
+            keys.set("shared_expert_intermediate_size", json!(moe.shared_expert));
+            keys.set("norm_topk_prob", json!(moe.normalize_top_k));
+            keys.set("decoder_sparse_step", json!(moe.sparse_step));
+            keys.set("mlp_only_layers", json!(moe.dense_layers));
+            write_router_keys(moe, keys);
+        }
+    }
+
+    /// Qwen2's attention (with or without the q/k/v biases) and experts
+    /// beside a shared expert.
+    fn holds(&self, config: &Config) -> Holds {
+        let Some(moe) = &config.moe else { return Holds::Other };
+        if moe.shared_expert.is_none() || !config.qk_norm.is_none() {
+            return Holds::Other;
+        }
+        match llama::layout_holds(&Config { moe: None, ..config.clone() }) {
+            Holds::Chosen if config.bias => Holds::Not("Qwen2-MoE biases q, k and v only".into()),
+            holds => holds,
+        }
+    }
+
+    fn rules(&self) -> &'static [Rule] {
+        RULES
+    }
+
+    #[cfg(test)]
+    fn example(&self) -> Config {
+        Config {
+            attn_qkv_bias: true,
+            norm_eps: 1e-5,
+            moe: Some(MoeConfig {
+                experts: 5,
+                experts_per_token: 2,
+                expert_intermediate_size: 16,
+                normalize_top_k: true,
+                sparse_step: 2,
+                dense_layers: Vec::new(),
+                aux_loss_coef: Some(0.01),
+                shared_expert: Some(40),
+            }),
+            ..llama::example_layout("qwen2-moe-example")
+        }
+    }
+}
