@@ -247,6 +247,11 @@ struct ModelArgs {
     /// The loss: cross-entropy on next-token targets, or the sum of the logits (benchmarks).
     #[arg(help_heading = "Model", long, value_enum, default_value_t = LossArg::Ce)]
     loss: LossArg,
+    /// A mixture of experts only: add the router z-loss (the mean squared
+    /// log-sum-exp of the router's scores, ST-MoE's) to the training loss
+    /// with this weight, such as 0.001; metrics report it as router_z_loss.
+    #[arg(help_heading = "Model", long, value_name = "WEIGHT")]
+    router_z_loss: Option<f64>,
     #[command(flatten)]
     adapters: adapter_args::AdapterArgs,
 }
@@ -275,6 +280,7 @@ impl EvalModelArgs {
             dtype: self.dtype,
             on_gpu: false,
             loss: LossArg::Ce,
+            router_z_loss: None,
             adapters: Default::default(),
         }
     }
@@ -300,6 +306,7 @@ impl GenerateModelArgs {
             dtype: self.dtype,
             on_gpu: false,
             loss: LossArg::Ce,
+            router_z_loss: None,
             adapters: Default::default(),
         }
     }
@@ -468,7 +475,19 @@ impl ModelArgs {
 
     /// The spec of `config` with these flags' batch, sequence, dtype and
     /// loss, the batch and sequence checked against it.
-    fn spec_of(&self, config: Config) -> Result<ModelSpec> {
+    fn spec_of(&self, mut config: Config) -> Result<ModelSpec> {
+        if let Some(weight) = self.router_z_loss {
+            if !(weight.is_finite() && weight > 0.0) {
+                bail!("--router-z-loss {weight}: give a weight above 0, such as 0.001");
+            }
+            let Some(moe) = config.moe.as_mut() else {
+                bail!(
+                    "--router-z-loss: `{}` has no experts (it is a loss on a mixture of experts' router)",
+                    config.name
+                )
+            };
+            moe.z_loss_coef = Some(weight);
+        }
         if self.batch == 0 {
             bail!("--batch 0 holds no rows: ask for at least 1");
         }

@@ -106,6 +106,11 @@ fn flag_errors_quote_the_flag_and_value() {
     fails_with(&["plan", "--batch", "0"], &["--batch 0"]);
     fails_with(&["trace", "--seq", "0"], &["--seq 0"]);
     fails_with(&["plan", "--seq", "300"], &["--seq 300 exceeds the block size 256 of `tiny-llama`", "--block-size"]);
+    fails_with(&["plan", "--router-z-loss", "0.001"], &["--router-z-loss: `tiny-llama` has no experts"]);
+    fails_with(
+        &["plan", "--model", "Mixtral-8x7B-v0.1", "--n-layer", "1", "--router-z-loss=-1"],
+        &["--router-z-loss -1: give a weight above 0"],
+    );
     fails_with(&["bench", "--workload", "w3", "--steps", "0"], &["--steps must be at least 1, got 0"]);
     fails_with(
         &["bench", "--workload", "w1", "--clip-grad-norm", "1"],

@@ -102,11 +102,16 @@ pub const GRAD_NORM_OUTPUT: &str = "grad_norm";
 /// keeps it (the mean over micro-batches), for the metrics.
 pub const ROUTER_AUX_LOSS_OUTPUT: &str = "router_aux_loss";
 
+/// The named output of a mixture-of-experts model trained with a router
+/// z-loss: that loss before its weight, kept by steps as
+/// [`ROUTER_AUX_LOSS_OUTPUT`] is.
+pub const ROUTER_Z_LOSS_OUTPUT: &str = "router_z_loss";
+
 /// Whether `kind` is an output a gradient or train step keeps from its forward trace.
 fn kept_in_steps(kind: &OutputKind) -> bool {
     match kind {
         OutputKind::Loss => true,
-        OutputKind::Named(n) => n == ROUTER_AUX_LOSS_OUTPUT,
+        OutputKind::Named(n) => n == ROUTER_AUX_LOSS_OUTPUT || n == ROUTER_Z_LOSS_OUTPUT,
         _ => false,
     }
 }
@@ -348,12 +353,14 @@ fn accumulate(
     let params: Vec<ValueId> = forward.params().collect();
     let mut acc: Vec<Option<ValueId>> = vec![None; params.len()];
     let mut total: Option<ValueId> = None;
-    let aux = forward
+    // The router losses a step reports, each the mean over micro-batches.
+    let reported: Vec<(OutputKind, ValueId)> = forward
         .outputs
         .iter()
-        .find(|o| kept_in_steps(&o.kind) && o.kind != OutputKind::Loss)
-        .map(|o| (o.kind.clone(), o.value));
-    let mut aux_total: Option<ValueId> = None;
+        .filter(|o| kept_in_steps(&o.kind) && o.kind != OutputKind::Loss)
+        .map(|o| (o.kind.clone(), o.value))
+        .collect();
+    let mut reported_totals: Vec<Option<ValueId>> = vec![None; reported.len()];
     let weight = 1.0 / micro_batches as f64;
     for k in 0..micro_batches {
         b.set_phase(if k == 0 { Phase::Forward } else { Phase::Backward });
@@ -389,10 +396,10 @@ fn accumulate(
             Some(t) => b.add(t, loss_k)?,
             None => loss_k,
         });
-        if let Some((_, a)) = &aux {
+        for ((_, a), t) in reported.iter().zip(&mut reported_totals) {
             let a_k = map[a.index()].expect("computed with the loss");
-            aux_total = Some(match aux_total {
-                Some(t) => b.add(t, a_k)?,
+            *t = Some(match *t {
+                Some(prev) => b.add(prev, a_k)?,
                 None => a_k,
             });
         }
@@ -401,9 +408,10 @@ fn accumulate(
     let w = b.full(weight, b.ty(total).clone())?;
     let mean = b.mul(total, w)?;
     b.output(OutputKind::Loss, mean);
-    if let (Some((kind, _)), Some(a)) = (aux, aux_total) {
-        let w = b.full(weight, b.ty(a).clone())?;
-        let mean = b.mul(a, w)?;
+    for ((kind, _), t) in reported.into_iter().zip(reported_totals) {
+        let t = t.expect("every micro-batch computes it");
+        let w = b.full(weight, b.ty(t).clone())?;
+        let mean = b.mul(t, w)?;
         b.output(kind, mean);
     }
     // `params()` of the new trace lists the parameters in the forward's order.

@@ -37,6 +37,8 @@ fn config(normalize_top_k: bool) -> Config {
         dense_layers: vec![1],
         aux_loss_coef: None,
         shared_expert: (!normalize_top_k).then_some(10),
+        // The router z-loss in the gradient check too.
+        z_loss_coef: (!normalize_top_k).then_some(0.05),
     });
     c
 }
@@ -253,6 +255,17 @@ fn the_load_balancing_loss_joins_the_loss_and_is_reported() {
         let step = build_accumulated_step(&weighted, StepKind::Grads, &TrainOptions::default(), micro_batches).unwrap();
         assert!(named(&step).is_some(), "{micro_batches} micro-batches");
     }
+
+    // The router z-loss: the mean squared log-sum-exp of the scores.
+    use stepgraph_core::autodiff::ROUTER_Z_LOSS_OUTPUT;
+    let mut c = config(true);
+    c.moe.as_mut().unwrap().z_loss_coef = Some(0.5);
+    let z_model = build_forward(&spec(c, DType::F64)).unwrap();
+    let z_out = z_model.outputs.iter().find(|o| o.kind == OutputKind::Named(ROUTER_Z_LOSS_OUTPUT.into())).unwrap();
+    let z = value(&z_model, z_out.value);
+    let lz = value(&z_model, z_model.loss().unwrap());
+    assert!(z > 0.0, "z {z}");
+    assert!((lz - l0 - 0.5 * z).abs() < 1e-12 * lz, "{lz} = {l0} + 0.5 · {z}?");
 }
 
 /// Adapters go on the attention and the dense layers; the router and the

@@ -90,6 +90,7 @@ fn tokens_and_logits_match_the_cpu() {
             dense_layers: vec![],
             aux_loss_coef: None,
             shared_expert: None,
+            z_loss_coef: None,
         }),
         ..Config::named("tiny-llama").unwrap()
     };

@@ -194,6 +194,7 @@ fn tiny_models_match_the_cpu() {
             dense_layers: vec![1],
             aux_loss_coef: None,
             shared_expert: None,
+            z_loss_coef: None,
         }),
         ..moe
     };

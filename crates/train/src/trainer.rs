@@ -507,8 +507,8 @@ impl Trainer {
             if let Some(g) = grad_norm {
                 row["grad_norm"] = g.into();
             }
-            if let Some(a) = router_aux_loss_output(self.session.trace()) {
-                row["router_aux_loss"] = self.session.read(a)?.to_f64()[0].into();
+            for (name, v) in router_loss_outputs(self.session.trace()) {
+                row[name] = self.session.read(v)?.to_f64()[0].into();
             }
             if let Some(m) = mfu {
                 row["mfu"] = m.into();
@@ -866,11 +866,17 @@ fn next_usable_batch(data: &mut dyn TrainData, parts: usize, skipped: &mut u64) 
     )
 }
 
-/// The named output of a step whose loss includes a mixture of experts'
-/// load-balancing loss: that loss before its weight.
-pub fn router_aux_loss_output(trace: &Trace) -> Option<ValueId> {
-    let name = stepgraph_core::autodiff::ROUTER_AUX_LOSS_OUTPUT;
-    trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == name)).map(|o| o.value)
+/// The named outputs of a step whose loss includes a mixture of experts'
+/// load-balancing loss or router z-loss: each before its weight, by name.
+pub fn router_loss_outputs(trace: &Trace) -> Vec<(&'static str, ValueId)> {
+    use stepgraph_core::autodiff::{ROUTER_AUX_LOSS_OUTPUT, ROUTER_Z_LOSS_OUTPUT};
+    [ROUTER_AUX_LOSS_OUTPUT, ROUTER_Z_LOSS_OUTPUT]
+        .into_iter()
+        .filter_map(|name| {
+            let o = trace.outputs.iter().find(|o| matches!(&o.kind, OutputKind::Named(n) if n == name))?;
+            Some((name, o.value))
+        })
+        .collect()
 }
 
 /// The named output `grad_norm` of a step that computes it (gradient clipping).

@@ -231,6 +231,13 @@ pub struct MoeConfig {
     /// for none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_expert: Option<usize>,
+    /// The router z-loss added to the training loss with this weight
+    /// (ST-MoE's: the mean over tokens of the squared log-sum-exp of the
+    /// router's scores, averaged over the sparse layers), which keeps the
+    /// scores small; `None` for none. No Hugging Face config has it: a
+    /// training choice (`--router-z-loss`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub z_loss_coef: Option<f64>,
 }
 
 impl MoeConfig {
@@ -865,6 +872,7 @@ fn qwen3_30b_a3b() -> Config {
             dense_layers: Vec::new(),
             aux_loss_coef: None,
             shared_expert: None,
+            z_loss_coef: None,
         }),
         ..qwen3("Qwen3-30B-A3B", 48, 2048, 32, 6144, false)
     }
@@ -887,6 +895,7 @@ fn mixtral_8x7b() -> Config {
             dense_layers: Vec::new(),
             aux_loss_coef: None,
             shared_expert: None,
+            z_loss_coef: None,
         }),
         ..llama_base("Mixtral-8x7B-v0.1")
     }
@@ -1460,8 +1469,8 @@ impl Config {
                     m.experts_per_token, m.experts
                 ));
             }
-            if m.aux_loss_coef.is_some_and(|c| !c.is_finite()) {
-                return fail("moe: the load-balancing loss's coefficient must be a finite number".into());
+            if m.aux_loss_coef.is_some_and(|c| !c.is_finite()) || m.z_loss_coef.is_some_and(|c| !c.is_finite()) {
+                return fail("moe: the load-balancing and z-loss coefficients must be finite numbers".into());
             }
             if m.expert_intermediate_size == 0 || m.sparse_step == 0 || m.shared_expert == Some(0) {
                 return fail("moe: the experts' intermediate size and the sparse step must be at least 1".into());

@@ -31,12 +31,13 @@
 use super::config::{check_bytes, show_values, Config, Factor, MlpKind, MoeConfig, NormKind, QkNorm, PARAM_KEYS};
 use super::init::param_stream;
 use super::lora::{Adapters, BaseStorage, LoraTarget};
-use crate::autodiff::{ROUTER_AUX_LOSS_OUTPUT, STEP_INPUT};
+use crate::autodiff::{ROUTER_AUX_LOSS_OUTPUT, ROUTER_Z_LOSS_OUTPUT, STEP_INPUT};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::attention::Scores;
 use crate::ops::linear_ce::{default_chunk, LinearCrossEntropy, Reduction};
 use crate::ops::nf4::Nf4Weight;
+use crate::ops::reduce::ReduceKind;
 use crate::ops::{stat_dtype, UnaryFn};
 
 /// The loss the forward trace ends with.
@@ -197,6 +198,10 @@ pub(crate) struct Gpt<'a> {
     /// counts `[E]`, kept for the load-balancing loss when the model has
     /// one ([`MoeConfig::aux_loss_coef`]).
     pub(crate) router_stats: Vec<(ValueId, ValueId)>,
+    /// Each sparse layer's router scores `[N, E]` (in the statistics'
+    /// dtype), kept for the router z-loss when the model has one
+    /// ([`MoeConfig::z_loss_coef`]).
+    pub(crate) router_scores: Vec<ValueId>,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -228,6 +233,7 @@ impl<'a> Gpt<'a> {
             adapters: None,
             dropout_step: None,
             router_stats: Vec::new(),
+            router_scores: Vec::new(),
         }
     }
 
@@ -714,6 +720,9 @@ impl<'a> Gpt<'a> {
         let router = self.param(&format!("{prefix}.gate.weight"), &[e, c])?;
         let logits = self.b.linear(x2, router, None)?;
         let logits = self.b.cast(logits, stat_dtype(self.dtype))?;
+        if moe.z_loss_coef.is_some() {
+            self.router_scores.push(logits);
+        }
         let probs = self.b.softmax(logits)?;
         let (weights, chosen) = self.b.top_k(probs, k)?;
         let weights = if moe.normalize_top_k {
@@ -961,11 +970,52 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
         }
         _ => loss,
     };
+    let loss = match (targets, cfg.moe.as_ref().and_then(|m| m.z_loss_coef)) {
+        (Some(_), Some(coef)) => {
+            let z = g.router_z_loss()?;
+            g.b.output(OutputKind::Named(ROUTER_Z_LOSS_OUTPUT.into()), z);
+            let w = g.b.full(coef, g.b.ty(z).clone())?;
+            let weighted = g.b.mul(z, w)?;
+            let z = g.b.cast(weighted, g.b.dtype(loss))?;
+            g.b.add(loss, z)?
+        }
+        _ => loss,
+    };
     g.b.output(OutputKind::Loss, loss);
     g.b.finish("build")
 }
 
 impl Gpt<'_> {
+    /// The router z-loss of the sparse layers recorded so far: for each,
+    /// the mean over its tokens of `logsumexp(scores)²` (the log-sum-exp
+    /// taken stably, from the row's maximum), then the mean over layers.
+    fn router_z_loss(&mut self) -> Result<ValueId> {
+        let scores = std::mem::take(&mut self.router_scores);
+        let mut total: Option<ValueId> = None;
+        for &s in &scores {
+            let top = self.b.reduce(ReduceKind::Max, s, &[1], true)?;
+            let shifted = self.b.sub(s, top)?;
+            let e = self.b.unary(UnaryFn::Exp, shifted)?;
+            let sum = self.b.sum(e, &[1], true)?;
+            let log = self.b.unary(UnaryFn::Log, sum)?;
+            let lse = self.b.add(log, top)?;
+            let sq = self.b.mul(lse, lse)?;
+            let mean = self.b.reduce(ReduceKind::Mean, sq, &[0, 1], false)?;
+            total = Some(match total {
+                Some(t) => self.b.add(t, mean)?,
+                None => mean,
+            });
+        }
+        let Some(total) = total else {
+            return Err(Error::Config {
+                model: self.cfg.name.clone(),
+                reason: "a router z-loss needs at least one sparse layer".into(),
+            });
+        };
+        let layers = self.b.full(1.0 / scores.len() as f64, self.b.ty(total).clone())?;
+        self.b.mul(total, layers)
+    }
+
     /// The load-balancing loss of the sparse layers recorded so far over
     /// `tokens` tokens each, as `transformers`' `load_balancing_loss_func`
     /// computes it over the layers' routers together:

@@ -94,6 +94,7 @@ impl Family for Mixtral {
             dense_layers: Vec::new(),
             aux_loss_coef,
             shared_expert: None,
+            z_loss_coef: None,
         };
         Ok(Config { sliding_window, moe: Some(moe), ..config })
     }
@@ -150,6 +151,7 @@ impl Family for Mixtral {
                 dense_layers: Vec::new(),
                 aux_loss_coef: Some(0.02),
                 shared_expert: None,
+                z_loss_coef: None,
             }),
             ..layout
         }

@@ -72,6 +72,7 @@ impl Family for Qwen2Moe {
             dense_layers: super::qwen3_moe::read_dense_layers(hf)?,
             aux_loss_coef,
             shared_expert: Some(hf.usize_opt("shared_expert_intermediate_size")?.unwrap_or(5632)),
+            z_loss_coef: None,
         };
         Ok(Config { moe: Some(moe), ..config })
     }
@@ -123,6 +124,7 @@ impl Family for Qwen2Moe {
                 dense_layers: Vec::new(),
                 aux_loss_coef: Some(0.01),
                 shared_expert: Some(40),
+                z_loss_coef: None,
             }),
             ..llama::example_layout("qwen2-moe-example")
         }

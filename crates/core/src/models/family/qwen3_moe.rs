@@ -99,6 +99,7 @@ impl Family for Qwen3Moe {
             dense_layers,
             aux_loss_coef,
             shared_expert: None,
+            z_loss_coef: None,
         };
         Ok(Config { moe: Some(moe), ..config })
     }
@@ -156,6 +157,7 @@ impl Family for Qwen3Moe {
                 dense_layers: vec![1],
                 aux_loss_coef: None,
                 shared_expert: None,
+                z_loss_coef: None,
             }),
             ..llama::example_layout("qwen3-moe-example")
         }
