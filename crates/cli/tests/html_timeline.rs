@@ -103,3 +103,46 @@ fn the_memory_timeline_renders_in_a_browser_with_its_peak_categories_and_table()
     assert!(png.len() > 30_000, "a {}-byte screenshot is too plain to hold the chart", png.len());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A plan that keeps the frozen embedding in host memory (adapters under
+/// a budget one byte below the plain plan) shows it as its own band below
+/// the device chart, and lists it in the table as living there.
+#[test]
+fn host_tables_render_as_their_own_band() {
+    let Some(browser) = browser_or_skip() else { return };
+    let dir = temp_dir("host");
+    let plan = |extra: &[&str], page: Option<&Path>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stepgraph"));
+        cmd.args(["plan", "--model", "tiny-llama", "--dtype", "f32", "--batch", "2", "--seq", "32", "--lora-rank", "2"])
+            .args(["--step", "train", "--json"])
+            .args(extra);
+        if let Some(page) = page {
+            cmd.arg("--html").arg(page);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let plain = plan(&[], None)["planned_peak_bytes"].as_u64().unwrap();
+    let page = dir.join("host.html");
+    let budget = (plain - 1).to_string();
+    let report = plan(&["--memory-budget", &budget], Some(&page));
+    let host = report["host_bytes"].as_u64().unwrap();
+    assert!(host > 0, "the budget keeps the embedding on the host: {report}");
+
+    let dom = headless(&browser, &page, &["--virtual-time-budget=5000", "--dump-dom"]);
+    assert!(dom.contains(r#"id="host-band""#), "no host band");
+    assert!(dom.contains("host memory (page-locked)"), "the band is not labelled");
+    let body = dom.split("<tbody>").nth(1).and_then(|t| t.split("</tbody>").next()).expect("the table body");
+    assert!(body.contains("in host memory"), "the table does not say where the embedding lives");
+
+    let shot = dir.join("host.png");
+    headless(&browser, &page, &["--window-size=1440,900", &format!("--screenshot={}", shot.display())]);
+    let png = std::fs::read(&shot).unwrap();
+    assert_eq!(png_size(&png), (1440, 900));
+    assert!(png.len() > 30_000, "a {}-byte screenshot is too plain to hold the chart", png.len());
+    if let Ok(keep) = std::env::var("STEPGRAPH_KEEP_SCREENSHOT") {
+        std::fs::copy(&shot, keep).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -101,9 +101,14 @@ pub struct Allocation {
 /// The plan as the page shows it: allocations and exact per-position totals.
 #[derive(Clone, Debug)]
 pub struct Timeline {
+    /// Device allocations, largest first.
     pub allocations: Vec<Allocation>,
-    /// `live[p][c]`: bytes of category `c` live at schedule position `p`.
+    /// `live[p][c]`: device bytes of category `c` live at schedule position `p`.
     pub live: Vec<[u64; 6]>,
+    /// Tables the plan keeps in page-locked host memory (a frozen
+    /// embedding under a budget), largest first: the page's host band, live
+    /// over the whole step.
+    pub host: Vec<Allocation>,
 }
 
 impl Timeline {
@@ -143,11 +148,11 @@ impl Timeline {
             ValueKind::Node(_) => Category::Temporaries,
         };
         let mut allocations = Vec::with_capacity(plan.groups.len());
+        let mut host = Vec::new();
         // Difference arrays: +bytes at start, -bytes after end, per category.
         let mut delta = vec![[0i128; 6]; steps + 1];
         for g in &plan.groups {
-            // The timeline is device memory: host tables are not in it.
-            if g.members.is_empty() || g.bytes == 0 || g.region == Region::Host {
+            if g.members.is_empty() || g.bytes == 0 {
                 continue;
             }
             // The most telling member decides: leaves and gradients over
@@ -177,9 +182,7 @@ impl Timeline {
             } else {
                 String::new()
             };
-            delta[start][category.index()] += g.bytes as i128;
-            delta[end + 1][category.index()] -= g.bytes as i128;
-            allocations.push(Allocation {
+            let allocation = Allocation {
                 name: format!("{name}{members}"),
                 ty: trace.ty(shown).to_string(),
                 category,
@@ -187,7 +190,15 @@ impl Timeline {
                 start,
                 end,
                 bytes: g.bytes,
-            });
+            };
+            // The chart is device memory: host tables get their own band.
+            if g.region == Region::Host {
+                host.push(allocation);
+                continue;
+            }
+            delta[start][category.index()] += g.bytes as i128;
+            delta[end + 1][category.index()] -= g.bytes as i128;
+            allocations.push(allocation);
         }
         let mut live = Vec::with_capacity(steps);
         let mut running = [0i128; 6];
@@ -198,7 +209,13 @@ impl Timeline {
             live.push(running.map(|b| b.max(0) as u64));
         }
         allocations.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.start.cmp(&b.start)));
-        Timeline { allocations, live }
+        host.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        Timeline { allocations, live, host }
+    }
+
+    /// Bytes in host memory.
+    pub fn host_bytes(&self) -> u64 {
+        self.host.iter().map(|a| a.bytes).sum()
     }
 
     /// Total live bytes at position `p`.
@@ -270,6 +287,9 @@ fn tick_step(max: f64, target: f64) -> f64 {
 }
 
 /// Chart geometry, in SVG user units.
+/// The fill of the host-memory band.
+const HOST_COLOR: &str = "#d8cce8";
+
 const LEFT: f64 = 78.0;
 const TOP: f64 = 40.0;
 const WIDTH: f64 = 840.0;
@@ -299,7 +319,10 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
     let y_of = |bytes: f64| TOP + HEIGHT - HEIGHT * bytes / y_max;
 
     let mut svg = String::new();
-    let total_h = TOP + HEIGHT + 46.0;
+    // Host tables, when the plan has them, as a band of their own below the axis.
+    let host_bytes = timeline.host_bytes();
+    let band_top = TOP + HEIGHT + 46.0;
+    let total_h = if host_bytes > 0 { band_top + 44.0 } else { band_top };
     let _ = write!(
         svg,
         r#"<svg id="chart" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img" aria-label="bytes live over the schedule">"#,
@@ -422,6 +445,20 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
             String::new()
         }
     );
+    if host_bytes > 0 {
+        let names: Vec<&str> = timeline.host.iter().take(3).map(|a| a.name.as_str()).collect();
+        let _ = write!(
+            svg,
+            r##"<rect id="host-band" x="{l}" y="{y}" width="{w}" height="24" fill="{HOST_COLOR}"><title>host memory</title></rect><text x="{tx}" y="{ty}" class="host-label">host memory (page-locked), live over the whole step: {bytes} — {names}</text>"##,
+            l = LEFT,
+            y = band_top,
+            w = WIDTH,
+            tx = LEFT + 8.0,
+            ty = band_top + 16.0,
+            bytes = human(host_bytes),
+            names = escape(&names.join(", "))
+        );
+    }
     let _ = write!(
         svg,
         r##"<line id="cursor" x1="0" x2="0" y1="{t}" y2="{b}" visibility="hidden"/><rect id="hover" x="{l}" y="{t}" width="{w}" height="{h}" fill="transparent"/></svg>"##,
@@ -484,8 +521,10 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
         );
     }
     cols_js.push(']');
+    // The table lists host tables too, their producer saying where they live.
     let mut rows_js = String::from("[");
-    for (i, a) in timeline.allocations.iter().enumerate() {
+    let rows = timeline.allocations.iter().map(|a| (a, "")).chain(timeline.host.iter().map(|a| (a, " in host memory")));
+    for (i, (a, place)) in rows.enumerate() {
         if i > 0 {
             rows_js.push(',');
         }
@@ -495,7 +534,7 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
             js_string(&a.name),
             js_string(&a.ty),
             a.category.index(),
-            js_string(&a.producer),
+            js_string(&format!("{}{place}", a.producer)),
             a.start,
             a.end,
             a.bytes
@@ -513,8 +552,13 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
 
     let title =
         if options.title.is_empty() { format!("memory plan of `{}`", trace.name) } else { options.title.clone() };
+    let host_note = if host_bytes > 0 {
+        format!("; host memory {} (tables read from the device through the bus)", human(host_bytes))
+    } else {
+        String::new()
+    };
     let summary = format!(
-        "planned peak <b id=\"planned-peak-value\">{}</b> ({} B) = persistent {} + arena {}; live bytes peak at node {} with {}; {} nodes, {} allocations",
+        "planned peak <b id=\"planned-peak-value\">{}</b> ({} B) = persistent {} + arena {}; live bytes peak at node {} with {}; {} nodes, {} allocations{host_note}",
         human(planned_peak),
         planned_peak,
         human(plan.persistent_bytes),
@@ -546,6 +590,7 @@ svg text {{ font: 12px system-ui, sans-serif; fill: #333; }}
 .grid {{ stroke: #ddd; stroke-width: 1; }}
 .axisline {{ stroke: #888; }}
 .phase-label {{ fill: #8a8a8a; font-size: 11px; }}
+.host-label {{ fill: #3d2a57; font-size: 12px; }}
 .planned {{ stroke: #222; stroke-dasharray: 6 4; stroke-width: 1.3; }}
 .peak {{ stroke: #c00; stroke-width: 1.5; }}
 .marker {{ fill: #222; font-weight: 600; }}
@@ -673,6 +718,36 @@ mod tests {
         assert!(grads > 0);
         assert!(t.allocations.iter().any(|a| a.category == Category::SavedActivations));
         assert!(t.allocations.windows(2).all(|w| w[0].bytes >= w[1].bytes));
+    }
+
+    /// A frozen embedding moved to host memory under a budget is a band of
+    /// its own, not part of the device chart, and a row of the table.
+    #[test]
+    fn host_tables_are_a_band_of_their_own() {
+        use crate::models::{Adapters, LoraTarget};
+        use crate::passes::recompute::RecomputePolicy;
+        let mut spec = ModelSpec::named("tiny-llama", 1, 8, DType::F32, LossKind::CrossEntropy).unwrap();
+        spec.adapters = Some(Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap());
+        let plain = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
+        let budget = StepOptions {
+            recompute: RecomputePolicy::Budget(plain.planned_peak_bytes() - 1),
+            ..StepOptions::new(StepKind::Train)
+        };
+        let c = compile_step(&spec, &budget).unwrap();
+        assert!(c.plan.host_bytes > 0);
+        let t = Timeline::new(&c.step, &c.plan, &[]);
+        assert_eq!(t.host_bytes(), c.plan.host_bytes);
+        assert_eq!(t.host[0].name, "model.embed_tokens.weight");
+        // The device chart holds the persistent bytes alone, host ones apart.
+        let p = t.live.len() / 2;
+        let persistent = t.live[p][Category::Parameters.index()] + t.live[p][Category::OptimizerState.index()];
+        assert_eq!(persistent, c.plan.persistent_bytes);
+        let html = memory_timeline_html(&c.step, &c.plan, &TimelineOptions::default());
+        assert!(html.contains(r#"id="host-band""#) && html.contains("host memory (page-locked)"));
+        assert!(html.contains(&human(c.plan.host_bytes)));
+        assert!(html.contains("frozen weight in host memory"));
+        let plain_html = memory_timeline_html(&plain.step, &plain.plan, &TimelineOptions::default());
+        assert!(!plain_html.contains("host-band"));
     }
 
     #[test]
