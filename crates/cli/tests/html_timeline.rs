@@ -113,8 +113,8 @@ fn host_tables_render_as_their_own_band() {
     let dir = temp_dir("host");
     let plan = |extra: &[&str], page: Option<&Path>| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_stepgraph"));
-        cmd.args(["plan", "--model", "tiny-llama", "--dtype", "f32", "--batch", "2", "--seq", "32", "--lora-rank", "2"])
-            .args(["--step", "train", "--json"])
+        cmd.args(["plan", "--model", "tiny-llama", "--dtype", "f32", "--batch", "2", "--seq", "32"])
+            .args(["--lora-rank", "2", "--step", "train", "--json"])
             .args(extra);
         if let Some(page) = page {
             cmd.arg("--html").arg(page);

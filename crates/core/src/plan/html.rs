@@ -209,7 +209,7 @@ impl Timeline {
             live.push(running.map(|b| b.max(0) as u64));
         }
         allocations.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.start.cmp(&b.start)));
-        host.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        host.sort_by_key(|a| std::cmp::Reverse(a.bytes));
         Timeline { allocations, live, host }
     }
 
