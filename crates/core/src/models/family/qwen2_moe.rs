@@ -11,7 +11,7 @@
 use serde_json::json;
 
 use super::llama::{self, Variant};
-use super::mixtral::{router_training_terms, write_router_keys};
+use super::qwen3_moe::{read_qwen_moe, write_qwen_moe};
 use super::{ConfigKeys, Family, Holds, Join, Rule};
 use crate::error::Result;
 use crate::models::config::{Config, MoeConfig, QkNorm};
@@ -62,17 +62,9 @@ impl Family for Qwen2Moe {
                 qk_norm: QkNorm::None,
             })
         })?;
-        let aux_loss_coef = router_training_terms(hf)?;
         let moe = MoeConfig {
-            experts: hf.usize_opt("num_experts")?.unwrap_or(60),
-            experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(4),
-            expert_intermediate_size: hf.usize_opt("moe_intermediate_size")?.unwrap_or(1408),
-            normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
-            sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
-            dense_layers: super::qwen3_moe::read_dense_layers(hf)?,
-            aux_loss_coef,
             shared_expert: Some(hf.usize_opt("shared_expert_intermediate_size")?.unwrap_or(5632)),
-            z_loss_coef: None,
+            ..read_qwen_moe(hf, [60, 4, 1408])?
         };
         Ok(Config { moe: Some(moe), ..config })
     }
@@ -83,13 +75,8 @@ impl Family for Qwen2Moe {
         keys.set("use_sliding_window", json!(false));
         llama::write_no_window(keys);
         if let Some(moe) = &config.moe {
-            keys.set("num_experts", json!(moe.experts));
-            keys.set("moe_intermediate_size", json!(moe.expert_intermediate_size));
+            write_qwen_moe(moe, keys);
             keys.set("shared_expert_intermediate_size", json!(moe.shared_expert));
-            keys.set("norm_topk_prob", json!(moe.normalize_top_k));
-            keys.set("decoder_sparse_step", json!(moe.sparse_step));
-            keys.set("mlp_only_layers", json!(moe.dense_layers));
-            write_router_keys(moe, keys);
         }
     }
 

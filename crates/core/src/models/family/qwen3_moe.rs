@@ -39,6 +39,44 @@ const RULES: &[Rule] = &[
     },
 ];
 
+/// The routing keys Qwen's mixtures of experts share (Qwen2-MoE and
+/// Qwen3-MoE), with the family's defaults `[experts, per token, width]`
+/// for absent ones; no shared expert (Qwen2-MoE sets its own).
+pub(super) fn read_qwen_moe(hf: &HfJson, [experts, per_token, width]: [usize; 3]) -> Result<MoeConfig> {
+    // transformers 5 writes `num_local_experts` (reading `num_experts` as
+    // another name for it); released folders give `num_experts`.
+    let experts = match (hf.usize_opt("num_experts")?, hf.usize_opt("num_local_experts")?) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(hf.err(format!("num_experts {a} and num_local_experts {b} disagree")));
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => experts,
+    };
+    Ok(MoeConfig {
+        experts,
+        experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(per_token),
+        expert_intermediate_size: hf.usize_opt("moe_intermediate_size")?.unwrap_or(width),
+        normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
+        sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
+        dense_layers: read_dense_layers(hf)?,
+        aux_loss_coef: router_training_terms(hf)?,
+        shared_expert: None,
+        z_loss_coef: None,
+    })
+}
+
+/// Writes the keys [`read_qwen_moe`] reads.
+pub(super) fn write_qwen_moe(moe: &MoeConfig, keys: &mut ConfigKeys) {
+    // Both names: transformers 4 reads the first, 5 writes the second.
+    keys.set("num_experts", json!(moe.experts));
+    keys.set("num_local_experts", json!(moe.experts));
+    keys.set("moe_intermediate_size", json!(moe.expert_intermediate_size));
+    keys.set("norm_topk_prob", json!(moe.normalize_top_k));
+    keys.set("decoder_sparse_step", json!(moe.sparse_step));
+    keys.set("mlp_only_layers", json!(moe.dense_layers));
+    write_router_keys(moe, keys);
+}
+
 /// `mlp_only_layers`: the layers that keep the dense MLP (none when absent).
 pub(super) fn read_dense_layers(hf: &HfJson) -> Result<Vec<usize>> {
     Ok(match hf.get("mlp_only_layers") {
@@ -79,28 +117,7 @@ impl Family for Qwen3Moe {
                 qk_norm: QkNorm::PerHead,
             })
         })?;
-        let aux_loss_coef = router_training_terms(hf)?;
-        let dense_layers = read_dense_layers(hf)?;
-        // transformers 5 writes `num_local_experts` (reading `num_experts`
-        // as another name for it); released folders give `num_experts`.
-        let experts = match (hf.usize_opt("num_experts")?, hf.usize_opt("num_local_experts")?) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(hf.err(format!("num_experts {a} and num_local_experts {b} disagree")));
-            }
-            (Some(n), _) | (None, Some(n)) => n,
-            (None, None) => 128,
-        };
-        let moe = MoeConfig {
-            experts,
-            experts_per_token: hf.usize_opt("num_experts_per_tok")?.unwrap_or(8),
-            expert_intermediate_size: hf.usize_opt("moe_intermediate_size")?.unwrap_or(768),
-            normalize_top_k: hf.bool_opt("norm_topk_prob")?.unwrap_or(false),
-            sparse_step: hf.usize_opt("decoder_sparse_step")?.unwrap_or(1),
-            dense_layers,
-            aux_loss_coef,
-            shared_expert: None,
-            z_loss_coef: None,
-        };
+        let moe = read_qwen_moe(hf, [128, 8, 768])?;
         Ok(Config { moe: Some(moe), ..config })
     }
 
@@ -110,14 +127,7 @@ impl Family for Qwen3Moe {
         keys.set("use_sliding_window", json!(false));
         llama::write_no_window(keys);
         if let Some(moe) = &config.moe {
-            // Both names: transformers 4 reads the first, 5 writes the second.
-            keys.set("num_experts", json!(moe.experts));
-            keys.set("num_local_experts", json!(moe.experts));
-            keys.set("moe_intermediate_size", json!(moe.expert_intermediate_size));
-            keys.set("norm_topk_prob", json!(moe.normalize_top_k));
-            keys.set("decoder_sparse_step", json!(moe.sparse_step));
-            keys.set("mlp_only_layers", json!(moe.dense_layers));
-            write_router_keys(moe, keys);
+            write_qwen_moe(moe, keys);
         }
     }
 
