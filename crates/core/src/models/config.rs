@@ -245,6 +245,11 @@ impl MoeConfig {
     pub fn is_sparse(&self, layer: usize) -> bool {
         !self.dense_layers.contains(&layer) && divides(self.sparse_step.max(1), layer + 1)
     }
+
+    /// How many of `n_layer` layers have the experts.
+    pub fn sparse_layers(&self, n_layer: usize) -> usize {
+        (0..n_layer).filter(|&l| self.is_sparse(l)).count()
+    }
 }
 
 /// Which layers of a model are sliding layers ([`Config::sliding_layers`]).
@@ -1552,7 +1557,7 @@ impl Config {
     pub fn idle_expert_weights(&self) -> usize {
         match &self.moe {
             Some(m) => {
-                let sparse = (0..self.n_layer).filter(|&l| m.is_sparse(l)).count();
+                let sparse = m.sparse_layers(self.n_layer);
                 let idle = m.experts.saturating_sub(m.experts_per_token);
                 sparse.saturating_mul(idle).saturating_mul(3 * m.expert_intermediate_size * self.n_embd)
             }
@@ -1603,7 +1608,7 @@ impl Config {
         // Sparse layers: the router and each expert's three matrices instead of the MLP.
         let (sparse, sparse_layer) = match &self.moe {
             Some(m) => {
-                let count = (0..self.n_layer).filter(|&l| m.is_sparse(l)).count();
+                let count = m.sparse_layers(self.n_layer);
                 let expert = embd.checked_mul(n(m.expert_intermediate_size)?)?.checked_mul(3)?;
                 let experts = n(m.experts)?.checked_mul(expert.checked_add(embd)?)?;
                 // The shared expert's three matrices and its one-row gate.

@@ -42,7 +42,7 @@ impl ExpertsReport {
         let moe = cfg.moe.as_ref()?;
         let size = spec.dtype.size() as u64;
         let (c, f) = (cfg.n_embd as u64, moe.expert_intermediate_size as u64);
-        let sparse_layers = (0..cfg.n_layer).filter(|&l| moe.is_sparse(l)).count();
+        let sparse_layers = moe.sparse_layers(cfg.n_layer);
         let shared = moe.shared_expert.map_or(0, |w| 3 * w as u64 * c + c);
         let per_layer_weights = moe.experts as u64 * (3 * f * c + c) + shared;
         let tokens = spec.batch * spec.seq;

@@ -11,34 +11,14 @@
 use serde_json::json;
 
 use super::llama::{self, Variant};
-use super::qwen3_moe::{read_qwen_moe, write_qwen_moe};
-use super::{ConfigKeys, Family, Holds, Join, Rule};
+use super::qwen3_moe::{read_qwen_moe, write_qwen_moe, QWEN_EXPERT_RULES};
+use super::{ConfigKeys, Family, Holds, Rule};
 use crate::error::Result;
 use crate::models::config::{Config, MoeConfig, QkNorm};
 use crate::models::hf::HfJson;
 
 /// `model_type` `qwen2_moe`.
 pub struct Qwen2Moe;
-
-/// The experts, one tensor per expert; the router, the shared expert, its
-/// gate and the dense layers' MLPs have the trace's names.
-const RULES: &[Rule] = &[
-    Rule {
-        hf: "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-        trace: &["model.layers.{i}.mlp.experts.gate_proj.weight"],
-        join: Join::Experts,
-    },
-    Rule {
-        hf: "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-        trace: &["model.layers.{i}.mlp.experts.up_proj.weight"],
-        join: Join::Experts,
-    },
-    Rule {
-        hf: "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-        trace: &["model.layers.{i}.mlp.experts.down_proj.weight"],
-        join: Join::Experts,
-    },
-];
 
 impl Family for Qwen2Moe {
     fn model_type(&self) -> &'static str {
@@ -94,7 +74,7 @@ impl Family for Qwen2Moe {
     }
 
     fn rules(&self) -> &'static [Rule] {
-        RULES
+        QWEN_EXPERT_RULES
     }
 
     #[cfg(test)]

@@ -19,9 +19,10 @@ use crate::models::hf::HfJson;
 /// `model_type` `qwen3_moe`.
 pub struct Qwen3Moe;
 
-/// The experts, one tensor per expert; the router and the dense layers'
+/// The experts of Qwen's mixtures (Qwen2-MoE's and Qwen3-MoE's), one
+/// tensor per expert; the router, a shared expert and the dense layers'
 /// MLPs have the trace's names.
-const RULES: &[Rule] = &[
+pub(super) const QWEN_EXPERT_RULES: &[Rule] = &[
     Rule {
         hf: "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
         trace: &["model.layers.{i}.mlp.experts.gate_proj.weight"],
@@ -150,7 +151,7 @@ impl Family for Qwen3Moe {
     }
 
     fn rules(&self) -> &'static [Rule] {
-        RULES
+        QWEN_EXPERT_RULES
     }
 
     #[cfg(test)]
