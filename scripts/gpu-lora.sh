@@ -5,8 +5,9 @@
 #
 #   bash scripts/gpu-lora.sh [STAGE...]     # default: peft memory
 #
-# peft    a tiny f32 Llama folder made by transformers (scripts/peft_check.py
-#         make-base); `stepgraph train --lora-rank 4` from it, written as an
+# peft    tiny f32 Llama, Mixtral and Qwen3-MoE folders made by transformers
+#         (scripts/peft_check.py make-base); for each, `stepgraph train
+#         --lora-rank 4` from it (the experts adapted too), written as an
 #         adapter folder and, with --merge, as a merged model folder;
 #         `stepgraph hf --adapter` logits and adapter gradients in f32 and
 #         bf16; then scripts/peft_check.py compare: peft loads the adapter
@@ -60,21 +61,31 @@ OUTJ="$RESULTS/lora.jsonl"
 run() { "$@" >>"$LOG" 2>&1; }
 
 peft_stage() {
-    stamp "peft: base model and ids"
-    run python3 scripts/peft_check.py make-base --out "$WORK/base" || return 1
-    run python3 scripts/peft_check.py ids --out "$WORK/ids.safetensors" || return 1
-    local common=(--init-from "$WORK/base" --data data/tiny.txt --device cuda --dtype f32 --seq 64 --batch 2
-        --steps 4 --lr 1e-2 --eval-every 0 --lora-rank 4 --lora-alpha 8 --seed 3)
-    stamp "peft: train the adapters, as a peft folder and merged"
-    run "$SG" train "${common[@]}" --out "$WORK/ours" || return 1
-    run "$SG" train "${common[@]}" --out "$WORK/merged" --merge || return 1
-    for dt in f32 bf16; do
-        stamp "peft: $dt logits and adapter gradients"
-        run "$SG" hf --init-from "$WORK/base" --adapter "$WORK/ours" --ids "$WORK/ids.safetensors" --dtype "$dt" \
-            --device cuda --logits-out "$WORK/logits-$dt.safetensors" --grads-out "$WORK/grads-$dt.safetensors"
-        python3 scripts/peft_check.py compare --base "$WORK/base" --adapter "$WORK/ours" --merged "$WORK/merged" \
-            --ids "$WORK/ids.safetensors" --logits "$WORK/logits-$dt.safetensors" \
-            --grads "$WORK/grads-$dt.safetensors" --dtype "$dt" 2>>"$LOG" | grep RESULT | sed 's/^RESULT {/{"check":"peft",/' | tee -a "$OUTJ"
+    # A dense Llama, and two mixtures of experts whose experts carry
+    # adapters too (Qwen3-MoE's dense layer keeps its MLP unadapted: peft
+    # reads those projection names as the experts').
+    for family in llama mixtral qwen3_moe; do
+        local targets=()
+        [ "$family" = qwen3_moe ] && targets=(--lora-targets q,k,v,o,experts)
+        local w="$WORK/$family"
+        mkdir -p "$w"
+        stamp "peft: $family base model and ids"
+        run python3 scripts/peft_check.py make-base --out "$w/base" --family "$family" || return 1
+        run python3 scripts/peft_check.py ids --out "$w/ids.safetensors" || return 1
+        local common=(--init-from "$w/base" --data data/tiny.txt --device cuda --dtype f32 --seq 64 --batch 2
+            --steps 4 --lr 1e-2 --eval-every 0 --lora-rank 4 --lora-alpha 8 --seed 3 "${targets[@]}")
+        stamp "peft: $family: train the adapters, as a peft folder and merged"
+        run "$SG" train "${common[@]}" --out "$w/ours" || return 1
+        run "$SG" train "${common[@]}" --out "$w/merged" --merge || return 1
+        for dt in f32 bf16; do
+            stamp "peft: $family $dt logits and adapter gradients"
+            run "$SG" hf --init-from "$w/base" --adapter "$w/ours" --ids "$w/ids.safetensors" --dtype "$dt" \
+                --device cuda --logits-out "$w/logits-$dt.safetensors" --grads-out "$w/grads-$dt.safetensors"
+            python3 scripts/peft_check.py compare --base "$w/base" --adapter "$w/ours" --merged "$w/merged" \
+                --ids "$w/ids.safetensors" --logits "$w/logits-$dt.safetensors" \
+                --grads "$w/grads-$dt.safetensors" --dtype "$dt" 2>>"$LOG" | grep RESULT |
+                sed "s/^RESULT {/{\"check\":\"peft\",\"family\":\"$family\",/" | tee -a "$OUTJ"
+        done
     done
 }
 

@@ -1,10 +1,13 @@
 """stepgraph's adapters against `peft`'s, on a CUDA machine with PyTorch,
 transformers, peft and safetensors (scripts/gpu-lora.sh runs it):
 
-    python3 scripts/peft_check.py make-base --out DIR
-        a tiny Llama folder (f32, random weights, no tokenizer) whose config
-        sets what changes the math away from the defaults: grouped-query
-        heads, RoPE base, RMSNorm epsilon, untied head;
+    python3 scripts/peft_check.py make-base --out DIR [--family llama|mixtral|qwen3_moe]
+        a tiny folder of that family (f32, random weights, no tokenizer)
+        whose config sets what changes the math away from the defaults:
+        grouped-query heads, RoPE base, RMSNorm epsilon, untied head; for
+        the mixtures of experts 4 experts, 2 per token (Qwen3-MoE: a head
+        size other than width / heads and a dense second layer), whose
+        adapters on the experts peft holds through `target_parameters`;
     python3 scripts/peft_check.py ids --out FILE [--vocab N]
         `input_ids` [2, 24] for `stepgraph hf --ids`;
     python3 scripts/peft_check.py compare --base DIR --adapter DIR --merged DIR \
@@ -26,22 +29,37 @@ import sys
 import torch
 
 
-def make_base(out):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_base(out, family):
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, torch_dtype="float32",
+    common = dict(
+        vocab_size=320, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
+    if family == "llama":
+        config = transformers.LlamaConfig(intermediate_size=320, attention_bias=False, mlp_bias=False, **common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=192, moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], head_dim=48, **common,
+        )
+        cls = transformers.Qwen3MoeForCausalLM
+    model = cls(config).to(torch.float32)
     # Norm weights away from one, so a wrong norm shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif "experts" in name or name.endswith("mlp.gate.weight"):
+                # A wider draw than the default, so the router's choices
+                # are clear and the experts' adapters matter.
+                p.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
 
 
@@ -105,6 +123,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("make-base")
     b.add_argument("--out", required=True)
+    b.add_argument("--family", choices=["llama", "mixtral", "qwen3_moe"], default="llama")
     i = sub.add_parser("ids")
     i.add_argument("--out", required=True)
     i.add_argument("--vocab", type=int, default=320)
@@ -114,7 +133,7 @@ def main():
     c.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     args = ap.parse_args()
     if args.cmd == "make-base":
-        make_base(args.out)
+        make_base(args.out, args.family)
     elif args.cmd == "ids":
         make_ids(args.out, args.vocab)
     else:

@@ -92,8 +92,9 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
                 (Some(BaseDTypeArg::Model), _) => BaseStorage::Model,
                 (None, _) => folders.recorded_base.unwrap_or(BaseStorage::Model),
             };
+            let tensors = read_adapter_weights(dir, hf.family(), &adapters).with_context(context)?;
             spec.adapters = Some(adapters);
-            Some(read_adapter_weights(dir, hf.family()).with_context(context)?)
+            Some(tensors)
         }
         None => None,
     };

@@ -262,7 +262,7 @@ fn gb(b: u64) -> f64 {
 fn adapter_merge(dir: &std::path::Path, shown: &std::path::Path, hf: &HfModelDir) -> Result<AdapterMerge> {
     let context = || format!("--adapter {}", shown.display());
     let (adapters, _) = read_adapter_config(dir).with_context(context)?;
-    let tensors = read_adapter_weights(dir, hf.family()).with_context(context)?;
+    let tensors = read_adapter_weights(dir, hf.family(), &adapters).with_context(context)?;
     AdapterMerge::new(adapters.scale(), &tensors).with_context(context)
 }
 

@@ -37,7 +37,7 @@ use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 
-use stepgraph_core::models::peft::{peft_tensor_name, read_adapter_config, read_adapter_weights};
+use stepgraph_core::models::peft::{peft_layout, peft_tensor_name, read_adapter_config, read_adapter_weights};
 use stepgraph_train::trainer::load_adapters;
 use stepgraph_train::{open_session, Backend, SessionOptions};
 
@@ -132,7 +132,8 @@ pub fn run(args: &HfArgs) -> Result<()> {
         Some(dir) => {
             let context = || format!("--adapter {}", dir.display());
             let (adapters, _) = read_adapter_config(dir).with_context(context)?;
-            Some((adapters, read_adapter_weights(dir, hf.family()).with_context(context)?))
+            let tensors = read_adapter_weights(dir, hf.family(), &adapters).with_context(context)?;
+            Some((adapters, tensors))
         }
         None => None,
     };
@@ -214,15 +215,16 @@ pub fn run(args: &HfArgs) -> Result<()> {
         }
         grads.run_eager()?;
         let loss = grads.loss()?;
-        if adapter.is_some() {
-            // The adapters' gradients, named as peft names its parameters.
+        if let Some((adapters, _)) = &adapter {
+            // The adapters' gradients, named and laid out as peft holds its parameters.
             let mut tensors = Vec::new();
             for p in compiled.forward.params() {
                 let name = compiled.forward.value(p).kind.leaf_name().unwrap_or_default().to_string();
                 let v = grads.trace().leaf_by_name(&name).and_then(|p| grads.trace().grad_of(p));
                 let g = grads.read(v.with_context(|| format!("no gradient of `{name}`"))?)?;
-                let peft = peft_tensor_name(hf.family(), &name).map_err(anyhow::Error::msg)?;
-                tensors.push((peft, HostTensor::from_f64(g.ty.with_dtype(DType::F32), &g.to_f64())));
+                let peft = peft_tensor_name(hf.family(), &name, &adapters.targets).map_err(anyhow::Error::msg)?;
+                let g = HostTensor::from_f64(g.ty.with_dtype(DType::F32), &g.to_f64());
+                tensors.push((peft, peft_layout(&name, &g)));
             }
             tensors.push(("loss".into(), HostTensor::from_f64(TensorType::new(DType::F32, [1]), &[loss])));
             write_safetensors_atomic(out, &tensors)?;

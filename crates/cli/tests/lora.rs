@@ -144,6 +144,53 @@ fn an_adapter_run_writes_a_peft_folder_that_eval_and_generate_read() {
     assert_eq!(with_adapter.len(), 12);
 }
 
+/// On a mixture of experts the default targets (all-linear) adapt the
+/// routed experts too: the folder holds them as peft does (its
+/// `target_parameters`, one adapter per expert), eval and generate read
+/// it, and --merge folds them into the experts' weights.
+#[test]
+fn expert_adapters_go_through_the_folder_and_merge_into_the_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    write_model(&base, "mixtral", false, None);
+    let data = chat_token_file(tmp.path());
+    let (adapter, merged) = (tmp.path().join("adapter"), tmp.path().join("merged"));
+    fn args<'a>(base: &'a Path, data: &'a Path, out: &'a Path) -> Vec<&'a str> {
+        let mut a = vec!["train", "--init-from", s(base), "--data", s(data), "--device", "cpu"];
+        a.extend(["--seq", "32", "--batch", "2", "--steps", "6", "--lr", "1e-2", "--eval-every", "6"]);
+        a.extend(["--eval-batches", "2", "--lora-rank", "4", "--out", s(out)]);
+        a
+    }
+    let (_, err) = run_ok(&args(&base, &data, &adapter));
+    assert!(err.contains("on q,k,v,o,gate,up,down,experts_gate_up,experts_down"), "{err}");
+    let val = number_after(&err, "validation at step 6: loss");
+    let config: Value = serde_json::from_slice(&std::fs::read(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["target_modules"], serde_json::json!(["k_proj", "o_proj", "q_proj", "v_proj"]));
+    assert_eq!(config["target_parameters"], serde_json::json!(["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]));
+    let tensors = folder_tensors(&adapter);
+    // gate_up_proj's adapter nests inside down_proj's: [E·r, C] f32.
+    let a = &tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"];
+    assert_eq!(a.len(), 4 * 4 * 32 * 4);
+    let b = &tensors["base_model.model.model.layers.1.mlp.experts.lora_B.weight"];
+    assert_eq!(b.len(), 32 * 4 * 4 * 4);
+
+    assert_eq!(eval_loss(&base, Some(&adapter), &data, &[]), val);
+    let mut merge = args(&base, &data, &merged);
+    merge.push("--merge");
+    run_ok(&merge);
+    let merged_loss = eval_loss(&merged, None, &data, &[]);
+    assert!((merged_loss - val).abs() <= 2e-4, "{merged_loss} vs {val}");
+    let gen = |folder: &Path, adapter: Option<&Path>| {
+        let mut args = vec!["generate", "--init-from", s(folder), "--device", "cpu", "--prompt", "Hello"];
+        args.extend(["--max-new-tokens", "12", "--ignore-eos", "--json"]);
+        if let Some(a) = adapter {
+            args.extend(["--adapter", s(a)]);
+        }
+        generated_ids(&run_ok(&args).0)
+    };
+    assert_eq!(gen(&base, Some(&adapter)), gen(&merged, None));
+}
+
 #[test]
 fn a_qlora_run_evaluates_over_the_same_nf4_base() {
     let tmp = tempfile::tempdir().unwrap();

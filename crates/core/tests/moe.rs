@@ -129,65 +129,60 @@ fn the_sparse_layer_has_a_router_and_stacked_experts_and_the_dense_one_its_mlp()
 
 #[test]
 fn gradients_match_finite_differences() {
-    for normalize in [true, false] {
-        let sp = spec(config(normalize), DType::F64);
-        let fwd = build_forward(&sp).unwrap();
-        let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
-        let w = weights(&fwd, 5);
-        let data = batch(&sp, 2);
-        let p = plan(&grads, PlanOptions::default()).unwrap();
-        let mut s = CpuSession::new(grads.clone(), p).unwrap();
-        for v in grads.weights() {
-            s.write(v, &w[&name(&grads, v)]).unwrap();
-        }
-        for (n, t) in &data {
-            s.write_named(n, t).unwrap();
-        }
-        s.run_eager().unwrap();
+    // One random direction per parameter group: the router, the experts,
+    // the shared expert and its gate, and everything else, each checked on its own.
+    assert_gradients_match(&spec(config(true), DType::F64), &["mlp.gate.weight", "mlp.experts."]);
+    assert_gradients_match(&spec(config(false), DType::F64), &["mlp.gate.weight", "mlp.experts.", "mlp.shared_expert"]);
+}
 
-        // One random direction per parameter group: the router, the experts,
-        // the shared expert and its gate, and everything else, each checked on its own.
-        let params: Vec<ValueId> = fwd.params().collect();
-        let parts: &[&str] = if normalize {
-            &["mlp.gate.weight", "mlp.experts.", ""]
-        } else {
-            &["mlp.gate.weight", "mlp.experts.", "mlp.shared_expert", ""]
-        };
-        for &part in parts {
-            let mut rng = StdRng::seed_from_u64(17);
-            let chosen: Vec<ValueId> = params
-                .iter()
-                .copied()
-                .filter(|&p| {
-                    let n = name(&fwd, p);
-                    if part.is_empty() {
-                        !n.contains("mlp.gate.weight")
-                            && !n.contains("mlp.experts.")
-                            && !n.contains("mlp.shared_expert")
-                    } else {
-                        n.contains(part)
-                    }
-                })
-                .collect();
-            assert!(!chosen.is_empty(), "{part}");
-            let direction: Vec<(ValueId, Vec<f64>)> = chosen
-                .iter()
-                .map(|&p| (p, (0..fwd.ty(p).numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
-                .collect();
-            let mut analytic = 0.0;
-            for (p, u) in &direction {
-                let gp = grads.leaf_by_name(&name(&fwd, *p)).unwrap();
-                let g = s.read(grads.grad_of(gp).unwrap()).to_f64();
-                analytic += g.iter().zip(u).map(|(a, b)| a * b).sum::<f64>();
-            }
-            let fd = directional_derivative(&fwd, &leaves(&fwd, &w, &data), &direction, 1e-6).unwrap();
-            let rel = (fd - analytic).abs() / fd.abs().max(analytic.abs());
-            assert!(analytic.abs() > 1e-6, "normalize {normalize}, `{part}`: zero gradient");
-            assert!(
-                rel < 1e-6,
-                "normalize {normalize}, `{part}`: finite differences {fd} vs gradient {analytic} ({rel:e})"
-            );
+/// Checks `sp`'s gradients against finite differences of its loss along
+/// one random direction per group of parameters: those whose names contain
+/// each of `groups`, then all the others.
+fn assert_gradients_match(sp: &ModelSpec, groups: &[&str]) {
+    let fwd = build_forward(sp).unwrap();
+    let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
+    let w = weights(&fwd, 5);
+    let data = batch(sp, 2);
+    let p = plan(&grads, PlanOptions::default()).unwrap();
+    let mut s = CpuSession::new(grads.clone(), p).unwrap();
+    for v in grads.weights() {
+        s.write(v, &w[&name(&grads, v)]).unwrap();
+    }
+    for (n, t) in &data {
+        s.write_named(n, t).unwrap();
+    }
+    s.run_eager().unwrap();
+
+    let params: Vec<ValueId> = fwd.params().collect();
+    for part in groups.iter().copied().map(Some).chain([None]) {
+        let mut rng = StdRng::seed_from_u64(17);
+        let chosen: Vec<ValueId> = params
+            .iter()
+            .copied()
+            .filter(|&p| {
+                let n = name(&fwd, p);
+                match part {
+                    Some(part) => n.contains(part),
+                    None => !groups.iter().any(|g| n.contains(g)),
+                }
+            })
+            .collect();
+        let what = format!("{}, `{}`", sp.config.name, part.unwrap_or("the rest"));
+        assert!(!chosen.is_empty(), "{what}: no parameters");
+        let direction: Vec<(ValueId, Vec<f64>)> = chosen
+            .iter()
+            .map(|&p| (p, (0..fwd.ty(p).numel()).map(|_| StandardNormal.sample(&mut rng)).collect()))
+            .collect();
+        let mut analytic = 0.0;
+        for (p, u) in &direction {
+            let gp = grads.leaf_by_name(&name(&fwd, *p)).unwrap();
+            let g = s.read(grads.grad_of(gp).unwrap()).to_f64();
+            analytic += g.iter().zip(u).map(|(a, b)| a * b).sum::<f64>();
         }
+        let fd = directional_derivative(&fwd, &leaves(&fwd, &w, &data), &direction, 1e-6).unwrap();
+        let rel = (fd - analytic).abs() / fd.abs().max(analytic.abs());
+        assert!(analytic.abs() > 1e-6, "{what}: zero gradient");
+        assert!(rel < 1e-6, "{what}: finite differences {fd} vs gradient {analytic} ({rel:e})");
     }
 }
 
@@ -268,25 +263,157 @@ fn the_load_balancing_loss_joins_the_loss_and_is_reported() {
     assert!((lz - l0 - 0.5 * z).abs() < 1e-12 * lz, "{lz} = {l0} + 0.5 · {z}?");
 }
 
-/// Adapters go on the attention and the dense layers; the router and the
-/// experts are frozen with the rest of the base.
+/// Adapters named for the linear layers go on the attention, the dense
+/// layer's MLP and the shared expert; the router and the routed experts
+/// are frozen with the rest of the base.
 #[test]
-fn adapters_leave_the_experts_frozen() {
+fn linear_adapters_leave_the_experts_frozen() {
     use stepgraph_core::models::{Adapters, LoraTarget};
-    let mut sp = spec(config(true), DType::F32);
-    sp.adapters = Some(Adapters::new(4, 8.0, LoraTarget::ALL.to_vec()).unwrap());
+    let mut sp = spec(config(false), DType::F32);
+    sp.adapters = Some(Adapters::new(4, 8.0, LoraTarget::MODULES.to_vec()).unwrap());
     let fwd = build_forward(&sp).unwrap();
     let params: Vec<String> = fwd.params().map(|p| name(&fwd, p)).collect();
     assert!(params.iter().all(|p| p.contains(".lora_")), "{params:?}");
-    // Attention on both layers and the dense layer's MLP are adapted.
     assert!(params.iter().any(|p| p.starts_with("model.layers.1.mlp.down_proj.lora_")), "{params:?}");
     assert!(params.iter().any(|p| p.starts_with("model.layers.0.self_attn.q_proj.lora_")), "{params:?}");
+    assert!(params.iter().any(|p| p.starts_with("model.layers.0.mlp.shared_expert.up_proj.lora_")), "{params:?}");
+    assert!(!params.iter().any(|p| p.contains(".experts.")), "{params:?}");
     let frozen: Vec<String> = fwd.frozen().map(|v| name(&fwd, v)).collect();
     assert!(frozen.contains(&"model.layers.0.mlp.experts.gate_proj.weight".to_string()));
     assert!(frozen.contains(&"model.layers.0.mlp.gate.weight".to_string()));
     let c = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
     // No weight gradient for the experts: their products' backward passes the input gradient only.
     assert_eq!(c.step.nodes.iter().filter(|n| matches!(n.op, Op::GroupedMatmulWeightGrad(_))).count(), 0);
+}
+
+/// `all-linear` on a mixture of experts adapts the routed experts too:
+/// one adapter per expert over the gate and up pair (`[E, r, C]` and
+/// `[E, 2F, r]`) and one over the down product, as peft's
+/// `target_parameters` gives them; their gradients match finite
+/// differences, and the model with the adapters merged into the experts'
+/// weights computes the same logits.
+#[test]
+fn expert_adapters_train_and_merge_into_the_experts() {
+    use stepgraph_core::models::lora::MergedWeights;
+    use stepgraph_core::models::{Adapters, LoraTarget};
+    let (c, f, e, r) = (config(true).n_embd, 12, 4, 3);
+    for normalize in [true, false] {
+        let mut sp = spec(config(normalize), DType::F64);
+        sp.adapters = Some(Adapters::new(r, 6.0, LoraTarget::ALL.to_vec()).unwrap());
+        let fwd = build_forward(&sp).unwrap();
+        let expert = |n: &str| ty2(&fwd, &format!("model.layers.0.mlp.experts.{n}.weight"));
+        assert_eq!(expert("gate_up_proj.lora_A"), [e, r, c]);
+        assert_eq!(expert("gate_up_proj.lora_B"), [e, 2 * f, r]);
+        assert_eq!(expert("down_proj.lora_A"), [e, r, f]);
+        assert_eq!(expert("down_proj.lora_B"), [e, c, r]);
+        assert!(fwd.frozen().any(|v| name(&fwd, v) == "model.layers.0.mlp.experts.up_proj.weight"));
+        assert_gradients_match(&sp, &["experts.gate_up_proj", "experts.down_proj"]);
+
+        // Merged: the base model with every adapter folded into its weights.
+        let with = build_forward_with_logits(&sp).unwrap();
+        let w = weights(&with, 9);
+        let data = batch(&sp, 4);
+        let adapted = logits(&with, &w, &data);
+        let mut held = HeldWeights(w.clone());
+        let mut merged = MergedWeights::new(&mut held, &with, sp.adapters.as_ref().unwrap().scale()).unwrap();
+        let base_sp = ModelSpec { adapters: None, ..sp.clone() };
+        let base = build_forward_with_logits(&base_sp).unwrap();
+        let base_w: HashMap<String, HostTensor> = base
+            .weights()
+            .map(|v| {
+                let n = name(&base, v);
+                let t = stepgraph_core::models::hf_dir::NamedParams::read_param(&mut merged, &n).unwrap();
+                (n, t)
+            })
+            .collect();
+        assert_ne!(base_w["model.layers.0.mlp.experts.up_proj.weight"], w["model.layers.0.mlp.experts.up_proj.weight"]);
+        let folded = logits(&base, &base_w, &data);
+        let worst = adapted.iter().zip(&folded).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(worst < 1e-10, "normalize {normalize}: merged logits differ by {worst}");
+    }
+}
+
+/// QLoRA stores the routed experts' stacked weights as NF4 like every
+/// other projection of the blocks, and the step computes with them
+/// dequantized: the same logits as the base holding those dequantized
+/// values in f32.
+#[test]
+fn an_nf4_base_quantizes_the_experts_too() {
+    use stepgraph_core::models::lora::{quantized_weights, BaseStorage, MergedWeights};
+    use stepgraph_core::models::{Adapters, LoraTarget};
+    let mut sp = spec(config(true), DType::F32);
+    let adapters = Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap();
+    sp.adapters = Some(Adapters { base: BaseStorage::Nf4 { double_quant: true }, ..adapters });
+    let fwd = build_forward_with_logits(&sp).unwrap();
+    let quantized: Vec<String> = quantized_weights(&fwd).into_iter().map(|q| q.name).collect();
+    for w in ["gate_proj", "up_proj", "down_proj"] {
+        assert!(quantized.contains(&format!("model.layers.0.mlp.experts.{w}.weight")), "{quantized:?}");
+    }
+    assert!(!quantized.iter().any(|q| q.contains("mlp.gate.weight")), "the router stays: {quantized:?}");
+    // Draw the base, quantize it into the leaves, and run: the dequantized
+    // base (read back through MergedWeights with zero B) gives the same logits.
+    let mut w = HeldWeights(weights(&fwd, 3).into_iter().filter(|(n, _)| !n.contains(".nf4_")).collect());
+    for q in quantized_weights(&fwd) {
+        let full = stepgraph_core::models::init_param(&q.name, &q.ty, 3).unwrap();
+        q.write(&mut w, &full).unwrap();
+    }
+    for (n, t) in w.0.iter_mut() {
+        if n.ends_with(".lora_B.weight") {
+            *t = HostTensor::zeros(t.ty.clone());
+        }
+    }
+    let data = batch(&sp, 4);
+    let ours = logits(&fwd, &w.0, &data);
+    let base_sp = ModelSpec { adapters: None, ..sp.clone() };
+    let base = build_forward_with_logits(&base_sp).unwrap();
+    let mut merged = MergedWeights::new(&mut w, &fwd, 2.0).unwrap();
+    let base_w: HashMap<String, HostTensor> = base
+        .weights()
+        .map(|v| {
+            let n = name(&base, v);
+            (n.clone(), stepgraph_core::models::hf_dir::NamedParams::read_param(&mut merged, &n).unwrap())
+        })
+        .collect();
+    assert_eq!(ours, logits(&base, &base_w, &data));
+}
+
+/// Weights held in a map, read and written by name.
+struct HeldWeights(HashMap<String, HostTensor>);
+
+impl stepgraph_core::models::hf_dir::NamedParams for HeldWeights {
+    fn params_trace_name(&self) -> &str {
+        "forward"
+    }
+    fn has_param(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+    fn read_param(&mut self, name: &str) -> stepgraph_core::error::Result<HostTensor> {
+        Ok(self.0[name].clone())
+    }
+    fn write_param(&mut self, name: &str, value: &HostTensor) -> stepgraph_core::error::Result<()> {
+        self.0.insert(name.to_string(), value.clone());
+        Ok(())
+    }
+}
+
+/// Targets that match nothing are refused before any work, as is dropout
+/// on the experts' adapters (peft's expert adapters take none).
+#[test]
+fn expert_adapter_settings_that_cannot_hold_are_refused() {
+    use stepgraph_core::models::{Adapters, LoraTarget};
+    let mut dense = spec(Config::named("tiny-llama").unwrap(), DType::F32);
+    dense.adapters = Some(Adapters::new(2, 4.0, LoraTarget::EXPERTS.to_vec()).unwrap());
+    let e = build_forward(&dense).unwrap_err().to_string();
+    assert!(e.contains("experts_gate_up") && e.contains("no routed experts"), "{e}");
+    // all-linear is whatever the model has: a dense model's seven layers.
+    dense.adapters = Some(Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap());
+    build_forward(&dense).unwrap();
+    let mut sp = spec(config(true), DType::F32);
+    sp.adapters = Some(Adapters { dropout: 0.1, ..Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap() });
+    let e = build_forward(&sp).unwrap_err().to_string();
+    assert!(e.contains("--lora-dropout") && e.contains("q,k,v,o,gate,up,down"), "{e}");
+    sp.adapters.as_mut().unwrap().targets = LoraTarget::MODULES.to_vec();
+    build_forward(&sp).unwrap();
 }
 
 #[test]

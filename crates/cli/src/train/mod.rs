@@ -44,11 +44,11 @@ use stepgraph_core::autodiff::{DecayScope, StepKind};
 use stepgraph_core::dist::{rank_batch, DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::{DType, Trace, ValueKind};
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, SaveOptions, SaveReport};
-use stepgraph_core::models::lora::MergedWeights;
+use stepgraph_core::models::lora::{adapted_layers, MergedWeights};
 use stepgraph_core::models::peft::{
     is_adapter_dir, peft_tensor_name, read_adapter_config, read_adapter_weights, save_adapter_dir, AdapterSaveReport,
 };
-use stepgraph_core::models::{BaseStorage, ModelSpec};
+use stepgraph_core::models::{build_forward, BaseStorage, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
@@ -407,7 +407,8 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
     let adapter_start = match &adapter_folder {
         Some((dir, _)) => {
             let family = hf_family(&spec, pretrained.as_ref(), "--adapter")?;
-            Some(read_adapter_weights(dir, family).with_context(|| format!("--adapter {}", dir.display()))?)
+            let adapters = spec.adapters.as_ref().context("an adapter folder gives adapters")?;
+            Some(read_adapter_weights(dir, family, adapters).with_context(|| format!("--adapter {}", dir.display()))?)
         }
         None => None,
     };
@@ -902,9 +903,10 @@ impl OutTarget {
         if adapter_folder {
             // Every adapted layer must have a name a peft folder can hold.
             if let Some(a) = &spec.adapters {
-                let layer = format!("model.layers.0.{}", a.targets[0].module());
-                peft_tensor_name(family, &format!("{layer}.lora_A.weight"))
-                    .map_err(|e| anyhow::anyhow!("--out cannot hold these adapters as a peft folder: {e}"))?;
+                for layer in adapted_layers(&build_forward(spec)?) {
+                    peft_tensor_name(family, &format!("{layer}.lora_A.weight"), &a.targets)
+                        .map_err(|e| anyhow::anyhow!("--out cannot hold these adapters as a peft folder: {e}"))?;
+                }
             }
         }
         Ok(OutTarget { dir: dir.to_path_buf(), source, family, adapter_folder, tokenizer, max_shard_bytes })

@@ -79,16 +79,24 @@ pub fn config_json(family: &str, tied: bool) -> Value {
                 "llama" => "LlamaForCausalLM",
                 "mistral" => "MistralForCausalLM",
                 "qwen2" => "Qwen2ForCausalLM",
+                "mixtral" => "MixtralForCausalLM",
                 other => panic!("no fixture family {other}"),
             };
-            json!({
+            let mut config = json!({
                 "architectures": [arch], "model_type": family, "bos_token_id": 1, "eos_token_id": 2,
                 "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
                 "max_position_embeddings": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                 "sliding_window": null, "tie_word_embeddings": tied, "torch_dtype": "float32",
                 "vocab_size": VOCAB
-            })
+            });
+            if family == "mixtral" {
+                // 4 experts 24 wide, 2 per token.
+                for (key, value) in [("num_local_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 24)] {
+                    config[key] = json!(value);
+                }
+            }
+            config
         }
     }
 }

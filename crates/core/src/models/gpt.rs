@@ -737,13 +737,33 @@ impl<'a> Gpt<'a> {
             self.router_stats.push((probs, counts));
         }
         let routed = self.b.embedding(rows, x2)?;
-        let w_gate = self.param(&format!("{prefix}.experts.gate_proj.weight"), &[e, f, c])?;
-        let w_up = self.param(&format!("{prefix}.experts.up_proj.weight"), &[e, f, c])?;
-        let w_down = self.param(&format!("{prefix}.experts.down_proj.weight"), &[e, c, f])?;
-        let gate = self.b.grouped_matmul(routed, w_gate, offsets, false)?;
-        let up = self.b.grouped_matmul(routed, w_up, offsets, false)?;
+        let w_gate = self.expert_weight(&format!("{prefix}.experts.gate_proj.weight"), &[e, f, c])?;
+        let w_up = self.expert_weight(&format!("{prefix}.experts.up_proj.weight"), &[e, f, c])?;
+        let w_down = self.expert_weight(&format!("{prefix}.experts.down_proj.weight"), &[e, c, f])?;
+        let mut gate = self.b.grouped_matmul(routed, w_gate, offsets, false)?;
+        let mut up = self.b.grouped_matmul(routed, w_up, offsets, false)?;
+        let gate_up = format!("{prefix}.{}", LoraTarget::ExpertsGateUp.module());
+        if let Some(low) = self.expert_adapter_input(routed, offsets, &gate_up, e, c)? {
+            // One adapter over the pair, as `transformers` stores the pair
+            // (`gate_up_proj`, gate rows first): its B's halves give each
+            // product's share.
+            let rank = self.b.shape(low)[1];
+            let b = self.adapter_param(&format!("{gate_up}.lora_B.weight"), &[e, 2 * f, rank])?;
+            for (half, y) in [&mut gate, &mut up].into_iter().enumerate() {
+                let b_half = self.b.slice(b, 1, half * f, (half + 1) * f)?;
+                let delta = self.b.grouped_matmul(low, b_half, offsets, false)?;
+                *y = self.b.add(*y, delta)?;
+            }
+        }
         let h = self.b.swiglu(gate, up)?;
-        let out = self.b.grouped_matmul(h, w_down, offsets, false)?;
+        let mut out = self.b.grouped_matmul(h, w_down, offsets, false)?;
+        let down = format!("{prefix}.{}", LoraTarget::ExpertsDown.module());
+        if let Some(low) = self.expert_adapter_input(h, offsets, &down, e, f)? {
+            let rank = self.b.shape(low)[1];
+            let b = self.adapter_param(&format!("{down}.lora_B.weight"), &[e, c, rank])?;
+            let delta = self.b.grouped_matmul(low, b, offsets, false)?;
+            out = self.b.add(out, delta)?;
+        }
         // Back in (token, slot) order, weighted and summed over the slots.
         let slots = self.b.embedding(position, out)?;
         let slots = self.b.reshape(slots, &[tokens, k, c])?;
@@ -764,6 +784,48 @@ impl<'a> Gpt<'a> {
             y = self.b.add(y, scaled)?;
         }
         self.b.reshape(y, &shape)
+    }
+
+    /// The routed experts' stacked weight `name` (`[E, out, in]`): as
+    /// [`Gpt::param`] gives it, or for QLoRA stored as NF4 like the linear
+    /// layers of the blocks.
+    fn expert_weight(&mut self, name: &str, shape: &[usize]) -> Result<ValueId> {
+        match self.adapters.as_ref().map(|a| a.base) {
+            Some(BaseStorage::Nf4 { double_quant }) => self.nf4_weight(name, shape, double_quant),
+            _ => self.param(name, shape),
+        }
+    }
+
+    /// For the experts' product `layer` (`{prefix}.experts.gate_up_proj`)
+    /// when it is adapted: its adapter's first half, `scale·(rows·A_eᵀ)`
+    /// of the routed `rows: [R, inp]` with each row's expert's
+    /// `A_e: [rank, inp]` (`{layer}.lora_A.weight`, `[E, rank, inp]`),
+    /// giving `[R, rank]`; `None` when the product has no adapter. One
+    /// adapter per expert, as `peft` gives a targeted expert parameter.
+    fn expert_adapter_input(
+        &mut self,
+        rows: ValueId,
+        offsets: ValueId,
+        layer: &str,
+        experts: usize,
+        inp: usize,
+    ) -> Result<Option<ValueId>> {
+        let Some(a) = self.adapters.as_ref().filter(|a| a.adapts(layer)) else { return Ok(None) };
+        let (rank, scale, dropout) = (a.rank, a.scale(), a.dropout);
+        if dropout > 0.0 {
+            // `peft` refuses dropout on parameter targets: an adapter
+            // trained with it could not be loaded there.
+            return Err(Error::Config {
+                model: self.cfg.name.clone(),
+                reason: format!(
+                    "adapters on the experts (`{layer}`) take no dropout (--lora-dropout {dropout}), as peft's                      expert adapters (target_parameters) take none: use --lora-dropout 0, or leave the experts out                      (--lora-targets q,k,v,o,gate,up,down)"
+                ),
+            });
+        }
+        let a = self.adapter_param(&format!("{layer}.lora_A.weight"), &[experts, rank, inp])?;
+        let low = self.b.grouped_matmul(rows, a, offsets, false)?;
+        let s = self.b.full(scale, TensorType::scalar(self.dtype))?;
+        Ok(Some(self.b.mul(low, s)?))
     }
 
     /// The MLP of the rows `x` (all of them, or one tile).
@@ -981,11 +1043,42 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
         }
         _ => loss,
     };
+    if let Some(a) = &spec.adapters {
+        g.check_adapted(a)?;
+    }
     g.b.output(OutputKind::Loss, loss);
     g.b.finish("build")
 }
 
 impl Gpt<'_> {
+    /// Refuses adapters that adapt nothing the user asked for: a target
+    /// named in the list that no layer of this model has (the experts of a
+    /// dense model, a gate projection of GPT-NeoX), or, for `all-linear`,
+    /// a model with no layer to adapt at all.
+    fn check_adapted(&self, a: &Adapters) -> Result<()> {
+        let adapted: std::collections::BTreeSet<LoraTarget> = self
+            .params
+            .keys()
+            .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+            .filter_map(LoraTarget::of_layer)
+            .collect();
+        let missing = if a.targets == LoraTarget::ALL {
+            adapted.is_empty().then(|| "all-linear: no layer of the model takes an adapter".to_string())
+        } else {
+            a.targets.iter().find(|t| !adapted.contains(t)).map(|t| {
+                format!(
+                    "the adapter target `{}` matches no layer of the model{} (--lora-targets)",
+                    t.short(),
+                    if t.is_experts() { ": it has no routed experts" } else { "" }
+                )
+            })
+        };
+        match missing {
+            Some(reason) => Err(Error::Config { model: self.cfg.name.clone(), reason }),
+            None => Ok(()),
+        }
+    }
+
     /// The router z-loss of the sparse layers recorded so far: for each,
     /// the mean over its tokens of `logsumexp(scores)²` (the log-sum-exp
     /// taken stably, from the row's maximum), then the mean over layers.

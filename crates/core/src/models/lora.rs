@@ -42,11 +42,36 @@ pub enum LoraTarget {
     Gate,
     Up,
     Down,
+    /// The routed experts' gate and up products of a mixture-of-experts
+    /// layer, one adapter per expert over the pair (`peft`'s
+    /// `target_parameters` entry `mlp.experts.gate_up_proj`).
+    ExpertsGateUp,
+    /// The routed experts' down products (`mlp.experts.down_proj`).
+    ExpertsDown,
 }
 
+/// What `--lora-targets` accepts, for error messages.
+const TARGET_CHOICES: &str =
+    "q, k, v, o, gate, up, down, experts_gate_up, experts_down, experts (comma-separated) or all-linear";
+
 impl LoraTarget {
-    /// Every target, in block order: `all-linear`.
-    pub const ALL: [LoraTarget; 7] = [
+    /// Every target, in block order: `all-linear`, which on a
+    /// mixture-of-experts model includes the experts' products.
+    pub const ALL: [LoraTarget; 9] = [
+        LoraTarget::Q,
+        LoraTarget::K,
+        LoraTarget::V,
+        LoraTarget::O,
+        LoraTarget::Gate,
+        LoraTarget::Up,
+        LoraTarget::Down,
+        LoraTarget::ExpertsGateUp,
+        LoraTarget::ExpertsDown,
+    ];
+
+    /// The linear layers `peft`'s `target_modules` can name (the experts
+    /// are parameters of one module: `target_parameters`).
+    pub const MODULES: [LoraTarget; 7] = [
         LoraTarget::Q,
         LoraTarget::K,
         LoraTarget::V,
@@ -56,8 +81,20 @@ impl LoraTarget {
         LoraTarget::Down,
     ];
 
+    /// The experts' products, in the order their module registers them
+    /// (`gate_up_proj`, then `down_proj`), which is the order `peft` nests
+    /// their adapters in.
+    pub const EXPERTS: [LoraTarget; 2] = [LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown];
+
+    /// Whether this target is the routed experts' product rather than a
+    /// linear layer.
+    pub fn is_experts(self) -> bool {
+        LoraTarget::EXPERTS.contains(&self)
+    }
+
     /// The module name the layer carries in the trace and in Llama-layout
-    /// folders (`q_proj`, ..., `down_proj`).
+    /// folders (`q_proj`, ..., `down_proj`); for the experts, the name of
+    /// their weight under the block's `experts` module (`experts.gate_up_proj`).
     pub fn module(self) -> &'static str {
         match self {
             LoraTarget::Q => "q_proj",
@@ -67,10 +104,13 @@ impl LoraTarget {
             LoraTarget::Gate => "gate_proj",
             LoraTarget::Up => "up_proj",
             LoraTarget::Down => "down_proj",
+            LoraTarget::ExpertsGateUp => "experts.gate_up_proj",
+            LoraTarget::ExpertsDown => "experts.down_proj",
         }
     }
 
-    /// The short name `--lora-targets` takes (`q`, ..., `down`).
+    /// The short name `--lora-targets` takes (`q`, ..., `down`,
+    /// `experts_gate_up`, `experts_down`).
     pub fn short(self) -> &'static str {
         match self {
             LoraTarget::Q => "q",
@@ -80,18 +120,24 @@ impl LoraTarget {
             LoraTarget::Gate => "gate",
             LoraTarget::Up => "up",
             LoraTarget::Down => "down",
+            LoraTarget::ExpertsGateUp => "experts_gate_up",
+            LoraTarget::ExpertsDown => "experts_down",
         }
     }
 
     /// The target a linear layer of the trace is, from its prefix
-    /// (`model.layers.3.self_attn.q_proj`).
+    /// (`model.layers.3.self_attn.q_proj`, `model.layers.3.mlp.experts.down_proj`).
     pub fn of_layer(prefix: &str) -> Option<LoraTarget> {
+        if let Some(t) = LoraTarget::EXPERTS.into_iter().find(|t| prefix.ends_with(&format!(".{}", t.module()))) {
+            return Some(t);
+        }
         let module = prefix.rsplit('.').next()?;
-        LoraTarget::ALL.into_iter().find(|t| t.module() == module)
+        LoraTarget::MODULES.into_iter().find(|t| t.module() == module)
     }
 
     /// Parses a comma-separated list: short names (`q,v`), module names
-    /// (`q_proj,v_proj`), or `all-linear`; sorted, without repeats.
+    /// (`q_proj,v_proj`), `experts` (both expert products), or
+    /// `all-linear`; sorted, without repeats.
     pub fn parse_list(text: &str) -> std::result::Result<Vec<LoraTarget>, String> {
         let text = text.trim();
         if text == "all-linear" || text == "all" {
@@ -99,19 +145,25 @@ impl LoraTarget {
         }
         let mut out = Vec::new();
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let t = LoraTarget::ALL.into_iter().find(|t| t.short() == part || t.module() == part).ok_or_else(|| {
-                format!(
-                    "unknown adapter target `{part}`: use q, k, v, o, gate, up, down (comma-separated) or all-linear"
-                )
-            })?;
-            if !out.contains(&t) {
-                out.push(t);
+            let found: Vec<LoraTarget> = if part == "experts" {
+                LoraTarget::EXPERTS.to_vec()
+            } else {
+                // The experts first: `mlp.experts.down_proj` ends like `down_proj`.
+                let t = LoraTarget::EXPERTS
+                    .into_iter()
+                    .find(|t| t.short() == part || t.module() == part || part.ends_with(&format!(".{}", t.module())))
+                    .or_else(|| LoraTarget::MODULES.into_iter().find(|t| t.short() == part || t.module() == part))
+                    .ok_or_else(|| format!("unknown adapter target `{part}`: use {TARGET_CHOICES}"))?;
+                vec![t]
+            };
+            for t in found {
+                if !out.contains(&t) {
+                    out.push(t);
+                }
             }
         }
         if out.is_empty() {
-            return Err(
-                "no adapter targets given: use q, k, v, o, gate, up, down (comma-separated) or all-linear".into()
-            );
+            return Err(format!("no adapter targets given: use {TARGET_CHOICES}"));
         }
         out.sort();
         Ok(out)
@@ -126,10 +178,10 @@ pub enum BaseStorage {
     #[default]
     Model,
     /// Every linear layer of the blocks (q, k, v, o, gate, up, down,
-    /// adapted or not) as 4-bit NormalFloat codes with a scale per block of
-    /// 64 (those scales themselves quantized with `double_quant`), as
-    /// QLoRA stores them; embeddings, norms and the head stay in the
-    /// model's dtype.
+    /// adapted or not, and the routed experts' stacked weights) as 4-bit
+    /// NormalFloat codes with a scale per block of 64 (those scales
+    /// themselves quantized with `double_quant`), as QLoRA stores them;
+    /// embeddings, norms, routers and the head stay in the model's dtype.
     Nf4 { double_quant: bool },
 }
 
@@ -193,28 +245,89 @@ pub fn is_adapter_weight(name: &str) -> bool {
     name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
 }
 
+/// Which of an adapter's output rows (its `B`'s rows) belong to a base
+/// weight: all of them, or for the experts' gate and up pair, whose one
+/// adapter covers both, the first half (gate) or the second (up).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum AdapterRows {
+    All,
+    Half(usize),
+}
+
+/// The base weights the adapter of the layer `layer` (a trace prefix)
+/// adds to: a linear layer's own weight, or for the experts' `gate_up_proj`
+/// the gate weight and the up weight, each with its half of the rows.
+pub fn adapted_weights(layer: &str) -> Vec<(String, AdapterRows)> {
+    match layer.strip_suffix(&format!(".{}", LoraTarget::ExpertsGateUp.module())) {
+        Some(block) => vec![
+            (format!("{block}.experts.gate_proj.weight"), AdapterRows::Half(0)),
+            (format!("{block}.experts.up_proj.weight"), AdapterRows::Half(1)),
+        ],
+        None => vec![(format!("{layer}.weight"), AdapterRows::All)],
+    }
+}
+
+/// The prefixes of the layers `trace` adapts (`model.layers.0.self_attn.q_proj`,
+/// `model.layers.1.mlp.experts.gate_up_proj`), from its adapter parameters.
+pub fn adapted_layers(trace: &Trace) -> Vec<String> {
+    trace
+        .params()
+        .filter_map(|p| trace.value(p).kind.leaf_name()?.strip_suffix(".lora_A.weight").map(str::to_string))
+        .collect()
+}
+
 /// The weight of an adapted layer with its adapter merged in:
 /// `W + scale·B·A` for `W: [out, in]`, `A: [rank, in]`, `B: [out, rank]`,
 /// each element summed in f64 and rounded once to `W`'s dtype (what
 /// `peft`'s `merge_and_unload` computes, up to that rounding). Rows in
 /// parallel: a Llama-3-8B layer's MLP weight is 58 million elements.
 pub fn merged_weight(w: &HostTensor, a: &HostTensor, b: &HostTensor, scale: f64) -> Result<HostTensor> {
+    merged_weight_rows(w, a, b, scale, AdapterRows::All)
+}
+
+/// [`merged_weight`] for the rows `rows` of `B`, and for stacked experts:
+/// `W: [E, out, in]`, `A: [E, rank, in]`, `B: [E, out·parts, rank]`, each
+/// expert's adapter merged into its weight.
+pub fn merged_weight_rows(
+    w: &HostTensor,
+    a: &HostTensor,
+    b: &HostTensor,
+    scale: f64,
+    rows: AdapterRows,
+) -> Result<HostTensor> {
     let (ws, as_, bs) = (&w.ty.shape, &a.ty.shape, &b.ty.shape);
-    let fits = ws.len() == 2 && as_.len() == 2 && bs.len() == 2 && as_[1] == ws[1] && bs[0] == ws[0] && bs[1] == as_[0];
+    let (parts, part) = match rows {
+        AdapterRows::All => (1, 0),
+        AdapterRows::Half(h) => (2, h),
+    };
+    let n = ws.len();
+    let fits = (n == 2 || n == 3)
+        && as_.len() == n
+        && bs.len() == n
+        && ws[..n - 2] == as_[..n - 2]
+        && ws[..n - 2] == bs[..n - 2]
+        && as_[n - 1] == ws[n - 1]
+        && bs[n - 2] == parts * ws[n - 2]
+        && bs[n - 1] == as_[n - 2]
+        && part < parts;
     if !fits {
         return Err(Error::Input {
             name: "adapter".into(),
             reason: format!("A {} and B {} do not fit the weight {}", a.ty, b.ty, w.ty),
         });
     }
-    let (out, inp, rank) = (ws[0], ws[1], as_[0]);
+    let (out, inp, rank) = (ws[n - 2], ws[n - 1], as_[n - 2]);
     let (wv, av, bv) = (w.to_f64(), a.to_f64(), b.to_f64());
-    let mut merged = vec![0.0f64; out * inp];
-    merged.par_chunks_mut(inp.max(1)).enumerate().for_each(|(o, row)| {
-        let brow = &bv[o * rank..(o + 1) * rank];
-        for (i, m) in row.iter_mut().enumerate() {
-            let delta: f64 = (0..rank).map(|r| brow[r] * av[r * inp + i]).sum();
-            *m = wv[o * inp + i] + scale * delta;
+    let mut merged = vec![0.0f64; wv.len()];
+    merged.par_chunks_mut(inp.max(1)).enumerate().for_each(|(row, m_row)| {
+        // Row `row` of the stacked weight: expert `e`, output `o`.
+        let (e, o) = (row / out, row % out);
+        let b_row = (e * parts * out + part * out + o) * rank;
+        let brow = &bv[b_row..b_row + rank];
+        let a_e = &av[e * rank * inp..(e + 1) * rank * inp];
+        for (i, m) in m_row.iter_mut().enumerate() {
+            let delta: f64 = (0..rank).map(|r| brow[r] * a_e[r * inp + i]).sum();
+            *m = wv[row * inp + i] + scale * delta;
         }
     });
     Ok(HostTensor::from_f64(w.ty.clone(), &merged))
@@ -306,8 +419,8 @@ pub fn init_quantized(weights: &mut (impl NamedParams + ?Sized), trace: &Trace, 
 /// model that runs without adapters of its own, such as generation's).
 pub struct AdapterMerge {
     scale: f64,
-    /// Each adapted layer's `(A, B)` by its weight's name (`...q_proj.weight`).
-    by_weight: std::collections::HashMap<String, (HostTensor, HostTensor)>,
+    /// Each adapted weight's `(A, B, rows of B)` by its name (`...q_proj.weight`).
+    by_weight: std::collections::HashMap<String, (HostTensor, HostTensor, AdapterRows)>,
 }
 
 impl AdapterMerge {
@@ -316,23 +429,28 @@ impl AdapterMerge {
     pub fn new(scale: f64, tensors: &[(String, HostTensor)]) -> Result<AdapterMerge> {
         let find = |name: &str| tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone());
         let mut by_weight = std::collections::HashMap::new();
+        let mut layers = std::collections::HashSet::new();
         for (name, _) in tensors {
             let Some(layer) = name.strip_suffix(".lora_A.weight") else { continue };
             let b = find(&format!("{layer}.lora_B.weight")).ok_or_else(|| Error::Input {
                 name: name.clone(),
                 reason: format!("the adapter of `{layer}` has an A matrix but no B"),
             })?;
-            by_weight.insert(format!("{layer}.weight"), (find(name).expect("listed"), b));
+            let a = find(name).expect("listed");
+            for (weight, rows) in adapted_weights(layer) {
+                by_weight.insert(weight, (a.clone(), b.clone(), rows));
+            }
+            layers.insert(layer.to_string());
         }
-        if let Some((name, _)) = tensors.iter().find(|(n, _)| {
-            n.strip_suffix(".lora_B.weight").is_some_and(|l| !by_weight.contains_key(&format!("{l}.weight")))
-        }) {
+        if let Some((name, _)) =
+            tensors.iter().find(|(n, _)| n.strip_suffix(".lora_B.weight").is_some_and(|l| !layers.contains(l)))
+        {
             return Err(Error::Input { name: name.clone(), reason: "a B matrix without its A".into() });
         }
         Ok(AdapterMerge { scale, by_weight })
     }
 
-    /// The layers adapted.
+    /// The base weights adapted.
     pub fn len(&self) -> usize {
         self.by_weight.len()
     }
@@ -342,25 +460,26 @@ impl AdapterMerge {
     }
 
     /// The weight `name` with its adapter merged in, or `None` when the
-    /// layer has no adapter.
+    /// weight has no adapter.
     pub fn merge(&self, name: &str, weight: &HostTensor) -> Result<Option<HostTensor>> {
         match self.by_weight.get(name) {
-            Some((a, b)) => Ok(Some(merged_weight(weight, a, b, self.scale)?)),
+            Some((a, b, rows)) => Ok(Some(merged_weight_rows(weight, a, b, self.scale, *rows)?)),
             None => Ok(None),
         }
     }
 }
 
 /// A model's weights with its adapters merged in, read through
-/// [`NamedParams`] as a model folder saves them: reading an adapted layer's
-/// weight gives [`merged_weight`], every other weight reads as it is held.
-/// Read-only.
+/// [`NamedParams`] as a model folder saves them: reading an adapted
+/// weight gives [`merged_weight_rows`], every other weight reads as it is
+/// held. Read-only.
 pub struct MergedWeights<'a, S: NamedParams + ?Sized> {
     weights: &'a mut S,
     /// The base weights stored as NF4, read dequantized.
     quantized: Vec<QuantizedWeight>,
-    /// The prefixes of the adapted layers (`model.layers.0.self_attn.q_proj`).
-    adapted: std::collections::HashSet<String>,
+    /// Each adapted weight's adapter (its layer prefix,
+    /// `model.layers.0.self_attn.q_proj`) and the rows of its `B` it takes.
+    adapted: std::collections::HashMap<String, (String, AdapterRows)>,
     scale: f64,
 }
 
@@ -368,9 +487,9 @@ impl<'a, S: NamedParams + ?Sized> MergedWeights<'a, S> {
     /// The weights `weights` holds for the model `trace` (whose adapter
     /// parameters say which layers are adapted), merged at `scale` (α/r).
     pub fn new(weights: &'a mut S, trace: &Trace, scale: f64) -> Result<Self> {
-        let adapted = trace
-            .params()
-            .filter_map(|p| trace.value(p).kind.leaf_name()?.strip_suffix(".lora_A.weight").map(str::to_string))
+        let adapted = adapted_layers(trace)
+            .into_iter()
+            .flat_map(|layer| adapted_weights(&layer).into_iter().map(move |(w, rows)| (w, (layer.clone(), rows))))
             .collect();
         Ok(MergedWeights { weights, quantized: quantized_weights(trace), adapted, scale })
     }
@@ -390,11 +509,11 @@ impl<S: NamedParams + ?Sized> NamedParams for MergedWeights<'_, S> {
             Some(q) => q.read(self.weights)?,
             None => self.weights.read_param(name)?,
         };
-        match name.strip_suffix(".weight").filter(|layer| self.adapted.contains(*layer)) {
-            Some(layer) => {
+        match self.adapted.get(name) {
+            Some((layer, rows)) => {
                 let a = self.weights.read_param(&format!("{layer}.lora_A.weight"))?;
                 let b = self.weights.read_param(&format!("{layer}.lora_B.weight"))?;
-                merged_weight(&w, &a, &b, self.scale)
+                merged_weight_rows(&w, &a, &b, self.scale, *rows)
             }
             None => Ok(w),
         }
@@ -438,6 +557,51 @@ mod tests {
         let m = merged_weight(&w, &a, &b, 0.5).unwrap();
         assert_eq!(m.to_f64(), [2.0, 2.0, 2.0, 4.25, 5.0, 5.75]);
         assert!(merged_weight(&w, &b, &a, 1.0).unwrap_err().to_string().contains("do not fit"));
+    }
+
+    /// Stacked experts merge expert by expert, and the gate/up pair's one
+    /// adapter splits its B rows between the two weights.
+    #[test]
+    fn expert_adapters_merge_per_expert_and_per_half() {
+        use crate::ir::{DType, TensorType};
+        let t = |shape: Vec<usize>, f: &dyn Fn(usize) -> f64| {
+            let n: usize = shape.iter().product();
+            HostTensor::from_f64(TensorType::new(DType::F64, shape), &(0..n).map(f).collect::<Vec<_>>())
+        };
+        let (e, out, inp, rank) = (2, 3, 4, 2);
+        let w = t(vec![e, out, inp], &|i| i as f64);
+        let a = t(vec![e, rank, inp], &|i| (i % 5) as f64 - 2.0);
+        let b = t(vec![e, 2 * out, rank], &|i| (i % 3) as f64 * 0.5);
+        for half in 0..2 {
+            let m = merged_weight_rows(&w, &a, &b, 0.5, AdapterRows::Half(half)).unwrap().to_f64();
+            let (wv, av, bv) = (w.to_f64(), a.to_f64(), b.to_f64());
+            for (x, o, i) in [(0, 0, 0), (1, 2, 3), (1, 1, 0)] {
+                let delta: f64 = (0..rank)
+                    .map(|r| bv[(x * 2 * out + half * out + o) * rank + r] * av[(x * rank + r) * inp + i])
+                    .sum();
+                assert_eq!(m[(x * out + o) * inp + i], wv[(x * out + o) * inp + i] + 0.5 * delta);
+            }
+        }
+        assert!(merged_weight_rows(&w, &a, &b, 1.0, AdapterRows::All).is_err());
+        let names: Vec<_> =
+            adapted_weights("model.layers.1.mlp.experts.gate_up_proj").into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["model.layers.1.mlp.experts.gate_proj.weight", "model.layers.1.mlp.experts.up_proj.weight"]);
+        assert_eq!(
+            adapted_weights("model.layers.1.mlp.experts.down_proj"),
+            [("model.layers.1.mlp.experts.down_proj.weight".to_string(), AdapterRows::All)]
+        );
+    }
+
+    #[test]
+    fn expert_targets_parse_and_are_found_by_layer() {
+        let both = vec![LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown];
+        assert_eq!(LoraTarget::parse_list("experts").unwrap(), both);
+        assert_eq!(LoraTarget::parse_list("mlp.experts.down_proj,experts_gate_up").unwrap(), both);
+        assert_eq!(LoraTarget::parse_list("down_proj").unwrap(), vec![LoraTarget::Down]);
+        assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.experts.down_proj"), Some(LoraTarget::ExpertsDown));
+        assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.shared_expert.down_proj"), Some(LoraTarget::Down));
+        let e = LoraTarget::parse_list("router").unwrap_err();
+        assert!(e.contains("experts"), "{e}");
     }
 
     #[test]

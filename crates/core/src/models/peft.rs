@@ -12,8 +12,21 @@
 //! adapter is only written for layers a family stores as one tensor each
 //! (not GPT-NeoX's fused `query_key_value`).
 //!
+//! The routed experts of a mixture-of-experts block are parameters of one
+//! module (`model.layers.0.mlp.experts`, holding `gate_up_proj`
+//! `[E, 2F, C]` and `down_proj` `[E, C, F]` as `transformers` builds
+//! Mixtral, Qwen2-MoE and Qwen3-MoE), which `peft` adapts through
+//! `target_parameters`: one adapter per targeted parameter with an `A` of
+//! `[E·r, in]` (expert `e`'s rows `e·r .. (e+1)·r`) and a `B` of
+//! `[out, r·E]` (expert `e`'s column `j` at `j·E + e`). The adapters of one
+//! module nest, the first registered parameter innermost, so with both
+//! targeted `gate_up_proj`'s matrices are `...experts.base_layer.lora_A.weight`
+//! and `down_proj`'s `...experts.lora_A.weight`. The trace holds them per
+//! expert (`[E, r, in]` and `[E, out, r]`); [`save_adapter_dir`] and
+//! [`read_adapter_weights`] convert.
+//!
 //! Reading takes what stepgraph's adapters express: plain LoRA on linear
-//! layers, one rank and one alpha for every layer; a folder asking for more
+//! layers and experts, one rank and one alpha for every layer; a folder asking for more
 //! (rsLoRA, DoRA, per-layer ranks, trained biases or whole modules) is
 //! refused with the key that asks for it, rather than loaded into a
 //! different model.
@@ -43,13 +56,30 @@ fn folder_error(dir: &Path, reason: impl Into<String>) -> Error {
 }
 
 /// The `peft` tensor name of the adapter matrix `name` of the trace
-/// (`model.layers.0.self_attn.q_proj.lora_A.weight`) in a model of `family`.
-pub fn peft_tensor_name(family: HfFamily, name: &str) -> std::result::Result<String, String> {
-    let (layer, matrix) = name
-        .strip_suffix(".lora_A.weight")
-        .map(|l| (l, "lora_A"))
-        .or_else(|| name.strip_suffix(".lora_B.weight").map(|l| (l, "lora_B")))
-        .ok_or_else(|| format!("`{name}` is not an adapter matrix"))?;
+/// (`model.layers.0.self_attn.q_proj.lora_A.weight`) in a model of
+/// `family` whose adapters target `targets`.
+pub fn peft_tensor_name(family: HfFamily, name: &str, targets: &[LoraTarget]) -> std::result::Result<String, String> {
+    let (layer, matrix) = split_adapter_name(name).ok_or_else(|| format!("`{name}` is not an adapter matrix"))?;
+    if let Some(target) = LoraTarget::of_layer(layer).filter(|t| t.is_experts()) {
+        let module = layer.strip_suffix(&format!(".{}", target.module())).expect("of_layer matched the suffix");
+        let experts = format!("{module}.experts");
+        expert_rule(family, &experts)?;
+        let nesting = expert_targets(targets)
+            .into_iter()
+            .rev()
+            .position(|t| t == target)
+            .ok_or_else(|| format!("`{name}` adapts {}, which the adapters do not target", target.short()))?;
+        return Ok(format!("{PEFT_PREFIX}{experts}{}.{matrix}.weight", ".base_layer".repeat(nesting)));
+    }
+    let module = layer.rsplit('.').next().unwrap_or_default();
+    if reads_mlp_names_as_experts(family) && ["gate_proj", "up_proj", "down_proj"].contains(&module) {
+        return Err(format!(
+            "peft reads `{module}` in the target_modules of a `{}` adapter as the routed experts' projection (its \
+             name before transformers 5) and would not load the adapter of `{layer}`: leave the dense projections \
+             out (--lora-targets q,k,v,o,experts) or write the merged model (--merge)",
+            family.model_type()
+        ));
+    }
     let weight = format!("{layer}.weight");
     let f = family.family();
     if let Some((rule, _)) = f.rule_for_param(&weight) {
@@ -66,17 +96,129 @@ pub fn peft_tensor_name(family: HfFamily, name: &str) -> std::result::Result<Str
     Ok(format!("{PEFT_PREFIX}{module}.{matrix}.weight"))
 }
 
-/// The trace's name of the `peft` tensor `name` in a folder for `family`.
-fn trace_tensor_name(family: HfFamily, name: &str) -> Option<String> {
+/// Whether `peft`, loading an adapter for a model of `family`, takes
+/// `gate_proj`, `up_proj` and `down_proj` in `target_modules` for the
+/// routed experts' projections (as `transformers` 4 named them, before the
+/// experts were fused) and adapts those instead: so a dense MLP's or a
+/// shared expert's projections cannot be adapted in such a folder.
+fn reads_mlp_names_as_experts(family: HfFamily) -> bool {
+    matches!(family, HfFamily::Qwen2Moe | HfFamily::Qwen3Moe)
+}
+
+/// `(layer, "lora_A" | "lora_B")` of an adapter matrix's name.
+fn split_adapter_name(name: &str) -> Option<(&str, &'static str)> {
+    name.strip_suffix(".lora_A.weight")
+        .map(|l| (l, "lora_A"))
+        .or_else(|| name.strip_suffix(".lora_B.weight").map(|l| (l, "lora_B")))
+}
+
+/// The targeted expert products, in the order their module registers them.
+fn expert_targets(targets: &[LoraTarget]) -> Vec<LoraTarget> {
+    LoraTarget::EXPERTS.into_iter().filter(|t| targets.contains(t)).collect()
+}
+
+/// Checks that `family` keeps routed experts under the trace's module
+/// `experts` (`model.layers.0.mlp.experts`), whose parameters are then
+/// named as `transformers` names its fused expert module.
+fn expert_rule(family: HfFamily, experts: &str) -> std::result::Result<(), String> {
+    match family.family().rule_for_param(&format!("{experts}.gate_proj.weight")) {
+        Some((rule, _)) if rule.join == Join::Experts => Ok(()),
+        _ => Err(format!("`{}` has no routed experts at `{experts}` to adapt", family.model_type())),
+    }
+}
+
+/// The trace's name of the `peft` tensor `name` in a folder for `family`
+/// whose adapters target `targets`.
+fn trace_tensor_name(family: HfFamily, name: &str, targets: &[LoraTarget]) -> Option<String> {
     let rest = name.strip_prefix(PEFT_PREFIX)?;
-    let (module, matrix) = rest
-        .strip_suffix(".lora_A.weight")
-        .map(|m| (m, "lora_A"))
-        .or_else(|| rest.strip_suffix(".lora_B.weight").map(|m| (m, "lora_B")))?;
+    let (module, matrix) = split_adapter_name(rest)?;
+    let mut unwrapped = module;
+    let mut nesting = 0;
+    while let Some(inner) = unwrapped.strip_suffix(".base_layer") {
+        unwrapped = inner;
+        nesting += 1;
+    }
+    if unwrapped.ends_with(".experts") && expert_rule(family, unwrapped).is_ok() {
+        let target = *expert_targets(targets).iter().rev().nth(nesting)?;
+        let block = unwrapped.strip_suffix(".experts")?;
+        return Some(format!("{block}.{}.{matrix}.weight", target.module()));
+    }
+    if nesting > 0 {
+        return None;
+    }
     let params = family.family().param_names(&format!("{module}.weight"));
     let [param] = &params[..] else { return None };
     let layer = param.strip_suffix(".weight")?;
     Some(format!("{layer}.{matrix}.weight"))
+}
+
+/// The adapter matrix `t` of the trace named `name` in the layout `peft`
+/// holds it: as it is for a linear layer's, converted for an expert
+/// product's (see the module doc).
+pub fn peft_layout(name: &str, t: &HostTensor) -> HostTensor {
+    match split_adapter_name(name).and_then(|(l, _)| LoraTarget::of_layer(l)) {
+        Some(target) if target.is_experts() => expert_matrix_to_peft(name, t),
+        _ => t.clone(),
+    }
+}
+
+/// An expert adapter matrix of the trace as `peft` stores it: `A`
+/// `[E, r, in]` as `[E·r, in]` (the same bytes), `B` `[E, out, r]` as
+/// `[out, r·E]` with expert `e`'s column `j` at `j·E + e`.
+fn expert_matrix_to_peft(name: &str, t: &HostTensor) -> HostTensor {
+    let s = &t.ty.shape;
+    if name.ends_with(".lora_A.weight") {
+        let mut a = t.clone();
+        a.retype(t.ty.with_shape([s[0] * s[1], s[2]]));
+        return a;
+    }
+    let (experts, out, rank) = (s[0], s[1], s[2]);
+    let mut b = HostTensor::zeros(t.ty.with_shape([out, rank * experts]));
+    let size = t.ty.dtype.size();
+    for e in 0..experts {
+        for o in 0..out {
+            for j in 0..rank {
+                let from = ((e * out + o) * rank + j) * size;
+                let to = (o * rank * experts + j * experts + e) * size;
+                b.bytes_mut()[to..to + size].copy_from_slice(&t.bytes()[from..from + size]);
+            }
+        }
+    }
+    b
+}
+
+/// The inverse of [`expert_matrix_to_peft`] for adapters of rank `rank`;
+/// an error naming the tensor when its shape does not split into experts.
+fn expert_matrix_from_peft(name: &str, t: &HostTensor, rank: usize) -> std::result::Result<HostTensor, String> {
+    let s = &t.ty.shape;
+    let bad = || format!("`{name}` is {}, not an expert adapter of rank {rank}", t.ty);
+    if s.len() != 2 || rank == 0 {
+        return Err(bad());
+    }
+    if name.ends_with(".lora_A.weight") {
+        if !s[0].is_multiple_of(rank) {
+            return Err(bad());
+        }
+        let mut a = t.clone();
+        a.retype(t.ty.with_shape([s[0] / rank, rank, s[1]]));
+        return Ok(a);
+    }
+    if !s[1].is_multiple_of(rank) {
+        return Err(bad());
+    }
+    let (out, experts) = (s[0], s[1] / rank);
+    let mut b = HostTensor::zeros(t.ty.with_shape([experts, out, rank]));
+    let size = t.ty.dtype.size();
+    for e in 0..experts {
+        for o in 0..out {
+            for j in 0..rank {
+                let from = (o * rank * experts + j * experts + e) * size;
+                let to = ((e * out + o) * rank + j) * size;
+                b.bytes_mut()[to..to + size].copy_from_slice(&t.bytes()[from..from + size]);
+            }
+        }
+    }
+    Ok(b)
 }
 
 /// What [`save_adapter_dir`] wrote.
@@ -102,11 +244,20 @@ pub fn save_adapter_dir(
 ) -> Result<AdapterSaveReport> {
     let mut named = Vec::with_capacity(tensors.len());
     let mut modules = BTreeSet::new();
+    let mut parameters = BTreeSet::new();
     for (name, t) in tensors {
-        let peft = peft_tensor_name(family, name).map_err(|reason| folder_error(dir, reason))?;
-        let module = peft.trim_end_matches(".weight").rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
-        modules.insert(module.rsplit('.').next().unwrap_or_default().to_string());
-        named.push((peft, t.clone()));
+        let peft = peft_tensor_name(family, name, &adapters.targets).map_err(|reason| folder_error(dir, reason))?;
+        let layer = split_adapter_name(name).map(|(l, _)| l).unwrap_or_default();
+        if LoraTarget::of_layer(layer).is_some_and(LoraTarget::is_experts) {
+            // `mlp.experts.gate_up_proj`: the parameter's path within its decoder layer.
+            let within = layer.strip_prefix("model.layers.").and_then(|l| l.split_once('.')).map_or(layer, |(_, p)| p);
+            parameters.insert(within.to_string());
+            named.push((peft, expert_matrix_to_peft(name, t)));
+        } else {
+            let module = peft.trim_end_matches(".weight").rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
+            modules.insert(module.rsplit('.').next().unwrap_or_default().to_string());
+            named.push((peft, t.clone()));
+        }
     }
     if named.is_empty() {
         return Err(folder_error(dir, "the model has no adapters to save"));
@@ -119,6 +270,7 @@ pub fn save_adapter_dir(
         "lora_alpha": adapters.alpha,
         "lora_dropout": adapters.dropout,
         "target_modules": modules.into_iter().collect::<Vec<_>>(),
+        "target_parameters": if parameters.is_empty() { Value::Null } else { json!(parameters) },
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,
@@ -165,7 +317,7 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 /// what stepgraph's adapters cannot express (see the module doc).
 pub fn read_adapter_dir(dir: &Path, family: HfFamily) -> Result<AdapterDir> {
     let (adapters, base_model) = read_adapter_config(dir)?;
-    let tensors = read_adapter_weights(dir, family)?;
+    let tensors = read_adapter_weights(dir, family, &adapters)?;
     let mut targets: Vec<LoraTarget> = Vec::new();
     for (name, _) in &tensors {
         let layer = name.trim_end_matches(".weight").rsplit_once('.').map(|(l, _)| l).unwrap_or_default();
@@ -235,19 +387,57 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
     // `peft`'s defaults for keys a folder leaves out.
     let alpha = config.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
     let dropout = config.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0);
-    let targets = match config.get("target_modules") {
-        Some(Value::String(s)) if s == "all-linear" => LoraTarget::ALL.to_vec(),
+    // peft's `all-linear` names linear modules only; expert parameters
+    // come from `target_parameters`.
+    let mut targets = match config.get("target_modules") {
+        Some(Value::String(s)) if s == "all-linear" => LoraTarget::MODULES.to_vec(),
+        Some(Value::Array(list)) if list.is_empty() => Vec::new(),
         Some(Value::Array(list)) => {
             let names: Vec<&str> = list.iter().filter_map(Value::as_str).collect();
-            LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?
+            let targets =
+                LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?;
+            if let Some(t) = targets.iter().find(|t| t.is_experts()) {
+                return Err(bad(format!(
+                    "`target_modules` names the experts' `{}`, a parameter: peft adapts it through \
+                     `target_parameters`",
+                    t.module()
+                )));
+            }
+            targets
         }
         Some(Value::String(s)) => {
             return Err(bad(format!(
                 "`target_modules` is the pattern \"{s}\"; stepgraph reads a list of module names or \"all-linear\""
             )))
         }
-        _ => return Err(bad("has no `target_modules`".into())),
+        None | Some(Value::Null) => Vec::new(),
+        Some(other) => return Err(bad(format!("`target_modules` is {other}, not a list of module names"))),
     };
+    match config.get("target_parameters") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(list)) => {
+            for entry in list {
+                let name = entry.as_str().unwrap_or_default();
+                let target = LoraTarget::EXPERTS
+                    .into_iter()
+                    .find(|t| name == t.module() || name.ends_with(&format!(".{}", t.module())))
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "`target_parameters` names {entry}; stepgraph adapts the routed experts' \
+                             `experts.gate_up_proj` and `experts.down_proj`"
+                        ))
+                    })?;
+                if !targets.contains(&target) {
+                    targets.push(target);
+                }
+            }
+        }
+        Some(other) => return Err(bad(format!("`target_parameters` is {other}, not a list of parameter names"))),
+    }
+    targets.sort();
+    if targets.is_empty() {
+        return Err(bad("has no `target_modules` or `target_parameters`: it adapts nothing".into()));
+    }
     let base_model = config.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
     let adapters = Adapters { rank, alpha, targets, dropout, base: BaseStorage::Model };
     adapters.validate().map_err(|e| bad(e.to_string()))?;
@@ -255,29 +445,37 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
 }
 
 /// The adapter matrices of the folder `dir` (`adapter_model.safetensors`)
-/// by trace name, for a base model of `family`.
-pub fn read_adapter_weights(dir: &Path, family: HfFamily) -> Result<Vec<(String, HostTensor)>> {
+/// by trace name and in the trace's layout, for a base model of `family`
+/// and the folder's `adapters` ([`read_adapter_config`]).
+pub fn read_adapter_weights(dir: &Path, family: HfFamily, adapters: &Adapters) -> Result<Vec<(String, HostTensor)>> {
     let weights_path = dir.join(ADAPTER_WEIGHTS);
     if !weights_path.is_file() {
         return Err(folder_error(dir, format!("has no {ADAPTER_WEIGHTS}")));
     }
     let mut tensors = Vec::new();
     for (name, t) in read_safetensors(&weights_path)? {
-        let trace_name = trace_tensor_name(family, &name)
+        let trace_name = trace_tensor_name(family, &name, &adapters.targets)
             .filter(|n| {
-                let layer = n.trim_end_matches(".weight").rsplit_once('.').map(|(l, _)| l).unwrap_or_default();
-                is_adapter_weight(n) && LoraTarget::of_layer(layer).is_some()
+                is_adapter_weight(n) && split_adapter_name(n).and_then(|(l, _)| LoraTarget::of_layer(l)).is_some()
             })
             .ok_or_else(|| {
                 folder_error(
                     &weights_path,
                     format!(
                         "tensor `{name}` is not a LoRA matrix of a `{}` layer stepgraph adapts (the q, k, v, o, \
-                         gate, up and down projections)",
+                         gate, up and down projections, and the routed experts)",
                         family.model_type()
                     ),
                 )
             })?;
+        let expert = split_adapter_name(&trace_name)
+            .and_then(|(l, _)| LoraTarget::of_layer(l))
+            .is_some_and(LoraTarget::is_experts);
+        let t = if expert {
+            expert_matrix_from_peft(&name, &t, adapters.rank).map_err(|reason| folder_error(&weights_path, reason))?
+        } else {
+            t
+        };
         tensors.push((trace_name, t));
     }
     Ok(tensors)
@@ -291,16 +489,17 @@ mod tests {
     #[test]
     fn llama_adapters_are_named_as_peft_names_them_both_ways() {
         let name = "model.layers.3.self_attn.q_proj.lora_A.weight";
-        let peft = peft_tensor_name(HfFamily::Llama, name).unwrap();
+        let all = LoraTarget::ALL;
+        let peft = peft_tensor_name(HfFamily::Llama, name, &all).unwrap();
         assert_eq!(peft, "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight");
-        assert_eq!(trace_tensor_name(HfFamily::Llama, &peft).as_deref(), Some(name));
+        assert_eq!(trace_tensor_name(HfFamily::Llama, &peft, &all).as_deref(), Some(name));
         let down = "model.layers.0.mlp.down_proj.lora_B.weight";
         assert_eq!(
-            trace_tensor_name(HfFamily::Qwen2, &peft_tensor_name(HfFamily::Qwen2, down).unwrap()).unwrap(),
+            trace_tensor_name(HfFamily::Qwen2, &peft_tensor_name(HfFamily::Qwen2, down, &all).unwrap(), &all).unwrap(),
             down
         );
         // GPT-NeoX fuses q, k and v into one tensor: no adapter of its own.
-        let e = peft_tensor_name(HfFamily::GptNeox, name).unwrap_err();
+        let e = peft_tensor_name(HfFamily::GptNeox, name, &all).unwrap_err();
         assert!(e.contains("fused"), "{e}");
     }
 
@@ -348,5 +547,91 @@ mod tests {
         }
         let e = read_adapter_dir(root.path(), HfFamily::Llama).unwrap_err().to_string();
         assert!(e.contains("not an adapter folder"), "{e}");
+    }
+
+    /// The experts' adapters nest as `peft` nests them: with both products
+    /// targeted, `gate_up_proj` (registered first) is the inner one.
+    #[test]
+    fn expert_adapters_are_named_by_their_nesting() {
+        let both = [LoraTarget::Q, LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown];
+        let gate_up = "model.layers.1.mlp.experts.gate_up_proj.lora_A.weight";
+        let down = "model.layers.1.mlp.experts.down_proj.lora_B.weight";
+        for family in [HfFamily::Mixtral, HfFamily::Qwen2Moe, HfFamily::Qwen3Moe] {
+            let p = peft_tensor_name(family, gate_up, &both).unwrap();
+            assert_eq!(p, "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight");
+            assert_eq!(trace_tensor_name(family, &p, &both).as_deref(), Some(gate_up));
+            let p = peft_tensor_name(family, down, &both).unwrap();
+            assert_eq!(p, "base_model.model.model.layers.1.mlp.experts.lora_B.weight");
+            assert_eq!(trace_tensor_name(family, &p, &both).as_deref(), Some(down));
+        }
+        // Alone, either one is the outer (only) adapter.
+        let only = [LoraTarget::ExpertsGateUp];
+        let p = peft_tensor_name(HfFamily::Mixtral, gate_up, &only).unwrap();
+        assert_eq!(p, "base_model.model.model.layers.1.mlp.experts.lora_A.weight");
+        assert_eq!(trace_tensor_name(HfFamily::Mixtral, &p, &only).as_deref(), Some(gate_up));
+        let e = peft_tensor_name(HfFamily::Mixtral, down, &only).unwrap_err();
+        assert!(e.contains("experts_down"), "{e}");
+        // A dense family has no experts to adapt.
+        let e = peft_tensor_name(HfFamily::Llama, gate_up, &both).unwrap_err();
+        assert!(e.contains("no routed experts"), "{e}");
+        // peft takes Qwen-MoE's MLP projection names for the experts'.
+        let shared = "model.layers.0.mlp.shared_expert.up_proj.lora_A.weight";
+        let e = peft_tensor_name(HfFamily::Qwen2Moe, shared, &LoraTarget::ALL).unwrap_err();
+        assert!(e.contains("--lora-targets q,k,v,o,experts") && e.contains("--merge"), "{e}");
+        assert!(peft_tensor_name(HfFamily::Mixtral, "model.layers.0.self_attn.o_proj.lora_B.weight", &both).is_ok());
+    }
+
+    /// Expert matrices go to `peft`'s layout and back unchanged, and a
+    /// folder with them reads back as written, `target_parameters` included.
+    #[test]
+    fn expert_adapters_convert_to_peft_layout_and_back() {
+        let (experts, rank, inp, out) = (3, 2, 4, 5);
+        let seq = |shape: Vec<usize>| {
+            let n: usize = shape.iter().product();
+            HostTensor::from_f64(TensorType::new(DType::F32, shape), &(0..n).map(|i| i as f64).collect::<Vec<_>>())
+        };
+        let a_name = "model.layers.0.mlp.experts.down_proj.lora_A.weight";
+        let b_name = "model.layers.0.mlp.experts.down_proj.lora_B.weight";
+        let a = seq(vec![experts, rank, inp]);
+        let b = seq(vec![experts, out, rank]);
+        let pa = expert_matrix_to_peft(a_name, &a);
+        assert_eq!(pa.ty.shape, [experts * rank, inp]);
+        assert_eq!(pa.to_f64(), a.to_f64());
+        let pb = expert_matrix_to_peft(b_name, &b);
+        assert_eq!(pb.ty.shape, [out, rank * experts]);
+        // Expert e's column j is peft's column j·E + e.
+        let (bv, pv) = (b.to_f64(), pb.to_f64());
+        for (e, o, j) in [(0, 0, 0), (2, 4, 1), (1, 3, 0)] {
+            assert_eq!(pv[o * rank * experts + j * experts + e], bv[(e * out + o) * rank + j]);
+        }
+        assert_eq!(expert_matrix_from_peft(b_name, &pb, rank).unwrap(), b);
+        assert_eq!(expert_matrix_from_peft(a_name, &pa, rank).unwrap(), a);
+        assert!(expert_matrix_from_peft(b_name, &pb, 4).unwrap_err().contains("rank 4"));
+
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("adapter");
+        let adapters = Adapters::new(rank, 4.0, vec![LoraTarget::ExpertsDown]).unwrap();
+        let tensors = vec![(a_name.to_string(), a), (b_name.to_string(), b)];
+        save_adapter_dir(&dir, &adapters, HfFamily::Qwen3Moe, &tensors, None, None).unwrap();
+        let config: Value = serde_json::from_slice(&fs::read(dir.join(ADAPTER_CONFIG)).unwrap()).unwrap();
+        assert_eq!(config["target_modules"], json!([]));
+        assert_eq!(config["target_parameters"], json!(["mlp.experts.down_proj"]));
+        let back = read_adapter_dir(&dir, HfFamily::Qwen3Moe).unwrap();
+        assert_eq!(back.adapters, adapters);
+        assert_eq!(back.tensors, tensors);
+        // peft's `all-linear` is the linear modules only; a parameter
+        // target stepgraph does not adapt is named.
+        let mut c = config.clone();
+        c["target_modules"] = json!("all-linear");
+        c["target_parameters"] = json!(["mlp.experts.gate_up_proj", "mlp.router.weight"]);
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&c).unwrap()).unwrap();
+        let e = read_adapter_config(&dir).unwrap_err().to_string();
+        assert!(e.contains("mlp.router.weight"), "{e}");
+        c["target_parameters"] = json!(["mlp.experts.gate_up_proj"]);
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&c).unwrap()).unwrap();
+        let (a, _) = read_adapter_config(&dir).unwrap();
+        let mut expect = LoraTarget::MODULES.to_vec();
+        expect.push(LoraTarget::ExpertsGateUp);
+        assert_eq!(a.targets, expect);
     }
 }
