@@ -86,6 +86,16 @@ peft_stage() {
                 --grads "$w/grads-$dt.safetensors" --dtype "$dt" 2>>"$LOG" | grep RESULT |
                 sed "s/^RESULT {/{\"check\":\"peft\",\"family\":\"$family\",/" | tee -a "$OUTJ"
         done
+        # And an adapter peft made itself (its all-linear: on the mixtures
+        # of experts the experts, the gate/up pair at twice the rank, and
+        # the router), read by stepgraph.
+        stamp "peft: $family: peft's own adapter read by stepgraph"
+        run python3 scripts/peft_check.py make-adapter --base "$w/base" --out "$w/theirs" || return 1
+        run "$SG" hf --init-from "$w/base" --adapter "$w/theirs" --ids "$w/ids.safetensors" --dtype f32 \
+            --device cuda --logits-out "$w/theirs-logits.safetensors" --grads-out "$w/theirs-grads.safetensors"
+        python3 scripts/peft_check.py compare --base "$w/base" --adapter "$w/theirs" --ids "$w/ids.safetensors" \
+            --logits "$w/theirs-logits.safetensors" --grads "$w/theirs-grads.safetensors" --dtype f32 2>>"$LOG" |
+            grep RESULT | sed "s/^RESULT {/{\"check\":\"peft-made\",\"family\":\"$family\",/" | tee -a "$OUTJ"
     done
 }
 

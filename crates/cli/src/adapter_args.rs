@@ -5,6 +5,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 
+use stepgraph_core::models::lora::TargetRank;
 use stepgraph_core::models::{Adapters, BaseStorage, LoraTarget};
 
 /// How the frozen base of an adapter run is stored.
@@ -25,8 +26,9 @@ pub struct AdapterArgs {
     /// The adapters' alpha: their product is scaled by alpha / rank [default: twice the rank].
     #[arg(help_heading = "Adapters (LoRA)", long, value_name = "ALPHA", requires = "lora_rank")]
     pub lora_alpha: Option<f64>,
-    /// The linear layers that get adapters: comma-separated q, k, v, o, gate, up, down, or
-    /// all-linear [default: all-linear].
+    /// The linear layers that get adapters: comma-separated q, k, v, o, gate, up, down, the
+    /// routed experts' experts_gate_up and experts_down (experts: both), router, or all-linear
+    /// (every one the model has but the router) [default: all-linear].
     #[arg(help_heading = "Adapters (LoRA)", long, value_name = "LIST", requires = "lora_rank")]
     pub lora_targets: Option<String>,
     /// Dropout on the adapters' inputs while training [default: 0].
@@ -40,6 +42,10 @@ pub struct AdapterArgs {
     /// about 0.37 bits per weight saved).
     #[arg(help_heading = "Adapters (LoRA)", long)]
     pub double_quant: bool,
+    /// The ranks an adapter folder gives some targets of its own (peft's
+    /// `rank_pattern`); no flag sets them.
+    #[arg(skip)]
+    pub folder_ranks: Vec<TargetRank>,
 }
 
 impl AdapterArgs {
@@ -75,6 +81,7 @@ impl AdapterArgs {
             lora_alpha: Some(folder.alpha),
             lora_targets: Some(short(&folder.targets)),
             lora_dropout: Some(folder.dropout),
+            folder_ranks: folder.ranks.clone(),
             ..self.clone()
         })
     }
@@ -108,6 +115,7 @@ impl AdapterArgs {
             targets,
             dropout: self.lora_dropout.unwrap_or(0.0),
             base,
+            ranks: self.folder_ranks.clone(),
         };
         adapters.validate()?;
         Ok(Some(adapters))

@@ -263,7 +263,7 @@ fn adapter_merge(dir: &std::path::Path, shown: &std::path::Path, hf: &HfModelDir
     let context = || format!("--adapter {}", shown.display());
     let (adapters, _) = read_adapter_config(dir).with_context(context)?;
     let tensors = read_adapter_weights(dir, hf.family(), &adapters).with_context(context)?;
-    AdapterMerge::new(adapters.scale(), &tensors).with_context(context)
+    AdapterMerge::new(&adapters, &tensors).with_context(context)
 }
 
 pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {

@@ -289,25 +289,32 @@ fn linear_adapters_leave_the_experts_frozen() {
 /// `all-linear` on a mixture of experts adapts the routed experts too:
 /// one adapter per expert over the gate and up pair (`[E, r, C]` and
 /// `[E, 2F, r]`) and one over the down product, as peft's
-/// `target_parameters` gives them; their gradients match finite
-/// differences, and the model with the adapters merged into the experts'
-/// weights computes the same logits.
+/// `target_parameters` gives them, and `router` the router; their
+/// gradients match finite differences, and the model with the adapters
+/// merged into the weights (each at its own scale) computes the same logits.
 #[test]
 fn expert_adapters_train_and_merge_into_the_experts() {
-    use stepgraph_core::models::lora::MergedWeights;
+    use stepgraph_core::models::lora::{MergedWeights, TargetRank};
     use stepgraph_core::models::{Adapters, LoraTarget};
     let (c, f, e, r) = (config(true).n_embd, 12, 4, 3);
     for normalize in [true, false] {
         let mut sp = spec(config(normalize), DType::F64);
-        sp.adapters = Some(Adapters::new(r, 6.0, LoraTarget::ALL.to_vec()).unwrap());
+        // With the router too, and the gate/up pair at a rank and alpha of
+        // its own (as peft converts separate gate and up adapters).
+        let mut targets = LoraTarget::ALL.to_vec();
+        targets.push(LoraTarget::Router);
+        let own = TargetRank { target: LoraTarget::ExpertsGateUp, rank: 2 * r, alpha: 5.0 };
+        sp.adapters = Some(Adapters { ranks: vec![own], ..Adapters::new(r, 6.0, targets).unwrap() });
         let fwd = build_forward(&sp).unwrap();
         let expert = |n: &str| ty2(&fwd, &format!("model.layers.0.mlp.experts.{n}.weight"));
-        assert_eq!(expert("gate_up_proj.lora_A"), [e, r, c]);
-        assert_eq!(expert("gate_up_proj.lora_B"), [e, 2 * f, r]);
+        assert_eq!(expert("gate_up_proj.lora_A"), [e, 2 * r, c]);
+        assert_eq!(expert("gate_up_proj.lora_B"), [e, 2 * f, 2 * r]);
         assert_eq!(expert("down_proj.lora_A"), [e, r, f]);
         assert_eq!(expert("down_proj.lora_B"), [e, c, r]);
+        assert_eq!(ty2(&fwd, "model.layers.0.mlp.gate.lora_B.weight"), [e, r]);
         assert!(fwd.frozen().any(|v| name(&fwd, v) == "model.layers.0.mlp.experts.up_proj.weight"));
-        assert_gradients_match(&sp, &["experts.gate_up_proj", "experts.down_proj"]);
+        assert!(fwd.frozen().any(|v| name(&fwd, v) == "model.layers.0.mlp.gate.weight"));
+        assert_gradients_match(&sp, &["experts.gate_up_proj", "experts.down_proj", "mlp.gate.lora"]);
 
         // Merged: the base model with every adapter folded into its weights.
         let with = build_forward_with_logits(&sp).unwrap();
@@ -315,7 +322,7 @@ fn expert_adapters_train_and_merge_into_the_experts() {
         let data = batch(&sp, 4);
         let adapted = logits(&with, &w, &data);
         let mut held = HeldWeights(w.clone());
-        let mut merged = MergedWeights::new(&mut held, &with, sp.adapters.as_ref().unwrap().scale()).unwrap();
+        let mut merged = MergedWeights::new(&mut held, &with, sp.adapters.as_ref().unwrap()).unwrap();
         let base_sp = ModelSpec { adapters: None, ..sp.clone() };
         let base = build_forward_with_logits(&base_sp).unwrap();
         let base_w: HashMap<String, HostTensor> = base
@@ -366,7 +373,7 @@ fn an_nf4_base_quantizes_the_experts_too() {
     let ours = logits(&fwd, &w.0, &data);
     let base_sp = ModelSpec { adapters: None, ..sp.clone() };
     let base = build_forward_with_logits(&base_sp).unwrap();
-    let mut merged = MergedWeights::new(&mut w, &fwd, 2.0).unwrap();
+    let mut merged = MergedWeights::new(&mut w, &fwd, sp.adapters.as_ref().unwrap()).unwrap();
     let base_w: HashMap<String, HostTensor> = base
         .weights()
         .map(|v| {
@@ -412,6 +419,9 @@ fn expert_adapter_settings_that_cannot_hold_are_refused() {
     sp.adapters = Some(Adapters { dropout: 0.1, ..Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap() });
     let e = build_forward(&sp).unwrap_err().to_string();
     assert!(e.contains("--lora-dropout") && e.contains("q,k,v,o,gate,up,down"), "{e}");
+    sp.adapters.as_mut().unwrap().targets = vec![LoraTarget::Q, LoraTarget::Router];
+    let e = build_forward(&sp).unwrap_err().to_string();
+    assert!(e.contains("`router`") && e.contains("--lora-dropout"), "{e}");
     sp.adapters.as_mut().unwrap().targets = LoraTarget::MODULES.to_vec();
     build_forward(&sp).unwrap();
 }

@@ -23,6 +23,7 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::checkpoint::read_safetensors;
 use stepgraph_core::models::hf_dir::{save_hf_dir, HfFamily, HfModelDir, NamedParams, SaveOptions};
+use stepgraph_core::models::lora::TargetRank;
 use stepgraph_core::models::peft::save_adapter_dir;
 use stepgraph_core::models::{Adapters, BaseStorage, Config, LoraTarget, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{trace_step, StepOptions};
@@ -106,6 +107,23 @@ pub fn recorded_adapters(run: &BTreeMap<String, Value>, at: &Path) -> Result<Opt
         targets: LoraTarget::parse_list(&targets.join(",")).map_err(|_| bad("targets"))?,
         dropout: key("dropout").and_then(Value::as_f64).unwrap_or(0.0),
         base,
+        ranks: match key("ranks") {
+            None => Vec::new(),
+            Some(list) => list
+                .as_array()
+                .ok_or_else(|| bad("ranks"))?
+                .iter()
+                .map(|r| {
+                    let target = r["target"].as_str().and_then(|t| LoraTarget::parse_list(t).ok());
+                    match (target.as_deref(), r["rank"].as_u64(), r["alpha"].as_f64()) {
+                        (Some(&[target]), Some(rank), Some(alpha)) => {
+                            Ok(TargetRank { target, rank: rank as usize, alpha })
+                        }
+                        _ => Err(bad("ranks")),
+                    }
+                })
+                .collect::<Result<_>>()?,
+        },
     };
     Ok(Some(adapters))
 }

@@ -964,7 +964,7 @@ fn save_out(trainer: &mut Trainer, out: Option<&OutTarget>, args: &TrainArgs) ->
     let report = match &adapters {
         // --merge: the base with every adapter folded in.
         Some(a) => {
-            let mut merged = MergedWeights::new(trainer.session(), &forward, a.scale())?;
+            let mut merged = MergedWeights::new(trainer.session(), &forward, a)?;
             save_hf_dir(&out.dir, &config, &forward, &mut merged, &options)
         }
         None => save_hf_dir(&out.dir, &config, &forward, trainer.session(), &options),
@@ -1043,12 +1043,18 @@ fn print_settings(
             BaseStorage::Nf4 { double_quant: true } => "nf4, its scales quantized too (--double-quant)".to_string(),
         };
         let targets: Vec<&str> = a.targets.iter().map(|t| t.short()).collect();
+        // Targets with a rank of their own (from a folder's rank_pattern).
+        let own: String = a
+            .ranks
+            .iter()
+            .map(|r| format!(" ({} rank {}, alpha {})", r.target.short(), r.rank, short(r.alpha)))
+            .collect();
         let from = match &args.adapter {
             Some(dir) => format!(", continuing {}", dir.display()),
             None => String::new(),
         };
         eprintln!(
-            "  adapters    LoRA rank {}, alpha {} (scale {}), dropout {} on {}{from}: {} trained of {} ({:.2}%)",
+            "  adapters    LoRA rank {}, alpha {} (scale {}), dropout {} on {}{own}{from}: {} trained of {} ({:.2}%)",
             a.rank,
             short(a.alpha),
             short(a.scale()),

@@ -289,7 +289,10 @@ impl<'a> Gpt<'a> {
         bias: bool,
     ) -> Result<(ValueId, Option<ValueId>)> {
         let w = match self.adapters.as_ref().map(|a| a.base) {
-            Some(BaseStorage::Nf4 { double_quant }) if LoraTarget::of_layer(prefix).is_some() => {
+            // The router stays in the model's dtype, as QLoRA leaves it.
+            Some(BaseStorage::Nf4 { double_quant })
+                if LoraTarget::of_layer(prefix).is_some_and(|t| t != LoraTarget::Router) =>
+            {
                 self.nf4_weight(&format!("{prefix}.weight"), &[out, inp], double_quant)?
             }
             _ => self.param(&format!("{prefix}.weight"), &[out, inp])?,
@@ -305,7 +308,7 @@ impl<'a> Gpt<'a> {
         let y = self.b.linear(x, w, bias)?;
         match &self.adapters {
             Some(a) if a.adapts(prefix) => {
-                let (rank, scale) = (a.rank, a.scale());
+                let (rank, scale) = a.rank_and_scale(prefix);
                 self.adapter(x, y, prefix, inp, out, rank, scale)
             }
             _ => Ok(y),
@@ -326,6 +329,7 @@ impl<'a> Gpt<'a> {
         rank: usize,
         scale: f64,
     ) -> Result<ValueId> {
+        self.check_parameter_dropout(prefix)?;
         let a = self.adapter_param(&format!("{prefix}.lora_A.weight"), &[rank, inp])?;
         let b = self.adapter_param(&format!("{prefix}.lora_B.weight"), &[out, rank])?;
         // Dropout on the adapter's input only, as peft applies it; each
@@ -717,8 +721,7 @@ impl<'a> Gpt<'a> {
         let tokens = shape.iter().product::<usize>() / c.max(1);
         let (e, k, f) = (moe.experts, moe.experts_per_token, moe.expert_intermediate_size);
         let x2 = self.b.reshape(x, &[tokens, c])?;
-        let router = self.param(&format!("{prefix}.gate.weight"), &[e, c])?;
-        let logits = self.b.linear(x2, router, None)?;
+        let logits = self.linear(x2, &format!("{prefix}.gate"), c, e, false)?;
         let logits = self.b.cast(logits, stat_dtype(self.dtype))?;
         if moe.z_loss_coef.is_some() {
             self.router_scores.push(logits);
@@ -811,21 +814,31 @@ impl<'a> Gpt<'a> {
         inp: usize,
     ) -> Result<Option<ValueId>> {
         let Some(a) = self.adapters.as_ref().filter(|a| a.adapts(layer)) else { return Ok(None) };
-        let (rank, scale, dropout) = (a.rank, a.scale(), a.dropout);
-        if dropout > 0.0 {
-            // `peft` refuses dropout on parameter targets: an adapter
-            // trained with it could not be loaded there.
-            return Err(Error::Config {
-                model: self.cfg.name.clone(),
-                reason: format!(
-                    "adapters on the experts (`{layer}`) take no dropout (--lora-dropout {dropout}), as peft's                      expert adapters (target_parameters) take none: use --lora-dropout 0, or leave the experts out                      (--lora-targets q,k,v,o,gate,up,down)"
-                ),
-            });
-        }
+        let (rank, scale) = a.rank_and_scale(layer);
+        self.check_parameter_dropout(layer)?;
         let a = self.adapter_param(&format!("{layer}.lora_A.weight"), &[experts, rank, inp])?;
         let low = self.b.grouped_matmul(rows, a, offsets, false)?;
         let s = self.b.full(scale, TensorType::scalar(self.dtype))?;
         Ok(Some(self.b.mul(low, s)?))
+    }
+
+    /// Refuses adapter dropout on the layer `layer` when `peft` reaches it
+    /// as a parameter (the experts, the router): `peft` takes no dropout
+    /// there, so an adapter trained with it could not be loaded.
+    fn check_parameter_dropout(&self, layer: &str) -> Result<()> {
+        let dropout = self.adapters.as_ref().map_or(0.0, |a| a.dropout);
+        match LoraTarget::of_layer(layer).filter(|t| t.is_parameter()) {
+            Some(t) if dropout > 0.0 => Err(Error::Config {
+                model: self.cfg.name.clone(),
+                reason: format!(
+                    "adapters on `{}` (`{layer}`) take no dropout (--lora-dropout {dropout}), as peft's adapters \
+                     on parameters (target_parameters) take none: use --lora-dropout 0, or leave the experts and \
+                     the router out (--lora-targets q,k,v,o,gate,up,down)",
+                    t.short()
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// The MLP of the rows `x` (all of them, or one tile).

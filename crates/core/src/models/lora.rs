@@ -48,11 +48,16 @@ pub enum LoraTarget {
     ExpertsGateUp,
     /// The routed experts' down products (`mlp.experts.down_proj`).
     ExpertsDown,
+    /// The router of a mixture-of-experts layer (`mlp.gate`, `[E, C]`):
+    /// its adapter changes which experts a token takes, so `all-linear`
+    /// leaves it out, as `peft` did before `transformers` 5 made it a
+    /// parameter (`target_parameters` entry `mlp.gate.weight`).
+    Router,
 }
 
 /// What `--lora-targets` accepts, for error messages.
 const TARGET_CHOICES: &str =
-    "q, k, v, o, gate, up, down, experts_gate_up, experts_down, experts (comma-separated) or all-linear";
+    "q, k, v, o, gate, up, down, experts_gate_up, experts_down, experts, router (comma-separated) or all-linear";
 
 impl LoraTarget {
     /// Every target, in block order: `all-linear`, which on a
@@ -92,6 +97,14 @@ impl LoraTarget {
         LoraTarget::EXPERTS.contains(&self)
     }
 
+    /// Whether `peft` reaches this target through `target_parameters`
+    /// (the experts and the router, parameters of a `transformers` 5
+    /// module) rather than `target_modules`: such adapters take no dropout
+    /// there, and are named by the module that holds the parameter.
+    pub fn is_parameter(self) -> bool {
+        self.is_experts() || self == LoraTarget::Router
+    }
+
     /// The module name the layer carries in the trace and in Llama-layout
     /// folders (`q_proj`, ..., `down_proj`); for the experts, the name of
     /// their weight under the block's `experts` module (`experts.gate_up_proj`).
@@ -106,6 +119,7 @@ impl LoraTarget {
             LoraTarget::Down => "down_proj",
             LoraTarget::ExpertsGateUp => "experts.gate_up_proj",
             LoraTarget::ExpertsDown => "experts.down_proj",
+            LoraTarget::Router => "gate",
         }
     }
 
@@ -122,6 +136,19 @@ impl LoraTarget {
             LoraTarget::Down => "down",
             LoraTarget::ExpertsGateUp => "experts_gate_up",
             LoraTarget::ExpertsDown => "experts_down",
+            LoraTarget::Router => "router",
+        }
+    }
+
+    /// The parameter `peft` names for this target, as `target_parameters`
+    /// lists it (`mlp.experts.gate_up_proj`, `mlp.gate.weight`); `None`
+    /// for a linear module.
+    pub fn peft_parameter(self) -> Option<&'static str> {
+        match self {
+            LoraTarget::ExpertsGateUp => Some("mlp.experts.gate_up_proj"),
+            LoraTarget::ExpertsDown => Some("mlp.experts.down_proj"),
+            LoraTarget::Router => Some("mlp.gate.weight"),
+            _ => None,
         }
     }
 
@@ -132,6 +159,9 @@ impl LoraTarget {
             return Some(t);
         }
         let module = prefix.rsplit('.').next()?;
+        if module == LoraTarget::Router.module() {
+            return Some(LoraTarget::Router);
+        }
         LoraTarget::MODULES.into_iter().find(|t| t.module() == module)
     }
 
@@ -153,6 +183,7 @@ impl LoraTarget {
                     .into_iter()
                     .find(|t| t.short() == part || t.module() == part || part.ends_with(&format!(".{}", t.module())))
                     .or_else(|| LoraTarget::MODULES.into_iter().find(|t| t.short() == part || t.module() == part))
+                    .or_else(|| (part == LoraTarget::Router.short()).then_some(LoraTarget::Router))
                     .ok_or_else(|| format!("unknown adapter target `{part}`: use {TARGET_CHOICES}"))?;
                 vec![t]
             };
@@ -185,11 +216,22 @@ pub enum BaseStorage {
     Nf4 { double_quant: bool },
 }
 
+/// A rank and alpha of its own for one target (`peft`'s `rank_pattern`
+/// and `alpha_pattern`): `peft` gives the experts' fused gate and up pair
+/// twice the rank and alpha when it converts an adapter that named the
+/// two projections apart.
+#[derive(Clone, Copy, PartialEq, Debug, Serialize)]
+pub struct TargetRank {
+    pub target: LoraTarget,
+    pub rank: usize,
+    pub alpha: f64,
+}
+
 /// The adapters of a LoRA run. Part of the model: serialized with the spec,
 /// so a checkpoint resumes only with the same adapters.
 #[derive(Clone, PartialEq, Debug, Serialize)]
 pub struct Adapters {
-    /// The rank `r` of every adapter.
+    /// The rank `r` of every adapter but those of [`Adapters::ranks`].
     pub rank: usize,
     /// `α`: the adapter's product is scaled by `α / r`.
     pub alpha: f64,
@@ -200,19 +242,35 @@ pub struct Adapters {
     pub dropout: f64,
     /// How the frozen base is stored.
     pub base: BaseStorage,
+    /// Targets with a rank and alpha of their own (most runs: none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<TargetRank>,
 }
 
 impl Adapters {
     /// Adapters of rank `rank` with `α = alpha` on `targets`, no dropout, the base in the model's dtype.
     pub fn new(rank: usize, alpha: f64, targets: Vec<LoraTarget>) -> Result<Adapters> {
-        let a = Adapters { rank, alpha, targets, dropout: 0.0, base: BaseStorage::Model };
+        let a = Adapters { rank, alpha, targets, dropout: 0.0, base: BaseStorage::Model, ranks: Vec::new() };
         a.validate()?;
         Ok(a)
     }
 
-    /// The scale of the adapters' product, `α / r`.
+    /// The scale of the adapters' product, `α / r` (of a target without a
+    /// rank of its own).
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank as f64
+    }
+
+    /// The rank and alpha of `target`'s adapters.
+    pub fn rank_of(&self, target: LoraTarget) -> (usize, f64) {
+        self.ranks.iter().find(|r| r.target == target).map_or((self.rank, self.alpha), |r| (r.rank, r.alpha))
+    }
+
+    /// The rank and scale (`α / r`) of the adapter of the layer `layer`
+    /// (a trace prefix).
+    pub fn rank_and_scale(&self, layer: &str) -> (usize, f64) {
+        let (rank, alpha) = LoraTarget::of_layer(layer).map_or((self.rank, self.alpha), |t| self.rank_of(t));
+        (rank, alpha / rank as f64)
     }
 
     /// Whether the linear layer with trace prefix `prefix` gets an adapter.
@@ -234,6 +292,15 @@ impl Adapters {
         }
         if self.targets.is_empty() {
             return bad("adapters need at least one target layer (--lora-targets)".into());
+        }
+        for r in &self.ranks {
+            let name = r.target.short();
+            if !self.targets.contains(&r.target) {
+                return bad(format!("a rank is given for `{name}`, which the adapters do not target"));
+            }
+            if r.rank == 0 || !(r.alpha.is_finite() && r.alpha > 0.0) {
+                return bad(format!("`{name}`'s own rank {} and alpha {} must be positive", r.rank, r.alpha));
+            }
         }
         Ok(())
     }
@@ -418,15 +485,14 @@ pub fn init_quantized(weights: &mut (impl NamedParams + ?Sized), trace: &Trace, 
 /// Adapters held on the host, merged into base weights as they load (a
 /// model that runs without adapters of its own, such as generation's).
 pub struct AdapterMerge {
-    scale: f64,
-    /// Each adapted weight's `(A, B, rows of B)` by its name (`...q_proj.weight`).
-    by_weight: std::collections::HashMap<String, (HostTensor, HostTensor, AdapterRows)>,
+    /// Each adapted weight's `(A, B, rows of B, scale)` by its name (`...q_proj.weight`).
+    by_weight: std::collections::HashMap<String, (HostTensor, HostTensor, AdapterRows, f64)>,
 }
 
 impl AdapterMerge {
-    /// The adapter matrices `tensors` (by trace name) at `scale` (α/r);
-    /// every layer must have both its `A` and its `B`.
-    pub fn new(scale: f64, tensors: &[(String, HostTensor)]) -> Result<AdapterMerge> {
+    /// The adapter matrices `tensors` (by trace name) of `adapters`
+    /// (their scales); every layer must have both its `A` and its `B`.
+    pub fn new(adapters: &Adapters, tensors: &[(String, HostTensor)]) -> Result<AdapterMerge> {
         let find = |name: &str| tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone());
         let mut by_weight = std::collections::HashMap::new();
         let mut layers = std::collections::HashSet::new();
@@ -437,8 +503,9 @@ impl AdapterMerge {
                 reason: format!("the adapter of `{layer}` has an A matrix but no B"),
             })?;
             let a = find(name).expect("listed");
+            let (_, scale) = adapters.rank_and_scale(layer);
             for (weight, rows) in adapted_weights(layer) {
-                by_weight.insert(weight, (a.clone(), b.clone(), rows));
+                by_weight.insert(weight, (a.clone(), b.clone(), rows, scale));
             }
             layers.insert(layer.to_string());
         }
@@ -447,7 +514,7 @@ impl AdapterMerge {
         {
             return Err(Error::Input { name: name.clone(), reason: "a B matrix without its A".into() });
         }
-        Ok(AdapterMerge { scale, by_weight })
+        Ok(AdapterMerge { by_weight })
     }
 
     /// The base weights adapted.
@@ -463,7 +530,7 @@ impl AdapterMerge {
     /// weight has no adapter.
     pub fn merge(&self, name: &str, weight: &HostTensor) -> Result<Option<HostTensor>> {
         match self.by_weight.get(name) {
-            Some((a, b, rows)) => Ok(Some(merged_weight_rows(weight, a, b, self.scale, *rows)?)),
+            Some((a, b, rows, scale)) => Ok(Some(merged_weight_rows(weight, a, b, *scale, *rows)?)),
             None => Ok(None),
         }
     }
@@ -478,20 +545,24 @@ pub struct MergedWeights<'a, S: NamedParams + ?Sized> {
     /// The base weights stored as NF4, read dequantized.
     quantized: Vec<QuantizedWeight>,
     /// Each adapted weight's adapter (its layer prefix,
-    /// `model.layers.0.self_attn.q_proj`) and the rows of its `B` it takes.
-    adapted: std::collections::HashMap<String, (String, AdapterRows)>,
-    scale: f64,
+    /// `model.layers.0.self_attn.q_proj`), the rows of its `B` it takes and
+    /// its scale.
+    adapted: std::collections::HashMap<String, (String, AdapterRows, f64)>,
 }
 
 impl<'a, S: NamedParams + ?Sized> MergedWeights<'a, S> {
     /// The weights `weights` holds for the model `trace` (whose adapter
-    /// parameters say which layers are adapted), merged at `scale` (α/r).
-    pub fn new(weights: &'a mut S, trace: &Trace, scale: f64) -> Result<Self> {
-        let adapted = adapted_layers(trace)
-            .into_iter()
-            .flat_map(|layer| adapted_weights(&layer).into_iter().map(move |(w, rows)| (w, (layer.clone(), rows))))
-            .collect();
-        Ok(MergedWeights { weights, quantized: quantized_weights(trace), adapted, scale })
+    /// parameters say which layers are adapted), merged at the scales of
+    /// `adapters`.
+    pub fn new(weights: &'a mut S, trace: &Trace, adapters: &Adapters) -> Result<Self> {
+        let mut adapted = std::collections::HashMap::new();
+        for layer in adapted_layers(trace) {
+            let (_, scale) = adapters.rank_and_scale(&layer);
+            for (weight, rows) in adapted_weights(&layer) {
+                adapted.insert(weight, (layer.clone(), rows, scale));
+            }
+        }
+        Ok(MergedWeights { weights, quantized: quantized_weights(trace), adapted })
     }
 }
 
@@ -510,10 +581,10 @@ impl<S: NamedParams + ?Sized> NamedParams for MergedWeights<'_, S> {
             None => self.weights.read_param(name)?,
         };
         match self.adapted.get(name) {
-            Some((layer, rows)) => {
+            Some((layer, rows, scale)) => {
                 let a = self.weights.read_param(&format!("{layer}.lora_A.weight"))?;
                 let b = self.weights.read_param(&format!("{layer}.lora_B.weight"))?;
-                merged_weight_rows(&w, &a, &b, self.scale, *rows)
+                merged_weight_rows(&w, &a, &b, *scale, *rows)
             }
             None => Ok(w),
         }
@@ -600,8 +671,25 @@ mod tests {
         assert_eq!(LoraTarget::parse_list("down_proj").unwrap(), vec![LoraTarget::Down]);
         assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.experts.down_proj"), Some(LoraTarget::ExpertsDown));
         assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.shared_expert.down_proj"), Some(LoraTarget::Down));
-        let e = LoraTarget::parse_list("router").unwrap_err();
-        assert!(e.contains("experts"), "{e}");
+        assert_eq!(LoraTarget::parse_list("router,q").unwrap(), vec![LoraTarget::Q, LoraTarget::Router]);
+        assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.gate"), Some(LoraTarget::Router));
+        assert_eq!(LoraTarget::of_layer("model.layers.0.mlp.shared_expert_gate"), None);
+        assert!(!LoraTarget::ALL.contains(&LoraTarget::Router));
+        let e = LoraTarget::parse_list("lm_head").unwrap_err();
+        assert!(e.contains("experts") && e.contains("router"), "{e}");
+    }
+
+    #[test]
+    fn a_target_with_its_own_rank_scales_by_its_own_alpha() {
+        let own = TargetRank { target: LoraTarget::ExpertsGateUp, rank: 8, alpha: 16.0 };
+        let a = Adapters { ranks: vec![own], ..Adapters::new(4, 6.0, LoraTarget::ALL.to_vec()).unwrap() };
+        a.validate().unwrap();
+        assert_eq!(a.rank_and_scale("model.layers.0.mlp.experts.gate_up_proj"), (8, 2.0));
+        assert_eq!(a.rank_and_scale("model.layers.0.mlp.experts.down_proj"), (4, 1.5));
+        let off = Adapters { targets: vec![LoraTarget::Q], ..a.clone() };
+        assert!(off.validate().unwrap_err().to_string().contains("experts_gate_up"));
+        let zero = Adapters { ranks: vec![TargetRank { rank: 0, ..own }], ..a };
+        assert!(zero.validate().is_err());
     }
 
     #[test]

@@ -25,8 +25,15 @@
 //! expert (`[E, r, in]` and `[E, out, r]`); [`save_adapter_dir`] and
 //! [`read_adapter_weights`] convert.
 //!
+//! The router (`mlp.gate`, a parameter too: `target_parameters` entry
+//! `gate.weight`) is named as its module. `peft` converts an adapter that
+//! names Qwen-MoE's `gate_proj`, `up_proj` and `down_proj` (their
+//! `transformers` 4 modules) into these targets, with the fused pair at
+//! twice the rank and alpha (`rank_pattern`, `alpha_pattern`): a rank and
+//! alpha per target is read and written ([`TargetRank`]).
+//!
 //! Reading takes what stepgraph's adapters express: plain LoRA on linear
-//! layers and experts, one rank and one alpha for every layer; a folder asking for more
+//! layers, experts and routers, one rank and alpha per target; a folder asking for more
 //! (rsLoRA, DoRA, per-layer ranks, trained biases or whole modules) is
 //! refused with the key that asks for it, rather than loaded into a
 //! different model.
@@ -40,7 +47,7 @@ use serde_json::{json, Map, Value};
 use super::checkpoint::{read_safetensors, write_safetensors_atomic};
 use super::family::{HfFamily, Join};
 use super::hf_dir::{copy_tokenizer_files, save_folder_atomically, sync_dir, write_synced};
-use super::lora::{is_adapter_weight, Adapters, BaseStorage, LoraTarget};
+use super::lora::{is_adapter_weight, Adapters, BaseStorage, LoraTarget, TargetRank};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
 
@@ -70,6 +77,12 @@ pub fn peft_tensor_name(family: HfFamily, name: &str, targets: &[LoraTarget]) ->
             .position(|t| t == target)
             .ok_or_else(|| format!("`{name}` adapts {}, which the adapters do not target", target.short()))?;
         return Ok(format!("{PEFT_PREFIX}{experts}{}.{matrix}.weight", ".base_layer".repeat(nesting)));
+    }
+    if LoraTarget::of_layer(layer) == Some(LoraTarget::Router) {
+        // The router is a parameter of its own module, named as the trace names it.
+        let block = layer.strip_suffix(".gate").expect("of_layer matched the name");
+        expert_rule(family, &format!("{block}.experts"))?;
+        return Ok(format!("{PEFT_PREFIX}{layer}.{matrix}.weight"));
     }
     let module = layer.rsplit('.').next().unwrap_or_default();
     if reads_mlp_names_as_experts(family) && ["gate_proj", "up_proj", "down_proj"].contains(&module) {
@@ -145,6 +158,9 @@ fn trace_tensor_name(family: HfFamily, name: &str, targets: &[LoraTarget]) -> Op
     }
     if nesting > 0 {
         return None;
+    }
+    if let Some(block) = module.strip_suffix(".gate").filter(|b| expert_rule(family, &format!("{b}.experts")).is_ok()) {
+        return Some(format!("{block}.gate.{matrix}.weight"));
     }
     let params = family.family().param_names(&format!("{module}.weight"));
     let [param] = &params[..] else { return None };
@@ -248,11 +264,9 @@ pub fn save_adapter_dir(
     for (name, t) in tensors {
         let peft = peft_tensor_name(family, name, &adapters.targets).map_err(|reason| folder_error(dir, reason))?;
         let layer = split_adapter_name(name).map(|(l, _)| l).unwrap_or_default();
-        if LoraTarget::of_layer(layer).is_some_and(LoraTarget::is_experts) {
-            // `mlp.experts.gate_up_proj`: the parameter's path within its decoder layer.
-            let within = layer.strip_prefix("model.layers.").and_then(|l| l.split_once('.')).map_or(layer, |(_, p)| p);
-            parameters.insert(within.to_string());
-            named.push((peft, expert_matrix_to_peft(name, t)));
+        if let Some(parameter) = LoraTarget::of_layer(layer).and_then(LoraTarget::peft_parameter) {
+            parameters.insert(parameter);
+            named.push((peft, peft_layout(name, t)));
         } else {
             let module = peft.trim_end_matches(".weight").rsplit_once('.').map(|(m, _)| m).unwrap_or_default();
             modules.insert(module.rsplit('.').next().unwrap_or_default().to_string());
@@ -278,8 +292,8 @@ pub fn save_adapter_dir(
         "modules_to_save": null,
         "layers_to_transform": null,
         "layers_pattern": null,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": patterns(adapters, |r| json!(r.rank)),
+        "alpha_pattern": patterns(adapters, |r| json!(r.alpha)),
         "use_rslora": false,
         "use_dora": false,
         "revision": null,
@@ -292,6 +306,47 @@ pub fn save_adapter_dir(
         let tokenizer_files = copy_tokenizer_files(temp, tokenizer_from, None)?;
         sync_dir(temp)?;
         Ok(AdapterSaveReport { tensors: count, tensor_bytes, tokenizer_files })
+    })
+}
+
+/// `peft`'s `rank_pattern` (or `alpha_pattern`) for the targets with a
+/// rank of their own: `{".*\\.gate_up_proj": 32}`, a regular expression
+/// that matches the target's module or parameter in any layer.
+fn patterns(adapters: &Adapters, value: impl Fn(&TargetRank) -> Value) -> Value {
+    let map: Map<String, Value> = adapters
+        .ranks
+        .iter()
+        .map(|r| (format!(".*\\.{}", pattern_leaf(r.target).replace('.', "\\.")), value(r)))
+        .collect();
+    Value::Object(map)
+}
+
+/// The last part of the name `peft` matches a target by: a module's name
+/// (`q_proj`), or a parameter's (`gate_up_proj`, `gate.weight`).
+fn pattern_leaf(target: LoraTarget) -> &'static str {
+    match target {
+        LoraTarget::ExpertsGateUp => "gate_up_proj",
+        LoraTarget::ExpertsDown => "down_proj",
+        LoraTarget::Router => "gate.weight",
+        t => t.module(),
+    }
+}
+
+/// The parameter target `name` (a `target_parameters` entry or a pattern
+/// key's name: `gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate.weight`).
+fn parameter_target(name: &str) -> Option<LoraTarget> {
+    [LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown, LoraTarget::Router]
+        .into_iter()
+        .find(|&t| name == pattern_leaf(t) || name.ends_with(&format!(".{}", pattern_leaf(t))))
+}
+
+/// The target a `rank_pattern` / `alpha_pattern` key names: a regular
+/// expression of the form `NAME`, `.*NAME` or `.*\.NAME` (dots of the name
+/// escaped or not) for a module or parameter name.
+fn pattern_target(key: &str) -> Option<LoraTarget> {
+    let name = key.trim_start_matches(".*").trim_start_matches("\\.").replace("\\.", ".");
+    parameter_target(&name).or_else(|| {
+        LoraTarget::MODULES.into_iter().find(|t| name == t.module() || name.ends_with(&format!(".{}", t.module())))
     })
 }
 
@@ -362,11 +417,6 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
             return Err(bad(format!("sets `{key}` ({what}), which stepgraph's adapters do not compute")));
         }
     }
-    for key in ["rank_pattern", "alpha_pattern"] {
-        if config.get(key).and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
-            return Err(bad(format!("sets `{key}` (a rank or alpha per layer); stepgraph uses one for every layer")));
-        }
-    }
     match config.get("bias").and_then(Value::as_str) {
         None | Some("none") => {}
         Some(b) => return Err(bad(format!("trains biases (`bias`: \"{b}\"); stepgraph's adapters train none"))),
@@ -393,9 +443,20 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
         Some(Value::String(s)) if s == "all-linear" => LoraTarget::MODULES.to_vec(),
         Some(Value::Array(list)) if list.is_empty() => Vec::new(),
         Some(Value::Array(list)) => {
-            let names: Vec<&str> = list.iter().filter_map(Value::as_str).collect();
-            let targets =
-                LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?;
+            // `gate` is a mixture of experts' router (peft takes it for its
+            // weight); every other name a linear module.
+            let (routers, names): (Vec<&str>, Vec<&str>) = list
+                .iter()
+                .filter_map(Value::as_str)
+                .partition(|n| *n == LoraTarget::Router.module() || n.ends_with(".gate"));
+            let mut targets = if names.is_empty() {
+                Vec::new()
+            } else {
+                LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?
+            };
+            if !routers.is_empty() {
+                targets.push(LoraTarget::Router);
+            }
             if let Some(t) = targets.iter().find(|t| t.is_experts()) {
                 return Err(bad(format!(
                     "`target_modules` names the experts' `{}`, a parameter: peft adapts it through \
@@ -417,16 +478,12 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
         None | Some(Value::Null) => {}
         Some(Value::Array(list)) => {
             for entry in list {
-                let name = entry.as_str().unwrap_or_default();
-                let target = LoraTarget::EXPERTS
-                    .into_iter()
-                    .find(|t| name == t.module() || name.ends_with(&format!(".{}", t.module())))
-                    .ok_or_else(|| {
-                        bad(format!(
-                            "`target_parameters` names {entry}; stepgraph adapts the routed experts' \
-                             `experts.gate_up_proj` and `experts.down_proj`"
-                        ))
-                    })?;
+                let target = parameter_target(entry.as_str().unwrap_or_default()).ok_or_else(|| {
+                    bad(format!(
+                        "`target_parameters` names {entry}; stepgraph adapts the routed experts' \
+                         `experts.gate_up_proj` and `experts.down_proj` and the router's `gate.weight`"
+                    ))
+                })?;
                 if !targets.contains(&target) {
                     targets.push(target);
                 }
@@ -438,8 +495,42 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
     if targets.is_empty() {
         return Err(bad("has no `target_modules` or `target_parameters`: it adapts nothing".into()));
     }
+    // A rank and alpha of their own for some targets: peft gives the
+    // experts' fused gate and up pair twice the rank when it converts
+    // an adapter that named the two apart.
+    let mut ranks: Vec<TargetRank> = Vec::new();
+    for (key, is_rank) in [("rank_pattern", true), ("alpha_pattern", false)] {
+        let Some(map) = config.get(key).filter(|v| !v.is_null()) else { continue };
+        let map = map.as_object().ok_or_else(|| bad(format!("`{key}` is {map}, not an object")))?;
+        for (pattern, value) in map {
+            let target = pattern_target(pattern).filter(|t| targets.contains(t)).ok_or_else(|| {
+                bad(format!(
+                    "`{key}` sets \"{pattern}\", which names no one target of these adapters; stepgraph takes a \
+                     rank or alpha per target (`.*\\.gate_up_proj`), not per layer"
+                ))
+            })?;
+            let number = value.as_f64().filter(|v| v.is_finite() && *v > 0.0);
+            let number = number.ok_or_else(|| bad(format!("`{key}` gives \"{pattern}\" {value}")))?;
+            let at = match ranks.iter().position(|r| r.target == target) {
+                Some(at) => at,
+                None => {
+                    ranks.push(TargetRank { target, rank, alpha });
+                    ranks.len() - 1
+                }
+            };
+            if is_rank {
+                if number.fract() != 0.0 {
+                    return Err(bad(format!("`{key}` gives \"{pattern}\" the rank {value}, not an integer")));
+                }
+                ranks[at].rank = number as usize;
+            } else {
+                ranks[at].alpha = number;
+            }
+        }
+    }
+    ranks.sort_by_key(|r| r.target);
     let base_model = config.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
-    let adapters = Adapters { rank, alpha, targets, dropout, base: BaseStorage::Model };
+    let adapters = Adapters { rank, alpha, targets, dropout, base: BaseStorage::Model, ranks };
     adapters.validate().map_err(|e| bad(e.to_string()))?;
     Ok((adapters, base_model))
 }
@@ -468,13 +559,11 @@ pub fn read_adapter_weights(dir: &Path, family: HfFamily, adapters: &Adapters) -
                     ),
                 )
             })?;
-        let expert = split_adapter_name(&trace_name)
-            .and_then(|(l, _)| LoraTarget::of_layer(l))
-            .is_some_and(LoraTarget::is_experts);
-        let t = if expert {
-            expert_matrix_from_peft(&name, &t, adapters.rank).map_err(|reason| folder_error(&weights_path, reason))?
-        } else {
-            t
+        let target = split_adapter_name(&trace_name).and_then(|(l, _)| LoraTarget::of_layer(l));
+        let t = match target.filter(|t| t.is_experts()) {
+            Some(expert) => expert_matrix_from_peft(&name, &t, adapters.rank_of(expert).0)
+                .map_err(|reason| folder_error(&weights_path, reason))?,
+            None => t,
         };
         tensors.push((trace_name, t));
     }
@@ -537,7 +626,7 @@ mod tests {
             ("use_dora", json!(true)),
             ("use_rslora", json!(true)),
             ("bias", json!("all")),
-            ("rank_pattern", json!({"q_proj": 4})),
+            ("rank_pattern", json!({"lm_head": 4})),
         ] {
             let mut c = config.clone();
             c[key] = value;
@@ -633,5 +722,44 @@ mod tests {
         let mut expect = LoraTarget::MODULES.to_vec();
         expect.push(LoraTarget::ExpertsGateUp);
         assert_eq!(a.targets, expect);
+    }
+
+    /// What peft writes for `all-linear` on Qwen3-MoE under transformers 5:
+    /// the attention as modules, the experts and the router as parameters,
+    /// the fused gate/up pair at twice the rank and alpha. It reads as those
+    /// targets with the pair's own rank, and writes back the same patterns.
+    #[test]
+    fn peft_all_linear_on_a_mixture_of_experts_reads_with_its_rank_pattern() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path();
+        let config = json!({
+            "peft_type": "LORA", "r": 2, "lora_alpha": 5, "lora_dropout": 0.0,
+            "target_modules": ["q_proj", "v_proj", "k_proj", "o_proj"],
+            "target_parameters": ["gate.weight", "down_proj", "gate_up_proj"],
+            "rank_pattern": {".*\\.gate_up_proj": 4}, "alpha_pattern": {".*\\.gate_up_proj": 10},
+        });
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&config).unwrap()).unwrap();
+        let (a, _) = read_adapter_config(dir).unwrap();
+        let mut targets = vec![LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O];
+        targets.extend([LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown, LoraTarget::Router]);
+        assert_eq!(a.targets, targets);
+        assert_eq!(a.ranks, [TargetRank { target: LoraTarget::ExpertsGateUp, rank: 4, alpha: 10.0 }]);
+        assert_eq!(a.rank_of(LoraTarget::Router), (2, 5.0));
+        assert_eq!(patterns(&a, |r| json!(r.rank)), json!({".*\\.gate_up_proj": 4}));
+        // The router is named as transformers 5 names it, in every MoE family.
+        let router = "model.layers.2.mlp.gate.lora_B.weight";
+        let p = peft_tensor_name(HfFamily::Mixtral, router, &a.targets).unwrap();
+        assert_eq!(p, "base_model.model.model.layers.2.mlp.gate.lora_B.weight");
+        assert_eq!(trace_tensor_name(HfFamily::Mixtral, &p, &a.targets).as_deref(), Some(router));
+        // A per-layer pattern is refused by its key.
+        let mut c = config.clone();
+        c["rank_pattern"] = json!({"model.layers.0.self_attn.q_proj": 8});
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&c).unwrap()).unwrap();
+        let (a, _) = read_adapter_config(dir).unwrap();
+        assert_eq!(a.rank_of(LoraTarget::Q), (8, 5.0));
+        c["rank_pattern"] = json!({"^model\\.layers\\.0\\..*": 8});
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&c).unwrap()).unwrap();
+        let e = read_adapter_config(dir).unwrap_err().to_string();
+        assert!(e.contains("rank_pattern") && e.contains("per target"), "{e}");
     }
 }
