@@ -23,7 +23,7 @@ pub fn class_of(kernel: &str) -> &'static str {
     let has = |p: &str| kernel.contains(p);
     if kernel.starts_with("gemm") || kernel.starts_with("gemv") {
         "products"
-    } else if ["top_k", "expert_sort", "grouped_matmul"].iter().any(|p| kernel.starts_with(p)) {
+    } else if ["top_k", "expert_sort", "grouped_matmul", "grouped_mma"].iter().any(|p| kernel.starts_with(p)) {
         // Mixture-of-experts routing and the experts' grouped products.
         "experts"
     } else if kernel.starts_with("cached_attention") || kernel.starts_with("kv_write") {
@@ -207,6 +207,8 @@ mod tests {
             ("cached_attention_split_h1_v4_e4_s2_bf16", "decode attention"),
             ("kv_write_u128", "decode attention"),
             ("grouped_matmul_weight_grad_bf16", "experts"),
+            ("grouped_mma_nt_bf16", "experts"),
+            ("grouped_mma_weight_grad_f16", "experts"),
             ("expert_sort_i32", "experts"),
             ("top_k_backward_f32", "experts"),
             ("rms_norm_backward_gw_bf16", "pointwise and row-wise"),

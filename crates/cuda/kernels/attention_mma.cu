@@ -58,16 +58,6 @@ typedef unsigned short u16;
 constexpr int NT = 128;  // four warps
 constexpr int BR = 64;   // rows a block owns: query rows (fwd, bwd_q) or key rows (bwd_kv)
 
-__device__ __forceinline__ void ldsm4(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm4t(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
 
 // ---------------------------------------------------------------------------
 // Fragment traits: what the kernels below need of a tensor-core product.
@@ -98,13 +88,13 @@ template <typename T> struct Tc16 {
         u32 r[4];
     };
     template <int SD> static __device__ __forceinline__ void load_a(A& a, const E* s, int m0, int k0, int lane) {
-        ldsm4(a.r, s + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + k0 + (lane >> 4) * 8);
+        sg_ldsm4(a.r, s + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + k0 + (lane >> 4) * 8);
     }
     template <int SD> static __device__ __forceinline__ void load_b_nk(B& b, const E* s, int n0, int k0, int lane) {
-        ldsm4(b.r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + k0 + ((lane >> 3) & 1) * 8);
+        sg_ldsm4(b.r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + k0 + ((lane >> 3) & 1) * 8);
     }
     template <int SD> static __device__ __forceinline__ void load_b_kn(B& b, const E* s, int k0, int n0, int lane) {
-        ldsm4t(b.r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + n0 + (lane >> 4) * 8);
+        sg_ldsm4t(b.r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + n0 + (lane >> 4) * 8);
     }
     // A C tile pair is an A tile as it stands (rows g, g+8; columns 2c.. and 2c+8..).
     static __device__ __forceinline__ void a_from_c(A& a, const float (*c)[4]) {

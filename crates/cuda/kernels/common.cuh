@@ -139,6 +139,21 @@ template <typename T, int N_ = 16 / (int)sizeof(T)> struct Pack {
 // The shared-window address of a generic pointer to shared memory.
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
+// Four 8×8 tiles of 16-bit elements from shared memory into mma.sync
+// fragments: lanes 8q..8q+7 give the row addresses of tile q, which lands
+// in r[q]; `t` transposes each tile as it loads (a tile stored with its
+// columns as rows).
+__device__ __forceinline__ void sg_ldsm4(unsigned* r, const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void sg_ldsm4t(unsigned* r, const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
 // Asynchronous copies of BYTES (4, 8 or 16) from global to shared memory,
 // grouped by cp_commit and awaited by cp_wait<N> (at most N of the issuing
 // thread's latest groups still in flight; other threads' copies need a

@@ -26,10 +26,35 @@
 //   thread per output element (e, i, j) sums its expert's rows in order
 //   (the rows clamped into [0, m]).
 //
-// These are the plain forms: correct on every shape, not yet fast (no
-// tensor cores, no tiling).
+// These plain forms are correct on every shape and dtype; bf16 and f16
+// products whose widths are multiples of 8 run on tensor cores instead:
+//
+// - `grouped_mma_nt_<dt>` (w[e] stored [n][k]) and `grouped_mma_nn_<dt>`
+//   (w[e] stored [k][n], `trans_w`), with the arguments of
+//   `grouped_matmul` (trans_w unread): blocks of GMM_BM × GMM_BN outputs, 8
+//   warps of 64 × 32, m16n8k16 `mma.sync` with f32 accumulation on tiles
+//   staged by `cp.async` in two buffers of GMM_BK depth. A block's rows
+//   belong to one expert: block x is the x-th row tile in expert order
+//   (each expert's rows cut into tiles of GMM_BM, the last one partial),
+//   found by walking the offsets; the grid holds ceil(m / GMM_BM) + experts
+//   tiles, the most there can be, and blocks past the last tile return.
+//   Rows outside the tile's expert and columns past n are zero-filled on
+//   load and not stored.
+// - `grouped_mma_weight_grad_<dt>(a, b, offsets, out, m, na, nb, experts)`:
+//   block (x, y, e) computes out[e] rows GMM_BM·x.., columns GMM_BN·y.. as
+//   the sum over expert e's rows of a[p]ᵀ b[p], in GMM_BK-row steps (the
+//   A operand read transposed); an expert without rows gets zeros.
+//
+// Both need k, n (na, nb) multiples of 8 and 16-byte aligned operands (the
+// lowering checks); each output is its f32 sum rounded once, the sum's
+// order that of the tensor cores rather than the CPU's.
 
 #define SG_MOE_THREADS 256
+#define GMM_BM 128
+#define GMM_BN 128
+#define GMM_BK 32
+#define GMM_THREADS 256
+#define GMM_PAD 8  // shared row padding (elements): conflict-free ldmatrix rows
 
 namespace sg_moe {
 
@@ -145,7 +170,208 @@ __device__ __forceinline__ void grouped_matmul_weight_grad(const T* a, const T* 
     }
 }
 
+// ------------------------------------------------------------- tensor cores
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// One thread's 8-element (16-byte) chunks of a [rows][cols] shared tile from
+// a row-major global matrix: chunk c of the tile is row c / (cols / 8),
+// columns 8·(c % (cols / 8)) ..; `row_ok` and `col_ok` say which exist.
+template <int ROWS, int COLS, int SD, typename RowOk, typename Src>
+__device__ __forceinline__ void stage(u16* dst, RowOk row_ok, Src src, int col0, int cols_total) {
+    constexpr int PER_ROW = COLS / 8, CHUNKS = ROWS * PER_ROW;
+    for (int c = threadIdx.x; c < CHUNKS; c += GMM_THREADS) {
+        const int r = c / PER_ROW, col = (c % PER_ROW) * 8;
+        const bool ok = row_ok(r) && col0 + col < cols_total;
+        // Nothing is read when !ok (the chunk is zero-filled).
+        cp_async<16>(dst + r * SD + col, src(ok ? r : 0) + (ok ? col0 + col : 0), ok);
+    }
+}
+
+// The A fragment (16 rows × 16 depth) at rows m0.., depth k0.. of a tile
+// stored [m][k] (`load_a_mk`) or [k][m] (`load_a_km`, loaded transposed).
+template <int SD> __device__ __forceinline__ void load_a_mk(u32* a, const u16* s, int m0, int k0, int lane) {
+    sg_ldsm4(a, s + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + k0 + (lane >> 4) * 8);
+}
+template <int SD> __device__ __forceinline__ void load_a_km(u32* a, const u16* s, int m0, int k0, int lane) {
+    sg_ldsm4t(a, s + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * SD + m0 + ((lane >> 3) & 1) * 8);
+}
+// The B fragments of two n-tiles (16 depth × 16 columns) at depth k0..,
+// columns n0.. of a tile stored [n][k] (`load_b_nk`) or [k][n] (`load_b_kn`).
+template <int SD> __device__ __forceinline__ void load_b_nk(u32* b, const u16* s, int n0, int k0, int lane) {
+    sg_ldsm4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + k0 + ((lane >> 3) & 1) * 8);
+}
+template <int SD> __device__ __forceinline__ void load_b_kn(u32* b, const u16* s, int k0, int n0, int lane) {
+    sg_ldsm4t(b, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + n0 + (lane >> 4) * 8);
+}
+
+// The accumulators of one warp's 64 × 32 outputs: [m-tile][n-tile][4].
+struct GmmAcc {
+    float c[4][4][4];
+};
+
+// One GMM_BK step of a warp's outputs from the staged tiles: A stored
+// [m][k] (A_KM false) or [k][m]; B stored [n][k] (B_NK) or [k][n].
+template <typename T, bool A_KM, bool B_NK, int SA, int SB>
+__device__ __forceinline__ void gmm_step(GmmAcc& acc, const u16* as, const u16* bs, int wm, int wn, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < GMM_BK; kk += 16) {
+        u32 a[4][4], b[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (A_KM)
+                load_a_km<SA>(a[mi], as, wm * 64 + mi * 16, kk, lane);
+            else
+                load_a_mk<SA>(a[mi], as, wm * 64 + mi * 16, kk, lane);
+        }
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+            if (B_NK)
+                load_b_nk<SB>(b[nj], bs, wn * 32 + nj * 16, kk, lane);
+            else
+                load_b_kn<SB>(b[nj], bs, kk, wn * 32 + nj * 16, lane);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) Mma16<T>::mma(acc.c[mi][ni], a[mi], b[ni / 2][2 * (ni % 2)], b[ni / 2][2 * (ni % 2) + 1]);
+    }
+}
+
+// Stores a warp's outputs at out[row·ld + col] for rows below `rows_end`
+// and columns below `cols_end` (both relative to the block's origin),
+// each f32 sum rounded once; ld and the columns are even.
+template <typename T>
+__device__ __forceinline__ void gmm_store(const GmmAcc& acc, T* out, i64 ld, int rows_end, int cols_end, int wm,
+                                          int wn, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+            const int col = wn * 32 + ni * 8 + 2 * t;
+            if (col >= cols_end) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wm * 64 + mi * 16 + g + 8 * h;
+                if (row >= rows_end) continue;
+                *reinterpret_cast<u32*>(out + (i64)row * ld + col) =
+                    Mma16<T>::pack(acc.c[mi][ni][2 * h], acc.c[mi][ni][2 * h + 1]);
+            }
+        }
+}
+
+template <typename T, bool TRANS_W>
+__device__ __forceinline__ void grouped_mma(const T* x, const T* w, const int* offsets, T* y, i64 m, i64 k, i64 n,
+                                            i64 experts) {
+    constexpr int SA = GMM_BK + GMM_PAD;
+    constexpr int SB = TRANS_W ? GMM_BN + GMM_PAD : GMM_BK + GMM_PAD;
+    constexpr int B_ELEMS = TRANS_W ? GMM_BK * SB : GMM_BN * SB;
+    __shared__ __align__(16) u16 as[2][GMM_BM * SA];
+    __shared__ __align__(16) u16 bs[2][B_ELEMS];
+    // This block's row tile: the blockIdx.x-th in expert order.
+    i64 tile = blockIdx.x, expert = -1, row0 = 0, row_end = 0;
+    for (i64 e = 0; e < experts; ++e) {
+        i64 lo = offsets[e], hi = offsets[e + 1];
+        lo = lo < 0 ? 0 : (lo > m ? m : lo);
+        hi = hi < lo ? lo : (hi > m ? m : hi);
+        const i64 tiles = (hi - lo + GMM_BM - 1) / GMM_BM;
+        if (tile < tiles) {
+            expert = e, row0 = lo + tile * GMM_BM, row_end = hi;
+            break;
+        }
+        tile -= tiles;
+    }
+    if (expert < 0) return;
+    const int n0 = blockIdx.y * GMM_BN;
+    const u16* xs = reinterpret_cast<const u16*>(x);
+    const u16* we = reinterpret_cast<const u16*>(w) + expert * k * n;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+    const int rows = (int)(row_end - row0 < GMM_BM ? row_end - row0 : GMM_BM);
+    auto load = [&](int buf, i64 k0) {
+        stage<GMM_BM, GMM_BK, SA>(
+            as[buf], [&](int r) { return r < rows; }, [&](int r) { return xs + (row0 + r) * k; }, (int)k0, (int)k);
+        if (TRANS_W)  // w[e] is [k][n]: depth rows k0.., columns n0..
+            stage<GMM_BK, GMM_BN, SB>(
+                bs[buf], [&](int r) { return k0 + r < k; }, [&](int r) { return we + (k0 + r) * n; }, n0, (int)n);
+        else  // w[e] is [n][k]: rows n0.., depth k0..
+            stage<GMM_BN, GMM_BK, SB>(
+                bs[buf], [&](int r) { return n0 + r < n; }, [&](int r) { return we + (i64)(n0 + r) * k; }, (int)k0,
+                (int)k);
+        cp_commit();
+    };
+    GmmAcc acc = {};
+    const i64 steps = (k + GMM_BK - 1) / GMM_BK;
+    load(0, 0);
+    for (i64 s = 0; s < steps; ++s) {
+        if (s + 1 < steps) load((int)((s + 1) & 1), (s + 1) * GMM_BK);
+        else cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        gmm_step<T, false, !TRANS_W, SA, SB>(acc, as[s & 1], bs[s & 1], wm, wn, lane);
+        __syncthreads();
+    }
+    gmm_store<T>(acc, y + row0 * n + n0, n, rows, (int)(n - n0 < GMM_BN ? n - n0 : GMM_BN), wm, wn, lane);
+}
+
+template <typename T>
+__device__ __forceinline__ void grouped_mma_weight_grad(const T* a, const T* b, const int* offsets, T* out, i64 m,
+                                                        i64 na, i64 nb, i64 experts) {
+    constexpr int S = GMM_BM + GMM_PAD;  // GMM_BM == GMM_BN: both tiles [GMM_BK][S]
+    __shared__ __align__(16) u16 as[2][GMM_BK * S];
+    __shared__ __align__(16) u16 bs[2][GMM_BK * S];
+    const i64 e = blockIdx.z;
+    i64 lo = offsets[e], hi = offsets[e + 1];
+    lo = lo < 0 ? 0 : (lo > m ? m : lo);
+    hi = hi < lo ? lo : (hi > m ? m : hi);
+    const int i0 = blockIdx.x * GMM_BM, j0 = blockIdx.y * GMM_BN;
+    const u16* au = reinterpret_cast<const u16*>(a);
+    const u16* bu = reinterpret_cast<const u16*>(b);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+    auto load = [&](int buf, i64 p0) {
+        stage<GMM_BK, GMM_BM, S>(
+            as[buf], [&](int r) { return p0 + r < hi; }, [&](int r) { return au + (p0 + r) * na; }, i0, (int)na);
+        stage<GMM_BK, GMM_BN, S>(
+            bs[buf], [&](int r) { return p0 + r < hi; }, [&](int r) { return bu + (p0 + r) * nb; }, j0, (int)nb);
+        cp_commit();
+    };
+    GmmAcc acc = {};
+    const i64 steps = (hi - lo + GMM_BK - 1) / GMM_BK;
+    if (steps > 0) load(0, lo);
+    for (i64 s = 0; s < steps; ++s) {
+        if (s + 1 < steps) load((int)((s + 1) & 1), lo + (s + 1) * GMM_BK);
+        else cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        gmm_step<T, true, false, S, S>(acc, as[s & 1], bs[s & 1], wm, wn, lane);
+        __syncthreads();
+    }
+    const int rows_end = (int)(na - i0 < GMM_BM ? na - i0 : GMM_BM);
+    const int cols_end = (int)(nb - j0 < GMM_BN ? nb - j0 : GMM_BN);
+    gmm_store<T>(acc, out + e * na * nb + (i64)i0 * nb + j0, nb, rows_end, cols_end, wm, wn, lane);
+}
+
 }  // namespace sg_moe
+
+#define SG_MOE_MMA_KERNELS(sfx, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GMM_THREADS)                                                 \
+        grouped_mma_nt_##sfx(const T* x, const T* w, const int* offsets, T* y, i64 m, i64 k, i64 n,           \
+                             i64 experts, i64 trans_w) { sg_pdl_entry(); \
+        sg_moe::grouped_mma<T, false>(x, w, offsets, y, m, k, n, experts);                                    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GMM_THREADS)                                                 \
+        grouped_mma_nn_##sfx(const T* x, const T* w, const int* offsets, T* y, i64 m, i64 k, i64 n,           \
+                             i64 experts, i64 trans_w) { sg_pdl_entry(); \
+        sg_moe::grouped_mma<T, true>(x, w, offsets, y, m, k, n, experts);                                     \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GMM_THREADS)                                                 \
+        grouped_mma_weight_grad_##sfx(const T* a, const T* b, const int* offsets, T* out, i64 m, i64 na,      \
+                                      i64 nb, i64 experts) { sg_pdl_entry(); \
+        sg_moe::grouped_mma_weight_grad<T>(a, b, offsets, out, m, na, nb, experts);                           \
+    }
+SG_MOE_MMA_KERNELS(bf16, __nv_bfloat16)
+SG_MOE_MMA_KERNELS(f16, __half)
 
 #define SG_MOE_FLOAT_KERNELS(sfx, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(SG_MOE_THREADS)                                              \

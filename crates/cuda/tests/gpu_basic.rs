@@ -413,6 +413,10 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
             per_output(&|t| Tol::of(row_tol(t.dtype, c)))
         }
         Op::Rope(_) => per_output(&|t| Tol::of(row_tol(t.dtype, 1))),
+        // Products over the rows' width (the weight gradient: over an
+        // expert's rows); 16-bit ones on tensor cores sum in another order.
+        Op::GroupedMatmul(_) => per_output(&|t| Tol::of(row_tol(t.dtype, inputs[0].ty.shape[1]))),
+        Op::GroupedMatmulWeightGrad(_) => per_output(&|t| Tol::of(row_tol(t.dtype, rows(&inputs[0])))),
         // Each tensor's squares summed in f32 by runs and trees on the GPU,
         // in f64 on the CPU; the workspace is zero on both.
         Op::SquaredNorms(_) => {

@@ -414,8 +414,20 @@ impl OpDef for GroupedMatmul {
     fn samples(dtype: DType) -> Vec<Sample> {
         let mut v = Vec::new();
         // (tokens, k, experts, inner, outer): Mixtral-like top-2 of 4, a
-        // top-1 router, a case with experts left empty, and one expert.
-        for (tokens, k, e, inner, outer) in [(6, 2, 4, 8, 5), (5, 1, 3, 16, 7), (3, 2, 8, 4, 6), (4, 1, 1, 3, 2)] {
+        // top-1 router, a case with experts left empty, and one expert;
+        // then widths in 16-byte chunks (the CUDA backend's tensor-core
+        // tiles for 16-bit floats): several row tiles per expert with a
+        // partial last one and a partial column tile, and many small or
+        // empty experts.
+        let cases = [
+            (6, 2, 4, 8, 5),
+            (5, 1, 3, 16, 7),
+            (3, 2, 8, 4, 6),
+            (4, 1, 1, 3, 2),
+            (160, 2, 2, 64, 136),
+            (20, 2, 16, 32, 40),
+        ];
+        for (tokens, k, e, inner, outer) in cases {
             let offsets = output_of(ExpertSort { experts: e }, vec![ids(DType::I32, &[tokens, k], e as i64)], 2);
             let rows = tokens * k;
             for trans_w in [false, true] {
@@ -482,7 +494,9 @@ impl OpDef for GroupedMatmulWeightGrad {
         })
     }
     fn samples(dtype: DType) -> Vec<Sample> {
-        [(6, 2, 4, 5, 8), (3, 2, 8, 6, 4), (4, 1, 1, 2, 3)]
+        // As the product's: then widths in 16-byte chunks, with rows past a
+        // 32-row step and partial tiles, and many small or empty experts.
+        [(6, 2, 4, 5, 8), (3, 2, 8, 6, 4), (4, 1, 1, 2, 3), (90, 2, 2, 136, 72), (20, 2, 16, 40, 32)]
             .into_iter()
             .map(|(tokens, k, e, na, nb)| {
                 let offsets = output_of(ExpertSort { experts: e }, vec![ids(DType::I32, &[tokens, k], e as i64)], 2);

@@ -4,23 +4,44 @@
 //! block (a stable counting sort whose offsets stay on the device); the
 //! rest are grid-stride loops with a thread per output row or element,
 //! computing in the CPU reference's order, so every output is the CPU's
-//! bit for bit. These are the plain forms, correct on every shape; the
-//! grouped products do not use tensor cores yet.
+//! bit for bit. The grouped products of bf16 and f16 whose widths are
+//! multiples of 8 (every expert geometry published) run on tensor cores
+//! instead (`grouped_mma_*`: tiles of `MMA_TILE` rows and columns, each
+//! row tile inside one expert), correct to the rounding of their f32 sums;
+//! every other product takes the plain kernels.
 
 use stepgraph_core::ops::moe::{ExpertSort, GroupedMatmul, GroupedMatmulWeightGrad, TopK, TopKBackward};
 
-use super::util::{float_name, launch, launch_1d};
+use super::util::{aligned16, float_name, launch, launch_1d};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::kernel_args;
 use crate::kernel_module::KernelModule;
-use crate::launch::Launch;
+use crate::launch::{DevTensor, Launch};
+use stepgraph_core::ir::DType;
 
 const MODULE: &str = "moe";
 const MOE: &[KernelModule] = &[KernelModule::plain(MODULE, include_str!("../../kernels/moe.cu"))];
 
 /// Threads of the routing sort's one block.
 const SORT_THREADS: u32 = 256;
+
+/// Rows and columns of a tensor-core tile (`GMM_BM`, `GMM_BN` of moe.cu).
+const MMA_TILE: usize = 128;
+/// Threads of a tensor-core block (`GMM_THREADS`).
+const MMA_THREADS: u32 = 256;
+
+/// Whether a grouped product of `dtype` with these widths (the contiguous
+/// extents of its operands) over these operands runs on tensor cores:
+/// 16-bit floats, widths in whole 16-byte chunks, operands 16-byte aligned.
+fn on_tensor_cores(dtype: DType, widths: &[usize], operands: &[&DevTensor]) -> Option<&'static str> {
+    let name = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
+    (widths.iter().all(|w| w % 8 == 0) && aligned16(operands)).then_some(name)
+}
 
 kernel_args! {
     /// `top_k_<dtype>`: the `k` best entries of each of `rows` rows of `width`.
@@ -173,6 +194,7 @@ impl Lower for GroupedMatmul {
         let (x, w, offsets, y) = (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.outputs[0]);
         let dt = float_name("grouped_matmul", x.ty.dtype)?;
         let (m, k, n) = (x.ty.shape[0], x.ty.shape[1], y.ty.shape[1]);
+        let experts = w.ty.shape[0];
         let args = GroupedMatmulArgs {
             x: x.ptr,
             w: w.ptr,
@@ -181,10 +203,16 @@ impl Lower for GroupedMatmul {
             m: m as i64,
             k: k as i64,
             n: n as i64,
-            experts: w.ty.shape[0] as i64,
+            experts: experts as i64,
             trans_w: self.trans_w as i64,
         }
         .args();
+        if let Some(tc) = on_tensor_cores(x.ty.dtype, &[k, n], &[x, w, y]) {
+            // Every expert's rows in tiles: at most ceil(m / tile) + experts of them.
+            let grid = ((m.div_ceil(MMA_TILE) + experts).max(1) as u32, n.div_ceil(MMA_TILE).max(1) as u32, 1);
+            let f = format!("grouped_mma_{}_{tc}", if self.trans_w { "nn" } else { "nt" });
+            return Ok(vec![launch(MODULE, f, grid, (MMA_THREADS, 1, 1), args)]);
+        }
         Ok(vec![launch_1d(MODULE, format!("grouped_matmul_{dt}"), m * n, args)])
     }
 }
@@ -195,6 +223,7 @@ impl Lower for GroupedMatmulWeightGrad {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (a, b, offsets, out) = (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.outputs[0]);
         let dt = float_name("grouped_matmul_weight_grad", a.ty.dtype)?;
+        let (na, nb, experts) = (a.ty.shape[1], b.ty.shape[1], out.ty.shape[0]);
         let args = GroupedMatmulWeightGradArgs {
             a: a.ptr,
             b: b.ptr,
@@ -203,9 +232,16 @@ impl Lower for GroupedMatmulWeightGrad {
             m: a.ty.shape[0] as i64,
             na: a.ty.shape[1] as i64,
             nb: b.ty.shape[1] as i64,
-            experts: out.ty.shape[0] as i64,
+            experts: experts as i64,
         }
         .args();
+        if let Some(tc) = on_tensor_cores(a.ty.dtype, &[na, nb], &[a, b, out]) {
+            if experts > 0 {
+                let grid = (na.div_ceil(MMA_TILE).max(1) as u32, nb.div_ceil(MMA_TILE).max(1) as u32, experts as u32);
+                let f = format!("grouped_mma_weight_grad_{tc}");
+                return Ok(vec![launch(MODULE, f, grid, (MMA_THREADS, 1, 1), args)]);
+            }
+        }
         Ok(vec![launch_1d(MODULE, format!("grouped_matmul_weight_grad_{dt}"), out.ty.numel(), args)])
     }
 }
