@@ -320,6 +320,10 @@ enum StateDTypeArg {
     F32,
     /// The parameter's own dtype (PyTorch's default; f16 moments underflow).
     Param,
+    /// 8 bits a moment with a scale per 2048 elements (as bitsandbytes' 8-bit
+    /// optimizers): 2 bytes a weight for both moments.
+    #[value(name = "8bit")]
+    EightBit,
 }
 
 /// What bf16/f16 parameters keep so that small updates are not rounded away.
@@ -360,8 +364,9 @@ struct OptimArgs {
     #[arg(help_heading = "Optimization", long, default_value_t = 0.0)]
     weight_decay: f64,
     /// dtype of the AdamW moments: auto keeps them in float32 for f16
-    /// parameters (f16 cannot hold (1-β2)·g²) and in the parameter dtype otherwise.
-    #[arg(help_heading = "Optimization", long, value_enum, default_value_t = StateDTypeArg::Auto)]
+    /// parameters (f16 cannot hold (1-β2)·g²) and in the parameter dtype otherwise;
+    /// 8bit quantizes them (also --optimizer-state 8bit).
+    #[arg(help_heading = "Optimization", long, alias = "optimizer-state", value_enum, default_value_t = StateDTypeArg::Auto)]
     state_dtype: StateDTypeArg,
     /// Keep the AdamW moments in float32 (the same as --state-dtype f32).
     #[arg(help_heading = "Optimization", long, conflicts_with = "state_dtype")]
@@ -421,9 +426,10 @@ impl OptimArgs {
         t.master_weights = self.master_weights.mode();
         t.state_dtype = match (self.f32_state, self.state_dtype) {
             (true, _) | (false, StateDTypeArg::F32) => Some(DType::F32),
-            (false, StateDTypeArg::Auto) => None,
+            (false, StateDTypeArg::Auto | StateDTypeArg::EightBit) => None,
             (false, StateDTypeArg::Param) => Some(param),
         };
+        t.moments_8bit = !self.f32_state && self.state_dtype == StateDTypeArg::EightBit;
         Ok(t)
     }
 

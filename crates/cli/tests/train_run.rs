@@ -96,6 +96,42 @@ fn fifty_steps_resumed_for_fifty_more_equal_a_hundred_straight_bit_for_bit() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// 8-bit moments (`--optimizer-state 8bit`): the checkpoint holds each
+/// moment's codes and scales, 10 steps resumed for 10 more equal 20
+/// straight bit for bit, and resuming with dense moments is refused by name.
+#[test]
+fn eight_bit_moments_checkpoint_and_resume_bit_for_bit() {
+    let d = scratch("eight-bit");
+    let (straight, split) = (d.join("straight"), d.join("split"));
+    let eight = ["--optimizer-state", "8bit"];
+    let (_, err) = run_ok(&small(&[&eight[..], &["--steps", "20", "--checkpoint-dir", s(&straight)]].concat()));
+    assert!(err.contains("8bit"), "{err}");
+    run_ok(&small(&[&eight[..], &["--steps", "20", "--stop-after", "10", "--checkpoint-dir", s(&split)]].concat()));
+    let state =
+        stepgraph_core::models::checkpoint::read_safetensors(&split.join("step-000010/optimizer.safetensors")).unwrap();
+    let names: Vec<&str> = state.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.iter().any(|n| n.ends_with(".exp_avg.codes")), "{names:?}");
+    assert!(names.iter().any(|n| n.ends_with(".exp_avg_sq.absmax")), "{names:?}");
+    assert!(!names.iter().any(|n| n.ends_with(".exp_avg")), "{names:?}");
+    let (_, err) = stepgraph_refused(&small(&["--steps", "20", "--resume", "auto", "--checkpoint-dir", s(&split)]));
+    assert!(err.contains("moments_8bit = true"), "{err}");
+    run_ok(&small(&[&eight[..], &["--steps", "20", "--resume", "auto", "--checkpoint-dir", s(&split)]].concat()));
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(straight.join("step-000020").join(file)).unwrap();
+        let b = std::fs::read(split.join("step-000020").join(file)).unwrap();
+        assert!(a == b, "{file} differs between the straight and the resumed run");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A run that must fail: its stdout and stderr.
+fn stepgraph_refused(args: &[String]) -> (String, String) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out, err) = stepgraph(&refs);
+    assert!(!ok, "{args:?} succeeded");
+    (out, err)
+}
+
 #[test]
 fn a_run_killed_while_saving_resumes_from_its_last_complete_checkpoint() {
     let d = scratch("kill");

@@ -23,6 +23,7 @@
 
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId, ValueKind};
+use crate::ops::adamw8;
 use crate::ops::optim::{AdamW, MasterWeights};
 use crate::ops::reduce::ReduceKind;
 use crate::ops::{Op, VjpArgs};
@@ -61,7 +62,12 @@ pub struct TrainOptions {
     /// [`TrainOptions::master_weights`].
     pub adamw: AdamW,
     /// dtype of the AdamW moments; `None` chooses [`default_state_dtype`].
+    /// Unused with [`TrainOptions::moments_8bit`].
     pub state_dtype: Option<DType>,
+    /// Keep the moments in 8 bits with a scale per 2048 elements
+    /// ([`crate::ops::adamw8::AdamW8bit`]): 2 bytes a weight instead of 8
+    /// (f32 moments). f64 parameters keep dense moments.
+    pub moments_8bit: bool,
     /// Clip the global gradient norm to this value before the update, as
     /// PyTorch's `clip_grad_norm_(params, max_norm)` (see [`clip_by_global_norm`]);
     /// `None` does not clip. The step then outputs the norm as [`GRAD_NORM_OUTPUT`].
@@ -74,6 +80,13 @@ pub struct TrainOptions {
     /// (`<param>.compensation`), or nothing. Both are optimizer state, saved
     /// and resumed with the moments. f32 and f64 parameters keep nothing.
     pub master_weights: MasterWeights,
+}
+
+/// A parameter's AdamW moments as state leaves: dense, or each as its
+/// 8-bit codes and per-block scales.
+enum Moments {
+    Dense(ValueId, ValueId),
+    Blockwise8((ValueId, ValueId), (ValueId, ValueId)),
 }
 
 /// Which parameters AdamW's weight decay applies to.
@@ -245,9 +258,22 @@ pub fn build_accumulated_step(
             };
             for (&p, &g) in params.iter().zip(&grads) {
                 let name = b.trace().value(p).kind.leaf_name().unwrap_or_default().to_string();
-                let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(default_state_dtype(b.dtype(p))));
-                let m = b.state(&format!("{name}.exp_avg"), sty.clone())?;
-                let v = b.state(&format!("{name}.exp_avg_sq"), sty)?;
+                // The moments first (then the master state): dense, or
+                // each as its 8-bit codes and per-block scales.
+                let moments = if opts.moments_8bit && b.dtype(p) != DType::F64 {
+                    let (codes, scales) = adamw8::state_types(b.ty(p));
+                    let mut moment = |which: &str| -> Result<(ValueId, ValueId)> {
+                        let c = b.state(&format!("{name}.{which}.{}", adamw8::CODES_SUFFIX), codes.clone())?;
+                        let s = b.state(&format!("{name}.{which}.{}", adamw8::ABSMAX_SUFFIX), scales.clone())?;
+                        Ok((c, s))
+                    };
+                    Moments::Blockwise8(moment("exp_avg")?, moment("exp_avg_sq")?)
+                } else {
+                    let sty = b.ty(p).with_dtype(opts.state_dtype.unwrap_or(default_state_dtype(b.dtype(p))));
+                    let m = b.state(&format!("{name}.exp_avg"), sty.clone())?;
+                    let v = b.state(&format!("{name}.exp_avg_sq"), sty)?;
+                    Moments::Dense(m, v)
+                };
                 let master = opts.master_weights.for_param(b.dtype(p));
                 let w = match (master.state_suffix(), master.state_dtype(b.dtype(p))) {
                     (Some(suffix), Some(dtype)) => {
@@ -257,10 +283,23 @@ pub fn build_accumulated_step(
                 };
                 let weight_decay = if no_decay.contains(&p) { 0.0 } else { opts.adamw.weight_decay };
                 let hyper = AdamW { weight_decay, master, ..opts.adamw.clone() };
-                let (p2, m2, v2, w2) = b.adamw(p, g, m, v, lr, step, w, &hyper)?;
-                b.update(p, p2);
-                b.update(m, m2);
-                b.update(v, v2);
+                let w2 = match moments {
+                    Moments::Dense(m, v) => {
+                        let (p2, m2, v2, w2) = b.adamw(p, g, m, v, lr, step, w, &hyper)?;
+                        b.update(p, p2);
+                        b.update(m, m2);
+                        b.update(v, v2);
+                        w2
+                    }
+                    Moments::Blockwise8(m, v) => {
+                        let (p2, m2, v2, w2) = b.adamw_8bit(p, g, m, v, lr, step, w, &hyper)?;
+                        b.update(p, p2);
+                        for (old, new) in [(m.0, m2.0), (m.1, m2.1), (v.0, v2.0), (v.1, v2.1)] {
+                            b.update(old, new);
+                        }
+                        w2
+                    }
+                };
                 if let (Some(w), Some(w2)) = (w, w2) {
                     b.update(w, w2);
                 }

@@ -368,3 +368,185 @@ SG_ADAMW_P(bf16, __nv_bfloat16, SG_ADAMW_ALL)
 SG_ADAMW_P(f16, __half, SG_ADAMW_ALL)
 SG_ADAMW_P(f64, double, SG_ADAMW_ALL)
 SG_ADAMW_ALL(f32, float, f32, float, f32, float)
+
+// ------------------------------------------------------------ 8-bit moments
+//
+// `adamw_8bit_<p>[_master|_kahan](const P* p, const P* g, const u8* m_codes,
+// const float* m_absmax, const u8* v_codes, const float* v_absmax,
+// const void* lr, const void* step, P* p_out, u8* m_codes_out,
+// float* m_absmax_out, u8* v_codes_out, float* v_absmax_out, i64 n,
+// i64 lr_f64, i64 step_f64, double beta1, double beta2, double eps,
+// double wd, const P* gscale[, const W* w, W* w_out])`: AdamW8bit of
+// crates/core/src/ops/adamw8.rs, its bytes. One block of 256 threads per
+// quantization block of 2048 elements (grid-striding over the blocks), 8
+// consecutive elements per thread: each element's update as `element`
+// computes it but with the moments read dequantized and the parameter
+// updated from the unquantized new moments; the block's new absmax of each
+// moment (a maximum: the same in any order), then each element's code by
+// binary search in the map, the lower code on a tie (and a positive second
+// moment never zero's code). The maps are built by
+// every block from the same f64 constants as `dynamic_map`. Codes past n in
+// the last word are written as zero. With invalid scalars every output
+// receives its input.
+
+namespace sg_adamw {
+
+typedef unsigned char u8;
+
+#define ADAMW8_BLOCK 2048
+#define ADAMW8_THREADS 256
+#define ADAMW8_PER_THREAD 8
+
+// Entry t of the signed (first moment) or unsigned map, ascending: see
+// `dynamic_map` (decade d holds 2^d values a sign, or 2^(d+1) unsigned).
+__device__ __forceinline__ float map_value(int t, bool signed_map) {
+    const double decades[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+    int k;  // index among the positive values, ascending; -1: zero
+    float sign = 1.0f;
+    if (t == 255) return 1.0f;
+    if (signed_map) {
+        if (t == 127) return 0.0f;
+        if (t < 127) {
+            k = 126 - t;
+            sign = -1.0f;
+        } else {
+            k = t - 128;
+        }
+    } else {
+        if (t == 0) return 0.0f;
+        k = t - 1;
+    }
+    int d = 0, first = 0;
+    for (;; ++d) {
+        const int count = signed_map ? (1 << d) : (1 << (d + 1));
+        if (k < first + count) break;
+        first += count;
+    }
+    const int n = signed_map ? (1 << d) : (1 << (d + 1)), j = k - first;
+    const double frac = __ddiv_rn((double)(2 * j + 1), (double)(2 * n));
+    const double v = __dmul_rn(__dadd_rn(0.1, __dmul_rn(0.9, frac)), decades[d]);
+    return sign * __double2float_rn(v);
+}
+
+__device__ __forceinline__ u8 quantize8(float x, const float* map) {
+    int lo = 0, hi = 256;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (map[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    if (lo == 0) return 0;
+    if (lo == 256) return 255;
+    const float below = __fsub_rn(x, map[lo - 1]), above = __fsub_rn(map[lo], x);
+    return (u8)(above < below ? lo : lo - 1);
+}
+
+// The block's maximum of v (non-negative), in every thread.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    v = warp_max(v);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = scratch[0];
+    for (int i = 1; i < ADAMW8_THREADS / 32; ++i) r = fmaxf(r, scratch[i]);
+    __syncthreads();
+    return r;
+}
+
+template <typename P, int Mode>
+__device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq, const float* ms, const u8* vq,
+                                            const float* vs, const void* lr, const void* step, P* p_out, u8* mq_out,
+                                            float* ms_out, u8* vq_out, float* vs_out, i64 n, i64 lr_f64, i64 step_f64,
+                                            double beta1, double beta2, double eps, double wd, const P* gscale,
+                                            const master_t<P, Mode>* w, master_t<P, Mode>* w_out) {
+    __shared__ float smap[256], umap[256], scratch[ADAMW8_THREADS / 32];
+    const Coefs<float> c = block_coefs<P, float>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
+    for (int t = threadIdx.x; t < 256; t += blockDim.x) {
+        smap[t] = map_value(t, true);
+        umap[t] = map_value(t, false);
+    }
+    __syncthreads();
+    const i64 blocks = (n + ADAMW8_BLOCK - 1) / ADAMW8_BLOCK, padded = (n + 3) / 4 * 4;
+    for (i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
+        const i64 base = b * ADAMW8_BLOCK + (i64)threadIdx.x * ADAMW8_PER_THREAD;
+        const float am = ms[b], av = vs[b];
+        float mi[ADAMW8_PER_THREAD], vi[ADAMW8_PER_THREAD];
+        float m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
+            const i64 i = base + k;
+            mi[k] = 0.0f;
+            vi[k] = 0.0f;
+            if (i >= n) continue;
+            float pi = load(p, i), wi0 = 0.0f;
+            if constexpr (Mode != kNone) wi0 = load(w, i);
+            const float m0 = __fmul_rn(smap[mq[i]], am), v0 = __fmul_rn(umap[vq[i]], av);
+            if (!c.valid) {
+                if constexpr (Mode != kNone) store(w_out, i, wi0);
+                store(p_out, i, pi);
+                mq_out[i] = mq[i];
+                vq_out[i] = vq[i];
+                continue;
+            }
+            float gi = load(g, i);
+            if (c.scaled) gi = stored((const P*)nullptr, __fmul_rn(gi, c.gscale));
+            float w0 = pi;
+            if constexpr (Mode == kMaster) {
+                if (!c.first) w0 = wi0;
+            }
+            if constexpr (Mode == kKahan) w0 = __fadd_rn(pi, wi0);
+            const float wd_applied = __fmul_rn(w0, c.decay);
+            const float mn = lerp(m0, gi, c.w1);
+            const float vn = __fadd_rn(__fmul_rn(v0, c.beta2), __fmul_rn(__fmul_rn(c.w2, gi), gi));
+            const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vn), c.bc2_sqrt), c.eps);
+            const float pn = __fadd_rn(wd_applied, __fdiv_rn(__fmul_rn(c.neg_step_size, mn), denom));
+            if constexpr (Mode == kMaster) store(w_out, i, pn);
+            if constexpr (Mode == kKahan) store(w_out, i, __fsub_rn(pn, stored((const P*)nullptr, pn)));
+            store(p_out, i, pn);
+            mi[k] = mn;
+            vi[k] = vn;
+            m_max = fmaxf(m_max, fabsf(mn));
+            v_max = fmaxf(v_max, fabsf(vn));
+        }
+        // Every thread has read its block's scales: the new ones may be written.
+        m_max = block_max(m_max, scratch);
+        v_max = block_max(v_max, scratch);
+        if (!c.valid) {
+            if (threadIdx.x == 0) ms_out[b] = am, vs_out[b] = av;
+            continue;
+        }
+#pragma unroll
+        for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
+            const i64 i = base + k;
+            if (i < n) {
+                mq_out[i] = m_max > 0.0f ? quantize8(__fdiv_rn(mi[k], m_max), smap) : quantize8(0.0f, smap);
+                // A positive second moment never takes zero's code (second_moment_code).
+                u8 vc = v_max > 0.0f ? quantize8(__fdiv_rn(vi[k], v_max), umap) : (u8)0;
+                if (vc == 0 && vi[k] > 0.0f && v_max > 0.0f) vc = 1;
+                vq_out[i] = vc;
+            } else if (i < padded) {
+                mq_out[i] = 0;
+                vq_out[i] = 0;
+            }
+        }
+        if (threadIdx.x == 0) ms_out[b] = m_max, vs_out[b] = v_max;
+    }
+}
+
+}  // namespace sg_adamw
+
+#define SG_ADAMW8(pdt, P, suffix, Mode, W)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ADAMW8_THREADS) adamw_8bit_##pdt##suffix(                           \
+        const P* p, const P* g, const unsigned char* mq, const float* ms, const unsigned char* vq, const float* vs,  \
+        const void* lr, const void* step, P* p_out, unsigned char* mq_out, float* ms_out, unsigned char* vq_out,     \
+        float* vs_out, i64 n, i64 lr_f64, i64 step_f64, double beta1, double beta2, double eps, double wd,           \
+        const P* gscale, const W* w, W* w_out) { sg_pdl_entry(); \
+        sg_adamw::update_8bit<P, Mode>(p, g, mq, ms, vq, vs, lr, step, p_out, mq_out, ms_out, vq_out, vs_out, n,      \
+                                       lr_f64, step_f64, beta1, beta2, eps, wd, gscale, w, w_out);                   \
+    }
+#define SG_ADAMW8_ALL(pdt, P)                                \
+    SG_ADAMW8(pdt, P, , sg_adamw::kNone, P)                  \
+    SG_ADAMW8(pdt, P, _master, sg_adamw::kMaster, float)     \
+    SG_ADAMW8(pdt, P, _kahan, sg_adamw::kKahan, P)
+SG_ADAMW8_ALL(f32, float)
+SG_ADAMW8_ALL(bf16, __nv_bfloat16)
+SG_ADAMW8_ALL(f16, __half)

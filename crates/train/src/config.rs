@@ -185,9 +185,15 @@ fn flatten(prefix: &str, value: &serde_json::Value, out: &mut BTreeMap<String, s
     }
 }
 
-/// The dtype of the step's optimizer state, as the step was built.
+/// The dtype of the step's optimizer state, as the step was built: `8bit`
+/// for block-quantized moments.
 pub fn state_dtype(step: &Trace) -> Option<String> {
-    step.leaves().find(|&v| matches!(step.value(v).kind, ValueKind::State { .. })).map(|v| step.ty(v).dtype.to_string())
+    let state = step.leaves().find(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))?;
+    let quantized = step.value(state).kind.leaf_name().is_some_and(|n| {
+        n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
+            || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
+    });
+    Some(if quantized { "8bit".to_string() } else { step.ty(state).dtype.to_string() })
 }
 
 #[cfg(test)]

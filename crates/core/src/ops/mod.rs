@@ -18,6 +18,7 @@
 //! VJP through the [`Builder`], its printed attributes) sit next to the op
 //! rather than in an IR-wide `match` over every op.
 
+pub mod adamw8;
 pub mod attention;
 pub mod collective;
 pub mod decode;
@@ -324,6 +325,7 @@ macro_rules! for_each_op {
             // Frozen NF4 weights: no gradient flows into the codes.
             DequantizeNf4($crate::ops::nf4::DequantizeNf4),
             AdamW($crate::ops::optim::AdamW),
+            AdamW8bit($crate::ops::adamw8::AdamW8bit),
             // Generation: no VJP.
             KvWrite($crate::ops::decode::KvWrite),
             CachedAttention($crate::ops::decode::CachedAttention),

@@ -184,7 +184,7 @@ impl AdamW {
 /// PyTorch's `lerp`: `a + w·(b − a)` for `|w| < 0.5`, else
 /// `b − (b − a)·(1 − w)`, the branch keeping the result exact at both ends.
 #[inline]
-fn lerp<A: num_traits::Float>(a: A, b: A, w: A) -> A {
+pub(crate) fn lerp<A: num_traits::Float>(a: A, b: A, w: A) -> A {
     let one = A::one();
     let half = one / (one + one);
     if w.abs() < half {
@@ -196,20 +196,20 @@ fn lerp<A: num_traits::Float>(a: A, b: A, w: A) -> A {
 
 /// Per-step coefficients, in f64 as PyTorch's Python floats, then rounded
 /// once to the compute type, as PyTorch does when a Python scalar meets a tensor.
-struct Coefs<A> {
+pub(crate) struct Coefs<A> {
     /// The first update (`step == 1`): an f32 master starts from the parameter.
-    first: bool,
-    decay: A,
-    w1: A,
-    beta2: A,
-    w2: A,
-    neg_step_size: A,
-    bc2_sqrt: A,
-    eps: A,
+    pub(crate) first: bool,
+    pub(crate) decay: A,
+    pub(crate) w1: A,
+    pub(crate) beta2: A,
+    pub(crate) w2: A,
+    pub(crate) neg_step_size: A,
+    pub(crate) bc2_sqrt: A,
+    pub(crate) eps: A,
 }
 
 impl AdamW {
-    fn coefs<A: NumCast>(&self, lr: f64, step: f64) -> Coefs<A> {
+    pub(crate) fn coefs<A: NumCast>(&self, lr: f64, step: f64) -> Coefs<A> {
         let cast = |x: f64| -> A { A::from(x).expect("every f64 converts to a float type") };
         let bias_correction1 = 1.0 - self.beta1.powf(step);
         let bias_correction2 = 1.0 - self.beta2.powf(step);
@@ -225,6 +225,14 @@ impl AdamW {
             eps: cast(self.eps),
         }
     }
+}
+
+/// The learning rate and step count, inputs `at` and `at + 1`, checked as
+/// PyTorch's constructor and step counter would have them.
+pub(crate) fn checked_lr_step(io: &KernelIo, at: usize) -> Result<(f64, f64)> {
+    let lr = scalar_input(io, at, "lr", |x| x.is_finite() && x >= 0.0, "finite and non-negative")?;
+    let step = scalar_input(io, at + 1, "step", |x| x.is_finite() && x >= 1.0, "at least 1 (steps count from 1)")?;
+    Ok((lr, step))
 }
 
 /// Reads a one-element scalar input and checks it with `ok`; these are values
@@ -422,8 +430,7 @@ impl OpDef for AdamW {
         })
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
-        let lr = scalar_input(io, 4, "lr", |x| x.is_finite() && x >= 0.0, "finite and non-negative")?;
-        let step = scalar_input(io, 5, "step", |x| x.is_finite() && x >= 1.0, "at least 1 (steps count from 1)")?;
+        let (lr, step) = checked_lr_step(io, 4)?;
         with_float!(io.in_ty(0).dtype, P => {
             let coefs = self.coefs::<<P as Float>::Acc>(lr, step);
             with_float!(io.in_ty(2).dtype, M => {
@@ -453,26 +460,7 @@ impl OpDef for AdamW {
         a
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "adamw").then(|| {
-            let master = match (a.map.contains_key("master"), a.opt_bool("kahan")?.unwrap_or(false)) {
-                (true, true) => {
-                    return Err(Error::op("adamw", "`master` and `kahan` exclude each other: keep one".to_string()))
-                }
-                (true, false) => match a.dtype("master")? {
-                    DType::F32 => MasterWeights::F32,
-                    d => return Err(Error::op("adamw", format!("master weights are f32, got `master={d}`"))),
-                },
-                (false, true) => MasterWeights::Kahan,
-                (false, false) => MasterWeights::None,
-            };
-            Ok(AdamW {
-                beta1: a.float("beta1")?,
-                beta2: a.float("beta2")?,
-                eps: a.float("eps")?,
-                weight_decay: a.float("weight_decay")?,
-                master,
-            })
-        })
+        (name == "adamw").then(|| AdamW::parse_attrs("adamw", a))
     }
     fn inplace(&self) -> Vec<(usize, usize)> {
         // p' in p, m' in m, v' in v, w' in w: the update runs in the persistent buffers.
@@ -486,6 +474,29 @@ impl OpDef for AdamW {
         let at = 6 + self.master.extra();
         let takes = input == 1 && inputs.len() == at && scale.numel() == 1 && scale.dtype == inputs[1].dtype;
         takes.then(|| (self.clone(), at))
+    }
+}
+
+impl AdamW {
+    /// The hyperparameters and master state from the attributes of the op
+    /// `op` (`adamw`, `adamw_8bit`), as [`OpDef::attrs`] prints them.
+    pub(crate) fn parse_attrs(op: &str, a: &mut Attrs) -> Result<AdamW> {
+        let master = match (a.map.contains_key("master"), a.opt_bool("kahan")?.unwrap_or(false)) {
+            (true, true) => return Err(Error::op(op, "`master` and `kahan` exclude each other: keep one".to_string())),
+            (true, false) => match a.dtype("master")? {
+                DType::F32 => MasterWeights::F32,
+                d => return Err(Error::op(op, format!("master weights are f32, got `master={d}`"))),
+            },
+            (false, true) => MasterWeights::Kahan,
+            (false, false) => MasterWeights::None,
+        };
+        Ok(AdamW {
+            beta1: a.float("beta1")?,
+            beta2: a.float("beta2")?,
+            eps: a.float("eps")?,
+            weight_decay: a.float("weight_decay")?,
+            master,
+        })
     }
 }
 

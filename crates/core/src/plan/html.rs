@@ -119,8 +119,10 @@ impl Timeline {
         // what backward hands to the optimizer.
         let mut grads: HashSet<ValueId> =
             trace.outputs.iter().filter(|o| matches!(o.kind, OutputKind::Grad(_))).map(|o| o.value).collect();
-        // (The optimizer may run inside backward: an AdamW's gradient is its second input.)
-        for node in trace.nodes.iter().filter(|n| matches!(n.op, crate::ops::Op::AdamW(_))) {
+        // (The optimizer may run inside backward: an update's gradient is its second input.)
+        for node in
+            trace.nodes.iter().filter(|n| matches!(n.op, crate::ops::Op::AdamW(_) | crate::ops::Op::AdamW8bit(_)))
+        {
             if let Some(&g) = node.inputs.get(1) {
                 if matches!(trace.value(g).kind, ValueKind::Node(_)) {
                     grads.insert(g);

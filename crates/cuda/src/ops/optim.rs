@@ -11,6 +11,7 @@
 //! table of addresses passed as the kernel's argument.
 
 use stepgraph_core::ir::DType;
+use stepgraph_core::ops::adamw8::{self, AdamW8bit};
 use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 
 use super::util::{aligned16, float_name, launch, n64, THREADS};
@@ -77,6 +78,48 @@ impl Lower for AdamW {
         }
         let threads = if vec { n.div_ceil(VEC_ELEMS) } else { n };
         let grid = blocks(threads, THREADS as usize).min(ADAMW_MAX_GRID as u32);
+        Ok(vec![launch("adamw", function, (grid, 1, 1), (THREADS, 1, 1), args)])
+    }
+}
+
+/// Quantization blocks of an 8-bit update each launch block takes in turn
+/// (the grid is capped; each block builds its code maps once).
+const ADAMW8_MAX_GRID: usize = 4096;
+
+impl Lower for AdamW8bit {
+    const KERNELS: &'static [KernelModule] = AdamW::KERNELS;
+
+    /// One launch over the parameter's quantization blocks
+    /// (`adamw_8bit_<p>[_master|_kahan]`, a block of 256 threads each).
+    fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
+        let (ins, outs) = (cx.inputs, cx.outputs);
+        let p = &ins[0];
+        let master = self.hyper.master != MasterWeights::None;
+        let scale = ins.get(8 + master as usize);
+        let suffix = match self.hyper.master {
+            MasterWeights::F32 => "_master",
+            MasterWeights::Kahan => "_kahan",
+            MasterWeights::None => "",
+        };
+        let function = format!("adamw_8bit_{}{suffix}", float_name("adamw_8bit", p.ty.dtype)?);
+        let is_f64 = |t: &DevTensor| Arg::I64((t.ty.dtype == DType::F64) as i64);
+        let n = p.ty.numel();
+        let mut args: Vec<Arg> = ins[..8].iter().map(|t| Arg::Ptr(t.ptr)).collect();
+        args.extend(outs[..5].iter().map(|t| Arg::Ptr(t.ptr)));
+        args.extend([
+            n64(n),
+            is_f64(&ins[6]),
+            is_f64(&ins[7]),
+            Arg::F64(self.hyper.beta1),
+            Arg::F64(self.hyper.beta2),
+            Arg::F64(self.hyper.eps),
+            Arg::F64(self.hyper.weight_decay),
+            Arg::Ptr(scale.map_or(0, |s| s.ptr)),
+        ]);
+        // The master state and its output, or nothing (null).
+        let (w, w_out) = if master { (ins[8].ptr, outs[5].ptr) } else { (0, 0) };
+        args.extend([Arg::Ptr(w), Arg::Ptr(w_out)]);
+        let grid = n.div_ceil(adamw8::BLOCK).clamp(1, ADAMW8_MAX_GRID) as u32;
         Ok(vec![launch("adamw", function, (grid, 1, 1), (THREADS, 1, 1), args)])
     }
 }
