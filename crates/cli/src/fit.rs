@@ -179,6 +179,18 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
             });
         }
     }
+    // AdamW's moments in 8 bits: a quarter of f32 moments, half of 16-bit
+    // ones, at the cost of quantizing them (the step is not the same).
+    if opts.kind == StepKind::Train && !opts.train.moments_8bit && spec.adapters.is_none() {
+        let eight = StepOptions { train: TrainOptions { moments_8bit: true, ..opts.train.clone() }, ..opts.clone() };
+        if let Ok(bytes) = budgeted(spec, &eight)? {
+            v.would_fit.push(Alternative {
+                flags: format!("--optimizer-state 8bit {budget_flag}"),
+                planned_bytes: bytes,
+                note: "AdamW's moments quantized to 8 bits per weight".into(),
+            });
+        }
+    }
     // Shorter sequences, the tokens of a step kept with --grad-accum.
     let mut seq = spec.seq / 2;
     while seq >= 64 {
@@ -284,8 +296,9 @@ impl fmt::Display for Verdict {
         if self.would_fit.is_empty() {
             return writeln!(
                 f,
-                "  nothing tried fits (a memory budget, no clipping, sequences down to 64 tokens, ZeRO-1 over up to \
-                 8 GPUs, LoRA and QLoRA adapters): a smaller model, or a GPU with more memory"
+                "  nothing tried fits (a memory budget, no clipping, 8-bit AdamW moments, sequences down to 64 \
+                 tokens, ZeRO-1 over up to 8 GPUs, LoRA and QLoRA adapters): a smaller model, or a GPU with more \
+                 memory"
             );
         }
         writeln!(f, "  would fit:")?;
