@@ -263,30 +263,13 @@ impl OpDef for AdamW8bit {
                 return Err(format!("the {name} must be {want} for the parameter {p}, got {got}"));
             }
         }
-        for (name, s) in [("lr", inputs[6]), ("step", inputs[7])] {
-            if s.numel() != 1 || !matches!(s.dtype, DType::F32 | DType::F64) {
-                return Err(format!("{name} must be a one-element f32 or f64 tensor, got {s}"));
-            }
-        }
+        super::optim::check_lr_step_types(inputs[6], inputs[7])?;
         let mut out = vec![p.clone(), codes.clone(), scales.clone(), codes, scales];
-        if let Some(dtype) = self.hyper.master.state_dtype(p.dtype) {
-            let w = inputs[8];
-            if w.shape != p.shape || w.dtype != dtype {
-                return Err(format!(
-                    "the {} master state must be {}, got {w} (parameter {p})",
-                    self.hyper.master.name(),
-                    p.with_dtype(dtype)
-                ));
-            }
-            out.push(w.clone());
-        }
+        out.extend(self.hyper.master.infer_state(p, inputs.get(8).copied())?);
         Ok(out)
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        Err(Error::NotDifferentiable {
-            op: self.name().into(),
-            reason: "is an optimizer update, not differentiable: it belongs after the backward pass".into(),
-        })
+        Err(super::optim::not_differentiable(self.name()))
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let (lr, step) = super::optim::checked_lr_step(io, 6)?;

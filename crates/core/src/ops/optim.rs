@@ -161,6 +161,44 @@ impl MasterWeights {
     fn extra(self) -> usize {
         (self != MasterWeights::None) as usize
     }
+
+    /// The type of the master state output of an update of `p` whose
+    /// master input is `w` (checked against this mode), or `None` when the
+    /// mode keeps none.
+    pub(crate) fn infer_state(
+        self,
+        p: &TensorType,
+        w: Option<&TensorType>,
+    ) -> std::result::Result<Option<TensorType>, String> {
+        let Some(dtype) = self.state_dtype(p.dtype) else { return Ok(None) };
+        match w {
+            Some(w) if w.shape == p.shape && w.dtype == dtype => Ok(Some(w.clone())),
+            w => Err(format!(
+                "the {} master state must be {}, got {} (parameter {p})",
+                self.name(),
+                p.with_dtype(dtype),
+                w.map_or("none".to_string(), |w| w.to_string())
+            )),
+        }
+    }
+}
+
+/// Checks the types of an update's learning rate and step count.
+pub(crate) fn check_lr_step_types(lr: &TensorType, step: &TensorType) -> std::result::Result<(), String> {
+    for (name, s) in [("lr", lr), ("step", step)] {
+        if s.numel() != 1 || !matches!(s.dtype, DType::F32 | DType::F64) {
+            return Err(format!("{name} must be a one-element f32 or f64 tensor, got {s}"));
+        }
+    }
+    Ok(())
+}
+
+/// The error of differentiating the optimizer update `op`.
+pub(crate) fn not_differentiable(op: &str) -> Error {
+    Error::NotDifferentiable {
+        op: op.into(),
+        reason: "is an optimizer update, not differentiable: it belongs after the backward pass".into(),
+    }
 }
 
 impl AdamW {
@@ -404,30 +442,13 @@ impl OpDef for AdamW {
                 ));
             }
         }
-        for (name, s) in [("lr", lr), ("step", step)] {
-            if s.numel() != 1 || !matches!(s.dtype, DType::F32 | DType::F64) {
-                return Err(format!("{name} must be a one-element f32 or f64 tensor, got {s}"));
-            }
-        }
+        check_lr_step_types(lr, step)?;
         let mut out = vec![p.clone(), m.clone(), v.clone()];
-        if let Some(dtype) = self.master.state_dtype(p.dtype) {
-            let mode = self.master.name();
-            let w = inputs[6];
-            if w.shape != p.shape || w.dtype != dtype {
-                return Err(format!(
-                    "the {mode} master state must be {}, got {w} (parameter {p})",
-                    p.with_dtype(dtype)
-                ));
-            }
-            out.push(w.clone());
-        }
+        out.extend(self.master.infer_state(p, inputs.get(6).copied())?);
         Ok(out)
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
-        Err(Error::NotDifferentiable {
-            op: self.name().into(),
-            reason: "is an optimizer update, not differentiable: it belongs after the backward pass".into(),
-        })
+        Err(not_differentiable(self.name()))
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let (lr, step) = checked_lr_step(io, 4)?;
