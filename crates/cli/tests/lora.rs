@@ -193,19 +193,29 @@ fn expert_adapters_go_through_the_folder_and_merge_into_the_experts() {
 
 #[test]
 fn a_qlora_run_evaluates_over_the_same_nf4_base() {
-    let tmp = tempfile::tempdir().unwrap();
-    let base = tmp.path().join("base");
-    write_model(&base, "llama", false, None);
-    let data = chat_token_file(tmp.path());
-    let adapter = tmp.path().join("adapter");
-    let mut args = train_args(s(&base), s(&data), s(&adapter));
-    args.extend(["--base-dtype", "nf4", "--double-quant"]);
-    let (_, err) = run_ok(&args);
-    assert!(err.contains("base (nf4)") && err.contains("its scales quantized too"), "{err}");
-    let val = number_after(&err, "validation at step 6: loss");
-    assert_eq!(eval_loss(&base, Some(&adapter), &data, &["--base-dtype", "nf4", "--double-quant"]), val);
-    // Over the unquantized base the same adapters see other weights.
-    assert_ne!(eval_loss(&base, Some(&adapter), &data, &[]), val);
+    // A dense model, and a mixture of experts whose stacked expert weights
+    // are NF4 too (with adapters on the experts, no dropout).
+    for family in ["llama", "mixtral"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("base");
+        write_model(&base, family, false, None);
+        let data = chat_token_file(tmp.path());
+        let adapter = tmp.path().join("adapter");
+        let mut args = train_args(s(&base), s(&data), s(&adapter));
+        if family == "mixtral" {
+            let at = args.iter().position(|a| *a == "--lora-targets").unwrap();
+            args.drain(at..at + 2);
+            let at = args.iter().position(|a| *a == "--lora-dropout").unwrap();
+            args.drain(at..at + 2);
+        }
+        args.extend(["--base-dtype", "nf4", "--double-quant"]);
+        let (_, err) = run_ok(&args);
+        assert!(err.contains("base (nf4)") && err.contains("its scales quantized too"), "{family}: {err}");
+        let val = number_after(&err, "validation at step 6: loss");
+        assert_eq!(eval_loss(&base, Some(&adapter), &data, &["--base-dtype", "nf4", "--double-quant"]), val);
+        // Over the unquantized base the same adapters see other weights.
+        assert_ne!(eval_loss(&base, Some(&adapter), &data, &[]), val, "{family}");
+    }
 }
 
 #[test]
