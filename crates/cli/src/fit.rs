@@ -178,6 +178,19 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
                 note: "without clipping, each gradient is freed by its update in backward".into(),
             });
         }
+        if !opts.train.clip_by_previous_norm {
+            let previous = StepOptions {
+                train: TrainOptions { clip_by_previous_norm: true, ..opts.train.clone() },
+                ..opts.clone()
+            };
+            if let Ok(bytes) = budgeted(spec, &previous)? {
+                v.would_fit.push(Alternative {
+                    flags: format!("--clip-by-previous-norm {budget_flag}"),
+                    planned_bytes: bytes,
+                    note: "clipped by the step before's norm, so updates run in backward".into(),
+                });
+            }
+        }
     }
     // AdamW's moments in 8 bits: a quarter of f32 moments, half of 16-bit
     // ones, at the cost of quantizing them (the step is not the same).

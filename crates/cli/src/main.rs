@@ -387,6 +387,11 @@ struct OptimArgs {
     /// whose sharded gradients are not clipped yet].
     #[arg(help_heading = "Optimization", long, value_name = "X")]
     clip_grad_norm: Option<f64>,
+    /// Clip each step's gradients by the previous step's norm instead of its
+    /// own (an approximation: a spike is clipped one step late), so that
+    /// every update runs inside backward and frees its gradient at once.
+    #[arg(help_heading = "Optimization", long)]
+    clip_by_previous_norm: bool,
     /// Micro-batches of gradient accumulation in each step: --batch rows
     /// each, forward and backward in turn, one update (N x --batch rows a step).
     #[arg(help_heading = "Optimization", long, value_name = "N", default_value_t = 1)]
@@ -419,9 +424,13 @@ impl OptimArgs {
             (None, false) => DEFAULT_CLIP_GRAD_NORM,
             (None, true) => 0.0,
         };
+        if self.clip_by_previous_norm && clip <= 0.0 {
+            bail!("--clip-by-previous-norm clips by a norm: give --clip-grad-norm X (above 0)");
+        }
         let mut t = TrainOptions::default();
         t.adamw.weight_decay = wd;
         t.clip_grad_norm = (clip > 0.0).then_some(clip);
+        t.clip_by_previous_norm = self.clip_by_previous_norm;
         t.decay = if self.decay_all { DecayScope::All } else { DecayScope::Matrices };
         t.master_weights = self.master_weights.mode();
         t.state_dtype = match (self.f32_state, self.state_dtype) {

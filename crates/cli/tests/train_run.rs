@@ -124,6 +124,38 @@ fn eight_bit_moments_checkpoint_and_resume_bit_for_bit() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// Clipping by the previous step's norm: the run keeps that norm as state
+/// (in the checkpoint), reports each step's own norm, and 5 steps resumed
+/// for 5 more equal 10 straight bit for bit; without a norm to clip to it
+/// is refused.
+#[test]
+fn clipping_by_the_previous_norm_reports_norms_and_resumes_bit_for_bit() {
+    let d = scratch("previous-norm");
+    let (straight, split) = (d.join("straight"), d.join("split"));
+    let clip = ["--clip-grad-norm", "0.5", "--clip-by-previous-norm"];
+    let metrics_file = straight.join("metrics.jsonl");
+    let m = s(&metrics_file).to_string();
+    run_ok(&small(&[&clip[..], &["--steps", "10", "--checkpoint-dir", s(&straight), "--metrics", &m]].concat()));
+    let rows = metrics(&metrics_file);
+    let norms: Vec<f64> = rows.iter().filter_map(|r| r.get("grad_norm")?.as_f64()).collect();
+    assert_eq!(norms.len(), 10, "{rows:?}");
+    assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
+    run_ok(&small(&[&clip[..], &["--steps", "10", "--stop-after", "5", "--checkpoint-dir", s(&split)]].concat()));
+    let state =
+        stepgraph_core::models::checkpoint::read_safetensors(&split.join("step-000005/optimizer.safetensors")).unwrap();
+    let kept = state.iter().find(|(n, _)| n == stepgraph_core::autodiff::PREVIOUS_GRAD_NORM_STATE);
+    assert_eq!(kept.map(|(_, t)| t.to_f64()[0]), Some(norms[4]));
+    run_ok(&small(&[&clip[..], &["--steps", "10", "--resume", "auto", "--checkpoint-dir", s(&split)]].concat()));
+    for file in ["weights.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(straight.join("step-000010").join(file)).unwrap();
+        let b = std::fs::read(split.join("step-000010").join(file)).unwrap();
+        assert!(a == b, "{file} differs between the straight and the resumed run");
+    }
+    let (_, err) = stepgraph_refused(&small(&["--steps", "2", "--clip-grad-norm", "0", "--clip-by-previous-norm"]));
+    assert!(err.contains("--clip-by-previous-norm") && err.contains("--clip-grad-norm X"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// A run that must fail: its stdout and stderr.
 fn stepgraph_refused(args: &[String]) -> (String, String) {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();

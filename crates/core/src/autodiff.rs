@@ -64,6 +64,10 @@ pub struct TrainOptions {
     /// dtype of the AdamW moments; `None` chooses [`default_state_dtype`].
     /// Unused with [`TrainOptions::moments_8bit`].
     pub state_dtype: Option<DType>,
+    /// With `clip_grad_norm`: clip by the previous step's norm
+    /// ([`clip_by_previous_norm`]) rather than this step's, so that every
+    /// update can run inside backward.
+    pub clip_by_previous_norm: bool,
     /// Keep the moments in 8 bits with a scale per 2048 elements
     /// ([`crate::ops::adamw8::AdamW8bit`]): 2 bytes a weight instead of 8
     /// (f32 moments). f64 parameters keep dense moments.
@@ -128,6 +132,11 @@ fn kept_in_steps(kind: &OutputKind) -> bool {
         _ => false,
     }
 }
+
+/// The state leaf of a step that clips by the previous step's norm
+/// ([`clip_by_previous_norm`]): that norm, which the caller writes after
+/// each step from the step's [`GRAD_NORM_OUTPUT`].
+pub const PREVIOUS_GRAD_NORM_STATE: &str = "grad_norm.previous";
 
 /// Added to the norm before dividing, as PyTorch's `clip_grad_norm_` does.
 pub const CLIP_EPS: f64 = 1e-6;
@@ -240,7 +249,8 @@ pub fn build_accumulated_step(
             b.set_phase(Phase::Optimizer);
             let grads = match opts.clip_grad_norm {
                 Some(max_norm) => {
-                    let (clipped, norm) = clip_by_global_norm(&mut b, &grads, max_norm)?;
+                    let clip = if opts.clip_by_previous_norm { clip_by_previous_norm } else { clip_by_global_norm };
+                    let (clipped, norm) = clip(&mut b, &grads, max_norm)?;
                     b.output(OutputKind::Named(GRAD_NORM_OUTPUT.into()), norm);
                     clipped
                 }
@@ -479,13 +489,8 @@ fn for_micro_batch(op: &Op, k: usize) -> Result<Op> {
 /// (through the norm), so none can run before backward ends
 /// ([`crate::passes::optimizer_placement`] reports it).
 pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) -> Result<(Vec<ValueId>, ValueId)> {
-    if !(max_norm.is_finite() && max_norm > 0.0) {
-        return Err(Error::Autodiff(format!(
-            "the gradient norm to clip to must be positive and finite, got {max_norm}"
-        )));
-    }
-    let wide = |d: DType| if d == DType::F64 { DType::F64 } else { DType::F32 };
-    let acc_dtype = grads.iter().map(|&g| wide(b.dtype(g))).max_by_key(|d| d.size()).unwrap_or(DType::F32);
+    check_max_norm(max_norm)?;
+    let acc_dtype = norm_dtype(b, grads);
     let mut total: Option<ValueId> = None;
     let mut dtypes: Vec<DType> = Vec::new();
     for &g in grads {
@@ -498,19 +503,78 @@ pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) ->
         // multi-tensor launches on the GPU, reading each gradient once in
         // the wide type, no widened copy), then their sum.
         let group: Vec<ValueId> = grads.iter().copied().filter(|&g| b.dtype(g) == d).collect();
-        let norms = b.squared_norms(&group)?;
-        let norms = if b.dtype(norms) == acc_dtype { norms } else { b.cast(norms, acc_dtype)? };
-        let s = b.sum(norms, &[0], false)?;
+        let s = sum_of_squares(b, &group, acc_dtype)?;
         total = Some(match total {
             Some(t) => b.add(t, s)?,
             None => s,
         });
     }
+    let norm = norm_of(b, total, acc_dtype)?;
+    let scaled = scale_by_clip_factor(b, grads, norm, max_norm)?;
+    Ok((scaled, norm))
+}
+
+/// Clipping by the previous step's norm, an explicit approximation of
+/// [`clip_by_global_norm`]: `g ← g · min(1, max_norm / (previous + 1e-6))`
+/// with `previous` the state leaf [`PREVIOUS_GRAD_NORM_STATE`] (the norm of
+/// the step before, which the caller writes after each step from the
+/// step's [`GRAD_NORM_OUTPUT`]; zero, no clipping, before the first). No
+/// update waits for this step's norm, so each can run inside backward and
+/// free its gradient at once; this step's norm is summed from each
+/// gradient's own squared norm as backward makes it. Returns the scaled
+/// gradients and this step's norm.
+pub fn clip_by_previous_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) -> Result<(Vec<ValueId>, ValueId)> {
+    check_max_norm(max_norm)?;
+    let acc_dtype = norm_dtype(b, grads);
+    let previous = b.state(PREVIOUS_GRAD_NORM_STATE, TensorType::scalar(acc_dtype))?;
+    let scaled = scale_by_clip_factor(b, grads, previous, max_norm)?;
+    let mut total: Option<ValueId> = None;
+    for &g in grads {
+        let s = sum_of_squares(b, &[g], acc_dtype)?;
+        total = Some(match total {
+            Some(t) => b.add(t, s)?,
+            None => s,
+        });
+    }
+    let norm = norm_of(b, total, acc_dtype)?;
+    Ok((scaled, norm))
+}
+
+fn check_max_norm(max_norm: f64) -> Result<()> {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(Error::Autodiff(format!(
+            "the gradient norm to clip to must be positive and finite, got {max_norm}"
+        )));
+    }
+    Ok(())
+}
+
+/// The dtype a gradient norm is summed in: f32, or f64 with f64 gradients.
+fn norm_dtype(b: &Builder, grads: &[ValueId]) -> DType {
+    let wide = |d: DType| if d == DType::F64 { DType::F64 } else { DType::F32 };
+    grads.iter().map(|&g| wide(b.dtype(g))).max_by_key(|d| d.size()).unwrap_or(DType::F32)
+}
+
+/// `Σ‖g‖²` over `group` (gradients of one dtype) as a scalar of `acc_dtype`.
+fn sum_of_squares(b: &mut Builder, group: &[ValueId], acc_dtype: DType) -> Result<ValueId> {
+    let norms = b.squared_norms(group)?;
+    let norms = if b.dtype(norms) == acc_dtype { norms } else { b.cast(norms, acc_dtype)? };
+    b.sum(norms, &[0], false)
+}
+
+/// `sqrt(total)` (zero without gradients).
+fn norm_of(b: &mut Builder, total: Option<ValueId>, acc_dtype: DType) -> Result<ValueId> {
     let total = match total {
         Some(t) => t,
         None => b.full(0.0, TensorType::scalar(acc_dtype))?,
     };
-    let norm = b.unary(crate::ops::UnaryFn::Sqrt, total)?;
+    b.unary(crate::ops::UnaryFn::Sqrt, total)
+}
+
+/// Each gradient times `min(1, max_norm / (norm + eps))`, the factor cast
+/// once to each gradient dtype.
+fn scale_by_clip_factor(b: &mut Builder, grads: &[ValueId], norm: ValueId, max_norm: f64) -> Result<Vec<ValueId>> {
+    let acc_dtype = b.dtype(norm);
     // min(1, max/(norm+eps)) = max / max(norm + eps, max).
     let eps = b.full(CLIP_EPS, TensorType::scalar(acc_dtype))?;
     let shifted = b.add(norm, eps)?;
@@ -535,7 +599,7 @@ pub fn clip_by_global_norm(b: &mut Builder, grads: &[ValueId], max_norm: f64) ->
         };
         scaled.push(b.mul(g, s)?);
     }
-    Ok((scaled, norm))
+    Ok(scaled)
 }
 
 /// The parameters [`DecayScope::Matrices`] leaves undecayed: those of one

@@ -321,7 +321,7 @@ fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledSte
 /// unclipped step may reach its least at another tiling).
 fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<String> {
     opts.train.clip_grad_norm?;
-    if opts.kind != StepKind::Train {
+    if opts.kind != StepKind::Train || opts.train.clip_by_previous_norm {
         return None;
     }
     let unclipped = StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
@@ -330,7 +330,8 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
         Ok((c, _)) => {
             let peak = c.planned_peak_bytes();
             Some(format!(
-                "or --clip-grad-norm 0: {WHY}; without it this step plans {peak} B ({:.3} GB), within the budget",
+                "or --clip-grad-norm 0: {WHY}; without it this step plans {peak} B ({:.3} GB), within the budget \
+                 (as does --clip-by-previous-norm, which clips by the step before's norm)",
                 peak as f64 / 1e9
             ))
         }

@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use stepgraph_core::autodiff::{DecayScope, StepKind, TrainOptions, CLIP_EPS, GRAD_NORM_OUTPUT, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{
+    DecayScope, StepKind, TrainOptions, CLIP_EPS, GRAD_NORM_OUTPUT, LR_INPUT, PREVIOUS_GRAD_NORM_STATE, STEP_INPUT,
+};
 use stepgraph_core::cpu::comm::{run_ranks, Communicator};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{shard_rows, DataParallel};
@@ -227,6 +229,65 @@ fn plans_with_clipping_keep_every_gradient_until_the_norm() {
     let grad_bytes: u64 = clipped.forward.params().map(|p| clipped.forward.ty(p).bytes()).sum();
     assert!(clipped.plan.planned_peak_bytes() >= clipped.plan.persistent_bytes + grad_bytes);
     assert!(clipped.planned_peak_bytes() > plain.planned_peak_bytes(), "clipping costs the gradients' memory");
+}
+
+/// Clipping by the previous step's norm: the factor reads only the state
+/// the caller writes, so the updates run inside backward (and free each
+/// gradient at once), the plan is that of a step without clipping within a
+/// MiB, and the step still outputs its own norm, as exact clipping does.
+#[test]
+fn clipping_by_the_previous_norm_lets_the_updates_run_in_backward() {
+    let sp = ModelSpec::named("tiny-llama", 2, 64, DType::F32, LossKind::CrossEntropy).unwrap();
+    let plain = compile_step(&sp, &StepOptions::new(StepKind::Train)).unwrap();
+    let previous = TrainOptions { clip_grad_norm: Some(1.0), clip_by_previous_norm: true, ..TrainOptions::default() };
+    let c = compile_step(&sp, &train_opts(previous)).unwrap();
+    assert!(c.step.leaf_by_name(PREVIOUS_GRAD_NORM_STATE).is_some());
+    let params = c.forward.params().count();
+    let updates_in_backward =
+        c.step.nodes.iter().filter(|n| n.phase == Phase::Backward && matches!(n.op, Op::AdamW(_))).count();
+    assert!(updates_in_backward + 1 >= params, "{updates_in_backward} of {params} updates in backward");
+    assert!(c.planned_peak_bytes() <= plain.planned_peak_bytes() + (1 << 20));
+    let exact =
+        compile_step(&sp, &train_opts(TrainOptions { clip_grad_norm: Some(1.0), ..TrainOptions::default() })).unwrap();
+    assert!(c.planned_peak_bytes() < exact.planned_peak_bytes());
+}
+
+/// The factor is min(1, max / (previous + eps)) of the state as written:
+/// from zero (the first step) no clipping, bit for bit the step without
+/// it; from a previous norm ten times the bound, a tenth of the gradient
+/// in the first moment. The step's own norm is exact clipping's, summed in
+/// another order.
+#[test]
+fn clipping_by_the_previous_norm_scales_by_the_state_as_written() {
+    let (ids, tg) = batch(2, 1);
+    let unclipped = compile_step(&spec(2), &StepOptions::new(StepKind::Train)).unwrap();
+    let opts = TrainOptions { clip_grad_norm: Some(0.5), clip_by_previous_norm: true, ..TrainOptions::default() };
+    let previous = compile_step(&spec(2), &train_opts(opts)).unwrap();
+    let exact =
+        compile_step(&spec(2), &train_opts(TrainOptions { clip_grad_norm: Some(0.5), ..TrainOptions::default() }))
+            .unwrap();
+    let (mut u, mut p, mut e) = (session(&unclipped), session(&previous), session(&exact));
+    step(&mut u, &unclipped, &ids, &tg, 1);
+    step(&mut p, &previous, &ids, &tg, 1);
+    step(&mut e, &exact, &ids, &tg, 1);
+    for name in ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"] {
+        assert_eq!(state(&mut u, &unclipped.step, name), state(&mut p, &previous.step, name), "{name}");
+    }
+    let norm = |s: &mut CpuSession, c: &CompiledStep| {
+        let o = c.step.outputs.iter().find(|o| o.kind == OutputKind::Named(GRAD_NORM_OUTPUT.into())).unwrap();
+        s.read(o.value).to_f64()[0]
+    };
+    let (np, ne) = (norm(&mut p, &previous), norm(&mut e, &exact));
+    assert!((np - ne).abs() <= 1e-6 * ne, "{np} vs {ne}");
+    // A fresh run whose state says the previous norm was 5 (ten times 0.5).
+    let mut q = session(&previous);
+    let leaf = previous.step.leaf_by_name(PREVIOUS_GRAD_NORM_STATE).unwrap();
+    q.write(leaf, &HostTensor::from_f64(previous.step.ty(leaf).clone(), &[5.0])).unwrap();
+    step(&mut q, &previous, &ids, &tg, 1);
+    let name = "model.layers.0.mlp.up_proj.weight.exp_avg";
+    let (full, tenth) = (state(&mut u, &unclipped.step, name), state(&mut q, &previous.step, name));
+    let scaled: Vec<f64> = full.iter().map(|m| m * 0.5 / (5.0 + 1e-6)).collect();
+    assert!(rel(&tenth, &scaled) < 1e-6, "rel {}", rel(&tenth, &scaled));
 }
 
 /// Data-parallel ranks clip by the norm of the all-reduced gradients: two

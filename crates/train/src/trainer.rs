@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use stepgraph_core::autodiff::{TrainOptions, GRAD_NORM_OUTPUT, LR_INPUT, STEP_INPUT};
+use stepgraph_core::autodiff::{TrainOptions, GRAD_NORM_OUTPUT, LR_INPUT, PREVIOUS_GRAD_NORM_STATE, STEP_INPUT};
 use stepgraph_core::cpu::exec::scalar_input;
 use stepgraph_core::dist::shard_rows;
 use stepgraph_core::host::HostTensor;
@@ -494,6 +494,11 @@ impl Trainer {
             Some(v) => Some(self.session.read(v)?.to_f64()[0]),
             None => None,
         };
+        // Clipping by the previous step's norm: this step's norm is the next one's.
+        if let (Some(norm), Some(previous)) = (grad_norm, self.session.trace().leaf_by_name(PREVIOUS_GRAD_NORM_STATE)) {
+            let ty = self.session.trace().ty(previous).clone();
+            self.session.write(previous, &HostTensor::from_f64(ty, &[norm]))?;
+        }
         let report =
             StepReport { step: it, steps, last, loss, lr, grad_norm, tokens_per_s: tps, mfu, memory: memory.clone() };
         if rank == 0 {
