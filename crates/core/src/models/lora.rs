@@ -9,7 +9,13 @@
 //! `y = x·Wᵀ + (α/r)·(drop(x)·Aᵀ)·Bᵀ`
 //!
 //! with `A: [r, in]` (`{layer}.lora_A.weight`) and `B: [out, r]`
-//! (`{layer}.lora_B.weight`) the only trained parameters. The scale `α/r`
+//! (`{layer}.lora_B.weight`) the only trained parameters. The routed
+//! experts of a mixture of experts take one adapter per expert, stacked
+//! (`A: [E, r, in]`, `B: [E, out, r]`) and applied in the grouped products:
+//! one over each expert's gate and up pair ([`LoraTarget::ExpertsGateUp`],
+//! `B`'s rows gate first) and one over its down product; the router is a
+//! linear layer like the others ([`LoraTarget::Router`]). A target may have
+//! a rank and alpha of its own ([`TargetRank`]). The scale `α/r`
 //! multiplies the `[tokens, r]` product, the narrowest place it can go.
 //! Autodiff then gives gradients, moments and master state to the adapters
 //! alone; the base's weight-gradient products are never recorded (dead code
