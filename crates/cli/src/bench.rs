@@ -267,12 +267,15 @@ fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: St
     };
     let mut capture_ms = None;
     let mut times = Vec::new();
-    let (mut loss_first, mut loss_last) = (f64::NAN, f64::NAN);
+    let (mut loss_first, mut loss_last) = (None, f64::NAN);
     for it in 1..=args.warmup + args.steps {
         write_batch(s, it)?;
         if args.mode == Mode::Graph && capture_ms.is_none() {
-            // Record once, after one eager step has warmed up modules and plans.
+            // Record once, after one eager step has warmed up modules and
+            // plans. Its loss is the run's first: the replay that follows
+            // repeats the batch after that step's update.
             s.run_eager()?;
+            loss_first.get_or_insert(s.loss()?);
             capture_ms = Some(s.prepare_replay()?.as_secs_f64() * 1e3);
         }
         let t0 = Instant::now();
@@ -282,15 +285,13 @@ fn timed_steps(s: &mut dyn Session, args: &BenchArgs, spec: &ModelSpec, kind: St
         }
         let dt = t0.elapsed().as_secs_f64() * 1e3;
         let loss = s.loss()?;
-        if it == 1 {
-            loss_first = loss;
-        }
+        loss_first.get_or_insert(loss);
         loss_last = loss;
         if it > args.warmup {
             times.push(dt);
         }
     }
-    Ok(Timed { capture_ms, times, loss_first, loss_last })
+    Ok(Timed { capture_ms, times, loss_first: loss_first.unwrap_or(f64::NAN), loss_last })
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -459,6 +460,56 @@ mod tests {
         let tiles: Vec<f64> = (0..256).map(|i| (i % 64) as f64).collect();
         assert_eq!(skipped_tile_fraction(&tiles, 1, 256), 6.0 / 10.0);
         assert!(parse_lengths("100-1500").is_ok() && parse_lengths("5-2").is_err() && parse_lengths("0-3").is_err());
+    }
+
+    /// In graph mode the first loss is the eager warm-up step's, before any
+    /// update: the same as an eager run's first loss on the same batch (a
+    /// train workload, W5 cut small, whose replay of step 1 follows an update).
+    #[test]
+    fn the_first_loss_comes_before_any_update_in_either_mode() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let first = |mode: &str| {
+            let args = <Cli as clap::Parser>::try_parse_from([
+                "bench",
+                "--workload",
+                "w3",
+                "--mode",
+                mode,
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+            ])
+            .unwrap()
+            .bench;
+            let (spec, kind) = spec(Workload::W5).unwrap();
+            let config = spec.config.with_overrides(&tiny()).unwrap();
+            let spec = ModelSpec { config, batch: 1, seq: 16, ..spec };
+            let c = compile_step(&spec, &StepOptions::new(kind)).unwrap();
+            let mut s = stepgraph_core::cpu::exec::CpuSession::new(c.step, c.plan).unwrap();
+            Session::init_params(&mut s, 0).unwrap();
+            timed_steps(&mut s, &args, &spec, kind).unwrap()
+        };
+        let (graph, eager) = (first("graph"), first("eager"));
+        assert_eq!(graph.loss_first.to_bits(), eager.loss_first.to_bits());
+        assert!(graph.capture_ms.is_some() && graph.times.len() == 2);
+    }
+
+    /// One small layer, for steps on the CPU.
+    fn tiny() -> Overrides {
+        Overrides {
+            n_layer: Some(1),
+            n_embd: Some(64),
+            n_head: Some(4),
+            n_query_groups: Some(4),
+            vocab_size: Some(512),
+            intermediate_size: Some(128),
+            ..Default::default()
+        }
     }
 
     #[test]
