@@ -30,7 +30,12 @@
 //! names Qwen-MoE's `gate_proj`, `up_proj` and `down_proj` (their
 //! `transformers` 4 modules) into these targets, with the fused pair at
 //! twice the rank and alpha (`rank_pattern`, `alpha_pattern`): a rank and
-//! alpha per target is read and written ([`TargetRank`]).
+//! alpha per target is read and written ([`TargetRank`]). A Mixtral folder
+//! written before `transformers` 5 holds an adapter per expert and
+//! projection (`...block_sparse_moe.experts.3.w1.lora_A.weight`,
+//! `target_modules` `w1`, `w2`, `w3`); reading joins them as `peft` does:
+//! the down projections stacked, each expert's gate and up adapters one
+//! adapter of twice the rank over the pair.
 //!
 //! Reading takes what stepgraph's adapters express: plain LoRA on linear
 //! layers, experts and routers, one rank and alpha per target; a folder asking for more
@@ -50,6 +55,7 @@ use super::hf_dir::{copy_tokenizer_files, save_folder_atomically, sync_dir, writ
 use super::lora::{is_adapter_weight, Adapters, BaseStorage, LoraTarget, TargetRank};
 use crate::error::{Error, Result};
 use crate::host::HostTensor;
+use crate::ir::TensorType;
 
 /// The adapter settings file.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -439,6 +445,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
     let dropout = config.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0);
     // peft's `all-linear` names linear modules only; expert parameters
     // come from `target_parameters`.
+    let mut legacy_pair = false;
     let mut targets = match config.get("target_modules") {
         Some(Value::String(s)) if s == "all-linear" => LoraTarget::MODULES.to_vec(),
         Some(Value::Array(list)) if list.is_empty() => Vec::new(),
@@ -449,20 +456,43 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
                 .iter()
                 .filter_map(Value::as_str)
                 .partition(|n| *n == LoraTarget::Router.module() || n.ends_with(".gate"));
+            // Mixtral's experts as `transformers` 4 named their projections.
+            let (legacy, names): (Vec<&str>, Vec<&str>) =
+                names.into_iter().partition(|n| LEGACY_EXPERT_MODULES.contains(n));
             let mut targets = if names.is_empty() {
                 Vec::new()
             } else {
                 LoraTarget::parse_list(&names.join(",")).map_err(|e| bad(format!("`target_modules`: {e}")))?
             };
-            if !routers.is_empty() {
-                targets.push(LoraTarget::Router);
-            }
             if let Some(t) = targets.iter().find(|t| t.is_experts()) {
                 return Err(bad(format!(
                     "`target_modules` names the experts' `{}`, a parameter: peft adapts it through \
                      `target_parameters`",
                     t.module()
                 )));
+            }
+            if !routers.is_empty() {
+                targets.push(LoraTarget::Router);
+            }
+            match (legacy.contains(&"w1"), legacy.contains(&"w3")) {
+                (true, true) => {
+                    // One adapter per expert and projection, joined on
+                    // reading into one over the gate/up pair of twice the
+                    // rank (the pieces side by side): the same update.
+                    targets.push(LoraTarget::ExpertsGateUp);
+                    legacy_pair = true;
+                }
+                (false, false) => {}
+                _ => {
+                    return Err(bad(
+                        "`target_modules` names one of `w1` and `w3`, the experts' gate and up projections, which \
+                         are one tensor now: stepgraph reads them together"
+                            .into(),
+                    ))
+                }
+            }
+            if legacy.contains(&"w2") {
+                targets.push(LoraTarget::ExpertsDown);
             }
             targets
         }
@@ -528,6 +558,9 @@ pub fn read_adapter_config(dir: &Path) -> Result<(Adapters, Option<String>)> {
             }
         }
     }
+    if legacy_pair && !ranks.iter().any(|r| r.target == LoraTarget::ExpertsGateUp) {
+        ranks.push(TargetRank { target: LoraTarget::ExpertsGateUp, rank: 2 * rank, alpha: 2.0 * alpha });
+    }
     ranks.sort_by_key(|r| r.target);
     let base_model = config.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
     let adapters = Adapters { rank, alpha, targets, dropout, base: BaseStorage::Model, ranks };
@@ -544,7 +577,12 @@ pub fn read_adapter_weights(dir: &Path, family: HfFamily, adapters: &Adapters) -
         return Err(folder_error(dir, format!("has no {ADAPTER_WEIGHTS}")));
     }
     let mut tensors = Vec::new();
+    let mut legacy: Vec<LegacyExpert> = Vec::new();
     for (name, t) in read_safetensors(&weights_path)? {
+        if let Some(piece) = legacy_expert(family, &name, t.clone()) {
+            legacy.push(piece);
+            continue;
+        }
         let trace_name = trace_tensor_name(family, &name, &adapters.targets)
             .filter(|n| {
                 is_adapter_weight(n) && split_adapter_name(n).and_then(|(l, _)| LoraTarget::of_layer(l)).is_some()
@@ -567,7 +605,118 @@ pub fn read_adapter_weights(dir: &Path, family: HfFamily, adapters: &Adapters) -
         };
         tensors.push((trace_name, t));
     }
+    tensors.extend(join_legacy_experts(legacy, adapters.rank).map_err(|reason| folder_error(&weights_path, reason))?);
     Ok(tensors)
+}
+
+/// Mixtral's expert projections as `transformers` 4 named them, which a
+/// folder's `target_modules` may list.
+const LEGACY_EXPERT_MODULES: [&str; 3] = ["w1", "w2", "w3"];
+
+/// One expert's adapter matrix of a folder `peft` wrote before
+/// `transformers` 5 fused the experts
+/// (`...block_sparse_moe.experts.3.w1.lora_A.weight`).
+struct LegacyExpert {
+    /// The trace's stacked weight it adapts (`model.layers.0.mlp.experts.gate_proj.weight`).
+    weight: String,
+    expert: usize,
+    /// `lora_A` or `lora_B`.
+    matrix: &'static str,
+    tensor: HostTensor,
+}
+
+/// The piece `name` holds, when it is one expert's adapter matrix in a
+/// family whose folders keep a tensor per expert.
+fn legacy_expert(family: HfFamily, name: &str, tensor: HostTensor) -> Option<LegacyExpert> {
+    let (module, matrix) = split_adapter_name(name.strip_prefix(PEFT_PREFIX)?)?;
+    let hf = format!("{module}.weight");
+    family.family().rules().iter().filter(|r| r.join == Join::Experts).find_map(|rule| {
+        let (layer, expert) = super::family::match_numbers(rule.hf, &hf)?;
+        let weight = super::family::instantiate(rule.trace[0], layer);
+        Some(LegacyExpert { weight, expert: expert?, matrix, tensor: tensor.clone() })
+    })
+}
+
+/// The per-expert pieces joined into the trace's stacked adapters: each
+/// down projection's `A` and `B` stacked by expert; each expert's gate and
+/// up adapters (rank `rank` each) as one adapter of the pair of rank
+/// `2·rank`, `A` the two side by side (`[A_gate; A_up]`) and `B`
+/// block-diagonal (gate rows from the first `rank` columns, up rows from
+/// the second), which computes the same update at the same scale.
+fn join_legacy_experts(
+    pieces: Vec<LegacyExpert>,
+    rank: usize,
+) -> std::result::Result<Vec<(String, HostTensor)>, String> {
+    let mut by_weight: std::collections::BTreeMap<(String, &'static str), Vec<(usize, HostTensor)>> =
+        std::collections::BTreeMap::new();
+    for p in pieces {
+        by_weight.entry((p.weight, p.matrix)).or_default().push((p.expert, p.tensor));
+    }
+    // Each stacked piece's experts 0..E in order, all of one type.
+    let stacked = |key: &(String, &'static str),
+                   by: &mut std::collections::BTreeMap<(String, &'static str), Vec<(usize, HostTensor)>>|
+     -> std::result::Result<Vec<HostTensor>, String> {
+        let mut v = by.remove(key).ok_or_else(|| format!("no `{}` {} of the experts", key.0, key.1))?;
+        v.sort_by_key(|(e, _)| *e);
+        if v.iter().enumerate().any(|(i, (e, t))| *e != i || t.ty != v[0].1.ty) {
+            return Err(format!("the experts' `{}` {} are not one per expert from 0, of one shape", key.0, key.1));
+        }
+        Ok(v.into_iter().map(|(_, t)| t).collect())
+    };
+    let mut out = Vec::new();
+    let weights: BTreeSet<String> = by_weight.keys().map(|(w, _)| w.clone()).collect();
+    for weight in weights.iter().filter(|w| w.ends_with(".experts.down_proj.weight")) {
+        let layer = weight.trim_end_matches(".weight");
+        for matrix in ["lora_A", "lora_B"] {
+            let parts = stacked(&(weight.clone(), matrix), &mut by_weight)?;
+            out.push((format!("{layer}.{matrix}.weight"), stack(&parts)));
+        }
+    }
+    for gate in weights.iter().filter(|w| w.ends_with(".experts.gate_proj.weight")) {
+        let block = gate.trim_end_matches(".gate_proj.weight");
+        let up = format!("{block}.up_proj.weight");
+        let (ga, gb) =
+            (stacked(&(gate.clone(), "lora_A"), &mut by_weight)?, stacked(&(gate.clone(), "lora_B"), &mut by_weight)?);
+        let (ua, ub) = (stacked(&(up.clone(), "lora_A"), &mut by_weight)?, stacked(&(up, "lora_B"), &mut by_weight)?);
+        let (experts, dtype) = (ga.len(), ga[0].ty.dtype);
+        let (inp, width) = (ga[0].ty.shape[1], gb[0].ty.shape[0]);
+        if ua.len() != experts || ga[0].ty.shape[0] != rank || ga[0].ty != ua[0].ty || gb[0].ty != ub[0].ty {
+            return Err(format!("the gate and up adapters of `{block}` differ in experts, rank or shape"));
+        }
+        let size = dtype.size();
+        let mut a = HostTensor::zeros(TensorType::new(dtype, [experts, 2 * rank, inp]));
+        let mut b = HostTensor::zeros(TensorType::new(dtype, [experts, 2 * width, 2 * rank]));
+        for e in 0..experts {
+            for (half, (pa, pb)) in [(&ga[e], &gb[e]), (&ua[e], &ub[e])].into_iter().enumerate() {
+                let at = (e * 2 * rank + half * rank) * inp * size;
+                a.bytes_mut()[at..at + pa.bytes().len()].copy_from_slice(pa.bytes());
+                for row in 0..width {
+                    let from = row * rank * size;
+                    let to = ((e * 2 * width + half * width + row) * 2 * rank + half * rank) * size;
+                    b.bytes_mut()[to..to + rank * size].copy_from_slice(&pb.bytes()[from..from + rank * size]);
+                }
+            }
+        }
+        let layer = format!("{block}.{}", LoraTarget::ExpertsGateUp.module().trim_start_matches("experts."));
+        out.push((format!("{layer}.lora_A.weight"), a));
+        out.push((format!("{layer}.lora_B.weight"), b));
+    }
+    if let Some(((w, m), _)) = by_weight.into_iter().next() {
+        return Err(format!("the experts' `{w}` {m} has no partner to join"));
+    }
+    Ok(out)
+}
+
+/// Tensors of one type stacked along a new first axis.
+fn stack(parts: &[HostTensor]) -> HostTensor {
+    let mut shape = vec![parts.len()];
+    shape.extend(&parts[0].ty.shape);
+    let mut t = HostTensor::zeros(parts[0].ty.with_shape(shape));
+    let n = parts[0].bytes().len();
+    for (i, p) in parts.iter().enumerate() {
+        t.bytes_mut()[i * n..(i + 1) * n].copy_from_slice(p.bytes());
+    }
+    t
 }
 
 #[cfg(test)]
@@ -761,5 +910,67 @@ mod tests {
         fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&c).unwrap()).unwrap();
         let e = read_adapter_config(dir).unwrap_err().to_string();
         assert!(e.contains("rank_pattern") && e.contains("per target"), "{e}");
+    }
+
+    /// A Mixtral folder `peft` wrote before `transformers` 5 (an adapter per
+    /// expert and projection, `target_modules` `w1`, `w2`, `w3`) reads as
+    /// the stacked adapters: down stacked by expert, gate and up joined
+    /// into one adapter of twice the rank and alpha whose update is theirs.
+    #[test]
+    fn mixtral_adapters_of_one_tensor_per_expert_join_into_the_stacked_form() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path();
+        let (experts, rank, c, f) = (3, 2, 4, 5);
+        let t = |shape: [usize; 2], seed: usize| {
+            let n = shape[0] * shape[1];
+            let v: Vec<f64> = (0..n).map(|i| ((i * 7 + seed * 13) % 11) as f64 - 5.0).collect();
+            HostTensor::from_f64(TensorType::new(DType::F32, shape), &v)
+        };
+        let mut named = Vec::new();
+        for e in 0..experts {
+            for (w, a, b) in [("w1", [rank, c], [f, rank]), ("w3", [rank, c], [f, rank]), ("w2", [rank, f], [c, rank])]
+            {
+                let module = format!("base_model.model.model.layers.0.block_sparse_moe.experts.{e}.{w}");
+                named.push((format!("{module}.lora_A.weight"), t(a, e * 10 + w.len() + 1)));
+                named.push((format!("{module}.lora_B.weight"), t(b, e * 10 + w.as_bytes()[1] as usize)));
+            }
+        }
+        write_safetensors_atomic(&dir.join(ADAPTER_WEIGHTS), &named).unwrap();
+        let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 3, "target_modules": ["w1", "w2", "w3"]});
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&config).unwrap()).unwrap();
+        let folder = read_adapter_dir(dir, HfFamily::Mixtral).unwrap();
+        assert_eq!(folder.adapters.targets, [LoraTarget::ExpertsGateUp, LoraTarget::ExpertsDown]);
+        assert_eq!(folder.adapters.rank_of(LoraTarget::ExpertsGateUp), (2 * rank, 6.0));
+        let get = |name: &str| folder.tensors.iter().find(|(n, _)| n == name).unwrap().1.to_f64();
+        let piece = |e: usize, w: &str, m: &str| {
+            let key = format!("base_model.model.model.layers.0.block_sparse_moe.experts.{e}.{w}.lora_{m}.weight");
+            named.iter().find(|(n, _)| *n == key).unwrap().1.to_f64()
+        };
+        let a = get("model.layers.0.mlp.experts.gate_up_proj.lora_A.weight");
+        let b = get("model.layers.0.mlp.experts.gate_up_proj.lora_B.weight");
+        for e in 0..experts {
+            // A: the gate's rows, then the up's.
+            assert_eq!(a[e * 2 * rank * c..(e * 2 * rank + rank) * c], piece(e, "w1", "A")[..]);
+            assert_eq!(a[(e * 2 * rank + rank) * c..(e + 1) * 2 * rank * c], piece(e, "w3", "A")[..]);
+            // B: block-diagonal, the gate's rows on the first columns.
+            for row in 0..2 * f {
+                for col in 0..2 * rank {
+                    let got = b[(e * 2 * f + row) * 2 * rank + col];
+                    let want = match (row < f, col < rank) {
+                        (true, true) => piece(e, "w1", "B")[row * rank + col],
+                        (false, false) => piece(e, "w3", "B")[(row - f) * rank + col - rank],
+                        _ => 0.0,
+                    };
+                    assert_eq!(got, want, "expert {e} row {row} col {col}");
+                }
+            }
+        }
+        let down_b = get("model.layers.0.mlp.experts.down_proj.lora_B.weight");
+        assert_eq!(down_b[c * rank..2 * c * rank], piece(1, "w2", "B")[..]);
+        // w1 without w3 is refused: the two are one tensor now.
+        let one = json!({"peft_type": "LORA", "r": rank, "target_modules": ["w1", "w2"]});
+        fs::write(dir.join(ADAPTER_CONFIG), serde_json::to_vec(&one).unwrap()).unwrap();
+        let e = read_adapter_config(dir).unwrap_err().to_string();
+        assert!(e.contains("`w1` and `w3`"), "{e}");
     }
 }
