@@ -35,7 +35,7 @@ use rayon::prelude::*;
 
 use super::optim::{AdamW, MasterWeights};
 use super::sample::{ids, normal, positive, scalar, zeros, Sample};
-use super::{expect_float, expect_inputs, Attr, Attrs, OpDef, VjpArgs};
+use super::{expect_float, Attr, Attrs, OpDef, VjpArgs};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
 use crate::ops::kernel::{Float, KernelIo};
@@ -234,18 +234,7 @@ impl OpDef for AdamW8bit {
         "adamw_8bit"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        let at = 8 + self.extra();
-        if inputs.len() == at + 1 {
-            let (g, s) = (inputs[1], inputs[at]);
-            if s.numel() != 1 || s.dtype != g.dtype {
-                return Err(format!(
-                    "the gradient's scale must be one element of the gradient's dtype {}, got {s}",
-                    g.dtype
-                ));
-            }
-        } else {
-            expect_inputs(inputs, at)?;
-        }
+        self.hyper.check_update_inputs(inputs, 8 + self.extra())?;
         let p = inputs[0];
         expect_float(p, "the parameter")?;
         if p.dtype == DType::F64 {
@@ -349,8 +338,7 @@ impl OpDef for AdamW8bit {
     }
     fn with_input_scale(&self, input: usize, inputs: &[&TensorType], scale: &TensorType) -> Option<(Self, usize)> {
         let at = 8 + self.extra();
-        let takes = input == 1 && inputs.len() == at && scale.numel() == 1 && scale.dtype == inputs[1].dtype;
-        takes.then(|| (self.clone(), at))
+        super::optim::takes_gradient_scale(input, inputs, scale, at).then(|| (self.clone(), at))
     }
 }
 
@@ -392,6 +380,19 @@ mod tests {
             let smallest = m.iter().copied().filter(|x| *x > 0.0).fold(1.0f32, f32::min);
             assert!((3e-7..6e-7).contains(&smallest), "{smallest}");
         }
+    }
+
+    /// The hyperparameters are checked as dense AdamW's are.
+    #[test]
+    fn bad_hyperparameters_are_refused_by_the_shape_rule() {
+        let p = TensorType::new(DType::BF16, [17]);
+        let (codes, scales) = state_types(&p);
+        let s = TensorType::scalar(DType::F32);
+        let inputs = [&p, &p, &codes, &scales, &codes, &scales, &s, &s];
+        let good = AdamW8bit { hyper: AdamW::default() };
+        assert!(good.infer(&inputs).is_ok());
+        let bad = AdamW8bit { hyper: AdamW { beta1: 1.5, ..AdamW::default() } };
+        assert!(bad.infer(&inputs).unwrap_err().contains("beta1"));
     }
 
     #[test]

@@ -183,6 +183,31 @@ impl MasterWeights {
     }
 }
 
+impl AdamW {
+    /// Checks an update's input count (`at` of them, or one more: the
+    /// gradient's scale, one element of its dtype) and the hyperparameters.
+    pub(crate) fn check_update_inputs(&self, inputs: &[&TensorType], at: usize) -> std::result::Result<(), String> {
+        if inputs.len() == at + 1 {
+            let (g, s) = (inputs[1], inputs[at]);
+            if s.numel() != 1 || s.dtype != g.dtype {
+                return Err(format!(
+                    "the gradient's scale must be one element of the gradient's dtype {}, got {s}",
+                    g.dtype
+                ));
+            }
+        } else {
+            expect_inputs(inputs, at)?;
+        }
+        self.check_hyper()
+    }
+}
+
+/// Whether an update of `at` inputs takes a scale of type `scale` for
+/// its input `input` (the gradient, input 1) as one more input.
+pub(crate) fn takes_gradient_scale(input: usize, inputs: &[&TensorType], scale: &TensorType, at: usize) -> bool {
+    input == 1 && inputs.len() == at && scale.numel() == 1 && scale.dtype == inputs[1].dtype
+}
+
 /// Checks the types of an update's learning rate and step count.
 pub(crate) fn check_lr_step_types(lr: &TensorType, step: &TensorType) -> std::result::Result<(), String> {
     for (name, s) in [("lr", lr), ("step", step)] {
@@ -419,19 +444,7 @@ impl OpDef for AdamW {
         "adamw"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        let at = 6 + self.master.extra();
-        if inputs.len() == at + 1 {
-            let (g, s) = (inputs[1], inputs[at]);
-            if s.numel() != 1 || s.dtype != g.dtype {
-                return Err(format!(
-                    "the gradient's scale must be one element of the gradient's dtype {}, got {s}",
-                    g.dtype
-                ));
-            }
-        } else {
-            expect_inputs(inputs, at)?;
-        }
-        self.check_hyper()?;
+        self.check_update_inputs(inputs, 6 + self.master.extra())?;
         let (p, g, m, v, lr, step) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
         expect_float(p, "the parameter")?;
         super::expect_same(p, g, "the parameter and its gradient")?;
@@ -493,8 +506,7 @@ impl OpDef for AdamW {
     }
     fn with_input_scale(&self, input: usize, inputs: &[&TensorType], scale: &TensorType) -> Option<(Self, usize)> {
         let at = 6 + self.master.extra();
-        let takes = input == 1 && inputs.len() == at && scale.numel() == 1 && scale.dtype == inputs[1].dtype;
-        takes.then(|| (self.clone(), at))
+        takes_gradient_scale(input, inputs, scale, at).then(|| (self.clone(), at))
     }
 }
 
