@@ -12,11 +12,15 @@
 //   slot that picked it or zero. 1-D grid-stride.
 // - `expert_sort_<id>(const Id* ids, int* tokens, int* position,
 //   int* offsets, float* counts, i64 pairs, i64 k, i64 experts)`: ONE
-//   block. Each thread counts its experts' pairs (also written to counts as
-//   floats), thread 0 sums the counts into offsets, then
-//   each thread walks all pairs in order placing its experts' pairs (a
-//   stable counting sort). Ids outside [0, experts) are clamped into it
-//   (the CPU refuses them), so the kernel never writes out of bounds.
+//   block of SG_SORT_THREADS, a stable counting sort. Each warp owns a
+//   contiguous segment of the pairs and walks it 32 at a time; lanes of
+//   one expert find each other with `__match_any_sync`, and a pair's place
+//   is its expert's offset, plus that expert's pairs in earlier segments,
+//   earlier rounds and lower lanes. Per-segment counts live in shared
+//   memory (segments × experts ≤ SG_SORT_SHARED ints; the lowering refuses
+//   more experts); counts are also written as floats. Ids outside
+//   [0, experts) are clamped into it (the CPU refuses them), so the kernel
+//   never writes out of bounds.
 // - `grouped_matmul_<dt>(const T* x, const T* w, const int* offsets,
 //   T* y, i64 m, i64 k, i64 n, i64 experts, i64 trans_w)`: a thread per
 //   output element; its row's expert by binary search in the offsets
@@ -50,6 +54,10 @@
 // order that of the tensor cores rather than the CPU's.
 
 #define SG_MOE_THREADS 256
+// The routing sort's block: per-segment counts of at most SORT_SHARED ints
+// (segments × experts; the lowering refuses more experts than that).
+#define SG_SORT_THREADS 1024
+#define SG_SORT_SHARED 8192
 #define GMM_BM 128
 #define GMM_BN 128
 #define GMM_BK 32
@@ -102,29 +110,91 @@ __device__ __forceinline__ void top_k_backward(const int* idx, const T* g, T* gx
 template <typename Id>
 __device__ __forceinline__ void expert_sort(const Id* ids, int* tokens, int* position, int* offsets, float* counts,
                                             i64 pairs, i64 k, i64 experts) {
-    auto expert = [&](i64 i) -> i64 {
+    // seg[s * experts + e]: first the pairs of expert e in segment s, then
+    // the place of segment s's next pair of expert e.
+    __shared__ int seg[SG_SORT_SHARED];
+    __shared__ int warp_sums[SG_SORT_THREADS / 32];
+    __shared__ int carry;
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const i64 segments = min((i64)warps, (i64)SG_SORT_SHARED / experts);
+    const i64 rounds = (pairs + 32 * segments - 1) / (32 * segments);
+    // Warp s owns the pairs [32·rounds·s, 32·rounds·(s+1)), walked 32 at a
+    // time; lanes holding the same expert find each other with one match.
+    auto expert_at = [&](i64 i) -> int {
+        if (i >= pairs) return -1;
         const i64 e = (i64)ids[i];
-        return e < 0 ? 0 : (e >= experts ? experts - 1 : e);
+        return (int)(e < 0 ? 0 : (e >= experts ? experts - 1 : e));
     };
-    for (i64 e = threadIdx.x; e < experts; e += blockDim.x) {
-        int count = 0;
-        for (i64 i = 0; i < pairs; ++i) count += expert(i) == e;
-        offsets[e + 1] = count;
-        counts[e] = (float)count;
+    for (i64 i = threadIdx.x; i < segments * experts; i += blockDim.x) seg[i] = 0;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    if (warp < segments) {
+        int* mine = seg + warp * experts;
+        for (i64 r = 0; r < rounds; ++r) {
+            const int e = expert_at((warp * rounds + r) * 32 + lane);
+            const unsigned peers = __match_any_sync(all, e);
+            if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
+            __syncwarp();
+        }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        offsets[0] = 0;
-        for (i64 e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+    // Offsets: an exclusive scan of the experts' totals, blockDim experts at
+    // a time; each segment's count becomes its first place.
+    for (i64 first = 0; first < experts; first += blockDim.x) {
+        const i64 e = first + threadIdx.x;
+        int total = 0;
+        if (e < experts)
+            for (i64 s = 0; s < segments; ++s) {
+                const int c = seg[s * experts + e];
+                seg[s * experts + e] = total;
+                total += c;
+            }
+        int upto = total;  // inclusive scan within the warp
+        for (int d = 1; d < 32; d <<= 1) {
+            const int y = __shfl_up_sync(all, upto, d);
+            if (lane >= d) upto += y;
+        }
+        if (lane == 31) warp_sums[warp] = upto;
+        __syncthreads();
+        if (warp == 0) {
+            int w = lane < warps ? warp_sums[lane] : 0;
+            for (int d = 1; d < 32; d <<= 1) {
+                const int y = __shfl_up_sync(all, w, d);
+                if (lane >= d) w += y;
+            }
+            if (lane < warps) warp_sums[lane] = w;
+        }
+        __syncthreads();
+        const int before = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + upto - total;
+        if (e < experts) {
+            offsets[e] = before;
+            counts[e] = (float)total;
+            for (i64 s = 0; s < segments; ++s) seg[s * experts + e] += before;
+        }
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) carry = before + total;
+        __syncthreads();
     }
-    __syncthreads();
-    for (i64 e = threadIdx.x; e < experts; e += blockDim.x) {
-        int p = offsets[e];
-        for (i64 i = 0; i < pairs; ++i) {
-            if (expert(i) != e) continue;
-            tokens[p] = (int)(i / k);
-            position[i] = p;
-            ++p;
+    if (threadIdx.x == 0) offsets[experts] = carry;
+    // Placement: the same walk; a pair goes after its expert's earlier
+    // pairs of this segment, of this round's lower lanes first.
+    if (warp < segments) {
+        int* mine = seg + warp * experts;
+        unsigned below;
+        asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+        for (i64 r = 0; r < rounds; ++r) {
+            const i64 i = (warp * rounds + r) * 32 + lane;
+            const int e = expert_at(i);
+            const unsigned peers = __match_any_sync(all, e);
+            if (e >= 0) {
+                const int p = mine[e] + __popc(peers & below);
+                tokens[p] = (int)(i / k);
+                position[i] = p;
+            }
+            __syncwarp();
+            if (e >= 0 && lane == __ffs(peers) - 1) mine[e] += __popc(peers);
+            __syncwarp();
         }
     }
 }
@@ -395,7 +465,7 @@ SG_MOE_MMA_KERNELS(f16, __half)
 SG_FOR_EACH_FLOAT(SG_MOE_FLOAT_KERNELS)
 
 #define SG_MOE_SORT_KERNEL(sfx, Id)                                                                           \
-    extern "C" __global__ void __launch_bounds__(SG_MOE_THREADS)                                              \
+    extern "C" __global__ void __launch_bounds__(SG_SORT_THREADS)                                             \
         expert_sort_##sfx(const Id* ids, int* tokens, int* position, int* offsets, float* counts, i64 pairs,  \
                           i64 k, i64 experts) { sg_pdl_entry(); \
         sg_moe::expert_sort<Id>(ids, tokens, position, offsets, counts, pairs, k, experts);                   \

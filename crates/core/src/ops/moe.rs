@@ -287,10 +287,23 @@ impl OpDef for ExpertSort {
         if dtype != DType::F32 {
             return Vec::new();
         }
-        let mut v: Vec<Sample> = [(&[6, 2][..], 4), (&[16, 8], 128), (&[1, 1], 1), (&[9, 3], 5)]
-            .into_iter()
-            .map(|(shape, e)| Sample::new(ExpertSort { experts: e }, vec![ids(DType::I32, shape, e as i64)]))
-            .collect();
+        // Beyond the small cases, the shapes of the CUDA sort's paths: many
+        // 32-pair rounds per warp with a partial last segment; long runs of
+        // one expert (whole warps alike); more experts than its block has
+        // threads (fewer segments); and the most experts it holds (one).
+        let mut v: Vec<Sample> = [
+            (&[6, 2][..], 4),
+            (&[16, 8], 128),
+            (&[1, 1], 1),
+            (&[9, 3], 5),
+            (&[1000, 8], 128),
+            (&[700, 3], 3),
+            (&[300, 4], 1500),
+            (&[50, 2], 8192),
+        ]
+        .into_iter()
+        .map(|(shape, e)| Sample::new(ExpertSort { experts: e }, vec![ids(DType::I32, shape, e as i64)]))
+        .collect();
         // Experts no token chose (empty runs), and i64 ids.
         v.push(Sample::new(
             ExpertSort { experts: 6 },

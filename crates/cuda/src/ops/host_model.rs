@@ -18,7 +18,9 @@ use stepgraph_core::testing::{draw_input, run_op};
 use super::elementwise::BinaryArgs;
 use super::embedding::{EmbeddingArgs, EmbeddingBackwardArgs};
 use super::lower;
-use super::moe::{ExpertSortArgs, GroupedMatmulArgs, GroupedMatmulWeightGradArgs, TopKArgs, TopKBackwardArgs};
+use super::moe::{
+    ExpertSortArgs, GroupedMatmulArgs, GroupedMatmulWeightGradArgs, TopKArgs, TopKBackwardArgs, SORT_MAX_EXPERTS,
+};
 use super::movement::{ChunkedArgs, GatherArgs};
 use super::reduce::{MaxBackwardArgs, ReduceArgs, ReduceShape};
 use super::testing::operands;
@@ -196,14 +198,14 @@ fn emulate(l: &Launch, mem: &mut Mem) {
             };
             mem.set_f64(b.y + i as u64 * 8, v);
         }
-    } else if !emulate_moe(f, a, mem) {
+    } else if !emulate_moe(f, a, k.block.0 as i64, mem) {
         panic!("no model of `{f}`");
     }
 }
 
 /// The kernels of moe.cu, as each thread computes (f64 data, i32 indices);
 /// `false` when `f` is none of them.
-fn emulate_moe(f: &str, a: &[crate::launch::Arg], mem: &mut Mem) -> bool {
+fn emulate_moe(f: &str, a: &[crate::launch::Arg], threads: i64, mem: &mut Mem) -> bool {
     let i32_at = |mem: &mut Mem, base: u64, i: i64| mem.id(base + i as u64 * 4, true);
     let set_i32 = |mem: &mut Mem, base: u64, i: i64, v: i64| {
         mem.at(base + i as u64 * 4, 4).copy_from_slice(&(v as i32).to_le_bytes());
@@ -240,25 +242,40 @@ fn emulate_moe(f: &str, a: &[crate::launch::Arg], mem: &mut Mem) -> bool {
     } else if let Some(id) = f.strip_prefix("expert_sort_") {
         let s = ExpertSortArgs::from_args(a);
         let expert = |mem: &mut Mem, i: i64| mem.id(s.ids + i as u64 * if id == "i32" { 4 } else { 8 }, id == "i32");
-        // The block's threads, one expert each, then thread 0's sum, then the placement.
-        for e in 0..s.experts {
-            let count = (0..s.pairs).filter(|&i| expert(mem, i).clamp(0, s.experts - 1) == e).count();
-            set_i32(mem, s.offsets, e + 1, count as i64);
-            mem.at(s.counts + e as u64 * 4, 4).copy_from_slice(&(count as f32).to_le_bytes());
+        let experts = s.experts;
+        let clamped = |mem: &mut Mem, i: i64| expert(mem, i).clamp(0, experts - 1);
+        // The block's warps, each over its own segment of the pairs in
+        // rounds of 32 (the warp's lanes in order), at most SORT_MAX_EXPERTS
+        // counts in all.
+        let segments = (threads / 32).min(SORT_MAX_EXPERTS as i64 / experts);
+        assert!(segments >= 1, "{experts} experts overflow the sort's shared counts");
+        let rounds = (s.pairs + 32 * segments - 1) / (32 * segments);
+        let segment = |w: i64| (w * rounds * 32).min(s.pairs)..((w + 1) * rounds * 32).min(s.pairs);
+        let mut seg = vec![0i64; (segments * experts) as usize];
+        for w in 0..segments {
+            for i in segment(w) {
+                seg[(w * experts + clamped(mem, i)) as usize] += 1;
+            }
         }
-        set_i32(mem, s.offsets, 0, 0);
-        for e in 0..s.experts {
-            let v = i32_at(mem, s.offsets, e + 1) + i32_at(mem, s.offsets, e);
-            set_i32(mem, s.offsets, e + 1, v);
+        // Each expert's segments in order, then the experts in order.
+        let mut before = 0;
+        for e in 0..experts {
+            set_i32(mem, s.offsets, e, before);
+            let mut total = 0;
+            for w in 0..segments {
+                let c = std::mem::replace(&mut seg[(w * experts + e) as usize], before + total);
+                total += c;
+            }
+            mem.at(s.counts + e as u64 * 4, 4).copy_from_slice(&(total as f32).to_le_bytes());
+            before += total;
         }
-        for e in 0..s.experts {
-            let mut p = i32_at(mem, s.offsets, e);
-            for i in 0..s.pairs {
-                if expert(mem, i).clamp(0, s.experts - 1) == e {
-                    set_i32(mem, s.tokens, p, i / s.k);
-                    set_i32(mem, s.position, i, p);
-                    p += 1;
-                }
+        set_i32(mem, s.offsets, experts, before);
+        for w in 0..segments {
+            for i in segment(w) {
+                let next = &mut seg[(w * experts + clamped(mem, i)) as usize];
+                set_i32(mem, s.tokens, *next, i / s.k);
+                set_i32(mem, s.position, i, *next);
+                *next += 1;
             }
         }
     } else if f == "grouped_matmul_f64" {

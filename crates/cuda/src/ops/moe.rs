@@ -1,10 +1,10 @@
 //! Lowering of the mixture-of-experts ops ([`TopK`], [`TopKBackward`],
 //! [`ExpertSort`], [`GroupedMatmul`], [`GroupedMatmulWeightGrad`]) to the
 //! kernels of `kernels/moe.cu`: one launch each. The routing sort is one
-//! block (a stable counting sort whose offsets stay on the device); the
-//! rest are grid-stride loops with a thread per output row or element,
-//! computing in the CPU reference's order, so every output is the CPU's
-//! bit for bit. The grouped products of bf16 and f16 whose widths are
+//! block (a stable counting sort, its warps over segments of the pairs,
+//! whose offsets stay on the device); the rest are grid-stride loops with
+//! a thread per output row or element, computing in the CPU reference's
+//! order, so every output is the CPU's bit for bit. The grouped products of bf16 and f16 whose widths are
 //! multiples of 8 (every expert geometry published) run on tensor cores
 //! instead (`grouped_mma_*`: tiles of `MMA_TILE` rows and columns, each
 //! row tile inside one expert), correct to the rounding of their f32 sums;
@@ -23,8 +23,10 @@ use stepgraph_core::ir::DType;
 const MODULE: &str = "moe";
 const MOE: &[KernelModule] = &[KernelModule::plain(MODULE, include_str!("../../kernels/moe.cu"))];
 
-/// Threads of the routing sort's one block.
-const SORT_THREADS: u32 = 256;
+/// Threads of the routing sort's one block (`SG_SORT_THREADS` of moe.cu).
+const SORT_THREADS: u32 = 1024;
+/// The most experts the routing sort's shared counts hold (`SG_SORT_SHARED`).
+pub(super) const SORT_MAX_EXPERTS: usize = 8192;
 
 /// Rows and columns of a tensor-core tile (`GMM_BM`, `GMM_BN` of moe.cu).
 const MMA_TILE: usize = 128;
@@ -171,6 +173,12 @@ impl Lower for ExpertSort {
             d @ (stepgraph_core::ir::DType::I32 | stepgraph_core::ir::DType::I64) => d.name(),
             d => return Err(CudaError::lower("expert_sort", format!("expert ids must be i32 or i64, got {d}"))),
         };
+        if self.experts > SORT_MAX_EXPERTS {
+            return Err(CudaError::lower(
+                "expert_sort",
+                format!("{} experts: the CUDA routing sort holds at most {SORT_MAX_EXPERTS}", self.experts),
+            ));
+        }
         let args = ExpertSortArgs {
             ids: ids.ptr,
             tokens: tokens.ptr,
@@ -182,7 +190,9 @@ impl Lower for ExpertSort {
             experts: self.experts as i64,
         }
         .args();
-        // One block: the offsets are summed between the count and the placement.
+        // One block: the offsets are summed between the count and the
+        // placement, and 32,768 pairs (4,096 tokens, top-8) take 32 rounds
+        // of its 32 warps.
         Ok(vec![launch(MODULE, format!("expert_sort_{id}"), (1, 1, 1), (SORT_THREADS, 1, 1), args)])
     }
 }
