@@ -19,7 +19,7 @@ use stepgraph_core::ir::print::print;
 use stepgraph_core::ir::{Builder, DType, OutputKind, Phase, TensorType, Trace, ValueId};
 use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 use stepgraph_core::ops::norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
-use stepgraph_core::ops::rope::{Llama3Scaling, Rope};
+use stepgraph_core::ops::rope::{Llama3Scaling, Rope, RopeScaling};
 use stepgraph_core::ops::sample::{self, Input};
 use stepgraph_core::ops::softmax::{Softmax, SoftmaxBackward};
 use stepgraph_core::ops::{samples_by_op, Op, OpDef, Sample, VjpArgs};
@@ -222,34 +222,51 @@ fn llama3_freq_ref(freq: f64, s: &Llama3Scaling) -> f64 {
 }
 
 /// Rope by its definition; `start[b]` (the op's optional second input) is
-/// the position of row `b`'s first token.
+/// the position of row `b`'s first token, or `start[b·T + t]` that of each
+/// token. LongRoPE's factors are the long ones when the largest position
+/// reaches the original context, and its attention factor multiplies
+/// both rotated parts.
 fn rope_ref(x: &[f64], shape: &[usize], o: &Rope, start: Option<&[f64]>) -> Vec<f64> {
     let (n_rot, base, inverse) = (o.n_rot, o.base, o.inverse);
-    let freq = |f: f64| o.scaling.as_ref().map_or(f, |s| llama3_freq_ref(f, s));
     let (bsz, seq, heads, d) = (shape[0], shape[1], shape[2], shape[3]);
+    let per_token = start.is_some_and(|s| s.len() == bsz * seq && seq > 1);
+    let position = |b: usize, t: usize| match start {
+        Some(s) if per_token => s[b * seq + t],
+        Some(s) => s[b] + t as f64,
+        None => t as f64,
+    };
+    let last =
+        (0..bsz).flat_map(|b| (0..seq).map(move |t| (b, t))).map(|(b, t)| position(b, t)).fold(f64::MIN, f64::max);
+    let (long_factors, amplitude) = match &o.scaling {
+        Some(RopeScaling::LongRope(l)) => {
+            let long = last + 1.0 > l.original_max_position_embeddings as f64;
+            (Some(if long { &l.long_factor } else { &l.short_factor }), l.attention_factor)
+        }
+        _ => (None, 1.0),
+    };
+    let freq = |i: usize, plain: f64| match (&o.scaling, long_factors) {
+        (_, Some(f)) => 1.0 / (f[i] * base.powf(2.0 * i as f64 / n_rot as f64)),
+        (Some(RopeScaling::Llama3(s)), None) => llama3_freq_ref(plain, s),
+        _ => plain,
+    };
     let mut y = x.to_vec();
     let half = n_rot / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
     for b in 0..bsz {
         for t in 0..seq {
-            // Positions per batch row (start + t) or per token.
-            let pos = match start {
-                Some(s) if s.len() == bsz * seq && seq > 1 => s[b * seq + t],
-                Some(s) => s[b] + t as f64,
-                None => t as f64,
-            };
+            let pos = position(b, t);
             for h in 0..heads {
                 let o = ((b * seq + t) * heads + h) * d;
                 if n_rot == 1 {
-                    let tt = pos * freq(1.0);
+                    let tt = pos * freq(0, 1.0);
                     y[o] = x[o] * (tt.cos() - tt.sin());
                     continue;
                 }
                 for i in 0..half {
-                    let theta = sign * pos * freq(1.0 / base.powf(2.0 * i as f64 / n_rot as f64));
+                    let theta = sign * pos * freq(i, 1.0 / base.powf(2.0 * i as f64 / n_rot as f64));
                     let (a, bb) = (x[o + i], x[o + i + half]);
-                    y[o + i] = a * theta.cos() - bb * theta.sin();
-                    y[o + i + half] = bb * theta.cos() + a * theta.sin();
+                    y[o + i] = amplitude * (a * theta.cos() - bb * theta.sin());
+                    y[o + i + half] = amplitude * (bb * theta.cos() + a * theta.sin());
                 }
             }
         }
@@ -378,10 +395,10 @@ fn rope_llama3_samples_cover_every_band() {
     let mut bands = [false; 3];
     for s in Rope::samples(DType::F64) {
         let Op::Rope(rope) = &s.op else { continue };
-        let Some(scaling) = rope.scaling else { continue };
+        let Some(RopeScaling::Llama3(scaling)) = rope.scaling else { continue };
         for i in 0..(rope.n_rot / 2).max(1) {
-            let plain = Rope { scaling: None, ..rope.clone() }.inv_freq(i);
-            let scaled = rope.inv_freq(i);
+            let plain = Rope { scaling: None, ..rope.clone() }.inv_freq(i, 0);
+            let scaled = rope.inv_freq(i, 0);
             assert_eq!(scaled, llama3_freq_ref(plain, &scaling), "pair {i} of {rope:?}");
             let band = if scaled == plain {
                 0

@@ -213,11 +213,15 @@ fn parse_attr(s: &str) -> std::result::Result<Attr, String> {
         if list.trim().is_empty() {
             return Ok(Attr::Ints(vec![]));
         }
+        // Integers, or numbers when any entry is not an integer.
+        if let Ok(ints) = list.split(',').map(|x| x.trim().parse::<i64>()).collect::<std::result::Result<Vec<_>, _>>() {
+            return Ok(Attr::Ints(ints));
+        }
         return list
             .split(',')
-            .map(|x| x.trim().parse::<i64>().map_err(|_| format!("bad integer `{x}` in list")))
+            .map(|x| x.trim().parse::<f64>().map_err(|_| format!("bad number `{x}` in list")))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map(Attr::Ints);
+            .map(Attr::Floats);
     }
     match s {
         "true" => return Ok(Attr::Bool(true)),

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ir::MAX_VALUE_BYTES;
 use crate::ops::attention::Scores;
-use crate::ops::rope::Llama3Scaling;
+use crate::ops::rope::{Llama3Scaling, RopeScaling};
 
 /// The normalization used before attention, before the MLP and at the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,10 +113,10 @@ pub struct Config {
     pub rotary_percentage: f64,
     /// RoPE's base (`theta`).
     pub rope_base: f64,
-    /// Llama-3.x RoPE frequency scaling (`rope_type: "llama3"`); `None` for
-    /// plain RoPE.
+    /// RoPE frequency scaling: Llama-3.x (`rope_type: "llama3"`) or
+    /// LongRoPE (`"longrope"`); `None` for plain RoPE.
     #[serde(default)]
-    pub rope_scaling: Option<Llama3Scaling>,
+    pub rope_scaling: Option<RopeScaling>,
     /// A bias on every linear layer: q/k/v, attention output and the MLP.
     pub bias: bool,
     /// A bias on the q/k/v projections only (Qwen2), when `bias` is false.
@@ -970,8 +970,13 @@ fn phi_4_mini() -> Config {
 
 /// Llama 3.1's RoPE: base 500000, frequencies rescaled for a context
 /// `factor` times the 8192 positions it was trained on.
-fn llama_3_1_rope(factor: f64) -> Option<Llama3Scaling> {
-    Some(Llama3Scaling { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 })
+fn llama_3_1_rope(factor: f64) -> Option<RopeScaling> {
+    Some(RopeScaling::Llama3(Llama3Scaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    }))
 }
 
 /// Llama 3.1 and 3.2: Llama 3's 128256-row vocabulary and 8 kv heads.
@@ -1185,10 +1190,10 @@ impl Config {
     /// layer of a model with [`Config::rope_local_base`] rotates with that
     /// base and no scaling; every other layer with [`Config::rope_base`]
     /// and the model's scaling.
-    pub fn rope_of(&self, layer: usize) -> (f64, Option<Llama3Scaling>) {
+    pub fn rope_of(&self, layer: usize) -> (f64, Option<RopeScaling>) {
         match self.rope_local_base {
             Some(local) if self.sliding_layers.slides(layer) => (local, None),
-            _ => (self.rope_base, self.rope_scaling.or(self.rope_linear_factor.map(linear_rope))),
+            _ => (self.rope_base, self.rope_scaling.clone().or(self.rope_linear_factor.map(|f| linear_rope(f).into()))),
         }
     }
 
@@ -1465,7 +1470,9 @@ impl Config {
             return fail(format!("rope_base must be a finite number > 0, got {}", self.rope_base));
         }
         if let Some(scaling) = &self.rope_scaling {
-            scaling.check().map_err(|reason| config_error(&self.name, format!("rope_scaling: {reason}")))?;
+            scaling
+                .check(self.n_rot())
+                .map_err(|reason| config_error(&self.name, format!("rope_scaling: {reason}")))?;
         }
         if let Some(m) = &self.moe {
             if m.experts == 0 || !(1..=m.experts).contains(&m.experts_per_token) {
@@ -1768,7 +1775,7 @@ pub(crate) mod tests {
         assert_eq!(global, [5, 11, 17, 23, 29]);
         assert_eq!(g3.scores(4), Scores { window: 1024, softcap: 0.0 });
         assert_eq!(g3.rope_of(4), (10000.0, None));
-        assert_eq!(g3.rope_of(5), (1e6, Some(linear_rope(8.0))));
+        assert_eq!(g3.rope_of(5), (1e6, Some(linear_rope(8.0).into())));
         assert_eq!(named("gemma-3-1b").rope_of(5), (1e6, None));
         assert_eq!(named("gemma-3-1b").scores(0).window, 512);
         assert_eq!(named("google/gemma-3-27b-it"), named("gemma-3-27b"));
@@ -1789,9 +1796,9 @@ pub(crate) mod tests {
         use crate::ops::rope::Rope;
         for (base, n_rot, factor) in [(10000.0, 256, 8.0), (1e6, 128, 8.0), (10.0, 16, 2.0), (1.5, 64, 3.0)] {
             let plain = Rope { n_rot, base, inverse: false, scaling: None };
-            let linear = Rope { scaling: Some(linear_rope(factor)), ..plain.clone() };
+            let linear = Rope { scaling: Some(linear_rope(factor).into()), ..plain.clone() };
             for i in 0..n_rot / 2 {
-                assert_eq!(linear.inv_freq(i), plain.inv_freq(i) / factor, "base {base} pair {i}");
+                assert_eq!(linear.inv_freq(i, 0), plain.inv_freq(i, 0) / factor, "base {base} pair {i}");
             }
         }
     }

@@ -592,8 +592,8 @@ impl<'a> Gpt<'a> {
         let n_rot = cfg.n_rot();
         let (base, scaling) = cfg.rope_of(layer);
         let rotate = |g: &mut Self, x: ValueId| match start {
-            Some(s) => g.b.rope_at(x, s, n_rot, base, scaling),
-            None => g.b.rope(x, n_rot, base, scaling),
+            Some(s) => g.b.rope_at(x, s, n_rot, base, scaling.clone()),
+            None => g.b.rope(x, n_rot, base, scaling.clone()),
         };
         // Per-head q/k norms go between the projections and the rotation,
         // which the fused paths below join: those are for models without.
@@ -625,9 +625,9 @@ impl<'a> Gpt<'a> {
             let qk = match start {
                 Some(s) => {
                     let twice = self.doubled_start(s)?;
-                    self.b.rope_at(qk, twice, n_rot, base, scaling)?
+                    self.b.rope_at(qk, twice, n_rot, base, scaling.clone())?
                 }
-                None => self.b.rope(qk, n_rot, base, scaling)?,
+                None => self.b.rope(qk, n_rot, base, scaling.clone())?,
             };
             let v = self.b.slice(y, 0, 2, 3)?;
             let q = self.b.slice(qk, 0, 0, batch)?;

@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 use super::config::{config_error, keys_named_in, Config};
 use super::family::HfFamily;
 use crate::error::{Error, Result};
-use crate::ops::rope::Llama3Scaling;
+use crate::ops::rope::{Llama3Scaling, LongRope, RopeScaling};
 
 impl Config {
     /// Reads a Hugging Face `config.json` from `path` (or from
@@ -123,6 +123,40 @@ pub struct HfJson<'a> {
     /// `"rope_scaling."` and the like for nested objects, for messages.
     prefix: &'a str,
     obj: &'a Map<String, Value>,
+}
+
+/// A family's defaults for what a RoPE object reads outside itself
+/// ([`HfJson::rope`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeDefaults {
+    /// `max_position_embeddings` when the config leaves it out.
+    pub positions: usize,
+    /// The pre-training context when the config has no top-level
+    /// `original_max_position_embeddings`: Phi-3's class default (4096),
+    /// which `transformers` prefers over the RoPE object's own; `None`
+    /// for the object's own.
+    pub original_positions: Option<usize>,
+    /// Phi-3 reads the RoPE types `su` and `yarn` as `longrope`.
+    pub phi3_names: bool,
+}
+
+impl RopeDefaults {
+    /// A family without LongRoPE defaults of its own.
+    pub fn positions(positions: usize) -> Self {
+        RopeDefaults { positions, original_positions: None, phi3_names: false }
+    }
+}
+
+/// What [`HfJson::rope_variant`] reads outside the RoPE object, resolved
+/// from the top level and the family's [`RopeDefaults`].
+#[derive(Clone, Copy, Debug)]
+pub struct RopeContext {
+    /// `max_position_embeddings`.
+    pub positions: usize,
+    /// The top-level (or class default) `original_max_position_embeddings`.
+    pub original_positions: Option<usize>,
+    /// Phi-3's older names for LongRoPE.
+    pub phi3_names: bool,
 }
 
 impl<'a> HfJson<'a> {
@@ -233,14 +267,27 @@ impl<'a> HfJson<'a> {
         Ok(Some(HfJson { model: self.model, prefix, obj }))
     }
 
+    /// The numbers of the array under `key`, if there is one.
+    pub fn f64s_opt(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        let bad = || self.wrong_type(key, "an array of numbers", value);
+        let items = value.as_array().ok_or_else(bad)?;
+        items.iter().map(|v| v.as_f64().ok_or_else(bad)).collect::<Result<Vec<_>>>().map(Some)
+    }
+
     /// The RoPE variant of this object (`rope_type`, or the older `type`):
     /// `None` for plain RoPE (absent or `default`), the Llama-3.x scaling for
-    /// `llama3`; any other variant is refused.
-    pub fn rope_variant(&self) -> Result<Option<Llama3Scaling>> {
+    /// `llama3`, LongRoPE for `longrope` (and, for Phi-3, its older names
+    /// `su` and `yarn`, as `transformers`' `Phi3Config` reads them); any
+    /// other variant is refused.
+    pub fn rope_variant(&self, cx: &RopeContext) -> Result<Option<RopeScaling>> {
         let kind = match self.str_opt("rope_type")? {
             Some(kind) => Some(kind),
             None => self.str_opt("type")?,
         };
+        let named = |reason: String| self.err(format!("{}: {reason}", self.prefix.trim_end_matches('.')));
         match kind {
             None | Some("default") => Ok(None),
             Some("llama3") => {
@@ -252,34 +299,75 @@ impl<'a> HfJson<'a> {
                         .ok_or_else(|| self.missing("high_freq_factor"))?,
                     original_max_position_embeddings: self.usize_req("original_max_position_embeddings")?,
                 };
-                scaling
-                    .check()
-                    .map_err(|reason| self.err(format!("{}: {reason}", self.prefix.trim_end_matches('.'))))?;
-                Ok(Some(scaling))
+                scaling.check().map_err(named)?;
+                Ok(Some(RopeScaling::Llama3(scaling)))
             }
+            Some("longrope") => self.long_rope(cx).map(Some),
+            Some("su" | "yarn") if cx.phi3_names => self.long_rope(cx).map(Some),
             Some(other) => Err(self.err(format!(
-                "{}rope_type `{other}` (RoPE scaling) is not supported; only plain RoPE (`default`) and `llama3` are",
+                "{}rope_type `{other}` (RoPE scaling) is not supported; only plain RoPE (`default`), `llama3` and \
+                 `longrope` are",
                 self.prefix
             ))),
         }
     }
 
-    /// The RoPE base, the rotated fraction of each head and the Llama-3.x
-    /// scaling, refusing any other RoPE scaling. `transformers` 5 keeps all
-    /// three in a `rope_parameters` object; older versions use top-level
-    /// keys, tried in the order of `base_keys` and `fraction_keys`, and a
-    /// `rope_scaling` object.
+    /// LongRoPE's factors from this object, as `transformers`'
+    /// `_compute_longrope_parameters` resolves them: the original context
+    /// from the top level when [`RopeContext`] has one, else this object's,
+    /// else `max_position_embeddings`; `factor`, when absent, the context
+    /// over the original one; the attention factor, when absent,
+    /// `√(1 + ln factor / ln original)` (1 for a factor up to 1).
+    fn long_rope(&self, cx: &RopeContext) -> Result<RopeScaling> {
+        let short_factor = self.f64s_opt("short_factor")?.ok_or_else(|| self.missing("short_factor"))?;
+        let long_factor = self.f64s_opt("long_factor")?.ok_or_else(|| self.missing("long_factor"))?;
+        let original = match cx.original_positions {
+            Some(original) => original,
+            None => self.usize_opt("original_max_position_embeddings")?.unwrap_or(cx.positions),
+        };
+        if original == 0 {
+            return Err(self.err("longrope RoPE scaling needs a positive original_max_position_embeddings"));
+        }
+        let factor = match self.f64_opt("factor")? {
+            Some(factor) => factor,
+            None => cx.positions as f64 / original as f64,
+        };
+        let attention_factor = match self.f64_opt("attention_factor")? {
+            Some(a) => a,
+            None if factor <= 1.0 => 1.0,
+            None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+        };
+        Ok(RopeScaling::LongRope(LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings: original,
+            attention_factor,
+        }))
+    }
+
+    /// The RoPE base, the rotated fraction of each head and the frequency
+    /// scaling (Llama-3.x or LongRoPE), refusing any other RoPE scaling.
+    /// `transformers` 5 keeps all three in a `rope_parameters` object;
+    /// older versions use top-level keys, tried in the order of `base_keys`
+    /// and `fraction_keys`, and a `rope_scaling` object. `defaults` holds
+    /// the family's defaults for what LongRoPE reads outside its object.
     pub fn rope(
         &self,
         base_keys: &[&str],
         fraction_keys: &[&str],
         default_fraction: f64,
-    ) -> Result<(f64, f64, Option<Llama3Scaling>)> {
+        defaults: RopeDefaults,
+    ) -> Result<(f64, f64, Option<RopeScaling>)> {
+        let cx = RopeContext {
+            positions: self.usize_opt("max_position_embeddings")?.unwrap_or(defaults.positions),
+            original_positions: self.usize_opt("original_max_position_embeddings")?.or(defaults.original_positions),
+            phi3_names: defaults.phi3_names,
+        };
         let mut base = None;
         let mut fraction = None;
         let mut scaling = None;
         if let Some(params) = self.nested("rope_parameters", "rope_parameters.")? {
-            scaling = params.rope_variant()?;
+            scaling = params.rope_variant(&cx)?;
             base = params.f64_opt("rope_theta")?;
             fraction = params.f64_opt("partial_rotary_factor")?;
         }
@@ -289,12 +377,13 @@ impl<'a> HfJson<'a> {
             if old.get("rope_type").is_none() && old.get("type").is_none() {
                 if !old.obj.is_empty() {
                     return Err(self.err(
-                        "rope_scaling is set but names no rope_type; only plain RoPE and `llama3` scaling are supported",
+                        "rope_scaling is set but names no rope_type; only plain RoPE, `llama3` and `longrope` \
+                         scaling are supported",
                     ));
                 }
-            } else if let Some(old_scaling) = old.rope_variant()? {
-                if scaling.is_some_and(|s| s != old_scaling) {
-                    return Err(self.err("rope_scaling and rope_parameters give different llama3 RoPE scaling"));
+            } else if let Some(old_scaling) = old.rope_variant(&cx)? {
+                if scaling.as_ref().is_some_and(|s| *s != old_scaling) {
+                    return Err(self.err("rope_scaling and rope_parameters give different RoPE scaling"));
                 }
                 scaling = Some(old_scaling);
             }
@@ -663,7 +752,7 @@ mod tests {
             serde_json::json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
         );
-        assert_eq!(from_json(&v4).unwrap().rope_scaling, Some(llama31));
+        assert_eq!(from_json(&v4).unwrap().rope_scaling, Some(llama31.into()));
         // transformers 5: everything under rope_parameters, theta included.
         let v5 = edit(
             &edit(LLAMA_3_8B_JSON, "rope_theta", Value::Null),
@@ -672,8 +761,114 @@ mod tests {
                 "original_max_position_embeddings": 8192, "rope_type": "llama3", "rope_theta": 500000.0}),
         );
         let config = from_json(&v5).unwrap();
-        assert_eq!((config.rope_scaling, config.rope_base), (Some(llama31), 500000.0));
+        assert_eq!((config.rope_scaling, config.rope_base), (Some(llama31.into()), 500000.0));
         assert_eq!(from_json(LLAMA_3_8B_JSON).unwrap().rope_scaling, None);
+    }
+
+    /// A Phi-3.5-mini-shaped `config.json` (48 rotated pairs) with
+    /// `rope_scaling` set to `scaling`, and `extra` keys on top.
+    fn phi3_longrope_json(model_type: &str, scaling: Value, extra: &[(&str, Value)]) -> String {
+        let mut json = serde_json::json!({
+            "architectures": ["Phi3ForCausalLM"], "model_type": model_type, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+            "rope_scaling": scaling,
+        });
+        for (key, value) in extra {
+            if value.is_null() {
+                json.as_object_mut().unwrap().remove(*key);
+            } else {
+                json[*key] = value.clone();
+            }
+        }
+        json.to_string()
+    }
+
+    fn long_rope_of(config: &Config) -> LongRope {
+        match &config.rope_scaling {
+            Some(RopeScaling::LongRope(l)) => l.clone(),
+            other => panic!("expected LongRoPE, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn hf_json_longrope_resolves_as_transformers_does() {
+        let short: Vec<f64> = (0..48).map(|i| 1.0 + 0.01 * i as f64).collect();
+        let long: Vec<f64> = (0..48).map(|i| 1.0 + 0.5 * i as f64).collect();
+        let scaling = |kind: &str| serde_json::json!({"type": kind, "short_factor": short, "long_factor": long});
+        // Phi-3.5-mini: the attention factor from 131072 / 4096 = 32.
+        let config = from_json(&phi3_longrope_json("phi3", scaling("longrope"), &[])).unwrap();
+        let l = long_rope_of(&config);
+        assert_eq!((l.short_factor.clone(), l.long_factor.clone()), (short.clone(), long.clone()));
+        assert_eq!(l.original_max_position_embeddings, 4096);
+        assert_eq!(l.attention_factor, (1.0 + 32f64.ln() / 4096f64.ln()).sqrt());
+        assert_eq!((config.n_rot(), config.block_size), (96, 131072));
+        // Phi-3's older names for the same scaling.
+        for old in ["su", "yarn"] {
+            assert_eq!(from_json(&phi3_longrope_json("phi3", scaling(old), &[])).unwrap(), config);
+        }
+        // An attention factor (and a factor) given wins over the derived one.
+        let mut given = scaling("longrope");
+        given["attention_factor"] = serde_json::json!(1.25);
+        let l = long_rope_of(&from_json(&phi3_longrope_json("phi3", given, &[])).unwrap());
+        assert_eq!(l.attention_factor, 1.25);
+        let mut given = scaling("longrope");
+        given["factor"] = serde_json::json!(16.0);
+        let l = long_rope_of(&from_json(&phi3_longrope_json("phi3", given, &[])).unwrap());
+        assert_eq!(l.attention_factor, (1.0 + 16f64.ln() / 4096f64.ln()).sqrt());
+        // The original context: the top level's; for Phi-3 without one its
+        // class default 4096 wins over the object's; for Llama the object's.
+        let mut own = scaling("longrope");
+        own["original_max_position_embeddings"] = serde_json::json!(2048);
+        let no_top = [("original_max_position_embeddings", Value::Null)];
+        let phi3 = long_rope_of(&from_json(&phi3_longrope_json("phi3", own.clone(), &no_top)).unwrap());
+        assert_eq!(phi3.original_max_position_embeddings, 4096);
+        let llama = long_rope_of(&from_json(&phi3_longrope_json("llama", own, &no_top)).unwrap());
+        assert_eq!(llama.original_max_position_embeddings, 2048);
+        assert_eq!(llama.attention_factor, (1.0 + 64f64.ln() / 2048f64.ln()).sqrt());
+        // The same keys in transformers 5's `rope_parameters`.
+        let mut v5 = scaling("longrope");
+        v5["rope_theta"] = serde_json::json!(10000.0);
+        let moved = [("rope_parameters", v5), ("rope_scaling", Value::Null)];
+        assert_eq!(from_json(&phi3_longrope_json("phi3", Value::Null, &moved)).unwrap(), config);
+    }
+
+    #[test]
+    fn hf_json_longrope_errors() {
+        let pairs = |n: usize| serde_json::json!(vec![1.0; n]);
+        let check = |model_type: &str, scaling: Value, needle: &str| {
+            let reason = config_reason(from_json(&phi3_longrope_json(model_type, scaling, &[])));
+            assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
+        };
+        check(
+            "phi3",
+            serde_json::json!({"type": "longrope", "short_factor": pairs(47), "long_factor": pairs(48)}),
+            "one short_factor per rotated pair (48 for 96 rotated dimensions), got 47",
+        );
+        check(
+            "phi3",
+            serde_json::json!({"type": "longrope", "short_factor": pairs(48), "long_factor": [1.0, "x"]}),
+            "key `rope_scaling.long_factor` must be an array of numbers",
+        );
+        check(
+            "phi3",
+            serde_json::json!({"type": "longrope", "short_factor": pairs(48)}),
+            "missing required key `rope_scaling.long_factor`",
+        );
+        let mut negative = vec![1.0; 48];
+        negative[3] = -2.0;
+        check(
+            "phi3",
+            serde_json::json!({"type": "longrope", "short_factor": negative, "long_factor": pairs(48)}),
+            "short_factor must be positive finite numbers, got -2",
+        );
+        // `su` is Phi-3's name only.
+        check(
+            "llama",
+            serde_json::json!({"type": "su", "short_factor": pairs(48), "long_factor": pairs(48)}),
+            "rope_type `su` (RoPE scaling) is not supported",
+        );
     }
 
     #[test]
@@ -702,7 +897,7 @@ mod tests {
         );
         check(
             &edit(LLAMA_3_8B_JSON, "rope_scaling", serde_json::json!({"factor": 8.0, "rope_type": "yarn"})),
-            "rope_scaling.rope_type `yarn` (RoPE scaling) is not supported; only plain RoPE (`default`) and `llama3` are",
+            "rope_scaling.rope_type `yarn` (RoPE scaling) is not supported; only plain RoPE (`default`), `llama3` and `longrope` are",
         );
         check(
             &edit(
@@ -837,7 +1032,7 @@ mod tests {
         let v5 = from_json(&v5.to_string()).unwrap();
         assert_eq!((v5.rope_base, v5.rope_local_base, v5.rope_linear_factor), (1e6, Some(1e4), Some(8.0)));
         assert_eq!(v5.rope_of(0), (1e4, None));
-        assert_eq!(v5.rope_of(5), (1e6, Some(crate::models::config::linear_rope(8.0))));
+        assert_eq!(v5.rope_of(5), (1e6, Some(crate::models::config::linear_rope(8.0).into())));
 
         // Mistral's window applies whatever the block; null is none.
         let mistral = Config::from_hf_json(MISTRAL_7B_JSON, "Mistral-7B-v0.1").unwrap();

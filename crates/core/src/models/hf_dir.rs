@@ -54,6 +54,7 @@ use super::lora::{is_adapter_weight, is_quantized_leaf, quantized_weights};
 use crate::error::{Error, Result};
 use crate::host::{bytes_to_f64, HostTensor};
 use crate::ir::{DType, TensorType, Trace};
+use crate::ops::rope::RopeScaling;
 
 pub use super::family::HfFamily;
 
@@ -1420,14 +1421,33 @@ pub fn hf_config_json(config: &Config, family: HfFamily, dtype: DType, source: O
     keys.set("tie_word_embeddings", json!(config.tie_embeddings));
     keys.set("torch_dtype", json!(torch_dtype(dtype)));
     keys.set("dtype", json!(torch_dtype(dtype)));
-    let scaling = config.rope_scaling.map(|s| {
-        json!({
+    let scaling = config.rope_scaling.as_ref().map(|s| match s {
+        RopeScaling::Llama3(s) => json!({
             "rope_type": "llama3",
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
-        })
+        }),
+        RopeScaling::LongRope(s) => {
+            // The original context at the top level too: Phi-3's config
+            // class prefers its own (4096 by default) to the object's.
+            keys.set("original_max_position_embeddings", json!(s.original_max_position_embeddings));
+            let mut rope = json!({
+                "rope_type": "longrope",
+                "short_factor": s.short_factor,
+                "long_factor": s.long_factor,
+                "attention_factor": s.attention_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            });
+            // The extension factor only informs the attention factor, given
+            // here; `transformers` warns about one below 1.
+            let factor = config.block_size as f64 / s.original_max_position_embeddings as f64;
+            if factor >= 1.0 {
+                rope["factor"] = json!(factor);
+            }
+            rope
+        }
     });
     keys.rope = match &scaling {
         Some(Value::Object(map)) => map.clone(),

@@ -56,6 +56,7 @@ pub enum Attr {
     Float(f64),
     Bool(bool),
     Ints(Vec<i64>),
+    Floats(Vec<f64>),
     DType(DType),
 }
 
@@ -74,6 +75,18 @@ impl fmt::Display for Attr {
                         f.write_str(",")?;
                     }
                     write!(f, "{x}")?;
+                }
+                f.write_str("]")
+            }
+            // Each number as `Float` prints it, so the list never reads
+            // back as integers.
+            Attr::Floats(v) => {
+                f.write_str("[")?;
+                for (i, x) in v.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{x:?}")?;
                 }
                 f.write_str("]")
             }
@@ -138,6 +151,15 @@ impl Attrs {
         match self.take(key)? {
             Attr::Ints(v) => Ok(v),
             a => Err(self.wrong(key, "a list of integers", &a)),
+        }
+    }
+
+    /// A list of numbers (integers read as numbers too).
+    pub fn floats(&mut self, key: &str) -> Result<Vec<f64>> {
+        match self.take(key)? {
+            Attr::Floats(v) => Ok(v),
+            Attr::Ints(v) => Ok(v.into_iter().map(|i| i as f64).collect()),
+            a => Err(self.wrong(key, "a list of numbers", &a)),
         }
     }
 

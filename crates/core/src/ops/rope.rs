@@ -33,6 +33,20 @@
 //! between them interpolated. The rotation is otherwise unchanged, so the
 //! transpose is still the same op with `inverse` flipped.
 //!
+//! **LongRoPE** (`rope_type: "longrope"`: Phi-3 128k, Phi-3.5, Phi-4-mini):
+//! with [`RopeScaling::LongRope`], pair `i`'s inverse frequency is
+//! `1 / (factor[i] · base^(2i/n_rot))`, as `transformers`'
+//! `_compute_longrope_parameters` has it, with the long factors when the
+//! call's largest position reaches the original context
+//! (`max position + 1 > original_max_position_embeddings`, transformers'
+//! `longrope_frequency_update`) and the short ones otherwise; cos θ and
+//! sin θ are both multiplied by the attention factor. The choice is made
+//! per call from its positions (0..T, each row's start + t, or the
+//! per-token positions), so a generation that grows past the original
+//! context switches sets as `transformers` does, keeping the keys it
+//! cached. `a·R` transposes to `a·Rᵀ`: the transpose is still this op with
+//! `inverse` flipped.
+//!
 //! **The `n_rot == 1` quirk:** a head of size 1 with full rotary (benchmark
 //! workload W2). Hugging Face and litgpt build `cos`/`sin` of width 2 from
 //! one frequency (`θ = t`), and `rotate_half` of a width-1 vector is `−x`;
@@ -120,32 +134,128 @@ impl Llama3Scaling {
     }
 }
 
+/// LongRoPE's per-pair frequency factors (`rope_type: "longrope"`), with
+/// the names `transformers` gives them; see the module doc.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct LongRope {
+    /// Each pair's frequency divisor while the positions stay inside the
+    /// original context.
+    pub short_factor: Vec<f64>,
+    /// Each pair's frequency divisor once a position reaches past it.
+    pub long_factor: Vec<f64>,
+    /// The context length the model was pre-trained on.
+    pub original_max_position_embeddings: usize,
+    /// What cos θ and sin θ are multiplied by (`transformers`'
+    /// `attention_scaling`), resolved from `factor` when the config leaves
+    /// it out.
+    pub attention_factor: f64,
+}
+
+impl LongRope {
+    /// Why these factors cannot rotate `n_rot` dimensions, if they cannot:
+    /// one positive finite factor of each kind per pair, a positive original
+    /// context and a positive finite attention factor.
+    pub fn check(&self, n_rot: usize) -> std::result::Result<(), String> {
+        let pairs = n_rot / 2;
+        for (name, factors) in [("short_factor", &self.short_factor), ("long_factor", &self.long_factor)] {
+            if factors.len() != pairs || pairs == 0 {
+                return Err(format!(
+                    "longrope RoPE scaling needs one {name} per rotated pair ({pairs} for {n_rot} rotated dimensions), got {}",
+                    factors.len()
+                ));
+            }
+            if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                return Err(format!("longrope RoPE scaling's {name} must be positive finite numbers, got {bad}"));
+            }
+        }
+        if self.original_max_position_embeddings == 0 {
+            return Err("longrope RoPE scaling needs a positive original_max_position_embeddings".into());
+        }
+        if !(self.attention_factor.is_finite() && self.attention_factor > 0.0) {
+            return Err(format!(
+                "longrope RoPE scaling needs a positive finite attention_factor, got {}",
+                self.attention_factor
+            ));
+        }
+        Ok(())
+    }
+
+    /// The factors a call whose largest position is `max_position` uses.
+    pub fn factors(&self, max_position: i64) -> &[f64] {
+        if max_position + 1 > self.original_max_position_embeddings as i64 {
+            &self.long_factor
+        } else {
+            &self.short_factor
+        }
+    }
+}
+
+/// A RoPE frequency scaling ([`Rope::scaling`]). Stored configs hold
+/// either form's own fields, so the variant is told by its fields.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RopeScaling {
+    /// Llama-3.x scaling (and linear scaling, written as one).
+    Llama3(Llama3Scaling),
+    /// LongRoPE's per-pair factors.
+    LongRope(LongRope),
+}
+
+impl RopeScaling {
+    /// Why this scaling cannot rotate `n_rot` dimensions, if it cannot.
+    pub fn check(&self, n_rot: usize) -> std::result::Result<(), String> {
+        match self {
+            RopeScaling::Llama3(s) => s.check(),
+            RopeScaling::LongRope(s) => s.check(n_rot),
+        }
+    }
+}
+
+impl From<Llama3Scaling> for RopeScaling {
+    fn from(s: Llama3Scaling) -> Self {
+        RopeScaling::Llama3(s)
+    }
+}
+
 /// Rotates the first `n_rot` dims of each head of `x: [B, T, H, D]`; see the module doc.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Rope {
     pub n_rot: usize,
     pub base: f64,
     pub inverse: bool,
-    /// Llama-3.x frequency scaling; `None` for plain RoPE.
-    pub scaling: Option<Llama3Scaling>,
+    /// Llama-3.x or LongRoPE frequency scaling; `None` for plain RoPE.
+    pub scaling: Option<RopeScaling>,
 }
 
 impl Rope {
-    /// The inverse frequency of pair `i`: `base^(−2i/n_rot)`, scaled when
-    /// [`Rope::scaling`] is set (pair 0 of `n_rot == 1` is frequency 1).
-    pub fn inv_freq(&self, i: usize) -> f64 {
-        let plain = if self.n_rot <= 1 { 1.0 } else { self.base.powf(-2.0 * i as f64 / self.n_rot as f64) };
+    /// The inverse frequency of pair `i` in a call whose largest position
+    /// is `max_position`: `base^(−2i/n_rot)`, scaled when [`Rope::scaling`]
+    /// is set (pair 0 of `n_rot == 1` is frequency 1).
+    pub fn inv_freq(&self, i: usize, max_position: i64) -> f64 {
+        let exponent = if self.n_rot <= 1 { 0.0 } else { 2.0 * i as f64 / self.n_rot as f64 };
         match &self.scaling {
-            Some(scaling) => scaling.adjust(plain),
-            None => plain,
+            None => self.base.powf(-exponent),
+            Some(RopeScaling::Llama3(scaling)) => scaling.adjust(self.base.powf(-exponent)),
+            // transformers' `1 / (ext_factors · base^(2i/dim))`.
+            Some(RopeScaling::LongRope(long)) => 1.0 / (long.factors(max_position)[i] * self.base.powf(exponent)),
+        }
+    }
+
+    /// What cos θ and sin θ are multiplied by: LongRoPE's attention
+    /// factor, 1 otherwise.
+    pub fn amplitude(&self) -> f64 {
+        match &self.scaling {
+            Some(RopeScaling::LongRope(long)) => long.attention_factor,
+            _ => 1.0,
         }
     }
 
     /// `(cos θ, sin θ)` per position and pair, `[T, n_rot/2]`, sin negated
-    /// for the inverse; for `n_rot == 1`, `(cos t − sin t, 0)` per position.
-    fn table<A: num_traits::FromPrimitive + Zero>(&self, first: i64, seq: usize) -> Vec<(A, A)> {
+    /// for the inverse, for a call whose largest position is `max_position`;
+    /// for `n_rot == 1`, `(cos t − sin t, 0)` per position.
+    fn table<A: num_traits::FromPrimitive + Zero>(&self, first: i64, seq: usize, max_position: i64) -> Vec<(A, A)> {
         if self.n_rot == 1 {
-            let freq = self.inv_freq(0);
+            let freq = self.inv_freq(0, max_position);
             return (first..first + seq as i64)
                 .map(|t| {
                     let theta = t as f64 * freq;
@@ -154,13 +264,13 @@ impl Rope {
                 .collect();
         }
         let half = self.n_rot / 2;
-        let sign = if self.inverse { -1.0 } else { 1.0 };
-        let freqs: Vec<f64> = (0..half).map(|i| self.inv_freq(i)).collect();
+        let (amplitude, sign) = (self.amplitude(), if self.inverse { -1.0 } else { 1.0 });
+        let freqs: Vec<f64> = (0..half).map(|i| self.inv_freq(i, max_position)).collect();
         let mut tab = Vec::with_capacity(seq * half);
         for t in first..first + seq as i64 {
             for &freq in &freqs {
                 let theta = t as f64 * freq;
-                tab.push((c(theta.cos()), c(sign * theta.sin())));
+                tab.push((c(amplitude * theta.cos()), c(sign * amplitude * theta.sin())));
             }
         }
         tab
@@ -178,7 +288,7 @@ fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T], start: Option<
     let half = op.n_rot / 2;
     match start {
         None => {
-            let tab = op.table::<T::Acc>(0, seq);
+            let tab = op.table::<T::Acc>(0, seq, seq as i64 - 1);
             y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
                 let t = bt % seq;
                 rotate_row(op, dim, half, &tab[t * half.max(1)..(t + 1) * half.max(1)], yr);
@@ -189,10 +299,12 @@ fn rope_kernel<T: Float>(op: &Rope, shape: &[usize], y: &mut [T], start: Option<
         Some(start) => {
             // One position per (b, t) row; with T = 1 both forms agree.
             let per_token = start.len() == y.len() / row;
+            let last = if per_token { 0 } else { seq as i64 - 1 };
+            let max_position = start.iter().map(|&s| s as i64 + last).max().unwrap_or(0);
             y.par_chunks_mut(row).enumerate().with_min_len(4).for_each(|(bt, yr)| {
                 let (b, t) = (bt / seq, bt % seq);
                 let pos = if per_token { start[bt] as i64 } else { start[b] as i64 + t as i64 };
-                let tab = op.table::<T::Acc>(pos, 1);
+                let tab = op.table::<T::Acc>(pos, 1, max_position);
                 rotate_row(op, dim, half, &tab, yr);
             });
         }
@@ -267,20 +379,20 @@ impl OpDef for Rope {
         ];
         for (shape, n_rot, base, scaling) in scaled {
             for inverse in [false, true] {
-                let rope = Rope { n_rot, base, inverse, scaling: Some(scaling) };
+                let rope = Rope { n_rot, base, inverse, scaling: Some(scaling.into()) };
                 v.push(Sample::new(rope, vec![normal(d, shape)]).large_over(40_000));
             }
         }
         // Per-row start positions (generation): one new token per row at
         // different positions, a few new tokens, a negative start, the
         // head-size-1 quirk, scaling, and a decode batch of a real geometry.
-        type Positioned<'a> = (&'a [usize], usize, &'a [f64], Option<Llama3Scaling>);
+        type Positioned<'a> = (&'a [usize], usize, &'a [f64], Option<RopeScaling>);
         let positioned: [Positioned; 6] = [
             (&[3, 1, 2, 8], 8, &[0.0, 5.0, 700.0], None),
             (&[2, 4, 3, 16], 12, &[3.0, 0.0], None),
             (&[2, 2, 2, 4], 4, &[-1.0, 2.0], None),
             (&[2, 3, 2, 1], 1, &[1.0, 9.0], None),
-            (&[2, 1, 3, 16], 16, &[9.0, 40.0], Some(short)),
+            (&[2, 1, 3, 16], 16, &[9.0, 40.0], Some(short.into())),
             (
                 &[16, 1, 32, 100],
                 100,
@@ -290,9 +402,43 @@ impl OpDef for Rope {
         ];
         for (shape, n_rot, start, scaling) in positioned {
             for inverse in [false, true] {
-                let rope = Rope { n_rot, base: 10000.0, inverse, scaling };
+                let rope = Rope { n_rot, base: 10000.0, inverse, scaling: scaling.clone() };
                 let start = fixed(DType::I32, &[shape[0]], start);
                 v.push(Sample::new(rope, vec![normal(d, shape), start]).large_over(40_000));
+            }
+        }
+        // LongRoPE: factors per pair and an attention factor, the short set
+        // while the call's positions stay inside the original context (9
+        // positions, original 9) and the long one past it (original 8),
+        // on a partial rotation too; then with per-row starts where one
+        // row alone crosses the original context (every row takes the long
+        // set), where none does, and with per-token positions.
+        let long_rope = |pairs: usize, original: usize| {
+            RopeScaling::LongRope(LongRope {
+                short_factor: (0..pairs).map(|i| 1.0 + 0.25 * i as f64).collect(),
+                long_factor: (0..pairs).map(|i| 1.5 + 3.0 * i as f64).collect(),
+                original_max_position_embeddings: original,
+                attention_factor: 1.19,
+            })
+        };
+        let longs: [(&[usize], usize, usize); 4] =
+            [(&[2, 9, 3, 16], 16, 9), (&[2, 9, 3, 16], 16, 8), (&[2, 9, 3, 20], 12, 8), (&[1, 70, 2, 96], 96, 64)];
+        for (shape, n_rot, original) in longs {
+            for inverse in [false, true] {
+                let rope = Rope { n_rot, base: 10000.0, inverse, scaling: Some(long_rope(n_rot / 2, original)) };
+                v.push(Sample::new(rope, vec![normal(d, shape)]));
+            }
+        }
+        let long_positioned: [(&[usize], &[usize], &[f64]); 3] = [
+            (&[3, 1, 2, 8], &[3], &[0.0, 5.0, 30.0]),
+            (&[2, 2, 2, 8], &[2], &[3.0, 4.0]),
+            (&[2, 3, 2, 8], &[2, 3], &[0.0, 1.0, 2.0, 0.0, 1.0, 0.0]),
+        ];
+        for (shape, positions_shape, positions) in long_positioned {
+            for inverse in [false, true] {
+                let rope = Rope { n_rot: 8, base: 10000.0, inverse, scaling: Some(long_rope(4, 6)) };
+                let positions = fixed(DType::I32, positions_shape, positions);
+                v.push(Sample::new(rope, vec![normal(d, shape), positions]));
             }
         }
         // Positions per token (packed documents restarting at 0).
@@ -340,7 +486,7 @@ impl OpDef for Rope {
             return Err(format!("base={} must be a positive number", self.base));
         }
         if let Some(scaling) = &self.scaling {
-            scaling.check()?;
+            scaling.check(self.n_rot)?;
         }
         Ok(vec![x.clone()])
     }
@@ -363,33 +509,48 @@ impl OpDef for Rope {
             Ok(())
         })
     }
-    /// Plain RoPE prints three attributes; Llama-3.x scaling adds its four,
-    /// so traces of unscaled models print as they always have.
+    /// Plain RoPE prints three attributes; Llama-3.x scaling adds its four
+    /// and LongRoPE its factors, so traces of unscaled models print as
+    /// they always have.
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         let mut attrs = vec![
             ("n_rot", Attr::Int(self.n_rot as i64)),
             ("base", Attr::Float(self.base)),
             ("inverse", Attr::Bool(self.inverse)),
         ];
-        if let Some(s) = &self.scaling {
-            attrs.extend([
+        match &self.scaling {
+            Some(RopeScaling::Llama3(s)) => attrs.extend([
                 ("llama3_factor", Attr::Float(s.factor)),
                 ("low_freq_factor", Attr::Float(s.low_freq_factor)),
                 ("high_freq_factor", Attr::Float(s.high_freq_factor)),
                 ("original_max_pos", Attr::Int(s.original_max_position_embeddings as i64)),
-            ]);
+            ]),
+            Some(RopeScaling::LongRope(s)) => attrs.extend([
+                ("short_factor", Attr::Floats(s.short_factor.clone())),
+                ("long_factor", Attr::Floats(s.long_factor.clone())),
+                ("original_max_pos", Attr::Int(s.original_max_position_embeddings as i64)),
+                ("attention_factor", Attr::Float(s.attention_factor)),
+            ]),
+            None => {}
         }
         attrs
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "rope").then(|| {
             let scaling = if a.map.contains_key("llama3_factor") {
-                Some(Llama3Scaling {
+                Some(RopeScaling::Llama3(Llama3Scaling {
                     factor: a.float("llama3_factor")?,
                     low_freq_factor: a.float("low_freq_factor")?,
                     high_freq_factor: a.float("high_freq_factor")?,
                     original_max_position_embeddings: a.usize("original_max_pos")?,
-                })
+                }))
+            } else if a.map.contains_key("short_factor") {
+                Some(RopeScaling::LongRope(LongRope {
+                    short_factor: a.floats("short_factor")?,
+                    long_factor: a.floats("long_factor")?,
+                    original_max_position_embeddings: a.usize("original_max_pos")?,
+                    attention_factor: a.float("attention_factor")?,
+                }))
             } else {
                 None
             };
@@ -411,7 +572,7 @@ impl Builder {
         start: ValueId,
         n_rot: usize,
         base: f64,
-        scaling: Option<Llama3Scaling>,
+        scaling: Option<RopeScaling>,
     ) -> Result<ValueId> {
         self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x, start])
     }
@@ -424,15 +585,15 @@ impl Builder {
         positions: ValueId,
         n_rot: usize,
         base: f64,
-        scaling: Option<Llama3Scaling>,
+        scaling: Option<RopeScaling>,
     ) -> Result<ValueId> {
         self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x, positions])
     }
 
     /// Rotary embedding of the first `n_rot` dims of each head of `x: [B, T, H, D]`
     /// (Hugging Face `rotate_half` convention; see the module doc for `n_rot == 1`).
-    /// `scaling` is Llama-3.x frequency scaling, `None` for plain RoPE.
-    pub fn rope(&mut self, x: ValueId, n_rot: usize, base: f64, scaling: Option<Llama3Scaling>) -> Result<ValueId> {
+    /// `scaling` is a frequency scaling, `None` for plain RoPE.
+    pub fn rope(&mut self, x: ValueId, n_rot: usize, base: f64, scaling: Option<RopeScaling>) -> Result<ValueId> {
         self.push1(Rope { n_rot, base, inverse: false, scaling }.into(), &[x])
     }
 }

@@ -4,27 +4,74 @@
 //! angles it computes once. Per-row start positions (a second input, for
 //! generation) or per-token positions (packed documents): one block per
 //! row `(b, t)`, since rows at different positions share no angles. Either way a 2-D block whose x lanes cover
-//! one chunk of a head's rotated pairs and y lanes the heads; Llama-3.x
-//! frequency scaling passed as arguments. The identity in place (no rotated
+//! one chunk of a head's rotated pairs and y lanes the heads; frequency
+//! scaling (Llama-3.x, LongRoPE's factors) passed as one struct argument. The identity in place (no rotated
 //! dims, output aliasing input) launches nothing.
 //!
 //! [`merge_ropes`] then makes a layer's two rotations (q then k, forward or
 //! inverse, at the same positions) one `rope2` (`rope2_at`) launch whose
 //! grid's second dimension picks the tensor.
 
-use stepgraph_core::ops::rope::Rope;
+use stepgraph_core::ops::rope::{LongRope, Rope, RopeScaling};
 use stepgraph_core::ops::OpDef;
 
 use super::util::{independent_pair, n64, ptr, row_grid, two_row_launch, typed_kernel, MAX_ROW_BLOCKS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_module::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch, LaunchList};
+use crate::launch::{Arg, KernelLaunch, Launch, LaunchList, StructArg};
 
 /// `ROPE_CHUNK` of rope.cu: pairs whose angles a rope block holds at once.
 const ROPE_CHUNK: usize = 256;
 /// Rope blocks do little per element; smaller blocks spread the B·T rows.
 const ROPE_MAX_THREADS: usize = 256;
+/// `ROPE_LONG_PAIRS` of rope.cu: the most rotated pairs LongRoPE factors
+/// travel for (heads up to 256 rotated dimensions).
+const ROPE_LONG_PAIRS: usize = 128;
+
+/// The kernels' `RopeScale` argument for `rope`: the kind (0 plain, 1
+/// Llama-3.x, 2 LongRoPE), the Llama-3.x numbers, the attention factor, the
+/// original context and both LongRoPE factor sets (zeros the kernel never
+/// reads where the kind has none).
+fn scale_arg(rope: &Rope) -> Result<Arg> {
+    let (mut llama3, mut long) = ([0.0; 4], None);
+    let kind = match &rope.scaling {
+        None => 0,
+        Some(RopeScaling::Llama3(s)) => {
+            llama3 = [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings as f64];
+            1
+        }
+        Some(RopeScaling::LongRope(s)) => {
+            if s.short_factor.len().max(s.long_factor.len()) > ROPE_LONG_PAIRS {
+                return Err(CudaError::lower(
+                    rope.name(),
+                    format!(
+                        "LongRoPE on {} rotated dimensions: the kernels take at most {}",
+                        rope.n_rot,
+                        2 * ROPE_LONG_PAIRS
+                    ),
+                ));
+            }
+            long = Some(s);
+            2
+        }
+    };
+    let factors = |pick: fn(&LongRope) -> &Vec<f64>| {
+        let mut v = long.map_or_else(Vec::new, |s| pick(s).clone());
+        v.resize(ROPE_LONG_PAIRS, 0.0);
+        v
+    };
+    let mut arg = StructArg::default().i64(kind);
+    for x in llama3 {
+        arg = arg.f64(x);
+    }
+    arg = arg.f64(long.map_or(1.0, |s| s.attention_factor));
+    arg = arg.i64(long.map_or(0, |s| s.original_max_position_embeddings as i64));
+    for x in factors(|s| &s.short_factor).into_iter().chain(factors(|s| &s.long_factor)) {
+        arg = arg.f64(x);
+    }
+    Ok(arg.build())
+}
 
 impl Lower for Rope {
     const KERNELS: &'static [KernelModule] = &[KernelModule::plain("rope", include_str!("../../kernels/rope.cu"))];
@@ -67,16 +114,7 @@ impl Lower for Rope {
             Arg::F64(self.base),
             Arg::I32(self.inverse as i32),
         ]);
-        // Llama-3.x scaling travels as a flag and its four numbers; unscaled
-        // launches pass zeros the kernel never reads.
-        let scaling = self.scaling.as_ref();
-        args.extend([
-            Arg::I32(scaling.is_some() as i32),
-            Arg::F64(scaling.map_or(0.0, |s| s.factor)),
-            Arg::F64(scaling.map_or(0.0, |s| s.low_freq_factor)),
-            Arg::F64(scaling.map_or(0.0, |s| s.high_freq_factor)),
-            Arg::F64(scaling.map_or(0.0, |s| s.original_max_position_embeddings as f64)),
-        ]);
+        args.push(scale_arg(self)?);
         Ok(vec![match start {
             // One block per position: it rotates that position's row of every batch row.
             None => typed_kernel("rope", "rope", x.ty.dtype, row_grid(seq, MAX_ROW_BLOCKS), block, args),

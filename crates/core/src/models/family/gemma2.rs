@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
 use crate::models::config::{Config, MlpKind, NormKind, QkNorm, SlidingLayers};
-use crate::models::hf::HfJson;
+use crate::models::hf::{HfJson, RopeDefaults};
 
 /// `model_type` `gemma2`.
 pub struct Gemma2;
@@ -48,7 +48,8 @@ impl Family for Gemma2 {
         let defaults =
             Defaults { positions: 8192, attn_softcap: Some(50.0), final_softcap: Some(30.0), global_every: 2 };
         let config = read_layout(hf, self.model_type(), &defaults)?;
-        let (rope_base, fraction, rope_scaling) = hf.rope(&["rope_theta"], &[], 1.0)?;
+        let (rope_base, fraction, rope_scaling) =
+            hf.rope(&["rope_theta"], &[], 1.0, RopeDefaults::positions(defaults.positions))?;
         if fraction != 1.0 {
             return Err(hf.err(format!(
                 "partial_rotary_factor {fraction} is not supported for model_type `gemma2`; Gemma 2 rotates whole heads"

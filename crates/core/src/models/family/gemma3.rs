@@ -24,8 +24,8 @@ use super::gemma2::{self, Defaults};
 use super::{ConfigKeys, Family, Holds};
 use crate::error::Result;
 use crate::models::config::{Config, QkNorm, SlidingLayers};
-use crate::models::hf::HfJson;
-use crate::ops::rope::Llama3Scaling;
+use crate::models::hf::{HfJson, RopeContext};
+use crate::ops::rope::RopeScaling;
 
 /// `model_type` `gemma3_text`.
 pub struct Gemma3Text;
@@ -39,7 +39,7 @@ pub const MULTIMODAL_REFUSAL: &str = "it is Gemma 3's image-and-text model (Gemm
      language part";
 
 /// The RoPE scaling of the global layers: Llama-3.x or linear.
-type GlobalScaling = (Option<Llama3Scaling>, Option<f64>);
+type GlobalScaling = (Option<RopeScaling>, Option<f64>);
 
 impl Family for Gemma3Text {
     fn model_type(&self) -> &'static str {
@@ -196,7 +196,11 @@ fn global_scaling(hf: &HfJson, obj: &HfJson) -> Result<GlobalScaling> {
             }
             Ok((None, Some(factor)))
         }
-        Some("llama3") => Ok((obj.rope_variant()?, None)),
+        Some("llama3") => {
+            // Llama-3.x scaling reads nothing outside its object.
+            let cx = RopeContext { positions: 0, original_positions: None, phi3_names: false };
+            Ok((obj.rope_variant(&cx)?, None))
+        }
         Some(other) => Err(hf.err(format!(
             "rope_type `{other}` (RoPE scaling of the global layers) is not supported for model_type \
              `gemma3_text`; only plain RoPE (`default`), `linear` and `llama3` are"

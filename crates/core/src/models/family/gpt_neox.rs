@@ -8,7 +8,7 @@ use serde_json::json;
 use super::{extra_feature, ConfigKeys, Family, Holds, Join, Rule, Unlisted};
 use crate::error::Result;
 use crate::models::config::{llama_base, Config, MlpKind, NormKind};
-use crate::models::hf::HfJson;
+use crate::models::hf::{HfJson, RopeDefaults};
 
 /// `model_type` `gpt_neox`.
 pub struct GptNeox;
@@ -84,8 +84,12 @@ impl Family for GptNeox {
         }
         // Older configs say `rotary_emb_base`/`rotary_pct`, newer ones
         // `rope_theta`/`partial_rotary_factor`.
-        let (rope_base, rotary_percentage, rope_scaling) =
-            hf.rope(&["rope_theta", "rotary_emb_base"], &["partial_rotary_factor", "rotary_pct"], 0.25)?;
+        let (rope_base, rotary_percentage, rope_scaling) = hf.rope(
+            &["rope_theta", "rotary_emb_base"],
+            &["partial_rotary_factor", "rotary_pct"],
+            0.25,
+            RopeDefaults::positions(2048),
+        )?;
 
         Ok(Config {
             name: hf.model().to_string(),

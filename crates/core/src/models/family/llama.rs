@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use super::{extra_feature, ConfigKeys, Family, Holds};
 use crate::error::Result;
 use crate::models::config::{llama_base, Config, MlpKind, NormKind, QkNorm};
-use crate::models::hf::HfJson;
+use crate::models::hf::{HfJson, RopeDefaults};
 
 /// `model_type` `llama`: Llama 1–3.x, TinyLlama, and the many models saved
 /// as Llama.
@@ -51,6 +51,7 @@ impl Family for Llama {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })
     }
@@ -75,12 +76,15 @@ impl Family for Llama {
         Config {
             bias: true,
             tie_embeddings: true,
-            rope_scaling: Some(crate::ops::rope::Llama3Scaling {
-                factor: 8.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 32,
-            }),
+            rope_scaling: Some(
+                crate::ops::rope::Llama3Scaling {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 32,
+                }
+                .into(),
+            ),
             ..example_layout("llama-example")
         }
     }
@@ -101,6 +105,10 @@ pub struct Variant {
     pub default_head_dim: Option<usize>,
     /// The norms on q and k ([`Config::qk_norm`]).
     pub qk_norm: QkNorm,
+    /// Phi-3's reading of LongRoPE: the pre-training context defaults to
+    /// 4096 at the top level, and the RoPE types `su` and `yarn` mean
+    /// `longrope` ([`RopeDefaults`]).
+    pub phi3_rope: bool,
 }
 
 /// Reads a Llama-layout `config.json` of `model_type`; `variant` reads the
@@ -115,8 +123,14 @@ pub fn read_layout(hf: &HfJson, model_type: &str, variant: impl FnOnce(&HfJson) 
             "hidden_act `{act}` is not supported for model_type `{model_type}`; only `silu` (the SwiGLU MLP) is"
         )));
     }
-    let Variant { bias, attn_qkv_bias, default_positions, sliding, default_head_dim, qk_norm } = variant(hf)?;
-    let (rope_base, rotary_percentage, rope_scaling) = hf.rope(&["rope_theta"], &[], 1.0)?;
+    let Variant { bias, attn_qkv_bias, default_positions, sliding, default_head_dim, qk_norm, phi3_rope } =
+        variant(hf)?;
+    let rope_defaults = RopeDefaults {
+        positions: default_positions,
+        original_positions: phi3_rope.then_some(4096),
+        phi3_names: phi3_rope,
+    };
+    let (rope_base, rotary_percentage, rope_scaling) = hf.rope(&["rope_theta"], &[], 1.0, rope_defaults)?;
     let n_query_groups = hf.usize_opt("num_key_value_heads")?.unwrap_or(n_head);
     let head_size = match (hf.usize_opt("head_dim")?, default_head_dim) {
         (Some(head_dim), _) | (None, Some(head_dim)) => head_dim,

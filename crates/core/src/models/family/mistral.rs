@@ -47,6 +47,7 @@ impl Family for Mistral {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })?;
         Ok(Config { sliding_window: read_window(hf, Some(DEFAULT_WINDOW))?, ..config })

@@ -81,6 +81,7 @@ impl Family for Mixtral {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })?;
         let aux_loss_coef = router_training_terms(hf)?;

@@ -34,6 +34,7 @@ impl Family for Olmo2 {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::Whole,
+                phi3_rope: false,
             })
         })?;
         // transformers' Olmo2Config defaults its norms' epsilon to 1e-5.

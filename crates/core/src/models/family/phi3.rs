@@ -52,6 +52,7 @@ impl Family for Phi3 {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: true,
             })
         })?;
         // transformers' Phi3Config defaults its norms' epsilon to 1e-5 and
@@ -108,6 +109,13 @@ impl Family for Phi3 {
             rotary_percentage: 0.75,
             norm_eps: 1e-6,
             sliding_window: Some(3),
+            // LongRoPE on the 6 rotated dimensions (3 pairs).
+            rope_scaling: Some(crate::ops::rope::RopeScaling::LongRope(crate::ops::rope::LongRope {
+                short_factor: vec![1.0, 1.25, 1.5],
+                long_factor: vec![2.0, 5.0, 9.0],
+                original_max_position_embeddings: 4,
+                attention_factor: 1.1,
+            })),
             ..llama::example_layout("phi3-example")
         }
     }

@@ -33,6 +33,7 @@ impl Family for Qwen2 {
                 sliding,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })
     }

@@ -40,6 +40,7 @@ impl Family for Qwen2Moe {
                 sliding,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })?;
         let moe = MoeConfig {

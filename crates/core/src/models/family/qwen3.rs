@@ -35,6 +35,7 @@ impl Family for Qwen3 {
                 sliding,
                 default_head_dim: Some(128),
                 qk_norm: QkNorm::PerHead,
+                phi3_rope: false,
             })
         })
     }

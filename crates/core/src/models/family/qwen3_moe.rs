@@ -116,6 +116,7 @@ impl Family for Qwen3Moe {
                 // width over the heads unless the file gives one.
                 default_head_dim: None,
                 qk_norm: QkNorm::PerHead,
+                phi3_rope: false,
             })
         })?;
         let moe = read_qwen_moe(hf, [128, 8, 768])?;

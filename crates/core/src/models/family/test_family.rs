@@ -45,6 +45,7 @@ impl Family for TestRenamed {
                 sliding: false,
                 default_head_dim: None,
                 qk_norm: QkNorm::None,
+                phi3_rope: false,
             })
         })
     }
