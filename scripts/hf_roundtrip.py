@@ -2,8 +2,8 @@
 """Hugging Face folders through stepgraph and back, checked against PyTorch.
 
 For each supported family (llama, mistral, qwen2, qwen3, olmo2, phi3, gemma2,
-gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x
-and linear RoPE scaling; sliding windows shorter than the sequence;
+gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_neox; tied and untied heads; Llama-3.x,
+linear and LongRoPE scaling; sliding windows shorter than the sequence;
 soft-caps; mixtures of experts with and without renormalised routing and a
 dense layer among sparse ones; sharded and single-file), on a machine with
 PyTorch and transformers 5.x (no network needed): a GPU machine with
@@ -54,6 +54,17 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     # Short, so that a 16-wide head has pairs in every band of the adjustment.
     "original_max_position_embeddings": 32,
+}
+
+
+# LongRoPE on 6 rotated pairs (a 16-wide head at 0.75): the 24-token batch
+# is past the original context of 16 (the long factors), a generation from
+# 8 tokens crosses it (short, then long), and the attention factor comes
+# from 64 / 16.
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+    "long_factor": [1.5, 2.5, 4.0, 7.0, 11.0, 19.0],
 }
 
 
@@ -133,6 +144,10 @@ def variants():
                               tie_word_embeddings=False, pad_token_id=None, eos_token_id=1, bos_token_id=2), None),
         ("phi3-tied-sharded", "phi3", dict(llama_like, tie_word_embeddings=True, pad_token_id=None, eos_token_id=1,
                                            bos_token_id=2), "40KB"),
+        ("phi3-longrope", "phi3", dict(llama_like, rms_norm_eps=1e-5, partial_rotary_factor=0.75,
+                                       max_position_embeddings=64, original_max_position_embeddings=16,
+                                       rope_scaling=LONGROPE, tie_word_embeddings=False, pad_token_id=None,
+                                       eos_token_id=1, bos_token_id=2), None),
         # Mistral with a window shorter than the 24-token sequence.
         ("mistral-window", "mistral", dict(llama_like, tie_word_embeddings=False, sliding_window=5), None),
         # Gemma 2: offset norms before and after each sublayer, GeGLU, scaled

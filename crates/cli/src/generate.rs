@@ -339,7 +339,15 @@ pub fn run(model: &ModelArgs, args: &GenerateArgs) -> Result<()> {
     };
     // At least one prefill token, so that an empty prompt is refused by
     // `check_requests` as the empty request it is.
-    let prompt_len = longest.max(1);
+    let mut prompt_len = longest.max(1);
+    // A LongRoPE model recomputes a sequence that reaches its original
+    // context with one prefill of that length plus one.
+    if let Some(long) = cfg.long_rope() {
+        let original = long.original_max_position_embeddings;
+        if longest <= original && context > original + 1 {
+            prompt_len = prompt_len.max(original + 1);
+        }
+    }
     let context = context.max(prompt_len + 1);
     let gspec = GenerationSpec { config: cfg.clone(), dtype: spec.dtype, buckets, context, prompt_len, logits: false };
     let built = Instant::now();

@@ -185,21 +185,59 @@ impl<'a> Generator<'a> {
 
     /// Prefills one prompt into cache row `row`; returns its first new token.
     fn prefill(&mut self, request: &Request, row: usize) -> Result<u32> {
+        self.prefill_tokens(&request.prompt, row, &request.sampling, false)
+    }
+
+    /// Prefills `tokens` into cache row `row`; returns the token sampled
+    /// after them. A LongRoPE model rotates them at their own positions and
+    /// the padding at the last one, so their length picks the factors; with
+    /// `past_end` the padding sits one further, a position past them, which
+    /// is how the crossing of the original context recomputes a sequence's
+    /// cache with the long factors ([`Generator::run_batch`]).
+    fn prefill_tokens(&mut self, tokens: &[u32], row: usize, sampling: &Sampling, past_end: bool) -> Result<u32> {
         let l = self.program.spec.prompt_len;
         let mut ids = vec![0.0; l];
-        for (x, &t) in ids.iter_mut().zip(&request.prompt) {
+        for (x, &t) in ids.iter_mut().zip(tokens) {
             *x = t as f64;
         }
+        let last = tokens.len() - 1;
         self.write("prefill.input_ids", DType::I32, &[1, l], &ids)?;
         self.write("prefill.row", DType::I32, &[1], &[row as f64])?;
         self.write("prefill.start", DType::I32, &[1], &[0.0])?;
-        self.write("prefill.last", DType::I32, &[1], &[(request.prompt.len() - 1) as f64])?;
-        self.write("prefill.sampling", DType::F32, &[1, 3], &request.sampling.row())?;
-        self.write("prefill.seed", DType::I64, &[1], &[seed_value(request.sampling.seed)])?;
+        self.write("prefill.last", DType::I32, &[1], &[last as f64])?;
+        self.write("prefill.sampling", DType::F32, &[1, 3], &sampling.row())?;
+        self.write("prefill.seed", DType::I64, &[1], &[seed_value(sampling.seed)])?;
         self.write("prefill.token", DType::I32, &[1], &[0.0])?;
+        if self.program.spec.config.long_rope().is_some() {
+            let padding = if past_end { tokens.len() } else { last };
+            let positions: Vec<f64> = (0..l).map(|t| t.min(padding) as f64).collect();
+            self.write("prefill.positions", DType::I32, &[1, l], &positions)?;
+        }
         let nodes = self.program.prefill().nodes.clone();
         self.session.run_nodes(nodes)?;
         Ok(self.read_output("prefill.next")?[0] as u32)
+    }
+
+    /// `transformers`' Phi-3 generation at the original context of a
+    /// LongRoPE model: the step that feeds a sequence's token at position
+    /// `original` (the first whose largest position passes it) drops the
+    /// cache and recomputes it with the long factors. Each live sequence
+    /// about to feed that position is prefilled again from its tokens so
+    /// far, with the long factors; the decode step then feeds the token.
+    fn recompute_at_original_context(&mut self, requests: &[Request], out: &[Generated], done: &[bool]) -> Result<()> {
+        let Some(original) = self.program.spec.config.long_rope().map(|l| l.original_max_position_embeddings) else {
+            return Ok(());
+        };
+        for (i, r) in requests.iter().enumerate() {
+            let fed = r.prompt.len() + out[i].tokens.len() - 1;
+            if done[i] || fed != original {
+                continue;
+            }
+            let mut tokens = r.prompt.clone();
+            tokens.extend(&out[i].tokens[..out[i].tokens.len() - 1]);
+            self.prefill_tokens(&tokens, i, &r.sampling, true)?;
+        }
+        Ok(())
     }
 
     /// Generates a batch of at most the largest bucket's sequences.
@@ -260,6 +298,7 @@ impl<'a> Generator<'a> {
         let steps = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(1) - 1;
         let decode_start = Instant::now();
         for _ in 0..steps {
+            self.recompute_at_original_context(requests, &out, &done)?;
             let step_start = Instant::now();
             let mut steady = false;
             if !self.replay || !self.warm.contains(&bucket) {
@@ -335,6 +374,20 @@ pub fn check_requests(program: &GenerationProgram, requests: &[Request]) -> Resu
                 spec.context,
                 spec.context - r.prompt.len()
             ));
+        }
+        if let Some(long) = spec.config.long_rope() {
+            let original = long.original_max_position_embeddings;
+            if r.prompt.len() <= original
+                && r.prompt.len() + r.max_new_tokens > original + 1
+                && spec.prompt_len <= original
+            {
+                return bad(format!(
+                    "the sequence passes the original context of {original} positions, where LongRoPE recomputes it \
+                     with its long factors, but the prefill holds {} tokens: build it for at least {}",
+                    spec.prompt_len,
+                    original + 1
+                ));
+            }
         }
         r.sampling.check().map_err(|e| Error::Input { name: format!("request {i}"), reason: e })?;
     }

@@ -12,6 +12,7 @@ use stepgraph_core::models::gpt::{build_forward_with_logits, LossKind, ModelSpec
 use stepgraph_core::models::init::init_param;
 use stepgraph_core::models::{Config, Overrides, QkNorm};
 use stepgraph_core::ops::decode::sample_row;
+use stepgraph_core::ops::rope::{LongRope, RopeScaling};
 use stepgraph_core::ops::Op;
 use stepgraph_core::plan::{check_plan, plan, PlanOptions};
 use stepgraph_core::session::Session;
@@ -281,6 +282,77 @@ fn decode_logits_equal_the_full_forward_for(cfg: &Config) {
         let err = want.iter().zip(got).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         assert!(err < 1e-10, "sequence {i}: logits differ by {err}");
     }
+}
+
+/// tiny-llama with LongRoPE factors and an original context of 8.
+fn long_rope_llama(long_factor: impl Fn(usize) -> f64) -> Config {
+    let cfg = config("tiny-llama", Overrides::default());
+    let pairs = cfg.n_rot() / 2;
+    Config {
+        rope_scaling: Some(RopeScaling::LongRope(LongRope {
+            short_factor: (0..pairs).map(|i| 1.0 + 0.5 * i as f64).collect(),
+            long_factor: (0..pairs).map(long_factor).collect(),
+            original_max_position_embeddings: 8,
+            attention_factor: 1.2,
+        })),
+        ..cfg
+    }
+}
+
+/// LongRoPE: every decode step's logits equal the full forward of the
+/// sequence so far, whose length picks the factors (short up to the
+/// original context, long past it): the prefill is not decided by its
+/// padding, and the sequence reaching the original context is recomputed
+/// with the long factors, as `transformers`' Phi-3 generation does.
+#[test]
+fn long_rope_generation_follows_the_full_forward_across_the_original_context() {
+    let cfg = long_rope_llama(|i| 2.0 + 7.0 * i as f64);
+    let p = program(&cfg, DType::F64, &[1], 9, 16);
+    let v = cfg.padded_vocab_size;
+    let logits_v = p
+        .trace
+        .outputs
+        .iter()
+        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == "decode1.logits"))
+        .unwrap()
+        .value;
+    let prompt = [5, 17, 99, 3, 250];
+    // Decode steps feed positions 5, 6, …: the fourth feeds 8, the first
+    // past the original context.
+    for new in 2..=8 {
+        let mut s = session(&p);
+        let out = {
+            let mut g = Generator::new(&mut s, &p);
+            g.generate_batch(&[greedy(&prompt, new)], &mut |_, _| false).unwrap().0
+        };
+        let mut seq = prompt.to_vec();
+        seq.extend(&out[0].tokens[..new - 1]);
+        let want = full_forward_last_logits(&cfg, DType::F64, &seq);
+        let got = s.read(logits_v).to_f64();
+        let err = want.iter().zip(&got[..v]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-10, "{} tokens so far: logits differ by {err}", seq.len());
+    }
+    // The long factors matter here: the same model with the short ones
+    // throughout gives other logits past the original context.
+    let short_only = long_rope_llama(|i| 1.0 + 0.5 * i as f64);
+    let seq: Vec<u32> = (1..=10).collect();
+    let (a, b) =
+        (full_forward_last_logits(&cfg, DType::F64, &seq), full_forward_last_logits(&short_only, DType::F64, &seq));
+    assert!(a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-3), "the factor sets give the same logits");
+}
+
+/// A LongRoPE sequence that will reach its original context needs a
+/// prefill that holds the recomputation.
+#[test]
+fn long_rope_generation_needs_a_prefill_past_the_original_context() {
+    let cfg = long_rope_llama(|i| 2.0 + 7.0 * i as f64);
+    let p = program(&cfg, DType::F32, &[1], 6, 16);
+    let mut s = session(&p);
+    let mut g = Generator::new(&mut s, &p);
+    let err = g.generate(&[greedy(&[1, 2, 3], 8)], &mut |_, _| false).unwrap_err().to_string();
+    assert!(err.contains("original context of 8 positions") && err.contains("at least 9"), "{err}");
+    // Short of it, nothing is recomputed and any prefill does.
+    g.generate(&[greedy(&[1, 2, 3], 6)], &mut |_, _| false).unwrap();
 }
 
 /// Same seed, same tokens; replay equals eager; different seeds differ;

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ir::MAX_VALUE_BYTES;
 use crate::ops::attention::Scores;
-use crate::ops::rope::{Llama3Scaling, RopeScaling};
+use crate::ops::rope::{Llama3Scaling, LongRope, RopeScaling};
 
 /// The normalization used before attention, before the MLP and at the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -947,9 +947,9 @@ fn phi_4() -> Config {
 
 /// Phi-4-mini (3.8B): 32 layers of width 3072, 24 query heads and 8
 /// key/value heads of 128, RoPE on three quarters of each head, a
-/// 200064-token vocabulary tied to the head. Its LongRoPE frequency
-/// factors are not modelled (a folder that sets them is refused on load):
-/// the geometry is what `plan` and `bench` need.
+/// 200064-token vocabulary tied to the head. The geometry is what `plan`
+/// and `bench` need: it rotates without the LongRoPE factors its folder
+/// brings (read on load), which change no size and no launch.
 fn phi_4_mini() -> Config {
     Config {
         block_size: 131072,
@@ -1184,6 +1184,14 @@ impl Config {
             _ => 0,
         };
         Scores { window, softcap: self.attn_softcap.unwrap_or(0.0) }
+    }
+
+    /// The model's LongRoPE factors, if it rotates with LongRoPE.
+    pub fn long_rope(&self) -> Option<&LongRope> {
+        match &self.rope_scaling {
+            Some(RopeScaling::LongRope(long)) => Some(long),
+            _ => None,
+        }
     }
 
     /// The RoPE base and frequency scaling of layer `layer`: a sliding

@@ -27,14 +27,27 @@
 //!   (0), `prefill.last` `i32[1]` (the prompt length − 1: its hidden state
 //!   gives the next token), `prefill.sampling` `f32[1, 3]`, `prefill.seed`
 //!   `i64[1]`, `prefill.token` `i32[1]` (any: sampling writes beside it);
-//!   output `prefill.next` `i32[1]`;
+//!   output `prefill.next` `i32[1]`; for a LongRoPE model also
+//!   `prefill.positions` `i32[1, L]`, the positions it rotates at (see
+//!   below);
 //! - decode bucket B: `decode{B}.rows` `i32[B]` (cache row of each batch
 //!   row), `decode{B}.sampling` `f32[B, 3]`, `decode{B}.seeds` `i64[B]`.
 //!
 //! Padding a prompt to L writes garbage keys at positions `len..L` of its
 //! cache row; the first decode step writes position `len` before it
 //! attends, and attention reads positions `≤` the query's own, so the
-//! garbage is never read. With [`GenerationSpec::logits`] each segment
+//! garbage is never read.
+//!
+//! **LongRoPE** picks its factors by the largest position a call rotates
+//! (`transformers`' rule), which for a padded prompt would be L − 1: the
+//! prefill of a LongRoPE model rotates at host-given positions instead,
+//! the prompt's own and, on the padding, its last one, so the prompt's
+//! length decides. `transformers`' Phi-3 generation recomputes the whole
+//! cache with the long factors when a sequence reaches the original
+//! context; [`crate::generation`] does the same by prefilling the
+//! sequence again with the padding placed one past it.
+//!
+//! With [`GenerationSpec::logits`] each segment
 //! also outputs its logits (`prefill.logits` [1, V], `decode{B}.logits`
 //! [B, V]) for tests against the full forward.
 
@@ -260,6 +273,9 @@ struct Recorder<'a> {
 struct CacheIo {
     rows: ValueId,
     start: ValueId,
+    /// Prefill: per-token positions RoPE rotates at (LongRoPE), instead
+    /// of the prompt's own `0..L`.
+    rope_positions: Option<ValueId>,
     /// Decode: attend over the cache with this many splits; prefill
     /// (`None`): causal attention over the prompt itself.
     splits: Option<usize>,
@@ -275,7 +291,7 @@ impl Recorder<'_> {
     /// attends over the cache, prefill causally over the prompt itself.
     fn layers(&mut self, x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
         let Recorder { g, cache, .. } = self;
-        let start = io.splits.map(|_| io.start);
+        let start = io.splits.map(|_| io.start).or(io.rope_positions);
         g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale, scores| {
             let (kc, vc) = cache[layer];
             let kc = g.b.kv_write(kc, k, io.rows, io.start)?;
@@ -320,10 +336,14 @@ impl Recorder<'_> {
         let sampling = self.g.b.input("prefill.sampling", TensorType::new(DType::F32, [1, 3]))?;
         let seed = self.g.b.input("prefill.seed", TensorType::new(DType::I64, [1]))?;
         let token = self.i32s("prefill.token", &[1])?;
+        let rope_positions = match self.g.cfg.long_rope() {
+            Some(_) => Some(self.i32s("prefill.positions", &[1, l])?),
+            None => None,
+        };
         let table = self.embed_table()?;
         let x = self.g.b.embedding(ids, table)?;
         let x = self.g.scale_embedding(x)?;
-        let x = self.layers(x, 1, l, CacheIo { rows: row, start, splits: None })?;
+        let x = self.layers(x, 1, l, CacheIo { rows: row, start, splits: None, rope_positions })?;
         // Only the last prompt token's hidden state goes on: its row,
         // gathered by index (norm and head are per row).
         let rows = self.g.b.reshape(x, &[l, c])?;
@@ -347,7 +367,8 @@ impl Recorder<'_> {
         let ids = self.g.b.reshape(tokens, &[batch, 1])?;
         let x = self.g.b.embedding(ids, table)?;
         let x = self.g.scale_embedding(x)?;
-        let x = self.layers(x, batch, 1, CacheIo { rows, start: positions, splits: Some(splits) })?;
+        let x =
+            self.layers(x, batch, 1, CacheIo { rows, start: positions, splits: Some(splits), rope_positions: None })?;
         let x = self.g.b.reshape(x, &[batch, cfg.n_embd])?;
         let logits = self.head(x, &name)?;
         let (next, advanced) = self.g.b.sample_next(logits, sampling, seeds, tokens, positions, 1)?;

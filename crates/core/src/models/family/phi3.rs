@@ -74,6 +74,10 @@ impl Family for Phi3 {
     fn write_config(&self, config: &Config, keys: &mut ConfigKeys) {
         llama::write_layout(config, keys);
         keys.set_rope("partial_rotary_factor", json!(config.rotary_percentage));
+        // At the top level too: `Phi3Config` takes a `rope_scaling` object
+        // (LongRoPE's) in place of `rope_parameters` and fills its rotary
+        // fraction from the top-level key, 1 when absent.
+        keys.set("partial_rotary_factor", json!(config.rotary_percentage));
         keys.set("sliding_window", config.sliding_window.map_or(Value::Null, |w| json!(w)));
     }
 
