@@ -76,6 +76,16 @@ fn full_forward_last_logits(cfg: &Config, dtype: DType, tokens: &[u32]) -> Vec<f
     all[all.len() - v..].to_vec()
 }
 
+/// The value of the program's output `name`.
+fn named_output(p: &GenerationProgram, name: &str) -> stepgraph_core::ir::ValueId {
+    p.trace
+        .outputs
+        .iter()
+        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == name))
+        .unwrap_or_else(|| panic!("the program outputs {name}"))
+        .value
+}
+
 fn argmax(x: &[f64]) -> u32 {
     sample_row(x, 0.0, 0.0, 1.0, 0, 0) as u32
 }
@@ -264,13 +274,7 @@ fn decode_logits_equal_the_full_forward_for(cfg: &Config) {
         let mut g = Generator::new(&mut s, &p);
         g.generate_batch(&requests[..], &mut |_, _| false).unwrap().0
     };
-    let logits_v = p
-        .trace
-        .outputs
-        .iter()
-        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == "decode2.logits"))
-        .unwrap()
-        .value;
+    let logits_v = named_output(&p, "decode2.logits");
     let last = s.read(logits_v).to_f64();
     let v = cfg.padded_vocab_size;
     for (i, (r, g)) in requests.iter().zip(&out).enumerate() {
@@ -309,13 +313,7 @@ fn long_rope_generation_follows_the_full_forward_across_the_original_context() {
     let cfg = long_rope_llama(|i| 2.0 + 7.0 * i as f64);
     let p = program(&cfg, DType::F64, &[1], 9, 16);
     let v = cfg.padded_vocab_size;
-    let logits_v = p
-        .trace
-        .outputs
-        .iter()
-        .find(|o| matches!(&o.kind, stepgraph_core::ir::OutputKind::Named(n) if n == "decode1.logits"))
-        .unwrap()
-        .value;
+    let logits_v = named_output(&p, "decode1.logits");
     let prompt = [5, 17, 99, 3, 250];
     // Decode steps feed positions 5, 6, …: the fourth feeds 8, the first
     // past the original context.

@@ -68,31 +68,29 @@ impl fmt::Display for Attr {
             // and always marks the number as a float ("1.0", "1e-6").
             Attr::Float(x) => write!(f, "{x:?}"),
             Attr::Bool(b) => write!(f, "{b}"),
-            Attr::Ints(v) => {
-                f.write_str("[")?;
-                for (i, x) in v.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(",")?;
-                    }
-                    write!(f, "{x}")?;
-                }
-                f.write_str("]")
-            }
+            Attr::Ints(v) => write_list(f, v, |f, x| write!(f, "{x}")),
             // Each number as `Float` prints it, so the list never reads
             // back as integers.
-            Attr::Floats(v) => {
-                f.write_str("[")?;
-                for (i, x) in v.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(",")?;
-                    }
-                    write!(f, "{x:?}")?;
-                }
-                f.write_str("]")
-            }
+            Attr::Floats(v) => write_list(f, v, |f, x| write!(f, "{x:?}")),
             Attr::DType(d) => write!(f, "{d}"),
         }
     }
+}
+
+/// `[a,b,c]`, each item written by `item`.
+fn write_list<T>(
+    f: &mut fmt::Formatter<'_>,
+    items: &[T],
+    item: impl Fn(&mut fmt::Formatter<'_>, &T) -> fmt::Result,
+) -> fmt::Result {
+    f.write_str("[")?;
+    for (i, x) in items.iter().enumerate() {
+        if i > 0 {
+            f.write_str(",")?;
+        }
+        item(f, x)?;
+    }
+    f.write_str("]")
 }
 
 /// Attributes parsed from a trace line, consumed by an op's `parse`.
