@@ -292,3 +292,35 @@ fn every_dtype_draws_the_f64_values_rounded() {
     }
     assert!(compared > 3000, "only {compared} inputs compared");
 }
+
+/// Every sample's op, alone in a trace, prints as text that parses back to
+/// a trace printing the same: each attribute (lists of numbers included)
+/// survives. (Text, not the traces, is compared: a NaN fill value is
+/// itself but not equal to itself.)
+#[test]
+fn every_sample_op_prints_and_parses_back() {
+    use stepgraph_core::ir::{parse::parse, Builder, OutputKind};
+    let mut failures = Vec::new();
+    for dtype in FLOAT_DTYPES {
+        for (name, sample) in cpu_samples(dtype) {
+            let mut b = Builder::new("op");
+            let inputs: Vec<_> = sample
+                .input_types()
+                .into_iter()
+                .enumerate()
+                .map(|(i, ty)| b.input(&format!("x{i}"), ty).unwrap())
+                .collect();
+            let Ok(outs) = b.push(sample.op.clone(), &inputs) else { continue };
+            for (i, v) in outs.into_iter().enumerate() {
+                b.output(OutputKind::Named(format!("y{i}")), v);
+            }
+            let text = b.finish("build").unwrap().to_string();
+            match parse(&text) {
+                Ok(back) if back.to_string() == text => {}
+                Ok(_) => failures.push(format!("{name} {dtype}: parses back as another trace")),
+                Err(e) => failures.push(format!("{name} {dtype}: {e}")),
+            }
+        }
+    }
+    report("print and parse", &failures);
+}
