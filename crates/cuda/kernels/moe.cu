@@ -37,9 +37,7 @@
 //   (w[e] stored [k][n], `trans_w`), with the arguments of
 //   `grouped_matmul` (trans_w unread): blocks of GMM_BM × GMM_BN outputs, 8
 //   warps of 64 × 32, m16n8k16 `mma.sync` with f32 accumulation on tiles
-//   of GMM_BK depth staged by `cp.async` in GMM_STAGES buffers of dynamic
-//   shared memory (GMM_STAGES − 1 loads in flight while one is multiplied;
-//   the lowering passes the bytes). A block's rows
+//   staged by `cp.async` in two buffers of GMM_BK depth. A block's rows
 //   belong to one expert: block x is the x-th row tile in expert order
 //   (each expert's rows cut into tiles of GMM_BM, the last one partial),
 //   found by walking the offsets; the grid holds ceil(m / GMM_BM) + experts
@@ -65,7 +63,6 @@
 #define GMM_BK 32
 #define GMM_THREADS 256
 #define GMM_PAD 8  // shared row padding (elements): conflict-free ldmatrix rows
-#define GMM_STAGES 4  // tiles in flight: cp.async buffers of A and B each
 
 namespace sg_moe {
 
@@ -335,40 +332,14 @@ __device__ __forceinline__ void gmm_store(const GmmAcc& acc, T* out, i64 ld, int
         }
 }
 
-// The products' tiles, in dynamic shared memory: GMM_STAGES buffers of A,
-// then GMM_STAGES of B (the lowering's `mma_shared_bytes`).
-extern __shared__ __align__(16) u16 gmm_smem[];
-
-// `steps` depth steps over GMM_STAGES buffers: `load(buf, s)` stages step
-// s into buffer buf (its cp.async copies), `multiply(buf)` consumes one.
-// GMM_STAGES − 1 steps are loaded ahead; one barrier per step, after which
-// every warp is done with the buffer the next load refills (the one
-// multiplied a step before).
-template <typename Load, typename Multiply>
-__device__ __forceinline__ void pipelined(i64 steps, Load load, Multiply multiply) {
-#pragma unroll
-    for (int s = 0; s < GMM_STAGES - 1; ++s) {
-        if (s < steps) load(s, s);
-        cp_commit();
-    }
-    for (i64 s = 0; s < steps; ++s) {
-        cp_wait<GMM_STAGES - 2>();
-        __syncthreads();
-        const i64 ahead = s + GMM_STAGES - 1;
-        if (ahead < steps) load((int)(ahead % GMM_STAGES), ahead);
-        cp_commit();
-        multiply((int)(s % GMM_STAGES));
-    }
-}
-
 template <typename T, bool TRANS_W>
 __device__ __forceinline__ void grouped_mma(const T* x, const T* w, const int* offsets, T* y, i64 m, i64 k, i64 n,
                                             i64 experts) {
     constexpr int SA = GMM_BK + GMM_PAD;
     constexpr int SB = TRANS_W ? GMM_BN + GMM_PAD : GMM_BK + GMM_PAD;
-    constexpr int A_ELEMS = GMM_BM * SA, B_ELEMS = TRANS_W ? GMM_BK * SB : GMM_BN * SB;
-    u16* const as = gmm_smem;                        // [GMM_STAGES][A_ELEMS]
-    u16* const bs = gmm_smem + GMM_STAGES * A_ELEMS;  // [GMM_STAGES][B_ELEMS]
+    constexpr int B_ELEMS = TRANS_W ? GMM_BK * SB : GMM_BN * SB;
+    __shared__ __align__(16) u16 as[2][GMM_BM * SA];
+    __shared__ __align__(16) u16 bs[2][B_ELEMS];
     // This block's row tile: the blockIdx.x-th in expert order.
     i64 tile = blockIdx.x, expert = -1, row0 = 0, row_end = 0;
     for (i64 e = 0; e < experts; ++e) {
@@ -390,22 +361,27 @@ __device__ __forceinline__ void grouped_mma(const T* x, const T* w, const int* o
     const int rows = (int)(row_end - row0 < GMM_BM ? row_end - row0 : GMM_BM);
     auto load = [&](int buf, i64 k0) {
         stage<GMM_BM, GMM_BK, SA>(
-            as + buf * A_ELEMS, [&](int r) { return r < rows; }, [&](int r) { return xs + (row0 + r) * k; }, (int)k0,
-            (int)k);
+            as[buf], [&](int r) { return r < rows; }, [&](int r) { return xs + (row0 + r) * k; }, (int)k0, (int)k);
         if (TRANS_W)  // w[e] is [k][n]: depth rows k0.., columns n0..
             stage<GMM_BK, GMM_BN, SB>(
-                bs + buf * B_ELEMS, [&](int r) { return k0 + r < k; }, [&](int r) { return we + (k0 + r) * n; }, n0,
-                (int)n);
+                bs[buf], [&](int r) { return k0 + r < k; }, [&](int r) { return we + (k0 + r) * n; }, n0, (int)n);
         else  // w[e] is [n][k]: rows n0.., depth k0..
             stage<GMM_BN, GMM_BK, SB>(
-                bs + buf * B_ELEMS, [&](int r) { return n0 + r < n; }, [&](int r) { return we + (i64)(n0 + r) * k; },
-                (int)k0, (int)k);
+                bs[buf], [&](int r) { return n0 + r < n; }, [&](int r) { return we + (i64)(n0 + r) * k; }, (int)k0,
+                (int)k);
+        cp_commit();
     };
     GmmAcc acc = {};
     const i64 steps = (k + GMM_BK - 1) / GMM_BK;
-    pipelined(steps, [&](int buf, i64 s) { load(buf, s * GMM_BK); }, [&](int buf) {
-        gmm_step<T, false, !TRANS_W, SA, SB>(acc, as + buf * A_ELEMS, bs + buf * B_ELEMS, wm, wn, lane);
-    });
+    load(0, 0);
+    for (i64 s = 0; s < steps; ++s) {
+        if (s + 1 < steps) load((int)((s + 1) & 1), (s + 1) * GMM_BK);
+        else cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        gmm_step<T, false, !TRANS_W, SA, SB>(acc, as[s & 1], bs[s & 1], wm, wn, lane);
+        __syncthreads();
+    }
     gmm_store<T>(acc, y + row0 * n + n0, n, rows, (int)(n - n0 < GMM_BN ? n - n0 : GMM_BN), wm, wn, lane);
 }
 
@@ -413,9 +389,8 @@ template <typename T>
 __device__ __forceinline__ void grouped_mma_weight_grad(const T* a, const T* b, const int* offsets, T* out, i64 m,
                                                         i64 na, i64 nb, i64 experts) {
     constexpr int S = GMM_BM + GMM_PAD;  // GMM_BM == GMM_BN: both tiles [GMM_BK][S]
-    constexpr int ELEMS = GMM_BK * S;
-    u16* const as = gmm_smem;                      // [GMM_STAGES][ELEMS]
-    u16* const bs = gmm_smem + GMM_STAGES * ELEMS;  // [GMM_STAGES][ELEMS]
+    __shared__ __align__(16) u16 as[2][GMM_BK * S];
+    __shared__ __align__(16) u16 bs[2][GMM_BK * S];
     const i64 e = blockIdx.z;
     i64 lo = offsets[e], hi = offsets[e + 1];
     lo = lo < 0 ? 0 : (lo > m ? m : lo);
@@ -426,17 +401,22 @@ __device__ __forceinline__ void grouped_mma_weight_grad(const T* a, const T* b, 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
     auto load = [&](int buf, i64 p0) {
         stage<GMM_BK, GMM_BM, S>(
-            as + buf * ELEMS, [&](int r) { return p0 + r < hi; }, [&](int r) { return au + (p0 + r) * na; }, i0,
-            (int)na);
+            as[buf], [&](int r) { return p0 + r < hi; }, [&](int r) { return au + (p0 + r) * na; }, i0, (int)na);
         stage<GMM_BK, GMM_BN, S>(
-            bs + buf * ELEMS, [&](int r) { return p0 + r < hi; }, [&](int r) { return bu + (p0 + r) * nb; }, j0,
-            (int)nb);
+            bs[buf], [&](int r) { return p0 + r < hi; }, [&](int r) { return bu + (p0 + r) * nb; }, j0, (int)nb);
+        cp_commit();
     };
     GmmAcc acc = {};
     const i64 steps = (hi - lo + GMM_BK - 1) / GMM_BK;
-    pipelined(steps, [&](int buf, i64 s) { load(buf, lo + s * GMM_BK); }, [&](int buf) {
-        gmm_step<T, true, false, S, S>(acc, as + buf * ELEMS, bs + buf * ELEMS, wm, wn, lane);
-    });
+    if (steps > 0) load(0, lo);
+    for (i64 s = 0; s < steps; ++s) {
+        if (s + 1 < steps) load((int)((s + 1) & 1), lo + (s + 1) * GMM_BK);
+        else cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        gmm_step<T, true, false, S, S>(acc, as[s & 1], bs[s & 1], wm, wn, lane);
+        __syncthreads();
+    }
     const int rows_end = (int)(na - i0 < GMM_BM ? na - i0 : GMM_BM);
     const int cols_end = (int)(nb - j0 < GMM_BN ? nb - j0 : GMM_BN);
     gmm_store<T>(acc, out + e * na * nb + (i64)i0 * nb + j0, nb, rows_end, cols_end, wm, wn, lane);

@@ -4,13 +4,11 @@
 //! block (a stable counting sort, its warps over segments of the pairs,
 //! whose offsets stay on the device); the rest are grid-stride loops with
 //! a thread per output row or element, computing in the CPU reference's
-//! order, so every output is the CPU's bit for bit. The grouped products
-//! of bf16 and f16 whose widths are multiples of 8 (every expert geometry
-//! published) run on tensor cores instead (`grouped_mma_*`: tiles of
-//! `MMA_TILE` rows and columns, each row tile inside one expert,
-//! `MMA_STAGES` of them in flight in dynamic shared memory), correct to
-//! the rounding of their f32 sums; every other product takes the plain
-//! kernels.
+//! order, so every output is the CPU's bit for bit. The grouped products of bf16 and f16 whose widths are
+//! multiples of 8 (every expert geometry published) run on tensor cores
+//! instead (`grouped_mma_*`: tiles of `MMA_TILE` rows and columns, each
+//! row tile inside one expert), correct to the rounding of their f32 sums;
+//! every other product takes the plain kernels.
 
 use stepgraph_core::ops::moe::{ExpertSort, GroupedMatmul, GroupedMatmulWeightGrad, TopK, TopKBackward};
 
@@ -19,7 +17,7 @@ use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_args::kernel_args;
 use crate::kernel_module::KernelModule;
-use crate::launch::{Arg, DevTensor, KernelLaunch, Launch};
+use crate::launch::{DevTensor, Launch};
 use stepgraph_core::ir::DType;
 
 const MODULE: &str = "moe";
@@ -32,47 +30,6 @@ pub(super) const SORT_MAX_EXPERTS: usize = 8192;
 
 /// Rows and columns of a tensor-core tile (`GMM_BM`, `GMM_BN` of moe.cu).
 const MMA_TILE: usize = 128;
-/// Depth of a tensor-core tile (`GMM_BK`), its shared rows' padding
-/// (`GMM_PAD`) and the tiles in flight (`GMM_STAGES`).
-const MMA_DEPTH: usize = 32;
-const MMA_PAD: usize = 8;
-const MMA_STAGES: usize = 4;
-
-/// The tensor-core kernels' three forms.
-#[derive(Clone, Copy)]
-enum MmaForm {
-    /// `grouped_mma_nt`: x tiles `[rows][depth]`, w tiles `[columns][depth]`.
-    Nt,
-    /// `grouped_mma_nn`: w tiles `[depth][columns]`.
-    Nn,
-    /// `grouped_mma_weight_grad`: both tiles `[depth][columns]`.
-    WeightGrad,
-}
-
-/// The dynamic shared memory of a tensor-core launch: `MMA_STAGES`
-/// buffers of its two tiles of 16-bit elements, rows padded.
-fn mma_shared_bytes(form: MmaForm) -> u32 {
-    let wide = MMA_TILE + MMA_PAD; // a [depth][columns] tile's row
-    let deep = MMA_DEPTH + MMA_PAD; // a [rows][depth] tile's row
-    let (a, b) = match form {
-        MmaForm::Nt => (MMA_TILE * deep, MMA_TILE * deep),
-        MmaForm::Nn => (MMA_TILE * deep, MMA_DEPTH * wide),
-        MmaForm::WeightGrad => (MMA_DEPTH * wide, MMA_DEPTH * wide),
-    };
-    (MMA_STAGES * (a + b) * 2) as u32
-}
-
-/// A tensor-core launch of `function` with its shared memory.
-fn mma_launch(function: String, form: MmaForm, grid: (u32, u32, u32), args: Vec<Arg>) -> Launch {
-    Launch::Kernel(KernelLaunch {
-        module: MODULE,
-        function,
-        grid,
-        block: (MMA_THREADS, 1, 1),
-        shared_bytes: mma_shared_bytes(form),
-        args,
-    })
-}
 /// Threads of a tensor-core block (`GMM_THREADS`).
 const MMA_THREADS: u32 = 256;
 
@@ -263,8 +220,8 @@ impl Lower for GroupedMatmul {
         if let Some(tc) = on_tensor_cores(x.ty.dtype, &[k, n], &[x, w, y]) {
             // Every expert's rows in tiles: at most ceil(m / tile) + experts of them.
             let grid = ((m.div_ceil(MMA_TILE) + experts).max(1) as u32, n.div_ceil(MMA_TILE).max(1) as u32, 1);
-            let (form, name) = if self.trans_w { (MmaForm::Nn, "nn") } else { (MmaForm::Nt, "nt") };
-            return Ok(vec![mma_launch(format!("grouped_mma_{name}_{tc}"), form, grid, args)]);
+            let f = format!("grouped_mma_{}_{tc}", if self.trans_w { "nn" } else { "nt" });
+            return Ok(vec![launch(MODULE, f, grid, (MMA_THREADS, 1, 1), args)]);
         }
         Ok(vec![launch_1d(MODULE, format!("grouped_matmul_{dt}"), m * n, args)])
     }
@@ -292,7 +249,7 @@ impl Lower for GroupedMatmulWeightGrad {
             if experts > 0 {
                 let grid = (na.div_ceil(MMA_TILE).max(1) as u32, nb.div_ceil(MMA_TILE).max(1) as u32, experts as u32);
                 let f = format!("grouped_mma_weight_grad_{tc}");
-                return Ok(vec![mma_launch(f, MmaForm::WeightGrad, grid, args)]);
+                return Ok(vec![launch(MODULE, f, grid, (MMA_THREADS, 1, 1), args)]);
             }
         }
         Ok(vec![launch_1d(MODULE, format!("grouped_matmul_weight_grad_{dt}"), out.ty.numel(), args)])
@@ -313,18 +270,12 @@ mod tests {
         line.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name} is a number"))
     }
 
-    /// The launches' sizes are the kernels' own: the tile, its depth and
-    /// padding and the stages give the shared memory the kernels index
-    /// (each stage of the `nt` form: two 128 × 40 tiles of 2 bytes), and
-    /// the routing sort's block and expert limit.
+    /// The launches' sizes are the kernels' own: the tensor-core tile and
+    /// block, and the routing sort's block and expert limit.
     #[test]
     fn the_launch_sizes_are_the_kernels() {
         assert_eq!((define("GMM_BM"), define("GMM_BN")), (MMA_TILE, MMA_TILE));
-        assert_eq!((define("GMM_BK"), define("GMM_PAD"), define("GMM_STAGES")), (MMA_DEPTH, MMA_PAD, MMA_STAGES));
         assert_eq!(define("GMM_THREADS"), MMA_THREADS as usize);
-        assert_eq!(mma_shared_bytes(MmaForm::Nt), (MMA_STAGES * 2 * 128 * 40 * 2) as u32);
-        assert_eq!(mma_shared_bytes(MmaForm::Nn), (MMA_STAGES * (128 * 40 + 32 * 136) * 2) as u32);
-        assert_eq!(mma_shared_bytes(MmaForm::WeightGrad), (MMA_STAGES * 2 * 32 * 136 * 2) as u32);
         assert_eq!(define("SG_SORT_THREADS"), SORT_THREADS as usize);
         assert_eq!(define("SG_SORT_SHARED"), SORT_MAX_EXPERTS);
     }
