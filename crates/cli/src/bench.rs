@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// with `torch.optim.AdamW`, as this does; `train` defaults to kahan.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::MasterWeightsArg::None)]
     pub master_weights: crate::MasterWeightsArg,
+    /// dtype of the AdamW moments in train workloads, as `train`'s: 8bit
+    /// quantizes them (also --optimizer-state 8bit).
+    #[arg(long, alias = "optimizer-state", value_enum, value_name = "DTYPE", default_value_t = crate::StateDTypeArg::Auto)]
+    pub state_dtype: crate::StateDTypeArg,
     /// Fill each row with packed documents of MIN to MAX tokens (lengths
     /// drawn uniformly, seeded), none seeing another (`train --packing
     /// documents`): the step takes their positions and attention skips the
@@ -318,6 +322,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut opts = StepOptions::new(kind);
     opts.train.adamw.weight_decay = 0.1;
     opts.train.master_weights = args.master_weights.mode();
+    if args.state_dtype != crate::StateDTypeArg::Auto && kind != StepKind::Train {
+        let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        bail!("--state-dtype needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): {name} has no optimizer");
+    }
+    args.state_dtype.apply(&mut opts.train, spec.dtype);
     if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
         bail!("--clip-grad-norm must be a finite number >= 0 (0: no clipping), got {}", args.clip_grad_norm);
     }

@@ -313,7 +313,7 @@ impl GenerateModelArgs {
 }
 
 #[derive(Copy, Clone, ValueEnum, Debug, PartialEq)]
-enum StateDTypeArg {
+pub(crate) enum StateDTypeArg {
     /// float32 for f16 parameters, the parameter dtype otherwise.
     Auto,
     /// float32 moments for every parameter.
@@ -324,6 +324,19 @@ enum StateDTypeArg {
     /// optimizers): 2 bytes a weight for both moments.
     #[value(name = "8bit")]
     EightBit,
+}
+
+impl StateDTypeArg {
+    /// Sets the moments' dtype (or their 8-bit quantization) of `t`, whose
+    /// parameters are `param`.
+    pub(crate) fn apply(self, t: &mut TrainOptions, param: DType) {
+        t.state_dtype = match self {
+            StateDTypeArg::F32 => Some(DType::F32),
+            StateDTypeArg::Auto | StateDTypeArg::EightBit => None,
+            StateDTypeArg::Param => Some(param),
+        };
+        t.moments_8bit = self == StateDTypeArg::EightBit;
+    }
 }
 
 /// What bf16/f16 parameters keep so that small updates are not rounded away.
@@ -433,12 +446,8 @@ impl OptimArgs {
         t.clip_by_previous_norm = self.clip_by_previous_norm;
         t.decay = if self.decay_all { DecayScope::All } else { DecayScope::Matrices };
         t.master_weights = self.master_weights.mode();
-        t.state_dtype = match (self.f32_state, self.state_dtype) {
-            (true, _) | (false, StateDTypeArg::F32) => Some(DType::F32),
-            (false, StateDTypeArg::Auto | StateDTypeArg::EightBit) => None,
-            (false, StateDTypeArg::Param) => Some(param),
-        };
-        t.moments_8bit = !self.f32_state && self.state_dtype == StateDTypeArg::EightBit;
+        let state = if self.f32_state { StateDTypeArg::F32 } else { self.state_dtype };
+        state.apply(&mut t, param);
         Ok(t)
     }
 

@@ -117,6 +117,10 @@ fn flag_errors_quote_the_flag_and_value() {
         &["--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): w1 computes gradients only"],
     );
     fails_with(
+        &["bench", "--workload", "w3", "--optimizer-state", "8bit"],
+        &["--state-dtype needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): w3 has no optimizer"],
+    );
+    fails_with(
         &["bench", "--workload", "w5", "--clip-grad-norm=-1"],
         &["--clip-grad-norm must be a finite number >= 0"],
     );
