@@ -470,3 +470,37 @@ fn run_op_aliased_in(op: &Op, inputs: &[HostTensor], comm: Option<&dyn Communica
     }
     Ok(outs)
 }
+
+/// A CPU session of a compiled step holding the weights of seed `seed`
+/// (as [`crate::models::init_params`] draws them) and zeroed optimizer
+/// state, as `train` starts one.
+pub fn seeded_session(c: &crate::pipeline::CompiledStep, seed: u64) -> crate::cpu::exec::CpuSession {
+    use crate::session::Session;
+    let mut s = crate::cpu::exec::CpuSession::new(c.step.clone(), c.plan.clone()).expect("a planned step opens");
+    for (v, t) in crate::models::init_params(&c.forward, seed) {
+        s.write_named(c.forward.value(v).kind.leaf_name().expect("parameters are named"), &t).expect("write");
+    }
+    s.zero_state().expect("zero the optimizer state");
+    s
+}
+
+/// A CPU session of `step` (planned with the defaults) holding `weights`
+/// by leaf name and the named inputs `data`, after one eager run: a grads
+/// step's gradients for a finite-difference check.
+pub fn run_with_weights(
+    step: &Trace,
+    weights: &HashMap<String, HostTensor>,
+    data: &[(&str, HostTensor)],
+) -> crate::cpu::exec::CpuSession {
+    let plan = crate::plan::plan(step, crate::plan::PlanOptions::default()).expect("the step plans");
+    let mut s = crate::cpu::exec::CpuSession::new(step.clone(), plan).expect("a planned step opens");
+    for v in step.weights() {
+        let name = step.value(v).kind.leaf_name().expect("weights are named");
+        s.write(v, &weights[name]).expect("write a weight");
+    }
+    for (n, t) in data {
+        s.write_named(n, t).expect("write an input");
+    }
+    s.run_eager().expect("the step runs");
+    s
+}

@@ -10,10 +10,11 @@ use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType, ValueKind};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{init_params, LossKind, ModelSpec};
+use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::ops::adamw8::{dynamic_map, BLOCK};
 use stepgraph_core::ops::Op;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
+use stepgraph_core::testing::seeded_session;
 
 const SEQ: usize = 16;
 
@@ -36,19 +37,6 @@ fn batch(seed: usize) -> (HostTensor, HostTensor) {
         tg.extend_from_slice(&row[1..]);
     }
     (HostTensor::from_f64(ty.clone(), &ids), HostTensor::from_f64(ty, &tg))
-}
-
-fn session(c: &CompiledStep) -> CpuSession {
-    let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
-    for (v, t) in init_params(&c.forward, 7) {
-        s.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
-    }
-    for v in c.step.leaves().collect::<Vec<_>>() {
-        if matches!(c.step.value(v).kind, ValueKind::State { .. }) {
-            s.write(v, &HostTensor::zeros(c.step.ty(v).clone())).unwrap();
-        }
-    }
-    s
 }
 
 /// The leaf `name` of the session's step, as it holds it now.
@@ -100,7 +88,7 @@ fn eight_bit_moments_take_two_bytes_a_weight_and_a_scale_per_block() {
 fn the_first_update_is_dense_adamws_and_the_codes_hold_the_moments() {
     for dtype in [DType::F32, DType::BF16] {
         let (dense, q) = (compiled(dtype, false), compiled(dtype, true));
-        let (mut sd, mut sq) = (session(&dense), session(&q));
+        let (mut sd, mut sq) = (seeded_session(&dense, 7), seeded_session(&q, 7));
         step(&mut sd, 1, 1e-2);
         step(&mut sq, 1, 1e-2);
         for p in q.forward.params() {
@@ -132,7 +120,7 @@ fn the_first_update_is_dense_adamws_and_the_codes_hold_the_moments() {
 #[test]
 fn three_hundred_steps_stay_within_a_band_of_f32_moments() {
     let (dense, q) = (compiled(DType::F32, false), compiled(DType::F32, true));
-    let (mut sd, mut sq) = (session(&dense), session(&q));
+    let (mut sd, mut sq) = (seeded_session(&dense, 7), seeded_session(&q, 7));
     let (mut first, mut worst, mut last) = ((0.0, 0.0), 0.0f64, (0.0, 0.0));
     for it in 1..=300 {
         let (ld, lq) = (step(&mut sd, it, 3e-3), step(&mut sq, it, 3e-3));

@@ -17,8 +17,9 @@ use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARG
 use stepgraph_core::models::lora::merged_weight;
 use stepgraph_core::models::{build_forward, init_params, Adapters, LoraTarget, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
-use stepgraph_core::plan::{plan, plan_report, PlanOptions};
+use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::Session;
+use stepgraph_core::testing::run_with_weights;
 use stepgraph_core::testing::{directional_derivative, interpret};
 
 fn spec(dtype: DType, adapters: Option<Adapters>) -> ModelSpec {
@@ -121,15 +122,7 @@ fn adapter_gradients_match_finite_differences() {
 
         let w = weights(&fwd, 3, true);
         let data = batch(&sp, 1);
-        let p = plan(&grads, PlanOptions::default()).unwrap();
-        let mut s = CpuSession::new(grads.clone(), p).unwrap();
-        for v in grads.weights() {
-            s.write(v, &w[&name(&grads, v)]).unwrap();
-        }
-        for (n, t) in &data {
-            s.write_named(n, t).unwrap();
-        }
-        s.run_eager().unwrap();
+        let mut s = run_with_weights(&grads, &w, &data);
 
         let mut rng = StdRng::seed_from_u64(11);
         let params: Vec<ValueId> = fwd.params().collect();

@@ -16,7 +16,7 @@ use stepgraph_core::ir::parse::parse;
 use stepgraph_core::ir::{Builder, DType, TensorType, Trace};
 use stepgraph_core::models::checkpoint::{read_safetensors, write_safetensors_atomic};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{init_params, LossKind, ModelSpec};
+use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::Op;
 use stepgraph_core::passes::optimizer_placement::OptimizerPlacement;
@@ -24,6 +24,7 @@ use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::Session;
 use stepgraph_core::testing::run_op;
+use stepgraph_core::testing::seeded_session;
 
 const MODES: [MasterWeights; 3] = MasterWeights::ALL;
 
@@ -202,16 +203,6 @@ fn compiled(dtype: DType, opts: &StepOptions) -> CompiledStep {
     compile_step(&spec, opts).unwrap()
 }
 
-/// A session with the seeded weights and zeroed state, as `train` starts one.
-fn session(c: &CompiledStep) -> CpuSession {
-    let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
-    for (v, t) in init_params(&c.forward, 0) {
-        s.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
-    }
-    s.zero_state().unwrap();
-    s
-}
-
 /// Batch `k` of a cycle of four: windows of a text with structure to learn.
 fn batch(k: usize, rows: usize) -> (HostTensor, HostTensor) {
     let text: Vec<f64> = (0..8192).map(|i| ((i * 7 + i / 5) % 61 + 32) as f64).collect();
@@ -236,7 +227,7 @@ fn run_step(s: &mut dyn Session, it: usize, lr: f64, rows: usize) -> f64 {
 /// The losses of `steps` steps at a constant `lr`.
 fn losses(dtype: DType, master: MasterWeights, lr: f64, steps: usize) -> Vec<f64> {
     let c = compiled(dtype, &options(master));
-    let mut s = session(&c);
+    let mut s = seeded_session(&c, 0);
     (1..=steps).map(|it| run_step(&mut s, it, lr, BATCH)).collect()
 }
 
@@ -300,9 +291,9 @@ fn a_resume_from_saved_master_state_continues_bit_for_bit() {
     for master in [MasterWeights::F32, MasterWeights::Kahan] {
         let c = compiled(DType::BF16, &options(master));
         let lr = 2e-4;
-        let mut straight = session(&c);
+        let mut straight = seeded_session(&c, 0);
         let want: Vec<f64> = (1..=6).map(|it| run_step(&mut straight, it, lr, BATCH)).collect();
-        let mut first = session(&c);
+        let mut first = seeded_session(&c, 0);
         (1..=3).for_each(|it| _ = run_step(&mut first, it, lr, BATCH));
         let saved = leaves(&mut first);
         let suffix = master.state_suffix().unwrap();
@@ -332,7 +323,7 @@ fn master_state_works_in_backward_with_accumulation_and_clipping() {
             let c = compiled(DType::BF16, &opts);
             let moved = c.step.nodes.iter().filter(|n| matches!(n.op, Op::AdamW(_))).count();
             assert!(moved > 0);
-            let mut s = session(&c);
+            let mut s = seeded_session(&c, 0);
             let losses: Vec<f64> = (1..=4).map(|it| run_step(&mut s, it, 1e-3, 2 * BATCH)).collect();
             (losses, leaves(&mut s))
         };
@@ -357,7 +348,7 @@ fn zero1_shards_the_master_state_and_updates_as_data_parallelism_does() {
             let c = compiled(DType::BF16, &opts);
             run_ranks(world, |comm| {
                 let rank = comm.rank();
-                let mut s = session(&c);
+                let mut s = seeded_session(&c, 0);
                 s.set_comm(std::sync::Arc::new(comm))?;
                 let mut losses = Vec::new();
                 for it in 1..=3 {
@@ -407,7 +398,7 @@ fn learning_rate_table() {
         for master in MODES {
             let c = compiled(DType::BF16, &options(master));
             let bytes = plan_report(&c.step, &c.plan, 1).optimizer_state_bytes;
-            let mut s = session(&c);
+            let mut s = seeded_session(&c, 0);
             let start = std::time::Instant::now();
             let l: Vec<f64> = (1..=steps).map(|it| run_step(&mut s, it, lr, BATCH)).collect();
             let ms = start.elapsed().as_secs_f64() * 1e3 / steps as f64;

@@ -18,8 +18,8 @@ use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARG
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, MoeConfig};
 use stepgraph_core::ops::Op;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
-use stepgraph_core::plan::{plan, PlanOptions};
 use stepgraph_core::session::Session;
+use stepgraph_core::testing::run_with_weights;
 use stepgraph_core::testing::{directional_derivative, interpret};
 
 /// A tiny Llama-layout model whose layer 0 has 4 experts (2 per token) and
@@ -143,15 +143,7 @@ fn assert_gradients_match(sp: &ModelSpec, groups: &[&str]) {
     let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
     let w = weights(&fwd, 5);
     let data = batch(sp, 2);
-    let p = plan(&grads, PlanOptions::default()).unwrap();
-    let mut s = CpuSession::new(grads.clone(), p).unwrap();
-    for v in grads.weights() {
-        s.write(v, &w[&name(&grads, v)]).unwrap();
-    }
-    for (n, t) in &data {
-        s.write_named(n, t).unwrap();
-    }
-    s.run_eager().unwrap();
+    let mut s = run_with_weights(&grads, &w, &data);
 
     let params: Vec<ValueId> = fwd.params().collect();
     for part in groups.iter().copied().map(Some).chain([None]) {

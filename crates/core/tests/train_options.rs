@@ -14,12 +14,13 @@ use stepgraph_core::cpu::comm::{run_ranks, Communicator};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::dist::{shard_rows, DataParallel};
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, OutputKind, Phase, TensorType, Trace, ValueKind};
+use stepgraph_core::ir::{DType, OutputKind, Phase, TensorType, Trace};
 use stepgraph_core::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
-use stepgraph_core::models::{init_params, LossKind, ModelSpec};
+use stepgraph_core::models::{LossKind, ModelSpec};
 use stepgraph_core::ops::Op;
 use stepgraph_core::passes::recompute::RecomputePolicy;
 use stepgraph_core::pipeline::{compile_step, CompiledStep, StepOptions};
+use stepgraph_core::testing::seeded_session;
 
 const SEQ: usize = 16;
 
@@ -37,20 +38,6 @@ fn batch(rows: usize, seed: usize) -> (HostTensor, HostTensor) {
         tg.extend_from_slice(&row[1..]);
     }
     (HostTensor::from_f64(ty.clone(), &ids), HostTensor::from_f64(ty, &tg))
-}
-
-/// A session of `c` with the seed-7 weights and zero optimizer state.
-fn session(c: &CompiledStep) -> CpuSession {
-    let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
-    for (v, t) in init_params(&c.forward, 7) {
-        s.write_named(c.forward.value(v).kind.leaf_name().unwrap(), &t).unwrap();
-    }
-    for v in c.step.leaves().collect::<Vec<_>>() {
-        if matches!(c.step.value(v).kind, ValueKind::State { .. }) {
-            s.write(v, &HostTensor::zeros(c.step.ty(v).clone())).unwrap();
-        }
-    }
-    s
 }
 
 /// Runs one step of `c` on `(ids, targets)` (rows `rank` of `world`); its loss.
@@ -98,7 +85,7 @@ fn two_micro_batches_of_b_rows_equal_one_batch_of_2b() {
     let whole = compile_step(&spec(4), &StepOptions::new(StepKind::Grads)).unwrap();
     let accum = compile_step(&spec(2), &StepOptions { grad_accum: 2, ..StepOptions::new(StepKind::Grads) }).unwrap();
     assert_eq!(accum.step.ty(accum.step.leaf_by_name(TOKENS_INPUT).unwrap()).shape, [4, SEQ]);
-    let (mut a, mut b) = (session(&whole), session(&accum));
+    let (mut a, mut b) = (seeded_session(&whole, 7), seeded_session(&accum, 7));
     let (la, lb) = (step(&mut a, &whole, &ids, &tg, 1), step(&mut b, &accum, &ids, &tg, 1));
     assert!((la - lb).abs() <= 1e-6 * la.abs(), "loss {la} vs {lb}");
     let (ga, gb) = (grads(&mut a, &whole.step), grads(&mut b, &accum.step));
@@ -113,7 +100,7 @@ fn two_micro_batches_of_b_rows_equal_one_batch_of_2b() {
         accum.step.nodes.iter().filter(|n| matches!(n.op, Op::AdamW(_))).count(),
         whole.forward.params().count()
     );
-    let (mut a, mut b) = (session(&whole), session(&accum));
+    let (mut a, mut b) = (seeded_session(&whole, 7), seeded_session(&accum, 7));
     for it in 1..=3 {
         let (ids, tg) = batch(4, it);
         let (la, lb) = (step(&mut a, &whole, &ids, &tg, it), step(&mut b, &accum, &ids, &tg, it));
@@ -170,7 +157,7 @@ fn clipping_scales_every_gradient_by_the_global_norm() {
     let (ids, tg) = batch(2, 3);
     // The global norm of the step's gradients, from a grads step.
     let g = compile_step(&spec(2), &StepOptions::new(StepKind::Grads)).unwrap();
-    let mut gs = session(&g);
+    let mut gs = seeded_session(&g, 7);
     step(&mut gs, &g, &ids, &tg, 1);
     let gradients = grads(&mut gs, &g.step);
     let norm = gradients.iter().flat_map(|(_, v)| v.iter()).map(|x| x * x).sum::<f64>().sqrt();
@@ -180,7 +167,7 @@ fn clipping_scales_every_gradient_by_the_global_norm() {
     let loose =
         compile_step(&spec(2), &train_opts(TrainOptions { clip_grad_norm: Some(1e9), ..TrainOptions::default() }))
             .unwrap();
-    let (mut a, mut b) = (session(&plain), session(&loose));
+    let (mut a, mut b) = (seeded_session(&plain, 7), seeded_session(&loose, 7));
     for it in 1..=2 {
         assert_eq!(step(&mut a, &plain, &ids, &tg, it).to_bits(), step(&mut b, &loose, &ids, &tg, it).to_bits());
     }
@@ -195,7 +182,7 @@ fn clipping_scales_every_gradient_by_the_global_norm() {
     let tight =
         compile_step(&spec(2), &train_opts(TrainOptions { clip_grad_norm: Some(max), ..TrainOptions::default() }))
             .unwrap();
-    let mut t = session(&tight);
+    let mut t = seeded_session(&tight, 7);
     step(&mut t, &tight, &ids, &tg, 1);
     let out = tight.step.outputs.iter().find(|o| o.kind == OutputKind::Named(GRAD_NORM_OUTPUT.into())).unwrap();
     let reported = t.read(out.value).to_f64()[0];
@@ -266,7 +253,8 @@ fn clipping_by_the_previous_norm_scales_by_the_state_as_written() {
     let exact =
         compile_step(&spec(2), &train_opts(TrainOptions { clip_grad_norm: Some(0.5), ..TrainOptions::default() }))
             .unwrap();
-    let (mut u, mut p, mut e) = (session(&unclipped), session(&previous), session(&exact));
+    let (mut u, mut p, mut e) =
+        (seeded_session(&unclipped, 7), seeded_session(&previous, 7), seeded_session(&exact, 7));
     step(&mut u, &unclipped, &ids, &tg, 1);
     step(&mut p, &previous, &ids, &tg, 1);
     step(&mut e, &exact, &ids, &tg, 1);
@@ -280,7 +268,7 @@ fn clipping_by_the_previous_norm_scales_by_the_state_as_written() {
     let (np, ne) = (norm(&mut p, &previous), norm(&mut e, &exact));
     assert!((np - ne).abs() <= 1e-6 * ne, "{np} vs {ne}");
     // A fresh run whose state says the previous norm was 5 (ten times 0.5).
-    let mut q = session(&previous);
+    let mut q = seeded_session(&previous, 7);
     let leaf = previous.step.leaf_by_name(PREVIOUS_GRAD_NORM_STATE).unwrap();
     q.write(leaf, &HostTensor::from_f64(previous.step.ty(leaf).clone(), &[5.0])).unwrap();
     step(&mut q, &previous, &ids, &tg, 1);
@@ -296,7 +284,7 @@ fn clipping_by_the_previous_norm_scales_by_the_state_as_written() {
 fn data_parallel_ranks_clip_by_the_global_batch_norm() {
     let clip = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
     let single = compile_step(&spec(4), &train_opts(clip.clone())).unwrap();
-    let mut s = session(&single);
+    let mut s = seeded_session(&single, 7);
     let mut want = Vec::new();
     for it in 1..=3 {
         let (ids, tg) = batch(4, it);
@@ -306,7 +294,7 @@ fn data_parallel_ranks_clip_by_the_global_batch_norm() {
     let rank_step = compile_step(&spec(4), &dp).unwrap();
     let runs = run_ranks(2, |comm| {
         let rank = comm.rank();
-        let mut s = session(&rank_step);
+        let mut s = seeded_session(&rank_step, 7);
         s.set_comm(Arc::new(comm))?;
         let mut losses = Vec::new();
         for it in 1..=3 {
