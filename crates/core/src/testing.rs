@@ -504,3 +504,15 @@ pub fn run_with_weights(
     s.run_eager().expect("the step runs");
     s
 }
+
+/// Uniformly drawn token ids and targets for `spec`'s batch, as the named
+/// inputs of its step.
+pub fn random_batch(spec: &crate::models::ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
+    use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = spec.batch * spec.seq;
+    let ty = TensorType::new(crate::ir::DType::I32, [spec.batch, spec.seq]);
+    let mut draw = || -> Vec<f64> { (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect() };
+    let (ids, targets) = (draw(), draw());
+    vec![(TOKENS_INPUT, HostTensor::from_f64(ty.clone(), &ids)), (TARGETS_INPUT, HostTensor::from_f64(ty, &targets))]
+}

@@ -6,21 +6,21 @@
 use std::collections::HashMap;
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 
 use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions, LR_INPUT, STEP_INPUT};
 use stepgraph_core::cpu::exec::{scalar_input, CpuSession};
 use stepgraph_core::host::HostTensor;
-use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueId, ValueKind};
-use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::ir::{DType, OutputKind, Trace, ValueId, ValueKind};
+use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT};
 use stepgraph_core::models::lora::merged_weight;
 use stepgraph_core::models::{build_forward, init_params, Adapters, LoraTarget, LossKind, ModelSpec};
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::plan::plan_report;
 use stepgraph_core::session::Session;
-use stepgraph_core::testing::run_with_weights;
 use stepgraph_core::testing::{directional_derivative, interpret};
+use stepgraph_core::testing::{random_batch, run_with_weights};
 
 fn spec(dtype: DType, adapters: Option<Adapters>) -> ModelSpec {
     let mut s = ModelSpec::named("tiny-llama", 2, 8, dtype, LossKind::CrossEntropy).unwrap();
@@ -30,15 +30,6 @@ fn spec(dtype: DType, adapters: Option<Adapters>) -> ModelSpec {
 
 fn adapters(rank: usize, targets: Vec<LoraTarget>) -> Adapters {
     Adapters::new(rank, 2.0 * rank as f64 + 1.0, targets).unwrap()
-}
-
-fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let n = spec.batch * spec.seq;
-    let ty = TensorType::new(DType::I32, [spec.batch, spec.seq]);
-    let ids: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
-    let t: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
-    vec![(TOKENS_INPUT, HostTensor::from_f64(ty.clone(), &ids)), (TARGETS_INPUT, HostTensor::from_f64(ty, &t))]
 }
 
 fn name(t: &Trace, v: ValueId) -> String {
@@ -121,7 +112,7 @@ fn adapter_gradients_match_finite_differences() {
         assert!(grad_of.iter().all(|n| n.contains(".lora_")), "{grad_of:?}");
 
         let w = weights(&fwd, 3, true);
-        let data = batch(&sp, 1);
+        let data = random_batch(&sp, 1);
         let mut s = run_with_weights(&grads, &w, &data);
 
         let mut rng = StdRng::seed_from_u64(11);
@@ -156,7 +147,7 @@ fn a_zero_b_gives_the_base_models_logits_bit_for_bit() {
         let fwd = build_forward_with_logits(&with).unwrap();
         let base = build_forward_with_logits(&spec(dtype, None)).unwrap();
         let w = weights(&fwd, 7, false);
-        let data = batch(&with, 2);
+        let data = random_batch(&with, 2);
         let (a, b) = (logits(&fwd, &w, &data), logits(&base, &w, &data));
         assert_eq!(a.len(), b.len());
         assert!(a.iter().zip(&b).all(|(x, y)| x == y), "{dtype}: adapters at B = 0 changed the logits");
@@ -182,7 +173,7 @@ fn merged_and_unmerged_models_agree() {
         }
     }
     assert_eq!(count, 3 * with.config.n_layer);
-    let data = batch(&with, 4);
+    let data = random_batch(&with, 4);
     let (x, y) = (logits(&fwd, &w, &data), logits(&base, &merged, &data));
     let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs() / a.abs().max(1e-3)).fold(0.0, f64::max);
     assert!(worst < 1e-10, "merged and unmerged logits differ by {worst:e}");
@@ -267,7 +258,7 @@ fn an_nf4_base_computes_with_its_dequantized_weights_bit_for_bit() {
             let back: Vec<f64> = dequantize_nf4(&nf4, x.len()).into_iter().map(f64::from).collect();
             w.insert(qw.name.clone(), HostTensor::from_f64(qw.ty.clone(), &back));
         }
-        let data = batch(&spec(DType::F32, None), 6);
+        let data = random_batch(&spec(DType::F32, None), 6);
         assert_eq!(logits(&q, &leaves, &data), logits(&plain, &w, &data), "double quant {double_quant}");
 
         // The plan holds the base at about half a byte a weight.
@@ -320,7 +311,7 @@ fn adapter_dropout_is_drawn_in_training_steps_only_and_per_micro_batch() {
     big.batch *= 2;
     let mut losses = Vec::new();
     for it in 1..=3 {
-        for (n, t) in batch(&big, 1) {
+        for (n, t) in random_batch(&big, 1) {
             s.write_named(n, &t).unwrap();
         }
         s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();
@@ -348,7 +339,7 @@ fn trained(
     s.zero_state().unwrap();
     let mut losses = Vec::new();
     for it in 1..=steps {
-        for (n, t) in batch(sp, batch_seed(it)) {
+        for (n, t) in random_batch(sp, batch_seed(it)) {
             s.write_named(n, &t).unwrap();
         }
         s.write_named(LR_INPUT, &scalar_input(1e-2)).unwrap();

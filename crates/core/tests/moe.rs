@@ -14,13 +14,13 @@ use stepgraph_core::autodiff::{build_step, StepKind, TrainOptions};
 use stepgraph_core::cpu::exec::CpuSession;
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, OutputKind, TensorType, Trace, ValueId};
-use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT, TARGETS_INPUT, TOKENS_INPUT};
+use stepgraph_core::models::gpt::{build_forward_with_logits, LOGITS_OUTPUT};
 use stepgraph_core::models::{build_forward, init_params, Config, LossKind, ModelSpec, MoeConfig};
 use stepgraph_core::ops::Op;
 use stepgraph_core::pipeline::{compile_step, StepOptions};
 use stepgraph_core::session::Session;
-use stepgraph_core::testing::run_with_weights;
 use stepgraph_core::testing::{directional_derivative, interpret};
+use stepgraph_core::testing::{random_batch, run_with_weights};
 
 /// A tiny Llama-layout model whose layer 0 has 4 experts (2 per token) and
 /// layer 1 the dense MLP; without renormalisation, a shared expert too (as
@@ -49,15 +49,6 @@ fn spec(config: Config, dtype: DType) -> ModelSpec {
 
 fn name(t: &Trace, v: ValueId) -> String {
     t.value(v).kind.leaf_name().unwrap().to_string()
-}
-
-fn batch(spec: &ModelSpec, seed: u64) -> Vec<(&'static str, HostTensor)> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let n = spec.batch * spec.seq;
-    let ty = TensorType::new(DType::I32, [spec.batch, spec.seq]);
-    let ids: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
-    let t: Vec<f64> = (0..n).map(|_| rng.gen_range(0..spec.config.vocab_size) as f64).collect();
-    vec![(TOKENS_INPUT, HostTensor::from_f64(ty.clone(), &ids)), (TARGETS_INPUT, HostTensor::from_f64(ty, &t))]
 }
 
 /// Every weight of `fwd` by name, drawn with a spread that makes the
@@ -142,7 +133,7 @@ fn assert_gradients_match(sp: &ModelSpec, groups: &[&str]) {
     let fwd = build_forward(sp).unwrap();
     let grads = build_step(&fwd, StepKind::Grads, &TrainOptions::default()).unwrap();
     let w = weights(&fwd, 5);
-    let data = batch(sp, 2);
+    let data = random_batch(sp, 2);
     let mut s = run_with_weights(&grads, &w, &data);
 
     let params: Vec<ValueId> = fwd.params().collect();
@@ -207,7 +198,7 @@ fn identical_experts_make_the_dense_mlp() {
     let router: Vec<f64> = (0..4 * moe_spec.config.n_embd).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let router_ty = TensorType::new(DType::F64, [4, moe_spec.config.n_embd]);
     mw.insert("model.layers.0.mlp.gate.weight".into(), HostTensor::from_f64(router_ty, &router));
-    let data = batch(&moe_spec, 4);
+    let data = random_batch(&moe_spec, 4);
     let (a, b) = (logits(&dense, &w, &data), logits(&moe, &mw, &data));
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / x.abs().max(1e-3)).fold(0.0, f64::max);
     // Equal up to f64 rounding: the weights sum to one within an ulp or two.
@@ -227,7 +218,7 @@ fn the_load_balancing_loss_joins_the_loss_and_is_reported() {
     };
     let (plain, weighted) = (build_forward(&with(None)).unwrap(), build_forward(&with(Some(0.25))).unwrap());
     let w = weights(&plain, 4);
-    let data = batch(&with(None), 8);
+    let data = random_batch(&with(None), 8);
     let value = |t: &Trace, v: ValueId| interpret(t, &leaves(t, &w, &data)).unwrap()[v.index()].to_f64()[0];
     let named = |t: &Trace| {
         t.outputs.iter().find(|o| o.kind == OutputKind::Named(ROUTER_AUX_LOSS_OUTPUT.into())).map(|o| o.value)
@@ -311,7 +302,7 @@ fn expert_adapters_train_and_merge_into_the_experts() {
         // Merged: the base model with every adapter folded into its weights.
         let with = build_forward_with_logits(&sp).unwrap();
         let w = weights(&with, 9);
-        let data = batch(&sp, 4);
+        let data = random_batch(&sp, 4);
         let adapted = logits(&with, &w, &data);
         let mut held = HeldWeights(w.clone());
         let mut merged = MergedWeights::new(&mut held, &with, sp.adapters.as_ref().unwrap()).unwrap();
@@ -361,7 +352,7 @@ fn an_nf4_base_quantizes_the_experts_too() {
             *t = HostTensor::zeros(t.ty.clone());
         }
     }
-    let data = batch(&sp, 4);
+    let data = random_batch(&sp, 4);
     let ours = logits(&fwd, &w.0, &data);
     let base_sp = ModelSpec { adapters: None, ..sp.clone() };
     let base = build_forward_with_logits(&base_sp).unwrap();
@@ -435,7 +426,7 @@ fn a_compiled_train_step_routes_sorts_and_runs_grouped_products() {
     // And the step runs on the CPU.
     let mut s = CpuSession::new(c.step.clone(), c.plan.clone()).unwrap();
     s.init_params(1).unwrap();
-    for (n, t) in batch(&sp, 6) {
+    for (n, t) in random_batch(&sp, 6) {
         s.write_named(n, &t).unwrap();
     }
     s.write_named(stepgraph_core::autodiff::LR_INPUT, &stepgraph_core::cpu::exec::scalar_input(1e-3)).unwrap();
