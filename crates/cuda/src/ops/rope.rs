@@ -3,10 +3,11 @@
 //! `[B, T, H, D]`, rotating that position's row of every batch row with the
 //! angles it computes once. Per-row start positions (a second input, for
 //! generation) or per-token positions (packed documents): one block per
-//! row `(b, t)`, since rows at different positions share no angles. Either way a 2-D block whose x lanes cover
-//! one chunk of a head's rotated pairs and y lanes the heads; frequency
-//! scaling (Llama-3.x, LongRoPE's factors) passed as one struct argument. The identity in place (no rotated
-//! dims, output aliasing input) launches nothing.
+//! row `(b, t)`, since rows at different positions share no angles. Either
+//! way a 2-D block whose x lanes cover one chunk of a head's rotated pairs
+//! and y lanes the heads; frequency scaling (Llama-3.x, LongRoPE's factors)
+//! passed as one struct argument. The identity in place (no rotated dims,
+//! output aliasing input) launches nothing.
 //!
 //! [`merge_ropes`] then makes a layer's two rotations (q then k, forward or
 //! inverse, at the same positions) one `rope2` (`rope2_at`) launch whose
@@ -179,6 +180,21 @@ mod tests {
     use super::*;
     use crate::launch::DevTensor;
     use crate::ops::lower;
+
+    /// The sizes the lowering assumes are rope.cu's.
+    #[test]
+    fn the_launch_sizes_are_the_kernels() {
+        let source = include_str!("../../kernels/rope.cu");
+        let define = |name: &str| -> usize {
+            source
+                .lines()
+                .find_map(|l| l.strip_prefix("#define ").and_then(|rest| rest.strip_prefix(name)))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("rope.cu defines {name}"))
+        };
+        assert_eq!((define("ROPE_CHUNK"), define("ROPE_LONG_PAIRS")), (ROPE_CHUNK, ROPE_LONG_PAIRS));
+    }
 
     #[test]
     fn rope_in_place_identity_is_free_and_out_of_place_copies() {
