@@ -263,7 +263,7 @@ fn the_settings_in_force_and_the_plan_are_printed_before_step_one() {
         "start-up ",
         ": build ",
         ", plan ",
-        ", session ",
+        ", backend ",
         ", weights ",
     ] {
         assert!(err.contains(needle), "no `{needle}` in\n{err}");

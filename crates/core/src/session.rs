@@ -160,15 +160,16 @@ impl StartupTimes {
     }
 }
 
-/// `start-up 12.345 s: build 0.120 s, plan 0.340 s, session 9.800 s (open
+/// `start-up 12.345 s: build 0.120 s, plan 0.340 s, backend 9.800 s (open
 /// device 0.310, ..., other 0.002), weights 0.085 s`: the one line a
-/// command prints before its first step.
+/// command prints before its first step ("backend": opening the CPU or GPU
+/// that runs the step, its phases in parentheses).
 impl fmt::Display for StartupTimes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = |ms: f64| ms / 1e3;
         write!(
             f,
-            "start-up {:.3} s: build {:.3} s, plan {:.3} s, session {:.3} s",
+            "start-up {:.3} s: build {:.3} s, plan {:.3} s, backend {:.3} s",
             s(self.total_ms),
             s(self.build_ms),
             s(self.plan_ms),
@@ -461,14 +462,14 @@ mod tests {
         assert_eq!(t.phase_ms("graph capture"), 0.0);
         assert_eq!(
             t.to_string(),
-            "start-up 4.875 s: build 1.500 s, plan 0.250 s, session 3.000 s \
+            "start-up 4.875 s: build 1.500 s, plan 0.250 s, backend 3.000 s \
              (kernel load 0.400, GEMM tuning 2.000, other 0.600), weights 0.125 s"
         );
         let json = serde_json::to_value(&t).unwrap();
         assert_eq!(json["session_phases"][1]["name"], "GEMM tuning");
         assert_eq!(json["weights_ms"], 125.0);
         let cpu = StartupTimes::new(compile, Duration::from_millis(10), Vec::new(), Duration::ZERO);
-        assert_eq!(cpu.to_string(), "start-up 1.760 s: build 1.500 s, plan 0.250 s, session 0.010 s, weights 0.000 s");
+        assert_eq!(cpu.to_string(), "start-up 1.760 s: build 1.500 s, plan 0.250 s, backend 0.010 s, weights 0.000 s");
     }
 
     #[test]
