@@ -114,7 +114,7 @@ pub fn run(model: &ModelArgs, args: &EvalArgs) -> Result<()> {
         load_adapters(session.as_mut(), &compiled.forward, tensors).with_context(|| format!("--adapter {name}"))?;
     }
     let n = batches.len();
-    let mut eval = Evaluator { session, batches, micro_batches: 1, frozen_copied: true };
+    let mut eval = Evaluator::on_loaded_session(session, batches);
     let loss = eval.mean_loss(0, 1)?;
     if !loss.is_finite() {
         bail!(

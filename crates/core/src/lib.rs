@@ -27,6 +27,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod session;
 pub mod testing;
+pub mod train_program;
 pub mod types;
 
 pub use error::{Error, Result};

@@ -286,6 +286,11 @@ pub trait Session {
     /// CUDA graph per range on the GPU), and waits for it.
     fn replay_nodes(&mut self, nodes: Range<usize>) -> Result<()>;
 
+    /// Makes the recording [`Session::replay_nodes`] runs for `nodes` (once;
+    /// a GPU wants the range run eagerly before, as
+    /// [`Session::prepare_replay`] does), and returns how long that took.
+    fn prepare_replay_nodes(&mut self, nodes: Range<usize>) -> Result<Duration>;
+
     /// The device memory the recording of `nodes` took, once made (`None`
     /// before, or where recordings are host launch lists).
     fn segment_graph_bytes(&self, _nodes: Range<usize>) -> Option<u64> {

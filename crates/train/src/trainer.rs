@@ -5,8 +5,12 @@
 //! count as step inputs and runs the step: on the CPU by replaying its
 //! recorded launch list from step 1, on a GPU eagerly at the first step
 //! (modules load, NCCL connects ranks) and as one captured CUDA graph after,
-//! unless eager. Every `eval_every` steps a second, forward-only step
-//! evaluates the held-out split ([`Evaluator`]). A non-finite loss stops
+//! unless eager. Every `eval_every` steps a forward-only step evaluates
+//! the held-out split ([`Evaluator`]): on the CPU and on one GPU it is a
+//! segment of the training session's own program, planned in its arena
+//! ([`TrainProgram`]); on rank 0 of a data-parallel group, whose session
+//! runs on two streams (which node ranges do not), a session of its own
+//! with a copy of the weights. A non-finite loss stops
 //! the run with the step and what went non-finite first, before any
 //! checkpoint of that step is saved. Checkpoints are saved every
 //! `save_every` steps, at the last step of the process and at the end; a
@@ -33,7 +37,9 @@ use stepgraph_core::models::hf_dir::HfModelDir;
 use stepgraph_core::models::lora::is_adapter_weight;
 use stepgraph_core::models::{init_param_as, param_init};
 use stepgraph_core::pipeline::{CompileTimes, CompiledStep};
+use stepgraph_core::plan::{MemoryPlan, PlanOptions};
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
+use stepgraph_core::train_program::{with_evaluation, TrainProgram};
 use stepgraph_cuda::nccl::NcclGroup;
 use stepgraph_cuda::session::device_name;
 
@@ -158,6 +164,11 @@ pub struct Trainer {
     session: Box<dyn Session>,
     /// The step at which replay starts; `None`: every step eager.
     replay_from: Option<usize>,
+    /// The training step's nodes, where the session's program holds the
+    /// evaluation too; `None`: the whole trace.
+    step_nodes: Option<std::ops::Range<usize>>,
+    /// Planned bytes the evaluation segment adds to the training step's.
+    eval_extra_bytes: Option<u64>,
     eval: Option<Evaluator>,
     data: Box<dyn TrainData>,
     device: String,
@@ -225,7 +236,8 @@ impl Trainer {
             Placement::Rank { group, .. } => (group.rank, group.world),
         };
         let opened = Instant::now();
-        let (session, replay_from, device, eval_session) = open_sessions(&placement, eager, &config, step, plan, eval)?;
+        let Sessions { session, replay_from, device, eval: eval_runs, step_nodes, eval_extra_bytes } =
+            open_sessions(&placement, eager, &config, step, plan, eval)?;
         let session_time = opened.elapsed();
         let peak_flops = match &placement {
             Placement::Cpu => None,
@@ -236,12 +248,11 @@ impl Trainer {
         };
         let identity = config.identity()?;
         let ckpt = config.course.checkpoints.as_ref().map(|c| CheckpointDir::new(&c.dir));
-        let eval = match eval_session {
-            Some(session) => Some(Evaluator {
-                session,
+        let eval = match eval_runs {
+            Some(runs) => Some(Evaluator {
+                runs,
                 batches: data.validation_batches(config.course.eval_batches)?,
                 micro_batches: config.step.grad_accum,
-                frozen_copied: false,
             }),
             None => None,
         };
@@ -257,6 +268,8 @@ impl Trainer {
             config,
             session,
             replay_from,
+            step_nodes,
+            eval_extra_bytes,
             eval,
             data,
             device,
@@ -386,11 +399,19 @@ impl Trainer {
         self.metrics.as_ref().map(MetricsFile::path)
     }
 
-    /// The run's memory: the training session's and the evaluation's, together.
+    /// Planned bytes that validation adds to the training step's plan, where
+    /// it runs in the training arena (`None`: no validation, or a session
+    /// of its own).
+    pub fn eval_extra_bytes(&self) -> Option<u64> {
+        self.eval_extra_bytes
+    }
+
+    /// The run's memory: the training session's and, where validation has
+    /// one, the evaluation session's, together.
     pub fn memory(&mut self) -> Result<SessionMemory> {
         let m = self.session.memory()?;
-        Ok(match &mut self.eval {
-            Some(e) => m.combine(&e.session.memory()?),
+        Ok(match self.eval.as_mut().and_then(|e| e.own_session()) {
+            Some(own) => m.combine(&own.memory()?),
             None => m,
         })
     }
@@ -458,15 +479,26 @@ impl Trainer {
         }
         session.write_named(LR_INPUT, &scalar_input(lr))?;
         session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
-        if self.replay_from.is_some_and(|from| it >= from) {
-            if self.recorded.is_none() {
-                let capturing = Instant::now();
-                self.recorded = Some(session.prepare_replay()?);
-                capture = capturing.elapsed();
+        let replay = self.replay_from.is_some_and(|from| it >= from);
+        match (&self.step_nodes, replay) {
+            (None, true) => {
+                if self.recorded.is_none() {
+                    let capturing = Instant::now();
+                    self.recorded = Some(session.prepare_replay()?);
+                    capture = capturing.elapsed();
+                }
+                session.replay()?;
             }
-            session.replay()?;
-        } else {
-            session.run_eager()?;
+            (None, false) => session.run_eager()?,
+            (Some(nodes), true) => {
+                if self.recorded.is_none() {
+                    let capturing = Instant::now();
+                    self.recorded = Some(session.prepare_replay_nodes(nodes.clone())?);
+                    capture = capturing.elapsed();
+                }
+                session.replay_nodes(nodes.clone())?;
+            }
+            (Some(nodes), false) => session.run_nodes(nodes.clone())?,
         }
         let loss = session.loss()?;
         self.step_time += step_started.elapsed().saturating_sub(capture);
@@ -632,7 +664,8 @@ pub fn read_resumable(dir: &Path, config: &RunConfig, step: &Trace) -> Result<Ch
 }
 
 /// The evaluation step of a run: forward only, compiled for the training
-/// step's spec, on rank 0 when `eval_every > 0`. The held-out split is
+/// step's spec, on rank 0 when `eval_every > 0` (joined to the training
+/// step's program when the run opens, except on a data-parallel rank). The held-out split is
 /// checked to hold a batch first.
 pub fn eval_step(
     config: &RunConfig,
@@ -647,61 +680,130 @@ pub fn eval_step(
     data.validation_batches(1)?;
     let mut opts = stepgraph_core::pipeline::StepOptions::new(stepgraph_core::autodiff::StepKind::Forward);
     // Where training keeps the frozen embedding on the host to fit its
-    // budget, evaluation does too.
+    // budget, evaluation does too; its MLPs are tiled as the step's are,
+    // so its working set stays within the step's.
     opts.plan.host_tables = compiled.plan.host_bytes > 0;
+    opts.mlp_tiles = compiled.recompute().mlp_tiles;
     Ok(Some(stepgraph_core::pipeline::compile_step(&compiled.spec, &opts)?))
 }
 
-/// The sessions of this process: the train step's, where its replay
-/// starts, the device in words, and the evaluation step's.
-#[allow(clippy::type_complexity)]
+/// What [`open_sessions`] opens.
+struct Sessions {
+    session: Box<dyn Session>,
+    /// The step at which replay starts; `None`: every step eager.
+    replay_from: Option<usize>,
+    /// The device in words.
+    device: String,
+    /// Where the evaluation runs, with validation.
+    eval: Option<EvalRuns>,
+    /// The training step's nodes, where the program holds the evaluation too.
+    step_nodes: Option<std::ops::Range<usize>>,
+    /// What the evaluation segment adds to the training step's plan.
+    eval_extra_bytes: Option<u64>,
+}
+
+/// The training step with the evaluation forward `eval` as one program
+/// ([`with_evaluation`]), planned as the step was (host tables where it
+/// keeps them), and held to the run's memory budget.
+fn join_evaluation(config: &RunConfig, step: &Trace, plan: &MemoryPlan, eval: &CompiledStep) -> Result<TrainProgram> {
+    let opts = PlanOptions { host_tables: plan.host_bytes > 0, ..config.step.plan };
+    let program = with_evaluation(step, plan, &eval.step, opts)?;
+    if let stepgraph_core::passes::recompute::RecomputePolicy::Budget(budget) = config.step.recompute {
+        let planned = program.plan.planned_peak_bytes();
+        if planned > budget {
+            bail!(
+                "validation needs {:.2} GB more than the training step, so the run plans {:.2} GB, over \
+                 --memory-budget {:.2} GB: raise the budget, or turn validation off with --eval-every 0",
+                program.eval_extra_bytes as f64 / 1e9,
+                planned as f64 / 1e9,
+                budget as f64 / 1e9
+            );
+        }
+    }
+    Ok(program)
+}
+
+/// The sessions of this process: the train step's (its program holding
+/// the evaluation where it runs there), where its replay starts, the
+/// device in words, and where the evaluation runs.
 fn open_sessions(
     placement: &Placement,
     eager: bool,
     config: &RunConfig,
     step: Trace,
-    plan: stepgraph_core::plan::MemoryPlan,
+    plan: MemoryPlan,
     eval: Option<CompiledStep>,
-) -> Result<(Box<dyn Session>, Option<usize>, String, Option<Box<dyn Session>>)> {
+) -> Result<Sessions> {
     // The backend, chosen once: the CPU replays its recorded launch list
     // from step 1; a GPU runs step 1 eagerly (modules load; NCCL connects
     // the ranks at their first collectives), then replays one captured
     // graph, unless eager.
-    let gpu_replay = if eager { None } else { Some(2) };
-    let switches = config.switches;
-    let open_eval = |backend: Backend, device: usize| -> Result<Option<Box<dyn Session>>> {
-        let Some(c) = eval else { return Ok(None) };
-        // The evaluation step has no collectives: no group, no NCCL.
-        let opts = SessionOptions::on_device(device, switches);
-        let weights = c.step.leaf_bytes(|k| matches!(k, ValueKind::Param { .. } | ValueKind::Frozen { .. }));
-        let opened = open_session(backend, c.step, c.plan, opts).with_context(|| {
-            format!(
-                "opening the evaluation step, which holds its own copy of the model's weights ({:.2} GB): \
-                 --eval-every 0 turns validation off",
-                weights as f64 / 1e9
-            )
-        })?;
-        Ok(Some(opened.session))
-    };
-    match placement {
-        Placement::Cpu => {
-            let s = open_session(Backend::Cpu, step, plan, SessionOptions::default())?.session;
-            let device = s.device();
-            Ok((s, Some(1), device, open_eval(Backend::Cpu, 0)?))
-        }
+    let (backend, replay_from, session_opts) = match placement {
+        Placement::Cpu => (Backend::Cpu, Some(1), SessionOptions::default()),
         // One GPU: the step has no collectives, so no group and no NCCL.
-        Placement::Gpu => {
-            let s = open_session(Backend::Cuda, step, plan, SessionOptions::on_device(0, switches))?.session;
-            let device = format!("{} ({})", s.device(), device_name(0).unwrap_or_default());
-            Ok((s, gpu_replay, device, open_eval(Backend::Cuda, 0)?))
-        }
+        Placement::Gpu => (Backend::Cuda, (!eager).then_some(2), SessionOptions::on_device(0, config.switches)),
         Placement::Rank { group, overlap } => {
-            let (rank, world) = (group.rank, group.world);
-            let opts = SessionOptions::rank(rank, Some(group.clone()), *overlap, switches);
-            let s = open_session(Backend::Cuda, step, plan, opts)
-                .with_context(|| format!("rank {rank} of {world}"))?
+            let opts = SessionOptions::rank(group.rank, Some(group.clone()), *overlap, config.switches);
+            (Backend::Cuda, (!eager).then_some(2), opts)
+        }
+    };
+    let device_in_words = |s: &dyn Session| match placement {
+        Placement::Cpu => s.device(),
+        Placement::Gpu => format!("{} ({})", s.device(), device_name(0).unwrap_or_default()),
+        Placement::Rank { group, .. } => format!("{} GPUs", group.world),
+    };
+    match (placement, eval) {
+        // A data-parallel rank keeps the evaluation in a session of its
+        // own: its step may overlap collectives on a second stream.
+        (Placement::Rank { group, .. }, Some(c)) => {
+            let rank = group.rank;
+            let session = open_session(backend, step, plan, session_opts)
+                .with_context(|| format!("rank {rank} of {}", group.world))?
                 .session;
-            Ok((s, gpu_replay, format!("{world} GPUs"), open_eval(Backend::Cuda, rank)?))
+            // The evaluation step has no collectives: no group, no NCCL.
+            let opts = SessionOptions::on_device(rank, config.switches);
+            let weights = c.step.leaf_bytes(|k| matches!(k, ValueKind::Param { .. } | ValueKind::Frozen { .. }));
+            let own = open_session(backend, c.step, c.plan, opts)
+                .with_context(|| {
+                    format!(
+                        "opening the evaluation step, which holds its own copy of the model's weights ({:.2} GB) \
+                         on rank {rank} of a data-parallel run: --eval-every 0 turns validation off",
+                        weights as f64 / 1e9
+                    )
+                })?
+                .session;
+            let device = device_in_words(session.as_ref());
+            let eval = Some(EvalRuns::Session { session: own, frozen_copied: false });
+            Ok(Sessions { session, replay_from, device, eval, step_nodes: None, eval_extra_bytes: None })
+        }
+        (_, Some(c)) => {
+            let program = join_evaluation(config, &step, &plan, &c)?;
+            let session = open_session(backend, program.trace, program.plan, session_opts)?.session;
+            let device = device_in_words(session.as_ref());
+            let eval = Some(EvalRuns::Segment {
+                nodes: program.eval,
+                loss: program.eval_loss,
+                replay: replay_from.is_some(),
+                warm: false,
+            });
+            Ok(Sessions {
+                session,
+                replay_from,
+                device,
+                eval,
+                step_nodes: Some(program.step),
+                eval_extra_bytes: Some(program.eval_extra_bytes),
+            })
+        }
+        (_, None) => {
+            let session = match placement {
+                Placement::Rank { group, .. } => open_session(backend, step, plan, session_opts)
+                    .with_context(|| format!("rank {} of {}", group.rank, group.world))?,
+                _ => open_session(backend, step, plan, session_opts)?,
+            }
+            .session;
+            let device = device_in_words(session.as_ref());
+            Ok(Sessions { session, replay_from, device, eval: None, step_nodes: None, eval_extra_bytes: None })
         }
     }
 }
@@ -760,52 +862,84 @@ pub fn load_adapters(session: &mut dyn Session, forward: &Trace, tensors: &[(Str
     Ok(())
 }
 
-/// The forward-only step that evaluates the held-out split, with the
-/// training step's weights copied in before each evaluation.
-///
-/// A second session rather than the training one: a train step always
-/// applies its AdamW update, so evaluating with it would change the
-/// weights. Its memory is its own plan (a forward pass holds no gradients
-/// or moments), counted in the run's planned and held bytes.
+/// Where the forward-only step that evaluates runs.
+pub enum EvalRuns {
+    /// The evaluation segment of the training session's program
+    /// ([`TrainProgram`]): it reads the weights the training step keeps,
+    /// so nothing is copied. Its first run is eager (the GPU's modules
+    /// warm), later ones replay its recording unless the run is eager.
+    Segment { nodes: std::ops::Range<usize>, loss: ValueId, replay: bool, warm: bool },
+    /// A session of its own (a data-parallel rank, the `eval` command):
+    /// the weights are copied in before each evaluation, from the training
+    /// session when there is one. A train step always applies its AdamW
+    /// update, so it cannot evaluate the weights without changing them.
+    Session { session: Box<dyn Session>, frozen_copied: bool },
+}
+
+/// The forward-only step that evaluates the held-out split: the mean loss
+/// over its batches, on the weights of the training session.
 pub struct Evaluator {
-    pub session: Box<dyn Session>,
+    pub runs: EvalRuns,
     /// Batches of the training step's rows: `micro_batches` of the evaluation step's each.
     pub batches: Vec<data::Batch>,
     pub micro_batches: usize,
-    /// The frozen weights have been copied from the training session.
-    pub frozen_copied: bool,
 }
 
 impl Evaluator {
+    /// An evaluator on a session that holds the weights to evaluate already
+    /// (the `eval` command's).
+    pub fn on_loaded_session(session: Box<dyn Session>, batches: Vec<data::Batch>) -> Self {
+        Evaluator { runs: EvalRuns::Session { session, frozen_copied: true }, batches, micro_batches: 1 }
+    }
+
+    /// The session of its own, where it has one.
+    pub fn own_session(&mut self) -> Option<&mut dyn Session> {
+        match &mut self.runs {
+            EvalRuns::Session { session, .. } => Some(session.as_mut()),
+            EvalRuns::Segment { .. } => None,
+        }
+    }
+
     /// The mean loss over the validation batches, on the weights of `train`.
     pub fn evaluate(&mut self, train: &mut dyn Session, rank: usize, world: usize) -> Result<f64> {
-        // The trained parameters every time; frozen weights (a base under
-        // adapters) the first time only, since nothing changes them.
-        let params: Vec<(String, _)> = {
-            let t = self.session.trace();
-            let frozen = if self.frozen_copied { None } else { Some(t.frozen()) };
-            t.params()
-                .chain(frozen.into_iter().flatten())
-                .map(|p| (t.value(p).kind.leaf_name().unwrap_or_default().to_string(), p))
-                .collect()
-        };
-        self.frozen_copied = true;
-        for (name, v) in params {
-            let src = train
-                .trace()
-                .leaf_by_name(&name)
-                .with_context(|| format!("the training step has no parameter `{name}` to evaluate"))?;
-            let value = train.read(src)?;
-            self.session.write(v, &value)?;
+        if let EvalRuns::Session { session, frozen_copied } = &mut self.runs {
+            // The trained parameters every time; frozen weights (a base under
+            // adapters) the first time only, since nothing changes them.
+            let params: Vec<(String, _)> = {
+                let t = session.trace();
+                let frozen = if *frozen_copied { None } else { Some(t.frozen()) };
+                t.params()
+                    .chain(frozen.into_iter().flatten())
+                    .map(|p| (t.value(p).kind.leaf_name().unwrap_or_default().to_string(), p))
+                    .collect()
+            };
+            *frozen_copied = true;
+            for (name, v) in params {
+                let src = train
+                    .trace()
+                    .leaf_by_name(&name)
+                    .with_context(|| format!("the training step has no parameter `{name}` to evaluate"))?;
+                let value = train.read(src)?;
+                session.write(v, &value)?;
+            }
         }
-        self.mean_loss(rank, world)
+        self.mean_loss_with(Some(train), rank, world)
     }
 
     /// The mean loss over the validation batches, on the weights the
-    /// evaluation session holds.
+    /// evaluator's own session holds (see [`Evaluator::on_loaded_session`]).
+    pub fn mean_loss(&mut self, rank: usize, world: usize) -> Result<f64> {
+        let EvalRuns::Session { .. } = &self.runs else {
+            bail!("an evaluation segment reads the training session's weights: use Evaluator::evaluate")
+        };
+        self.mean_loss_with(None, rank, world)
+    }
+
+    /// The mean loss over the validation batches, run where
+    /// [`Evaluator::runs`] says (`train` runs a segment).
     /// Batches whose targets are all masked (a chat prompt, padding) have
     /// no loss (0/0) and are left out of the mean.
-    pub fn mean_loss(&mut self, rank: usize, world: usize) -> Result<f64> {
+    fn mean_loss_with(&mut self, mut train: Option<&mut dyn Session>, rank: usize, world: usize) -> Result<f64> {
         let (mut total, mut counted) = (0.0, 0usize);
         let n = self.micro_batches.max(1);
         for b in &self.batches {
@@ -815,13 +949,33 @@ impl Evaluator {
                 if !has_target(&targets) {
                     continue;
                 }
-                self.session.write_named(TOKENS_INPUT, &shard_rows(&tokens, rank, world)?)?;
-                self.session.write_named(TARGETS_INPUT, &targets)?;
+                let mut inputs = vec![(TOKENS_INPUT, shard_rows(&tokens, rank, world)?), (TARGETS_INPUT, targets)];
                 if let Some(p) = &b.positions {
-                    self.session.write_named(POSITIONS_INPUT, &shard_rows(&shard_rows(p, k, n)?, rank, world)?)?;
+                    inputs.push((POSITIONS_INPUT, shard_rows(&shard_rows(p, k, n)?, rank, world)?));
                 }
-                self.session.run_eager()?;
-                total += self.session.loss()?;
+                total += match &mut self.runs {
+                    EvalRuns::Session { session, .. } => {
+                        for (name, t) in &inputs {
+                            session.write_named(name, t)?;
+                        }
+                        session.run_eager()?;
+                        session.loss()?
+                    }
+                    EvalRuns::Segment { nodes, loss, replay, warm } => {
+                        let train =
+                            train.as_deref_mut().context("an evaluation segment runs in the training session")?;
+                        for (name, t) in &inputs {
+                            train.write_named(&TrainProgram::eval_input(name), t)?;
+                        }
+                        if *replay && *warm {
+                            train.replay_nodes(nodes.clone())?;
+                        } else {
+                            train.run_nodes(nodes.clone())?;
+                            *warm = true;
+                        }
+                        train.read(*loss)?.to_f64()[0]
+                    }
+                };
                 counted += 1;
             }
         }

@@ -146,3 +146,42 @@ fn a_tiny_model_trains_saves_and_resumes_bit_for_bit() {
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&cut).unwrap();
 }
+
+/// Validation is a segment of the training session's program: the run
+/// plans the training step plus what the evaluation adds (its inputs and
+/// loss here), trains exactly as without validation, and its losses are
+/// what a session of its own, holding a copy of the weights, computes.
+#[test]
+fn validation_runs_in_the_training_arena_and_changes_no_step() {
+    use stepgraph_train::trainer::{eval_step, EvalRuns, Evaluator};
+    use stepgraph_train::{open_session, Backend, SessionOptions};
+    let dir = scratch("arena");
+    let mut run = config(&dir);
+    (run.course.checkpoints, run.course.metrics) = (None, None);
+    let mut plain_run = run.clone();
+    plain_run.course.eval_every = 0;
+
+    let mut trainer = Trainer::new(run.clone(), Placement::Cpu).unwrap();
+    let mut plain = Trainer::new(plain_run, Placement::Cpu).unwrap();
+    let extra = trainer.eval_extra_bytes().expect("validation runs in the training arena");
+    assert!(extra <= 4096, "validation adds {extra} bytes to a tiny step");
+    let planned = |t: &mut Trainer| t.memory().unwrap().planned_bytes;
+    assert_eq!(planned(&mut trainer), planned(&mut plain) + extra);
+    assert_eq!(plain.eval_extra_bytes(), None);
+
+    let (mut with, mut without) = (Collect::default(), Collect::default());
+    finished(trainer.run(&mut with, &mut || false).unwrap());
+    finished(plain.run(&mut without, &mut || false).unwrap());
+    assert_eq!(with.losses(), without.losses(), "validation changed a training step");
+    assert_eq!(with.validations.iter().map(|v| v.0).collect::<Vec<_>>(), [3, 6]);
+
+    let (compiled, _) = run.compile().unwrap();
+    let eval = eval_step(&run, &compiled, trainer.data(), &Placement::Cpu).unwrap().unwrap();
+    let own = open_session(Backend::Cpu, eval.step, eval.plan, SessionOptions::default()).unwrap().session;
+    let batches = trainer.data().validation_batches(run.course.eval_batches).unwrap();
+    let mut apart =
+        Evaluator { runs: EvalRuns::Session { session: own, frozen_copied: false }, batches, micro_batches: 1 };
+    let loss = apart.evaluate(trainer.session(), 0, 1).unwrap();
+    assert_eq!(Some(loss.to_bits()), with.validations.last().map(|v| v.1.to_bits()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -49,7 +49,7 @@ use stepgraph_core::models::peft::{
     is_adapter_dir, peft_tensor_name, read_adapter_config, read_adapter_weights, save_adapter_dir, AdapterSaveReport,
 };
 use stepgraph_core::models::{build_forward, BaseStorage, ModelSpec};
-use stepgraph_core::pipeline::{compile_step, trace_step, StepOptions};
+use stepgraph_core::pipeline::trace_step;
 use stepgraph_core::plan::plan_report;
 use stepgraph_cuda::nccl::{NcclGroup, NcclId};
 use stepgraph_cuda::session::gpu_available;
@@ -59,7 +59,7 @@ use stepgraph_train::checkpoint::{self, CheckpointDir};
 use stepgraph_train::data;
 use stepgraph_train::lock::RunLock;
 use stepgraph_train::schedule::{self, short, LrSchedule};
-use stepgraph_train::trainer::read_resumable;
+use stepgraph_train::trainer::{eval_step, read_resumable};
 use stepgraph_train::{
     Backend, Checkpoints, Course, DataConfig, Placement, Reporter, RunConfig, RunEnd, Start, StepReport, Trainer,
 };
@@ -519,12 +519,6 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         false => args.schedule(params, pretrained.is_some(), false)?,
     };
     config.course.schedule = schedule;
-    let eval_step = if args.eval_every > 0 && rank == 0 {
-        data.validation_batches(1)?;
-        Some(compile_step(&compiled.spec, &StepOptions::new(StepKind::Forward))?)
-    } else {
-        None
-    };
     if ckpt.is_none() && args.save_every > 0 {
         bail!("--save-every {} saves checkpoints: give them a --checkpoint-dir", args.save_every);
     }
@@ -584,9 +578,10 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         }
         Role::Launcher { .. } => unreachable!("the launcher starts ranks and trains nothing itself"),
     };
+    let eval = eval_step(&config, &compiled, data.as_ref(), &placement)?;
     let start = Start {
         compiled,
-        eval: eval_step,
+        eval,
         data,
         placement,
         eager: args.eager,
@@ -1130,7 +1125,12 @@ fn print_settings(
         }
     }
     if args.eval_every > 0 {
-        eprintln!("  validation  every {} steps, {} batches", args.eval_every, args.eval_batches);
+        // Where it runs, and what it adds to the plan.
+        let place = match trainer.eval_extra_bytes() {
+            Some(extra) => format!("; in the training arena, +{:.1} MB planned", mb(extra)),
+            None => "; its own session, with a copy of the weights".to_string(),
+        };
+        eprintln!("  validation  every {} steps, {} batches{place}", args.eval_every, args.eval_batches);
     }
     let set = config.switches.not_default_line();
     if !set.is_empty() {
@@ -1146,6 +1146,7 @@ fn mb(bytes: u64) -> f64 {
 mod tests {
     use clap::Parser;
     use stepgraph_core::ir::OutputKind;
+    use stepgraph_core::pipeline::{compile_step, StepOptions};
     use stepgraph_train::trainer::grad_norm_output;
 
     use super::*;

@@ -326,6 +326,15 @@ impl Session for CpuSession {
         CpuSession::replay_nodes(self, nodes)
     }
 
+    /// The launch list is one for the whole trace: recorded once, for every range.
+    fn prepare_replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<Duration> {
+        check_node_range(&nodes, self.trace.nodes.len())?;
+        match self.launches {
+            Some(_) => Ok(Duration::ZERO),
+            None => Ok(self.record()),
+        }
+    }
+
     fn read(&mut self, v: ValueId) -> Result<HostTensor> {
         Ok(CpuSession::read(self, v))
     }

@@ -838,6 +838,10 @@ impl Session for CudaSession {
         Ok(CudaSession::replay_nodes(self, nodes)?)
     }
 
+    fn prepare_replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> CoreResult<Duration> {
+        Ok(self.capture_nodes(nodes)?)
+    }
+
     fn segment_graph_bytes(&self, nodes: std::ops::Range<usize>) -> Option<u64> {
         CudaSession::segment_graph_bytes(self, nodes)
     }

@@ -171,17 +171,28 @@ impl CudaSession {
     /// so the modules are warm), and waits for it.
     pub fn replay_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
         let key = (nodes.start, nodes.end);
-        if !self.segment_graphs.contains_key(&key) {
-            let launches = self.launch_range(&nodes)?;
-            self.ctx.bind_to_thread()?;
-            let (graph, grew) = self.capture_with(|s| s.enqueue_list(&s.prepared[launches], s.stream.cu_stream()))?;
-            self.memory.graph_bytes += grew;
-            self.segment_graphs.insert(key, (graph, grew));
-            self.sample()?;
-        }
+        self.capture_nodes(nodes)?;
         self.segment_graphs[&key].0.replay()?;
         self.stream.synchronize()?;
         Ok(())
+    }
+
+    /// Captures the graph of the nodes `nodes` that
+    /// [`CudaSession::replay_nodes`] replays (once); returns capture +
+    /// instantiate time (zero when it exists).
+    pub fn capture_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<Duration> {
+        let key = (nodes.start, nodes.end);
+        if self.segment_graphs.contains_key(&key) {
+            return Ok(Duration::ZERO);
+        }
+        let launches = self.launch_range(&nodes)?;
+        self.ctx.bind_to_thread()?;
+        let (graph, grew) = self.capture_with(|s| s.enqueue_list(&s.prepared[launches], s.stream.cu_stream()))?;
+        let took = graph.capture_time;
+        self.memory.graph_bytes += grew;
+        self.segment_graphs.insert(key, (graph, grew));
+        self.sample()?;
+        Ok(took)
     }
 
     /// The device memory the capture of the graph of `nodes` took (`None`
