@@ -747,8 +747,8 @@ impl Reporter for Progress {
 }
 
 /// A closing note on how the steps ran: the recording, and where the
-/// backend measures its memory, the peak it held (the evaluation session's
-/// included) against the plan.
+/// backend measures its memory, the peak it held (a data-parallel rank 0's
+/// evaluation session included) against the plan.
 fn closing_note(trainer: &mut Trainer) -> Result<String> {
     let how = match trainer.recorded() {
         Some((label, t)) => format!("{label} in {:.2} ms", t.as_secs_f64() * 1e3),
