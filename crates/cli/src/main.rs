@@ -36,7 +36,7 @@ use stepgraph_core::dist::{DataParallel, DEFAULT_BUCKET_BYTES};
 use stepgraph_core::ir::DType;
 use stepgraph_core::models::{Config, LossKind, ModelSpec, Overrides};
 use stepgraph_core::ops::optim::MasterWeights;
-use stepgraph_core::pipeline::{compile_step, plan_data_parallel, trace_step, StepOptions};
+use stepgraph_core::pipeline::{compile_step, plan_data_parallel, trace_step, CompiledStep, StepOptions};
 use stepgraph_core::plan::{memory_timeline_html, plan_report, TimelineOptions};
 
 #[derive(Parser)]
@@ -93,6 +93,11 @@ enum Command {
         /// of this machine's GPU, when it has one].
         #[arg(long, value_name = "SIZE")]
         gpu_memory: Option<String>,
+        /// Plan the training step with validation, as `train --eval-every N`
+        /// runs it: the evaluation forward in the step's arena, and what it
+        /// adds to the plan.
+        #[arg(long)]
+        validation: bool,
     },
     /// Print a trace as text.
     Trace {
@@ -775,7 +780,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 print!("{report}");
             }
         }
-        Command::Plan { model, step, optim, memory, json, top, html, gpu_memory, verbose, .. } => {
+        Command::Plan { model, step, optim, memory, json, top, html, gpu_memory, verbose, validation, .. } => {
             let switches = stepgraph_cuda::Switches::from_env()?;
             let gpu = match gpu_memory.as_deref() {
                 Some(size) => Some(fit::Gpu::sold_as(size)?),
@@ -787,6 +792,19 @@ fn run_command(cli: Cli) -> Result<()> {
             let mut opts = optim.step_options(step_kind(step, StepKind::Train), spec.dtype, false)?;
             memory.apply(&mut opts, memory_args::free_bytes)?;
             let c = compile_step(&spec, &opts)?;
+            if validation && opts.kind != StepKind::Train {
+                bail!("--validation plans the evaluation beside a training step: drop --step, or use --step train");
+            }
+            // The training program with its evaluation segment, as `train` plans it.
+            let (c, eval_extra) = match validation {
+                true => {
+                    let eval = stepgraph_core::train_program::evaluation_step(&c)?;
+                    let p = stepgraph_core::train_program::with_evaluation(&c.step, &c.plan, &eval.step, opts.plan)?;
+                    let extra = p.eval_extra_bytes;
+                    (CompiledStep { step: p.trace, plan: p.plan, ..c }, Some(extra))
+                }
+                false => (c, None),
+            };
             let report = plan_report(&c.step, &c.plan, top);
             if let Some(path) = &html {
                 write_timeline(path, &c, timeline_title(&spec, opts.kind))?;
@@ -805,6 +823,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
                 value["experts"] = serde_json::to_value(stepgraph_core::models::moe::ExpertsReport::of(&spec))?;
                 value["switches"] = serde_json::to_value(switches)?;
+                value["validation_extra_bytes"] = serde_json::to_value(eval_extra)?;
                 if let Some(gpu) = gpu.clone() {
                     value["verdict"] = serde_json::to_value(fit::verdict(&spec, &opts, &c, gpu)?)?;
                 }
@@ -843,6 +862,13 @@ fn run_command(cli: Cli) -> Result<()> {
                     println!(
                         "3xTF32: {} f32 products as {products} TF32 products of {splits} operand splits",
                         products / 3
+                    );
+                }
+                if let Some(extra) = eval_extra {
+                    println!(
+                        "validation: in the training arena, {:.1} MB beyond the step's plan (its inputs, its loss, \
+                         and its forward's working set where that exceeds the step's)",
+                        extra as f64 / 1e6
                     );
                 }
                 if let Some(census) = &census {

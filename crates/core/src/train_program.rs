@@ -32,8 +32,10 @@
 
 use std::ops::Range;
 
+use crate::autodiff::StepKind;
 use crate::error::{Error, Result};
 use crate::ir::{Builder, OutputKind, Trace, ValueId, ValueKind};
+use crate::pipeline::{compile_step, CompiledStep, StepOptions};
 use crate::plan::{check_plan, plan, MemoryPlan, PlanOptions};
 
 /// The output holding the evaluation segment's mean loss.
@@ -66,10 +68,22 @@ impl TrainProgram {
     }
 }
 
+/// The forward-only step that evaluates beside `train`: compiled for its
+/// spec, with its MLPs tiled as the step's are (so its working set stays
+/// within the step's) and its frozen embedding where the step keeps it
+/// (host memory under a budget).
+pub fn evaluation_step(train: &CompiledStep) -> Result<CompiledStep> {
+    let mut opts = StepOptions::new(StepKind::Forward);
+    opts.plan.host_tables = train.plan.host_bytes > 0;
+    opts.mlp_tiles = train.recompute().mlp_tiles;
+    compile_step(&train.spec, &opts)
+}
+
 /// Joins the forward-only step `eval` to the training step `step` (planned
-/// as `step_plan`) into one program planned with `opts` (see the module
-/// doc). Every weight `eval` reads must be a leaf of `step` of the same
-/// kind and type, and `eval` may hold no optimizer state.
+/// as `step_plan`) into one program planned with `opts`, its frozen tables
+/// in host memory where `step_plan` keeps them there (see the module doc).
+/// Every weight `eval` reads must be a leaf of `step` of the same kind and
+/// type, and `eval` may hold no optimizer state.
 pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts: PlanOptions) -> Result<TrainProgram> {
     let refuse = |reason: String| Error::Plan(format!("joining the evaluation forward to the training step: {reason}"));
     let mut b = Builder::new(step.name.clone());
@@ -143,6 +157,7 @@ pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts:
         .find(|o| o.kind == OutputKind::Named(EVAL_LOSS_OUTPUT.into()))
         .map(|o| o.value)
         .ok_or_else(|| refuse("the evaluation forward has no loss".into()))?;
+    let opts = PlanOptions { host_tables: opts.host_tables || step_plan.host_bytes > 0, ..opts };
     let joint = plan(&trace, opts)?;
     check_plan(&trace, &joint)?;
     let eval_extra_bytes = joint.planned_peak_bytes().saturating_sub(step_plan.planned_peak_bytes());
@@ -152,14 +167,13 @@ pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::autodiff::{StepKind, LR_INPUT, STEP_INPUT};
+    use crate::autodiff::{LR_INPUT, STEP_INPUT};
     use crate::cpu::exec::{scalar_input, CpuSession};
     use crate::host::HostTensor;
     use crate::ir::DType;
     use crate::models::gpt::{TARGETS_INPUT, TOKENS_INPUT};
     use crate::models::hf_dir::NamedParams;
     use crate::models::{LossKind, ModelSpec};
-    use crate::pipeline::{compile_step, CompiledStep, StepOptions};
     use crate::session::Session;
     use crate::testing::{random_batch, seeded_session};
 
@@ -170,7 +184,7 @@ mod tests {
     fn program(batch: usize) -> (CompiledStep, CompiledStep, TrainProgram) {
         let spec = tiny(batch);
         let train = compile_step(&spec, &StepOptions::new(StepKind::Train)).unwrap();
-        let eval = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
+        let eval = evaluation_step(&train).unwrap();
         let p = with_evaluation(&train.step, &train.plan, &eval.step, PlanOptions::default()).unwrap();
         (train, eval, p)
     }

@@ -382,9 +382,10 @@ SG_ADAMW_ALL(f32, float, f32, float, f32, float)
 // consecutive elements per thread: each element's update as `element`
 // computes it but with the moments read dequantized and the parameter
 // updated from the unquantized new moments; the block's new absmax of each
-// moment (a maximum: the same in any order), then each element's code by
-// binary search in the map, the lower code on a tie (and a positive second
-// moment never zero's code). The maps are built by
+// moment (a maximum: the same in any order), then each element's code: the
+// first map entry at least its quotient (guessed from the map's formula,
+// then corrected by steps) and the nearer of it and the one below, the
+// lower code on a tie (and a positive second moment never zero's code). The maps are built by
 // every block from the same f64 constants as `dynamic_map`. Codes past n in
 // the last word are written as zero. With invalid scalars every output
 // receives its input.
@@ -428,28 +429,57 @@ __device__ __forceinline__ float map_value(int t, bool signed_map) {
     return sign * __double2float_rn(v);
 }
 
-__device__ __forceinline__ u8 quantize8(float x, const float* map) {
-    int lo = 0, hi = 256;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (map[mid] < x) lo = mid + 1; else hi = mid;
+// An index near the first map entry at least x, from the map's formula:
+// x's decade, then its cell within the decade (`quantize8` corrects it).
+__device__ __forceinline__ int code_guess(float x, bool signed_map) {
+    const float a = fabsf(x);
+    int d;
+    float decade;
+    if (a >= 0.1f) d = 6, decade = 1.0f;
+    else if (a >= 0.01f) d = 5, decade = 0.1f;
+    else if (a >= 1e-3f) d = 4, decade = 0.01f;
+    else if (a >= 1e-4f) d = 3, decade = 1e-3f;
+    else if (a >= 1e-5f) d = 2, decade = 1e-4f;
+    else if (a >= 1e-6f) d = 1, decade = 1e-5f;
+    else d = 0, decade = 1e-6f;
+    const int n = signed_map ? (1 << d) : (2 << d);
+    // Values of decade d are (0.1 + 0.9 (2j + 1) / 2n) · decade, j < n.
+    int j = (int)(__fdiv_rn(__fdiv_rn(a, decade) - 0.1f, 0.9f) * (float)n);
+    j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+    if (signed_map) {
+        const int k = (n - 1) + j;  // among the 127 positive values, ascending
+        return x >= 0.0f ? 128 + k : 126 - k;
     }
+    return x < 0.0f ? 0 : 1 + (n - 2) + j;
+}
+
+// The code of x: the nearest map value, the lower one on a tie, the end
+// codes beyond the map (as the CPU's binary search: the first entry at
+// least x found from a guess moved down and up, a few steps at most).
+__device__ __forceinline__ u8 quantize8(float x, const float* map, bool signed_map) {
+    if (x != x) return 0;  // NaN: no entry is below it
+    int lo = code_guess(x, signed_map);
+    while (lo > 0 && !(map[lo - 1] < x)) --lo;
+    while (lo < 256 && map[lo] < x) ++lo;
     if (lo == 0) return 0;
     if (lo == 256) return 255;
     const float below = __fsub_rn(x, map[lo - 1]), above = __fsub_rn(map[lo], x);
     return (u8)(above < below ? lo : lo - 1);
 }
 
-// The block's maximum of v (non-negative), in every thread.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    v = warp_max(v);
+// The block's maxima of a and b (non-negative), in every thread, in one
+// pass through shared memory.
+__device__ __forceinline__ void block_max2(float& a, float& b, float2* scratch) {
+    a = warp_max(a);
+    b = warp_max(b);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) scratch[warp] = v;
+    if (lane == 0) scratch[warp] = make_float2(a, b);
     __syncthreads();
-    float r = scratch[0];
-    for (int i = 1; i < ADAMW8_THREADS / 32; ++i) r = fmaxf(r, scratch[i]);
+    float2 r = scratch[0];
+    for (int i = 1; i < ADAMW8_THREADS / 32; ++i) r.x = fmaxf(r.x, scratch[i].x), r.y = fmaxf(r.y, scratch[i].y);
     __syncthreads();
-    return r;
+    a = r.x;
+    b = r.y;
 }
 
 template <typename P, int Mode>
@@ -458,7 +488,8 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
                                             float* ms_out, u8* vq_out, float* vs_out, i64 n, i64 lr_f64, i64 step_f64,
                                             double beta1, double beta2, double eps, double wd, const P* gscale,
                                             const master_t<P, Mode>* w, master_t<P, Mode>* w_out) {
-    __shared__ float smap[256], umap[256], scratch[ADAMW8_THREADS / 32];
+    __shared__ float smap[256], umap[256];
+    __shared__ float2 scratch[ADAMW8_THREADS / 32];
     const Coefs<float> c = block_coefs<P, float>(lr, lr_f64, step, step_f64, beta1, beta2, eps, wd, gscale);
     for (int t = threadIdx.x; t < 256; t += blockDim.x) {
         smap[t] = map_value(t, true);
@@ -508,8 +539,7 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
             v_max = fmaxf(v_max, fabsf(vn));
         }
         // Every thread has read its block's scales: the new ones may be written.
-        m_max = block_max(m_max, scratch);
-        v_max = block_max(v_max, scratch);
+        block_max2(m_max, v_max, scratch);
         if (!c.valid) {
             if (threadIdx.x == 0) ms_out[b] = am, vs_out[b] = av;
             continue;
@@ -518,9 +548,9 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
         for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
             const i64 i = base + k;
             if (i < n) {
-                mq_out[i] = m_max > 0.0f ? quantize8(__fdiv_rn(mi[k], m_max), smap) : quantize8(0.0f, smap);
+                mq_out[i] = m_max > 0.0f ? quantize8(__fdiv_rn(mi[k], m_max), smap, true) : (u8)127;
                 // A positive second moment never takes zero's code (second_moment_code).
-                u8 vc = v_max > 0.0f ? quantize8(__fdiv_rn(vi[k], v_max), umap) : (u8)0;
+                u8 vc = v_max > 0.0f ? quantize8(__fdiv_rn(vi[k], v_max), umap, false) : (u8)0;
                 if (vc == 0 && vi[k] > 0.0f && v_max > 0.0f) vc = 1;
                 vq_out[i] = vc;
             } else if (i < padded) {

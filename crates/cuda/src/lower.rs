@@ -109,3 +109,36 @@ pub fn node_ranges(trace: &Trace, plan: &MemoryPlan, bases: Bases) -> Vec<Vec<(u
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stepgraph_core::autodiff::StepKind;
+    use stepgraph_core::ir::DType;
+    use stepgraph_core::models::{LossKind, ModelSpec};
+    use stepgraph_core::pipeline::{compile_step, StepOptions};
+    use stepgraph_core::plan::PlanOptions;
+    use stepgraph_core::train_program::with_evaluation;
+
+    /// A session runs a training program's segments as node ranges, which
+    /// no merged launch may straddle: the evaluation's last launch and the
+    /// step's first stay apart, with every merge on (multi-tensor AdamW
+    /// under clipping, q and k rotations).
+    #[test]
+    fn no_launch_of_a_training_program_spans_its_two_segments() {
+        let spec = ModelSpec::named("tiny-llama", 2, 16, DType::BF16, LossKind::CrossEntropy).unwrap();
+        let mut opts = StepOptions::new(StepKind::Train);
+        opts.train.clip_grad_norm = Some(1.0);
+        let train = compile_step(&spec, &opts).unwrap();
+        let eval = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
+        let p = with_evaluation(&train.step, &train.plan, &eval.step, PlanOptions::default()).unwrap();
+        let switches = Switches::default();
+        assert!(switches.multi_tensor);
+        let list = step_launches(&p.trace, &p.plan, "sm_90", &switches).unwrap();
+        let merged = list.first_nodes.iter().zip(&list.last_nodes).filter(|(f, l)| f != l).count();
+        assert!(merged > 0, "the step merges launches");
+        for (&first, &last) in list.first_nodes.iter().zip(&list.last_nodes) {
+            assert!(!(first < p.step.start && last >= p.step.start), "a launch of nodes {first}..={last}");
+        }
+    }
+}

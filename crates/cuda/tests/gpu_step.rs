@@ -384,6 +384,63 @@ fn multi_tensor_updates_equal_one_launch_per_parameter() {
     }
 }
 
+/// A training program with its evaluation segment
+/// (`stepgraph_core::train_program`), as `train` runs it: the step's
+/// segment eagerly at step 1 and from its own graph after, the
+/// evaluation's the same, gives the bits of a session of the step alone
+/// and of a forward session holding a copy of the step's weights.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn training_program_segments_equal_the_separate_sessions_bit_for_bit() {
+    use stepgraph_core::train_program::{with_evaluation, TrainProgram};
+    let sp = spec("tiny-llama", DType::BF16);
+    let (fwd, step, p) = build(&sp, StepKind::Train, Build::Clipped);
+    let eval = compile_step(&sp, &StepOptions::new(StepKind::Forward)).unwrap();
+    let program = with_evaluation(&step, &p, &eval.step, PlanOptions::default()).unwrap();
+    let opts = || CudaOptions::from_env().unwrap();
+    let mut joint = CudaSession::new(program.trace.clone(), program.plan.clone(), opts()).unwrap();
+    let mut alone = CudaSession::new(step.clone(), p.clone(), opts()).unwrap();
+    let mut forward = CudaSession::new(eval.step.clone(), eval.plan.clone(), opts()).unwrap();
+    init(&step, &fwd, 1, |n, t| joint.write_named(n, t).unwrap());
+    init(&step, &fwd, 1, |n, t| alone.write_named(n, t).unwrap());
+    let held_out = batch(&sp, 1000);
+    for it in 1..=4 {
+        step_inputs(&step, &sp, it, |n, t| joint.write_named(n, t).unwrap());
+        step_inputs(&step, &sp, it, |n, t| alone.write_named(n, t).unwrap());
+        if it == 1 {
+            joint.run_nodes(program.step.clone()).unwrap();
+            alone.run_eager().unwrap();
+        } else {
+            joint.replay_nodes(program.step.clone()).unwrap();
+            alone.replay().unwrap();
+        }
+        let loss = |s: &mut CudaSession, t: &Trace| s.read(t.loss().unwrap()).unwrap().bytes().to_vec();
+        assert_eq!(loss(&mut joint, &program.trace), loss(&mut alone, &step), "the loss of step {it}");
+        for (n, t) in &held_out {
+            joint.write_named(&TrainProgram::eval_input(n), t).unwrap();
+            forward.write_named(n, t).unwrap();
+        }
+        for v in eval.step.weights() {
+            let name = eval.step.value(v).kind.leaf_name().unwrap();
+            let w = alone.read(step.leaf_by_name(name).unwrap()).unwrap();
+            forward.write_named(name, &w).unwrap();
+        }
+        if it == 1 {
+            joint.run_nodes(program.eval.clone()).unwrap();
+        } else {
+            joint.replay_nodes(program.eval.clone()).unwrap();
+        }
+        forward.run_eager().unwrap();
+        let got = joint.read(program.eval_loss).unwrap().bytes().to_vec();
+        assert_eq!(got, loss(&mut forward, &eval.step), "the evaluation after step {it}");
+    }
+    for u in &step.updates {
+        let name = step.value(u.state).kind.leaf_name().unwrap();
+        let a = joint.read(program.trace.leaf_by_name(name).unwrap()).unwrap();
+        assert_eq!(a.bytes(), alone.read(u.state).unwrap().bytes(), "{name}");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
 fn memory_report_matches_the_plan() {

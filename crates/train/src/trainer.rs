@@ -37,7 +37,7 @@ use stepgraph_core::models::hf_dir::HfModelDir;
 use stepgraph_core::models::lora::is_adapter_weight;
 use stepgraph_core::models::{init_param_as, param_init};
 use stepgraph_core::pipeline::{CompileTimes, CompiledStep};
-use stepgraph_core::plan::{MemoryPlan, PlanOptions};
+use stepgraph_core::plan::MemoryPlan;
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
 use stepgraph_core::train_program::{with_evaluation, TrainProgram};
 use stepgraph_cuda::nccl::NcclGroup;
@@ -678,13 +678,7 @@ pub fn eval_step(
         return Ok(None);
     }
     data.validation_batches(1)?;
-    let mut opts = stepgraph_core::pipeline::StepOptions::new(stepgraph_core::autodiff::StepKind::Forward);
-    // Where training keeps the frozen embedding on the host to fit its
-    // budget, evaluation does too; its MLPs are tiled as the step's are,
-    // so its working set stays within the step's.
-    opts.plan.host_tables = compiled.plan.host_bytes > 0;
-    opts.mlp_tiles = compiled.recompute().mlp_tiles;
-    Ok(Some(stepgraph_core::pipeline::compile_step(&compiled.spec, &opts)?))
+    Ok(Some(stepgraph_core::train_program::evaluation_step(compiled)?))
 }
 
 /// What [`open_sessions`] opens.
@@ -703,11 +697,10 @@ struct Sessions {
 }
 
 /// The training step with the evaluation forward `eval` as one program
-/// ([`with_evaluation`]), planned as the step was (host tables where it
-/// keeps them), and held to the run's memory budget.
+/// ([`with_evaluation`]), planned as the step was, and held to the run's
+/// memory budget.
 fn join_evaluation(config: &RunConfig, step: &Trace, plan: &MemoryPlan, eval: &CompiledStep) -> Result<TrainProgram> {
-    let opts = PlanOptions { host_tables: plan.host_bytes > 0, ..config.step.plan };
-    let program = with_evaluation(step, plan, &eval.step, opts)?;
+    let program = with_evaluation(step, plan, &eval.step, config.step.plan)?;
     if let stepgraph_core::passes::recompute::RecomputePolicy::Budget(budget) = config.step.recompute {
         let planned = program.plan.planned_peak_bytes();
         if planned > budget {
