@@ -740,6 +740,17 @@ fn open_sessions(
             (Backend::Cuda, (!eager).then_some(2), opts)
         }
     };
+    // The training session, of the step or of the program that holds it.
+    let open_step = |trace: Trace, plan: MemoryPlan| -> Result<Box<dyn Session>> {
+        let opened = open_session(backend, trace, plan, session_opts.clone());
+        Ok(match placement {
+            Placement::Rank { group, .. } => {
+                opened.with_context(|| format!("rank {} of {}", group.rank, group.world))?
+            }
+            _ => opened?,
+        }
+        .session)
+    };
     let device_in_words = |s: &dyn Session| match placement {
         Placement::Cpu => s.device(),
         Placement::Gpu => format!("{} ({})", s.device(), device_name(0).unwrap_or_default()),
@@ -750,9 +761,7 @@ fn open_sessions(
         // own: its step may overlap collectives on a second stream.
         (Placement::Rank { group, .. }, Some(c)) => {
             let rank = group.rank;
-            let session = open_session(backend, step, plan, session_opts)
-                .with_context(|| format!("rank {rank} of {}", group.world))?
-                .session;
+            let session = open_step(step, plan)?;
             // The evaluation step has no collectives: no group, no NCCL.
             let opts = SessionOptions::on_device(rank, config.switches);
             let weights = c.step.leaf_bytes(|k| matches!(k, ValueKind::Param { .. } | ValueKind::Frozen { .. }));
@@ -771,7 +780,7 @@ fn open_sessions(
         }
         (_, Some(c)) => {
             let program = join_evaluation(config, &step, &plan, &c)?;
-            let session = open_session(backend, program.trace, program.plan, session_opts)?.session;
+            let session = open_step(program.trace, program.plan)?;
             let device = device_in_words(session.as_ref());
             let eval = Some(EvalRuns::Segment {
                 nodes: program.eval,
@@ -789,12 +798,7 @@ fn open_sessions(
             })
         }
         (_, None) => {
-            let session = match placement {
-                Placement::Rank { group, .. } => open_session(backend, step, plan, session_opts)
-                    .with_context(|| format!("rank {} of {}", group.rank, group.world))?,
-                _ => open_session(backend, step, plan, session_opts)?,
-            }
-            .session;
+            let session = open_step(step, plan)?;
             let device = device_in_words(session.as_ref());
             Ok(Sessions { session, replay_from, device, eval: None, step_nodes: None, eval_extra_bytes: None })
         }
