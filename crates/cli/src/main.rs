@@ -795,6 +795,12 @@ fn run_command(cli: Cli) -> Result<()> {
             if validation && opts.kind != StepKind::Train {
                 bail!("--validation plans the evaluation beside a training step: drop --step, or use --step train");
             }
+            // What the training step is on a Hopper GPU, lowered here without one
+            // (a dtype without CUDA kernels, such as f64, has no count).
+            const ARCH: &str = "sm_90";
+            let census = stepgraph_cuda::lower::step_launches(&c.step, &c.plan, ARCH, &switches)
+                .ok()
+                .map(|step| profile::census(&step.launches));
             // The training program with its evaluation segment, as `train` plans it.
             let (c, eval_extra) = match validation {
                 true => {
@@ -809,12 +815,6 @@ fn run_command(cli: Cli) -> Result<()> {
             if let Some(path) = &html {
                 write_timeline(path, &c, timeline_title(&spec, opts.kind))?;
             }
-            // What the step is on a Hopper GPU, lowered here without one
-            // (a dtype without CUDA kernels, such as f64, has no count).
-            const ARCH: &str = "sm_90";
-            let census = stepgraph_cuda::lower::step_launches(&c.step, &c.plan, ARCH, &switches)
-                .ok()
-                .map(|step| profile::census(&step.launches));
             if json {
                 let mut value = serde_json::to_value(&report)?;
                 value["recompute"] = serde_json::to_value(c.recompute())?;
@@ -866,9 +866,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 }
                 if let Some(extra) = eval_extra {
                     println!(
-                        "validation: in the training arena, {:.1} MB beyond the step's plan (its inputs, its loss, \
-                         and its forward's working set where that exceeds the step's)",
-                        extra as f64 / 1e6
+                        "validation: in the training arena, {} beyond the step's plan (its inputs, its loss, and its \
+                         forward's working set where that exceeds the step's)",
+                        output_paths::human_bytes(extra)
                     );
                 }
                 if let Some(census) = &census {

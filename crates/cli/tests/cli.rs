@@ -117,6 +117,34 @@ fn plan_says_which_switches_are_set() {
     assert!(!ok && err.contains("STEPGRAPH_MULTI_TENSOR=\"sometimes\": expected 1, on, true, yes or 0"), "{err}");
 }
 
+/// `--validation` plans the training program with its evaluation segment:
+/// the plan says what validation adds (a tiny step's inputs and loss:
+/// bytes) and JSON carries it, launches are the step's; a step that is
+/// not `train` is refused.
+#[test]
+fn plan_says_what_validation_adds_in_the_training_arena() {
+    let base = ["--model", "tiny-llama", "--dtype", "f32", "--seq", "16"];
+    let (ok, plain, err) = plan_with_env(&[&base[..], &["--json"]].concat(), &[]);
+    assert!(ok, "{err}");
+    let (ok, joint, err) = plan_with_env(&[&base[..], &["--json", "--validation"]].concat(), &[]);
+    assert!(ok, "{err}");
+    let (plain, joint): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_str(&plain).unwrap(), serde_json::from_str(&joint).unwrap());
+    assert!(plain["validation_extra_bytes"].is_null(), "{}", plain["validation_extra_bytes"]);
+    let extra = json_u64(&joint, "validation_extra_bytes");
+    assert!(extra > 0 && extra < 1000, "{extra}");
+    assert_eq!(json_u64(&joint, "planned_peak_bytes"), json_u64(&plain, "planned_peak_bytes") + extra);
+    let (ok, text, err) = plan_with_env(&[&base[..], &["--validation"]].concat(), &[]);
+    assert!(ok, "{err}");
+    assert!(text.contains(&format!("validation: in the training arena, {extra} B beyond the step's plan")), "{text}");
+    // Launches are counted for the training step alone.
+    let launches = |out: &str| out.lines().find(|l| l.starts_with("launches per step")).map(str::to_string);
+    let (_, plain_text, _) = plan_with_env(&base, &[]);
+    assert_eq!(launches(&text), launches(&plain_text));
+    let (ok, _, err) = plan_with_env(&[&base[..], &["--validation", "--step", "grads"]].concat(), &[]);
+    assert!(!ok && err.contains("--validation plans the evaluation beside a training step"), "{err}");
+}
+
 /// `--f32-products 3xtf32`: every f32 product as three TF32 ones, said in
 /// the plan and counted in its launches.
 #[test]

@@ -433,18 +433,20 @@ __device__ __forceinline__ float map_value(int t, bool signed_map) {
 // x's decade, then its cell within the decade (`quantize8` corrects it).
 __device__ __forceinline__ int code_guess(float x, bool signed_map) {
     const float a = fabsf(x);
+    // The decade, and the reciprocal of its top (products, not divisions:
+    // a guess needs no exact rounding).
     int d;
-    float decade;
-    if (a >= 0.1f) d = 6, decade = 1.0f;
-    else if (a >= 0.01f) d = 5, decade = 0.1f;
-    else if (a >= 1e-3f) d = 4, decade = 0.01f;
-    else if (a >= 1e-4f) d = 3, decade = 1e-3f;
-    else if (a >= 1e-5f) d = 2, decade = 1e-4f;
-    else if (a >= 1e-6f) d = 1, decade = 1e-5f;
-    else d = 0, decade = 1e-6f;
+    float per_decade;
+    if (a >= 0.1f) d = 6, per_decade = 1.0f;
+    else if (a >= 0.01f) d = 5, per_decade = 10.0f;
+    else if (a >= 1e-3f) d = 4, per_decade = 100.0f;
+    else if (a >= 1e-4f) d = 3, per_decade = 1e3f;
+    else if (a >= 1e-5f) d = 2, per_decade = 1e4f;
+    else if (a >= 1e-6f) d = 1, per_decade = 1e5f;
+    else d = 0, per_decade = 1e6f;
     const int n = signed_map ? (1 << d) : (2 << d);
-    // Values of decade d are (0.1 + 0.9 (2j + 1) / 2n) · decade, j < n.
-    int j = (int)(__fdiv_rn(__fdiv_rn(a, decade) - 0.1f, 0.9f) * (float)n);
+    // Values of decade d are (0.1 + 0.9 (2j + 1) / 2n) · 10^(d-6), j < n.
+    int j = (int)((a * per_decade - 0.1f) * (1.0f / 0.9f) * (float)n);
     j = j < 0 ? 0 : (j >= n ? n - 1 : j);
     if (signed_map) {
         const int k = (n - 1) + j;  // among the 127 positive values, ascending
@@ -466,6 +468,12 @@ __device__ __forceinline__ u8 quantize8(float x, const float* map, bool signed_m
     const float below = __fsub_rn(x, map[lo - 1]), above = __fsub_rn(map[lo], x);
     return (u8)(above < below ? lo : lo - 1);
 }
+
+// A thread's 8 codes, as bytes or as one 8-byte word.
+union Codes {
+    uint2 word;
+    u8 code[ADAMW8_PER_THREAD];
+};
 
 // The block's maxima of a and b (non-negative), in every thread, in one
 // pass through shared memory.
@@ -497,11 +505,30 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
     }
     __syncthreads();
     const i64 blocks = (n + ADAMW8_BLOCK - 1) / ADAMW8_BLOCK, padded = (n + 3) / 4 * 4;
+    const bool aligned8 =
+        (((unsigned long long)mq | (unsigned long long)vq | (unsigned long long)mq_out | (unsigned long long)vq_out) &
+         7ull) == 0;
     for (i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         const i64 base = b * ADAMW8_BLOCK + (i64)threadIdx.x * ADAMW8_PER_THREAD;
         const float am = ms[b], av = vs[b];
         float mi[ADAMW8_PER_THREAD], vi[ADAMW8_PER_THREAD];
         float m_max = 0.0f, v_max = 0.0f;
+        // The thread's 8 codes of each moment: one 8-byte access where all
+        // are in the tensor and the code arrays start 8-byte aligned (base
+        // is a multiple of 8; a small tensor's codes may be packed at 4),
+        // byte by byte otherwise.
+        Codes mc, vc;
+        const bool whole = aligned8 && base + ADAMW8_PER_THREAD <= n;
+        if (whole) {
+            mc.word = *reinterpret_cast<const uint2*>(mq + base);
+            vc.word = *reinterpret_cast<const uint2*>(vq + base);
+        } else {
+#pragma unroll
+            for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
+                mc.code[k] = base + k < n ? mq[base + k] : (u8)0;
+                vc.code[k] = base + k < n ? vq[base + k] : (u8)0;
+            }
+        }
 #pragma unroll
         for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
             const i64 i = base + k;
@@ -510,12 +537,12 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
             if (i >= n) continue;
             float pi = load(p, i), wi0 = 0.0f;
             if constexpr (Mode != kNone) wi0 = load(w, i);
-            const float m0 = __fmul_rn(smap[mq[i]], am), v0 = __fmul_rn(umap[vq[i]], av);
+            const float m0 = __fmul_rn(smap[mc.code[k]], am), v0 = __fmul_rn(umap[vc.code[k]], av);
             if (!c.valid) {
                 if constexpr (Mode != kNone) store(w_out, i, wi0);
                 store(p_out, i, pi);
-                mq_out[i] = mq[i];
-                vq_out[i] = vq[i];
+                mq_out[i] = mc.code[k];
+                vq_out[i] = vc.code[k];
                 continue;
             }
             float gi = load(g, i);
@@ -546,16 +573,24 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
         }
 #pragma unroll
         for (int k = 0; k < ADAMW8_PER_THREAD; ++k) {
-            const i64 i = base + k;
-            if (i < n) {
-                mq_out[i] = m_max > 0.0f ? quantize8(__fdiv_rn(mi[k], m_max), smap, true) : (u8)127;
+            if (base + k < n) {
+                mc.code[k] = m_max > 0.0f ? quantize8(__fdiv_rn(mi[k], m_max), smap, true) : (u8)127;
                 // A positive second moment never takes zero's code (second_moment_code).
-                u8 vc = v_max > 0.0f ? quantize8(__fdiv_rn(vi[k], v_max), umap, false) : (u8)0;
-                if (vc == 0 && vi[k] > 0.0f && v_max > 0.0f) vc = 1;
-                vq_out[i] = vc;
-            } else if (i < padded) {
-                mq_out[i] = 0;
-                vq_out[i] = 0;
+                u8 v = v_max > 0.0f ? quantize8(__fdiv_rn(vi[k], v_max), umap, false) : (u8)0;
+                if (v == 0 && vi[k] > 0.0f && v_max > 0.0f) v = 1;
+                vc.code[k] = v;
+            } else {
+                mc.code[k] = 0;
+                vc.code[k] = 0;
+            }
+        }
+        if (whole) {
+            *reinterpret_cast<uint2*>(mq_out + base) = mc.word;
+            *reinterpret_cast<uint2*>(vq_out + base) = vc.word;
+        } else {
+            for (int k = 0; k < ADAMW8_PER_THREAD && base + k < padded; ++k) {
+                mq_out[base + k] = mc.code[k];
+                vq_out[base + k] = vc.code[k];
             }
         }
         if (threadIdx.x == 0) ms_out[b] = m_max, vs_out[b] = v_max;

@@ -1127,7 +1127,7 @@ fn print_settings(
     if args.eval_every > 0 {
         // Where it runs, and what it adds to the plan.
         let place = match trainer.eval_extra_bytes() {
-            Some(extra) => format!("; in the training arena, +{:.1} MB planned", mb(extra)),
+            Some(extra) => format!("; in the training arena, +{} planned", crate::output_paths::human_bytes(extra)),
             None => "; its own session, with a copy of the weights".to_string(),
         };
         eprintln!("  validation  every {} steps, {} batches{place}", args.eval_every, args.eval_batches);
