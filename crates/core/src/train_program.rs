@@ -87,7 +87,7 @@ pub fn evaluation_step(train: &CompiledStep) -> Result<CompiledStep> {
 pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts: PlanOptions) -> Result<TrainProgram> {
     let refuse = |reason: String| Error::Plan(format!("joining the evaluation forward to the training step: {reason}"));
     let mut b = Builder::new(step.name.clone());
-    let step_map = b.copy_leaves(step)?;
+    let mut step_map = b.copy_leaves(step)?;
     let mut eval_map: Vec<Option<ValueId>> = vec![None; eval.values.len()];
     for v in eval.leaves() {
         let value = eval.value(v);
@@ -135,22 +135,10 @@ pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts:
         };
         b.output(OutputKind::Named(name), eval_map[o.value.index()].expect("outputs are defined"));
     }
-    let mut step_map = step_map;
     push_all(&mut b, step, &mut step_map)?;
     let step_nodes = eval_nodes.end..b.trace().nodes.len();
-    let m = |v: ValueId| step_map[v.index()].expect("the step defines its outputs and updates");
-    for o in &step.outputs {
-        let kind = match &o.kind {
-            OutputKind::Grad(p) => OutputKind::Grad(m(*p)),
-            other => other.clone(),
-        };
-        b.output(kind, m(o.value));
-    }
-    for u in &step.updates {
-        b.update(m(u.state), m(u.new));
-    }
-    let mut trace = b.finish("evaluation")?;
-    trace.name = step.name.clone();
+    // The step's outputs and updates, its name kept.
+    let trace = b.finish_rewrite(step, &step_map, "evaluation")?;
     let eval_loss = trace
         .outputs
         .iter()
