@@ -505,15 +505,9 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
     }
     __syncthreads();
     const i64 blocks = (n + ADAMW8_BLOCK - 1) / ADAMW8_BLOCK, padded = (n + 3) / 4 * 4;
-    typedef master_t<P, Mode> W;
     const bool aligned8 =
         (((unsigned long long)mq | (unsigned long long)vq | (unsigned long long)mq_out | (unsigned long long)vq_out) &
          7ull) == 0;
-    // Parameters, gradients and master state in 16-byte packs where every
-    // array allows it (base is a multiple of 8 elements: 16 or 32 bytes).
-    const bool aligned16 = (((unsigned long long)p | (unsigned long long)g | (unsigned long long)p_out |
-                             (Mode != kNone ? ((unsigned long long)w | (unsigned long long)w_out) : 0ull)) &
-                            15ull) == 0;
     for (i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         const i64 base = b * ADAMW8_BLOCK + (i64)threadIdx.x * ADAMW8_PER_THREAD;
         const float am = ms[b], av = vs[b];
@@ -525,18 +519,6 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
         // byte by byte otherwise.
         Codes mc, vc;
         const bool whole = aligned8 && base + ADAMW8_PER_THREAD <= n;
-        // The thread's 8 parameters, gradients and master values, read as
-        // packs and written back as packs after the loop (each element is
-        // read before it is written: outputs may be their inputs).
-        const bool packed = aligned16 && base + ADAMW8_PER_THREAD <= n;
-        Pack<P, ADAMW8_PER_THREAD> pk, gk, pk_out;
-        Pack<W, ADAMW8_PER_THREAD> wk, wk_out;
-        if (packed) {
-            const i64 j = base / ADAMW8_PER_THREAD;
-            pk.read(p, j);
-            gk.read(g, j);
-            if constexpr (Mode != kNone) wk.read(w, j);
-        }
         if (whole) {
             mc.word = *reinterpret_cast<const uint2*>(mq + base);
             vc.word = *reinterpret_cast<const uint2*>(vq + base);
@@ -553,20 +535,17 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
             mi[k] = 0.0f;
             vi[k] = 0.0f;
             if (i >= n) continue;
-            // Where element k of the thread's parameters and master values go.
-            P* const p_to = packed ? pk_out.elems() : p_out + base;
-            W* const w_to = packed ? wk_out.elems() : w_out + base;
-            float pi = packed ? load(pk.elems(), k) : load(p, i), wi0 = 0.0f;
-            if constexpr (Mode != kNone) wi0 = packed ? load(wk.elems(), k) : load(w, i);
+            float pi = load(p, i), wi0 = 0.0f;
+            if constexpr (Mode != kNone) wi0 = load(w, i);
             const float m0 = __fmul_rn(smap[mc.code[k]], am), v0 = __fmul_rn(umap[vc.code[k]], av);
             if (!c.valid) {
-                if constexpr (Mode != kNone) store(w_to, k, wi0);
-                store(p_to, k, pi);
+                if constexpr (Mode != kNone) store(w_out, i, wi0);
+                store(p_out, i, pi);
                 mq_out[i] = mc.code[k];
                 vq_out[i] = vc.code[k];
                 continue;
             }
-            float gi = packed ? load(gk.elems(), k) : load(g, i);
+            float gi = load(g, i);
             if (c.scaled) gi = stored((const P*)nullptr, __fmul_rn(gi, c.gscale));
             float w0 = pi;
             if constexpr (Mode == kMaster) {
@@ -578,18 +557,13 @@ __device__ __forceinline__ void update_8bit(const P* p, const P* g, const u8* mq
             const float vn = __fadd_rn(__fmul_rn(v0, c.beta2), __fmul_rn(__fmul_rn(c.w2, gi), gi));
             const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vn), c.bc2_sqrt), c.eps);
             const float pn = __fadd_rn(wd_applied, __fdiv_rn(__fmul_rn(c.neg_step_size, mn), denom));
-            if constexpr (Mode == kMaster) store(w_to, k, pn);
-            if constexpr (Mode == kKahan) store(w_to, k, __fsub_rn(pn, stored((const P*)nullptr, pn)));
-            store(p_to, k, pn);
+            if constexpr (Mode == kMaster) store(w_out, i, pn);
+            if constexpr (Mode == kKahan) store(w_out, i, __fsub_rn(pn, stored((const P*)nullptr, pn)));
+            store(p_out, i, pn);
             mi[k] = mn;
             vi[k] = vn;
             m_max = fmaxf(m_max, fabsf(mn));
             v_max = fmaxf(v_max, fabsf(vn));
-        }
-        if (packed) {
-            const i64 j = base / ADAMW8_PER_THREAD;
-            pk_out.write(p_out, j);
-            if constexpr (Mode != kNone) wk_out.write(w_out, j);
         }
         // Every thread has read its block's scales: the new ones may be written.
         block_max2(m_max, v_max, scratch);
