@@ -385,10 +385,10 @@ SG_ADAMW_ALL(f32, float, f32, float, f32, float)
 // moment (a maximum: the same in any order), then each element's code: the
 // first map entry at least its quotient (guessed from the map's formula,
 // then corrected by steps) and the nearer of it and the one below, the
-// lower code on a tie (and a positive second moment never zero's code). The maps are built by
-// every block from the same f64 constants as `dynamic_map`. Codes past n in
-// the last word are written as zero. With invalid scalars every output
-// receives its input.
+// lower code on a tie (and a positive second moment never zero's code).
+// The maps are built by every block from the same f64 constants as
+// `dynamic_map`. Codes past n in the last word are written as zero. With
+// invalid scalars every output receives its input.
 
 namespace sg_adamw {
 
