@@ -11,7 +11,9 @@
 //! (collectives inserted after autodiff), which [`cpu::comm`] runs in
 //! threads. [`pipeline`] assembles those stages, from a model spec to a
 //! checked plan, for every caller, and [`session::Session`] is the
-//! interface every backend's session offers. Nothing here knows about CUDA.
+//! interface every backend's session offers. [`train_program`] joins a
+//! training step and the forward that validates it into one program over
+//! one plan. Nothing here knows about CUDA.
 
 pub mod autodiff;
 pub mod cpu;
