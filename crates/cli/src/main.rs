@@ -804,8 +804,7 @@ fn run_command(cli: Cli) -> Result<()> {
             // The training program with its evaluation segment, as `train` plans it.
             let (c, eval_extra) = match validation {
                 true => {
-                    let eval = stepgraph_core::train_program::evaluation_step(&c)?;
-                    let p = stepgraph_core::train_program::with_evaluation(&c.step, &c.plan, &eval.step, opts.plan)?;
+                    let p = stepgraph_core::train_program::with_validation(&c, opts.plan)?;
                     let extra = p.eval_extra_bytes;
                     (CompiledStep { step: p.trace, plan: p.plan, ..c }, Some(extra))
                 }

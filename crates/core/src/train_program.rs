@@ -79,6 +79,13 @@ pub fn evaluation_step(train: &CompiledStep) -> Result<CompiledStep> {
     compile_step(&train.spec, &opts)
 }
 
+/// The program `train` runs with validation on: `step` joined by its
+/// [`evaluation_step`], planned with `opts` ([`with_evaluation`]).
+pub fn with_validation(step: &CompiledStep, opts: PlanOptions) -> Result<TrainProgram> {
+    let eval = evaluation_step(step)?;
+    with_evaluation(&step.step, &step.plan, &eval.step, opts)
+}
+
 /// Joins the forward-only step `eval` to the training step `step` (planned
 /// as `step_plan`) into one program planned with `opts`, its frozen tables
 /// in host memory where `step_plan` keeps them there (see the module doc).

@@ -167,13 +167,12 @@ fn w5_ranks_on_8_gpus_plan_like_one_gpu_and_zero1_shards_the_optimizer() {
 /// of weights nor a second arena (a session of its own planned 16 GB).
 #[test]
 fn w7_validation_in_the_training_arena_adds_at_most_64_mb() {
-    use stepgraph_core::train_program::with_evaluation;
+    use stepgraph_core::train_program::with_validation;
     let spec = ModelSpec::named("Llama-3-8B", 1, 4096, DType::BF16, LossKind::CrossEntropy).unwrap();
     let mut opts = StepOptions::new(StepKind::Train);
     opts.train.clip_grad_norm = Some(1.0);
     let train = compile_step(&spec, &opts).unwrap();
-    let eval = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
-    let joint = with_evaluation(&train.step, &train.plan, &eval.step, PlanOptions::default()).unwrap();
+    let joint = with_validation(&train, PlanOptions::default()).unwrap();
     assert!(joint.eval_extra_bytes <= 64 << 20, "validation adds {} bytes", joint.eval_extra_bytes);
     assert_eq!(joint.plan.persistent_bytes, train.plan.persistent_bytes);
 }

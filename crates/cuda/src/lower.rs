@@ -118,7 +118,7 @@ mod tests {
     use stepgraph_core::models::{LossKind, ModelSpec};
     use stepgraph_core::pipeline::{compile_step, StepOptions};
     use stepgraph_core::plan::PlanOptions;
-    use stepgraph_core::train_program::with_evaluation;
+    use stepgraph_core::train_program::with_validation;
 
     /// A session runs a training program's segments as node ranges, which
     /// no merged launch may straddle: the evaluation's last launch and the
@@ -129,9 +129,7 @@ mod tests {
         let spec = ModelSpec::named("tiny-llama", 2, 16, DType::BF16, LossKind::CrossEntropy).unwrap();
         let mut opts = StepOptions::new(StepKind::Train);
         opts.train.clip_grad_norm = Some(1.0);
-        let train = compile_step(&spec, &opts).unwrap();
-        let eval = compile_step(&spec, &StepOptions::new(StepKind::Forward)).unwrap();
-        let p = with_evaluation(&train.step, &train.plan, &eval.step, PlanOptions::default()).unwrap();
+        let p = with_validation(&compile_step(&spec, &opts).unwrap(), PlanOptions::default()).unwrap();
         let switches = Switches::default();
         assert!(switches.multi_tensor);
         let list = step_launches(&p.trace, &p.plan, "sm_90", &switches).unwrap();

@@ -167,8 +167,6 @@ pub struct Trainer {
     /// The training step's nodes, where the session's program holds the
     /// evaluation too; `None`: the whole trace.
     step_nodes: Option<std::ops::Range<usize>>,
-    /// Planned bytes the evaluation segment adds to the training step's.
-    eval_extra_bytes: Option<u64>,
     eval: Option<Evaluator>,
     data: Box<dyn TrainData>,
     device: String,
@@ -236,7 +234,7 @@ impl Trainer {
             Placement::Rank { group, .. } => (group.rank, group.world),
         };
         let opened = Instant::now();
-        let Sessions { session, replay_from, device, eval: eval_runs, step_nodes, eval_extra_bytes } =
+        let Sessions { session, replay_from, device, eval: eval_runs, step_nodes } =
             open_sessions(&placement, eager, &config, step, plan, eval)?;
         let session_time = opened.elapsed();
         let peak_flops = match &placement {
@@ -269,7 +267,6 @@ impl Trainer {
             session,
             replay_from,
             step_nodes,
-            eval_extra_bytes,
             eval,
             data,
             device,
@@ -403,7 +400,10 @@ impl Trainer {
     /// it runs in the training arena (`None`: no validation, or a session
     /// of its own).
     pub fn eval_extra_bytes(&self) -> Option<u64> {
-        self.eval_extra_bytes
+        match self.eval.as_ref()?.runs {
+            EvalRuns::Segment { extra_bytes, .. } => Some(extra_bytes),
+            EvalRuns::Session { .. } => None,
+        }
     }
 
     /// The run's memory: the training session's and, where validation has
@@ -479,26 +479,26 @@ impl Trainer {
         }
         session.write_named(LR_INPUT, &scalar_input(lr))?;
         session.write_named(STEP_INPUT, &scalar_input(it as f64))?;
-        let replay = self.replay_from.is_some_and(|from| it >= from);
-        match (&self.step_nodes, replay) {
-            (None, true) => {
-                if self.recorded.is_none() {
-                    let capturing = Instant::now();
-                    self.recorded = Some(session.prepare_replay()?);
-                    capture = capturing.elapsed();
-                }
-                session.replay()?;
+        // The whole trace, or its training segment beside the evaluation's.
+        let nodes = self.step_nodes.clone();
+        if self.replay_from.is_some_and(|from| it >= from) {
+            if self.recorded.is_none() {
+                let capturing = Instant::now();
+                self.recorded = Some(match nodes.clone() {
+                    Some(n) => session.prepare_replay_nodes(n)?,
+                    None => session.prepare_replay()?,
+                });
+                capture = capturing.elapsed();
             }
-            (None, false) => session.run_eager()?,
-            (Some(nodes), true) => {
-                if self.recorded.is_none() {
-                    let capturing = Instant::now();
-                    self.recorded = Some(session.prepare_replay_nodes(nodes.clone())?);
-                    capture = capturing.elapsed();
-                }
-                session.replay_nodes(nodes.clone())?;
+            match nodes {
+                Some(n) => session.replay_nodes(n)?,
+                None => session.replay()?,
             }
-            (Some(nodes), false) => session.run_nodes(nodes.clone())?,
+        } else {
+            match nodes {
+                Some(n) => session.run_nodes(n)?,
+                None => session.run_eager()?,
+            }
         }
         let loss = session.loss()?;
         self.step_time += step_started.elapsed().saturating_sub(capture);
@@ -692,8 +692,6 @@ struct Sessions {
     eval: Option<EvalRuns>,
     /// The training step's nodes, where the program holds the evaluation too.
     step_nodes: Option<std::ops::Range<usize>>,
-    /// What the evaluation segment adds to the training step's plan.
-    eval_extra_bytes: Option<u64>,
 }
 
 /// The training step with the evaluation forward `eval` as one program
@@ -776,7 +774,7 @@ fn open_sessions(
                 .session;
             let device = device_in_words(session.as_ref());
             let eval = Some(EvalRuns::Session { session: own, frozen_copied: false });
-            Ok(Sessions { session, replay_from, device, eval, step_nodes: None, eval_extra_bytes: None })
+            Ok(Sessions { session, replay_from, device, eval, step_nodes: None })
         }
         (_, Some(c)) => {
             let program = join_evaluation(config, &step, &plan, &c)?;
@@ -787,20 +785,14 @@ fn open_sessions(
                 loss: program.eval_loss,
                 replay: replay_from.is_some(),
                 warm: false,
+                extra_bytes: program.eval_extra_bytes,
             });
-            Ok(Sessions {
-                session,
-                replay_from,
-                device,
-                eval,
-                step_nodes: Some(program.step),
-                eval_extra_bytes: Some(program.eval_extra_bytes),
-            })
+            Ok(Sessions { session, replay_from, device, eval, step_nodes: Some(program.step) })
         }
         (_, None) => {
             let session = open_step(step, plan)?;
             let device = device_in_words(session.as_ref());
-            Ok(Sessions { session, replay_from, device, eval: None, step_nodes: None, eval_extra_bytes: None })
+            Ok(Sessions { session, replay_from, device, eval: None, step_nodes: None })
         }
     }
 }
@@ -865,7 +857,8 @@ pub enum EvalRuns {
     /// ([`TrainProgram`]): it reads the weights the training step keeps,
     /// so nothing is copied. Its first run is eager (the GPU's modules
     /// warm), later ones replay its recording unless the run is eager.
-    Segment { nodes: std::ops::Range<usize>, loss: ValueId, replay: bool, warm: bool },
+    /// `extra_bytes`: what it adds to the training step's plan.
+    Segment { nodes: std::ops::Range<usize>, loss: ValueId, replay: bool, warm: bool, extra_bytes: u64 },
     /// A session of its own (a data-parallel rank, the `eval` command):
     /// the weights are copied in before each evaluation, from the training
     /// session when there is one. A train step always applies its AdamW
@@ -958,7 +951,7 @@ impl Evaluator {
                         session.run_eager()?;
                         session.loss()?
                     }
-                    EvalRuns::Segment { nodes, loss, replay, warm } => {
+                    EvalRuns::Segment { nodes, loss, replay, warm, .. } => {
                         let train =
                             train.as_deref_mut().context("an evaluation segment runs in the training session")?;
                         for (name, t) in &inputs {
