@@ -817,6 +817,7 @@ fn run_command(cli: Cli) -> Result<()> {
             if json {
                 let mut value = serde_json::to_value(&report)?;
                 value["recompute"] = serde_json::to_value(c.recompute())?;
+                value["offload"] = serde_json::to_value(&c.passes.offload)?;
                 value["optimizer"] = serde_json::to_value(c.placement())?;
                 value["epilogues"] = serde_json::to_value(c.fusion())?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
@@ -850,6 +851,9 @@ fn run_command(cli: Cli) -> Result<()> {
                     print!("{p}");
                 }
                 print!("{}", c.recompute());
+                if let Some(offload) = &c.passes.offload {
+                    print!("{offload}");
+                }
                 if opts.epilogues == stepgraph_core::passes::fusion::Epilogues::On {
                     println!("{}", c.fusion());
                 }

@@ -56,14 +56,14 @@ pub enum Error {
     /// The memory planner or its checker found a problem.
     #[error("memory plan: {0}")]
     Plan(String),
-    /// A memory budget that recomputation cannot meet, at any MLP row
+    /// A memory budget that recomputation and offload cannot meet, at any MLP row
     /// tiling tried: `least` is the smallest planned peak reached, with the
     /// MLP in `mlp_tiles` row tiles. No smaller budget works. `hint` says
     /// what else would lower the peak (a setting that costs memory).
     #[error(
         "memory plan: the memory budget of {budget} B ({:.3} GB) cannot be met: recomputing every saved value \
-         this pass can recompute plans {least} B ({:.3} GB){}; ask for at least that, or a smaller batch or \
-         sequence{}",
+         that can be recomputed, and keeping what backward reads in host memory where that helps, plans \
+         {least} B ({:.3} GB){}; ask for at least that, or a smaller batch or sequence{}",
         *budget as f64 / 1e9,
         *least as f64 / 1e9,
         if *mlp_tiles > 1 { format!(" with the MLP in {mlp_tiles} row tiles") } else { String::new() },

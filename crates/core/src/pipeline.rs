@@ -50,6 +50,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
 use crate::passes::fusion::{Epilogues, Fold, FusionReport};
+use crate::passes::offload::Offload;
 use crate::passes::optimizer_placement::{OptimizerPlacement, PlaceOptimizer, PlacementReport};
 use crate::passes::recompute::{Recompute, RecomputePolicy, RecomputeReport};
 use crate::passes::tf32::SplitF32Products;
@@ -86,6 +87,13 @@ pub struct StepOptions {
     /// Exact f32 products (default), or each as three TF32 products of
     /// split operands ([`crate::passes::split_f32_products`]).
     pub f32_products: F32Products,
+    /// Under a memory budget that recomputation and MLP tiling cannot
+    /// meet, keep values backward reads in page-locked host memory between
+    /// forward and backward ([`crate::passes::offload`]; default on). Not
+    /// serialized: where a value waits changes no value, so it is no part
+    /// of a run's resume identity.
+    #[serde(skip)]
+    pub offload: bool,
 }
 
 impl StepOptions {
@@ -102,6 +110,7 @@ impl StepOptions {
             grad_accum: 1,
             epilogues: Epilogues::default(),
             f32_products: F32Products::default(),
+            offload: true,
         }
     }
 
@@ -270,7 +279,7 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
     let second = compile_budgeted(spec, &hosted);
     let hosted_is_better = match (&first, &second) {
         // No table moved (the head reads the embedding): the same step.
-        (_, Ok((c, _))) => c.plan.host_bytes > 0,
+        (_, Ok((c, _))) => c.plan.host_table_bytes > 0,
         (Err(Error::MemoryBudget { least: a, .. }), Err(Error::MemoryBudget { least: b, .. })) => b < a,
         _ => false,
     };
@@ -309,6 +318,18 @@ fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledSte
             other => return other,
         }
         first = false;
+    }
+    // Last, values backward reads wait in host memory between forward and
+    // backward, at the best tiling: copies cost bus time, which overlaps
+    // compute, but the bus is slower than recomputing what can be.
+    if opts.offload {
+        let offloading =
+            StepOptions { mlp_tiles: best_tiles, recompute: RecomputePolicy::Least(budget), ..opts.clone() };
+        match compile_tiled(spec, &offloading) {
+            Err(Error::MemoryBudget { least: l, .. }) if l < least => least = l,
+            Err(Error::MemoryBudget { .. }) => {}
+            other => return other,
+        }
     }
     Err(Error::MemoryBudget { budget, least, mlp_tiles: best_tiles, hint: clipping_hint(spec, opts, least) })
 }
@@ -356,6 +377,9 @@ fn step_passes(opts: &StepOptions) -> Vec<Box<dyn Pass>> {
         passes.push(Box::new(PlaceOptimizer(opts.optimizer)));
     }
     passes.push(Box::new(Recompute(opts.recompute)));
+    if let RecomputePolicy::Least(budget) = opts.recompute {
+        passes.push(Box::new(Offload(budget)));
+    }
     if opts.f32_products == F32Products::Split3xTf32 {
         passes.push(Box::new(SplitF32Products));
     }
@@ -378,7 +402,9 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     let mlp_tiles = recompute.mlp_tiles;
-    if let (F32Products::Split3xTf32, RecomputePolicy::Budget(budget)) = (opts.f32_products, opts.recompute) {
+    if let (F32Products::Split3xTf32, RecomputePolicy::Budget(budget) | RecomputePolicy::Least(budget)) =
+        (opts.f32_products, opts.recompute)
+    {
         let peak = plan.planned_peak_bytes();
         if peak > budget {
             return Err(Error::MemoryBudget {

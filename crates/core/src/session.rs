@@ -318,6 +318,13 @@ pub trait Session {
 
     /// The plan next to the memory the session holds, sampled now.
     fn memory(&mut self) -> Result<SessionMemory>;
+
+    /// Bytes per second of copies between device memory and page-locked
+    /// host memory (the slower direction), where the session measured it:
+    /// a GPU session whose plan offloads values does while it opens.
+    fn host_link_bytes_per_second(&self) -> Option<f64> {
+        None
+    }
 }
 
 impl<S: Session + ?Sized> NamedParams for S {

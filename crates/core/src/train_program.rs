@@ -74,7 +74,7 @@ impl TrainProgram {
 /// (host memory under a budget).
 pub fn evaluation_step(train: &CompiledStep) -> Result<CompiledStep> {
     let mut opts = StepOptions::new(StepKind::Forward);
-    opts.plan.host_tables = train.plan.host_bytes > 0;
+    opts.plan.host_tables = train.plan.host_table_bytes > 0;
     opts.mlp_tiles = train.recompute().mlp_tiles;
     compile_step(&train.spec, &opts)
 }
@@ -152,7 +152,7 @@ pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts:
         .find(|o| o.kind == OutputKind::Named(EVAL_LOSS_OUTPUT.into()))
         .map(|o| o.value)
         .ok_or_else(|| refuse("the evaluation forward has no loss".into()))?;
-    let opts = PlanOptions { host_tables: opts.host_tables || step_plan.host_bytes > 0, ..opts };
+    let opts = PlanOptions { host_tables: opts.host_tables || step_plan.host_table_bytes > 0, ..opts };
     let joint = plan(&trace, opts)?;
     check_plan(&trace, &joint)?;
     let eval_extra_bytes = joint.planned_peak_bytes().saturating_sub(step_plan.planned_peak_bytes());

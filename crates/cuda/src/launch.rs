@@ -164,6 +164,13 @@ pub enum Launch {
     },
     /// One bucket of a collective, issued through NCCL on the session's stream.
     Collective(CollectiveCall),
+    /// Copy `bytes` bytes between device memory and the plan's page-locked
+    /// host memory (both by device address), on the copy stream.
+    HostCopy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    },
 }
 
 impl Launch {
@@ -176,6 +183,7 @@ impl Launch {
             Launch::Gemm(g) => shape_name(g),
             Launch::Memset { .. } => "memset".into(),
             Launch::Copy { .. } => "copy".into(),
+            Launch::HostCopy { .. } => "host_copy".into(),
             Launch::Collective(c) => c.op.nccl_name().into(),
         }
     }

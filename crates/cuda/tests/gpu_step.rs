@@ -5,8 +5,10 @@
 //! products); graph replay equal to
 //! eager bit for bit over 5 training steps, including a replay right after
 //! the eager step that preceded capture, without new inputs (as `bench` and
-//! `train` do); the memory report against the plan, and a step that does
-//! not fit refused before any allocation.
+//! `train` do), and for a step that keeps values in host memory between
+//! forward and backward (copies on the copy stream); the memory report
+//! against the plan, and a step that does not fit refused before any
+//! allocation.
 //! Run on a GPU machine with `scripts/gpu-test.sh`.
 
 use std::collections::HashMap;
@@ -323,37 +325,63 @@ fn graph_replay_equals_eager_bit_for_bit() {
                 .then(|| (ModelSpec { adapters: Some(lora), ..sp.clone() }, how)),
         );
         for (sp, how) in cases {
-            let (fwd, step, p) = build(&sp, StepKind::Train, how);
-            let run = |graph: bool| -> Vec<Vec<u8>> {
-                let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::from_env().unwrap()).unwrap();
-                init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
-                let mut out = Vec::new();
-                for it in 1..=5 {
-                    step_inputs(&step, &sp, it, |n, t| s.write_named(n, t).unwrap());
-                    // Step 1 runs twice, the second time without new inputs: in
-                    // graph mode that is the eager step before capture and the
-                    // first replay after it, as `bench` and `train` run them.
-                    if it == 1 {
-                        s.run_eager().unwrap();
-                        out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
-                    }
-                    if graph {
-                        s.replay().unwrap();
-                    } else {
-                        s.run_eager().unwrap();
-                    }
-                    out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
-                }
-                for u in &step.updates {
-                    out.push(s.read(u.state).unwrap().bytes().to_vec());
-                }
-                out
-            };
-            let (eager, graph) = (run(false), run(true));
+            let (eager, graph) = eager_and_graph(&sp, how);
             assert_eq!(eager.len(), graph.len());
             assert!(eager == graph, "{name} {dtype} {how:?}: graph replay differs from eager");
         }
     }
+}
+
+/// A deep tiny model over a long row, whose least budget keeps layer
+/// values in host memory between forward and backward: the GPU against
+/// the CPU, and graph replay against eager bit for bit, with the copies
+/// on the copy stream.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn offloaded_steps_match_the_cpu_and_replay_bit_for_bit() {
+    let long = Overrides { n_layer: Some(8), block_size: Some(2048), ..Default::default() };
+    let config = Config::named("tiny-llama").unwrap().with_overrides(&long).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2)] {
+        let sp = ModelSpec { config: config.clone(), batch: 1, seq: 2048, ..spec("tiny-llama", dtype) };
+        let (_, step, p) = build(&sp, StepKind::Train, Build::LeastBudget);
+        let copies = step.nodes.iter().filter(|n| matches!(n.op, stepgraph_core::ops::Op::HostCopy(_))).count();
+        assert!(copies > 0 && p.host_bytes > 0, "{dtype}: the least budget offloads nothing");
+        step_matches_cpu(&sp, Build::LeastBudget, tol);
+        let (eager, graph) = eager_and_graph(&sp, Build::LeastBudget);
+        assert!(eager == graph, "{dtype}: graph replay of the offloaded step differs from eager");
+    }
+}
+
+/// Five training steps of `sp` built as `how`, eagerly and from the
+/// captured graph: each step's loss and the final state, as bytes.
+fn eager_and_graph(sp: &ModelSpec, how: Build) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let (fwd, step, p) = build(sp, StepKind::Train, how);
+    let run = |graph: bool| -> Vec<Vec<u8>> {
+        let mut s = CudaSession::new(step.clone(), p.clone(), CudaOptions::from_env().unwrap()).unwrap();
+        init(&step, &fwd, 1, |n, t| s.write_named(n, t).unwrap());
+        let mut out = Vec::new();
+        for it in 1..=5 {
+            step_inputs(&step, sp, it, |n, t| s.write_named(n, t).unwrap());
+            // Step 1 runs twice, the second time without new inputs: in
+            // graph mode that is the eager step before capture and the
+            // first replay after it, as `bench` and `train` run them.
+            if it == 1 {
+                s.run_eager().unwrap();
+                out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
+            }
+            if graph {
+                s.replay().unwrap();
+            } else {
+                s.run_eager().unwrap();
+            }
+            out.push(s.read(step.loss().unwrap()).unwrap().bytes().to_vec());
+        }
+        for u in &step.updates {
+            out.push(s.read(u.state).unwrap().bytes().to_vec());
+        }
+        out
+    };
+    (run(false), run(true))
 }
 
 /// The updates after backward run as multi-tensor AdamW launches, with the

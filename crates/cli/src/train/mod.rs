@@ -597,7 +597,15 @@ pub fn run(model: &ModelArgs, optim: &OptimArgs, args: &TrainArgs, memory: &Memo
         let gpu_default_dtype = model.on_gpu && model.dtype_defaulted();
         print_settings(args, &trainer, &sources, out.as_ref(), resumed_from.as_ref(), gpu_default_dtype);
         let session = trainer.session();
-        eprint!("{}", plan_report(session.trace(), session.plan(), 3).brief());
+        let report = plan_report(session.trace(), session.plan(), 3);
+        eprint!("{}", report.brief());
+        if let (true, Some(speed)) = (report.offloaded_values > 0, session.host_link_bytes_per_second()) {
+            eprintln!(
+                "    bus            {:.1} GB/s (measured now): {:.1} ms of copies per step, beside the compute",
+                speed / 1e9,
+                report.copied_bytes_per_step as f64 / speed * 1e3
+            );
+        }
         // Where the time before step 1 went: tracing, planning, the session
         // (kernel load and GEMM tuning among its phases on a GPU), the weights.
         eprintln!("{}", trainer.startup(compile_times));

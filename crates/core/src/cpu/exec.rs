@@ -92,7 +92,7 @@ impl CpuSession {
                 "the persistent buffer (parameters and optimizer state)",
             )?,
             arena: HostBuffer::new(plan.arena_bytes, "the arena")?,
-            host: HostBuffer::new(plan.host_bytes, "the host tables")?,
+            host: HostBuffer::new(plan.host_bytes, "the host tables and offloaded values")?,
             trace,
             plan,
             launches: None,

@@ -34,6 +34,7 @@ pub mod moe;
 pub mod movement;
 pub mod nf4;
 pub mod norm;
+pub mod offload;
 pub mod optim;
 pub mod reduce;
 pub mod rope;
@@ -291,6 +292,13 @@ pub trait OpDef: Sized + Clone + PartialEq + fmt::Debug {
     fn with_input_scale(&self, _input: usize, _inputs: &[&TensorType], _scale: &TensorType) -> Option<(Self, usize)> {
         None
     }
+
+    /// Whether output 0 lives in page-locked host memory
+    /// ([`crate::plan::Region::Host`]) instead of the device's: only a copy
+    /// to the host ([`offload::HostCopy`]).
+    fn output_on_host(&self) -> bool {
+        false
+    }
 }
 
 /// The op list, written once. `for_each_op!(callback)` expands to
@@ -344,6 +352,8 @@ macro_rules! for_each_op {
             Dropout($crate::ops::dropout::Dropout),
             // Frozen NF4 weights: no gradient flows into the codes.
             DequantizeNf4($crate::ops::nf4::DequantizeNf4),
+            // Offload: inserted after autodiff by `passes::offload`.
+            HostCopy($crate::ops::offload::HostCopy),
             AdamW($crate::ops::optim::AdamW),
             AdamW8bit($crate::ops::adamw8::AdamW8bit),
             // Generation: no VJP.
@@ -394,6 +404,9 @@ macro_rules! op_list {
             }
             pub fn reads_16_byte_aligned_inputs(&self) -> bool {
                 match self { $(Op::$variant(o) => o.reads_16_byte_aligned_inputs()),* }
+            }
+            pub fn output_on_host(&self) -> bool {
+                match self { $(Op::$variant(o) => o.output_on_host()),* }
             }
             pub fn view_offset(&self, input: &TensorType) -> u64 {
                 match self { $(Op::$variant(o) => o.view_offset(input)),* }

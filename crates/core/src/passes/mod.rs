@@ -21,7 +21,8 @@
 //! The passes: [`fusion`] (adds and scales folded into the kernels that
 //! produce or read them), [`optimizer_placement`] (the optimizer moved into
 //! backward), [`recompute`] (values recomputed in backward instead of
-//! kept), [`tf32`] (f32 products as three TF32 products), [`views`] (slices
+//! kept), [`offload`] (values kept in host memory between forward and
+//! backward), [`tf32`] (f32 products as three TF32 products), [`views`] (slices
 //! as views); [`crate::dist::DataParallelRewrite`] (a step made one rank's)
 //! sits with the rest of data parallelism. [`dce()`] is the cleanup autodiff
 //! runs on the traces it builds.
@@ -33,6 +34,7 @@
 
 pub mod dce;
 pub mod fusion;
+pub mod offload;
 pub mod optimizer_placement;
 pub mod recompute;
 pub mod tf32;
@@ -78,6 +80,8 @@ pub struct PassReport {
     pub placement: Option<PlacementReport>,
     /// What is recomputed in backward ([`recompute::Recompute`]).
     pub recompute: Option<RecomputeReport>,
+    /// What waits in host memory between forward and backward ([`offload::Offload`]).
+    pub offload: Option<offload::OffloadReport>,
     /// f32 products split into three TF32 products ([`tf32::SplitF32Products`]).
     pub split_products: Option<usize>,
     /// Slices that became views ([`views::SliceViews`]).

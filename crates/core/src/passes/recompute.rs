@@ -71,6 +71,10 @@ pub enum RecomputePolicy {
     Auto,
     /// Recompute until the planned peak (persistent + arena) is at most this many bytes.
     Budget(u64),
+    /// As `Budget`, but when no candidate is left above the budget, the
+    /// step with the least planned peak instead of a refusal: what the
+    /// offload pass ([`crate::passes::offload`]) then starts from.
+    Least(u64),
 }
 
 /// How expensive a recomputation is, in the order the budget takes them.
@@ -573,7 +577,7 @@ fn apply_in(
                 None => unchanged("auto", base_plan),
             }
         }
-        RecomputePolicy::Budget(budget) => {
+        RecomputePolicy::Budget(budget) | RecomputePolicy::Least(budget) => {
             let name = format!("budget {budget} B");
             if before <= budget {
                 return unchanged(&name, base_plan);
@@ -645,6 +649,9 @@ fn apply_in(
                         .then(a.node.cmp(&b.node))
                 });
                 let Some(best) = candidates.first().map(|c| c.node) else {
+                    if let RecomputePolicy::Least(_) = policy {
+                        break;
+                    }
                     return Err(Error::MemoryBudget { budget, least: best_peak, mlp_tiles: 1, hint: None });
                 };
                 // The same value in the other layers live at the peak, half

@@ -26,6 +26,7 @@ use super::{lifetimes, update_chains, MemoryPlan, Region, UnionFind, ARENA_ALIGN
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId, ValueKind};
 
+#[derive(Copy, Clone)]
 struct Class {
     key: usize,
     region: Region,
@@ -104,11 +105,15 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             trace.values[v].kind,
             ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. }
         );
-        // Only frozen tables may live on the host (`PlanOptions::host_tables`).
+        // Only frozen tables (`PlanOptions::host_tables`) and copies to the
+        // host (the offload pass's `to_host`) may live on the host.
         let region_ok = match slot.region {
             Region::Persistent => persistent,
             Region::Arena => !persistent,
-            Region::Host => matches!(trace.values[v].kind, ValueKind::Frozen { .. }),
+            Region::Host => {
+                matches!(trace.values[v].kind, ValueKind::Frozen { .. })
+                    || trace.producer(ValueId(v as u32)).is_some_and(|p| trace.node(p).op.output_on_host())
+            }
         };
         if !region_ok && (trace.values[v].kind.is_leaf() || slot.region == Region::Host) {
             return fail(format!("{} is in the wrong region", trace.describe(ValueId(v as u32))));
@@ -178,8 +183,8 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
     // state and its update, or two links of one state's update chain that
     // hand over in place (a cache written by several steps of one trace).
     // Sorted by offset, each class meets only the classes that start inside it.
-    // Host tables are checked the same way, in their own region.
-    for mut persistent in [in_region(Region::Persistent), in_region(Region::Host)] {
+    {
+        let mut persistent = in_region(Region::Persistent);
         persistent.sort_by_key(|c| (c.offset, c.key));
         for (a, ca) in persistent.iter().enumerate() {
             for cb in persistent[a + 1..].iter().take_while(|cb| cb.offset < ca.end_byte()) {
@@ -199,12 +204,29 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         }
     }
 
-    // The arena: a sweep in order of birth (ties by class), so every pair
-    // alive together is checked once, when the later-born one arrives.
+    sweep(trace, &mut arena, &handover)?;
+    // The host region: its tables live the whole step; offloaded values
+    // between their copy out and their last reader, as arena values do.
+    let steps = trace.nodes.len();
+    let host: Vec<Class> = in_region(Region::Host)
+        .into_iter()
+        .map(|c| match trace.values[c.first.index()].kind.is_leaf() {
+            true => Class { start: 0, end: steps, ..*c },
+            false => *c,
+        })
+        .collect();
+    sweep(trace, &mut host.iter().collect(), &handover)
+}
+
+/// Checks that no two of `classes` alive together share a byte, unless one
+/// hands its bytes over to the other in place at the node where it dies.
+/// A sweep in order of birth (ties by class), so every pair alive together
+/// is checked once, when the later-born one arrives.
+fn sweep(trace: &Trace, arena: &mut Vec<&Class>, handover: &HashSet<(usize, usize, usize)>) -> Result<()> {
     arena.sort_by_key(|c| (c.start, c.key));
     let mut live: BTreeMap<(u64, usize), &Class> = BTreeMap::new();
     let mut dying: BinaryHeap<Reverse<(usize, u64, usize)>> = BinaryHeap::new();
-    for &new in &arena {
+    for &new in arena.iter() {
         while let Some(&Reverse((end, offset, key))) = dying.peek() {
             if end >= new.start {
                 break;
@@ -231,7 +253,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             let ok =
                 old.end == new.start && old.offset == new.offset && handover.contains(&(old.end, old.key, new.key));
             if !ok {
-                return fail(overlap(trace, old, new));
+                return Err(Error::Plan(format!("check_plan: {}", overlap(trace, old, new))));
             }
         }
         live.insert((new.offset, new.key), new);

@@ -52,10 +52,12 @@ pub enum Region {
     Persistent,
     /// Everything else: one buffer whose bytes are reused within a step.
     Arena,
-    /// Frozen tables that only embedding lookups read
-    /// ([`PlanOptions::host_tables`]): page-locked host memory that the
-    /// device reads over the bus, one row per token, and that is not device
-    /// memory. Outlives every step, as persistent memory does.
+    /// Page-locked host memory, not device memory: frozen tables that only
+    /// embedding lookups read ([`PlanOptions::host_tables`]), which the
+    /// device reads over the bus one row per token and which outlive every
+    /// step as persistent memory does; above them, values offloaded by
+    /// the offload pass between their copy to the host and their
+    /// last copy back, whose bytes are reused within a step as the arena's.
     Host,
 }
 
@@ -114,8 +116,11 @@ pub struct MemoryPlan {
     pub steps: usize,
     pub persistent_bytes: u64,
     pub arena_bytes: u64,
-    /// Bytes of [`Region::Host`]: not device memory, not in the planned peak.
+    /// Bytes of [`Region::Host`] (host tables and offloaded values): not
+    /// device memory, not in the planned peak.
     pub host_bytes: u64,
+    /// Of `host_bytes`, the frozen tables ([`PlanOptions::host_tables`]).
+    pub host_table_bytes: u64,
     /// The largest sum of live arena bytes at any position: no arena can be smaller.
     pub arena_floor_bytes: u64,
     /// The position where live arena bytes peak.
@@ -138,6 +143,12 @@ impl MemoryPlan {
         self.persistent_bytes + self.arena_floor_bytes
     }
 }
+
+/// Nodes after a copy to the host ([`crate::ops::offload::HostCopy`])
+/// during which its source keeps its device bytes: the copy runs on a copy
+/// stream beside those nodes, so the compute stream rarely waits for it
+/// before writing over them.
+pub const COPY_OUT_NODES: usize = 16;
 
 /// Value lifetimes: `(start, end)` schedule positions, `end == steps` for
 /// step outputs and for inputs.
@@ -163,6 +174,14 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     for (pos, node) in trace.nodes.iter().enumerate() {
         for i in &node.inputs {
             life[i.index()].1 = life[i.index()].1.max(pos);
+        }
+    }
+    // A value being copied to the host keeps its bytes while the copy
+    // runs beside the next nodes ([`COPY_OUT_NODES`]).
+    for (pos, node) in trace.nodes.iter().enumerate() {
+        if node.op.output_on_host() {
+            let i = node.inputs[0].index();
+            life[i].1 = life[i].1.max((pos + COPY_OUT_NODES).min(steps.saturating_sub(1)));
         }
     }
     for o in &trace.outputs {
@@ -232,13 +251,13 @@ impl UnionFind {
     }
 }
 
-/// Packs the groups of `region` (persistent or host) from offset 0:
+/// Packs the groups of `region` (persistent or host) that `take` accepts from offset 0:
 /// 256-byte multiples first (aligned, no padding), then the small
 /// odd-sized ones by falling element size, each aligned to its element, so
 /// the buffer holds exactly the bytes of its values. Returns its size.
-fn pack(trace: &Trace, groups: &mut [Group], region: Region) -> u64 {
+fn pack(trace: &Trace, groups: &mut [Group], region: Region, take: impl Fn(&Group) -> bool) -> u64 {
     let elem = |g: &Group| trace.ty(g.members[0]).dtype.size() as u64;
-    let mut order: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == region).collect();
+    let mut order: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == region && take(&groups[g])).collect();
     order.sort_by_key(|&g| {
         let gr = &groups[g];
         (!gr.bytes.is_multiple_of(ARENA_ALIGN), std::cmp::Reverse(elem(gr)), std::cmp::Reverse(gr.bytes), g)
@@ -392,6 +411,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         g.bytes = g.bytes.max(at + trace.values[v].ty.bytes());
         if is_persistent(&trace.values[v].kind) {
             g.region = if opts.host_tables && host_table[v] { Region::Host } else { Region::Persistent };
+        } else if trace.producer(ValueId(v as u32)).is_some_and(|p| trace.node(p).op.output_on_host()) {
+            g.region = Region::Host;
         }
         group_of[v] = group_index[r];
     }
@@ -412,8 +433,23 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         });
     }
 
-    let persistent_bytes = pack(trace, &mut groups, Region::Persistent);
-    let host_bytes = pack(trace, &mut groups, Region::Host);
+    let persistent_bytes = pack(trace, &mut groups, Region::Persistent, |_| true);
+    // Host tables first, packed; offloaded values above them, their bytes
+    // reused between lifetimes as the arena's are.
+    let tables = pack(trace, &mut groups, Region::Host, |g| trace.values[g.members[0].index()].kind.is_leaf());
+    let offloaded: Vec<usize> = (0..groups.len())
+        .filter(|&g| groups[g].region == Region::Host && !trace.values[groups[g].members[0].index()].kind.is_leaf())
+        .collect();
+    let offloaded_intervals: Vec<(usize, usize, u64)> =
+        offloaded.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
+    let offloaded_offsets =
+        if opts.reuse { assign_offsets(&offloaded_intervals)? } else { assign_disjoint(&offloaded_intervals) };
+    let base = align_up(tables);
+    let mut host_bytes = tables;
+    for (k, &g) in offloaded.iter().enumerate() {
+        groups[g].offset = base + offloaded_offsets[k];
+        host_bytes = host_bytes.max(groups[g].offset + align_up(groups[g].bytes));
+    }
 
     let arena: Vec<usize> = (0..groups.len()).filter(|&g| groups[g].region == Region::Arena).collect();
     let intervals: Vec<(usize, usize, u64)> =
@@ -454,6 +490,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         persistent_bytes,
         arena_bytes,
         host_bytes,
+        host_table_bytes: tables,
         arena_floor_bytes: floor as u64,
         peak_position,
     })

@@ -32,10 +32,17 @@ pub struct PlanReport {
     pub saved_for_backward_bytes: u64,
     pub arena_bytes: u64,
     pub arena_floor_bytes: u64,
-    /// Frozen embedding tables in page-locked host memory
-    /// ([`super::Region::Host`]): part of `frozen_bytes`, not of the
-    /// persistent bytes or the planned peak.
+    /// Page-locked host memory ([`super::Region::Host`]), not part of
+    /// the persistent bytes or the planned peak: frozen embedding tables
+    /// and values offloaded between forward and backward.
     pub host_bytes: u64,
+    /// Of `host_bytes`, the frozen embedding tables (part of `frozen_bytes`).
+    pub host_table_bytes: u64,
+    /// Values copied to host memory after forward writes them and back
+    /// before backward reads them (the offload pass), and the
+    /// bytes those copies move per step, both directions together.
+    pub offloaded_values: usize,
+    pub copied_bytes_per_step: u64,
     pub planned_peak_bytes: u64,
     pub floor_bytes: u64,
     /// `planned_peak_bytes / floor_bytes - 1`: what the placement loses to fragmentation.
@@ -76,6 +83,9 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         })
         .collect();
     let floor = plan.floor_bytes();
+    let copies: Vec<_> = trace.nodes.iter().filter(|n| matches!(n.op, crate::ops::Op::HostCopy(_))).collect();
+    let offloaded_values = copies.iter().filter(|n| n.op.output_on_host()).count();
+    let copied_bytes_per_step = copies.iter().map(|n| trace.ty(n.outputs[0]).bytes()).fold(0, u64::saturating_add);
     PlanReport {
         trace: trace.name.clone(),
         nodes: trace.nodes.len(),
@@ -90,6 +100,9 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         arena_bytes: plan.arena_bytes,
         arena_floor_bytes: plan.arena_floor_bytes,
         host_bytes: plan.host_bytes,
+        host_table_bytes: plan.host_table_bytes,
+        offloaded_values,
+        copied_bytes_per_step,
         planned_peak_bytes: plan.planned_peak_bytes(),
         floor_bytes: floor,
         overhead_vs_floor: plan.planned_peak_bytes() as f64 / floor.max(1) as f64 - 1.0,
@@ -128,7 +141,7 @@ impl PlanReport {
         match &self.frozen_storage {
             Some(storage) => {
                 let base = format!("base ({storage})");
-                let on_device = self.frozen_bytes.saturating_sub(self.host_bytes);
+                let on_device = self.frozen_bytes.saturating_sub(self.host_table_bytes);
                 writeln!(f, "    {base:<15}{on_device:>14} B  {}  (frozen)", gb(on_device))?;
                 writeln!(f, "    adapters       {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
             }
@@ -149,12 +162,28 @@ impl PlanReport {
             gb(self.saved_for_backward_bytes)
         )?;
         writeln!(f, "  planned peak     {:>14} B  {}", self.planned_peak_bytes, gb(self.planned_peak_bytes))?;
-        if self.host_bytes > 0 {
+        if self.host_table_bytes > 0 {
             writeln!(
                 f,
                 "  host tables      {:>14} B  {}  (frozen embedding, page-locked host memory read one row per token; not in the peak)",
-                self.host_bytes,
-                gb(self.host_bytes)
+                self.host_table_bytes,
+                gb(self.host_table_bytes)
+            )?;
+        }
+        if self.offloaded_values > 0 {
+            let offloaded = self.host_bytes.saturating_sub(self.host_table_bytes);
+            writeln!(
+                f,
+                "  host offload     {:>14} B  {}  ({} values wait in page-locked host memory between forward and backward; not in the peak)",
+                offloaded,
+                gb(offloaded),
+                self.offloaded_values
+            )?;
+            writeln!(
+                f,
+                "    copied/step    {:>14} B  {}  (to the host and back, on a copy stream beside the compute)",
+                self.copied_bytes_per_step,
+                gb(self.copied_bytes_per_step)
             )?;
         }
         Ok(())

@@ -34,6 +34,7 @@ pub mod moe;
 pub mod movement;
 pub mod nf4;
 pub mod norm;
+pub mod offload;
 pub mod optim;
 pub mod reduce;
 pub mod rope;

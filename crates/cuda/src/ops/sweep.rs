@@ -95,7 +95,7 @@ fn check_launch(what: &str, op: &Op, l: &Launch, ins: &[DevTensor], outs: &[DevT
         Launch::Memset { ptr, bytes, .. } => {
             assert!(inside(*ptr, *bytes, outs), "{what}: memset outside the outputs")
         }
-        Launch::Copy { dst, src, bytes } => {
+        Launch::Copy { dst, src, bytes } | Launch::HostCopy { dst, src, bytes } => {
             assert!(inside(*src, *bytes, ins), "{what}: copy from outside the inputs");
             assert!(inside(*dst, *bytes, outs), "{what}: copy to outside the outputs");
         }

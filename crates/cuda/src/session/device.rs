@@ -74,6 +74,8 @@ pub(super) fn open_device(device: usize) -> Result<Device> {
 /// allocation, and poisons the arena with 0xFF so that a kernel reading
 /// memory nothing wrote shows up as NaN in tests.
 pub(super) fn allocate(plan: &MemoryPlan, stream: &CudaStream, baseline: u64, total: u64) -> Result<Allocation> {
+    // Page-locked host memory is refused before anything is allocated too.
+    stepgraph_core::host::memory::check_fits(plan.host_bytes, "the plan's page-locked host memory")?;
     let workspace = Blas::WORKSPACE_BYTES as u64;
     let persistent = align(plan.persistent_bytes);
     let arena = align(plan.arena_bytes);
@@ -106,7 +108,7 @@ pub(super) fn allocate(plan: &MemoryPlan, stream: &CudaStream, baseline: u64, to
     Ok(Allocation { base, host, bases, arena, workspace_base: arena_base + arena, workspace, bytes })
 }
 
-/// Page-locked host memory of `bytes` for the plan's host tables, mapped
+/// Page-locked host memory of `bytes` for the plan's host region, mapped
 /// into the device's address space: `(host pointer, device address)`, or
 /// zeros for none. Kernels read it over the bus; copies to and from it go
 /// through its device address like any other slot's.
@@ -119,7 +121,7 @@ fn allocate_host(bytes: u64) -> Result<(u64, u64)> {
     let host =
         unsafe { dr::malloc_host(bytes as usize, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(|e| {
             CudaError::Driver(format!(
-                "allocating {:.3} GB of page-locked host memory for the frozen embedding tables: {e}",
+                "allocating {:.3} GB of page-locked host memory (host tables and offloaded values): {e}",
                 bytes as f64 / 1e9
             ))
         })?;
@@ -132,4 +134,47 @@ fn allocate_host(bytes: u64) -> Result<(u64, u64)> {
         return Err(e.into());
     }
     Ok((host as u64, device))
+}
+
+/// How fast copies between the plan's page-locked host memory and the
+/// device run here, in bytes per second (the slower direction), when the
+/// plan offloads values; `None` when it does not. Times one copy each way
+/// of up to 256 MiB between the host region's offload part and the start
+/// of the arena (after one untimed pair, which maps the pages), then
+/// poisons those arena bytes again: nothing lives there yet.
+pub(super) fn measure_host_link(
+    ctx: &Arc<CudaContext>,
+    plan: &MemoryPlan,
+    alloc: &Allocation,
+    stream: &CudaStream,
+) -> Result<Option<f64>> {
+    use cudarc::driver::sys::{cuMemcpyAsync, CUevent_flags};
+    let tables = align(plan.host_table_bytes);
+    let bytes = plan.host_bytes.saturating_sub(tables).min(alloc.arena).min(256 << 20);
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let (host, device) = (alloc.bases.host + tables, alloc.bases.arena);
+    let s = stream.cu_stream();
+    let copy = |dst: u64, src: u64| {
+        // SAFETY: `[host, host + bytes)` lies inside the page-locked
+        // allocation (past its tables) and `[device, device + bytes)`
+        // inside the arena, which no step has used yet.
+        unsafe { cuMemcpyAsync(dst, src, bytes as usize, s) }.result()
+    };
+    copy(device, host)?;
+    copy(host, device)?;
+    let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+    let (start, down, up) = (event()?, event()?, event()?);
+    start.record(stream)?;
+    copy(device, host)?;
+    down.record(stream)?;
+    copy(host, device)?;
+    up.record(stream)?;
+    stream.synchronize()?;
+    let slower = (start.elapsed_ms(&down)? as f64).max(down.elapsed_ms(&up)? as f64);
+    // SAFETY: the arena bytes just written, inside the allocation.
+    unsafe { dr::memset_d8_async(device, 0xFF, bytes as usize, s) }?;
+    stream.synchronize()?;
+    Ok(Some(bytes as f64 / (slower.max(1e-6) / 1e3)))
 }

@@ -73,7 +73,7 @@ use crate::switches::Switches;
 mod device;
 mod run;
 
-use device::{allocate, open_device, Allocation, Device};
+use device::{allocate, measure_host_link, open_device, Allocation, Device};
 
 /// Backend options. [`Default`] has every switch at its default; the
 /// commands and tests that open sessions use [`CudaOptions::from_env`].
@@ -137,10 +137,28 @@ pub struct MemoryReport {
 
 /// A resolved launch: functions looked up, arguments encoded.
 enum Prepared {
-    Kernel { func: cudarc::driver::sys::CUfunction, launch: KernelLaunch, args: Vec<Vec<u8>> },
+    Kernel {
+        func: cudarc::driver::sys::CUfunction,
+        launch: KernelLaunch,
+        args: Vec<Vec<u8>>,
+    },
     Gemm(crate::launch::GemmCall),
-    Memset { ptr: u64, bytes: u64, value: u8 },
-    Copy { dst: u64, src: u64, bytes: u64 },
+    Memset {
+        ptr: u64,
+        bytes: u64,
+        value: u8,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    },
+    /// Between device memory and the plan's page-locked host memory.
+    HostCopy {
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    },
     Collective(crate::launch::CollectiveCall),
 }
 
@@ -182,20 +200,24 @@ pub struct CudaSession {
     group: Option<GroupRank>,
     /// The group's communicator, when the step has collectives.
     comm: Option<NcclComm>,
-    /// The collectives' own stream, when they overlap compute.
+    /// The stream of host copies and overlapped collectives, when the step has any.
     side: Option<SideStream>,
     /// Kernels launch with programmatic dependent launch
     /// ([`crate::switches::pdl_on`]).
     pdl: bool,
+    /// Bytes per second of host copies, measured while opening a session
+    /// whose plan offloads values.
+    host_link: Option<f64>,
 }
 
-/// A stream for the collectives and the events that order it with the
-/// compute stream ([`crate::overlap`]).
+/// A stream for host copies and overlapped collectives, and the events
+/// that order it with the compute stream ([`crate::overlap`]).
 struct SideStream {
     stream: Arc<CudaStream>,
-    /// Recorded on the compute stream right before each collective.
+    /// Recorded on the compute stream right before each side launch.
     fork: CUevent,
-    /// Recorded on the side stream after each collective, by launch index.
+    /// Recorded on the side stream after each side launch, by launch index:
+    /// which launches run there.
     done: HashMap<usize, CUevent>,
     joins: crate::overlap::Joins,
 }
@@ -275,10 +297,11 @@ fn check_rank(trace: &Trace, rank: &RankOptions) -> Result<(Option<GroupRank>, O
     Ok((group, nccl))
 }
 
-/// Stage 5, with `RankOptions::overlap`: the collectives' own stream, one
-/// event to fork it from the compute stream and one per collective to join
-/// it back, and where each collective rejoins ([`crate::overlap::joins`]).
-/// `None` for a step without collectives.
+/// Stage 5: the side stream of host copies and (with
+/// `RankOptions::overlap`) collectives, one event to fork it from the
+/// compute stream and one per side launch to join it back, and where each
+/// rejoins ([`crate::overlap::joins`]). `None` for a step with no launch
+/// on the side.
 fn side_stream(
     ctx: &Arc<CudaContext>,
     trace: &Trace,
@@ -286,18 +309,18 @@ fn side_stream(
     alloc: &Allocation,
     launches: &[Launch],
     launch_nodes: &[usize],
+    overlap: bool,
 ) -> Result<Option<SideStream>> {
-    if !launches.iter().any(|l| matches!(l, Launch::Collective(_))) {
+    let on_side = crate::overlap::on_side(launches, overlap);
+    if !on_side.contains(&true) {
         return Ok(None);
     }
     let ranges = node_ranges(trace, plan, alloc.bases);
-    let joins = crate::overlap::joins(launches, launch_nodes, &ranges);
+    let joins = crate::overlap::joins(&on_side, launch_nodes, &ranges);
     let event = || dr::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING);
     let mut done = HashMap::new();
-    for (j, l) in launches.iter().enumerate() {
-        if matches!(l, Launch::Collective(_)) {
-            done.insert(j, event()?);
-        }
+    for (j, _) in on_side.iter().enumerate().filter(|(_, &s)| s) {
+        done.insert(j, event()?);
     }
     Ok(Some(SideStream { stream: ctx.new_stream()?, fork: event()?, done, joins }))
 }
@@ -362,6 +385,7 @@ fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> R
             }
             Launch::Memset { ptr, bytes, value } => Prepared::Memset { ptr, bytes, value },
             Launch::Copy { dst, src, bytes } => Prepared::Copy { dst, src, bytes },
+            Launch::HostCopy { dst, src, bytes } => Prepared::HostCopy { dst, src, bytes },
             Launch::Collective(c) => Prepared::Collective(c),
         });
     }
@@ -478,14 +502,14 @@ impl CudaSession {
             baseline_bytes: baseline,
             ..MemoryReport::default()
         };
+        let host_link = measure_host_link(&ctx, &plan, &alloc, &stream)?;
         let after_alloc = used_bytes()?.0;
         clock.stage(STAGE_ALLOCATE);
 
         let target = Target::of_arch(&arch, opts.switches);
         let list = merge_launches(lower_step(&trace, &plan, alloc.bases, group, target)?, &opts.switches);
         let LaunchList { launches, last_nodes: launch_nodes, first_nodes: launch_first_nodes } = list;
-        let side =
-            if rank.overlap { side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes)? } else { None };
+        let side = side_stream(&ctx, &trace, &plan, &alloc, &launches, &launch_nodes, rank.overlap)?;
         clock.stage(STAGE_LOWER);
         let Loaded { prepared, gemms, modules } = load_launches(&ctx, &arch, launches)?;
         let after_modules = used_bytes()?.0;
@@ -530,6 +554,7 @@ impl CudaSession {
             comm,
             side,
             pdl,
+            host_link,
         })
     }
 
@@ -646,6 +671,12 @@ impl CudaSession {
 
     pub fn total_device_bytes(&self) -> u64 {
         self.total_device_bytes
+    }
+
+    /// Bytes per second of copies between host and device memory,
+    /// measured while opening (`None` when the plan offloads nothing).
+    pub fn host_link_bytes_per_second(&self) -> Option<f64> {
+        self.host_link
     }
 
     fn sample(&mut self) -> Result<()> {
@@ -858,6 +889,10 @@ impl Session for CudaSession {
         Ok(CudaSession::loss(self)?)
     }
 
+    fn host_link_bytes_per_second(&self) -> Option<f64> {
+        self.host_link
+    }
+
     /// Held is the device peak measured above the context's baseline.
     fn memory(&mut self) -> CoreResult<SessionMemory> {
         let m = CudaSession::memory(self)?;
@@ -952,7 +987,8 @@ mod tests {
                     assert_eq!(nodes.len(), l.len());
                     // With overlap every collective rejoins the compute stream
                     // exactly once: before a launch touching its bytes, or at the end.
-                    let j = crate::overlap::joins(&l, &nodes, &node_ranges(&t, &p, bases));
+                    let side = crate::overlap::on_side(&l, true);
+                    let j = crate::overlap::joins(&side, &nodes, &node_ranges(&t, &p, bases));
                     let mut joined: Vec<usize> = j.before.iter().flatten().chain(&j.at_end).copied().collect();
                     joined.sort();
                     let colls: Vec<usize> = (0..l.len()).filter(|&i| matches!(l[i], Launch::Collective(_))).collect();

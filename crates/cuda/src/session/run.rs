@@ -18,33 +18,46 @@ impl CudaSession {
     fn enqueue(&self) -> Result<()> {
         // Ranks in threads of one process each use their own device.
         self.ctx.bind_to_thread()?;
+        self.enqueue_launches(0..self.prepared.len())
+    }
+
+    /// Enqueues the launches `range` on the compute stream, and those the
+    /// side stream runs there, forked and joined as [`crate::overlap`]
+    /// says; every side launch of the range is joined by its end, so a
+    /// range is complete (and capturable) on its own.
+    fn enqueue_launches(&self, range: std::ops::Range<usize>) -> Result<()> {
         let s = self.stream.cu_stream();
         let Some(side) = &self.side else {
-            return self.enqueue_list(&self.prepared, s);
+            return self.enqueue_list(&self.prepared[range], s);
         };
         let wait = |stream, event| {
             // SAFETY: a live event of this context and a stream of it.
             unsafe { dr::stream::wait_event(stream, event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
         };
         let ss = side.stream.cu_stream();
-        for (j, p) in self.prepared.iter().enumerate() {
-            for k in &side.joins.before[j] {
+        let mut unjoined: Vec<usize> = Vec::new();
+        for j in range.clone() {
+            // Side launches of earlier ranges were joined when those ended.
+            for k in side.joins.before[j].iter().filter(|k| range.contains(k)) {
                 wait(s, side.done[k])?;
+                unjoined.retain(|u| u != k);
             }
-            if matches!(p, Prepared::Collective(_)) {
+            let p = std::slice::from_ref(&self.prepared[j]);
+            if let Some(&done) = side.done.get(&j) {
                 // Fork: the side stream starts after everything enqueued so far.
                 // SAFETY: live events and streams of this context.
                 unsafe { dr::event::record(side.fork, s) }?;
                 wait(ss, side.fork)?;
-                self.enqueue_list(std::slice::from_ref(p), ss)?;
+                self.enqueue_list(p, ss)?;
                 // SAFETY: as above.
-                unsafe { dr::event::record(side.done[&j], ss) }?;
+                unsafe { dr::event::record(done, ss) }?;
+                unjoined.push(j);
             } else {
-                self.enqueue_list(std::slice::from_ref(p), s)?;
+                self.enqueue_list(p, s)?;
             }
         }
-        for k in &side.joins.at_end {
-            wait(s, side.done[k])?;
+        for k in unjoined {
+            wait(s, side.done[&k])?;
         }
         Ok(())
     }
@@ -83,6 +96,14 @@ impl CudaSession {
                     // not alias, or a rank's shard); the plan gives the source
                     // and the destination, two live values, disjoint bytes.
                     unsafe { dr::memcpy_dtod_async(*dst, *src, *bytes as usize, s) }?
+                }
+                Prepared::HostCopy { dst, src, bytes } => {
+                    // SAFETY: the lowering's contract: one range is a planned
+                    // slot of the device allocation, the other of the mapped
+                    // page-locked host allocation (by its device address,
+                    // which unified addressing resolves); two live values,
+                    // disjoint bytes.
+                    unsafe { cudarc::driver::sys::cuMemcpyAsync(*dst, *src, *bytes as usize, s) }.result()?
                 }
                 Prepared::Collective(c) => {
                     let comm = self.comm.as_ref().ok_or_else(|| {
@@ -136,12 +157,6 @@ impl CudaSession {
     /// The launches of the nodes `nodes`, a range of `prepared`.
     fn launch_range(&self, nodes: &std::ops::Range<usize>) -> Result<std::ops::Range<usize>> {
         stepgraph_core::cpu::exec::check_node_range(nodes, self.trace.nodes.len())?;
-        if self.side.is_some() {
-            return Err(CudaError::lower(
-                "segment",
-                "node ranges run on the compute stream only: open the session without collective overlap",
-            ));
-        }
         let first = self.launch_nodes.partition_point(|&n| n < nodes.start);
         let end = self.launch_nodes.partition_point(|&n| n < nodes.end);
         if self.launch_first_nodes[first..end].iter().any(|&n| n < nodes.start) {
@@ -161,7 +176,7 @@ impl CudaSession {
     pub fn run_nodes(&mut self, nodes: std::ops::Range<usize>) -> Result<()> {
         let launches = self.launch_range(&nodes)?;
         self.ctx.bind_to_thread()?;
-        self.enqueue_list(&self.prepared[launches], self.stream.cu_stream())?;
+        self.enqueue_launches(launches)?;
         self.stream.synchronize()?;
         self.sample()
     }
@@ -187,7 +202,7 @@ impl CudaSession {
         }
         let launches = self.launch_range(&nodes)?;
         self.ctx.bind_to_thread()?;
-        let (graph, grew) = self.capture_with(|s| s.enqueue_list(&s.prepared[launches], s.stream.cu_stream()))?;
+        let (graph, grew) = self.capture_with(|s| s.enqueue_launches(launches))?;
         let took = graph.capture_time;
         self.memory.graph_bytes += grew;
         self.segment_graphs.insert(key, (graph, grew));
@@ -241,6 +256,7 @@ impl CudaSession {
                 Prepared::Gemm(g) => crate::blas::shape_name(g),
                 Prepared::Memset { .. } => "memset".into(),
                 Prepared::Copy { .. } => "copy".into(),
+                Prepared::HostCopy { .. } => "host_copy".into(),
                 Prepared::Collective(c) => c.op.nccl_name().into(),
             };
             let t = totals.entry(name).or_insert((0, 0.0));

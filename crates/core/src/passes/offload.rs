@@ -1,0 +1,471 @@
+//! Offload as a trace transform: forward values that backward reads wait
+//! in page-locked host memory instead of device memory, between their
+//! last forward reader and their first backward one.
+//!
+//! The pass owns *which* values go to the host and the rewrite that moves
+//! them. For each chosen value `v` the rewrite emits `h = to_host(v)` right
+//! after `v`'s producer and `v' = to_device(h)` one offloaded value ahead of
+//! backward's first read of `v` (the first value at the start of
+//! backward), and every backward reader of `v` reads `v'`. The copies are
+//! ordinary nodes ([`crate::ops::offload::HostCopy`]): they print, are
+//! planned (`h` in [`crate::plan::Region::Host`], with a lifetime),
+//! checked by `check_plan` and captured like every other node; the CUDA
+//! backend issues them on a copy stream, so they overlap the compute
+//! around them. A value being copied out keeps its device bytes for
+//! [`crate::plan::COPY_OUT_NODES`] nodes after the copy starts
+//! ([`crate::plan::lifetimes`]), so the compute stream rarely waits for a
+//! copy before writing over them.
+//!
+//! [`Offload`] runs after recomputation under a memory budget that
+//! recomputation and MLP tiling cannot meet ([`crate::pipeline`]): plan,
+//! take the forward values live at the peak that backward reads, the kind
+//! (op and type) with the most bytes there first, the earlier half of that
+//! kind at a time (they live longest), and plan again, until the budget is
+//! met. A kind whose offload does not lower the peak is put back and left
+//! on the device. What cannot be met is refused
+//! ([`Error::MemoryBudget`]) with the least planned peak reached.
+//!
+//! Bytes move twice per offloaded value and step (out and back): the
+//! report gives that traffic, and the host bytes the plan holds.
+//!
+//! **Invariant:** the transformed step computes the same values as the
+//! original, bit for bit: a copy moves bytes and nothing else.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+use super::{Pass, PassContext};
+use crate::error::{Error, Result};
+use crate::ir::{Builder, Phase, Trace, ValueId};
+use crate::plan::Region;
+
+/// What the pass moved.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OffloadReport {
+    /// Values copied to the host and back, each once per step.
+    pub values: usize,
+    /// Bytes copied per step, both directions together.
+    pub bytes_moved: u64,
+    /// The planned peak (device) before and after.
+    pub planned_peak_before: u64,
+    pub planned_peak_after: u64,
+    /// Page-locked host bytes of the plan after the pass (tables included).
+    pub host_bytes: u64,
+    /// The offloaded values by kind: `(op -> type, count, bytes each)`.
+    pub kinds: Vec<(String, usize, u64)>,
+}
+
+impl std::fmt::Display for OffloadReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.values == 0 {
+            return Ok(());
+        }
+        writeln!(
+            f,
+            "offload: {} values to page-locked host memory and back, {:.3} GB copied per step; planned peak {} -> {} B, host {} B",
+            self.values,
+            self.bytes_moved as f64 / 1e9,
+            self.planned_peak_before,
+            self.planned_peak_after,
+            self.host_bytes
+        )?;
+        for (kind, count, bytes) in &self.kinds {
+            writeln!(f, "    {count:>4} × {kind}  ({bytes} B each)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Rewrites `step` so that each value of `offloaded` (forward values that
+/// backward reads, never leaves) waits on the host between forward and
+/// backward (see the module doc).
+pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<Trace> {
+    // Backward's first read of each offloaded value, directly or through a view.
+    let mut first_read: HashMap<ValueId, usize> = HashMap::new();
+    for (pos, node) in step.nodes.iter().enumerate().filter(|(_, n)| n.phase != Phase::Forward) {
+        for &i in &node.inputs {
+            let root = storage_root(step, i);
+            if offloaded.contains(&root) {
+                first_read.entry(root).or_insert(pos);
+            }
+        }
+    }
+    let backward_start = step.nodes.iter().position(|n| n.phase != Phase::Forward).unwrap_or(step.nodes.len());
+    let mut order: Vec<(usize, ValueId)> = first_read.iter().map(|(&v, &p)| (p, v)).collect();
+    order.sort();
+    // One ahead: each value comes back when backward first reads the one
+    // before it, the first at the start of backward.
+    let mut reload_at: HashMap<usize, Vec<ValueId>> = HashMap::new();
+    for (k, &(_, v)) in order.iter().enumerate() {
+        let at = if k == 0 { backward_start } else { order[k - 1].0 };
+        reload_at.entry(at).or_default().push(v);
+    }
+
+    let mut b = Builder::new(step.name.clone());
+    let mut map = b.copy_leaves(step)?;
+    let mut on_host: HashMap<ValueId, ValueId> = HashMap::new();
+    // Original value -> what backward reads for it: the copy back of an
+    // offloaded value, and views of it made again on that copy.
+    let mut back: HashMap<ValueId, ValueId> = HashMap::new();
+    for (pos, node) in step.nodes.iter().enumerate() {
+        b.set_phase(node.phase);
+        for &v in reload_at.get(&pos).into_iter().flatten() {
+            back.insert(v, b.host_copy(on_host[&v], false)?);
+        }
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &i in &node.inputs {
+            let read = match node.phase {
+                Phase::Forward => map[i.index()].expect("defined before use"),
+                _ => reread(step, i, offloaded, &mut b, &map, &mut back)?,
+            };
+            inputs.push(read);
+        }
+        let outs = b.push(node.op.clone(), &inputs)?;
+        for (&o, n) in node.outputs.iter().zip(outs) {
+            map[o.index()] = Some(n);
+            if offloaded.contains(&o) && first_read.contains_key(&o) {
+                on_host.insert(o, b.host_copy(n, true)?);
+            }
+        }
+    }
+    b.finish_rewrite(step, &map, "offload")
+}
+
+/// The value whose bytes `v` is: `v`, or the source of the views it is made by.
+fn storage_root(step: &Trace, mut v: ValueId) -> ValueId {
+    while let Some(p) = step.producer(v) {
+        match step.node(p).op.view_of() {
+            Some(k) => v = step.node(p).inputs[k],
+            None => break,
+        }
+    }
+    v
+}
+
+/// What backward reads for the original value `v`: the copy back of an
+/// offloaded value, a view of such a copy made again (the same view op on
+/// the copy), or the forward value itself.
+fn reread(
+    step: &Trace,
+    v: ValueId,
+    offloaded: &HashSet<ValueId>,
+    b: &mut Builder,
+    map: &[Option<ValueId>],
+    back: &mut HashMap<ValueId, ValueId>,
+) -> Result<ValueId> {
+    if let Some(&r) = back.get(&v) {
+        return Ok(r);
+    }
+    if !offloaded.contains(&storage_root(step, v)) {
+        return Ok(map[v.index()].expect("defined before use"));
+    }
+    let p = step.producer(v).expect("an offloaded value's view has a producer");
+    let node = step.node(p);
+    let source = node.op.view_of().expect("a value over offloaded bytes is a view");
+    let mut inputs = Vec::with_capacity(node.inputs.len());
+    for (k, &i) in node.inputs.iter().enumerate() {
+        inputs.push(if k == source {
+            reread(step, i, offloaded, b, map, back)?
+        } else {
+            map[i.index()].expect("defined before use")
+        });
+    }
+    let outs = b.push(node.op.clone(), &inputs)?;
+    for (&o, n) in node.outputs.iter().zip(outs) {
+        back.insert(o, n);
+    }
+    Ok(back[&v])
+}
+
+/// Values of `step` the pass may offload: written by a forward node that
+/// is not a view, read by backward (directly or through views), no step
+/// output and no update.
+fn candidates(step: &Trace) -> Vec<ValueId> {
+    let mut read_back: HashSet<ValueId> = HashSet::new();
+    for node in step.nodes.iter().filter(|n| n.phase != Phase::Forward) {
+        read_back.extend(node.inputs.iter().map(|&i| storage_root(step, i)));
+    }
+    let pinned: HashSet<ValueId> = step
+        .outputs
+        .iter()
+        .map(|o| storage_root(step, o.value))
+        .chain(step.updates.iter().map(|u| storage_root(step, u.new)))
+        .collect();
+    step.value_ids()
+        .filter(|v| read_back.contains(v) && !pinned.contains(v) && step.ty(*v).bytes() > 0)
+        .filter(|&v| {
+            step.producer(v).is_some_and(|p| {
+                let node = step.node(p);
+                node.phase == Phase::Forward && node.op.view_of().is_none() && !node.op.output_on_host()
+            })
+        })
+        .collect()
+}
+
+/// Op and type: what makes two layers' values "the same".
+fn kind(step: &Trace, v: ValueId) -> String {
+    let p = step.producer(v).expect("candidates have producers");
+    format!("{} -> {}", step.node(p).op.name(), step.ty(v))
+}
+
+/// Offloads until the planned peak is at most `budget` (see the module doc).
+#[derive(Copy, Clone, Debug)]
+pub struct Offload(pub u64);
+
+impl Pass for Offload {
+    fn name(&self) -> &'static str {
+        "offload"
+    }
+
+    fn run(&self, step: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        let budget = self.0;
+        let base_plan = cx.take_plan(step)?;
+        let before = base_plan.planned_peak_bytes();
+        if before <= budget {
+            cx.report.offload = Some(OffloadReport {
+                planned_peak_before: before,
+                planned_peak_after: before,
+                host_bytes: base_plan.host_bytes,
+                ..Default::default()
+            });
+            cx.set_output_plan(base_plan);
+            return Ok(step.clone());
+        }
+        cx.refuse_segments(self.name())?;
+        let all = candidates(step);
+        let mut chosen: HashSet<ValueId> = HashSet::new();
+        let mut rejected: HashSet<String> = HashSet::new();
+        let mut current = (step.clone(), base_plan);
+        loop {
+            let (_, ref p) = current;
+            if p.planned_peak_bytes() <= budget {
+                break;
+            }
+            // Candidates live at the current peak, in the original step's
+            // ids: the rewrite keeps every original node, in order, so a
+            // value's group in the current plan is found through its
+            // position among the original values.
+            let peak = p.peak_position;
+            let live: Vec<ValueId> = all
+                .iter()
+                .copied()
+                .filter(|v| !chosen.contains(v) && !rejected.contains(&kind(step, *v)))
+                .filter(|&v| {
+                    let cv = current_value(step, &current.0, v);
+                    let g = &p.groups[p.group_of[cv.index()]];
+                    g.region == Region::Arena && g.start <= peak && peak <= g.end
+                })
+                .collect();
+            let mut by_kind: HashMap<String, (u64, Vec<ValueId>)> = HashMap::new();
+            for &v in &live {
+                let e = by_kind.entry(kind(step, v)).or_default();
+                e.0 += step.ty(v).bytes();
+                e.1.push(v);
+            }
+            let Some((key, (_, mut same))) =
+                by_kind.into_iter().max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(&a.0)))
+            else {
+                return Err(Error::MemoryBudget {
+                    budget,
+                    least: current.1.planned_peak_bytes(),
+                    mlp_tiles: 1,
+                    hint: None,
+                });
+            };
+            same.sort_by_key(|&v| step.producer(v));
+            let previous = chosen.clone();
+            chosen.extend(same.iter().take(same.len().div_ceil(2)).copied());
+            let new = rewrite(step, &chosen)?;
+            let new_plan = cx.plan(&new)?;
+            if new_plan.planned_peak_bytes() >= current.1.planned_peak_bytes() {
+                chosen = previous;
+                rejected.insert(key);
+                continue;
+            }
+            current = (new, new_plan);
+        }
+        let (t, p) = current;
+        let mut kinds: Vec<(String, usize, u64)> = Vec::new();
+        let mut sorted: Vec<ValueId> = chosen.iter().copied().collect();
+        sorted.sort();
+        for v in &sorted {
+            let (k, bytes) = (kind(step, *v), step.ty(*v).bytes());
+            match kinds.iter_mut().find(|e| e.0 == k) {
+                Some(e) => e.1 += 1,
+                None => kinds.push((k, 1, bytes)),
+            }
+        }
+        cx.report.offload = Some(OffloadReport {
+            values: chosen.len(),
+            bytes_moved: 2 * chosen.iter().map(|&v| step.ty(v).bytes()).sum::<u64>(),
+            planned_peak_before: before,
+            planned_peak_after: p.planned_peak_bytes(),
+            host_bytes: p.host_bytes,
+            kinds,
+        });
+        cx.set_output_plan(p);
+        Ok(t)
+    }
+}
+
+/// The value of `current` (a rewrite of `step`) that holds original value
+/// `v`: the rewrite emits every original node in order, with copies
+/// between them, so the `k`-th original node is the `k`-th node of
+/// `current` that is no [`crate::ops::offload::HostCopy`].
+fn current_value(step: &Trace, current: &Trace, v: ValueId) -> ValueId {
+    if current.values.len() == step.values.len() {
+        return v;
+    }
+    let p = step.producer(v).expect("candidates have producers");
+    let out = step.node(p).outputs.iter().position(|&o| o == v).expect("an output of its producer");
+    let node = current
+        .nodes
+        .iter()
+        .filter(|n| !matches!(n.op, crate::ops::Op::HostCopy(_)))
+        .nth(p.index())
+        .expect("the rewrite keeps every node");
+    node.outputs[out]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autodiff::StepKind;
+    use crate::ir::DType;
+    use crate::models::{LossKind, ModelSpec};
+    use crate::passes::recompute::RecomputePolicy;
+    use crate::pipeline::{compile_step, StepOptions};
+    use crate::plan::check_plan;
+    use crate::session::Session;
+
+    /// A tiny model over a long row: per-layer checkpoints, not weights,
+    /// make the least peak, as at long context.
+    fn spec() -> ModelSpec {
+        let o = crate::models::Overrides { n_layer: Some(8), block_size: Some(2048), ..Default::default() };
+        let config = crate::models::Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap();
+        ModelSpec {
+            config,
+            batch: 1,
+            seq: 2048,
+            dtype: DType::F32,
+            loss: LossKind::CrossEntropy,
+            adapters: None,
+            documents: false,
+        }
+    }
+
+    /// The least planned peak of `opts` under an impossible budget.
+    fn least(opts: &StepOptions) -> u64 {
+        let budget = StepOptions { recompute: RecomputePolicy::Budget(1), ..opts.clone() };
+        match compile_step(&spec(), &budget) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("no step fits in 1 byte: {:?}", other.map(|c| c.planned_peak_bytes())),
+        }
+    }
+
+    #[test]
+    fn a_budget_recomputation_cannot_meet_is_met_by_offload_and_refused_without_it() {
+        let train = StepOptions::new(StepKind::Grads);
+        let kept = least(&StepOptions { offload: false, ..train.clone() });
+        let offloaded = least(&train);
+        assert!(offloaded < kept, "offload lowers the least peak: {offloaded} vs {kept}");
+        let c = compile_step(&spec(), &StepOptions { recompute: RecomputePolicy::Budget(offloaded), ..train.clone() })
+            .unwrap();
+        check_plan(&c.step, &c.plan).unwrap();
+        assert!(c.planned_peak_bytes() <= offloaded);
+        let r = c.passes.offload.as_ref().expect("the offload pass ran");
+        assert!(r.values > 0 && r.bytes_moved > 0 && r.host_bytes > 0, "{r}");
+        assert_eq!(r.host_bytes, c.plan.host_bytes);
+        let copies = |to_host: bool| {
+            c.step
+                .nodes
+                .iter()
+                .filter(|n| n.op == crate::ops::Op::HostCopy(crate::ops::offload::HostCopy { to_host }))
+                .count()
+        };
+        assert_eq!((copies(true), copies(false)), (r.values, r.values));
+        // Every copy's output sits where its direction says.
+        for node in &c.step.nodes {
+            if let crate::ops::Op::HostCopy(h) = &node.op {
+                let region = c.plan.slot(node.outputs[0]).region;
+                assert_eq!(region == Region::Host, h.to_host, "{}", c.step.describe(node.outputs[0]));
+            }
+        }
+        let refused = compile_step(
+            &spec(),
+            &StepOptions { recompute: RecomputePolicy::Budget(offloaded), offload: false, ..train },
+        );
+        assert!(matches!(refused, Err(Error::MemoryBudget { .. })), "{:?}", refused.map(|c| c.planned_peak_bytes()));
+    }
+
+    #[test]
+    fn offloaded_steps_compute_bit_for_bit_what_steps_that_keep_their_values_compute() {
+        let grads = StepOptions::new(StepKind::Grads);
+        let offloaded =
+            compile_step(&spec(), &StepOptions { recompute: RecomputePolicy::Budget(least(&grads)), ..grads.clone() })
+                .unwrap();
+        assert!(offloaded.passes.offload.as_ref().is_some_and(|r| r.values > 0));
+        // The same MLP tiling (tiles sum their weight gradients in their
+        // own order), every value kept on the device.
+        let tiles = offloaded.recompute().mlp_tiles;
+        let kept = compile_step(&spec(), &StepOptions { mlp_tiles: tiles, ..grads }).unwrap();
+        assert!(kept.passes.offload.is_none());
+        let run = |c: &crate::pipeline::CompiledStep| {
+            let mut s = crate::testing::seeded_session(c, 5);
+            let mut losses = Vec::new();
+            for step in 0..3 {
+                for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
+                    s.write_named(n, &t).unwrap();
+                }
+                // Eager first, then the recorded launch list ("replay").
+                if step == 0 {
+                    Session::run_eager(&mut s).unwrap();
+                } else {
+                    Session::replay(&mut s).unwrap();
+                }
+                losses.push(Session::loss(&mut s).unwrap().to_bits());
+            }
+            (losses, crate::testing::grads_by_name(&c.step, |v| Session::read(&mut s, v).unwrap().to_f64()))
+        };
+        let (a, b) = (run(&kept), run(&offloaded));
+        assert_eq!(a.0, b.0, "losses");
+        assert_eq!(a.1.keys().collect::<Vec<_>>(), b.1.keys().collect::<Vec<_>>());
+        for (name, g) in &a.1 {
+            assert!(g == &b.1[name], "the gradient of {name} differs");
+        }
+    }
+
+    #[test]
+    fn each_value_comes_back_one_offloaded_value_ahead_of_its_first_backward_reader() {
+        let c = compile_step(
+            &spec(),
+            &StepOptions {
+                recompute: RecomputePolicy::Budget(least(&StepOptions::new(StepKind::Grads))),
+                ..StepOptions::new(StepKind::Grads)
+            },
+        )
+        .unwrap();
+        let t = &c.step;
+        let pos = |v: ValueId| t.producer(v).unwrap().index();
+        let mut reloads: Vec<(usize, usize)> = Vec::new();
+        for (k, node) in t.nodes.iter().enumerate() {
+            let crate::ops::Op::HostCopy(h) = &node.op else { continue };
+            if h.to_host {
+                // Right after the value's producer.
+                assert_eq!(pos(node.inputs[0]) + 1, k);
+                assert_eq!(node.phase, Phase::Forward);
+            } else {
+                let v = node.outputs[0];
+                let first = t.nodes.iter().position(|n| n.inputs.contains(&v)).expect("a reloaded value is read");
+                assert!(first > k && t.nodes[first].phase != Phase::Forward);
+                reloads.push((k, first));
+            }
+        }
+        assert!(reloads.len() > 1);
+        // After the first, each comes back no later than the previous value's first reader.
+        for w in reloads.windows(2) {
+            assert!(w[1].0 <= w[0].1, "{reloads:?}");
+        }
+    }
+}
