@@ -42,7 +42,8 @@
 #
 # Everything lands in $RESULTS (default ./gpu-out): lora.log (every
 # command's output) and lora.jsonl (one JSON row per check and run).
-# Settings: WORK (default /tmp/lora), STEPS (default 8).
+# Settings: WORK (default /tmp/lora), STEPS (default 8), PEFT_FAMILIES (the
+# peft stage's families, default "llama mixtral qwen3_moe").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carry-env.sh
@@ -64,7 +65,7 @@ peft_stage() {
     # A dense Llama, and two mixtures of experts whose experts carry
     # adapters too (Qwen3-MoE's dense layer keeps its MLP unadapted: peft
     # reads those projection names as the experts').
-    for family in llama mixtral qwen3_moe; do
+    for family in ${PEFT_FAMILIES:-llama mixtral qwen3_moe}; do
         local targets=()
         [ "$family" = qwen3_moe ] && targets=(--lora-targets q,k,v,o,experts)
         local w="$WORK/$family"

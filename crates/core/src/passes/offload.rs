@@ -79,8 +79,9 @@ impl std::fmt::Display for OffloadReport {
 
 /// Rewrites `step` so that each value of `offloaded` (forward values that
 /// backward reads, never leaves) waits on the host between forward and
-/// backward (see the module doc).
-pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<Trace> {
+/// backward (see the module doc). Returns the new step and, for each node
+/// of `step`, its index in the new one.
+pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec<usize>)> {
     // Backward's first read of each offloaded value, directly or through a view.
     let mut first_read: HashMap<ValueId, usize> = HashMap::new();
     for (pos, node) in step.nodes.iter().enumerate().filter(|(_, n)| n.phase != Phase::Forward) {
@@ -108,6 +109,7 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<Trace> {
     // Original value -> what backward reads for it: the copy back of an
     // offloaded value, and views of it made again on that copy.
     let mut back: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut moved = Vec::with_capacity(step.nodes.len());
     for (pos, node) in step.nodes.iter().enumerate() {
         b.set_phase(node.phase);
         for &v in reload_at.get(&pos).into_iter().flatten() {
@@ -121,6 +123,7 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<Trace> {
             };
             inputs.push(read);
         }
+        moved.push(b.trace().nodes.len());
         let outs = b.push(node.op.clone(), &inputs)?;
         for (&o, n) in node.outputs.iter().zip(outs) {
             map[o.index()] = Some(n);
@@ -129,7 +132,7 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<Trace> {
             }
         }
     }
-    b.finish_rewrite(step, &map, "offload")
+    Ok((b.finish_rewrite(step, &map, "offload")?, moved))
 }
 
 /// The value whose bytes `v` is: `v`, or the source of the views it is made by.
@@ -236,9 +239,9 @@ impl Pass for Offload {
         let all = candidates(step);
         let mut chosen: HashSet<ValueId> = HashSet::new();
         let mut rejected: HashSet<String> = HashSet::new();
-        let mut current = (step.clone(), base_plan);
+        let mut current = (step.clone(), base_plan, (0..step.nodes.len()).collect::<Vec<usize>>());
         loop {
-            let (_, ref p) = current;
+            let (_, ref p, ref moved) = current;
             if p.planned_peak_bytes() <= budget {
                 break;
             }
@@ -252,7 +255,7 @@ impl Pass for Offload {
                 .copied()
                 .filter(|v| !chosen.contains(v) && !rejected.contains(&kind(step, *v)))
                 .filter(|&v| {
-                    let cv = current_value(step, &current.0, v);
+                    let cv = current_value(step, &current.0, moved, v);
                     let g = &p.groups[p.group_of[cv.index()]];
                     g.region == Region::Arena && g.start <= peak && peak <= g.end
                 })
@@ -276,16 +279,22 @@ impl Pass for Offload {
             same.sort_by_key(|&v| step.producer(v));
             let previous = chosen.clone();
             chosen.extend(same.iter().take(same.len().div_ceil(2)).copied());
-            let new = rewrite(step, &chosen)?;
+            let (new, new_moved) = rewrite(step, &chosen)?;
             let new_plan = cx.plan(&new)?;
             if new_plan.planned_peak_bytes() >= current.1.planned_peak_bytes() {
                 chosen = previous;
                 rejected.insert(key);
                 continue;
             }
-            current = (new, new_plan);
+            current = (new, new_plan, new_moved);
         }
-        let (t, p) = current;
+        let (t, p, moved) = current;
+        // Reports of earlier passes name nodes of the step they left.
+        if let Some(r) = cx.report.recompute.as_mut() {
+            for n in &mut r.recomputed {
+                n.node = moved[n.node];
+            }
+        }
         let mut kinds: Vec<(String, usize, u64)> = Vec::new();
         let mut sorted: Vec<ValueId> = chosen.iter().copied().collect();
         sorted.sort();
@@ -309,23 +318,12 @@ impl Pass for Offload {
     }
 }
 
-/// The value of `current` (a rewrite of `step`) that holds original value
-/// `v`: the rewrite emits every original node in order, with copies
-/// between them, so the `k`-th original node is the `k`-th node of
-/// `current` that is no [`crate::ops::offload::HostCopy`].
-fn current_value(step: &Trace, current: &Trace, v: ValueId) -> ValueId {
-    if current.values.len() == step.values.len() {
-        return v;
-    }
+/// The value of `current` (a rewrite of `step` whose node `k` became node
+/// `moved[k]`) that holds original value `v`.
+fn current_value(step: &Trace, current: &Trace, moved: &[usize], v: ValueId) -> ValueId {
     let p = step.producer(v).expect("candidates have producers");
     let out = step.node(p).outputs.iter().position(|&o| o == v).expect("an output of its producer");
-    let node = current
-        .nodes
-        .iter()
-        .filter(|n| !matches!(n.op, crate::ops::Op::HostCopy(_)))
-        .nth(p.index())
-        .expect("the rewrite keeps every node");
-    node.outputs[out]
+    current.nodes[moved[p.index()]].outputs[out]
 }
 
 #[cfg(test)]
@@ -385,6 +383,12 @@ mod tests {
                 .count()
         };
         assert_eq!((copies(true), copies(false)), (r.values, r.values));
+        // The recomputation's report names nodes of the offloaded step.
+        assert!(!c.recompute().recomputed.is_empty());
+        for n in &c.recompute().recomputed {
+            let node = &c.step.nodes[n.node];
+            assert!(node.op.name() == n.op && node.phase == Phase::Backward, "{}", c.recompute());
+        }
         // Every copy's output sits where its direction says.
         for node in &c.step.nodes {
             if let crate::ops::Op::HostCopy(h) = &node.op {

@@ -105,10 +105,13 @@ pub struct Timeline {
     pub allocations: Vec<Allocation>,
     /// `live[p][c]`: device bytes of category `c` live at schedule position `p`.
     pub live: Vec<[u64; 6]>,
-    /// Tables the plan keeps in page-locked host memory (a frozen
-    /// embedding under a budget), largest first: the page's host band, live
-    /// over the whole step.
+    /// What the plan keeps in page-locked host memory, largest first: the
+    /// page's host band. Tables (a frozen embedding under a budget) live
+    /// over the whole step; offloaded values between their copy to the
+    /// host and their copy back.
     pub host: Vec<Allocation>,
+    /// `host_live[p]`: host bytes live at schedule position `p`.
+    pub host_live: Vec<u64>,
 }
 
 impl Timeline {
@@ -146,6 +149,10 @@ impl Timeline {
             ValueKind::Input { .. } => Category::Temporaries,
             ValueKind::Node(_) if grads.contains(&v) => Category::Gradients,
             ValueKind::Node(n) if recomputed.contains(n) => Category::Recomputed,
+            // A value back from host memory is a saved value, where backward reads it.
+            ValueKind::Node(n) if matches!(trace.node(*n).op, crate::ops::Op::HostCopy(_)) => {
+                Category::SavedActivations
+            }
             ValueKind::Node(_) if saved.contains(&v) => Category::SavedActivations,
             ValueKind::Node(_) => Category::Temporaries,
         };
@@ -153,6 +160,7 @@ impl Timeline {
         let mut host = Vec::new();
         // Difference arrays: +bytes at start, -bytes after end, per category.
         let mut delta = vec![[0i128; 6]; steps + 1];
+        let mut host_delta = vec![0i128; steps + 1];
         for g in &plan.groups {
             if g.members.is_empty() || g.bytes == 0 {
                 continue;
@@ -161,10 +169,12 @@ impl Timeline {
             // saved values over recomputed ones over temporaries.
             let category = g.members.iter().map(|&v| category_of(v)).min().unwrap_or(Category::Temporaries);
             let shown = g.members.iter().copied().find(|&v| category_of(v) == category).unwrap_or(g.members[0]);
-            let (start, end) = match g.region {
-                Region::Persistent | Region::Host => (0, steps - 1),
-                Region::Arena => (g.start.min(steps - 1), g.end.min(steps - 1)),
+            let whole_step = match g.region {
+                Region::Persistent => true,
+                Region::Host => trace.value(g.members[0]).kind.is_leaf(),
+                Region::Arena => false,
             };
+            let (start, end) = if whole_step { (0, steps - 1) } else { (g.start.min(steps - 1), g.end.min(steps - 1)) };
             let producer = match &trace.value(shown).kind {
                 ValueKind::Node(n) => {
                     let node = trace.node(*n);
@@ -193,8 +203,10 @@ impl Timeline {
                 end,
                 bytes: g.bytes,
             };
-            // The chart is device memory: host tables get their own band.
+            // The chart is device memory: host memory gets its own band.
             if g.region == Region::Host {
+                host_delta[start] += g.bytes as i128;
+                host_delta[end + 1] -= g.bytes as i128;
                 host.push(allocation);
                 continue;
             }
@@ -210,14 +222,22 @@ impl Timeline {
             }
             live.push(running.map(|b| b.max(0) as u64));
         }
+        let host_live: Vec<u64> = host_delta
+            .iter()
+            .take(steps)
+            .scan(0i128, |running, d| {
+                *running += d;
+                Some((*running).max(0) as u64)
+            })
+            .collect();
         allocations.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.start.cmp(&b.start)));
         host.sort_by_key(|a| std::cmp::Reverse(a.bytes));
-        Timeline { allocations, live, host }
+        Timeline { allocations, live, host, host_live }
     }
 
-    /// Bytes in host memory.
+    /// The most bytes live in host memory at any one position.
     pub fn host_bytes(&self) -> u64 {
-        self.host.iter().map(|a| a.bytes).sum()
+        self.host_live.iter().copied().max().unwrap_or(0)
     }
 
     /// Total live bytes at position `p`.
@@ -324,7 +344,7 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
     // Host tables, when the plan has them, as a band of their own below the axis.
     let host_bytes = timeline.host_bytes();
     let band_top = TOP + HEIGHT + 46.0;
-    let total_h = if host_bytes > 0 { band_top + 44.0 } else { band_top };
+    let total_h = if host_bytes > 0 { band_top + 52.0 } else { band_top };
     let _ = write!(
         svg,
         r#"<svg id="chart" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img" aria-label="bytes live over the schedule">"#,
@@ -448,17 +468,37 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
         }
     );
     if host_bytes > 0 {
-        let names: Vec<&str> = timeline.host.iter().take(3).map(|a| a.name.as_str()).collect();
+        // The band's height at each column is its share of the most host
+        // bytes live at once: flat for tables alone, rising through forward
+        // and falling through backward where values are offloaded.
+        let mut area = format!("M{:.1},{:.1}", x_of(0), band_top + 24.0);
+        for (col, &(first, _)) in columns.iter().enumerate() {
+            let last = columns.get(col + 1).map_or(steps, |c| c.0);
+            let bytes = timeline.host_live[first..last].iter().copied().max().unwrap_or(0);
+            let y = band_top + 24.0 - 24.0 * bytes as f64 / host_bytes as f64;
+            let _ = write!(area, " L{:.1},{y:.1} L{:.1},{y:.1}", x_of(col), x_of(col + 1));
+        }
+        let _ = write!(area, " L{:.1},{:.1} Z", x_of(n_cols), band_top + 24.0);
+        // Tables by name; offloaded values by count (their names are trace ids).
+        let whole_step = |a: &&Allocation| a.start == 0 && a.end + 1 >= steps;
+        let tables: Vec<&str> = timeline.host.iter().filter(whole_step).take(3).map(|a| a.name.as_str()).collect();
+        let offloaded = timeline.host.len() - timeline.host.iter().filter(whole_step).count();
+        let mut what = Vec::new();
+        if !tables.is_empty() {
+            what.push(format!("live over the whole step: {}", tables.join(", ")));
+        }
+        if offloaded > 0 {
+            what.push(format!("{offloaded} values offloaded between forward and backward"));
+        }
         let _ = write!(
             svg,
-            r##"<rect id="host-band" x="{l}" y="{y}" width="{w}" height="24" fill="{HOST_COLOR}"><title>host memory</title></rect><text x="{tx}" y="{ty}" class="host-label">host memory (page-locked), live over the whole step: {bytes} — {names}</text>"##,
+            r##"<rect id="host-band" x="{l}" y="{y}" width="{w}" height="24" fill="#f4f0f8"><title>host memory</title></rect><path id="host-live" d="{area}" fill="{HOST_COLOR}"/><text x="{l}" y="{ty}" class="host-label">host memory (page-locked), at most {bytes} at once; {what}</text>"##,
             l = LEFT,
             y = band_top,
             w = WIDTH,
-            tx = LEFT + 8.0,
-            ty = band_top + 16.0,
+            ty = band_top + 40.0,
             bytes = human(host_bytes),
-            names = escape(&names.join(", "))
+            what = escape(&what.join("; "))
         );
     }
     let _ = write!(
@@ -555,7 +595,7 @@ pub fn memory_timeline_html(trace: &Trace, plan: &MemoryPlan, options: &Timeline
     let title =
         if options.title.is_empty() { format!("memory plan of `{}`", trace.name) } else { options.title.clone() };
     let host_note = if host_bytes > 0 {
-        format!("; host memory {} (tables read from the device through the bus)", human(host_bytes))
+        format!("; page-locked host memory up to {} at once, outside the device peak", human(host_bytes))
     } else {
         String::new()
     };
@@ -750,6 +790,34 @@ mod tests {
         assert!(html.contains("frozen weight in host memory"));
         let plain_html = memory_timeline_html(&plain.step, &plain.plan, &TimelineOptions::default());
         assert!(!plain_html.contains("host-band"));
+    }
+
+    /// Offloaded values are in the host band for their lifetimes only: the
+    /// band rises through forward and falls through backward.
+    #[test]
+    fn offloaded_values_fill_the_host_band_between_forward_and_backward() {
+        use crate::passes::recompute::RecomputePolicy;
+        let o = crate::models::Overrides { n_layer: Some(8), block_size: Some(2048), ..Default::default() };
+        let config = crate::models::Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap();
+        let spec = ModelSpec {
+            config,
+            batch: 1,
+            seq: 2048,
+            ..ModelSpec::named("tiny-llama", 1, 8, DType::F32, LossKind::CrossEntropy).unwrap()
+        };
+        let grads = StepOptions::new(StepKind::Grads);
+        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..grads.clone() }) {
+            Err(crate::Error::MemoryBudget { least, .. }) => least,
+            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let c = compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..grads }).unwrap();
+        let t = Timeline::new(&c.step, &c.plan, &[]);
+        assert!(!t.host.is_empty() && t.host.iter().all(|a| a.start > 0 && a.end + 1 < t.live.len()));
+        let (first, last) = (t.host_live[0], *t.host_live.last().unwrap());
+        assert_eq!((first, last), (0, 0), "nothing is offloaded before forward writes it or after backward reads it");
+        assert!(t.host_bytes() > 0 && t.host_bytes() <= c.plan.host_bytes);
+        let html = memory_timeline_html(&c.step, &c.plan, &TimelineOptions::default());
+        assert!(html.contains(r#"id="host-live""#) && html.contains("values offloaded between forward and backward"));
     }
 
     #[test]
