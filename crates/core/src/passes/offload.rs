@@ -245,10 +245,8 @@ impl Pass for Offload {
             if p.planned_peak_bytes() <= budget {
                 break;
             }
-            // Candidates live at the current peak, in the original step's
-            // ids: the rewrite keeps every original node, in order, so a
-            // value's group in the current plan is found through its
-            // position among the original values.
+            // Candidates (original ids) live at the current peak, found
+            // through the node each original node became in the rewrite.
             let peak = p.peak_position;
             let live: Vec<ValueId> = all
                 .iter()
