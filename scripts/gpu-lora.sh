@@ -169,8 +169,8 @@ context_rows() {
 }
 
 context_stage() {
-    context_rows lora "${CONTEXT_LORA:-24 16384}"
-    context_rows qlora "${CONTEXT_QLORA:-24 32768}" --base-dtype nf4 --double-quant
+    context_rows lora "${CONTEXT_LORA-24 16384}"
+    context_rows qlora "${CONTEXT_QLORA-24 32768}" --base-dtype nf4 --double-quant
 }
 
 fusion_stage() {

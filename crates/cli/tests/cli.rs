@@ -447,3 +447,54 @@ fn plan_plans_the_train_step_by_default() {
     let (ok, out, err) = stepgraph(&["plan", "--model", "tiny-llama", "--seq", "16", "--step", "grads"]);
     assert!(ok && out.starts_with("plan for `grads`:"), "{out}{err}");
 }
+
+/// A budget that recomputation and MLP tiling cannot meet keeps layer
+/// values in host memory between forward and backward: `plan` says how
+/// many bytes wait there and move per step, and `train` under that budget
+/// gives the losses of the same tiling with every value on the device.
+#[test]
+fn a_budget_met_by_offload_plans_host_bytes_and_trains_to_the_same_losses() {
+    let geometry = [
+        "--model",
+        "tiny-llama",
+        "--n-layer",
+        "8",
+        "--block-size",
+        "2048",
+        "--seq",
+        "2048",
+        "--batch",
+        "1",
+        "--dtype",
+        "f32",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> { geometry.iter().chain(extra).map(|s| s.to_string()).collect() };
+    let args = with(&["--memory-budget", "1"]);
+    let (ok, _, err) = plan_with_env(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(!ok && err.contains("host memory where that helps"), "{err}");
+    let least = err.split("plans ").nth(1).unwrap().split(' ').next().unwrap().to_string();
+    let tiles = err.split("with the MLP in ").nth(1).map_or("1", |s| s.split(' ').next().unwrap()).to_string();
+    let args = with(&["--memory-budget", &least]);
+    let (ok, out, err) = plan_with_env(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains("host offload") && out.contains("copied/step") && out.contains("offload: "), "{out}");
+    // Text for 2,048-token rows and their validation: the sample four times.
+    let text = std::env::temp_dir().join(format!("stepgraph-offload-{}.txt", std::process::id()));
+    std::fs::write(&text, std::fs::read_to_string(common::root().join("data/tiny.txt")).unwrap().repeat(4)).unwrap();
+    let text = text.to_str().unwrap().to_string();
+    let final_loss = |extra: &[&str]| {
+        let mut args = vec!["train", "--steps", "2", "--eval-every", "1", "--data", &text];
+        args.extend(geometry.iter().filter(|a| **a != "f32" && **a != "--dtype"));
+        args.extend(["--dtype", "f32"]);
+        args.extend_from_slice(extra);
+        let (ok, out, err) = stepgraph(&args);
+        assert!(ok, "{err}");
+        let loss = out.lines().find(|l| l.starts_with("final loss")).unwrap().split(" after").next().unwrap();
+        (loss.to_string(), err.contains("host offload"))
+    };
+    // A megabyte over the least: validation's inputs and loss need a few kB.
+    let budget = (least.parse::<u64>().unwrap() + 1_000_000).to_string();
+    let (offloaded, kept) = (final_loss(&["--memory-budget", &budget]), final_loss(&["--mlp-tiles", &tiles]));
+    assert!(offloaded.1 && !kept.1, "only the budgeted run offloads");
+    assert_eq!(offloaded.0, kept.0);
+}

@@ -703,8 +703,10 @@ fn join_evaluation(config: &RunConfig, step: &Trace, plan: &MemoryPlan, eval: &C
         let planned = program.plan.planned_peak_bytes();
         if planned > budget {
             bail!(
-                "validation needs {:.2} GB more than the training step, so the run plans {:.2} GB, over \
-                 --memory-budget {:.2} GB: raise the budget, or turn validation off with --eval-every 0",
+                "validation needs {} B ({:.3} GB) more than the training step, so the run plans {planned} B \
+                 ({:.3} GB), over --memory-budget {budget} B ({:.3} GB): raise the budget, or turn validation off \
+                 with --eval-every 0",
+                program.eval_extra_bytes,
                 program.eval_extra_bytes as f64 / 1e9,
                 planned as f64 / 1e9,
                 budget as f64 / 1e9
