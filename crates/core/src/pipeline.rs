@@ -640,8 +640,10 @@ mod tests {
         assert!(!c.recompute().recomputed.is_empty(), "{}", c.recompute());
         assert_eq!(c.recompute().planned_peak_after, c.planned_peak_bytes());
         // A budget below the default's peak recomputes more and is met; one
-        // below what recomputation reaches is refused before anything runs.
-        let least = plain.plan.persistent_bytes;
+        // below what recomputation and offload reach (the weights alone:
+        // optimizer state may go to host memory, weights stay) is refused
+        // before anything runs.
+        let least = plain.step.leaf_bytes(|k| matches!(k, crate::ir::ValueKind::Param { .. }));
         let opts = StepOptions { recompute: RecomputePolicy::Budget(least), ..StepOptions::new(StepKind::Train) };
         let e = compile_step(&spec, &opts).unwrap_err().to_string();
         assert!(e.contains("cannot be met"), "{e}");

@@ -25,6 +25,16 @@
 //! on the device. What cannot be met is refused
 //! ([`Error::MemoryBudget`]) with the least planned peak reached.
 //!
+//! Optimizer states are candidates too (moments, 8-bit codes and scales,
+//! master weights or compensations of a parameter): a state kept in host
+//! memory is copied to the device one offloaded value ahead of its update
+//! (`to_device`), updated there in place, and its new value copied back
+//! over its host bytes (`to_host` into the state), which is the state's
+//! update. The planner puts such a state in [`crate::plan::Region::Host`].
+//! With the optimizer after backward (exact clipping), every update waits
+//! for its copies, so the bus sets the optimizer's time; with the updates
+//! in backward, the copies overlap backward's products.
+//!
 //! Bytes move twice per offloaded value and step (out and back): the
 //! report gives that traffic, and the host bytes the plan holds.
 //!
@@ -43,8 +53,10 @@ use crate::plan::Region;
 /// What the pass moved.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct OffloadReport {
-    /// Values copied to the host and back, each once per step.
+    /// Values copied to the host and back, each once per step (the
+    /// optimizer states among them).
     pub values: usize,
+    pub states: usize,
     /// Bytes copied per step, both directions together.
     pub bytes_moved: u64,
     /// The planned peak (device) before and after.
@@ -63,8 +75,9 @@ impl std::fmt::Display for OffloadReport {
         }
         writeln!(
             f,
-            "offload: {} values to page-locked host memory and back, {:.3} GB copied per step; planned peak {} -> {} B, host {} B",
+            "offload: {} values ({} of them optimizer states) to page-locked host memory and back, {:.3} GB copied per step; planned peak {} -> {} B, host {} B",
             self.values,
+            self.states,
             self.bytes_moved as f64 / 1e9,
             self.planned_peak_before,
             self.planned_peak_after,
@@ -103,6 +116,13 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
         reload_at.entry(at).or_default().push(v);
     }
 
+    // The new value of each offloaded state, and the state.
+    let updated_state: HashMap<ValueId, ValueId> = step
+        .updates
+        .iter()
+        .filter(|u| offloaded.contains(&u.state) && first_read.contains_key(&u.state))
+        .map(|u| (u.new, u.state))
+        .collect();
     let mut b = Builder::new(step.name.clone());
     let mut map = b.copy_leaves(step)?;
     let mut on_host: HashMap<ValueId, ValueId> = HashMap::new();
@@ -113,7 +133,12 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
     for (pos, node) in step.nodes.iter().enumerate() {
         b.set_phase(node.phase);
         for &v in reload_at.get(&pos).into_iter().flatten() {
-            back.insert(v, b.host_copy(on_host[&v], false)?);
+            // A state is its own host copy; a forward value was copied out.
+            let src = match step.value(v).kind.is_leaf() {
+                true => map[v.index()].expect("leaves are copied first"),
+                false => on_host[&v],
+            };
+            back.insert(v, b.host_copy(src, false)?);
         }
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for &i in &node.inputs {
@@ -129,6 +154,11 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
             map[o.index()] = Some(n);
             if offloaded.contains(&o) && first_read.contains_key(&o) {
                 on_host.insert(o, b.host_copy(n, true)?);
+            }
+            // An offloaded state's new value goes back over its host bytes.
+            if let Some(&state) = updated_state.get(&o) {
+                let into = b.host_copy_into(map[state.index()].expect("leaves are copied first"), n)?;
+                map[o.index()] = Some(into);
             }
         }
     }
@@ -183,8 +213,31 @@ fn reread(
 
 /// Values of `step` the pass may offload: written by a forward node that
 /// is not a view, read by backward (directly or through views), no step
-/// output and no update.
+/// output and no update; and optimizer states that only backward or the
+/// optimizer read, whose new value nothing reads.
 fn candidates(step: &Trace) -> Vec<ValueId> {
+    let mut read_forward: HashSet<ValueId> = HashSet::new();
+    let mut read: HashSet<ValueId> = HashSet::new();
+    for node in &step.nodes {
+        read.extend(node.inputs.iter().copied());
+        if node.phase == Phase::Forward {
+            read_forward.extend(node.inputs.iter().copied());
+        }
+    }
+    let states = step.updates.iter().filter(|u| {
+        matches!(step.value(u.state).kind, crate::ir::ValueKind::State { .. })
+            && read.contains(&u.state)
+            && !read_forward.contains(&u.state)
+            && !read.contains(&u.new)
+            && step.producer(u.new).is_some_and(|p| step.node(p).phase != Phase::Forward)
+    });
+    let mut all: Vec<ValueId> = states.map(|u| u.state).collect();
+    all.extend(forward_candidates(step));
+    all
+}
+
+/// The forward values among [`candidates`].
+fn forward_candidates(step: &Trace) -> Vec<ValueId> {
     let mut read_back: HashSet<ValueId> = HashSet::new();
     for node in step.nodes.iter().filter(|n| n.phase != Phase::Forward) {
         read_back.extend(node.inputs.iter().map(|&i| storage_root(step, i)));
@@ -206,10 +259,16 @@ fn candidates(step: &Trace) -> Vec<ValueId> {
         .collect()
 }
 
-/// Op and type: what makes two layers' values "the same".
+/// Op and type: what makes two layers' values "the same"; for a state,
+/// its kind (`exp_avg`, ...) and type.
 fn kind(step: &Trace, v: ValueId) -> String {
-    let p = step.producer(v).expect("candidates have producers");
-    format!("{} -> {}", step.node(p).op.name(), step.ty(v))
+    match step.producer(v) {
+        Some(p) => format!("{} -> {}", step.node(p).op.name(), step.ty(v)),
+        None => {
+            let name = step.value(v).kind.leaf_name().unwrap_or_default();
+            format!("state {} -> {}", name.rsplit('.').next().unwrap_or(name), step.ty(v))
+        }
+    }
 }
 
 /// Offloads until the planned peak is at most `budget` (see the module doc).
@@ -253,6 +312,10 @@ impl Pass for Offload {
                 .copied()
                 .filter(|v| !chosen.contains(v) && !rejected.contains(&kind(step, *v)))
                 .filter(|&v| {
+                    // A state on the device is live throughout.
+                    if step.value(v).kind.is_leaf() {
+                        return true;
+                    }
                     let cv = current_value(step, &current.0, moved, v);
                     let g = &p.groups[p.group_of[cv.index()]];
                     g.region == Region::Arena && g.start <= peak && peak <= g.end
@@ -305,6 +368,7 @@ impl Pass for Offload {
         }
         cx.report.offload = Some(OffloadReport {
             values: chosen.len(),
+            states: chosen.iter().filter(|&&v| step.value(v).kind.is_leaf()).count(),
             bytes_moved: 2 * chosen.iter().map(|&v| step.ty(v).bytes()).sum::<u64>(),
             planned_peak_before: before,
             planned_peak_after: p.planned_peak_bytes(),
@@ -374,11 +438,7 @@ mod tests {
         assert!(r.values > 0 && r.bytes_moved > 0 && r.host_bytes > 0, "{r}");
         assert_eq!(r.host_bytes, c.plan.host_bytes);
         let copies = |to_host: bool| {
-            c.step
-                .nodes
-                .iter()
-                .filter(|n| n.op == crate::ops::Op::HostCopy(crate::ops::offload::HostCopy { to_host }))
-                .count()
+            c.step.nodes.iter().filter(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if h.to_host == to_host)).count()
         };
         assert_eq!((copies(true), copies(false)), (r.values, r.values));
         // The recomputation's report names nodes of the offloaded step.
@@ -436,6 +496,74 @@ mod tests {
         for (name, g) in &a.1 {
             assert!(g == &b.1[name], "the gradient of {name} differs");
         }
+    }
+
+    /// A short row of a tiny model: its weights and optimizer state, not
+    /// its activations, make the least peak, so the states go to the host.
+    #[test]
+    fn optimizer_states_wait_in_host_memory_and_train_bit_for_bit() {
+        let spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
+        let train = StepOptions::new(StepKind::Train);
+        let least_of = |opts: &StepOptions| match compile_step(
+            &spec,
+            &StepOptions { recompute: RecomputePolicy::Budget(1), ..opts.clone() },
+        ) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let kept_least = least_of(&StepOptions { offload: false, ..train.clone() });
+        let least = least_of(&train);
+        assert!(least < kept_least, "{least} vs {kept_least}");
+        let c =
+            compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
+        let r = c.passes.offload.as_ref().unwrap();
+        assert!(r.states > 0, "{r}");
+        let states: Vec<ValueId> =
+            c.step.updates.iter().map(|u| u.state).filter(|&s| c.plan.slot(s).region == Region::Host).collect();
+        assert_eq!(states.len(), r.states);
+        for &s in &states {
+            // Read by its copy to the device, written back over by the copy of its new value.
+            let readers: Vec<&crate::ir::Node> = c.step.nodes.iter().filter(|n| n.inputs.contains(&s)).collect();
+            assert!(readers.iter().all(|n| matches!(n.op, crate::ops::Op::HostCopy(_))));
+            let u = c.step.updates.iter().find(|u| u.state == s).unwrap();
+            assert_eq!(c.plan.slot(u.new), c.plan.slot(s));
+        }
+        assert!(
+            c.plan.persistent_bytes
+                < compile_step(
+                    &spec,
+                    &StepOptions { recompute: RecomputePolicy::Budget(kept_least), offload: false, ..train.clone() }
+                )
+                .unwrap()
+                .plan
+                .persistent_bytes
+        );
+        // The same step with every state on the device, as the budget
+        // tiled it: the same losses and weights, bit for bit.
+        let kept = compile_step(&spec, &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..train }).unwrap();
+        let run = |c: &crate::pipeline::CompiledStep| {
+            let mut s = crate::testing::seeded_session(c, 5);
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
+                    s.write_named(n, &t).unwrap();
+                }
+                s.write_named(crate::autodiff::LR_INPUT, &crate::cpu::exec::scalar_input(1e-2)).unwrap();
+                s.write_named(crate::autodiff::STEP_INPUT, &crate::cpu::exec::scalar_input((step + 1) as f64)).unwrap();
+                if step == 0 {
+                    Session::run_eager(&mut s).unwrap();
+                } else {
+                    Session::replay(&mut s).unwrap();
+                }
+                out.push(vec![Session::loss(&mut s).unwrap()]);
+            }
+            for u in &c.step.updates {
+                out.push(Session::read(&mut s, u.state).unwrap().to_f64());
+            }
+            out
+        };
+        let (a, b) = (run(&kept), run(&c));
+        assert!(a == b, "an offloaded state trains otherwise");
     }
 
     #[test]

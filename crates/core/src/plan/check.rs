@@ -52,6 +52,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
         return fail(format!("{} slots for {n} values", plan.slots.len()));
     }
     let life = lifetimes(trace);
+    let host_state = super::host_states(trace);
 
     // View classes, from the ops' own declarations.
     let mut views = UnionFind::new(n);
@@ -112,6 +113,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             Region::Arena => !persistent,
             Region::Host => {
                 matches!(trace.values[v].kind, ValueKind::Frozen { .. })
+                    || (matches!(trace.values[v].kind, ValueKind::State { .. }) && host_state[v])
                     || trace.producer(ValueId(v as u32)).is_some_and(|p| trace.node(p).op.output_on_host())
             }
         };
@@ -206,13 +208,15 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
 
     sweep(trace, &mut arena, &handover)?;
     // The host region: its tables live the whole step; offloaded values
-    // between their copy out and their last reader, as arena values do.
+    // between their copy out and their last reader, as arena values do;
+    // a state from the step's start to the copy that writes its new value
+    // over it (an in-place hand-over), and that value to the step's end.
     let steps = trace.nodes.len();
     let host: Vec<Class> = in_region(Region::Host)
         .into_iter()
-        .map(|c| match trace.values[c.first.index()].kind.is_leaf() {
-            true => Class { start: 0, end: steps, ..*c },
-            false => *c,
+        .map(|c| match trace.values[c.first.index()].kind {
+            ValueKind::Frozen { .. } => Class { start: 0, end: steps, ..*c },
+            _ => *c,
         })
         .collect();
     sweep(trace, &mut host.iter().collect(), &handover)

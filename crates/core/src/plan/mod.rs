@@ -121,6 +121,8 @@ pub struct MemoryPlan {
     pub host_bytes: u64,
     /// Of `host_bytes`, the frozen tables ([`PlanOptions::host_tables`]).
     pub host_table_bytes: u64,
+    /// Of `host_bytes`, optimizer states kept there by the offload pass.
+    pub host_state_bytes: u64,
     /// The largest sum of live arena bytes at any position: no arena can be smaller.
     pub arena_floor_bytes: u64,
     /// The position where live arena bytes peak.
@@ -180,7 +182,8 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     // runs beside the next nodes ([`COPY_OUT_NODES`]).
     for (pos, node) in trace.nodes.iter().enumerate() {
         if node.op.output_on_host() {
-            let i = node.inputs[0].index();
+            // The value copied: the last input (after a state written into).
+            let i = node.inputs[node.inputs.len() - 1].index();
             life[i].1 = life[i].1.max((pos + COPY_OUT_NODES).min(steps.saturating_sub(1)));
         }
     }
@@ -290,6 +293,30 @@ pub fn host_tables(trace: &Trace) -> Vec<bool> {
     host
 }
 
+/// Optimizer states the offload pass keeps in host memory: states that
+/// only copies read (to the device before their update, and as the
+/// storage the updated value is copied back into).
+pub fn host_states(trace: &Trace) -> Vec<bool> {
+    let mut host: Vec<Option<bool>> =
+        trace.values.iter().map(|v| matches!(v.kind, ValueKind::State { .. }).then_some(true)).collect();
+    for node in &trace.nodes {
+        let copy = matches!(node.op, crate::ops::Op::HostCopy(_));
+        for &i in &node.inputs {
+            if let Some(h) = host[i.index()].as_mut() {
+                *h &= copy;
+            }
+        }
+    }
+    // A state nothing reads stays where states live.
+    let mut read = vec![false; trace.values.len()];
+    for node in &trace.nodes {
+        for &i in &node.inputs {
+            read[i.index()] = true;
+        }
+    }
+    host.iter().zip(read).map(|(h, r)| h.unwrap_or(false) && r).collect()
+}
+
 fn is_persistent(kind: &ValueKind) -> bool {
     matches!(kind, ValueKind::Param { .. } | ValueKind::Frozen { .. } | ValueKind::State { .. })
 }
@@ -387,6 +414,7 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     }
 
     let host_table = if opts.host_tables { host_tables(trace) } else { vec![false; n] };
+    let host_state = host_states(trace);
     // Build groups.
     let mut group_index = vec![usize::MAX; n];
     let mut groups: Vec<Group> = Vec::new();
@@ -410,7 +438,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         g.members.push(ValueId(v as u32));
         g.bytes = g.bytes.max(at + trace.values[v].ty.bytes());
         if is_persistent(&trace.values[v].kind) {
-            g.region = if opts.host_tables && host_table[v] { Region::Host } else { Region::Persistent };
+            g.region =
+                if (opts.host_tables && host_table[v]) || host_state[v] { Region::Host } else { Region::Persistent };
         } else if trace.producer(ValueId(v as u32)).is_some_and(|p| trace.node(p).op.output_on_host()) {
             g.region = Region::Host;
         }
@@ -434,8 +463,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
     }
 
     let persistent_bytes = pack(trace, &mut groups, Region::Persistent, |_| true);
-    // Host tables first, packed; offloaded values above them, their bytes
-    // reused between lifetimes as the arena's are.
+    // Host tables and states first, packed; offloaded values above them,
+    // their bytes reused between lifetimes as the arena's are.
     let tables = pack(trace, &mut groups, Region::Host, |g| trace.values[g.members[0].index()].kind.is_leaf());
     let offloaded: Vec<usize> = (0..groups.len())
         .filter(|&g| groups[g].region == Region::Host && !trace.values[groups[g].members[0].index()].kind.is_leaf())
@@ -444,6 +473,18 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         offloaded.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
     let offloaded_offsets =
         if opts.reuse { assign_offsets(&offloaded_intervals)? } else { assign_disjoint(&offloaded_intervals) };
+    let host_leaf_bytes = |frozen: bool| {
+        (groups.iter())
+            .filter(|g| g.region == Region::Host)
+            .filter(|g| match trace.values[g.members[0].index()].kind {
+                ValueKind::Frozen { .. } => frozen,
+                ValueKind::State { .. } => !frozen,
+                _ => false,
+            })
+            .map(|g| g.bytes)
+            .sum::<u64>()
+    };
+    let (host_table_bytes, host_state_bytes) = (host_leaf_bytes(true), host_leaf_bytes(false));
     let base = align_up(tables);
     let mut host_bytes = tables;
     for (k, &g) in offloaded.iter().enumerate() {
@@ -490,7 +531,8 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         persistent_bytes,
         arena_bytes,
         host_bytes,
-        host_table_bytes: tables,
+        host_table_bytes,
+        host_state_bytes,
         arena_floor_bytes: floor as u64,
         peak_position,
     })

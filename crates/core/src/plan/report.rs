@@ -27,6 +27,9 @@ pub struct PlanReport {
     /// How the frozen weights are stored (`bf16`, `nf4`), when there are any.
     pub frozen_storage: Option<String>,
     pub optimizer_state_bytes: u64,
+    /// Of `optimizer_state_bytes`, what the plan keeps in page-locked host
+    /// memory (the offload pass).
+    pub optimizer_state_host_bytes: u64,
     pub persistent_bytes: u64,
     pub gradient_bytes: u64,
     pub saved_for_backward_bytes: u64,
@@ -43,6 +46,9 @@ pub struct PlanReport {
     /// bytes those copies move per step, both directions together.
     pub offloaded_values: usize,
     pub copied_bytes_per_step: u64,
+    /// Of `offloaded_values`, optimizer states kept in host memory and
+    /// copied to the device around their update.
+    pub offloaded_states: usize,
     pub planned_peak_bytes: u64,
     pub floor_bytes: u64,
     /// `planned_peak_bytes / floor_bytes - 1`: what the placement loses to fragmentation.
@@ -85,6 +91,8 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
     let floor = plan.floor_bytes();
     let copies: Vec<_> = trace.nodes.iter().filter(|n| matches!(n.op, crate::ops::Op::HostCopy(_))).collect();
     let offloaded_values = copies.iter().filter(|n| n.op.output_on_host()).count();
+    let offloaded_states =
+        copies.iter().filter(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if h.into_state)).count();
     let copied_bytes_per_step = copies.iter().map(|n| trace.ty(n.outputs[0]).bytes()).fold(0, u64::saturating_add);
     PlanReport {
         trace: trace.name.clone(),
@@ -94,6 +102,7 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         frozen_bytes,
         frozen_storage,
         optimizer_state_bytes,
+        optimizer_state_host_bytes: plan.host_state_bytes,
         persistent_bytes: plan.persistent_bytes,
         gradient_bytes,
         saved_for_backward_bytes,
@@ -103,6 +112,7 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         host_table_bytes: plan.host_table_bytes,
         offloaded_values,
         copied_bytes_per_step,
+        offloaded_states,
         planned_peak_bytes: plan.planned_peak_bytes(),
         floor_bytes: floor,
         overhead_vs_floor: plan.planned_peak_bytes() as f64 / floor.max(1) as f64 - 1.0,
@@ -147,7 +157,13 @@ impl PlanReport {
             }
             None => writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?,
         }
-        writeln!(f, "    optimizer      {:>14} B  {}", self.optimizer_state_bytes, gb(self.optimizer_state_bytes))?;
+        let on_device = self.optimizer_state_bytes.saturating_sub(self.optimizer_state_host_bytes);
+        match self.optimizer_state_host_bytes {
+            0 => writeln!(f, "    optimizer      {on_device:>14} B  {}", gb(on_device))?,
+            host => {
+                writeln!(f, "    optimizer      {on_device:>14} B  {}  (and {host} B in host memory)", gb(on_device))?
+            }
+        }
         writeln!(f, "  arena            {:>14} B  {}", self.arena_bytes, gb(self.arena_bytes))?;
         writeln!(
             f,
@@ -174,10 +190,17 @@ impl PlanReport {
             let offloaded = self.host_bytes.saturating_sub(self.host_table_bytes);
             writeln!(
                 f,
-                "  host offload     {:>14} B  {}  ({} values wait in page-locked host memory between forward and backward; not in the peak)",
+                "  host offload     {:>14} B  {}  ({}; page-locked host memory, not in the peak)",
                 offloaded,
                 gb(offloaded),
-                self.offloaded_values
+                match (self.offloaded_values - self.offloaded_states, self.offloaded_states) {
+                    (values, 0) => format!("{values} values wait there between forward and backward"),
+                    (0, states) => format!("{states} optimizer states, copied to the device around their update"),
+                    (values, states) => format!(
+                        "{values} values wait there between forward and backward; {states} optimizer states, copied \
+                         to the device around their update"
+                    ),
+                }
             )?;
             writeln!(
                 f,

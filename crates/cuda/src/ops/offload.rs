@@ -10,7 +10,8 @@ use crate::launch::Launch;
 
 impl Lower for HostCopy {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        let (src, dst) = (&cx.inputs[0], &cx.outputs[0]);
+        // The value copied is the last input (after the state written into).
+        let (src, dst) = (&cx.inputs[cx.inputs.len() - 1], &cx.outputs[0]);
         Ok(vec![Launch::HostCopy { dst: dst.ptr, src: src.ptr, bytes: src.ty.bytes() }])
     }
 }
@@ -27,7 +28,8 @@ mod tests {
         let ty = TensorType::new(DType::BF16, [3, 5]);
         let input = [DevTensor { ty: ty.clone(), ptr: 1 << 20 }];
         let output = [DevTensor { ty, ptr: 1 << 45 }];
-        let l = crate::ops::lower(&Op::from(HostCopy { to_host: true }), &input, &output, None).unwrap();
+        let l =
+            crate::ops::lower(&Op::from(HostCopy { to_host: true, into_state: false }), &input, &output, None).unwrap();
         assert_eq!(l, vec![Launch::HostCopy { dst: 1 << 45, src: 1 << 20, bytes: 30 }]);
     }
 }

@@ -138,10 +138,11 @@ fn allocate_host(bytes: u64) -> Result<(u64, u64)> {
 
 /// How fast copies between the plan's page-locked host memory and the
 /// device run here, in bytes per second (the slower direction), when the
-/// plan offloads values; `None` when it does not. Times one copy each way
-/// of up to 256 MiB between the host region's offload part and the start
-/// of the arena (after one untimed pair, which maps the pages), then
-/// poisons those arena bytes again: nothing lives there yet.
+/// plan offloads values or states; `None` when it does not. Times one copy
+/// each way of up to 256 MiB between the start of the host region and the
+/// start of the arena (after one untimed pair, which maps the pages): the
+/// second copy writes back the bytes the first read, and nothing has been
+/// written to either yet; the arena bytes are poisoned again after.
 pub(super) fn measure_host_link(
     ctx: &Arc<CudaContext>,
     plan: &MemoryPlan,
@@ -149,17 +150,19 @@ pub(super) fn measure_host_link(
     stream: &CudaStream,
 ) -> Result<Option<f64>> {
     use cudarc::driver::sys::{cuMemcpyAsync, CUevent_flags};
-    let tables = align(plan.host_table_bytes);
-    let bytes = plan.host_bytes.saturating_sub(tables).min(alloc.arena).min(256 << 20);
+    if plan.host_bytes <= plan.host_table_bytes {
+        return Ok(None);
+    }
+    let bytes = plan.host_bytes.min(alloc.arena).min(256 << 20);
     if bytes == 0 {
         return Ok(None);
     }
-    let (host, device) = (alloc.bases.host + tables, alloc.bases.arena);
+    let (host, device) = (alloc.bases.host, alloc.bases.arena);
     let s = stream.cu_stream();
     let copy = |dst: u64, src: u64| {
         // SAFETY: `[host, host + bytes)` lies inside the page-locked
-        // allocation (past its tables) and `[device, device + bytes)`
-        // inside the arena, which no step has used yet.
+        // allocation and `[device, device + bytes)` inside the arena,
+        // neither written yet.
         unsafe { cuMemcpyAsync(dst, src, bytes as usize, s) }.result()
     };
     copy(device, host)?;
