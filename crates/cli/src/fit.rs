@@ -145,21 +145,36 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
     let hundredths = v.gpu.usable_bytes / 10_000_000;
     let budget = hundredths * 10_000_000;
     let budget_flag = format!("--memory-budget {}.{:02}GB", hundredths / 100, hundredths % 100);
-    let budgeted = |spec: &ModelSpec, opts: &StepOptions| -> Result<std::result::Result<u64, u64>> {
+    // Planned bytes under the budget and, where the plan keeps values or
+    // optimizer state in host memory, what that costs (for the note); or
+    // the least the budget search reached.
+    let budgeted = |spec: &ModelSpec, opts: &StepOptions| -> Result<std::result::Result<(u64, String), u64>> {
         let opts = StepOptions { recompute: RecomputePolicy::Budget(budget), ..opts.clone() };
         match compile_step(spec, &opts) {
-            Ok(step) => Ok(Ok(step.plan.planned_peak_bytes())),
+            Ok(step) => {
+                let report = stepgraph_core::plan::plan_report(&step.step, &step.plan, 0);
+                let offloaded = report.host_bytes.saturating_sub(report.host_table_bytes);
+                let offload = match report.offloaded_values {
+                    0 => String::new(),
+                    _ => format!(
+                        "; {} waits in host memory, {} copied per step",
+                        gb(offloaded),
+                        gb(report.copied_bytes_per_step)
+                    ),
+                };
+                Ok(Ok((step.plan.planned_peak_bytes(), offload)))
+            }
             Err(CoreError::MemoryBudget { least, .. }) => Ok(Err(least)),
             Err(e) => Err(e.into()),
         }
     };
     match budgeted(spec, opts)? {
-        Ok(bytes) => {
+        Ok((bytes, offload)) => {
             v.budgeted_bytes = Some(bytes);
             v.would_fit.push(Alternative {
                 flags: budget_flag.clone(),
                 planned_bytes: bytes,
-                note: "recomputes activations in backward instead of keeping them".into(),
+                note: format!("recomputes activations in backward instead of keeping them{offload}"),
             });
             return Ok(v);
         }
@@ -171,11 +186,11 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
     if clips {
         let unclipped =
             StepOptions { train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() }, ..opts.clone() };
-        if let Ok(bytes) = budgeted(spec, &unclipped)? {
+        if let Ok((bytes, offload)) = budgeted(spec, &unclipped)? {
             v.would_fit.push(Alternative {
                 flags: format!("--clip-grad-norm 0 {budget_flag}"),
                 planned_bytes: bytes,
-                note: "without clipping, each gradient is freed by its update in backward".into(),
+                note: format!("without clipping, each gradient is freed by its update in backward{offload}"),
             });
         }
         if !opts.train.clip_by_previous_norm {
@@ -183,11 +198,11 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
                 train: TrainOptions { clip_by_previous_norm: true, ..opts.train.clone() },
                 ..opts.clone()
             };
-            if let Ok(bytes) = budgeted(spec, &previous)? {
+            if let Ok((bytes, offload)) = budgeted(spec, &previous)? {
                 v.would_fit.push(Alternative {
                     flags: format!("--clip-by-previous-norm {budget_flag}"),
                     planned_bytes: bytes,
-                    note: "clipped by the step before's norm, so updates run in backward".into(),
+                    note: format!("clipped by the step before's norm, so updates run in backward{offload}"),
                 });
             }
         }
@@ -196,11 +211,11 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
     // ones, at the cost of quantizing them (the step is not the same).
     if opts.kind == StepKind::Train && !opts.train.moments_8bit && spec.adapters.is_none() {
         let eight = StepOptions { train: TrainOptions { moments_8bit: true, ..opts.train.clone() }, ..opts.clone() };
-        if let Ok(bytes) = budgeted(spec, &eight)? {
+        if let Ok((bytes, offload)) = budgeted(spec, &eight)? {
             v.would_fit.push(Alternative {
                 flags: format!("--optimizer-state 8bit {budget_flag}"),
                 planned_bytes: bytes,
-                note: "AdamW's moments quantized to 8 bits per weight".into(),
+                note: format!("AdamW's moments quantized to 8 bits per weight{offload}"),
             });
         }
     }
@@ -208,12 +223,12 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
     let mut seq = spec.seq / 2;
     while seq >= 64 {
         let shorter = ModelSpec { seq, ..spec.clone() };
-        if let Ok(bytes) = budgeted(&shorter, opts)? {
+        if let Ok((bytes, offload)) = budgeted(&shorter, opts)? {
             let accum = spec.seq.div_ceil(seq) * opts.grad_accum.max(1);
             v.would_fit.push(Alternative {
                 flags: format!("--seq {seq} --grad-accum {accum} {budget_flag}"),
                 planned_bytes: bytes,
-                note: format!("{seq}-token sequences, {accum} of them per update"),
+                note: format!("{seq}-token sequences, {accum} of them per update{offload}"),
             });
             break;
         }
@@ -229,11 +244,11 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
                 train: TrainOptions { clip_grad_norm: None, ..opts.train.clone() },
                 ..opts.clone()
             };
-            if let Ok(bytes) = budgeted(&global, &ranked)? {
+            if let Ok((bytes, offload)) = budgeted(&global, &ranked)? {
                 v.would_fit.push(Alternative {
                     flags: format!("--gpus {world} --zero1 --batch {} {budget_flag}", global.batch),
                     planned_bytes: bytes,
-                    note: format!("{world} such GPUs, each holding 1/{world} of the AdamW state"),
+                    note: format!("{world} such GPUs, each holding 1/{world} of the AdamW state{offload}"),
                 });
                 break;
             }
@@ -255,11 +270,11 @@ pub fn verdict(spec: &ModelSpec, opts: &StepOptions, asked: &CompiledStep, gpu: 
             let adapters = Adapters { base, ..Adapters::new(16, 32.0, LoraTarget::ALL.to_vec())? };
             let lora = ModelSpec { adapters: Some(adapters), ..spec.clone() };
             // A model the adapters cannot go on is no alternative.
-            if let Ok(Ok(bytes)) = budgeted(&lora, opts) {
+            if let Ok(Ok((bytes, offload))) = budgeted(&lora, opts) {
                 v.would_fit.push(Alternative {
                     flags: format!("--lora-rank 16{flags} {budget_flag}"),
                     planned_bytes: bytes,
-                    note: note.into(),
+                    note: format!("{note}{offload}"),
                 });
                 break;
             }
@@ -301,7 +316,7 @@ impl fmt::Display for Verdict {
         if self.persistent_bytes > self.gpu.usable_bytes {
             write!(
                 f,
-                ", and its weights and optimizer state alone take {}, which no recomputation lowers",
+                ", and its weights and optimizer state take {} (no recomputation lowers that; a budget keeps optimizer state in host memory)",
                 gb(self.persistent_bytes)
             )?;
         }
