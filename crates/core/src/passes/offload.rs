@@ -109,11 +109,13 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
     let mut order: Vec<(usize, ValueId)> = first_read.iter().map(|(&v, &p)| (p, v)).collect();
     order.sort();
     // One ahead: each value comes back when backward first reads the one
-    // before it, the first at the start of backward.
+    // before it, the first at the start of backward; never before it was
+    // written and went out.
     let mut reload_at: HashMap<usize, Vec<ValueId>> = HashMap::new();
     for (k, &(_, v)) in order.iter().enumerate() {
-        let at = if k == 0 { backward_start } else { order[k - 1].0 };
-        reload_at.entry(at).or_default().push(v);
+        let ahead = if k == 0 { backward_start } else { order[k - 1].0 };
+        let written = step.producer(v).map_or(0, |p| p.index() + 1);
+        reload_at.entry(ahead.max(written)).or_default().push(v);
     }
 
     // The new value of each offloaded state, and the state.
@@ -564,6 +566,37 @@ mod tests {
         };
         let (a, b) = (run(&kept), run(&c));
         assert!(a == b, "an offloaded state trains otherwise");
+    }
+
+    /// A step accumulating two micro-batches, every forward value that
+    /// backward reads offloaded: the plan holds and the gradients are the
+    /// kept step's, bit for bit.
+    #[test]
+    fn accumulated_micro_batches_offload_and_compute_the_same_gradients() {
+        let spec = ModelSpec::named("tiny-llama", 1, 64, DType::F32, LossKind::CrossEntropy).unwrap();
+        let opts = StepOptions { grad_accum: 2, ..StepOptions::new(StepKind::Grads) };
+        let traces = crate::pipeline::trace_step(&spec, &opts).unwrap();
+        let step = traces.step;
+        let chosen: HashSet<ValueId> = forward_candidates(&step).into_iter().collect();
+        assert!(!chosen.is_empty());
+        let (offloaded, _) = rewrite(&step, &chosen).unwrap();
+        for (trace, name) in [(&offloaded, "offloaded"), (&step, "kept")] {
+            let p = crate::plan::plan(trace, crate::plan::PlanOptions::default()).unwrap();
+            check_plan(trace, &p).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let weights: HashMap<String, crate::host::HostTensor> = crate::models::init_params(&traces.forward, 5)
+            .into_iter()
+            .map(|(v, t)| (traces.forward.value(v).kind.leaf_name().unwrap().to_string(), t))
+            .collect();
+        let ty = step.ty(step.leaf_by_name(crate::models::gpt::TOKENS_INPUT).unwrap()).clone();
+        let ids: Vec<f64> = (0..ty.numel()).map(|i| ((i * 37 + 11) % 200) as f64).collect();
+        let batch = crate::host::HostTensor::from_f64(ty, &ids);
+        let data = [(crate::models::gpt::TOKENS_INPUT, batch.clone()), (crate::models::gpt::TARGETS_INPUT, batch)];
+        let grads = |t: &Trace| {
+            let mut s = crate::testing::run_with_weights(t, &weights, &data);
+            crate::testing::grads_by_name(t, |v| Session::read(&mut s, v).unwrap().to_f64())
+        };
+        assert!(grads(&step) == grads(&offloaded), "accumulated offloaded gradients differ");
     }
 
     #[test]
