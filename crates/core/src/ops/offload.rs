@@ -37,6 +37,14 @@ pub struct HostCopy {
     pub into_state: bool,
 }
 
+impl HostCopy {
+    /// The input whose bytes the copy moves: the last one (after the state
+    /// written into).
+    pub fn source(&self) -> usize {
+        usize::from(self.into_state)
+    }
+}
+
 impl OpDef for HostCopy {
     /// Both directions, of a scalar, a vector and a matrix whose size is
     /// no multiple of 16 bytes.
@@ -68,7 +76,7 @@ impl OpDef for HostCopy {
         } else {
             expect_inputs(inputs, 1)?;
         }
-        Ok(vec![inputs[inputs.len() - 1].clone()])
+        Ok(vec![inputs[self.source()].clone()])
     }
     /// A copy is the identity: its cotangent goes back the other way.
     fn vjp(&self, b: &mut Builder, args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
@@ -80,7 +88,7 @@ impl OpDef for HostCopy {
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         let bytes = io.out_ty(0).bytes() as usize;
-        let src = io.inputs.len() - 1;
+        let src = self.source();
         // SAFETY: input `src` and the output have the same type (the shape
         // rule), so both hold `bytes` bytes, and they never alias: the
         // output is a copy in the other tier, or (into a state) the

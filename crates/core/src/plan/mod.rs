@@ -181,9 +181,8 @@ pub fn lifetimes(trace: &Trace) -> Vec<(usize, usize)> {
     // A value being copied to the host keeps its bytes while the copy
     // runs beside the next nodes ([`COPY_OUT_NODES`]).
     for (pos, node) in trace.nodes.iter().enumerate() {
-        if node.op.output_on_host() {
-            // The value copied: the last input (after a state written into).
-            let i = node.inputs[node.inputs.len() - 1].index();
+        if let crate::ops::Op::HostCopy(copy @ crate::ops::offload::HostCopy { to_host: true, .. }) = &node.op {
+            let i = node.inputs[copy.source()].index();
             life[i].1 = life[i].1.max((pos + COPY_OUT_NODES).min(steps.saturating_sub(1)));
         }
     }
@@ -297,24 +296,23 @@ pub fn host_tables(trace: &Trace) -> Vec<bool> {
 /// only copies read (to the device before their update, and as the
 /// storage the updated value is copied back into).
 pub fn host_states(trace: &Trace) -> Vec<bool> {
-    let mut host: Vec<Option<bool>> =
-        trace.values.iter().map(|v| matches!(v.kind, ValueKind::State { .. }).then_some(true)).collect();
+    // Per value: read by a copy, read by anything else. A state nothing
+    // reads stays where states live.
+    let mut by_copy = vec![false; trace.values.len()];
+    let mut by_other = vec![false; trace.values.len()];
     for node in &trace.nodes {
         let copy = matches!(node.op, crate::ops::Op::HostCopy(_));
         for &i in &node.inputs {
-            if let Some(h) = host[i.index()].as_mut() {
-                *h &= copy;
+            if copy {
+                by_copy[i.index()] = true;
+            } else {
+                by_other[i.index()] = true;
             }
         }
     }
-    // A state nothing reads stays where states live.
-    let mut read = vec![false; trace.values.len()];
-    for node in &trace.nodes {
-        for &i in &node.inputs {
-            read[i.index()] = true;
-        }
-    }
-    host.iter().zip(read).map(|(h, r)| h.unwrap_or(false) && r).collect()
+    (trace.values.iter().enumerate())
+        .map(|(v, value)| matches!(value.kind, ValueKind::State { .. }) && by_copy[v] && !by_other[v])
+        .collect()
 }
 
 fn is_persistent(kind: &ValueKind) -> bool {

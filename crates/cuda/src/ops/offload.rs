@@ -10,8 +10,7 @@ use crate::launch::Launch;
 
 impl Lower for HostCopy {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
-        // The value copied is the last input (after the state written into).
-        let (src, dst) = (&cx.inputs[cx.inputs.len() - 1], &cx.outputs[0]);
+        let (src, dst) = (&cx.inputs[self.source()], &cx.outputs[0]);
         Ok(vec![Launch::HostCopy { dst: dst.ptr, src: src.ptr, bytes: src.ty.bytes() }])
     }
 }

@@ -35,12 +35,13 @@ impl CudaSession {
             unsafe { dr::stream::wait_event(stream, event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
         };
         let ss = side.stream.cu_stream();
-        let mut unjoined: Vec<usize> = Vec::new();
+        // Side launches of the range the compute stream has not waited for yet.
+        let mut unjoined = vec![false; range.len()];
         for j in range.clone() {
             // Side launches of earlier ranges were joined when those ended.
             for k in side.joins.before[j].iter().filter(|k| range.contains(k)) {
                 wait(s, side.done[k])?;
-                unjoined.retain(|u| u != k);
+                unjoined[k - range.start] = false;
             }
             let p = std::slice::from_ref(&self.prepared[j]);
             if let Some(&done) = side.done.get(&j) {
@@ -51,13 +52,13 @@ impl CudaSession {
                 self.enqueue_list(p, ss)?;
                 // SAFETY: as above.
                 unsafe { dr::event::record(done, ss) }?;
-                unjoined.push(j);
+                unjoined[j - range.start] = true;
             } else {
                 self.enqueue_list(p, s)?;
             }
         }
-        for k in unjoined {
-            wait(s, side.done[&k])?;
+        for (k, _) in unjoined.iter().enumerate().filter(|(_, &u)| u) {
+            wait(s, side.done[&(range.start + k)])?;
         }
         Ok(())
     }
