@@ -196,13 +196,23 @@ template <> struct TcOf<float> {
 // one tile per warp), with 32 keys per step to stay within registers; at 64
 // and below one tile and 64 keys measured faster; f32's split fragments
 // leave no registers for a second tile.
+//
+// Heads over 128 (WIDE, 16-bit storage, padded to 256): a warp's
+// accumulator row tile alone is 128 registers, so every pass keeps one row
+// tile per warp, 32 columns per step and no operand held in registers, and
+// the key side splits its outputs: KV_SPLIT blocks share each 64 key rows,
+// each recomputing the scores over the whole head and accumulating its own
+// DP / KV_SPLIT columns of gk and gv (both halves at once would need 256).
 template <typename T, int DP> struct Geo {
     typedef typename TcOf<T>::type Tc;
     typedef typename Tc::E E;
     static constexpr int ES = (int)sizeof(E), SD = DP + Tc::PAD, NBUF = Tc::NBUF;
-    static constexpr int FWD_MT = ES == 2 && DP > 64 ? 2 : 1;
+    static constexpr bool WIDE = DP > 128;
+    static constexpr bool HOLD = Tc::HOLD && !WIDE;
+    static constexpr int KV_SPLIT = WIDE ? 2 : 1;
+    static constexpr int FWD_MT = ES == 2 && DP > 64 && !WIDE ? 2 : 1;
     static constexpr int FWD_ROWS = NT / 32 * 16 * FWD_MT;
-    static constexpr int FWD_BC = ES == 2 && FWD_MT == 1 ? 64 : 32;
+    static constexpr int FWD_BC = ES == 2 && FWD_MT == 1 && !WIDE ? 64 : 32;
     static constexpr int BWD_BC = ES == 2 && DP <= 64 ? 64 : 32;
     static constexpr int FWD_SMEM = (FWD_ROWS + 2 * NBUF * FWD_BC) * SD * ES;
     // bwd_q: two row tiles per warp measured 7% faster at DP 112, 3% slower at 128.
@@ -212,6 +222,7 @@ template <typename T, int DP> struct Geo {
     // bwd_kv streams q and go tiles; D_i comes from bwd_q (the op's delta output).
     static constexpr int BKV_SMEM = (2 * BR + 2 * NBUF * BWD_BC) * SD * ES + 2 * BWD_BC * 4;
     static_assert(DP % 16 == 0 && FWD_BC % 16 == 0 && BWD_BC % 16 == 0, "whole fragments");
+    static_assert(!WIDE || (DP == 256 && ES == 2), "wide heads: 16-bit storage padded to 256");
 };
 
 // The widest copy (elements of ES bytes, at most 16 bytes) that both the rows
@@ -370,10 +381,11 @@ __device__ void fwd(const T* q, const T* k, const T* v, T* o, float* lse, int Tn
     constexpr int SD = G::SD, BC = G::FWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
     constexpr int MT = G::FWD_MT, ROWS = G::FWD_ROWS;
     // Hold the warp's q fragments in registers when they fit (one row tile).
-    constexpr bool HOLD = Tc::HOLD && MT == 1;
-    // With two row tiles the depth loop of q·kᵀ stays rolled: unrolled, the
-    // compiler hoists every depth slice's fragments and spills.
-    constexpr int KK_UNROLL = MT == 1 ? KT : 1;
+    constexpr bool HOLD = G::HOLD && MT == 1;
+    // With two row tiles (or wide heads) the depth loop of q·kᵀ stays
+    // rolled: unrolled, the compiler hoists every depth slice's fragments
+    // and spills.
+    constexpr int KK_UNROLL = MT == 1 && !G::WIDE ? KT : 1;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
     E* const Ks = Qs + ROWS * SD;     // NB buffers of BC rows
@@ -584,10 +596,10 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
     typedef typename Tc::A FA;
     constexpr int SD = G::SD, BC = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BC / 8, NB = G::NBUF;
     constexpr int MT = G::BQ_MT, ROWS = G::BQ_ROWS;
-    // One row tile: q and go fragments held in registers; two: re-read per
-    // depth slice, the depth loop rolled (as in the forward).
-    constexpr bool HOLD = Tc::HOLD && MT == 1;
-    constexpr int KK_UNROLL = MT == 1 ? KT : 1;
+    // One row tile: q and go fragments held in registers; two (or wide
+    // heads): re-read per depth slice, the depth loop rolled (as in the forward).
+    constexpr bool HOLD = G::HOLD && MT == 1;
+    constexpr int KK_UNROLL = MT == 1 && !G::WIDE ? KT : 1;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Qs = reinterpret_cast<E*>(smem_bytes);
     E* const Gs = Qs + ROWS * SD;
@@ -748,7 +760,9 @@ __device__ void bwd_q(const T* q, const T* k, const T* v, const T* o, const floa
 // one holding the last query that sees its last key (last_query()):
 // gv_j = Σ_i p_ij go_i, gk_j = scale · Σ_i p_ij (go_i·v_j − D_i) q_i, with
 // D_i from bwd_q (delta; o and glse are not read). Scores are computed
-// transposed (keys × queries) so that they are A operands.
+// transposed (keys × queries) so that they are A operands. For wide heads
+// grid y is kv heads × KV_SPLIT: the block's part of it says which
+// DP / KV_SPLIT columns of gk and gv it owns.
 // ---------------------------------------------------------------------------
 template <typename T, int DP>
 __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
@@ -758,7 +772,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     typedef typename G::Tc Tc;
     typedef typename G::E E;
     typedef typename Tc::A FA;
-    constexpr int SD = G::SD, BQ = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NO = DP / 8, NS = BQ / 8, NB = G::NBUF;
+    constexpr int SD = G::SD, BQ = G::BWD_BC, KS = Tc::KS, KT = DP / KS, NB = G::NBUF;
+    constexpr int DO = DP / G::KV_SPLIT, NO = DO / 8, NS = BQ / 8;  // DO: output columns of this block
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     E* const Ks = reinterpret_cast<E*>(smem_bytes);
     E* const Vs = Ks + BR * SD;
@@ -769,7 +784,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
     check_launch(BR, Tn, G::BKV_SMEM);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
+    const int hk = blockIdx.y / G::KV_SPLIT, b = blockIdx.z, grp = Hq / Hkv;
+    const int d0 = blockIdx.y % G::KV_SPLIT * DO;  // this block's first output column
     const int k0 = blockIdx.x * BR;  // the first blocks have the most query tiles: launched first
     const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
@@ -843,13 +859,19 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
+        auto scores = [&](int kk) {
             FA ka, va;
             Tc::template load_a<SD>(ka, Ks, warp * 16, kk * KS, lane);
             Tc::template load_a<SD>(va, Vs, warp * 16, kk * KS, lane);
             mma_nk1<Tc, SD, NS>(s, ka, Qt, kk * KS, lane);
             mma_nk1<Tc, SD, NS>(dp, va, Gt, kk * KS, lane);
+        };
+        if constexpr (G::WIDE) {
+#pragma unroll 4
+            for (int kk = 0; kk < KT; ++kk) scores(kk);  // fully unrolled, the wide depth loop spills
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < KT; ++kk) scores(kk);
         }
         // With a soft-cap: the capped score x (natural units) in base 2 into
         // s, and (dp − D_i)·slope(x) into dp (as in bwd_q).
@@ -881,8 +903,8 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
             FA pa, da;
             Tc::a_from_c(pa, &s[kc * (KS / 8)]);
             Tc::a_from_c(da, &dp[kc * (KS / 8)]);
-            mma_kn1<Tc, SD, DP>(dv, pa, Gt, kc * KS, lane);
-            mma_kn1<Tc, SD, DP>(dk, da, Qt, kc * KS, lane);
+            mma_kn1<Tc, SD, DO>(dv, pa, Gt + d0, kc * KS, lane);
+            mma_kn1<Tc, SD, DO>(dk, da, Qt + d0, kc * KS, lane);
         }
         __syncthreads();  // buffers of this step are refilled next
         if (NB == 1 && st + 1 < steps) {
@@ -891,7 +913,7 @@ __device__ void bwd_kv(const T* q, const T* k, const T* v, const T* o, const flo
         }
     }
 
-    store_rows<NO>(gk + koff, ks, key0, Tn, D, c, dk[0], (float)scale, gv + koff, dv[0]);
+    store_rows<NO>(gk + koff + d0, ks, key0, Tn, D - d0, c, dk[0], (float)scale, gv + koff + d0, dv[0]);
 }
 
 #ifdef SGM_WGMMA
@@ -1682,7 +1704,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 
 // ---------------------------------------------------------------------------
 // Entry points. Each module is one variant: src/ops/attention.rs (KERNELS) defines SGM_SFX,
-// SGM_TYPE and SGM_DP (a multiple of 16 in 32..128). Without them (an editor,
+// SGM_TYPE and SGM_DP (a multiple of 16 in 32..128, or 256 for 16-bit storage). Without them (an editor,
 // a syntax check) every variant is instantiated.
 // ---------------------------------------------------------------------------
 
@@ -1740,4 +1762,6 @@ SGM_ENTRY_OF(SGM_SFX, SGM_TYPE, SGM_DP)
 SGM_ALL(bf16, __nv_bfloat16)
 SGM_ALL(f16, __half)
 SGM_ALL(f32, float)
+SGM_ENTRY(bf16, __nv_bfloat16, 256)
+SGM_ENTRY(f16, __half, 256)
 #endif

@@ -169,6 +169,7 @@ fn repeated_runs_give_identical_bits() {
         (DType::F16, 64, (8, 1), 200),
         (DType::F64, 256, (4, 2), 70),
         (DType::F32, 16, (4, 1), 513),
+        (DType::BF16, 256, (4, 1), 300),
     ]
     .into_iter()
     .enumerate()
@@ -223,6 +224,33 @@ fn warpgroup_widths_match_cpu() {
     }
     std::env::remove_var("STEPGRAPH_PORTABLE_KERNELS");
     report.finish();
+}
+
+/// Head sizes over 128 in 16-bit storage (Gemma's 256), which the
+/// tensor-core kernels pad to 256 and whose key side splits its columns
+/// over two blocks: T off the tiles, GQA, and sizes short of 256 (the
+/// padding and the column halves' edges).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn wide_heads_match_cpu() {
+    let mut report = Report::default();
+    let mut seed = 14000;
+    for dtype in [DType::BF16, DType::F16] {
+        for (d, t, heads) in
+            [(256, 300, (4, 1)), (256, 64, (2, 2)), (129, 77, (4, 2)), (200, 130, (6, 3)), (255, 33, (2, 1))]
+        {
+            seed += 1;
+            check_case(&Case::new(dtype, 2, t, heads, d, seed), &mut report, 1.0);
+        }
+    }
+    report.finish();
+}
+
+/// Gemma-3-1B's attention: T = 8192, 4 query heads on one kv head of 256, bf16.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-test.sh"]
+fn gemma3_1b_shape() {
+    benchmark_shape(Case::new(DType::BF16, 1, 8192, (4, 1), 256, 15), &[0]);
 }
 
 /// Heads `range` of a tensor along `axis` (2 for [B, T, H, D], 1 for lse [B, H, T]).

@@ -51,12 +51,13 @@
 //!
 //! # Tensor-core kernels
 //!
-//! For head sizes 17..=128 in bf16, f16 and f32 the three passes run on
-//! tensor cores instead (`kernels/attention_mma.cu`, one module per dtype
-//! and padded head size, e.g. `attention_mma_d112_bf16`, see [`KERNELS`]):
-//! the same walks over tiles, with every product a `mma.sync` on fragments
-//! read from tiles that `cp.async` brings into shared memory. Head sizes are
-//! padded to a multiple of 16 ([`mma_width`]). A block is four warps over 64
+//! For head sizes 17..=128 in bf16, f16 and f32, and 129..=256 in bf16 and
+//! f16, the three passes run on tensor cores instead
+//! (`kernels/attention_mma.cu`, one module per dtype and padded head size,
+//! e.g. `attention_mma_d112_bf16`, see [`KERNELS`]): the same walks over
+//! tiles, with every product a `mma.sync` on fragments read from tiles that
+//! `cp.async` brings into shared memory. Head sizes are padded to a multiple
+//! of 16, or to 256 above 128 ([`mma_width`]). A block is four warps over 64
 //! rows (query rows, or key rows for `bwd_kv`); a warp owns 16 of them and
 //! keeps its scores, probabilities and accumulators in registers: the f32
 //! result fragment of `q·kᵀ` is the A fragment of `p·v` without leaving its
@@ -64,6 +65,11 @@
 //! gives a warp 32 rows (128 per block) so that each fragment read from
 //! shared memory feeds two products ([`mma_rows`]); `scripts/attention-variants`
 //! times such choices against each other and PyTorch on the GPU machine.
+//! At 256 (Gemma) a warp's output rows alone take 128 registers, so every
+//! pass keeps one row tile per warp and streams 32 columns per step, and
+//! the key side runs two blocks per key tile, each recomputing the scores
+//! and accumulating half the columns of `gk` and `gv`: a third more
+//! products on that side, against spilling both halves.
 //!
 //! * bf16/f16: `m16n8k16` with f32 accumulation, fragments by `ldmatrix`,
 //!   tiles double-buffered. Probabilities and score gradients are rounded to
@@ -96,8 +102,9 @@
 //!   head size and 4-byte-aligned bases ([`wgmma_fits`]), else the
 //!   `mma.sync` passes run; `STEPGRAPH_PORTABLE_KERNELS=1` turns them off.
 //!
-//! Shared memory is dynamic, up to ~100 KB ([`mma_shared_bytes`]; the
-//! warpgroup passes up to ~165 KB, [`wgmma_shared_bytes`]).
+//! Shared memory is dynamic, up to ~100 KB (~133 KB at 256,
+//! [`mma_shared_bytes`]; the warpgroup passes up to ~165 KB,
+//! [`wgmma_shared_bytes`]).
 //! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
 //! (for comparisons).
 //!
@@ -165,6 +172,7 @@ pub const KERNELS: &[KernelModule] = attention_modules![
         ("attention_mma_d96_bf16", "bf16", "__nv_bfloat16", "96"),
         ("attention_mma_d112_bf16", "bf16", "__nv_bfloat16", "112"),
         ("attention_mma_d128_bf16", "bf16", "__nv_bfloat16", "128"),
+        ("attention_mma_d256_bf16", "bf16", "__nv_bfloat16", "256"),
         ("attention_mma_d32_f16", "f16", "__half", "32"),
         ("attention_mma_d48_f16", "f16", "__half", "48"),
         ("attention_mma_d64_f16", "f16", "__half", "64"),
@@ -172,6 +180,7 @@ pub const KERNELS: &[KernelModule] = attention_modules![
         ("attention_mma_d96_f16", "f16", "__half", "96"),
         ("attention_mma_d112_f16", "f16", "__half", "112"),
         ("attention_mma_d128_f16", "f16", "__half", "128"),
+        ("attention_mma_d256_f16", "f16", "__half", "256"),
         ("attention_mma_d32_f32", "f32", "float", "32"),
         ("attention_mma_d48_f32", "f32", "float", "48"),
         ("attention_mma_d64_f32", "f32", "float", "64"),
@@ -237,14 +246,24 @@ pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
 const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 
+/// Padded head sizes above this one are wide (`Geo::WIDE`): 16-bit storage
+/// padded to 256, one row tile per warp in every pass, 32 columns per step,
+/// and the key side split over [`MMA_WIDE_KV_SPLIT`] blocks per key tile.
+const MMA_NARROW_MAX: usize = 128;
+const MMA_WIDE: usize = 256;
+
+/// Blocks sharing one key tile of a wide `bwd_kv`, each accumulating its
+/// own columns of `gk` and `gv` (mirrors `Geo::KV_SPLIT`).
+const MMA_WIDE_KV_SPLIT: usize = 2;
+
 /// Rows a tensor-core block of `pass` owns (query rows; key rows for
 /// `bwd_kv`); mirrors `Geo::FWD_ROWS` and `Geo::BQ_ROWS`: two tiles of 16
-/// per warp for 16-bit storage in the forward at padded widths over 64 and
+/// per warp for 16-bit storage in the forward at padded widths 80..=128 and
 /// in `bwd_q` at 80..=112 (at 128 one measured faster), else one.
 pub fn mma_rows(pass: Pass, dtype: DType, dp: usize) -> usize {
     let two = dtype != DType::F32
         && match pass {
-            Pass::Forward => dp > 64,
+            Pass::Forward => dp > 64 && dp <= MMA_NARROW_MAX,
             Pass::BackwardQ => dp > 64 && dp < 128,
             Pass::BackwardKv => false,
         };
@@ -257,12 +276,28 @@ pub fn mma_rows(pass: Pass, dtype: DType, dp: usize) -> usize {
 
 /// The padded head size of the tensor-core kernels for `dtype` and head
 /// size `d`, or `None` when the CUDA-core kernels serve it: bf16, f16 and
-/// f32 with `16 < d <= 128`, rounded up to a multiple of 16, unless
+/// f32 with `16 < d <= 128`, rounded up to a multiple of 16, and bf16 and
+/// f16 with `128 < d <= 256` (Gemma's 256), padded to 256, unless
 /// `switches` asks for the CUDA-core kernels ([`AttentionKernels::Simt`]).
 pub fn mma_width(switches: &Switches, dtype: DType, d: usize) -> Option<usize> {
-    let covered = matches!(dtype, DType::BF16 | DType::F16 | DType::F32);
-    let forced_simt = switches.attention == AttentionKernels::Simt;
-    (covered && d > 16 && d <= 128 && !forced_simt).then(|| d.div_ceil(16) * 16)
+    if switches.attention == AttentionKernels::Simt || d <= 16 {
+        return None;
+    }
+    match dtype {
+        DType::BF16 | DType::F16 | DType::F32 if d <= MMA_NARROW_MAX => Some(d.div_ceil(16) * 16),
+        DType::BF16 | DType::F16 if d <= MMA_WIDE => Some(MMA_WIDE),
+        _ => None,
+    }
+}
+
+/// Blocks per key tile and kv head of a tensor-core `bwd_kv` at padded
+/// width `dp` (grid y is kv heads times this).
+fn mma_kv_split(dp: usize) -> usize {
+    if dp > MMA_NARROW_MAX {
+        MMA_WIDE_KV_SPLIT
+    } else {
+        1
+    }
 }
 
 /// The variant module holding the tensor-core kernels for `dtype` at padded
@@ -285,7 +320,7 @@ pub fn mma_shared_bytes(pass: Pass, dtype: DType, dp: usize) -> usize {
     let (elem, pad, buffers) = if f32 { (4, 4, 1) } else { (2, 8, 2) };
     let row = (dp + pad) * elem;
     let rows = mma_rows(pass, dtype, dp);
-    let fwd_cols = if !f32 && rows == MMA_ROWS { 64 } else { 32 };
+    let fwd_cols = if !f32 && rows == MMA_ROWS && dp <= MMA_NARROW_MAX { 64 } else { 32 };
     let bwd_cols = if !f32 && dp <= 64 { 64 } else { 32 };
     match pass {
         Pass::Forward => (rows + 2 * buffers * fwd_cols) * row,
@@ -409,7 +444,7 @@ impl Dims {
         }
         let bucket = bucket(d).ok_or_else(|| fail(format!("head size {d} is above the kernels' {MAX_HEAD_SIZE}")))?;
         // Grid y and z are heads and batch; T, heads and D are passed as int.
-        if hq > 65535 || b > 65535 {
+        if hq > 65535 || hkv * MMA_WIDE_KV_SPLIT > 65535 || b > 65535 {
             return Err(fail(format!("{hq} query heads or batch {b} exceed the grid limit 65535")));
         }
         if t > i32::MAX as usize || hq * d > i32::MAX as usize {
@@ -446,7 +481,11 @@ impl Dims {
                 (MODULE, kernel_name(pass, self.dtype, self.bucket), rows, threads, 0)
             }
         };
-        let heads = if pass == Pass::BackwardKv { self.hkv } else { self.hq };
+        let heads = match (pass, self.mma) {
+            (Pass::BackwardKv, Some(dp)) if !self.wg => self.hkv * mma_kv_split(dp),
+            (Pass::BackwardKv, _) => self.hkv,
+            _ => self.hq,
+        };
         args.extend([
             Arg::I32(self.t as i32),
             Arg::I32(self.hq as i32),
@@ -730,7 +769,7 @@ mod tests {
     }
 
     #[test]
-    fn sixteen_bit_heads_of_17_to_128_run_on_tensor_cores() {
+    fn heads_of_17_to_256_run_on_tensor_cores() {
         // W1-bf16: 32 heads of 100 → the d112 variant, 128 rows per forward block.
         let t = |dtype, shape: &[usize], p| dev(dtype, shape, p);
         let q = t(DType::BF16, &[1, 2048, 32, 100], at(1));
@@ -763,9 +802,23 @@ mod tests {
         assert_eq!(ptrs(kv), vec![1, 2, 3, 4, 5, 6, 7, 11, 9, 10, 0]);
         assert_eq!(kv.args.len(), 18);
 
-        // Outside 17..=128, and for f32/f64, the CUDA-core kernels.
-        for (dtype, d) in [(DType::BF16, 16), (DType::BF16, 129), (DType::F32, 1), (DType::F64, 100)] {
+        // Outside 17..=128 (17..=256 for 16-bit storage), and for f64, the CUDA-core kernels.
+        for (dtype, d) in [(DType::BF16, 16), (DType::F32, 129), (DType::F32, 1), (DType::F64, 100)] {
             assert_eq!(mma_width(&Switches::default(), dtype, d), None);
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            for d in 129..=256 {
+                assert_eq!(mma_width(&Switches::default(), dtype, d), Some(256));
+            }
+            assert_eq!(mma_width(&Switches::default(), dtype, 257), None);
+            for pass in [Pass::Forward, Pass::BackwardKv, Pass::BackwardQ] {
+                assert_eq!(mma_rows(pass, dtype, 256), 64);
+                // One block of four warps per SM in the backward, two in the forward.
+                let limit = if pass == Pass::Forward { 113 } else { 227 };
+                assert!(mma_shared_bytes(pass, dtype, 256) <= limit * 1024, "{dtype} {pass:?}");
+            }
+            assert!(mma_module(dtype, 256, false).ends_with(dtype_suffix(dtype).unwrap()));
+            assert!(!wgmma_attention(Target { sm90a: true, ..Target::default() }, dtype, 256));
         }
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             for d in 17..=128 {
@@ -793,6 +846,43 @@ mod tests {
         let k = kernel(&l[0]);
         assert_eq!((k.module, k.function.as_str()), ("attention_mma_d112_f32", "attention_mma_fwd_d112_f32"));
         assert_eq!(k.shared_bytes as usize, (64 + 2 * 32) * 116 * 4);
+    }
+
+    #[test]
+    fn gemma_heads_of_256_run_on_tensor_cores_with_the_key_side_split() {
+        // Gemma-3-1B: 4 query heads on one kv head of 256, 1 × 8192, bf16,
+        // on an sm_90 device (no warpgroup kernel at 256: mma.sync).
+        let hopper = Target { sm90a: true, ..Target::default() };
+        let x = |h: usize, p| dev(DType::BF16, &[1, 8192, h, 256], at(p));
+        let lse = dev(DType::F32, &[1, 4, 8192], at(5));
+        let fwd = crate::ops::lower_for(
+            &Op::from(Attention::causal(0.0625)),
+            &[x(4, 1), x(1, 2), x(1, 3)],
+            &[x(4, 4), lse.clone()],
+            None,
+            hopper,
+        )
+        .unwrap();
+        let f = kernel(&fwd[0]);
+        assert_eq!((f.module, f.function.as_str()), ("attention_mma_d256_bf16", "attention_mma_fwd_d256_bf16"));
+        assert_eq!((f.grid, f.block), ((128, 4, 1), (128, 1, 1)));
+        assert_eq!(f.shared_bytes as usize, (64 + 2 * 2 * 32) * 264 * 2);
+        let bwd = AttentionBackward { scale: 0.0625, scores: Scores::default(), documents: false };
+        let ins = [x(4, 1), x(1, 2), x(1, 3), x(4, 4), lse.clone(), x(4, 6)];
+        let outs = [x(4, 8), x(1, 9), x(1, 10), dev(DType::F32, &[1, 4, 8192], at(11))];
+        let l = crate::ops::lower_for(&Op::from(bwd), &ins, &outs, None, hopper).unwrap();
+        let (q, kv) = (kernel(&l[0]), kernel(&l[1]));
+        assert_eq!((q.function.as_str(), q.grid), ("attention_mma_bwd_q_d256_bf16", (128, 4, 1)));
+        assert_eq!(q.shared_bytes as usize, (2 * 64 + 2 * 2 * 32) * 264 * 2 + 2 * 64 * 4);
+        // Two blocks per key tile of the one kv head, each owning 128 columns of gk and gv.
+        assert_eq!((kv.function.as_str(), kv.grid), ("attention_mma_bwd_kv_d256_bf16", (128, 2, 1)));
+        assert_eq!(kv.shared_bytes as usize, (2 * 64 + 2 * 2 * 32) * 264 * 2 + 2 * 32 * 4);
+        // f32 at 256 stays on the CUDA-core kernels.
+        let y = |h: usize, p| dev(DType::F32, &[1, 64, h, 256], at(p));
+        let small_lse = dev(DType::F32, &[1, 4, 64], at(5));
+        let l =
+            lower(&Op::from(Attention::causal(0.0625)), &[y(4, 1), y(1, 2), y(1, 3)], &[y(4, 4), small_lse]).unwrap();
+        assert_eq!(kernel(&l[0]).function, "attention_fwd_d256_f32");
     }
 
     #[test]
