@@ -385,6 +385,8 @@ const NAMED: &[Named] = &[
     Named { name: "gemma-3-4b", hf_repo: Some("google/gemma-3-4b-pt"), build: gemma_3_4b },
     Named { name: "gemma-3-12b", hf_repo: Some("google/gemma-3-12b-pt"), build: gemma_3_12b },
     Named { name: "gemma-3-27b", hf_repo: Some("google/gemma-3-27b-pt"), build: gemma_3_27b },
+    Named { name: "OLMo-2-0425-1B", hf_repo: Some("allenai/OLMo-2-0425-1B"), build: olmo_2_1b },
+    Named { name: "OLMo-2-1124-7B", hf_repo: Some("allenai/OLMo-2-1124-7B"), build: olmo_2_7b },
     Named { name: "Llama-3.2-1B", hf_repo: Some("meta-llama/Llama-3.2-1B"), build: llama_3_2_1b },
     Named { name: "Llama-3.2-3B", hf_repo: Some("meta-llama/Llama-3.2-3B"), build: llama_3_2_3b },
     Named { name: "Llama-3.1-8B", hf_repo: Some("meta-llama/Llama-3.1-8B"), build: llama_3_1_8b },
@@ -968,6 +970,35 @@ fn phi_4_mini() -> Config {
     }
 }
 
+/// OLMo 2: the Llama layout with RMSNorms over all of q and of k before
+/// RoPE and norms after the attention and the MLP (not before), a
+/// 100352-token vocabulary, RoPE base 500000.
+fn olmo_2(name: &str, n_layer: usize, n_embd: usize, n_head: usize, intermediate_size: usize) -> Config {
+    Config {
+        vocab_size: 100352,
+        padded_vocab_size: 100352,
+        n_layer,
+        n_embd,
+        n_head,
+        n_query_groups: n_head,
+        head_size: n_embd / n_head,
+        intermediate_size,
+        norm_eps: 1e-6,
+        rope_base: 500000.0,
+        qk_norm: QkNorm::Whole,
+        post_norms: true,
+        ..llama_base(name)
+    }
+}
+
+fn olmo_2_1b() -> Config {
+    olmo_2("OLMo-2-0425-1B", 16, 2048, 16, 8192)
+}
+
+fn olmo_2_7b() -> Config {
+    olmo_2("OLMo-2-1124-7B", 32, 4096, 32, 11008)
+}
+
 /// Llama 3.1's RoPE: base 500000, frequencies rescaled for a context
 /// `factor` times the 8192 positions it was trained on.
 fn llama_3_1_rope(factor: f64) -> Option<RopeScaling> {
@@ -1232,6 +1263,7 @@ impl Config {
     /// `Qwen2.5-7B`, `Mistral-7B-v0.1`, `Qwen2.5-0.5B`, `Qwen2.5-1.5B`,
     /// `Qwen2.5-3B`, `Llama-3.2-1B`, `Llama-3.2-3B`, `Llama-3.1-8B`,
     /// `gemma-2-2b` to `gemma-2-27b`, `gemma-3-1b` to `gemma-3-27b`,
+    /// `OLMo-2-0425-1B`, `OLMo-2-1124-7B`,
     /// `tiny-llama-1.1b`, `pythia-14m`, `pythia-160m`, and the instruction
     /// and chat releases of these), a Hugging Face repo id such as
     /// `Qwen/Qwen2.5-7B`, or one of the small configs `tiny-llama`,
@@ -1670,7 +1702,7 @@ pub(crate) mod tests {
     #[test]
     fn param_counts_match_the_real_models() {
         // The counts the models' own releases give (safetensors metadata).
-        let expected: [(&str, u64); 29] = [
+        let expected: [(&str, u64); 31] = [
             ("open_llama_3b", 3_426_473_600),
             ("Llama-2-7b-hf", 6_738_415_616),
             ("Meta-Llama-3-8B", 8_030_261_248),
@@ -1703,6 +1735,8 @@ pub(crate) mod tests {
             ("gemma-2-9b", 9_241_705_984),
             ("gemma-2-27b", 27_227_128_320),
             ("gemma-3-1b", 999_885_952),
+            ("OLMo-2-0425-1B", 1_484_916_736),
+            ("OLMo-2-1124-7B", 7_298_617_344),
         ];
         for (name, count) in expected {
             assert_eq!(named(name).param_count(), count, "{name}");
