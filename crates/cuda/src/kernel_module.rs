@@ -7,8 +7,8 @@
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
 /// One kernel module: its name (what [`crate::launch::KernelLaunch::module`]
-/// names), its source and the `#define`s prepended for a variant (empty for
-/// a plain source).
+/// names), its source and the text prepended to it: a variant's `#define`s,
+/// or a header the module shares with others (empty for a plain source).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct KernelModule {
     pub name: &'static str,
@@ -25,6 +25,12 @@ impl KernelModule {
     /// A plain source compiled as it is.
     pub const fn plain(name: &'static str, source: &'static str) -> Self {
         KernelModule { name, source, defines: "", arch_specific: false }
+    }
+
+    /// A source with a shared header (such as `kernels/activation.cuh`)
+    /// before it.
+    pub const fn with_header(name: &'static str, header: &'static str, source: &'static str) -> Self {
+        KernelModule { name, source, defines: header, arch_specific: false }
     }
 
     /// The full text NVRTC compiles: the shared header, the defines, the source.

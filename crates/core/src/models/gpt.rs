@@ -35,6 +35,7 @@ use crate::autodiff::{ROUTER_AUX_LOSS_OUTPUT, ROUTER_Z_LOSS_OUTPUT, STEP_INPUT};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId, MAX_VALUE_BYTES};
 use crate::ops::attention::Scores;
+use crate::ops::glu::GateFn;
 use crate::ops::linear_ce::{default_chunk, LinearCrossEntropy, Reduction};
 use crate::ops::nf4::Nf4Weight;
 use crate::ops::reduce::ReduceKind;
@@ -865,9 +866,9 @@ impl<'a> Gpt<'a> {
                 let [gate, up] = self.projections(x, &format!("{prefix}.gate_up_proj"), &parts, c, bias)?[..] else {
                     unreachable!("two parts give two projections")
                 };
-                let f = if approximate_tanh { UnaryFn::GeluTanh } else { UnaryFn::GeluErf };
-                let g = self.b.unary(f, gate)?;
-                let h = self.b.mul(g, up)?;
+                // One op, so backward keeps gate and up but not gelu(gate).
+                let f = if approximate_tanh { GateFn::GeluTanh } else { GateFn::GeluErf };
+                let h = self.b.glu(f, gate, up)?;
                 linear(self, h, "down_proj", i, c)
             }
             MlpKind::Gelu { approximate_tanh } => {

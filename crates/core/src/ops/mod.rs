@@ -26,6 +26,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod glu;
 pub mod kernel;
 pub mod linear_ce;
 pub mod loss;
@@ -40,7 +41,6 @@ pub mod reduce;
 pub mod rope;
 pub mod sample;
 pub mod softmax;
-pub mod swiglu;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -341,8 +341,8 @@ macro_rules! for_each_op {
             CrossEntropyBackward($crate::ops::loss::CrossEntropyBackward),
             LinearCrossEntropy($crate::ops::linear_ce::LinearCrossEntropy),
             LinearCrossEntropyBackward($crate::ops::linear_ce::LinearCrossEntropyBackward),
-            SwiGlu($crate::ops::swiglu::SwiGlu),
-            SwiGluBackward($crate::ops::swiglu::SwiGluBackward),
+            Glu($crate::ops::glu::Glu),
+            GluBackward($crate::ops::glu::GluBackward),
             // Mixture-of-experts routing and grouped products.
             TopK($crate::ops::moe::TopK),
             TopKBackward($crate::ops::moe::TopKBackward),

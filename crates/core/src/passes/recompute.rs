@@ -104,7 +104,7 @@ pub fn cost_class(op: &Op) -> Option<CostClass> {
         | Op::Slice(_)
         | Op::Concat(_)
         | Op::Rope(_)
-        | Op::SwiGlu(_)
+        | Op::Glu(_)
         | Op::Dropout(_)
         // Reads half a byte per element and writes the float weight: the
         // float weight of a frozen NF4 layer is recomputed, not kept.
@@ -137,7 +137,7 @@ pub fn node_flops(trace: &Trace, n: NodeId) -> u64 {
         }
         op if op.view_of().is_some() => 0,
         Op::RmsNorm(_) | Op::LayerNorm(_) | Op::Softmax(_) => out_elems.saturating_mul(8),
-        Op::SwiGlu(_) | Op::Rope(_) | Op::Unary(_) => out_elems.saturating_mul(6),
+        Op::Glu(_) | Op::Rope(_) | Op::Unary(_) => out_elems.saturating_mul(6),
         _ => out_elems,
     }
 }

@@ -16,8 +16,12 @@ use crate::kernel_args::{kernel_args, kernel_struct};
 use crate::kernel_module::KernelModule;
 use crate::launch::{Arg, Launch};
 
+/// The unary maps' math (`eval`, `derivative`), shared with the gated
+/// activations' module ([`super::glu`]).
+pub(crate) const ACTIVATION_CUH: &str = include_str!("../../kernels/activation.cuh");
+
 const ELEMENTWISE: &[KernelModule] =
-    &[KernelModule::plain("elementwise", include_str!("../../kernels/elementwise.cu"))];
+    &[KernelModule::with_header("elementwise", ACTIVATION_CUH, include_str!("../../kernels/elementwise.cu"))];
 
 impl Lower for stepgraph_core::ops::matmul::SplitTf32 {
     const KERNELS: &'static [KernelModule] = ELEMENTWISE;

@@ -27,6 +27,7 @@ pub mod decode;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod glu;
 pub mod linear_ce;
 pub mod loss;
 pub mod matmul;
@@ -39,7 +40,6 @@ pub mod optim;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
-pub mod swiglu;
 mod util;
 
 #[cfg(test)]
