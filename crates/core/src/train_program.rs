@@ -90,9 +90,29 @@ pub fn with_validation(step: &CompiledStep, opts: PlanOptions) -> Result<TrainPr
 /// as `step_plan`) into one program planned with `opts`, its frozen tables
 /// in host memory where `step_plan` keeps them there (see the module doc).
 /// Every weight `eval` reads must be a leaf of `step` of the same kind and
-/// type, and `eval` may hold no optimizer state.
+/// type, and `eval` may hold no optimizer state. Weights the step keeps in
+/// host memory (the offload pass) come to the device for the evaluation's
+/// reads as they do for forward's, one ahead.
 pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts: PlanOptions) -> Result<TrainProgram> {
     let refuse = |reason: String| Error::Plan(format!("joining the evaluation forward to the training step: {reason}"));
+    let on_host = crate::plan::host_states(step);
+    let hosted: std::collections::HashSet<ValueId> = eval
+        .leaves()
+        .filter(|&v| {
+            matches!(eval.value(v).kind, ValueKind::Param { .. } | ValueKind::Frozen { .. })
+                && (eval.value(v).kind.leaf_name())
+                    .and_then(|name| step.leaf_by_name(name))
+                    .is_some_and(|own| on_host[own.index()])
+        })
+        .collect();
+    let copied;
+    let eval = match hosted.is_empty() {
+        true => eval,
+        false => {
+            copied = crate::passes::offload::rewrite(eval, &hosted)?.0;
+            &copied
+        }
+    };
     let mut b = Builder::new(step.name.clone());
     let mut step_map = b.copy_leaves(step)?;
     let mut eval_map: Vec<Option<ValueId>> = vec![None; eval.values.len()];
@@ -246,6 +266,57 @@ mod tests {
             s.run_nodes(p.eval.clone()).unwrap();
         }
         Session::read(s, p.eval_loss).unwrap().to_f64()[0]
+    }
+
+    /// A step whose weights wait in host memory (the least budget of a
+    /// short row): the evaluation reads them through copies of its own, the
+    /// joint plan keeps them on the host, and both segments compute what
+    /// the program whose weights stay on the device computes, bit for bit.
+    #[test]
+    fn weights_in_host_memory_come_to_the_device_for_the_evaluation_too() {
+        use crate::passes::recompute::RecomputePolicy;
+        use crate::plan::Region;
+        let spec = tiny(2);
+        let train = StepOptions::new(StepKind::Train);
+        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..train.clone() }) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let offloaded =
+            compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
+        assert!(offloaded.passes.offload.as_ref().is_some_and(|r| r.weights > 0));
+        let kept = compile_step(&spec, &StepOptions { mlp_tiles: offloaded.recompute().mlp_tiles, ..train }).unwrap();
+        let programs: Vec<(CompiledStep, TrainProgram)> = [offloaded, kept]
+            .into_iter()
+            .map(|c| {
+                let eval = evaluation_step(&c).unwrap();
+                let p = with_evaluation(&c.step, &c.plan, &eval.step, PlanOptions::default()).unwrap();
+                (c, p)
+            })
+            .collect();
+        let p = &programs[0].1;
+        let hosted: Vec<ValueId> = p.trace.weights().filter(|&w| p.plan.slot(w).region == Region::Host).collect();
+        assert!(!hosted.is_empty());
+        for &w in &hosted {
+            // Read by copies alone, the evaluation's among them.
+            let readers: Vec<usize> =
+                (0..p.trace.nodes.len()).filter(|&k| p.trace.nodes[k].inputs.contains(&w)).collect();
+            assert!(readers.iter().all(|&k| matches!(p.trace.nodes[k].op, crate::ops::Op::HostCopy(_))));
+            assert!(readers.iter().any(|k| p.eval.contains(k)), "{}", p.trace.describe(w));
+        }
+        let held_out = random_batch(&spec, 100);
+        let run = |(c, p): &(CompiledStep, TrainProgram)| {
+            let joint = CompiledStep { step: p.trace.clone(), plan: p.plan.clone(), ..c.clone() };
+            let mut s = seeded_session(&joint, 7);
+            let mut bits = Vec::new();
+            for it in 1..=3 {
+                train_segment(&mut s, p, &random_batch(&spec, it as u64), it, it > 1);
+                bits.push(s.loss().unwrap().to_bits());
+                bits.push(eval_segment(&mut s, p, &held_out, it > 1).to_bits());
+            }
+            bits
+        };
+        assert_eq!(run(&programs[0]), run(&programs[1]));
     }
 
     #[test]

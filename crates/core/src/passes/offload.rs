@@ -35,8 +35,20 @@
 //! for its copies, so the bus sets the optimizer's time; with the updates
 //! in backward, the copies overlap backward's products.
 //!
-//! Bytes move twice per offloaded value and step (out and back): the
-//! report gives that traffic, and the host bytes the plan holds.
+//! Weights are candidates last (parameters, and frozen weights under
+//! adapters): such a weight lives in host memory and is copied to the
+//! device twice per step, one offloaded weight ahead of forward's first
+//! read of it and again ahead of backward's, so a layer's weights are on
+//! the device only while forward or backward is in that layer; a
+//! parameter's update runs on the backward copy, and its new value goes
+//! back over its host bytes as a state's does. Views of a weight (a fused
+//! projection's parts) are made again on each copy.
+//!
+//! Bytes move twice per offloaded value and step (out and back; a frozen
+//! weight in twice), three times per offloaded parameter (in twice, out
+//! once): the report gives that traffic, and the host bytes the plan
+//! holds. Kinds that move fewer bytes per byte saved go first: values and
+//! states before weights.
 //!
 //! **Invariant:** the transformed step computes the same values as the
 //! original, bit for bit: a copy moves bytes and nothing else.
@@ -47,16 +59,17 @@ use serde::Serialize;
 
 use super::{Pass, PassContext};
 use crate::error::{Error, Result};
-use crate::ir::{Builder, Phase, Trace, ValueId};
+use crate::ir::{Builder, Phase, Trace, ValueId, ValueKind};
 use crate::plan::Region;
 
 /// What the pass moved.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct OffloadReport {
-    /// Values copied to the host and back, each once per step (the
-    /// optimizer states among them).
+    /// Values kept in host memory (the optimizer states and weights among
+    /// them).
     pub values: usize,
     pub states: usize,
+    pub weights: usize,
     /// Bytes copied per step, both directions together.
     pub bytes_moved: u64,
     /// The planned peak (device) before and after.
@@ -75,9 +88,10 @@ impl std::fmt::Display for OffloadReport {
         }
         writeln!(
             f,
-            "offload: {} values ({} of them optimizer states) to page-locked host memory and back, {:.3} GB copied per step; planned peak {} -> {} B, host {} B",
+            "offload: {} values ({} of them optimizer states, {} weights) to page-locked host memory and back, {:.3} GB copied per step; planned peak {} -> {} B, host {} B",
             self.values,
             self.states,
+            self.weights,
             self.bytes_moved as f64 / 1e9,
             self.planned_peak_before,
             self.planned_peak_after,
@@ -91,62 +105,54 @@ impl std::fmt::Display for OffloadReport {
 }
 
 /// Rewrites `step` so that each value of `offloaded` (forward values that
-/// backward reads, never leaves) waits on the host between forward and
-/// backward (see the module doc). Returns the new step and, for each node
-/// of `step`, its index in the new one.
+/// backward reads, never leaves; optimizer states; weights) waits on the
+/// host (see the module doc). Returns the new step and, for each node of
+/// `step`, its index in the new one.
 pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec<usize>)> {
-    // Backward's first read of each offloaded value, directly or through a view.
-    let mut first_read: HashMap<ValueId, usize> = HashMap::new();
-    for (pos, node) in step.nodes.iter().enumerate().filter(|(_, n)| n.phase != Phase::Forward) {
-        for &i in &node.inputs {
-            let root = storage_root(step, i);
-            if offloaded.contains(&root) {
-                first_read.entry(root).or_insert(pos);
-            }
-        }
-    }
+    // Forward reads a weight through its forward copy; everything after
+    // forward reads an offloaded value through its backward copy.
+    let weights: HashSet<ValueId> = offloaded.iter().copied().filter(|&v| is_weight(step, v)).collect();
+    let forward_first = first_reads(step, true, &weights);
+    let backward_first = first_reads(step, false, offloaded);
     let backward_start = step.nodes.iter().position(|n| n.phase != Phase::Forward).unwrap_or(step.nodes.len());
-    let mut order: Vec<(usize, ValueId)> = first_read.iter().map(|(&v, &p)| (p, v)).collect();
-    order.sort();
-    // One ahead: each value comes back when backward first reads the one
-    // before it, the first at the start of backward; never before it was
-    // written and went out.
-    let mut reload_at: HashMap<usize, Vec<ValueId>> = HashMap::new();
-    for (k, &(_, v)) in order.iter().enumerate() {
-        let ahead = if k == 0 { backward_start } else { order[k - 1].0 };
-        let written = step.producer(v).map_or(0, |p| p.index() + 1);
-        reload_at.entry(ahead.max(written)).or_default().push(v);
-    }
+    let forward_reload = one_ahead(step, &forward_first, 0);
+    let backward_reload = one_ahead(step, &backward_first, backward_start);
 
-    // The new value of each offloaded state, and the state.
+    // The new value of each offloaded state or parameter, and the leaf.
     let updated_state: HashMap<ValueId, ValueId> = step
         .updates
         .iter()
-        .filter(|u| offloaded.contains(&u.state) && first_read.contains_key(&u.state))
+        .filter(|u| offloaded.contains(&u.state) && backward_first.contains_key(&u.state))
         .map(|u| (u.new, u.state))
         .collect();
     let mut b = Builder::new(step.name.clone());
     let mut map = b.copy_leaves(step)?;
     let mut on_host: HashMap<ValueId, ValueId> = HashMap::new();
-    // Original value -> what backward reads for it: the copy back of an
-    // offloaded value, and views of it made again on that copy.
-    let mut back: HashMap<ValueId, ValueId> = HashMap::new();
+    // Original value -> what forward (for weights) and what backward read
+    // for it: the copy of an offloaded value, and views of it made again on
+    // that copy.
+    let (mut forward_copy, mut back): (HashMap<ValueId, ValueId>, HashMap<ValueId, ValueId>) = Default::default();
     let mut moved = Vec::with_capacity(step.nodes.len());
     for (pos, node) in step.nodes.iter().enumerate() {
         b.set_phase(node.phase);
-        for &v in reload_at.get(&pos).into_iter().flatten() {
-            // A state is its own host copy; a forward value was copied out.
+        for &v in forward_reload.get(&pos).into_iter().flatten() {
+            forward_copy.insert(v, b.host_copy(map[v.index()].expect("leaves are copied first"), false)?);
+        }
+        for &v in backward_reload.get(&pos).into_iter().flatten() {
+            // A leaf is its own host copy; a forward value was copied out.
             let src = match step.value(v).kind.is_leaf() {
                 true => map[v.index()].expect("leaves are copied first"),
                 false => on_host[&v],
             };
             back.insert(v, b.host_copy(src, false)?);
         }
+        let forward = node.phase == Phase::Forward;
+        let (reads, copies) = if forward { (&weights, &mut forward_copy) } else { (offloaded, &mut back) };
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for &i in &node.inputs {
-            let read = match node.phase {
-                Phase::Forward => map[i.index()].expect("defined before use"),
-                _ => reread(step, i, offloaded, &mut b, &map, &mut back)?,
+            let read = match forward && !weights.contains(&storage_root(step, i)) {
+                true => map[i.index()].expect("defined before use"),
+                false => reread(step, i, reads, &mut b, &map, copies)?,
             };
             inputs.push(read);
         }
@@ -154,10 +160,14 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
         let outs = b.push(node.op.clone(), &inputs)?;
         for (&o, n) in node.outputs.iter().zip(outs) {
             map[o.index()] = Some(n);
-            if offloaded.contains(&o) && first_read.contains_key(&o) {
+            // A view of a copy, made here, serves the later readers too.
+            if node.op.view_of().is_some() && reads.contains(&storage_root(step, o)) {
+                copies.insert(o, n);
+            }
+            if offloaded.contains(&o) && backward_first.contains_key(&o) {
                 on_host.insert(o, b.host_copy(n, true)?);
             }
-            // An offloaded state's new value goes back over its host bytes.
+            // An offloaded state's (or parameter's) new value goes back over its host bytes.
             if let Some(&state) = updated_state.get(&o) {
                 let into = b.host_copy_into(map[state.index()].expect("leaves are copied first"), n)?;
                 map[o.index()] = Some(into);
@@ -165,6 +175,40 @@ pub fn rewrite(step: &Trace, offloaded: &HashSet<ValueId>) -> Result<(Trace, Vec
         }
     }
     Ok((b.finish_rewrite(step, &map, "offload")?, moved))
+}
+
+/// Whether `v` is a weight: a parameter or a frozen weight.
+fn is_weight(step: &Trace, v: ValueId) -> bool {
+    matches!(step.value(v).kind, ValueKind::Param { .. } | ValueKind::Frozen { .. })
+}
+
+/// The first read of each value of `of`, directly or through a view, by a
+/// forward node (`forward`) or by a node after forward.
+fn first_reads(step: &Trace, forward: bool, of: &HashSet<ValueId>) -> HashMap<ValueId, usize> {
+    let mut first: HashMap<ValueId, usize> = HashMap::new();
+    for (pos, node) in step.nodes.iter().enumerate().filter(|(_, n)| (n.phase == Phase::Forward) == forward) {
+        for &i in &node.inputs {
+            let root = storage_root(step, i);
+            if of.contains(&root) {
+                first.entry(root).or_insert(pos);
+            }
+        }
+    }
+    first
+}
+
+/// Where each value comes back, one ahead: when the one read before it is
+/// first read, the first at `start`; never before it was written.
+fn one_ahead(step: &Trace, first: &HashMap<ValueId, usize>, start: usize) -> HashMap<usize, Vec<ValueId>> {
+    let mut order: Vec<(usize, ValueId)> = first.iter().map(|(&v, &p)| (p, v)).collect();
+    order.sort();
+    let mut reload_at: HashMap<usize, Vec<ValueId>> = HashMap::new();
+    for (k, &(_, v)) in order.iter().enumerate() {
+        let ahead = if k == 0 { start } else { order[k - 1].0 };
+        let written = step.producer(v).map_or(0, |p| p.index() + 1);
+        reload_at.entry(ahead.max(written)).or_default().push(v);
+    }
+    reload_at
 }
 
 /// The value whose bytes `v` is: `v`, or the source of the views it is made by.
@@ -215,8 +259,10 @@ fn reread(
 
 /// Values of `step` the pass may offload: written by a forward node that
 /// is not a view, read by backward (directly or through views), no step
-/// output and no update; and optimizer states that only backward or the
-/// optimizer read, whose new value nothing reads.
+/// output and no update; optimizer states that only backward or the
+/// optimizer read, whose new value nothing reads; and weights that some
+/// node reads, a parameter's new value read by nothing and written after
+/// forward.
 fn candidates(step: &Trace) -> Vec<ValueId> {
     let mut read_forward: HashSet<ValueId> = HashSet::new();
     let mut read: HashSet<ValueId> = HashSet::new();
@@ -226,16 +272,36 @@ fn candidates(step: &Trace) -> Vec<ValueId> {
             read_forward.extend(node.inputs.iter().copied());
         }
     }
+    let update_runs_after_forward = |u: &crate::ir::Update| {
+        !read.contains(&u.new) && step.producer(u.new).is_some_and(|p| step.node(p).phase != Phase::Forward)
+    };
     let states = step.updates.iter().filter(|u| {
-        matches!(step.value(u.state).kind, crate::ir::ValueKind::State { .. })
+        matches!(step.value(u.state).kind, ValueKind::State { .. })
             && read.contains(&u.state)
             && !read_forward.contains(&u.state)
-            && !read.contains(&u.new)
-            && step.producer(u.new).is_some_and(|p| step.node(p).phase != Phase::Forward)
+            && update_runs_after_forward(u)
     });
     let mut all: Vec<ValueId> = states.map(|u| u.state).collect();
     all.extend(forward_candidates(step));
+    let outputs: HashSet<ValueId> = step.outputs.iter().map(|o| storage_root(step, o.value)).collect();
+    all.extend(step.leaves().filter(|&v| {
+        is_weight(step, v)
+            && read.contains(&v)
+            && step.ty(v).bytes() > 0
+            && !outputs.contains(&v)
+            && step.updates.iter().filter(|u| u.state == v).all(update_runs_after_forward)
+    }));
     all
+}
+
+/// Bytes copied per step for each byte of `v` kept in host memory: out and
+/// back for a forward value or a state, in twice for a frozen weight, in
+/// twice and out once for a parameter.
+fn copies_per_step(step: &Trace, v: ValueId) -> u64 {
+    match step.value(v).kind {
+        ValueKind::Param { .. } => 3,
+        _ => 2,
+    }
 }
 
 /// The forward values among [`candidates`].
@@ -262,13 +328,24 @@ fn forward_candidates(step: &Trace) -> Vec<ValueId> {
 }
 
 /// Op and type: what makes two layers' values "the same"; for a state,
-/// its kind (`exp_avg`, ...) and type.
+/// its kind (`exp_avg`, ...) and type; for a weight, its module and name
+/// within the layer (`mlp.down_proj.weight`) and type.
 fn kind(step: &Trace, v: ValueId) -> String {
     match step.producer(v) {
         Some(p) => format!("{} -> {}", step.node(p).op.name(), step.ty(v)),
         None => {
             let name = step.value(v).kind.leaf_name().unwrap_or_default();
-            format!("state {} -> {}", name.rsplit('.').next().unwrap_or(name), step.ty(v))
+            let mut parts = name.rsplit('.');
+            match step.value(v).kind {
+                ValueKind::State { .. } => format!("state {} -> {}", parts.next().unwrap_or(name), step.ty(v)),
+                _ => {
+                    // The last three name parts: `self_attn.q_proj.weight`, and for
+                    // one-off weights (`model.embed_tokens.weight`) the whole.
+                    let tail: Vec<&str> = parts.by_ref().take(3).collect();
+                    let within = tail.into_iter().rev().collect::<Vec<_>>().join(".");
+                    format!("weight {within} -> {}", step.ty(v))
+                }
+            }
         }
     }
 }
@@ -297,7 +374,9 @@ impl Pass for Offload {
             return Ok(step.clone());
         }
         cx.refuse_segments(self.name())?;
-        let all = candidates(step);
+        // Frozen tables the plan already keeps in host memory stay there.
+        let all: Vec<ValueId> =
+            candidates(step).into_iter().filter(|&v| base_plan.slot(v).region != Region::Host).collect();
         let mut chosen: HashSet<ValueId> = HashSet::new();
         let mut rejected: HashSet<String> = HashSet::new();
         let mut current = (step.clone(), base_plan, (0..step.nodes.len()).collect::<Vec<usize>>());
@@ -329,8 +408,11 @@ impl Pass for Offload {
                 e.0 += step.ty(v).bytes();
                 e.1.push(v);
             }
-            let Some((key, (_, mut same))) =
-                by_kind.into_iter().max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(&a.0)))
+            // Fewest copies per byte saved first, then the most bytes at the peak.
+            let cost = |same: &[ValueId]| copies_per_step(step, same[0]);
+            let Some((key, (_, mut same))) = by_kind
+                .into_iter()
+                .max_by(|a, b| cost(&b.1 .1).cmp(&cost(&a.1 .1)).then(a.1 .0.cmp(&b.1 .0)).then_with(|| b.0.cmp(&a.0)))
             else {
                 return Err(Error::MemoryBudget {
                     budget,
@@ -339,7 +421,8 @@ impl Pass for Offload {
                     hint: None,
                 });
             };
-            same.sort_by_key(|&v| step.producer(v));
+            // Forward values by producer; leaves in trace order.
+            same.sort_by_key(|&v| (step.producer(v), v));
             let previous = chosen.clone();
             chosen.extend(same.iter().take(same.len().div_ceil(2)).copied());
             let (new, new_moved) = rewrite(step, &chosen)?;
@@ -370,8 +453,9 @@ impl Pass for Offload {
         }
         cx.report.offload = Some(OffloadReport {
             values: chosen.len(),
-            states: chosen.iter().filter(|&&v| step.value(v).kind.is_leaf()).count(),
-            bytes_moved: 2 * chosen.iter().map(|&v| step.ty(v).bytes()).sum::<u64>(),
+            states: chosen.iter().filter(|&&v| matches!(step.value(v).kind, ValueKind::State { .. })).count(),
+            weights: chosen.iter().filter(|&&v| is_weight(step, v)).count(),
+            bytes_moved: chosen.iter().map(|&v| copies_per_step(step, v) * step.ty(v).bytes()).sum::<u64>(),
             planned_peak_before: before,
             planned_peak_after: p.planned_peak_bytes(),
             host_bytes: p.host_bytes,
@@ -442,7 +526,9 @@ mod tests {
         let copies = |to_host: bool| {
             c.step.nodes.iter().filter(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if h.to_host == to_host)).count()
         };
-        assert_eq!((copies(true), copies(false)), (r.values, r.values));
+        // Out once and back once per value, into nothing (no update in a
+        // gradient step); a weight comes in for forward and for backward.
+        assert_eq!((copies(true), copies(false)), (r.values - r.weights, r.values + r.weights));
         // The recomputation's report names nodes of the offloaded step.
         assert!(!c.recompute().recomputed.is_empty());
         for n in &c.recompute().recomputed {
@@ -520,8 +606,9 @@ mod tests {
             compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
         let r = c.passes.offload.as_ref().unwrap();
         assert!(r.states > 0, "{r}");
-        let states: Vec<ValueId> =
-            c.step.updates.iter().map(|u| u.state).filter(|&s| c.plan.slot(s).region == Region::Host).collect();
+        let states: Vec<ValueId> = (c.step.updates.iter().map(|u| u.state))
+            .filter(|&s| c.plan.slot(s).region == Region::Host && !is_weight(&c.step, s))
+            .collect();
         assert_eq!(states.len(), r.states);
         for &s in &states {
             // Read by its copy to the device, written back over by the copy of its new value.
@@ -568,6 +655,55 @@ mod tests {
         assert!(a == b, "an offloaded state trains otherwise");
     }
 
+    /// The least budget of a short row of a tiny model keeps weights in
+    /// host memory too: each comes to the device before forward's first
+    /// read and again before backward's, its update runs on the second
+    /// copy, and the new value goes back over its host bytes.
+    #[test]
+    fn weights_wait_in_host_memory_and_come_in_for_forward_and_for_backward() {
+        let spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
+        let train = StepOptions::new(StepKind::Train);
+        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..train.clone() }) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let c = compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train }).unwrap();
+        check_plan(&c.step, &c.plan).unwrap();
+        let r = c.passes.offload.as_ref().unwrap();
+        assert!(r.weights > 0 && r.states > 0, "{r}");
+        let t = &c.step;
+        let hosted: Vec<ValueId> = t.params().filter(|&w| c.plan.slot(w).region == Region::Host).collect();
+        assert_eq!(hosted.len(), r.weights);
+        for &w in &hosted {
+            let copies: Vec<(usize, &crate::ops::offload::HostCopy)> = (t.nodes.iter().enumerate())
+                .filter(|(_, n)| n.inputs.contains(&w))
+                .map(|(k, n)| match &n.op {
+                    crate::ops::Op::HostCopy(h) => (k, h),
+                    other => panic!("{} is read by {}", t.describe(w), other.name()),
+                })
+                .collect();
+            // In for forward, in for backward, and its new value back over it.
+            let ins: Vec<usize> = copies.iter().filter(|(_, h)| !h.to_host).map(|(k, _)| *k).collect();
+            assert_eq!(ins.len(), 2, "{}", t.describe(w));
+            assert_eq!(copies.iter().filter(|(_, h)| h.into_state).count(), 1);
+            let first_reader = |k: usize| {
+                let v = t.nodes[k].outputs[0];
+                t.nodes.iter().find(|n| n.inputs.contains(&v)).map(|n| n.phase).unwrap()
+            };
+            assert_eq!(first_reader(ins[0]), Phase::Forward);
+            assert_ne!(first_reader(ins[1]), Phase::Forward);
+            let u = t.updates.iter().find(|u| u.state == w).unwrap();
+            assert_eq!(c.plan.slot(u.new), c.plan.slot(w));
+        }
+        // Parameters are counted where they live, and so is their traffic.
+        let report = crate::plan::plan_report(t, &c.plan, 0);
+        let hosted_bytes: u64 = hosted.iter().map(|&w| t.ty(w).bytes()).sum();
+        assert_eq!(report.param_host_bytes, hosted_bytes);
+        assert_eq!(report.offloaded_weights, r.weights);
+        assert!(report.to_string().contains("weights, copied to the device for forward and again for backward"));
+        assert!(r.to_string().contains(&format!("{} weights", r.weights)));
+    }
+
     /// A step accumulating two micro-batches, every forward value that
     /// backward reads offloaded: the plan holds and the gradients are the
     /// kept step's, bit for bit.
@@ -611,7 +747,8 @@ mod tests {
         .unwrap();
         let t = &c.step;
         let pos = |v: ValueId| t.producer(v).unwrap().index();
-        let mut reloads: Vec<(usize, usize)> = Vec::new();
+        // Copies to the device for forward's reads (of weights) and for backward's.
+        let (mut forward, mut backward) = (Vec::<(usize, usize)>::new(), Vec::<(usize, usize)>::new());
         for (k, node) in t.nodes.iter().enumerate() {
             let crate::ops::Op::HostCopy(h) = &node.op else { continue };
             if h.to_host {
@@ -621,14 +758,21 @@ mod tests {
             } else {
                 let v = node.outputs[0];
                 let first = t.nodes.iter().position(|n| n.inputs.contains(&v)).expect("a reloaded value is read");
-                assert!(first > k && t.nodes[first].phase != Phase::Forward);
-                reloads.push((k, first));
+                assert!(first > k);
+                if t.nodes[first].phase == Phase::Forward {
+                    assert!(is_weight(t, node.inputs[0]), "only weights come to the device for forward");
+                    forward.push((k, first));
+                } else {
+                    backward.push((k, first));
+                }
             }
         }
-        assert!(reloads.len() > 1);
+        assert!(backward.len() > 1);
         // After the first, each comes back no later than the previous value's first reader.
-        for w in reloads.windows(2) {
-            assert!(w[1].0 <= w[0].1, "{reloads:?}");
+        for reloads in [forward, backward] {
+            for w in reloads.windows(2) {
+                assert!(w[1].0 <= w[0].1, "{reloads:?}");
+            }
         }
     }
 }

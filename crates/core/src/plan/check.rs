@@ -113,7 +113,7 @@ pub fn check_plan(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
             Region::Arena => !persistent,
             Region::Host => {
                 matches!(trace.values[v].kind, ValueKind::Frozen { .. })
-                    || (matches!(trace.values[v].kind, ValueKind::State { .. }) && host_state[v])
+                    || (trace.values[v].kind.is_leaf() && host_state[v])
                     || trace.producer(ValueId(v as u32)).is_some_and(|p| trace.node(p).op.output_on_host())
             }
         };

@@ -292,9 +292,9 @@ pub fn host_tables(trace: &Trace) -> Vec<bool> {
     host
 }
 
-/// Optimizer states the offload pass keeps in host memory: states that
-/// only copies read (to the device before their update, and as the
-/// storage the updated value is copied back into).
+/// Optimizer states and weights the offload pass keeps in host memory:
+/// leaves of those kinds that only copies read (to the device before they
+/// are read, and as the storage the updated value is copied back into).
 pub fn host_states(trace: &Trace) -> Vec<bool> {
     // Per value: read by a copy, read by anything else. A state nothing
     // reads stays where states live.
@@ -311,7 +311,11 @@ pub fn host_states(trace: &Trace) -> Vec<bool> {
         }
     }
     (trace.values.iter().enumerate())
-        .map(|(v, value)| matches!(value.kind, ValueKind::State { .. }) && by_copy[v] && !by_other[v])
+        .map(|(v, value)| {
+            matches!(value.kind, ValueKind::State { .. } | ValueKind::Param { .. } | ValueKind::Frozen { .. })
+                && by_copy[v]
+                && !by_other[v]
+        })
         .collect()
 }
 
@@ -471,18 +475,21 @@ pub fn plan(trace: &Trace, opts: PlanOptions) -> Result<MemoryPlan> {
         offloaded.iter().map(|&g| (groups[g].start, groups[g].end, groups[g].bytes)).collect();
     let offloaded_offsets =
         if opts.reuse { assign_offsets(&offloaded_intervals)? } else { assign_disjoint(&offloaded_intervals) };
-    let host_leaf_bytes = |frozen: bool| {
+    // Host leaves by what they are: frozen tables that embeddings read in
+    // place, optimizer states (weights that copies bring to the device are
+    // the rest).
+    let host_leaf_bytes = |wanted: fn(&ValueKind, bool) -> bool| {
         (groups.iter())
             .filter(|g| g.region == Region::Host)
-            .filter(|g| match trace.values[g.members[0].index()].kind {
-                ValueKind::Frozen { .. } => frozen,
-                ValueKind::State { .. } => !frozen,
-                _ => false,
+            .filter(|g| {
+                let v = g.members[0].index();
+                wanted(&trace.values[v].kind, host_state[v])
             })
             .map(|g| g.bytes)
             .sum::<u64>()
     };
-    let (host_table_bytes, host_state_bytes) = (host_leaf_bytes(true), host_leaf_bytes(false));
+    let host_table_bytes = host_leaf_bytes(|k, copied| matches!(k, ValueKind::Frozen { .. }) && !copied);
+    let host_state_bytes = host_leaf_bytes(|k, _| matches!(k, ValueKind::State { .. }));
     let base = align_up(tables);
     let mut host_bytes = tables;
     for (k, &g) in offloaded.iter().enumerate() {

@@ -30,6 +30,11 @@ pub struct PlanReport {
     /// Of `optimizer_state_bytes`, what the plan keeps in page-locked host
     /// memory (the offload pass).
     pub optimizer_state_host_bytes: u64,
+    /// Of `param_bytes` and of `frozen_bytes`, the weights the plan keeps
+    /// in page-locked host memory and copies to the device for forward and
+    /// for backward (the offload pass).
+    pub param_host_bytes: u64,
+    pub frozen_host_bytes: u64,
     pub persistent_bytes: u64,
     pub gradient_bytes: u64,
     pub saved_for_backward_bytes: u64,
@@ -49,6 +54,8 @@ pub struct PlanReport {
     /// Of `offloaded_values`, optimizer states kept in host memory and
     /// copied to the device around their update.
     pub offloaded_states: usize,
+    /// Of `offloaded_values`, weights kept in host memory.
+    pub offloaded_weights: usize,
     pub planned_peak_bytes: u64,
     pub floor_bytes: u64,
     /// `planned_peak_bytes / floor_bytes - 1`: what the placement loses to fragmentation.
@@ -90,9 +97,21 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         .collect();
     let floor = plan.floor_bytes();
     let copies: Vec<_> = trace.nodes.iter().filter(|n| matches!(n.op, crate::ops::Op::HostCopy(_))).collect();
-    let offloaded_values = copies.iter().filter(|n| n.op.output_on_host()).count();
-    let offloaded_states =
-        copies.iter().filter(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if h.into_state)).count();
+    // Forward values copied out (not into a leaf), and the leaves kept on the host.
+    let copied_out =
+        copies.iter().filter(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if h.to_host && !h.into_state)).count();
+    let host_leaves: Vec<&crate::ir::Value> = (super::host_states(trace).iter().enumerate())
+        .filter(|(_, &host)| host)
+        .map(|(v, _)| &trace.values[v])
+        .collect();
+    let host_leaf_bytes = |kind: fn(&ValueKind) -> bool| -> u64 {
+        host_leaves.iter().filter(|v| kind(&v.kind)).map(|v| v.ty.bytes()).fold(0, u64::saturating_add)
+    };
+    let param_host_bytes = host_leaf_bytes(|k| matches!(k, ValueKind::Param { .. }));
+    let frozen_host_bytes = host_leaf_bytes(|k| matches!(k, ValueKind::Frozen { .. }));
+    let offloaded_states = host_leaves.iter().filter(|v| matches!(v.kind, ValueKind::State { .. })).count();
+    let offloaded_weights = host_leaves.len() - offloaded_states;
+    let offloaded_values = copied_out + host_leaves.len();
     let copied_bytes_per_step = copies.iter().map(|n| trace.ty(n.outputs[0]).bytes()).fold(0, u64::saturating_add);
     PlanReport {
         trace: trace.name.clone(),
@@ -103,6 +122,8 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         frozen_storage,
         optimizer_state_bytes,
         optimizer_state_host_bytes: plan.host_state_bytes,
+        param_host_bytes,
+        frozen_host_bytes,
         persistent_bytes: plan.persistent_bytes,
         gradient_bytes,
         saved_for_backward_bytes,
@@ -113,6 +134,7 @@ pub fn plan_report(trace: &Trace, plan: &MemoryPlan, top: usize) -> PlanReport {
         offloaded_values,
         copied_bytes_per_step,
         offloaded_states,
+        offloaded_weights,
         planned_peak_bytes: plan.planned_peak_bytes(),
         floor_bytes: floor,
         overhead_vs_floor: plan.planned_peak_bytes() as f64 / floor.max(1) as f64 - 1.0,
@@ -145,17 +167,47 @@ impl PlanReport {
         Brief(self)
     }
 
+    /// What waits in host memory, by kind: values between forward and
+    /// backward, optimizer states, weights.
+    fn offloaded_parts(&self) -> String {
+        let values = self.offloaded_values - self.offloaded_states - self.offloaded_weights;
+        let parts = [
+            (values, "values wait there between forward and backward"),
+            (self.offloaded_states, "optimizer states, copied to the device around their update"),
+            (self.offloaded_weights, "weights, copied to the device for forward and again for backward"),
+        ];
+        let said: Vec<String> = parts.iter().filter(|(n, _)| *n > 0).map(|(n, what)| format!("{n} {what}")).collect();
+        said.join("; ")
+    }
+
     fn write_bytes(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "plan for `{}`: {} nodes, {} values", self.trace, self.nodes, self.values)?;
         writeln!(f, "  persistent       {:>14} B  {}", self.persistent_bytes, gb(self.persistent_bytes))?;
         match &self.frozen_storage {
             Some(storage) => {
                 let base = format!("base ({storage})");
-                let on_device = self.frozen_bytes.saturating_sub(self.host_table_bytes);
-                writeln!(f, "    {base:<15}{on_device:>14} B  {}  (frozen)", gb(on_device))?;
+                let on_device = self.frozen_bytes.saturating_sub(self.host_table_bytes + self.frozen_host_bytes);
+                match self.frozen_host_bytes {
+                    0 => writeln!(f, "    {base:<15}{on_device:>14} B  {}  (frozen)", gb(on_device))?,
+                    host => writeln!(
+                        f,
+                        "    {base:<15}{on_device:>14} B  {}  (frozen; and {host} B in host memory)",
+                        gb(on_device)
+                    )?,
+                }
                 writeln!(f, "    adapters       {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?;
             }
-            None => writeln!(f, "    parameters     {:>14} B  {}", self.param_bytes, gb(self.param_bytes))?,
+            None => {
+                let on_device = self.param_bytes.saturating_sub(self.param_host_bytes);
+                match self.param_host_bytes {
+                    0 => writeln!(f, "    parameters     {on_device:>14} B  {}", gb(on_device))?,
+                    host => writeln!(
+                        f,
+                        "    parameters     {on_device:>14} B  {}  (and {host} B in host memory)",
+                        gb(on_device)
+                    )?,
+                }
+            }
         }
         let on_device = self.optimizer_state_bytes.saturating_sub(self.optimizer_state_host_bytes);
         match self.optimizer_state_host_bytes {
@@ -193,18 +245,11 @@ impl PlanReport {
                 "  host offload     {:>14} B  {}  ({}; page-locked host memory, not in the peak)",
                 offloaded,
                 gb(offloaded),
-                match (self.offloaded_values - self.offloaded_states, self.offloaded_states) {
-                    (values, 0) => format!("{values} values wait there between forward and backward"),
-                    (0, states) => format!("{states} optimizer states, copied to the device around their update"),
-                    (values, states) => format!(
-                        "{values} values wait there between forward and backward; {states} optimizer states, copied \
-                         to the device around their update"
-                    ),
-                }
+                self.offloaded_parts()
             )?;
             writeln!(
                 f,
-                "    copied/step    {:>14} B  {}  (to the host and back, on a copy stream beside the compute)",
+                "    copied/step    {:>14} B  {}  (between host and device, on a copy stream beside the compute)",
                 self.copied_bytes_per_step,
                 gb(self.copied_bytes_per_step)
             )?;
