@@ -483,7 +483,7 @@ fn a_budget_met_by_offload_plans_host_bytes_and_trains_to_the_same_losses() {
     std::fs::write(&text, std::fs::read_to_string(common::root().join("data/tiny.txt")).unwrap().repeat(4)).unwrap();
     let text = text.to_str().unwrap().to_string();
     let final_loss = |extra: &[&str]| {
-        // No validation: a budget met exactly leaves no room for its few kB.
+        // No validation, which could have the budgeted step planned again.
         let mut args = vec!["train", "--steps", "2", "--eval-every", "0", "--data", &text];
         args.extend(geometry.iter().filter(|a| **a != "f32" && **a != "--dtype"));
         args.extend(["--dtype", "f32"]);
@@ -499,4 +499,20 @@ fn a_budget_met_by_offload_plans_host_bytes_and_trains_to_the_same_losses() {
     let (offloaded, kept) = (final_loss(&["--memory-budget", &budget]), final_loss(&["--mlp-tiles", &tiles]));
     assert!(offloaded.1 && !kept.1, "only the budgeted run offloads");
     assert_eq!(offloaded.0, kept.0);
+
+    // A budget the step meets exactly (its own planned peak under the
+    // budget above) leaves validation no room: the step is planned again
+    // to leave it that room, and the run trains and validates.
+    let args = with(&["--memory-budget", &budget]);
+    let (ok, out, err) = plan_with_env(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(ok, "{err}");
+    let peak = out.lines().find(|l| l.trim_start().starts_with("planned peak")).unwrap();
+    let peak = peak.split_whitespace().nth(2).unwrap().to_string();
+    let mut args = vec!["train", "--steps", "2", "--eval-every", "1", "--data", &text, "--memory-budget", &peak];
+    args.extend(geometry.iter().filter(|a| **a != "f32" && **a != "--dtype"));
+    args.extend(["--dtype", "f32"]);
+    let (ok, out, err) = stepgraph(&args);
+    assert!(ok, "{err}");
+    assert!(err.contains("the step planned again to") && err.contains("under --memory-budget"), "{err}");
+    assert!(err.contains("validation at step 2: loss"), "{out}\n{err}");
 }

@@ -406,6 +406,16 @@ impl Trainer {
         }
     }
 
+    /// Where the training step was planned again, to less than
+    /// `--memory-budget`, so that validation fits beside it: the budget
+    /// it was planned to.
+    pub fn step_budget_for_validation(&self) -> Option<u64> {
+        match self.eval.as_ref()?.runs {
+            EvalRuns::Segment { step_budget, .. } => step_budget,
+            EvalRuns::Session { .. } => None,
+        }
+    }
+
     /// The run's memory: the training session's and, where validation has
     /// one, the evaluation session's, together.
     pub fn memory(&mut self) -> Result<SessionMemory> {
@@ -696,24 +706,42 @@ struct Sessions {
 
 /// The training step with the evaluation forward `eval` as one program
 /// ([`with_evaluation`]), planned as the step was, and held to the run's
-/// memory budget.
-fn join_evaluation(config: &RunConfig, step: &Trace, plan: &MemoryPlan, eval: &CompiledStep) -> Result<TrainProgram> {
+/// memory budget. A step planned up to the budget leaves validation no
+/// room: it is planned again to the budget less what validation adds,
+/// once, and that budget comes back with the program.
+fn join_evaluation(
+    config: &RunConfig,
+    step: &Trace,
+    plan: &MemoryPlan,
+    eval: &CompiledStep,
+) -> Result<(TrainProgram, Option<u64>)> {
+    use stepgraph_core::passes::recompute::RecomputePolicy;
     let program = with_evaluation(step, plan, &eval.step, config.step.plan)?;
-    if let stepgraph_core::passes::recompute::RecomputePolicy::Budget(budget) = config.step.recompute {
-        let planned = program.plan.planned_peak_bytes();
-        if planned > budget {
-            bail!(
-                "validation needs {} B ({:.3} GB) more than the training step, so the run plans {planned} B \
-                 ({:.3} GB), over --memory-budget {budget} B ({:.3} GB): raise the budget, or turn validation off \
-                 with --eval-every 0",
-                program.eval_extra_bytes,
-                program.eval_extra_bytes as f64 / 1e9,
-                planned as f64 / 1e9,
-                budget as f64 / 1e9
-            );
+    let RecomputePolicy::Budget(budget) = config.step.recompute else { return Ok((program, None)) };
+    let planned = program.plan.planned_peak_bytes();
+    if planned <= budget {
+        return Ok((program, None));
+    }
+    let over = planned - budget;
+    let tighter = stepgraph_core::pipeline::StepOptions {
+        recompute: RecomputePolicy::Budget(budget.saturating_sub(over)),
+        ..config.step.clone()
+    };
+    if let Ok(c) = stepgraph_core::pipeline::compile_step(&config.model, &tighter) {
+        let again = with_evaluation(&c.step, &c.plan, &eval.step, config.step.plan)?;
+        if again.plan.planned_peak_bytes() <= budget {
+            return Ok((again, Some(budget - over)));
         }
     }
-    Ok(program)
+    bail!(
+        "validation needs {} B ({:.3} GB) more than the training step, so the run plans {planned} B ({:.3} GB), \
+         over --memory-budget {budget} B ({:.3} GB), and the step planned to leave it that room does not fit: \
+         raise the budget, or turn validation off with --eval-every 0",
+        program.eval_extra_bytes,
+        program.eval_extra_bytes as f64 / 1e9,
+        planned as f64 / 1e9,
+        budget as f64 / 1e9
+    );
 }
 
 /// The sessions of this process: the train step's (its program holding
@@ -779,7 +807,7 @@ fn open_sessions(
             Ok(Sessions { session, replay_from, device, eval, step_nodes: None })
         }
         (_, Some(c)) => {
-            let program = join_evaluation(config, &step, &plan, &c)?;
+            let (program, step_budget) = join_evaluation(config, &step, &plan, &c)?;
             let session = open_step(program.trace, program.plan)?;
             let device = device_in_words(session.as_ref());
             let eval = Some(EvalRuns::Segment {
@@ -788,6 +816,7 @@ fn open_sessions(
                 replay: replay_from.is_some(),
                 warm: false,
                 extra_bytes: program.eval_extra_bytes,
+                step_budget,
             });
             Ok(Sessions { session, replay_from, device, eval, step_nodes: Some(program.step) })
         }
@@ -860,7 +889,16 @@ pub enum EvalRuns {
     /// so nothing is copied. Its first run is eager (the GPU's modules
     /// warm), later ones replay its recording unless the run is eager.
     /// `extra_bytes`: what it adds to the training step's plan.
-    Segment { nodes: std::ops::Range<usize>, loss: ValueId, replay: bool, warm: bool, extra_bytes: u64 },
+    /// `step_budget`: the budget the training step was planned to again
+    /// to leave validation room, where `--memory-budget` left it none.
+    Segment {
+        nodes: std::ops::Range<usize>,
+        loss: ValueId,
+        replay: bool,
+        warm: bool,
+        extra_bytes: u64,
+        step_budget: Option<u64>,
+    },
     /// A session of its own (a data-parallel rank, the `eval` command):
     /// the weights are copied in before each evaluation, from the training
     /// session when there is one. A train step always applies its AdamW

@@ -1134,9 +1134,16 @@ fn print_settings(
     }
     if args.eval_every > 0 {
         // Where it runs, and what it adds to the plan.
-        let place = match trainer.eval_extra_bytes() {
-            Some(extra) => format!("; in the training arena, +{} planned", crate::output_paths::human_bytes(extra)),
-            None => "; its own session, with a copy of the weights".to_string(),
+        let human = crate::output_paths::human_bytes;
+        let place = match (trainer.eval_extra_bytes(), trainer.step_budget_for_validation()) {
+            (Some(extra), None) => format!("; in the training arena, +{} planned", human(extra)),
+            (Some(extra), Some(step)) => format!(
+                "; in the training arena, +{} planned (the step planned again to {} to leave it that room \
+                 under --memory-budget)",
+                human(extra),
+                human(step)
+            ),
+            (None, _) => "; its own session, with a copy of the weights".to_string(),
         };
         eprintln!("  validation  every {} steps, {} batches{place}", args.eval_every, args.eval_batches);
     }
