@@ -316,7 +316,7 @@ impl fmt::Display for Verdict {
         if self.persistent_bytes > self.gpu.usable_bytes {
             write!(
                 f,
-                ", and its weights and optimizer state take {} (no recomputation lowers that; a budget keeps optimizer state in host memory)",
+                ", and its weights and optimizer state take {} (no recomputation lowers that; a budget keeps optimizer state, and then weights, in host memory)",
                 gb(self.persistent_bytes)
             )?;
         }
