@@ -56,10 +56,26 @@ pub enum Mode {
 }
 
 #[derive(Args, Debug)]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["workload", "model"]))]
 pub struct BenchArgs {
-    /// Which workload (defined in docs/benchmarks.md).
+    /// Which workload (defined in docs/benchmarks.md); or --model.
     #[arg(long, value_enum)]
-    pub workload: Workload,
+    pub workload: Option<Workload>,
+    /// Instead of a workload: a named model (a litgpt or Hugging Face name,
+    /// as `plan --model` takes, such as Qwen3-0.6B, gemma-3-1b,
+    /// Phi-4-mini-instruct) trained in bf16 with AdamW and cross-entropy on
+    /// random tokens, from random weights.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// With --model: keep only the first N layers.
+    #[arg(long, value_name = "N", requires = "model")]
+    pub n_layer: Option<usize>,
+    /// With --model: rows per step.
+    #[arg(long, value_name = "B", requires = "model")]
+    pub batch: Option<usize>,
+    /// With --model: tokens per row [default: 4096, or the model's block size if shorter].
+    #[arg(long, value_name = "T", requires = "model")]
+    pub seq: Option<usize>,
     /// Run every step eagerly, or replay one captured CUDA graph.
     #[arg(long, value_enum, default_value_t = Mode::Graph)]
     pub mode: Mode,
@@ -193,6 +209,37 @@ pub fn model_flops(spec: &ModelSpec, kind: StepKind, params: u64) -> f64 {
     }
 }
 
+/// What `--model` benchmarks: the named model (cut to `n_layer` layers)
+/// on `batch` rows of `seq` tokens, bf16, a train step with cross-entropy.
+fn model_spec(name: &str, n_layer: Option<usize>, batch: usize, seq: Option<usize>) -> Result<ModelSpec> {
+    let config = Config::named(name)?.with_overrides(&Overrides { n_layer, ..Default::default() })?;
+    let seq = seq.unwrap_or(config.block_size.min(4096));
+    let spec = ModelSpec {
+        config,
+        batch,
+        seq,
+        dtype: DType::BF16,
+        loss: LossKind::CrossEntropy,
+        adapters: None,
+        documents: false,
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// The workload's name in reports: its flag value, or the model's name
+/// (with `-Nl` when cut to N layers).
+fn workload_name(args: &BenchArgs) -> String {
+    match (&args.workload, &args.model) {
+        (Some(w), _) => w.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default(),
+        (None, Some(m)) => match args.n_layer {
+            Some(n) => format!("{m}-{n}l"),
+            None => m.clone(),
+        },
+        (None, None) => String::new(),
+    }
+}
+
 fn spec(w: Workload) -> Result<(ModelSpec, StepKind)> {
     let named = |name: &str, o: Overrides| -> Result<Config> { Ok(Config::named(name)?.with_overrides(&o)?) };
     let layers = |n: usize| Overrides { n_layer: Some(n), ..Default::default() };
@@ -303,7 +350,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         bail!("--steps must be at least 1, got 0");
     }
     let switches = Switches::from_env()?;
-    let (mut spec, kind) = spec(args.workload)?;
+    let (mut spec, kind) = match (args.workload, &args.model) {
+        (Some(w), _) => spec(w)?,
+        (None, Some(name)) => (model_spec(name, args.n_layer, args.batch.unwrap_or(1), args.seq)?, StepKind::Train),
+        (None, None) => bail!("give --workload or --model"),
+    };
+    let name = workload_name(args);
     if let Some((lo, hi)) = args.documents {
         if spec.loss != LossKind::CrossEntropy {
             bail!(
@@ -323,7 +375,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     opts.train.adamw.weight_decay = 0.1;
     opts.train.master_weights = args.master_weights.mode();
     if args.state_dtype != crate::StateDTypeArg::Auto && kind != StepKind::Train {
-        let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
         bail!("--state-dtype needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): {name} has no optimizer");
     }
     args.state_dtype.apply(&mut opts.train, spec.dtype);
@@ -332,7 +383,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if args.clip_grad_norm > 0.0 {
         if kind != StepKind::Train {
-            let name = args.workload.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
             bail!(
                 "--clip-grad-norm needs a train workload (w5, l8-2l, g3-1b, q3moe-4l): {name} computes gradients only"
             );
@@ -370,7 +420,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let explained = mem.allocation_bytes + mem.modules_bytes + mem.blas_bytes + mem.graph_bytes;
     let flops = model_flops(&spec, kind, params);
     let report = BenchReport {
-        workload: format!("{:?}", args.workload).to_lowercase(),
+        workload: name,
         mode: args.mode,
         f32_products: opts.f32_products,
         switches,
@@ -446,6 +496,20 @@ mod tests {
         assert_eq!((kind, spec.batch, spec.seq, spec.config.n_layer), (StepKind::Train, 1, 4096, 4));
         assert_eq!((moe.experts, moe.experts_per_token, moe.expert_intermediate_size), (128, 8, 768));
         assert!((0..4).all(|l| moe.is_sparse(l)));
+    }
+
+    #[test]
+    fn a_named_model_is_its_geometry_cut_to_the_layers_asked() {
+        let spec = model_spec("Qwen3-0.6B", Some(2), 2, None).unwrap();
+        assert_eq!((spec.batch, spec.seq, spec.config.n_layer, spec.dtype), (2, 4096, 2, DType::BF16));
+        assert_eq!(spec.config.n_embd, 1024);
+        // A model whose block is shorter than 4096 runs at its block size.
+        let short = model_spec("pythia-14m", None, 1, None).unwrap();
+        assert!(short.config.block_size < 4096 && short.seq == short.config.block_size);
+        let e = model_spec("no-such-model", None, 1, None).unwrap_err().to_string();
+        assert!(e.contains("no-such-model"), "{e}");
+        let e = model_spec("Qwen3-0.6B", None, 1, Some(1 << 20)).unwrap_err().to_string();
+        assert!(e.contains("exceeds the block size"), "{e}");
     }
 
     #[test]
