@@ -704,6 +704,63 @@ mod tests {
         assert!(r.to_string().contains(&format!("{} weights", r.weights)));
     }
 
+    /// Under adapters the frozen base is a candidate too: at the least
+    /// budget its matrices wait in host memory, come in for forward and
+    /// for backward with nothing copied back, and the adapters train bit
+    /// for bit as with the base on the device.
+    #[test]
+    fn a_frozen_base_waits_in_host_memory_and_the_adapters_train_bit_for_bit() {
+        use crate::models::lora::{Adapters, LoraTarget};
+        let mut spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
+        spec.adapters = Some(Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap());
+        let train = StepOptions::new(StepKind::Train);
+        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..train.clone() }) {
+            Err(Error::MemoryBudget { least, .. }) => least,
+            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
+        };
+        let c =
+            compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
+        check_plan(&c.step, &c.plan).unwrap();
+        let t = &c.step;
+        let frozen: Vec<ValueId> = t.frozen().filter(|&w| c.plan.slot(w).region == Region::Host).collect();
+        let copied: Vec<ValueId> = frozen
+            .iter()
+            .copied()
+            .filter(|&w| t.nodes.iter().any(|n| n.inputs.contains(&w) && matches!(n.op, crate::ops::Op::HostCopy(_))))
+            .collect();
+        assert!(!copied.is_empty(), "{}", c.passes.offload.as_ref().unwrap());
+        for &w in &copied {
+            let readers: Vec<&crate::ir::Node> = t.nodes.iter().filter(|n| n.inputs.contains(&w)).collect();
+            assert!(readers.iter().all(|n| matches!(&n.op, crate::ops::Op::HostCopy(h) if !h.to_host)));
+            assert!(readers.len() <= 2, "{}: {} copies", t.describe(w), readers.len());
+        }
+        let report = crate::plan::plan_report(t, &c.plan, 0);
+        assert_eq!(report.frozen_host_bytes, copied.iter().map(|&w| t.ty(w).bytes()).sum::<u64>());
+        let kept = compile_step(&spec, &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..train }).unwrap();
+        let run = |c: &crate::pipeline::CompiledStep| {
+            let mut s = crate::testing::seeded_session(c, 5);
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
+                    s.write_named(n, &t).unwrap();
+                }
+                s.write_named(crate::autodiff::LR_INPUT, &crate::cpu::exec::scalar_input(1e-2)).unwrap();
+                s.write_named(crate::autodiff::STEP_INPUT, &crate::cpu::exec::scalar_input((step + 1) as f64)).unwrap();
+                if step == 0 {
+                    Session::run_eager(&mut s).unwrap();
+                } else {
+                    Session::replay(&mut s).unwrap();
+                }
+                out.push(vec![Session::loss(&mut s).unwrap()]);
+            }
+            for u in &c.step.updates {
+                out.push(Session::read(&mut s, u.state).unwrap().to_f64());
+            }
+            out
+        };
+        assert!(run(&kept) == run(&c), "adapters over a base in host memory train otherwise");
+    }
+
     /// A step accumulating two micro-batches, every forward value that
     /// backward reads offloaded: the plan holds and the gradients are the
     /// kept step's, bit for bit.
