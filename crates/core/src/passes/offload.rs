@@ -501,10 +501,39 @@ mod tests {
         }
     }
 
-    /// The least planned peak of `opts` under an impossible budget.
+    /// The least planned peak of `opts` for [`spec`].
     fn least(opts: &StepOptions) -> u64 {
-        let budget = StepOptions { recompute: RecomputePolicy::Budget(1), ..opts.clone() };
-        match compile_step(&spec(), &budget) {
+        least_of(&spec(), opts)
+    }
+
+    /// Three training steps of `c` from seeded weights on seeded batches
+    /// (eager, then replayed): each loss, then every updated state and
+    /// parameter.
+    fn trained(c: &crate::pipeline::CompiledStep) -> Vec<Vec<f64>> {
+        let mut s = crate::testing::seeded_session(c, 5);
+        let mut out = Vec::new();
+        for step in 0..3u64 {
+            for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
+                s.write_named(n, &t).unwrap();
+            }
+            s.write_named(crate::autodiff::LR_INPUT, &crate::cpu::exec::scalar_input(1e-2)).unwrap();
+            s.write_named(crate::autodiff::STEP_INPUT, &crate::cpu::exec::scalar_input((step + 1) as f64)).unwrap();
+            if step == 0 {
+                Session::run_eager(&mut s).unwrap();
+            } else {
+                Session::replay(&mut s).unwrap();
+            }
+            out.push(vec![Session::loss(&mut s).unwrap()]);
+        }
+        for u in &c.step.updates {
+            out.push(Session::read(&mut s, u.state).unwrap().to_f64());
+        }
+        out
+    }
+
+    /// The least planned peak of `opts` for `spec` under an impossible budget.
+    fn least_of(spec: &ModelSpec, opts: &StepOptions) -> u64 {
+        match compile_step(spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..opts.clone() }) {
             Err(Error::MemoryBudget { least, .. }) => least,
             other => panic!("no step fits in 1 byte: {:?}", other.map(|c| c.planned_peak_bytes())),
         }
@@ -592,15 +621,8 @@ mod tests {
     fn optimizer_states_wait_in_host_memory_and_train_bit_for_bit() {
         let spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
         let train = StepOptions::new(StepKind::Train);
-        let least_of = |opts: &StepOptions| match compile_step(
-            &spec,
-            &StepOptions { recompute: RecomputePolicy::Budget(1), ..opts.clone() },
-        ) {
-            Err(Error::MemoryBudget { least, .. }) => least,
-            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
-        };
-        let kept_least = least_of(&StepOptions { offload: false, ..train.clone() });
-        let least = least_of(&train);
+        let kept_least = least_of(&spec, &StepOptions { offload: false, ..train.clone() });
+        let least = least_of(&spec, &train);
         assert!(least < kept_least, "{least} vs {kept_least}");
         let c =
             compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
@@ -630,29 +652,7 @@ mod tests {
         // The same step with every state on the device, as the budget
         // tiled it: the same losses and weights, bit for bit.
         let kept = compile_step(&spec, &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..train }).unwrap();
-        let run = |c: &crate::pipeline::CompiledStep| {
-            let mut s = crate::testing::seeded_session(c, 5);
-            let mut out = Vec::new();
-            for step in 0..3u64 {
-                for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
-                    s.write_named(n, &t).unwrap();
-                }
-                s.write_named(crate::autodiff::LR_INPUT, &crate::cpu::exec::scalar_input(1e-2)).unwrap();
-                s.write_named(crate::autodiff::STEP_INPUT, &crate::cpu::exec::scalar_input((step + 1) as f64)).unwrap();
-                if step == 0 {
-                    Session::run_eager(&mut s).unwrap();
-                } else {
-                    Session::replay(&mut s).unwrap();
-                }
-                out.push(vec![Session::loss(&mut s).unwrap()]);
-            }
-            for u in &c.step.updates {
-                out.push(Session::read(&mut s, u.state).unwrap().to_f64());
-            }
-            out
-        };
-        let (a, b) = (run(&kept), run(&c));
-        assert!(a == b, "an offloaded state trains otherwise");
+        assert!(trained(&kept) == trained(&c), "an offloaded state trains otherwise");
     }
 
     /// The least budget of a short row of a tiny model keeps weights in
@@ -663,10 +663,7 @@ mod tests {
     fn weights_wait_in_host_memory_and_come_in_for_forward_and_for_backward() {
         let spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
         let train = StepOptions::new(StepKind::Train);
-        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..train.clone() }) {
-            Err(Error::MemoryBudget { least, .. }) => least,
-            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
-        };
+        let least = least_of(&spec, &train);
         let c = compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train }).unwrap();
         check_plan(&c.step, &c.plan).unwrap();
         let r = c.passes.offload.as_ref().unwrap();
@@ -714,10 +711,7 @@ mod tests {
         let mut spec = ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap();
         spec.adapters = Some(Adapters::new(2, 4.0, LoraTarget::ALL.to_vec()).unwrap());
         let train = StepOptions::new(StepKind::Train);
-        let least = match compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(1), ..train.clone() }) {
-            Err(Error::MemoryBudget { least, .. }) => least,
-            other => panic!("{:?}", other.map(|c| c.planned_peak_bytes())),
-        };
+        let least = least_of(&spec, &train);
         let c =
             compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(least), ..train.clone() }).unwrap();
         check_plan(&c.step, &c.plan).unwrap();
@@ -737,28 +731,7 @@ mod tests {
         let report = crate::plan::plan_report(t, &c.plan, 0);
         assert_eq!(report.frozen_host_bytes, copied.iter().map(|&w| t.ty(w).bytes()).sum::<u64>());
         let kept = compile_step(&spec, &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..train }).unwrap();
-        let run = |c: &crate::pipeline::CompiledStep| {
-            let mut s = crate::testing::seeded_session(c, 5);
-            let mut out = Vec::new();
-            for step in 0..3u64 {
-                for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
-                    s.write_named(n, &t).unwrap();
-                }
-                s.write_named(crate::autodiff::LR_INPUT, &crate::cpu::exec::scalar_input(1e-2)).unwrap();
-                s.write_named(crate::autodiff::STEP_INPUT, &crate::cpu::exec::scalar_input((step + 1) as f64)).unwrap();
-                if step == 0 {
-                    Session::run_eager(&mut s).unwrap();
-                } else {
-                    Session::replay(&mut s).unwrap();
-                }
-                out.push(vec![Session::loss(&mut s).unwrap()]);
-            }
-            for u in &c.step.updates {
-                out.push(Session::read(&mut s, u.state).unwrap().to_f64());
-            }
-            out
-        };
-        assert!(run(&kept) == run(&c), "adapters over a base in host memory train otherwise");
+        assert!(trained(&kept) == trained(&c), "adapters over a base in host memory train otherwise");
     }
 
     /// A step accumulating two micro-batches, every forward value that
