@@ -68,8 +68,9 @@
 //! At 256 (Gemma) a warp's output rows alone take 128 registers, so every
 //! pass keeps one row tile per warp and streams 32 columns per step, and
 //! the key side runs two blocks per key tile, each recomputing the scores
-//! and accumulating half the columns of `gk` and `gv`: a third more
-//! products on that side, against spilling both halves.
+//! and accumulating half the columns of `gk` and `gv`: half again as many
+//! products on that side (both blocks compute the two score products),
+//! against spilling both halves.
 //!
 //! * bf16/f16: `m16n8k16` with f32 accumulation, fragments by `ldmatrix`,
 //!   tiles double-buffered. Probabilities and score gradients are rounded to
