@@ -97,12 +97,11 @@ pub fn with_evaluation(step: &Trace, step_plan: &MemoryPlan, eval: &Trace, opts:
     let refuse = |reason: String| Error::Plan(format!("joining the evaluation forward to the training step: {reason}"));
     let on_host = crate::plan::host_states(step);
     let hosted: std::collections::HashSet<ValueId> = eval
-        .leaves()
+        .weights()
         .filter(|&v| {
-            matches!(eval.value(v).kind, ValueKind::Param { .. } | ValueKind::Frozen { .. })
-                && (eval.value(v).kind.leaf_name())
-                    .and_then(|name| step.leaf_by_name(name))
-                    .is_some_and(|own| on_host[own.index()])
+            (eval.value(v).kind.leaf_name())
+                .and_then(|name| step.leaf_by_name(name))
+                .is_some_and(|own| on_host[own.index()])
         })
         .collect();
     let copied;

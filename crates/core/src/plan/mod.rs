@@ -311,11 +311,7 @@ pub fn host_states(trace: &Trace) -> Vec<bool> {
         }
     }
     (trace.values.iter().enumerate())
-        .map(|(v, value)| {
-            matches!(value.kind, ValueKind::State { .. } | ValueKind::Param { .. } | ValueKind::Frozen { .. })
-                && by_copy[v]
-                && !by_other[v]
-        })
+        .map(|(v, value)| is_persistent(&value.kind) && by_copy[v] && !by_other[v])
         .collect()
 }
 
