@@ -117,11 +117,24 @@ impl MemoryArgs {
             PlacementArg::On => OptimizerPlacement::InBackward,
             PlacementArg::Off => OptimizerPlacement::AfterBackward,
         };
+        if opts.recompute.budget().is_some() {
+            opts.host_budget = host_budget()?;
+        }
         opts.mlp_tiles = self.mlp_tiles as usize;
         opts.epilogues = self.epilogues.into();
         opts.f32_products = self.f32_products.into();
         Ok(())
     }
+}
+
+/// Page-locked host memory a budgeted step may plan when it offloads a
+/// value instead of recomputing it: three quarters of the host memory
+/// available now ([`stepgraph_core::host::memory`]), leaving the rest to
+/// the data, the checkpoint being read and the rest of the system; `None`
+/// where that is unknown.
+fn host_budget() -> Result<Option<u64>> {
+    let host = stepgraph_core::host::memory::available()?;
+    Ok(host.map(|h| h.available / 4 * 3))
 }
 
 /// Bytes of a flag given in MiB (`--max-shard-mb`, `--bucket-mb`), or

@@ -30,6 +30,17 @@
 //! doubling (after the first) no longer lowers the least planned peak,
 //! naming the least it reached and its tiling.
 //!
+//! Recomputation comes before offload, as the bus is slower than
+//! recomputing most values; but not all: recomputing attention grows with
+//! the square of the sequence, and at long sequences it takes longer than
+//! a round trip of its output over the bus. When the step [`compile_step`]
+//! chose recomputes such a value, it builds the step again with those
+//! values left to the offload pass ([`RecomputePolicy::LeastBeforeOffload`]
+//! at [`StepOptions::bus_bytes_per_s`]) and keeps that step when it fits the
+//! budget and [`StepOptions::host_budget`] and its estimated added time
+//! (recomputation at the roofline, copies at that bus speed, not counting
+//! their overlap) is lower.
+//!
 //! [`build_rank_step`] and [`plan_data_parallel`] build and plan the step
 //! of one data-parallel rank through the same two functions.
 //!
@@ -94,6 +105,16 @@ pub struct StepOptions {
     /// of a run's resume identity.
     #[serde(skip)]
     pub offload: bool,
+    /// Page-locked host memory the step may plan (`None`: no limit).
+    /// Offloading a value instead of recomputing it is chosen only within
+    /// it ([`compile_step`]); not serialized, as `offload`.
+    #[serde(skip)]
+    pub host_budget: Option<u64>,
+    /// The host link speed the planner assumes when it weighs a round trip
+    /// to host memory against recomputation (default
+    /// [`PLANNING_BUS_BYTES_PER_S`]); not serialized, as `offload`.
+    #[serde(skip)]
+    pub bus_bytes_per_s: u64,
 }
 
 impl StepOptions {
@@ -111,6 +132,8 @@ impl StepOptions {
             epilogues: Epilogues::default(),
             f32_products: F32Products::default(),
             offload: true,
+            host_budget: None,
+            bus_bytes_per_s: PLANNING_BUS_BYTES_PER_S,
         }
     }
 
@@ -290,9 +313,43 @@ pub fn compile_step_timed(spec: &ModelSpec, opts: &StepOptions) -> Result<(Compi
     }
 }
 
+/// The bus speed the planner assumes when it weighs a round trip to host
+/// memory against recomputation: what a PCIe 5.0 ×16 link moves each way
+/// in practice (the CUDA session measures the real one when it opens).
+pub const PLANNING_BUS_BYTES_PER_S: u64 = 50_000_000_000;
+
 /// [`compile_step_timed`] without host tables: recomputation, then MLP
-/// tiles, as the module doc says.
+/// tiles, then offload, and offload instead of the recomputations that
+/// take longer than the bus, as the module doc says.
 fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
+    let chosen = compile_recomputing_first(spec, opts)?;
+    let c = &chosen.0;
+    let bus = opts.bus_bytes_per_s;
+    let slow = |r: &&crate::passes::recompute::RecomputedNode| {
+        r.seconds > crate::passes::recompute::round_trip_seconds(r.bytes, bus)
+    };
+    let (Some(budget), true) = (opts.recompute.budget(), opts.offload) else { return Ok(chosen) };
+    if !c.recompute().recomputed.iter().any(|r| slow(&r)) {
+        return Ok(chosen);
+    }
+    let offloading = StepOptions {
+        mlp_tiles: c.recompute().mlp_tiles,
+        recompute: RecomputePolicy::LeastBeforeOffload { budget, bus_bytes_per_s: bus },
+        ..opts.clone()
+    };
+    let Ok(other) = compile_tiled(spec, &offloading) else { return Ok(chosen) };
+    let added_seconds = |c: &CompiledStep| {
+        let moved = c.passes.offload.as_ref().map_or(0, |o| o.bytes_moved);
+        c.recompute().estimated_seconds + moved as f64 / bus as f64
+    };
+    let fits = other.0.plan.planned_peak_bytes() <= budget
+        && opts.host_budget.is_none_or(|h| other.0.plan.host_bytes <= h)
+        && added_seconds(&other.0) < added_seconds(c);
+    Ok(if fits { other } else { chosen })
+}
+
+/// [`compile_budgeted`] before the offload of slow recomputations.
+fn compile_recomputing_first(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let first = compile_tiled(spec, opts);
     let Err(Error::MemoryBudget { budget, mut least, .. }) = first else { return first };
     // Rows of one rank's MLP. As Arctic Long-Sequence Training sizes its
@@ -377,7 +434,7 @@ fn step_passes(opts: &StepOptions) -> Vec<Box<dyn Pass>> {
         passes.push(Box::new(PlaceOptimizer(opts.optimizer)));
     }
     passes.push(Box::new(Recompute(opts.recompute)));
-    if let RecomputePolicy::Least(budget) = opts.recompute {
+    if let RecomputePolicy::Least(budget) | RecomputePolicy::LeastBeforeOffload { budget, .. } = opts.recompute {
         passes.push(Box::new(Offload(budget)));
     }
     if opts.f32_products == F32Products::Split3xTf32 {
@@ -402,9 +459,7 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     let mlp_tiles = recompute.mlp_tiles;
-    if let (F32Products::Split3xTf32, RecomputePolicy::Budget(budget) | RecomputePolicy::Least(budget)) =
-        (opts.f32_products, opts.recompute)
-    {
+    if let (F32Products::Split3xTf32, Some(budget)) = (opts.f32_products, opts.recompute.budget()) {
         let peak = plan.planned_peak_bytes();
         if peak > budget {
             return Err(Error::MemoryBudget {

@@ -17,7 +17,9 @@
 //! copy before writing over them.
 //!
 //! [`Offload`] runs after recomputation under a memory budget that
-//! recomputation and MLP tiling cannot meet ([`crate::pipeline`]): plan,
+//! recomputation and MLP tiling cannot meet, and in place of the
+//! recomputations that take longer than a round trip over the host link
+//! (attention at long sequences; [`crate::pipeline`]): plan,
 //! take the forward values live at the peak that backward reads, the kind
 //! (op and type) with the most bytes there first, the earlier half of that
 //! kind at a time (they live longest), and plan again, until the budget is
@@ -590,6 +592,13 @@ mod tests {
         let tiles = offloaded.recompute().mlp_tiles;
         let kept = compile_step(&spec(), &StepOptions { mlp_tiles: tiles, ..grads }).unwrap();
         assert!(kept.passes.offload.is_none());
+        assert_same_gradients(&kept, &offloaded);
+    }
+
+    /// Three gradient steps of `a` and of `b` from the same seeded weights
+    /// on the same batches (eager, then the recorded launch list, "replay")
+    /// give the same losses and gradients, bit for bit.
+    fn assert_same_gradients(a: &crate::pipeline::CompiledStep, b: &crate::pipeline::CompiledStep) {
         let run = |c: &crate::pipeline::CompiledStep| {
             let mut s = crate::testing::seeded_session(c, 5);
             let mut losses = Vec::new();
@@ -597,7 +606,6 @@ mod tests {
                 for (n, t) in crate::testing::random_batch(&c.spec, 10 + step) {
                     s.write_named(n, &t).unwrap();
                 }
-                // Eager first, then the recorded launch list ("replay").
                 if step == 0 {
                     Session::run_eager(&mut s).unwrap();
                 } else {
@@ -607,12 +615,72 @@ mod tests {
             }
             (losses, crate::testing::grads_by_name(&c.step, |v| Session::read(&mut s, v).unwrap().to_f64()))
         };
-        let (a, b) = (run(&kept), run(&offloaded));
+        let (a, b) = (run(a), run(b));
         assert_eq!(a.0, b.0, "losses");
         assert_eq!(a.1.keys().collect::<Vec<_>>(), b.1.keys().collect::<Vec<_>>());
         for (name, g) in &a.1 {
             assert!(g == &b.1[name], "the gradient of {name} differs");
         }
+    }
+
+    /// Whether `c` recomputes attention, and whether it keeps attention
+    /// outputs in host memory.
+    fn attention_recomputed_and_offloaded(c: &crate::pipeline::CompiledStep) -> (bool, bool) {
+        let recomputed = c.recompute().recomputed.iter().any(|r| r.op == "attention");
+        let offloaded = c.passes.offload.as_ref().is_some_and(|o| o.kinds.iter().any(|k| k.0.starts_with("attention")));
+        (recomputed, offloaded)
+    }
+
+    /// The least planned peak of `opts` for `spec`, and the planned peak of
+    /// its step with every value kept.
+    fn least_and_all(spec: &ModelSpec, opts: &StepOptions) -> (u64, u64) {
+        (least_of(spec, opts), compile_step(spec, opts).unwrap().planned_peak_bytes())
+    }
+
+    /// With a bus faster than recomputing attention (and slower than
+    /// recomputing the rest), attention's outputs wait in host memory while
+    /// the cheaper values are still recomputed; the step computes the same
+    /// bits as one that keeps every value.
+    #[test]
+    fn what_recomputes_slower_than_the_bus_is_offloaded_instead_and_computes_the_same_bits() {
+        // f32 at 2048 tokens: attention's recomputation takes about 2e-11 s
+        // per byte it frees at the roofline, the tiny model's products and
+        // pointwise ops under 2e-12; a round trip at 400 GB/s takes 5e-12.
+        let grads = StepOptions { bus_bytes_per_s: 400_000_000_000, ..StepOptions::new(StepKind::Grads) };
+        let (least, _) = least_and_all(&spec(), &grads);
+        let budget = StepOptions { recompute: RecomputePolicy::Budget(least), ..grads.clone() };
+        let c = compile_step(&spec(), &budget).unwrap();
+        check_plan(&c.step, &c.plan).unwrap();
+        assert!(c.planned_peak_bytes() <= least);
+        assert_eq!(attention_recomputed_and_offloaded(&c), (false, true), "{}", c.recompute());
+        assert!(!c.recompute().recomputed.is_empty(), "the cheaper values are still recomputed");
+        // At a slower bus the same budget recomputes attention.
+        let slow = StepOptions { bus_bytes_per_s: 1_000_000_000, ..budget };
+        let first = compile_step(&spec(), &slow).unwrap();
+        assert!(attention_recomputed_and_offloaded(&first).0, "{}", first.recompute());
+        let kept = compile_step(&spec(), &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..grads }).unwrap();
+        assert_same_gradients(&kept, &c);
+    }
+
+    /// At a sequence where recomputing attention takes longer than a round
+    /// trip at the planner's bus speed, a budget makes `compile_step` keep
+    /// attention's outputs in host memory rather than recompute them, within
+    /// the host budget; below what that needs, it recomputes them.
+    #[test]
+    fn long_sequences_offload_attention_rather_than_recompute_it_within_the_host_budget() {
+        // f32 at 8192 tokens: recomputing attention takes 8e-11 s per byte
+        // it frees, a round trip at 50 GB/s 4e-11.
+        let o = crate::models::Overrides { n_layer: Some(4), block_size: Some(8192), ..Default::default() };
+        let config = crate::models::Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap();
+        let long = ModelSpec { config, seq: 8192, ..spec() };
+        let grads = StepOptions::new(StepKind::Grads);
+        let budget = StepOptions { recompute: RecomputePolicy::Budget(least_of(&long, &grads)), ..grads };
+        let chosen = compile_step(&long, &budget).unwrap();
+        assert_eq!(attention_recomputed_and_offloaded(&chosen), (false, true), "{}", chosen.recompute());
+        let tight = StepOptions { host_budget: Some(chosen.plan.host_bytes - 1), ..budget };
+        let recomputing = compile_step(&long, &tight).unwrap();
+        assert!(attention_recomputed_and_offloaded(&recomputing).0, "{}", recomputing.recompute());
+        assert!(recomputing.plan.host_bytes < chosen.plan.host_bytes);
     }
 
     /// A short row of a tiny model: its weights and optimizer state, not

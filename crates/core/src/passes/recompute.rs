@@ -44,6 +44,12 @@
 //!   chain of them would recompute every earlier layer at the first
 //!   layer's backward; marking alternate members keeps one stream value
 //!   per layer (each layer's input) and recomputes the other from it.
+//! - **`Least(bytes)`**: as `Budget`, but the least planned peak instead
+//!   of a refusal, for the offload pass to go on from; and
+//!   **`LeastBeforeOffload`**, which also leaves kept the candidates whose
+//!   recomputation takes longer than a round trip of their bytes over the
+//!   host link (attention at long sequences), for the offload pass to move
+//!   instead ([`crate::pipeline`] says when it is tried).
 //! - **`Off`**: the step unchanged.
 //!
 //! **Invariant:** the transformed step computes the same values as the
@@ -75,6 +81,32 @@ pub enum RecomputePolicy {
     /// step with the least planned peak instead of a refusal: what the
     /// offload pass ([`crate::passes::offload`]) then starts from.
     Least(u64),
+    /// As `Least`, for a step that the offload pass finishes: a candidate
+    /// whose recomputation (by the [`roofline`]) takes longer than copying
+    /// its bytes to host memory and back at `bus_bytes_per_s` is left
+    /// kept, for the offload pass to move instead. Attention is the one
+    /// such value at long sequences: its recomputation grows with the
+    /// square of the length, its output with the length, so past about
+    /// 30k tokens (a 50 GB/s bus) the round trip is the cheaper way to
+    /// free its bytes, and the copies overlap compute besides.
+    LeastBeforeOffload { budget: u64, bus_bytes_per_s: u64 },
+}
+
+impl RecomputePolicy {
+    /// The budget of the budgeted policies.
+    pub fn budget(self) -> Option<u64> {
+        match self {
+            RecomputePolicy::Budget(b) | RecomputePolicy::Least(b) => Some(b),
+            RecomputePolicy::LeastBeforeOffload { budget, .. } => Some(budget),
+            RecomputePolicy::Off | RecomputePolicy::Auto => None,
+        }
+    }
+}
+
+/// Seconds a round trip of `bytes` over a bus of `bus_bytes_per_s` takes:
+/// to host memory after forward and back before backward.
+pub fn round_trip_seconds(bytes: u64, bus_bytes_per_s: u64) -> f64 {
+    2.0 * bytes as f64 / bus_bytes_per_s.max(1) as f64
 }
 
 /// How expensive a recomputation is, in the order the budget takes them.
@@ -140,6 +172,11 @@ pub fn node_flops(trace: &Trace, n: NodeId) -> u64 {
         Op::Glu(_) | Op::Rope(_) | Op::Unary(_) => out_elems.saturating_mul(6),
         _ => out_elems,
     }
+}
+
+/// Bytes of the outputs of node `n`.
+fn output_bytes(trace: &Trace, n: NodeId) -> u64 {
+    trace.node(n).outputs.iter().fold(0u64, |acc, &o| acc.saturating_add(trace.ty(o).bytes()))
 }
 
 /// Bytes node `n` reads and writes (for the time estimate of memory-bound ops).
@@ -209,6 +246,10 @@ pub struct RecomputedNode {
     pub types: Vec<String>,
     pub class: CostClass,
     pub flops: u64,
+    /// Bytes of the recomputed values (what keeping them would cost).
+    pub bytes: u64,
+    /// The node's [`roofline`] time, in seconds.
+    pub seconds: f64,
 }
 
 /// What the pass did.
@@ -453,14 +494,17 @@ fn report(
     for &(orig, n) in emitted {
         let node = new.node(n);
         let f = node_flops(new, n);
+        let s = roofline(new, n).seconds();
         flops = flops.saturating_add(f);
-        seconds += roofline(new, n).seconds();
+        seconds += s;
         recomputed.push(RecomputedNode {
             node: n.index(),
             op: node.op.name().to_string(),
             types: node.outputs.iter().map(|&o| new.ty(o).to_string()).collect(),
             class: cost_class(&step.node(orig).op).unwrap_or(CostClass::Product),
             flops: f,
+            bytes: output_bytes(new, n),
+            seconds: s,
         });
     }
     RecomputeReport {
@@ -577,8 +621,19 @@ fn apply_in(
                 None => unchanged("auto", base_plan),
             }
         }
-        RecomputePolicy::Budget(budget) | RecomputePolicy::Least(budget) => {
-            let name = format!("budget {budget} B");
+        RecomputePolicy::Budget(_) | RecomputePolicy::Least(_) | RecomputePolicy::LeastBeforeOffload { .. } => {
+            let budget = policy.budget().expect("a budgeted policy");
+            let bus = match policy {
+                RecomputePolicy::LeastBeforeOffload { bus_bytes_per_s, .. } => Some(bus_bytes_per_s),
+                _ => None,
+            };
+            let name = match bus {
+                Some(bus) => format!(
+                    "budget {budget} B, what recomputes slower than a {:.0} GB/s bus offloaded",
+                    bus as f64 / 1e9
+                ),
+                None => format!("budget {budget} B"),
+            };
             if before <= budget {
                 return unchanged(&name, base_plan);
             }
@@ -623,6 +678,12 @@ fn apply_in(
                     .filter(|&n| step.node(n).op.view_of().is_none() && !rejected.contains(&signature(step, n)))
                     .filter_map(|n| closure(step, n, &kept, &marked).map(|c| (n, c)))
                     .filter(|(n, nodes)| !kinds.chains(step, &signature(step, *n), nodes))
+                    .filter(|(n, nodes)| {
+                        bus.is_none_or(|bus| {
+                            let seconds: f64 = nodes.iter().map(|&m| roofline(step, m).seconds()).sum();
+                            seconds <= round_trip_seconds(output_bytes(step, *n), bus)
+                        })
+                    })
                     .map(|(n, nodes)| {
                         let class = nodes
                             .iter()
@@ -631,8 +692,7 @@ fn apply_in(
                             .unwrap_or(CostClass::Product);
                         let compute_bound = nodes.iter().any(|&m| !roofline(step, m).memory_bound());
                         let flops = nodes.iter().fold(0u64, |acc, &m| acc.saturating_add(node_flops(step, m)));
-                        let bytes =
-                            step.node(n).outputs.iter().fold(0u64, |acc, &o| acc.saturating_add(step.ty(o).bytes()));
+                        let bytes = output_bytes(step, n);
                         Candidate {
                             compute_bound,
                             class,
@@ -649,7 +709,7 @@ fn apply_in(
                         .then(a.node.cmp(&b.node))
                 });
                 let Some(best) = candidates.first().map(|c| c.node) else {
-                    if let RecomputePolicy::Least(_) = policy {
+                    if let RecomputePolicy::Least(_) | RecomputePolicy::LeastBeforeOffload { .. } = policy {
                         break;
                     }
                     return Err(Error::MemoryBudget { budget, least: best_peak, mlp_tiles: 1, hint: None });
