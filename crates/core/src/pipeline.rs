@@ -337,15 +337,33 @@ fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledSte
         recompute: RecomputePolicy::LeastBeforeOffload { budget, bus_bytes_per_s: bus },
         ..opts.clone()
     };
-    let Ok(other) = compile_tiled(spec, &offloading) else { return Ok(chosen) };
     let added_seconds = |c: &CompiledStep| {
         let moved = c.passes.offload.as_ref().map_or(0, |o| o.bytes_moved);
         c.recompute().estimated_seconds + moved as f64 / bus as f64
     };
-    let fits = other.0.plan.planned_peak_bytes() <= budget
-        && opts.host_budget.is_none_or(|h| other.0.plan.host_bytes <= h)
-        && added_seconds(&other.0) < added_seconds(c);
-    Ok(if fits { other } else { chosen })
+    let why_not = match compile_tiled(spec, &offloading) {
+        Err(Error::MemoryBudget { least, .. }) => Some(format!(
+            "offloading them instead would plan at least {least} B ({:.3} GB), over the budget",
+            least as f64 / 1e9
+        )),
+        // Any other refusal leaves the step chosen first as it is.
+        Err(_) => None,
+        Ok(other) => match opts.host_budget {
+            Some(h) if other.0.plan.host_bytes > h => Some(format!(
+                "offloading them instead needs {:.3} GB of page-locked host memory, over the {:.3} GB this host \
+                 allows (three quarters of what it has available; STEPGRAPH_HOST_MEMORY_LIMIT sets it)",
+                other.0.plan.host_bytes as f64 / 1e9,
+                h as f64 / 1e9
+            )),
+            _ if added_seconds(&other.0) < added_seconds(c) => return Ok(other),
+            _ => None,
+        },
+    };
+    let mut chosen = chosen;
+    if let (Some(why), Some(r)) = (why_not, chosen.0.passes.recompute.as_mut()) {
+        r.not_offloaded = Some(format!("recomputed although slower than a round trip to host memory: {why}"));
+    }
+    Ok(chosen)
 }
 
 /// [`compile_budgeted`] before the offload of slow recomputations.

@@ -681,6 +681,10 @@ mod tests {
         let recomputing = compile_step(&long, &tight).unwrap();
         assert!(attention_recomputed_and_offloaded(&recomputing).0, "{}", recomputing.recompute());
         assert!(recomputing.plan.host_bytes < chosen.plan.host_bytes);
+        let why = recomputing.recompute().not_offloaded.as_deref().unwrap_or_default();
+        assert!(why.contains("page-locked host memory") && why.contains("STEPGRAPH_HOST_MEMORY_LIMIT"), "{why}");
+        assert!(recomputing.recompute().to_string().contains(why));
+        assert!(chosen.recompute().not_offloaded.is_none());
     }
 
     /// A short row of a tiny model: its weights and optimizer state, not

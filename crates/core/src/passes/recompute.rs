@@ -269,6 +269,11 @@ pub struct RecomputeReport {
     /// Row tiles of every MLP of the step (1: untiled). The pass leaves it
     /// at 1; [`crate::pipeline::compile_step`] sets what it built the step with.
     pub mlp_tiles: usize,
+    /// Why values that recompute slower than a round trip over the bus are
+    /// recomputed all the same (the step that offloads them instead did
+    /// not fit the host memory or the budget); set by
+    /// [`crate::pipeline::compile_step`].
+    pub not_offloaded: Option<String>,
 }
 
 impl RecomputeReport {
@@ -309,6 +314,9 @@ impl std::fmt::Display for RecomputeReport {
         )?;
         for (kind, count, flops) in by_kind {
             writeln!(f, "    {count:>4} × {kind}  (+{:.3} GFLOP)", flops as f64 / 1e9)?;
+        }
+        if let Some(why) = &self.not_offloaded {
+            writeln!(f, "    {why}")?;
         }
         Ok(())
     }
@@ -515,6 +523,7 @@ fn report(
         planned_peak_before: before,
         planned_peak_after: after,
         mlp_tiles: 1,
+        not_offloaded: None,
     }
 }
 
