@@ -23,7 +23,9 @@
 //! take the forward values live at the peak that backward reads, the kind
 //! (op and type) with the most bytes there first, the earlier half of that
 //! kind at a time (they live longest), and plan again, until the budget is
-//! met. A kind whose offload does not lower the peak is put back and left
+//! met; the half that meets it is then cut, by bisection, to the fewest of
+//! its values that still do, as every value offloaded costs bus time on
+//! every step. A kind whose offload does not lower the peak is put back and left
 //! on the device. What cannot be met is refused
 //! ([`Error::MemoryBudget`]) with the least planned peak reached.
 //!
@@ -426,7 +428,8 @@ impl Pass for Offload {
             // Forward values by producer; leaves in trace order.
             same.sort_by_key(|&v| (step.producer(v), v));
             let previous = chosen.clone();
-            chosen.extend(same.iter().take(same.len().div_ceil(2)).copied());
+            let half = same.len().div_ceil(2);
+            chosen.extend(same.iter().take(half).copied());
             let (new, new_moved) = rewrite(step, &chosen)?;
             let new_plan = cx.plan(&new)?;
             if new_plan.planned_peak_bytes() >= current.1.planned_peak_bytes() {
@@ -435,6 +438,25 @@ impl Pass for Offload {
                 continue;
             }
             current = (new, new_plan, new_moved);
+            if current.1.planned_peak_bytes() <= budget && half > 1 {
+                // The half met the budget: the fewest of it that still do
+                // (each moves bytes every step), by bisection. Fewer of
+                // them never lower the peak more, so the search is exact
+                // up to the plan's placement.
+                let (mut lo, mut hi) = (1, half);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    let mut fewer = previous.clone();
+                    fewer.extend(same.iter().take(mid).copied());
+                    let (t, moved) = rewrite(step, &fewer)?;
+                    let plan = cx.plan(&t)?;
+                    if plan.planned_peak_bytes() <= budget {
+                        (hi, chosen, current) = (mid, fewer, (t, plan, moved));
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+            }
         }
         let (t, p, moved) = current;
         // Reports of earlier passes name nodes of the step they left.
@@ -725,6 +747,27 @@ mod tests {
         // tiled it: the same losses and weights, bit for bit.
         let kept = compile_step(&spec, &StepOptions { mlp_tiles: c.recompute().mlp_tiles, ..train }).unwrap();
         assert!(trained(&kept) == trained(&c), "an offloaded state trains otherwise");
+    }
+
+    /// A budget a little under what recomputation reaches offloads a few
+    /// states, not the half of their kind that the search starts from:
+    /// every value offloaded costs bus time on every step.
+    #[test]
+    fn a_budget_just_under_the_plan_offloads_only_what_it_needs() {
+        // 16 layers: each kind of state has 16 or 32 members, so the half
+        // the search starts from is 8 or 16 of them.
+        let o = crate::models::Overrides { n_layer: Some(16), ..Default::default() };
+        let config = crate::models::Config::named("tiny-llama").unwrap().with_overrides(&o).unwrap();
+        let spec =
+            ModelSpec { config, ..ModelSpec::named("tiny-llama", 2, 16, DType::F32, LossKind::CrossEntropy).unwrap() };
+        let train = StepOptions::new(StepKind::Train);
+        let recomputed = least_of(&spec, &StepOptions { offload: false, ..train.clone() });
+        let c =
+            compile_step(&spec, &StepOptions { recompute: RecomputePolicy::Budget(recomputed - 1), ..train }).unwrap();
+        let r = c.passes.offload.as_ref().unwrap();
+        // The states of a tiny model are a few kB each: one or two free a byte.
+        assert!((1..=2).contains(&r.values), "{r}");
+        assert!(c.planned_peak_bytes() < recomputed);
     }
 
     /// The least budget of a short row of a tiny model keeps weights in
