@@ -458,8 +458,7 @@ impl QuantizedWeight {
                 reason: format!("got {}, the weight is {}", value.ty, self.ty),
             });
         }
-        let x: Vec<f32> = value.to_f64().into_iter().map(|v| v as f32).collect();
-        let q = quantize_nf4(&x, self.double_quant)
+        let q = quantize_nf4(&value.to_f32(), self.double_quant)
             .map_err(|e| Error::Input { name: self.name.clone(), reason: e.to_string() })?;
         for ((name, _), (_, t)) in self.leaves.iter().zip(q.leaves()) {
             weights.write_param(name, &t)?;
