@@ -117,9 +117,8 @@ impl MemoryArgs {
             PlacementArg::On => OptimizerPlacement::InBackward,
             PlacementArg::Off => OptimizerPlacement::AfterBackward,
         };
-        if opts.recompute.budget().is_some() {
-            opts.host_budget = host_budget()?;
-        }
+        // Read under every policy: the fit verdict plans budgets of its own.
+        opts.host_budget = host_budget()?;
         opts.mlp_tiles = self.mlp_tiles as usize;
         opts.epilogues = self.epilogues.into();
         opts.f32_products = self.f32_products.into();
