@@ -323,13 +323,12 @@ pub const PLANNING_BUS_BYTES_PER_S: u64 = 50_000_000_000;
 /// take longer than the bus, as the module doc says.
 fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, CompileTimes)> {
     let chosen = compile_recomputing_first(spec, opts)?;
-    let c = &chosen.0;
-    let bus = opts.bus_bytes_per_s;
-    let slow = |r: &&crate::passes::recompute::RecomputedNode| {
+    let (Some(budget), true) = (opts.recompute.budget(), opts.offload) else { return Ok(chosen) };
+    let (c, bus) = (&chosen.0, opts.bus_bytes_per_s);
+    let slow = |r: &crate::passes::recompute::RecomputedNode| {
         r.seconds > crate::passes::recompute::round_trip_seconds(r.bytes, bus)
     };
-    let (Some(budget), true) = (opts.recompute.budget(), opts.offload) else { return Ok(chosen) };
-    if !c.recompute().recomputed.iter().any(|r| slow(&r)) {
+    if !c.recompute().recomputed.iter().any(slow) {
         return Ok(chosen);
     }
     let offloading = StepOptions {
@@ -350,8 +349,9 @@ fn compile_budgeted(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledSte
         Err(_) => None,
         Ok(other) => match opts.host_budget {
             Some(h) if other.0.plan.host_bytes > h => Some(format!(
-                "offloading them instead needs {:.3} GB of page-locked host memory, over the {:.3} GB this host \
-                 allows (three quarters of what it has available; STEPGRAPH_HOST_MEMORY_LIMIT sets it)",
+                "offloading them instead needs {:.3} GB of page-locked host memory, over the {:.3} GB allowed \
+                 (the command line allows three quarters of what the host has available; \
+                 STEPGRAPH_HOST_MEMORY_LIMIT sets that)",
                 other.0.plan.host_bytes as f64 / 1e9,
                 h as f64 / 1e9
             )),
