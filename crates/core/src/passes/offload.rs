@@ -653,12 +653,6 @@ mod tests {
         (recomputed, offloaded)
     }
 
-    /// The least planned peak of `opts` for `spec`, and the planned peak of
-    /// its step with every value kept.
-    fn least_and_all(spec: &ModelSpec, opts: &StepOptions) -> (u64, u64) {
-        (least_of(spec, opts), compile_step(spec, opts).unwrap().planned_peak_bytes())
-    }
-
     /// With a bus faster than recomputing attention (and slower than
     /// recomputing the rest), attention's outputs wait in host memory while
     /// the cheaper values are still recomputed; the step computes the same
@@ -669,7 +663,7 @@ mod tests {
         // per byte it frees at the roofline, the tiny model's products and
         // pointwise ops under 2e-12; a round trip at 400 GB/s takes 5e-12.
         let grads = StepOptions { bus_bytes_per_s: 400_000_000_000, ..StepOptions::new(StepKind::Grads) };
-        let (least, _) = least_and_all(&spec(), &grads);
+        let least = least_of(&spec(), &grads);
         let budget = StepOptions { recompute: RecomputePolicy::Budget(least), ..grads.clone() };
         let c = compile_step(&spec(), &budget).unwrap();
         check_plan(&c.step, &c.plan).unwrap();
