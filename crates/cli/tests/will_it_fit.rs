@@ -116,6 +116,14 @@ fn will_llama_3_8b_fit_24gb() {
     assert!(v.contains("the least it can plan with every memory option is 36.34 GB"), "{v}");
     assert!(out.contains("\n  would fit:\n    --clip-grad-norm 0 --memory-budget 24.96GB "), "{out}");
     assert!(out.contains("\n    --lora-rank 16 --memory-budget 24.96GB "), "{out}");
+    // The README shows this command's last lines as they are.
+    let readme = std::fs::read_to_string(common::root().join("README.md")).unwrap();
+    let shown = readme
+        .split("stepgraph plan --model Meta-Llama-3-8B --gpu-memory 24GB\n```\n\nends with\n\n```\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .expect("the README shows the verdict of `plan --gpu-memory 24GB`");
+    assert!(out.trim_end().ends_with(shown), "the README shows:\n{shown}\nthe command prints:\n{out}");
 }
 
 /// On a 70 GB card the same full fine-tune misses by about the master
