@@ -17,40 +17,47 @@
 //! nodes that tile the lifetime and in the `cover` of their ancestors, so
 //! the answer is the same offset a scan of all rectangles would give.
 
-use std::collections::BTreeMap;
-
-/// Disjoint byte ranges `[lo, hi)` keyed by `lo`, merged where they touch.
+/// Disjoint byte ranges `[lo, hi)` sorted by `lo`, merged where they touch.
+/// A sorted vector rather than a tree: the sets stay small (merging keeps
+/// one range per run of touching bytes), and a placement clears and refills
+/// the same sets for every ceiling it tries, which a vector does without
+/// returning its memory to the allocator (planning an 8B model at 50,000
+/// tokens took 22.1 s with a `BTreeMap` here, 15.9 s with this).
 #[derive(Clone, Debug, Default)]
-struct RangeSet(BTreeMap<u64, u64>);
+struct RangeSet(Vec<(u64, u64)>);
 
 impl RangeSet {
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+
     /// Adds `[lo, hi)`, merging it with the ranges it overlaps or touches.
-    fn insert(&mut self, mut lo: u64, mut hi: u64) {
+    fn insert(&mut self, lo: u64, hi: u64) {
         if lo >= hi {
             return;
         }
-        if let Some((&below_lo, &below_hi)) = self.0.range(..=lo).next_back() {
-            if below_hi >= lo {
-                lo = below_lo;
-                hi = hi.max(below_hi);
-                self.0.remove(&below_lo);
-            }
+        // Ranges ending before `lo` stay, as do those starting after `hi`;
+        // the ones between (they overlap or touch `[lo, hi)`) merge into it.
+        let first = self.0.partition_point(|&(_, end)| end < lo);
+        let past = first + self.0[first..].partition_point(|&(start, _)| start <= hi);
+        if first == past {
+            self.0.insert(first, (lo, hi));
+            return;
         }
-        while let Some((&next_lo, &next_hi)) = self.0.range(lo..=hi).next() {
-            hi = hi.max(next_hi);
-            self.0.remove(&next_lo);
-        }
-        self.0.insert(lo, hi);
+        let merged = (self.0[first].0.min(lo), self.0[past - 1].1.max(hi));
+        self.0[first] = merged;
+        self.0.drain(first + 1..past);
     }
 
     /// The end of the range that overlaps `[lo, hi)`, if one does. Ranges
     /// are disjoint, so only the last one starting below `hi` can.
     fn blocking_end(&self, lo: u64, hi: u64) -> Option<u64> {
-        let (_, &end) = self.0.range(..hi).next_back()?;
+        let below = self.0.partition_point(|&(start, _)| start < hi);
+        let (_, end) = *self.0[..below].last()?;
         (end > lo).then_some(end)
     }
 }
@@ -64,6 +71,9 @@ pub(super) struct Occupancy {
     cover: Vec<RangeSet>,
     /// Nodes holding anything, so [`Occupancy::clear`] costs what was used.
     touched: Vec<usize>,
+    /// Scratch for [`Occupancy::lowest_free`]: the sets meeting a lifetime,
+    /// as (node, whether its `cover` rather than its `union`).
+    meeting: Vec<(usize, bool)>,
 }
 
 impl Occupancy {
@@ -75,14 +85,15 @@ impl Occupancy {
             union: vec![RangeSet::default(); nodes],
             cover: vec![RangeSet::default(); nodes],
             touched: Vec::new(),
+            meeting: Vec::new(),
         }
     }
 
     /// Removes every rectangle.
     pub(super) fn clear(&mut self) {
         for k in self.touched.drain(..) {
-            self.union[k].0.clear();
-            self.cover[k].0.clear();
+            self.union[k].clear();
+            self.cover[k].clear();
         }
     }
 
@@ -114,43 +125,46 @@ impl Occupancy {
     /// The lowest multiple of `size`'s alignment (every range here starts
     /// and ends on one) where `size` bytes are free at every position of
     /// `[start, end]`.
-    pub(super) fn lowest_free(&self, start: usize, end: usize, size: u64) -> u64 {
+    pub(super) fn lowest_free(&mut self, start: usize, end: usize, size: u64) -> u64 {
         if size == 0 {
             return 0;
         }
-        let mut sets: Vec<&RangeSet> = Vec::new();
-        self.sets_meeting(1, 0, self.positions - 1, (start, end), &mut sets);
+        let mut meeting = std::mem::take(&mut self.meeting);
+        meeting.clear();
+        self.sets_meeting(1, 0, self.positions - 1, (start, end), &mut meeting);
         // Each set's blocking range is forbidden as a whole, and the
         // candidate only ever moves to the end of one, so it never passes
         // the lowest free offset; it stops where no set blocks it.
         let mut candidate = 0u64;
         loop {
             let mut moved = false;
-            for set in &sets {
+            for &(k, cover) in &meeting {
+                let set = if cover { &self.cover[k] } else { &self.union[k] };
                 while let Some(end) = set.blocking_end(candidate, candidate + size) {
                     candidate = end;
                     moved = true;
                 }
             }
             if !moved {
+                self.meeting = meeting;
                 return candidate;
             }
         }
     }
 
     /// The range sets whose bytes are taken somewhere in `life`.
-    fn sets_meeting<'a>(&'a self, k: usize, l: usize, r: usize, life: (usize, usize), out: &mut Vec<&'a RangeSet>) {
+    fn sets_meeting(&self, k: usize, l: usize, r: usize, life: (usize, usize), out: &mut Vec<(usize, bool)>) {
         if r < life.0 || life.1 < l {
             return;
         }
         if life.0 <= l && r <= life.1 {
             if !self.union[k].is_empty() {
-                out.push(&self.union[k]);
+                out.push((k, false));
             }
             return;
         }
         if !self.cover[k].is_empty() {
-            out.push(&self.cover[k]);
+            out.push((k, true));
         }
         if self.union[k].is_empty() {
             // Nothing below meets any position of this node.
@@ -187,12 +201,53 @@ mod tests {
         for (lo, hi) in [(10, 20), (30, 40), (20, 25), (5, 8), (39, 50), (0, 0)] {
             s.insert(lo, hi);
         }
-        assert_eq!(s.0.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(), [(5, 8), (10, 25), (30, 50)]);
+        assert_eq!(s.0, [(5, 8), (10, 25), (30, 50)]);
         assert_eq!(s.blocking_end(25, 30), None);
         assert_eq!(s.blocking_end(24, 26), Some(25));
         assert_eq!(s.blocking_end(0, 6), Some(8));
         s.insert(0, 100);
         assert_eq!(s.0.len(), 1);
+    }
+
+    #[test]
+    fn range_sets_hold_exactly_the_bytes_inserted() {
+        // Against a byte map over a small domain, with ranges that overlap,
+        // touch and contain each other.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let (mut set, mut bytes) = (RangeSet::default(), [false; 64]);
+            for _ in 0..next(12) {
+                let lo = next(64);
+                let hi = (lo + next(20)).min(64);
+                set.insert(lo, hi);
+                bytes[lo as usize..hi as usize].iter_mut().for_each(|b| *b = true);
+                // The ranges are the maximal runs of taken bytes.
+                let mut runs = Vec::new();
+                let mut i = 0;
+                while i < 64 {
+                    if bytes[i] {
+                        let start = i;
+                        while i < 64 && bytes[i] {
+                            i += 1;
+                        }
+                        runs.push((start as u64, i as u64));
+                    } else {
+                        i += 1;
+                    }
+                }
+                assert_eq!(set.0, runs);
+                for (lo, hi) in [(0, 1), (10, 30), (63, 64), (5, 6)] {
+                    let want = set.0.iter().filter(|r| r.0 < hi && r.1 > lo).map(|r| r.1).last();
+                    assert_eq!(set.blocking_end(lo, hi), want, "[{lo}, {hi}) in {:?}", set.0);
+                }
+            }
+        }
     }
 
     #[test]
