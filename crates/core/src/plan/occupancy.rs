@@ -243,7 +243,7 @@ mod tests {
                 }
                 assert_eq!(set.0, runs);
                 for (lo, hi) in [(0, 1), (10, 30), (63, 64), (5, 6)] {
-                    let want = set.0.iter().filter(|r| r.0 < hi && r.1 > lo).map(|r| r.1).last();
+                    let want = set.0.iter().filter(|r| r.0 < hi && r.1 > lo).map(|r| r.1).next_back();
                     assert_eq!(set.blocking_end(lo, hi), want, "[{lo}, {hi}) in {:?}", set.0);
                 }
             }
