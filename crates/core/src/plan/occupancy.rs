@@ -209,17 +209,21 @@ mod tests {
         assert_eq!(s.0.len(), 1);
     }
 
-    #[test]
-    fn range_sets_hold_exactly_the_bytes_inserted() {
-        // Against a byte map over a small domain, with ranges that overlap,
-        // touch and contain each other.
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
+    /// Deterministic numbers below `n` (xorshift from `seed`).
+    fn below(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
             seed % n
-        };
+        }
+    }
+
+    #[test]
+    fn range_sets_hold_exactly_the_bytes_inserted() {
+        // Against a byte map over a small domain, with ranges that overlap,
+        // touch and contain each other.
+        let mut next = below(0x9e37_79b9_7f4a_7c15);
         for _ in 0..200 {
             let (mut set, mut bytes) = (RangeSet::default(), [false; 64]);
             for _ in 0..next(12) {
@@ -254,13 +258,7 @@ mod tests {
     fn lowest_free_agrees_with_a_scan_of_every_rectangle() {
         // A small deterministic generator: the property test in
         // tests/plan_props.rs covers the planner end to end.
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut next = below(0x2545_f491_4f6c_dd1d);
         for positions in [1usize, 2, 7, 64, 100] {
             let mut occ = Occupancy::new(positions);
             for round in 0..3 {
