@@ -1448,7 +1448,7 @@ template <int DP> struct WgBwd {
     static constexpr int BQ_SMEM = 2 * OWN + 2 * NST * TILE + 2 * ROWS * 4 + 2 * NST * 8;
     // bwd_kv: k and v (128 rows), NST stages of a q and a go tile with their
     // 64 rows' lse and delta, 2·NST mbarriers.
-    static constexpr int BKV_SMEM = 2 * OWN + NST * (2 * TILE + 2 * BS * 4) + 2 * NST * 8;
+    static constexpr int BKV_SMEM = 2 * OWN + NST * (2 * TILE + 2 * BS * 4) + 2 * NST * 8 + ROWS * 4;
 };
 
 template <typename T, int DP>
@@ -1574,6 +1574,70 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     store_rows<NO>(gq + qoff, qs, w0 + g, Tn, D, c, acc, (float)scale);
 }
 
+// The last query row that sees each key of a key-side block (keys k0..kl,
+// ROWS of them at most), found by the whole block at once instead of a
+// binary search over the positions per key: at T = 2048 that search is 11
+// dependent global reads, and two of them (the block's last key for its
+// query range, then each thread's own keys) stood between a block's start
+// and its first tile.
+//   lq(j) = min(j + window − 1, lqd(j)),  lqd(j) = max{i : dfirst(i) ≤ j}
+// where dfirst(i) is the first key of row i's document, which never
+// decreases along a row. For kl, an NTH-ary search over the rows after it
+// (every thread tests one row, `__syncthreads_count` counts the rows still
+// seeing kl; T = 65536 takes two rounds). A key j whose document is kl's
+// has lqd(j) = lqd(kl): every row after kl that sees kl starts its
+// document at kl's document start, ≤ j. Any other key's document ends
+// inside the block, at the row before the first block row whose document
+// starts after j, found by halving over the block's document starts,
+// which the block keeps in shared memory (`starts`, ROWS ints).
+template <int NTH, int ROWS> struct KeySide {
+    const SgKeys& keys;
+    const int* starts;
+    int k0, kl, Tn;
+    int last;  // lq(kl)
+
+    // Every thread of the block, together (block barriers inside).
+    __device__ __forceinline__ KeySide(const SgKeys& keys_, int b, int Tn_, int k0_, int* starts_)
+        : keys(keys_), starts(starts_), k0(k0_), kl(min(k0_ + ROWS, Tn_) - 1), Tn(Tn_) {
+        int lo = kl, hi = Tn - 1;  // lq(kl) lies in lo..hi
+        if (keys.window > 0) hi = (int)min((i64)hi, (i64)kl + keys.window - 1);
+        if (keys.pos) {
+            const int* const pos = keys.pos + (i64)b * Tn;
+            auto dfirst = [&](int i) { return max(min(i - pos[i], i), 0); };
+            const int tid = threadIdx.x;
+            if (tid < ROWS) starts_[tid] = k0 + tid <= kl ? dfirst(k0 + tid) : 0x7fffffff;
+            while (lo < hi) {
+                // Candidates lo + ⌊(t + 1)·n / m⌋, t < m: increasing, the last one hi.
+                const int n = hi - lo, m = min(n, NTH);
+                const bool sees = tid < m && dfirst(lo + (int)((i64)(tid + 1) * n / m)) <= kl;
+                const int cnt = __syncthreads_count(sees);
+                const int nlo = cnt == 0 ? lo : lo + (int)((i64)cnt * n / m);
+                hi = cnt == m ? hi : lo + (int)((i64)(cnt + 1) * n / m) - 1;
+                lo = nlo;
+            }
+            __syncthreads();  // the document starts
+        }
+        last = lo;
+    }
+
+    // lq(j) for this block's key j, or T − 1 past T (where every query
+    // precedes j: masked all the same).
+    __device__ __forceinline__ int of(int j) const {
+        if (j > kl) return Tn - 1;
+        int l = last;
+        if (keys.pos && starts[kl - k0] > j) {
+            int a = j - k0 + 1, z = kl - k0;  // the first r in a..z with starts[r] > j (starts[z] is)
+            while (a < z) {
+                const int mid = (a + z) >> 1;
+                if (starts[mid] > j) z = mid;
+                else a = mid + 1;
+            }
+            l = k0 + a - 1;
+        }
+        return keys.window > 0 ? (int)min((i64)l, (i64)j + keys.window - 1) : l;
+    }
+};
+
 template <typename T, int DP>
 __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
                            T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale, const SgKeys keys) {
@@ -1589,6 +1653,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     unsigned char* const Ss = Vs + G::OWN;  // NST stages
     u64* const full = reinterpret_cast<u64*>(Ss + NST * STAGE);
     u64* const free_ = full + NST;
+    int* const starts = reinterpret_cast<int*>(full + 2 * NST);
     check_launch(ROWS, Tn, G::BKV_SMEM, NTH);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -1598,8 +1663,23 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
     const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
     if (min(min(vq, vg), min(vk, vv)) < 2) __trap();
-    // Query tiles first..nq − 1 of each head (as in bwd_kv).
-    const int kl = min(k0 + ROWS, Tn) - 1, nq = keys.last_query(b, Tn, kl) / BQ + 1;
+    // k and v first: they load while the block finds its query range.
+    tile_cm<ROWS, DP, E, NTH>(Ks, k + koff, vk, k0, Tn, ks, D, tid);
+    tile_cm<ROWS, DP, E, NTH>(Vs, v + koff, vv, k0, Tn, ks, D, tid);
+    // Query tiles first..nq − 1 of each head (as in bwd_kv), and the
+    // queries that see this lane's keys: key..lq (lq < T, so `query > lq`
+    // is also the mask past T).
+    const int key0 = k0 + wg * 64 + warp * 16 + g;  // this lane's keys: key0, key0 + 8
+    int nq, lq[2];
+    {
+        const KeySide<NTH, ROWS> side(keys, b, Tn, k0, starts);
+        // (Through a shuffle: as a per-thread value rather than the
+        // block-uniform one ptxas keeps in a uniform register, the key side
+        // at width 128 fits its registers without spilling.)
+        nq = __shfl_sync(0xffffffffu, side.last, 0) / BQ + 1;
+        lq[0] = side.of(key0);
+        lq[1] = side.of(key0 + 8);
+    }
     const int first = k0 / BQ, per_head = nq - first, steps = grp * per_head;
     const float c2 = (float)(scale * 1.4426950408889634074);
     // A soft-cap is folded in before the shared pointwise step (f2 = 1, dm = 0), as in bwd_kv.
@@ -1620,20 +1700,15 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         }
         mbar_arrive_copies(full + step % NST);
     };
-    tile_cm<ROWS, DP, E, NTH>(Ks, k + koff, vk, k0, Tn, ks, D, tid);
-    tile_cm<ROWS, DP, E, NTH>(Vs, v + koff, vv, k0, Tn, ks, D, tid);
     for (int st = 0; st < NST && st < steps; ++st) load(st);  // k and v land with the first stage
 
-    const int kr = wg * 64, key0 = k0 + kr + warp * 16 + g;  // this lane's keys: key0, key0 + 8
+    const int kr = wg * 64;
     const unsigned char* const Kw = Ks + kr * DP * 2;
     const unsigned char* const Vw = Vs + kr * DP * 2;
     float dk[DP / 2], dv[DP / 2], s[NS * 4], dp[NS * 4];
     u32 pa[BQ / 16][4], da[BQ / 16][4];
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.f;
-    // The queries that see this lane's keys: key..lq (lq < T, so `query >
-    // lq` is also the mask past T).
-    const int lq[2] = {keys.last_query(b, Tn, key0), keys.last_query(b, Tn, key0 + 8)};
 
     for (int st = 0; st < steps; ++st) {
         const int sg = st % NST;

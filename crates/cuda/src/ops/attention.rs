@@ -233,13 +233,14 @@ const WG_THREADS: u32 = 256;
 /// * `bwd_q`: the block's q and go (128 rows), three stages of a 64-row k
 ///   and v tile, the 128 rows' two f32 row terms, six mbarriers;
 /// * `bwd_kv`: the block's k and v (128 rows), three stages of a 64-row q
-///   and go tile with those rows' lse and delta, six mbarriers.
+///   and go tile with those rows' lse and delta, six mbarriers, the 128
+///   keys' document starts.
 pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
     let (own, tile) = (WG_ROWS * dp * 2, 64 * dp * 2);
     match pass {
         Pass::Forward => own + 4 * WG_ROWS * dp * 2 + 8 * 8,
         Pass::BackwardQ => 2 * own + 3 * 2 * tile + 2 * WG_ROWS * 4 + 6 * 8,
-        Pass::BackwardKv => 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8,
+        Pass::BackwardKv => 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8 + WG_ROWS * 4,
     }
 }
 
@@ -915,8 +916,9 @@ mod tests {
         assert_eq!((kv.grid, kv.block), ((16, 32, 4), (256, 1, 1)));
         // q, go (128 rows) and three stages of 64-row k and v tiles; row terms, mbarriers.
         assert_eq!(q.shared_bytes as usize, 2 * 128 * 224 + 6 * 64 * 224 + 1024 + 48);
-        // k, v (128 rows) and three stages of 64-row q and go tiles with their lse and delta.
-        assert_eq!(kv.shared_bytes as usize, 2 * 128 * 224 + 3 * (2 * 64 * 224 + 512) + 48);
+        // k, v (128 rows) and three stages of 64-row q and go tiles with
+        // their lse and delta; mbarriers, the keys' document starts.
+        assert_eq!(kv.shared_bytes as usize, 2 * 128 * 224 + 3 * (2 * 64 * 224 + 512) + 48 + 512);
         // The same arguments as the mma.sync passes (the key side reads delta).
         let portable = lower(&op, &ins, &outs).unwrap();
         for (wg, mma) in l.iter().zip(&portable) {
