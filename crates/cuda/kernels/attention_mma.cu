@@ -1616,6 +1616,8 @@ template <int NTH, int ROWS> struct KeySide {
                 lo = nlo;
             }
             __syncthreads();  // the document starts
+        } else {
+            lo = hi;  // without documents every row from kl to hi sees kl
         }
         last = lo;
     }
