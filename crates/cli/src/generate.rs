@@ -528,18 +528,29 @@ fn launch_line(program: &GenerationProgram, step: &stepgraph_cuda::launch::Launc
 /// how many per sequence would fit next to the weights and working set.
 fn does_not_fit(program: &GenerationProgram, needed: u64, free: u64) -> anyhow::Error {
     let cache_bytes = program.cache_bytes();
-    let per_position = (cache_bytes / program.spec.context.max(1) as u64).max(1);
+    // Sliding-window layers keep rings of their window whatever the
+    // context; only the other layers' caches grow with it.
+    let (rings, per_position) = program.cache_growth();
     let other = needed.saturating_sub(cache_bytes);
-    let fit = free.saturating_sub(other) / per_position;
+    let cache = if per_position == 0 {
+        format!(
+            "the cache ({:.2} GB, every layer a ring of its sliding window) does not grow with the context",
+            gb(rings)
+        )
+    } else {
+        let fit = free.saturating_sub(other + rings) / per_position;
+        format!(
+            "the cache fits {fit} positions per sequence for {} sequences (this run asks for {})",
+            program.max_batch(),
+            program.spec.context
+        )
+    };
     anyhow::anyhow!(
         "the generation plan needs {:.2} GB but GPU 0 has {:.2} GB free: the weights and working set take {:.2} GB, \
-         and the cache fits {fit} positions per sequence for {} sequences (this run asks for {}); use fewer or \
-         shorter prompts, fewer --max-new-tokens or smaller --buckets",
+         and {cache}; use fewer or shorter prompts, fewer --max-new-tokens or smaller --buckets",
         gb(needed),
         gb(free),
         gb(other),
-        program.max_batch(),
-        program.spec.context
     )
 }
 

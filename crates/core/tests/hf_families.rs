@@ -931,8 +931,20 @@ fn greedy_generation_is_the_argmax_of_the_full_forward() {
     for kind in KINDS {
         let hf = HfModelDir::open(&write_fixture(root.path(), &format!("{kind:?}"), kind)).unwrap();
         let p = generation(hf.config(), 6, 16);
+        // Sliding layers keep a ring of the window's positions, the others
+        // the whole context.
+        for l in 0..hf.config().n_layer {
+            let k = p.trace.leaf_by_name(&format!("cache.{l}.k")).unwrap();
+            let want = if hf.config().scores(l).window > 0 { WINDOW } else { 16 };
+            assert_eq!(p.trace.ty(k).shape[1], want, "{kind:?} layer {l}");
+        }
+        let (rings, per_position) = p.cache_growth();
+        assert_eq!(rings + 16 * per_position, p.cache_bytes(), "{kind:?}");
+        let sliding = (0..hf.config().n_layer).any(|l| hf.config().scores(l).window > 0);
+        assert_eq!(rings > 0, sliding, "{kind:?}");
         let mut s = generation_session(&hf, &p);
-        // Prompts longer than the window, and new tokens past it.
+        // Prompts longer than the window (one padded, one not), and new
+        // tokens past it.
         let prompts: [&[u32]; 2] = [&[5, 17, 33, 3, 21, 8], &[1, 2, 3, 4]];
         let requests: Vec<Request> = prompts
             .iter()

@@ -8,10 +8,11 @@
 //
 // Launch conventions:
 //   kv_write_<u>(U* cache, const U* src, const int* rows, const int* start,
-//                i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units)
+//                const int* last, i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units)
 //       one block per new row (b, t) (grid-striding), threads over its
-//       row_units copy units; keyed by copy unit like movement.cu.
-//   kv_write2_<u>(cache0, src0, cache1, src1, rows, start, ...the same)
+//       row_units copy units; keyed by copy unit like movement.cu. With
+//       `last` (not null) the cache is a ring (KvWrite's `ring`).
+//   kv_write2_<u>(cache0, src0, cache1, src1, rows, start, last, ...the same)
 //       two such writes (grid y = 2), merged by src/ops/decode.rs's
 //       `merge_kv_writes` from consecutive launches.
 //   cached_attention_split_h<H>_v<VW>_e<E>_s<ST>_<dtype>(q, k_cache, v_cache, rows, start,
@@ -32,24 +33,45 @@
 
 // ------------------------------------------------------------------ kv_write
 
+// The slot position p of batch row b goes to (KvWrite::slot): p itself
+// inside the cache, or with a ring (last not null) p mod s for the s
+// positions up to last[b]; -1 for none.
+__device__ __forceinline__ i64 kv_slot(i64 p, const int* last, i64 b, i64 s) {
+    if (p < 0 || s <= 0) return -1;
+    if (!last) return p < s ? p : -1;
+    const i64 l = last[b];
+    return p <= l && p > l - s ? p % s : -1;
+}
+
+// Whether batch row b2 (positions start[b2]..+seq) writes `slot`: the one
+// position that could (p itself, or in a ring the one of its s positions
+// up to last[b2] that falls in the slot) is among its rows and written.
+__device__ __forceinline__ bool kv_writes_slot(i64 slot, const int* start, const int* last, i64 b2, i64 seq, i64 s) {
+    i64 p2 = slot;
+    if (last) {
+        const i64 l = last[b2];
+        p2 = l - (((l - slot) % s) + s) % s;
+    }
+    const i64 t2 = p2 - (i64)start[b2];
+    return t2 >= 0 && t2 < seq && kv_slot(p2, last, b2, s) == slot;
+}
+
 // A later batch row that writes the same cache slot wins, as in the CPU's
 // loop order: each slot is written by exactly one block, so duplicated
-// (row, position) pairs give the same bits on every run instead of racing.
+// (row, slot) pairs give the same bits on every run instead of racing.
 template <typename U>
-__device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int* start, i64 bt_rows, i64 seq,
-                              i64 n, i64 s, i64 row_units) {
+__device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int* start, const int* last,
+                              i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) {
     for (i64 bt = blockIdx.x; bt < bt_rows; bt += gridDim.x) {
         const i64 b = bt / seq, t = bt - b * seq;
-        const i64 r = rows[b], p = (i64)start[b] + t;
-        if (r < 0 || r >= n || p < 0 || p >= s) continue;
+        const i64 r = rows[b], slot = kv_slot((i64)start[b] + t, last, b, s);
+        if (r < 0 || r >= n || slot < 0) continue;
         const i64 batch = bt_rows / seq;
         bool overwritten = false;
-        for (i64 b2 = b + 1; b2 < batch && !overwritten; ++b2) {
-            const i64 t2 = p - (i64)start[b2];
-            overwritten = rows[b2] == r && t2 >= 0 && t2 < seq;
-        }
+        for (i64 b2 = b + 1; b2 < batch && !overwritten; ++b2)
+            overwritten = rows[b2] == r && kv_writes_slot(slot, start, last, b2, seq, s);
         if (overwritten) continue;
-        U* dst = cache + (r * s + p) * row_units;
+        U* dst = cache + (r * s + slot) * row_units;
         const U* from = src + bt * row_units;
         for (i64 u = threadIdx.x; u < row_units; u += blockDim.x) dst[u] = from[u];
     }
@@ -57,9 +79,9 @@ __device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int
 
 #define SG_KV_WRITE(name, U)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
-        kv_write_##name(U* cache, const U* src, const int* rows, const int* start, i64 bt_rows, i64 seq, i64 n, \
-                        i64 s, i64 row_units) { sg_pdl_entry();                                                                 \
-        kv_write_rows<U>(cache, src, rows, start, bt_rows, seq, n, s, row_units);                               \
+        kv_write_##name(U* cache, const U* src, const int* rows, const int* start, const int* last, i64 bt_rows, \
+                        i64 seq, i64 n, i64 s, i64 row_units) { sg_pdl_entry();                                 \
+        kv_write_rows<U>(cache, src, rows, start, last, bt_rows, seq, n, s, row_units);                         \
     }
 
 // Two kv_writes of one step (a layer's keys and values: the same rows and
@@ -67,9 +89,9 @@ __device__ void kv_write_rows(U* cache, const U* src, const int* rows, const int
 #define SG_KV_WRITE2(name, U)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
         kv_write2_##name(U* cache0, const U* src0, U* cache1, const U* src1, const int* rows, const int* start, \
-                         i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) { sg_pdl_entry();                                  \
+                         const int* last, i64 bt_rows, i64 seq, i64 n, i64 s, i64 row_units) { sg_pdl_entry(); \
         const bool second = blockIdx.y == 1;                                                                   \
-        kv_write_rows<U>(second ? cache1 : cache0, second ? src1 : src0, rows, start, bt_rows, seq, n, s,      \
+        kv_write_rows<U>(second ? cache1 : cache0, second ? src1 : src0, rows, start, last, bt_rows, seq, n, s, \
                          row_units);                                                                           \
     }
 

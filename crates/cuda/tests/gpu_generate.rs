@@ -94,8 +94,19 @@ fn tokens_and_logits_match_the_cpu() {
         }),
         ..Config::named("tiny-llama").unwrap()
     };
+    // Sliding windows of 8 on every other layer, soft-capped scores: those
+    // layers keep rings of 8 positions, which prompts and decode steps
+    // wrap around many times.
+    let sliding = || Config {
+        sliding_window: Some(8),
+        sliding_layers: stepgraph_core::models::config::SlidingLayers::GlobalEvery(2),
+        attn_softcap: Some(5.0),
+        ..Config::named("tiny-llama").unwrap()
+    };
     let cases = [
         ("tiny-llama", DType::F32),
+        ("tiny-llama with sliding windows", DType::F32),
+        ("tiny-llama with sliding windows", DType::BF16),
         ("tiny-llama without grouped heads", DType::F32),
         ("tiny-neox", DType::F32),
         ("tiny-llama", DType::BF16),
@@ -105,6 +116,11 @@ fn tokens_and_logits_match_the_cpu() {
         let p = match name {
             "tiny-llama without grouped heads" => program_of(mha().unwrap(), dtype, &[1, 2, 4]),
             "tiny-llama with experts" => program_of(moe(), dtype, &[1, 2, 4]),
+            "tiny-llama with sliding windows" => {
+                let p = program_of(sliding(), dtype, &[1, 2, 4]);
+                assert!(p.cache_growth().0 > 0, "rings");
+                p
+            }
             _ => program(name, dtype, &[1, 2, 4]),
         };
         for sampled in [false, true] {

@@ -11,7 +11,9 @@
 //! segments reuse one arena; what one segment hands to a later one lives
 //! in persistent storage:
 //! - the KV cache, `cache.{layer}.k` / `.v` `[N, S, Hkv, D]` (N the largest
-//!   bucket, S [`GenerationSpec::context`]): state written in place by
+//!   bucket, S [`GenerationSpec::context`], or a sliding-window layer's
+//!   shorter window: a ring of the last S positions,
+//!   [`GenerationSpec::cache_len`]): state written in place by
 //!   every segment, a chain `c1 = kv_write(cache, …)`, `c2 = kv_write(c1, …)`
 //!   … ending in the state's update, which the planner keeps in the
 //!   cache's bytes (so any segment may run in any order);
@@ -36,7 +38,8 @@
 //! Padding a prompt to L writes garbage keys at positions `len..L` of its
 //! cache row; the first decode step writes position `len` before it
 //! attends, and attention reads positions `≤` the query's own, so the
-//! garbage is never read.
+//! garbage is never read. A ring cache takes no padding at all: its writes
+//! end at `prefill.last`, so padding cannot push real keys out of the ring.
 //!
 //! **LongRoPE** picks its factors by the largest position a call rotates
 //! (`transformers`' rule), which for a padded prompt would be L − 1: the
@@ -60,6 +63,7 @@ use crate::error::{Error, Result};
 use crate::host::HostTensor;
 use crate::ir::{Builder, DType, OutputKind, TensorType, Trace, ValueId};
 use crate::models::hf_dir::NamedParams;
+use crate::ops::attention::Scores;
 use crate::ops::decode::CachedAttention;
 use crate::passes::fusion::Fold;
 use crate::passes::views::SliceViews;
@@ -146,6 +150,18 @@ impl GenerationProgram {
         self.trace.leaf_bytes(|k| matches!(k, crate::ir::ValueKind::State { name } if name.starts_with("cache.")))
     }
 
+    /// How the cache grows with the context: `(ring bytes, bytes per
+    /// position)`, the rings of the sliding-window layers (which stay at
+    /// their window) and, per position of every sequence, the other layers'.
+    pub fn cache_growth(&self) -> (u64, u64) {
+        let cfg = &self.spec.config;
+        let position = 2 * (self.max_batch() * cfg.n_query_groups * cfg.head_size * self.spec.dtype.size()) as u64;
+        (0..cfg.n_layer).fold((0, 0), |(ring, per_position), layer| match self.spec.cache_len(layer) {
+            len if len < self.spec.context => (ring + len as u64 * position, per_position),
+            _ => (ring, per_position + position),
+        })
+    }
+
     /// The model's parameters as a checkpoint names them: a trace of
     /// parameters only, each fused weight replaced by its parts, for loading
     /// (`HfModelDir::check` and `load_into_with` map checkpoint tensors to
@@ -225,6 +241,16 @@ impl<'p> FusedWriter<'p> {
 }
 
 impl GenerationSpec {
+    /// Positions layer `layer`'s cache holds per sequence: the context, or
+    /// for a sliding-window layer whose window is shorter, the window (a
+    /// ring, [`crate::ops::decode::KvWrite`]'s `ring`).
+    pub fn cache_len(&self, layer: usize) -> usize {
+        match self.config.scores(layer).window {
+            0 => self.context,
+            window => window.min(self.context),
+        }
+    }
+
     /// Checks the spec before anything is recorded.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
@@ -273,12 +299,14 @@ struct Recorder<'a> {
 struct CacheIo {
     rows: ValueId,
     start: ValueId,
+    /// Each row's last valid position (where a ring cache's writes end).
+    last: ValueId,
     /// Prefill: per-token positions RoPE rotates at (LongRoPE), instead
     /// of the prompt's own `0..L`.
     rope_positions: Option<ValueId>,
-    /// Decode: attend over the cache with this many splits; prefill
-    /// (`None`): causal attention over the prompt itself.
-    splits: Option<usize>,
+    /// Decode (`Some(batch)`): attend over the cache; prefill (`None`):
+    /// causal attention over the prompt itself.
+    decode_batch: Option<usize>,
 }
 
 impl Recorder<'_> {
@@ -290,15 +318,27 @@ impl Recorder<'_> {
     /// writing its new keys and values into the cache first: decode then
     /// attends over the cache, prefill causally over the prompt itself.
     fn layers(&mut self, x: ValueId, batch: usize, seq: usize, io: CacheIo) -> Result<ValueId> {
-        let Recorder { g, cache, .. } = self;
-        let start = io.splits.map(|_| io.start).or(io.rope_positions);
+        let Recorder { g, cache, spec } = self;
+        let start = io.decode_batch.map(|_| io.start).or(io.rope_positions);
         g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale, scores| {
             let (kc, vc) = cache[layer];
-            let kc = g.b.kv_write(kc, k, io.rows, io.start)?;
-            let vc = g.b.kv_write(vc, v, io.rows, io.start)?;
+            let len = spec.cache_len(layer);
+            let ring = len < spec.context;
+            let (kc, vc) = if ring {
+                let kc = g.b.kv_write_ring(kc, k, io.rows, io.start, io.last)?;
+                (kc, g.b.kv_write_ring(vc, v, io.rows, io.start, io.last)?)
+            } else {
+                (g.b.kv_write(kc, k, io.rows, io.start)?, g.b.kv_write(vc, v, io.rows, io.start)?)
+            };
             cache[layer] = (kc, vc);
-            match io.splits {
-                Some(splits) => g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits, scores),
+            match io.decode_batch {
+                Some(batch) => {
+                    let splits = CachedAttention::auto_splits(batch, spec.config.n_query_groups, len, ATTENTION_BLOCKS);
+                    // A ring holds exactly the window: attending all of its
+                    // written slots is the window (see `KvWrite`).
+                    let scores = if ring { Scores { window: 0, ..scores } } else { scores };
+                    g.b.cached_attention(q, kc, vc, io.rows, io.start, scale, splits, scores)
+                }
                 None => g.b.attention_with(q, k, v, scale, scores, None),
             }
         })
@@ -343,7 +383,9 @@ impl Recorder<'_> {
         let table = self.embed_table()?;
         let x = self.g.b.embedding(ids, table)?;
         let x = self.g.scale_embedding(x)?;
-        let x = self.layers(x, 1, l, CacheIo { rows: row, start, splits: None, rope_positions })?;
+        // `last` is the prompt's last position, `start` being 0.
+        let io = CacheIo { rows: row, start, last, decode_batch: None, rope_positions };
+        let x = self.layers(x, 1, l, io)?;
         // Only the last prompt token's hidden state goes on: its row,
         // gathered by index (norm and head are per row).
         let rows = self.g.b.reshape(x, &[l, c])?;
@@ -362,13 +404,13 @@ impl Recorder<'_> {
         let rows = self.i32s(&format!("{name}.rows"), &[batch])?;
         let sampling = self.g.b.input(&format!("{name}.sampling"), TensorType::new(DType::F32, [batch, 3]))?;
         let seeds = self.g.b.input(&format!("{name}.seeds"), TensorType::new(DType::I64, [batch]))?;
-        let splits = CachedAttention::auto_splits(batch, cfg.n_query_groups, self.spec.context, ATTENTION_BLOCKS);
         let table = self.embed_table()?;
         let ids = self.g.b.reshape(tokens, &[batch, 1])?;
         let x = self.g.b.embedding(ids, table)?;
         let x = self.g.scale_embedding(x)?;
-        let x =
-            self.layers(x, batch, 1, CacheIo { rows, start: positions, splits: Some(splits), rope_positions: None })?;
+        // One new token per row: its own position is its last.
+        let io = CacheIo { rows, start: positions, last: positions, decode_batch: Some(batch), rope_positions: None };
+        let x = self.layers(x, batch, 1, io)?;
         let x = self.g.b.reshape(x, &[batch, cfg.n_embd])?;
         let logits = self.head(x, &name)?;
         let (next, advanced) = self.g.b.sample_next(logits, sampling, seeds, tokens, positions, 1)?;
@@ -385,9 +427,9 @@ pub fn build_generation(spec: &GenerationSpec) -> Result<GenerationProgram> {
     let mut g = Gpt::new("generate", cfg, spec.dtype, 1);
     g.fuse_projections = true;
     let n = *spec.buckets.last().expect("validated");
-    let cache_ty = TensorType::new(spec.dtype, [n, spec.context, cfg.n_query_groups, cfg.head_size]);
     let mut leaves = Vec::with_capacity(cfg.n_layer);
     for layer in 0..cfg.n_layer {
+        let cache_ty = TensorType::new(spec.dtype, [n, spec.cache_len(layer), cfg.n_query_groups, cfg.head_size]);
         let k = g.b.state(&format!("cache.{layer}.k"), cache_ty.clone())?;
         let v = g.b.state(&format!("cache.{layer}.v"), cache_ty.clone())?;
         leaves.push((k, v));

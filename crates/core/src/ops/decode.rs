@@ -77,18 +77,55 @@ fn expect_cache(cache: &TensorType, what: &str) -> std::result::Result<(), Strin
 /// `cache[rows[b], start[b] + t] = new[b, t]` for every `(b, t)` inside the
 /// cache; inputs `(cache [N,S,H,D], new [B,T,H,D], rows i32[B], start i32[B])`,
 /// output the cache (in place).
-#[derive(Clone, PartialEq, Debug)]
-pub struct KvWrite;
+///
+/// **Ring** (`ring: true`): the cache keeps only the last S positions of a
+/// sequence, position `p` in slot `p mod S` (a sliding-window layer needs
+/// no more). A fifth input `last: i32[B]` is each row's last valid
+/// position (a right-padded prompt's length − 1; a decode step's own
+/// position): row `(b, t)` is written when its position `p` has
+/// `last[b] − S < p ≤ last[b]` and `p ≥ 0`, so no two writes of one call
+/// meet in a slot and padding never displaces a real key. Cached attention
+/// over a ring with one query per row at position `p` then attends every
+/// written slot, `0..=min(p, S − 1)`, which hold positions
+/// `p − S + 1..=p` exactly (see [`CachedAttention`]).
+#[derive(Clone, PartialEq, Debug, Default)]
+pub struct KvWrite {
+    pub ring: bool,
+}
+
+impl KvWrite {
+    /// The slot of position `p` of a row whose write is `start..start + t`
+    /// with last valid position `last`, in a cache of `s` positions; `None`
+    /// when the row is not written.
+    pub fn slot(&self, p: i64, last: i64, s: usize) -> Option<usize> {
+        let s = s as i64;
+        if p < 0 || s == 0 {
+            return None;
+        }
+        if !self.ring {
+            return (p < s).then_some(p as usize);
+        }
+        (p <= last && p > last - s).then_some((p % s) as usize)
+    }
+}
 
 impl OpDef for KvWrite {
     /// A prompt's rows, single tokens of a batch at different positions,
-    /// writes that run past the cache's end or name a row outside it.
+    /// writes that run past the cache's end or name a row outside it; ring
+    /// writes of a padded prompt longer than the ring and shorter, of
+    /// decode steps past the ring's length, and of two batch rows into the
+    /// same cache row.
     fn samples(d: DType) -> Vec<Sample> {
         let i32s = |v: &[f64]| fixed(DType::I32, &[v.len()], v);
+        let plain = KvWrite::default();
+        let ring = KvWrite { ring: true };
         vec![
-            Sample::new(KvWrite, vec![normal(d, &[2, 8, 2, 4]), normal(d, &[1, 5, 2, 4]), i32s(&[1.0]), i32s(&[0.0])]),
             Sample::new(
-                KvWrite,
+                plain.clone(),
+                vec![normal(d, &[2, 8, 2, 4]), normal(d, &[1, 5, 2, 4]), i32s(&[1.0]), i32s(&[0.0])],
+            ),
+            Sample::new(
+                plain.clone(),
                 vec![
                     normal(d, &[4, 6, 3, 8]),
                     normal(d, &[3, 1, 3, 8]),
@@ -97,12 +134,36 @@ impl OpDef for KvWrite {
                 ],
             ),
             Sample::new(
-                KvWrite,
+                plain,
                 vec![
                     normal(d, &[3, 4, 1, 16]),
                     normal(d, &[3, 3, 1, 16]),
                     i32s(&[0.0, 7.0, 2.0]),
                     i32s(&[2.0, 0.0, -1.0]),
+                ],
+            ),
+            // A 12-token padded prompt of 9 real tokens into a ring of 5, and
+            // one of 3 real tokens.
+            Sample::new(
+                ring.clone(),
+                vec![normal(d, &[2, 5, 2, 4]), normal(d, &[1, 12, 2, 4]), i32s(&[1.0]), i32s(&[0.0]), i32s(&[8.0])],
+            ),
+            Sample::new(
+                ring.clone(),
+                vec![normal(d, &[2, 5, 2, 4]), normal(d, &[1, 12, 2, 4]), i32s(&[0.0]), i32s(&[0.0]), i32s(&[2.0])],
+            ),
+            // Decode steps at positions before, at and far past the ring's
+            // length; a row outside the cache; a negative position; two
+            // batch rows into cache row 1 at positions a ring apart, so into
+            // one slot (the later batch row wins, as without the ring).
+            Sample::new(
+                ring,
+                vec![
+                    normal(d, &[3, 6, 1, 16]),
+                    normal(d, &[6, 1, 1, 16]),
+                    i32s(&[0.0, 2.0, 1.0, 5.0, 0.0, 1.0]),
+                    i32s(&[3.0, 6.0, 40.0, 1.0, -1.0, 46.0]),
+                    i32s(&[3.0, 6.0, 40.0, 1.0, -1.0, 46.0]),
                 ],
             ),
         ]
@@ -111,7 +172,7 @@ impl OpDef for KvWrite {
         "kv_write"
     }
     fn infer(&self, inputs: &[&TensorType]) -> std::result::Result<Vec<TensorType>, String> {
-        expect_inputs(inputs, 4)?;
+        expect_inputs(inputs, if self.ring { 5 } else { 4 })?;
         let (cache, new) = (inputs[0], inputs[1]);
         expect_cache(cache, "the cache")?;
         if new.rank() != 4 || new.dtype != cache.dtype || new.shape[2..] != cache.shape[2..] {
@@ -122,6 +183,9 @@ impl OpDef for KvWrite {
         }
         expect_index_vector(inputs[2], new.shape[0], "rows")?;
         expect_index_vector(inputs[3], new.shape[0], "start")?;
+        if self.ring {
+            expect_index_vector(inputs[4], new.shape[0], "last")?;
+        }
         Ok(vec![cache.clone()])
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
@@ -133,14 +197,18 @@ impl OpDef for KvWrite {
         let (b, t) = (ns[0], ns[1]);
         let rows = io.input::<i32>(2).to_vec();
         let start = io.input::<i32>(3).to_vec();
+        let last = if self.ring { io.input::<i32>(4).to_vec() } else { vec![0; b] };
         with_float!(io.out_ty(0).dtype, T => {
             let new = io.input::<T>(1);
             let cache = io.inplace::<T>(0, 0);
             for bi in 0..b {
                 for ti in 0..t {
                     let (r, p) = (rows[bi] as i64, start[bi] as i64 + ti as i64);
-                    if (0..n as i64).contains(&r) && (0..s as i64).contains(&p) {
-                        let dst = (r as usize * s + p as usize) * row;
+                    if !(0..n as i64).contains(&r) {
+                        continue;
+                    }
+                    if let Some(slot) = self.slot(p, last[bi] as i64, s) {
+                        let dst = (r as usize * s + slot) * row;
                         let src = (bi * t + ti) * row;
                         cache[dst..dst + row].copy_from_slice(&new[src..src + row]);
                     }
@@ -149,8 +217,15 @@ impl OpDef for KvWrite {
             Ok(())
         })
     }
-    fn parse(name: &str, _a: &mut Attrs) -> Option<Result<Self>> {
-        (name == "kv_write").then_some(Ok(KvWrite))
+    fn attrs(&self) -> Vec<(&'static str, Attr)> {
+        if self.ring {
+            vec![("ring", Attr::Bool(true))]
+        } else {
+            Vec::new()
+        }
+    }
+    fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
+        (name == "kv_write").then(|| Ok(KvWrite { ring: a.opt_bool("ring")?.unwrap_or(false) }))
     }
     fn inplace(&self) -> Vec<(usize, usize)> {
         vec![(0, 0)]
@@ -162,7 +237,11 @@ impl OpDef for KvWrite {
 /// Attention of `q: [B, T, Hq, D]` over cached keys and values
 /// `[N, S, Hkv, D]`: query `(b, t)` sits at position `start[b] + t` of cache
 /// row `rows[b]` and attends to positions `0..=start[b] + t` there
-/// (grouped-query heads as [`super::attention::Attention`]). Inputs
+/// (grouped-query heads as [`super::attention::Attention`]); positions
+/// past the cache's end read as its last, so over a ring cache
+/// ([`KvWrite`]'s `ring`) a single query at position `p` attends all
+/// `min(p + 1, S)` written slots, the ring's window (its recorder gives
+/// the op no window of its own: the ring is one). Inputs
 /// `(q, k_cache, v_cache, rows, start)`; outputs `(o, partials)` with
 /// `partials: [B, T, Hq, splits, D + 2]` in the stat dtype holding each
 /// split's `(m, l, acc[D])` (see the module doc).
@@ -607,7 +686,19 @@ impl Builder {
     /// Writes `new: [B, T, H, D]` into `cache: [N, S, H, D]` at rows `rows`
     /// from positions `start`; returns the written cache.
     pub fn kv_write(&mut self, cache: ValueId, new: ValueId, rows: ValueId, start: ValueId) -> Result<ValueId> {
-        self.push1(KvWrite.into(), &[cache, new, rows, start])
+        self.push1(KvWrite::default().into(), &[cache, new, rows, start])
+    }
+
+    /// [`KvWrite`] into a ring cache: rows at positions `last − S + 1..=last` only.
+    pub fn kv_write_ring(
+        &mut self,
+        cache: ValueId,
+        new: ValueId,
+        rows: ValueId,
+        start: ValueId,
+        last: ValueId,
+    ) -> Result<ValueId> {
+        self.push1(KvWrite { ring: true }.into(), &[cache, new, rows, start, last])
     }
 
     /// Attention of `q` over the caches (see [`CachedAttention`]); returns `o`.

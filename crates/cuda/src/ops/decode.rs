@@ -134,12 +134,14 @@ pub fn split_staged_bytes(dtype: DType, pitch: usize, stages: usize) -> usize {
 kernel_args! {
     /// `kv_write_<unit>`: row `(b, t)` of the `bt_rows` rows of `src`
     /// (`seq` per batch row) into slot `(rows[b], start[b] + t)` of the
-    /// `[n, s]` rows of `cache`, rows of `row_units` copy units.
+    /// `[n, s]` rows of `cache`, rows of `row_units` copy units; with `last`
+    /// (not 0) into a ring (`KvWrite::slot`).
     pub(crate) struct KvWriteArgs {
         cache: u64,
         src: u64,
         rows: u64,
         start: u64,
+        last: u64,
         bt_rows: i64,
         seq: i64,
         n: i64,
@@ -158,6 +160,7 @@ kernel_args! {
         src1: u64,
         rows: u64,
         start: u64,
+        last: u64,
         bt_rows: i64,
         seq: i64,
         n: i64,
@@ -178,6 +181,7 @@ impl KvWrite2Args {
             src1: second.src,
             rows: first.rows,
             start: first.start,
+            last: first.last,
             bt_rows: first.bt_rows,
             seq: first.seq,
             n: first.n,
@@ -194,6 +198,7 @@ impl KvWrite2Args {
             src,
             rows: self.rows,
             start: self.start,
+            last: self.last,
             bt_rows: self.bt_rows,
             seq: self.seq,
             n: self.n,
@@ -293,6 +298,8 @@ impl Lower for KvWrite {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (cache, new, rows, start, out) =
             (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.inputs[3], &cx.outputs[0]);
+        // A ring's last positions; 0 (no ring) otherwise.
+        let last = if self.ring { cx.inputs[4].ptr } else { 0 };
         let (&[n, s, h, d], &[b, t, ..]) = (&cache.ty.shape[..], &new.ty.shape[..]) else {
             return Err(CudaError::lower(
                 self.name(),
@@ -317,6 +324,7 @@ impl Lower for KvWrite {
             src: new.ptr,
             rows: rows.ptr,
             start: start.ptr,
+            last,
             bt_rows: bt as i64,
             seq: t as i64,
             n: n as i64,
@@ -598,7 +606,7 @@ mod tests {
     fn kv_write_copies_the_cache_only_out_of_place() {
         let types =
             [t(DType::BF16, &[2, 8, 2, 4]), t(DType::BF16, &[1, 5, 2, 4]), t(DType::I32, &[1]), t(DType::I32, &[1])];
-        let op = Op::from(KvWrite);
+        let op = Op::from(KvWrite::default());
         let (ins, outs, l) = lowered(&op, &types);
         assert_eq!(l[0], Launch::Copy { dst: outs[0].ptr, src: ins[0].ptr, bytes: 2 * 8 * 2 * 4 * 2 });
         let k = kernels(&l[1..])[0];

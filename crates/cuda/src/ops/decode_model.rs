@@ -110,21 +110,41 @@ fn emulate(k: &KernelLaunch, mem: &mut Mem) {
         }
     } else if let Some(unit) = f.strip_prefix("kv_write_") {
         let w = UNITS.iter().find(|(_, n)| *n == unit).expect("a copy unit").0 as i64;
-        let KvWriteArgs { cache, src, rows, start, bt_rows, seq, n, s, row_units } = KvWriteArgs::from_args(a);
+        let KvWriteArgs { cache, src, rows, start, last, bt_rows, seq, n, s, row_units } = KvWriteArgs::from_args(a);
         let row = |mem: &mut Mem, b| load(mem, DType::I32, rows, b) as i64;
         let first = |mem: &mut Mem, b| load(mem, DType::I32, start, b) as i64;
+        // kv_slot: the kernel's slot rule, spelled out again here.
+        let slot_of = |mem: &mut Mem, p: i64, b: i64| -> Option<i64> {
+            if p < 0 || s <= 0 {
+                return None;
+            }
+            if last == 0 {
+                return (p < s).then_some(p);
+            }
+            let l = load(mem, DType::I32, last, b) as i64;
+            (p <= l && p > l - s).then_some(p.rem_euclid(s))
+        };
         // Blocks run in any order: the model runs them last first, so only
         // the kernel's own rule can make the later batch row win.
         for bt in (0..bt_rows).rev() {
             let (b, t) = (bt / seq, bt % seq);
             let (r, p) = (row(mem, b), first(mem, b) + t);
-            if !(0..n).contains(&r) || !(0..s).contains(&p) {
+            let Some(slot) = slot_of(mem, p, b) else { continue };
+            if !(0..n).contains(&r) {
                 continue;
             }
-            let later = (b + 1..bt_rows / seq).any(|b2| row(mem, b2) == r && (0..seq).contains(&(p - first(mem, b2))));
+            // kv_writes_slot, by trying every row of the later batch rows.
+            let later = (b + 1..bt_rows / seq).any(|b2| {
+                let start2 = first(mem, b2);
+                row(mem, b2) == r && (0..seq).any(|t2| slot_of(mem, start2 + t2, b2) == Some(slot))
+            });
             if !later {
                 let bytes = row_units * w;
-                mem.copy((cache as i64 + (r * s + p) * bytes) as u64, (src as i64 + bt * bytes) as u64, bytes as usize);
+                mem.copy(
+                    (cache as i64 + (r * s + slot) * bytes) as u64,
+                    (src as i64 + bt * bytes) as u64,
+                    bytes as usize,
+                );
             }
         }
     } else if let Some(rest) = f.strip_prefix("cached_attention_split_") {
@@ -628,7 +648,7 @@ fn kv_write_and_sample_next_match_the_cpu_exactly_on_the_model() {
     let kv_extra = |d: DType| {
         vec![
             Sample::new(
-                stepgraph_core::ops::decode::KvWrite,
+                stepgraph_core::ops::decode::KvWrite::default(),
                 vec![
                     normal(d, &[3, 6, 2, 8]),
                     normal(d, &[3, 2, 2, 8]),
@@ -637,7 +657,7 @@ fn kv_write_and_sample_next_match_the_cpu_exactly_on_the_model() {
                 ],
             ),
             Sample::new(
-                stepgraph_core::ops::decode::KvWrite,
+                stepgraph_core::ops::decode::KvWrite::default(),
                 vec![normal(d, &[2, 5, 1, 3]), normal(d, &[2, 2, 1, 3]), i32s(&[0.0, 1.0]), i32s(&[4.0, 0.0])],
             ),
         ]
@@ -785,7 +805,7 @@ fn merged_cache_writes_equal_the_two_launches() {
     use super::decode::merge_kv_writes;
     use crate::launch::LaunchList;
     use stepgraph_core::ops::decode::KvWrite;
-    let op = Op::from(KvWrite);
+    let op = Op::from(KvWrite::default());
     let (b, t, n, s, h, d) = (3, 2, 4, 9, 2, 6);
     for dt in [DType::BF16, DType::F32] {
         let cache = TensorType::new(dt, [n, s, h, d]);
