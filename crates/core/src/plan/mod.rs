@@ -577,6 +577,14 @@ fn first_past_cap(items: &[(usize, usize, u64)]) -> Option<usize> {
 ///
 /// Fails only when the aligned sizes sum past [`MAX_PLAN_BYTES`].
 pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
+    Ok(sweep_ceilings(items, true)?.0)
+}
+
+/// [`assign_offsets`], with or without stopping each placement once it
+/// reaches the best extent so far (which changes no offset: such a
+/// placement can neither win nor fit under its ceiling); also the number
+/// of placements stopped.
+fn sweep_ceilings(items: &[(usize, usize, u64)], stop_early: bool) -> Result<(Vec<u64>, usize)> {
     if let Some(k) = first_past_cap(items) {
         let (start, end, bytes) = items[k];
         return Err(Error::Size {
@@ -589,7 +597,7 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
     }
     let last = items.iter().map(|i| i.1).max().unwrap_or(0);
     let mut occupancy = Occupancy::new(last + 1);
-    let by_size = greedy(items, &[], Order::Size, &mut occupancy);
+    let by_size = greedy(items, &[], Order::Size, &mut occupancy, u64::MAX).expect("no limit");
     let mut best = (extent(items, &by_size), by_size);
     let tail: Vec<usize> = {
         let mut t: Vec<usize> = (0..items.len()).filter(|&i| items[i].1 == last && items[i].0 < last).collect();
@@ -597,8 +605,9 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
         t
     };
     if tail.is_empty() {
-        return Ok(best.1);
+        return Ok((best.1, 0));
     }
+    let mut stopped = 0;
     let floor = live_floor(items);
     for k in 0..=40u64 {
         // floor * (1 + k / 400), in u128 so the product cannot overflow.
@@ -623,7 +632,13 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
         }
         let mut done = false;
         for order in [Order::Size, Order::Birth] {
-            let offsets = greedy(items, &fixed, order, &mut occupancy);
+            // A placement that reaches the best extent so far can neither
+            // replace it nor fit under this ceiling (below it): stop there.
+            let limit = if stop_early { best.0 } else { u64::MAX };
+            let Some(offsets) = greedy(items, &fixed, order, &mut occupancy, limit) else {
+                stopped += 1;
+                continue;
+            };
             let e = extent(items, &offsets);
             if e < best.0 {
                 best = (e, offsets);
@@ -634,7 +649,7 @@ pub fn assign_offsets(items: &[(usize, usize, u64)]) -> Result<Vec<u64>> {
             break;
         }
     }
-    Ok(best.1)
+    Ok((best.1, stopped))
 }
 
 /// The largest sum of aligned sizes alive at one position.
@@ -668,13 +683,16 @@ enum Order {
 
 /// Places every interval not in `fixed` (item, offset) at the lowest aligned
 /// offset free over its lifetime, in `order`. `occupancy` is scratch space
-/// (cleared first) covering every position of `items`.
+/// (cleared first) covering every position of `items`. `None` as soon as an
+/// interval ends at or above `limit` (the extent only grows as more are
+/// placed).
 fn greedy(
     items: &[(usize, usize, u64)],
     fixed: &[(usize, u64)],
     order_by: Order,
     occupancy: &mut Occupancy,
-) -> Vec<u64> {
+    limit: u64,
+) -> Option<Vec<u64>> {
     occupancy.clear();
     let mut offsets = vec![0u64; items.len()];
     let mut is_fixed = vec![false; items.len()];
@@ -693,10 +711,13 @@ fn greedy(
         let (s, e, b) = items[i];
         let size = align_up(b);
         let offset = occupancy.lowest_free(s, e, size);
+        if offset + size >= limit {
+            return None;
+        }
         offsets[i] = offset;
         occupancy.insert(s, e, offset, offset + size);
     }
-    offsets
+    Some(offsets)
 }
 
 /// Every interval its own bytes: the unplanned reference layout.
@@ -714,7 +735,32 @@ fn assign_disjoint(items: &[(usize, usize, u64)]) -> Vec<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::UnionFind;
+    use super::{sweep_ceilings, UnionFind};
+
+    #[test]
+    fn stopping_placements_at_the_best_extent_changes_no_offset() {
+        let mut next = super::occupancy::below(0x9e37_79b9_7f4a_7c15);
+        let mut stopped = 0;
+        for round in 0..60 {
+            let last = 4 + next(60) as usize;
+            let n = 8 + next(150) as usize;
+            let items: Vec<(usize, usize, u64)> = (0..n)
+                .map(|_| {
+                    let start = next(last as u64) as usize;
+                    // About a third live to the end of the step: the
+                    // gradients the ceiling sweep stacks from the top.
+                    let end = if next(3) == 0 { last } else { (start + next(1 + last as u64 / 2) as usize).min(last) };
+                    (start, end, (1 + next(5000)) * if next(4) == 0 { 97 } else { 1 })
+                })
+                .collect();
+            let (fast, n_stopped) = sweep_ceilings(&items, true).unwrap();
+            let (full, none) = sweep_ceilings(&items, false).unwrap();
+            assert_eq!(fast, full, "round {round}");
+            assert_eq!(none, 0);
+            stopped += n_stopped;
+        }
+        assert!(stopped > 0, "no placement was stopped: the check above checked nothing");
+    }
 
     #[test]
     fn view_classes_keep_each_values_offset_through_compression() {

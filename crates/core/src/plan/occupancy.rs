@@ -177,6 +177,19 @@ impl Occupancy {
 }
 
 #[cfg(test)]
+/// Deterministic numbers below `n` (xorshift from `seed`), for the
+/// planner's property checks.
+#[cfg(test)]
+pub(crate) fn below(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |n| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -207,16 +220,6 @@ mod tests {
         assert_eq!(s.blocking_end(0, 6), Some(8));
         s.insert(0, 100);
         assert_eq!(s.0.len(), 1);
-    }
-
-    /// Deterministic numbers below `n` (xorshift from `seed`).
-    fn below(mut seed: u64) -> impl FnMut(u64) -> u64 {
-        move |n| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        }
     }
 
     #[test]
