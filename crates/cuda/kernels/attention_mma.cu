@@ -1087,11 +1087,58 @@ __device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, 
             cp_async<V * sizeof(E)>(dst, src, ok);
     }
 }
+// tile_cm_v for copies of 8 or 16 bytes with a fixed share of the tile per
+// thread, so that its addresses are a base and compile-time offsets:
+// tile_cm_v's index arithmetic (a division by the chunks per row for every
+// copy, in 64 bits) was about half of the warpgroup forward's instructions
+// on W5's shape, which issue-bound it. Warp w copies the 8-row groups w,
+// w + NTH/32, ... of every column slab of 4 copies; lane 8q + i takes row i
+// of the group and copy q of the slab, so a warp's shared writes are 256 or
+// 512 contiguous bytes, as tile_cm_v's. The same bytes land in the same
+// places as with tile_cm_v.
+template <int V, int ROWS, int DP, int NTH, typename E>
+__device__ __forceinline__ void tile_cm_slabs(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D,
+                                              int tid) {
+    static_assert(V * sizeof(E) == 8 || V * sizeof(E) == 16, "8- or 16-byte copies");
+    constexpr int NW = NTH / 32, SLAB = 4 * V, NSLAB = (DP + SLAB - 1) / SLAB;
+    static_assert((ROWS / 8) % NW == 0, "whole 8-row groups per warp");
+    const int lane = tid & 31, warp = tid >> 5, i = lane & 7, q = lane >> 3;
+    const int c = q * V;  // this lane's first column in every slab
+    // Byte offset of (row i of group 0, column c) in the core-matrix layout.
+    const u32 at = smem_addr(s) + i * 16 + (c >> 3) * 128 + (c & 7) * (int)sizeof(E);
+#pragma unroll
+    for (int k = 0; k < ROWS / 8 / NW; ++k) {
+        const int rg = warp + k * NW, r = rg * 8 + i;
+        // Columns this row still has from c on: none past T. A copy of
+        // columns at or past D reads nothing (source size 0, zeros written),
+        // so its address, at most DP − D elements past the row's last, is
+        // never read either.
+        const int left = t0 + r < Tn ? D - c : 0;
+        const E* const src = t0 + r < Tn ? g + (long long)(t0 + r) * stride + c : g;
+        const u32 dst = at + rg * (16 * DP);
+#pragma unroll
+        for (int sl = 0; sl < NSLAB; ++sl) {
+            if (sl * SLAB + c >= DP) continue;  // past the padded width (the last slab's tail)
+            const int n = sl * SLAB < left ? V * (int)sizeof(E) : 0;
+            const E* const from = src + sl * SLAB;
+            const u32 to = dst + sl * (SLAB / 8) * 128;
+            if constexpr (V * sizeof(E) == 16)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(n));
+            else
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(to), "l"(from), "r"(n));
+        }
+    }
+}
+
 template <int ROWS, int DP, typename E, int NTH = NT>
 __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec, int t0, int Tn, long long stride,
                                         int D, int tid = -1) {
     const E* p = (const E*)g;
     if (tid < 0) tid = threadIdx.x;
+    if constexpr (sizeof(E) == 2 && (ROWS / 8) % (NTH / 32) == 0) {
+        if (vec == 8) return tile_cm_slabs<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+        if (vec == 4) return tile_cm_slabs<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    }
     if (vec == 8) return tile_cm_v<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
     if (vec == 4) return tile_cm_v<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
     if (vec == 2) return tile_cm_v<2, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
