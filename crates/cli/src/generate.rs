@@ -532,18 +532,16 @@ fn does_not_fit(program: &GenerationProgram, needed: u64, free: u64) -> anyhow::
     // context; only the other layers' caches grow with it.
     let (rings, per_position) = program.cache_growth();
     let other = needed.saturating_sub(cache_bytes);
-    let cache = if per_position == 0 {
-        format!(
-            "the cache ({:.2} GB, every layer a ring of its sliding window) does not grow with the context",
-            gb(rings)
-        )
-    } else {
-        let fit = free.saturating_sub(other + rings) / per_position;
-        format!(
+    let cache = match free.saturating_sub(other + rings).checked_div(per_position) {
+        Some(fit) => format!(
             "the cache fits {fit} positions per sequence for {} sequences (this run asks for {})",
             program.max_batch(),
             program.spec.context
-        )
+        ),
+        None => format!(
+            "the cache ({:.2} GB, every layer a ring of its sliding window) does not grow with the context",
+            gb(rings)
+        ),
     };
     anyhow::anyhow!(
         "the generation plan needs {:.2} GB but GPU 0 has {:.2} GB free: the weights and working set take {:.2} GB, \
