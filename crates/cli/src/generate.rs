@@ -669,4 +669,41 @@ mod tests {
         let e = format!("{:#}", stop_tokens(None, Some(d.path())).unwrap_err());
         assert!(e.contains("is not valid JSON"), "{e}");
     }
+
+    /// The refusal of a plan too large for the GPU counts the sliding
+    /// layers' rings as fixed bytes and only the other layers' caches per
+    /// position; with every layer a ring, the cache does not grow at all.
+    #[test]
+    fn a_refused_plan_counts_ring_caches_as_fixed() {
+        use stepgraph_core::ir::DType;
+        use stepgraph_core::models::config::SlidingLayers;
+        use stepgraph_core::models::Config;
+        let program = |sliding_layers| {
+            let config = Config { sliding_window: Some(8), sliding_layers, ..Config::named("tiny-llama").unwrap() };
+            let spec = GenerationSpec {
+                config,
+                dtype: DType::F32,
+                buckets: vec![1, 2],
+                context: 64,
+                prompt_len: 12,
+                logits: false,
+            };
+            build_generation(&spec).unwrap()
+        };
+        // Every other layer slides: the rings and the global layers' caches.
+        let p = program(SlidingLayers::GlobalEvery(2));
+        let (rings, per_position) = p.cache_growth();
+        assert!(rings > 0 && per_position > 0);
+        let other = 1_000_000;
+        let needed = other + p.cache_bytes();
+        let free = other + rings + 40 * per_position + per_position / 2;
+        let e = does_not_fit(&p, needed, free).to_string();
+        assert!(e.contains("the cache fits 40 positions per sequence for 2 sequences (this run asks for 64)"), "{e}");
+        // Every layer slides: nothing grows with the context.
+        let p = program(SlidingLayers::All);
+        let (rings, per_position) = p.cache_growth();
+        assert_eq!((rings, per_position), (p.cache_bytes(), 0));
+        let e = does_not_fit(&p, other + rings, other).to_string();
+        assert!(e.contains("every layer a ring of its sliding window) does not grow with the context"), "{e}");
+    }
 }
