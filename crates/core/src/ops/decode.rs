@@ -218,11 +218,7 @@ impl OpDef for KvWrite {
         })
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        if self.ring {
-            vec![("ring", Attr::Bool(true))]
-        } else {
-            Vec::new()
-        }
+        Attr::flag("ring", self.ring)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "kv_write").then(|| Ok(KvWrite { ring: a.opt_bool("ring")?.unwrap_or(false) }))

@@ -61,6 +61,18 @@ pub enum Attr {
     DType(DType),
 }
 
+impl Attr {
+    /// The attributes of a flag that is printed only when set (read back by
+    /// [`Attrs::opt_bool`]): `key=true`, or nothing.
+    pub fn flag(key: &'static str, on: bool) -> Vec<(&'static str, Attr)> {
+        if on {
+            vec![(key, Attr::Bool(true))]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 impl fmt::Display for Attr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

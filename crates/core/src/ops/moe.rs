@@ -454,11 +454,7 @@ impl OpDef for GroupedMatmul {
         v
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        if self.trans_w {
-            vec![("trans_w", Attr::Bool(true))]
-        } else {
-            Vec::new()
-        }
+        Attr::flag("trans_w", self.trans_w)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "grouped_matmul").then(|| Ok(GroupedMatmul { trans_w: a.opt_bool("trans_w")?.unwrap_or(false) }))

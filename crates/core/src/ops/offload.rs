@@ -97,10 +97,7 @@ impl OpDef for HostCopy {
         Ok(())
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
-        match self.into_state {
-            true => vec![("into_state", Attr::Bool(true))],
-            false => Vec::new(),
-        }
+        Attr::flag("into_state", self.into_state)
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         let to_host = match name {
