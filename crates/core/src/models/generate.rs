@@ -156,9 +156,9 @@ impl GenerationProgram {
     pub fn cache_growth(&self) -> (u64, u64) {
         let cfg = &self.spec.config;
         let position = 2 * (self.max_batch() * cfg.n_query_groups * cfg.head_size * self.spec.dtype.size()) as u64;
-        (0..cfg.n_layer).fold((0, 0), |(ring, per_position), layer| match self.spec.cache_len(layer) {
-            len if len < self.spec.context => (ring + len as u64 * position, per_position),
-            _ => (ring, per_position + position),
+        (0..cfg.n_layer).fold((0, 0), |(ring, per_position), layer| match self.spec.ring(layer) {
+            true => (ring + self.spec.cache_len(layer) as u64 * position, per_position),
+            false => (ring, per_position + position),
         })
     }
 
@@ -251,6 +251,11 @@ impl GenerationSpec {
         }
     }
 
+    /// Whether layer `layer`'s cache is a ring (shorter than the context).
+    pub fn ring(&self, layer: usize) -> bool {
+        self.cache_len(layer) < self.context
+    }
+
     /// Checks the spec before anything is recorded.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::Config { model: self.config.name.clone(), reason });
@@ -322,8 +327,7 @@ impl Recorder<'_> {
         let start = io.decode_batch.map(|_| io.start).or(io.rope_positions);
         g.layers(x, batch, seq, start, &mut |g, layer, q, k, v, scale, scores| {
             let (kc, vc) = cache[layer];
-            let len = spec.cache_len(layer);
-            let ring = len < spec.context;
+            let (len, ring) = (spec.cache_len(layer), spec.ring(layer));
             let (kc, vc) = if ring {
                 let kc = g.b.kv_write_ring(kc, k, io.rows, io.start, io.last)?;
                 (kc, g.b.kv_write_ring(vc, v, io.rows, io.start, io.last)?)

@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{DType, TensorType};
 use stepgraph_core::ops::attention::Scores;
-use stepgraph_core::ops::decode::{gumbel_uniform, CachedAttention, SampleNext};
+use stepgraph_core::ops::decode::{gumbel_uniform, CachedAttention, KvWrite, SampleNext};
 use stepgraph_core::ops::sample::{fixed, normal, Sample, FLOAT_DTYPES};
 use stepgraph_core::ops::{samples_by_op, Op};
 use stepgraph_core::testing::{draw_input, draw_sample, run_op};
@@ -113,16 +113,11 @@ fn emulate(k: &KernelLaunch, mem: &mut Mem) {
         let KvWriteArgs { cache, src, rows, start, last, bt_rows, seq, n, s, row_units } = KvWriteArgs::from_args(a);
         let row = |mem: &mut Mem, b| load(mem, DType::I32, rows, b) as i64;
         let first = |mem: &mut Mem, b| load(mem, DType::I32, start, b) as i64;
-        // kv_slot: the kernel's slot rule, spelled out again here.
+        // kv_slot is KvWrite::slot; a null `last` is no ring.
+        let rule = KvWrite { ring: last != 0 };
         let slot_of = |mem: &mut Mem, p: i64, b: i64| -> Option<i64> {
-            if p < 0 || s <= 0 {
-                return None;
-            }
-            if last == 0 {
-                return (p < s).then_some(p);
-            }
-            let l = load(mem, DType::I32, last, b) as i64;
-            (p <= l && p > l - s).then_some(p.rem_euclid(s))
+            let l = if rule.ring { load(mem, DType::I32, last, b) as i64 } else { 0 };
+            rule.slot(p, l, s.max(0) as usize).map(|slot| slot as i64)
         };
         // Blocks run in any order: the model runs them last first, so only
         // the kernel's own rule can make the later batch row win.
@@ -648,7 +643,7 @@ fn kv_write_and_sample_next_match_the_cpu_exactly_on_the_model() {
     let kv_extra = |d: DType| {
         vec![
             Sample::new(
-                stepgraph_core::ops::decode::KvWrite::default(),
+                KvWrite::default(),
                 vec![
                     normal(d, &[3, 6, 2, 8]),
                     normal(d, &[3, 2, 2, 8]),
@@ -657,7 +652,7 @@ fn kv_write_and_sample_next_match_the_cpu_exactly_on_the_model() {
                 ],
             ),
             Sample::new(
-                stepgraph_core::ops::decode::KvWrite::default(),
+                KvWrite::default(),
                 vec![normal(d, &[2, 5, 1, 3]), normal(d, &[2, 2, 1, 3]), i32s(&[0.0, 1.0]), i32s(&[4.0, 0.0])],
             ),
         ]
@@ -804,7 +799,6 @@ fn cached_attention_matches_the_cpu_on_the_model() {
 fn merged_cache_writes_equal_the_two_launches() {
     use super::decode::merge_kv_writes;
     use crate::launch::LaunchList;
-    use stepgraph_core::ops::decode::KvWrite;
     let op = Op::from(KvWrite::default());
     let (b, t, n, s, h, d) = (3, 2, 4, 9, 2, 6);
     for dt in [DType::BF16, DType::F32] {
