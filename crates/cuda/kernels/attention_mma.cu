@@ -1071,7 +1071,8 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // Rows t0..t0+ROWS of one head into a core-matrix tile, zero past T and past
 // D up to DP, by NTH threads (this one is `tid`). Lanes 8i..8i+7 take rows
 // 0..7 of one core matrix column, so a warp's shared writes are 512
-// contiguous bytes.
+// contiguous bytes. Used for copies of 2 and 4 bytes (heads whose rows
+// allow no wider); wider copies take tile_cm_slabs.
 template <int V, int ROWS, int DP, int NTH, typename E>
 __device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D,
                                           int tid) {
@@ -1135,12 +1136,10 @@ __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec
                                         int D, int tid = -1) {
     const E* p = (const E*)g;
     if (tid < 0) tid = threadIdx.x;
-    if constexpr (sizeof(E) == 2 && (ROWS / 8) % (NTH / 32) == 0) {
-        if (vec == 8) return tile_cm_slabs<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-        if (vec == 4) return tile_cm_slabs<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-    }
-    if (vec == 8) return tile_cm_v<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-    if (vec == 4) return tile_cm_v<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    // Every warpgroup tile (16-bit, 64 or 128 rows by 256 threads) takes
+    // the slabs for copies of 8 and 16 bytes.
+    if (vec == 8) return tile_cm_slabs<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    if (vec == 4) return tile_cm_slabs<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
     if (vec == 2) return tile_cm_v<2, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
     tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
 }
