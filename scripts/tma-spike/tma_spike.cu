@@ -88,14 +88,26 @@ __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 __shared__ __align__(1024) unsigned char s_a[8192], s_b[16384];
 __shared__ u64 s_bar;
 
-extern "C" __global__ void copy(const __grid_constant__ CUtensorMap map, int c0, int r0, unsigned char* out) {
+// One 64 × 64 bf16 box (8 KB) of `map` at (column c0, row r0) into dst.
+struct Box {
+    void* dst;
+    const CUtensorMap* map;
+    int c0, r0;
+};
+// The boxes, issued by thread 0 onto s_bar and waited for by every thread.
+template <int N> __device__ void load_boxes(const Box (&boxes)[N]) {
     if (threadIdx.x == 0) {
         mbar_init(&s_bar);
-        mbar_expect(&s_bar, 8192);
-        tma_2d(s_a, &map, &s_bar, c0, r0);
+        mbar_expect(&s_bar, N * 8192);
+        for (const Box& b : boxes) tma_2d(b.dst, b.map, &s_bar, b.c0, b.r0);
     }
     __syncthreads();
     mbar_wait(&s_bar, 0);
+}
+
+extern "C" __global__ void copy(const __grid_constant__ CUtensorMap map, int c0, int r0, unsigned char* out) {
+    const Box boxes[] = {{s_a, &map, c0, r0}};
+    load_boxes(boxes);
     for (int i = threadIdx.x; i < 8192; i += blockDim.x) out[i] = s_a[i];
 }
 
@@ -132,14 +144,8 @@ __device__ void store_c(float* c, const float* d, int n) {
 extern "C" __global__ void __launch_bounds__(128) k_k(const __grid_constant__ CUtensorMap ma,
                                                        const __grid_constant__ CUtensorMap mb, float* c, u32 a_lbo,
                                                        u32 a_sbo, u32 lbo, u32 sbo) {
-    if (threadIdx.x == 0) {
-        mbar_init(&s_bar);
-        mbar_expect(&s_bar, 16384);
-        tma_2d(s_a, &ma, &s_bar, 0, 0);
-        tma_2d(s_b, &mb, &s_bar, 0, 0);
-    }
-    __syncthreads();
-    mbar_wait(&s_bar, 0);
+    const Box boxes[] = {{s_a, &ma, 0, 0}, {s_b, &mb, 0, 0}};
+    load_boxes(boxes);
     float d[32];
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
     fence();
@@ -160,15 +166,8 @@ extern "C" __global__ void __launch_bounds__(128) k_k(const __grid_constant__ CU
 extern "C" __global__ void __launch_bounds__(128) k_mn(const __grid_constant__ CUtensorMap ma,
                                                         const __grid_constant__ CUtensorMap mb, float* c, u32 a_lbo,
                                                         u32 a_sbo, u32 lbo, u32 sbo) {
-    if (threadIdx.x == 0) {
-        mbar_init(&s_bar);
-        mbar_expect(&s_bar, 8192 + 16384);
-        tma_2d(s_a, &ma, &s_bar, 0, 0);
-        tma_2d(s_b, &mb, &s_bar, 0, 0);
-        tma_2d(s_b + 8192, &mb, &s_bar, 64, 0);
-    }
-    __syncthreads();
-    mbar_wait(&s_bar, 0);
+    const Box boxes[] = {{s_a, &ma, 0, 0}, {s_b, &mb, 0, 0}, {s_b + 8192, &mb, 64, 0}};
+    load_boxes(boxes);
     float d[64];
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     fence();
