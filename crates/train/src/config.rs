@@ -185,15 +185,24 @@ fn flatten(prefix: &str, value: &serde_json::Value, out: &mut BTreeMap<String, s
     }
 }
 
-/// The dtype of the step's optimizer state, as the step was built: `8bit`
-/// for block-quantized moments.
+/// The dtype of the step's AdamW moments, as the step was built: `8bit`
+/// for block-quantized moments. Other state (the previous gradient norm
+/// that `--clip-by-previous-norm` keeps, an f32 scalar) says nothing of them.
 pub fn state_dtype(step: &Trace) -> Option<String> {
-    let state = step.leaves().find(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))?;
-    let quantized = step.value(state).kind.leaf_name().is_some_and(|n| {
-        n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
-            || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
+    let moments = || {
+        step.leaves().filter(|&v| {
+            matches!(step.value(v).kind, ValueKind::State { .. })
+                && step.value(v).kind.leaf_name() != Some(stepgraph_core::autodiff::PREVIOUS_GRAD_NORM_STATE)
+        })
+    };
+    let quantized = moments().any(|v| {
+        step.value(v).kind.leaf_name().is_some_and(|n| {
+            n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
+                || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
+        })
     });
-    Some(if quantized { "8bit".to_string() } else { step.ty(state).dtype.to_string() })
+    let first = moments().next()?;
+    Some(if quantized { "8bit".to_string() } else { step.ty(first).dtype.to_string() })
 }
 
 #[cfg(test)]
@@ -215,6 +224,27 @@ mod tests {
             switches: Switches::default(),
             course: Course::new(10, LrSchedule::new(1e-3, 2, 1e-4, 10).unwrap()),
         }
+    }
+
+    /// The run header's moments: 8-bit and bf16 ones are named as such when
+    /// the step also keeps the previous gradient norm (an f32 state), and a
+    /// step without an optimizer has none.
+    #[test]
+    fn the_moments_dtype_is_the_moments_not_the_clipping_state() {
+        use stepgraph_core::autodiff::{build_step, TrainOptions};
+        let spec = ModelSpec::named("tiny-llama", 2, 8, DType::BF16, LossKind::CrossEntropy).unwrap();
+        let forward = stepgraph_core::models::gpt::build_forward(&spec).unwrap();
+        let step = |moments_8bit, clip_by_previous_norm| {
+            let opts =
+                TrainOptions { moments_8bit, clip_by_previous_norm, clip_grad_norm: Some(1.0), ..Default::default() };
+            build_step(&forward, StepKind::Train, &opts).unwrap()
+        };
+        for previous in [false, true] {
+            assert_eq!(state_dtype(&step(true, previous)).as_deref(), Some("8bit"), "previous norm {previous}");
+            assert_eq!(state_dtype(&step(false, previous)).as_deref(), Some("bf16"), "previous norm {previous}");
+        }
+        let grads = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
+        assert_eq!(state_dtype(&grads), None);
     }
 
     #[test]
