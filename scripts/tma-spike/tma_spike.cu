@@ -22,9 +22,13 @@
 //
 // Seen on an H100 (driver 580.159.04): k_k reads the swizzled boxes right
 // with a stride byte offset of 1024 and any leading one (0, 16, 1024,
-// 8192); k_mn's first case (16, 1024) stopped with an illegal memory
-// access, which ended that process before the others and `copy` ran, so
-// run.sh now runs each case in a process of its own.
+// 8192); every k_mn case stops with an illegal memory access. `copy` lands
+// the box at (0, 0) exactly as the 128-byte swizzle says, and the box at
+// column 164 (328 bytes into a row, not a multiple of 16) stops with an
+// illegal instruction. So did a build of the attention forward whose boxes
+// started at heads of 100 columns (200 bytes apart), while its boxes at
+// multiples of 16 bytes ran: a box must start on a 16-byte boundary of its
+// row, so such a head is read from the boundary before it.
 //
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tma_spike.cu -lcuda -o tma_spike && ./tma_spike
 #include <cuda.h>
