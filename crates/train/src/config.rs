@@ -185,23 +185,23 @@ fn flatten(prefix: &str, value: &serde_json::Value, out: &mut BTreeMap<String, s
     }
 }
 
-/// The dtype of the step's AdamW moments, as the step was built: `8bit`
-/// for block-quantized moments. Other state (the previous gradient norm
-/// that `--clip-by-previous-norm` keeps, an f32 scalar) says nothing of them.
+/// The dtype of the step's AdamW moments (`<param>.exp_avg` and
+/// `.exp_avg_sq`, with `.codes` and `.absmax` when block-quantized), as the
+/// step was built: `8bit` for block-quantized moments. Other state (master
+/// weights, the previous gradient norm that `--clip-by-previous-norm`
+/// keeps) says nothing of them.
 pub fn state_dtype(step: &Trace) -> Option<String> {
-    let moments = || {
-        step.leaves().filter(|&v| {
-            matches!(step.value(v).kind, ValueKind::State { .. })
-                && step.value(v).kind.leaf_name() != Some(stepgraph_core::autodiff::PREVIOUS_GRAD_NORM_STATE)
-        })
+    let names = || {
+        step.leaves()
+            .filter(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))
+            .filter_map(|v| Some((v, step.value(v).kind.leaf_name()?)))
     };
-    let quantized = moments().any(|v| {
-        step.value(v).kind.leaf_name().is_some_and(|n| {
-            n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
-                || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
-        })
+    let mut moments = names().filter(|(_, n)| n.split('.').any(|part| part == "exp_avg" || part == "exp_avg_sq"));
+    let (first, _) = moments.next()?;
+    let quantized = names().any(|(_, n)| {
+        n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
+            || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
     });
-    let first = moments().next()?;
     Some(if quantized { "8bit".to_string() } else { step.ty(first).dtype.to_string() })
 }
 
@@ -226,25 +226,37 @@ mod tests {
         }
     }
 
-    /// The run header's moments: 8-bit and bf16 ones are named as such when
-    /// the step also keeps the previous gradient norm (an f32 state), and a
-    /// step without an optimizer has none.
+    /// The run header's moments: 8-bit, bf16 and f32 ones are named as such
+    /// whatever other state the step keeps (the previous gradient norm, an
+    /// f32 scalar; f32 master weights or bf16 compensations), and a step
+    /// without an optimizer has none.
     #[test]
-    fn the_moments_dtype_is_the_moments_not_the_clipping_state() {
+    fn the_moments_dtype_is_the_moments_not_other_state() {
         use stepgraph_core::autodiff::{build_step, TrainOptions};
-        let spec = ModelSpec::named("tiny-llama", 2, 8, DType::BF16, LossKind::CrossEntropy).unwrap();
-        let forward = stepgraph_core::models::gpt::build_forward(&spec).unwrap();
-        let step = |moments_8bit, clip_by_previous_norm| {
-            let opts =
-                TrainOptions { moments_8bit, clip_by_previous_norm, clip_grad_norm: Some(1.0), ..Default::default() };
-            build_step(&forward, StepKind::Train, &opts).unwrap()
-        };
-        for previous in [false, true] {
-            assert_eq!(state_dtype(&step(true, previous)).as_deref(), Some("8bit"), "previous norm {previous}");
-            assert_eq!(state_dtype(&step(false, previous)).as_deref(), Some("bf16"), "previous norm {previous}");
+        use stepgraph_core::ops::optim::MasterWeights;
+        for (dtype, dense) in [(DType::BF16, "bf16"), (DType::F16, "f32")] {
+            let spec = ModelSpec::named("tiny-llama", 2, 8, dtype, LossKind::CrossEntropy).unwrap();
+            let forward = stepgraph_core::models::gpt::build_forward(&spec).unwrap();
+            for master_weights in [MasterWeights::None, MasterWeights::Kahan, MasterWeights::F32] {
+                for clip_by_previous_norm in [false, true] {
+                    let moments = |moments_8bit| {
+                        let opts = TrainOptions {
+                            moments_8bit,
+                            clip_by_previous_norm,
+                            clip_grad_norm: Some(1.0),
+                            master_weights,
+                            ..Default::default()
+                        };
+                        state_dtype(&build_step(&forward, StepKind::Train, &opts).unwrap())
+                    };
+                    let case = format!("{dtype} {master_weights:?}, previous norm {clip_by_previous_norm}");
+                    assert_eq!(moments(true).as_deref(), Some("8bit"), "{case}");
+                    assert_eq!(moments(false).as_deref(), Some(dense), "{case}");
+                }
+            }
+            let grads = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
+            assert_eq!(state_dtype(&grads), None);
         }
-        let grads = build_step(&forward, StepKind::Grads, &TrainOptions::default()).unwrap();
-        assert_eq!(state_dtype(&grads), None);
     }
 
     #[test]
