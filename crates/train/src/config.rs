@@ -18,8 +18,9 @@ use anyhow::Result;
 use serde::{Serialize, Serializer};
 
 use stepgraph_core::autodiff::DecayScope;
-use stepgraph_core::ir::{Trace, ValueKind};
+use stepgraph_core::ir::Trace;
 use stepgraph_core::models::ModelSpec;
+use stepgraph_core::ops::Op;
 use stepgraph_core::pipeline::{compile_step_timed, CompileTimes, CompiledStep, StepOptions};
 use stepgraph_cuda::Switches;
 
@@ -185,24 +186,16 @@ fn flatten(prefix: &str, value: &serde_json::Value, out: &mut BTreeMap<String, s
     }
 }
 
-/// The dtype of the step's AdamW moments (`<param>.exp_avg` and
-/// `.exp_avg_sq`, with `.codes` and `.absmax` when block-quantized), as the
-/// step was built: `8bit` for block-quantized moments. Other state (master
-/// weights, the previous gradient norm that `--clip-by-previous-norm`
-/// keeps) says nothing of them.
+/// The dtype of the step's AdamW moments, read from its optimizer nodes
+/// (whose third input is the first moment): `8bit` for block-quantized
+/// ones. Other state the step keeps (master weights, the previous gradient
+/// norm that `--clip-by-previous-norm` keeps) says nothing of them.
 pub fn state_dtype(step: &Trace) -> Option<String> {
-    let names = || {
-        step.leaves()
-            .filter(|&v| matches!(step.value(v).kind, ValueKind::State { .. }))
-            .filter_map(|v| Some((v, step.value(v).kind.leaf_name()?)))
-    };
-    let mut moments = names().filter(|(_, n)| n.split('.').any(|part| part == "exp_avg" || part == "exp_avg_sq"));
-    let (first, _) = moments.next()?;
-    let quantized = names().any(|(_, n)| {
-        n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::CODES_SUFFIX))
-            || n.ends_with(&format!(".{}", stepgraph_core::ops::adamw8::ABSMAX_SUFFIX))
-    });
-    Some(if quantized { "8bit".to_string() } else { step.ty(first).dtype.to_string() })
+    step.nodes.iter().find_map(|n| match &n.op {
+        Op::AdamW8bit(_) => Some("8bit".to_string()),
+        Op::AdamW(_) => Some(step.ty(n.inputs[2]).dtype.to_string()),
+        _ => None,
+    })
 }
 
 #[cfg(test)]
