@@ -60,6 +60,7 @@ use crate::dist::{rank_spec, DataParallel, DataParallelRewrite};
 use crate::error::{Error, Result};
 use crate::ir::{Trace, ValueId};
 use crate::models::{build_forward_opts, ForwardOptions, ModelSpec};
+use crate::passes::fp8::Fp8Products;
 use crate::passes::fusion::{Epilogues, Fold, FusionReport};
 use crate::passes::offload::Offload;
 use crate::passes::optimizer_placement::{OptimizerPlacement, PlaceOptimizer, PlacementReport};
@@ -98,6 +99,9 @@ pub struct StepOptions {
     /// Exact f32 products (default), or each as three TF32 products of
     /// split operands ([`crate::passes::split_f32_products`]).
     pub f32_products: F32Products,
+    /// Products in the model's dtype (default), or the decoder layers'
+    /// linear layers as FP8 products ([`crate::passes::fp8`]).
+    pub fp8: Fp8Mode,
     /// Under a memory budget that recomputation and MLP tiling cannot
     /// meet, keep values backward reads in page-locked host memory between
     /// forward and backward ([`crate::passes::offload`]; default on). Not
@@ -131,6 +135,7 @@ impl StepOptions {
             grad_accum: 1,
             epilogues: Epilogues::default(),
             f32_products: F32Products::default(),
+            fp8: Fp8Mode::default(),
             offload: true,
             host_budget: None,
             bus_bytes_per_s: PLANNING_BUS_BYTES_PER_S,
@@ -147,6 +152,20 @@ impl StepOptions {
             ..Self::new(kind)
         }
     }
+}
+
+/// Which products a step computes in FP8 (`--fp8`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Mode {
+    /// Every product in the model's dtype.
+    #[default]
+    Off,
+    /// The linear layers of the decoder layers (forward, input gradients
+    /// and weight gradients) as FP8 products with current per-tensor
+    /// scaling; the output head, the router, attention and the adapters of
+    /// a LoRA run stay in the model's dtype ([`crate::passes::fp8`]).
+    Products,
 }
 
 /// The traces of one step, before planning.
@@ -227,6 +246,15 @@ fn debug_verify_after(pass: &str, trace: &Trace) -> Result<()> {
 /// data-parallel rewrite. Checks the data-parallel settings and the batch
 /// split before building anything.
 pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
+    if opts.fp8 == Fp8Mode::Products && !matches!(spec.dtype, crate::ir::DType::BF16 | crate::ir::DType::F16) {
+        return Err(Error::Config {
+            model: spec.config.name.clone(),
+            reason: format!(
+                "--fp8 products runs the products of a bf16 or f16 model, and this one is {} (use --dtype bf16)",
+                spec.dtype
+            ),
+        });
+    }
     let spec = match &opts.data_parallel {
         Some(dp) => {
             dp.check()?;
@@ -239,6 +267,7 @@ pub fn trace_step(spec: &ModelSpec, opts: &StepOptions) -> Result<StepTraces> {
         &ForwardOptions {
             mlp_tiles: opts.mlp_tiles,
             training: opts.kind == StepKind::Train,
+            fp8_products: opts.fp8 == Fp8Mode::Products,
             ..ForwardOptions::default()
         },
     )?;
@@ -441,8 +470,8 @@ fn clipping_hint(spec: &ModelSpec, opts: &StepOptions, least: u64) -> Option<Str
 
 /// The passes a step of `opts` runs after [`trace_step`], in order: the
 /// epilogue pass, the optimizer's placement (train steps), recomputation,
-/// and last the 3xTF32 split, so that recomputation and the placement see
-/// the products as the model has them.
+/// and last the FP8 products and the 3xTF32 split, so that recomputation
+/// and the placement see the products as the model has them.
 fn step_passes(opts: &StepOptions) -> Vec<Box<dyn Pass>> {
     let mut passes: Vec<Box<dyn Pass>> = Vec::new();
     if opts.epilogues == Epilogues::On {
@@ -454,6 +483,9 @@ fn step_passes(opts: &StepOptions) -> Vec<Box<dyn Pass>> {
     passes.push(Box::new(Recompute(opts.recompute)));
     if let RecomputePolicy::Least(budget) | RecomputePolicy::LeastBeforeOffload { budget, .. } = opts.recompute {
         passes.push(Box::new(Offload(budget)));
+    }
+    if opts.fp8 == Fp8Mode::Products {
+        passes.push(Box::new(Fp8Products));
     }
     if opts.f32_products == F32Products::Split3xTf32 {
         passes.push(Box::new(SplitF32Products));
@@ -487,6 +519,17 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
                 hint: Some(
                     "or --f32-products exact: the split operands of the 3xTF32 products need their own bytes".into(),
                 ),
+            });
+        }
+    }
+    if let (Fp8Mode::Products, Some(budget)) = (opts.fp8, opts.recompute.budget()) {
+        let peak = plan.planned_peak_bytes();
+        if peak > budget {
+            return Err(Error::MemoryBudget {
+                budget,
+                least: peak,
+                mlp_tiles,
+                hint: Some("or without --fp8: the quantized operands of the FP8 products need their own bytes".into()),
             });
         }
     }

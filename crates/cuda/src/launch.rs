@@ -6,7 +6,8 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 use cudarc::driver::DriverError;
-use stepgraph_core::ir::TensorType;
+use stepgraph_core::ir::{DType, TensorType};
+use stepgraph_core::ops::fp8::Fp8Format;
 
 /// Launches `f` on `stream` as `cuLaunchKernel` does, or, with `pdl`, with
 /// programmatic stream serialization (`cuLaunchKernelEx`): the kernel's
@@ -105,6 +106,46 @@ pub enum GemmType {
     Tf32,
     BF16,
     F16,
+    /// Operands of 8-bit float codes, scaled by their inverse scales
+    /// ([`GemmCall::fp8_scales`]): `matmul_fp8`.
+    Fp8(Fp8Gemm),
+}
+
+/// The operand formats and output type of an FP8 product
+/// ([`stepgraph_core::ops::fp8::MatMulFp8`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8Gemm {
+    pub a: Fp8Format,
+    pub b: Fp8Format,
+    pub out: DType,
+}
+
+impl GemmType {
+    /// Bytes of one element of the operands `A` and `B`.
+    pub fn operand_bytes(self) -> u64 {
+        match self {
+            GemmType::F32 | GemmType::Tf32 => 4,
+            GemmType::BF16 | GemmType::F16 => 2,
+            GemmType::Fp8(_) => 1,
+        }
+    }
+
+    /// Bytes of one element of the output (and of an addend).
+    pub fn out_bytes(self) -> u64 {
+        match self {
+            GemmType::Fp8(f) => f.out.size() as u64,
+            t => t.operand_bytes(),
+        }
+    }
+
+    /// The type's part of a product's profile name: `bf16`, `tf32`,
+    /// `fp8_e4m3_e5m2_bf16` (a's format, b's, the output's type).
+    pub fn name(self) -> String {
+        match self {
+            GemmType::Fp8(f) => format!("fp8_{}_{}_{}", f.a.name(), f.b.name(), f.out.name()),
+            t => format!("{t:?}").to_lowercase(),
+        }
+    }
 }
 
 /// `C[b] = op(A[b]) · op(B[b])` for row-major matrices, as the CPU's
@@ -130,6 +171,9 @@ pub struct GemmCall {
     pub stride_c: i64,
     /// What is added to the product (cuBLASLt's epilogue).
     pub addend: GemmAddend,
+    /// For [`GemmType::Fp8`]: the device addresses of `A`'s and `B`'s
+    /// inverse scales (one f32 each), which multiply the product.
+    pub fp8_scales: Option<[u64; 2]>,
 }
 
 /// A tensor a product adds in its epilogue, before the result's one rounding.
@@ -195,7 +239,7 @@ impl Launch {
 pub fn shape_name(g: &GemmCall) -> String {
     format!(
         "gemm_{}_{}x{}x{}{}{}{}{}",
-        format!("{:?}", g.ty).to_lowercase(),
+        g.ty.name(),
         g.m,
         g.n,
         g.k,

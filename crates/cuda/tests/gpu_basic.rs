@@ -613,7 +613,7 @@ fn tf32_products_of_split_parts_equal_the_cpu() {
     };
     let (a_hi, a_lo) = split(normal(&[64, 1], DType::F32, 11));
     let (b_hi, b_lo) = split(normal(&[1, 48], DType::F32, 12));
-    let tf32 = |addend| MatMul { trans_a: false, trans_b: false, addend, tf32: true };
+    let tf32 = |addend| MatMul { trans_a: false, trans_b: false, addend, tf32: true, fp8: None };
     let mut cases = Vec::new();
     for (what, a, b) in [("lo·hi", &a_lo, &b_hi), ("hi·lo", &a_hi, &b_lo), ("hi·hi", &a_hi, &b_hi)] {
         cases.push(case(format!("tf32 {what}"), tf32(false), vec![a.clone(), b.clone()], Cmp::Exact));

@@ -114,8 +114,10 @@ impl CheckpointState {
 /// `model.config.n_layer`, `switches.gemm_tiled`); the error
 /// names the first that differs, with both values. A setting one side
 /// records and the other does not (a stepgraph of another version) is a
-/// difference too, except `data.packing`: a run saved before packing was a
-/// choice packed the stream, and is taken to have said so.
+/// difference too, except the settings added since ([`ADDED_SETTINGS`]):
+/// a run saved before one existed ran as its value there says (before
+/// packing was a choice the stream was packed; before `--fp8` no product
+/// was FP8), and is taken to have said so.
 ///
 /// Checkpoints of format 1 recorded a shorter list under other keys: they
 /// are checked on `legacy`, the same list as it was, and the caller says
@@ -127,10 +129,11 @@ pub fn check_compatible(
     legacy: &BTreeMap<String, serde_json::Value>,
 ) -> Result<()> {
     let now = if saved.format == 1 { legacy } else { now };
-    // Runs saved before packing was a choice packed the stream.
     let mut run = saved.run.clone();
-    if saved.format > 1 && now.contains_key(PACKING_KEY) {
-        run.entry(PACKING_KEY.to_string()).or_insert_with(|| "stream".into());
+    for (key, before) in ADDED_SETTINGS {
+        if saved.format > 1 && now.contains_key(*key) {
+            run.entry(key.to_string()).or_insert_with(|| (*before).into());
+        }
     }
     let keys: std::collections::BTreeSet<&String> = run.keys().chain(now.keys()).collect();
     for key in keys {
@@ -160,6 +163,10 @@ pub fn check_compatible(
 
 /// The resume-identity key of `--packing`.
 const PACKING_KEY: &str = "data.packing";
+
+/// Settings added to the resume identity after its format 2, each with the
+/// value every run saved before it had.
+const ADDED_SETTINGS: &[(&str, &str)] = &[(PACKING_KEY, "stream"), ("step.fp8", "off")];
 
 /// The directory holding a run's checkpoints.
 #[derive(Clone, Debug)]

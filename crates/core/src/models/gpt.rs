@@ -203,6 +203,9 @@ pub(crate) struct Gpt<'a> {
     /// dtype), kept for the router z-loss when the model has one
     /// ([`MoeConfig::z_loss_coef`]).
     pub(crate) router_scores: Vec<ValueId>,
+    /// Mark the linear layers (not the router) for FP8 products
+    /// ([`ForwardOptions::fp8_products`]).
+    pub(crate) fp8_products: bool,
 }
 
 /// A parameter made of other parameters' rows, in order: how a checkpoint's
@@ -235,6 +238,7 @@ impl<'a> Gpt<'a> {
             dropout_step: None,
             router_stats: Vec::new(),
             router_scores: Vec::new(),
+            fp8_products: false,
         }
     }
 
@@ -306,7 +310,10 @@ impl<'a> Gpt<'a> {
     /// beside it when the layer is adapted ([`super::lora`]).
     pub(crate) fn linear(&mut self, x: ValueId, prefix: &str, inp: usize, out: usize, bias: bool) -> Result<ValueId> {
         let (w, bias) = self.linear_params(prefix, inp, out, bias)?;
-        let y = self.b.linear(x, w, bias)?;
+        // The router's scores decide which experts run: kept exact, as the
+        // output head is (which never comes through here).
+        let fp8 = self.fp8_products && LoraTarget::of_layer(prefix) != Some(LoraTarget::Router);
+        let y = self.b.linear_marked(x, w, bias, fp8)?;
         match &self.adapters {
             Some(a) if a.adapts(prefix) => {
                 let (rank, scale) = a.rank_and_scale(prefix);
@@ -917,11 +924,15 @@ pub struct ForwardOptions {
     /// (reading the step count, [`crate::autodiff::STEP_INPUT`], so each
     /// step draws its own masks). Evaluation and generation leave it out.
     pub training: bool,
+    /// Mark the decoder layers' linear layers for FP8 products
+    /// ([`crate::ops::matmul::MatMul::fp8`]; the router stays unmarked).
+    /// The marks change no value; `passes::fp8` makes the FP8 products.
+    pub fp8_products: bool,
 }
 
 impl Default for ForwardOptions {
     fn default() -> Self {
-        ForwardOptions { head_loss: HeadLoss::default(), mlp_tiles: 1, training: false }
+        ForwardOptions { head_loss: HeadLoss::default(), mlp_tiles: 1, training: false, fp8_products: false }
     }
 }
 
@@ -968,6 +979,7 @@ fn record_forward(spec: &ModelSpec, opts: &ForwardOptions, logits_output: bool) 
     let cfg = &spec.config;
     let (bsz, seq) = (spec.batch, spec.seq);
     let mut g = Gpt::new("forward", cfg, spec.dtype, opts.mlp_tiles);
+    g.fp8_products = opts.fp8_products;
     if let Some(a) = &spec.adapters {
         a.validate()?;
         g.adapters = Some(a.clone());

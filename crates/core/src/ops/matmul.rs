@@ -29,6 +29,7 @@ use super::sample::{normal, Sample};
 use super::{expect_float, expect_inputs, no_vjp, Attr, Attrs, OpDef, VjpArgs};
 use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
+use crate::ops::fp8::Fp8Format;
 use crate::ops::gemm::{gemm_bf16, gemm_bf16_wide, gemm_f16, gemm_f16_wide, gemm_f32, gemm_f64, GemmDesc};
 use crate::ops::kernel::{Float, KernelIo};
 
@@ -40,6 +41,12 @@ pub struct MatMul {
     pub addend: bool,
     /// The operands are rounded to TF32 first (f32 only; see the module doc).
     pub tf32: bool,
+    /// Marked for an FP8 product, with the formats of `a` and `b`
+    /// (`--fp8 products`, [`crate::ops::fp8`]): `passes::fp8` replaces it
+    /// after autodiff, where its operands allow; until then, and where
+    /// they do not, it is the plain product. Its VJP marks the two
+    /// cotangent products alike, the cotangent an e5m2 operand.
+    pub fp8: Option<(Fp8Format, Fp8Format)>,
 }
 
 /// How a [`MatMul`]'s addend meets the product.
@@ -54,7 +61,7 @@ pub enum AddendKind {
 impl MatMul {
     /// The plain product `op(a) · op(b)`.
     pub fn new(trans_a: bool, trans_b: bool) -> Self {
-        MatMul { trans_a, trans_b, addend: false, tf32: false }
+        MatMul { trans_a, trans_b, addend: false, tf32: false, fp8: None }
     }
 
     /// How an addend of type `addend` meets an output of type `out`, or
@@ -149,7 +156,7 @@ impl OpDef for MatMul {
                 b.extend(if tb { [n, k] } else { [k, n] });
                 let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
                 out.extend([m, n]);
-                let op = MatMul { trans_a: ta, trans_b: tb, addend: true, tf32: false };
+                let op = MatMul { trans_a: ta, trans_b: tb, addend: true, tf32: false, fp8: None };
                 for c in [&out[..], &[n]] {
                     v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
                 }
@@ -168,14 +175,14 @@ impl OpDef for MatMul {
             v.push(Sample::new(MatMul::new(false, true), vec![normal(d, &a), normal(d, &b)]));
             let mut out = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
             out.extend([m, n]);
-            let op = MatMul { trans_a: false, trans_b: true, addend: true, tf32: false };
+            let op = MatMul { trans_a: false, trans_b: true, addend: true, tf32: false, fp8: None };
             for c in [&out[..], &[n]] {
                 v.push(Sample::new(op.clone(), vec![normal(d, &a), normal(d, &b), normal(d, c)]));
             }
         }
         // TF32 products (f32 only): transposed, batched, with both addends.
         if d == DType::F32 {
-            let tf32 = |ta, tb, addend| MatMul { trans_a: ta, trans_b: tb, addend, tf32: true };
+            let tf32 = |ta, tb, addend| MatMul { trans_a: ta, trans_b: tb, addend, tf32: true, fp8: None };
             v.push(Sample::new(tf32(false, true, false), vec![normal(d, &[17, 40]), normal(d, &[33, 40])]));
             v.push(Sample::new(tf32(true, false, false), vec![normal(d, &[2, 40, 17]), normal(d, &[2, 40, 9])]));
             for c in [&[17, 33][..], &[33]] {
@@ -216,8 +223,23 @@ impl OpDef for MatMul {
         // gradient, the last reader of the saved activation `a`, so `a` is
         // freed before the activation-sized cotangent of `a` is allocated
         // (the other order holds both at once, and the weight never dies).
-        let gb = if tb { b.matmul_into(g, x, true, ta, w)? } else { b.matmul_into(x, g, !ta, false, w)? };
-        let ga = if ta { b.matmul_into(w, g, tb, true, x)? } else { b.matmul_into(g, w, false, !tb, x)? };
+        // Marked FP8 products mark their cotangent products, the cotangent
+        // (a gradient) in e5m2 and the other operand in its own format.
+        let (fx, fw) = match self.fp8 {
+            Some((fx, fw)) => (Some(fx), Some(fw)),
+            None => (None, None),
+        };
+        let grad = Some(Fp8Format::E5M2);
+        let gb = if tb {
+            b.matmul_into(g, x, true, ta, w, grad.zip(fx))?
+        } else {
+            b.matmul_into(x, g, !ta, false, w, fx.zip(grad))?
+        };
+        let ga = if ta {
+            b.matmul_into(w, g, tb, true, x, fw.zip(grad))?
+        } else {
+            b.matmul_into(g, w, false, !tb, x, grad.zip(fw))?
+        };
         let mut grads = vec![Some(ga), Some(gb)];
         if self.addend {
             let shape = b.shape(args.inputs[2]).to_vec();
@@ -280,6 +302,9 @@ impl OpDef for MatMul {
         if self.tf32 {
             v.push(("tf32", Attr::Bool(true)));
         }
+        if let Some((fa, fb)) = self.fp8 {
+            v.push(("fp8", Attr::Ints(vec![fa.exponent_bits() as i64, fb.exponent_bits() as i64])));
+        }
         v
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
@@ -289,6 +314,18 @@ impl OpDef for MatMul {
                 trans_b: a.bool("trans_b")?,
                 addend: a.opt_bool("addend")?.unwrap_or(false),
                 tf32: a.opt_bool("tf32")?.unwrap_or(false),
+                fp8: match a.opt_ints("fp8")? {
+                    None => None,
+                    Some(bits) => {
+                        let format = |i: usize| bits.get(i).and_then(|&b| Fp8Format::from_exponent_bits(b));
+                        match (format(0), format(1), bits.len()) {
+                            (Some(fa), Some(fb), 2) => Some((fa, fb)),
+                            _ => {
+                                return Err(Error::op("matmul", format!("`fp8` must be two of 4 and 5, got {bits:?}")))
+                            }
+                        }
+                    }
+                },
             })
         })
     }
@@ -418,17 +455,37 @@ impl Builder {
         self.push1(MatMul::new(trans_a, trans_b).into(), &[a, b])
     }
 
+    /// [`Builder::matmul`], marked for an FP8 product with these formats of
+    /// `a` and `b` when `fp8` is given ([`MatMul::fp8`]).
+    pub fn matmul_marked(
+        &mut self,
+        a: ValueId,
+        b: ValueId,
+        trans_a: bool,
+        trans_b: bool,
+        fp8: Option<(Fp8Format, Fp8Format)>,
+    ) -> Result<ValueId> {
+        self.push1(MatMul { fp8, ..MatMul::new(trans_a, trans_b) }.into(), &[a, b])
+    }
+
     /// `x · Wᵀ (+ bias)` for `x: [..., in]` and a weight stored `[out, in]`, as PyTorch's `Linear`.
     pub fn linear(&mut self, x: ValueId, weight: ValueId, bias: Option<ValueId>) -> Result<ValueId> {
+        self.linear_marked(x, weight, bias, false)
+    }
+
+    /// [`Builder::linear`], its product marked for FP8 (e4m3 operands)
+    /// when `fp8` is set ([`MatMul::fp8`]).
+    pub fn linear_marked(&mut self, x: ValueId, weight: ValueId, bias: Option<ValueId>, fp8: bool) -> Result<ValueId> {
+        let formats = fp8.then_some((Fp8Format::E4M3, Fp8Format::E4M3));
         let xs = self.shape(x).to_vec();
         // Rank-2 `x` still goes through a batch-free product.
         let y = if xs.len() == 1 {
             let x2 = self.reshape(x, &[1, xs[0]])?;
-            let y = self.matmul(x2, weight, false, true)?;
+            let y = self.matmul_marked(x2, weight, false, true, formats)?;
             let out = self.shape(y)[1];
             self.reshape(y, &[out])?
         } else {
-            self.matmul(x, weight, false, true)?
+            self.matmul_marked(x, weight, false, true, formats)?
         };
         match bias {
             Some(b) => self.add(y, b),
@@ -440,12 +497,20 @@ impl Builder {
     /// operand. When `like` has fewer batch dims than the product (a shared
     /// weight), the batch is summed away: by folding it into the contraction
     /// when the layout allows, else by a reduction.
-    fn matmul_into(&mut self, a: ValueId, b: ValueId, ta: bool, tb: bool, like: ValueId) -> Result<ValueId> {
+    fn matmul_into(
+        &mut self,
+        a: ValueId,
+        b: ValueId,
+        ta: bool,
+        tb: bool,
+        like: ValueId,
+        fp8: Option<(Fp8Format, Fp8Format)>,
+    ) -> Result<ValueId> {
         let target = self.shape(like).to_vec();
         let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
         let rank = sa.len().max(sb.len());
         if target.len() == rank {
-            return self.matmul(a, b, ta, tb);
+            return self.matmul_marked(a, b, ta, tb, fp8);
         }
         // Both operands batched, result wanted 2-D. With the batch adjacent to
         // the contracted axis (`a` stored [.., k, m] and `b` [.., k, n]),
@@ -457,9 +522,9 @@ impl Builder {
             };
             let a2 = self.reshape(a, &fold(&sa))?;
             let b2 = self.reshape(b, &fold(&sb))?;
-            return self.matmul(a2, b2, true, false);
+            return self.matmul_marked(a2, b2, true, false, fp8);
         }
-        let full = self.matmul(a, b, ta, tb)?;
+        let full = self.matmul_marked(a, b, ta, tb, fp8)?;
         self.sum_to(full, &target)
     }
 }

@@ -25,6 +25,7 @@ pub mod decode;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod fp8;
 pub mod gemm;
 pub mod glu;
 pub mod kernel;
@@ -156,6 +157,14 @@ impl Attrs {
             return Ok(None);
         }
         self.bool(key).map(Some)
+    }
+
+    /// A list of integers printed only when present: `None` when absent.
+    pub fn opt_ints(&mut self, key: &str) -> Result<Option<Vec<i64>>> {
+        if !self.map.contains_key(key) {
+            return Ok(None);
+        }
+        self.ints(key).map(Some)
     }
 
     pub fn ints(&mut self, key: &str) -> Result<Vec<i64>> {
@@ -338,6 +347,10 @@ macro_rules! for_each_op {
             Concat($crate::ops::movement::Concat),
             MatMul($crate::ops::matmul::MatMul),
             SplitTf32($crate::ops::matmul::SplitTf32),
+            // FP8 products: inserted after autodiff by `passes::fp8`, no VJP.
+            Fp8Scale($crate::ops::fp8::Fp8Scale),
+            Fp8Quantize($crate::ops::fp8::Fp8Quantize),
+            MatMulFp8($crate::ops::fp8::MatMulFp8),
             RmsNorm($crate::ops::norm::RmsNorm),
             RmsNormBackward($crate::ops::norm::RmsNormBackward),
             LayerNorm($crate::ops::norm::LayerNorm),

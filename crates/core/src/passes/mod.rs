@@ -22,8 +22,8 @@
 //! produce or read them), [`optimizer_placement`] (the optimizer moved into
 //! backward), [`recompute`] (values recomputed in backward instead of
 //! kept), [`offload`] (values kept in host memory between forward and
-//! backward), [`tf32`] (f32 products as three TF32 products), [`views`] (slices
-//! as views); [`crate::dist::DataParallelRewrite`] (a step made one rank's)
+//! backward), [`fp8`] (marked products as FP8 products), [`tf32`] (f32
+//! products as three TF32 products), [`views`] (slices as views); [`crate::dist::DataParallelRewrite`] (a step made one rank's)
 //! sits with the rest of data parallelism. [`dce()`] is the cleanup autodiff
 //! runs on the traces it builds.
 //!
@@ -33,6 +33,7 @@
 //! context holds is the plan of the trace the next pass receives.
 
 pub mod dce;
+pub mod fp8;
 pub mod fusion;
 pub mod offload;
 pub mod optimizer_placement;
@@ -82,6 +83,8 @@ pub struct PassReport {
     pub recompute: Option<RecomputeReport>,
     /// What waits in host memory between forward and backward ([`offload::Offload`]).
     pub offload: Option<offload::OffloadReport>,
+    /// Marked products made FP8 products ([`fp8::Fp8Products`]).
+    pub fp8: Option<fp8::Fp8Report>,
     /// f32 products split into three TF32 products ([`tf32::SplitF32Products`]).
     pub split_products: Option<usize>,
     /// Slices that became views ([`views::SliceViews`]).

@@ -13,7 +13,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 use serde::Serialize;
 
-use super::plan::{elem_bytes, key_of, Alignment, Candidate, Plan, PlanKey};
+use super::plan::{key_of, Alignment, Candidate, Plan, PlanKey};
 use super::{shape_name, Blas};
 use crate::error::Result;
 use crate::launch::GemmCall;
@@ -412,7 +412,7 @@ fn lt_config(algo: &ls::cublasLtMatmulAlgo_t) -> AlgoConfig {
 /// Does every byte `call` writes lie in `range`?
 fn writes_within(call: &GemmCall, range: &Range<u64>) -> bool {
     let elems = (call.batch.max(1) as u64 - 1) * call.stride_c.max(0) as u64 + (call.m * call.n) as u64;
-    let end = call.c.checked_add(elems * elem_bytes(call.ty));
+    let end = call.c.checked_add(elems * call.ty.out_bytes());
     call.c >= range.start && end.is_some_and(|e| e <= range.end)
 }
 

@@ -31,7 +31,8 @@ pub const CUBLAS_ALGO_ID: i32 = -1;
 /// leading dimensions and batch within cuBLAS's `int`s?
 pub(super) fn eligible(key: &PlanKey, in_place: bool) -> bool {
     let fits = |x: usize| x <= c_int::MAX as usize;
-    key.epilogue != Epilogue::Bias
+    !matches!(key.ty, GemmType::Fp8(_))
+        && key.epilogue != Epilogue::Bias
         && (key.epilogue == Epilogue::None || in_place)
         && [key.m, key.n, key.k, key.batch.max(1)].into_iter().all(fits)
 }
@@ -88,6 +89,7 @@ impl Cublas {
             GemmType::F32 | GemmType::Tf32 => cs::cudaDataType_t::CUDA_R_32F,
             GemmType::BF16 => cs::cudaDataType_t::CUDA_R_16BF,
             GemmType::F16 => cs::cudaDataType_t::CUDA_R_16F,
+            GemmType::Fp8(_) => return Err(CudaError::Blas("cuBLAS's GEMM runs no FP8 product".into())),
         };
         let compute = if call.ty == GemmType::Tf32 || (call.ty == GemmType::F32 && self.tf32) {
             cs::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32

@@ -103,6 +103,8 @@ pub struct Blas {
     /// Our small-f32 kernels, when used ([`TILED_ENV`]).
     tiled: Option<own::OwnKernels>,
     plans: HashMap<PlanKey, Plan>,
+    /// The GPU's architecture (`sm_90`), which says whether it multiplies FP8.
+    arch: String,
     /// Shapes in the order the step first uses them, with their call counts.
     order: Vec<(PlanKey, usize)>,
     tuning: GemmTuning,
@@ -148,6 +150,7 @@ impl Blas {
             skinny,
             tiled,
             plans: HashMap::new(),
+            arch: arch.to_string(),
             order: Vec::new(),
             tuning: GemmTuning { enabled: autotune, ..GemmTuning::default() },
         })
@@ -159,6 +162,16 @@ impl Blas {
         let mut align: HashMap<PlanKey, Alignment> = HashMap::new();
         // Whether every call of a shape that adds a tensor adds its own output.
         let mut in_place: HashMap<PlanKey, bool> = HashMap::new();
+        if calls.iter().any(|c| matches!(c.ty, crate::launch::GemmType::Fp8(_))) && !fp8_capable(&self.arch) {
+            return Err(CudaError::unsupported(
+                "matmul_fp8",
+                format!(
+                    "FP8 products need a GPU of compute capability 8.9 or later (Ada, Hopper), and this one is {}: \
+                     run without --fp8",
+                    self.arch
+                ),
+            ));
+        }
         for c in calls {
             let key = key_of(c);
             let a = call_alignment(c);
@@ -224,6 +237,13 @@ impl Blas {
                 (0f32, call.c)
             }
         };
+        if let Some([scale_a, scale_b]) = call.fp8_scales {
+            // cuBLAS's A is our B and its B our A. Read by the next
+            // cublasLtMatmul on this descriptor: this one.
+            use ls::cublasLtMatmulDescAttributes_t as A;
+            plan::set_desc(plan.desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, "B's scale")?;
+            plan::set_desc(plan.desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, "A's scale")?;
+        }
         let alpha = 1f32;
         // SAFETY: addresses come from the plan and lie inside the session's
         // allocation; the plan's descriptors match the call's shape.
@@ -259,6 +279,12 @@ impl Drop for Blas {
     }
 }
 
+/// Whether a GPU of architecture `arch` (`sm_89`, `sm_90a`) has FP8 tensor cores.
+fn fp8_capable(arch: &str) -> bool {
+    let digits: String = arch.trim_start_matches("sm_").chars().take_while(char::is_ascii_digit).collect();
+    digits.parse::<u32>().is_ok_and(|cc| cc >= 89)
+}
+
 /// A product of `batch` `[m, n]` outputs at `c`, for tests.
 #[cfg(test)]
 fn test_call(ty: crate::launch::GemmType, batch: usize, m: usize, n: usize, c: u64) -> GemmCall {
@@ -277,6 +303,7 @@ fn test_call(ty: crate::launch::GemmType, batch: usize, m: usize, n: usize, c: u
         stride_b: (n * 8) as i64,
         stride_c: (m * n) as i64,
         addend: GemmAddend::None,
+        fp8_scales: None,
     }
 }
 
@@ -284,6 +311,12 @@ fn test_call(ty: crate::launch::GemmType, batch: usize, m: usize, n: usize, c: u
 mod tests {
     use super::*;
     use crate::launch::GemmType;
+
+    #[test]
+    fn fp8_products_need_ada_or_later() {
+        assert!(fp8_capable("sm_90") && fp8_capable("sm_89") && fp8_capable("sm_90a") && fp8_capable("sm_100"));
+        assert!(!fp8_capable("sm_80") && !fp8_capable("sm_86") && !fp8_capable("compute"));
+    }
 
     #[test]
     fn shape_names_match_the_profile() {

@@ -11,6 +11,9 @@ use cudarc::cublaslt::sys as ls;
 
 use super::{blas_err, Blas};
 use crate::error::{CudaError, Result};
+use stepgraph_core::ir::DType;
+use stepgraph_core::ops::fp8::Fp8Format;
+
 use crate::launch::{GemmAddend, GemmCall, GemmType};
 
 /// What makes two products share one cuBLASLt plan (addresses do not).
@@ -136,10 +139,28 @@ impl Blas {
     /// The plan of shape `k` for operands of alignment `align`; `in_place`:
     /// every call of the shape that adds a tensor adds its own output.
     pub(super) fn plan(&self, k: &PlanKey, align: Alignment, in_place: bool) -> Result<Plan> {
-        let dt = match k.ty {
+        let dt = |t: GemmType| match t {
             GemmType::F32 | GemmType::Tf32 => ls::cudaDataType_t::CUDA_R_32F,
             GemmType::BF16 => ls::cudaDataType_t::CUDA_R_16BF,
             GemmType::F16 => ls::cudaDataType_t::CUDA_R_16F,
+            GemmType::Fp8(_) => unreachable!("an FP8 product's types are its operands'"),
+        };
+        let fp8 = |f: Fp8Format| match f {
+            Fp8Format::E4M3 => ls::cudaDataType_t::CUDA_R_8F_E4M3,
+            Fp8Format::E5M2 => ls::cudaDataType_t::CUDA_R_8F_E5M2,
+        };
+        // In cuBLAS's terms: the first operand (our B), the second (our A),
+        // and the output (and addend, and bias).
+        let (first_dt, second_dt, out_dt) = match k.ty {
+            GemmType::Fp8(f) => {
+                let out = match f.out {
+                    DType::F32 => GemmType::F32,
+                    DType::F16 => GemmType::F16,
+                    _ => GemmType::BF16,
+                };
+                (fp8(f.b), fp8(f.a), dt(out))
+            }
+            t => (dt(t), dt(t), dt(t)),
         };
         let compute = if k.ty == GemmType::Tf32 || (k.ty == GemmType::F32 && self.tf32) {
             ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
@@ -151,7 +172,7 @@ impl Blas {
         // Stored row-major B ([k,n], or [n,k] transposed) is column-major [n,k] (or [k,n]).
         let (fr, fc) = if k.trans_b { (kk, n) } else { (n, kk) };
         let (sr, sc) = if k.trans_a { (m, kk) } else { (kk, m) };
-        let layout = |rows: u64, cols: u64, stride: i64| -> Result<ls::cublasLtMatrixLayout_t> {
+        let layout = |dt, rows: u64, cols: u64, stride: i64| -> Result<ls::cublasLtMatrixLayout_t> {
             let l = lr::create_matrix_layout(dt, rows, cols, rows as i64).map_err(|e| blas_err("layout", e))?;
             if k.batch > 1 {
                 let count = k.batch as i32;
@@ -175,9 +196,9 @@ impl Blas {
             }
             Ok(l)
         };
-        let first = layout(fr, fc, k.stride_b)?;
-        let second = layout(sr, sc, k.stride_a)?;
-        let out = layout(n, m, k.stride_c)?;
+        let first = layout(first_dt, fr, fc, k.stride_b)?;
+        let second = layout(second_dt, sr, sc, k.stride_a)?;
+        let out = layout(out_dt, n, m, k.stride_c)?;
         let desc = lr::create_matmul_desc(compute, ls::cudaDataType_t::CUDA_R_32F).map_err(|e| blas_err("desc", e))?;
         // From here on the plan owns the descriptors: an error below frees them.
         let mut plan = Plan {
@@ -203,8 +224,17 @@ impl Blas {
                 &ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
                 "epilogue",
             )?;
-            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt, "bias type")?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out_dt, "bias type")?;
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &0i64, "bias batch stride")?;
+        }
+        if let GemmType::Fp8(f) = k.ty {
+            // The forward's e4m3 products accumulate fast, as Transformer
+            // Engine's do; the gradient products (an e5m2 operand) keep the
+            // tensor cores' partial sums promoted to full f32, which long
+            // reductions over tokens need.
+            let fast = i8::from(f.a == Fp8Format::E4M3 && f.b == Fp8Format::E4M3);
+            use ls::cublasLtMatmulDescAttributes_t as A;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, "fast accumulation")?;
         }
         let ws = self.workspace_bytes;
         let wanted = if self.autotune { self.candidates } else { 1 };
@@ -333,13 +363,6 @@ pub(super) fn key_of(c: &GemmCall) -> PlanKey {
     }
 }
 
-pub(super) fn elem_bytes(ty: GemmType) -> u64 {
-    match ty {
-        GemmType::F32 | GemmType::Tf32 => 4,
-        GemmType::BF16 | GemmType::F16 => 2,
-    }
-}
-
 /// The largest power of two, at most 256, dividing the address of every
 /// batch entry of a matrix at `ptr` with `stride` elements between entries.
 fn operand_alignment(ptr: u64, stride: i64, batch: usize, elem: u64) -> u32 {
@@ -354,14 +377,14 @@ fn operand_alignment(ptr: u64, stride: i64, batch: usize, elem: u64) -> u32 {
 }
 
 pub(super) fn call_alignment(c: &GemmCall) -> Alignment {
-    let e = elem_bytes(c.ty);
-    let out = operand_alignment(c.c, c.stride_c, c.batch, e);
+    let (e, eo) = (c.ty.operand_bytes(), c.ty.out_bytes());
+    let out = operand_alignment(c.c, c.stride_c, c.batch, eo);
     Alignment {
         first: operand_alignment(c.b, c.stride_b, c.batch, e),
         second: operand_alignment(c.a, c.stride_a, c.batch, e),
         out,
         addend: match c.addend {
-            GemmAddend::Full(p) => operand_alignment(p, c.stride_c, c.batch, e),
+            GemmAddend::Full(p) => operand_alignment(p, c.stride_c, c.batch, eo),
             GemmAddend::None | GemmAddend::Bias(_) => out,
         },
     }

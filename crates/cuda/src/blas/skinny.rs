@@ -78,7 +78,9 @@ pub fn kernel_name(ty: GemmType, variant: usize, m: usize) -> String {
     let dt = match ty {
         GemmType::BF16 => "bf16",
         GemmType::F16 => "f16",
-        GemmType::F32 | GemmType::Tf32 => unreachable!("the few-row kernels take 16-bit operands only"),
+        GemmType::F32 | GemmType::Tf32 | GemmType::Fp8(_) => {
+            unreachable!("the few-row kernels take 16-bit operands only")
+        }
     };
     format!("skinny_w{warps}_u{unroll}{ring}_r{rows}_{dt}")
 }

@@ -112,6 +112,7 @@ impl Geometry {
             stride_b,
             stride_c,
             addend: GemmAddend::None,
+            fp8_scales: None,
         })]
     }
 

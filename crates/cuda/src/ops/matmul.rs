@@ -61,6 +61,7 @@ impl Lower for MatMul {
             stride_b: if batched(sb) { (k * n) as i64 } else { 0 },
             stride_c: (m * n) as i64,
             addend,
+            fp8_scales: None,
         })])
     }
 }

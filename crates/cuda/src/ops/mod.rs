@@ -27,6 +27,7 @@ pub mod decode;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod fp8;
 pub mod glu;
 pub mod linear_ce;
 pub mod loss;

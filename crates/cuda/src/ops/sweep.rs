@@ -22,7 +22,7 @@ use stepgraph_core::ops::{samples_by_op, Op};
 
 use super::{kernels_of, lower, GroupRank};
 use crate::error::{CudaError, Result};
-use crate::launch::{Arg, CollectiveOp, DevTensor, GemmType, KernelLaunch, Launch};
+use crate::launch::{Arg, CollectiveOp, DevTensor, KernelLaunch, Launch};
 
 /// Largest dynamic shared memory a block may ask for on sm_90.
 const MAX_SHARED_BYTES: u32 = 227 * 1024;
@@ -50,11 +50,7 @@ fn inside(ptr: u64, bytes: u64, ts: &[DevTensor]) -> bool {
 }
 
 /// Bytes of a (batched) GEMM operand: the last entry's offset plus one matrix.
-fn gemm_bytes(ty: GemmType, batch: usize, stride: i64, rows: usize, cols: usize) -> u64 {
-    let elem = match ty {
-        GemmType::F32 | GemmType::Tf32 => 4,
-        GemmType::BF16 | GemmType::F16 => 2,
-    };
+fn gemm_bytes(elem: u64, batch: usize, stride: i64, rows: usize, cols: usize) -> u64 {
     ((batch.max(1) as u64 - 1) * stride.max(0) as u64 + (rows * cols) as u64) * elem
 }
 
@@ -83,12 +79,13 @@ fn check_launch(what: &str, op: &Op, l: &Launch, ins: &[DevTensor], outs: &[DevT
             let (br, bc) = if c.trans_b { (c.n, c.k) } else { (c.k, c.n) };
             // Operands are read from the inputs or from an output the node
             // wrote first (a workspace: the fused head's chunk of logits).
+            let e = c.ty.operand_bytes();
             let (a_bytes, b_bytes) =
-                (gemm_bytes(c.ty, c.batch, c.stride_a, ar, ac), gemm_bytes(c.ty, c.batch, c.stride_b, br, bc));
+                (gemm_bytes(e, c.batch, c.stride_a, ar, ac), gemm_bytes(e, c.batch, c.stride_b, br, bc));
             assert!(inside(c.a, a_bytes, &all), "{what}: A outside the operands");
             assert!(inside(c.b, b_bytes, &all), "{what}: B outside the operands");
             assert!(
-                inside(c.c, gemm_bytes(c.ty, c.batch, c.stride_c, c.m, c.n), outs),
+                inside(c.c, gemm_bytes(c.ty.out_bytes(), c.batch, c.stride_c, c.m, c.n), outs),
                 "{what}: C outside the outputs"
             );
         }

@@ -1,0 +1,190 @@
+//! FP8 products (`--fp8 products`): every product the model marked
+//! ([`MatMul::fp8`]: the decoder layers' linear layers, forward and
+//! backward; the output head, the router and attention stay in the model's
+//! dtype) becomes a product of two quantized operands
+//! ([`crate::ops::fp8`]), where its shape allows one.
+//!
+//! A marked product `c = op(a)·op(b) (+ r)` qualifies when it is one matrix
+//! product after folding rows: `b` two-dimensional, and `a` either
+//! `[..., m, k]` (its leading axes folded into rows) or a transposed `[k,
+//! m]`; and when `m`, `n` and `k` are multiples of 16 (cuBLASLt's FP8
+//! layout). Each operand is quantized with the contracted axis contiguous:
+//! `a` as it is, or transposed when stored `[k, m]`; `b` as it is when
+//! stored `[n, k]`, transposed when `[k, n]`. So the forward `x·Wᵀ` reads
+//! `x` and `W` as they are, the input gradient `g·W` reads `Wᵀ`, and the
+//! weight gradient `gᵀ·x` reads both transposed. The formats are the
+//! marks': e4m3 for activations and weights, e5m2 for gradients.
+//!
+//! Work is shared: a value's scale is computed once per format for the
+//! whole step (through reshapes, which keep its elements), so the forward's
+//! scale of an activation serves its backward products too; its codes are
+//! reused by a later product of the same phase within [`CODES_REUSE_NODES`]
+//! nodes (q, k and v read one input; gate and up another; the three weight
+//! gradients of q, k and v read one transposed input), further apart they
+//! are made again rather than held.
+//!
+//! The pass runs after recomputation and offload (their choices see the
+//! products as the model has them), and the pipeline checks the planned
+//! peak against a memory budget after it: the codes are transient bytes
+//! the budget search did not see.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::{Pass, PassContext};
+use crate::error::Result;
+use crate::ir::{Builder, Phase, Trace, ValueId};
+use crate::ops::fp8::{Fp8Format, MatMulFp8};
+use crate::ops::matmul::MatMul;
+use crate::ops::Op;
+
+/// Nodes after a value's quantization within which a later product of the
+/// same phase reuses its codes.
+pub const CODES_REUSE_NODES: usize = 16;
+
+/// The multiple every dimension of an FP8 product must be.
+pub const FP8_DIM_MULTIPLE: usize = 16;
+
+/// What the pass did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Fp8Report {
+    /// Marked products that became FP8 products.
+    pub products: usize,
+    /// Marked products left in the model's dtype: their shapes do not
+    /// qualify (see the module doc).
+    pub kept: usize,
+    /// Quantizations made (each a pass over an operand), and scales.
+    pub quantizations: usize,
+    pub scales: usize,
+}
+
+/// The operand layout of a qualifying product: its `m` and `n`, and
+/// whether each operand is quantized transposed.
+struct Layout {
+    m: usize,
+    n: usize,
+    transpose_a: bool,
+    transpose_b: bool,
+}
+
+/// The layout of `mm` on operands shaped `sa` and `sb`, if it qualifies.
+fn layout(mm: &MatMul, sa: &[usize], sb: &[usize]) -> Option<Layout> {
+    if sb.len() != 2 || sa.len() < 2 || (mm.trans_a && sa.len() != 2) {
+        return None;
+    }
+    let (m, k) = if mm.trans_a { (sa[1], sa[0]) } else { (sa[..sa.len() - 1].iter().product(), sa[sa.len() - 1]) };
+    let (n, kb) = if mm.trans_b { (sb[0], sb[1]) } else { (sb[1], sb[0]) };
+    let fits = |d: usize| d > 0 && d.is_multiple_of(FP8_DIM_MULTIPLE);
+    (k == kb && fits(m) && fits(n) && fits(k)).then_some(Layout {
+        m,
+        n,
+        transpose_a: mm.trans_a,
+        transpose_b: !mm.trans_b,
+    })
+}
+
+/// The value whose elements `v` holds in the same order: `v` itself, or
+/// what a chain of reshapes made it from.
+fn reshape_root(trace: &Trace, mut v: ValueId) -> ValueId {
+    while let Some(n) = trace.producer(v) {
+        match &trace.node(n).op {
+            Op::Reshape(_) => v = trace.node(n).inputs[0],
+            _ => break,
+        }
+    }
+    v
+}
+
+/// Rewrites every qualifying marked product as an FP8 product (module doc).
+pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
+    let mut b = Builder::new(trace.name.clone());
+    let mut map = b.copy_leaves(trace)?;
+    let m = |map: &[Option<ValueId>], v: ValueId| map[v.index()].expect("defined before use");
+    let mut report = Fp8Report::default();
+    // Scales by (the original value's reshape root, format).
+    let mut scales: HashMap<(ValueId, Fp8Format), ValueId> = HashMap::new();
+    // Codes by (new operand, format, transposed): the codes, where, which phase.
+    let mut codes: HashMap<(ValueId, Fp8Format, bool), (ValueId, usize, Phase)> = HashMap::new();
+    for (n, node) in trace.nodes.iter().enumerate() {
+        b.set_phase(node.phase);
+        let inputs: Vec<ValueId> = node.inputs.iter().map(|&v| m(&map, v)).collect();
+        let marked = match &node.op {
+            Op::MatMul(mm) => mm.fp8.map(|f| (mm.clone(), f)),
+            _ => None,
+        };
+        let plan = marked.and_then(|(mm, f)| {
+            let (sa, sb) = (&trace.ty(node.inputs[0]).shape, &trace.ty(node.inputs[1]).shape);
+            layout(&mm, sa, sb).map(|l| (mm, f, l))
+        });
+        let Some((mm, (fa, fb), l)) = plan else {
+            if matches!(&node.op, Op::MatMul(mm) if mm.fp8.is_some()) {
+                report.kept += 1;
+            }
+            let outs = b.push(node.op.clone(), &inputs)?;
+            for (&o, v) in node.outputs.iter().zip(outs) {
+                map[o.index()] = Some(v);
+            }
+            continue;
+        };
+        let mut operand =
+            |b: &mut Builder, i: usize, format: Fp8Format, transpose: bool| -> Result<(ValueId, ValueId)> {
+                let x = inputs[i];
+                let root = reshape_root(trace, node.inputs[i]);
+                let scale = match scales.get(&(root, format)) {
+                    Some(&s) => s,
+                    None => {
+                        let s = b.fp8_scale(x, format)?;
+                        report.scales += 1;
+                        scales.insert((root, format), s);
+                        s
+                    }
+                };
+                let q = match codes.get(&(x, format, transpose)) {
+                    Some(&(q, at, phase)) if phase == node.phase && n - at <= CODES_REUSE_NODES => q,
+                    _ => {
+                        // A folded `[..., m, k]` is quantized as its rows.
+                        let q = b.fp8_quantize(x, scale, format, transpose)?;
+                        report.quantizations += 1;
+                        codes.insert((x, format, transpose), (q, n, node.phase));
+                        q
+                    }
+                };
+                Ok((q, scale))
+            };
+        let (qa, sa) = operand(&mut b, 0, fa, l.transpose_a)?;
+        let (qb, sb) = operand(&mut b, 1, fb, l.transpose_b)?;
+        let out_ty = trace.ty(node.outputs[0]).clone();
+        let mut args = vec![qa, qb, sa, sb];
+        if mm.addend {
+            let r = inputs[2];
+            // A full addend has the output's (possibly batched) shape: as rows.
+            let r = if b.shape(r).len() > 2 { b.reshape(r, &[l.m, l.n])? } else { r };
+            args.push(r);
+        }
+        let op = MatMulFp8 { a: fa, b: fb, out: out_ty.dtype, addend: mm.addend };
+        let c = b.push1(op.into(), &args)?;
+        let c = if out_ty.shape != [l.m, l.n] { b.reshape(c, &out_ty.shape)? } else { c };
+        map[node.outputs[0].index()] = Some(c);
+        report.products += 1;
+    }
+    Ok((b.finish_rewrite(trace, &map, "fp8_products")?, report))
+}
+
+/// [`fp8_products`] as a pass; the report says what it did. It adds nodes,
+/// so it refuses a trace run in segments.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Fp8Products;
+
+impl Pass for Fp8Products {
+    fn name(&self) -> &'static str {
+        "fp8_products"
+    }
+
+    fn run(&self, trace: &Trace, cx: &mut PassContext) -> Result<Trace> {
+        cx.refuse_segments(self.name())?;
+        let (out, report) = fp8_products(trace)?;
+        cx.report.fp8 = Some(report);
+        Ok(out)
+    }
+}
