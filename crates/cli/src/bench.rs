@@ -170,6 +170,9 @@ pub struct BenchReport {
     pub mode: Mode,
     /// How the step's f32 products ran (`--f32-products`).
     pub f32_products: stepgraph_core::passes::F32Products,
+    /// Which products ran in FP8 (`--fp8`), and how many did.
+    pub fp8: stepgraph_core::pipeline::Fp8Mode,
+    pub fp8_products: usize,
     /// The run-time switches the session ran under (`STEPGRAPH_*`).
     pub switches: Switches,
     pub gpu_arch: String,
@@ -423,6 +426,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         workload: name,
         mode: args.mode,
         f32_products: opts.f32_products,
+        fp8: opts.fp8,
+        fp8_products: c.passes.fp8.as_ref().map_or(0, |r| r.products),
         switches,
         gpu_arch: s.arch.clone(),
         params,

@@ -821,6 +821,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 value["optimizer"] = serde_json::to_value(c.placement())?;
                 value["epilogues"] = serde_json::to_value(c.fusion())?;
                 value["f32_products"] = serde_json::to_value(opts.f32_products)?;
+                value["fp8"] = serde_json::to_value(&c.passes.fp8)?;
                 value["experts"] = serde_json::to_value(stepgraph_core::models::moe::ExpertsReport::of(&spec))?;
                 value["switches"] = serde_json::to_value(switches)?;
                 value["validation_extra_bytes"] = serde_json::to_value(eval_extra)?;
@@ -865,6 +866,13 @@ fn run_command(cli: Cli) -> Result<()> {
                     println!(
                         "3xTF32: {} f32 products as {products} TF32 products of {splits} operand splits",
                         products / 3
+                    );
+                }
+                if let Some(r) = &c.passes.fp8 {
+                    println!(
+                        "FP8: {} products of quantized operands ({} quantizations, {} scales); {} marked products of \
+                         unfit shapes (not multiples of 16) kept in {}",
+                        r.products, r.quantizations, r.scales, r.kept, spec.dtype
                     );
                 }
                 if let Some(extra) = eval_extra {

@@ -58,6 +58,8 @@ pub fn class_of(kernel: &str) -> &'static str {
         "tanh",
         "cast",
         "max_backward",
+        // FP8 operands: an amax, its scale, the casts to codes.
+        "fp8_",
     ]
     .iter()
     .any(|p| kernel.starts_with(p))

@@ -45,6 +45,7 @@ use stepgraph_core::host::HostTensor;
 use stepgraph_core::ir::{Builder, DType, OutputKind, TensorType};
 use stepgraph_core::ops::elementwise::Full;
 use stepgraph_core::ops::embedding::{Embedding, EmbeddingBackward};
+use stepgraph_core::ops::fp8::Fp8Format;
 use stepgraph_core::ops::norm::{LN_ADDEND, RMS_ADDEND};
 use stepgraph_core::ops::optim::{AdamW, MasterWeights};
 use stepgraph_core::ops::reduce::{Reduce, ReduceKind};
@@ -394,7 +395,19 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         // The update one `_rn` operation at a time, the block maxima (exact
         // in any order), the maps from the same f64 constants, the codes by
         // the same search.
-        | Op::AdamW8bit(_) => Cmp::Exact,
+        | Op::AdamW8bit(_)
+        // An exact max, one correctly rounded division; one correctly
+        // rounded multiply and the same saturating conversion per code.
+        | Op::Fp8Scale(_)
+        | Op::Fp8Quantize(_) => Cmp::Exact,
+        // Exact products of codes summed in f32 in another order; the
+        // e4m3 × e4m3 products with Hopper's fast accumulation, which keeps
+        // fewer bits of the running sum (about 2^-10 of it at W5's depths).
+        Op::MatMulFp8(m) => {
+            let k = inputs[0].ty.shape[1] * 4;
+            let fast = (m.a, m.b) == (Fp8Format::E4M3, Fp8Format::E4M3);
+            per_output(&|t| Tol::of(if fast { row_tol(t.dtype, k).max(2e-3) } else { row_tol(t.dtype, k) }))
+        }
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
             kind => {

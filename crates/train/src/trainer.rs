@@ -36,6 +36,7 @@ use stepgraph_core::models::gpt::{IGNORE_INDEX, POSITIONS_INPUT, TARGETS_INPUT, 
 use stepgraph_core::models::hf_dir::HfModelDir;
 use stepgraph_core::models::lora::is_adapter_weight;
 use stepgraph_core::models::{init_param_as, param_init};
+use stepgraph_core::ops::Op;
 use stepgraph_core::pipeline::{CompileTimes, CompiledStep};
 use stepgraph_core::plan::MemoryPlan;
 use stepgraph_core::session::{Session, SessionMemory, StartupTimes};
@@ -375,6 +376,14 @@ impl Trainer {
     /// The dtype of the optimizer state, as the step was built.
     pub fn state_dtype(&self) -> Option<&str> {
         self.state_dtype.as_deref()
+    }
+
+    /// The step's FP8 products and those of its marked products that stay
+    /// in the model's dtype (`--fp8 products`; both 0 without it).
+    pub fn fp8_products(&self) -> (usize, usize) {
+        let step = self.session.trace();
+        let count = |f: &dyn Fn(&Op) -> bool| step.nodes.iter().filter(|n| f(&n.op)).count();
+        (count(&|op| matches!(op, Op::MatMulFp8(_))), count(&|op| matches!(op, Op::MatMul(m) if m.fp8.is_some())))
     }
 
     pub fn rank(&self) -> usize {

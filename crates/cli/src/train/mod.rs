@@ -1102,6 +1102,19 @@ fn print_settings(
         };
         eprintln!("  master      {master} (--master-weights; docs/mixed-precision.md)");
     }
+    if config.step.fp8 == stepgraph_core::pipeline::Fp8Mode::Products {
+        let (fp8, kept) = trainer.fp8_products();
+        let kept = if kept > 0 {
+            format!(", {kept} of unfit shapes (not multiples of 16) kept in {}", spec.dtype)
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "  fp8         {fp8} products of the decoder layers' linear layers (e4m3 activations and weights, e5m2 \
+             gradients, each tensor scaled by its own amax){kept}; head and attention in {}",
+            spec.dtype
+        );
+    }
     match train.clip_grad_norm {
         Some(c) if c > 0.0 => {
             eprintln!("  clipping    global gradient norm to {c} (--clip-grad-norm; 0 turns it off)")
