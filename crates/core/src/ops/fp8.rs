@@ -278,7 +278,9 @@ impl OpDef for Fp8Scale {
     fn cpu(&self, io: &KernelIo) -> Result<()> {
         fn amax<T: Float<Acc = f32>>(x: &[T]) -> f32 {
             // NaN wins, as the kernel's integer max of |x|'s bits lets it.
-            x.par_iter().map(|v| v.acc().abs()).reduce(|| 0.0, |a, b| if a.is_nan() || b > a { b } else { a })
+            x.par_iter()
+                .map(|v| v.acc().abs())
+                .reduce(|| 0.0, |a, b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) })
         }
         let a = match io.in_ty(0).dtype {
             DType::F32 => amax(io.input::<f32>(0)),
@@ -643,6 +645,19 @@ mod tests {
             assert_eq!(format.encode(f32::NAN), 0x7f);
             assert_eq!(format.encode(-0.0), 0x80);
             assert_eq!(format.encode(1e-30), 0);
+        }
+    }
+
+    #[test]
+    fn a_nan_anywhere_makes_the_scale_nan() {
+        use crate::host::HostTensor;
+        use crate::ir::TensorType;
+        for at in [0, 5, 9] {
+            let mut v = vec![1.0; 10];
+            v[at] = f64::NAN;
+            let x = HostTensor::from_f64(TensorType::new(DType::F32, [10]), &v);
+            let out = crate::testing::run_op(&Fp8Scale { format: Fp8Format::E4M3 }.into(), &[x]).unwrap();
+            assert!(out[0].to_f64().iter().all(|s| s.is_nan()), "NaN at {at}: {:?}", out[0].to_f64());
         }
     }
 
