@@ -308,7 +308,8 @@ fn every_sample_matches_cpu() {
     let mut failed = Vec::new();
     for dt in FLOATS {
         for (name, samples) in samples_by_op(dt) {
-            if only.as_deref().is_some_and(|ops| !ops.split(',').any(|o| o.trim() == name)) {
+            let op_name = samples.first().map_or("", |s| s.op.name());
+            if only.as_deref().is_some_and(|ops| !ops.split(',').any(|o| o.trim() == op_name || o.trim() == name)) {
                 continue;
             }
             for seed in [1, 2] {

@@ -267,7 +267,7 @@ impl Blas {
                 stream as _,
             )
         }
-        .map_err(|e| blas_err("cublasLtMatmul", e))
+        .map_err(|e| blas_err(&format!("cublasLtMatmul of {}", shape_name(call)), e))
     }
 }
 

@@ -235,6 +235,11 @@ impl Blas {
             let fast = i8::from(f.a == Fp8Format::E4M3 && f.b == Fp8Format::E4M3);
             use ls::cublasLtMatmulDescAttributes_t as A;
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, "fast accumulation")?;
+            // The heuristic offers scaled kernels only for a descriptor with
+            // scale pointers: any device address stands in for the calls'
+            // own, which each call sets ([`Blas::run`]).
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &self.workspace, "scale")?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &self.workspace, "scale")?;
         }
         let ws = self.workspace_bytes;
         let wanted = if self.autotune { self.candidates } else { 1 };
