@@ -509,28 +509,21 @@ fn compile_tiled(spec: &ModelSpec, opts: &StepOptions) -> Result<(CompiledStep, 
     // As the builder tiles: at most one tile per row.
     recompute.mlp_tiles = opts.mlp_tiles.clamp(1, spec.batch * spec.seq);
     let mlp_tiles = recompute.mlp_tiles;
-    if let (F32Products::Split3xTf32, Some(budget)) = (opts.f32_products, opts.recompute.budget()) {
+    // The passes after recomputation add bytes its budget search did not see.
+    let late = [
+        (
+            opts.f32_products == F32Products::Split3xTf32,
+            "or --f32-products exact: the split operands of the 3xTF32 products need their own bytes",
+        ),
+        (
+            opts.fp8 == Fp8Mode::Products,
+            "or without --fp8: the quantized operands of the FP8 products need their own bytes",
+        ),
+    ];
+    if let (Some((_, hint)), Some(budget)) = (late.iter().find(|l| l.0), opts.recompute.budget()) {
         let peak = plan.planned_peak_bytes();
         if peak > budget {
-            return Err(Error::MemoryBudget {
-                budget,
-                least: peak,
-                mlp_tiles,
-                hint: Some(
-                    "or --f32-products exact: the split operands of the 3xTF32 products need their own bytes".into(),
-                ),
-            });
-        }
-    }
-    if let (Fp8Mode::Products, Some(budget)) = (opts.fp8, opts.recompute.budget()) {
-        let peak = plan.planned_peak_bytes();
-        if peak > budget {
-            return Err(Error::MemoryBudget {
-                budget,
-                least: peak,
-                mlp_tiles,
-                hint: Some("or without --fp8: the quantized operands of the FP8 products need their own bytes".into()),
-            });
+            return Err(Error::MemoryBudget { budget, least: peak, mlp_tiles, hint: Some((*hint).into()) });
         }
     }
     check_plan(&step, &plan)?;

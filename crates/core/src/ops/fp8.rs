@@ -62,7 +62,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Builder, DType, TensorType, ValueId};
 use crate::ops::gemm::{gemm_f32, GemmDesc};
 use crate::ops::kernel::{Float, KernelIo};
-use crate::ops::matmul::{AddendKind, MatMul};
+use crate::ops::matmul::{add_addend, MatMul};
 
 /// Codes per i32 word.
 pub const FP8_CODES_PER_WORD: usize = 4;
@@ -532,24 +532,10 @@ impl OpDef for MatMulFp8 {
 impl MatMulFp8 {
     /// Output 0 as the unrounded `wide` plus the addend (input 4), rounded once.
     fn store<T: Float<Acc = f32>>(&self, io: &KernelIo, wide: &[f32]) {
-        if !self.addend {
+        if self.addend {
+            add_addend::<T>(io, wide, 4);
+        } else {
             io.output::<T>(0).par_iter_mut().zip(wide).for_each(|(o, &w)| *o = T::from_acc(w));
-            return;
-        }
-        let n = io.out_ty(0).shape[1].max(1);
-        match MatMul::addend_kind(io.out_ty(0), io.in_ty(4)) {
-            Some(AddendKind::Full) => {
-                io.inplace::<T>(0, 4).par_iter_mut().zip(wide).for_each(|(o, &w)| *o = T::from_acc(w + o.acc()));
-            }
-            Some(AddendKind::Bias) => {
-                let bias = io.input::<T>(4);
-                io.output::<T>(0).par_chunks_mut(n).zip(wide.par_chunks(n)).for_each(|(row, w)| {
-                    for ((o, &w), b) in row.iter_mut().zip(w).zip(bias) {
-                        *o = T::from_acc(w + b.acc());
-                    }
-                });
-            }
-            None => unreachable!("the shape rule admits a full or a row addend only"),
         }
     }
 }

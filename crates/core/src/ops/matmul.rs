@@ -267,7 +267,7 @@ impl OpDef for MatMul {
                 if self.addend {
                     let mut wide = vec![<$T as Float>::Acc::default(); io.out_ty(0).numel()];
                     product(&d, &desc, a, bm, &mut wide, $wide);
-                    add_addend::<$T>(io, &wide);
+                    add_addend::<$T>(io, &wide, 2);
                 } else {
                     product(&d, &desc, a, bm, io.output::<$T>(0), $plain);
                 }
@@ -281,7 +281,7 @@ impl OpDef for MatMul {
                 if self.addend {
                     let mut wide = vec![0f32; io.out_ty(0).numel()];
                     product(&d, &desc, &a, &bm, &mut wide, gemm_f32);
-                    add_addend::<f32>(io, &wide);
+                    add_addend::<f32>(io, &wide, 2);
                 } else {
                     product(&d, &desc, &a, &bm, io.output::<f32>(0), gemm_f32);
                 }
@@ -362,17 +362,20 @@ fn product<S, D>(d: &Dims, desc: &GemmDesc, a: &[S], b: &[S], c: &mut [D], gemm:
 }
 
 /// Writes output 0 as the unrounded product `wide` plus the addend (input
-/// 2), rounded once to storage. An addend of the output's type may share
-/// the output's storage, so it is read through [`KernelIo::inplace`], which hands
-/// over the output holding the addend.
-fn add_addend<T: Float>(io: &KernelIo, wide: &[T::Acc]) {
+/// `at`: 2 for `matmul`), rounded once to storage. An addend of the
+/// output's type may share the output's storage, so it is read through
+/// [`KernelIo::inplace`], which hands over the output holding the addend.
+pub(crate) fn add_addend<T: Float>(io: &KernelIo, wide: &[T::Acc], at: usize) {
     let n = io.out_ty(0).shape.last().copied().unwrap_or(1).max(1);
-    match MatMul::addend_kind(io.out_ty(0), io.in_ty(2)) {
+    match MatMul::addend_kind(io.out_ty(0), io.in_ty(at)) {
         Some(AddendKind::Full) => {
-            io.inplace::<T>(0, 2).par_iter_mut().zip(wide.par_iter()).for_each(|(o, &w)| *o = T::from_acc(w + o.acc()));
+            io.inplace::<T>(0, at)
+                .par_iter_mut()
+                .zip(wide.par_iter())
+                .for_each(|(o, &w)| *o = T::from_acc(w + o.acc()));
         }
         Some(AddendKind::Bias) => {
-            let bias = io.input::<T>(2);
+            let bias = io.input::<T>(at);
             io.output::<T>(0).par_chunks_mut(n).zip(wide.par_chunks(n)).for_each(|(row, w)| {
                 for ((o, &w), b) in row.iter_mut().zip(w).zip(bias) {
                     *o = T::from_acc(w + b.acc());

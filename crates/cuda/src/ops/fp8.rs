@@ -8,13 +8,12 @@
 
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::fp8::{fp8_rows_cols, Fp8Quantize, Fp8Scale, MatMulFp8, FP8_CODES_PER_WORD};
-use stepgraph_core::ops::matmul::{AddendKind, MatMul};
 
 use super::util::{launch, launch_1d, n64, ptr, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_module::KernelModule;
-use crate::launch::{blocks, Fp8Gemm, GemmAddend, GemmCall, GemmType, Launch};
+use crate::launch::{blocks, Fp8Gemm, GemmCall, GemmType, Launch};
 
 const FP8: &[KernelModule] = &[KernelModule::plain("fp8", include_str!("../../kernels/fp8.cu"))];
 
@@ -82,14 +81,7 @@ impl Lower for MatMulFp8 {
         let (a, b, sa, sb, c) = (&cx.inputs[0], &cx.inputs[1], &cx.inputs[2], &cx.inputs[3], &cx.outputs[0]);
         let (m, n) = (a.ty.shape[0], b.ty.shape[0]);
         let k = a.ty.shape[1] * FP8_CODES_PER_WORD;
-        let addend = match cx.inputs.get(4) {
-            None => GemmAddend::None,
-            Some(x) => match MatMul::addend_kind(&c.ty, &x.ty) {
-                Some(AddendKind::Full) => GemmAddend::Full(x.ptr),
-                Some(AddendKind::Bias) => GemmAddend::Bias(x.ptr),
-                None => return Err(CudaError::lower("matmul_fp8", format!("addend {} for a product {}", x.ty, c.ty))),
-            },
-        };
+        let addend = super::matmul::gemm_addend("matmul_fp8", c, cx.inputs.get(4))?;
         // The inverse scale is each scale tensor's second f32.
         let inverse = |s: &crate::launch::DevTensor| s.ptr + 4;
         Ok(vec![Launch::Gemm(GemmCall {

@@ -11,7 +11,7 @@ use stepgraph_core::ops::matmul::{AddendKind, MatMul};
 
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
-use crate::launch::{GemmAddend, GemmCall, GemmType, Launch};
+use crate::launch::{DevTensor, GemmAddend, GemmCall, GemmType, Launch};
 
 impl Lower for MatMul {
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
@@ -38,14 +38,7 @@ impl Lower for MatMul {
             batch = 1;
         }
         let batched = |s: &[usize]| !fold && s.len() > 2;
-        let addend = match cx.inputs.get(2) {
-            None => GemmAddend::None,
-            Some(x) => match MatMul::addend_kind(&c.ty, &x.ty) {
-                Some(AddendKind::Full) => GemmAddend::Full(x.ptr),
-                Some(AddendKind::Bias) => GemmAddend::Bias(x.ptr),
-                None => return Err(CudaError::lower("matmul", format!("addend {} for a product {}", x.ty, c.ty))),
-            },
-        };
+        let addend = gemm_addend("matmul", c, cx.inputs.get(2))?;
         Ok(vec![Launch::Gemm(GemmCall {
             ty,
             batch,
@@ -64,6 +57,19 @@ impl Lower for MatMul {
             fp8_scales: None,
         })])
     }
+}
+
+/// What a product `c` adds in its epilogue: the addend `x`, a tensor of
+/// `c`'s type or a row of it, or nothing.
+pub(super) fn gemm_addend(op: &str, c: &DevTensor, x: Option<&DevTensor>) -> Result<GemmAddend> {
+    Ok(match x {
+        None => GemmAddend::None,
+        Some(x) => match MatMul::addend_kind(&c.ty, &x.ty) {
+            Some(AddendKind::Full) => GemmAddend::Full(x.ptr),
+            Some(AddendKind::Bias) => GemmAddend::Bias(x.ptr),
+            None => return Err(CudaError::lower(op, format!("addend {} for a product {}", x.ty, c.ty))),
+        },
+    })
 }
 
 #[cfg(test)]
