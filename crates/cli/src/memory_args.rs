@@ -71,7 +71,8 @@ pub struct MemoryArgs {
     /// linear layers (forward, input and weight gradients) as FP8 tensor-core
     /// products, e4m3 activations and weights, e5m2 gradients, each tensor
     /// scaled by its own amax in the same step; the output head, attention,
-    /// the router and LoRA adapters stay in the model's dtype. Needs an
+    /// the router, the experts of a mixture and LoRA adapters stay in the
+    /// model's dtype. Needs an
     /// FP8-capable GPU (compute capability 8.9 or later) and a bf16 or f16
     /// model. Faster and a little less accurate: compare the loss curve.
     #[arg(help_heading = "Performance tuning", long, value_enum, default_value_t = Fp8Arg::Off)]

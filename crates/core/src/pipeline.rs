@@ -163,8 +163,9 @@ pub enum Fp8Mode {
     Off,
     /// The linear layers of the decoder layers (forward, input gradients
     /// and weight gradients) as FP8 products with current per-tensor
-    /// scaling; the output head, the router, attention and the adapters of
-    /// a LoRA run stay in the model's dtype ([`crate::passes::fp8`]).
+    /// scaling; the output head, the router, attention, the experts of a
+    /// mixture and the adapters of a LoRA run stay in the model's dtype
+    /// ([`crate::passes::fp8`]).
     Products,
 }
 
