@@ -13,7 +13,7 @@
 //   non-negative floats' bits orders them as floats, and a NaN's bits
 //   exceed infinity's, so a NaN wins as it does on the CPU);
 // - `fp8_scale_<fmt>(float* out)`: one thread; reads the amax bits from
-//   out[0], writes [scale, 1 / scale];
+//   out[0], writes [1 / scale, scale];
 // - `fp8_quantize_<fmt>_<dt>(const T* x, const float* scale, unsigned* out,
 //   i64 words)`: 1-D grid-stride, one word (4 consecutive elements) per
 //   thread and iteration;
@@ -79,13 +79,13 @@ template <__nv_fp8_interpretation_t F> __device__ __forceinline__ void scale(flo
     if (!isfinite(a)) s = __int_as_float(0x7fc00000);
     else if (a == 0.0f) s = 1.0f;
     else s = fminf(__fdiv_rn(max_finite<F>(), a), SG_FP8_MAX_SCALE);
-    out[0] = s;
-    out[1] = __fdiv_rn(1.0f, s);
+    out[0] = __fdiv_rn(1.0f, s);
+    out[1] = s;
 }
 
 template <__nv_fp8_interpretation_t F, typename T>
-__device__ __forceinline__ void quantize(const T* x, const float* scale_inv, unsigned* out, i64 words) {
-    const float s = scale_inv[0];
+__device__ __forceinline__ void quantize(const T* x, const float* scale, unsigned* out, i64 words) {
+    const float s = scale[1];
     for (i64 w = (i64)blockIdx.x * blockDim.x + threadIdx.x; w < words; w += (i64)gridDim.x * blockDim.x) {
         const i64 e = w * 4;
         out[w] = code<F>(load(x, e), s) | code<F>(load(x, e + 1), s) << 8 | code<F>(load(x, e + 2), s) << 16 |
@@ -94,11 +94,11 @@ __device__ __forceinline__ void quantize(const T* x, const float* scale_inv, uns
 }
 
 template <__nv_fp8_interpretation_t F, typename T>
-__device__ __forceinline__ void quantize_t(const T* x, const float* scale_inv, unsigned* out, i64 rows, i64 cols) {
+__device__ __forceinline__ void quantize_t(const T* x, const float* scale, unsigned* out, i64 rows, i64 cols) {
     // tile[c][r]: the codes of column c0 + c, rows r0 .. r0 + 63; rows
     // padded by a word so the column reads of the store spread over banks.
     __shared__ unsigned char tile[SG_FP8_TILE][SG_FP8_TILE + 4];
-    const float s = scale_inv[0];
+    const float s = scale[1];
     const i64 c0 = (i64)blockIdx.x * SG_FP8_TILE, r0 = (i64)blockIdx.y * SG_FP8_TILE;
     const int tx = threadIdx.x, ty = threadIdx.y;
     for (int r = ty; r < SG_FP8_TILE; r += 8) {

@@ -27,7 +27,9 @@
 //! amax gives a finite scale; 1 where amax is 0; NaN where amax is not
 //! finite, so that a step whose values already overflowed ends in a NaN
 //! loss rather than in quietly clamped products). Its output is
-//! `[scale, 1 / scale]` (f32, the second one f32 division). The largest
+//! `[1 / scale, scale]` (f32, the inverse one f32 division; first, where
+//! the tensor starts, because cuBLASLt reads the products' scales only
+//! from aligned addresses). The largest
 //! element maps to the format's largest finite, so nothing saturates.
 //! [`Fp8Quantize`] stores `encode(x · scale)` (one f32 multiply, then the
 //! rounding above).
@@ -185,7 +187,7 @@ impl Fp8Format {
     }
 }
 
-/// `[scale, 1 / scale]` of an amax for `format` (module doc).
+/// `[1 / scale, scale]` of an amax for `format` (module doc).
 pub fn fp8_scale_of(format: Fp8Format, amax: f32) -> [f32; 2] {
     let scale = if !amax.is_finite() {
         f32::NAN
@@ -194,7 +196,7 @@ pub fn fp8_scale_of(format: Fp8Format, amax: f32) -> [f32; 2] {
     } else {
         (format.max_finite() / amax).min(FP8_MAX_SCALE)
     };
-    [scale, 1.0 / scale]
+    [1.0 / scale, scale]
 }
 
 /// The code of `x · scale` (one f32 multiply, then [`Fp8Format::encode`]).
@@ -240,7 +242,7 @@ pub fn fp8_rows_cols(shape: &[usize]) -> (usize, usize) {
 
 // ---------------------------------------------------------------- fp8_scale
 
-/// `[scale, 1 / scale]` (f32 `[2]`) of a tensor for `format`: current
+/// `[1 / scale, scale]` (f32 `[2]`) of a tensor for `format`: current
 /// scaling from its own amax (module doc).
 #[derive(Clone, PartialEq, Debug)]
 pub struct Fp8Scale {
@@ -328,9 +330,9 @@ impl OpDef for Fp8Quantize {
                 // A scale that saturates some elements and flushes others to subnormals.
                 v.push(Sample::new(
                     op.clone(),
-                    vec![normal(d, &[8, 16]), fixed(DType::F32, &[2], &[300.0, 1.0 / 300.0])],
+                    vec![normal(d, &[8, 16]), fixed(DType::F32, &[2], &[1.0 / 300.0, 300.0])],
                 ));
-                v.push(Sample::new(op.clone(), vec![normal(d, &[8, 16]), fixed(DType::F32, &[2], &[1e-3, 1e3])]));
+                v.push(Sample::new(op.clone(), vec![normal(d, &[8, 16]), fixed(DType::F32, &[2], &[1e3, 1e-3])]));
                 let x = normal(d, &[256, 320]);
                 v.push(Sample::new(op, vec![x.clone()]).with_output(Fp8Scale { format }, vec![x], 0).large());
             }
@@ -359,7 +361,7 @@ impl OpDef for Fp8Quantize {
         no_vjp(self.name())
     }
     fn cpu(&self, io: &KernelIo) -> Result<()> {
-        let scale = io.input::<f32>(1)[0];
+        let scale = io.input::<f32>(1)[1];
         let (rows, cols) = fp8_rows_cols(&io.in_ty(0).shape);
         let x: Vec<f32> = match io.in_ty(0).dtype {
             DType::F32 => io.input::<f32>(0).to_vec(),
@@ -421,11 +423,11 @@ impl OpDef for MatMulFp8 {
             let scale = format.max_finite() / 8.0;
             super::sample::output_of(
                 Fp8Quantize { format, transpose: false },
-                vec![normal(DType::F32, &[rows, k]), fixed(DType::F32, &[2], &[scale as f64, 1.0 / scale as f64])],
+                vec![normal(DType::F32, &[rows, k]), fixed(DType::F32, &[2], &[1.0 / scale as f64, scale as f64])],
                 0,
             )
         };
-        let scale = |s: f64| fixed(DType::F32, &[2], &[s, 1.0 / s]);
+        let scale = |s: f64| fixed(DType::F32, &[2], &[1.0 / s, s]);
         let mut v = Vec::new();
         for (fa, fb) in [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)] {
             for (m, n, k) in [(16, 16, 32), (5, 24, 48), (33, 16, 64)] {
@@ -486,7 +488,7 @@ impl OpDef for MatMulFp8 {
         let mut wide = vec![0f32; m * n];
         let desc = GemmDesc { batch: 1, m, n, k, trans_a: false, trans_b: true, broadcast_b: false };
         gemm_f32(&desc, &a, &b, &mut wide);
-        let unscale = io.input::<f32>(2)[1] * io.input::<f32>(3)[1];
+        let unscale = io.input::<f32>(2)[0] * io.input::<f32>(3)[0];
         wide.par_iter_mut().for_each(|w| *w *= unscale);
         match self.out {
             DType::F32 => self.store::<f32>(io, &wide),
@@ -541,7 +543,7 @@ impl MatMulFp8 {
 }
 
 impl Builder {
-    /// `[scale, 1 / scale]` of `x` for `format` ([`Fp8Scale`]).
+    /// `[1 / scale, scale]` of `x` for `format` ([`Fp8Scale`]).
     pub fn fp8_scale(&mut self, x: ValueId, format: Fp8Format) -> Result<ValueId> {
         self.push1(Fp8Scale { format }.into(), &[x])
     }
@@ -649,12 +651,12 @@ mod tests {
 
     #[test]
     fn scales_map_the_amax_to_the_largest_finite() {
-        let [s, inv] = fp8_scale_of(Fp8Format::E4M3, 3.5);
+        let [inv, s] = fp8_scale_of(Fp8Format::E4M3, 3.5);
         assert_eq!((s, inv), (128.0, 1.0 / 128.0));
         assert_eq!(Fp8Format::E4M3.decode(fp8_quantize_one(Fp8Format::E4M3, -3.5, s)), -448.0);
         assert_eq!(fp8_scale_of(Fp8Format::E5M2, 0.0), [1.0, 1.0]);
-        assert_eq!(fp8_scale_of(Fp8Format::E4M3, 1e-38)[0], FP8_MAX_SCALE);
-        let [s, inv] = fp8_scale_of(Fp8Format::E4M3, f32::INFINITY);
+        assert_eq!(fp8_scale_of(Fp8Format::E4M3, 1e-38)[1], FP8_MAX_SCALE);
+        let [inv, s] = fp8_scale_of(Fp8Format::E4M3, f32::INFINITY);
         assert!(s.is_nan() && inv.is_nan());
         assert!(fp8_scale_of(Fp8Format::E4M3, f32::NAN)[0].is_nan());
     }

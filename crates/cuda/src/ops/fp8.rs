@@ -1,6 +1,6 @@
 //! Lowering of the FP8 ops ([`stepgraph_core::ops::fp8`]): a scale is a
 //! memset of its amax word, the grid-stride amax of `kernels/fp8.cu` and a
-//! one-thread kernel turning the amax into `[scale, 1 / scale]`; a
+//! one-thread kernel turning the amax into `[1 / scale, scale]`; a
 //! quantization is one kernel (a word of 4 codes per thread, or 64 × 64
 //! tiles through shared memory when transposed); the product is a
 //! cuBLASLt FP8 [`GemmCall`] whose inverse scales are read from the scale
@@ -82,8 +82,8 @@ impl Lower for MatMulFp8 {
         let (m, n) = (a.ty.shape[0], b.ty.shape[0]);
         let k = a.ty.shape[1] * FP8_CODES_PER_WORD;
         let addend = super::matmul::gemm_addend("matmul_fp8", c, cx.inputs.get(4))?;
-        // The inverse scale is each scale tensor's second f32.
-        let inverse = |s: &crate::launch::DevTensor| s.ptr + 4;
+        // The inverse scale is each scale tensor's first f32, at its aligned start.
+        let inverse = |s: &crate::launch::DevTensor| s.ptr;
         Ok(vec![Launch::Gemm(GemmCall {
             ty: GemmType::Fp8(Fp8Gemm { a: self.a, b: self.b, out: self.out }),
             batch: 1,
@@ -140,7 +140,7 @@ mod tests {
         let (ins, _, l) = lowered(&op, &ins);
         let [Launch::Gemm(g)] = &l[..] else { panic!("expected one product, got {l:?}") };
         assert_eq!((g.m, g.n, g.k, g.trans_a, g.trans_b), (32, 48, 64, false, true));
-        assert_eq!(g.fp8_scales, Some([ins[2].ptr + 4, ins[3].ptr + 4]), "each scale tensor's second f32");
+        assert_eq!(g.fp8_scales, Some([ins[2].ptr, ins[3].ptr]), "each scale tensor's first f32");
         assert_eq!(crate::launch::shape_name(g), "gemm_fp8_e5m2_e4m3_bf16_32x48x64_tb");
     }
 }
