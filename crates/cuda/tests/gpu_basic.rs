@@ -221,12 +221,19 @@ fn check_all(cases: &[Case]) -> Vec<Vec<HostTensor>> {
 }
 
 /// The cases with their in-place pairs sharing storage give the same bits
-/// as `plain` (their out-of-place GPU outputs).
+/// as `plain` (their out-of-place GPU outputs). FP8 products only agree
+/// within their tolerance: the aliased session plans its product for other
+/// operand addresses, and cuBLASLt may pick another FP8 algorithm there,
+/// which sums in another order (one unit in the last place seen on an H100).
 fn check_aliased(cases: &[Case], plain: &[Vec<HostTensor>]) {
     let aliased = gpu_batch(cases, true, 1);
     for (k, (a, p)) in cases.iter().zip(aliased.iter().zip(plain)) {
         for (j, (a, p)) in a.iter().zip(p).enumerate() {
-            assert_exact(&format!("{} in place, output {j}", k.what), a, p);
+            let what = format!("{} in place, output {j}", k.what);
+            match (&k.op, &k.cmp) {
+                (Op::MatMulFp8(_), Cmp::Close(tols)) => assert_within(&what, a, p, &tols[j]),
+                _ => assert_exact(&what, a, p),
+            }
         }
     }
 }
@@ -408,11 +415,12 @@ fn comparison(op: &Op, inputs: &[HostTensor]) -> Cmp {
         | Op::Fp8Quantize(_) => Cmp::Exact,
         // Exact products of codes summed in f32 in another order; the
         // e4m3 × e4m3 products with Hopper's fast accumulation, which keeps
-        // fewer bits of the running sum (about 2^-10 of it at W5's depths).
+        // fewer bits of the running sum: 2.4e-3 of the largest magnitude
+        // measured on an H100 at a depth of 3200.
         Op::MatMulFp8(m) => {
             let k = inputs[0].ty.shape[1] * 4;
             let fast = (m.a, m.b) == (Fp8Format::E4M3, Fp8Format::E4M3);
-            per_output(&|t| Tol::of(if fast { row_tol(t.dtype, k).max(2e-3) } else { row_tol(t.dtype, k) }))
+            per_output(&|t| Tol::of(if fast { row_tol(t.dtype, k).max(6e-3) } else { row_tol(t.dtype, k) }))
         }
         Op::Reduce(r) => match r.kind {
             ReduceKind::Max => Cmp::Exact,
