@@ -603,6 +603,14 @@ mod tests {
         added.insert("step.f32_products".into(), "exact".into());
         let e = check_compatible(dir, &saved, &added, &BTreeMap::new()).unwrap_err().to_string();
         assert!(e.contains("does not record `step.f32_products`"), "{e}");
+        // A run saved before `--fp8` existed had no FP8 products: it resumes
+        // as `step.fp8 = off`, and not with FP8 products.
+        let mut fp8 = saved.run.clone();
+        fp8.insert("step.fp8".into(), "off".into());
+        check_compatible(dir, &saved, &fp8, &BTreeMap::new()).unwrap();
+        fp8.insert("step.fp8".into(), "products".into());
+        let e = check_compatible(dir, &saved, &fp8, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("step.fp8 = \"off\"") && e.contains("step.fp8 = \"products\""), "{e}");
         let mut fewer = saved.run.clone();
         fewer.remove("model.seq");
         let e = check_compatible(dir, &saved, &fewer, &BTreeMap::new()).unwrap_err().to_string();
