@@ -1,7 +1,8 @@
 //! FP8 products (`Fp8Mode::Products`, `--fp8 products`): what the pass
 //! makes of a step (every decoder linear layer's forward, input-gradient
 //! and weight-gradient product, with the formats of their operands; the
-//! head untouched; products of unfit shapes kept), and that a bf16 step with
+//! head untouched; products of unfit shapes kept; a LoRA step's base products
+//! in FP8 and its adapters not), and that a bf16 step with
 //! FP8 products tracks the bf16 step on the CPU backend: one step's loss
 //! and gradients, and the loss over 40 AdamW steps.
 
@@ -167,4 +168,30 @@ fn fp8_training_tracks_bf16_over_40_steps() {
     assert!(bf16[39] < bf16[0] - 1.0, "bf16 did not learn: {bf16:?}");
     assert!(fp8[39] < fp8[0] - 1.0, "fp8 did not learn: {fp8:?}");
     assert!(gap < 0.2, "fp8 strays {gap} from bf16: {fp8:?} against {bf16:?}");
+}
+
+#[test]
+fn lora_steps_run_their_base_products_in_fp8_and_their_adapters_in_bf16() {
+    use stepgraph_core::models::{Adapters, LoraTarget};
+    let adapters = Adapters::new(16, 32.0, LoraTarget::ALL.to_vec()).unwrap();
+    let sp = ModelSpec { adapters: Some(adapters), ..spec(DType::BF16, SEQ) };
+    let opts = |fp8| StepOptions { fp8, recompute: RecomputePolicy::Off, ..StepOptions::new(StepKind::Grads) };
+    let c = compile_step(&sp, &opts(Fp8Mode::Products)).unwrap();
+    let report = c.passes.fp8.clone().unwrap();
+    // The frozen base: forward and input gradient only, no weight gradient;
+    // and no input gradient for the first layer's q, k and v, whose input
+    // is the frozen embedding's output.
+    assert_eq!((report.products, report.kept), (7 * 2 * sp.config.n_layer - 3, 0), "{report:?}");
+    // Every adapter product (rank 16) stays a plain product.
+    let plain = c.step.nodes.iter().filter(|n| matches!(&n.op, Op::MatMul(m) if m.fp8.is_none())).count();
+    assert!(plain >= 7 * 4 * sp.config.n_layer, "{plain} plain products");
+    // One step's loss, against the same step in bf16.
+    let loss = |fp8| {
+        let c = compile_step(&sp, &opts(fp8)).unwrap();
+        let mut s = session(&c, 2);
+        s.run_eager().unwrap();
+        s.loss().unwrap()
+    };
+    let (bf16, fp8) = (loss(Fp8Mode::Off), loss(Fp8Mode::Products));
+    assert!((fp8 - bf16).abs() < 0.01 * bf16, "loss {fp8} against bf16's {bf16}");
 }
