@@ -170,6 +170,45 @@ fn plan_says_how_f32_products_are_split() {
     assert_eq!(v["f32_products"], "3xtf32", "as the flag says it");
 }
 
+#[test]
+fn fp8_products_are_planned_reported_and_trained_on_the_cpu() {
+    let base = ["plan", "--model", "tiny-llama", "--dtype", "bf16", "--seq", "16", "--recompute", "off"];
+    let (ok, out, err) = stepgraph(&[&base[..], &["--fp8", "products"]].concat());
+    assert!(ok, "{err}");
+    // Two layers of seven linear layers: forward, input and weight gradients.
+    assert!(out.lines().any(|l| l.starts_with("FP8: 42 products of quantized operands")), "{out}");
+    let (ok, json, err) = stepgraph(&[&base[..], &["--fp8", "products", "--json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!((v["fp8"]["products"].as_u64(), v["fp8"]["kept"].as_u64()), (Some(42), Some(0)), "{}", v["fp8"]);
+    // An f32 model is refused with the fix, before any work.
+    let err = common::fails_with(&["plan", "--model", "tiny-llama", "--dtype", "f32", "--fp8", "products"], "--fp8");
+    assert!(err.contains("bf16 or f16") && err.contains("--dtype bf16"), "{err}");
+    // A short run on the CPU backend says what runs in FP8 and learns.
+    let (ok, out, err) = stepgraph(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--dtype",
+        "bf16",
+        "--fp8",
+        "products",
+        "--steps",
+        "8",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+    ]);
+    assert!(ok, "{err}");
+    let all = format!("{out}{err}");
+    let header = all.lines().find(|l| l.trim_start().starts_with("fp8 ")).expect(&all);
+    assert!(header.contains("products of the decoder layers' linear layers") && header.contains("e5m2"), "{header}");
+    let last = all.lines().find(|l| l.starts_with("final loss")).expect(&all);
+    let numbers: Vec<f64> = last.split([' ', '(']).filter_map(|w| w.trim_end_matches(')').parse().ok()).collect();
+    assert!(numbers.len() >= 2 && numbers[0] < numbers[1], "the loss did not fall: {last}");
+}
+
 /// `stepgraph plan` of W2 with `extra` flags: its stdout.
 fn plan_w2(extra: &[&str]) -> String {
     let mut args = vec!["plan", "--model", "Qwen2.5-7B", "--n-layer", "5", "--n-embd", "28", "--dtype", "bf16"];
