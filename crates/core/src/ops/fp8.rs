@@ -134,11 +134,7 @@ impl Fp8Format {
         let (fb, bias) = (self.fraction_bits() as i32, self.bias());
         // The spacing of the grid around `mag`: that of its binade, or of
         // the subnormals below the smallest normal binade.
-        let min_exp = 1 - bias;
-        let exp = if mag == 0.0 { min_exp } else { (mag.log2().floor() as i32).max(min_exp) };
-        // log2 may land one off at a binade's edge: settle it exactly.
-        let exp = if exp > min_exp && mag < 2f64.powi(exp) { exp - 1 } else { exp };
-        let exp = if mag >= 2f64.powi(exp + 1) { exp + 1 } else { exp };
+        let exp = if mag == 0.0 { 1 - bias } else { binade(mag).max(1 - bias) };
         let step = 2f64.powi(exp - fb);
         // Exact: dividing by a power of two, in f64.
         let rounded = ((mag / step).round_ties_even() * step).min(max as f64);
@@ -153,14 +149,7 @@ impl Fp8Format {
             // Subnormal: the fraction counts steps of 2^(1 − bias − fb).
             return (v / 2f64.powi(1 - bias - fb)) as u8;
         }
-        let exp = v.log2().floor() as i32;
-        let exp = if v < 2f64.powi(exp) {
-            exp - 1
-        } else if v >= 2f64.powi(exp + 1) {
-            exp + 1
-        } else {
-            exp
-        };
+        let exp = binade(v);
         let fraction = (v / 2f64.powi(exp - fb)) as u32 - (1 << fb);
         (((exp + bias) as u32) << fb | fraction) as u8
     }
@@ -187,6 +176,12 @@ impl Fp8Format {
     }
 }
 
+/// `e` with `2^e <= v < 2^(e + 1)`, exactly, for a positive normal `v`
+/// (every nonzero f32 is one as an f64): its biased exponent bits.
+fn binade(v: f64) -> i32 {
+    ((v.to_bits() >> 52) & 0x7ff) as i32 - 1023
+}
+
 /// `[1 / scale, scale]` of an amax for `format` (module doc).
 pub fn fp8_scale_of(format: Fp8Format, amax: f32) -> [f32; 2] {
     let scale = if !amax.is_finite() {
@@ -204,7 +199,7 @@ pub fn fp8_quantize_one(format: Fp8Format, x: f32, scale: f32) -> u8 {
     format.encode(x * scale)
 }
 
-/// The shared sample drawing: values of `d` in the formats' range.
+/// Whether the FP8 ops take (and write) tensors of `d`: f64 has no FP8 product.
 fn fp8_dtype_ok(d: DType) -> bool {
     matches!(d, DType::F32 | DType::BF16 | DType::F16)
 }
@@ -218,7 +213,7 @@ fn expect_fp8_input(t: &TensorType, what: &str) -> std::result::Result<(), Strin
 
 fn expect_scale(t: &TensorType, what: &str) -> std::result::Result<(), String> {
     if t.dtype != DType::F32 || t.shape != [2] {
-        return Err(format!("{what} must be f32 [2] (scale and its inverse), not {t}"));
+        return Err(format!("{what} must be f32 [2] (the inverse scale, then the scale), not {t}"));
     }
     Ok(())
 }

@@ -225,10 +225,7 @@ impl OpDef for MatMul {
         // (the other order holds both at once, and the weight never dies).
         // Marked FP8 products mark their cotangent products, the cotangent
         // (a gradient) in e5m2 and the other operand in its own format.
-        let (fx, fw) = match self.fp8 {
-            Some((fx, fw)) => (Some(fx), Some(fw)),
-            None => (None, None),
-        };
+        let (fx, fw) = self.fp8.unzip();
         let grad = Some(Fp8Format::E5M2);
         let gb = if tb {
             b.matmul_into(g, x, true, ta, w, grad.zip(fx))?

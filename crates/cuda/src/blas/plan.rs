@@ -235,9 +235,10 @@ impl Blas {
             let fast = i8::from(f.a == Fp8Format::E4M3 && f.b == Fp8Format::E4M3);
             use ls::cublasLtMatmulDescAttributes_t as A;
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, "fast accumulation")?;
-            // The heuristic offers scaled kernels only for a descriptor with
-            // scale pointers: any device address stands in for the calls'
-            // own, which each call sets ([`Blas::run`]).
+            // Scale pointers on the descriptor before the heuristic is asked,
+            // as NVIDIA's FP8 sample sets them: the workspace's aligned
+            // address stands in for the calls' own, which each call sets
+            // (`Blas::enqueue`).
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &self.workspace, "scale")?;
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &self.workspace, "scale")?;
         }
