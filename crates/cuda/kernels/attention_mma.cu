@@ -14,7 +14,8 @@
 // With SGM_WGMMA (a module built for sm_90a) the three passes use Hopper's
 // warpgroup MMA instead (fwd_wg, bwd_q_wg, bwd_kv_wg at the end of this
 // file: two warpgroups of 64 rows per block sharing streamed tiles handed
-// over by mbarriers, operands in shared memory as wgmma's core matrices);
+// over by mbarriers, operands in shared memory as wgmma's core matrices;
+// the forward's tiles come by TMA);
 // 128 rows per block, same arguments, results up to summation order.
 //
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128), in launch order:
@@ -1189,12 +1190,32 @@ __device__ __forceinline__ float wg_exp2(float x) {
 }
 
 // ---------------------------------------------------------------------------
-// Forward on warpgroup MMA. A block is two warpgroups owning 64 query rows
-// each (128 in all) that share every key/value tile: 128 keys per tile, two
-// stages of k and two of v, filled by cp.async from all 256 threads and
-// handed over by mbarriers (full: the stage's copies have landed; free:
-// both warpgroups are done reading it), so the warpgroups drift apart by up
-// to a tile instead of meeting at a block barrier every step.
+// Forward on warpgroup MMA. A block is two consumer warpgroups owning 64
+// query rows each (128 in all) and one producer warp. The consumers share
+// every 128-key tile of k and v; the producer's first lane brings the tiles
+// with the tensor copy engine (TMA, `cp.async.bulk.tensor`) into a ring of
+// NST stages handed over by mbarriers (full: the stage's bytes have landed,
+// as the copy engine counts them; free: both warpgroups are done reading
+// it). So the consumers issue no copies beyond their q tile's, and the
+// warpgroups drift apart by up to a tile instead of meeting at a block
+// barrier every step. The consumers' 8-byte copies of W5's 200-byte rows
+// had kept L1 75% busy and a third of their stalls on it.
+//
+// Tile layouts, from 3D tensor maps over [B][T][Hkv·D] (the host's
+// `fwd_tensor_maps`; rows past T arrive as zeros):
+//   k: 128-byte-swizzled boxes of 64 columns × BN rows, one per 64 columns
+//      of the head: read K-major as the B of q·kᵀ, 8-row atoms 1024 bytes
+//      apart, each 16-deep slice 32 bytes further within its box (the
+//      offsets scripts/tma-spike measured);
+//   v: unswizzled boxes of 8 columns × BN rows (16 bytes of each row),
+//      BN·16 bytes apart: every 8 rows of a box are one core matrix, so the
+//      tile is read MN-major as the B of p·v with core matrices 128 bytes
+//      apart along the keys and BN·16 along the columns.
+// A box's columns past D hold the next head's values (zeros past the row):
+// in q·kᵀ they meet q's zero padding, and in p·v they make only accumulator
+// columns past D, which are never stored. (A non-finite value there would
+// reach this head's scores; it makes its own head's output non-finite
+// anyway, since every key is seen by its own row.)
 //
 // Within a warpgroup the products of neighbouring tiles overlap the softmax:
 // step j issues s_j = q·k_jᵀ, then acc += p_{j-1}·v_{j-1}, waits only for
@@ -1210,9 +1231,17 @@ __device__ __forceinline__ float wg_exp2(float x) {
 // last row; the tiles between run unmasked.
 // ---------------------------------------------------------------------------
 template <int DP> struct WgFwd {
-    static constexpr int ROWS = 128, BN = 128, THREADS = 256;
-    static constexpr int QT = ROWS * DP * 2, KT = BN * DP * 2;
-    static constexpr int SMEM = QT + 4 * KT + 8 * 8;  // q, two k and two v stages, eight mbarriers
+    static constexpr int ROWS = 128, BN = 128, CONSUMERS = 256, THREADS = CONSUMERS + 128, NST = 3;
+    static constexpr int KBOX = (DP + 63) / 64;  // 64-column boxes per k tile
+    static constexpr int QT = ROWS * DP * 2, KT = KBOX * BN * 128, VT = BN * DP * 2;
+    // The swizzled k boxes need 1024-byte alignment: up to 1024 bytes go to
+    // aligning the k stages, then the v stages, q and 4·NST + 1 mbarriers.
+    static constexpr int SMEM = 1024 + NST * (KT + VT) + QT + (4 * NST + 1) * 8;
+};
+
+// A CUtensorMap as the driver encodes it (the host's `TensorMap` argument).
+struct __align__(64) TmaMap {
+    unsigned long long w[16];
 };
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
@@ -1245,58 +1274,93 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Expects `bytes` more on bar (the copy engine's completions count them
+// down) and arrives once.
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// The box of `map` at coordinates (c0, c1, c2) into dst, completing on bar.
+__device__ __forceinline__ void tma_3d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+            "r"(smem_addr(dst)),
+        "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+// A K-major descriptor into 128-byte-swizzled rows (layout type 1), 8-row
+// atoms `sbo` bytes apart; the leading offset is unused in this mode.
+__device__ __forceinline__ u64 wg_desc_sw128(const void* p, u32 sbo) {
+    return (u64)((smem_addr(p) >> 4) & 0x3fff) | (1ull << 16) | ((u64)((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
+}
 
 template <typename T, int DP>
-__device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int Tn, int Hq, int Hkv, int D,
-                       double scale, const SgKeys keys) {
+__device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, int D, double scale, const SgKeys keys,
+                       const TmaMap* kmap, const TmaMap* vmap) {
     typedef WgFwd<DP> G;
     typedef u16 E;
-    constexpr int ROWS = G::ROWS, BN = G::BN, NTH = G::THREADS, KT = G::KT, NO = DP / 8, NS = BN / 8;
-    constexpr u32 KM_SBO = 16 * DP, MN_LBO = 16 * DP;
+    constexpr int ROWS = G::ROWS, BN = G::BN, NST = G::NST, KT = G::KT, VT = G::VT, NO = DP / 8, NS = BN / 8;
+    constexpr u32 KM_SBO = 16 * DP;
     static_assert(DP % 16 == 0 && DP >= 64 && DP <= 128, "wgmma widths");
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Qs = smem_bytes;
-    unsigned char* const Ks = Qs + G::QT;  // two stages
-    unsigned char* const Vs = Ks + 2 * KT;  // two stages
-    u64* const full_k = reinterpret_cast<u64*>(Vs + 2 * KT);
-    u64* const full_v = full_k + 2;
-    u64* const free_k = full_k + 4;
-    u64* const free_v = full_k + 6;
-    check_launch(ROWS, Tn, G::SMEM, NTH);
+    unsigned char* const Ks = smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023);  // NST stages
+    unsigned char* const Vs = Ks + NST * KT;                                                    // NST stages
+    unsigned char* const Qs = Vs + NST * VT;
+    u64* const full_k = reinterpret_cast<u64*>(Qs + G::QT);
+    u64* const full_v = full_k + NST;
+    u64* const free_k = full_k + 2 * NST;
+    u64* const free_v = full_k + 3 * NST;
+    u64* const q_full = full_k + 4 * NST;
+    check_launch(ROWS, Tn, G::SMEM, G::THREADS);
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
     const int q0 = qt * ROWS;
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
-    const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
-    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
-    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<2>(q, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
-    // Copies of two bytes would be plain stores, which the mbarriers do not
-    // track; the host launches this kernel only where D and the bases allow 4.
-    if (min(vq, min(vk, vv)) < 2) __trap();
+    const long long qs = (long long)Hq * D;
     // ntiles steps over the key tiles j0..=diagonal (step j: tile j0 + j).
     const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BN, ntiles = last / BN + 1 - j0;
+
+    if (tid == 0) {
+        for (int i = 0; i < 2 * NST; ++i) mbar_init(full_k + i, 1);
+        for (int i = 2 * NST; i < 4 * NST + 1; ++i) mbar_init(full_k + i, G::CONSUMERS);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= G::CONSUMERS) {
+        // The producer warpgroup gives its registers to the consumers
+        // (24 + 2 · 240 per thread of a warpgroup fill the SM's 64 Ki).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        // The producer: tile j into stage j % NST once both warpgroups have
+        // freed that stage's tile j − NST (the phase of parity (j/NST − 1) & 1).
+        if (tid == G::CONSUMERS) {
+            for (int j = 0; j < ntiles; ++j) {
+                const int st = j % NST, t0 = (j0 + j) * BN;
+                const u32 freed = (j / NST - 1) & 1;
+                if (j >= NST) mbar_wait(free_k + st, freed);
+                mbar_expect_tx(full_k + st, KT);
+#pragma unroll
+                for (int x = 0; x < G::KBOX; ++x) tma_3d(Ks + st * KT + x * BN * 128, kmap, full_k + st, hk * D + 64 * x, t0, b);
+                if (j >= NST) mbar_wait(free_v + st, freed);
+                mbar_expect_tx(full_v + st, VT);
+#pragma unroll
+                for (int x = 0; x < DP / 8; ++x) tma_3d(Vs + st * VT + x * BN * 16, vmap, full_v + st, hk * D + 8 * x, t0, b);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
+    // Copies of two bytes would be plain stores, which the mbarriers do not
+    // track; the host launches this kernel only where D and the bases allow 4.
+    const int vq = vec_of<2>(q, D);
+    if (vq < 2) __trap();
+    tile_cm<ROWS, DP, E, G::CONSUMERS>(Qs, qb, vq, q0, Tn, qs, D, tid);
+    mbar_arrive_copies(q_full);
     const float c2 = (float)(scale * 1.4426950408889634074);
     // Soft-capped scores are in base 2 before their maximum is taken (f2 = 1).
     const bool cap = keys.softcap > 0;
     const float sc = (float)scale, f2 = cap ? 1.f : c2;
-
-    mbar_init_all(full_k, 8, NTH);
-    auto load_k = [&](int j) {
-        tile_cm<BN, DP, E, NTH>(Ks + (j & 1) * KT, kb, vk, (j0 + j) * BN, Tn, ks, D, tid);
-        mbar_arrive_copies(full_k + (j & 1));
-    };
-    auto load_v = [&](int j) {
-        tile_cm<BN, DP, E, NTH>(Vs + (j & 1) * KT, vb, vv, (j0 + j) * BN, Tn, ks, D, tid);
-        mbar_arrive_copies(full_v + (j & 1));
-    };
-    // q lands with the first k tile (that arrival waits for all earlier copies).
-    tile_cm<ROWS, DP, E, NTH>(Qs, qb, vq, q0, Tn, qs, D, tid);
-    load_k(0);
-    load_v(0);
-    if (ntiles > 1) load_k(1);
 
     const unsigned char* const Qw = Qs + wg * 64 * DP * 2;  // this warpgroup's 64 rows
     const int w0 = q0 + wg * 64 + warp * 16;                // a lane's rows: w0 + g and + 8
@@ -1318,26 +1382,28 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
         lo[r] = row < Tn ? keys.first(b, Tn, row) : 0;
     }
     const int wlo = keys.first(b, Tn, min(w0 + 15, Tn - 1));
+    mbar_wait(q_full, 0);
+    fence_async_smem();
 
     auto issue_scores = [&](int j) {
-        mbar_wait(full_k + (j & 1), (j >> 1) & 1);
-        fence_async_smem();
-        const unsigned char* const Kt = Ks + (j & 1) * KT;
+        const int st = j % NST;
+        mbar_wait(full_k + st, (j / NST) & 1);
+        const unsigned char* const Kt = Ks + st * KT;
         wg_fence();
-        Wg<BN>::template ss<T, 0>(s, wg_desc(Qw, KM_LBO, KM_SBO), wg_desc(Kt, KM_LBO, KM_SBO));
+        Wg<BN>::template ss<T, 0>(s, wg_desc(Qw, KM_LBO, KM_SBO), wg_desc_sw128(Kt, 1024));
 #pragma unroll
         for (int kk = 1; kk < DP / 16; ++kk)
-            Wg<BN>::template ss<T>(s, wg_desc(Qw + kk * 256, KM_LBO, KM_SBO), wg_desc(Kt + kk * 256, KM_LBO, KM_SBO));
+            Wg<BN>::template ss<T>(s, wg_desc(Qw + kk * 256, KM_LBO, KM_SBO),
+                                   wg_desc_sw128(Kt + (kk >> 2) * BN * 128 + (kk & 3) * 32, 1024));
         wg_commit();
     };
     auto issue_pv = [&](int j) {
-        mbar_wait(full_v + (j & 1), (j >> 1) & 1);
-        fence_async_smem();
-        const unsigned char* const Vt = Vs + (j & 1) * KT;
+        const int st = j % NST;
+        mbar_wait(full_v + st, (j / NST) & 1);
+        const unsigned char* const Vt = Vs + st * VT;
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < BN / 16; ++kc)
-            Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        for (int kc = 0; kc < BN / 16; ++kc) Wg<DP>::template rs_t<T>(acc, pa[kc], wg_desc(Vt + kc * 256, 128, BN * 16));
         wg_commit();
     };
     // The online softmax of step j's scores, in place (s becomes p in f32);
@@ -1402,19 +1468,11 @@ __device__ void fwd_wg(const T* q, const T* k, const T* v, T* o, float* lse, int
     for (int j = 1; j < ntiles; ++j) {
         issue_scores(j);
         issue_pv(j - 1);
-        // Refill: k_{j+1} over k_{j-1} (its scores are done in both
-        // warpgroups), v_j over v_{j-2}.
-        if (j + 1 < ntiles) {
-            mbar_wait(free_k + ((j + 1) & 1), ((j - 1) >> 1) & 1);
-            load_k(j + 1);
-        }
-        if (j >= 2) mbar_wait(free_v + (j & 1), ((j - 2) >> 1) & 1);
-        load_v(j);
         wg_wait<1>();  // s_j has landed; p_{j-1}·v_{j-1} may still run
-        mbar_arrive(free_k + (j & 1));
+        mbar_arrive(free_k + j % NST);
         softmax(j, alpha);
         wg_wait<0>();
-        mbar_arrive(free_v + ((j - 1) & 1));
+        mbar_arrive(free_v + (j - 1) % NST);
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
             acc[4 * n] *= alpha[0];
@@ -1835,7 +1893,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     extern "C" __global__ void __launch_bounds__(SGM_FWD_THREADS) attention_mma_fwd_d##DP##_##sfx(                \
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,              \
         float* __restrict__ lse, int Tn, int Hq, int Hkv, int D, double scale, const int* __restrict__ pos,       \
-        int window, double softcap) { sg_pdl_entry();                                                                             \
+        int window, double softcap SGM_FWD_MAPS) { sg_pdl_entry();                                                                \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_FWD(T, DP);                                                                                           \
     }                                                                                                             \
@@ -1858,17 +1916,21 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 // The passes: on warpgroup MMA in a module built for sm_90a with SGM_WGMMA
 // defined (16-bit storage, padded widths 80..128: the host's
 // wgmma_attention), mma.sync otherwise. The warpgroup forward is two
-// warpgroups per block (fwd_wg); an earlier one of one warpgroup with
-// synchronous products (commit 5a55a4e) measured slower than mma.sync.
+// consumer warpgroups and a producer per block (fwd_wg); an earlier one of
+// one warpgroup with synchronous products (commit 5a55a4e) measured slower
+// than mma.sync.
 #ifdef SGM_WGMMA
-#define SGM_FWD_THREADS 256
-#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, keys)
+// The warpgroup forward also takes the tensor maps of k and v.
+#define SGM_FWD_THREADS 384
+#define SGM_FWD_MAPS , const __grid_constant__ sgm::TmaMap kmap, const __grid_constant__ sgm::TmaMap vmap
+#define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, o, lse, Tn, Hq, Hkv, D, scale, keys, &kmap, &vmap)
 #define SGM_BWD_THREADS 256
 #define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)
 #else
 #define SGM_BWD_THREADS sgm::NT
 #define SGM_FWD_THREADS sgm::NT
+#define SGM_FWD_MAPS
 #define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)

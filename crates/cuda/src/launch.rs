@@ -60,7 +60,8 @@ pub struct DevTensor {
 
 /// One kernel argument, passed by value exactly as the CUDA C signature
 /// declares it (`Ptr` is any `T*`, `I64` a `long long`, `Struct` a
-/// `#[repr(C)]`-compatible struct passed by value, given as its bytes).
+/// `#[repr(C)]`-compatible struct passed by value, given as its bytes,
+/// `TensorMap` a `const __grid_constant__ CUtensorMap`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Arg {
     Ptr(u64),
@@ -69,19 +70,109 @@ pub enum Arg {
     F32(f32),
     F64(f64),
     Struct(Vec<u8>),
+    TensorMap(TensorMap),
 }
 
 impl Arg {
-    /// The bytes the driver copies for this argument.
-    pub fn bytes(&self) -> Vec<u8> {
-        match self {
+    /// The bytes the driver copies for this argument. A tensor map is
+    /// encoded by the driver here, so it needs one (the other arguments
+    /// never fail).
+    pub fn bytes(&self) -> Result<Vec<u8>, DriverError> {
+        Ok(match self {
             Arg::Ptr(p) => p.to_ne_bytes().to_vec(),
             Arg::I32(x) => x.to_ne_bytes().to_vec(),
             Arg::I64(x) => x.to_ne_bytes().to_vec(),
             Arg::F32(x) => x.to_ne_bytes().to_vec(),
             Arg::F64(x) => x.to_ne_bytes().to_vec(),
             Arg::Struct(b) => b.clone(),
+            Arg::TensorMap(m) => m.encode()?.to_vec(),
+        })
+    }
+
+    /// The argument's size and alignment in the kernel's parameters (a
+    /// struct's alignment taken as its widest field's, at most 8 bytes).
+    pub fn layout(&self) -> (usize, usize) {
+        match self {
+            Arg::Ptr(_) | Arg::I64(_) | Arg::F64(_) => (8, 8),
+            Arg::I32(_) | Arg::F32(_) => (4, 4),
+            Arg::Struct(b) => (b.len(), b.len().min(8)),
+            Arg::TensorMap(_) => (TensorMap::BYTES, TensorMap::ALIGN),
         }
+    }
+}
+
+/// A tensor map for the tensor copy engine (TMA): a tiled view of the
+/// 16-bit tensor at `ptr` whose boxes a kernel copies into shared memory
+/// by coordinates. Dimensions go innermost first; element 0 of `dims` is
+/// contiguous, dimension `i + 1` is `strides[i]` bytes apart. Coordinates
+/// outside `dims` read as zeros. The driver encodes it at load time
+/// ([`TensorMap::encode`]); [`TensorMap::check`] holds the encoder's rules,
+/// so a lowering can choose a path without a driver.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorMap {
+    pub ptr: u64,
+    pub dims: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub boxes: Vec<u32>,
+    /// 128-byte swizzle (rows of the box's 128-byte inner extent, their
+    /// 16-byte chunks permuted within each 1024 bytes), else none.
+    pub swizzle_128: bool,
+    pub f16: bool,
+}
+
+impl TensorMap {
+    /// `CUtensorMap`'s size and alignment.
+    pub const BYTES: usize = 128;
+    pub const ALIGN: usize = 64;
+
+    /// Whether the driver takes this map: a 16-byte-aligned base, strides
+    /// multiples of 16 bytes below 2⁴⁰, dimensions in 1..=2³², boxes in
+    /// 1..=256 elements (and, swizzled, an inner extent of at most 128 bytes),
+    /// rank 1 to 5.
+    pub fn check(&self) -> bool {
+        let rank = self.dims.len();
+        (1..=5).contains(&rank)
+            && self.strides.len() + 1 == rank
+            && self.boxes.len() == rank
+            && self.ptr.is_multiple_of(16)
+            && self.dims.iter().all(|&d| (1..=1 << 32).contains(&d))
+            && self.strides.iter().all(|&s| s.is_multiple_of(16) && s < 1 << 40)
+            && self.boxes.iter().all(|&b| (1..=256).contains(&b))
+            && (!self.swizzle_128 || self.boxes[0] * 2 <= 128)
+    }
+
+    /// The driver's encoding (`cuTensorMapEncodeTiled`).
+    pub fn encode(&self) -> Result<[u8; TensorMap::BYTES], DriverError> {
+        use sys::{CUtensorMapDataType as Ty, CUtensorMapSwizzle as Sw};
+        let ty = if self.f16 { Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 } else { Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 };
+        let swizzle = if self.swizzle_128 { Sw::CU_TENSOR_MAP_SWIZZLE_128B } else { Sw::CU_TENSOR_MAP_SWIZZLE_NONE };
+        let elements = vec![1u32; self.dims.len()];
+        // SAFETY: a plain C struct the call fills.
+        let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+        // SAFETY: every array holds `rank` entries (`strides` rank − 1), as
+        // the call reads them; the map is only written.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                ty,
+                self.dims.len() as u32,
+                self.ptr as *mut c_void,
+                self.dims.as_ptr(),
+                self.strides.as_ptr(),
+                self.boxes.as_ptr(),
+                elements.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()?;
+        }
+        let mut bytes = [0u8; TensorMap::BYTES];
+        for (chunk, word) in bytes.chunks_exact_mut(8).zip(map.opaque) {
+            chunk.copy_from_slice(&word.to_ne_bytes());
+        }
+        Ok(bytes)
     }
 }
 

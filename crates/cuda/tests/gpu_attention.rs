@@ -214,8 +214,9 @@ fn warpgroup_widths_match_cpu() {
                 (112, 65, (2, 1)),
                 (120, 150, (4, 4)),
                 (128, 300, (8, 2)),
-                // Six key tiles of 128: the warpgroup forward's stages wrap twice.
-                (104, 700, (2, 1)),
+                // Eight key tiles of 128: the warpgroup forward's three
+                // stages wrap twice, their phase parities back to the first.
+                (104, 1000, (2, 1)),
             ] {
                 seed += 1;
                 check_case(&Case::new(dtype, 2, t, heads, d, seed), &mut report, 1.0);

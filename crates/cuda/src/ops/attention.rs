@@ -86,13 +86,19 @@
 //!   `attention_mma_d<dp>_<dtype>_wg` built for `sm_90a`,
 //!   [`wgmma_attention`]). A block is two warpgroups (256 threads) owning 64
 //!   rows each (query rows; key rows for `bwd_kv`) that share every
-//!   streamed tile: 128-key tiles in two stages for the forward, 64-row
-//!   tiles in three stages for the backward passes, brought in by
-//!   `cp.async` from all threads and handed over by mbarriers (full / free
-//!   per stage) rather than block barriers, so the warpgroups drift apart by
-//!   up to a tile. Tiles sit in shared memory as wgmma's 8×16-byte core
-//!   matrices, so one tile is read K-major (as the B of the scores) and,
-//!   transposed, MN-major (as the B of the value and gradient products);
+//!   streamed tile, handed over by mbarriers (full / free per stage) rather
+//!   than block barriers, so the warpgroups drift apart by up to a tile.
+//!   The forward streams 128-key tiles in three stages, brought by the
+//!   tensor copy engine (TMA) on the orders of a third, producer warpgroup
+//!   that gives its registers to the other two; the tensor maps
+//!   ([`TensorMap`], encoded by the driver when the session loads the
+//!   launch) need k and v on 16-byte-aligned bases with rows of a multiple
+//!   of 16 bytes, else the `mma.sync` forward runs. The backward passes
+//!   stream 64-row tiles in three stages, brought in by `cp.async` from all
+//!   threads. Tiles sit in shared memory as wgmma's 8×16-byte core
+//!   matrices (the forward's k tiles as 128-byte-swizzled rows), so one
+//!   tile is read K-major (as the B of the scores) and, transposed,
+//!   MN-major (as the B of the value and gradient products);
 //!   probabilities and score gradients stay in registers as A operands.
 //!   Each warpgroup overlaps its products across steps: the forward runs
 //!   one tile's softmax while the tensor cores multiply the previous
@@ -104,7 +110,7 @@
 //!   `mma.sync` passes run; `STEPGRAPH_PORTABLE_KERNELS=1` turns them off.
 //!
 //! Shared memory is dynamic, up to ~100 KB (~133 KB at 256,
-//! [`mma_shared_bytes`]; the warpgroup passes up to ~165 KB,
+//! [`mma_shared_bytes`]; the warpgroup passes up to ~225 KB,
 //! [`wgmma_shared_bytes`]).
 //! `STEPGRAPH_ATTENTION=simt` selects the CUDA-core kernels for every dtype
 //! (for comparisons).
@@ -126,7 +132,7 @@ use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
 use crate::kernel_module::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch};
+use crate::launch::{Arg, KernelLaunch, Launch, TensorMap};
 use crate::switches::{AttentionKernels, Switches};
 
 /// The CUDA-core kernel source module.
@@ -221,15 +227,41 @@ pub fn wgmma_fits(d: usize, bases: &[u64]) -> bool {
 }
 
 /// A warpgroup-MMA block: two warpgroups of 64 rows each (query rows; key
-/// rows for `bwd_kv`).
+/// rows for `bwd_kv`); the forward adds a producer warpgroup.
 const WG_ROWS: usize = 128;
 const WG_THREADS: u32 = 256;
+const WG_FWD_THREADS: u32 = 384;
+
+/// The warpgroup forward's key tile and stages (`WgFwd<DP>::{BN, NST}`).
+const WG_FWD_KEYS: usize = 128;
+const WG_FWD_STAGES: usize = 3;
+
+/// The tensor maps the warpgroup forward copies k and v tiles by, over
+/// `[B][T][Hkv·D]` (innermost first: the `Hkv·D` columns of a row, the
+/// rows of a sequence, the sequences): k in 128-byte-swizzled boxes of 64
+/// columns, v in unswizzled boxes of 8, both [`WG_FWD_KEYS`] rows deep.
+/// `None` where the driver would refuse them (a base off 16 bytes, or rows
+/// whose bytes are not a multiple of 16); then the `mma.sync` forward runs.
+fn fwd_tensor_maps(n: &Dims, k: u64, v: u64) -> Option<[TensorMap; 2]> {
+    let (cols, t, b) = (n.hkv as u64 * n.d as u64, n.t as u64, n.b as u64);
+    let map = |ptr, box_cols, swizzle_128| TensorMap {
+        ptr,
+        dims: vec![cols, t, b],
+        strides: vec![cols * 2, cols * 2 * t],
+        boxes: vec![box_cols, WG_FWD_KEYS as u32, 1],
+        swizzle_128,
+        f16: n.dtype == DType::F16,
+    };
+    let maps = [map(k, 64, true), map(v, 8, false)];
+    maps.iter().all(TensorMap::check).then_some(maps)
+}
 
 /// Dynamic shared memory of a warpgroup-MMA pass at padded width `dp`;
 /// mirrors `WgFwd<DP>::SMEM` and `WgBwd<DP>::{BQ_SMEM, BKV_SMEM}` (16-bit
 /// tiles of `dp` columns):
-/// * forward: the block's 128-row q tile, two stages each of a 128-row k
-///   and v tile, eight mbarriers;
+/// * forward: up to 1024 bytes to align the swizzled k tiles, three stages
+///   each of a 128-row k tile (64-column boxes, so `dp` rounded up to 64)
+///   and v tile, the block's 128-row q tile, thirteen mbarriers;
 /// * `bwd_q`: the block's q and go (128 rows), three stages of a 64-row k
 ///   and v tile, the 128 rows' two f32 row terms, six mbarriers;
 /// * `bwd_kv`: the block's k and v (128 rows), three stages of a 64-row q
@@ -238,7 +270,10 @@ const WG_THREADS: u32 = 256;
 pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
     let (own, tile) = (WG_ROWS * dp * 2, 64 * dp * 2);
     match pass {
-        Pass::Forward => own + 4 * WG_ROWS * dp * 2 + 8 * 8,
+        Pass::Forward => {
+            let (k, v) = (dp.div_ceil(64) * WG_FWD_KEYS * 128, WG_FWD_KEYS * dp * 2);
+            1024 + WG_FWD_STAGES * (k + v) + own + (4 * WG_FWD_STAGES + 1) * 8
+        }
         Pass::BackwardQ => 2 * own + 3 * 2 * tile + 2 * WG_ROWS * 4 + 6 * 8,
         Pass::BackwardKv => 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8 + WG_ROWS * 4,
     }
@@ -462,13 +497,15 @@ impl Dims {
         self.b == 0 || self.t == 0 || self.hq == 0
     }
 
-    fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64, keys: &Keys) -> Launch {
+    /// The launch of `pass`: `args`, then the sizes, scale and keys every pass
+    /// takes, then `tail` (the warpgroup forward's tensor maps).
+    fn launch(&self, pass: Pass, mut args: Vec<Arg>, scale: f64, keys: &Keys, tail: Vec<Arg>) -> Launch {
         let (module, function, rows, threads, shared_bytes) = match self.mma {
             Some(dp) if self.wg => (
                 mma_module(self.dtype, dp, true),
                 format!("attention_mma_{}_d{dp}_{}", pass.name(), dtype_suffix(self.dtype).unwrap_or("?")),
                 WG_ROWS,
-                WG_THREADS,
+                if pass == Pass::Forward { WG_FWD_THREADS } else { WG_THREADS },
                 wgmma_shared_bytes(pass, dp) as u32,
             ),
             Some(dp) => (
@@ -498,6 +535,7 @@ impl Dims {
             Arg::I32(keys.scores.window.min(i32::MAX as usize) as i32),
             Arg::F64(keys.scores.softcap),
         ]);
+        args.extend(tail);
         Launch::Kernel(KernelLaunch {
             module,
             function,
@@ -543,8 +581,11 @@ fn forward(scale: f64, keys: &Keys, cx: &LowerCx) -> Result<Vec<Launch>> {
         return Ok(vec![]);
     }
     let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
-    n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[1].ptr, ptrs[2].ptr, ptrs[3].ptr]);
-    Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale, keys)])
+    n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[3].ptr]);
+    let maps = if n.wg { fwd_tensor_maps(&n, ptrs[1].ptr, ptrs[2].ptr) } else { None };
+    n.wg &= maps.is_some();
+    let tail = maps.into_iter().flatten().map(Arg::TensorMap).collect();
+    Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale, keys, tail)])
 }
 
 /// `attention_bwd_q(q, k, v, o, lse, go, glse, gq, delta, T, Hq, Hkv, D, scale, pos, window, softcap)`,
@@ -569,14 +610,14 @@ fn backward(scale: f64, keys: &Keys, saved: usize, cx: &LowerCx) -> Result<Vec<L
     q.extend([Arg::Ptr(gq.ptr), Arg::Ptr(delta.ptr)]);
     if n.d == 0 {
         // Only the row terms (−glse) to write: the gradients are empty.
-        return Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys)]);
+        return Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, vec![])]);
     }
     let mut kv = common;
     if n.mma.is_some() {
         kv.push(Arg::Ptr(delta.ptr));
     }
     kv.extend([Arg::Ptr(gk.ptr), Arg::Ptr(gv.ptr)]);
-    Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys), n.launch(Pass::BackwardKv, kv, scale, keys)])
+    Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, vec![]), n.launch(Pass::BackwardKv, kv, scale, keys, vec![])])
 }
 
 #[cfg(test)]
@@ -925,15 +966,55 @@ mod tests {
             assert_eq!(kernel(wg).args, kernel(mma).args);
             assert!(!kernel(mma).module.ends_with("_wg"));
         }
-        // The forward: a q tile and two stages of k and v tiles of 128 rows, eight mbarriers.
+        // The forward: a producer warpgroup beside the two consumers; up to
+        // 1024 bytes of alignment, three stages of a k tile (two 64-column
+        // swizzled boxes of 128 rows) and a v tile, the q tile, 13 mbarriers.
         let fwd_op = Op::from(Attention::causal(0.1));
         let fwd_outs = [outs[0].clone(), outs[3].clone()];
         let fwd = crate::ops::lower_for(&fwd_op, &ins[..3], &fwd_outs, None, hopper).unwrap();
         let f = kernel(&fwd[0]);
         assert_eq!((f.module, f.function.as_str()), ("attention_mma_d112_bf16_wg", "attention_mma_fwd_d112_bf16"));
-        assert_eq!((f.grid, f.block), ((16, 32, 4), (256, 1, 1)));
-        assert_eq!(f.shared_bytes as usize, 5 * 128 * 112 * 2 + 64);
-        assert_eq!(f.args, kernel(&lower(&fwd_op, &ins[..3], &fwd_outs).unwrap()[0]).args);
+        assert_eq!((f.grid, f.block), ((16, 32, 4), (384, 1, 1)));
+        assert_eq!(f.shared_bytes as usize, 1024 + 3 * (2 * 128 * 128 + 128 * 112 * 2) + 128 * 112 * 2 + 13 * 8);
+        // The mma.sync forward's arguments, then the tensor maps of k and v
+        // over [B][T][Hkv·D]: 64-column swizzled boxes and 8-column plain ones.
+        let portable = kernel(&lower(&fwd_op, &ins[..3], &fwd_outs).unwrap()[0]).args.clone();
+        assert_eq!(f.args[..portable.len()], portable[..]);
+        let map = |ptr, cols, swizzle_128| TensorMap {
+            ptr,
+            dims: vec![3200, 2048, 4],
+            strides: vec![6400, 6400 * 2048],
+            boxes: vec![cols, 128, 1],
+            swizzle_128,
+            f16: false,
+        };
+        assert_eq!(
+            f.args[portable.len()..],
+            [Arg::TensorMap(map(at(2), 64, true)), Arg::TensorMap(map(at(3), 8, false))]
+        );
+        // The three launches fill their kernels' parameters (the maps as
+        // 128-byte, 64-byte-aligned values) within their launch bounds.
+        if crate::nvrtc::available() {
+            let cubin = crate::kernels::compile(f.module, "sm_90").unwrap();
+            for k in [f, q, kv] {
+                crate::ops::sweep::check_signature("warpgroup attention", &cubin, k);
+            }
+        }
+        // Rows of a byte count off 16 (one kv head of 100: 200 bytes) or k and
+        // v bases off 16 bytes leave the forward on mma.sync (the driver
+        // encodes no map of them); the backward passes still take them.
+        let kv1 = |p| dev(DType::BF16, &[b, t, 1, d], p);
+        let l =
+            crate::ops::lower_for(&fwd_op, &[ins[0].clone(), kv1(at(2)), kv1(at(3))], &fwd_outs, None, hopper).unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
+        let k8 = dev(DType::BF16, &[b, t, h, d], at(2) + 8);
+        let l = crate::ops::lower_for(&fwd_op, &[ins[0].clone(), k8.clone(), ins[2].clone()], &fwd_outs, None, hopper)
+            .unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
+        let mut k8_bwd = ins.clone();
+        k8_bwd[1] = k8;
+        let l = crate::ops::lower_for(&op, &k8_bwd, &outs, None, hopper).unwrap();
+        assert!(l.iter().all(|l| kernel(l).module == "attention_mma_d112_bf16_wg"));
         // An odd head size, or a base only 2-byte aligned, keeps the mma.sync
         // passes (their copies could not all be cp.async of 4 bytes or more).
         let odd = |shape: &[usize], p| dev(DType::BF16, shape, p);

@@ -151,7 +151,8 @@ fn kernel_info(cubin: &[u8], function: &str) -> Option<KernelInfo> {
         let (format, attr) = (d[i], d[i + 1]);
         // Formats: 1 no value, 2 one byte, 3 two bytes, 4 a u16 length then that many bytes.
         let (value, next) = match format {
-            1 => (&d[i..i], i + 2),
+            // 0: padding after a two-byte entry, to the next four bytes.
+            0 | 1 => (&d[i..i], i + 2),
             2 | 3 => (&d[i + 2..i + 4], i + 4),
             4 => {
                 let n = u16::from_le_bytes([d[i + 2], d[i + 3]]) as usize;
@@ -184,15 +185,19 @@ fn kernel_info(cubin: &[u8], function: &str) -> Option<KernelInfo> {
 pub(crate) fn check_signature(what: &str, cubin: &[u8], k: &KernelLaunch) {
     let info = kernel_info(cubin, &k.function)
         .unwrap_or_else(|| panic!("{what}: no kernel `{}` in module `{}`", k.function, k.module));
-    let mut offset = 0usize;
+    // C layout: each at the first multiple of its alignment past the one
+    // before. Alignments above 8 (tensor maps) hold relative to where the
+    // parameters start in the constant bank, so for them only the order is
+    // checked.
+    let mut end = 0usize;
     let passed: Vec<(usize, usize)> = k
         .args
         .iter()
-        .map(|a| {
-            let n = a.bytes().len();
-            offset = offset.next_multiple_of(n.min(8));
-            let at = offset;
-            offset += n;
+        .zip(info.params.iter().chain(std::iter::repeat(&(0, 0))))
+        .map(|(a, &(_, at_cubin))| {
+            let (n, align) = a.layout();
+            let at = if align <= 8 { end.next_multiple_of(align) } else { at_cubin.max(end) };
+            end = at + n;
             (n, at)
         })
         .collect();

@@ -376,7 +376,7 @@ fn load_launches(ctx: &Arc<CudaContext>, arch: &str, launches: Vec<Launch>) -> R
                     }?;
                 }
                 functions.insert(key, (func, opted_in.max(k.shared_bytes)));
-                let args = k.args.iter().map(|a| a.bytes()).collect();
+                let args = k.args.iter().map(|a| a.bytes()).collect::<std::result::Result<_, _>>()?;
                 Prepared::Kernel { func, launch: k, args }
             }
             Launch::Gemm(g) => {
@@ -604,7 +604,7 @@ impl CudaSession {
                     f.cu_function()
                 }
             };
-            let args: Vec<Vec<u8>> = l.args.iter().map(|a| a.bytes()).collect();
+            let args: Vec<Vec<u8>> = l.args.iter().map(|a| a.bytes()).collect::<std::result::Result<_, _>>()?;
             let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_ptr() as *mut c_void).collect();
             // SAFETY: `func` belongs to the init module, which the session
             // keeps; the arguments match `init_param_<dt>`'s signature
