@@ -1076,12 +1076,12 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // allow no wider); wider copies take tile_cm_slabs.
 template <int V, int ROWS, int DP, int NTH, typename E>
 __device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D,
-                                          int tid) {
+                                          int tid, int lo) {
     constexpr int CH = DP / V;
     for (int i = tid; i < ROWS * CH; i += NTH) {
         const int j = i >> 3, r = (j / CH) * 8 + (i & 7), c = (j % CH) * V;
-        const bool ok = t0 + r < Tn && c < D;
-        const E* src = ok ? g + (long long)(t0 + r) * stride + c : g;
+        const bool ok = t0 + r < Tn && c >= lo && c < D + lo;
+        const E* src = ok ? g + (long long)(t0 + r) * stride + c - lo : g;
         E* dst = reinterpret_cast<E*>(s + (r >> 3) * (16 * DP) + (c >> 3) * 128 + (r & 7) * 16 + (c & 7) * 2);
         if constexpr (V * sizeof(E) < 4)
             *dst = ok ? *src : (E)0;
@@ -1100,7 +1100,7 @@ __device__ __forceinline__ void tile_cm_v(unsigned char* s, const E* g, int t0, 
 // places as with tile_cm_v.
 template <int V, int ROWS, int DP, int NTH, typename E>
 __device__ __forceinline__ void tile_cm_slabs(unsigned char* s, const E* g, int t0, int Tn, long long stride, int D,
-                                              int tid) {
+                                              int tid, int lo) {
     static_assert(V * sizeof(E) == 8 || V * sizeof(E) == 16, "8- or 16-byte copies");
     constexpr int NW = NTH / 32, SLAB = 4 * V, NSLAB = (DP + SLAB - 1) / SLAB;
     static_assert((ROWS / 8) % NW == 0, "whole 8-row groups per warp");
@@ -1112,16 +1112,16 @@ __device__ __forceinline__ void tile_cm_slabs(unsigned char* s, const E* g, int 
     for (int k = 0; k < ROWS / 8 / NW; ++k) {
         const int rg = warp + k * NW, r = rg * 8 + i;
         // Columns this row still has from c on: none past T. A copy of
-        // columns at or past D reads nothing (source size 0, zeros written),
-        // so its address, at most DP − D elements past the row's last, is
-        // never read either.
-        const int left = t0 + r < Tn ? D - c : 0;
-        const E* const src = t0 + r < Tn ? g + (long long)(t0 + r) * stride + c : g;
+        // columns outside lo..lo + D reads nothing (source size 0, zeros
+        // written), so its address, at most DP − D elements outside the
+        // row, is never read either.
+        const int left = t0 + r < Tn ? D + lo - c : 0;
+        const E* const src = t0 + r < Tn ? g + (long long)(t0 + r) * stride + c - lo : g;
         const u32 dst = at + rg * (16 * DP);
 #pragma unroll
         for (int sl = 0; sl < NSLAB; ++sl) {
             if (sl * SLAB + c >= DP) continue;  // past the padded width (the last slab's tail)
-            const int n = sl * SLAB < left ? V * (int)sizeof(E) : 0;
+            const int n = sl * SLAB < left && sl * SLAB + c >= lo ? V * (int)sizeof(E) : 0;
             const E* const from = src + sl * SLAB;
             const u32 to = dst + sl * (SLAB / 8) * 128;
             if constexpr (V * sizeof(E) == 16)
@@ -1132,17 +1132,19 @@ __device__ __forceinline__ void tile_cm_slabs(unsigned char* s, const E* g, int 
     }
 }
 
+// With `lo`, the row's D columns go to tile columns lo..lo + D and the
+// tile's first lo columns are zeros too (lo a multiple of vec).
 template <int ROWS, int DP, typename E, int NTH = NT>
 __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec, int t0, int Tn, long long stride,
-                                        int D, int tid = -1) {
+                                        int D, int tid = -1, int lo = 0) {
     const E* p = (const E*)g;
     if (tid < 0) tid = threadIdx.x;
     // Every warpgroup tile (16-bit, 64 or 128 rows by 256 threads) takes
     // the slabs for copies of 8 and 16 bytes.
-    if (vec == 8) return tile_cm_slabs<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-    if (vec == 4) return tile_cm_slabs<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-    if (vec == 2) return tile_cm_v<2, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
-    tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid);
+    if (vec == 8) return tile_cm_slabs<8, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid, lo);
+    if (vec == 4) return tile_cm_slabs<4, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid, lo);
+    if (vec == 2) return tile_cm_v<2, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid, lo);
+    tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid, lo);
 }
 
 // Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
@@ -1319,6 +1321,13 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
     const long long qs = (long long)Hq * D;
     // ntiles steps over the key tiles j0..=diagonal (step j: tile j0 + j).
     const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BN, ntiles = last / BN + 1 - j0;
+    // The copy engine reads boxes from 16-byte boundaries only, so the
+    // boxes start `shift` columns before the head, at the boundary at or
+    // before it (the host checks D + shift ≤ DP for every kv head): tile
+    // column j holds the head's column j − shift. q's tile is shifted alike
+    // (its first shift columns zeros), which leaves q·kᵀ as it was; the
+    // output's column d is the accumulator's d + shift.
+    const int shift = (hk * D) & 7;
 
     if (tid == 0) {
         for (int i = 0; i < 2 * NST; ++i) mbar_init(full_k + i, 1);
@@ -1339,11 +1348,13 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
                 if (j >= NST) mbar_wait(free_k + st, freed);
                 mbar_expect_tx(full_k + st, KT);
 #pragma unroll
-                for (int x = 0; x < G::KBOX; ++x) tma_3d(Ks + st * KT + x * BN * 128, kmap, full_k + st, hk * D + 64 * x, t0, b);
+                for (int x = 0; x < G::KBOX; ++x)
+                    tma_3d(Ks + st * KT + x * BN * 128, kmap, full_k + st, hk * D - shift + 64 * x, t0, b);
                 if (j >= NST) mbar_wait(free_v + st, freed);
                 mbar_expect_tx(full_v + st, VT);
 #pragma unroll
-                for (int x = 0; x < DP / 8; ++x) tma_3d(Vs + st * VT + x * BN * 16, vmap, full_v + st, hk * D + 8 * x, t0, b);
+                for (int x = 0; x < DP / 8; ++x)
+                    tma_3d(Vs + st * VT + x * BN * 16, vmap, full_v + st, hk * D - shift + 8 * x, t0, b);
             }
         }
         return;
@@ -1353,9 +1364,10 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
     const T* const qb = q + (long long)b * Tn * qs + (long long)h * D;
     // Copies of two bytes would be plain stores, which the mbarriers do not
     // track; the host launches this kernel only where D and the bases allow 4.
-    const int vq = vec_of<2>(q, D);
+    int vq = vec_of<2>(q, D);
+    while (shift % vq) vq >>= 1;  // copies that start on the shifted columns
     if (vq < 2) __trap();
-    tile_cm<ROWS, DP, E, G::CONSUMERS>(Qs, qb, vq, q0, Tn, qs, D, tid);
+    tile_cm<ROWS, DP, E, G::CONSUMERS>(Qs, qb, vq, q0, Tn, qs, D, tid, shift);
     mbar_arrive_copies(q_full);
     const float c2 = (float)(scale * 1.4426950408889634074);
     // Soft-capped scores are in base 2 before their maximum is taken (f2 = 1).
@@ -1484,6 +1496,21 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
     }
     issue_pv(ntiles - 1);
     wg_wait<0>();
+    // Output column d from accumulator column d + shift = 2u + d: lane c's
+    // columns 8n + 2c (and + 1) come from lane (c + u) mod 4, in tile n, or
+    // n + 1 where c + u passes 4; so a lane c < u hands over its tile n + 1.
+    // (Without a shift every lane takes its own.)
+    float out[DP / 2];
+    {
+        const int u = shift >> 1, from = (lane & ~3) | ((c + u) & 3);
+        const bool next = c < u;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                out[4 * n + e] =
+                    __shfl_sync(0xffffffffu, next ? (n + 1 < NO ? acc[4 * n + 4 + e] : 0.f) : acc[4 * n + e], from);
+    }
 
     T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
 #pragma unroll
@@ -1503,7 +1530,7 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
             const int d = n * 8 + 2 * c;
-            const float x0 = acc[4 * n + 2 * r] * inv, x1 = acc[4 * n + 2 * r + 1] * inv;
+            const float x0 = out[4 * n + 2 * r] * inv, x1 = out[4 * n + 2 * r + 1] * inv;
             if (pairs && d + 1 < D) {
                 *reinterpret_cast<u32*>(ob + at + d) = Mma16<T>::pack(x0, x1);
             } else {

@@ -240,9 +240,18 @@ const WG_FWD_STAGES: usize = 3;
 /// `[B][T][Hkv·D]` (innermost first: the `Hkv·D` columns of a row, the
 /// rows of a sequence, the sequences): k in 128-byte-swizzled boxes of 64
 /// columns, v in unswizzled boxes of 8, both [`WG_FWD_KEYS`] rows deep.
-/// `None` where the driver would refuse them (a base off 16 bytes, or rows
+/// The copy engine reads boxes from 16-byte boundaries only, so a head
+/// starting `(head · D) mod 8` columns past one is read from that boundary
+/// on, and its tile holds its D columns from that shift on: every kv
+/// head's shift must leave them within the padded width. `None` where that
+/// fails or the driver would refuse the maps (a base off 16 bytes, or rows
 /// whose bytes are not a multiple of 16); then the `mma.sync` forward runs.
 fn fwd_tensor_maps(n: &Dims, k: u64, v: u64) -> Option<[TensorMap; 2]> {
+    let dp = n.mma?;
+    let shift = (0..n.hkv.min(8)).map(|h| h * n.d % 8).max().unwrap_or(0);
+    if n.d + shift > dp {
+        return None;
+    }
     let (cols, t, b) = (n.hkv as u64 * n.d as u64, n.t as u64, n.b as u64);
     let map = |ptr, box_cols, swizzle_128| TensorMap {
         ptr,
@@ -1006,6 +1015,14 @@ mod tests {
         let kv1 = |p| dev(DType::BF16, &[b, t, 1, d], p);
         let l =
             crate::ops::lower_for(&fwd_op, &[ins[0].clone(), kv1(at(2)), kv1(at(3))], &fwd_outs, None, hopper).unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
+        // A head size whose kv heads start up to 6 columns past a 16-byte
+        // boundary (110: 0, 6, 4, 2) leaves no room for the shift within 112.
+        let kv110 = |p| dev(DType::BF16, &[b, t, 4, 110], p);
+        let (q110, o110) = (dev(DType::BF16, &[b, t, h, 110], at(1)), dev(DType::BF16, &[b, t, h, 110], at(8)));
+        let l =
+            crate::ops::lower_for(&fwd_op, &[q110, kv110(at(2)), kv110(at(3))], &[o110, outs[3].clone()], None, hopper)
+                .unwrap();
         assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16");
         let k8 = dev(DType::BF16, &[b, t, h, d], at(2) + 8);
         let l = crate::ops::lower_for(&fwd_op, &[ins[0].clone(), k8.clone(), ins[2].clone()], &fwd_outs, None, hopper)
