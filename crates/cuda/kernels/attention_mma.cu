@@ -1147,27 +1147,29 @@ __device__ __forceinline__ void tile_cm(unsigned char* s, const void* g, int vec
     tile_cm_v<1, ROWS, DP, NTH>(s, p, t0, Tn, stride, D, tid, lo);
 }
 
-// Descriptor offsets of a core-matrix tile: K-major reads step 128 bytes
-// along K and 16·DP along rows (wg_scores_issue); MN-major
-// (transposed) reads step 16·DP along K (MN_LBO) and 128 along N.
-constexpr u32 KM_LBO = 128, MN_SBO = 128;
+// Descriptor offsets of a core-matrix tile read K-major: 128 bytes along K
+// and 16·DP along the rows (wg_scores_issue).
+constexpr u32 KM_LBO = 128;
 
 // Issues (without waiting) the two 64 × 64 score products s = a·bᵀ and
-// dp = c·dᵀ over DP. The first depth slice overwrites the accumulators
+// dp = c·dᵀ over DP: a and c core-matrix tiles, b and d streamed 64-row
+// tiles as the copy engine lays them out (columns in slabs of 8, each slab
+// 64 rows of 16 bytes: core matrices 1024 bytes apart along K and 128
+// along the rows). The first depth slice overwrites the accumulators
 // (scale-d off) instead of zeroing them: a register written by another
 // instruction while an earlier wgmma is still in flight makes ptxas
 // serialize the warpgroup's products.
 template <typename T, int DP>
 __device__ __forceinline__ void wg_scores_issue(float* s, float* dp, const unsigned char* a, const unsigned char* b,
                                                 const unsigned char* c, const unsigned char* d) {
-    constexpr u32 KM_SBO = 16 * DP;
+    constexpr u32 KM_SBO = 16 * DP, SL_LBO = 64 * 16, SL_SBO = 128;
     wg_fence();
-    Wg<64>::template ss<T, 0>(s, wg_desc(a, KM_LBO, KM_SBO), wg_desc(b, KM_LBO, KM_SBO));
-    Wg<64>::template ss<T, 0>(dp, wg_desc(c, KM_LBO, KM_SBO), wg_desc(d, KM_LBO, KM_SBO));
+    Wg<64>::template ss<T, 0>(s, wg_desc(a, KM_LBO, KM_SBO), wg_desc(b, SL_LBO, SL_SBO));
+    Wg<64>::template ss<T, 0>(dp, wg_desc(c, KM_LBO, KM_SBO), wg_desc(d, SL_LBO, SL_SBO));
 #pragma unroll
     for (int kk = 1; kk < DP / 16; ++kk) {
-        Wg<64>::template ss<T>(s, wg_desc(a + kk * 256, KM_LBO, KM_SBO), wg_desc(b + kk * 256, KM_LBO, KM_SBO));
-        Wg<64>::template ss<T>(dp, wg_desc(c + kk * 256, KM_LBO, KM_SBO), wg_desc(d + kk * 256, KM_LBO, KM_SBO));
+        Wg<64>::template ss<T>(s, wg_desc(a + kk * 256, KM_LBO, KM_SBO), wg_desc(b + kk * 2 * SL_LBO, SL_LBO, SL_SBO));
+        Wg<64>::template ss<T>(dp, wg_desc(c + kk * 256, KM_LBO, KM_SBO), wg_desc(d + kk * 2 * SL_LBO, SL_LBO, SL_SBO));
     }
     wg_commit();
 }
@@ -1275,6 +1277,27 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 }
 template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Accumulator columns of a shifted tile (see fwd_wg) back in place: out's
+// column d is acc's d + shift (shift = 2u, even, below 8). Lane c's
+// columns 8n + 2c (and + 1) come from lane (c + u) mod 4, in tile n, or
+// n + 1 where c + u passes 4; so a lane c < u hands over its tile n + 1.
+// Without a shift every lane takes its own. The whole warp takes part.
+template <int NO>
+__device__ __forceinline__ void unshift_cols(float* out, const float* acc, int shift) {
+    const int lane = threadIdx.x & 31, c = lane & 3, u = shift >> 1, from = (lane & ~3) | ((c + u) & 3);
+    const bool next = c < u;
+#pragma unroll
+    for (int n = 0; n < NO; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            out[4 * n + e] =
+                __shfl_sync(0xffffffffu, next ? (n + 1 < NO ? acc[4 * n + 4 + e] : 0.f) : acc[4 * n + e], from);
+}
+// Expects `bytes` more on bar without arriving (the arrivals are the
+// threads' own).
+__device__ __forceinline__ void mbar_expect_tx_only(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 // Expects `bytes` more on bar (the copy engine's completions count them
 // down) and arrives once.
@@ -1496,21 +1519,8 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
     }
     issue_pv(ntiles - 1);
     wg_wait<0>();
-    // Output column d from accumulator column d + shift = 2u + d: lane c's
-    // columns 8n + 2c (and + 1) come from lane (c + u) mod 4, in tile n, or
-    // n + 1 where c + u passes 4; so a lane c < u hands over its tile n + 1.
-    // (Without a shift every lane takes its own.)
     float out[DP / 2];
-    {
-        const int u = shift >> 1, from = (lane & ~3) | ((c + u) & 3);
-        const bool next = c < u;
-#pragma unroll
-        for (int n = 0; n < NO; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                out[4 * n + e] =
-                    __shfl_sync(0xffffffffu, next ? (n + 1 < NO ? acc[4 * n + 4 + e] : 0.f) : acc[4 * n + e], from);
-    }
+    unshift_cols<NO>(out, acc, shift);
 
     T* const ob = o + (long long)b * Tn * qs + (long long)h * D;
 #pragma unroll
@@ -1574,25 +1584,29 @@ __device__ __forceinline__ void recycle_stage(u64* free_, int j, int total, Load
 template <int DP> struct WgBwd {
     static constexpr int ROWS = 128, BS = 64, THREADS = 256, NST = 3;
     static constexpr int OWN = ROWS * DP * 2, TILE = BS * DP * 2;
-    // bwd_q: q and go (128 rows), NST stages of a k and a v tile, row terms
-    // of the 128 rows, 2·NST mbarriers.
-    static constexpr int BQ_SMEM = 2 * OWN + 2 * NST * TILE + 2 * ROWS * 4 + 2 * NST * 8;
+    // Up to 128 bytes to align the copy engine's tiles, then for bwd_q: q
+    // and go (128 rows), NST stages of a k and a v tile, row terms of the
+    // 128 rows, 2·NST mbarriers.
+    static constexpr int BQ_SMEM = 128 + 2 * OWN + 2 * NST * TILE + 2 * ROWS * 4 + 2 * NST * 8;
     // bwd_kv: k and v (128 rows), NST stages of a q and a go tile with their
     // 64 rows' lse and delta, 2·NST mbarriers.
-    static constexpr int BKV_SMEM = 2 * OWN + NST * (2 * TILE + 2 * BS * 4) + 2 * NST * 8 + ROWS * 4;
+    static constexpr int BKV_SMEM = 128 + 2 * OWN + NST * (2 * TILE + 2 * BS * 4) + 2 * NST * 8 + ROWS * 4;
 };
+// The dynamic shared memory from its first 128-byte boundary.
+__device__ __forceinline__ unsigned char* smem_aligned_128(unsigned char* p) {
+    return p + ((128 - (smem_addr(p) & 127)) & 127);
+}
 
 template <typename T, int DP>
-__device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* go,
-                          const float* glse, T* gq, float* delta, int Tn, int Hq, int Hkv, int D, double scale,
-                          const SgKeys keys) {
+__device__ void bwd_q_wg(const T* q, const T* o, const float* lse, const T* go, const float* glse, T* gq, float* delta,
+                         int Tn, int Hq, int Hkv, int D, double scale, const SgKeys keys, const TmaMap* kmap,
+                         const TmaMap* vmap) {
     typedef WgBwd<DP> G;
     typedef u16 E;
     constexpr int ROWS = G::ROWS, BC = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
                   NS = BC / 8;
-    constexpr u32 MN_LBO = 16 * DP;
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Qs = smem_bytes;
+    unsigned char* const Qs = smem_aligned_128(smem_bytes);
     unsigned char* const Gs = Qs + G::OWN;
     unsigned char* const Ks = Gs + G::OWN;       // NST stages
     unsigned char* const Vs = Ks + NST * TILE;  // NST stages
@@ -1606,12 +1620,17 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
     const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
     const int q0 = qt * ROWS;
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long qs = (long long)Hq * D;
     const long long qoff = (long long)b * Tn * qs + (long long)h * D;
-    const T* const kb = k + (long long)b * Tn * ks + (long long)hk * D;
-    const T* const vb = v + (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
-    if (min(min(vq, vg), min(vk, vv)) < 2) __trap();  // the host checks D and the bases (mbarriers track cp.async only)
+    // k and v tiles come by the copy engine in 8-column slabs from the
+    // 16-byte boundary at or before the kv head, `shift` columns before it;
+    // q and go are shifted alike, and gq's columns are unshifted at the end
+    // (as in fwd_wg).
+    const int shift = (hk * D) & 7;
+    int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D);
+    while (shift % vq) vq >>= 1;
+    while (shift % vg) vg >>= 1;
+    if (min(vq, vg) < 2) __trap();  // the host checks D and the bases (mbarriers track cp.async only)
     // ntiles steps over the key tiles j0..=diagonal (step j: tile j0 + j).
     const int last = min(q0 + ROWS, Tn) - 1, j0 = keys.first(b, Tn, q0) / BC, ntiles = last / BC + 1 - j0;
     const float c2 = (float)(scale * 1.4426950408889634074);
@@ -1620,14 +1639,22 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
     const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
 
     mbar_init_all(full, 2 * NST, NTH);
+    // A stage is full once every thread's copies have landed (the first
+    // stages' include q and go) and the copy engine's bytes with them.
     auto load = [&](int j) {
-        const int st = j % NST;
-        tile_cm<BC, DP, E, NTH>(Ks + st * TILE, kb, vk, (j0 + j) * BC, Tn, ks, D, tid);
-        tile_cm<BC, DP, E, NTH>(Vs + st * TILE, vb, vv, (j0 + j) * BC, Tn, ks, D, tid);
+        const int st = j % NST, t0 = (j0 + j) * BC;
+        if (tid == 0) {
+            mbar_expect_tx_only(full + st, 2 * TILE);
+#pragma unroll
+            for (int x = 0; x < DP / 8; ++x) {
+                tma_3d(Ks + st * TILE + x * BC * 16, kmap, full + st, hk * D - shift + 8 * x, t0, b);
+                tma_3d(Vs + st * TILE + x * BC * 16, vmap, full + st, hk * D - shift + 8 * x, t0, b);
+            }
+        }
         mbar_arrive_copies(full + st);
     };
-    tile_cm<ROWS, DP, E, NTH>(Qs, q + qoff, vq, q0, Tn, qs, D, tid);
-    tile_cm<ROWS, DP, E, NTH>(Gs, go + qoff, vg, q0, Tn, qs, D, tid);
+    tile_cm<ROWS, DP, E, NTH>(Qs, q + qoff, vq, q0, Tn, qs, D, tid, shift);
+    tile_cm<ROWS, DP, E, NTH>(Gs, go + qoff, vg, q0, Tn, qs, D, tid, shift);
     for (int j = 0; j < NST && j < ntiles; ++j) load(j);  // q and go land with the first stage
     row_stats<T, ROWS, NTH>(Ls, Ds, q0, o + qoff, go + qoff, lse, glse, delta, qs, ((long long)b * Hq + h) * Tn, Tn,
                             D);
@@ -1687,22 +1714,24 @@ __device__ void bwd_q_wg(const T* q, const T* k, const T* v, const T* o, const f
         wg_fence();
         return Kt;
     };
+    // ds·k reads the k tile MN-major: core matrices 128 bytes apart along
+    // the keys, BC·16 along the columns.
     const unsigned char* Kt = front(0);
-    Wg<DP>::template rs_t<T, 0>(acc, da[0], wg_desc(Kt, MN_LBO, MN_SBO));
+    Wg<DP>::template rs_t<T, 0>(acc, da[0], wg_desc(Kt, 128, BC * 16));
 #pragma unroll
-    for (int kc = 1; kc < BC / 16; ++kc)
-        Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+    for (int kc = 1; kc < BC / 16; ++kc) Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 256, 128, BC * 16));
     wg_commit();
     for (int j = 1; j < ntiles; ++j) {
         Kt = front(j);
 #pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc)
-            Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        for (int kc = 0; kc < BC / 16; ++kc) Wg<DP>::template rs_t<T>(acc, da[kc], wg_desc(Kt + kc * 256, 128, BC * 16));
         wg_commit();
     }
     wg_wait<0>();
 
-    store_rows<NO>(gq + qoff, qs, w0 + g, Tn, D, c, acc, (float)scale);
+    float out[DP / 2];
+    unshift_cols<NO>(out, acc, shift);
+    store_rows<NO>(gq + qoff, qs, w0 + g, Tn, D, c, out, (float)scale);
 }
 
 // The last query row that sees each key of a key-side block (keys k0..kl,
@@ -1772,16 +1801,15 @@ template <int NTH, int ROWS> struct KeySide {
 };
 
 template <typename T, int DP>
-__device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, const T* go, const float* delta,
-                           T* gk, T* gv, int Tn, int Hq, int Hkv, int D, double scale, const SgKeys keys) {
+__device__ void bwd_kv_wg(const T* k, const T* v, const float* lse, const float* delta, T* gk, T* gv, int Tn, int Hq,
+                          int Hkv, int D, double scale, const SgKeys keys, const TmaMap* qmap, const TmaMap* gomap) {
     typedef WgBwd<DP> G;
     typedef u16 E;
     constexpr int ROWS = G::ROWS, BQ = G::BS, NTH = G::THREADS, NST = G::NST, TILE = G::TILE, NO = DP / 8,
                   NS = BQ / 8;
     constexpr int STAGE = 2 * TILE + 2 * BQ * 4;  // q, go, then lse and delta of the 64 rows
-    constexpr u32 MN_LBO = 16 * DP;
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    unsigned char* const Ks = smem_bytes;
+    unsigned char* const Ks = smem_aligned_128(smem_bytes);
     unsigned char* const Vs = Ks + G::OWN;
     unsigned char* const Ss = Vs + G::OWN;  // NST stages
     u64* const full = reinterpret_cast<u64*>(Ss + NST * STAGE);
@@ -1792,13 +1820,21 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int hk = blockIdx.y, b = blockIdx.z, grp = Hq / Hkv;
     const int k0 = blockIdx.x * ROWS;  // the first blocks have the most query tiles: launched first
-    const long long qs = (long long)Hq * D, ks = (long long)Hkv * D;
+    const long long ks = (long long)Hkv * D;
     const long long koff = (long long)b * Tn * ks + (long long)hk * D;
-    const int vq = vec_of<2>(q, D), vg = vec_of<2>(go, D), vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
-    if (min(min(vq, vg), min(vk, vv)) < 2) __trap();
+    // q and go tiles come by the copy engine in 8-column slabs from the
+    // 16-byte boundary at or before each query head, `shift` columns before
+    // it (the host checks that every head of the group has the same); k and
+    // v are shifted alike, and gk's and gv's columns are unshifted at the
+    // end (as in fwd_wg).
+    const int shift = (hk * grp * D) & 7;
+    int vk = vec_of<2>(k, D), vv = vec_of<2>(v, D);
+    while (shift % vk) vk >>= 1;
+    while (shift % vv) vv >>= 1;
+    if (min(vk, vv) < 2) __trap();
     // k and v first: they load while the block finds its query range.
-    tile_cm<ROWS, DP, E, NTH>(Ks, k + koff, vk, k0, Tn, ks, D, tid);
-    tile_cm<ROWS, DP, E, NTH>(Vs, v + koff, vv, k0, Tn, ks, D, tid);
+    tile_cm<ROWS, DP, E, NTH>(Ks, k + koff, vk, k0, Tn, ks, D, tid, shift);
+    tile_cm<ROWS, DP, E, NTH>(Vs, v + koff, vv, k0, Tn, ks, D, tid, shift);
     // Query tiles first..nq − 1 of each head (as in bwd_kv), and the
     // queries that see this lane's keys: key..lq (lq < T, so `query > lq`
     // is also the mask past T).
@@ -1820,12 +1856,20 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
     const float sc = (float)scale, f2 = cap ? 1.f : c2, dm = cap ? 0.f : 1.f;
 
     mbar_init_all(full, 2 * NST, NTH);
+    // A stage is full once every thread's copies have landed (the first
+    // stages' include k and v) and the copy engine's bytes with them.
     auto load = [&](int step) {
         unsigned char* const S = Ss + (step % NST) * STAGE;
         const int h = hk * grp + step / per_head, t0 = (first + step % per_head) * BQ;
-        const long long qoff = (long long)b * Tn * qs + (long long)h * D, stat = ((long long)b * Hq + h) * Tn;
-        tile_cm<BQ, DP, E, NTH>(S, q + qoff, vq, t0, Tn, qs, D, tid);
-        tile_cm<BQ, DP, E, NTH>(S + TILE, go + qoff, vg, t0, Tn, qs, D, tid);
+        const long long stat = ((long long)b * Hq + h) * Tn;
+        if (tid == 0) {
+            mbar_expect_tx_only(full + step % NST, 2 * TILE);
+#pragma unroll
+            for (int x = 0; x < DP / 8; ++x) {
+                tma_3d(S + x * BQ * 16, qmap, full + step % NST, h * D - shift + 8 * x, t0, b);
+                tma_3d(S + TILE + x * BQ * 16, gomap, full + step % NST, h * D - shift + 8 * x, t0, b);
+            }
+        }
         if (tid < 2 * BQ) {  // lse, then delta, of rows t0..; zero past T
             const int r = tid % BQ, t = t0 + r;
             const float* src = tid < BQ ? lse : delta;
@@ -1893,9 +1937,9 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         }
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < BQ / 16; ++kc) {
-            Wg<DP>::template rs_t<T>(dv, pa[kc], wg_desc(Gt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
-            Wg<DP>::template rs_t<T>(dk, da[kc], wg_desc(Qt + kc * 2 * 16 * DP, MN_LBO, MN_SBO));
+        for (int kc = 0; kc < BQ / 16; ++kc) {  // go and q MN-major, as ds·k in bwd_q_wg
+            Wg<DP>::template rs_t<T>(dv, pa[kc], wg_desc(Gt + kc * 256, 128, BQ * 16));
+            Wg<DP>::template rs_t<T>(dk, da[kc], wg_desc(Qt + kc * 256, 128, BQ * 16));
         }
         wg_commit();
         // Waited for here, not across the next step's scores as in bwd_q:
@@ -1904,7 +1948,10 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         wg_wait<0>();
     }
 
-    store_rows<NO>(gk + koff, ks, key0, Tn, D, c, dk, (float)scale, gv + koff, dv);
+    float gk_out[DP / 2], gv_out[DP / 2];
+    unshift_cols<NO>(gk_out, dk, shift);
+    unshift_cols<NO>(gv_out, dv, shift);
+    store_rows<NO>(gk + koff, ks, key0, Tn, D, c, gk_out, (float)scale, gv + koff, gv_out);
 }
 #endif  // SGM_WGMMA
 
@@ -1928,7 +1975,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         T* __restrict__ gq, float* __restrict__ delta, int Tn, int Hq, int Hkv, int D, double scale,               \
-        const int* __restrict__ pos, int window, double softcap) { sg_pdl_entry();                                                \
+        const int* __restrict__ pos, int window, double softcap SGM_BWD_Q_MAPS) { sg_pdl_entry();                                \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_Q(T, DP);                                                                                         \
     }                                                                                                             \
@@ -1936,7 +1983,7 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
         const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o,        \
         const float* __restrict__ lse, const T* __restrict__ go, const float* __restrict__ glse,                  \
         const float* __restrict__ delta, T* __restrict__ gk, T* __restrict__ gv, int Tn, int Hq, int Hkv, int D,   \
-        double scale, const int* __restrict__ pos, int window, double softcap) { sg_pdl_entry();                                  \
+        double scale, const int* __restrict__ pos, int window, double softcap SGM_BWD_KV_MAPS) { sg_pdl_entry();                  \
         const SgKeys keys{pos, window, softcap};                                                                  \
         SGM_BWD_KV(T, DP);                                                                                        \
     }
@@ -1952,12 +1999,19 @@ __device__ void bwd_kv_wg(const T* q, const T* k, const T* v, const float* lse, 
 #define SGM_FWD_MAPS , const __grid_constant__ sgm::TmaMap kmap, const __grid_constant__ sgm::TmaMap vmap
 #define SGM_FWD(T, DP) sgm::fwd_wg<T, DP>(q, o, lse, Tn, Hq, Hkv, D, scale, keys, &kmap, &vmap)
 #define SGM_BWD_THREADS 256
-#define SGM_BWD_Q(T, DP) sgm::bwd_q_wg<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
-#define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(q, k, v, lse, go, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)
+// The backward passes take the tensor maps of the tiles they stream: k and
+// v on the query side, q and go on the key side.
+#define SGM_BWD_Q_MAPS , const __grid_constant__ sgm::TmaMap kmap, const __grid_constant__ sgm::TmaMap vmap
+#define SGM_BWD_KV_MAPS , const __grid_constant__ sgm::TmaMap qmap, const __grid_constant__ sgm::TmaMap gomap
+#define SGM_BWD_Q(T, DP) \
+    sgm::bwd_q_wg<T, DP>(q, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys, &kmap, &vmap)
+#define SGM_BWD_KV(T, DP) sgm::bwd_kv_wg<T, DP>(k, v, lse, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys, &qmap, &gomap)
 #else
 #define SGM_BWD_THREADS sgm::NT
 #define SGM_FWD_THREADS sgm::NT
 #define SGM_FWD_MAPS
+#define SGM_BWD_Q_MAPS
+#define SGM_BWD_KV_MAPS
 #define SGM_FWD(T, DP) sgm::fwd<T, DP>(q, k, v, o, lse, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_Q(T, DP) sgm::bwd_q<T, DP>(q, k, v, o, lse, go, glse, gq, delta, Tn, Hq, Hkv, D, scale, keys)
 #define SGM_BWD_KV(T, DP) sgm::bwd_kv<T, DP>(q, k, v, o, lse, go, glse, delta, gk, gv, Tn, Hq, Hkv, D, scale, keys)

@@ -132,7 +132,7 @@ use stepgraph_core::ops::attention::{Attention, AttentionBackward, Scores};
 use super::{Lower, LowerCx, Target};
 use crate::error::{CudaError, Result};
 use crate::kernel_module::KernelModule;
-use crate::launch::{Arg, KernelLaunch, Launch, TensorMap};
+use crate::launch::{Arg, DevTensor, KernelLaunch, Launch, TensorMap};
 use crate::switches::{AttentionKernels, Switches};
 
 /// The CUDA-core kernel source module.
@@ -236,33 +236,38 @@ const WG_FWD_THREADS: u32 = 384;
 const WG_FWD_KEYS: usize = 128;
 const WG_FWD_STAGES: usize = 3;
 
-/// The tensor maps the warpgroup forward copies k and v tiles by, over
-/// `[B][T][Hkv·D]` (innermost first: the `Hkv·D` columns of a row, the
-/// rows of a sequence, the sequences): k in 128-byte-swizzled boxes of 64
-/// columns, v in unswizzled boxes of 8, both [`WG_FWD_KEYS`] rows deep.
-/// The copy engine reads boxes from 16-byte boundaries only, so a head
-/// starting `(head · D) mod 8` columns past one is read from that boundary
-/// on, and its tile holds its D columns from that shift on: every kv
-/// head's shift must leave them within the padded width. `None` where that
-/// fails or the driver would refuse the maps (a base off 16 bytes, or rows
-/// whose bytes are not a multiple of 16); then the `mma.sync` forward runs.
-fn fwd_tensor_maps(n: &Dims, k: u64, v: u64) -> Option<[TensorMap; 2]> {
-    let dp = n.mma?;
+/// The rows of the tiles the warpgroup backward passes stream (k and v on
+/// the query side, q and go on the key side; `WgBwd<DP>::BS`).
+const WG_BWD_TILE: usize = 64;
+
+/// Whether every kv head's columns fit its tiles: the copy engine reads
+/// boxes from 16-byte boundaries only, so a head starting `(head · D) mod 8`
+/// columns past one is read from that boundary on and holds its D columns
+/// from that shift on, within the padded width `dp`.
+fn wg_shifts_fit(n: &Dims, dp: usize) -> bool {
     let shift = (0..n.hkv.min(8)).map(|h| h * n.d % 8).max().unwrap_or(0);
-    if n.d + shift > dp {
-        return None;
-    }
-    let (cols, t, b) = (n.hkv as u64 * n.d as u64, n.t as u64, n.b as u64);
-    let map = |ptr, box_cols, swizzle_128| TensorMap {
-        ptr,
-        dims: vec![cols, t, b],
-        strides: vec![cols * 2, cols * 2 * t],
-        boxes: vec![box_cols, WG_FWD_KEYS as u32, 1],
-        swizzle_128,
-        f16: n.dtype == DType::F16,
-    };
-    let maps = [map(k, 64, true), map(v, 8, false)];
-    maps.iter().all(TensorMap::check).then_some(maps)
+    n.d + shift <= dp
+}
+
+/// The tensor maps a warpgroup pass streams tiles by, over `[B][T][heads·D]`
+/// (innermost first: the `heads·D` columns of a row, the rows of a
+/// sequence, the sequences), one per `(base, box columns, 128-byte
+/// swizzle)`, `rows` deep. `None` where the driver would refuse them (a
+/// base off 16 bytes, or rows whose bytes are not a multiple of 16).
+fn wg_tensor_maps(n: &Dims, heads: usize, rows: usize, tiles: &[(u64, u32, bool)]) -> Option<Vec<Arg>> {
+    let (cols, t, b) = ((heads * n.d) as u64, n.t as u64, n.b as u64);
+    let maps: Vec<TensorMap> = tiles
+        .iter()
+        .map(|&(ptr, box_cols, swizzle_128)| TensorMap {
+            ptr,
+            dims: vec![cols, t, b],
+            strides: vec![cols * 2, cols * 2 * t],
+            boxes: vec![box_cols, rows as u32, 1],
+            swizzle_128,
+            f16: n.dtype == DType::F16,
+        })
+        .collect();
+    maps.iter().all(TensorMap::check).then(|| maps.into_iter().map(Arg::TensorMap).collect())
 }
 
 /// Dynamic shared memory of a warpgroup-MMA pass at padded width `dp`;
@@ -271,11 +276,12 @@ fn fwd_tensor_maps(n: &Dims, k: u64, v: u64) -> Option<[TensorMap; 2]> {
 /// * forward: up to 1024 bytes to align the swizzled k tiles, three stages
 ///   each of a 128-row k tile (64-column boxes, so `dp` rounded up to 64)
 ///   and v tile, the block's 128-row q tile, thirteen mbarriers;
-/// * `bwd_q`: the block's q and go (128 rows), three stages of a 64-row k
-///   and v tile, the 128 rows' two f32 row terms, six mbarriers;
-/// * `bwd_kv`: the block's k and v (128 rows), three stages of a 64-row q
-///   and go tile with those rows' lse and delta, six mbarriers, the 128
-///   keys' document starts.
+/// * `bwd_q`: up to 128 bytes to align the copy engine's tiles, the block's
+///   q and go (128 rows), three stages of a 64-row k and v tile, the 128
+///   rows' two f32 row terms, six mbarriers;
+/// * `bwd_kv`: the same alignment, the block's k and v (128 rows), three
+///   stages of a 64-row q and go tile with those rows' lse and delta, six
+///   mbarriers, the 128 keys' document starts.
 pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
     let (own, tile) = (WG_ROWS * dp * 2, 64 * dp * 2);
     match pass {
@@ -283,8 +289,8 @@ pub fn wgmma_shared_bytes(pass: Pass, dp: usize) -> usize {
             let (k, v) = (dp.div_ceil(64) * WG_FWD_KEYS * 128, WG_FWD_KEYS * dp * 2);
             1024 + WG_FWD_STAGES * (k + v) + own + (4 * WG_FWD_STAGES + 1) * 8
         }
-        Pass::BackwardQ => 2 * own + 3 * 2 * tile + 2 * WG_ROWS * 4 + 6 * 8,
-        Pass::BackwardKv => 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8 + WG_ROWS * 4,
+        Pass::BackwardQ => 128 + 2 * own + 3 * 2 * tile + 2 * WG_ROWS * 4 + 6 * 8,
+        Pass::BackwardKv => 128 + 2 * own + 3 * (2 * tile + 2 * 64 * 4) + 6 * 8 + WG_ROWS * 4,
     }
 }
 
@@ -590,10 +596,12 @@ fn forward(scale: f64, keys: &Keys, cx: &LowerCx) -> Result<Vec<Launch>> {
         return Ok(vec![]);
     }
     let ptrs = [&inputs[0], &inputs[1], &inputs[2], &outputs[0], &outputs[1]];
-    n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[3].ptr]);
-    let maps = if n.wg { fwd_tensor_maps(&n, ptrs[1].ptr, ptrs[2].ptr) } else { None };
-    n.wg &= maps.is_some();
-    let tail = maps.into_iter().flatten().map(Arg::TensorMap).collect();
+    n.wg &= wgmma_fits(n.d, &[ptrs[0].ptr, ptrs[3].ptr]) && n.mma.is_some_and(|dp| wg_shifts_fit(&n, dp));
+    // k in 128-byte-swizzled boxes of 64 columns, v in plain ones of 8.
+    let maps =
+        n.wg.then(|| wg_tensor_maps(&n, n.hkv, WG_FWD_KEYS, &[(ptrs[1].ptr, 64, true), (ptrs[2].ptr, 8, false)]));
+    let tail = maps.flatten().unwrap_or_default();
+    n.wg &= !tail.is_empty();
     Ok(vec![n.launch(Pass::Forward, ptrs.iter().map(|t| Arg::Ptr(t.ptr)).collect(), scale, keys, tail)])
 }
 
@@ -610,8 +618,21 @@ fn backward(scale: f64, keys: &Keys, saved: usize, cx: &LowerCx) -> Result<Vec<L
         return Ok(vec![]);
     }
     let (o, go) = (&inputs[saved], &inputs[saved + 2]);
-    // q, k, v, o, go (tiles of q, k, v and go are copied; o is read for D_i).
-    n.wg &= wgmma_fits(n.d, &[inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, o.ptr, go.ptr]);
+    // q, k, v, o, go (tiles of q, k, v and go are copied; o is read for
+    // D_i); the key side's block shifts its k and v by one shift for all
+    // the query heads of its group, so they must share it.
+    n.wg &= wgmma_fits(n.d, &[inputs[0].ptr, inputs[1].ptr, inputs[2].ptr, o.ptr, go.ptr])
+        && n.mma.is_some_and(|dp| wg_shifts_fit(&n, dp))
+        && (n.hq == n.hkv || n.d.is_multiple_of(8));
+    // Both sides stream tiles in plain boxes of 8 columns.
+    let plain = |a: &DevTensor, b: &DevTensor| [(a.ptr, 8, false), (b.ptr, 8, false)];
+    let maps = n.wg.then(|| {
+        let q_side = wg_tensor_maps(&n, n.hkv, WG_BWD_TILE, &plain(&inputs[1], &inputs[2]))?;
+        let kv_side = wg_tensor_maps(&n, n.hq, WG_BWD_TILE, &plain(&inputs[0], go))?;
+        Some((q_side, kv_side))
+    });
+    let (q_maps, kv_maps) = maps.flatten().unwrap_or_default();
+    n.wg &= !q_maps.is_empty();
     let mut common: Vec<Arg> = inputs[..3].iter().chain(&inputs[saved..saved + 3]).map(|t| Arg::Ptr(t.ptr)).collect();
     common.push(Arg::Ptr(inputs.get(saved + 3).map_or(0, |t| t.ptr)));
     let (gq, gk, gv, delta) = (&outputs[0], &outputs[1], &outputs[2], &outputs[3]);
@@ -619,14 +640,14 @@ fn backward(scale: f64, keys: &Keys, saved: usize, cx: &LowerCx) -> Result<Vec<L
     q.extend([Arg::Ptr(gq.ptr), Arg::Ptr(delta.ptr)]);
     if n.d == 0 {
         // Only the row terms (−glse) to write: the gradients are empty.
-        return Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, vec![])]);
+        return Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, q_maps)]);
     }
     let mut kv = common;
     if n.mma.is_some() {
         kv.push(Arg::Ptr(delta.ptr));
     }
     kv.extend([Arg::Ptr(gk.ptr), Arg::Ptr(gv.ptr)]);
-    Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, vec![]), n.launch(Pass::BackwardKv, kv, scale, keys, vec![])])
+    Ok(vec![n.launch(Pass::BackwardQ, q, scale, keys, q_maps), n.launch(Pass::BackwardKv, kv, scale, keys, kv_maps)])
 }
 
 #[cfg(test)]
@@ -634,7 +655,6 @@ mod tests {
     use stepgraph_core::ops::Op;
 
     use super::*;
-    use crate::launch::DevTensor;
 
     /// Lowers outside any group (attention needs none).
     fn lower(op: &Op, inputs: &[DevTensor], outputs: &[DevTensor]) -> Result<Vec<Launch>> {
@@ -964,16 +984,34 @@ mod tests {
         // Two warpgroups per 128 rows on both sides.
         assert_eq!((q.grid, q.block), ((16, 32, 4), (256, 1, 1)));
         assert_eq!((kv.grid, kv.block), ((16, 32, 4), (256, 1, 1)));
-        // q, go (128 rows) and three stages of 64-row k and v tiles; row terms, mbarriers.
-        assert_eq!(q.shared_bytes as usize, 2 * 128 * 224 + 6 * 64 * 224 + 1024 + 48);
-        // k, v (128 rows) and three stages of 64-row q and go tiles with
-        // their lse and delta; mbarriers, the keys' document starts.
-        assert_eq!(kv.shared_bytes as usize, 2 * 128 * 224 + 3 * (2 * 64 * 224 + 512) + 48 + 512);
-        // The same arguments as the mma.sync passes (the key side reads delta).
+        // Alignment, q, go (128 rows) and three stages of 64-row k and v
+        // tiles; row terms, mbarriers.
+        assert_eq!(q.shared_bytes as usize, 128 + 2 * 128 * 224 + 6 * 64 * 224 + 1024 + 48);
+        // Alignment, k, v (128 rows) and three stages of 64-row q and go
+        // tiles with their lse and delta; mbarriers, the keys' document starts.
+        assert_eq!(kv.shared_bytes as usize, 128 + 2 * 128 * 224 + 3 * (2 * 64 * 224 + 512) + 48 + 512);
+        // The arguments of the mma.sync passes (the key side reads delta),
+        // then the tensor maps of the tiles each side streams, in plain
+        // boxes of 8 columns by 64 rows: k and v over [B][T][Hkv·D] on the
+        // query side, q and go over [B][T][Hq·D] on the key side.
         let portable = lower(&op, &ins, &outs).unwrap();
-        for (wg, mma) in l.iter().zip(&portable) {
-            assert_eq!(kernel(wg).args, kernel(mma).args);
-            assert!(!kernel(mma).module.ends_with("_wg"));
+        let plain = |ptr| {
+            Arg::TensorMap(TensorMap {
+                ptr,
+                dims: vec![3200, 2048, 4],
+                strides: vec![6400, 6400 * 2048],
+                boxes: vec![8, 64, 1],
+                swizzle_128: false,
+                f16: false,
+            })
+        };
+        for (wg, (mma, maps)) in
+            l.iter().zip(portable.iter().zip([[plain(at(2)), plain(at(3))], [plain(at(1)), plain(at(6))]]))
+        {
+            let (wg, mma) = (kernel(wg), kernel(mma));
+            assert_eq!(wg.args[..mma.args.len()], mma.args[..]);
+            assert_eq!(wg.args[mma.args.len()..], maps);
+            assert!(!mma.module.ends_with("_wg"));
         }
         // The forward: a producer warpgroup beside the two consumers; up to
         // 1024 bytes of alignment, three stages of a k tile (two 64-column
@@ -1010,8 +1048,8 @@ mod tests {
             }
         }
         // Rows of a byte count off 16 (one kv head of 100: 200 bytes) or k and
-        // v bases off 16 bytes leave the forward on mma.sync (the driver
-        // encodes no map of them); the backward passes still take them.
+        // v bases off 16 bytes leave the passes on mma.sync (the driver
+        // encodes no map of them).
         let kv1 = |p| dev(DType::BF16, &[b, t, 1, d], p);
         let l =
             crate::ops::lower_for(&fwd_op, &[ins[0].clone(), kv1(at(2)), kv1(at(3))], &fwd_outs, None, hopper).unwrap();
@@ -1031,7 +1069,22 @@ mod tests {
         let mut k8_bwd = ins.clone();
         k8_bwd[1] = k8;
         let l = crate::ops::lower_for(&op, &k8_bwd, &outs, None, hopper).unwrap();
-        assert!(l.iter().all(|l| kernel(l).module == "attention_mma_d112_bf16_wg"));
+        assert!(l.iter().all(|l| kernel(l).module == "attention_mma_d112_bf16"));
+        // Grouped heads of 100 columns start 0 and 4 columns past a 16-byte
+        // boundary within one group: the key side's block, shifting its k
+        // and v once for the group, cannot, so the backward stays on
+        // mma.sync (the forward shifts by kv head and takes them).
+        let kv16 = |p| dev(DType::BF16, &[b, t, 16, d], p);
+        let mut grouped = ins.clone();
+        grouped[1] = kv16(at(2));
+        grouped[2] = kv16(at(3));
+        let mut grouped_outs = outs.clone();
+        grouped_outs[1] = kv16(at(9));
+        grouped_outs[2] = kv16(at(10));
+        let l = crate::ops::lower_for(&op, &grouped, &grouped_outs, None, hopper).unwrap();
+        assert!(l.iter().all(|l| kernel(l).module == "attention_mma_d112_bf16"));
+        let l = crate::ops::lower_for(&fwd_op, &grouped[..3], &fwd_outs, None, hopper).unwrap();
+        assert_eq!(kernel(&l[0]).module, "attention_mma_d112_bf16_wg");
         // An odd head size, or a base only 2-byte aligned, keeps the mma.sync
         // passes (their copies could not all be cp.async of 4 bytes or more).
         let odd = |shape: &[usize], p| dev(DType::BF16, shape, p);
