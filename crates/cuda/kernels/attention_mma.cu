@@ -1555,8 +1555,14 @@ __device__ void fwd_wg(const T* q, T* o, float* lse, int Tn, int Hq, int Hkv, in
 // Backward on warpgroup MMA, two warpgroups per block. As in fwd_wg, a block
 // is two warpgroups owning 64 rows each (128 in all: query rows for bwd_q,
 // key rows for bwd_kv) that share every streamed 64-row tile; the tiles run
-// in three stages, filled by cp.async from all 256 threads and handed over
-// by mbarriers (full / free per stage). Each step issues its two score
+// in three stages handed over by mbarriers (full / free per stage). The
+// block's first thread has the copy engine bring each streamed tile (k and
+// v for bwd_q, q and go for bwd_kv) in 8-column slabs, shifted as fwd_wg's
+// (its own tiles shifted alike by cp.async, the gradients unshifted at the
+// end); bwd_kv's row terms come by cp.async from the first 128 threads.
+// Every thread still waits for a stage to be free before its refill (one
+// arrival each on full), where a producer warpgroup would take registers
+// the key side needs (it holds 240). Each step issues its two score
 // products as soon as its tiles have landed (in bwd_q while the tensor
 // cores may still run the previous step's ds·k), waits for them, frees the
 // previous step's stage, refills it with the tile two steps ahead, and runs

@@ -93,13 +93,16 @@
 //!   that gives its registers to the other two; the tensor maps
 //!   ([`TensorMap`], encoded by the driver when the session loads the
 //!   launch) need k and v on 16-byte-aligned bases with rows of a multiple
-//!   of 16 bytes, else the `mma.sync` forward runs. The backward passes
-//!   stream 64-row tiles in three stages, brought in by `cp.async` from all
-//!   threads. Tiles sit in shared memory as wgmma's 8×16-byte core
-//!   matrices (the forward's k tiles as 128-byte-swizzled rows), so one
-//!   tile is read K-major (as the B of the scores) and, transposed,
-//!   MN-major (as the B of the value and gradient products);
-//!   probabilities and score gradients stay in registers as A operands.
+//!   of 16 bytes, else the `mma.sync` passes run. The backward passes
+//!   stream 64-row tiles in three stages, also by TMA, ordered by the
+//!   block's first thread (k and v on the query side, q and go on the key
+//!   side; the key side also needs the query heads of a kv group to start
+//!   alike against 16-byte boundaries). Tiles sit in shared memory as
+//!   wgmma's 8×16-byte core matrices (the forward's k tiles as
+//!   128-byte-swizzled rows), so one tile is read K-major (as the B of the
+//!   scores) and, transposed, MN-major (as the B of the value and gradient
+//!   products); probabilities and score gradients stay in registers as A
+//!   operands.
 //!   Each warpgroup overlaps its products across steps: the forward runs
 //!   one tile's softmax while the tensor cores multiply the previous
 //!   tile's probabilities by its values; the backward issues a step's
