@@ -1256,9 +1256,13 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
 }
 // Barriers bars[0..n) of `count` arrivals each, set up by thread 0 before
 // any thread of the block uses them.
+// The fence makes the barriers' initialization visible to the copy
+// engine, which completes its transfers on them.
 __device__ __forceinline__ void mbar_init_all(u64* bars, int n, u32 count) {
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         for (int i = 0; i < n; ++i) mbar_init(bars + i, count);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
     __syncthreads();
 }
 // One arrival on bar once every cp.async this thread has issued so far has landed.
