@@ -870,9 +870,9 @@ fn run_command(cli: Cli) -> Result<()> {
                 }
                 if let Some(r) = &c.passes.fp8 {
                     println!(
-                        "FP8: {} products of quantized operands ({} quantizations, {} scales); {} marked products of \
-                         unfit shapes (not multiples of 16) kept in {}",
-                        r.products, r.quantizations, r.scales, r.kept, spec.dtype
+                        "FP8: {} products of quantized operands ({} quantizations, {} of them in both layouts; {} \
+                         scales); {} marked products of unfit shapes (not multiples of 16) kept in {}",
+                        r.products, r.quantizations, r.both_layouts, r.scales, r.kept, spec.dtype
                     );
                 }
                 if let Some(extra) = eval_extra {

@@ -94,6 +94,14 @@ fn every_decoder_linear_product_becomes_fp8_and_the_head_does_not() {
     // Shared work: fewer quantizations than operands, one scale per value and format.
     assert!(report.quantizations < 2 * report.products, "{report:?}");
     assert!(report.scales < report.quantizations, "{report:?}");
+    // Each product's output gradient is read plain by the input gradient and
+    // transposed by the weight gradient: one pass writes both.
+    let both = c.step.nodes.iter().filter(|n| matches!(&n.op, Op::Fp8Quantize(q) if q.with_plain)).count();
+    assert_eq!((both, report.both_layouts), (7 * layers, 7 * layers), "{report:?}");
+    assert!(c.step.nodes.iter().all(|n| match &n.op {
+        Op::Fp8Quantize(q) => !q.with_plain || q.format == Fp8Format::E5M2,
+        _ => true,
+    }));
     // Every plain product left is one that was never marked: the head's.
     let marked_left = c.step.nodes.iter().filter(|n| matches!(&n.op, Op::MatMul(m) if m.fp8.is_some())).count();
     assert_eq!(marked_left, 0);

@@ -300,11 +300,14 @@ impl OpDef for Fp8Scale {
 
 /// The codes of `x · scale` (inputs `x` and an [`Fp8Scale`] output), packed
 /// 4 per i32 word: `[rows, cols / 4]`, or of `xᵀ`, `[cols, rows / 4]`,
-/// with `transpose` (module doc).
+/// with `transpose` (module doc). With `with_plain` (transposed only) a
+/// second output holds the plain codes too: one pass over `x` for a value
+/// that two products read in both layouts (a gradient, in `g·W` and `gᵀ·x`).
 #[derive(Clone, PartialEq, Debug)]
 pub struct Fp8Quantize {
     pub format: Fp8Format,
     pub transpose: bool,
+    pub with_plain: bool,
 }
 
 impl OpDef for Fp8Quantize {
@@ -316,9 +319,11 @@ impl OpDef for Fp8Quantize {
         }
         let mut v = Vec::new();
         for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
-            for transpose in [false, true] {
-                let op = Fp8Quantize { format, transpose };
-                for s in [&[4, 8][..], &[2, 12, 20], &[68, 132]] {
+            for (transpose, with_plain) in [(false, false), (true, false), (true, true)] {
+                let op = Fp8Quantize { format, transpose, with_plain };
+                // Shapes for the kernels' paths: 16-byte rows or not, a partial tile of
+                // rows that are (48) or are not (40, 68) a multiple of 16.
+                for s in [&[4, 8][..], &[2, 12, 20], &[68, 132], &[72, 36], &[40, 72], &[48, 136]] {
                     let x = normal(d, s);
                     v.push(Sample::new(op.clone(), vec![x.clone()]).with_output(Fp8Scale { format }, vec![x], 0));
                 }
@@ -344,13 +349,23 @@ impl OpDef for Fp8Quantize {
         if inputs[0].shape.is_empty() {
             return Err("quantizes a matrix (at least one axis), not a scalar".into());
         }
-        let (rows, cols) = fp8_rows_cols(&inputs[0].shape);
-        let (out_rows, along) = if self.transpose { (cols, rows) } else { (rows, cols) };
-        if along % FP8_CODES_PER_WORD != 0 {
-            let what = if self.transpose { "rows" } else { "columns" };
-            return Err(format!("packs 4 codes per word along the {what}, and {along} is not a multiple of 4"));
+        if self.with_plain && !self.transpose {
+            return Err("writes the plain codes beside the transposed ones: `with_plain` needs `transpose`".into());
         }
-        Ok(vec![TensorType::new(DType::I32, [out_rows, along / FP8_CODES_PER_WORD])])
+        let (rows, cols) = fp8_rows_cols(&inputs[0].shape);
+        let codes = |transpose: bool| {
+            let (out_rows, along) = if transpose { (cols, rows) } else { (rows, cols) };
+            if along % FP8_CODES_PER_WORD != 0 {
+                let what = if transpose { "rows" } else { "columns" };
+                return Err(format!("packs 4 codes per word along the {what}, and {along} is not a multiple of 4"));
+            }
+            Ok(TensorType::new(DType::I32, [out_rows, along / FP8_CODES_PER_WORD]))
+        };
+        let mut out = vec![codes(self.transpose)?];
+        if self.with_plain {
+            out.push(codes(false)?);
+        }
+        Ok(out)
     }
     fn vjp(&self, _b: &mut Builder, _args: &VjpArgs) -> Result<Vec<Option<ValueId>>> {
         no_vjp(self.name())
@@ -364,29 +379,37 @@ impl OpDef for Fp8Quantize {
             DType::F16 => io.input::<half::f16>(0).iter().map(|v| v.to_f32()).collect(),
             d => return Err(Error::op("fp8_quantize", format!("no CPU kernel for {d}"))),
         };
-        let (format, transpose) = (self.format, self.transpose);
-        // Output row `r`, element `e` of it: x[r][e], or x[e][r] transposed.
-        let at = |r: usize, e: usize| if transpose { x[e * cols + r] } else { x[r * cols + e] };
-        let per_row = if transpose { rows } else { cols } / FP8_CODES_PER_WORD;
-        io.output::<i32>(0).par_chunks_mut(per_row.max(1)).enumerate().for_each(|(r, words)| {
-            for (w, word) in words.iter_mut().enumerate() {
-                let mut bytes = [0u8; FP8_CODES_PER_WORD];
-                for (j, b) in bytes.iter_mut().enumerate() {
-                    *b = fp8_quantize_one(format, at(r, w * FP8_CODES_PER_WORD + j), scale);
+        let format = self.format;
+        let layouts = if self.with_plain { &[true, false][..] } else { std::slice::from_ref(&self.transpose) };
+        for (i, &transpose) in layouts.iter().enumerate() {
+            // Output row `r`, element `e` of it: x[r][e], or x[e][r] transposed.
+            let at = |r: usize, e: usize| if transpose { x[e * cols + r] } else { x[r * cols + e] };
+            let per_row = if transpose { rows } else { cols } / FP8_CODES_PER_WORD;
+            io.output::<i32>(i).par_chunks_mut(per_row.max(1)).enumerate().for_each(|(r, words)| {
+                for (w, word) in words.iter_mut().enumerate() {
+                    let mut bytes = [0u8; FP8_CODES_PER_WORD];
+                    for (j, b) in bytes.iter_mut().enumerate() {
+                        *b = fp8_quantize_one(format, at(r, w * FP8_CODES_PER_WORD + j), scale);
+                    }
+                    *word = i32::from_le_bytes(bytes);
                 }
-                *word = i32::from_le_bytes(bytes);
-            }
-        });
+            });
+        }
         Ok(())
     }
     fn attrs(&self) -> Vec<(&'static str, Attr)> {
         let mut v = vec![format_attr(self.format)];
         v.extend(Attr::flag("transpose", self.transpose));
+        v.extend(Attr::flag("with_plain", self.with_plain));
         v
     }
     fn parse(name: &str, a: &mut Attrs) -> Option<Result<Self>> {
         (name == "fp8_quantize").then(|| {
-            Ok(Fp8Quantize { format: parse_format(a, "format")?, transpose: a.opt_bool("transpose")?.unwrap_or(false) })
+            Ok(Fp8Quantize {
+                format: parse_format(a, "format")?,
+                transpose: a.opt_bool("transpose")?.unwrap_or(false),
+                with_plain: a.opt_bool("with_plain")?.unwrap_or(false),
+            })
         })
     }
 }
@@ -417,7 +440,7 @@ impl OpDef for MatMulFp8 {
         let codes = |format: Fp8Format, rows: usize, k: usize| {
             let scale = format.max_finite() / 8.0;
             super::sample::output_of(
-                Fp8Quantize { format, transpose: false },
+                Fp8Quantize { format, transpose: false, with_plain: false },
                 vec![normal(DType::F32, &[rows, k]), fixed(DType::F32, &[2], &[1.0 / scale as f64, scale as f64])],
                 0,
             )
@@ -545,7 +568,14 @@ impl Builder {
 
     /// The packed codes of `x · scale`, or of its transpose ([`Fp8Quantize`]).
     pub fn fp8_quantize(&mut self, x: ValueId, scale: ValueId, format: Fp8Format, transpose: bool) -> Result<ValueId> {
-        self.push1(Fp8Quantize { format, transpose }.into(), &[x, scale])
+        self.push1(Fp8Quantize { format, transpose, with_plain: false }.into(), &[x, scale])
+    }
+
+    /// The packed codes of `xᵀ · scale` and of `x · scale`, in one pass
+    /// ([`Fp8Quantize::with_plain`]): `(transposed, plain)`.
+    pub fn fp8_quantize_both(&mut self, x: ValueId, scale: ValueId, format: Fp8Format) -> Result<(ValueId, ValueId)> {
+        let out = self.push(Fp8Quantize { format, transpose: true, with_plain: true }.into(), &[x, scale])?;
+        Ok((out[0], out[1]))
     }
 }
 
@@ -575,6 +605,30 @@ mod tests {
             }
         }
         best
+    }
+
+    #[test]
+    fn both_layouts_at_once_are_the_two_quantizations() {
+        use crate::host::HostTensor;
+        use crate::ir::TensorType;
+        use crate::testing::run_op;
+        let values: Vec<f64> = (0..24 * 20).map(|i| ((i * 37 % 101) as f64 - 50.0) / 7.0).collect();
+        let x = HostTensor::from_f64(TensorType::new(DType::BF16, [2, 12, 20]), &values);
+        let scale = HostTensor::from_f64(TensorType::new(DType::F32, [2]), &[1.0 / 40.0, 40.0]);
+        let run = |transpose, with_plain| {
+            run_op(&Fp8Quantize { format: Fp8Format::E5M2, transpose, with_plain }.into(), &[x.clone(), scale.clone()])
+                .unwrap()
+        };
+        let both = run(true, true);
+        assert_eq!(both.len(), 2);
+        assert_eq!((&both[0].ty.shape[..], &both[1].ty.shape[..]), (&[20, 6][..], &[24, 5][..]));
+        assert_eq!(both[0], run(true, false)[0], "the transposed codes");
+        assert_eq!(both[1], run(false, false)[0], "the plain codes");
+        let ty = TensorType::new(DType::BF16, [8, 8]);
+        let e = crate::ops::Op::from(Fp8Quantize { format: Fp8Format::E4M3, transpose: false, with_plain: true })
+            .infer(&[&ty, &TensorType::new(DType::F32, [2])])
+            .unwrap_err();
+        assert!(e.contains("needs `transpose`"), "{e}");
     }
 
     #[test]

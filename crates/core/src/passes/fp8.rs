@@ -21,7 +21,10 @@
 //! reused by a later product of the same phase within [`CODES_REUSE_NODES`]
 //! nodes (q, k and v read one input; gate and up another; the three weight
 //! gradients of q, k and v read one transposed input), further apart they
-//! are made again rather than held.
+//! are made again rather than held. A value that a later product within
+//! that distance reads in the other layout (a gradient `g`: plain in the
+//! input gradient `g·W`, transposed in the weight gradient `gᵀ·x`) is
+//! quantized in both layouts by one pass over it.
 //!
 //! The pass runs after recomputation and offload (their choices see the
 //! products as the model has them), and the pipeline checks the planned
@@ -35,7 +38,7 @@ use serde::Serialize;
 use super::{Pass, PassContext};
 use crate::error::Result;
 use crate::ir::{Builder, Phase, Trace, ValueId};
-use crate::ops::fp8::{Fp8Format, MatMulFp8};
+use crate::ops::fp8::{fp8_rows_cols, Fp8Format, MatMulFp8};
 use crate::ops::matmul::MatMul;
 use crate::ops::Op;
 
@@ -54,13 +57,16 @@ pub struct Fp8Report {
     /// Marked products left in the model's dtype: their shapes do not
     /// qualify (see the module doc).
     pub kept: usize,
-    /// Quantizations made (each a pass over an operand), and scales.
+    /// Quantizations made (each a pass over an operand), those of them
+    /// that wrote both layouts at once, and scales.
     pub quantizations: usize,
+    pub both_layouts: usize,
     pub scales: usize,
 }
 
 /// The operand layout of a qualifying product: its `m` and `n`, and
 /// whether each operand is quantized transposed.
+#[derive(Clone, Copy)]
 struct Layout {
     m: usize,
     n: usize,
@@ -96,28 +102,81 @@ fn reshape_root(trace: &Trace, mut v: ValueId) -> ValueId {
     v
 }
 
+/// One operand a qualifying product quantizes: the original value, its
+/// format and layout.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Operand {
+    value: ValueId,
+    format: Fp8Format,
+    transpose: bool,
+}
+
+/// A qualifying marked product once rewritten: its layout and the two
+/// operands it quantizes.
+type Fp8Product = (Layout, [Operand; 2]);
+
+/// Each node's phase, and what it quantizes if it is a qualifying marked
+/// product.
+fn fp8_products_of(trace: &Trace) -> Vec<(Phase, Option<Fp8Product>)> {
+    trace
+        .nodes
+        .iter()
+        .map(|node| {
+            let product = match &node.op {
+                Op::MatMul(mm) => mm.fp8.and_then(|(fa, fb)| {
+                    let (sa, sb) = (&trace.ty(node.inputs[0]).shape, &trace.ty(node.inputs[1]).shape);
+                    layout(mm, sa, sb).map(|l| {
+                        let a = Operand { value: node.inputs[0], format: fa, transpose: l.transpose_a };
+                        (l, [a, Operand { value: node.inputs[1], format: fb, transpose: l.transpose_b }])
+                    })
+                }),
+                _ => None,
+            };
+            (node.phase, product)
+        })
+        .collect()
+}
+
+/// A later operand (of a node of `phase` within [`CODES_REUSE_NODES`] after
+/// node `n`) that reads the elements of `op.value` in the other layout and
+/// the same format, so that one pass can write both layouts: the same
+/// reshape root and the same `[rows, cols]` view.
+fn other_layout_reader(
+    trace: &Trace,
+    products: &[(Phase, Option<Fp8Product>)],
+    n: usize,
+    op: Operand,
+) -> Option<Operand> {
+    let root = reshape_root(trace, op.value);
+    let view = fp8_rows_cols(&trace.ty(op.value).shape);
+    let phase = products[n].0;
+    products[n + 1..products.len().min(n + 1 + CODES_REUSE_NODES)]
+        .iter()
+        .filter(|(p, _)| *p == phase)
+        .flat_map(|(_, product)| product.iter().flat_map(|(_, ops)| ops.iter().copied()))
+        .find(|o| {
+            o.format == op.format
+                && o.transpose != op.transpose
+                && reshape_root(trace, o.value) == root
+                && fp8_rows_cols(&trace.ty(o.value).shape) == view
+        })
+}
+
 /// Rewrites every qualifying marked product as an FP8 product (module doc).
 pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
     let mut b = Builder::new(trace.name.clone());
     let mut map = b.copy_leaves(trace)?;
     let m = |map: &[Option<ValueId>], v: ValueId| map[v.index()].expect("defined before use");
     let mut report = Fp8Report::default();
+    let products = fp8_products_of(trace);
     // Scales by (the original value's reshape root, format).
     let mut scales: HashMap<(ValueId, Fp8Format), ValueId> = HashMap::new();
-    // Codes by (new operand, format, transposed): the codes, where, which phase.
-    let mut codes: HashMap<(ValueId, Fp8Format, bool), (ValueId, usize, Phase)> = HashMap::new();
+    // Codes by original operand: the codes, where made, which phase.
+    let mut codes: HashMap<Operand, (ValueId, usize, Phase)> = HashMap::new();
     for (n, node) in trace.nodes.iter().enumerate() {
         b.set_phase(node.phase);
         let inputs: Vec<ValueId> = node.inputs.iter().map(|&v| m(&map, v)).collect();
-        let marked = match &node.op {
-            Op::MatMul(mm) => mm.fp8.map(|f| (mm.clone(), f)),
-            _ => None,
-        };
-        let plan = marked.and_then(|(mm, f)| {
-            let (sa, sb) = (&trace.ty(node.inputs[0]).shape, &trace.ty(node.inputs[1]).shape);
-            layout(&mm, sa, sb).map(|l| (mm, f, l))
-        });
-        let Some((mm, (fa, fb), l)) = plan else {
+        let (Op::MatMul(mm), Some((l, [oa, ob]))) = (&node.op, products[n].1) else {
             if matches!(&node.op, Op::MatMul(mm) if mm.fp8.is_some()) {
                 report.kept += 1;
             }
@@ -127,33 +186,42 @@ pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
             }
             continue;
         };
-        let mut operand =
-            |b: &mut Builder, i: usize, format: Fp8Format, transpose: bool| -> Result<(ValueId, ValueId)> {
-                let x = inputs[i];
-                let root = reshape_root(trace, node.inputs[i]);
-                let scale = match scales.get(&(root, format)) {
-                    Some(&s) => s,
-                    None => {
-                        let s = b.fp8_scale(x, format)?;
-                        report.scales += 1;
-                        scales.insert((root, format), s);
-                        s
-                    }
-                };
-                let q = match codes.get(&(x, format, transpose)) {
-                    Some(&(q, at, phase)) if phase == node.phase && n - at <= CODES_REUSE_NODES => q,
-                    _ => {
-                        // A folded `[..., m, k]` is quantized as its rows.
-                        let q = b.fp8_quantize(x, scale, format, transpose)?;
-                        report.quantizations += 1;
-                        codes.insert((x, format, transpose), (q, n, node.phase));
-                        q
-                    }
-                };
-                Ok((q, scale))
+        let mut operand = |b: &mut Builder, i: usize, op: Operand| -> Result<(ValueId, ValueId)> {
+            let x = inputs[i];
+            let root = reshape_root(trace, op.value);
+            let scale = match scales.get(&(root, op.format)) {
+                Some(&s) => s,
+                None => {
+                    let s = b.fp8_scale(x, op.format)?;
+                    report.scales += 1;
+                    scales.insert((root, op.format), s);
+                    s
+                }
             };
-        let (qa, sa) = operand(&mut b, 0, fa, l.transpose_a)?;
-        let (qb, sb) = operand(&mut b, 1, fb, l.transpose_b)?;
+            let q = match codes.get(&op) {
+                Some(&(q, at, phase)) if phase == node.phase && n - at <= CODES_REUSE_NODES => q,
+                _ => {
+                    // A folded `[..., m, k]` is quantized as its rows; where a
+                    // product soon reads the other layout, both in one pass.
+                    let q = match other_layout_reader(trace, &products, n, op) {
+                        Some(other) => {
+                            let (t, plain) = b.fp8_quantize_both(x, scale, op.format)?;
+                            let (q, q_other) = if op.transpose { (t, plain) } else { (plain, t) };
+                            codes.insert(other, (q_other, n, node.phase));
+                            report.both_layouts += 1;
+                            q
+                        }
+                        None => b.fp8_quantize(x, scale, op.format, op.transpose)?,
+                    };
+                    report.quantizations += 1;
+                    codes.insert(op, (q, n, node.phase));
+                    q
+                }
+            };
+            Ok((q, scale))
+        };
+        let (qa, sa) = operand(&mut b, 0, oa)?;
+        let (qb, sb) = operand(&mut b, 1, ob)?;
         let out_ty = trace.ty(node.outputs[0]).clone();
         let mut args = vec![qa, qb, sa, sb];
         if mm.addend {
@@ -162,7 +230,7 @@ pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
             let r = if b.shape(r).len() > 2 { b.reshape(r, &[l.m, l.n])? } else { r };
             args.push(r);
         }
-        let op = MatMulFp8 { a: fa, b: fb, out: out_ty.dtype, addend: mm.addend };
+        let op = MatMulFp8 { a: oa.format, b: ob.format, out: out_ty.dtype, addend: mm.addend };
         let c = b.push1(op.into(), &args)?;
         let c = if out_ty.shape != [l.m, l.n] { b.reshape(c, &out_ty.shape)? } else { c };
         map[node.outputs[0].index()] = Some(c);

@@ -1,8 +1,9 @@
 //! Lowering of the FP8 ops ([`stepgraph_core::ops::fp8`]): a scale is a
 //! memset of its amax word, the grid-stride amax of `kernels/fp8.cu` and a
 //! one-thread kernel turning the amax into `[1 / scale, scale]`; a
-//! quantization is one kernel (a word of 4 codes per thread, or 64 × 64
-//! tiles through shared memory when transposed); the product is a
+//! quantization is one kernel (16 bytes of the operand per thread, or 64 ×
+//! 64 tiles through shared memory when transposed, which write the plain
+//! codes too where both are asked for); the product is a
 //! cuBLASLt FP8 [`GemmCall`] whose inverse scales are read from the scale
 //! tensors' second elements.
 
@@ -13,7 +14,7 @@ use super::util::{launch, launch_1d, n64, ptr, THREADS};
 use super::{Lower, LowerCx};
 use crate::error::{CudaError, Result};
 use crate::kernel_module::KernelModule;
-use crate::launch::{blocks, Fp8Gemm, GemmCall, GemmType, Launch};
+use crate::launch::{blocks, Arg, Fp8Gemm, GemmCall, GemmType, Launch};
 
 const FP8: &[KernelModule] = &[KernelModule::plain("fp8", include_str!("../../kernels/fp8.cu"))];
 
@@ -56,6 +57,7 @@ impl Lower for Fp8Quantize {
 
     fn lower(&self, cx: &LowerCx) -> Result<Vec<Launch>> {
         let (x, scale, out) = (&cx.inputs[0], &cx.inputs[1], &cx.outputs[0]);
+        let plain = if self.with_plain { ptr(&cx.outputs[1]) } else { Arg::Ptr(0) };
         let dt = float_suffix("fp8_quantize", x.ty.dtype)?;
         let fmt = self.format.name();
         let (rows, cols) = fp8_rows_cols(&x.ty.shape);
@@ -67,11 +69,14 @@ impl Lower for Fp8Quantize {
                     format!("{rows} rows transposed: more than 65535 tiles"),
                 ));
             }
-            let args = vec![ptr(x), ptr(scale), ptr(out), n64(rows), n64(cols)];
+            let args = vec![ptr(x), ptr(scale), ptr(out), plain, n64(rows), n64(cols)];
             launch("fp8", format!("fp8_quantize_t_{fmt}_{dt}"), grid, (32, 8, 1), args)
         } else {
+            // One thread per 16 bytes of the operand.
             let words = rows * cols / FP8_CODES_PER_WORD;
-            launch_1d("fp8", format!("fp8_quantize_{fmt}_{dt}"), words, vec![ptr(x), ptr(scale), ptr(out), n64(words)])
+            let threads = (rows * cols).div_ceil(16 / x.ty.dtype.size());
+            let args = vec![ptr(x), ptr(scale), ptr(out), n64(words)];
+            launch_1d("fp8", format!("fp8_quantize_{fmt}_{dt}"), threads, args)
         }])
     }
 }
@@ -127,10 +132,28 @@ mod tests {
 
     #[test]
     fn a_transposed_quantization_tiles_the_matrix() {
-        let op = Op::from(Fp8Quantize { format: Fp8Format::E4M3, transpose: true });
+        let op = Op::from(Fp8Quantize { format: Fp8Format::E4M3, transpose: true, with_plain: false });
         let l = lower_types(&op, &[t(DType::F16, &[2, 100, 40]), t(DType::F32, &[2])], 0).unwrap();
         let [Launch::Kernel(k)] = &l[..] else { panic!("expected one kernel, got {l:?}") };
         assert_eq!((k.function.as_str(), k.grid, k.block), ("fp8_quantize_t_e4m3_f16", (1, 4, 1), (32, 8, 1)));
+        assert!(matches!(k.args[3], Arg::Ptr(0)), "no plain codes: a null pointer");
+    }
+
+    #[test]
+    fn both_layouts_are_one_kernel_writing_two_outputs() {
+        let op = Op::from(Fp8Quantize { format: Fp8Format::E5M2, transpose: true, with_plain: true });
+        let (_, outs, l) = lowered(&op, &[t(DType::BF16, &[256, 320]), t(DType::F32, &[2])]);
+        let [Launch::Kernel(k)] = &l[..] else { panic!("expected one kernel, got {l:?}") };
+        assert_eq!((k.function.as_str(), k.grid), ("fp8_quantize_t_e5m2_bf16", (5, 4, 1)));
+        assert_eq!((&k.args[2], &k.args[3]), (&Arg::Ptr(outs[0].ptr), &Arg::Ptr(outs[1].ptr)));
+    }
+
+    #[test]
+    fn a_plain_quantization_takes_a_thread_per_16_bytes() {
+        let op = Op::from(Fp8Quantize { format: Fp8Format::E4M3, transpose: false, with_plain: false });
+        let l = lower_types(&op, &[t(DType::BF16, &[4, 64 * 1024]), t(DType::F32, &[2])], 0).unwrap();
+        let [Launch::Kernel(k)] = &l[..] else { panic!("expected one kernel, got {l:?}") };
+        assert_eq!(k.grid.0 as usize * k.block.0 as usize, 4 * 64 * 1024 / 8);
     }
 
     #[test]
