@@ -94,6 +94,10 @@ fn every_decoder_linear_product_becomes_fp8_and_the_head_does_not() {
     // Shared work: fewer quantizations than operands, one scale per value and format.
     assert!(report.quantizations < 2 * report.products, "{report:?}");
     assert!(report.scales < report.quantizations, "{report:?}");
+    // One scale per value and format: per layer the forward's 7 weights
+    // and 4 activations (recomputed copies share them), and the gradients
+    // of the 7 products' outputs.
+    assert_eq!(report.scales, 18 * layers, "{report:?}");
     // Each product's output gradient is read plain by the input gradient and
     // transposed by the weight gradient: one pass writes both.
     let both = c.step.nodes.iter().filter(|n| matches!(&n.op, Op::Fp8Quantize(q) if q.with_plain)).count();
@@ -115,6 +119,21 @@ fn every_decoder_linear_product_becomes_fp8_and_the_head_does_not() {
     assert!(marked.contains("fp8=[4,4]"), "{marked}");
     assert_eq!(parse_trace(&text).unwrap().to_string(), text);
     assert_eq!(parse_trace(&marked).unwrap().to_string(), marked);
+}
+
+#[test]
+fn recomputed_operands_share_the_forwards_scales() {
+    // The default recomputation makes values that the products read (the
+    // norms' outputs, SwiGLU's, at this width even some products) again in
+    // backward, with the same bits.
+    let c = compile(StepKind::Train, Fp8Mode::Products, SEQ);
+    let recomputed = c.passes.recompute.as_ref().map_or(0, |r| r.recomputed.len());
+    assert!(recomputed > 0, "{:#?}", c.passes.recompute);
+    let report = c.passes.fp8.clone().unwrap();
+    let layers = spec(DType::BF16, SEQ).config.n_layer;
+    // As many scales as without recomputation (the test above): 18 a layer.
+    assert!(report.products >= 21 * layers, "{report:?}");
+    assert_eq!(report.scales, 18 * layers, "{report:?}");
 }
 
 #[test]

@@ -16,7 +16,8 @@
 //! marks': e4m3 for activations and weights, e5m2 for gradients.
 //!
 //! Work is shared: a value's scale is computed once per format for the
-//! whole step (through reshapes, which keep its elements), so the forward's
+//! whole step (through reshapes, which keep its elements, and the copies
+//! recomputation makes, which compute the same bits), so the forward's
 //! scale of an activation serves its backward products too; its codes are
 //! reused by a later product of the same phase within [`CODES_REUSE_NODES`]
 //! nodes (q, k and v read one input; gate and up another; the three weight
@@ -88,6 +89,38 @@ fn layout(mm: &MatMul, sa: &[usize], sb: &[usize]) -> Option<Layout> {
         transpose_a: mm.trans_a,
         transpose_b: !mm.trans_b,
     })
+}
+
+/// Each value's representative among the values that hold the same
+/// elements because a later node repeats a forward node (the same op on the
+/// same values: recomputation's copies): the forward's value, or the value
+/// itself. The kernels are deterministic, so a repeat computes the same bits
+/// and shares the forward's scale.
+fn forward_twins(trace: &Trace) -> Vec<ValueId> {
+    let mut twin: Vec<ValueId> = (0..trace.values.len()).map(|i| ValueId(i as u32)).collect();
+    // Forward nodes by their first input's representative.
+    let mut forward: HashMap<ValueId, Vec<usize>> = HashMap::new();
+    for (n, node) in trace.nodes.iter().enumerate() {
+        let Some(&first) = node.inputs.first() else { continue };
+        let first = twin[first.index()];
+        if node.phase == Phase::Forward {
+            forward.entry(first).or_default().push(n);
+            continue;
+        }
+        let repeats = |&&f: &&usize| {
+            let earlier = &trace.nodes[f];
+            earlier.op == node.op
+                && earlier.outputs.len() == node.outputs.len()
+                && earlier.inputs.len() == node.inputs.len()
+                && earlier.inputs.iter().zip(&node.inputs).all(|(a, b)| twin[a.index()] == twin[b.index()])
+        };
+        if let Some(&f) = forward.get(&first).and_then(|c| c.iter().find(repeats)) {
+            for (o, e) in node.outputs.iter().zip(&trace.nodes[f].outputs) {
+                twin[o.index()] = twin[e.index()];
+            }
+        }
+    }
+    twin
 }
 
 /// The value whose elements `v` holds in the same order: `v` itself, or
@@ -169,7 +202,8 @@ pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
     let m = |map: &[Option<ValueId>], v: ValueId| map[v.index()].expect("defined before use");
     let mut report = Fp8Report::default();
     let products = fp8_products_of(trace);
-    // Scales by (the original value's reshape root, format).
+    let twins = forward_twins(trace);
+    // Scales by (the original value's reshape root's forward twin, format).
     let mut scales: HashMap<(ValueId, Fp8Format), ValueId> = HashMap::new();
     // Codes by original operand: the codes, where made, which phase.
     let mut codes: HashMap<Operand, (ValueId, usize, Phase)> = HashMap::new();
@@ -188,7 +222,7 @@ pub fn fp8_products(trace: &Trace) -> Result<(Trace, Fp8Report)> {
         };
         let mut operand = |b: &mut Builder, i: usize, op: Operand| -> Result<(ValueId, ValueId)> {
             let x = inputs[i];
-            let root = reshape_root(trace, op.value);
+            let root = twins[reshape_root(trace, op.value).index()];
             let scale = match scales.get(&(root, op.format)) {
                 Some(&s) => s,
                 None => {
