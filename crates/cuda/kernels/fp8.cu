@@ -7,13 +7,13 @@
 // `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (CUDA's `__nv_cvt_float_to_fp8`).
 //
 // Launch convention (crates/cuda/src/ops/fp8.rs builds it):
-// - `fp8_amax_<dt>(const T* x, i64 n, unsigned* amax)`: any grid of
-//   SG_FP8_THREADS-thread blocks, grid-stride; `*amax` zeroed before (a
-//   memset node), then holding the bits of max |x| (an integer max of
-//   non-negative floats' bits orders them as floats, and a NaN's bits
-//   exceed infinity's, so a NaN wins as it does on the CPU);
-// - `fp8_scale_<fmt>(float* out)`: one thread; reads the amax bits from
-//   out[0], writes [1 / scale, scale];
+// - `fp8_scale_<fmt>_<dt>(const T* x, i64 n, float* out)`: any grid of
+//   SG_FP8_THREADS-thread blocks, grid-stride, `out[0..2]` zeroed before (a
+//   memset node). Each block takes max |x| of its share into out[0], as
+//   bits (an integer max of non-negative floats' bits orders them as
+//   floats, and a NaN's bits exceed infinity's, so a NaN wins as it does on
+//   the CPU), and counts itself done in out[1]; the last block done turns
+//   the amax into [1 / scale, scale];
 // - `fp8_quantize_<fmt>_<dt>(const T* x, const float* scale, unsigned* out,
 //   i64 words)`: 1-D grid-stride, 16 bytes of x (8 or 4 elements) per
 //   thread and iteration where x is 16-byte aligned, one word (4 elements)
@@ -57,8 +57,8 @@ template <typename T> __device__ __forceinline__ unsigned max_bits16(const uint4
     return m;
 }
 
-template <typename T> __device__ __forceinline__ void amax(const T* x, i64 n, unsigned* out) {
-    __shared__ unsigned warp_max_bits[SG_FP8_THREADS / 32];
+// max |x| of this thread's share, as bits.
+template <typename T> __device__ __forceinline__ unsigned amax_bits(const T* x, i64 n) {
     unsigned m = 0;
     const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     constexpr int per = 16 / sizeof(T);
@@ -76,17 +76,24 @@ template <typename T> __device__ __forceinline__ void amax(const T* x, i64 n, un
         for (; i < n4; i += stride) m = max(m, max_bits16<T>(x4[i]));
     }
     for (i64 i = body + tid; i < n; i += stride) m = max(m, abs_bits(load(x, i)));
+    return m;
+}
+
+template <__nv_fp8_interpretation_t F, typename T> __device__ __forceinline__ void scale(const T* x, i64 n, float* out) {
+    __shared__ unsigned warp_max_bits[SG_FP8_THREADS / 32];
+    unsigned* bits = reinterpret_cast<unsigned*>(out);
+    unsigned m = amax_bits(x, n);
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
     if ((threadIdx.x & 31) == 0) warp_max_bits[threadIdx.x >> 5] = m;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max_bits[w]);
-        if (m != 0) atomicMax(out, m);
-    }
-}
-
-template <__nv_fp8_interpretation_t F> __device__ __forceinline__ void scale(float* out) {
-    const float a = out[0];  // the amax kernel's bits: max |x|
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max_bits[w]);
+    if (m != 0) atomicMax(&bits[0], m);
+    // The block's max is visible before it counts itself done, so the last
+    // block to count reads every block's.
+    __threadfence();
+    if (atomicAdd(&bits[1], 1u) != gridDim.x - 1) return;
+    const float a = __uint_as_float(atomicOr(&bits[0], 0u));
     float s;
     if (!isfinite(a)) s = __int_as_float(0x7fc00000);
     else if (a == 0.0f) s = 1.0f;
@@ -208,20 +215,14 @@ __device__ __forceinline__ void quantize_t(const T* x, const float* scale, unsig
 
 }  // namespace sg_fp8
 
-#define SG_FP8_FLOATS(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half)
-
-#define SG_FP8_AMAX(sfx, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                            \
-        fp8_amax_##sfx(const T* x, i64 n, unsigned* amax) { sg_pdl_entry(); sg_fp8::amax<T>(x, n, amax); }
-SG_FP8_FLOATS(SG_FP8_AMAX)
-
 #define SG_FP8_FORMAT(fmt, F)                                                                                 \
-    extern "C" __global__ void fp8_scale_##fmt(float* out) { sg_pdl_entry(); sg_fp8::scale<F>(out); }        \
     SG_FP8_QUANTIZE(fmt, F, f32, float)                                                                       \
     SG_FP8_QUANTIZE(fmt, F, bf16, __nv_bfloat16)                                                              \
     SG_FP8_QUANTIZE(fmt, F, f16, __half)
 
 #define SG_FP8_QUANTIZE(fmt, F, sfx, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                             \
+        fp8_scale_##fmt##_##sfx(const T* x, i64 n, float* out) { sg_pdl_entry(); sg_fp8::scale<F, T>(x, n, out); } \
     extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                             \
         fp8_quantize_##fmt##_##sfx(const T* x, const float* scale, unsigned* out, i64 words) { sg_pdl_entry(); \
         sg_fp8::quantize<F, T>(x, scale, out, words);                                                         \

@@ -1,6 +1,6 @@
 //! Lowering of the FP8 ops ([`stepgraph_core::ops::fp8`]): a scale is a
-//! memset of its amax word, the grid-stride amax of `kernels/fp8.cu` and a
-//! one-thread kernel turning the amax into `[1 / scale, scale]`; a
+//! memset of its two words and the grid-stride amax of `kernels/fp8.cu`,
+//! whose last block turns the amax into `[1 / scale, scale]`; a
 //! quantization is one kernel (16 bytes of the operand per thread, or 64 ×
 //! 64 tiles through shared memory when transposed, which write the plain
 //! codes too where both are asked for); the product is a
@@ -44,10 +44,16 @@ impl Lower for Fp8Scale {
         let per_thread = 16 / x.ty.dtype.size();
         let grid = blocks(n.div_ceil(per_thread), THREADS as usize).clamp(1, AMAX_BLOCKS as u32);
         let fmt = self.format.name();
+        // The amax and the count of blocks done start at zero.
         Ok(vec![
-            Launch::Memset { ptr: out.ptr, bytes: 4, value: 0 },
-            launch("fp8", format!("fp8_amax_{dt}"), (grid, 1, 1), (THREADS, 1, 1), vec![ptr(x), n64(n), ptr(out)]),
-            launch("fp8", format!("fp8_scale_{fmt}"), (1, 1, 1), (1, 1, 1), vec![ptr(out)]),
+            Launch::Memset { ptr: out.ptr, bytes: 8, value: 0 },
+            launch(
+                "fp8",
+                format!("fp8_scale_{fmt}_{dt}"),
+                (grid, 1, 1),
+                (THREADS, 1, 1),
+                vec![ptr(x), n64(n), ptr(out)],
+            ),
         ])
     }
 }
@@ -118,15 +124,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_scale_is_a_memset_an_amax_and_the_scale() {
+    fn a_scale_is_a_memset_and_one_kernel() {
         let op = Op::from(Fp8Scale { format: Fp8Format::E5M2 });
         let l = lower_types(&op, &[t(DType::BF16, &[3, 1000])], 0).unwrap();
-        let [Launch::Memset { bytes: 4, value: 0, .. }, Launch::Kernel(amax), Launch::Kernel(scale)] = &l[..] else {
-            panic!("expected a memset and two kernels, got {l:?}")
+        let [Launch::Memset { bytes: 8, value: 0, .. }, Launch::Kernel(k)] = &l[..] else {
+            panic!("expected a memset of the amax and the count, and one kernel, got {l:?}")
         };
-        assert_eq!((amax.function.as_str(), scale.function.as_str()), ("fp8_amax_bf16", "fp8_scale_e5m2"));
         // 3000 bf16 elements, 8 per thread: two blocks.
-        assert_eq!((amax.grid.0, scale.grid, scale.block), (2, (1, 1, 1), (1, 1, 1)));
+        assert_eq!((k.function.as_str(), k.grid.0), ("fp8_scale_e5m2_bf16", 2));
         assert!(lower_types(&op, &[t(DType::F64, &[4])], 0).is_err());
     }
 
