@@ -222,15 +222,15 @@ __device__ __forceinline__ void quantize_t(const T* x, const float* scale, unsig
 
 #define SG_FP8_QUANTIZE(fmt, F, sfx, T)                                                                       \
     extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                             \
-        fp8_scale_##fmt##_##sfx(const T* x, i64 n, float* out) { sg_pdl_entry(); sg_fp8::scale<F, T>(x, n, out); } \
+        fp8_scale_##fmt##_##sfx(const T* x, i64 n, float* out) { sg_pdl_entry();                               \
+        sg_fp8::scale<F, T>(x, n, out);                                                                       \
+    }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                             \
         fp8_quantize_##fmt##_##sfx(const T* x, const float* scale, unsigned* out, i64 words) { sg_pdl_entry(); \
         sg_fp8::quantize<F, T>(x, scale, out, words);                                                         \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS)                                             \
-        fp8_quantize_t_##fmt##_##sfx(const T* x, const float* scale, unsigned* out, unsigned* plain, i64 rows,   \
-                                     i64 cols) {                                                              \
-        sg_pdl_entry();                                                                                       \
+    extern "C" __global__ void __launch_bounds__(SG_FP8_THREADS) fp8_quantize_t_##fmt##_##sfx(               \
+        const T* x, const float* scale, unsigned* out, unsigned* plain, i64 rows, i64 cols) { sg_pdl_entry(); \
         sg_fp8::quantize_t<F, T>(x, scale, out, plain, rows, cols);                                           \
     }
 
