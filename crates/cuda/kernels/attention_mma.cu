@@ -15,7 +15,7 @@
 // warpgroup MMA instead (fwd_wg, bwd_q_wg, bwd_kv_wg at the end of this
 // file: two warpgroups of 64 rows per block sharing streamed tiles handed
 // over by mbarriers, operands in shared memory as wgmma's core matrices;
-// the forward's tiles come by TMA);
+// every pass's streamed tiles come by TMA);
 // 128 rows per block, same arguments, results up to summation order.
 //
 // Kernels (DP = head size rounded up to a multiple of 16, 32..128), in launch order:
