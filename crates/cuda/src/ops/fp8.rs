@@ -5,7 +5,7 @@
 //! 64 tiles through shared memory when transposed, which write the plain
 //! codes too where both are asked for); the product is a
 //! cuBLASLt FP8 [`GemmCall`] whose inverse scales are read from the scale
-//! tensors' second elements.
+//! tensors' first elements.
 
 use stepgraph_core::ir::DType;
 use stepgraph_core::ops::fp8::{fp8_rows_cols, Fp8Quantize, Fp8Scale, MatMulFp8, FP8_CODES_PER_WORD};
